@@ -1,0 +1,114 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021), shared by architectures.
+
+Inverse frequencies are computed once on the host in plain Python (they are
+``head_dim / 2`` numbers), rounded to float32 as the reference implementations
+compute them, and uploaded; cos and sin for a forward pass come from the
+positions through ops. The scaling variants change only the frequencies:
+
+* ``linear`` (position interpolation, Chen et al. 2023): frequencies / factor.
+* ``dynamic`` (dynamic NTK): the base grows with the sequence length beyond
+  ``max_position_embeddings``; recomputed per forward from the current length.
+* ``llama3``: low frequencies divided by ``factor``, high ones kept, and a
+  smooth blend between (Llama 3.1 report, section 3.3 / Meta's reference code).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+from infer.architecture import host_array
+from infer.attention import AttentionContext
+from infer.errors import ConfigError
+from infer.ops import Array, Backend
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def inverse_frequencies(base: float, dim: int) -> list[float]:
+    """``1 / base**(2i/dim)`` for ``i < dim/2`` (RoFormer eq. 15)."""
+    return [_f32(1.0 / (base ** (_f32(i / dim)))) for i in range(0, dim, 2)]
+
+
+def _llama3(inv_freq: list[float], params: dict[str, Any]) -> list[float]:
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_context = float(params["original_max_position_embeddings"])
+    low_wavelen = old_context / low
+    high_wavelen = old_context / high
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return [_f32(f) for f in out]
+
+
+class RotaryEmbedding:
+    """cos/sin tables for a rope configuration (see the module docstring)."""
+
+    def __init__(self, ops: Backend, dim: int, params: dict[str, Any], max_position_embeddings: int) -> None:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"config.json: rope type {rope_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        for key in {"linear": ("factor",), "dynamic": ("factor",),
+                    "llama3": ("factor", "original_max_position_embeddings")}.get(rope_type, ()):
+            if not isinstance(params.get(key), (int, float)):
+                raise ConfigError(f"config.json: rope type {rope_type!r} needs a numeric {key!r}")
+        self.ops = ops
+        self.dim = int(dim * float(params.get("partial_rotary_factor", 1.0)))
+        self.dim -= self.dim % 2
+        self.rope_type = rope_type
+        self.params = params
+        self.base = params["rope_theta"]
+        self.max_position_embeddings = max_position_embeddings
+        inv = inverse_frequencies(self.base, self.dim)
+        if rope_type == "linear":
+            inv = [_f32(f / float(params["factor"])) for f in inv]
+        elif rope_type == "llama3":
+            inv = _llama3(inv, params)
+        self._inv_freq = self._upload(inv)
+        self._dynamic_len = 0
+
+    def _upload(self, values: list[float]) -> Array:
+        return self.ops.reshape(self.ops.from_numpy(host_array(values), "float32"), (1, -1))
+
+    def _dynamic_frequencies(self, seq_len: int) -> Array:
+        # Stateless form of transformers' dynamic update: the base follows the
+        # current sequence length, never shorter than max_position_embeddings.
+        seq_len = max(seq_len, self.max_position_embeddings)
+        if seq_len != self._dynamic_len:
+            factor = float(self.params["factor"])
+            base = self.base * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (
+                self.dim / (self.dim - 2)
+            )
+            self._dynamic_inv = self._upload(inverse_frequencies(base, self.dim))
+            self._dynamic_len = seq_len
+        return self._dynamic_inv
+
+    def __call__(self, ctx: AttentionContext) -> tuple[Array, Array]:
+        """cos, sin ``[tokens, dim/2]`` for the context's positions."""
+        ops = self.ops
+        inv = self._dynamic_frequencies(ctx.max_position) if self.rope_type == "dynamic" else self._inv_freq
+        pos = ops.reshape(ops.astype(ctx.positions, "float32"), (-1, 1))
+        freqs = ops.mul(pos, inv)  # [tokens, dim/2]
+        cos, sin = ops.cos(freqs), ops.sin(freqs)
+        dtype = ops.compute_dtype
+        if dtype != "float32":
+            cos, sin = ops.astype(cos, dtype), ops.astype(sin, dtype)
+        return cos, sin
+

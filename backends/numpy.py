@@ -1,0 +1,302 @@
+"""The numpy backend: the reference every other backend is checked against.
+
+It computes in float32 on any CPU through numpy's BLAS. Weights given in
+float16 or bfloat16 are widened to float32 at load (bfloat16 arrives already
+widened, see :meth:`infer.package.TensorSource.get`). It is also the default
+when nothing faster is installed, so the hot ops avoid needless copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from infer.errors import UnsupportedOpError
+from infer.hookspecs import hookimpl
+from infer.ops import Array, Backend
+from infer.registry import BackendSpec, Probe
+
+_DTYPES = {
+    "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,
+    "bool": np.bool_, "uint8": np.uint8, "int8": np.int8,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # numpy has no erf; math.erf through frompyfunc is exact but slow, so use
+    # the vectorised float64 route and cast back (gelu is not on llama's path).
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+class NumpyBackend(Backend):
+    """Float32 compute on the CPU with numpy."""
+
+    name = "numpy"
+    device = "cpu"
+    float_dtypes = ("float32",)
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu"})
+
+    # -- transfer, creation, casting -------------------------------------
+
+    def _np_dtype(self, dtype: str) -> np.dtype:
+        if dtype == "bfloat16":
+            dtype = "float32"  # numpy has no bfloat16: widened, which is exact
+        try:
+            return np.dtype(_DTYPES[dtype])
+        except KeyError:
+            raise UnsupportedOpError(f"numpy backend has no dtype {dtype!r}") from None
+
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Array:
+        array = np.asarray(array)
+        if dtype is None:
+            target = np.dtype(np.float32) if array.dtype.kind == "f" else array.dtype
+        else:
+            target = self._np_dtype(dtype)
+        # Always copy: a view of a memory-mapped file would keep the file open
+        # and be read from disk on every use.
+        return np.array(array, dtype=target, copy=True, order="C")
+
+    def to_numpy(self, x: Array) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def astype(self, x: Array, dtype: str) -> Array:
+        return x.astype(self._np_dtype(dtype), copy=False)
+
+    def shape(self, x: Array) -> tuple[int, ...]:
+        return tuple(int(d) for d in x.shape)
+
+    def dtype(self, x: Array) -> str:
+        try:
+            return _NAMES[x.dtype]
+        except KeyError:
+            raise UnsupportedOpError(f"numpy backend has no name for dtype {x.dtype}") from None
+
+    def zeros(self, shape: Sequence[int], dtype: str | None = None) -> Array:
+        return np.zeros(tuple(shape), dtype=self._np_dtype(dtype or self.compute_dtype))
+
+    def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
+        return np.arange(start, stop, dtype=self._np_dtype(dtype))
+
+    # -- linear algebra -----------------------------------------------------
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return np.matmul(a, b)
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        y = x @ weight.T  # BLAS reads the transposed view without a copy
+        if bias is not None:
+            y += bias
+        return y
+
+    # -- elementwise ---------------------------------------------------------
+
+    def add(self, a: Array, b: Array | float) -> Array:
+        return np.add(a, b, dtype=_result_dtype(a, b))
+
+    def sub(self, a: Array, b: Array | float) -> Array:
+        return np.subtract(a, b, dtype=_result_dtype(a, b))
+
+    def mul(self, a: Array, b: Array | float) -> Array:
+        return np.multiply(a, b, dtype=_result_dtype(a, b))
+
+    def div(self, a: Array, b: Array | float) -> Array:
+        dtype = _result_dtype(a, b)
+        if dtype is None or np.dtype(dtype).kind != "f":
+            dtype = np.float32
+        return np.divide(a, b, dtype=dtype)
+
+    def exp(self, x: Array) -> Array:
+        return np.exp(x)
+
+    def sqrt(self, x: Array) -> Array:
+        with np.errstate(invalid="ignore"):
+            return np.sqrt(x)
+
+    def tanh(self, x: Array) -> Array:
+        return np.tanh(x)
+
+    def cos(self, x: Array) -> Array:
+        return np.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return np.sin(x)
+
+    def silu(self, x: Array) -> Array:
+        # x * sigmoid(x) = x / (1 + exp(-x)); exp overflow to inf gives 0, as it should.
+        with np.errstate(over="ignore"):
+            return x / (1.0 + np.exp(-x))
+
+    def gelu(self, x: Array) -> Array:
+        return (0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))).astype(x.dtype)
+
+    def gelu_tanh(self, x: Array) -> Array:
+        c = np.asarray(math.sqrt(2.0 / math.pi), dtype=x.dtype)
+        return 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x * x * x)))
+
+    # -- reductions ----------------------------------------------------------
+
+    def sum(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return np.sum(x, axis=axis, keepdims=keepdims)
+
+    def mean(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return np.mean(x, axis=axis, keepdims=keepdims)
+
+    def max(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return np.max(x, axis=axis, keepdims=keepdims)
+
+    def argmax(self, x: Array, axis: int = -1) -> Array:
+        return np.argmax(x, axis=axis)
+
+    def softmax(self, x: Array, axis: int = -1) -> Array:
+        with np.errstate(invalid="ignore"):
+            e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+            return e / np.sum(e, axis=axis, keepdims=True)
+
+    # -- normalisation, position, gather ---------------------------------------
+
+    def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        x32 = x.astype(np.float32, copy=False)
+        scale = 1.0 / np.sqrt(np.mean(np.square(x32), axis=-1, keepdims=True) + np.float32(eps))
+        y = (x32 * scale).astype(x.dtype, copy=False)
+        return y if weight is None else y * weight
+
+    def fused_add_rms_norm(
+        self, x: Array, residual: Array, weight: Array | None, eps: float
+    ) -> tuple[Array, Array]:
+        h = x + residual
+        return self.rms_norm(h, weight, eps), h
+
+    def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
+        x32 = x.astype(np.float32, copy=False)
+        mu = np.mean(x32, axis=-1, keepdims=True)
+        var = np.mean(np.square(x32 - mu), axis=-1, keepdims=True)
+        y = ((x32 - mu) / np.sqrt(var + np.float32(eps))).astype(x.dtype, copy=False)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y
+
+    def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+        half = cos.shape[-1]
+        rot = 2 * half
+        cos = cos[:, None, :]  # [tokens, 1, rot/2], broadcast over heads
+        sin = sin[:, None, :]
+        out = np.empty_like(x)
+        if interleaved:
+            a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+            out[..., 0:rot:2] = a * cos - b * sin
+            out[..., 1:rot:2] = a * sin + b * cos
+        else:
+            a, b = x[..., :half], x[..., half:rot]
+            out[..., :half] = a * cos - b * sin
+            out[..., half:rot] = a * sin + b * cos
+        out[..., rot:] = x[..., rot:]
+        return out
+
+    def embedding(self, table: Array, ids: Array) -> Array:
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            raise IndexError(f"token id out of range [0, {table.shape[0]})")
+        return table[ids]
+
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        return np.take(x, indices, axis=axis)
+
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        out = self.silu(gate)
+        out *= up
+        return out
+
+    # -- shapes ------------------------------------------------------------------
+
+    def reshape(self, x: Array, shape: Sequence[int]) -> Array:
+        return np.reshape(x, tuple(shape))
+
+    def transpose(self, x: Array, axes: Sequence[int]) -> Array:
+        return np.transpose(x, tuple(axes))
+
+    def concat(self, xs: Sequence[Array], axis: int = 0) -> Array:
+        return np.concatenate(list(xs), axis=axis)
+
+    def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return x[tuple(index)]
+
+    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
+        dst[start : start + src.shape[0]] = src
+        return dst
+
+    # -- attention -----------------------------------------------------------------
+
+    def attention(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        tq, hq, dk = q.shape
+        tk, hkv, dv = v.shape
+        group = hq // hkv
+        # [hkv, group*tq, dk] @ [hkv, dk, tk]: one batched GEMM per kv head,
+        # without materialising repeated keys for grouped-query attention.
+        qg = q.reshape(tq, hkv, group, dk).transpose(1, 2, 0, 3).reshape(hkv, group * tq, dk)
+        scores = np.matmul(qg, k.transpose(1, 2, 0)).astype(np.float32, copy=False)
+        scores *= np.float32(scale)
+        if softcap is not None:
+            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+        mask = attention_mask(tq, tk, causal, window)
+        if mask is not None:
+            scores = scores.reshape(hkv, group, tq, tk)
+            scores = np.where(mask, scores, np.float32(-np.inf))
+            scores = scores.reshape(hkv, group * tq, tk)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = np.matmul(scores.astype(v.dtype, copy=False), v.transpose(1, 0, 2))  # [hkv, g*tq, dv]
+        return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
+
+
+def attention_mask(tq: int, tk: int, causal: bool, window: int | None) -> np.ndarray | None:
+    """Boolean ``[tq, tk]`` mask of visible keys (bottom-right aligned), or
+    None when every key is visible."""
+    if not causal and window is None:
+        return None
+    pos = np.arange(tk - tq, tk)[:, None]
+    key = np.arange(tk)[None, :]
+    mask = np.ones((tq, tk), dtype=bool)
+    if causal:
+        mask &= key <= pos
+    if window is not None:
+        mask &= pos - key < window
+    return None if mask.all() else mask
+
+
+def _result_dtype(a: Array, b: Array | float) -> np.dtype | None:
+    # Python scalars must not promote float32 arrays to float64.
+    if isinstance(b, (int, float)) and isinstance(a, np.ndarray):
+        return a.dtype if a.dtype.kind == "f" else None
+    return None
+
+
+@hookimpl
+def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    """Register numpy on the CPU: always available, lowest preference."""
+    register(
+        BackendSpec(
+            name="numpy",
+            device="cpu",
+            factory=lambda dtype: NumpyBackend(dtype),
+            probe=lambda: Probe(10, None, tuple(sorted(NumpyBackend.native_ops))),
+            description=f"numpy {np.__version__} float32 on the CPU (reference backend)",
+        )
+    )

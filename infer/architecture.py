@@ -1,0 +1,135 @@
+"""What an architecture implements, and how it receives its weights.
+
+An architecture module defines a config dataclass (``config.json`` names),
+a :class:`CausalLM` subclass that takes its weights from a
+:class:`WeightLoader` in its constructor, and registers an
+:class:`~infer.registry.ArchitectureSpec` through the
+``infer_register_architectures`` hook.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from infer.attention import AttentionContext
+from infer.errors import MissingTensorError, ShapeMismatchError
+from infer.ops import Array, Backend, QuantizedTensor
+from infer.package import TensorSource
+
+log = logging.getLogger(__name__)
+
+
+def host_array(values: list[float] | list[int], dtype: str = "float32") -> np.ndarray:
+    """A host (numpy) array for :meth:`~infer.ops.Backend.from_numpy`.
+
+    Architecture files may not import numpy (a test enforces it); this is how
+    they turn small host-computed tables (e.g. rope frequencies) into arrays.
+    """
+    return np.asarray(values, dtype=np.dtype(dtype))
+
+
+class WeightLoader:
+    """Hands tensors to an architecture, checked and on the backend.
+
+    Each :meth:`get` checks that the tensor exists and has the shape the
+    config implies, optionally transforms the host array (e.g. Gemma's
+    ``1 + w`` norm weights), and converts it once with the backend's
+    :meth:`~infer.ops.Backend.prepare_weight`.
+    """
+
+    def __init__(
+        self,
+        tensors: TensorSource,
+        backend: Backend,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.backend = backend
+        self._names = set(tensors.names())
+        self._used: set[str] = set()
+        self._progress = progress
+
+    def has(self, name: str) -> bool:
+        """True if the package holds ``name``."""
+        return name in self._names
+
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        *,
+        transform: Callable[[np.ndarray], np.ndarray] | None = None,
+        fallback: str | None = None,
+    ) -> Array:
+        """The tensor ``name`` with the expected ``shape``, on the backend.
+
+        ``fallback`` names a tensor to use when ``name`` is absent (e.g. tied
+        output embeddings read the input embedding).
+        """
+        if name not in self._names:
+            if fallback is not None and fallback in self._names:
+                log.debug("%s absent; using %s", name, fallback)
+                name = fallback
+            else:
+                raise MissingTensorError(
+                    f"tensor {name!r} is missing from {self.tensors.location(name)}"
+                    + (f" (nor is {fallback!r} there)" if fallback else "")
+                )
+        found = tuple(self.tensors.shape(name))
+        if found != tuple(shape):
+            raise ShapeMismatchError(
+                f"tensor {name!r} in {self.tensors.location(name)} has shape {list(found)}; "
+                f"the config implies {list(shape)}"
+            )
+        tensor = self.tensors.get(name)
+        if transform is not None:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
+            tensor = transform(np.asarray(tensor, dtype=np.float32))
+        prepared = self.backend.prepare_weight(tensor, name=name)
+        if name not in self._used:
+            self._used.add(name)
+            if self._progress is not None:
+                self._progress(1)
+        return prepared
+
+    def unused(self, ignore: Iterable[str] = ()) -> list[str]:
+        """Names in the package that no :meth:`get` asked for."""
+        skip = set(ignore)
+        return sorted(n for n in self._names - self._used if n not in skip)
+
+
+class CausalLM(abc.ABC):
+    """A decoder-only language model bound to a backend.
+
+    Subclasses read every weight in ``__init__`` (through the loader) and
+    implement :meth:`forward`. They compute only through ``ops`` and
+    ``ctx.attention``.
+    """
+
+    #: The config dataclass instance.
+    config: Any
+    #: Number of transformer layers (= KV cache layers).
+    num_layers: int
+    #: Longest sequence the model supports (positions).
+    max_context: int
+    #: Vocabulary size (logit width).
+    vocab_size: int
+
+    def __init__(self, config: Any, weights: WeightLoader, ops: Backend) -> None:
+        self.config = config
+        self.ops = ops
+
+    @abc.abstractmethod
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        """Logits ``[rows, vocab]`` for the new tokens ``input_ids``
+        (``[tokens]`` int32), restricted to ``ctx.logits_indices`` when set."""
+
+    #: Tensors the model package may hold that the architecture never reads
+    #: (e.g. precomputed rotary tables); not reported as unused.
+    ignored_tensors: tuple[str, ...] = ()

@@ -1,0 +1,120 @@
+"""The attention context: what an architecture sees of the engine.
+
+For each forward pass the engine builds an :class:`AttentionContext`
+describing the batch: the new tokens of one or more sequences, flattened
+into one ``[tokens, ...]`` axis, with their positions. An architecture
+computes q, k, v for a layer and calls :meth:`AttentionContext.attention`;
+the context stores k and v in the engine's cache and computes attention over
+everything the sequence has cached, through the backend's attention op.
+Which cache layout and which attention kernel run is the engine's choice
+(DESIGN.md rule 3); architectures never see it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from infer.ops import Array, Backend
+
+
+class KVStore(Protocol):
+    """What the context needs of a sequence's cache."""
+
+    def write(self, layer: int, start: int, k: Array, v: Array) -> None: ...
+
+    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]: ...
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's share of a forward batch."""
+
+    #: Where this sequence's keys and values live.
+    cache: KVStore
+    #: Position of the first new token (= tokens already cached).
+    start: int
+    #: Number of new tokens in this forward.
+    length: int
+
+
+class AttentionContext:
+    """The engine's side of one forward pass, as seen by an architecture.
+
+    Attributes an architecture may read:
+
+    * ``ops`` — the backend.
+    * ``positions`` — ``[tokens]`` int32 positions of the new tokens.
+    * ``num_tokens`` — number of new tokens across the batch.
+    * ``max_position`` — largest position in the batch + 1 (the sequence
+      length, e.g. for dynamic rope scaling).
+    * ``logits_indices`` — ``[n]`` rows whose logits are wanted, or None for
+      all rows. Architectures apply it before the output head, so a prefill
+      projects only the last token onto the vocabulary.
+    """
+
+    def __init__(
+        self,
+        ops: Backend,
+        sequences: list[SequenceSlice],
+        *,
+        all_logits: bool = False,
+    ) -> None:
+        self.ops = ops
+        self.sequences = sequences
+        self.num_tokens = sum(s.length for s in sequences)
+        self.max_position = max(s.start + s.length for s in sequences)
+        positions = [ops.arange(s.start, s.start + s.length, "int32") for s in sequences]
+        self.positions = positions[0] if len(positions) == 1 else ops.concat(positions, 0)
+        if all_logits:
+            self.logits_indices: Array | None = None
+        else:
+            last, offset = [], 0
+            for s in sequences:
+                offset += s.length
+                last.append(offset - 1)
+            self.logits_indices = None if last == list(range(self.num_tokens)) else _int_array(ops, last)
+
+    def attention(
+        self,
+        layer: int,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Store this layer's new keys and values, and attend.
+
+        q: ``[tokens, q_heads, dk]``; k: ``[tokens, kv_heads, dk]``;
+        v: ``[tokens, kv_heads, dv]``, with tokens ordered as in the batch.
+        Attention is causal over each sequence's cached and new positions,
+        optionally limited to a sliding ``window`` of keys and with logit
+        ``softcap``. Returns ``[tokens, q_heads, dv]``.
+        """
+        ops = self.ops
+        outputs = []
+        offset = 0
+        for seq in self.sequences:
+            if len(self.sequences) == 1:
+                qs, ks, vs = q, k, v
+            else:
+                stop = offset + seq.length
+                qs, ks, vs = (ops.slice(x, 0, offset, stop) for x in (q, k, v))
+                offset = stop
+            seq.cache.write(layer, seq.start, ks, vs)
+            end = seq.start + seq.length
+            # Keys older than the window are invisible to every new query;
+            # skipping them keeps sliding-window layers O(window).
+            first = 0 if window is None else max(0, seq.start - window + 1)
+            keys, values = seq.cache.read(layer, first, end)
+            outputs.append(ops.attention(qs, keys, values, scale=scale, window=window, softcap=softcap))
+        return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
+
+
+def _int_array(ops: Backend, values: list[int]) -> Array:
+    return ops.from_numpy(np.asarray(values, dtype=np.int32))

@@ -1,0 +1,171 @@
+"""The engine: the loop that keeps calling the model.
+
+It owns the KV cache (DESIGN.md rule 3). A request is prefilled in one
+forward over the whole prompt, then decoded one token per forward, each
+step feeding back the token just sampled. The architecture sees only an
+:class:`~infer.attention.AttentionContext` per forward.
+
+Later engines (continuous batching, speculation) build on the same three
+steps: :meth:`Engine.forward` over a batch of sequence slices,
+:meth:`Engine.prefill` and :meth:`Engine.decode_one_token`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infer.architecture import CausalLM
+from infer.attention import AttentionContext, SequenceSlice
+from infer.cache import ContiguousKVCache
+from infer.errors import ContextLengthError, GenerationError, SamplingParameterError
+from infer.ops import Array, Backend
+from infer.sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceState:
+    """One sequence being generated: its tokens and its cache."""
+
+    tokens: list[int]
+    cache: ContiguousKVCache
+
+    @property
+    def cached(self) -> int:
+        """Positions already in the KV cache."""
+        return self.cache.length
+
+
+@dataclass
+class StopConditions:
+    """When a request ends (text-level stop strings are handled by the caller)."""
+
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+
+
+@dataclass
+class Generation:
+    """A running request: iterate it for token ids; afterwards
+    :attr:`finish_reason` says why it ended (``"stop"`` for an EOS token,
+    ``"length"`` for max_tokens or the context, or whatever the consumer set,
+    e.g. ``"stop_string"``)."""
+
+    tokens_iter: Iterator[int]
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        for token in self.tokens_iter:
+            self.tokens.append(token)
+            yield token
+
+
+class Engine:
+    """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
+
+    def __init__(self, model: CausalLM, backend: Backend) -> None:
+        self.model = model
+        self.backend = backend
+        self.max_context = model.max_context
+
+    # -- sequences ----------------------------------------------------------
+
+    def new_sequence(self, capacity: int | None = None) -> SequenceState:
+        """A fresh sequence whose cache holds ``capacity`` positions
+        (default: the model's context)."""
+        capacity = self.max_context if capacity is None else min(capacity, self.max_context)
+        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, capacity))
+
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Every id must be an int within the vocabulary."""
+        vocab = self.model.vocab_size
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise GenerationError(f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})")
+
+    # -- the three steps ------------------------------------------------------
+
+    def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
+        """Run the model on ``token_ids`` appended to ``seq``; returns logits
+        ``[rows, vocab]`` for every new token (``all_logits``) or the last."""
+        if not token_ids:
+            raise GenerationError("forward needs at least one token")
+        start = seq.cache.length
+        if start + len(token_ids) > seq.cache.capacity:
+            raise ContextLengthError(
+                f"sequence would reach {start + len(token_ids)} positions; its cache holds "
+                f"{seq.cache.capacity} (model context {self.max_context})"
+            )
+        ops = self.backend
+        ids = ops.from_numpy(np.asarray(token_ids, dtype=np.int32))
+        ctx = AttentionContext(ops, [SequenceSlice(seq.cache, start, len(token_ids))], all_logits=all_logits)
+        logits = self.model.forward(ids, ctx)
+        seq.cache.length = start + len(token_ids)
+        seq.tokens.extend(int(t) for t in token_ids)
+        return logits
+
+    def prefill(self, seq: SequenceState, prompt_ids: Sequence[int]) -> Array:
+        """Process the whole prompt in one forward; logits of its last token."""
+        return self.forward(seq, prompt_ids)[-1]
+
+    def decode_one_token(self, seq: SequenceState, token_id: int) -> Array:
+        """Feed one token; the logits for the next."""
+        return self.forward(seq, [token_id])[-1]
+
+    # -- the loop -----------------------------------------------------------------
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """A prompt must be non-empty, in the vocabulary, and leave room to generate."""
+        if len(prompt_ids) == 0:
+            raise GenerationError("the prompt is empty: give at least one token")
+        self.check_tokens(prompt_ids)
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{self.max_context} positions, and at least one must remain for generation: "
+                f"shorten the prompt by {len(prompt_ids) - self.max_context + 1} tokens or more"
+            )
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions) -> Generation:
+        """Start a request; iterate the result for its new token ids."""
+        self.check_prompt(prompt_ids)
+        prompt = [int(t) for t in prompt_ids]
+        generation = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt))
+        generation.tokens_iter = self._run(prompt, Sampler(sampling), stop, generation)
+        return generation
+
+    def _next_token(self, sampler: Sampler, logits: Array, seq: SequenceState) -> int:
+        if not sampler.needs_logits:  # only the sampled id leaves the device
+            return int(self.backend.to_numpy(self.backend.argmax(logits, axis=-1)))
+        return sampler.sample(self.backend.to_numpy(logits), seq.tokens)
+
+    def _run(self, prompt: list[int], sampler: Sampler, stop: StopConditions, gen: Generation) -> Iterator[int]:
+        if stop.max_tokens == 0:
+            gen.finish_reason = "length"
+            return
+        seq = self.new_sequence(len(prompt) + stop.max_tokens)
+        logits = self.prefill(seq, prompt)
+        produced = 0
+        while True:
+            token = self._next_token(sampler, logits, seq)
+            produced += 1
+            yield token
+            if not stop.ignore_eos and token in stop.eos_token_ids:
+                gen.finish_reason = "stop"
+                return
+            if produced >= stop.max_tokens or seq.cache.length >= self.max_context:
+                gen.finish_reason = "length"
+                return
+            logits = self.decode_one_token(seq, token)

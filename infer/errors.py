@@ -1,0 +1,100 @@
+"""Typed errors.
+
+Every error infer raises on bad input is an :class:`InferError`. Messages say
+what failed, where (file, tensor, key, byte offset), what was expected and
+what was found, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class InferError(Exception):
+    """Base class of every error infer raises on purpose."""
+
+
+# -- model packages ---------------------------------------------------------
+
+
+class ModelNotFoundError(InferError, FileNotFoundError):
+    """A model reference names no file, folder, alias or cached repository."""
+
+
+class FormatError(InferError):
+    """A model file or folder is malformed, truncated or inconsistent."""
+
+
+class UnsupportedFormatError(FormatError):
+    """No registered format can open the given path."""
+
+
+class UnsafeFormatError(FormatError):
+    """The model is stored in a format that can execute code (pickle)."""
+
+
+class ConfigError(FormatError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class UnsupportedArchitectureError(InferError):
+    """No registered architecture implements the model's type."""
+
+
+class MissingTensorError(FormatError):
+    """A tensor the architecture needs is absent from the model package."""
+
+
+class ShapeMismatchError(FormatError):
+    """A tensor's shape differs from the one the configuration implies."""
+
+
+class UnsupportedDtypeError(FormatError):
+    """A tensor is stored in a data type infer cannot read."""
+
+
+# -- tokenizer and templates ------------------------------------------------
+
+
+class TokenizerError(InferError):
+    """The tokenizer is missing, malformed or was given unusable input."""
+
+
+class ChatTemplateError(InferError):
+    """A chat template is missing, failed to render, or raised an exception."""
+
+
+# -- backends and plugins ---------------------------------------------------
+
+
+class BackendError(InferError):
+    """A backend cannot be selected or failed to start."""
+
+
+class BackendUnavailableError(BackendError):
+    """The requested backend is not registered or not usable here."""
+
+
+class UnsupportedOpError(BackendError):
+    """A backend was asked for an op or dtype it does not implement."""
+
+
+class PluginError(InferError):
+    """A plugin registered something invalid or conflicting."""
+
+
+# -- generation ---------------------------------------------------------------
+
+
+class GenerationError(InferError):
+    """A generation request is invalid."""
+
+
+class SamplingParameterError(GenerationError, ValueError):
+    """A sampling or stopping parameter is out of range or of the wrong type."""
+
+
+class ContextLengthError(GenerationError):
+    """A prompt (plus what must be generated) does not fit the context."""
+
+
+class CacheFullError(GenerationError):
+    """The KV cache cannot hold what a request needs."""

@@ -1,0 +1,447 @@
+"""The op contract: what a compute backend implements.
+
+A backend is a subclass of :class:`Backend`. Architectures compute only
+through these methods, so a model runs on every backend that implements them.
+Backend-native arrays (``numpy.ndarray``, ``torch.Tensor``, ``mlx.core.array``,
+...) pass through untouched: there is no wrapper object per tensor.
+
+Two kinds of ops:
+
+* **Required ops** are abstract. A backend works as soon as they do.
+* **Optional ops** (fused or special kernels) have a default built from the
+  required ops. A backend that implements one natively overrides it and lists
+  its name in :attr:`Backend.native_ops`; callers ask with
+  :meth:`Backend.supports` instead of catching errors.
+
+Conventions that hold for every op unless its docstring says otherwise:
+
+* Shapes are written ``[tokens, heads, head_dim]``; ``...`` means any number
+  of leading axes.
+* Dtypes are strings: ``"float32"``, ``"float16"``, ``"bfloat16"``,
+  ``"int32"``, ``"int64"``. Float ops return the dtype of their first float
+  input; a backend may compute internally in higher precision.
+* Binary elementwise ops broadcast like numpy, and either operand may be a
+  Python scalar.
+* Ops do not modify their inputs, except :meth:`Backend.update_rows`, which
+  may write into ``dst`` and returns the array to use from then on.
+
+The contract is versioned: :data:`API_VERSION` ``(major, minor)``. A backend
+built for a different major version is refused at registration; a minor
+version adds optional ops only.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+API_VERSION: tuple[int, int] = (1, 0)
+
+Array = Any
+"""A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INT_DTYPES = ("int32", "int64")
+
+REQUIRED_OPS: tuple[str, ...] = (
+    "from_numpy", "to_numpy", "astype", "shape", "dtype", "zeros", "arange",
+    "matmul", "linear",
+    "add", "sub", "mul", "div", "exp", "sqrt", "tanh", "cos", "sin",
+    "silu", "gelu", "gelu_tanh",
+    "sum", "mean", "max", "argmax", "softmax",
+    "rms_norm", "layer_norm", "rope", "embedding", "take",
+    "reshape", "transpose", "concat", "slice", "update_rows",
+    "attention",
+)
+
+OPTIONAL_OPS: tuple[str, ...] = (
+    "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
+    "quantized_linear", "paged_attention", "synchronize",
+)
+
+
+class QuantizedTensor(abc.ABC):
+    """A weight still in a quantized storage format (e.g. GGUF blocks).
+
+    Formats hand these out; :meth:`Backend.prepare_weight` decides whether to
+    keep them quantized (for a native :meth:`Backend.quantized_linear`) or to
+    dequantize them.
+    """
+
+    #: Name of the storage type, e.g. ``"Q4_K"``.
+    qtype: str
+    #: Logical shape in canonical (Hugging Face) layout.
+    shape: tuple[int, ...]
+
+    @abc.abstractmethod
+    def dequantize(self) -> np.ndarray:
+        """Return the float32 values, shaped :attr:`shape`."""
+
+
+class Backend(abc.ABC):
+    """A compute backend: the ops an architecture may call.
+
+    Subclasses set :attr:`name` and :attr:`device`, implement every required
+    op, and may override optional ops (listing them in :attr:`native_ops`).
+    """
+
+    #: Backend family, e.g. ``"numpy"``.
+    name: str = "abstract"
+    #: Device within the family, e.g. ``"cpu"`` or ``"cuda"``.
+    device: str = "cpu"
+    #: Version of this contract the backend was written against.
+    api_version: tuple[int, int] = API_VERSION
+    #: Optional ops this backend implements natively.
+    native_ops: frozenset[str] = frozenset()
+    #: Float dtypes the backend computes in; the first is its default.
+    float_dtypes: tuple[str, ...] = ("float32",)
+
+    def __init__(self, dtype: str | None = None) -> None:
+        from infer.errors import UnsupportedOpError
+
+        dtype = dtype or self.float_dtypes[0]
+        if dtype not in self.float_dtypes:
+            raise UnsupportedOpError(
+                f"backend {self.name}/{self.device} does not compute in {dtype!r}; "
+                f"it supports {', '.join(self.float_dtypes)}"
+            )
+        #: The float dtype weights and activations are held in.
+        self.compute_dtype: str = dtype
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}/{self.device} {self.compute_dtype}>"
+
+    def supports(self, op: str) -> bool:
+        """True if ``op`` runs natively: every required op, and the optional
+        ops listed in :attr:`native_ops`. Optional ops still work when this is
+        False, through their default."""
+        return op in REQUIRED_OPS or op in self.native_ops
+
+    # ------------------------------------------------------------------
+    # Transfer, creation, casting
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Array:
+        """Copy a numpy array to the backend.
+
+        ``dtype`` None keeps the array's dtype, except that float arrays
+        become :attr:`compute_dtype`. The result must not share memory that
+        the caller may later modify (a read-only memory map may be shared).
+        """
+
+    @abc.abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """Copy ``x`` to a numpy array; bfloat16 becomes float32."""
+
+    @abc.abstractmethod
+    def astype(self, x: Array, dtype: str) -> Array:
+        """Cast to ``dtype``; float to int truncates toward zero."""
+
+    @abc.abstractmethod
+    def shape(self, x: Array) -> tuple[int, ...]:
+        """Shape of ``x`` as a tuple of Python ints."""
+
+    @abc.abstractmethod
+    def dtype(self, x: Array) -> str:
+        """Dtype name of ``x`` (one of the contract's dtype strings)."""
+
+    @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: str | None = None) -> Array:
+        """A zero-filled array; ``dtype`` None means :attr:`compute_dtype`."""
+
+    @abc.abstractmethod
+    def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
+        """Integers ``start .. stop-1`` as a 1-D array."""
+
+    # ------------------------------------------------------------------
+    # Linear algebra
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def matmul(self, a: Array, b: Array) -> Array:
+        """Matrix product with numpy's ``matmul`` semantics (batch axes
+        broadcast; 1-D operands are promoted and the added axis removed)."""
+
+    @abc.abstractmethod
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        """``x @ weight.T + bias``.
+
+        x: ``[..., in]``; weight: ``[out, in]`` as returned by
+        :meth:`prepare_weight`; bias: ``[out]`` or None. Returns ``[..., out]``.
+        A backend whose :meth:`prepare_weight` returns its own weight objects
+        (e.g. quantized) dispatches on them here; architectures only ever call
+        ``linear``.
+        """
+
+    # ------------------------------------------------------------------
+    # Elementwise
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def add(self, a: Array, b: Array | float) -> Array:
+        """``a + b`` (broadcasting)."""
+
+    @abc.abstractmethod
+    def sub(self, a: Array, b: Array | float) -> Array:
+        """``a - b`` (broadcasting)."""
+
+    @abc.abstractmethod
+    def mul(self, a: Array, b: Array | float) -> Array:
+        """``a * b`` (broadcasting)."""
+
+    @abc.abstractmethod
+    def div(self, a: Array, b: Array | float) -> Array:
+        """``a / b`` (broadcasting); float division."""
+
+    @abc.abstractmethod
+    def exp(self, x: Array) -> Array:
+        """Elementwise ``e**x``."""
+
+    @abc.abstractmethod
+    def sqrt(self, x: Array) -> Array:
+        """Elementwise square root (NaN for negative inputs)."""
+
+    @abc.abstractmethod
+    def tanh(self, x: Array) -> Array:
+        """Elementwise hyperbolic tangent."""
+
+    @abc.abstractmethod
+    def cos(self, x: Array) -> Array:
+        """Elementwise cosine (radians)."""
+
+    @abc.abstractmethod
+    def sin(self, x: Array) -> Array:
+        """Elementwise sine (radians)."""
+
+    @abc.abstractmethod
+    def silu(self, x: Array) -> Array:
+        """``x * sigmoid(x)``."""
+
+    @abc.abstractmethod
+    def gelu(self, x: Array) -> Array:
+        """Exact GELU: ``0.5 * x * (1 + erf(x / sqrt(2)))``."""
+
+    @abc.abstractmethod
+    def gelu_tanh(self, x: Array) -> Array:
+        """Tanh-approximated GELU:
+        ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x**3)))``."""
+
+    # ------------------------------------------------------------------
+    # Reductions
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def sum(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        """Sum over one axis."""
+
+    @abc.abstractmethod
+    def mean(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        """Mean over one axis."""
+
+    @abc.abstractmethod
+    def max(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        """Maximum over one axis."""
+
+    @abc.abstractmethod
+    def argmax(self, x: Array, axis: int = -1) -> Array:
+        """Index of the maximum over one axis (int64 or int32); the first
+        index wins ties, as in numpy."""
+
+    @abc.abstractmethod
+    def softmax(self, x: Array, axis: int = -1) -> Array:
+        """Numerically stable softmax. Rows that are entirely ``-inf`` give
+        NaN, as in numpy; the attention op never produces such rows."""
+
+    # ------------------------------------------------------------------
+    # Normalisation and position encoding
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last axis.
+
+        x: ``[..., d]``; weight: ``[d]`` or None (no scale). The mean is
+        computed in at least float32 and the result cast back to ``x``'s dtype
+        before the weight is applied, as in Llama's reference implementation.
+        """
+
+    @abc.abstractmethod
+    def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
+        """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis,
+        with the biased variance."""
+
+    @abc.abstractmethod
+    def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+        """Rotary position embedding.
+
+        x: ``[tokens, heads, head_dim]``; cos, sin: ``[tokens, rot/2]`` with
+        ``rot <= head_dim`` even. Only the first ``rot`` features rotate; the
+        rest pass through (partial rotary).
+
+        * ``interleaved=False`` (GPT-NeoX / Hugging Face "half-split"): the
+          pairs are ``(x[i], x[i + rot/2])``.
+        * ``interleaved=True`` (original RoFormer / GPT-J): the pairs are
+          ``(x[2i], x[2i+1])``.
+
+        Each pair ``(a, b)`` becomes ``(a cos - b sin, a sin + b cos)``.
+        """
+
+    @abc.abstractmethod
+    def embedding(self, table: Array, ids: Array) -> Array:
+        """Rows of ``table`` (``[vocab, d]``, as returned by
+        :meth:`prepare_weight`) at integer ``ids`` (``[n]``): ``[n, d]``.
+        Ids out of range are an error, never a silent wrap."""
+
+    @abc.abstractmethod
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        """Select ``indices`` (1-D integer array) along ``axis``."""
+
+    # ------------------------------------------------------------------
+    # Shape manipulation
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def reshape(self, x: Array, shape: Sequence[int]) -> Array:
+        """Reshape; one dimension may be -1."""
+
+    @abc.abstractmethod
+    def transpose(self, x: Array, axes: Sequence[int]) -> Array:
+        """Permute axes like ``numpy.transpose``."""
+
+    @abc.abstractmethod
+    def concat(self, xs: Sequence[Array], axis: int = 0) -> Array:
+        """Concatenate along an existing axis."""
+
+    @abc.abstractmethod
+    def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        """``x[..., start:stop, ...]`` along ``axis`` (Python slice rules)."""
+
+    @abc.abstractmethod
+    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
+        """Write ``src`` into ``dst[start : start + len(src)]`` (axis 0).
+
+        May modify ``dst`` in place (numpy, torch) or build a new array
+        (functional frameworks such as MLX): callers must use the returned
+        array afterwards. ``src`` is cast to ``dst``'s dtype.
+        """
+
+    # ------------------------------------------------------------------
+    # Attention
+    # ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def attention(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Scaled dot-product attention for one sequence.
+
+        q: ``[tq, hq, dk]``; k: ``[tk, hkv, dk]``; v: ``[tk, hkv, dv]`` with
+        ``tq <= tk`` and ``hq`` a multiple of ``hkv`` (grouped-query
+        attention: query head ``h`` reads key/value head ``h // (hq // hkv)``).
+        Returns ``[tq, hq, dv]``.
+
+        The queries are the *last* ``tq`` positions of the ``tk`` keys
+        (bottom-right alignment): query ``i`` sits at position
+        ``p = tk - tq + i``. With ``causal``, it sees keys ``j <= p``; with a
+        ``window`` it sees only keys with ``p - j < window``. Scores are
+        ``q·k * scale``, then, with ``softcap``, ``softcap * tanh(s / softcap)``
+        before masking and softmax. The softmax is computed in float32.
+        """
+
+    # ------------------------------------------------------------------
+    # Optional ops, each with its default
+    # ------------------------------------------------------------------
+
+    def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
+        """Turn a weight from a format into what :meth:`linear` and
+        :meth:`embedding` accept. Called once per tensor at load.
+
+        Default: dequantize a :class:`QuantizedTensor` and copy to the
+        backend in :attr:`compute_dtype`. A backend with native quantized
+        kernels returns its own weight object for the types it computes on.
+        """
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        return self.from_numpy(tensor)
+
+    def fused_add_rms_norm(
+        self, x: Array, residual: Array, weight: Array | None, eps: float
+    ) -> tuple[Array, Array]:
+        """``h = x + residual``; returns ``(rms_norm(h, weight, eps), h)``.
+        Default: :meth:`add` then :meth:`rms_norm`."""
+        h = self.add(x, residual)
+        return self.rms_norm(h, weight, eps), h
+
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        """``silu(gate) * up``. Default: :meth:`silu` then :meth:`mul`."""
+        return self.mul(self.silu(gate), up)
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """``cap * tanh(x / cap)``. Default: from :meth:`div`, :meth:`tanh`,
+        :meth:`mul`."""
+        return self.mul(self.tanh(self.div(x, cap)), cap)
+
+    def quantized_linear(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
+        """:meth:`linear` with a weight kept quantized by
+        :meth:`prepare_weight`. Only called on backends that list
+        ``"quantized_linear"`` in :attr:`native_ops` (the default
+        :meth:`prepare_weight` dequantizes, so the default path never needs
+        it); the default raises :class:`~infer.errors.UnsupportedOpError`."""
+        from infer.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(f"backend {self.name}/{self.device} has no quantized_linear")
+
+    def paged_attention(
+        self,
+        q: Array,
+        k_pool: Array,
+        v_pool: Array,
+        block_table: Array,
+        context_len: int,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """:meth:`attention` with keys and values read from a paged pool.
+
+        k_pool: ``[blocks, block_size, hkv, dk]``, v_pool likewise;
+        block_table: 1-D int array of the sequence's physical blocks in
+        logical order; ``context_len``: number of valid key positions.
+        Default: gather the blocks into contiguous arrays, then
+        :meth:`attention`.
+        """
+        blocks, block_size = self.shape(k_pool)[:2]
+        k = self.take(k_pool, block_table, axis=0)
+        v = self.take(v_pool, block_table, axis=0)
+        k = self.slice(self.reshape(k, (-1,) + tuple(self.shape(k_pool)[2:])), 0, 0, context_len)
+        v = self.slice(self.reshape(v, (-1,) + tuple(self.shape(v_pool)[2:])), 0, 0, context_len)
+        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+    def synchronize(self) -> None:
+        """Wait for queued work to finish (for timing). Default: nothing to
+        wait for."""
+
+
+def is_float_dtype(dtype: str) -> bool:
+    """True for the contract's float dtype names."""
+    return dtype in FLOAT_DTYPES
+
+
+__all__ = [
+    "API_VERSION", "Array", "Backend", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
+    "FLOAT_DTYPES", "INT_DTYPES", "is_float_dtype",
+]

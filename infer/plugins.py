@@ -1,0 +1,139 @@
+"""The plugin manager: discovers plugins once per process.
+
+Plugins are published under the ``infer`` entry-point group. They are loaded
+one at a time: a plugin that fails to import, or whose hook raises, is
+recorded in :attr:`Registry.failures` with its reason and logged, never
+fatal. Setting ``INFER_PLUGINS`` to a comma-separated list of entry-point
+names loads only those third-party plugins (the escape hatch when one breaks
+the process); infer's own first-party plugins always load, since without them
+nothing works. ``INFER_PLUGINS=""`` (set but empty) loads no third-party
+plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import threading
+from typing import Any
+
+import pluggy
+
+from infer import hookspecs
+from infer.registry import PluginFailure, Registry
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "infer"
+ALLOW_LIST_ENV = "INFER_PLUGINS"
+_FIRST_PARTY_PREFIX = "infer."
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_registry: Registry | None = None
+_load_failures: list[PluginFailure] = []
+
+
+def _allowed(name: str, value: str) -> bool:
+    if value.startswith(_FIRST_PARTY_PREFIX):
+        return True
+    allow = os.environ.get(ALLOW_LIST_ENV)
+    if allow is None:
+        return True
+    return name in {item.strip() for item in allow.split(",") if item.strip()}
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    seen: set[str] = set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen:  # the same distribution visible twice (e.g. editable + wheel)
+            continue
+        seen.add(ep.name)
+        if not _allowed(ep.name, ep.value):
+            log.info("plugin %s (%s) skipped: not in %s", ep.name, ep.value, ALLOW_LIST_ENV)
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # any import-time failure of a plugin is reported, not raised
+            reason = f"{type(exc).__name__}: {exc}"
+            _load_failures.append(PluginFailure(ep.name, ep.value, reason))
+            log.warning("plugin %s (%s) failed to load: %s", ep.name, ep.value, reason)
+            continue
+        pm.register(plugin, name=ep.name)
+        log.debug("plugin %s loaded from %s", ep.name, ep.value)
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with entry points loaded."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            pm = pluggy.PluginManager("infer")
+            pm.add_hookspecs(hookspecs)
+            _load_entry_points(pm)
+            _manager = pm
+        return _manager
+
+
+def _collect(registry: Registry, hook: Any, add: Any) -> None:
+    for impl in hook.get_hookimpls():
+        def register(spec: Any, _plugin: str = impl.plugin_name) -> None:
+            if dataclasses.is_dataclass(spec) and hasattr(spec, "plugin"):
+                spec = dataclasses.replace(spec, plugin=_plugin)
+            add(spec)
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:  # a broken hook is reported, never fatal
+            reason = f"{type(exc).__name__}: {exc}"
+            registry.failures.append(PluginFailure(impl.plugin_name, hook.name, reason))
+            log.warning("plugin %s failed in %s: %s", impl.plugin_name, hook.name, reason)
+
+
+def get_registry() -> Registry:
+    """Everything the loaded plugins registered (built once, then cached)."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            pm = plugin_manager()
+            registry = Registry(failures=list(_load_failures))
+            _collect(registry, pm.hook.infer_register_backends, registry.add_backend)
+            _collect(registry, pm.hook.infer_register_architectures, registry.add_architecture)
+            _collect(registry, pm.hook.infer_register_formats, registry.add_format)
+            _registry = registry
+        return _registry
+
+
+def register_plugin(plugin: object, name: str | None = None) -> str:
+    """Register a plugin object or module at run time (tests, notebooks).
+
+    Returns the name it was registered under; pass it to
+    :func:`unregister_plugin` to remove it again.
+    """
+    global _registry
+    with _lock:
+        registered = plugin_manager().register(plugin, name=name)
+        if registered is None:
+            raise ValueError(f"plugin {name or plugin!r} is already registered")
+        _registry = None
+        return registered
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove a plugin registered with :func:`register_plugin`."""
+    global _registry
+    with _lock:
+        plugin_manager().unregister(name=name)
+        _registry = None
+
+
+def reload_plugins() -> None:
+    """Forget everything and rediscover entry points (e.g. after changing
+    ``INFER_PLUGINS``)."""
+    global _manager, _registry
+    with _lock:
+        _manager = None
+        _registry = None
+        _load_failures.clear()

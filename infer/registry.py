@@ -1,0 +1,179 @@
+"""What can be registered, and where registered things are found.
+
+The plugin manager (:mod:`infer.plugins`) fills a :class:`Registry` from the
+hooks in :mod:`infer.hookspecs`. This module holds the spec types and the
+lookups; backend *selection* lives in :mod:`infer.selection`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infer.errors import PluginError, UnsupportedArchitectureError, UnsupportedFormatError
+from infer.ops import API_VERSION
+
+if TYPE_CHECKING:
+    from infer.ops import Backend
+    from infer.package import ModelPackage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether a backend is usable here.
+
+    ``score`` 0 means unusable, with ``reason`` saying why; higher scores are
+    preferred when no backend is named (a GPU backend scores above a CPU one).
+    """
+
+    score: int
+    reason: str | None = None
+    #: Optional ops the backend would provide natively (for listings).
+    native_ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend family on one device, as registered by a plugin."""
+
+    name: str
+    device: str
+    #: Builds the backend; receives the compute dtype (None: the default).
+    factory: Callable[[str | None], Backend]
+    #: Cheap, never raises: is this backend usable here?
+    probe: Callable[[], Probe]
+    description: str = ""
+    api_version: tuple[int, int] = API_VERSION
+    plugin: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.device}"
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """An architecture: which ``model_type`` values it builds, and how."""
+
+    name: str
+    model_types: tuple[str, ...]
+    #: ``build(config_dict, weights, backend) -> CausalLM``.
+    build: Callable[..., Any]
+    description: str = ""
+    plugin: str = ""
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """A model format: a cheap ``detect`` and an ``open`` that normalizes."""
+
+    name: str
+    detect: Callable[[Path], bool]
+    open: Callable[..., ModelPackage]
+    description: str = ""
+    plugin: str = ""
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that could not be loaded, and why."""
+
+    name: str
+    value: str
+    reason: str
+
+
+@dataclass
+class Registry:
+    """Everything registered in this process."""
+
+    backends: dict[str, BackendSpec] = field(default_factory=dict)
+    architectures: dict[str, ArchitectureSpec] = field(default_factory=dict)
+    formats: dict[str, FormatSpec] = field(default_factory=dict)
+    failures: list[PluginFailure] = field(default_factory=list)
+
+    # -- registration (called through the hooks' ``register`` callbacks) --
+
+    def add_backend(self, spec: BackendSpec) -> None:
+        if not isinstance(spec, BackendSpec):
+            raise PluginError(f"plugin {spec!r} registered a backend that is not a BackendSpec")
+        if spec.api_version[0] != API_VERSION[0]:
+            raise PluginError(
+                f"backend {spec.key} was written for op contract {spec.api_version}, "
+                f"infer implements {API_VERSION}: the major versions differ"
+            )
+        if spec.key in self.backends:
+            raise PluginError(
+                f"backend {spec.key} registered twice (by {self.backends[spec.key].plugin!r} "
+                f"and {spec.plugin!r})"
+            )
+        self.backends[spec.key] = spec
+
+    def add_architecture(self, spec: ArchitectureSpec) -> None:
+        if not isinstance(spec, ArchitectureSpec):
+            raise PluginError(f"plugin registered an architecture that is not an ArchitectureSpec: {spec!r}")
+        for other in self.architectures.values():
+            clash = set(other.model_types) & set(spec.model_types)
+            if clash:
+                raise PluginError(
+                    f"architectures {other.name!r} ({other.plugin}) and {spec.name!r} ({spec.plugin}) "
+                    f"both claim model_type {sorted(clash)}"
+                )
+        self.architectures[spec.name] = spec
+
+    def add_format(self, spec: FormatSpec) -> None:
+        if not isinstance(spec, FormatSpec):
+            raise PluginError(f"plugin registered a format that is not a FormatSpec: {spec!r}")
+        if spec.name in self.formats:
+            raise PluginError(f"format {spec.name!r} registered twice")
+        self.formats[spec.name] = spec
+
+    # -- lookups -----------------------------------------------------------
+
+    def architecture_for(self, model_type: str) -> ArchitectureSpec:
+        """The architecture implementing ``model_type``."""
+        for spec in self.architectures.values():
+            if model_type in spec.model_types:
+                return spec
+        supported = sorted(t for s in self.architectures.values() for t in s.model_types)
+        raise UnsupportedArchitectureError(
+            f"no architecture implements model_type {model_type!r}; supported: "
+            f"{', '.join(supported) or 'none (no architecture plugin loaded)'}"
+        )
+
+    def format_for(self, path: Path, name: str | None = None) -> FormatSpec:
+        """The format that can open ``path`` (or the one named)."""
+        if name is not None:
+            if name not in self.formats:
+                raise UnsupportedFormatError(
+                    f"unknown format {name!r}; registered: {', '.join(sorted(self.formats))}"
+                )
+            return self.formats[name]
+        for spec in self.formats.values():
+            try:
+                if spec.detect(path):
+                    return spec
+            except Exception as exc:  # a broken detect() must not hide the others
+                log.warning("format %s failed to inspect %s: %s", spec.name, path, exc)
+        raise UnsupportedFormatError(
+            f"no registered format recognises {path}; registered formats: "
+            f"{', '.join(sorted(self.formats)) or 'none'}"
+        )
+
+
+def parse_backend_name(text: str) -> tuple[str, str | None]:
+    """``"torch"`` -> ("torch", None); ``"torch:cuda"``/``"torch/cuda"`` -> ("torch", "cuda")."""
+    for sep in ("/", ":"):
+        if sep in text:
+            family, device = text.split(sep, 1)
+            return family.strip().lower(), device.strip().lower() or None
+    return text.strip().lower(), None
+
+
+def describe(items: Sequence[str]) -> str:
+    return ", ".join(items) if items else "none"

@@ -1,0 +1,120 @@
+"""Choosing a backend: explicit ``backend=`` > ``INFER_BACKEND`` > best score.
+
+Every candidate is probed; the choice and the reason each other candidate
+was not taken are logged, in the manner of vLLM's attention selector.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from infer.errors import BackendError, BackendUnavailableError
+from infer.ops import Backend
+from infer.plugins import get_registry
+from infer.registry import BackendSpec, Probe, describe, parse_backend_name
+
+log = logging.getLogger(__name__)
+
+BACKEND_ENV = "INFER_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One backend/device pair as seen from here."""
+
+    name: str
+    device: str
+    available: bool
+    score: int
+    reason: str | None
+    native_ops: tuple[str, ...]
+    plugin: str
+    description: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.device}"
+
+
+def _probe(spec: BackendSpec) -> Probe:
+    try:
+        probe = spec.probe()
+    except Exception as exc:  # the contract says probes never raise; still, never fatal
+        return Probe(0, f"probe raised {type(exc).__name__}: {exc}")
+    if not isinstance(probe, Probe):
+        return Probe(0, f"probe returned {probe!r}, not a Probe")
+    return probe
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend/device pair, available or with the reason it
+    is not, best first."""
+    infos = []
+    for spec in get_registry().backends.values():
+        probe = _probe(spec)
+        infos.append(
+            BackendInfo(
+                name=spec.name, device=spec.device, available=probe.score > 0,
+                score=probe.score, reason=probe.reason, native_ops=tuple(probe.native_ops),
+                plugin=spec.plugin, description=spec.description,
+            )
+        )
+    return sorted(infos, key=lambda i: (-i.score, i.key))
+
+
+def _candidates(request: str | None) -> tuple[list[BackendInfo], str]:
+    infos = list_backends()
+    if request is None:
+        return infos, "highest score"
+    family, device = parse_backend_name(request)
+    matching = [i for i in infos if i.name == family and (device is None or i.device == device)]
+    if not matching:
+        raise BackendUnavailableError(
+            f"no backend named {request!r} is registered; registered: "
+            f"{describe([i.key for i in infos])}"
+        )
+    return matching, f"requested {request!r}"
+
+
+def select_backend(backend: str | Backend | None = None, dtype: str | None = None) -> Backend:
+    """Build the backend to run on.
+
+    ``backend`` is a :class:`Backend` instance (used as is), a name such as
+    ``"numpy"``, ``"torch"`` or ``"torch:cuda"``, or None to use
+    ``$INFER_BACKEND`` or else the available backend with the highest score.
+    """
+    if isinstance(backend, Backend):
+        log.info("backend %s/%s given as an instance", backend.name, backend.device)
+        return backend
+    request = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
+    if backend is None and request is not None:
+        log.info("backend %r requested through %s", request, BACKEND_ENV)
+    candidates, why = _candidates(request)
+    available = [c for c in candidates if c.available]
+    for c in candidates:
+        if not c.available:
+            log.info("backend %s not usable: %s", c.key, c.reason)
+    if not available:
+        reasons = "; ".join(f"{c.key}: {c.reason}" for c in candidates) or "none registered"
+        raise BackendUnavailableError(f"no usable backend ({why}): {reasons}")
+    chosen = available[0]
+    for other in available[1:]:
+        log.info("backend %s (score %d) not chosen: %s (score %d) ranks higher",
+                 other.key, other.score, chosen.key, chosen.score)
+    log.info("backend %s chosen (%s)", chosen.key, why)
+    spec = get_registry().backends[chosen.key]
+    try:
+        instance = spec.factory(dtype)
+    except BackendError:
+        raise
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"backend {chosen.key} failed to start: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(instance, Backend):
+        raise BackendUnavailableError(
+            f"backend {chosen.key}'s factory returned {type(instance).__name__}, not a Backend"
+        )
+    return instance
