@@ -1,0 +1,155 @@
+"""The ``infer`` command line.
+
+    infer run MODEL PROMPT [sampling flags] [--backend NAME]
+    infer chat MODEL [--system TEXT] [sampling flags]
+    infer backends
+
+Generated text goes to stdout as it is produced; progress bars, logs and
+errors go to stderr. An :class:`~infer.errors.InferError` ends the command
+with its message and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from infer.errors import InferError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model folder or file")
+    p.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda (default: best available)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=None, help="most new tokens")
+    g.add_argument("-t", "--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load(args: argparse.Namespace) -> Any:
+    import infer
+
+    return infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet)
+
+
+def _write_stream(chunks: Iterator[str]) -> str:
+    text = []
+    for chunk in chunks:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+        text.append(chunk)
+    return "".join(text)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    model = _load(args)
+    _write_stream(model.generate(args.prompt, stream=True, **_sampling(args)))
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model = _load(args)
+    template = None
+    if args.template:
+        with open(args.template, encoding="utf-8") as f:
+            template = f.read()
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    # Render once up front so a model without a template fails before the prompt.
+    model.tokenizer.apply_chat_template(messages + [{"role": "user", "content": "hi"}], template=template)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write(">>> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        reply = _write_stream(model.chat(messages, template=template, stream=True, **_sampling(args)))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    import infer
+    from infer.plugins import get_registry
+
+    rows = [("backend", "available", "native optional ops", "notes")]
+    for b in infer.list_backends():
+        rows.append((b.key, "yes" if b.available else "no", ", ".join(b.native_ops) or "-",
+                     (b.description if b.available else b.reason) or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+    failures = get_registry().failures
+    if failures:
+        print("\nplugins that failed to load:")
+        for f in failures:
+            print(f"  {f.name} ({f.value}): {f.reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description="Run language models on pluggable backends.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate a continuation of PROMPT (streamed)")
+    _add_model_args(run)
+    run.add_argument("prompt", help="the text to continue")
+    run.set_defaults(func=cmd_run)
+    chat = sub.add_parser("chat", help="chat interactively through the model's chat template")
+    _add_model_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--template", default=None, help="file with a Jinja chat template to use instead")
+    chat.set_defaults(func=cmd_chat)
+    backends = sub.add_parser("backends", help="list backends, whether each is usable here, and why not")
+    backends.set_defaults(func=cmd_backends)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``infer`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except InferError as exc:
+        print(f"infer: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
