@@ -174,6 +174,9 @@ class LlamaForCausalLM(CausalLM):
         cfg = config
         self.num_layers = cfg.num_hidden_layers
         self.max_context = cfg.max_position_embeddings
+        if cfg.rope.get("rope_type") == "dynamic":
+            # Dynamic NTK scaling exists to run past the trained length, by its factor.
+            self.max_context = int(cfg.max_position_embeddings * float(cfg.rope["factor"]))
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
         self.embed_tokens = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))

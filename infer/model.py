@@ -1,0 +1,251 @@
+"""The public model object: text in, text out.
+
+:class:`Model` joins the three separate things — the network (what to
+compute), the :class:`~infer.engine.Engine` (when, with which cache) and the
+backend (how) — with the tokenizer and chat template, and turns text into
+token ids and back, including stop strings and streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from infer.architecture import CausalLM
+from infer.engine import Engine, Generation, StopConditions
+from infer.errors import GenerationError, SamplingParameterError, TokenizerError
+from infer.ops import Backend
+from infer.package import ModelPackage
+from infer.sampling import SamplingParams
+from infer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 128
+
+Message = dict[str, Any]
+
+
+class Model:
+    """A loaded model. Build it with :func:`infer.load`."""
+
+    def __init__(self, package: ModelPackage, network: CausalLM, backend: Backend) -> None:
+        #: The normalized model package (config, tensors, generation defaults).
+        self.package = package
+        #: The architecture instance holding the weights.
+        self.network = network
+        #: The compute backend.
+        self.backend = backend
+        #: The engine that runs the network and owns the KV cache.
+        self.engine = Engine(network, backend)
+
+    def __repr__(self) -> str:
+        where = self.package.path.name if self.package.path else "?"
+        return f"<infer.Model {self.package.model_type} {where!r} on {self.backend.name}/{self.backend.device}>"
+
+    # -- properties -------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (raises :class:`TokenizerError` if it has none)."""
+        if self.package.tokenizer is None:
+            raise TokenizerError(
+                f"the model at {self.package.path} has no tokenizer; generate from token ids with "
+                "generate_tokens()"
+            )
+        return self.package.tokenizer
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """Hyperparameters under their ``config.json`` names."""
+        return self.package.config
+
+    @property
+    def model_type(self) -> str:
+        return self.package.model_type
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model supports (prompt + generated)."""
+        return self.engine.max_context
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end generation: the generation config's, else the tokenizer's."""
+        ids = set(self.package.generation.eos_token_ids)
+        if not ids and self.package.tokenizer is not None:
+            ids.update(self.package.tokenizer.eos_token_ids)
+        return frozenset(ids)
+
+    # -- generation ---------------------------------------------------------------
+
+    def sampling_params(
+        self,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """Sampling parameters: the ones given, else the model's generation
+        defaults, else greedy decoding."""
+        values = self.package.generation.sampling_overrides()
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repetition_penalty=repetition_penalty)
+        values.update({k: v for k, v in given.items() if v is not None})
+        return SamplingParams(seed=seed, **values)
+
+    def generate_tokens(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+        **sampling: Any,
+    ) -> Generation:
+        """Generate from token ids; iterate the result for new token ids.
+
+        Keyword arguments are those of :meth:`generate` except ``stop`` and
+        ``stream``.
+        """
+        params = self.sampling_params(**sampling)
+        stop = StopConditions(
+            max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
+        )
+        return self.engine.generate(list(prompt_ids), params, stop)
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        stream: bool = False,
+        add_special_tokens: bool = True,
+    ) -> str | Iterator[str] | list[str]:
+        """Continue ``prompt`` and return the new text.
+
+        Args:
+            prompt: the text to continue, or a list of texts (returns a list).
+            max_tokens: most new tokens (default: the model's generation
+                config, else 128).
+            temperature: 0 is greedy; default the model's generation config,
+                else 0.
+            top_k, top_p, min_p: filters (0, 1.0, 0.0 are off).
+            repetition_penalty: CTRL penalty (1.0 is off).
+            seed: makes sampling repeatable.
+            stop: text(s) that end generation; not included in the output.
+            ignore_eos: keep going past end-of-sequence tokens (benchmarks).
+            stream: return an iterator of text chunks instead of a string.
+            add_special_tokens: let the tokenizer add BOS etc. to the prompt.
+        """
+        kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                      ignore_eos=ignore_eos)
+        if not isinstance(prompt, str):
+            if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
+                raise GenerationError("prompt must be a string or a list of strings")
+            if stream:
+                raise GenerationError("stream=True takes one prompt, not a list")
+            return [self.generate(p, stop=stop, add_special_tokens=add_special_tokens, **kwargs)
+                    for p in prompt]  # type: ignore[misc]
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        chunks = self._stream_text(self.generate_tokens(ids, **kwargs), _stop_strings(stop))
+        return chunks if stream else "".join(chunks)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        template: str | None = None,
+        stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> str | Iterator[str]:
+        """Reply to a conversation, rendered with the model's chat template
+        (or ``template``). ``messages`` are ``{"role", "content"}`` dicts; the
+        other arguments are those of :meth:`generate`."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
+        # The template already holds every special token the model expects.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        chunks = self._stream_text(self.generate_tokens(ids, **kwargs), _stop_strings(stop))
+        return chunks if stream else "".join(chunks)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _max_tokens(self, max_tokens: int | None) -> int:
+        if max_tokens is None:
+            return self.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        return max_tokens
+
+    def _stream_text(self, generation: Generation, stops: tuple[str, ...]) -> Iterator[str]:
+        """Detokenize incrementally, cutting at the first stop string.
+
+        Text that might be the start of a stop string is held back until it
+        is known not to be one, so a stop string is never partly emitted.
+        """
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        pending = ""
+        for token in generation:
+            pending += decoder.push(token)
+            if not pending:
+                continue
+            if stops:
+                cut = _first_stop(pending, stops)
+                if cut is not None:
+                    if cut:
+                        yield pending[:cut]
+                    generation.finish_reason = "stop_string"
+                    generation.tokens_iter.close()  # type: ignore[attr-defined]
+                    return
+                keep = _held_back(pending, stops)
+                emit, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+            else:
+                emit, pending = pending, ""
+            if emit:
+                yield emit
+        pending += decoder.flush()
+        if stops:
+            cut = _first_stop(pending, stops)
+            if cut is not None:
+                pending = pending[:cut]
+                generation.finish_reason = "stop_string"
+        if pending:
+            yield pending
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not all(isinstance(s, str) and s for s in stop):
+        raise SamplingParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stop)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

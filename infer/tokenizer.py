@@ -1,0 +1,461 @@
+"""Text to token ids and back, special tokens, streaming and chat templates.
+
+:class:`Tokenizer` wraps a Hugging Face ``tokenizers.Tokenizer`` (the Rust
+library behind transformers' fast tokenizers) built from ``tokenizer.json``, so
+normalization, pre-tokenization, the model (BPE, Unigram, ...), the
+post-processor (BOS/EOS) and the decoder are exactly those the model shipped
+with. ``tokenizer_config.json`` adds the named special tokens and the chat
+template. :class:`StreamDecoder` turns generated ids into text one token at a
+time without ever emitting half a character.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from infer.chat_template import render_chat_template
+from infer.errors import ChatTemplateError, TokenizerError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StreamDecoder", "Tokenizer"]
+
+#: transformers' named special tokens, in the order it adds missing ones.
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """A model's tokenizer: encoding, decoding, special tokens, chat template.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` (from ``tokenizer.json``). Its
+            truncation and padding are switched off: a prompt is never cut.
+        bos_token, eos_token, pad_token: the named special tokens; each must
+            be in the vocabulary.
+        add_bos_token: True makes :meth:`encode` start with BOS (prepended
+            when the post-processor does not add it, never doubled). None or
+            False leave it to the post-processor, as transformers 5 does.
+        add_eos_token: the same for EOS at the end.
+        chat_template: the default template source, or a dict of named ones
+            (``"default"``, ``"tool_use"``...), or None.
+        extra_eos_tokens: further tokens that end generation (``<|im_end|>``,
+            ``<|eot_id|>``...), after ``eos_token`` in :attr:`eos_token_ids`.
+
+    Raises:
+        TokenizerError: a named token is not in the vocabulary.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = False,
+        chat_template: str | Mapping[str, str] | None = None,
+        extra_eos_tokens: Iterable[str] = (),
+    ) -> None:
+        if not isinstance(backend, tokenizers.Tokenizer):
+            raise TokenizerError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        backend.no_truncation()
+        backend.no_padding()
+        self._backend = backend
+        self._bos_token, self._eos_token, self._pad_token = bos_token, eos_token, pad_token
+        self._bos_id = self._named_id("bos_token", bos_token)
+        self._eos_id = self._named_id("eos_token", eos_token)
+        self._named_id("pad_token", pad_token)
+        eos_ids = [] if self._eos_id is None else [self._eos_id]
+        for token in extra_eos_tokens:
+            token_id = self._named_id("extra_eos_tokens", token)
+            if token_id not in eos_ids:
+                eos_ids.append(token_id)
+        self._eos_ids = tuple(eos_ids)
+
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+
+        # What the post-processor adds around a text is what it adds around "".
+        around_empty = backend.encode("", add_special_tokens=True).ids
+        self._prepend_bos = bool(add_bos_token) and self._bos_id is not None and around_empty[:1] != [self._bos_id]
+        self._append_eos = bool(add_eos_token) and self._eos_id is not None and around_empty[-1:] != [self._eos_id]
+        if self._prepend_bos:
+            logger.info("add_bos_token is set and the post-processor adds no BOS: prepending %r", bos_token)
+
+        self._templates = _check_templates(chat_template)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face model folder.
+
+        Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (special
+        tokens, ``add_bos_token``/``add_eos_token``, chat template),
+        ``special_tokens_map.json`` (which, as in transformers, overrides an
+        old config without ``added_tokens_decoder`` and is ignored otherwise) and
+        ``chat_template.jinja`` plus ``chat_templates/*.jinja``, which take
+        precedence over the config's template as in transformers 5. Named
+        special tokens missing from ``tokenizer.json`` are added as special
+        tokens, as transformers does. ``add_bos_token: true`` is honoured when
+        the post-processor adds no BOS (transformers 4's Llama tokenizers did;
+        transformers 5 ignores the flag once ``tokenizer.json`` exists).
+
+        Raises:
+            TokenizerError: ``tokenizer.json`` is missing or malformed, or a
+                config file is not valid JSON or has a wrong-typed entry.
+        """
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"no tokenizer.json in {folder}; infer needs the fast-tokenizer file "
+                "(a folder with only tokenizer.model can be converted with transformers: "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TokenizerError(f"{tokenizer_file} is not a valid tokenizers file: {exc}") from exc
+
+        config = _read_json(folder / "tokenizer_config.json")
+        settings = config
+        if "added_tokens_decoder" not in config:  # saved before transformers 4.34
+            settings = {**config, **_read_json(folder / "special_tokens_map.json")}
+        where = f"{folder}: tokenizer_config.json or special_tokens_map.json"
+        names = {key: _token_content(settings.get(key), f"{where}: {key}") for key in _NAMED_TOKENS}
+        _add_missing_tokens(backend, folder, settings, names)
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+        flags = {key: _optional_bool(config, key, folder) for key in ("add_bos_token", "add_eos_token")}
+        return cls(backend, bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
+                   chat_template=_read_templates(folder, config), **flags)
+
+    # -- encoding and decoding ---------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        With ``add_special_tokens`` the post-processor adds what the model
+        expects around a text (usually BOS); pass False for text that already
+        carries its special tokens, such as a rendered chat template.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self._prepend_bos:
+                ids.insert(0, self._bos_id)
+            if self._append_eos:
+                ids.append(self._eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens are left out unless asked for.
+
+        Raises:
+            TokenizerError: an id is not an integer or not in ``[0, vocab_size)``.
+        """
+        checked = [self._check_id(i) for i in ids]
+        return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A :class:`StreamDecoder` for text generated one token at a time."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # -- vocabulary ----------------------------------------------------------
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (one past the largest id)."""
+        return self._vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (``"<s>"``, ``"▁the"``...), or None."""
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token string of an id (not its decoded text).
+
+        Raises:
+            TokenizerError: the id is out of range or unused.
+        """
+        token = self._backend.id_to_token(self._check_id(token_id))
+        if token is None:
+            raise TokenizerError(f"token id {token_id} is not used by this tokenizer")
+        return token
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``decode(..., skip_special_tokens=True)`` leaves this id out."""
+        return token_id in self._special_ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (those skipped when decoding)."""
+        return self._special_ids
+
+    @property
+    def bos_token(self) -> str | None:
+        """The beginning-of-sequence token, or None."""
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        """The end-of-sequence token, or None."""
+        return self._eos_token
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token, or None (templates may print it)."""
+        return self._pad_token
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Id of :attr:`bos_token`, or None."""
+        return self._bos_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Id of :attr:`eos_token`, or None."""
+        return self._eos_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: :attr:`eos_token_id`, then the extra ones."""
+        return self._eos_ids
+
+    # -- chat -----------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template source, or None."""
+        return None if self._templates is None else self._templates.get("default")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation as prompt text with the model's chat template.
+
+        ``template`` overrides the model's: either Jinja source or the name of
+        one of the model's templates (``"tool_use"``). With ``tools`` and no
+        ``template``, a ``"tool_use"`` template is preferred, as in
+        transformers. Encode the result with ``add_special_tokens=False``: the
+        template writes the special tokens itself. See
+        :func:`infer.chat_template.render_chat_template` for the arguments.
+
+        Raises:
+            ChatTemplateError: there is no template, or rendering failed.
+        """
+        source = self._select_template(template, tools)
+        if self._pad_token is not None:
+            kwargs.setdefault("pad_token", self._pad_token)
+        return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self._bos_token, eos_token=self._eos_token, tools=tools, **kwargs)
+
+    def _select_template(self, template: str | None, tools: object) -> str:
+        named = self._templates or {}
+        if template is not None:
+            return named.get(template, template)
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        if "default" in named:
+            return named["default"]
+        if named:
+            raise ChatTemplateError(f"the model's chat templates {sorted(named)} include no 'default'; "
+                                    "choose one with template=NAME")
+        raise ChatTemplateError("the model has no chat template; pass one with template= (Jinja source)")
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _check_id(self, token_id: object) -> int:
+        try:
+            if isinstance(token_id, bool):
+                raise TypeError
+            value = operator.index(token_id)
+        except TypeError:
+            raise TokenizerError(f"token ids must be integers, got {type(token_id).__name__} {token_id!r}") from None
+        if not 0 <= value < self._vocab_size:
+            raise TokenizerError(f"token id {value} is out of range [0, {self._vocab_size})")
+        return value
+
+    def _named_id(self, key: str, token: str | None) -> int | None:
+        if token is None:
+            return None
+        if not isinstance(token, str):
+            raise TokenizerError(f"{key} must be a str, got {type(token).__name__}")
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{key} {token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+
+class StreamDecoder:
+    """Incremental detokenization: text as soon as it is complete.
+
+    ``"".join(push(i) for i in ids) + flush()`` equals ``decode(ids)``, and no
+    piece ends in half a character. The prefix-offset/read-offset technique:
+    decode a short window (the tokens of the last emitted piece, then the new
+    ones) and emit what it adds to the decoded last piece, holding it back
+    while it ends in U+FFFD (an unfinished UTF-8 sequence of byte tokens).
+    Both decodes start at the same token, so a decoder that drops the first
+    leading space (SentencePiece's ``▁``) drops it from both and the
+    difference is exact. Emitted tokens leave the window: O(1) per token.
+    Skipped special tokens never enter it: ``tokenizers`` drops them before
+    its decoder runs, so leaving them out changes nothing.
+
+    One difference remains, for ids whose byte-fallback tokens (``<0xE6>``)
+    spell invalid UTF-8: ``decode`` then turns the whole run of byte tokens
+    into U+FFFD, characters the stream already showed included.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
+        self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []  # the window: last emitted piece's tokens, then new ones
+        self._read_offset = 0  # where the new tokens start in the window
+        self._prefix_text = ""  # decode of the window's first _read_offset tokens
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes (maybe "").
+
+        Raises:
+            TokenizerError: the id is not an integer in range.
+        """
+        token_id = self._tokenizer._check_id(token_id)
+        if token_id in self._skipped:
+            return ""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return what is held back (an unfinished character, as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        if len(text) <= len(self._prefix_text) or (text.endswith("\ufffd") and not final):
+            return ""
+        piece = text[len(self._prefix_text):]
+        # The tokens just emitted become the prefix of the next window.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        return piece
+
+
+# -- reading a folder -------------------------------------------------------------
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{file} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _token_content(value: object, where: str) -> str | None:
+    """A special token given as a string or as an AddedToken dict."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(f"{where} must be a string or a dict with a 'content' string, got {value!r}")
+
+
+def _optional_bool(config: Mapping[str, Any], key: str, folder: Path) -> bool | None:
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise TokenizerError(f"{folder / 'tokenizer_config.json'}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _add_missing_tokens(backend: tokenizers.Tokenizer, folder: Path, config: Mapping[str, Any],
+                        names: Mapping[str, str | None]) -> None:
+    """Add the tokens the config declares but tokenizer.json lacks, in
+    transformers 5's order: ``added_tokens_decoder``, the named special
+    tokens, model-specific ``*_token`` entries, the extra special tokens."""
+    where = folder / "tokenizer_config.json"
+    new: list[tokenizers.AddedToken] = []
+    declared = config.get("added_tokens_decoder") or {}
+    try:
+        entries = sorted(declared.items(), key=lambda item: int(item[0]))
+    except (AttributeError, ValueError) as exc:
+        raise TokenizerError(f"{where}: added_tokens_decoder must map ids to tokens") from exc
+    for key, entry in entries:
+        content = _token_content(entry, f"{where}: added_tokens_decoder[{key}]")
+        flags = ("lstrip", "rstrip", "single_word", "normalized", "special")
+        options = {k: bool(entry[k]) for k in flags if isinstance(entry, Mapping) and k in entry}
+        if content is not None:
+            new.append(tokenizers.AddedToken(content, **options))
+    specials: list[object] = list(names.values())
+    specials += [v for k, v in config.items() if k.endswith("_token") and k not in names and isinstance(v, str)]
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, Mapping):  # named: {"image_token": "<image>"}
+        specials += extra.values()
+        extra = None
+    extra = extra or config.get("additional_special_tokens")  # the name before transformers 5
+    specials += extra if isinstance(extra, list) else []
+    for value in specials:
+        content = _token_content(value, f"{where}: special token")
+        if content is not None:
+            new.append(tokenizers.AddedToken(content, special=True, normalized=False))
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for token in new:
+        if token.content not in present:
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+            present.add(token.content)
+            logger.info("%s: added token %r, which tokenizer.json lacks", folder, token.content)
+
+
+def _read_templates(folder: Path, config: Mapping[str, Any]) -> object:
+    templates = {}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if (folder / "chat_templates").is_dir():
+        for file in sorted((folder / "chat_templates").glob("*.jinja")):
+            templates[file.stem] = file.read_text(encoding="utf-8")
+    if templates:  # files win over the config, as in transformers 5
+        return templates
+    value = config.get("chat_template")
+    if isinstance(value, list):  # [{"name": "default", "template": "..."}, ...]
+        try:
+            return {entry["name"]: entry["template"] for entry in value}
+        except (KeyError, TypeError) as exc:
+            raise TokenizerError(f"{folder / 'tokenizer_config.json'}: chat_template entries need "
+                                 "'name' and 'template'") from exc
+    return value
+
+
+def _check_templates(chat_template: object) -> dict[str, str] | None:
+    if chat_template is None or isinstance(chat_template, str):
+        return None if chat_template is None else {"default": chat_template}
+    if isinstance(chat_template, Mapping) and all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in chat_template.items()):
+        return dict(chat_template)
+    raise TokenizerError(f"chat_template must be a str, a dict of named str templates or None, "
+                         f"got {type(chat_template).__name__}")

