@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from infer.errors import InferError
+from infer.errors import ChatTemplateError, InferError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -65,11 +65,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    model = _load(args)
     template = None
     if args.template:
-        with open(args.template, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(args.template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read the chat template file {args.template!r}: {exc}") from exc
+    model = _load(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

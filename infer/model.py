@@ -173,7 +173,9 @@ class Model:
     ) -> str | Iterator[str]:
         """Reply to a conversation, rendered with the model's chat template
         (or ``template``). ``messages`` are ``{"role", "content"}`` dicts; the
-        other arguments are those of :meth:`generate`."""
+        other arguments are those of :meth:`generate` except ``prompt`` and
+        ``add_special_tokens`` (the template already places every special
+        token)."""
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -230,7 +232,7 @@ def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not all(isinstance(s, str) and s for s in stop):
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise SamplingParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(stop)
 
