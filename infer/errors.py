@@ -19,6 +19,10 @@ class ModelNotFoundError(InferError, FileNotFoundError):
     """A model reference names no file, folder, alias or cached repository."""
 
 
+class DownloadError(InferError):
+    """A model could not be downloaded, or what arrived failed its checksum."""
+
+
 class FormatError(InferError):
     """A model file or folder is malformed, truncated or inconsistent."""
 

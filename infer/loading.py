@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from infer.architecture import WeightLoader
+from infer import catalog
 from infer.errors import ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
@@ -27,12 +28,57 @@ from infer.selection import select_backend
 log = logging.getLogger(__name__)
 
 
-def resolve(reference: str | os.PathLike[str]) -> Path:
-    """The local path a model reference names."""
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.gguf", "*.txt", "*.model"]
+
+
+def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Path:
+    """The local path a model reference names.
+
+    In order: an existing file or folder; a catalog alias (downloaded once
+    into the cache, see :mod:`infer.catalog`); a Hugging Face repository id
+    ``org/name``, resolved through ``huggingface_hub`` (which answers from
+    its local cache when offline, e.g. with ``HF_HUB_OFFLINE=1``).
+    """
     path = Path(reference).expanduser()
     if path.exists():
         return path
-    raise ModelNotFoundError(f"no model at {str(reference)!r}: no such file or folder")
+    text = str(reference)
+    if text in catalog.CATALOG:
+        return catalog.fetch(text, progress=progress)
+    if _looks_like_repo_id(text):
+        return _from_hub(text, progress)
+    raise ModelNotFoundError(
+        f"no model at {text!r}: not a file or folder, not a catalog alias "
+        f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face repository id (org/name)"
+    )
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and "\\" not in text
+
+
+def _from_hub(repo_id: str, progress: bool) -> Path:
+    try:
+        import huggingface_hub
+        from huggingface_hub.utils import HfHubHTTPError
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{repo_id!r} looks like a Hugging Face repository id, but huggingface_hub is not installed "
+            "(pip install huggingface_hub)"
+        ) from None
+    try:
+        folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS)
+    except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
+        raise ModelNotFoundError(
+            f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return path
 
 
 def load(
@@ -46,17 +92,19 @@ def load(
     """Load a model.
 
     Args:
-        reference: a Hugging Face model folder (``config.json`` +
-            ``*.safetensors`` + ``tokenizer.json``).
+        reference: a model folder or file, a catalog alias
+            (``smollm2-135m``, ``gemma3-270m``) or a Hugging Face repository id
+            (see :func:`resolve`).
         backend: a backend name (``"numpy"``, ``"torch:cuda"``...), a
             :class:`~infer.ops.Backend`, or None for ``$INFER_BACKEND`` or the
             best available.
         dtype: compute dtype (default: the backend's).
         format: force a registered format instead of detecting it.
-        progress: show a progress bar on stderr while loading weights.
+        progress: show progress bars on stderr while downloading and
+            loading weights.
     """
     started = time.perf_counter()
-    path = resolve(reference)
+    path = resolve(reference, progress=progress)
     registry = get_registry()
     fmt = registry.format_for(path, format)
     log.info("opening %s as %s", path, fmt.name)
