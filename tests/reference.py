@@ -21,8 +21,9 @@ weight is redrawn by the recipe in ``_randomize`` (transformers' default init,
 N(0, 0.02) for hidden size 64, gives logits with a spread of ~0.1, so the gap between
 the two best tokens is often < 1e-3 and greedy parity would hinge on rounding):
 every matrix (embedding and output head included) ~ N(0, 1/fan_in), norm weights
-1 + N(0, 0.1) and every bias N(0, 0.1), so an implementation that drops a norm weight or
-a bias fails; the final norm is further multiplied by 4, for logits with a spread of ~4
+1 + N(0, 0.1) (stored minus 1 for Gemma, whose RMSNorm scales by 1 + w) and every
+bias N(0, 0.1), so an implementation that drops a norm weight or a bias fails; the
+final norm is further multiplied by 4, for logits with a spread of ~4
 (scaling the final norm rather than the head keeps tied-embedding models from
 just repeating their input token). Each folder holds ``config.json``, ``model.safetensors``
 (float32), ``generation_config.json``, and a byte-level BPE ``tokenizer.json`` trained
@@ -130,6 +131,19 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# Gemma 3 text: 6 layers, head_dim 16 but attention scaled by query_pre_attn_scalar 24.
+_GEMMA3: dict[str, Any] = dict(
+    num_hidden_layers=6,
+    num_key_value_heads=1,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=4,
+    sliding_window_pattern=6,
+    tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+)
+# model_types whose RMSNorm scales by (1 + w): their norm weights are stored minus 1.
+_ONE_PLUS_W_NORMS = ("gemma3_text",)
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2": ("LlamaConfig", dict(num_key_value_heads=4)),
     "llama3": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
@@ -163,6 +177,28 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "tinyllama": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2)),
     # Same recipe as "llama3" (same weights); config.json rewritten in the 4.x form.
     "legacy_config": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
+    # Gemma 3: 5 sliding-window layers (window 4, well inside the prompt) to 1 global one.
+    "gemma3": ("Gemma3TextConfig", _GEMMA3),
+    # transformers' Gemma 3 ignores attn_logit_softcapping (see test_parity_gemma3): a cap of 1.0
+    # would change every logit if it were applied. The final cap of 20 bends the top logits (~20 -> ~15).
+    "gemma3_softcap": ("Gemma3TextConfig", dict(_GEMMA3, attn_logit_softcapping=1.0, final_logit_softcapping=20.0)),
+    # config.json rewritten in the 4.x form (rope_theta, rope_local_base_freq, rope_scaling,
+    # sliding_window_pattern; no layer_types); linear rope scaling on the global layers only;
+    # biases and an untied output head.
+    "gemma3_legacy": (
+        "Gemma3TextConfig",
+        dict(
+            _GEMMA3,
+            num_key_value_heads=2,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            sliding_window_pattern=3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
 }
 TINY_VARIANTS: tuple[str, ...] = tuple(_VARIANTS)
 
@@ -255,6 +291,7 @@ def _randomize(model: Any) -> None:
     """Redraw every weight (see the module docstring for why and how)."""
     import torch
 
+    one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
@@ -262,6 +299,8 @@ def _randomize(model: Any) -> None:
                 if name == "model.norm.weight":
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
+                if one_plus_w:  # same effective scale: the model multiplies by 1 + w
+                    param.sub_(1.0)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
@@ -277,6 +316,27 @@ def _legacy_config(config_json: dict[str, Any]) -> dict[str, Any]:
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     config["transformers_version"] = "4.46.0"
+    return config
+
+
+def _legacy_gemma3_config(config_json: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 config.json in the transformers 4.x form: top-level rope_theta, rope_local_base_freq,
+    rope_scaling (global layers only) and sliding_window_pattern instead of layer_types."""
+    config = dict(config_json)
+    rope = config.pop("rope_parameters")
+    full, local = dict(rope["full_attention"]), rope["sliding_attention"]
+    if local.get("rope_type", "default") != "default":
+        raise RuntimeError("the 4.x form has no scaling for the sliding layers' rope")
+    config["rope_theta"] = full.pop("rope_theta")
+    config["rope_local_base_freq"] = local["rope_theta"]
+    config["rope_scaling"] = full if full.get("rope_type", "default") != "default" else None
+    layer_types = config.pop("layer_types")
+    pattern = config.pop("_sliding_window_pattern", None) or config["sliding_window_pattern"]
+    expected = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(len(layer_types))]
+    if layer_types != expected:
+        raise RuntimeError(f"layer_types {layer_types} do not follow sliding_window_pattern {pattern}")
+    config["sliding_window_pattern"] = pattern
+    config["transformers_version"] = "4.50.0"
     return config
 
 
@@ -308,6 +368,10 @@ def _build_tiny(variant: str, out: Path) -> None:
     if variant == "legacy_config":
         path = out / "config.json"
         path.write_text(json.dumps(_legacy_config(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
+    if variant == "gemma3_legacy":
+        path = out / "config.json"
+        legacy = _legacy_gemma3_config(json.loads(path.read_text()))
+        path.write_text(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

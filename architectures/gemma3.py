@@ -1,0 +1,289 @@
+"""Gemma 3 text models (Gemma Team, "Gemma 3 Technical Report", 2025).
+
+``model_type`` ``gemma3_text``: Gemma 3 270M/1B and the text half of the larger
+ones, as transformers' ``Gemma3ForCausalLM`` computes them. Against Llama:
+
+* Local and global layers (report section 2.2): most layers attend within a
+  ``sliding_window``; every ``sliding_window_pattern``-th layer (5 local : 1
+  global in the released models) attends to everything. transformers 5 lists
+  the kinds in ``layer_types``; older configs give only the pattern.
+* Two rope settings: local layers rotate with base ``rope_local_base_freq``
+  (10 000, never scaled), global ones with ``rope_theta`` (1 000 000) and the
+  optional scaling (linear, factor 8, in the 4B-27B models). transformers 5
+  writes one ``rope_parameters`` dict per layer type; 4.x wrote
+  ``rope_theta`` + ``rope_local_base_freq`` + ``rope_scaling``. Both are read.
+* RMSNorm on each head's queries and keys (``q_norm``, ``k_norm``), and norms
+  before *and after* both attention and feed-forward.
+* Hugging Face checkpoints store Gemma's norm weights as ``w`` and scale by
+  ``1 + w``; they are loaded as ``1 + w`` so the contract's ``rms_norm``
+  (``x / rms * weight``) applies. (GGUF files store ``1 + w`` already; the
+  format module turns them back into the Hugging Face form.)
+* Embeddings scaled by ``sqrt(hidden_size)``, rounded to the compute dtype as
+  transformers does; attention scaled by ``query_pre_attn_scalar ** -0.5``
+  instead of ``head_dim ** -0.5``; gelu-tanh feed-forward; tied output head.
+* ``final_logit_softcapping``, when set, caps the logits: ``c * tanh(x / c)``.
+  ``attn_logit_softcapping`` is ignored, as transformers' Gemma 3 ignores it
+  (no attention implementation there receives it: Gemma 3 replaced Gemma 2's
+  attention soft-capping with the q/k norms, report section 2.1), so a config
+  that sets it still computes what the reference computes.
+
+Per layer (``kind`` = sliding or full attention):
+    h = h + post_attention_layernorm(o_proj(attention(rope_kind(q_norm(q)), rope_kind(k_norm(k)), v)))
+    h = h + post_feedforward_layernorm(down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)))
+with x = input_layernorm(h) resp. pre_feedforward_layernorm(h).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.architecture import CausalLM, WeightLoader, host_array
+from infer.attention import AttentionContext
+from infer.config import from_dict, rope_parameters
+from infer.errors import ConfigError
+from infer.hookspecs import hookimpl
+from infer.ops import Array, Backend
+from infer.registry import ArchitectureSpec
+
+from .rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class Gemma3Config:
+    """``config.json`` fields read by this architecture (transformers names and
+    defaults: a key missing from config.json means what it means there)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    hidden_activation: str = "gelu_pytorch_tanh"
+    attention_bias: bool = False
+    query_pre_attn_scalar: float = 256.0
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 6  # transformers 4.x: every Nth layer is global
+    layer_types: list[str] | None = None  # transformers 5
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False
+    rope: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer type -> rope settings
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                     "sliding_window_pattern"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, found {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config.json: {name} must be positive, found {value}")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"config.json: hidden_activation {self.hidden_activation!r} is not supported; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
+        if self.use_bidirectional_attention:
+            raise ConfigError(
+                "config.json: use_bidirectional_attention is true (an embedding model, e.g. "
+                "EmbeddingGemma); only causal gemma3_text language models are supported"
+            )
+        if self.layer_types is None:
+            self.layer_types = [
+                "full_attention" if (i + 1) % self.sliding_window_pattern == 0 else "sliding_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ConfigError(
+                f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
+                f"supported: {', '.join(LAYER_TYPES)}"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None for full attention."""
+        assert self.layer_types is not None  # set by validate()
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+
+def layer_rope(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rope settings per layer type, from either config form (module docstring).
+
+    Missing values default as in transformers' ``Gemma3TextConfig``: global
+    layers ``rope_theta`` 1e6 with any ``rope_scaling``, local layers
+    ``rope_local_base_freq`` 1e4, unscaled.
+    """
+    raw = config.get("rope_parameters")
+    local_theta = config.get("rope_local_base_freq", 10_000.0)
+    if isinstance(raw, dict) and any(kind in raw for kind in LAYER_TYPES):  # transformers 5
+        full = rope_parameters({**config, "rope_parameters": raw.get("full_attention") or {}}, 1e6)
+        local_params = raw.get("sliding_attention") or {}
+        local = rope_parameters({"rope_theta": local_theta, "rope_parameters": local_params})
+    else:  # transformers 4.x
+        full = rope_parameters(config, 1e6)
+        local = rope_parameters({"rope_theta": local_theta})
+    return {"full_attention": full, "sliding_attention": local}
+
+
+def _gemma_norm(w: Any) -> Any:
+    """Gemma's RMSNorm scales by ``1 + w`` (computed in float32, as here)."""
+    return w + 1.0
+
+
+class Attention:
+    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
+        p = f"model.layers.{layer}.self_attn."
+        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+        self.ops, self.layer, self.heads, self.kv_heads, self.head_dim = ops, layer, nh, nkv, hd
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = w.get(p + "q_proj.weight", (nh * hd, d))
+        self.k_proj = w.get(p + "k_proj.weight", (nkv * hd, d))
+        self.v_proj = w.get(p + "v_proj.weight", (nkv * hd, d))
+        self.o_proj = w.get(p + "o_proj.weight", (d, nh * hd))
+        bias = lambda name, n: w.get(p + name, (n,)) if cfg.attention_bias else None  # noqa: E731
+        self.q_bias, self.k_bias = bias("q_proj.bias", nh * hd), bias("k_proj.bias", nkv * hd)
+        self.v_bias, self.o_bias = bias("v_proj.bias", nkv * hd), bias("o_proj.bias", d)
+        self.q_norm = w.get(p + "q_norm.weight", (hd,), transform=_gemma_norm)
+        self.k_norm = w.get(p + "k_norm.weight", (hd,), transform=_gemma_norm)
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.window = cfg.window(layer)
+
+    def __call__(self, x: Array, cos: Array, sin: Array, ctx: AttentionContext) -> Array:
+        ops = self.ops
+        t = ops.shape(x)[0]
+        q = ops.reshape(ops.linear(x, self.q_proj, self.q_bias), (t, self.heads, self.head_dim))
+        k = ops.reshape(ops.linear(x, self.k_proj, self.k_bias), (t, self.kv_heads, self.head_dim))
+        v = ops.reshape(ops.linear(x, self.v_proj, self.v_bias), (t, self.kv_heads, self.head_dim))
+        q = ops.rms_norm(q, self.q_norm, self.eps)  # per head, over head_dim
+        k = ops.rms_norm(k, self.k_norm, self.eps)
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+        o = ctx.attention(self.layer, q, k, v, scale=self.scale, window=self.window)
+        return ops.linear(ops.reshape(o, (t, self.heads * self.head_dim)), self.o_proj, self.o_bias)
+
+
+class MLP:
+    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
+        p = f"model.layers.{layer}.mlp."
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.ops = ops
+        self.gate_proj = w.get(p + "gate_proj.weight", (f, d))
+        self.up_proj = w.get(p + "up_proj.weight", (f, d))
+        self.down_proj = w.get(p + "down_proj.weight", (d, f))
+        self.act = getattr(ops, ACTIVATIONS[cfg.hidden_activation])
+
+    def __call__(self, x: Array) -> Array:
+        ops = self.ops
+        h = ops.mul(self.act(ops.linear(x, self.gate_proj)), ops.linear(x, self.up_proj))
+        return ops.linear(h, self.down_proj)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
+        p = f"model.layers.{layer}."
+        d = cfg.hidden_size
+        norm = lambda name: w.get(p + name + ".weight", (d,), transform=_gemma_norm)  # noqa: E731
+        assert cfg.layer_types is not None  # set by validate()
+        self.ops, self.eps, self.kind = ops, cfg.rms_norm_eps, cfg.layer_types[layer]
+        self.input_layernorm = norm("input_layernorm")
+        self.self_attn = Attention(cfg, layer, w, ops)
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        self.mlp = MLP(cfg, layer, w, ops)
+        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+
+    def __call__(
+        self, h: Array, residual: Array | None, cos: Array, sin: Array, ctx: AttentionContext
+    ) -> tuple[Array, Array]:
+        """Returns the block's output *before* its residual add, and the residual
+        stream; the next norm fuses the add."""
+        ops = self.ops
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
+        a = ops.rms_norm(self.self_attn(x, cos, sin, ctx), self.post_attention_layernorm, self.eps)
+        x, residual = ops.fused_add_rms_norm(a, residual, self.pre_feedforward_layernorm, self.eps)
+        return ops.rms_norm(self.mlp(x), self.post_feedforward_layernorm, self.eps), residual
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Scaled embedding, decoder layers, final norm, tied output head, optional soft-cap."""
+
+    def __init__(self, config: Gemma3Config, weights: WeightLoader, ops: Backend) -> None:
+        super().__init__(config, weights, ops)
+        cfg = config
+        self.num_layers = cfg.num_hidden_layers
+        self.max_context = cfg.max_position_embeddings
+        if cfg.rope["full_attention"].get("rope_type") == "dynamic":
+            # Dynamic NTK scaling exists to run past the trained length, by its factor.
+            self.max_context = int(cfg.max_position_embeddings * float(cfg.rope["full_attention"]["factor"]))
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.final_softcap = cfg.final_logit_softcapping
+        if cfg.attn_logit_softcapping is not None:
+            log.warning("gemma3: attn_logit_softcapping=%s is ignored, as in transformers' Gemma 3",
+                        cfg.attn_logit_softcapping)
+        self.embed_tokens = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        # from_numpy rounds sqrt(hidden) to the compute dtype, as transformers casts the
+        # normalizer to the embedding's dtype (sqrt(3072) = 55.4256 becomes 55.5 in bfloat16).
+        self.embed_scale = ops.from_numpy(host_array([cfg.hidden_size ** 0.5]))
+        assert cfg.layer_types is not None  # set by validate()
+        self.rope = {kind: RotaryEmbedding(ops, cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings)
+                     for kind in sorted(set(cfg.layer_types))}
+        self.layers = [DecoderLayer(cfg, i, weights, ops) for i in range(cfg.num_hidden_layers)]
+        self.norm = weights.get("model.norm.weight", (cfg.hidden_size,), transform=_gemma_norm)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = weights.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        ops = self.ops
+        h = ops.mul(ops.embedding(self.embed_tokens, input_ids), self.embed_scale)  # [tokens, hidden]
+        tables = {kind: rope(ctx) for kind, rope in self.rope.items()}  # cos, sin [tokens, head_dim/2]
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, *tables[layer.kind], ctx)
+        h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
+        if ctx.logits_indices is not None:
+            h = ops.take(h, ctx.logits_indices, axis=0)
+        logits = ops.linear(h, self.lm_head)  # [rows, vocab]
+        return logits if self.final_softcap is None else ops.softcap(logits, self.final_softcap)
+
+
+def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Gemma3ForCausalLM:
+    """Build a Gemma 3 text model from a ``config.json`` dict."""
+    cfg = from_dict(Gemma3Config, {**config, "rope": layer_rope(config)})
+    return Gemma3ForCausalLM(cfg, weights, ops)
+
+
+@hookimpl
+def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
+    """Register Gemma 3 (text)."""
+    register(ArchitectureSpec(
+        name="gemma3", model_types=("gemma3_text",), build=build,
+        description="Gemma 3 text models (270M, 1B; the text part of 4B-27B)",
+    ))
