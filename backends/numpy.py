@@ -86,7 +86,13 @@ class NumpyBackend(Backend):
         return np.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
-        y = x @ weight.T  # BLAS reads the transposed view without a copy
+        if x.ndim == 2 and x.shape[0] == 1:
+            # One row (decoding): numpy sends [1, k] @ [k, n] (an F-ordered
+            # view) through a GEMM path several times slower than the
+            # matrix-vector product on the row-major weight.
+            y = (weight @ x[0])[None, :]
+        else:
+            y = x @ weight.T  # BLAS reads the transposed view without a copy
         if bias is not None:
             y += bias
         return y
@@ -134,7 +140,9 @@ class NumpyBackend(Backend):
 
     def gelu_tanh(self, x: Array) -> Array:
         c = np.asarray(math.sqrt(2.0 / math.pi), dtype=x.dtype)
-        return 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x * x * x)))
+        # x**3 overflows to +-inf for |x| > ~7e12; tanh(+-inf) = +-1 gives x or 0, as it should.
+        with np.errstate(over="ignore"):
+            return 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x * x * x)))
 
     # -- reductions ----------------------------------------------------------
 

@@ -81,15 +81,21 @@ def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int], penalty
     return out
 
 
-def filter_probabilities(probs: np.ndarray, params: SamplingParams) -> np.ndarray:
+def filter_probabilities(
+    probs: np.ndarray, params: SamplingParams, scores: np.ndarray | None = None
+) -> np.ndarray:
     """Zero the probabilities that top-k, top-p and min-p exclude, and
-    renormalise. ``probs`` is a float64 ``[vocab]`` distribution."""
+    renormalise. ``probs`` is a float64 ``[vocab]`` distribution; ``scores``
+    (default ``probs``) are what top-k ranks: the sampler passes the logits,
+    because logits that differ by less than float64 resolves after ``exp``
+    (e.g. 0 and 1e-45) give equal probabilities but must still rank apart."""
     keep = np.ones(probs.shape, dtype=bool)
     if params.top_k and params.top_k < probs.size:
-        kth = np.partition(probs, -params.top_k)[-params.top_k]
+        rank = probs if scores is None else scores
+        kth = np.partition(rank, -params.top_k)[-params.top_k]
         # Ties at the k-th value: keep the first k by index, as a stable sort would.
-        above = probs > kth
-        ties = np.flatnonzero(probs == kth)[: params.top_k - int(above.sum())]
+        above = rank > kth
+        ties = np.flatnonzero(rank == kth)[: params.top_k - int(above.sum())]
         keep = above
         keep[ties] = True
     if params.top_p < 1.0:
@@ -130,7 +136,7 @@ class Sampler:
         scaled -= scaled.max()
         probs = np.exp(scaled)
         probs /= probs.sum()
-        probs = filter_probabilities(probs, p)
+        probs = filter_probabilities(probs, p, scores=logits)
         cumulative = np.cumsum(probs)
         index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
         if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end

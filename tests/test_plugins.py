@@ -1,0 +1,382 @@
+"""Plugins: registering backends, architectures and formats; broken plugins; selection.
+
+Every test that registers something does it through the ``plugin`` fixture, which
+unregisters it again however the test ends; tests that rediscover entry points go
+through ``rediscover``, which leaves a freshly discovered registry behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+
+import pytest
+
+import infer
+from infer.backends.numpy import NumpyBackend
+from infer.errors import BackendUnavailableError, PluginError
+from infer.hookspecs import hookimpl
+from infer.ops import API_VERSION
+from infer.plugins import get_registry, register_plugin, reload_plugins, unregister_plugin
+from infer.registry import ArchitectureSpec, BackendSpec, FormatSpec, Probe, Registry
+from infer.selection import BACKEND_ENV, select_backend
+
+
+class TestBackend(NumpyBackend):
+    """The numpy backend under another name, so selection can tell them apart."""
+
+    __test__ = False  # not a pytest test class
+    name = "testbk"
+
+
+def backend_spec(name="testbk", device="cpu", score=5, reason=None, probe=None, **kw) -> BackendSpec:
+    return BackendSpec(
+        name=name, device=device, factory=lambda dtype: TestBackend(dtype),
+        probe=probe or (lambda: Probe(score, reason)), description="test backend", **kw,
+    )
+
+
+class BackendPlugin:
+    """A plugin object registering the given specs, as a third-party module would."""
+
+    def __init__(self, *specs) -> None:
+        self.specs = specs
+
+    @hookimpl
+    def infer_register_backends(self, register):
+        for spec in self.specs:
+            register(spec)
+
+
+class ArchitecturePlugin:
+    def __init__(self, *specs) -> None:
+        self.specs = specs
+
+    @hookimpl
+    def infer_register_architectures(self, register):
+        for spec in self.specs:
+            register(spec)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    """No test sees the caller's INFER_BACKEND / INFER_PLUGINS."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("INFER_PLUGINS", raising=False)
+
+
+@pytest.fixture
+def plugin():
+    """``plugin(obj, name)`` registers ``obj``; everything is unregistered at teardown."""
+    names: list[str] = []
+
+    def register(obj: object, name: str) -> str:
+        names.append(register_plugin(obj, name=name))
+        return names[-1]
+
+    yield register
+    for name in reversed(names):
+        unregister_plugin(name)  # a no-op when the test already removed it
+
+
+@pytest.fixture
+def rediscover():
+    """Rediscover entry points now (``rediscover()``) and again after the test, once
+    the environment and ``sys.path`` are restored (discovery is lazy, so the reload
+    at teardown takes effect on the next registry lookup, after monkeypatch undoes)."""
+    yield reload_plugins
+    reload_plugins()
+
+
+@pytest.fixture
+def third_party(tmp_path, monkeypatch):
+    """``third_party(dist, {ep_name: (module, source)})`` installs a fake distribution
+    on ``sys.path``: a ``.dist-info`` with entry points in group ``infer``, and the
+    modules they point to. Imported test modules are removed from ``sys.modules``."""
+    modules: list[str] = []
+
+    def install(dist: str, entry_points: dict[str, tuple[str, str]]) -> None:
+        info = tmp_path / f"{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        lines = ["[infer]"] + [f"{ep} = {module}" for ep, (module, _) in entry_points.items()]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        for module, source in entry_points.values():
+            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+            modules.append(module)
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+def backend_keys() -> set[str]:
+    return {b.key for b in infer.list_backends()}
+
+
+def failure_reasons() -> str:
+    return "\n".join(f"{f.name} {f.value} {f.reason}" for f in get_registry().failures)
+
+
+# -- registering a backend at run time ---------------------------------------------
+
+
+def test_registered_backend_is_listed_selectable_and_removed_again(plugin):
+    name = plugin(BackendPlugin(backend_spec(score=7)), "testbk-plugin")
+    info = {b.key: b for b in infer.list_backends()}["testbk/cpu"]
+    assert (info.available, info.score, info.reason, info.plugin) == (True, 7, None, "testbk-plugin")
+    backend = select_backend("testbk")
+    assert isinstance(backend, TestBackend) and backend.name == "testbk"
+    assert isinstance(select_backend("testbk:cpu"), TestBackend)
+    unregister_plugin(name)
+    assert "testbk/cpu" not in backend_keys()
+    assert "numpy/cpu" in backend_keys()
+
+
+def test_backends_are_listed_best_first_and_the_best_is_chosen(plugin):
+    plugin(BackendPlugin(backend_spec(score=50)), "fast")
+    assert infer.list_backends()[0].key == "testbk/cpu"
+    assert isinstance(select_backend(), TestBackend)
+
+
+def test_unavailable_backend_is_listed_with_its_reason(plugin):
+    plugin(BackendPlugin(backend_spec(score=0, reason="no device")), "nodevice")
+    info = {b.key: b for b in infer.list_backends()}["testbk/cpu"]
+    assert not info.available and info.reason == "no device"
+    with pytest.raises(BackendUnavailableError, match="no device"):
+        select_backend("testbk")
+    # Not asked for by name, it is simply passed over.
+    assert isinstance(select_backend(), NumpyBackend) and not isinstance(select_backend(), TestBackend)
+
+
+def test_a_probe_that_raises_is_unavailable_not_fatal(plugin):
+    def probe():
+        raise RuntimeError("driver exploded")
+
+    plugin(BackendPlugin(backend_spec(probe=probe)), "badprobe")
+    info = {b.key: b for b in infer.list_backends()}["testbk/cpu"]
+    assert not info.available
+    assert "RuntimeError" in info.reason and "driver exploded" in info.reason
+    with pytest.raises(BackendUnavailableError, match="driver exploded"):
+        select_backend("testbk")
+    assert select_backend().name == "numpy"
+
+
+def test_a_factory_that_fails_gives_backend_unavailable(plugin):
+    def factory(dtype):
+        raise ImportError("No module named 'fancyframework'")
+
+    spec = BackendSpec(name="testbk", device="cpu", factory=factory, probe=lambda: Probe(5))
+    plugin(BackendPlugin(spec), "badfactory")
+    with pytest.raises(BackendUnavailableError, match="fancyframework"):
+        select_backend("testbk")
+
+
+# -- broken plugins ---------------------------------------------------------------------
+
+
+def test_a_hook_that_raises_is_recorded_and_others_still_work(plugin):
+    class Broken:
+        @hookimpl
+        def infer_register_backends(self, register):
+            raise RuntimeError("boom in hook")
+
+    plugin(Broken(), "broken-hook")
+    plugin(BackendPlugin(backend_spec()), "healthy")
+    failures = [f for f in get_registry().failures if f.name == "broken-hook"]
+    assert len(failures) == 1
+    assert failures[0].value == "infer_register_backends"
+    assert "RuntimeError" in failures[0].reason and "boom in hook" in failures[0].reason
+    assert {"testbk/cpu", "numpy/cpu"} <= backend_keys()
+    assert "llama" in {a.name for a in infer.list_architectures()}
+
+
+def test_registering_the_same_backend_twice_is_a_recorded_plugin_error(plugin):
+    plugin(BackendPlugin(backend_spec(name="numpy", device="cpu")), "impostor")
+    reasons = failure_reasons()
+    assert "impostor" in reasons and "PluginError" in reasons and "numpy/cpu" in reasons
+    assert "registered twice" in reasons
+    # The first-party backend is the one kept.
+    assert get_registry().backends["numpy/cpu"].plugin == "numpy"
+    assert isinstance(select_backend("numpy"), NumpyBackend)
+
+
+def test_registry_refuses_a_duplicate_backend_directly():
+    registry = Registry()
+    registry.add_backend(backend_spec())
+    with pytest.raises(PluginError, match="registered twice"):
+        registry.add_backend(backend_spec())
+
+
+def test_a_backend_for_another_major_api_version_is_refused(plugin):
+    newer = (API_VERSION[0] + 1, 0)
+    plugin(BackendPlugin(backend_spec(api_version=newer)), "future")
+    assert "testbk/cpu" not in backend_keys()
+    reasons = failure_reasons()
+    assert "future" in reasons and "PluginError" in reasons and "major" in reasons
+    with pytest.raises(PluginError, match="major"):
+        Registry().add_backend(backend_spec(api_version=newer))
+
+
+def test_a_newer_minor_api_version_is_accepted(plugin):
+    plugin(BackendPlugin(backend_spec(api_version=(API_VERSION[0], API_VERSION[1] + 1))), "minor")
+    assert "testbk/cpu" in backend_keys()
+
+
+def test_two_architectures_claiming_one_model_type_is_a_recorded_plugin_error(plugin):
+    rival = ArchitectureSpec(name="rival", model_types=("mistral", "rivaltype"), build=lambda *a: None)
+    plugin(ArchitecturePlugin(rival), "rival-plugin")
+    reasons = failure_reasons()
+    assert "rival-plugin" in reasons and "PluginError" in reasons and "mistral" in reasons
+    assert get_registry().architecture_for("mistral").name == "llama"
+    with pytest.raises(PluginError, match="mistral"):
+        registry = Registry()
+        registry.add_architecture(ArchitectureSpec(name="a", model_types=("x", "mistral"), build=print))
+        registry.add_architecture(rival)
+
+
+def test_registering_something_that_is_not_a_spec_is_a_recorded_error(plugin):
+    plugin(BackendPlugin({"name": "dict-backend"}), "sloppy")
+    assert "sloppy" in failure_reasons() and "BackendSpec" in failure_reasons()
+
+
+# -- entry points -------------------------------------------------------------------------
+
+
+def test_a_broken_entry_point_is_reported_not_fatal(third_party, rediscover):
+    third_party("infer_test_broken", {
+        "broken": ("infer_test_broken_mod", 'raise ImportError("needs libfoo.so")\n'),
+    })
+    rediscover()
+    failures = [f for f in get_registry().failures if f.name == "broken"]
+    assert len(failures) == 1
+    assert failures[0].value == "infer_test_broken_mod"
+    assert "ImportError" in failures[0].reason and "needs libfoo.so" in failures[0].reason
+    assert "numpy/cpu" in backend_keys()
+    assert select_backend().name == "numpy"
+
+
+PLUGIN_SOURCE = """
+from infer.backends.numpy import NumpyBackend
+from infer.hookspecs import hookimpl
+from infer.registry import BackendSpec, Probe
+
+class B(NumpyBackend):
+    name = {name!r}
+
+@hookimpl
+def infer_register_backends(register):
+    register(BackendSpec(name={name!r}, device="cpu", factory=lambda d: B(d), probe=lambda: Probe(1)))
+"""
+
+
+def test_third_party_entry_point_registers_a_backend(third_party, rediscover):
+    third_party("infer_test_tp", {"tp_one": ("infer_test_tp_one", PLUGIN_SOURCE.format(name="tpone"))})
+    rediscover()
+    info = {b.key: b for b in infer.list_backends()}["tpone/cpu"]
+    assert info.plugin == "tp_one" and info.available
+
+
+@pytest.mark.parametrize("allow", ["tp_allowed", " tp_allowed , other", ""])
+def test_allow_list_skips_unlisted_third_party_plugins_keeps_first_party(
+        allow, third_party, rediscover, monkeypatch):
+    third_party("infer_test_allow", {
+        "tp_allowed": ("infer_test_tp_allowed", PLUGIN_SOURCE.format(name="tpallowed")),
+        # Never even imported when skipped: importing it would record a failure.
+        "tp_skipped": ("infer_test_tp_skipped", 'raise RuntimeError("must not be imported")\n'),
+    })
+    monkeypatch.setenv("INFER_PLUGINS", allow)
+    rediscover()
+    keys = backend_keys()
+    assert "numpy/cpu" in keys  # first-party plugins always load
+    assert {"llama"} <= {a.name for a in infer.list_architectures()}
+    assert ("tpallowed/cpu" in keys) == (allow != "")
+    assert "must not be imported" not in failure_reasons()
+    assert "infer_test_tp_skipped" not in sys.modules
+
+
+def test_without_allow_list_every_plugin_loads(third_party, rediscover):
+    third_party("infer_test_all", {
+        "tp_a": ("infer_test_tp_a", PLUGIN_SOURCE.format(name="tpa")),
+        "tp_b": ("infer_test_tp_b", PLUGIN_SOURCE.format(name="tpb")),
+    })
+    rediscover()
+    assert {"tpa/cpu", "tpb/cpu", "numpy/cpu"} <= backend_keys()
+
+
+# -- selection ----------------------------------------------------------------------------
+
+
+def test_infer_backend_env_selects_a_backend(plugin, monkeypatch):
+    plugin(BackendPlugin(backend_spec(score=1)), "lowscore")
+    assert select_backend().name == "numpy"  # higher score wins by default
+    monkeypatch.setenv(BACKEND_ENV, "testbk")
+    assert isinstance(select_backend(), TestBackend)
+
+
+def test_explicit_backend_beats_the_env_var(plugin, monkeypatch):
+    plugin(BackendPlugin(backend_spec(score=1)), "lowscore")
+    monkeypatch.setenv(BACKEND_ENV, "testbk")
+    backend = select_backend("numpy")
+    assert type(backend) is NumpyBackend
+    instance = TestBackend()
+    assert select_backend(instance) is instance
+
+
+def test_env_var_naming_an_unknown_backend_is_an_error(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "nosuchthing")
+    with pytest.raises(BackendUnavailableError, match="nosuchthing"):
+        select_backend()
+
+
+def test_unknown_backend_name_lists_the_registered_ones(plugin):
+    plugin(BackendPlugin(backend_spec()), "listed")
+    with pytest.raises(BackendUnavailableError) as info:
+        select_backend("nosuchbackend")
+    message = str(info.value)
+    assert "nosuchbackend" in message and "numpy/cpu" in message and "testbk/cpu" in message
+    with pytest.raises(BackendUnavailableError, match="numpy/cpu"):
+        select_backend("numpy:cuda")  # known family, unknown device
+
+
+def test_selection_logs_the_choice_and_why_others_were_rejected(plugin, caplog):
+    plugin(BackendPlugin(backend_spec(score=0, reason="no device"),
+                         backend_spec(name="slowbk", score=1)), "two")
+    with caplog.at_level(logging.INFO, logger="infer.selection"):
+        select_backend()
+    text = caplog.text
+    assert "numpy/cpu chosen" in text
+    assert "testbk/cpu not usable: no device" in text
+    assert "slowbk/cpu" in text and "not chosen" in text
+
+
+# -- what the first-party plugins register -----------------------------------------------
+
+
+def test_llama_architecture_is_registered_with_its_model_types():
+    archs = {a.name: a for a in infer.list_architectures()}
+    assert "llama" in archs
+    assert {"llama", "mistral", "qwen2"} <= set(archs["llama"].model_types)
+
+
+def test_huggingface_format_is_registered():
+    formats = infer.list_formats()
+    assert "huggingface" in {f.name for f in formats}
+    assert all(isinstance(f, FormatSpec) for f in formats)
+
+
+def test_numpy_backend_is_registered_and_available():
+    info = {b.key: b for b in infer.list_backends()}["numpy/cpu"]
+    assert info.available and info.score > 0 and info.plugin == "numpy"
+
+
+def test_first_party_plugins_load_without_failures():
+    assert get_registry().failures == [], failure_reasons()
+
+
+def test_registering_the_same_plugin_name_twice_is_refused(plugin):
+    plugin(BackendPlugin(backend_spec()), "dupname")
+    with pytest.raises(ValueError):
+        register_plugin(BackendPlugin(backend_spec(name="other")), name="dupname")
