@@ -46,11 +46,15 @@ def _allowed(name: str, value: str) -> bool:
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in seen:  # the same distribution visible twice (e.g. editable + wheel)
-            continue
-        seen.add(ep.name)
+        if ep.name in seen:
+            if seen[ep.name] != ep.value:  # two plugins under one name: neither may hide the other silently
+                reason = f"entry point name {ep.name!r} is already taken by {seen[ep.name]}"
+                _load_failures.append(PluginFailure(ep.name, ep.value, reason))
+                log.warning("plugin %s (%s) not loaded: %s", ep.name, ep.value, reason)
+            continue  # (the same distribution visible twice, e.g. editable + wheel, is fine)
+        seen[ep.name] = ep.value
         if not _allowed(ep.name, ep.value):
             log.info("plugin %s (%s) skipped: not in %s", ep.name, ep.value, ALLOW_LIST_ENV)
             continue
@@ -92,6 +96,17 @@ def _collect(registry: Registry, hook: Any, add: Any) -> None:
             log.warning("plugin %s failed in %s: %s", impl.plugin_name, hook.name, reason)
 
 
+def _check_hook_names(pm: pluggy.PluginManager, registry: Registry) -> None:
+    """A misspelt hook (``infer_register_backend``) would never be called:
+    record it instead of ignoring it."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        name = getattr(exc.plugin, "__name__", repr(exc.plugin))
+        registry.failures.append(PluginFailure(name, "", f"unknown hook: {exc}"))
+        log.warning("plugin %s: %s", name, exc)
+
+
 def get_registry() -> Registry:
     """Everything the loaded plugins registered (built once, then cached)."""
     global _registry
@@ -102,6 +117,7 @@ def get_registry() -> Registry:
             _collect(registry, pm.hook.infer_register_backends, registry.add_backend)
             _collect(registry, pm.hook.infer_register_architectures, registry.add_architecture)
             _collect(registry, pm.hook.infer_register_formats, registry.add_format)
+            _check_hook_names(pm, registry)
             _registry = registry
         return _registry
 

@@ -117,6 +117,11 @@ class Registry:
     def add_architecture(self, spec: ArchitectureSpec) -> None:
         if not isinstance(spec, ArchitectureSpec):
             raise PluginError(f"plugin registered an architecture that is not an ArchitectureSpec: {spec!r}")
+        if spec.name in self.architectures:
+            raise PluginError(
+                f"architecture {spec.name!r} registered twice (by {self.architectures[spec.name].plugin!r} "
+                f"and {spec.plugin!r})"
+            )
         for other in self.architectures.values():
             clash = set(other.model_types) & set(spec.model_types)
             if clash:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from infer.errors import BackendError, BackendUnavailableError
-from infer.ops import Backend
+from infer.ops import API_VERSION, Backend
 from infer.plugins import get_registry
 from infer.registry import BackendSpec, Probe, describe, parse_backend_name
 
@@ -86,8 +86,13 @@ def select_backend(backend: str | Backend | None = None, dtype: str | None = Non
     ``$INFER_BACKEND`` or else the available backend with the highest score.
     """
     if isinstance(backend, Backend):
+        if dtype is not None and dtype != backend.compute_dtype:
+            raise BackendError(
+                f"dtype {dtype!r} asked for, but the given backend instance computes in "
+                f"{backend.compute_dtype!r}: build the backend with that dtype instead"
+            )
         log.info("backend %s/%s given as an instance", backend.name, backend.device)
-        return backend
+        return _checked(backend, f"{backend.name}/{backend.device}")
     request = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
     if backend is None and request is not None:
         log.info("backend %r requested through %s", request, BACKEND_ENV)
@@ -117,4 +122,14 @@ def select_backend(backend: str | Backend | None = None, dtype: str | None = Non
         raise BackendUnavailableError(
             f"backend {chosen.key}'s factory returned {type(instance).__name__}, not a Backend"
         )
-    return instance
+    return _checked(instance, chosen.key)
+
+
+def _checked(backend: Backend, key: str) -> Backend:
+    """Refuse a backend class written for another major version of the op contract."""
+    if tuple(backend.api_version)[0] != API_VERSION[0]:
+        raise BackendUnavailableError(
+            f"backend {key} implements op contract {tuple(backend.api_version)}, infer needs "
+            f"{API_VERSION[0]}.x: the backend plugin must be updated"
+        )
+    return backend

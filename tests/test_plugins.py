@@ -15,7 +15,7 @@ import pytest
 
 import infer
 from infer.backends.numpy import NumpyBackend
-from infer.errors import BackendUnavailableError, PluginError
+from infer.errors import BackendError, BackendUnavailableError, PluginError
 from infer.hookspecs import hookimpl
 from infer.ops import API_VERSION
 from infer.plugins import get_registry, register_plugin, reload_plugins, unregister_plugin
@@ -380,3 +380,44 @@ def test_registering_the_same_plugin_name_twice_is_refused(plugin):
     plugin(BackendPlugin(backend_spec()), "dupname")
     with pytest.raises(ValueError):
         register_plugin(BackendPlugin(backend_spec(name="other")), name="dupname")
+
+
+# -- regressions found while writing the docs -----------------------------------
+
+
+class _MisspeltHook:
+    @hookimpl
+    def infer_register_backend(self, register):  # type: ignore[no-untyped-def]  # missing "s"
+        raise AssertionError("never called")
+
+
+def test_misspelt_hook_is_reported_not_ignored() -> None:
+    name = register_plugin(_MisspeltHook(), name="misspelt")
+    try:
+        failures = get_registry().failures
+        assert any(f.name and "infer_register_backend" in f.reason for f in failures), failures
+    finally:
+        unregister_plugin(name)
+
+
+class _ShadowLlama:
+    @hookimpl
+    def infer_register_architectures(self, register):  # type: ignore[no-untyped-def]
+        register(ArchitectureSpec(name="llama", model_types=("foo",), build=lambda *a: None))
+
+
+def test_architecture_name_clash_keeps_the_first(plugin) -> None:  # type: ignore[no-untyped-def]
+    plugin(_ShadowLlama(), "shadow")
+    registry = get_registry()
+    assert "mistral" in registry.architectures["llama"].model_types
+    assert any("registered twice" in f.reason for f in registry.failures)
+
+
+def test_backend_instance_with_old_contract_is_refused() -> None:
+    class Old(NumpyBackend):
+        api_version = (0, 9)
+
+    with pytest.raises(BackendUnavailableError, match="op contract"):
+        select_backend(Old())
+    with pytest.raises(BackendError, match="bfloat16"):
+        select_backend(NumpyBackend(), dtype="bfloat16")
