@@ -1,0 +1,281 @@
+"""What each GGUF architecture means in Hugging Face terms.
+
+One :class:`ArchitectureMap` per ``general.architecture``: which
+``{arch}.*`` metadata keys become which ``config.json`` fields, which
+per-block tensor names (``blk.N.<name>``) become which module of
+``model.layers.N``, and the layout fixes llama.cpp's converter applied. The
+values are those transformers' own GGUF loader produces (checked by the tests
+against the real SmolLM2 and Gemma 3 files), except where noted. To support
+another architecture, add a row to :data:`ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from infer.errors import ConfigError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from .gguf import GGUFFile
+
+
+@dataclass(frozen=True)
+class Hparam:
+    """Metadata key ``{arch}.<key>`` -> ``config.json`` field ``name``."""
+
+    key: str
+    name: str
+    kind: type  # int or float
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class ArchitectureMap:
+    """How one GGUF architecture maps to a Hugging Face ``model_type``."""
+
+    gguf_name: str
+    model_type: str
+    hparams: tuple[Hparam, ...]
+    #: ``blk.N.<gguf>.weight`` -> ``model.layers.N.<hf>.weight`` (and ``.bias``).
+    layer_tensors: dict[str, str]
+    #: config fields GGUF does not store, at their Hugging Face values.
+    defaults: dict[str, Any] = field(default_factory=dict)
+    #: llama.cpp permuted the Q/K rows (its ``LlamaModel.permute``): undo it.
+    permute_qk: bool = False
+    #: llama.cpp stored every ``*norm.weight`` plus this; subtract it back.
+    norm_offset: float = 0.0
+    #: rope_theta when ``rope.freq_base`` is absent (the model family's default).
+    default_rope_theta: float = 10000.0
+    #: file tensors that are consumed here (into the config), not exposed.
+    ignored_tensors: frozenset[str] = frozenset()
+    #: architecture-specific completion of the config.
+    finish: Callable[[dict[str, Any], GGUFFile, ArchitectureMap], None] | None = None
+
+
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+_COMMON = (
+    Hparam("embedding_length", "hidden_size", int, True),
+    Hparam("feed_forward_length", "intermediate_size", int, True),
+    Hparam("block_count", "num_hidden_layers", int, True),
+    Hparam("attention.head_count", "num_attention_heads", int, True),
+    Hparam("attention.head_count_kv", "num_key_value_heads", int),
+    Hparam("attention.key_length", "head_dim", int),
+    Hparam("context_length", "max_position_embeddings", int),
+    Hparam("attention.layer_norm_rms_epsilon", "rms_norm_eps", float),
+    Hparam("vocab_size", "vocab_size", int),
+    Hparam("rope.freq_base", "rope_theta", float),
+    Hparam("attention.sliding_window", "sliding_window", int),
+)
+
+_ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj"}
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_LLAMA_LAYER = {"attn_norm": "input_layernorm", **_ATTENTION, "ffn_norm": "post_attention_layernorm", **_MLP}
+_GEMMA3_LAYER = {
+    "attn_norm": "input_layernorm", **_ATTENTION,
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", **_MLP,
+}
+
+
+def _finish_llama(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Llama 3.1+ files carry their rope scaling only as a ``rope_freqs`` tensor of
+    per-frequency divisors (transformers' loader ignores it). Recognise Llama 3's rule
+    (factor, low/high frequency factors 1 and 4, 8192 original positions: every Llama 3.x
+    release) and express it as ``rope_type: llama3``; anything else is refused."""
+    info = file.tensors.get("rope_freqs.weight")
+    if info is None:
+        return
+    where = f"{file.path}: tensor 'rope_freqs.weight'"
+    if info.type.name != "F32" or len(info.dims) != 1:
+        raise ConfigError(f"{where}: expected a 1-D F32 tensor, found {info.type.name} {list(info.dims)}")
+    factors = file.raw(info).view("<f4").reshape(-1).astype(np.float64)
+    dim = len(factors) * 2
+    if dim != config["head_dim"] or not np.all(np.isfinite(factors)) or factors[-1] <= 0:
+        raise ConfigError(f"{where}: expected head_dim / 2 = {config['head_dim'] // 2} finite factors, "
+                          f"found {len(factors)}")
+    theta = config["rope_parameters"]["rope_theta"]
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factors[-1]), "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if not np.allclose(_llama3_divisors(rope, dim), factors, rtol=1e-5, atol=0):
+        raise ConfigError(f"{where}: per-frequency rope factors that do not follow Llama 3's rule "
+                          f"(factor {rope['factor']}, low/high 1/4, 8192 positions) are not supported")
+    config["rope_parameters"] = rope
+
+
+def _llama3_divisors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores: the divisor of each rope frequency under Llama 3
+    scaling (1 for high frequencies, ``factor`` for low ones, interpolated between)."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+    wavelen = 2 * math.pi / freqs
+    old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                              rope["high_freq_factor"], rope["factor"])
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
+
+
+def _finish_gemma3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Sliding/global layer pattern, the two rope bases and the attention scale.
+
+    llama.cpp hard-codes (src/llama-model.cpp, LLM_ARCH_GEMMA3) what these files do not
+    store: every 6th layer is global, local layers use rope base 10 000, and the query
+    scale is 1/sqrt(head_dim) except for the 62-layer 27B, whose original config has
+    query_pre_attn_scalar = hidden_size / heads (168, not head_dim 128). transformers'
+    loader leaves query_pre_attn_scalar at its default 256, equal to head_dim for every
+    Gemma 3 but the 27B; here the llama.cpp rule is followed, right for all sizes.
+    """
+    md, n = file.metadata, config["num_hidden_layers"]
+    key = f"{arch.gguf_name}.attention.sliding_window_pattern"
+    pattern = md.get(key, 6)
+    if isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (n,):
+        sliding = [bool(s) for s in pattern]  # per layer: true = sliding window
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        sliding = [(i + 1) % pattern != 0 for i in range(n)]
+        config["sliding_window_pattern"] = pattern
+    else:
+        raise ConfigError(f"{file.path}: {key} must be a positive integer or {n} booleans, found {pattern!r}")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    local = _number(md, f"{arch.gguf_name}.rope.freq_base_swa", float, file) or 10000.0
+    config["rope_local_base_freq"] = local
+    config["rope_parameters"] = {"full_attention": config["rope_parameters"],
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    scale = _number(md, f"{arch.gguf_name}.attention.scale", float, file)
+    if scale:
+        config["query_pre_attn_scalar"] = 1.0 / scale**2
+    elif n == 62:
+        config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        config["query_pre_attn_scalar"] = config["head_dim"]
+
+
+ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
+    ArchitectureMap("llama", "llama", _COMMON, _LLAMA_LAYER, {"hidden_act": "silu"}, permute_qk=True,
+                    ignored_tensors=frozenset({"rope_freqs.weight"}), finish=_finish_llama),
+    # Qwen2 is converted without the Q/K permutation; q, k and v carry biases.
+    ArchitectureMap("qwen2", "qwen2", _COMMON, _LLAMA_LAYER, {"hidden_act": "silu"},
+                    default_rope_theta=1000000.0),
+    ArchitectureMap("gemma3", "gemma3_text", _COMMON + (
+        Hparam("final_logit_softcapping", "final_logit_softcapping", float),
+        Hparam("attn_logit_softcapping", "attn_logit_softcapping", float),
+    ), _GEMMA3_LAYER, {"hidden_activation": "gelu_pytorch_tanh"}, norm_offset=1.0,
+        default_rope_theta=1000000.0, finish=_finish_gemma3),
+)}
+
+
+def _number(md: dict[str, Any], key: str, kind: type, file: GGUFFile) -> Any:
+    """The metadata value at ``key`` as ``kind`` (None if absent); a per-layer array whose
+    entries are all equal counts as that one value."""
+    value = md.get(key)
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.size and np.all(value == value[0]):
+        value = value[0].item()
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (kind is float and isinstance(value, float))
+    if not ok or (kind is float and not math.isfinite(value)):
+        what = "an integer" if kind is int else "a finite number"
+        raise ConfigError(f"{file.path}: metadata {key} must be {what}, found {value!r}")
+    return kind(value)
+
+
+def _rope(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5 form) from ``rope.*`` keys."""
+    md, p = file.metadata, f"{arch.gguf_name}.rope"
+    theta = config.pop("rope_theta", None) or arch.default_rope_theta
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = md.get(f"{p}.scaling.type")
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(f"{file.path}: metadata {p}.scaling.type must be a string, found {kind!r}")
+    if kind not in (None, "none"):
+        factor = _number(md, f"{p}.scaling.factor", float, file)
+        if kind not in ("linear", "yarn") or not factor:
+            raise ConfigError(f"{file.path}: rope scaling {kind!r} (factor {factor}) is not supported; "
+                              f"supported: linear, yarn")
+        rope.update(rope_type=kind, factor=factor)
+        original = _number(md, f"{p}.scaling.original_context_length", int, file)
+        if original:
+            rope["original_max_position_embeddings"] = original
+    dims = _number(md, f"{p}.dimension_count", int, file)
+    if dims and dims != config["head_dim"]:
+        rope["partial_rotary_factor"] = dims / config["head_dim"]
+    return rope
+
+
+def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
+    """The architecture map and the ``config.json``-style dict of a GGUF file."""
+    md, path = file.metadata, file.path
+    name = md.get("general.architecture")
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}: general.architecture is missing or not a string (found {name!r})")
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    config: dict[str, Any] = {"model_type": arch.model_type, **arch.defaults}
+    for h in arch.hparams:
+        key = f"{name}.{h.key}"
+        value = _number(md, key, h.kind, file)
+        if value is None:
+            if h.required:
+                raise ConfigError(f"{path}: metadata {key} is missing; it gives {h.name}")
+            continue
+        if value <= 0 and h.name not in ("final_logit_softcapping", "attn_logit_softcapping"):
+            raise ConfigError(f"{path}: metadata {key} must be positive, found {value}")
+        config[h.name] = value
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    if layers > len(file.tensors):
+        raise ConfigError(f"{path}: {name}.block_count is {layers} but the file has only "
+                          f"{len(file.tensors)} tensors")
+    config.setdefault("num_key_value_heads", heads)
+    if "head_dim" not in config:
+        if config["hidden_size"] % heads:
+            raise ConfigError(f"{path}: hidden size {config['hidden_size']} is not divisible by {heads} "
+                              f"heads and {name}.attention.key_length is not given")
+        config["head_dim"] = config["hidden_size"] // heads
+    if "vocab_size" not in config:
+        embed = file.tensors.get("token_embd.weight")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if embed is None and not isinstance(tokens, list):
+            raise ConfigError(f"{path}: cannot tell the vocabulary size: no {name}.vocab_size, "
+                              f"token_embd.weight or tokenizer.ggml.tokens")
+        config["vocab_size"] = embed.shape[0] if embed is not None else len(tokens)
+    config["rope_parameters"] = _rope(config, file, arch)
+    config["tie_word_embeddings"] = "output.weight" not in file.tensors
+    for key in ("bos", "eos", "pad", "unk"):
+        value = md.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            config[f"{key}_token_id"] = value
+    if arch.finish is not None:
+        arch.finish(config, file, arch)
+    rope = config["rope_parameters"]
+    if "full_attention" not in rope:  # the transformers 4 form too, for readers that know only it
+        config["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        config["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
+    else:
+        config["rope_theta"] = rope["full_attention"]["rope_theta"]
+        full = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+        config["rope_scaling"] = full if full["rope_type"] != "default" else None
+    return arch, config
+
+
+_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)\.(weight|bias)")
+
+
+def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
+    """The Hugging Face name of GGUF tensor ``name``, or None if the architecture has none."""
+    base, _, kind = name.rpartition(".")
+    if base in GLOBAL_TENSORS and kind in ("weight", "bias"):
+        return f"{GLOBAL_TENSORS[base]}.{kind}"
+    m = _BLOCK.fullmatch(name)
+    if m is None or int(m[1]) >= layers or m[2] not in arch.layer_tensors:
+        return None
+    return f"model.layers.{m[1]}.{arch.layer_tensors[m[2]]}.{m[3]}"
