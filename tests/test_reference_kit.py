@@ -117,7 +117,7 @@ def test_tokenizer_is_deterministic() -> None:
 def test_smollm2_fixture() -> None:
     model_dir = reference.smollm2_hf_dir()
     assert FILES | {"chat_template.jinja"} <= {p.name for p in model_dir.iterdir()}
-    assert reference.smollm2_gguf_path().stat().st_size == 98362432
+    assert reference.smollm2_gguf_path().stat().st_size == 98362432  # via infer.catalog
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
     assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
