@@ -77,6 +77,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     # Render once up front so a model without a template fails before the prompt.
+    if template is None and model.tokenizer.chat_template is None:
+        raise ChatTemplateError(
+            f"{args.model} has no chat template (it may be a base model): use `infer run` for plain "
+            "completion, or pass a Jinja chat template file with --template FILE"
+        )
     model.tokenizer.apply_chat_template(messages + [{"role": "user", "content": "hi"}], template=template)
     interactive = sys.stdin.isatty()
     while True:
