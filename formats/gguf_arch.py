@@ -249,8 +249,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
         config["vocab_size"] = embed.shape[0] if embed is not None else len(tokens)
     config["rope_parameters"] = _rope(config, file, arch)
     config["tie_word_embeddings"] = "output.weight" not in file.tensors
-    for key in ("bos", "eos", "pad", "unk"):
-        value = md.get(f"tokenizer.ggml.{key}_token_id")
+    for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        value = md.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if isinstance(value, int) and not isinstance(value, bool):
             config[f"{key}_token_id"] = value
     if arch.finish is not None:

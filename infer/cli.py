@@ -21,7 +21,7 @@ from infer.errors import ChatTemplateError, InferError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model folder or file")
+    p.add_argument("model", help="catalog alias (smollm2-135m, gemma3-270m), model folder, .gguf file, or org/name")
     p.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda (default: best available)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     g = p.add_argument_group("sampling")

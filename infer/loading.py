@@ -58,6 +58,12 @@ def _looks_like_repo_id(text: str) -> bool:
     return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and "\\" not in text
 
 
+class _SilentProgress(tqdm):  # type: ignore[misc]
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
 def _from_hub(repo_id: str, progress: bool) -> Path:
     try:
         import huggingface_hub
@@ -68,7 +74,8 @@ def _from_hub(repo_id: str, progress: bool) -> Path:
             "(pip install huggingface_hub)"
         ) from None
     try:
-        folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS)
+        quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
+        folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, **quiet)
     except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
         raise ModelNotFoundError(
             f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}"
