@@ -3,6 +3,8 @@
     infer run MODEL PROMPT [sampling flags] [--backend NAME]
     infer chat MODEL [--system TEXT] [sampling flags]
     infer backends
+    infer doctor
+    infer diff MODEL --backends A,B [--prompt TEXT]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
@@ -123,6 +125,46 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import importlib.metadata
+    import os
+    import platform
+
+    import infer
+    from infer.selection import BACKEND_ENV, select_backend
+
+    print(f"infer {infer.__version__} (op contract {'.'.join(map(str, infer.API_VERSION))}), "
+          f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
+    for dist in ("numpy", "tokenizers", "torch", "mlx", "transformers", "jax"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"  {dist:<12} {version}")
+    print()
+    cmd_backends(args)
+    print()
+    why = f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r}" if os.environ.get(BACKEND_ENV) else "highest score"
+    try:
+        chosen = select_backend()
+        print(f"infer.load() would run on {chosen.name}/{chosen.device} ({chosen.compute_dtype}; {why})")
+    except InferError as exc:
+        print(f"infer.load() has no backend to run on: {exc}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    import infer
+    from infer.diff import diff
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    tokenizer_model = infer.load(args.model, backend="numpy") if args.prompt else None
+    ids = tokenizer_model.tokenizer.encode(args.prompt) if tokenizer_model else []
+    report = diff(args.model, backends, ids, steps=args.steps, tolerance=args.tolerance, dtype=args.dtype)
+    print(report.format())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="Run language models on pluggable backends.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv for debug)")
@@ -139,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     backends = sub.add_parser("backends", help="list backends, whether each is usable here, and why not")
     backends.set_defaults(func=cmd_backends)
+    doctor = sub.add_parser("doctor", help="versions, backends, and which backend infer.load would pick and why")
+    doctor.set_defaults(func=cmd_doctor)
+    d = sub.add_parser("diff", help="run one prompt on two backends and report where they diverge")
+    d.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
+    d.add_argument("--backends", required=True, help="two backends, comma-separated; 'transformers' for the "
+                   "float32 reference, e.g. numpy,torch:cpu or numpy,transformers")
+    d.add_argument("--prompt", default="The capital of France is", help="the prompt")
+    d.add_argument("--steps", type=int, default=4, help="greedy decode steps after the prompt")
+    d.add_argument("--tolerance", type=float, default=1e-3, help="relative error that counts as divergence")
+    d.add_argument("--dtype", default=None, help="compute dtype of the backends")
+    d.set_defaults(func=cmd_diff)
     return parser
 
 

@@ -1,0 +1,263 @@
+"""Divergence tracing: where do two backends start to disagree?
+
+Each backend runs the same prompt through the same architecture code behind a
+:class:`TracingBackend`, which records the output of every op call. Because
+the code path is identical, the two op sequences line up one to one; the
+report gives, per layer and per token, the largest difference of that layer's
+attention output, the logits' difference, and the first op whose output
+differs by more than a tolerance (normalised to the reference's magnitude).
+
+Against transformers (float32), only what transformers exposes can be
+compared: the hidden state after each layer (ours: the residual stream the
+next norm receives) and the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from infer.errors import InferError
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend
+
+log = logging.getLogger(__name__)
+
+_NOT_TRACED = {"from_numpy", "to_numpy", "shape", "dtype", "synchronize", "prepare_weight", "zeros", "arange"}
+
+
+@dataclass
+class OpRecord:
+    """One op call: its name, the layer it ran in, and its output(s) on the host."""
+
+    index: int
+    op: str
+    layer: int  # attention calls seen before it in this forward: layer L's ops before its attention count as L-1
+    outputs: list[np.ndarray]
+
+
+@dataclass
+class Trace:
+    records: list[OpRecord] = field(default_factory=list)
+    #: layer -> attention output of each forward, in order
+    attention_outputs: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    hidden_states: list[np.ndarray] = field(default_factory=list)  # residual stream entering each norm
+    logits: np.ndarray | None = None
+
+
+class TracingBackend(Backend):
+    """Wraps a backend and records every op's output (slow: diagnostics only)."""
+
+    def __init__(self, inner: Backend) -> None:  # noqa: D107
+        self.inner = inner
+        self.name, self.device = inner.name, inner.device
+        self.native_ops = inner.native_ops
+        self.float_dtypes = inner.float_dtypes
+        self.compute_dtype = inner.compute_dtype
+        self.api_version = inner.api_version
+        self.trace = Trace()
+        self._layer = -1
+
+    def start_forward(self) -> None:
+        self._layer = -1
+
+    def _host(self, value: Any) -> list[np.ndarray]:
+        values = value if isinstance(value, tuple) else (value,)
+        return [self.inner.to_numpy(v).astype(np.float64, copy=False) for v in values]
+
+    def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self.inner, op)(*args, **kwargs)
+        if op not in _NOT_TRACED:
+            host = self._host(out)
+            self.trace.records.append(OpRecord(len(self.trace.records), op, self._layer, host))
+            if op in ("attention", "paged_attention"):
+                self._layer += 1
+                self.trace.attention_outputs.setdefault(self._layer, []).append(host[0])
+            elif op == "fused_add_rms_norm":
+                self.trace.hidden_states.append(host[1])
+        return out
+
+
+def _delegate(op: str) -> Callable[..., Any]:
+    def method(self: TracingBackend, *args: Any, **kwargs: Any) -> Any:
+        return self._call(op, *args, **kwargs)
+
+    method.__name__ = op
+    return method
+
+
+for _op in (*REQUIRED_OPS, *OPTIONAL_OPS):
+    setattr(TracingBackend, _op, _delegate(_op))
+TracingBackend.__abstractmethods__ = frozenset()
+
+
+@dataclass
+class Divergence:
+    """The comparison of two traces."""
+
+    a: str
+    b: str
+    tolerance: float
+    #: ``[layer][token]`` max |a - b| of what is compared per layer (:attr:`what`).
+    per_layer: list[list[float]]
+    #: ``[token]`` max |a - b| of the logits.
+    logits: list[float]
+    #: First op over tolerance: (index, op, layer, relative error), or None.
+    first: tuple[int, str, int, float] | None
+    #: Greedy tokens of each side (prompt's last position and each decode step).
+    tokens_a: list[int]
+    tokens_b: list[int]
+    what: str = "attention output"
+
+    def format(self) -> str:
+        """A plain-text report."""
+        lines = [f"{self.a} vs {self.b} (tolerance {self.tolerance:g}, relative to max |{self.a}|)"]
+        if self.per_layer:
+            lines.append(f"layer  max |Δ| of the {self.what} per token")
+            for i, row in enumerate(self.per_layer):
+                lines.append(f"{i:5d}  " + " ".join(f"{x:.2e}" for x in row))
+        lines.append("logits " + " ".join(f"{x:.2e}" for x in self.logits))
+        if self.first is None:
+            lines.append("no op output exceeds the tolerance")
+        else:
+            index, op, layer, err = self.first
+            where = "before the first attention" if layer < 0 else f"in layer {layer}"
+            lines.append(f"first divergence: op #{index} {op} {where}: relative error {err:.3g}")
+        same = self.tokens_a == self.tokens_b
+        lines.append(f"greedy tokens {'identical' if same else 'differ'}: {self.tokens_a} / {self.tokens_b}")
+        return "\n".join(lines)
+
+
+def _per_token(a: np.ndarray, b: np.ndarray) -> list[float]:
+    diff = np.abs(a - b)
+    return diff.reshape(diff.shape[0], -1).max(axis=1).tolist() if diff.ndim > 1 else [float(diff.max())]
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    scale = float(np.abs(a).max()) if a.size else 0.0
+    return float(np.abs(a - b).max()) / max(scale, 1e-30) if a.size else 0.0
+
+
+def run_trace(model: Any, prompt_ids: Sequence[int], steps: int) -> tuple[Trace, list[int]]:
+    """Prefill ``prompt_ids`` then decode ``steps`` greedy tokens on a model
+    built over a :class:`TracingBackend`; returns the trace and the tokens."""
+    ops: TracingBackend = model.backend
+    engine = model.engine
+    seq = engine.new_sequence(len(prompt_ids) + steps + 1)
+    logits_rows, tokens = [], []
+    ops.start_forward()
+    logits = engine.forward(seq, list(prompt_ids), all_logits=True)
+    for _ in range(steps + 1):
+        host = ops.inner.to_numpy(logits).astype(np.float64)
+        logits_rows.append(host)
+        tokens.append(int(np.argmax(host[-1])))
+        if len(tokens) > steps:
+            break
+        ops.start_forward()
+        logits = engine.forward(seq, [tokens[-1]], all_logits=True)
+    ops.trace.logits = np.concatenate(logits_rows)
+    return ops.trace, tokens
+
+
+def compare(a: tuple[str, Trace, list[int]], b: tuple[str, Trace, list[int]], tolerance: float) -> Divergence:
+    """Compare two traces of the same prompt (see the module docstring)."""
+    (name_a, ta, tok_a), (name_b, tb, tok_b) = a, b
+    per_layer = [
+        [d for x, y in zip(ta.attention_outputs[layer], tb.attention_outputs.get(layer, [])) for d in _per_token(x, y)]
+        for layer in sorted(ta.attention_outputs)
+    ]
+    first = None
+    for ra, rb in zip(ta.records, tb.records):
+        err = max(_relative(x, y) for x, y in zip(ra.outputs, rb.outputs))
+        if err > tolerance:
+            first = (ra.index, ra.op, ra.layer, err)
+            break
+    assert ta.logits is not None and tb.logits is not None
+    return Divergence(name_a, name_b, tolerance, per_layer, _per_token(ta.logits, tb.logits), first, tok_a, tok_b)
+
+
+def trace_backend(reference: Any, backend: str, prompt_ids: Sequence[int], steps: int,
+                  dtype: str | None = None) -> tuple[str, Trace, list[int]]:
+    """Load ``reference`` on ``backend`` behind a tracer and run it."""
+    import infer
+    from infer.selection import select_backend
+
+    tracer = TracingBackend(select_backend(backend, dtype))
+    model = infer.load(reference, backend=tracer)
+    trace, tokens = run_trace(model, prompt_ids, steps)
+    return f"{tracer.name}/{tracer.device}", trace, tokens
+
+
+def trace_transformers(path: Any, prompt_ids: Sequence[int], steps: int) -> tuple[str, Trace, list[int]]:
+    """transformers float32 on the same prompt: the hidden state after each
+    layer and the logits (greedy decoding, full forward per step)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infer.loading import resolve
+
+    path = resolve(path)
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if path.is_file():
+        kwargs["gguf_file"] = path.name
+        path = path.parent
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    ids = list(prompt_ids)
+    trace, tokens, rows = Trace(), [], []
+    with torch.no_grad():
+        for step in range(steps + 1):
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            logits = out.logits[0].double().numpy()
+            rows.append(logits if step == 0 else logits[-1:])
+            if step == 0:
+                # hidden_states[1..L-1]: after layers 0..L-2 (the last is after the final norm).
+                trace.hidden_states = [h[0].double().numpy() for h in out.hidden_states[1:-1]]
+            tokens.append(int(np.argmax(logits[-1])))
+            ids.append(tokens[-1])
+    trace.logits = np.concatenate(rows)
+    return "transformers/float32", trace, tokens[: steps + 1]
+
+
+def compare_hidden(ours: tuple[str, Trace, list[int]], theirs: tuple[str, Trace, list[int]],
+                   tolerance: float, prompt_len: int) -> Divergence:
+    """Compare our residual stream with transformers' hidden states (prefill
+    rows only) and the logits of every step."""
+    (name_a, ta, tok_a), (name_b, tb, tok_b) = ours, theirs
+    # Our fused_add_rms_norm calls alternate (pre-attention, pre-MLP) per layer;
+    # the pre-attention one of layer L+1 receives the hidden state after layer L.
+    entering = [h[:prompt_len] for h in ta.hidden_states[1::2]]
+    rows, first = [], None
+    for layer, (x, y) in enumerate(zip(entering, tb.hidden_states)):
+        rows.append(_per_token(x, y))
+        err = _relative(y, x)
+        if first is None and err > tolerance:
+            first = (layer, "hidden state", layer, err)
+    assert ta.logits is not None and tb.logits is not None
+    return Divergence(name_a, name_b, tolerance, rows, _per_token(ta.logits, tb.logits), first, tok_a, tok_b,
+                      what="hidden state after the layer (prompt tokens)")
+
+
+def diff(reference: Any, backends: Sequence[str], prompt_ids: Sequence[int], *, steps: int = 4,
+         tolerance: float = 1e-3, dtype: str | None = None) -> Divergence:
+    """Run ``prompt_ids`` on two backends (or a backend and ``"transformers"``)
+    and compare them layer by layer and token by token."""
+    if len(backends) != 2:
+        raise InferError(f"diff compares exactly two backends, got {len(backends)}: {', '.join(backends)}")
+    runs = []
+    for name in backends:
+        if name == "transformers":
+            runs.append(trace_transformers(reference, prompt_ids, steps))
+        else:
+            runs.append(trace_backend(reference, name, prompt_ids, steps, dtype))
+    if backends[1] == "transformers" or backends[0] == "transformers":
+        ours, theirs = (runs[0], runs[1]) if backends[1] == "transformers" else (runs[1], runs[0])
+        return compare_hidden(ours, theirs, tolerance, len(prompt_ids))
+    return compare(runs[0], runs[1], tolerance)
+
+
+__all__ = ["Divergence", "TracingBackend", "compare", "diff", "run_trace", "Array"]

@@ -1,0 +1,79 @@
+"""The divergence tracer finds where a backend goes wrong, and says nothing when none does."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.backends.numpy import NumpyBackend
+from infer.cli import main
+from infer.diff import diff
+from infer.hookspecs import hookimpl
+from infer.plugins import register_plugin, unregister_plugin
+from infer.registry import BackendSpec, Probe
+from reference import encode, tiny_model_dir
+
+
+class SlightlyWrongSilu(NumpyBackend):
+    """numpy, except that silu is 1% too large: a bug a backend author could ship."""
+
+    name = "wrongsilu"
+
+    def silu(self, x):  # type: ignore[no-untyped-def]
+        return super().silu(x) * 1.01
+
+    def swiglu(self, gate, up):  # type: ignore[no-untyped-def]
+        return self.silu(gate) * up
+
+
+class Plugin:
+    @hookimpl
+    def infer_register_backends(self, register):  # type: ignore[no-untyped-def]
+        register(BackendSpec(name="wrongsilu", device="cpu", factory=lambda dtype: SlightlyWrongSilu(dtype),
+                             probe=lambda: Probe(1)))
+
+
+@pytest.fixture()
+def wrong_backend():  # type: ignore[no-untyped-def]
+    name = register_plugin(Plugin(), name="wrongsilu-plugin")
+    yield "wrongsilu"
+    unregister_plugin(name)
+
+
+@pytest.fixture(scope="module")
+def model_and_ids():  # type: ignore[no-untyped-def]
+    path = tiny_model_dir("llama3")
+    return path, encode(path, "The capital of France is Paris")
+
+
+def test_identical_backends_show_no_divergence(model_and_ids) -> None:  # type: ignore[no-untyped-def]
+    path, ids = model_and_ids
+    report = diff(path, ["numpy", "numpy"], ids, steps=3)
+    assert report.first is None
+    assert max(max(row) for row in report.per_layer) == 0.0
+    assert len(report.per_layer) == 3 and len(report.per_layer[0]) == len(ids) + 3
+    assert report.tokens_a == report.tokens_b
+
+
+def test_first_divergence_names_the_op_and_layer(model_and_ids, wrong_backend: str) -> None:  # type: ignore[no-untyped-def]
+    path, ids = model_and_ids
+    report = diff(path, ["numpy", wrong_backend], ids, steps=2, tolerance=1e-4)
+    assert report.first is not None
+    index, op, layer, err = report.first
+    assert op == "swiglu" and layer == 0 and err > 1e-4
+    assert "first divergence" in report.format() and "swiglu in layer 0" in report.format()
+
+
+def test_against_transformers_per_layer(model_and_ids) -> None:  # type: ignore[no-untyped-def]
+    path, ids = model_and_ids
+    report = diff(path, ["numpy", "transformers"], ids, steps=3)
+    assert len(report.per_layer) == 2  # hidden states after layers 0 and 1 of 3 (the last is normed)
+    assert report.first is None and report.tokens_a == report.tokens_b
+    assert max(report.logits) < 1e-4
+
+
+def test_cli_diff(model_and_ids, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    path, _ = model_and_ids
+    assert main(["-q", "diff", str(path), "--backends", "numpy,numpy", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no op output exceeds the tolerance" in out and "greedy tokens identical" in out
+    assert main(["diff", str(path), "--backends", "numpy"]) == 1
