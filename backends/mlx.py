@@ -1,0 +1,498 @@
+"""The MLX backend: Apple's array framework, on Metal or on the CPU.
+
+Two backend/device pairs are registered:
+
+* ``mlx/gpu`` — Metal on Apple silicon (or CUDA with an ``mlx[cuda]`` build).
+* ``mlx/cpu`` — MLX's CPU backend; on Linux this is the ``mlx[cpu]`` build
+  (plain ``mlx`` on Linux ships no compute library and does not import).
+
+``mlx.core`` is imported only inside the probes and the factory, so listing
+backends stays cheap and a missing or broken MLX is a reason, not an
+ImportError.
+
+Three things differ from the numpy reference:
+
+* **Lazy evaluation.** MLX records a graph and computes it when a value is
+  needed. Nothing here calls ``mx.eval`` except :meth:`MLXBackend.to_numpy`
+  (and :meth:`~MLXBackend.synchronize`), so one engine step — a forward
+  followed by ``to_numpy`` of the logits or of their argmax — is evaluated
+  exactly once, KV cache writes included (every write is an input of the
+  attention that reads it).
+* **Functional updates.** MLX arrays are immutable values:
+  :meth:`~MLXBackend.update_rows` returns a new array built with
+  ``mx.slice_update`` and leaves ``dst`` unchanged. The KV cache keeps the
+  returned array; MLX reuses the old buffer in place when nothing else holds
+  it, so a decode step does not copy the cache.
+* **Explicit device.** Each backend instance holds the default stream of its
+  device and passes it to every op (``stream=``); indexing, which takes no
+  stream argument, runs inside ``mx.stream(...)``. The process-wide default
+  device is never changed.
+
+``mx.fast`` kernels are used where their semantics are the contract's:
+
+* ``rms_norm`` and ``layer_norm`` (float32 statistics, normalised value cast
+  to the input dtype before the weight, as the contract says).
+* ``scaled_dot_product_attention`` for grouped-query attention without
+  soft-capping. Its ``mask="causal"`` is bottom-right aligned when there are
+  fewer queries than keys (checked in tests/test_mlx_backend.py); a sliding
+  window becomes a boolean mask. Soft-capping needs the scores before the
+  softmax, which the fused kernel does not expose, so it takes an explicit
+  float32 path.
+* Not ``rope``: ``mx.fast.rope`` derives the angles itself from a start
+  offset and a base (or frequency table), while the contract's rope receives
+  per-token cos/sin tables (which already carry linear, dynamic-NTK or
+  llama3 scaling and need not be consecutive positions). Rope is therefore
+  written with elementwise ops, exactly as the contract states it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from infer.errors import UnsupportedOpError
+from infer.hookspecs import hookimpl
+from infer.ops import Array, Backend, QuantizedTensor
+from infer.registry import BackendSpec, Probe
+
+#: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8", "uint32")
+
+#: Probe scores (numpy/cpu is 10; torch registers cuda 100, mps 90, cpu 20).
+#: On Apple silicon MLX on Metal is the native way to run a model, ranked above
+#: torch/mps. Under CUDA (mlx[cuda]) torch/cuda is the mature choice, so MLX ranks
+#: below it. On the CPU MLX ranks *below* numpy: the Linux ``mlx[cpu]`` wheel
+#: bundles a reference (netlib) BLAS (``mlx_cpu.libs/libblas-*.so.3.10.0``), and
+#: MLX runs each op of a step from one scheduler thread. Measured decode speed,
+#: best of 5 runs on a shared 2-core x86 VM (mlx 0.32.4, numpy 2.4.6, torch 2.13):
+#:
+#: ======================  ======  ===========  ============  =======  ========
+#: model                   numpy   torch f32    torch bf16    mlx f32  mlx bf16
+#: ======================  ======  ===========  ============  =======  ========
+#: tiny smollm2_like       1836    767          699           862      788  tok/s
+#: SmolLM2-135M (HF f32)   35.0    21.5         34.7          15.3     7.3  tok/s
+#: ======================  ======  ===========  ============  =======  ========
+#:
+#: (mlx f32 on SmolLM2 was 5.6 tok/s before :meth:`MLXBackend.prepare_weight`
+#: stored CPU matrices transposed.) So mlx/cpu is usable when asked for, never
+#: the default while numpy is there.
+SCORE_METAL = 95
+SCORE_CUDA = 60
+SCORE_CPU = 5
+
+
+class MLXBackend(Backend):
+    """Compute with MLX on one device (``"gpu"`` or ``"cpu"``)."""
+
+    name = "mlx"
+    float_dtypes = ("float32", "bfloat16", "float16")
+    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize"})
+
+    def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
+        import mlx.core as mx
+
+        if device not in ("cpu", "gpu"):
+            raise UnsupportedOpError(f"mlx backend has no device {device!r}; it has cpu and gpu")
+        self.device = device
+        super().__init__(dtype)
+        self._mx = mx
+        self._device = mx.Device(mx.cpu if device == "cpu" else mx.gpu)
+        #: Every op runs on this stream (the device's default stream).
+        self._s = mx.default_stream(self._device)
+        self._dtypes = {n: getattr(mx, n if n != "bool" else "bool_") for n in _DTYPE_NAMES}
+        self._names = {v: k for k, v in self._dtypes.items()}
+        self._floats = frozenset(self._dtypes[n] for n in ("float32", "float16", "bfloat16"))
+        self._compute = self._dtypes[self.compute_dtype]
+
+    def _mx_dtype(self, dtype: str) -> Any:
+        try:
+            return self._dtypes[dtype]
+        except KeyError:
+            raise UnsupportedOpError(f"mlx backend has no dtype {dtype!r}") from None
+
+    # -- transfer, creation, casting -------------------------------------
+
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Array:
+        array = np.asarray(array)
+        if dtype is not None:
+            target = self._mx_dtype(dtype)
+        elif array.dtype.kind == "f":
+            target = self._compute
+        else:
+            target = self._mx_dtype(self._numpy_name(array.dtype))
+        # mx.array copies the data (never a view of the caller's buffer), and
+        # converts float64/float16 to the target dtype on the way.
+        return self._mx.array(array, dtype=target)
+
+    @staticmethod
+    def _numpy_name(dtype: np.dtype) -> str:
+        name = "bool" if dtype == np.bool_ else dtype.name
+        if name not in _DTYPE_NAMES:
+            raise UnsupportedOpError(f"mlx backend cannot hold numpy dtype {dtype}")
+        return name
+
+    def to_numpy(self, x: Array) -> np.ndarray:
+        mx = self._mx
+        if x.dtype == mx.bfloat16:  # numpy has no bfloat16: widen (exact)
+            x = x.astype(mx.float32, stream=self._s)
+        # The one evaluation of an engine step happens here.
+        mx.eval(x)
+        return np.array(x, copy=True)
+
+    def astype(self, x: Array, dtype: str) -> Array:
+        target = self._mx_dtype(dtype)
+        return x if x.dtype == target else x.astype(target, stream=self._s)
+
+    def shape(self, x: Array) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def dtype(self, x: Array) -> str:
+        try:
+            return self._names[x.dtype]
+        except KeyError:
+            raise UnsupportedOpError(f"mlx backend has no name for dtype {x.dtype}") from None
+
+    def zeros(self, shape: Sequence[int], dtype: str | None = None) -> Array:
+        target = self._compute if dtype is None else self._mx_dtype(dtype)
+        return self._mx.zeros(tuple(shape), dtype=target, stream=self._s)
+
+    def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
+        return self._mx.arange(start, stop, dtype=self._mx_dtype(dtype), stream=self._s)
+
+    # -- linear algebra -----------------------------------------------------
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return self._mx.matmul(a, b, stream=self._s)
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        mx = self._mx
+        # weight.T is a strided view; the GEMM reads it without a copy.
+        wt = mx.transpose(weight, stream=self._s)
+        if bias is None:
+            return mx.matmul(x, wt, stream=self._s)
+        if x.dtype == mx.float32:  # (mlx 0.26's CPU addmm is float32-only)
+            return mx.addmm(bias, x, wt, stream=self._s)
+        return mx.add(mx.matmul(x, wt, stream=self._s), bias, stream=self._s)
+
+    # -- elementwise ---------------------------------------------------------
+
+    def _same_float(self, a: Array, b: Array | float) -> Array | float:
+        # The contract: a float op returns the dtype of its first float input.
+        # MLX would promote bfloat16 * float32 to float32, so cast b down.
+        if isinstance(b, self._mx.array) and b.dtype != a.dtype and a.dtype in self._floats \
+                and b.dtype in self._floats:
+            return b.astype(a.dtype, stream=self._s)
+        return b
+
+    def add(self, a: Array, b: Array | float) -> Array:
+        if isinstance(a, self._mx.array):
+            b = self._same_float(a, b)
+        return self._mx.add(a, b, stream=self._s)
+
+    def sub(self, a: Array, b: Array | float) -> Array:
+        if isinstance(a, self._mx.array):
+            b = self._same_float(a, b)
+        return self._mx.subtract(a, b, stream=self._s)
+
+    def mul(self, a: Array, b: Array | float) -> Array:
+        if isinstance(a, self._mx.array):
+            b = self._same_float(a, b)
+        return self._mx.multiply(a, b, stream=self._s)
+
+    def div(self, a: Array, b: Array | float) -> Array:
+        if isinstance(a, self._mx.array):
+            b = self._same_float(a, b)
+        return self._mx.divide(a, b, stream=self._s)  # integer / integer gives float32
+
+    def exp(self, x: Array) -> Array:
+        return self._mx.exp(x, stream=self._s)
+
+    def sqrt(self, x: Array) -> Array:
+        return self._mx.sqrt(x, stream=self._s)
+
+    def tanh(self, x: Array) -> Array:
+        return self._mx.tanh(x, stream=self._s)
+
+    def cos(self, x: Array) -> Array:
+        return self._mx.cos(x, stream=self._s)
+
+    def sin(self, x: Array) -> Array:
+        return self._mx.sin(x, stream=self._s)
+
+    def silu(self, x: Array) -> Array:
+        mx, s = self._mx, self._s
+        return mx.multiply(x, mx.sigmoid(x, stream=s), stream=s)
+
+    def gelu(self, x: Array) -> Array:
+        mx, s = self._mx, self._s
+        erf = mx.erf(mx.multiply(x, 1.0 / math.sqrt(2.0), stream=s), stream=s)
+        return mx.multiply(mx.multiply(x, 0.5, stream=s), mx.add(erf, 1.0, stream=s), stream=s)
+
+    def gelu_tanh(self, x: Array) -> Array:
+        mx, s = self._mx, self._s
+        # x**3 overflows to +-inf for huge |x|; tanh(+-inf) = +-1 gives x or 0, as it should.
+        cube = mx.multiply(mx.multiply(x, x, stream=s), x, stream=s)
+        inner = mx.multiply(mx.add(x, mx.multiply(cube, 0.044715, stream=s), stream=s),
+                            math.sqrt(2.0 / math.pi), stream=s)
+        return mx.multiply(mx.multiply(x, 0.5, stream=s),
+                           mx.add(mx.tanh(inner, stream=s), 1.0, stream=s), stream=s)
+
+    # -- reductions ----------------------------------------------------------
+
+    def sum(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return self._mx.sum(x, axis=axis, keepdims=keepdims, stream=self._s)
+
+    def mean(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return self._mx.mean(x, axis=axis, keepdims=keepdims, stream=self._s)
+
+    def max(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return self._mx.max(x, axis=axis, keepdims=keepdims, stream=self._s)
+
+    def argmax(self, x: Array, axis: int = -1) -> Array:
+        # MLX returns uint32 (first index wins ties, as in numpy); the contract wants int32/int64.
+        return self._mx.argmax(x, axis=axis, stream=self._s).astype(self._mx.int32, stream=self._s)
+
+    def softmax(self, x: Array, axis: int = -1) -> Array:
+        # precise=True: exponentials and sums in float32 for half-precision inputs.
+        return self._mx.softmax(x, axis=axis, precise=True, stream=self._s)
+
+    # -- normalisation, position, gather ---------------------------------------
+
+    def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        return self._mx.fast.rms_norm(x, weight, eps, stream=self._s)
+
+    def fused_add_rms_norm(
+        self, x: Array, residual: Array | None, weight: Array | None, eps: float
+    ) -> tuple[Array, Array]:
+        mx = self._mx
+        h = mx.add(x, residual, stream=self._s)
+        return mx.fast.rms_norm(h, weight, eps, stream=self._s), h
+
+    def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
+        return self._mx.fast.layer_norm(x, weight, bias, eps, stream=self._s)
+
+    def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+        # Elementwise, not mx.fast.rope: see the module docstring.
+        mx, s = self._mx, self._s
+        tokens, heads, dim = x.shape
+        half = cos.shape[-1]
+        rot = 2 * half
+        cos = mx.expand_dims(cos, 1, stream=s)  # [tokens, 1, rot/2], broadcast over heads
+        sin = mx.expand_dims(sin, 1, stream=s)
+        with mx.stream(s):
+            if interleaved:
+                pairs = mx.reshape(x[..., :rot], (tokens, heads, half, 2))
+                a, b = pairs[..., 0], pairs[..., 1]
+            else:
+                a, b = x[..., :half], x[..., half:rot]
+            first = a * cos - b * sin
+            second = a * sin + b * cos
+            if interleaved:
+                rotated = mx.reshape(mx.stack([first, second], axis=-1), (tokens, heads, rot))
+            else:
+                rotated = mx.concatenate([first, second], axis=-1)
+            if rot < dim:
+                rotated = mx.concatenate([rotated, x[..., rot:]], axis=-1)
+            return rotated.astype(x.dtype)
+
+    def embedding(self, table: Array, ids: Array) -> Array:
+        # Ids come from the host (from_numpy), so this view costs no evaluation.
+        host = np.asarray(ids)
+        if host.size and (host.min() < 0 or host.max() >= table.shape[0]):
+            raise IndexError(f"token id out of range [0, {table.shape[0]})")
+        return self._mx.take(table, ids, axis=0, stream=self._s)
+
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        return self._mx.take(x, indices, axis=axis, stream=self._s)
+
+    # -- shapes ------------------------------------------------------------------
+
+    def reshape(self, x: Array, shape: Sequence[int]) -> Array:
+        return self._mx.reshape(x, tuple(shape), stream=self._s)
+
+    def transpose(self, x: Array, axes: Sequence[int]) -> Array:
+        return self._mx.transpose(x, tuple(axes), stream=self._s)
+
+    def concat(self, xs: Sequence[Array], axis: int = 0) -> Array:
+        return self._mx.concatenate(list(xs), axis=axis, stream=self._s)
+
+    def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        with self._mx.stream(self._s):
+            return x[tuple(index)]
+
+    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
+        mx = self._mx
+        n = src.shape[0]
+        if start < 0 or start + n > dst.shape[0]:
+            raise IndexError(f"update_rows: rows {start}..{start + n} do not fit in {dst.shape[0]} rows")
+        if src.dtype != dst.dtype:
+            src = src.astype(dst.dtype, stream=self._s)
+        # Functional: a new array; dst is unchanged. MLX donates dst's buffer
+        # when nothing else references it, so this is not a full copy.
+        return mx.slice_update(dst, src, mx.array([start], dtype=mx.int32), (0,), stream=self._s)
+
+    # -- attention -----------------------------------------------------------------
+
+    def attention(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        mx, s = self._mx, self._s
+        tq, hq, _ = q.shape
+        tk, hkv, dv = v.shape
+        if window is not None and window >= tk:
+            window = None  # query p - key j <= tk - 1 < window: the window hides nothing
+        mask: Any = None
+        if window is not None:
+            pos = mx.expand_dims(mx.arange(tk - tq, tk, stream=s), 1, stream=s)  # [tq, 1]
+            dist = mx.subtract(pos, mx.arange(tk, stream=s), stream=s)  # p - j, [tq, tk]
+            mask = mx.less(dist, window, stream=s)
+            if causal:
+                mask = mx.logical_and(mask, mx.greater_equal(dist, 0, stream=s), stream=s)
+        elif causal and tq > 1:
+            mask = "causal"  # bottom-right aligned: the last query sees every key
+        if softcap is not None:
+            return self._softcap_attention(q, k, v, scale, softcap, mask)
+        # [1, heads, tokens, dim]; grouped-query heads are not tiled (the kernel maps them).
+        qt, kt, vt = (mx.expand_dims(mx.transpose(a, (1, 0, 2), stream=s), 0, stream=s) for a in (q, k, v))
+        out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mask, stream=s)
+        return mx.transpose(mx.reshape(out, (hq, tq, dv), stream=s), (1, 0, 2), stream=s)
+
+    def _softcap_attention(self, q: Array, k: Array, v: Array, scale: float, cap: float, mask: Any) -> Array:
+        # The fused kernel cannot cap scores before its softmax: compute them
+        # in float32, cap, mask, softmax (Gemma 2's order, as the contract says).
+        mx, s = self._mx, self._s
+        tq, hq, dk = q.shape
+        tk, hkv, dv = v.shape
+        group = hq // hkv
+        f32 = mx.float32
+        with mx.stream(s):
+            # [hkv, group*tq, dk] @ [hkv, dk, tk]: query head h reads kv head h // group.
+            qg = q.astype(f32).reshape(tq, hkv, group, dk).transpose(1, 2, 0, 3).reshape(hkv, group * tq, dk)
+            scores = (qg @ k.astype(f32).transpose(1, 2, 0)) * scale
+            scores = mx.tanh(scores / cap) * cap
+            if isinstance(mask, str):  # "causal": build it explicitly
+                dist = mx.expand_dims(mx.arange(tk - tq, tk), 1) - mx.arange(tk)
+                mask = dist >= 0
+            if mask is not None:
+                scores = scores.reshape(hkv, group, tq, tk)
+                scores = mx.where(mask, scores, -math.inf).reshape(hkv, group * tq, tk)
+            probs = mx.softmax(scores, axis=-1).astype(v.dtype)
+            out = probs @ v.transpose(1, 0, 2)  # [hkv, group*tq, dv]
+            return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
+
+    # -- optional ops ----------------------------------------------------------------
+
+    def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
+        """Copy a weight to the device once, evaluated (not left as a lazy graph).
+
+        On the CPU, float32 matrices are stored transposed (``[in, out]``
+        row-major) and handed out as the transposed view, still shaped
+        ``[out, in]``: :meth:`linear` then gives MLX's CPU GEMM a
+        row-major right-hand side, which the Linux build's BLAS multiplies
+        about twice as fast as a transposed one when decoding. The view is an
+        ordinary array to every other op (``embedding`` included).
+        """
+        mx = self._mx
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        host = np.asarray(tensor)
+        if self.device == "cpu" and host.ndim == 2 and host.dtype.kind == "f" and self._compute == mx.float32:
+            weight = mx.transpose(mx.array(np.ascontiguousarray(host.T), dtype=mx.float32), stream=self._s)
+        else:
+            weight = self.from_numpy(host)
+        mx.eval(weight)
+        return weight
+
+    def synchronize(self) -> None:
+        """Wait for every op queued on this backend's stream."""
+        self._mx.synchronize(self._s)
+
+
+# ----------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------
+
+
+def _import_mlx() -> tuple[Any, str | None]:
+    """``(mlx.core, None)``, or ``(None, reason)`` when it cannot be used."""
+    if importlib.util.find_spec("mlx") is None:
+        return None, "mlx is not installed (pip install 'infer-engine[mlx]')"
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # e.g. plain `mlx` on Linux: no libmlx.so
+        hint = " (on Linux install 'mlx[cpu]' or 'mlx[cuda]'; plain 'mlx' has no compute library)" \
+            if sys.platform.startswith("linux") else ""
+        return None, f"mlx is installed but mlx.core does not import: {type(exc).__name__}: {exc}{hint}"
+    return mx, None
+
+
+def _native() -> tuple[str, ...]:
+    return tuple(sorted(MLXBackend.native_ops))
+
+
+def _probe_gpu() -> Probe:
+    mx, reason = _import_mlx()
+    if mx is None:
+        return Probe(0, reason)
+    try:
+        if mx.metal.is_available():
+            return Probe(SCORE_METAL, None, _native())
+    except Exception:  # a broken Metal query means no Metal
+        pass
+    try:
+        cuda = getattr(mx, "cuda", None)
+        if cuda is not None and cuda.is_available():
+            return Probe(SCORE_CUDA, None, _native())
+    except Exception:
+        pass
+    build = " (Linux CPU build)" if sys.platform.startswith("linux") else ""
+    return Probe(0, f"Metal is not available{build}, and this mlx has no CUDA device")
+
+
+def _probe_cpu() -> Probe:
+    mx, reason = _import_mlx()
+    if mx is None:
+        return Probe(0, reason)
+    return Probe(SCORE_CPU, None, _native())
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"mlx {version('mlx')} "
+    except Exception:
+        return "mlx "
+
+
+@hookimpl
+def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    """Register MLX on the GPU (Metal, or CUDA) and on the CPU."""
+    register(BackendSpec(
+        name="mlx", device="gpu",
+        factory=lambda dtype: MLXBackend(dtype, device="gpu"),
+        probe=_probe_gpu,
+        description=f"{_version()}on the GPU (Metal on Apple silicon; CUDA with mlx[cuda]); "
+                    "float32, bfloat16, float16",
+    ))
+    register(BackendSpec(
+        name="mlx", device="cpu",
+        factory=lambda dtype: MLXBackend(dtype, device="cpu"),
+        probe=_probe_cpu,
+        description=f"{_version()}on the CPU; float32, bfloat16, float16",
+    ))

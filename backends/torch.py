@@ -1,0 +1,441 @@
+"""The torch backend: CUDA, Apple MPS and the CPU through PyTorch.
+
+Arrays are ``torch.Tensor`` on the backend's device. Weights are copied to
+the device once, at load (:meth:`~infer.ops.Backend.prepare_weight` calls
+:meth:`TorchBackend.from_numpy`); from then on nothing leaves the device but
+what the engine asks for with :meth:`TorchBackend.to_numpy`.
+
+torch itself is imported only by the probes and the factory, so listing
+backends on a machine without torch is cheap and says "torch is not
+installed" instead of failing.
+
+Compute dtypes: float32, bfloat16 and float16 on every device (bfloat16 on
+CUDA only where the GPU supports it; on MPS only where the OS does). The
+default is float32, except on CUDA where it is bfloat16 when supported:
+decoding is bound by the bytes of weights read per token.
+
+Where the contract leaves precision open, this backend widens: norms,
+softmax, rope and the soft-capped attention path compute in float32 and
+round once at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from infer.errors import UnsupportedOpError
+from infer.hookspecs import hookimpl
+from infer.ops import Array, Backend
+from infer.registry import BackendSpec, Probe
+
+# Bound by _import_torch() on first use, so importing this module stays cheap.
+torch: Any = None
+F: Any = None
+_DTYPES: dict[str, Any] = {}
+_NAMES: dict[Any, str] = {}
+_HAS_ENABLE_GQA = False
+
+NATIVE_OPS = ("softcap", "swiglu", "synchronize")
+# On the CPU, torch's float32 matrix-vector products measured slower than
+# numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
+# 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
+# faster path, and torch/cpu stays one `backend="torch:cpu"` away.
+SCORES = {"cuda": 100, "mps": 90, "cpu": 8}
+
+
+def _import_torch() -> None:
+    global torch, F, _HAS_ENABLE_GQA
+    if torch is not None:
+        return
+    import torch as _torch
+    import torch.nn.functional as _F
+
+    _DTYPES.update({
+        "float32": _torch.float32, "float16": _torch.float16, "bfloat16": _torch.bfloat16,
+        "int32": _torch.int32, "int64": _torch.int64, "int8": _torch.int8,
+        "uint8": _torch.uint8, "bool": _torch.bool,
+    })
+    _NAMES.update({v: k for k, v in _DTYPES.items()})
+    # scaled_dot_product_attention grew grouped-query support in torch 2.5.
+    major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in _torch.__version__.split(".")[:2])
+    _HAS_ENABLE_GQA = (major, minor) >= (2, 5)
+    torch, F = _torch, _F
+
+
+class TorchBackend(Backend):
+    """PyTorch on one device (``"cuda"``, ``"mps"`` or ``"cpu"``)."""
+
+    name = "torch"
+    float_dtypes = ("float32", "bfloat16", "float16")
+    native_ops = frozenset(NATIVE_OPS)
+
+    def __init__(self, device: str = "cpu", dtype: str | None = None) -> None:
+        _import_torch()
+        self.device = device
+        self._device = torch.device(device)
+        if device == "cuda":
+            bf16 = torch.cuda.is_bf16_supported()
+            self.float_dtypes = ("bfloat16", "float32", "float16") if bf16 else ("float32", "float16")
+        super().__init__(dtype)
+        if device == "mps" and self.compute_dtype == "bfloat16":
+            try:  # bfloat16 on MPS needs macOS 14; ask the device rather than the OS version
+                torch.zeros(1, dtype=torch.bfloat16, device=self._device)
+            except (RuntimeError, TypeError) as exc:
+                raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
+        if device == "cpu":
+            self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
+        self._float = _DTYPES[self.compute_dtype]
+        self._masks: dict[tuple[int, int, bool, int | None], Any] = {}
+
+    # -- transfer, creation, casting -------------------------------------
+
+    def _dtype(self, dtype: str) -> Any:
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise UnsupportedOpError(f"torch backend has no dtype {dtype!r}") from None
+
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Array:
+        array = np.asarray(array)
+        if dtype is None:
+            target = self._float if array.dtype.kind == "f" else self._dtype(str(array.dtype))
+        else:
+            target = self._dtype(dtype)
+        if array.dtype == np.float64 and target.is_floating_point:
+            array = array.astype(np.float32)  # MPS has no float64; no device needs it here
+        array = np.ascontiguousarray(array)
+        if array.flags.writeable:
+            host = torch.from_numpy(array)
+        else:
+            with warnings.catch_warnings():
+                # torch warns that a read-only array (a memory-mapped weight)
+                # could be written through the tensor; it is copied below, never written.
+                warnings.simplefilter("ignore", UserWarning)
+                host = torch.from_numpy(array)
+        if self._device.type == "cpu":
+            return host.to(dtype=target, copy=True)  # never share the caller's memory
+        return host.to(self._device).to(target)  # the cast runs on the device
+
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """Copy to the host; bfloat16 becomes float32 (exact)."""
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        elif t.device.type == "cpu":
+            t = t.clone()  # .numpy() of a CPU tensor would share its memory
+        return t.cpu().numpy()
+
+    def astype(self, x: Array, dtype: str) -> Array:
+        return x.to(self._dtype(dtype))
+
+    def shape(self, x: Array) -> tuple[int, ...]:
+        return tuple(int(d) for d in x.shape)
+
+    def dtype(self, x: Array) -> str:
+        try:
+            return _NAMES[x.dtype]
+        except KeyError:
+            raise UnsupportedOpError(f"torch backend has no name for dtype {x.dtype}") from None
+
+    def zeros(self, shape: Sequence[int], dtype: str | None = None) -> Array:
+        target = self._dtype(dtype) if dtype else self._float
+        return torch.zeros(tuple(shape), dtype=target, device=self._device)
+
+    def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
+        return torch.arange(start, stop, dtype=self._dtype(dtype), device=self._device)
+
+    # -- linear algebra -----------------------------------------------------
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return torch.matmul(a, _like(a, b))
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        return F.linear(x, _like(x, weight), None if bias is None else _like(x, bias))
+
+    # -- elementwise ---------------------------------------------------------
+
+    def add(self, a: Array, b: Array | float) -> Array:
+        return torch.add(a, _like(a, b))
+
+    def sub(self, a: Array, b: Array | float) -> Array:
+        return torch.sub(a, _like(a, b))
+
+    def mul(self, a: Array, b: Array | float) -> Array:
+        return torch.mul(a, _like(a, b))
+
+    def div(self, a: Array, b: Array | float) -> Array:
+        """True division; integer operands give float32, as in the numpy backend."""
+        return torch.div(a, _like(a, b))
+
+    def exp(self, x: Array) -> Array:
+        return torch.exp(x)
+
+    def sqrt(self, x: Array) -> Array:
+        return torch.sqrt(x)
+
+    def tanh(self, x: Array) -> Array:
+        return torch.tanh(x)
+
+    def cos(self, x: Array) -> Array:
+        return torch.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return torch.sin(x)
+
+    def silu(self, x: Array) -> Array:
+        return F.silu(x)
+
+    def gelu(self, x: Array) -> Array:
+        return F.gelu(x)
+
+    def gelu_tanh(self, x: Array) -> Array:
+        return F.gelu(x, approximate="tanh")
+
+    # -- reductions ----------------------------------------------------------
+
+    def sum(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return torch.sum(x, dim=axis, keepdim=keepdims)
+
+    def mean(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return torch.mean(x, dim=axis, keepdim=keepdims)
+
+    def max(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        return torch.amax(x, dim=axis, keepdim=keepdims)
+
+    def argmax(self, x: Array, axis: int = -1) -> Array:
+        """int64; torch documents that the first maximal index wins, as in numpy."""
+        return torch.argmax(x, dim=axis)
+
+    def softmax(self, x: Array, axis: int = -1) -> Array:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return torch.softmax(x, dim=axis, dtype=torch.float32).to(x.dtype)
+        return torch.softmax(x, dim=axis)
+
+    # -- normalisation, position, gather ---------------------------------------
+
+    def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        x32 = x.float()
+        y = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return y if weight is None else y * weight
+
+    def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
+        y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y
+
+    def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+        """Computed in float32 (or wider), rounded once to ``x``'s dtype."""
+        half = cos.shape[-1]
+        rot = 2 * half
+        wide = torch.promote_types(x.dtype, torch.float32)
+        cos = cos[:, None, :].to(wide)  # [tokens, 1, rot/2], broadcast over heads
+        sin = sin[:, None, :].to(wide)
+        xr = x[..., :rot].to(wide)
+        if interleaved:
+            a, b = xr[..., 0::2], xr[..., 1::2]
+            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        else:
+            a, b = xr[..., :half], xr[..., half:]
+            rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        rotated = rotated.to(x.dtype)
+        return rotated if rot == x.shape[-1] else torch.cat((rotated, x[..., rot:]), dim=-1)
+
+    def embedding(self, table: Array, ids: Array) -> Array:
+        """Checks the range first: on CUDA an out-of-range index is a device
+        assert that kills the process, not an exception."""
+        if ids.numel():
+            lo, hi = torch.stack((ids.min(), ids.max())).tolist()  # one device sync, not two
+            if lo < 0 or hi >= table.shape[0]:
+                raise IndexError(f"token id out of range [0, {table.shape[0]}): found {lo if lo < 0 else hi}")
+        return F.embedding(self._index(ids), table)
+
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        return torch.index_select(x, axis, self._index(indices))
+
+    def _index(self, ids: Array) -> Array:
+        # int32 indices work on the CPU and CUDA; int64 is what every device
+        # documents, so other devices get that.
+        return ids if ids.dtype == torch.int64 or self._device.type in ("cpu", "cuda") else ids.long()
+
+    # -- shapes ------------------------------------------------------------------
+
+    def reshape(self, x: Array, shape: Sequence[int]) -> Array:
+        return x.reshape(tuple(shape))
+
+    def transpose(self, x: Array, axes: Sequence[int]) -> Array:
+        return x.permute(tuple(axes))
+
+    def concat(self, xs: Sequence[Array], axis: int = 0) -> Array:
+        return torch.cat(list(xs), dim=axis)
+
+    def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        index: list[Any] = [slice(None)] * (axis % x.dim())
+        index.append(slice(start, stop))
+        return x[tuple(index)]
+
+    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
+        """In place: ``dst`` is modified and returned."""
+        dst[start : start + src.shape[0]].copy_(src)
+        return dst
+
+    # -- optional ops ---------------------------------------------------------------
+
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        return F.silu(gate).mul_(up)  # one temporary instead of two
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """Computed in float32, rounded once to ``x``'s dtype."""
+        return (torch.tanh(x.float() / cap) * cap).to(x.dtype)
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        elif self._device.type == "mps":
+            torch.mps.synchronize()
+
+    # -- attention -----------------------------------------------------------------
+
+    def attention(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Through ``scaled_dot_product_attention``, except with ``softcap``.
+
+        torch's ``is_causal=True`` aligns the mask top-left, the contract
+        bottom-right; they agree only when ``tq == tk``, so ``is_causal`` is
+        used only then, a single query needs no mask at all, and every other
+        causal or windowed case passes an explicit boolean mask. SDPA has no
+        soft-capping, so with ``softcap`` the scores are formed, capped,
+        masked and soft-maxed here in float32.
+        """
+        tq, hq, dk = q.shape
+        tk, hkv, dv = v.shape
+        if window is not None and window >= tk:
+            window = None  # the window reaches every key: no effect
+        if softcap is not None:
+            return self._attention_float32(q, k, v, scale, causal, window, softcap)
+        mask, is_causal = self._mask(tq, tk, causal, window)
+        # [1, heads, tokens, dim]: the fused kernels take only 4-D inputs.
+        qt, kt, vt = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+        gqa: dict[str, bool] = {}
+        if hkv != hq:
+            # Native GQA reaches the flash kernels only without a mask; with
+            # one (and on MPS) repeat the kv heads: query head h reads h // group.
+            if _HAS_ENABLE_GQA and mask is None and self._device.type != "mps":
+                gqa["enable_gqa"] = True
+            else:
+                kt = kt.repeat_interleave(hq // hkv, dim=1)
+                vt = vt.repeat_interleave(hq // hkv, dim=1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
+        return out[0].transpose(0, 1)  # [tq, hq, dv]
+
+    def _mask(self, tq: int, tk: int, causal: bool, window: int | None) -> tuple[Any, bool]:
+        """(boolean [tq, tk] mask of visible keys or None, is_causal)."""
+        if window is None:
+            if not causal or tq == 1:
+                return None, False
+            if tq == tk:
+                return None, True
+        key = (tq, tk, causal, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            pos = torch.arange(tk - tq, tk, device=self._device)[:, None]  # query i sits at tk - tq + i
+            j = torch.arange(tk, device=self._device)[None, :]
+            mask = torch.ones((tq, tk), dtype=torch.bool, device=self._device)
+            if causal:
+                mask &= j <= pos
+            if window is not None:
+                mask &= pos - j < window
+            if len(self._masks) >= 32:  # every layer of a step shares one; keep a few steps
+                self._masks.clear()
+            self._masks[key] = mask
+        return mask, False
+
+    def _attention_float32(self, q: Array, k: Array, v: Array, scale: float, causal: bool,
+                           window: int | None, softcap: float) -> Array:
+        tq, hq, dk = q.shape
+        tk, hkv, dv = v.shape
+        group = hq // hkv
+        # [hkv, group*tq, dk] @ [hkv, dk, tk]: grouped-query attention without repeating keys.
+        qg = q.float().reshape(tq, hkv, group, dk).permute(1, 2, 0, 3).reshape(hkv, group * tq, dk)
+        scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        mask, is_causal = self._mask(tq, tk, causal, window)
+        if is_causal:
+            mask = torch.ones((tq, tk), dtype=torch.bool, device=self._device).tril()
+        if mask is not None:
+            scores = scores.reshape(hkv, group, tq, tk).masked_fill(~mask, float("-inf")).reshape(hkv, -1, tk)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v.float().transpose(0, 1))  # [hkv, group*tq, dv]
+        return out.reshape(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)
+
+
+def _like(a: Array, b: Any) -> Any:
+    """``b`` cast to ``a``'s dtype when both are float tensors of different
+    dtypes: the contract's float ops return their first float input's dtype
+    (torch would promote to the wider one)."""
+    if (isinstance(b, torch.Tensor) and b.dtype != a.dtype
+            and a.is_floating_point() and b.is_floating_point()):
+        return b.to(a.dtype)
+    return b
+
+
+# -- registration ----------------------------------------------------------------------
+
+
+def _probe(device: str) -> Probe:
+    if importlib.util.find_spec("torch") is None:
+        return Probe(0, "torch is not installed (pip install torch)")
+    try:
+        _import_torch()
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return Probe(0, f"torch failed to import: {type(exc).__name__}: {exc}")
+    native = tuple(sorted(NATIVE_OPS if device != "cpu" else set(NATIVE_OPS) - {"synchronize"}))
+    try:
+        if device == "cuda":
+            if not torch.backends.cuda.is_built():
+                return Probe(0, "torch was built without CUDA")
+            if not torch.cuda.is_available():
+                return Probe(0, "no CUDA device")
+        elif device == "mps":
+            mps = getattr(torch.backends, "mps", None)
+            if mps is None or not mps.is_built():
+                return Probe(0, "torch was built without MPS (Apple silicon only)")
+            if not mps.is_available():
+                return Probe(0, "no MPS device (needs macOS 12.3+ on Apple silicon)")
+    except Exception as exc:
+        return Probe(0, f"torch could not query {device}: {type(exc).__name__}: {exc}")
+    return Probe(SCORES[device], None, native)
+
+
+def _spec(device: str, description: str) -> BackendSpec:
+    return BackendSpec(
+        name="torch",
+        device=device,
+        factory=lambda dtype: TorchBackend(device, dtype),
+        probe=lambda: _probe(device),
+        description=description,
+    )
+
+
+@hookimpl
+def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    """Register torch on CUDA, MPS and the CPU."""
+    register(_spec("cuda", "PyTorch on an NVIDIA (or ROCm) GPU; bfloat16 by default where supported"))
+    register(_spec("mps", "PyTorch on Apple silicon through Metal"))
+    register(_spec("cpu", "PyTorch on the CPU; float32 by default"))

@@ -1,0 +1,160 @@
+"""The conformance kit's op cases: every required op and every optional op.
+
+A declarative table: each :class:`~infer.testing.conformance.Case` names the
+op, the strategy that draws its calls (:mod:`infer.testing.strategies`),
+how to call it when that is more than ``op(*args, **kwargs)``, and which
+dtype its result must have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from infer.ops import QuantizedTensor
+from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch
+from infer.testing.strategies import (
+    arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls, embedding_calls,
+    from_numpy_calls, fused_add_rms_norm_calls, layer_norm_calls, linear_calls, matmul_calls,
+    quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls, softcap_calls,
+    softmax_calls, sqrt_calls, swiglu_calls, take_calls, transpose_calls, unary, update_rows_calls, zeros_calls,
+)
+
+
+def _run(fn: Any) -> Any:
+    """``run`` hook from ``fn(ops, call, *args)``."""
+    return lambda ops, call, args, kwargs: fn(ops, call, *args)
+
+
+def _from_numpy(ops: Any, call: Call) -> Any:
+    host = call.info["host"].copy()
+    x = ops.from_numpy(host, call.info["dtype"])
+    host[...] = 7  # the caller reuses its buffer: the backend array must not change
+    return x
+
+
+def _to_numpy(ops: Any, call: Call, x: Any) -> Host:
+    h = ops.to_numpy(x)
+    if not isinstance(h, np.ndarray):
+        raise Mismatch(f"to_numpy returned {type(h).__name__}, not a numpy array")
+    kept = h.copy()
+    if h.flags.writeable:
+        h[...] = 0  # must not write through to the backend array (checked after the call)
+    return Host(kept)
+
+
+def _check_dtype(ops: Any, call: Call, x: Any) -> str:
+    want = ops.compute_dtype if call.info["kind"] == "float" else call.info["kind"]
+    got = ops.dtype(x)
+    return "ok" if got == want else f"dtype() said {got!r} for an array uploaded as {want!r}"
+
+
+def _arange(ops: Any, call: Call) -> Any:
+    i = call.info
+    return ops.arange(i["start"], i["stop"]) if i["dtype"] is None else ops.arange(i["start"], i["stop"], i["dtype"])
+
+
+class _Stored(QuantizedTensor):
+    """A "quantized" weight that is float32 inside: prepare_weight must
+    dequantize what it does not compute on natively."""
+
+    qtype = "F32_CONFORMANCE"
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value, self.shape = value, tuple(value.shape)
+
+    def dequantize(self) -> np.ndarray:
+        return self.value.copy()
+
+
+def _case(name: str, op: str, inputs: Any, **kw: Any) -> Case:
+    return Case(name=name, op=op, inputs=inputs, **kw)
+
+
+CASES: tuple[Case, ...] = (
+    # transfer, creation, casting
+    _case("from_numpy-float", "from_numpy", from_numpy_calls("float"), run=_run(_from_numpy),
+          out=lambda call, dt: call.info["dtype"] or dt),
+    _case("from_numpy-int32", "from_numpy", from_numpy_calls("int32"), run=_run(_from_numpy),
+          out=lambda call, dt: "int32"),
+    _case("from_numpy-int64", "from_numpy", from_numpy_calls("int64"), run=_run(_from_numpy),
+          out=lambda call, dt: "int64"),
+    _case("to_numpy", "to_numpy", array_of_kind().map(lambda x: Call((x,))), run=_run(_to_numpy),
+          out=lambda call, dt: {"bfloat16": "float32"}.get(SAME(call, dt), SAME(call, dt))),
+    *(_case(f"astype-{t}", "astype", astype_calls(t), out=lambda call, dt: call.args[1])
+      for t in ("float32", "bfloat16", "float16", "int32", "int64")),
+    _case("shape", "shape", array_of_kind().map(lambda x: Call((x,)))),
+    _case("dtype", "dtype", array_of_kind().map(lambda x: Call((x,), info={"kind": x.dtype})),
+          run=_run(_check_dtype)),
+    _case("zeros", "zeros", zeros_calls(), run=_run(lambda ops, call: ops.zeros(call.info["shape"], call.info["dtype"])),
+          out=lambda call, dt: call.info["dtype"] or dt),
+    _case("arange", "arange", arange_calls(), run=_run(_arange), out=lambda call, dt: call.info["dtype"] or "int32"),
+    # linear algebra
+    _case("matmul", "matmul", matmul_calls()),
+    _case("linear", "linear", linear_calls(bias=False)),
+    _case("linear-bias", "linear", linear_calls(bias=True)),
+    # elementwise
+    *(_case(op, op, binary_calls(op)) for op in ("add", "sub", "mul", "div")),
+    *(_case(f"{op}-int", op, binary_calls(op, ints=True), out=SAME) for op in ("add", "sub", "mul")),
+    _case("div-int", "div", binary_calls("div", ints=True), out=lambda call, dt: "float32"),
+    _case("exp", "exp", unary(clip=10.0)),
+    _case("sqrt", "sqrt", sqrt_calls()),
+    _case("tanh", "tanh", unary()),
+    _case("cos", "cos", unary(scale=st.sampled_from([1.0, 10.0]))),
+    _case("sin", "sin", unary(scale=st.sampled_from([1.0, 10.0]))),
+    *(_case(op, op, unary(scale=st.sampled_from([0.1, 1.0, 3.0, 100.0]))) for op in ("silu", "gelu", "gelu_tanh")),
+    # reductions
+    _case("sum", "sum", reduce_calls()),
+    _case("mean", "mean", reduce_calls()),
+    _case("max", "max", reduce_calls(ties=True)),
+    _case("argmax", "argmax", reduce_calls(keepdims=False, ties=True), out=INDEX),
+    _case("softmax", "softmax", softmax_calls()),
+    _case("softmax-masked-row", "softmax", softmax_calls(masked_row=True)),
+    # normalisation, position, gathers
+    _case("rms_norm", "rms_norm", rms_norm_calls()),
+    _case("layer_norm", "layer_norm", layer_norm_calls()),
+    _case("rope", "rope", rope_calls(partial=False)),
+    _case("rope-partial", "rope", rope_calls(partial=True)),
+    _case("embedding", "embedding", embedding_calls()),
+    _case("embedding-out-of-range", "embedding", embedding_calls(out_of_range=True), raises=True),
+    _case("take", "take", take_calls(), out=SAME),
+    # shapes
+    _case("reshape", "reshape", reshape_calls(), out=SAME),
+    _case("transpose", "transpose", transpose_calls(), out=SAME),
+    _case("concat", "concat", concat_calls(), out=lambda call, dt: SAME(Call(tuple(call.args[0])), dt)),
+    _case("slice", "slice", slice_calls(), out=SAME),
+    _case("update_rows", "update_rows", update_rows_calls(), mutates=(0,)),
+    # attention
+    _case("attention-causal", "attention", attention_calls(past=st.just(0), group=st.just(1), causal=st.just(True),
+                                                           window=st.none(), softcap=st.none())),
+    _case("attention-decode", "attention", attention_calls(tq=st.just(1), past=st.integers(1, 16),
+                                                           causal=st.just(True), window=st.none(), softcap=st.none())),
+    _case("attention-bottom-right", "attention", attention_calls(tq=st.integers(2, 6), past=st.integers(1, 8),
+                                                                 causal=st.just(True), window=st.none(),
+                                                                 softcap=st.none())),
+    _case("attention-gqa", "attention", attention_calls(group=st.integers(2, 4), causal=st.just(True),
+                                                        window=st.none(), softcap=st.none())),
+    _case("attention-window", "attention", attention_calls(window=st.integers(1, 10), softcap=st.none())),
+    _case("attention-softcap", "attention", attention_calls(softcap=st.floats(5.0, 50.0))),
+    _case("attention-non-causal", "attention", attention_calls(causal=st.just(False), window=st.none(),
+                                                               softcap=st.none())),
+    # optional ops (native or default)
+    _case("prepare_weight-quantized", "prepare_weight", quantized_weight_calls(),
+          run=_run(lambda ops, call, x: ops.linear(x, ops.prepare_weight(_Stored(call.info["weight"]))))),
+    _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
+    _case("swiglu", "swiglu", swiglu_calls()),
+    _case("softcap", "softcap", softcap_calls()),
+    _case("paged_attention", "paged_attention", attention_calls(paged=True)),
+    _case("synchronize", "synchronize", st.just(Call())),
+)
+"""Every case, in the contract's order: required ops, then optional ops."""
+
+
+def case_named(name: str) -> Case:
+    """The case called ``name``."""
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise KeyError(f"no conformance case {name!r}; cases: {', '.join(c.name for c in CASES)}")

@@ -1,0 +1,367 @@
+"""Hypothesis strategies that draw the conformance kit's op calls.
+
+Each strategy draws a :class:`~infer.testing.conformance.Call`: shapes,
+axes, flags and dtypes come from hypothesis, the values from numpy seeded
+with a drawn seed (fast, and a failing call prints small). Value ranges keep
+float16 clear of overflow and underflow where a correct implementation would
+not hit them (e.g. ``exp`` inputs stay in [-10, 10]); ``rms_norm`` squares
+values past float16's range on purpose, which the contract's "mean in at
+least float32" makes harmless.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from infer.testing.conformance import Call, In
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+def normal(seed: int, shape: tuple[int, ...], scale: float = 1.0, offset: float = 0.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale + offset).astype(np.float32)
+
+
+def shapes(min_dims: int = 1, max_dims: int = 3, max_side: int = 8) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.lists(st.integers(1, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
+
+
+@st.composite
+def float_array(draw: Any, scale: Any = st.sampled_from([0.1, 1.0, 3.0]), min_dims: int = 1,
+                max_dims: int = 3, clip: float | None = None) -> In:
+    x = normal(draw(seeds), draw(shapes(min_dims, max_dims)), draw(scale))
+    return In(np.clip(x, -clip, clip) if clip is not None else x)
+
+
+def unary(clip: float | None = None, scale: Any = st.sampled_from([0.1, 1.0, 3.0])) -> Any:
+    return float_array(scale=scale, clip=clip).map(lambda x: Call((x,)))
+
+
+# -- transfer, creation, casting -----------------------------------------------------------
+
+
+@st.composite
+def from_numpy_calls(draw: Any, kind: str) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    if kind == "float":
+        host = normal(seed, shape, 3.0)
+        dtype = draw(st.sampled_from([None, "float32"]))
+    else:
+        host = np.random.default_rng(seed).integers(-1000, 1000, shape).astype(kind)
+        dtype = draw(st.sampled_from([None, kind]))
+    return Call(info={"host": host, "dtype": dtype})
+
+
+@st.composite
+def astype_calls(draw: Any, target: str) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    if target in ("int32", "int64"):  # truncation toward zero, negatives included
+        x = In(np.random.default_rng(seed).uniform(-100, 100, shape).astype(np.float32))
+    elif draw(st.booleans()):
+        x = In(normal(seed, shape, 3.0))
+    else:
+        x = In(np.random.default_rng(seed).integers(-500, 500, shape).astype(np.int32), "int32")
+    return Call((x, target))
+
+
+@st.composite
+def array_of_kind(draw: Any) -> In:
+    shape, seed = draw(shapes()), draw(seeds)
+    kind = draw(st.sampled_from(["float", "int32", "int64"]))
+    if kind == "float":
+        return In(normal(seed, shape))
+    return In(np.random.default_rng(seed).integers(-100, 100, shape).astype(kind), kind)
+
+
+@st.composite
+def zeros_calls(draw: Any) -> Call:
+    return Call(info={"shape": draw(shapes(0, 3)), "dtype": draw(st.sampled_from([None, "float32", "int32", "int64"]))})
+
+
+@st.composite
+def arange_calls(draw: Any) -> Call:
+    start = draw(st.integers(-20, 40))
+    stop = start + draw(st.integers(0, 40))
+    return Call(info={"start": start, "stop": stop, "dtype": draw(st.sampled_from([None, "int32", "int64"]))})
+
+
+# -- linear algebra --------------------------------------------------------------------------
+
+
+@st.composite
+def matmul_calls(draw: Any) -> Call:
+    m, k, n, b = (draw(st.integers(1, 12)) for _ in range(4))
+    form = draw(st.sampled_from(["2d", "batched", "broadcast", "vec-mat", "mat-vec"]))
+    a_shape, b_shape = {
+        "2d": ((m, k), (k, n)), "batched": ((b, m, k), (b, k, n)), "broadcast": ((b, m, k), (k, n)),
+        "vec-mat": ((k,), (k, n)), "mat-vec": ((m, k), (k,)),
+    }[form]
+    seed = draw(seeds)
+    return Call((In(normal(seed, a_shape)), In(normal(seed + 1, b_shape))), info={"form": form})
+
+
+@st.composite
+def linear_calls(draw: Any, bias: bool) -> Call:
+    lead = draw(st.sampled_from([(1,), (draw(st.integers(2, 9)),), (2, 3), ()]))
+    # At least 4 outputs: NMSE of one output that cancels to ~0 measures only luck.
+    d_in, d_out, seed = draw(st.integers(1, 48)), draw(st.integers(4, 48)), draw(seeds)
+    x = In(normal(seed, lead + (d_in,)))
+    w = In(normal(seed + 1, (d_out, d_in), 1 / math.sqrt(d_in)), weight=True)
+    bias_arg = In(normal(seed + 2, (d_out,), 0.1), weight=True) if bias else None
+    return Call((x, w, bias_arg))
+
+
+# -- elementwise -------------------------------------------------------------------------------
+
+
+@st.composite
+def binary_calls(draw: Any, op: str, ints: bool = False) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    rng = np.random.default_rng(seed)
+    form = draw(st.sampled_from(["same", "broadcast", "scalar"]))
+    if form == "broadcast":  # b drops leading axes and/or has size-1 axes
+        b_shape = tuple(1 if draw(st.booleans()) else s for s in shape)[draw(st.integers(0, len(shape) - 1)):]
+    else:
+        b_shape = shape
+
+    def values(shape: tuple[int, ...]) -> np.ndarray:
+        if ints:
+            return rng.integers(1 if op == "div" else -50, 50, shape).astype(np.int32)
+        if op == "div":  # keep denominators away from zero
+            return (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 2.0, shape)).astype(np.float32)
+        return rng.standard_normal(shape).astype(np.float32)
+
+    kind = "int32" if ints else "float"
+    a = In(values(shape), kind)
+    if form == "scalar":
+        b: Any = int(rng.integers(1, 5)) if ints else float(values(()))
+    else:
+        b = In(values(b_shape), kind)
+    return Call((a, b), info={"form": form})
+
+
+@st.composite
+def sqrt_calls(draw: Any) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    x = np.abs(normal(seed, shape, draw(st.sampled_from([1e-2, 1.0, 100.0]))))
+    if draw(st.booleans()):
+        x[np.random.default_rng(seed).random(shape) < 0.2] *= -1  # NaN for negative inputs
+    return Call((In(x),))
+
+
+
+# -- reductions -------------------------------------------------------------------------------
+
+
+@st.composite
+def reduce_calls(draw: Any, keepdims: bool = True, ties: bool = False) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    if ties and draw(st.booleans()):  # few distinct values: the first maximum must win
+        x = np.random.default_rng(seed).integers(-3, 3, shape).astype(np.float32)
+    else:
+        x = normal(seed, shape, draw(st.sampled_from([0.1, 1.0, 10.0])))
+    kwargs: dict[str, Any] = {"axis": draw(st.integers(-len(shape), len(shape) - 1))}
+    if keepdims:
+        kwargs["keepdims"] = draw(st.booleans())
+    return Call((In(x),), kwargs)
+
+
+@st.composite
+def softmax_calls(draw: Any, masked_row: bool = False) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    rng = np.random.default_rng(seed)
+    x = normal(seed, shape, draw(st.sampled_from([1.0, 5.0, 20.0])))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    if draw(st.booleans()):  # masked entries, as attention masks produce
+        x[rng.random(shape) < 0.3] = -np.inf
+        first = [slice(None)] * len(shape)
+        first[axis] = slice(0, 1)
+        x[tuple(first)] = rng.standard_normal(x[tuple(first)].shape)  # every row keeps one finite entry
+    if masked_row:  # a row entirely -inf gives NaN (contract)
+        row = [slice(None)] * len(shape)
+        for d in range(len(shape)):
+            if d != axis % len(shape):
+                row[d] = 0
+        x[tuple(row)] = -np.inf
+    return Call((In(x),), {"axis": axis})
+
+
+# -- norms, rope, gathers -----------------------------------------------------------------------
+
+
+@st.composite
+def rms_norm_calls(draw: Any) -> Call:
+    shape, seed = draw(shapes(1, 3, 64)), draw(seeds)
+    d = shape[-1]
+    x = In(normal(seed, shape, draw(st.sampled_from([1e-2, 1.0, 100.0]))))
+    w = In(normal(seed + 1, (d,), 0.1, 1.0), weight=True) if draw(st.booleans()) else None
+    return Call((x, w, draw(st.sampled_from([1e-6, 1e-5]))))
+
+
+@st.composite
+def fused_add_rms_norm_calls(draw: Any) -> Call:
+    rows, d, seed = draw(st.integers(1, 6)), draw(st.integers(1, 64)), draw(seeds)
+    x, residual = In(normal(seed, (rows, d))), In(normal(seed + 1, (rows, d), 3.0))
+    w = In(normal(seed + 2, (d,), 0.1, 1.0), weight=True) if draw(st.booleans()) else None
+    return Call((x, residual, w, 1e-6))
+
+
+@st.composite
+def layer_norm_calls(draw: Any) -> Call:
+    shape, seed = draw(shapes(1, 3, 64)), draw(seeds)
+    d = shape[-1]
+    x = In(normal(seed, shape, 1.0, draw(st.sampled_from([0.0, 3.0, -50.0]))))
+    w = In(normal(seed + 1, (d,), 0.1, 1.0), weight=True) if draw(st.booleans()) else None
+    b = In(normal(seed + 2, (d,), 0.1), weight=True) if draw(st.booleans()) else None
+    return Call((x, w, b, draw(st.sampled_from([1e-6, 1e-5]))))
+
+
+@st.composite
+def rope_calls(draw: Any, partial: bool) -> Call:
+    tokens, heads, seed = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(seeds)
+    head_dim = 2 * draw(st.integers(1, 16))
+    rot = 2 * draw(st.integers(1, head_dim // 2)) if partial else head_dim
+    positions = np.random.default_rng(seed).integers(0, 4096, tokens)
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot)
+    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float32)
+    x = In(normal(seed, (tokens, heads, head_dim)))
+    return Call((x, In(np.cos(angles)), In(np.sin(angles))), {"interleaved": draw(st.booleans())})
+
+
+@st.composite
+def embedding_calls(draw: Any, out_of_range: bool = False) -> Call:
+    vocab, d, n, seed = draw(st.integers(1, 50)), draw(st.integers(1, 32)), draw(st.integers(1, 8)), draw(seeds)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, n)
+    if out_of_range:
+        ids[rng.integers(0, n)] = draw(st.sampled_from([vocab, vocab + 7, -1]))
+    kind = draw(st.sampled_from(["int32", "int64"]))
+    return Call((In(normal(seed, (vocab, d)), weight=True), In(ids.astype(kind), kind)))
+
+
+@st.composite
+def take_calls(draw: Any) -> Call:
+    x = draw(array_of_kind())
+    ndim = x.value.ndim
+    axis = draw(st.integers(-ndim, ndim - 1))
+    n = x.value.shape[axis]
+    kind = draw(st.sampled_from(["int32", "int64"]))
+    idx = np.random.default_rng(draw(seeds)).integers(0, n, draw(st.integers(1, 6))).astype(kind)
+    return Call((x, In(idx, kind)), {"axis": axis})
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def reshape_calls(draw: Any) -> Call:
+    x = draw(array_of_kind())
+    factors = [p for s in x.value.shape for p in _primes(s)]
+    rank = draw(st.integers(1, 4))
+    bins = [1] * rank
+    for p in factors:
+        bins[draw(st.integers(0, rank - 1))] *= p
+    if draw(st.booleans()):
+        bins[draw(st.integers(0, rank - 1))] = -1
+    return Call((x, tuple(bins)))
+
+
+def _primes(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+@st.composite
+def transpose_calls(draw: Any) -> Call:
+    x = draw(array_of_kind())
+    return Call((x, tuple(draw(st.permutations(range(x.value.ndim))))))
+
+
+@st.composite
+def concat_calls(draw: Any) -> Call:
+    shape, seed, kind = draw(shapes()), draw(seeds), draw(st.sampled_from(["float", "int32"]))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    parts = []
+    for i in range(draw(st.integers(1, 3))):
+        s = list(shape)
+        s[axis] = draw(st.integers(1, 4))
+        v = normal(seed + i, tuple(s)) if kind == "float" else np.arange(math.prod(s), dtype=np.int32).reshape(s) + i
+        parts.append(In(v, kind))
+    return Call((parts,), {"axis": axis})
+
+
+@st.composite
+def slice_calls(draw: Any) -> Call:
+    x = draw(array_of_kind())
+    ndim = x.value.ndim
+    axis = draw(st.integers(-ndim, ndim - 1))
+    n = x.value.shape[axis]
+    return Call((x, axis, draw(st.integers(-n - 2, n + 2)), draw(st.integers(-n - 2, n + 2))))
+
+
+@st.composite
+def update_rows_calls(draw: Any) -> Call:
+    rows, seed = draw(st.integers(1, 10)), draw(seeds)
+    tail = draw(shapes(0, 2, 5))
+    start = draw(st.integers(0, rows - 1))
+    count = draw(st.integers(1, rows - start))
+    src_kind = draw(st.sampled_from(["float", "float32"]))  # src is cast to dst's dtype
+    dst = In(normal(seed, (rows,) + tail))
+    return Call((dst, start, In(normal(seed + 1, (count,) + tail), src_kind)))
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+@st.composite
+def attention_calls(draw: Any, tq: Any = st.integers(1, 6), past: Any = st.integers(0, 8),
+                    group: Any = st.integers(1, 4), causal: Any = st.booleans(),
+                    window: Any = st.none() | st.integers(1, 12), softcap: Any = st.none() | st.floats(5.0, 50.0),
+                    paged: bool = False) -> Call:
+    tq_, past_, group_, hkv = draw(tq), draw(past), draw(group), draw(st.integers(1, 3))
+    dk = draw(st.sampled_from([4, 8, 16, 32]))
+    dv = draw(st.sampled_from([dk, dk, 8]))
+    tk, seed = tq_ + past_, draw(seeds)
+    kwargs = {
+        "scale": draw(st.floats(0.5, 1.5)) / math.sqrt(dk), "causal": draw(causal),
+        "window": draw(window), "softcap": draw(softcap),
+    }
+    q = In(normal(seed, (tq_, hkv * group_, dk)))
+    if not paged:
+        return Call((q, In(normal(seed + 1, (tk, hkv, dk))), In(normal(seed + 2, (tk, hkv, dv)))), kwargs)
+    block = draw(st.sampled_from([1, 2, 4, 8]))
+    used = -(-tk // block) + draw(st.integers(0, 1))  # the table may hold a block past context_len
+    pool = used + draw(st.integers(0, 4))
+    table = np.random.default_rng(seed).permutation(pool)[:used].astype(np.int32)
+    k_pool = In(normal(seed + 1, (pool, block, hkv, dk)))
+    v_pool = In(normal(seed + 2, (pool, block, hkv, dv)))
+    return Call((q, k_pool, v_pool, In(table, "int32"), tk), kwargs)
+
+
+# -- optional ops ---------------------------------------------------------------------------------
+
+
+@st.composite
+def quantized_weight_calls(draw: Any) -> Call:
+    rows, d_in, d_out, seed = draw(st.integers(1, 5)), draw(st.integers(1, 32)), draw(st.integers(4, 32)), draw(seeds)
+    return Call((In(normal(seed, (rows, d_in))),), info={"weight": normal(seed + 1, (d_out, d_in))})
+
+
+@st.composite
+def swiglu_calls(draw: Any) -> Call:
+    shape, seed = draw(shapes()), draw(seeds)
+    return Call((In(normal(seed, shape, 3.0)), In(normal(seed + 1, shape))))
+
+
+@st.composite
+def softcap_calls(draw: Any) -> Call:
+    return Call((draw(float_array(scale=st.sampled_from([1.0, 30.0, 100.0]))), draw(st.floats(5.0, 50.0))))

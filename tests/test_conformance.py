@@ -1,0 +1,239 @@
+"""The conformance kit (infer.testing): run on every installed backend, and checked itself.
+
+``test_op`` and ``test_end_to_end`` are the kit's own tests, imported so that
+they run here on every available backend except numpy (torch/cpu, mlx/cpu,
+...), in each float dtype the backend declares, through the kit's pytest
+plugin (``--infer-backend`` narrows them). The rest checks the kit: numpy
+passes it, deliberately broken backends are reported wrong on exactly the
+op they break, "unsupported" is a skip and not a failure, and the
+one-command form a third party uses works from outside this checkout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.backends.numpy import NumpyBackend, attention_mask
+from infer.errors import UnsupportedOpError
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS
+from infer.testing.cases import CASES, case_named
+from infer.testing.conformance import check_backend, check_case
+from infer.testing.test_conformance import test_end_to_end, test_op  # noqa: F401  (run here)
+from infer.testing.tiny_model import check_end_to_end
+
+
+def test_every_op_of_the_contract_has_a_case() -> None:
+    # quantized_linear is only called by backends with their own quantized
+    # weight objects; the kit cannot make those, prepare_weight-quantized checks the fallback.
+    covered = {c.op for c in CASES}
+    assert set(REQUIRED_OPS) | set(OPTIONAL_OPS) - {"quantized_linear"} <= covered
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_numpy_passes_its_own_kit() -> None:
+    results = check_backend(NumpyBackend(), max_examples=5)
+    # numpy has no bfloat16 and widens to float32 instead (exact, and what its
+    # loader relies on); the kit rightly calls that wrong for astype.
+    assert [r.case for r in results if r.status != "ok"] == ["astype-bfloat16"]
+    assert max(r.worst_nmse for r in results) == 0.0  # same code on both sides
+    assert all(r.passed for r in check_end_to_end(NumpyBackend()))
+
+
+def test_tiny_models_have_clear_greedy_margins() -> None:
+    # float32 backends must reproduce numpy's tokens exactly: that is fair only
+    # if no step's best two logits are within rounding of each other.
+    for result in check_end_to_end(NumpyBackend()):
+        assert result.reference_margin > 5e-3, result.describe()
+
+
+# -- broken backends, each wrong in one way --------------------------------------------------
+
+
+class TopLeftCausal(NumpyBackend):
+    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
+        if causal and window is None and softcap is None and q.shape[0] < k.shape[0]:
+            tq = q.shape[0]
+            k, v = k[:tq], v[:tq]  # torch's is_causal=True: query i sees keys 0..i
+            return super().attention(q, k, v, scale=scale, causal=True)
+        return super().attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+class IgnoresInterleaved(NumpyBackend):
+    def rope(self, x, cos, sin, interleaved=False):
+        return super().rope(x, cos, sin, interleaved=False)
+
+
+class SoftmaxZeroForMaskedRows(NumpyBackend):
+    def softmax(self, x, axis=-1):
+        return np.nan_to_num(super().softmax(x, axis), nan=0.0)
+
+
+class LastArgmax(NumpyBackend):
+    def argmax(self, x, axis=-1):
+        flipped = np.flip(x, axis=axis)
+        return x.shape[axis] - 1 - np.argmax(flipped, axis=axis)
+
+
+class InPlaceExp(NumpyBackend):
+    def exp(self, x):
+        return np.exp(x, out=x)
+
+
+class AliasingToNumpy(NumpyBackend):
+    def to_numpy(self, x):
+        return x
+
+
+class RmsNormWithoutEps(NumpyBackend):
+    def rms_norm(self, x, weight, eps):
+        return super().rms_norm(x, weight, 0.0)
+
+
+class MeanInFloat64(NumpyBackend):
+    def mean(self, x, axis=-1, keepdims=False):
+        return np.mean(x.astype(np.float64), axis=axis, keepdims=keepdims)
+
+
+class WrappingEmbedding(NumpyBackend):
+    def embedding(self, table, ids):
+        return np.take(table, ids, axis=0, mode="wrap")
+
+
+class DropsBias(NumpyBackend):
+    def linear(self, x, weight, bias=None):
+        return super().linear(x, weight, None)
+
+
+class SlidingWindowOffByOne(NumpyBackend):
+    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
+        return super().attention(q, k, v, scale=scale, causal=causal,
+                                 window=None if window is None else window + 1, softcap=softcap)
+
+
+@pytest.mark.parametrize("backend, wrong, right, says", [
+    (TopLeftCausal, "attention-bottom-right", "attention-causal", "NMSE"),
+    (IgnoresInterleaved, "rope", "rms_norm", "NMSE"),
+    (SoftmaxZeroForMaskedRows, "softmax-masked-row", "softmax", "NaN"),
+    (LastArgmax, "argmax", "max", "integer results differ"),
+    (InPlaceExp, "exp", "tanh", "modified its input"),
+    (AliasingToNumpy, "to_numpy", "shape", "modified its input"),
+    (RmsNormWithoutEps, "rms_norm", "layer_norm", "NMSE"),
+    (MeanInFloat64, "mean", "sum", "reading back the result"),
+    (WrappingEmbedding, "embedding-out-of-range", "embedding", "instead of raising"),
+    (DropsBias, "linear-bias", "linear", "NMSE"),
+    (SlidingWindowOffByOne, "attention-window", "attention-gqa", "NMSE"),
+])
+def test_a_wrong_op_is_reported_wrong(backend, wrong, right, says) -> None:
+    broken = backend()
+    result = check_case(case_named(wrong), broken)
+    assert result.status == "wrong" and says in result.detail, result
+    assert re.search("Falsifying example|Failing test case", result.detail)  # hypothesis' smallest failing call
+    assert check_case(case_named(right), broken).status == "ok"
+
+
+class NoPagedAttention(NumpyBackend):
+    def paged_attention(self, *args, **kwargs):
+        raise UnsupportedOpError("no paged attention on this backend")
+
+    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
+        if window is not None and window < 3:
+            raise UnsupportedOpError("windows under 3 are not supported")
+        return super().attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+def test_unsupported_is_reported_apart_from_wrong() -> None:
+    backend = NoPagedAttention()
+    result = check_case(case_named("paged_attention"), backend)
+    assert result.status == "unsupported" and "no paged attention" in result.detail
+    partial = check_case(case_named("attention-window"), backend)
+    assert partial.status == "ok" and partial.examples > 0 and partial.unsupported_examples > 0
+    assert "windows under 3" in partial.detail
+
+
+# -- the command a third party runs ---------------------------------------------------------------
+
+BROKEN_PLUGIN = '''
+"""A third-party backend, registered when pytest loads this module with -p."""
+import numpy as np
+from infer.backends.numpy import NumpyBackend
+from infer.errors import UnsupportedOpError
+from infer.hookspecs import hookimpl
+from infer.plugins import register_plugin
+from infer.registry import BackendSpec, Probe
+
+
+class Broken(NumpyBackend):
+    name = "brokenbk"
+
+    def softmax(self, x, axis=-1):
+        return np.nan_to_num(super().softmax(x, axis), nan=0.0)
+
+    def paged_attention(self, *args, **kwargs):
+        raise UnsupportedOpError("brokenbk keeps no page pool")
+
+
+@hookimpl
+def infer_register_backends(register):
+    register(BackendSpec("brokenbk", "cpu", factory=lambda dtype: Broken(dtype), probe=lambda: Probe(5)))
+
+
+register_plugin(__import__(__name__), name="brokenbk")
+'''
+
+
+def run_pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(cwd))
+    env.pop("INFER_CONFORMANCE_BACKENDS", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def outcome(stdout: str) -> dict[str, int]:
+    tail = stdout.strip().splitlines()[-1]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+
+
+def test_pyargs_reports_wrong_as_failed_and_unsupported_as_skipped(tmp_path: Path) -> None:
+    (tmp_path / "brokenbk_plugin.py").write_text(textwrap.dedent(BROKEN_PLUGIN))
+    proc = run_pytest(tmp_path, "-p", "brokenbk_plugin", "--pyargs", "infer.testing", "--infer-backend", "brokenbk",
+                      "--infer-examples", "5", "-k", "softmax or paged_attention or exp", "-q", "-rs")
+    assert outcome(proc.stdout) == {"failed": 1, "passed": 2, "skipped": 1}, proc.stdout + proc.stderr
+    assert "brokenbk/cpu-float32-softmax-masked-row" in proc.stdout and "NaN" in proc.stdout
+    assert "brokenbk keeps no page pool" in proc.stdout
+
+
+def test_pyargs_runs_the_kit_on_torch(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "torch:cpu",
+                      "--infer-dtype", "float32", "--infer-examples", "3", "-q")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert outcome(proc.stdout) == {"passed": len(CASES) + 2}
+
+
+def test_unknown_backend_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "nosuchbackend")
+    assert proc.returncode == 4  # pytest's usage error
+    assert "nosuchbackend: no such backend is registered" in proc.stderr
+
+
+def test_the_kit_needs_neither_transformers_nor_a_framework() -> None:
+    code = ("import sys, infer.testing.conformance, infer.testing.cases, infer.testing.tiny_model, "
+            "infer.testing.pytest_plugin; bad = {'transformers', 'torch', 'mlx', 'reference'} & set(sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_attention_mask_is_bottom_right() -> None:
+    # The numpy reference's own mask, which the kit trusts: last query sees every key.
+    mask = attention_mask(2, 5, True, None)
+    assert mask.tolist() == [[True, True, True, True, False], [True] * 5]
+    assert math.isclose(float(np.mean(mask)), 0.9)
