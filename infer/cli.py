@@ -135,7 +135,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     print(f"infer {infer.__version__} (op contract {'.'.join(map(str, infer.API_VERSION))}), "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
-    for dist in ("numpy", "tokenizers", "torch", "mlx", "transformers", "jax"):
+    for dist in ("numpy", "tokenizers", "torch", "mlx", "transformers"):
         try:
             version = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -154,12 +154,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    import infer
     from infer.diff import diff
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    tokenizer_model = infer.load(args.model, backend="numpy") if args.prompt else None
-    ids = tokenizer_model.tokenizer.encode(args.prompt) if tokenizer_model else []
+    from infer.loading import resolve
+    from infer.plugins import get_registry
+
+    path = resolve(args.model, progress=not args.quiet)
+    package = get_registry().format_for(path).open(path)  # only the tokenizer is needed here
+    if package.tokenizer is None:
+        raise InferError(f"{args.model} has no tokenizer to encode --prompt with")
+    ids = package.tokenizer.encode(args.prompt)
+    package.tensors.close()
     report = diff(args.model, backends, ids, steps=args.steps, tolerance=args.tolerance, dtype=args.dtype)
     print(report.format())
     return 0

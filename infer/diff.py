@@ -35,7 +35,10 @@ class OpRecord:
 
     index: int
     op: str
-    layer: int  # attention calls seen before it in this forward: layer L's ops before its attention count as L-1
+    #: Attention calls completed before it in its forward pass: for the
+    #: attention op itself, its layer; for any other op, n means it ran after
+    #: layer n-1's attention (and before layer n's).
+    layer: int
     outputs: list[np.ndarray]
 
 
@@ -59,10 +62,10 @@ class TracingBackend(Backend):
         self.compute_dtype = inner.compute_dtype
         self.api_version = inner.api_version
         self.trace = Trace()
-        self._layer = -1
+        self._attentions = 0
 
     def start_forward(self) -> None:
-        self._layer = -1
+        self._attentions = 0
 
     def _host(self, value: Any) -> list[np.ndarray]:
         values = value if isinstance(value, tuple) else (value,)
@@ -72,10 +75,10 @@ class TracingBackend(Backend):
         out = getattr(self.inner, op)(*args, **kwargs)
         if op not in _NOT_TRACED:
             host = self._host(out)
-            self.trace.records.append(OpRecord(len(self.trace.records), op, self._layer, host))
+            self.trace.records.append(OpRecord(len(self.trace.records), op, self._attentions, host))
             if op in ("attention", "paged_attention"):
-                self._layer += 1
-                self.trace.attention_outputs.setdefault(self._layer, []).append(host[0])
+                self.trace.attention_outputs.setdefault(self._attentions, []).append(host[0])
+                self._attentions += 1
             elif op == "fused_add_rms_norm":
                 self.trace.hidden_states.append(host[1])
         return out
@@ -111,10 +114,12 @@ class Divergence:
     tokens_a: list[int]
     tokens_b: list[int]
     what: str = "attention output"
+    #: The side whose magnitude scales the relative errors.
+    reference: str = ""
 
     def format(self) -> str:
         """A plain-text report."""
-        lines = [f"{self.a} vs {self.b} (tolerance {self.tolerance:g}, relative to max |{self.a}|)"]
+        lines = [f"{self.a} vs {self.b} (tolerance {self.tolerance:g}, relative to max |{self.reference or self.a}|)"]
         if self.per_layer:
             lines.append(f"layer  max |Δ| of the {self.what} per token")
             for i, row in enumerate(self.per_layer):
@@ -124,7 +129,12 @@ class Divergence:
             lines.append("no op output exceeds the tolerance")
         else:
             index, op, layer, err = self.first
-            where = "before the first attention" if layer < 0 else f"in layer {layer}"
+            if op in ("attention", "paged_attention", "hidden state"):
+                where = f"in layer {layer}"
+            elif layer == 0:
+                where = "in layer 0, before its attention"
+            else:
+                where = f"after layer {layer - 1}'s attention"
             lines.append(f"first divergence: op #{index} {op} {where}: relative error {err:.3g}")
         same = self.tokens_a == self.tokens_b
         lines.append(f"greedy tokens {'identical' if same else 'differ'}: {self.tokens_a} / {self.tokens_b}")
@@ -239,7 +249,7 @@ def compare_hidden(ours: tuple[str, Trace, list[int]], theirs: tuple[str, Trace,
             first = (layer, "hidden state", layer, err)
     assert ta.logits is not None and tb.logits is not None
     return Divergence(name_a, name_b, tolerance, rows, _per_token(ta.logits, tb.logits), first, tok_a, tok_b,
-                      what="hidden state after the layer (prompt tokens)")
+                      what="hidden state after the layer (prompt tokens)", reference=name_b)
 
 
 def diff(reference: Any, backends: Sequence[str], prompt_ids: Sequence[int], *, steps: int = 4,

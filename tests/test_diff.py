@@ -59,8 +59,9 @@ def test_first_divergence_names_the_op_and_layer(model_and_ids, wrong_backend: s
     report = diff(path, ["numpy", wrong_backend], ids, steps=2, tolerance=1e-4)
     assert report.first is not None
     index, op, layer, err = report.first
-    assert op == "swiglu" and layer == 0 and err > 1e-4
-    assert "first divergence" in report.format() and "swiglu in layer 0" in report.format()
+    # The MLP of layer 0 runs after layer 0's attention.
+    assert op == "swiglu" and layer == 1 and err > 1e-4
+    assert "first divergence: op" in report.format() and "swiglu after layer 0's attention" in report.format()
 
 
 def test_against_transformers_per_layer(model_and_ids) -> None:  # type: ignore[no-untyped-def]
