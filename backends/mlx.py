@@ -63,7 +63,7 @@ from infer.registry import BackendSpec, Probe
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8", "uint32")
 
-#: Probe scores (numpy/cpu is 10; torch registers cuda 100, mps 90, cpu 20).
+#: Probe scores (numpy/cpu is 10; torch registers cuda 100, mps 90, cpu 8).
 #: On Apple silicon MLX on Metal is the native way to run a model, ranked above
 #: torch/mps. Under CUDA (mlx[cuda]) torch/cuda is the mature choice, so MLX ranks
 #: below it. On the CPU MLX ranks *below* numpy: the Linux ``mlx[cpu]`` wheel
