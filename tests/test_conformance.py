@@ -219,6 +219,18 @@ def test_pyargs_runs_the_kit_on_torch(tmp_path: Path) -> None:
     assert outcome(proc.stdout) == {"passed": len(CASES) + 2}
 
 
+def test_family_name_checks_the_usable_devices_and_device_names_are_strict(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "torch", "--infer-dtype", "float32",
+                      "--infer-examples", "3", "-k", "exp", "-q")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert outcome(proc.stdout).get("passed", 0) >= 1 and "failed" not in outcome(proc.stdout)
+    proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "torch:cuda")
+    assert proc.returncode == 4 and "torch/cuda: not available here" in proc.stderr
+
+
 def test_unknown_backend_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "nosuchbackend")
     assert proc.returncode == 4  # pytest's usage error

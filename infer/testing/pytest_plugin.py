@@ -112,6 +112,14 @@ def _targets(config: pytest.Config) -> list[Target]:
             found = [k for k, i in infos.items() if i.name == family and device in (None, i.device)]
             if not found:
                 problems.append(f"{name}: no such backend is registered; registered: {', '.join(sorted(infos))}")
+            elif device is None:
+                # A bare family name means its devices usable here (a CPU-only CI
+                # machine checks jax/cpu, not jax/gpu); it is an error only if none is.
+                usable = [k for k in found if infos[k].available]
+                if not usable:
+                    reasons = "; ".join(f"{k}: {infos[k].reason}" for k in found)
+                    problems.append(f"{name}: no device of it is available here ({reasons})")
+                found = usable
             keys += [k for k in found if k not in keys]
     else:
         keys = [k for k, i in infos.items() if i.available and i.name != "numpy"]
