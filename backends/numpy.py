@@ -37,7 +37,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu"})
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention"})
 
     # -- transfer, creation, casting -------------------------------------
 
@@ -272,6 +272,36 @@ class NumpyBackend(Backend):
         scores /= scores.sum(axis=-1, keepdims=True)
         out = np.matmul(scores.astype(v.dtype, copy=False), v.transpose(1, 0, 2))  # [hkv, g*tq, dv]
         return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
+
+    def paged_attention(
+        self,
+        q: Array,
+        k_pool: Array,
+        v_pool: Array,
+        block_table: Array,
+        context_len: int,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Reads only the blocks holding the ``context_len`` keys: ``np.take``
+        on the block axis copies the sequence's own blocks (never the pool),
+        then :meth:`attention`'s math runs on them. The batched GEMM wants
+        each kv head's keys in one strided array, so a copy of the
+        sequence's blocks is the price on the CPU; a GPU kernel would read
+        the pages in place."""
+        block_size = k_pool.shape[1]
+        used = -(-context_len // block_size)  # the table may hold blocks past context_len
+        if used > len(block_table):
+            raise IndexError(
+                f"paged_attention: {context_len} keys need {used} blocks; the table has {len(block_table)}"
+            )
+        table = np.asarray(block_table)[:used]
+        k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
+        v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
+        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
 
 
 def attention_mask(tq: int, tk: int, causal: bool, window: int | None) -> np.ndarray | None:

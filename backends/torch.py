@@ -40,7 +40,7 @@ _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize")
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention")
 # On the CPU, torch's float32 matrix-vector products measured slower than
 # numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
 # 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
@@ -294,6 +294,41 @@ class TorchBackend(Backend):
     def softcap(self, x: Array, cap: float) -> Array:
         """Computed in float32, rounded once to ``x``'s dtype."""
         return (torch.tanh(x.float() / cap) * cap).to(x.dtype)
+
+    def paged_attention(
+        self,
+        q: Array,
+        k_pool: Array,
+        v_pool: Array,
+        block_table: Array,
+        context_len: int,
+        *,
+        scale: float,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """``index_select`` of the sequence's own blocks (those holding the
+        ``context_len`` keys; never a copy of the pool), then :meth:`attention`.
+
+        torch has no public attention kernel that reads a block table, so the
+        sequence's blocks are gathered once per layer: on the CPU that copy is
+        the cost of the batched GEMM anyway. A CUDA kernel (vLLM's
+        PagedAttention, FlashAttention's ``block_table`` argument, FlashInfer)
+        would instead load each key/value page straight from the pool inside
+        the kernel, one thread block per (sequence, head, key partition),
+        never materialising the gathered copy.
+        """
+        block_size = k_pool.shape[1]
+        used = -(-context_len // block_size)  # the table may hold blocks past context_len
+        if used > block_table.shape[0]:
+            raise IndexError(
+                f"paged_attention: {context_len} keys need {used} blocks; the table has {block_table.shape[0]}"
+            )
+        table = self._index(block_table[:used])
+        k = k_pool.index_select(0, table).flatten(0, 1)[:context_len]
+        v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
+        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":

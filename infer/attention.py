@@ -8,12 +8,18 @@ the context stores k and v in the engine's cache and computes attention over
 everything the sequence has cached, through the backend's attention op.
 Which cache layout and which attention kernel run is the engine's choice
 (DESIGN.md rule 3); architectures never see it.
+
+Two paths, chosen per sequence when the context is built: a cache that can
+``attend`` by itself (a :class:`PagedKVStore`, e.g. the paged cache) does so
+when the backend implements ``paged_attention`` natively; every other cache,
+and every cache on a backend without it, is ``read`` into contiguous keys and
+values for the backend's ``attention`` op. Both give the same result.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,6 +32,20 @@ class KVStore(Protocol):
     def write(self, layer: int, start: int, k: Array, v: Array) -> None: ...
 
     def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]: ...
+
+
+@runtime_checkable
+class PagedKVStore(KVStore, Protocol):
+    """A cache that computes attention over its own layout, through the
+    backend's native ``paged_attention`` (used only where the backend has it)."""
+
+    def attend(
+        self, layer: int, q: Array, start: int, stop: int, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Causal attention of ``q`` (``[tq, q_heads, dk]``, the last ``tq``
+        of positions ``..stop``) over the cached keys ``start..stop``."""
+        ...
 
 
 @dataclass
@@ -76,6 +96,10 @@ class AttentionContext:
                 offset += s.length
                 last.append(offset - 1)
             self.logits_indices = None if last == list(range(self.num_tokens)) else _int_array(ops, last)
+        native = ops.supports("paged_attention")
+        #: Per sequence: attend through the cache's ``attend`` (True) or
+        #: ``read`` + the ``attention`` op (False).
+        self.paged = [native and isinstance(s.cache, PagedKVStore) for s in sequences]
 
     def attention(
         self,
@@ -99,7 +123,7 @@ class AttentionContext:
         ops = self.ops
         outputs = []
         offset = 0
-        for seq in self.sequences:
+        for seq, paged in zip(self.sequences, self.paged):
             if len(self.sequences) == 1:
                 qs, ks, vs = q, k, v
             else:
@@ -111,6 +135,9 @@ class AttentionContext:
             # Keys older than the window are invisible to every new query;
             # skipping them keeps sliding-window layers O(window).
             first = 0 if window is None else max(0, seq.start - window + 1)
+            if paged:
+                outputs.append(seq.cache.attend(layer, qs, first, end, scale=scale, window=window, softcap=softcap))
+                continue
             keys, values = seq.cache.read(layer, first, end)
             outputs.append(ops.attention(qs, keys, values, scale=scale, window=window, softcap=softcap))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)

@@ -8,6 +8,12 @@ step feeding back the token just sampled. The architecture sees only an
 Later engines (continuous batching, speculation) build on the same three
 steps: :meth:`Engine.forward` over a batch of sequence slices,
 :meth:`Engine.prefill` and :meth:`Engine.decode_one_token`.
+
+A sequence's cache is contiguous (:class:`~infer.cache.ContiguousKVCache`,
+the default) or a page table into a shared pool
+(:class:`~infer.paged_cache.PagedSequenceCache`) when the engine is given a
+:class:`~infer.paged_cache.PagedKVPool` (``Engine(..., kv_pool=pool)``, or
+per sequence ``new_sequence(kv_pool=pool)``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from infer.attention import AttentionContext, SequenceSlice
 from infer.cache import ContiguousKVCache
 from infer.errors import ContextLengthError, GenerationError, SamplingParameterError
 from infer.ops import Array, Backend
+from infer.paged_cache import PagedKVPool, PagedSequenceCache
 from infer.sampling import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -33,7 +40,7 @@ class SequenceState:
     """One sequence being generated: its tokens and its cache."""
 
     tokens: list[int]
-    cache: ContiguousKVCache
+    cache: ContiguousKVCache | PagedSequenceCache
 
     @property
     def cached(self) -> int:
@@ -75,18 +82,31 @@ class Generation:
 class Engine:
     """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
 
-    def __init__(self, model: CausalLM, backend: Backend) -> None:
+    def __init__(self, model: CausalLM, backend: Backend, kv_pool: PagedKVPool | None = None) -> None:
         self.model = model
         self.backend = backend
         self.max_context = model.max_context
+        #: Where new sequences keep their keys and values: pages of this pool,
+        #: or (None) a contiguous cache each.
+        self.kv_pool = kv_pool
 
     # -- sequences ----------------------------------------------------------
 
-    def new_sequence(self, capacity: int | None = None) -> SequenceState:
-        """A fresh sequence whose cache holds ``capacity`` positions
-        (default: the model's context)."""
+    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None) -> SequenceState:
+        """A fresh sequence whose cache holds ``capacity`` positions (default:
+        the model's context): pages of ``kv_pool`` (default: the engine's
+        :attr:`kv_pool`), or a contiguous cache when there is no pool."""
         capacity = self.max_context if capacity is None else min(capacity, self.max_context)
+        pool = kv_pool if kv_pool is not None else self.kv_pool
+        if pool is not None:
+            return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
         return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, capacity))
+
+    def release(self, seq: SequenceState) -> None:
+        """Done with ``seq``: a paged cache's pages return to the pool now
+        (a contiguous cache is simply dropped with the sequence)."""
+        if isinstance(seq.cache, PagedSequenceCache):
+            seq.cache.free()
 
     def check_tokens(self, token_ids: Sequence[int]) -> None:
         """Every id must be an int within the vocabulary."""
@@ -112,7 +132,10 @@ class Engine:
         ids = ops.from_numpy(np.asarray(token_ids, dtype=np.int32))
         ctx = AttentionContext(ops, [SequenceSlice(seq.cache, start, len(token_ids))], all_logits=all_logits)
         logits = self.model.forward(ids, ctx)
-        seq.cache.length = start + len(token_ids)
+        if isinstance(seq.cache, PagedSequenceCache):
+            seq.cache.commit(token_ids)  # the ids key its full blocks in the prefix cache
+        else:
+            seq.cache.length = start + len(token_ids)
         seq.tokens.extend(int(t) for t in token_ids)
         return logits
 
@@ -156,16 +179,19 @@ class Engine:
             gen.finish_reason = "length"
             return
         seq = self.new_sequence(len(prompt) + stop.max_tokens)
-        logits = self.prefill(seq, prompt)
-        produced = 0
-        while True:
-            token = self._next_token(sampler, logits, seq)
-            produced += 1
-            yield token
-            if not stop.ignore_eos and token in stop.eos_token_ids:
-                gen.finish_reason = "stop"
-                return
-            if produced >= stop.max_tokens or seq.cache.length >= self.max_context:
-                gen.finish_reason = "length"
-                return
-            logits = self.decode_one_token(seq, token)
+        try:
+            logits = self.prefill(seq, prompt)
+            produced = 0
+            while True:
+                token = self._next_token(sampler, logits, seq)
+                produced += 1
+                yield token
+                if not stop.ignore_eos and token in stop.eos_token_ids:
+                    gen.finish_reason = "stop"
+                    return
+                if produced >= stop.max_tokens or seq.cache.length >= self.max_context:
+                    gen.finish_reason = "length"
+                    return
+                logits = self.decode_one_token(seq, token)
+        finally:  # also when the consumer stops early and the generator is closed
+            self.release(seq)

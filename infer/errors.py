@@ -100,5 +100,9 @@ class ContextLengthError(GenerationError):
     """A prompt (plus what must be generated) does not fit the context."""
 
 
+class CacheConfigError(InferError, ValueError):
+    """A KV cache or page pool was configured or used inconsistently."""
+
+
 class CacheFullError(GenerationError):
     """The KV cache cannot hold what a request needs."""

@@ -1,0 +1,328 @@
+"""The paged KV cache: one pool of backend memory, pages handed to sequences.
+
+:class:`PagedKVPool` holds, per layer, one key and one value array of
+``num_blocks * block_size`` rows (``[rows, kv_heads, head_dim]``); row
+``block * block_size + offset`` is position ``offset`` of physical block
+``block``. Viewed as ``[num_blocks, block_size, kv_heads, head_dim]`` it is
+exactly the ``k_pool``/``v_pool`` of :meth:`infer.ops.Backend.paged_attention`.
+Like :class:`~infer.cache.ContiguousKVCache`, each layer's arrays are created
+at its first write, from the shapes written, so layers of different widths
+need no special case; the *number* of blocks is fixed at start-up (a block
+count, or a memory budget in bytes).
+
+:class:`PagedSequenceCache` is one sequence's view: a
+:class:`~infer.paging.BlockTable` from the pool's
+:class:`~infer.paging.BlockAllocator`. It implements the attention context's
+``KVStore`` protocol (``write``/``read``) plus ``attend``, which the context
+calls instead of ``read`` + ``attention`` when the backend has a native
+``paged_attention``; then keys and values are read through the block table
+and never copied into a per-sequence array by the cache.
+
+Writes go through :meth:`~infer.ops.Backend.update_rows`, one call per run of
+physically consecutive rows (a fresh sequence's blocks usually are: the
+allocator hands out the lowest free ids first), so the pool is updated in
+place on numpy and torch and functionally on MLX, with no new backend op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from infer.errors import CacheConfigError, CacheFullError
+from infer.ops import Array, Backend
+from infer.paging import BlockAllocator, BlockTable, PoolStats
+
+if TYPE_CHECKING:
+    from infer.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class PagedKVPool:
+    """Keys and values of every sequence, in pages of ``block_size`` positions.
+
+    Size it with ``num_blocks``, or with ``memory_budget`` (bytes for keys and
+    values of every layer) together with ``bytes_per_token`` (what one
+    position costs across all layers; :meth:`for_engine` measures it).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        num_layers: int,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_budget: int | None = None,
+        bytes_per_token: int | None = None,
+    ) -> None:
+        if (num_blocks is None) == (memory_budget is None):
+            raise CacheConfigError("size the KV pool with exactly one of num_blocks and memory_budget")
+        bytes_per_block = None if bytes_per_token is None else bytes_per_token * block_size
+        if memory_budget is not None:
+            if bytes_per_block is None:
+                raise CacheConfigError("a memory_budget needs bytes_per_token (PagedKVPool.for_engine measures it)")
+            num_blocks = memory_budget // bytes_per_block
+            if num_blocks < 1:
+                raise CacheFullError(
+                    f"a KV memory budget of {memory_budget:,} bytes holds no block: one block of "
+                    f"{block_size} positions takes {bytes_per_block:,} bytes; raise the budget or lower block_size"
+                )
+        assert num_blocks is not None
+        self.backend = backend
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
+        self._keys: list[Array | None] = [None] * num_layers
+        self._values: list[Array | None] = [None] * num_layers
+        self._bytes_known = bytes_per_token is not None
+        #: ``"paged_attention"`` (the backend reads through block tables) or
+        #: ``"gather"`` (blocks are gathered into contiguous keys and values,
+        #: then the ordinary attention op runs).
+        self.attention_path = "paged_attention" if backend.supports("paged_attention") else "gather"
+        log.info(
+            "paged KV cache: %d blocks of %d positions on %s/%s; attention %s", num_blocks, block_size,
+            backend.name, backend.device,
+            "through the backend's native paged_attention" if self.attention_path == "paged_attention"
+            else "by gathering each sequence's blocks (the backend has no native paged_attention)",
+        )
+
+    @classmethod
+    def for_engine(
+        cls, engine: Engine, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None
+    ) -> PagedKVPool:
+        """A pool for ``engine``'s model; with ``memory_budget``, the bytes one
+        position takes are measured by a one-token forward into a throwaway
+        contiguous cache (so every layer's real key and value shapes count)."""
+        per_token = None
+        if memory_budget is not None:
+            from infer.cache import ContiguousKVCache
+            from infer.engine import SequenceState
+
+            probe = SequenceState(tokens=[], cache=ContiguousKVCache(engine.backend, engine.model.num_layers, 1))
+            engine.forward(probe, [0])
+            per_token = probe.cache.nbytes_per_position
+        return cls(engine.backend, engine.model.num_layers, block_size=block_size, num_blocks=num_blocks,
+                   memory_budget=memory_budget, bytes_per_token=per_token)
+
+    # -- sequences --------------------------------------------------------------------
+
+    def new_sequence(self, capacity: int) -> PagedSequenceCache:
+        """An empty sequence of at most ``capacity`` positions."""
+        return PagedSequenceCache(self, BlockTable(), capacity)
+
+    def stats(self) -> PoolStats:
+        """Block counts (see :class:`~infer.paging.PoolStats`)."""
+        return self.allocator.stats()
+
+    # -- backend memory ---------------------------------------------------------------
+
+    def write(self, layer: int, blocks: list[int], start: int, k: Array, v: Array) -> None:
+        """Scatter ``k``, ``v`` (``[n, kv_heads, dim]``) to positions
+        ``start..start+n`` of the sequence whose blocks are ``blocks``."""
+        ops = self.backend
+        n = ops.shape(k)[0]
+        if self._keys[layer] is None:
+            self._allocate(layer, k, v)
+        runs = self._runs(blocks, start, start + n)
+        keys, values = self._keys[layer], self._values[layer]
+        for row, src, count in runs:
+            ks = k if count == n else ops.slice(k, 0, src, src + count)
+            vs = v if count == n else ops.slice(v, 0, src, src + count)
+            keys = ops.update_rows(keys, row, ks)
+            values = ops.update_rows(values, row, vs)
+        self._keys[layer], self._values[layer] = keys, values
+
+    def read(
+        self, layer: int, blocks: list[int], start: int, stop: int,
+        table: Callable[[int, int], Array] | None = None,
+    ) -> tuple[Array, Array]:
+        """Keys and values of positions ``start..stop``: a view when they lie
+        in one physical run, else gathered block by block (``table(i, j)``
+        gives ``blocks[i:j]`` as a backend int array; by default it is built)."""
+        ops = self.backend
+        keys, values = self._keys[layer], self._values[layer]
+        runs = self._runs(blocks, start, stop)
+        if len(runs) == 1:
+            row = runs[0][0]
+            return ops.slice(keys, 0, row, row + stop - start), ops.slice(values, 0, row, row + stop - start)
+        bs = self.block_size
+        first, last = start // bs, -(-stop // bs)
+        if table is None:
+            ids = ops.from_numpy(np.asarray(blocks[first:last], dtype=np.int32))
+        else:
+            ids = table(first, last)
+        out = []
+        for pool in (keys, values):
+            tail = tuple(ops.shape(pool)[1:])
+            gathered = ops.reshape(ops.take(self.paged_view(pool), ids, axis=0), (-1,) + tail)
+            out.append(ops.slice(gathered, 0, start - first * bs, stop - first * bs))
+        return out[0], out[1]
+
+    def paged_view(self, pool: Array) -> Array:
+        """A layer's rows viewed as ``[num_blocks, block_size, heads, dim]``."""
+        ops = self.backend
+        return ops.reshape(pool, (self.num_blocks, self.block_size) + tuple(ops.shape(pool)[1:]))
+
+    def layer_pools(self, layer: int) -> tuple[Array, Array]:
+        """``(k_pool, v_pool)`` of ``layer``, shaped for
+        :meth:`~infer.ops.Backend.paged_attention`."""
+        return self.paged_view(self._keys[layer]), self.paged_view(self._values[layer])
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every allocated layer (copy-on-write)."""
+        ops, bs = self.backend, self.block_size
+        for layer in range(self.num_layers):
+            keys, values = self._keys[layer], self._values[layer]
+            if keys is None:
+                continue
+            for src, dst in copies:
+                keys = ops.update_rows(keys, dst * bs, ops.slice(keys, 0, src * bs, src * bs + bs))
+                values = ops.update_rows(values, dst * bs, ops.slice(values, 0, src * bs, src * bs + bs))
+            self._keys[layer], self._values[layer] = keys, values
+
+    def _allocate(self, layer: int, k: Array, v: Array) -> None:
+        ops = self.backend
+        rows = self.num_blocks * self.block_size
+        self._keys[layer] = ops.zeros((rows,) + ops.shape(k)[1:], ops.dtype(k))
+        self._values[layer] = ops.zeros((rows,) + ops.shape(v)[1:], ops.dtype(v))
+        if not self._bytes_known:  # grows to the true figure as layers appear
+            per_row = sum(_row_bytes(ops, a) for a in (*self._keys, *self._values) if a is not None)
+            self.allocator.bytes_per_block = per_row * self.block_size
+
+    def _runs(self, blocks: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(pool row, source row, count)`` for each run of consecutive pool
+        rows holding positions ``start..stop``."""
+        bs = self.block_size
+        runs: list[tuple[int, int, int]] = []
+        p = start
+        while p < stop:
+            offset = p % bs
+            count = min(bs - offset, stop - p)
+            row = blocks[p // bs] * bs + offset
+            if runs and runs[-1][0] + runs[-1][2] == row:
+                last = runs[-1]
+                runs[-1] = (last[0], last[1], last[2] + count)
+            else:
+                runs.append((row, p - start, count))
+            p += count
+        return runs
+
+
+class PagedSequenceCache:
+    """One sequence's keys and values in a :class:`PagedKVPool` (a ``KVStore``).
+
+    The engine writes a forward's new keys and values layer by layer, then
+    :meth:`commit`\\ s the forward's token ids: full blocks then join the
+    pool's prefix cache. :meth:`free` returns the pages at once.
+    """
+
+    def __init__(self, pool: PagedKVPool, table: BlockTable, capacity: int, tokens: list[int] | None = None) -> None:
+        self.pool = pool
+        self.table = table
+        #: Most positions this sequence may hold (its context).
+        self.capacity = capacity
+        #: Token ids of the committed positions (the prefix-cache keys).
+        self.tokens: list[int] = [] if tokens is None else tokens
+        self._table_arrays: dict[tuple[int, int], Array] = {}
+        self._table_key: tuple[int, ...] = ()
+
+    @property
+    def length(self) -> int:
+        """Positions written and committed."""
+        return self.table.num_tokens
+
+    # -- KVStore ----------------------------------------------------------------------
+
+    def write(self, layer: int, start: int, k: Array, v: Array) -> None:
+        """Store ``k``, ``v`` (``[n, kv_heads, dim]``) at positions
+        ``start..start+n``, taking blocks from the pool as needed and copying
+        a shared block before writing it."""
+        n = self.pool.backend.shape(k)[0]
+        if start + n > self.capacity:
+            raise CacheFullError(
+                f"sequence holds {self.capacity} positions; writing {n} at position {start} needs {start + n}"
+            )
+        copies = self.pool.allocator.prepare_write(self.table, start, start + n)
+        if copies:
+            self.pool.copy_blocks(copies)
+        self.pool.write(layer, self.table.blocks, start, k, v)
+
+    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
+        """Keys and values of positions ``start..stop``, gathered through the block table."""
+        return self.pool.read(layer, self.table.blocks, start, stop, self._table_array)
+
+    def attend(
+        self, layer: int, q: Array, start: int, stop: int, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Causal attention of ``q`` (the last positions up to ``stop``) over
+        keys ``start..stop``, by the backend's ``paged_attention`` reading the
+        pool through this sequence's block table. Whole blocks before
+        ``start`` (outside a sliding window) are left out of the table; the
+        keys then begin at a block boundary at or before ``start``, which
+        changes nothing because the mask is relative to the last key."""
+        bs = self.pool.block_size
+        first, last = start // bs, -(-stop // bs)
+        k_pool, v_pool = self.pool.layer_pools(layer)
+        return self.pool.backend.paged_attention(
+            q, k_pool, v_pool, self._table_array(first, last), stop - first * bs,
+            scale=scale, window=window, softcap=softcap,
+        )
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """Record the ids of the positions just written (after a forward)."""
+        self.tokens.extend(int(t) for t in token_ids)
+        self.pool.allocator.commit(self.table, self.tokens)
+
+    def reuse_prefix(self, tokens: Sequence[int]) -> int:
+        """Start this (empty) sequence with the pool's cached blocks for the
+        longest full-block prefix of ``tokens``; returns how many positions
+        need no computing. Pass a prompt without its last token, so at least
+        one token is left to compute the next logits from."""
+        reused = self.pool.allocator.attach_prefix(self.table, tokens)
+        self.tokens = [int(t) for t in tokens[:reused]]
+        return reused
+
+    def fork(self) -> PagedSequenceCache:
+        """A sequence sharing this one's blocks (e.g. parallel samples of one
+        prompt); a block is copied only when one of them writes it."""
+        table = self.pool.allocator.fork(self.table)
+        return PagedSequenceCache(self.pool, table, self.capacity, list(self.tokens))
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (e.g. rejected speculative
+        tokens); their blocks go back to the pool."""
+        self.pool.allocator.truncate(self.table, length)
+        del self.tokens[self.table.num_tokens:]
+
+    def free(self) -> None:
+        """Return every page to the pool now; the cache is empty afterwards."""
+        self.pool.allocator.free_table(self.table)
+        self.tokens.clear()
+
+    def _table_array(self, first: int, last: int) -> Array:
+        """``table.blocks[first:last]`` as a backend int32 array, cached until
+        the table changes (every layer of a forward reuses it)."""
+        key = tuple(self.table.blocks)
+        if key != self._table_key:
+            self._table_key, self._table_arrays = key, {}
+        arr = self._table_arrays.get((first, last))
+        if arr is None:
+            arr = self.pool.backend.from_numpy(np.asarray(self.table.blocks[first:last], dtype=np.int32))
+            self._table_arrays[(first, last)] = arr
+        return arr
+
+
+def _row_bytes(ops: Backend, arr: Array) -> int:
+    size = 1
+    for d in ops.shape(arr)[1:]:
+        size *= d
+    return size * {"float32": 4, "float16": 2, "bfloat16": 2}.get(ops.dtype(arr), 4)

@@ -1,0 +1,253 @@
+"""The paged KV cache gives what the contiguous cache gives, on every backend.
+
+Tiny random llama and gemma3 models (``reference.tiny_model_dir``) run through
+the engine twice: with a contiguous cache per sequence, and with pages of a
+:class:`PagedKVPool` (block sizes 1, 4, 16). Logits agree within 1e-5 of the
+largest logit and greedy tokens are identical, on numpy and torch/cpu (native
+``paged_attention``) and MLX (no native op: blocks are gathered). Forked
+sequences, prefix reuse, rollback and a full pool are checked the same way,
+and every test ends with every page back in the pool.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import infer
+from infer.engine import Engine
+from infer.errors import CacheFullError
+from infer.ops import Backend
+from infer.paged_cache import PagedKVPool, PagedSequenceCache
+from infer.testing.strategies import attention_calls
+from reference import encode, tiny_model_dir
+
+PROMPT = "The capital of France is Paris. Once upon a time"
+BACKENDS = [
+    "numpy",
+    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
+    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
+]
+VARIANTS = ["llama3", "gemma3"]  # gemma3: sliding-window layers (window 4) and global ones
+DECODE_STEPS = 8
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    tol = 1e-5 * float(np.abs(want).max())
+    err = float(np.abs(got - want).max())
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+_MODELS: dict[tuple[str, str], infer.Model] = {}
+
+
+def load(variant: str, backend: str) -> infer.Model:
+    key = (variant, backend)
+    if key not in _MODELS:
+        _MODELS[key] = infer.load(tiny_model_dir(variant), backend=backend)
+    return _MODELS[key]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(params=VARIANTS)
+def model(request: pytest.FixtureRequest, backend: str) -> infer.Model:
+    return load(request.param, backend)
+
+
+@pytest.fixture
+def pools():
+    """Make pools through this; each must be entirely free again at the end."""
+    made: list[PagedKVPool] = []
+
+    def make(engine: Engine, block_size: int, num_blocks: int = 64) -> PagedKVPool:
+        pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        s = pool.stats()
+        assert s.used == 0 and s.free + s.cached == s.total, f"pages still held after the test: {s}"
+
+
+def run(engine: Engine, seq, prompt: list[int], decode: list[int]) -> list[np.ndarray]:
+    """Prefill logits (every row), then one row per decode step."""
+    ops = engine.backend
+    out = [ops.to_numpy(engine.forward(seq, prompt, all_logits=True))]
+    out += [ops.to_numpy(engine.decode_one_token(seq, t)) for t in decode]
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_logits_and_greedy_tokens_equal_contiguous(model: infer.Model, block_size: int, pools) -> None:
+    engine = model.engine
+    prompt = encode(tiny_model_dir("llama3"), PROMPT)  # both variants share the tokenizer
+    assert len(prompt) % 4 and len(prompt) % 16  # a partial last block
+    decode = [7, 11, 13, 17, 19, 23, 29, 31]
+    want = run(engine, engine.new_sequence(), prompt, decode)
+    pool = pools(engine, block_size)
+    seq = engine.new_sequence(kv_pool=pool)
+    got = run(engine, seq, prompt, decode)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, f"block_size {block_size} step {step}")
+    assert seq.cache.length == len(prompt) + len(decode) and pool.stats().used == -(-seq.cache.length // block_size)
+    engine.release(seq)
+
+    greedy = list(model.generate_tokens(prompt, max_tokens=DECODE_STEPS, ignore_eos=True))
+    engine.kv_pool = pool
+    try:
+        paged = list(model.generate_tokens(prompt, max_tokens=DECODE_STEPS, ignore_eos=True))
+    finally:
+        engine.kv_pool = None
+    assert paged == greedy
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_native_and_gather_paths_agree(backend: str, pools) -> None:
+    engine = load("gemma3", backend).engine
+    pool = pools(engine, 4)
+    assert pool.attention_path == "paged_attention"
+    prompt, decode = list(range(5, 24)), [3, 1, 4, 1, 5, 9]
+    native_seq = engine.new_sequence(kv_pool=pool)
+    native = run(engine, native_seq, prompt, decode)
+    saved = engine.backend.native_ops
+    engine.backend.native_ops = saved - {"paged_attention"}  # this instance only
+    try:
+        assert not engine.backend.supports("paged_attention")
+        gather_seq = engine.new_sequence(kv_pool=pool)
+        gather = run(engine, gather_seq, prompt, decode)
+    finally:
+        engine.backend.native_ops = saved
+    for g, n in zip(gather, native):
+        assert_close(g, n, "gather vs native")
+    assert [int(np.argmax(r[-1])) for r in gather] == [int(np.argmax(r[-1])) for r in native]
+    engine.release(native_seq)
+    engine.release(gather_seq)
+
+
+def test_forked_sequences_continue_correctly_after_copy_on_write(model: infer.Model, pools) -> None:
+    engine = model.engine
+    prompt = list(range(40, 50))  # 10 tokens: block 2 of size 4 is shared and half full
+    pool = pools(engine, 4)
+    parent = engine.new_sequence(kv_pool=pool)
+    engine.forward(parent, prompt)
+    child = type(parent)(tokens=list(parent.tokens), cache=parent.cache.fork())
+    assert pool.stats().shared == 3
+    a, b = [5, 6, 7, 8, 9], [60, 61, 62, 63, 64]
+    got_child = [engine.backend.to_numpy(engine.decode_one_token(child, t)) for t in b]
+    got_parent = [engine.backend.to_numpy(engine.decode_one_token(parent, t)) for t in a]
+    assert pool.stats().shared == 2  # the two full prompt blocks; the partial one was copied
+    for tokens, got in ((a, got_parent), (b, got_child)):
+        want = run(engine, engine.new_sequence(), prompt, tokens)[1:]
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"fork step {step}")
+    engine.release(child)
+    engine.release(parent)
+
+
+def test_prefix_reuse_skips_the_cached_blocks(model: infer.Model, pools) -> None:
+    engine = model.engine
+    pool = pools(engine, 4)
+    system = list(range(100, 113))  # 13 tokens: 3 full blocks
+    first = engine.new_sequence(kv_pool=pool)
+    engine.forward(first, system + [7, 8])
+    engine.release(first)
+    assert pool.stats().cached == 3  # the full blocks stay, unreferenced
+
+    prompt = system + [9, 10, 11]
+    seq = engine.new_sequence(kv_pool=pool)
+    assert isinstance(seq.cache, PagedSequenceCache)
+    reused = seq.cache.reuse_prefix(prompt[:-1])
+    assert reused == 12 and pool.stats().cached == 0
+    seq.tokens = prompt[:reused]
+    got = engine.backend.to_numpy(engine.forward(seq, prompt[reused:], all_logits=True))  # 4 tokens, not 16
+    want = engine.backend.to_numpy(engine.forward(engine.new_sequence(), prompt, all_logits=True))
+    assert got.shape[0] == len(prompt) - reused
+    assert_close(got, want[reused:], "after prefix reuse")
+    engine.release(seq)
+
+
+def test_truncate_rolls_back(model: infer.Model, pools) -> None:
+    engine = model.engine
+    pool = pools(engine, 4)
+    prompt = list(range(20, 33))
+    seq = engine.new_sequence(kv_pool=pool)
+    engine.forward(seq, prompt)
+    engine.forward(seq, [1, 2, 3, 4, 5])  # rejected, say, by a speculative verifier
+    seq.cache.truncate(len(prompt))
+    seq.tokens = seq.tokens[:len(prompt)]
+    got = [engine.backend.to_numpy(engine.decode_one_token(seq, t)) for t in [6, 7, 8]]
+    want = run(engine, engine.new_sequence(), prompt, [6, 7, 8])[1:]
+    for g, w in zip(got, want):
+        assert_close(g, w, "after truncate")
+    engine.release(seq)
+
+
+def test_a_full_pool_raises_cache_full_and_recovers(pools) -> None:
+    engine = load("llama3", "numpy").engine
+    pool = pools(engine, 4, num_blocks=5)  # 20 positions
+    big = engine.new_sequence(kv_pool=pool)
+    engine.forward(big, list(range(30, 46)))  # 4 blocks
+    other = engine.new_sequence(kv_pool=pool)
+    with pytest.raises(CacheFullError, match=r"needs 2 more block\(s\) of 4 positions \(\d[\d,]* bytes"):
+        engine.forward(other, list(range(8)))
+    assert other.cache.length == 0 and other.tokens == [] and pool.stats().used == 4
+    engine.release(big)
+    engine.forward(other, list(range(8)))  # evicts big's cached blocks
+    engine.release(other)
+
+
+def test_generation_returns_its_pages_when_it_ends_or_is_dropped(pools) -> None:
+    model = load("llama3", "numpy")
+    pool = pools(model.engine, 4)
+    model.engine.kv_pool = pool
+    try:
+        assert len(list(model.generate_tokens(list(range(3, 12)), max_tokens=5, ignore_eos=True))) == 5
+        assert pool.stats().used == 0
+        tokens = iter(model.generate_tokens(list(range(3, 12)), max_tokens=50, ignore_eos=True))
+        next(tokens)
+        assert pool.stats().used == 3
+        del tokens
+        gc.collect()
+        assert pool.stats().used == 0
+    finally:
+        model.engine.kv_pool = None
+
+
+def test_memory_budget_sizes_the_pool() -> None:
+    model = load("llama3", "numpy")
+    cfg = model.config
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4
+    model.engine.kv_pool = PagedKVPool(model.backend, cfg["num_hidden_layers"], num_blocks=1)
+    try:  # the measurement ignores the engine's own pool
+        pool = PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=10 * 8 * per_token + 5)
+    finally:
+        model.engine.kv_pool = None
+    assert pool.num_blocks == 10 and pool.allocator.bytes_per_block == 8 * per_token
+    with pytest.raises(CacheFullError, match="holds no block"):
+        PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=per_token)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+@given(call=attention_calls(paged=True))
+@settings(max_examples=40, deadline=None)
+def test_native_paged_attention_equals_the_contract_default(backend: str, call) -> None:
+    """The conformance kit compares backends with numpy's paged_attention;
+    this pins numpy's (and torch's) to the contract's gather-then-attend default."""
+    from infer.selection import select_backend
+
+    ops = select_backend(backend)
+    args = [ops.from_numpy(a.value, None if a.dtype == "float" else a.dtype) for a in call.args[:4]]
+    got = ops.paged_attention(*args, call.args[4], **call.kwargs)
+    want = Backend.paged_attention(ops, *args, call.args[4], **call.kwargs)
+    np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(want), rtol=1e-5, atol=1e-6)
