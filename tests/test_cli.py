@@ -81,3 +81,11 @@ def test_errors_exit_1_without_traceback(tmp_path: Path) -> None:
     done = subprocess.run([script, "chat", str(tmp_path), "--template", str(tmp_path / "none.jinja")],
                           capture_output=True, text=True)
     assert done.returncode == 1 and "chat template file" in done.stderr
+
+
+def test_doctor_names_the_default_backend_and_its_attention_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    best = next(b for b in infer.list_backends() if b.available)
+    assert f"infer.load() would run on {best.key}" in out
+    assert "paged KV cache attention on" in out and "numpy" in out
