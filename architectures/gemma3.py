@@ -47,6 +47,7 @@ from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
+from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -184,22 +185,6 @@ class Attention:
         return ops.linear(ops.reshape(o, (t, self.heads * self.head_dim)), self.o_proj, self.o_bias)
 
 
-class MLP:
-    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}.mlp."
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.ops = ops
-        self.gate_proj = w.get(p + "gate_proj.weight", (f, d))
-        self.up_proj = w.get(p + "up_proj.weight", (f, d))
-        self.down_proj = w.get(p + "down_proj.weight", (d, f))
-        self.act = getattr(ops, ACTIVATIONS[cfg.hidden_activation])
-
-    def __call__(self, x: Array) -> Array:
-        ops = self.ops
-        h = ops.mul(self.act(ops.linear(x, self.gate_proj)), ops.linear(x, self.up_proj))
-        return ops.linear(h, self.down_proj)
-
-
 class DecoderLayer:
     def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
         p = f"model.layers.{layer}."
@@ -211,7 +196,8 @@ class DecoderLayer:
         self.self_attn = Attention(cfg, layer, w, ops)
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
-        self.mlp = MLP(cfg, layer, w, ops)
+        self.mlp = GatedMLP(f"{p}mlp.", cfg.hidden_size, cfg.intermediate_size,
+                            ACTIVATIONS[cfg.hidden_activation], w, ops)
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
 
     def __call__(

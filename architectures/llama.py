@@ -25,6 +25,7 @@ from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
+from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -123,23 +124,6 @@ class Attention:
         return ops.linear(ops.reshape(o, (t, self.heads * self.head_dim)), self.o_proj, self.o_bias)
 
 
-class MLP:
-    def __init__(self, cfg: LlamaConfig, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}.mlp."
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.ops = ops
-        self.gate_proj = w.get(p + "gate_proj.weight", (f, d))
-        self.up_proj = w.get(p + "up_proj.weight", (f, d))
-        self.down_proj = w.get(p + "down_proj.weight", (d, f))
-        self.act = ACTIVATIONS[cfg.hidden_act]
-
-    def __call__(self, x: Array) -> Array:
-        ops = self.ops
-        gate, up = ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)
-        h = ops.swiglu(gate, up) if self.act == "silu" else ops.mul(getattr(ops, self.act)(gate), up)
-        return ops.linear(h, self.down_proj)
-
-
 class DecoderLayer:
     def __init__(self, cfg: LlamaConfig, layer: int, w: WeightLoader, ops: Backend) -> None:
         p = f"model.layers.{layer}."
@@ -147,7 +131,7 @@ class DecoderLayer:
         self.input_layernorm = w.get(p + "input_layernorm.weight", (cfg.hidden_size,))
         self.self_attn = Attention(cfg, layer, w, ops)
         self.post_attention_layernorm = w.get(p + "post_attention_layernorm.weight", (cfg.hidden_size,))
-        self.mlp = MLP(cfg, layer, w, ops)
+        self.mlp = GatedMLP(f"{p}mlp.", cfg.hidden_size, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], w, ops)
 
     def __call__(
         self, h: Array, residual: Array | None, cos: Array, sin: Array, ctx: AttentionContext
