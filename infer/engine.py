@@ -139,6 +139,34 @@ class Engine:
         seq.tokens.extend(int(t) for t in token_ids)
         return logits
 
+    def forward_batch(self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]]) -> Array:
+        """One forward over several sequences at once: ``token_ids[i]`` (non-empty)
+        appended to ``seqs[i]``, all flattened into one batch of
+        :class:`~infer.attention.SequenceSlice`\\ s. Returns logits
+        ``[len(seqs), vocab]``, those of each sequence's last new token.
+        The continuous-batching engine (:mod:`infer.batching`) calls this."""
+        if not seqs or len(seqs) != len(token_ids) or any(len(t) == 0 for t in token_ids):
+            raise GenerationError("forward_batch needs one non-empty token list per sequence")
+        slices = []
+        for seq, ids in zip(seqs, token_ids):
+            start = seq.cache.length
+            if start + len(ids) > seq.cache.capacity:
+                raise ContextLengthError(
+                    f"sequence would reach {start + len(ids)} positions; its cache holds "
+                    f"{seq.cache.capacity} (model context {self.max_context})"
+                )
+            slices.append(SequenceSlice(seq.cache, start, len(ids)))
+        ops = self.backend
+        flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
+        logits = self.model.forward(ops.from_numpy(flat), AttentionContext(ops, slices))
+        for seq, ids, s in zip(seqs, token_ids, slices):
+            if isinstance(seq.cache, PagedSequenceCache):
+                seq.cache.commit(ids)
+            else:
+                seq.cache.length = s.start + len(ids)
+            seq.tokens.extend(int(t) for t in ids)
+        return logits
+
     def prefill(self, seq: SequenceState, prompt_ids: Sequence[int]) -> Array:
         """Process the whole prompt in one forward; logits of its last token."""
         return self.forward(seq, prompt_ids)[-1]

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
+from infer.batching import BatchEngine, RequestHandle
 from infer.engine import Engine, Generation, StopConditions
 from infer.errors import GenerationError, SamplingParameterError, TokenizerError
 from infer.ops import Backend
@@ -39,6 +40,7 @@ class Model:
         self.backend = backend
         #: The engine that runs the network and owns the KV cache.
         self.engine = Engine(network, backend)
+        self._batch_engine: BatchEngine | None = None
 
     def __repr__(self) -> str:
         where = self.package.path.name if self.package.path else "?"
@@ -156,11 +158,50 @@ class Model:
                 raise GenerationError("prompt must be a string or a list of strings")
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
-            return [self.generate(p, stop=stop, add_special_tokens=add_special_tokens, **kwargs)
-                    for p in prompt]  # type: ignore[misc]
+            return self._generate_batch(list(prompt), stop=stop, add_special_tokens=add_special_tokens, **kwargs)
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         chunks = self._stream_text(self.generate_tokens(ids, **kwargs), _stop_strings(stop))
         return chunks if stream else "".join(chunks)
+
+    def _generate_batch(
+        self, prompts: list[str], *, stop: str | Sequence[str] | None, add_special_tokens: bool,
+        max_tokens: int | None, ignore_eos: bool, **sampling: Any,
+    ) -> list[str]:
+        """Every prompt in one continuous batch; each result equals what
+        :meth:`generate` gives for that prompt alone."""
+        stops = _stop_strings(stop)
+        params = self.sampling_params(**sampling)
+        conditions = StopConditions(
+            max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
+        )
+        ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
+        batch = self.batch_engine
+        handles = []
+        try:
+            for prompt_ids in ids:  # each request gets its own Sampler (and seed)
+                handles.append(batch.submit(prompt_ids, params, conditions))
+            streams = [self._stream_text(_as_generation(h), stops) for h in handles]
+            texts: list[list[str]] = [[] for _ in prompts]
+            live = list(range(len(prompts)))
+            while live:  # round robin, so a stop string ends its request early
+                for i in list(live):
+                    chunk = next(streams[i], None)
+                    if chunk is None:
+                        live.remove(i)
+                    else:
+                        texts[i].append(chunk)
+            return ["".join(t) for t in texts]
+        finally:
+            for h in handles:
+                batch.cancel(h)
+
+    @property
+    def batch_engine(self) -> BatchEngine:
+        """The continuous-batching engine behind ``generate([...])`` (made on
+        first use; its paged KV pool and prefix cache persist across calls)."""
+        if self._batch_engine is None:
+            self._batch_engine = BatchEngine(self.engine)
+        return self._batch_engine
 
     def chat(
         self,
@@ -225,6 +266,23 @@ class Model:
                 generation.finish_reason = "stop_string"
         if pending:
             yield pending
+
+
+def _as_generation(handle: RequestHandle) -> Generation:
+    """A batched request seen as a :class:`Generation` (closing its token
+    iterator, as a stop string does, cancels the request)."""
+    gen = Generation(tokens_iter=iter(()), prompt_tokens=handle.prompt_tokens)
+
+    def tokens() -> Iterator[int]:
+        try:
+            yield from handle
+        finally:
+            handle.cancel()
+            if gen.finish_reason is None:
+                gen.finish_reason = handle.finish_reason
+
+    gen.tokens_iter = tokens()
+    return gen
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
