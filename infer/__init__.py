@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from infer.batching import BatchEngine, BatchStats, RequestHandle
+from infer.engine import StopConditions
 from infer.errors import InferError
 from infer.loading import load
 from infer.model import Model
@@ -37,6 +39,7 @@ def list_formats() -> list[FormatSpec]:
 
 
 __all__ = [
-    "API_VERSION", "Backend", "BackendInfo", "InferError", "Model", "SamplingParams",
+    "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "InferError", "Model",
+    "RequestHandle", "SamplingParams", "StopConditions",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]

@@ -32,6 +32,20 @@ Memory (issue 5, items 3–5):
   to the front of the queue, to be recomputed from prompt + tokens generated
   so far. Blocks are taken for the whole step *before* the forward, so a
   forward never runs out of pages half way.
+
+Two KV layouts (``kv_layout``), the same tokens either way:
+
+* ``"paged"`` — every request's keys and values are pages of one
+  :class:`~infer.paged_cache.PagedKVPool`, with prefix caching and
+  preemption as above. The default where the backend implements
+  ``paged_attention`` natively (numpy, torch).
+* ``"contiguous"`` — every admitted request gets its own
+  :class:`~infer.cache.ContiguousKVCache` of prompt + ``max_tokens``
+  positions, within a memory budget; admission reserves the whole cache, so
+  nothing is ever preempted, and there is no prefix caching. The default on
+  a backend without native ``paged_attention`` (MLX, most plugins), where
+  reading pages would mean gathering them into a contiguous copy at every
+  layer of every step.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from infer.engine import Engine, SequenceState, StopConditions
 from infer.errors import CacheFullError, GenerationError
@@ -53,6 +68,8 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_MEMORY = 256 * 2**20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCH_TOKENS = 512
+
+KVLayout = Literal["auto", "paged", "contiguous"]
 
 
 @dataclass
@@ -129,21 +146,56 @@ class BatchEngine:
     """Runs many requests through one :class:`~infer.engine.Engine`, one
     forward per :meth:`step` over all of them (continuous batching).
 
-    ``kv_pool``: the pool every request's pages come from (default: one of
-    :data:`DEFAULT_KV_MEMORY` bytes). ``max_batch_tokens``: most tokens one
-    forward processes; a long prompt is prefilled in chunks.
+    Args:
+        engine: the engine (model + backend) to run.
+        kv_layout: ``"paged"``, ``"contiguous"`` or ``"auto"`` (paged where the
+            backend has native ``paged_attention``; see the module docs).
+        kv_pool: the pool every request's pages come from (paged layout only;
+            default: one of ``kv_memory`` bytes).
+        kv_memory: bytes of keys and values all requests together may hold
+            (default :data:`DEFAULT_KV_MEMORY`).
+        block_size: positions per page of a pool made here.
+        max_batch_tokens: most tokens one forward processes; a long prompt is
+            prefilled in chunks.
     """
 
     def __init__(
-        self, engine: Engine, *, kv_pool: PagedKVPool | None = None,
+        self, engine: Engine, *, kv_layout: KVLayout = "auto", kv_pool: PagedKVPool | None = None,
+        kv_memory: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     ) -> None:
         if max_batch_tokens < 1:
             raise GenerationError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        if kv_layout not in ("auto", "paged", "contiguous"):
+            raise GenerationError(f"kv_layout must be 'auto', 'paged' or 'contiguous', got {kv_layout!r}")
+        if kv_memory is not None and (not isinstance(kv_memory, int) or kv_memory < 1):
+            raise GenerationError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+        native = engine.backend.supports("paged_attention")
+        if kv_layout == "auto":
+            kv_layout = "paged" if native or kv_pool is not None else "contiguous"
+        if kv_pool is not None and kv_layout == "contiguous":
+            raise GenerationError("kv_pool is for the paged layout; kv_layout='contiguous' takes kv_memory")
         self.engine = engine
-        if kv_pool is None:
-            kv_pool = PagedKVPool.for_engine(engine, block_size=DEFAULT_BLOCK_SIZE, memory_budget=DEFAULT_KV_MEMORY)
-        self.pool = kv_pool
+        #: ``"paged"`` or ``"contiguous"``.
+        self.kv_layout: str = kv_layout
+        budget = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
+        #: The paged pool (None in the contiguous layout).
+        self.pool: PagedKVPool | None = None
+        #: Positions the contiguous layout may reserve, all requests together.
+        self.capacity_positions = 0
+        backend = f"{engine.backend.name}/{engine.backend.device}"
+        if kv_layout == "paged":
+            if kv_pool is None:
+                kv_pool = PagedKVPool.for_engine(engine, block_size=block_size, memory_budget=budget)
+            self.pool = kv_pool
+            log.info("batch engine: paged KV pool of %d blocks of %d positions on %s, %s", kv_pool.num_blocks,
+                     kv_pool.block_size, backend,
+                     "native paged attention" if native else "pages gathered for attention (no native paged_attention)")
+        else:
+            self.capacity_positions = budget // engine.kv_bytes_per_position()
+            log.info("batch engine: contiguous KV caches on %s, %d positions within %d bytes%s; no prefix caching",
+                     backend, self.capacity_positions, budget,
+                     "" if native else " (no native paged_attention)")
         self.max_batch_tokens = max_batch_tokens
         self.stats = BatchStats()
         self.waiting: deque[RequestHandle] = deque()
@@ -169,9 +221,13 @@ class BatchEngine:
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
                 return handle
-            need = self.pool.allocator.blocks_for(handle._total())
-            if need > self.pool.num_blocks:
-                raise self._never_fits(handle, need)
+            if self.pool is None:
+                if handle._total() > self.capacity_positions:
+                    raise self._never_fits_contiguous(handle)
+            else:
+                need = self.pool.allocator.blocks_for(handle._total())
+                if need > self.pool.num_blocks:
+                    raise self._never_fits(handle, need)
             self.waiting.append(handle)
             return handle
 
@@ -201,7 +257,7 @@ class BatchEngine:
         with self._lock:
             self._admit()
             if not self.running:
-                if self.waiting:  # nothing of ours runs, yet the head of the queue does not fit
+                if self.waiting and self.pool is not None:  # nothing of ours runs, yet the head does not fit
                     head, alloc = self.waiting[0], self.pool.allocator
                     raise CacheFullError(
                         f"request {head.id} needs {alloc.blocks_for(head._total())} blocks of "
@@ -222,6 +278,9 @@ class BatchEngine:
 
     def _admit(self) -> None:
         """Admit waiting requests in order while the pool can hold them."""
+        if self.pool is None:
+            self._admit_contiguous()
+            return
         alloc = self.pool.allocator
         while self.waiting:
             handle = self.waiting[0]
@@ -242,6 +301,17 @@ class BatchEngine:
             self._admissions += 1
             self.running.append(handle)
             self.stats.tokens_reused += reused
+
+    def _admit_contiguous(self) -> None:
+        """Admit waiting requests in order while their whole caches fit the budget."""
+        reserved = sum(r._total() for r in self.running)
+        while self.waiting and reserved + self.waiting[0]._total() <= self.capacity_positions:
+            handle = self.waiting.popleft()
+            handle._seq = self.engine.new_sequence(handle._total(), contiguous=True)
+            handle._admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(handle)
+            reserved += handle._total()
 
     def _blocks_to_cache(self, r: RequestHandle) -> int:
         seq = r._seq
@@ -265,6 +335,8 @@ class BatchEngine:
                     plan[r.id] = n = min(todo, budget)
                     budget -= n
             batch = [(r, plan[r.id]) for r in self.running if r.id in plan]
+            if self.pool is None:  # contiguous caches were reserved whole at admission
+                return batch
             try:
                 for r, n in batch:
                     cache: PagedSequenceCache = r._seq.cache  # type: ignore[union-attr, assignment]
@@ -331,10 +403,17 @@ class BatchEngine:
         err.bytes_needed, err.bytes_available = need * per, self.pool.num_blocks * per  # type: ignore[attr-defined]
         return err
 
-    def _bytes_per_block(self) -> int:
-        """Measured with a one-token forward into a throwaway contiguous cache."""
-        from infer.cache import ContiguousKVCache
+    def _never_fits_contiguous(self, r: RequestHandle) -> CacheFullError:
+        per = self.engine.kv_bytes_per_position()
+        need, have = r._total(), self.capacity_positions
+        err = CacheFullError(
+            f"a request of {len(r.prompt)} prompt tokens + max_tokens {r.stop.max_tokens} needs a KV cache of "
+            f"{need} positions ({need * per:,} bytes), but the batch engine's budget holds {have} positions "
+            f"({have * per:,} bytes): shorten the prompt, lower max_tokens, or raise kv_memory"
+        )
+        err.bytes_needed, err.bytes_available = need * per, have * per  # type: ignore[attr-defined]
+        return err
 
-        probe = SequenceState(tokens=[], cache=ContiguousKVCache(self.engine.backend, self.engine.model.num_layers, 1))
-        self.engine.forward(probe, [0])
-        return probe.cache.nbytes_per_position * self.pool.block_size  # type: ignore[union-attr]
+    def _bytes_per_block(self) -> int:
+        assert self.pool is not None
+        return self.engine.kv_bytes_per_position() * self.pool.block_size

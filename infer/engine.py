@@ -89,18 +89,34 @@ class Engine:
         #: Where new sequences keep their keys and values: pages of this pool,
         #: or (None) a contiguous cache each.
         self.kv_pool = kv_pool
+        self._kv_bytes_per_position: int | None = None
 
     # -- sequences ----------------------------------------------------------
 
-    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None) -> SequenceState:
+    def new_sequence(
+        self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None, contiguous: bool = False,
+    ) -> SequenceState:
         """A fresh sequence whose cache holds ``capacity`` positions (default:
         the model's context): pages of ``kv_pool`` (default: the engine's
-        :attr:`kv_pool`), or a contiguous cache when there is no pool."""
+        :attr:`kv_pool`), or a contiguous cache when there is no pool or
+        ``contiguous`` is set."""
         capacity = self.max_context if capacity is None else min(capacity, self.max_context)
         pool = kv_pool if kv_pool is not None else self.kv_pool
-        if pool is not None:
+        if pool is not None and not contiguous:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
         return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, capacity))
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of keys and values one position takes across all layers.
+
+        Measured once, by a one-token forward into a throwaway contiguous
+        cache, so every layer's real key and value shapes and dtypes count
+        (sliding-window layers, latent attention, ...)."""
+        if self._kv_bytes_per_position is None:
+            probe = SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, 1))
+            self.forward(probe, [0])
+            self._kv_bytes_per_position = probe.cache.nbytes_per_position  # type: ignore[union-attr]
+        return self._kv_bytes_per_position
 
     def release(self, seq: SequenceState) -> None:
         """Done with ``seq``: a paged cache's pages return to the pool now

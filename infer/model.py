@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
-from infer.batching import BatchEngine, RequestHandle
+from infer.batching import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine import Engine, Generation, StopConditions
 from infer.errors import GenerationError, SamplingParameterError, TokenizerError
 from infer.ops import Backend
@@ -197,10 +197,39 @@ class Model:
 
     @property
     def batch_engine(self) -> BatchEngine:
-        """The continuous-batching engine behind ``generate([...])`` (made on
-        first use; its paged KV pool and prefix cache persist across calls)."""
+        """The continuous-batching engine behind ``generate([...])``: made on
+        first use with default settings (or by :meth:`configure_batching`);
+        its KV memory and prefix cache persist across calls. Submit requests
+        to it directly to serve them as they arrive."""
         if self._batch_engine is None:
             self._batch_engine = BatchEngine(self.engine)
+        return self._batch_engine
+
+    def configure_batching(
+        self,
+        *,
+        kv_memory: int | None = None,
+        kv_layout: KVLayout = "auto",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    ) -> BatchEngine:
+        """Replace :attr:`batch_engine` with one of these settings and return it.
+
+        Args:
+            kv_memory: bytes of keys and values all running requests together
+                may hold (default 256 MiB); reserved at once in the paged layout.
+            kv_layout: ``"paged"``, ``"contiguous"`` or ``"auto"`` (paged where
+                the backend has native paged attention).
+            block_size: positions per page (paged layout).
+            max_batch_tokens: most tokens one forward processes.
+
+        Raises :class:`~infer.errors.GenerationError` while the current batch
+        engine still has requests.
+        """
+        if self._batch_engine is not None and self._batch_engine.has_work():
+            raise GenerationError("the batch engine still has requests; finish or cancel them first")
+        self._batch_engine = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory,
+                                         block_size=block_size, max_batch_tokens=max_batch_tokens)
         return self._batch_engine
 
     def chat(

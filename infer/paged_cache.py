@@ -97,16 +97,9 @@ class PagedKVPool:
         cls, engine: Engine, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None
     ) -> PagedKVPool:
         """A pool for ``engine``'s model; with ``memory_budget``, the bytes one
-        position takes are measured by a one-token forward into a throwaway
-        contiguous cache (so every layer's real key and value shapes count)."""
-        per_token = None
-        if memory_budget is not None:
-            from infer.cache import ContiguousKVCache
-            from infer.engine import SequenceState
-
-            probe = SequenceState(tokens=[], cache=ContiguousKVCache(engine.backend, engine.model.num_layers, 1))
-            engine.forward(probe, [0])
-            per_token = probe.cache.nbytes_per_position
+        position takes are those :meth:`~infer.engine.Engine.kv_bytes_per_position`
+        measures (every layer's real key and value shapes count)."""
+        per_token = None if memory_budget is None else engine.kv_bytes_per_position()
         return cls(engine.backend, engine.model.num_layers, block_size=block_size, num_blocks=num_blocks,
                    memory_budget=memory_budget, bytes_per_token=per_token)
 

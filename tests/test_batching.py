@@ -52,22 +52,36 @@ def model(request: pytest.FixtureRequest, backend: str) -> infer.Model:
     return load(request.param, backend)
 
 
+@pytest.fixture(params=["paged", "contiguous"])
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture
 def batch_engines():
-    """Make batch engines through this; each pool must be entirely free at the end."""
+    """Make batch engines through this; each pool must be entirely free at the end.
+
+    ``layout="contiguous"`` makes one with contiguous caches within a budget
+    of ``num_blocks * block_size`` positions, the same memory as the pool."""
     made: list[BatchEngine] = []
 
-    def make(engine: Engine, *, block_size: int = 4, num_blocks: int = 64, **kwargs) -> BatchEngine:
-        pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
-        batch = BatchEngine(engine, kv_pool=pool, **kwargs)
+    def make(engine: Engine, *, block_size: int = 4, num_blocks: int = 64, layout: str = "paged",
+             **kwargs) -> BatchEngine:
+        if layout == "contiguous":
+            memory = num_blocks * block_size * engine.kv_bytes_per_position()
+            batch = BatchEngine(engine, kv_layout="contiguous", kv_memory=memory, **kwargs)
+        else:
+            pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
+            batch = BatchEngine(engine, kv_pool=pool, **kwargs)
         made.append(batch)
         return batch
 
     yield make
     for batch in made:
         assert not batch.running, batch.running
-        s = batch.pool.stats()
-        assert s.used == 0 and s.free + s.cached == s.total, f"pages still held after the test: {s}"
+        if batch.pool is not None:
+            s = batch.pool.stats()
+            assert s.used == 0 and s.free + s.cached == s.total, f"pages still held after the test: {s}"
 
 
 def stop(max_tokens: int) -> StopConditions:
@@ -81,32 +95,33 @@ def alone(engine: Engine, prompt: list[int], max_tokens: int, sampling: Sampling
 PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(50, 63)), list(range(30, 34)) * 3]
 
 
-def test_batched_greedy_equals_single_requests(model: infer.Model, batch_engines) -> None:
+def test_batched_greedy_equals_single_requests(model: infer.Model, batch_engines, layout: str) -> None:
     engine = model.engine
     want = [alone(engine, p, 10) for p in PROMPTS]
-    batch = batch_engines(engine)
+    batch = batch_engines(engine, layout=layout)
     handles = [batch.submit(p, GREEDY, stop(10)) for p in PROMPTS]
     batch.run_until_done()
     assert [h.tokens for h in handles] == want
     assert all(h.finish_reason == "length" for h in handles)
     # Prefill and decode of every request went through shared forwards.
     assert batch.stats.forwards < sum(10 for _ in PROMPTS)
+    assert batch.kv_layout == layout
 
 
-def test_chunked_prefill_with_a_small_token_budget(model: infer.Model, batch_engines) -> None:
+def test_chunked_prefill_with_a_small_token_budget(model: infer.Model, batch_engines, layout: str) -> None:
     engine = model.engine
     want = [alone(engine, p, 6) for p in PROMPTS]
-    batch = batch_engines(engine, max_batch_tokens=7)
+    batch = batch_engines(engine, max_batch_tokens=7, layout=layout)
     handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
     batch.run_until_done()
     assert [h.tokens for h in handles] == want
     assert max(batch.stats.tokens_per_forward) <= 7
 
 
-def test_requests_joining_mid_flight(model: infer.Model, batch_engines) -> None:
+def test_requests_joining_mid_flight(model: infer.Model, batch_engines, layout: str) -> None:
     engine = model.engine
     want = [alone(engine, p, 8) for p in PROMPTS]
-    batch = batch_engines(engine)
+    batch = batch_engines(engine, layout=layout)
     handles = [batch.submit(PROMPTS[0], GREEDY, stop(8))]
     for p in PROMPTS[1:]:
         batch.step()
@@ -178,22 +193,22 @@ def test_a_request_that_can_never_fit_is_refused(model: infer.Model, batch_engin
     assert not batch.waiting
 
 
-def test_per_request_sampling_parameters(model: infer.Model, batch_engines) -> None:
+def test_per_request_sampling_parameters(model: infer.Model, batch_engines, layout: str) -> None:
     engine = model.engine
     sampled = SamplingParams(temperature=0.8, top_k=20, seed=1234)
     penalised = SamplingParams(repetition_penalty=1.3)
     jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[3], penalised), (PROMPTS[0], sampled)]
     want = [alone(engine, p, 10, s) for p, s in jobs]
-    batch = batch_engines(engine)
+    batch = batch_engines(engine, layout=layout)
     handles = [batch.submit(p, s, stop(10)) for p, s in jobs]
     batch.run_until_done()
     assert [h.tokens for h in handles] == want
 
 
-def test_eos_and_zero_max_tokens(model: infer.Model, batch_engines) -> None:
+def test_eos_and_zero_max_tokens(model: infer.Model, batch_engines, layout: str) -> None:
     engine = model.engine
     first = alone(engine, PROMPTS[1], 1)[0]
-    batch = batch_engines(engine)
+    batch = batch_engines(engine, layout=layout)
     eos = batch.submit(PROMPTS[1], GREEDY, StopConditions(max_tokens=10, eos_token_ids=frozenset({first})))
     other = batch.submit(PROMPTS[0], GREEDY, stop(5))
     none = batch.submit(PROMPTS[0], GREEDY, stop(0))
@@ -272,3 +287,69 @@ def test_pages_held_outside_the_batch_engine_are_waited_for_not_taken(batch_engi
     assert batch.waiting and outside.cache.length == 25
     engine.release(outside)
     assert list(handle) == alone(engine, PROMPTS[0], 6)
+
+
+def test_contiguous_budget_admits_in_turn_and_refuses_what_never_fits(batch_engines) -> None:
+    """With room for one request's whole cache at a time, the second waits
+    for the first to finish (nothing is preempted), and a request larger
+    than the whole budget is refused with the bytes it needs."""
+    engine = load("llama3", "numpy").engine
+    per = engine.kv_bytes_per_position()
+    batch = batch_engines(engine, layout="contiguous", num_blocks=5, block_size=4)  # 20 positions
+    first = batch.submit(PROMPTS[0], GREEDY, stop(12))  # 5 + 12 = 17 positions
+    second = batch.submit(PROMPTS[2], GREEDY, stop(12))  # 1 + 12 = 13
+    batch.step()
+    assert batch.running == [first] and list(batch.waiting) == [second]
+    batch.run_until_done()
+    assert first.tokens == alone(engine, PROMPTS[0], 12) and second.tokens == alone(engine, PROMPTS[2], 12)
+    assert batch.stats.preemptions == 0
+    with pytest.raises(CacheFullError, match=rf"needs a KV cache of 21 positions \({21 * per:,} bytes\).*holds 20 positions"):
+        batch.submit(PROMPTS[3], GREEDY, stop(8))
+
+
+def test_auto_layout_follows_native_paged_attention() -> None:
+    """numpy and torch attend through the block table (paged); a backend
+    without native paged attention gets contiguous caches."""
+    from infer.errors import GenerationError
+
+    engine = load("llama3", "numpy").engine
+    assert BatchEngine(engine, kv_memory=2**20).kv_layout == "paged"
+
+    class NoPaged(type(engine.backend)):  # numpy without its native paged attention
+        native_ops = engine.backend.native_ops - {"paged_attention"}
+
+    plain = Engine(engine.model, NoPaged())
+    assert not plain.backend.supports("paged_attention")
+    batch = BatchEngine(plain, kv_memory=2**20)
+    assert batch.kv_layout == "contiguous" and batch.pool is None
+    handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == [alone(engine, p, 6) for p in PROMPTS]
+    with pytest.raises(GenerationError, match="kv_layout must be"):
+        BatchEngine(engine, kv_layout="pages")
+    with pytest.raises(GenerationError, match="kv_memory must be"):
+        BatchEngine(engine, kv_memory=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")
+def test_mlx_batches_on_contiguous_caches() -> None:
+    model = load("llama3", "mlx:cpu")
+    batch = model.configure_batching(kv_memory=2**20)
+    assert batch.kv_layout == "contiguous"
+    handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == [alone(model.engine, p, 6) for p in PROMPTS]
+
+
+def test_configure_batching_replaces_an_idle_engine_only() -> None:
+    from infer.errors import GenerationError
+
+    model = load("llama3", "numpy")
+    batch = model.configure_batching(kv_memory=2**20, block_size=8, max_batch_tokens=32)
+    assert model.batch_engine is batch and batch.pool.block_size == 8 and batch.max_batch_tokens == 32
+    handle = batch.submit(PROMPTS[0], GREEDY, stop(4))
+    with pytest.raises(GenerationError, match="still has requests"):
+        model.configure_batching()
+    handle.cancel()
+    assert model.configure_batching(kv_layout="contiguous").kv_layout == "contiguous"
+    model.configure_batching()  # back to the defaults for the other tests
