@@ -148,9 +148,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         chosen = select_backend()
         print(f"infer.load() would run on {chosen.name}/{chosen.device} ({chosen.compute_dtype}; {why})")
-        path = ("native paged_attention" if chosen.supports("paged_attention")
-                else "pages gathered, then attention (no native paged_attention)")
-        print(f"paged KV cache attention on {chosen.name}/{chosen.device}: {path}")
+        path = ("paged KV pool, native paged_attention" if chosen.supports("paged_attention")
+                else "contiguous caches (no native paged_attention; a paged pool would be gathered)")
+        print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
     except InferError as exc:
         print(f"infer.load() has no backend to run on: {exc}")
     return 0

@@ -88,4 +88,4 @@ def test_doctor_names_the_default_backend_and_its_attention_path(capsys: pytest.
     out = capsys.readouterr().out
     best = next(b for b in infer.list_backends() if b.available)
     assert f"infer.load() would run on {best.key}" in out
-    assert "paged KV cache attention on" in out and "numpy" in out
+    assert "batched KV cache on" in out and "numpy" in out
