@@ -393,6 +393,29 @@ def tiny_model_dir(variant: str) -> Path:
     return _build_dir(cache_root() / f"tiny-v{KIT_VERSION}" / variant, lambda out: _build_tiny(variant, out))
 
 
+_LOADED: dict[tuple[str, str], Any] = {}
+
+
+def load_tiny(variant: str, backend: str = "numpy") -> Any:
+    """``infer.load`` of a tiny variant on ``backend``, loaded once per test
+    process (tests that share it must leave its engine as they found it)."""
+    import infer
+
+    key = (variant, backend)
+    if key not in _LOADED:
+        _LOADED[key] = infer.load(tiny_model_dir(variant), backend=backend)
+    return _LOADED[key]
+
+
+def assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Within 1e-5 of the largest reference logit: float32 kernels that sum
+    in different orders differ by a few ulp per op (about 1e-6 relative over
+    a tiny model's layers), well below any difference that changes a token."""
+    tol = 1e-5 * float(np.abs(want).max())
+    err = float(np.abs(got - want).max())
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
 def encode(model_dir: Path | str, text: str) -> list[int]:
     """Token ids of `text` by the folder's tokenizer.json, through `tokenizers` directly (no specials added)."""
     from tokenizers import Tokenizer

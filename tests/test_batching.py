@@ -23,7 +23,7 @@ from infer.engine import Engine, StopConditions
 from infer.errors import CacheFullError
 from infer.paged_cache import PagedKVPool
 from infer.sampling import SamplingParams
-from reference import tiny_model_dir
+from reference import load_tiny
 
 BACKENDS = [
     "numpy",
@@ -32,14 +32,7 @@ BACKENDS = [
 VARIANTS = ["llama3", "gemma3"]
 GREEDY = SamplingParams()
 
-_MODELS: dict[tuple[str, str], infer.Model] = {}
-
-
-def load(variant: str, backend: str) -> infer.Model:
-    key = (variant, backend)
-    if key not in _MODELS:
-        _MODELS[key] = infer.load(tiny_model_dir(variant), backend=backend)
-    return _MODELS[key]
+load = load_tiny
 
 
 @pytest.fixture(params=BACKENDS)

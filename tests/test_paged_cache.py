@@ -24,7 +24,7 @@ from infer.errors import CacheFullError
 from infer.ops import Backend
 from infer.paged_cache import PagedKVPool, PagedSequenceCache
 from infer.testing.strategies import attention_calls
-from reference import encode, tiny_model_dir
+from reference import assert_logits_close, encode, load_tiny, tiny_model_dir
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 BACKENDS = [
@@ -36,20 +36,8 @@ VARIANTS = ["llama3", "gemma3"]  # gemma3: sliding-window layers (window 4) and 
 DECODE_STEPS = 8
 
 
-def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    tol = 1e-5 * float(np.abs(want).max())
-    err = float(np.abs(got - want).max())
-    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
 
-
-_MODELS: dict[tuple[str, str], infer.Model] = {}
-
-
-def load(variant: str, backend: str) -> infer.Model:
-    key = (variant, backend)
-    if key not in _MODELS:
-        _MODELS[key] = infer.load(tiny_model_dir(variant), backend=backend)
-    return _MODELS[key]
+load = load_tiny
 
 
 @pytest.fixture(params=BACKENDS)
@@ -97,7 +85,7 @@ def test_paged_logits_and_greedy_tokens_equal_contiguous(model: infer.Model, blo
     seq = engine.new_sequence(kv_pool=pool)
     got = run(engine, seq, prompt, decode)
     for step, (g, w) in enumerate(zip(got, want)):
-        assert_close(g, w, f"block_size {block_size} step {step}")
+        assert_logits_close(g, w, f"block_size {block_size} step {step}")
     assert seq.cache.length == len(prompt) + len(decode) and pool.stats().used == -(-seq.cache.length // block_size)
     engine.release(seq)
 
@@ -127,7 +115,7 @@ def test_native_and_gather_paths_agree(backend: str, pools) -> None:
     finally:
         engine.backend.native_ops = saved
     for g, n in zip(gather, native):
-        assert_close(g, n, "gather vs native")
+        assert_logits_close(g, n, "gather vs native")
     assert [int(np.argmax(r[-1])) for r in gather] == [int(np.argmax(r[-1])) for r in native]
     engine.release(native_seq)
     engine.release(gather_seq)
@@ -148,7 +136,7 @@ def test_forked_sequences_continue_correctly_after_copy_on_write(model: infer.Mo
     for tokens, got in ((a, got_parent), (b, got_child)):
         want = run(engine, engine.new_sequence(), prompt, tokens)[1:]
         for step, (g, w) in enumerate(zip(got, want)):
-            assert_close(g, w, f"fork step {step}")
+            assert_logits_close(g, w, f"fork step {step}")
     engine.release(child)
     engine.release(parent)
 
@@ -171,7 +159,7 @@ def test_prefix_reuse_skips_the_cached_blocks(model: infer.Model, pools) -> None
     got = engine.backend.to_numpy(engine.forward(seq, prompt[reused:], all_logits=True))  # 4 tokens, not 16
     want = engine.backend.to_numpy(engine.forward(engine.new_sequence(), prompt, all_logits=True))
     assert got.shape[0] == len(prompt) - reused
-    assert_close(got, want[reused:], "after prefix reuse")
+    assert_logits_close(got, want[reused:], "after prefix reuse")
     engine.release(seq)
 
 
@@ -187,7 +175,7 @@ def test_truncate_rolls_back(model: infer.Model, pools) -> None:
     got = [engine.backend.to_numpy(engine.decode_one_token(seq, t)) for t in [6, 7, 8]]
     want = run(engine, engine.new_sequence(), prompt, [6, 7, 8])[1:]
     for g, w in zip(got, want):
-        assert_close(g, w, "after truncate")
+        assert_logits_close(g, w, "after truncate")
     engine.release(seq)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import infer
-from reference import TINY_VARIANTS, encode, reference_greedy, reference_logits, tiny_model_dir
+from reference import TINY_VARIANTS, assert_logits_close, encode, reference_greedy, reference_logits, tiny_model_dir
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 DECODE_TEXT = " the quick brown fox jumps over"
@@ -24,11 +24,6 @@ DECODE_TEXT = " the quick brown fox jumps over"
 # dynamic NTK update in prefill and in every decode step.
 LONG_PROMPT = " ".join([PROMPT] * 4)
 
-
-def assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    tol = 1e-5 * float(np.abs(want).max())
-    err = float(np.abs(got - want).max())
-    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
 
 
 @pytest.fixture(scope="module", params=TINY_VARIANTS)
