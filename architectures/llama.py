@@ -14,10 +14,11 @@ Per layer (pre-norm residual block):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.architecture import CausalLM, WeightLoader
+from infer.architecture import CausalLM, WeightLoader, capture
 from infer.attention import AttentionContext
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
@@ -25,7 +26,7 @@ from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
-from .mlp import GatedMLP
+from .mlp import GatedMLP, gated_mlp
 from .rope import RotaryEmbedding
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -97,55 +98,72 @@ class LlamaConfig:
         return self.sliding_window
 
 
-class Attention:
-    def __init__(self, cfg: LlamaConfig, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}.self_attn."
-        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-        assert hd is not None and nkv is not None  # set by validate()
-        self.ops, self.layer, self.heads, self.kv_heads, self.head_dim = ops, layer, nh, nkv, hd
-        self.q_proj = w.get(p + "q_proj.weight", (nh * hd, d))
-        self.k_proj = w.get(p + "k_proj.weight", (nkv * hd, d))
-        self.v_proj = w.get(p + "v_proj.weight", (nkv * hd, d))
-        self.o_proj = w.get(p + "o_proj.weight", (d, nh * hd))
-        bias = lambda name, n: w.get(p + name, (n,)) if w.has(p + name) else None  # noqa: E731
-        self.q_bias, self.k_bias = bias("q_proj.bias", nh * hd), bias("k_proj.bias", nkv * hd)
-        self.v_bias, self.o_bias = bias("v_proj.bias", nkv * hd), bias("o_proj.bias", d)
-        self.scale = hd ** -0.5
-        self.window = cfg.window(layer)
-
-    def __call__(self, x: Array, cos: Array, sin: Array, ctx: AttentionContext) -> Array:
-        ops = self.ops
-        t = ops.shape(x)[0]
-        q = ops.reshape(ops.linear(x, self.q_proj, self.q_bias), (t, self.heads, self.head_dim))
-        k = ops.reshape(ops.linear(x, self.k_proj, self.k_bias), (t, self.kv_heads, self.head_dim))
-        v = ops.reshape(ops.linear(x, self.v_proj, self.v_bias), (t, self.kv_heads, self.head_dim))
-        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-        o = ctx.attention(self.layer, q, k, v, scale=self.scale, window=self.window)
-        return ops.linear(ops.reshape(o, (t, self.heads * self.head_dim)), self.o_proj, self.o_bias)
-
-
 class DecoderLayer:
+    """One layer's weights. The math is in :func:`layer_pieces`, shared by all
+    layers: the pieces before and after attention are pure functions of
+    arrays, so with graph capture on they compile once for every layer."""
+
     def __init__(self, cfg: LlamaConfig, layer: int, w: WeightLoader, ops: Backend) -> None:
         p = f"model.layers.{layer}."
-        self.ops, self.eps = ops, cfg.rms_norm_eps
-        self.input_layernorm = w.get(p + "input_layernorm.weight", (cfg.hidden_size,))
-        self.self_attn = Attention(cfg, layer, w, ops)
-        self.post_attention_layernorm = w.get(p + "post_attention_layernorm.weight", (cfg.hidden_size,))
-        self.mlp = GatedMLP(f"{p}mlp.", cfg.hidden_size, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], w, ops)
+        a = p + "self_attn."
+        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+        assert hd is not None and nkv is not None  # set by validate()
+        self.layer, self.scale, self.window = layer, hd ** -0.5, cfg.window(layer)
+        self.mlp = GatedMLP(f"{p}mlp.", d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], w, ops)
+        #: Weights the piece before attention reads (biases only where present).
+        self.attn_in = {
+            "input_layernorm": w.get(p + "input_layernorm.weight", (d,)),
+            "q_proj": w.get(a + "q_proj.weight", (nh * hd, d)),
+            "k_proj": w.get(a + "k_proj.weight", (nkv * hd, d)),
+            "v_proj": w.get(a + "v_proj.weight", (nkv * hd, d)),
+        }
+        for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            if w.has(a + name + ".bias"):
+                self.attn_in[name + ".bias"] = w.get(a + name + ".bias", (n,))
+        #: Weights the piece after attention reads.
+        self.attn_out = {
+            "o_proj": w.get(a + "o_proj.weight", (d, nh * hd)),
+            "post_attention_layernorm": w.get(p + "post_attention_layernorm.weight", (d,)),
+            **self.mlp.weights(),
+        }
+        if w.has(a + "o_proj.bias"):
+            self.attn_out["o_proj.bias"] = w.get(a + "o_proj.bias", (d,))
 
-    def __call__(
-        self, h: Array, residual: Array | None, cos: Array, sin: Array, ctx: AttentionContext
-    ) -> tuple[Array, Array]:
-        """Returns the block's output *before* its residual add, and the residual
-        stream; the next norm fuses the add."""
-        ops = self.ops
-        if residual is None:
-            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
-        else:
-            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
-        a = self.self_attn(x, cos, sin, ctx)
-        x, residual = ops.fused_add_rms_norm(a, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+
+def layer_pieces(ops: Backend, cfg: LlamaConfig) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The math of a decoder layer around its attention call:
+
+    * ``first(h, w, cos, sin) -> (q, k, v, residual)`` for layer 0;
+    * ``before(h, residual, w, cos, sin) -> (q, k, v, residual)``, which also
+      adds the previous layer's output to the residual stream (fused with the
+      input norm);
+    * ``after(o, residual, w) -> (mlp_out, residual)``, returning the block's
+      output *before* its residual add, which the next norm fuses.
+    """
+    eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim or 0, cfg.num_attention_heads, cfg.num_key_value_heads or 0
+    activation = ACTIVATIONS[cfg.hidden_act]
+
+    def qkv(x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        t = ops.shape(x)[0]
+        q = ops.reshape(ops.linear(x, w["q_proj"], w.get("q_proj.bias")), (t, nh, hd))
+        k = ops.reshape(ops.linear(x, w["k_proj"], w.get("k_proj.bias")), (t, nkv, hd))
+        v = ops.reshape(ops.linear(x, w["v_proj"], w.get("v_proj.bias")), (t, nkv, hd))
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
+
+    def first(h: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
+        return (*qkv(ops.rms_norm(h, w["input_layernorm"], eps), w, cos, sin), h)
+
+    def before(h: Array, residual: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
+        x, residual = ops.fused_add_rms_norm(h, residual, w["input_layernorm"], eps)
+        return (*qkv(x, w, cos, sin), residual)
+
+    def after(o: Array, residual: Array, w: dict[str, Array]) -> tuple[Array, Array]:
+        t = ops.shape(o)[0]
+        a = ops.linear(ops.reshape(o, (t, nh * hd)), w["o_proj"], w.get("o_proj.bias"))
+        x, residual = ops.fused_add_rms_norm(a, residual, w["post_attention_layernorm"], eps)
+        return gated_mlp(ops, activation, x, w), residual
+
+    return capture(ops, first), capture(ops, before), capture(ops, after)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -166,6 +184,7 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.rope = RotaryEmbedding(ops, cfg.head_dim or 0, cfg.rope, cfg.max_position_embeddings)
         self.layers = [DecoderLayer(cfg, i, weights, ops) for i in range(cfg.num_hidden_layers)]
+        self.first, self.before, self.after = layer_pieces(ops, cfg)
         self.norm = weights.get("model.norm.weight", (cfg.hidden_size,))
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -178,7 +197,12 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rope(ctx)  # [tokens, head_dim/2], shared by every layer
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, ctx)
+            if residual is None:
+                q, k, v, residual = self.first(h, layer.attn_in, cos, sin)
+            else:
+                q, k, v, residual = self.before(h, residual, layer.attn_in, cos, sin)
+            o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
+            h, residual = self.after(o, residual, layer.attn_out)
         h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
         if ctx.logits_indices is not None:
             h = ops.take(h, ctx.logits_indices, axis=0)

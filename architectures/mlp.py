@@ -23,11 +23,20 @@ class GatedMLP:
         self.down_proj = w.get(prefix + "down_proj.weight", (hidden, intermediate))
         self.activation = activation
 
+    def weights(self) -> dict[str, Array]:
+        """The three matrices by name, for :func:`gated_mlp`."""
+        return {"gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj}
+
     def __call__(self, x: Array) -> Array:
-        ops = self.ops
-        gate, up = ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)
-        if self.activation == "silu":
-            h = ops.swiglu(gate, up)
-        else:
-            h = ops.mul(getattr(ops, self.activation)(gate), up)
-        return ops.linear(h, self.down_proj)
+        return gated_mlp(self.ops, self.activation, x, self.weights())
+
+
+def gated_mlp(ops: Backend, activation: str, x: Array, w: dict[str, Array]) -> Array:
+    """The block as a pure function of its input and weights (capturable in
+    a compiled graph)."""
+    gate, up = ops.linear(x, w["gate_proj"]), ops.linear(x, w["up_proj"])
+    if activation == "silu":
+        h = ops.swiglu(gate, up)
+    else:
+        h = ops.mul(getattr(ops, activation)(gate), up)
+    return ops.linear(h, w["down_proj"])

@@ -50,7 +50,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,7 +91,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
-    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize"})
+    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "compile"})
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
         import mlx.core as mx
@@ -417,6 +417,11 @@ class MLXBackend(Backend):
             weight = self.from_numpy(host)
         mx.eval(weight)
         return weight
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``mx.compile``: the graph of ``fn`` traced once per input shape and
+        dtype, with elementwise chains fused into single kernels."""
+        return self._mx.compile(fn)
 
     def synchronize(self) -> None:
         """Wait for every op queued on this backend's stream."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention")
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "compile")
 # On the CPU, torch's float32 matrix-vector products measured slower than
 # numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
 # 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
@@ -329,6 +329,19 @@ class TorchBackend(Backend):
         k = k_pool.index_select(0, table).flatten(0, 1)[:context_len]
         v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.compile`` (Inductor): the ops of ``fn`` traced into one
+        graph with fused kernels, recompiled once with dynamic shapes when a
+        second token count appears (decode steps are 1 token, prefills
+        vary). ``fullgraph=True``: the pieces an architecture captures are
+        pure, so a graph break would be a bug to report, not to hide.
+
+        No CUDA graphs (``mode="reduce-overhead"``): a graph replay reuses its
+        output buffers, and the pieces of consecutive layers hand outputs to
+        one another around the engine's KV-cache writes, which stay outside
+        the graphs (untested on a GPU here)."""
+        return torch.compile(fn, fullgraph=True)
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":

@@ -33,6 +33,13 @@ def host_array(values: list[float] | list[int], dtype: str = "float32") -> np.nd
     return np.asarray(values, dtype=np.dtype(dtype))
 
 
+def capture(ops: Backend, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``ops.compile(fn)`` when graph capture is on for ``ops``
+    (``infer.load(..., compile=True)``), else ``fn``: how an architecture
+    marks a pure piece of a layer as worth compiling."""
+    return ops.compile(fn) if ops.graph_capture else fn
+
+
 class WeightLoader:
     """Hands tensors to an architecture, checked and on the backend.
 

@@ -95,6 +95,7 @@ def load(
     dtype: str | None = None,
     format: str | None = None,
     progress: bool = False,
+    compile: bool = False,
 ) -> Model:
     """Load a model.
 
@@ -109,6 +110,11 @@ def load(
         format: force a registered format instead of detecting it.
         progress: show progress bars on stderr while downloading and
             loading weights.
+        compile: capture the pieces of each layer between attention calls as
+            compiled graphs (``torch.compile``, ``mx.compile``) where the
+            backend can (:meth:`~infer.ops.Backend.compile`); costs compile
+            time at the first step of each new shape. Outputs equal the
+            uncompiled ones within rounding.
     """
     started = time.perf_counter()
     path = resolve(reference, progress=progress)
@@ -118,6 +124,10 @@ def load(
     package = fmt.open(path)
     arch = registry.architecture_for(package.model_type)
     ops = select_backend(backend, dtype)
+    if compile:
+        if not ops.supports("compile"):
+            log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
+        ops.graph_capture = True
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:

@@ -33,7 +33,7 @@ version adds optional ops only.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ REQUIRED_OPS: tuple[str, ...] = (
 
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
-    "quantized_linear", "paged_attention", "synchronize",
+    "quantized_linear", "paged_attention", "synchronize", "compile",
 )
 
 
@@ -434,6 +434,27 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to
         wait for."""
+
+    #: Whether architectures should :meth:`compile` their layer pieces; set
+    #: by ``infer.load(..., compile=True)``. Off by default: capturing costs
+    #: compile time at the first call of each new shape.
+    graph_capture: bool = False
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A graph-captured (compiled) version of ``fn``.
+
+        ``fn`` is a pure function of backend arrays (and tuples, lists and
+        dicts of them) computed only through this backend's ops, returning
+        arrays or tuples of them; the result must compute the same values,
+        within the dtype's rounding (fused kernels round differently).
+        Architectures capture the pieces of a layer *between* attention
+        calls, so the KV cache and attention stay with the engine: the
+        "piecewise" graphs vLLM also uses. They do so only when
+        :attr:`graph_capture` is on (see :func:`infer.architecture.capture`).
+
+        Default: ``fn`` itself (nothing to capture, e.g. numpy).
+        """
+        return fn
 
 
 def is_float_dtype(dtype: str) -> bool:

@@ -18,7 +18,7 @@ from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
     arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls, embedding_calls,
     from_numpy_calls, fused_add_rms_norm_calls, layer_norm_calls, linear_calls, matmul_calls,
-    quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls, softcap_calls,
+    compile_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls, softcap_calls,
     softmax_calls, sqrt_calls, swiglu_calls, take_calls, transpose_calls, unary, update_rows_calls, zeros_calls,
 )
 
@@ -67,6 +67,23 @@ class _Stored(QuantizedTensor):
 
     def dequantize(self) -> np.ndarray:
         return self.value.copy()
+
+
+def _compiled_block(ops: Any, call: Call, x: Any, w: Any, norm: Any) -> Any:
+    """A layer-like piece compiled once per backend (one per dtype): the
+    shapes the strategy draws are few, so a compiling backend compiles a
+    handful of graphs, not one per example."""
+    key = ("compile-case", id(ops))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        def block(x: Any, w: Any, norm: Any) -> Any:
+            h = ops.rms_norm(x, norm, 1e-6)
+            return ops.swiglu(ops.linear(h, w), ops.linear(h, w)), ops.add(x, h)
+        fn = _COMPILED[key] = ops.compile(block)
+    return fn(x, w, norm)
+
+
+_COMPILED: dict[Any, Any] = {}
 
 
 def _case(name: str, op: str, inputs: Any, **kw: Any) -> Case:
@@ -148,6 +165,7 @@ CASES: tuple[Case, ...] = (
     _case("softcap", "softcap", softcap_calls()),
     _case("paged_attention", "paged_attention", attention_calls(paged=True)),
     _case("synchronize", "synchronize", st.just(Call())),
+    _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
 )
 """Every case, in the contract's order: required ops, then optional ops."""
 

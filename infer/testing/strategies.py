@@ -357,6 +357,16 @@ def quantized_weight_calls(draw: Any) -> Call:
 
 
 @st.composite
+def compile_calls(draw: Any) -> Call:
+    """x ``[t, 16]``, a ``[16, 16]`` weight and a norm weight, with t of 1 or 5
+    (a decode step and a prefill): few shapes, so compiling backends
+    compile few graphs."""
+    t, seed = draw(st.sampled_from([1, 5])), draw(seeds)
+    return Call((In(normal(seed, (t, 16))), In(normal(seed + 1, (16, 16), 0.25), weight=True),
+                 In(normal(seed + 2, (16,), 0.1) + 1.0)))
+
+
+@st.composite
 def swiglu_calls(draw: Any) -> Call:
     shape, seed = draw(shapes()), draw(seeds)
     return Call((In(normal(seed, shape, 3.0)), In(normal(seed + 1, shape))))
