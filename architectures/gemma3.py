@@ -36,10 +36,11 @@ with x = input_layernorm(h) resp. pre_feedforward_layernorm(h).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.architecture import CausalLM, WeightLoader, host_array
+from infer.architecture import CausalLM, WeightLoader, capture, host_array
 from infer.attention import AttentionContext
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
@@ -47,7 +48,7 @@ from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
-from .mlp import GatedMLP
+from .mlp import GatedMLP, gated_mlp
 from .rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -154,65 +155,76 @@ def _gemma_norm(w: Any) -> Any:
     return w + 1.0
 
 
-class Attention:
-    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}.self_attn."
-        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-        self.ops, self.layer, self.heads, self.kv_heads, self.head_dim = ops, layer, nh, nkv, hd
-        self.eps = cfg.rms_norm_eps
-        self.q_proj = w.get(p + "q_proj.weight", (nh * hd, d))
-        self.k_proj = w.get(p + "k_proj.weight", (nkv * hd, d))
-        self.v_proj = w.get(p + "v_proj.weight", (nkv * hd, d))
-        self.o_proj = w.get(p + "o_proj.weight", (d, nh * hd))
-        bias = lambda name, n: w.get(p + name, (n,)) if cfg.attention_bias else None  # noqa: E731
-        self.q_bias, self.k_bias = bias("q_proj.bias", nh * hd), bias("k_proj.bias", nkv * hd)
-        self.v_bias, self.o_bias = bias("v_proj.bias", nkv * hd), bias("o_proj.bias", d)
-        self.q_norm = w.get(p + "q_norm.weight", (hd,), transform=_gemma_norm)
-        self.k_norm = w.get(p + "k_norm.weight", (hd,), transform=_gemma_norm)
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.window = cfg.window(layer)
-
-    def __call__(self, x: Array, cos: Array, sin: Array, ctx: AttentionContext) -> Array:
-        ops = self.ops
-        t = ops.shape(x)[0]
-        q = ops.reshape(ops.linear(x, self.q_proj, self.q_bias), (t, self.heads, self.head_dim))
-        k = ops.reshape(ops.linear(x, self.k_proj, self.k_bias), (t, self.kv_heads, self.head_dim))
-        v = ops.reshape(ops.linear(x, self.v_proj, self.v_bias), (t, self.kv_heads, self.head_dim))
-        q = ops.rms_norm(q, self.q_norm, self.eps)  # per head, over head_dim
-        k = ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-        o = ctx.attention(self.layer, q, k, v, scale=self.scale, window=self.window)
-        return ops.linear(ops.reshape(o, (t, self.heads * self.head_dim)), self.o_proj, self.o_bias)
-
-
 class DecoderLayer:
+    """One layer's weights; the math is in :func:`layer_pieces` (as in
+    :mod:`infer.architectures.llama`: pure pieces around attention, shared
+    by every layer, compiled when graph capture is on)."""
+
     def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
         p = f"model.layers.{layer}."
-        d = cfg.hidden_size
-        norm = lambda name: w.get(p + name + ".weight", (d,), transform=_gemma_norm)  # noqa: E731
+        a = p + "self_attn."
+        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+        norm = lambda name, n=d: w.get(name + ".weight", (n,), transform=_gemma_norm)  # noqa: E731
         assert cfg.layer_types is not None  # set by validate()
-        self.ops, self.eps, self.kind = ops, cfg.rms_norm_eps, cfg.layer_types[layer]
-        self.input_layernorm = norm("input_layernorm")
-        self.self_attn = Attention(cfg, layer, w, ops)
-        self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
-        self.mlp = GatedMLP(f"{p}mlp.", cfg.hidden_size, cfg.intermediate_size,
-                            ACTIVATIONS[cfg.hidden_activation], w, ops)
-        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+        self.layer, self.kind = layer, cfg.layer_types[layer]
+        self.scale, self.window = cfg.query_pre_attn_scalar ** -0.5, cfg.window(layer)
+        mlp = GatedMLP(f"{p}mlp.", d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_activation], w, ops)
+        #: Weights the piece before attention reads.
+        self.attn_in = {
+            "input_layernorm": norm(p + "input_layernorm"),
+            "q_proj": w.get(a + "q_proj.weight", (nh * hd, d)),
+            "k_proj": w.get(a + "k_proj.weight", (nkv * hd, d)),
+            "v_proj": w.get(a + "v_proj.weight", (nkv * hd, d)),
+            "q_norm": norm(a + "q_norm", hd),
+            "k_norm": norm(a + "k_norm", hd),
+        }
+        #: Weights the piece after attention reads.
+        self.attn_out = {
+            "o_proj": w.get(a + "o_proj.weight", (d, nh * hd)),
+            "post_attention_layernorm": norm(p + "post_attention_layernorm"),
+            "pre_feedforward_layernorm": norm(p + "pre_feedforward_layernorm"),
+            **mlp.weights(),
+            "post_feedforward_layernorm": norm(p + "post_feedforward_layernorm"),
+        }
+        if cfg.attention_bias:
+            for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+                self.attn_in[name + ".bias"] = w.get(a + name + ".bias", (n,))
+            self.attn_out["o_proj.bias"] = w.get(a + "o_proj.bias", (d,))
 
-    def __call__(
-        self, h: Array, residual: Array | None, cos: Array, sin: Array, ctx: AttentionContext
-    ) -> tuple[Array, Array]:
-        """Returns the block's output *before* its residual add, and the residual
-        stream; the next norm fuses the add."""
-        ops = self.ops
-        if residual is None:
-            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
-        else:
-            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
-        a = ops.rms_norm(self.self_attn(x, cos, sin, ctx), self.post_attention_layernorm, self.eps)
-        x, residual = ops.fused_add_rms_norm(a, residual, self.pre_feedforward_layernorm, self.eps)
-        return ops.rms_norm(self.mlp(x), self.post_feedforward_layernorm, self.eps), residual
+
+def layer_pieces(ops: Backend, cfg: Gemma3Config) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """A Gemma 3 layer around its attention call: ``first`` (layer 0) and
+    ``before`` give ``(q, k, v, residual)``; ``after(o, residual, w)`` gives
+    the block's output *before* its residual add, and the residual stream.
+    Gemma normalizes after attention and around the MLP, and q and k per
+    head before rope."""
+    eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    activation = ACTIVATIONS[cfg.hidden_activation]
+
+    def qkv(x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        t = ops.shape(x)[0]
+        q = ops.reshape(ops.linear(x, w["q_proj"], w.get("q_proj.bias")), (t, nh, hd))
+        k = ops.reshape(ops.linear(x, w["k_proj"], w.get("k_proj.bias")), (t, nkv, hd))
+        v = ops.reshape(ops.linear(x, w["v_proj"], w.get("v_proj.bias")), (t, nkv, hd))
+        q = ops.rms_norm(q, w["q_norm"], eps)  # per head, over head_dim
+        k = ops.rms_norm(k, w["k_norm"], eps)
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
+
+    def first(h: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
+        return (*qkv(ops.rms_norm(h, w["input_layernorm"], eps), w, cos, sin), h)
+
+    def before(h: Array, residual: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
+        x, residual = ops.fused_add_rms_norm(h, residual, w["input_layernorm"], eps)
+        return (*qkv(x, w, cos, sin), residual)
+
+    def after(o: Array, residual: Array, w: dict[str, Array]) -> tuple[Array, Array]:
+        t = ops.shape(o)[0]
+        a = ops.linear(ops.reshape(o, (t, nh * hd)), w["o_proj"], w.get("o_proj.bias"))
+        a = ops.rms_norm(a, w["post_attention_layernorm"], eps)
+        x, residual = ops.fused_add_rms_norm(a, residual, w["pre_feedforward_layernorm"], eps)
+        return ops.rms_norm(gated_mlp(ops, activation, x, w), w["post_feedforward_layernorm"], eps), residual
+
+    return capture(ops, first), capture(ops, before), capture(ops, after)
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -240,6 +252,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rope = {kind: RotaryEmbedding(ops, cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings)
                      for kind in sorted(set(cfg.layer_types))}
         self.layers = [DecoderLayer(cfg, i, weights, ops) for i in range(cfg.num_hidden_layers)]
+        self.first, self.before, self.after = layer_pieces(ops, cfg)
         self.norm = weights.get("model.norm.weight", (cfg.hidden_size,), transform=_gemma_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -252,7 +265,13 @@ class Gemma3ForCausalLM(CausalLM):
         tables = {kind: rope(ctx) for kind, rope in self.rope.items()}  # cos, sin [tokens, head_dim/2]
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, *tables[layer.kind], ctx)
+            cos, sin = tables[layer.kind]
+            if residual is None:
+                q, k, v, residual = self.first(h, layer.attn_in, cos, sin)
+            else:
+                q, k, v, residual = self.before(h, residual, layer.attn_in, cos, sin)
+            o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
+            h, residual = self.after(o, residual, layer.attn_out)
         h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
         if ctx.logits_indices is not None:
             h = ops.take(h, ctx.logits_indices, axis=0)

@@ -1,7 +1,7 @@
 """``infer.load(..., compile=True)`` captures each layer's pieces around
 attention as compiled graphs and gives the same outputs.
 
-A tiny random llama runs on torch/cpu (``torch.compile``, Inductor) and
+Tiny random llama and gemma3 models run on torch/cpu (``torch.compile``, Inductor) and
 mlx/cpu (``mx.compile``) with and without capture: prefill and decode logits
 agree within 1e-4 of the largest logit — compiled kernels fuse elementwise
 chains and may reassociate sums, a few float32 ulp per op, far below a
@@ -40,8 +40,9 @@ def logits_and_tokens(model: infer.Model) -> tuple[list[np.ndarray], list[int]]:
     pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
     "numpy",
 ])
-def test_compiled_layers_give_the_same_outputs(backend: str) -> None:
-    path = tiny_model_dir("llama3")
+@pytest.mark.parametrize("variant", ["llama3", "gemma3"])
+def test_compiled_layers_give_the_same_outputs(backend: str, variant: str) -> None:
+    path = tiny_model_dir(variant)
     plain = infer.load(path, backend=backend)
     captured = infer.load(path, backend=backend, compile=True)
     assert captured.backend.graph_capture and not plain.backend.graph_capture
