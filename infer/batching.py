@@ -333,8 +333,4 @@ class BatchEngine:
 
     def _bytes_per_block(self) -> int:
         """Measured with a one-token forward into a throwaway contiguous cache."""
-        from infer.cache import ContiguousKVCache
-
-        probe = SequenceState(tokens=[], cache=ContiguousKVCache(self.engine.backend, self.engine.model.num_layers, 1))
-        self.engine.forward(probe, [0])
-        return probe.cache.nbytes_per_position * self.pool.block_size  # type: ignore[union-attr]
+        return self.engine.kv_bytes_per_position() * self.pool.block_size

@@ -100,7 +100,22 @@ class Engine:
         pool = kv_pool if kv_pool is not None else self.kv_pool
         if pool is not None:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
-        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, capacity))
+        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes one position takes in every KV cache layer (the main model's
+        and the MTP modules'), measured with a one-token forward (and one step
+        of each MTP module) into a throwaway contiguous cache, so every
+        layer's real key and value shapes count."""
+        ops, model = self.backend, self.model
+        cache = ContiguousKVCache(ops, model.num_cache_layers, 1)
+        ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
+        ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 1)], capture_hidden=model.num_mtp_modules > 0)
+        model.forward(ids, ctx)
+        hidden = ctx.hidden
+        for depth in range(model.num_mtp_modules):
+            _, hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
+        return cache.nbytes_per_position
 
     def release(self, seq: SequenceState) -> None:
         """Done with ``seq``: a paged cache's pages return to the pool now

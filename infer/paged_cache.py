@@ -99,15 +99,9 @@ class PagedKVPool:
         """A pool for ``engine``'s model; with ``memory_budget``, the bytes one
         position takes are measured by a one-token forward into a throwaway
         contiguous cache (so every layer's real key and value shapes count)."""
-        per_token = None
-        if memory_budget is not None:
-            from infer.cache import ContiguousKVCache
-            from infer.engine import SequenceState
-
-            probe = SequenceState(tokens=[], cache=ContiguousKVCache(engine.backend, engine.model.num_layers, 1))
-            engine.forward(probe, [0])
-            per_token = probe.cache.nbytes_per_position
-        return cls(engine.backend, engine.model.num_layers, block_size=block_size, num_blocks=num_blocks,
+        per_token = engine.kv_bytes_per_position() if memory_budget is not None else None
+        # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
+        return cls(engine.backend, engine.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                    memory_budget=memory_budget, bytes_per_token=per_token)
 
     # -- sequences --------------------------------------------------------------------
