@@ -4,7 +4,8 @@ A folder is recognised by its ``config.json``. Weights come from
 ``model.safetensors``, else from the shards listed in
 ``model.safetensors.index.json``, else from every ``*.safetensors`` file (the
 order transformers uses). Tensor names are kept exactly as stored: Hugging
-Face names are infer's canonical names.
+Face names are infer's canonical names, except MTP modules in Qwen3-Next's
+naming, renamed to DeepSeek-V3's (:func:`normalize_mtp_names`).
 
 Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) are refused, never
 loaded: unpickling can execute arbitrary code.
