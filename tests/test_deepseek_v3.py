@@ -21,6 +21,7 @@ max|logit| (float32 on both sides, different summation orders).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -45,11 +46,16 @@ MAIN_LAYERS, MTP_MODULES = 3, 2
 # ----------------------------------------------------------------------------- paging
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_paged_cache_matches_transformers(block_size: int) -> None:
-    # Keys are 24 wide (16 nope + 8 rope) and values 12: pages of an MLA-shaped cache.
+@pytest.mark.parametrize(("backend", "block_size"), [
+    ("numpy", 1), ("numpy", 4),
+    pytest.param("torch:cpu", 4, marks=pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="no torch")),
+    pytest.param("mlx:cpu", 4, marks=pytest.mark.skipif(not importlib.util.find_spec("mlx"), reason="no mlx")),
+])
+def test_paged_cache_matches_transformers(backend: str, block_size: int) -> None:
+    # Keys are 24 wide (16 nope + 8 rope) and values 12: pages of an MLA-shaped cache, read by
+    # numpy's and torch's native paged_attention and, on MLX, gathered for its attention op.
     path = tiny_model_dir("deepseek_v3")
-    model = infer.load(path, backend="numpy")
+    model = infer.load(path, backend=backend)
     prompt, decode = encode(path, PROMPT), encode(path, DECODE_TEXT)
     ref = reference_logits(path, prompt, decode)
     engine, ops = model.engine, model.backend
