@@ -10,6 +10,15 @@ positions through ops. The scaling variants change only the frequencies:
   ``max_position_embeddings``; recomputed per forward from the current length.
 * ``llama3``: low frequencies divided by ``factor``, high ones kept, and a
   smooth blend between (Llama 3.1 report, section 3.3 / Meta's reference code).
+* ``yarn`` (Peng et al. 2023, "YaRN", section 3.2 "NTK-by-parts"): dimensions
+  that turn fewer than ``beta_slow`` times over the original context are
+  interpolated (divided by ``factor``), those turning more than ``beta_fast``
+  times are kept, with a linear ramp between; cos and sin are multiplied by
+  the attention factor (section 3.4: ``0.1 ln(factor) + 1``, or DeepSeek's
+  ratio ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``), as
+  transformers computes them. DeepSeek-V3 also scales the softmax by
+  ``mscale(factor, mscale_all_dim)**2``; that is the architecture's part
+  (:func:`yarn_mscale`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from infer.attention import AttentionContext
 from infer.errors import ConfigError
 from infer.ops import Array, Backend
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def _f32(x: float) -> float:
@@ -55,6 +64,47 @@ def _llama3(inv_freq: list[float], params: dict[str, Any]) -> list[float]:
     return [_f32(f) for f in out]
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tuple[list[float], float]:
+    """YaRN's inverse frequencies and attention factor (module docstring)."""
+    base = float(params["rope_theta"])
+    old_context = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek configs may leave it to the context ratio
+        factor = max_position_embeddings / old_context
+    factor = float(factor)
+    attention = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(factor)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    out = []
+    for i in range(dim // 2):
+        pos_freq = _f32(base ** _f32(2 * i / dim))
+        extrapolation, interpolation = _f32(1.0 / pos_freq), _f32(1.0 / _f32(factor * pos_freq))
+        keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: keep the frequency, 0: interpolate
+        out.append(_f32(interpolation * (1 - keep) + extrapolation * keep))
+    return out, float(attention)
+
+
 class RotaryEmbedding:
     """cos/sin tables for a rope configuration (see the module docstring)."""
 
@@ -66,7 +116,8 @@ class RotaryEmbedding:
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         for key in {"linear": ("factor",), "dynamic": ("factor",),
-                    "llama3": ("factor", "original_max_position_embeddings")}.get(rope_type, ()):
+                    "llama3": ("factor", "original_max_position_embeddings"),
+                    "yarn": ("original_max_position_embeddings",)}.get(rope_type, ()):
             if not isinstance(params.get(key), (int, float)):
                 raise ConfigError(f"config.json: rope type {rope_type!r} needs a numeric {key!r}")
         self.ops = ops
@@ -81,6 +132,10 @@ class RotaryEmbedding:
             inv = [_f32(f / float(params["factor"])) for f in inv]
         elif rope_type == "llama3":
             inv = _llama3(inv, params)
+        #: Multiplies cos and sin (YaRN's attention factor; 1 otherwise).
+        self.attention_factor = 1.0
+        if rope_type == "yarn":
+            inv, self.attention_factor = _yarn(self.dim, params, max_position_embeddings)
         self._inv_freq = self._upload(inv)
         self._dynamic_len = 0
 
@@ -107,6 +162,8 @@ class RotaryEmbedding:
         pos = ops.reshape(ops.astype(ctx.positions, "float32"), (-1, 1))
         freqs = ops.mul(pos, inv)  # [tokens, dim/2]
         cos, sin = ops.cos(freqs), ops.sin(freqs)
+        if self.attention_factor != 1.0:
+            cos, sin = ops.mul(cos, self.attention_factor), ops.mul(sin, self.attention_factor)
         dtype = ops.compute_dtype
         if dtype != "float32":
             cos, sin = ops.astype(cos, dtype), ops.astype(sin, dtype)

@@ -37,7 +37,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention"})
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "topk"})
 
     # -- transfer, creation, casting -------------------------------------
 
@@ -157,6 +157,10 @@ class NumpyBackend(Backend):
 
     def argmax(self, x: Array, axis: int = -1) -> Array:
         return np.argmax(x, axis=axis)
+
+    def topk(self, x: Array, k: int) -> tuple[Array, Array]:
+        order = np.argsort(-x, axis=-1, kind="stable")[..., :k]  # stable: lower index first among ties
+        return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
 
     def softmax(self, x: Array, axis: int = -1) -> Array:
         with np.errstate(invalid="ignore"):

@@ -40,7 +40,7 @@ _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "compile")
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile")
 # On the CPU, torch's float32 matrix-vector products measured slower than
 # numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
 # 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
@@ -210,6 +210,12 @@ class TorchBackend(Backend):
     def argmax(self, x: Array, axis: int = -1) -> Array:
         """int64; torch documents that the first maximal index wins, as in numpy."""
         return torch.argmax(x, dim=axis)
+
+    def topk(self, x: Array, k: int) -> tuple[Array, Array]:
+        """A stable descending sort (``torch.topk`` leaves the order of ties
+        unspecified; the contract puts the lower index first)."""
+        values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], order[..., :k]
 
     def softmax(self, x: Array, axis: int = -1) -> Array:
         if x.dtype in (torch.float16, torch.bfloat16):

@@ -412,7 +412,7 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
     """Canonical name -> entry for every tensor of the file; unknown names are an error."""
     entries: dict[str, _Entry] = {}
     unknown = []
-    layers = config["num_hidden_layers"]
+    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
     for info in file.tensors.values():
         if info.name in arch.ignored_tensors:
             continue

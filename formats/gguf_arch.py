@@ -59,6 +59,12 @@ class ArchitectureMap:
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: Multi-token prediction (llama.cpp's NextN): ``{arch}.nextn_predict_layers`` trailing blocks
+#: of ``block_count`` are MTP modules; their extra tensors ``blk.N.nextn.<name>.weight`` become
+#: ``model.layers.N.<hf>.weight``, DeepSeek-V3's naming (docs/mtp.md); the rest of such a block
+#: maps like any block.
+NEXTN_TENSORS = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "embed_tokens": "embed_tokens",
+                 "shared_head_head": "shared_head.head", "shared_head_norm": "shared_head.norm"}
 
 _COMMON = (
     Hparam("embedding_length", "hidden_size", int, True),
@@ -234,6 +240,12 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     if layers > len(file.tensors):
         raise ConfigError(f"{path}: {name}.block_count is {layers} but the file has only "
                           f"{len(file.tensors)} tensors")
+    nextn = _number(md, f"{name}.nextn_predict_layers", int, file)
+    if nextn:  # block_count counts the MTP blocks too (llama.cpp's converters add them)
+        if not 0 < nextn < layers:
+            raise ConfigError(f"{path}: {name}.nextn_predict_layers is {nextn}, but block_count is {layers}")
+        config["num_hidden_layers"] = layers - nextn
+        config["num_nextn_predict_layers"] = nextn
     config.setdefault("num_key_value_heads", heads)
     if "head_dim" not in config:
         if config["hidden_size"] % heads:
@@ -268,13 +280,20 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
 
 
 _BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)\.(weight|bias)")
+_NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
 
 
 def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
-    """The Hugging Face name of GGUF tensor ``name``, or None if the architecture has none."""
+    """The Hugging Face name of GGUF tensor ``name``, or None if the architecture has none.
+    ``layers`` counts every block of the file, MTP blocks included."""
     base, _, kind = name.rpartition(".")
     if base in GLOBAL_TENSORS and kind in ("weight", "bias"):
         return f"{GLOBAL_TENSORS[base]}.{kind}"
+    m = _NEXTN.fullmatch(name)
+    if m is not None:
+        if int(m[1]) >= layers or m[2] not in NEXTN_TENSORS:
+            return None
+        return f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}.weight"
     m = _BLOCK.fullmatch(name)
     if m is None or int(m[1]) >= layers or m[2] not in arch.layer_tensors:
         return None

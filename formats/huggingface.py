@@ -4,7 +4,8 @@ A folder is recognised by its ``config.json``. Weights come from
 ``model.safetensors``, else from the shards listed in
 ``model.safetensors.index.json``, else from every ``*.safetensors`` file (the
 order transformers uses). Tensor names are kept exactly as stored: Hugging
-Face names are infer's canonical names.
+Face names are infer's canonical names, except MTP modules in Qwen3-Next's
+naming, renamed to DeepSeek-V3's (:func:`normalize_mtp_names`).
 
 Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) are refused, never
 loaded: unpickling can execute arbitrary code.
@@ -400,8 +401,9 @@ def open_folder(path: Path) -> ModelPackage:
                           f"it names the architecture, e.g. \"llama\"")
     generation = read_generation_defaults(folder, config)
     files, weight_map = _weight_files(folder)
-    tensors = SafetensorsSource(files, only=weight_map)
+    tensors: TensorSource = SafetensorsSource(files, only=weight_map)
     try:
+        config, tensors = normalize_mtp_names(config, tensors, config_path)
         tokenizer = None
         if (folder / "tokenizer.json").is_file():
             from infer.tokenizer import Tokenizer  # lazily: listing formats stays cheap
@@ -416,6 +418,96 @@ def open_folder(path: Path) -> ModelPackage:
         raise
     return ModelPackage(model_type=model_type, config=config, tensors=tensors, tokenizer=tokenizer,
                         generation=generation, path=folder, format="huggingface")
+
+
+# -- multi-token prediction modules: one canonical naming ------------------------------
+
+
+class RenamedSource(TensorSource):
+    """A tensor source seen under other names: ``names[canonical] = stored``.
+    One stored tensor may appear under several canonical names."""
+
+    def __init__(self, base: TensorSource, names: dict[str, str]) -> None:
+        self.base, self._names = base, names
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def _stored(self, name: str) -> str:
+        if name not in self._names:
+            raise self._missing(name)
+        return self._names[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.base.shape(self._stored(name))
+
+    def storage_dtype(self, name: str) -> str:
+        return self.base.storage_dtype(self._stored(name))
+
+    def get(self, name: str) -> Any:
+        return self.base.get(self._stored(name))
+
+    def location(self, name: str) -> str:
+        stored = self._names.get(name, name)
+        where = self.base.location(stored)
+        return where if stored == name else f"{where} (stored as {stored!r})"
+
+    def close(self) -> None:
+        self.base.close()
+
+
+#: Qwen3-Next's MTP names (after ``mtp.``) -> the DeepSeek-V3 names of each module's layer.
+QWEN3_NEXT_MTP_NAMES = {
+    "fc.weight": "eh_proj.weight",
+    "pre_fc_norm_embedding.weight": "enorm.weight",
+    "pre_fc_norm_hidden.weight": "hnorm.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+
+
+def normalize_mtp_names(config: dict[str, Any], tensors: TensorSource,
+                        where: Path) -> tuple[dict[str, Any], TensorSource]:
+    """Multi-token prediction modules in one naming, DeepSeek-V3's (docs/mtp.md).
+
+    DeepSeek-V3 checkpoints (``num_nextn_predict_layers``) store module ``d`` as
+    the extra layer ``model.layers.{num_hidden_layers + d}``: already canonical.
+    Qwen3-Next-style checkpoints (``mtp_num_hidden_layers``) store
+    ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.norm`` (shared by every module) and the blocks ``mtp.layers.{d}.*``;
+    they are renamed to ``model.layers.{num_hidden_layers + d}.eh_proj``,
+    ``enorm``, ``hnorm``, ``shared_head.norm`` and ``.*``, and the config gains
+    ``num_nextn_predict_layers``. Weights are not changed (a Qwen3-Next model's
+    zero-centred norms are its architecture's business, not the naming's).
+    """
+    count = config.get("mtp_num_hidden_layers")
+    if not count or config.get("num_nextn_predict_layers"):
+        return config, tensors
+    names = tensors.names()
+    if not any(n.startswith("mtp.") for n in names):
+        return config, tensors
+    first = config.get("num_hidden_layers")
+    if not _is_int(first) or not _is_int(count) or first < 0 or count < 0:
+        raise ConfigError(f"{where}: num_hidden_layers ({first!r}) and mtp_num_hidden_layers ({count!r}) "
+                          "must be non-negative integers")
+    renamed: dict[str, str] = {}
+    for name in names:
+        rest = name[4:] if name.startswith("mtp.") else None
+        if rest in QWEN3_NEXT_MTP_NAMES:
+            for d in range(count):
+                renamed[f"model.layers.{first + d}.{QWEN3_NEXT_MTP_NAMES[rest]}"] = name
+        elif rest is not None and rest.startswith("layers.") and rest.split(".")[1].isdigit():
+            _, d, tail = rest.split(".", 2)
+            if int(d) >= count:
+                raise FormatError(f"{where}: tensor {name!r} belongs to MTP layer {d}, but mtp_num_hidden_layers "
+                                  f"is {count}")
+            renamed[f"model.layers.{first + int(d)}.{tail}"] = name
+        else:
+            renamed[name] = name
+    log.debug("%s: %d Qwen3-Next-style MTP layer(s) renamed to model.layers.%d..", where, count, first)
+    return {**config, "num_nextn_predict_layers": count}, RenamedSource(tensors, renamed)
 
 
 @hookimpl

@@ -117,12 +117,32 @@ class CausalLM(abc.ABC):
     Subclasses read every weight in ``__init__`` (through the loader) and
     implement :meth:`forward`. They compute only through ``ops`` and
     ``ctx.attention``.
+
+    **Multi-token prediction (MTP).** Some checkpoints ship MTP modules
+    (DeepSeek-V3 section 2.2; see ``docs/mtp.md``): module ``d`` predicts the
+    token after the next one from the hidden state at position ``p`` and the
+    embedding of the token at ``p + 1``. The engine drives them (speculative
+    decoding); a model exposes them through four members, whose defaults here
+    describe a model without MTP:
+
+    * :attr:`num_mtp_modules` — modules the checkpoint ships (0: none);
+    * :attr:`num_cache_layers` — KV cache layers the engine allocates:
+      ``num_layers + num_mtp_modules``; MTP module ``d`` attends in cache
+      layer ``num_layers + d``;
+    * :meth:`forward` with ``ctx.capture_hidden`` True also sets
+      ``ctx.hidden``: ``[tokens, hidden_size]`` for *all* new tokens (not
+      restricted by ``ctx.logits_indices``), exactly the hidden state MTP
+      module 0 consumes. Every architecture sets it, with or without MTP;
+    * :meth:`mtp_forward` runs one module.
     """
 
     #: The config dataclass instance.
     config: Any
-    #: Number of transformer layers (= KV cache layers).
+    #: Number of transformer layers of the main model (its KV cache layers
+    #: are ``0 .. num_layers - 1``).
     num_layers: int
+    #: MTP modules the checkpoint ships (0 = none).
+    num_mtp_modules: int = 0
     #: Longest sequence the model supports (positions).
     max_context: int
     #: Vocabulary size (logit width).
@@ -132,10 +152,45 @@ class CausalLM(abc.ABC):
         self.config = config
         self.ops = ops
 
+    @property
+    def num_cache_layers(self) -> int:
+        """KV cache layers the engine allocates: ``num_layers + num_mtp_modules``
+        (MTP module ``d`` uses cache layer ``num_layers + d``)."""
+        return self.num_layers + self.num_mtp_modules
+
     @abc.abstractmethod
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
         """Logits ``[rows, vocab]`` for the new tokens ``input_ids``
-        (``[tokens]`` int32), restricted to ``ctx.logits_indices`` when set."""
+        (``[tokens]`` int32), restricted to ``ctx.logits_indices`` when set.
+
+        When ``ctx.capture_hidden`` is True, also sets ``ctx.hidden`` to the
+        ``[tokens, hidden_size]`` hidden states of all new tokens: the state
+        the output head reads (after the final norm), which is also what MTP
+        module 0 consumes (docs/mtp.md says why that one).
+        """
+
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+        """Run MTP module ``depth`` (0-based).
+
+        ``hidden``: ``[tokens, hidden_size]`` at positions ``p`` — for depth 0
+        the main model's ``ctx.hidden``, for depth ``d > 0`` the hidden this
+        method returned at depth ``d - 1`` (or the same module's, when the
+        engine reuses one module for several steps). ``input_ids``:
+        ``[tokens]`` the tokens at positions ``p + 1``. ``ctx`` places these
+        rows at positions ``p``; attention in the module reads and writes
+        cache layer ``num_layers + depth``.
+
+        Returns ``(logits, hidden)``: logits ``[rows, vocab]`` (restricted to
+        ``ctx.logits_indices``) predicting the tokens at ``p + 2``, and the
+        module's output hidden ``[tokens, hidden_size]`` before its own head
+        norm, for chaining. Default: the model has no MTP modules.
+        """
+        from infer.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"{type(self).__name__} has no multi-token prediction modules (num_mtp_modules is 0); "
+            "use another draft source"
+        )
 
     #: Tensors the model package may hold that the architecture never reads
     #: (e.g. precomputed rotary tables); not reported as unused.

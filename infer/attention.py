@@ -73,6 +73,10 @@ class AttentionContext:
     * ``logits_indices`` — ``[n]`` rows whose logits are wanted, or None for
       all rows. Architectures apply it before the output head, so a prefill
       projects only the last token onto the vocabulary.
+    * ``capture_hidden`` — when True, the architecture's ``forward`` sets
+      ``hidden``: ``[tokens, hidden_size]`` final hidden states of every new
+      token (not restricted by ``logits_indices``), what multi-token
+      prediction modules consume (see :class:`~infer.architecture.CausalLM`).
     """
 
     def __init__(
@@ -81,8 +85,12 @@ class AttentionContext:
         sequences: list[SequenceSlice],
         *,
         all_logits: bool = False,
+        capture_hidden: bool = False,
     ) -> None:
         self.ops = ops
+        self.capture_hidden = capture_hidden
+        #: Set by the architecture's forward when ``capture_hidden`` is True.
+        self.hidden: Array | None = None
         self.sequences = sequences
         self.num_tokens = sum(s.length for s in sequences)
         self.max_position = max(s.start + s.length for s in sequences)

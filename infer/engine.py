@@ -104,18 +104,24 @@ class Engine:
         pool = kv_pool if kv_pool is not None else self.kv_pool
         if pool is not None and not contiguous:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
-        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, capacity))
+        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
 
     def kv_bytes_per_position(self) -> int:
-        """Bytes of keys and values one position takes across all layers.
-
-        Measured once, by a one-token forward into a throwaway contiguous
-        cache, so every layer's real key and value shapes and dtypes count
+        """Bytes one position takes in every KV cache layer (the main model's
+        and the MTP modules'), measured once, with a one-token forward (and
+        one step of each MTP module) into a throwaway contiguous cache, so
+        every layer's real key and value shapes and dtypes count
         (sliding-window layers, latent attention, ...)."""
         if self._kv_bytes_per_position is None:
-            probe = SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_layers, 1))
-            self.forward(probe, [0])
-            self._kv_bytes_per_position = probe.cache.nbytes_per_position  # type: ignore[union-attr]
+            ops, model = self.backend, self.model
+            cache = ContiguousKVCache(ops, model.num_cache_layers, 1)
+            ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
+            ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 1)], capture_hidden=model.num_mtp_modules > 0)
+            model.forward(ids, ctx)
+            hidden = ctx.hidden
+            for depth in range(model.num_mtp_modules):
+                _, hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
+            self._kv_bytes_per_position = cache.nbytes_per_position
         return self._kv_bytes_per_position
 
     def release(self, seq: SequenceState) -> None:

@@ -59,7 +59,7 @@ REQUIRED_OPS: tuple[str, ...] = (
 
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
-    "quantized_linear", "paged_attention", "synchronize", "compile",
+    "quantized_linear", "paged_attention", "synchronize", "topk", "compile",
 )
 
 
@@ -434,6 +434,19 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to
         wait for."""
+
+    def topk(self, x: Array, k: int) -> tuple[Array, Array]:
+        """The ``k`` largest entries along the last axis: ``(values, indices)``,
+        each ``[..., k]``, largest first; among equal values the lower index
+        comes first (as :meth:`argmax`). ``values`` has ``x``'s dtype,
+        ``indices`` is int32 or int64. ``-inf`` entries sort last. Used by
+        mixture-of-experts routing. Default: sorted on the host (``to_numpy``,
+        a stable sort, ``from_numpy``), one device round trip per call.
+        """
+        host = self.to_numpy(x)
+        order = np.argsort(-host, axis=-1, kind="stable")[..., :k]
+        values = np.take_along_axis(host, order, axis=-1)
+        return self.from_numpy(values, self.dtype(x)), self.from_numpy(order.astype(np.int32))
 
     #: Whether architectures should :meth:`compile` their layer pieces; set
     #: by ``infer.load(..., compile=True)``. Off by default: capturing costs

@@ -100,7 +100,8 @@ class PagedKVPool:
         position takes are those :meth:`~infer.engine.Engine.kv_bytes_per_position`
         measures (every layer's real key and value shapes count)."""
         per_token = None if memory_budget is None else engine.kv_bytes_per_position()
-        return cls(engine.backend, engine.model.num_layers, block_size=block_size, num_blocks=num_blocks,
+        # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
+        return cls(engine.backend, engine.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                    memory_budget=memory_budget, bytes_per_token=per_token)
 
     # -- sequences --------------------------------------------------------------------

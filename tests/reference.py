@@ -137,6 +137,48 @@ _GEMMA3: dict[str, Any] = dict(
     tie_word_embeddings=True,
     hidden_activation="gelu_pytorch_tanh",
 )
+# DeepSeek-V3: multi-head latent attention (keys 16 + 8 wide, values 12), 8 routed experts.
+# "deepseek_v3": low-rank queries, 4 groups of which 2 are eligible, top-3 of 8, one dense layer
+# then MoE, YaRN rope with mscale != mscale_all_dim (so both the cos/sin attention factor and the
+# softmax mscale differ from 1), interleaved rope. "deepseek_v3_lite": DeepSeek-V2-Lite-like
+# (q_lora_rank null, no group limit, no top-k renormalisation), two shared experts, every layer
+# MoE, half-split rope, default rope scaling.
+_DEEPSEEK_V3: dict[str, Any] = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    rope_interleave=True,
+    num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                     "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1},
+)
+_DEEPSEEK_V3_LITE: dict[str, Any] = dict(
+    _DEEPSEEK_V3,
+    num_hidden_layers=2,
+    q_lora_rank=None,
+    n_shared_experts=2,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    first_k_dense_replace=0,
+    rope_interleave=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 # model_types whose RMSNorm scales by (1 + w): their norm weights are stored minus 1.
 _ONE_PLUS_W_NORMS = ("gemma3_text",)
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -194,6 +236,8 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
+    "deepseek_v3_lite": ("DeepseekV3Config", _DEEPSEEK_V3_LITE),
 }
 TINY_VARIANTS: tuple[str, ...] = tuple(_VARIANTS)
 
@@ -300,8 +344,13 @@ def _randomize(model: Any) -> None:
                 param.copy_(0.1 * torch.randn_like(param))
             elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif param.dim() == 3:  # [experts, out, in] stacked expert projections (saved one per expert)
+                param.copy_(torch.randn_like(param) / param.shape[2] ** 0.5)
             else:
                 raise RuntimeError(f"tiny model: no init rule for parameter {name} {tuple(param.shape)}")
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # MoE routing bias: must change the choice of experts
+                buffer.copy_(0.2 * torch.randn_like(buffer))
 
 
 def _legacy_config(config_json: dict[str, Any]) -> dict[str, Any]:

@@ -331,6 +331,27 @@ def test_unsupported_type_names_type_and_tensor(tmp_path):
         open_gguf(tmp_path / "iq.gguf")
 
 
+def test_nextn_blocks_become_mtp_modules_in_deepseek_naming(tmp_path):
+    # llama.cpp counts the MTP ("NextN") blocks in block_count and says how many trail it;
+    # their blk.N.nextn.* tensors take DeepSeek-V3's names (docs/mtp.md).
+    rng = np.random.default_rng(1)
+    nextn = {f"blk.2.nextn.{g}.weight": rng.standard_normal(shape).astype(np.float32) for g, shape in (
+        ("eh_proj", (HIDDEN, 2 * HIDDEN)), ("enorm", (HIDDEN,)), ("hnorm", (HIDDEN,)),
+        ("shared_head_norm", (HIDDEN,)), ("embed_tokens", (VOCAB, HIDDEN)), ("shared_head_head", (VOCAB, HIDDEN)))}
+    expected = write_model(tmp_path / "m.gguf", layers=3, types=("F32",), extra={
+        "llama.nextn_predict_layers": ("uint32", 1)}, tensors_extra={k: (v, None) for k, v in nextn.items()})
+    hf = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm",
+          "embed_tokens": "embed_tokens", "shared_head_head": "shared_head.head"}
+    for name, value in nextn.items():
+        expected[f"model.layers.2.{hf[name.split('.')[3]]}.weight"] = value
+    package = open_gguf(tmp_path / "m.gguf", tokenizer=False)
+    assert package.config["num_hidden_layers"] == 2 and package.config["num_nextn_predict_layers"] == 1
+    check_tensors(package, expected)
+    write_model(tmp_path / "bad.gguf", layers=2, extra={"llama.nextn_predict_layers": ("uint32", 2)})
+    with pytest.raises(ConfigError, match="nextn_predict_layers is 2, but block_count is 2"):
+        open_gguf(tmp_path / "bad.gguf", tokenizer=False)
+
+
 def test_unknown_tensor_and_missing_key(tmp_path):
     write_model(tmp_path / "a.gguf", layers=1, tensors_extra={"blk.0.mystery.weight": (np.zeros(4, np.float32), None)})
     with pytest.raises(FormatError, match=r"unknown for architecture 'llama': blk\.0\.mystery\.weight"):

@@ -18,8 +18,9 @@ from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
     arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls, embedding_calls,
     from_numpy_calls, fused_add_rms_norm_calls, layer_norm_calls, linear_calls, matmul_calls,
-    compile_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls, softcap_calls,
-    softmax_calls, sqrt_calls, swiglu_calls, take_calls, transpose_calls, unary, update_rows_calls, zeros_calls,
+    compile_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls,
+    softcap_calls, softmax_calls, sqrt_calls, swiglu_calls, take_calls, topk_calls, transpose_calls, unary,
+    update_rows_calls, zeros_calls,
 )
 
 
@@ -165,6 +166,8 @@ CASES: tuple[Case, ...] = (
     _case("softcap", "softcap", softcap_calls()),
     _case("paged_attention", "paged_attention", attention_calls(paged=True)),
     _case("synchronize", "synchronize", st.just(Call())),
+    _case("topk-values", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[0]),
+    _case("topk-indices", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[1], out=INDEX),
     _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
 )
 """Every case, in the contract's order: required ops, then optional ops."""

@@ -171,6 +171,18 @@ def reduce_calls(draw: Any, keepdims: bool = True, ties: bool = False) -> Call:
 
 
 @st.composite
+def topk_calls(draw: Any) -> Call:
+    shape, seed = draw(shapes(1, 3)), draw(seeds)
+    if draw(st.booleans()):  # few distinct values: the lower index must come first among ties
+        x = np.random.default_rng(seed).integers(-3, 3, shape).astype(np.float32)
+    else:
+        x = normal(seed, shape, draw(st.sampled_from([0.1, 1.0, 10.0])))
+    if draw(st.booleans()):  # masked entries (group-limited routing) sort last
+        x = np.where(np.random.default_rng(seed + 1).random(shape) < 0.3, np.float32(-np.inf), x)
+    return Call((In(x), draw(st.integers(1, shape[-1]))))
+
+
+@st.composite
 def softmax_calls(draw: Any, masked_row: bool = False) -> Call:
     shape, seed = draw(shapes()), draw(seeds)
     rng = np.random.default_rng(seed)

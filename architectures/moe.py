@@ -1,0 +1,111 @@
+"""Mixture of experts with DeepSeek's routing (DeepSeek-V3 report, section 2.1.2).
+
+Each token is sent to ``top_k`` of ``num_experts`` routed experts (gated MLPs)
+chosen by a router, and always to the shared experts. The router of
+DeepSeek-V3 (``topk_method`` ``noaux_tc``):
+
+* affinities ``s = sigmoid(x @ gate.T)`` (eq. 15), computed in float32;
+* experts are *chosen* on ``s + e_score_correction_bias`` (the bias is the
+  auxiliary-loss-free load balancing term, eq. 16: it steers the choice but
+  never the weights);
+* group-limited routing: the experts form ``n_group`` groups, each scored by
+  the sum of its two best biased affinities; only the ``topk_group`` best
+  groups stay eligible (the node-limited routing of section 2.1.2, as the
+  released inference code computes it);
+* the gate weights are the *unbiased* affinities of the chosen experts,
+  divided by their sum when ``norm_topk_prob`` (eq. 13), times
+  ``routed_scaling_factor``.
+
+Dispatch: the chosen expert ids come to the host (one small transfer per
+layer) and each expert runs on the rows routed to it (``take``); the outputs
+are put back in (token, slot) order with one more ``take``, weighted and
+summed over the slots. Only ops of the contract, so every backend runs it.
+"""
+
+from __future__ import annotations
+
+from infer.architecture import WeightLoader, host_array
+from infer.ops import Array, Backend
+
+from .mlp import GatedMLP
+
+
+def sigmoid(ops: Backend, x: Array) -> Array:
+    """``1 / (1 + exp(-x))``, written as ``(1 + tanh(x / 2)) / 2`` (no overflow)."""
+    return ops.mul(ops.add(ops.tanh(ops.mul(x, 0.5)), 1.0), 0.5)
+
+
+def _ints(ops: Backend, values: list[int]) -> Array:
+    return ops.from_numpy(host_array(values, "int32"))
+
+
+class TopKRouter:
+    """Weights ``{prefix}weight`` (``[experts, hidden]``) and, when present,
+    ``{prefix}e_score_correction_bias`` (``[experts]``)."""
+
+    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, *, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float, w: WeightLoader, ops: Backend) -> None:
+        self.ops, self.num_experts, self.top_k = ops, num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
+        self.weight = w.get(prefix + "weight", (num_experts, hidden))
+        bias = prefix + "e_score_correction_bias"
+        self.bias = w.get(bias, (num_experts,)) if w.has(bias) else None
+
+    def __call__(self, x: Array) -> tuple[Array, list[list[int]]]:
+        """Gate weights ``[tokens, top_k]`` and the chosen expert ids per token (host lists)."""
+        ops = self.ops
+        t, e = ops.shape(x)[0], self.num_experts
+        scores = sigmoid(ops, ops.astype(ops.linear(x, self.weight), "float32"))  # [tokens, experts]
+        choice = scores if self.bias is None else ops.add(scores, ops.astype(self.bias, "float32"))
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            grouped = ops.reshape(choice, (t, self.n_group, e // self.n_group))
+            group_scores = ops.sum(ops.topk(grouped, 2)[0], axis=-1)  # [tokens, groups]
+            _, best = ops.topk(group_scores, self.topk_group)
+            keep = [set(row) for row in ops.to_numpy(best).tolist()]
+            mask = [0.0 if g in keep[i] else float("-inf") for i in range(t) for g in range(self.n_group)]
+            masked = ops.add(grouped, ops.reshape(ops.from_numpy(host_array(mask), "float32"), (t, self.n_group, 1)))
+            choice = ops.reshape(masked, (t, e))
+        _, chosen = ops.topk(choice, self.top_k)
+        ids = ops.to_numpy(chosen).tolist()
+        flat = [i * e + int(j) for i, row in enumerate(ids) for j in row]
+        weights = ops.reshape(ops.take(ops.reshape(scores, (t * e,)), _ints(ops, flat), axis=0), (t, self.top_k))
+        if self.norm_topk_prob:
+            weights = ops.div(weights, ops.add(ops.sum(weights, axis=-1, keepdims=True), 1e-20))
+        return ops.mul(weights, self.scaling), [[int(j) for j in row] for row in ids]
+
+
+class DeepseekMoE:
+    """Router ``{prefix}gate``, routed experts ``{prefix}experts.{i}`` and the
+    shared experts ``{prefix}shared_experts`` (one MLP ``n_shared`` times as wide)."""
+
+    def __init__(self, prefix: str, hidden: int, intermediate: int, num_experts: int, n_shared: int,
+                 router: TopKRouter, w: WeightLoader, ops: Backend) -> None:
+        self.ops, self.gate = ops, router
+        self.experts = [GatedMLP(f"{prefix}experts.{i}.", hidden, intermediate, "silu", w, ops)
+                        for i in range(num_experts)]
+        self.shared_experts = (GatedMLP(f"{prefix}shared_experts.", hidden, intermediate * n_shared, "silu", w, ops)
+                               if n_shared else None)
+
+    def __call__(self, x: Array) -> Array:
+        ops = self.ops
+        t, d = ops.shape(x)
+        weights, ids = self.gate(x)
+        k = len(ids[0])
+        routed: dict[int, list[int]] = {}  # expert -> flat (token * k + slot) indices routed to it
+        for i, row in enumerate(ids):
+            for slot, expert in enumerate(row):
+                routed.setdefault(expert, []).append(i * k + slot)
+        outputs, where = [], [0] * (t * k)  # where[token * k + slot]: its row among the outputs
+        row = 0
+        for expert in sorted(routed):
+            flat = routed[expert]
+            outputs.append(self.experts[expert](ops.take(x, _ints(ops, [f // k for f in flat]), axis=0)))
+            for f in flat:
+                where[f] = row
+                row += 1
+        y = ops.concat(outputs, 0) if len(outputs) > 1 else outputs[0]
+        y = ops.reshape(ops.take(y, _ints(ops, where), axis=0), (t, k, d))  # [tokens, slots, hidden]
+        weights = ops.reshape(ops.astype(weights, ops.dtype(y)), (t, k, 1))
+        out = ops.sum(ops.mul(y, weights), axis=1)
+        return out if self.shared_experts is None else ops.add(out, self.shared_experts(x))
