@@ -18,6 +18,7 @@ values for the backend's ``attention`` op. Both give the same result.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -77,6 +78,10 @@ class AttentionContext:
       ``hidden``: ``[tokens, hidden_size]`` final hidden states of every new
       token (not restricted by ``logits_indices``), what multi-token
       prediction modules consume (see :class:`~infer.architecture.CausalLM`).
+
+    ``all_logits`` is one flag for every sequence, or one per sequence: the
+    logits of every new token of that sequence (speculative verification),
+    else of its last one only.
     """
 
     def __init__(
@@ -84,7 +89,7 @@ class AttentionContext:
         ops: Backend,
         sequences: list[SequenceSlice],
         *,
-        all_logits: bool = False,
+        all_logits: bool | Sequence[bool] = False,
         capture_hidden: bool = False,
     ) -> None:
         self.ops = ops
@@ -96,14 +101,14 @@ class AttentionContext:
         self.max_position = max(s.start + s.length for s in sequences)
         positions = [ops.arange(s.start, s.start + s.length, "int32") for s in sequences]
         self.positions = positions[0] if len(positions) == 1 else ops.concat(positions, 0)
-        if all_logits:
-            self.logits_indices: Array | None = None
-        else:
-            last, offset = [], 0
-            for s in sequences:
-                offset += s.length
-                last.append(offset - 1)
-            self.logits_indices = None if last == list(range(self.num_tokens)) else _int_array(ops, last)
+        every = [all_logits] * len(sequences) if isinstance(all_logits, bool) else list(all_logits)
+        if len(every) != len(sequences):
+            raise ValueError(f"all_logits has {len(every)} flags for {len(sequences)} sequences")
+        rows, offset = [], 0
+        for s, whole in zip(sequences, every):
+            rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
+            offset += s.length
+        self.logits_indices: Array | None = None if rows == list(range(self.num_tokens)) else _int_array(ops, rows)
         native = ops.supports("paged_attention")
         #: Per sequence: attend through the cache's ``attend`` (True) or
         #: ``read`` + the ``attention`` op (False).

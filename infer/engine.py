@@ -31,6 +31,7 @@ from infer.errors import ContextLengthError, GenerationError, SamplingParameterE
 from infer.ops import Array, Backend
 from infer.paged_cache import PagedKVPool, PagedSequenceCache
 from infer.sampling import Sampler, SamplingParams
+from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify_greedy, verify_sampled
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,15 @@ class StopConditions:
 
 
 @dataclass
+class ForwardOutput:
+    """What one forward returns: logits, and the hidden states of every new
+    token when they were asked for."""
+
+    logits: Array
+    hidden: Array | None = None
+
+
+@dataclass
 class Generation:
     """A running request: iterate it for token ids; afterwards
     :attr:`finish_reason` says why it ended (``"stop"`` for an EOS token,
@@ -72,6 +82,9 @@ class Generation:
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: Speculative decoding figures (acceptance rate, tokens per forward),
+    #: updated as tokens come; None without speculation.
+    stats: SpeculativeStats | None = None
 
     def __iter__(self) -> Iterator[int]:
         for token in self.tokens_iter:
@@ -144,29 +157,26 @@ class Engine:
         ``[rows, vocab]`` for every new token (``all_logits``) or the last."""
         if not token_ids:
             raise GenerationError("forward needs at least one token")
-        start = seq.cache.length
-        if start + len(token_ids) > seq.cache.capacity:
-            raise ContextLengthError(
-                f"sequence would reach {start + len(token_ids)} positions; its cache holds "
-                f"{seq.cache.capacity} (model context {self.max_context})"
-            )
-        ops = self.backend
-        ids = ops.from_numpy(np.asarray(token_ids, dtype=np.int32))
-        ctx = AttentionContext(ops, [SequenceSlice(seq.cache, start, len(token_ids))], all_logits=all_logits)
-        logits = self.model.forward(ids, ctx)
-        if isinstance(seq.cache, PagedSequenceCache):
-            seq.cache.commit(token_ids)  # the ids key its full blocks in the prefix cache
-        else:
-            seq.cache.length = start + len(token_ids)
-        seq.tokens.extend(int(t) for t in token_ids)
-        return logits
+        return self.run([seq], [token_ids], all_logits=all_logits).logits
 
-    def forward_batch(self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]]) -> Array:
+    def forward_batch(
+        self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]], *,
+        all_logits: bool | Sequence[bool] = False,
+    ) -> Array:
         """One forward over several sequences at once: ``token_ids[i]`` (non-empty)
         appended to ``seqs[i]``, all flattened into one batch of
-        :class:`~infer.attention.SequenceSlice`\\ s. Returns logits
-        ``[len(seqs), vocab]``, those of each sequence's last new token.
-        The continuous-batching engine (:mod:`infer.batching`) calls this."""
+        :class:`~infer.attention.SequenceSlice`\\ s. Returns logits of each
+        sequence's last new token, or of all its new tokens where
+        ``all_logits`` (one flag, or one per sequence) says so, in batch
+        order. The continuous-batching engine (:mod:`infer.batching`) calls this."""
+        return self.run(seqs, token_ids, all_logits=all_logits).logits
+
+    def run(
+        self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]], *,
+        all_logits: bool | Sequence[bool] = False, capture_hidden: bool = False,
+    ) -> ForwardOutput:
+        """:meth:`forward_batch`, also returning the hidden states of every
+        new token when ``capture_hidden`` (for multi-token prediction)."""
         if not seqs or len(seqs) != len(token_ids) or any(len(t) == 0 for t in token_ids):
             raise GenerationError("forward_batch needs one non-empty token list per sequence")
         slices = []
@@ -180,14 +190,37 @@ class Engine:
             slices.append(SequenceSlice(seq.cache, start, len(ids)))
         ops = self.backend
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
-        logits = self.model.forward(ops.from_numpy(flat), AttentionContext(ops, slices))
+        ctx = AttentionContext(ops, slices, all_logits=all_logits, capture_hidden=capture_hidden)
+        logits = self.model.forward(ops.from_numpy(flat), ctx)
+        if capture_hidden and ctx.hidden is None:
+            raise GenerationError(f"{type(self.model).__name__}.forward did not capture its hidden states")
         for seq, ids, s in zip(seqs, token_ids, slices):
             if isinstance(seq.cache, PagedSequenceCache):
-                seq.cache.commit(ids)
+                seq.cache.commit(ids)  # the ids key its full blocks in the prefix cache
             else:
                 seq.cache.length = s.start + len(ids)
             seq.tokens.extend(int(t) for t in ids)
-        return logits
+        return ForwardOutput(logits, ctx.hidden)
+
+    def mtp_forward(
+        self, depth: int, seqs: Sequence[SequenceState], starts: Sequence[int], hidden: Array,
+        token_ids: Sequence[Sequence[int]],
+    ) -> tuple[Array, Array]:
+        """Run MTP module ``depth`` over several sequences: rows at positions
+        ``starts[i]..`` of ``seqs[i]`` (their cache layer ``num_layers +
+        depth``; nothing is committed), ``hidden`` the flattened input states,
+        ``token_ids[i]`` the tokens one position ahead. Returns each
+        sequence's last-row logits and the output hidden states of every row."""
+        ops = self.backend
+        slices = [SequenceSlice(seq.cache, start, len(ids)) for seq, start, ids in zip(seqs, starts, token_ids)]
+        flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
+        return self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
+
+    def truncate(self, seq: SequenceState, length: int) -> None:
+        """Forget ``seq``'s positions from ``length`` on (rejected speculative
+        tokens): its cache rolls back and the next forward starts there."""
+        seq.cache.truncate(length)
+        del seq.tokens[seq.cache.length:]
 
     def prefill(self, seq: SequenceState, prompt_ids: Sequence[int]) -> Array:
         """Process the whole prompt in one forward; logits of its last token."""
@@ -211,12 +244,21 @@ class Engine:
                 f"shorten the prompt by {len(prompt_ids) - self.max_context + 1} tokens or more"
             )
 
-    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions) -> Generation:
-        """Start a request; iterate the result for its new token ids."""
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+        speculation: Speculation | None = None,
+    ) -> Generation:
+        """Start a request; iterate the result for its new token ids. With a
+        :class:`~infer.speculative.Speculation`, tokens come from
+        :meth:`speculative_decode` (the same tokens for greedy decoding)."""
         self.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
         generation = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt))
-        generation.tokens_iter = self._run(prompt, Sampler(sampling), stop, generation)
+        if speculation is None:
+            generation.tokens_iter = self._run(prompt, Sampler(sampling), stop, generation)
+        else:
+            generation.stats = speculation.stats
+            generation.tokens_iter = self.speculative_decode(prompt, Sampler(sampling), stop, speculation, generation)
         return generation
 
     def _next_token(self, sampler: Sampler, logits: Array, seq: SequenceState) -> int:
@@ -245,3 +287,75 @@ class Engine:
                 logits = self.decode_one_token(seq, token)
         finally:  # also when the consumer stops early and the generator is closed
             self.release(seq)
+
+    # -- speculative decoding -----------------------------------------------------------
+
+    def speculative_decode(
+        self, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation, gen: Generation,
+    ) -> Iterator[int]:
+        """Draft, verify all drafts in one forward, keep the accepted prefix
+        plus one token of the target's, roll the cache back over the rest
+        (see :mod:`infer.speculative`). Stops exactly where :meth:`generate`
+        without speculation would."""
+        if stop.max_tokens == 0:
+            gen.finish_reason = "length"
+            return
+        source = spec.source
+        capacity = min(len(prompt) + stop.max_tokens, self.max_context)
+        seq = self.new_sequence(capacity)
+        state = source.new_state()
+        try:
+            out = self.run([seq], [prompt], capture_hidden=source.needs_hidden)
+            hidden, hidden_start = out.hidden, 0
+            emitted = [self._next_token(sampler, out.logits[-1], seq)]
+            produced = 0
+            spec.record(forwards=1)
+            while True:
+                for token in emitted:
+                    produced += 1
+                    spec.record(tokens=1)
+                    yield token
+                    if not stop.ignore_eos and token in stop.eos_token_ids:
+                        gen.finish_reason = "stop"
+                        return
+                    if produced >= stop.max_tokens:
+                        gen.finish_reason = "length"
+                        return
+                if seq.cache.length >= self.max_context:
+                    gen.finish_reason = "length"
+                    return
+                pending = emitted[-1]
+                # Drafts: no more than can still be emitted (the bonus token
+                # is one more) and than fit the sequence after the pending token.
+                k = min(spec.num_tokens, stop.max_tokens - produced - 1, capacity - seq.cache.length - 1)
+                job = DraftJob(tokens=seq.tokens + [pending], k=max(k, 0), sampler=sampler, state=state,
+                               capacity=capacity, seq=seq, hidden=hidden, hidden_start=hidden_start)
+                draft = source.propose([job])[0]
+                drafts = draft.tokens[: max(k, 0)]
+                start = seq.cache.length
+                out = self.run([seq], [[pending] + drafts], all_logits=True, capture_hidden=source.needs_hidden)
+                emitted = self._verify(sampler, out.logits, seq, start, drafts, draft.probs)
+                accepted = len(emitted) - 1
+                spec.record(forwards=1, drafted=len(drafts), accepted=accepted)
+                self.truncate(seq, start + 1 + accepted)  # rejected drafts leave the cache
+                hidden, hidden_start = out.hidden, start
+        finally:  # also when the consumer stops early and the generator is closed
+            source.release(state)
+            self.release(seq)
+
+    def _verify(
+        self, sampler: Sampler, logits: Array, seq: SequenceState, start: int, drafts: list[int],
+        q: np.ndarray | None,
+    ) -> list[int]:
+        """Accepted drafts plus one target token, from the verify forward's
+        rows (row ``i``: after the pending token and drafts ``0..i-1``)."""
+        ops = self.backend
+        if not sampler.needs_logits:  # greedy: only the argmax of each row leaves the device
+            return verify_greedy([int(t) for t in ops.to_numpy(ops.argmax(logits, axis=-1))], drafts)
+        rows = ops.to_numpy(logits)
+        # Each row's distribution under the request's own rules; its history
+        # (repetition penalty) is every token up to and including that row's.
+        p = np.stack([sampler.distribution(rows[i], seq.tokens[: start + 1 + i]) for i in range(len(drafts) + 1)])
+        if sampler.params.greedy:
+            return verify_greedy([int(np.argmax(r)) for r in p], drafts)
+        return verify_sampled(p, drafts, q if q is None else q[: len(drafts)], sampler.rng)

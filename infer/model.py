@@ -19,6 +19,15 @@ from infer.errors import GenerationError, SamplingParameterError, TokenizerError
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.sampling import SamplingParams
+from infer.speculative import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DraftModelSource,
+    DraftSource,
+    MTPDraft,
+    NGramDraft,
+    Speculation,
+    SpeculativeStats,
+)
 from infer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,9 @@ class Model:
         #: The engine that runs the network and owns the KV cache.
         self.engine = Engine(network, backend)
         self._batch_engine: BatchEngine | None = None
+        #: Speculative decoding figures of every request this model ran, per
+        #: draft source name (cumulative; see :class:`~infer.speculative.SpeculativeStats`).
+        self.speculative_stats: dict[str, SpeculativeStats] = {}
 
     def __repr__(self) -> str:
         where = self.package.path.name if self.package.path else "?"
@@ -105,9 +117,12 @@ class Model:
         *,
         max_tokens: int | None = None,
         ignore_eos: bool = False,
+        speculative: str | Model | DraftSource | None = None,
+        num_speculative_tokens: int | None = None,
         **sampling: Any,
     ) -> Generation:
-        """Generate from token ids; iterate the result for new token ids.
+        """Generate from token ids; iterate the result for new token ids
+        (its ``stats`` holds the speculative decoding figures, if any).
 
         Keyword arguments are those of :meth:`generate` except ``stop`` and
         ``stream``.
@@ -116,7 +131,41 @@ class Model:
         stop = StopConditions(
             max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
         )
-        return self.engine.generate(list(prompt_ids), params, stop)
+        spec = self.speculation(speculative, num_speculative_tokens)
+        return self.engine.generate(list(prompt_ids), params, stop, spec)
+
+    def speculation(
+        self, speculative: str | Model | DraftSource | None, num_speculative_tokens: int | None = None,
+    ) -> Speculation | None:
+        """The :class:`~infer.speculative.Speculation` of one request, from
+        ``generate``'s ``speculative`` and ``num_speculative_tokens``
+        arguments; None without speculation. Its figures are also added to
+        :attr:`speculative_stats` as the request runs."""
+        if speculative is None:
+            if num_speculative_tokens is not None:
+                raise SamplingParameterError(
+                    "num_speculative_tokens needs speculative= ('ngram', 'mtp' or a draft Model)")
+            return None
+        if isinstance(speculative, str):
+            if speculative == "ngram":
+                source: DraftSource = NGramDraft()
+            elif speculative == "mtp":
+                source = MTPDraft(self.engine)
+            else:
+                raise SamplingParameterError(
+                    f"speculative must be 'ngram', 'mtp', a draft infer.Model or a DraftSource, got {speculative!r}")
+        elif isinstance(speculative, Model):
+            source = DraftModelSource(speculative.engine, self.network.vocab_size)
+            _check_same_vocabulary(self, speculative)
+        elif isinstance(speculative, DraftSource):
+            source = speculative
+        else:
+            raise SamplingParameterError(
+                f"speculative must be 'ngram', 'mtp', a draft infer.Model or a DraftSource, got "
+                f"{type(speculative).__name__}")
+        k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+        totals = self.speculative_stats.setdefault(source.name, SpeculativeStats(source.name))
+        return Speculation(source, k, totals=[totals])
 
     def generate(
         self,
@@ -133,6 +182,8 @@ class Model:
         ignore_eos: bool = False,
         stream: bool = False,
         add_special_tokens: bool = True,
+        speculative: str | Model | DraftSource | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> str | Iterator[str] | list[str]:
         """Continue ``prompt`` and return the new text.
 
@@ -149,10 +200,19 @@ class Model:
             ignore_eos: keep going past end-of-sequence tokens (benchmarks).
             stream: return an iterator of text chunks instead of a string.
             add_special_tokens: let the tokenizer add BOS etc. to the prompt.
+            speculative: speculative decoding with draft tokens from
+                ``"ngram"`` (prompt lookup), ``"mtp"`` (the model's
+                multi-token-prediction modules), a draft :class:`Model`
+                sharing this one's tokenizer, or a
+                :class:`~infer.speculative.DraftSource`. Greedy output is
+                unchanged; sampled output keeps its distribution. Figures in
+                :attr:`speculative_stats`. See docs/speculative.md.
+            num_speculative_tokens: draft tokens per forward (default 4).
         """
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                      ignore_eos=ignore_eos)
+                      ignore_eos=ignore_eos, speculative=speculative,
+                      num_speculative_tokens=num_speculative_tokens)
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
                 raise GenerationError("prompt must be a string or a list of strings")
@@ -165,12 +225,14 @@ class Model:
 
     def _generate_batch(
         self, prompts: list[str], *, stop: str | Sequence[str] | None, add_special_tokens: bool,
-        max_tokens: int | None, ignore_eos: bool, **sampling: Any,
+        max_tokens: int | None, ignore_eos: bool, speculative: str | Model | DraftSource | None,
+        num_speculative_tokens: int | None, **sampling: Any,
     ) -> list[str]:
         """Every prompt in one continuous batch; each result equals what
         :meth:`generate` gives for that prompt alone."""
         stops = _stop_strings(stop)
         params = self.sampling_params(**sampling)
+        self.speculation(speculative, num_speculative_tokens)  # checks the arguments before anything runs
         conditions = StopConditions(
             max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
         )
@@ -178,8 +240,9 @@ class Model:
         batch = self.batch_engine
         handles = []
         try:
-            for prompt_ids in ids:  # each request gets its own Sampler (and seed)
-                handles.append(batch.submit(prompt_ids, params, conditions))
+            for prompt_ids in ids:  # each request gets its own Sampler (and seed) and figures
+                spec = self.speculation(speculative, num_speculative_tokens)
+                handles.append(batch.submit(prompt_ids, params, conditions, speculation=spec))
             streams = [self._stream_text(_as_generation(h), stops) for h in handles]
             texts: list[list[str]] = [[] for _ in prompts]
             live = list(range(len(prompts)))
@@ -295,6 +358,26 @@ class Model:
                 generation.finish_reason = "stop_string"
         if pending:
             yield pending
+
+
+def _check_same_vocabulary(target: Model, draft: Model) -> None:
+    """A draft model must speak the target's token ids: same tokenizer vocabulary."""
+    if draft is target:
+        return
+    if target.package.tokenizer is None or draft.package.tokenizer is None:
+        if target.network.vocab_size != draft.network.vocab_size:
+            raise GenerationError(
+                f"the draft model's vocabulary ({draft.network.vocab_size} ids) differs from the target's "
+                f"({target.network.vocab_size}), and without tokenizers their ids cannot be matched")
+        return
+    mine = target.tokenizer.backend.get_vocab(with_added_tokens=True)
+    theirs = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise GenerationError(
+            f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
+            f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
+        )
 
 
 def _as_generation(handle: RequestHandle) -> Generation:

@@ -129,14 +129,31 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
         """The next token id from ``[vocab]`` logits."""
         p = self.params
+        if p.greedy:
+            logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
+            return int(np.argmax(logits))
+        return self.draw(self.distribution(logits, history))
+
+    def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> np.ndarray:
+        """The float64 ``[vocab]`` distribution :meth:`sample` draws from:
+        every rule above applied to ``logits``, renormalised. Greedy gives
+        the one-hot vector of the argmax. Speculative decoding compares
+        these distributions of target and draft."""
+        p = self.params
         logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
         if p.greedy:
-            return int(np.argmax(logits))
+            probs = np.zeros(logits.shape, dtype=np.float64)
+            probs[int(np.argmax(logits))] = 1.0
+            return probs
         scaled = logits / p.temperature
         scaled -= scaled.max()
         probs = np.exp(scaled)
         probs /= probs.sum()
-        probs = filter_probabilities(probs, p, scores=logits)
+        return filter_probabilities(probs, p, scores=logits)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token id drawn from ``probs`` (``[vocab]``, summing to 1) with
+        this request's random generator (one uniform number per draw)."""
         cumulative = np.cumsum(probs)
         index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
         if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end
