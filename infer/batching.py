@@ -57,10 +57,22 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infer.engine import Engine, SequenceState, StopConditions
+import numpy as np
+
+from infer.engine import Engine, ForwardOutput, SequenceState, StopConditions
 from infer.errors import CacheFullError, GenerationError
+from infer.ops import Array
 from infer.paged_cache import PagedKVPool, PagedSequenceCache
 from infer.sampling import Sampler, SamplingParams
+from infer.speculative import (
+    Draft,
+    DraftJob,
+    DraftSource,
+    Speculation,
+    SpeculativeStats,
+    verify_greedy,
+    verify_sampled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +98,9 @@ class BatchStats:
     tokens_reused: int = 0
     #: Requests preempted (pages freed, recomputed later).
     preemptions: int = 0
+    #: Speculative decoding figures per draft source name (acceptance rate,
+    #: tokens per target forward; see :class:`~infer.speculative.SpeculativeStats`).
+    speculative: dict[str, SpeculativeStats] = field(default_factory=dict)
 
 
 class RequestHandle:
@@ -94,18 +109,27 @@ class RequestHandle:
     finished); afterwards :attr:`finish_reason` says why it ended
     (``"stop"``, ``"length"`` or ``"cancelled"``)."""
 
-    def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions):
+    def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions,
+                 speculation: Speculation | None = None):
         self.engine = engine
         self.id = rid
         self.prompt = prompt
         self.sampler = sampler
         self.stop = stop
+        #: Speculative decoding of this request (None: one token per forward).
+        self.speculation = speculation
         #: Token ids generated so far.
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self._seq: SequenceState | None = None
         self._admitted_at = -1
         self._read = 0
+        # Speculation: the draft source's state, the drafts for the next
+        # forward (and their q), the target's hidden states of the last forward.
+        self._draft_state = None if speculation is None else speculation.source.new_state()
+        self._draft = Draft([])
+        self._hidden: Array | None = None
+        self._hidden_start = 0
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("running" if self._seq is not None else "waiting")
@@ -118,6 +142,11 @@ class RequestHandle:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def stats(self) -> SpeculativeStats | None:
+        """This request's speculative decoding figures (None without speculation)."""
+        return None if self.speculation is None else self.speculation.stats
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -207,16 +236,26 @@ class BatchEngine:
 
     # -- requests -------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions) -> RequestHandle:
+    def submit(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+        speculation: Speculation | None = None,
+    ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
+        With a :class:`~infer.speculative.Speculation`, each of its forwards
+        verifies draft tokens (see :mod:`infer.speculative`).
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
-        ``max_tokens`` could not fit even in an empty pool.
+        ``max_tokens`` could not fit even in an empty pool. (Speculation
+        needs no more: drafts are capped to the tokens still allowed, so a
+        request never occupies more than prompt + ``max_tokens`` positions.)
         """
         self.engine.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
+        if speculation is not None:
+            name = speculation.source.name
+            speculation.totals.append(self.stats.speculative.setdefault(name, SpeculativeStats(name)))
         with self._lock:
-            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling), stop)
+            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling), stop, speculation)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
@@ -267,14 +306,25 @@ class BatchEngine:
                     )
                 return
             batch = self._schedule()
-            seqs = [r._seq for r, _ in batch]
-            chunks = [r._known()[r._seq.cached:r._seq.cached + n] for r, n in batch]  # type: ignore[union-attr]
-            logits = self.engine.forward_batch(seqs, chunks)  # type: ignore[arg-type]
+            seqs, chunks, whole = [], [], []
+            for r, n in batch:
+                seq = r._seq
+                assert seq is not None
+                feed = r._known()[seq.cached:seq.cached + n]
+                drafts = n - len(feed)  # a decoding request: its pending token, then drafts
+                feed += r._draft.tokens[:drafts]
+                seqs.append(seq)
+                chunks.append(feed)
+                whole.append(drafts > 0)  # verification needs the logits of every row
+            starts = [seq.cached for seq in seqs]
+            hidden = any(r.speculation is not None and r.speculation.source.needs_hidden for r, _ in batch)
+            out = self.engine.run(seqs, chunks, all_logits=whole, capture_hidden=hidden)
             tokens = sum(len(c) for c in chunks)
             self.stats.forwards += 1
             self.stats.tokens_processed += tokens
             self.stats.tokens_per_forward.append(tokens)
-            self._sample(batch, logits)
+            self._sample(batch, chunks, starts, whole, out)
+            self._propose(batch)
 
     def _admit(self) -> None:
         """Admit waiting requests in order while the pool can hold them."""
@@ -325,10 +375,12 @@ class BatchEngine:
         while True:
             budget = self.max_batch_tokens
             plan: dict[int, int] = {}
-            # Decoding requests first (one token each), then prompt chunks.
+            # Decoding requests first (one token each, plus their drafts),
+            # then prompt chunks.
             for r in self.running:
                 if budget and self._to_feed(r) == 1:
-                    plan[r.id], budget = 1, budget - 1
+                    plan[r.id] = n = min(1 + len(r._draft.tokens), budget)
+                    budget -= n
             for r in self.running:
                 todo = self._to_feed(r)
                 if budget and todo > 1:
@@ -358,24 +410,120 @@ class BatchEngine:
         self.waiting.appendleft(r)
         self.stats.preemptions += 1
 
-    def _sample(self, batch: list[tuple[RequestHandle, int]], logits: object) -> None:
+    def _sample(
+        self, batch: list[tuple[RequestHandle, int]], chunks: list[list[int]], starts: list[int],
+        whole: list[bool], out: ForwardOutput,
+    ) -> None:
+        """New tokens for every request whose known tokens are all cached now:
+        one sampled token, or (speculating) the accepted drafts plus one."""
         ops = self.engine.backend
-        ready = [(i, r) for i, (r, _) in enumerate(batch) if self._to_feed(r) == 0]
+        rows_of, offset = [], 0  # logits rows of each request: (first, count)
+        for (r, n), every in zip(batch, whole):
+            rows_of.append((offset, n if every else 1))
+            offset += n if every else 1
+        ready = [i for i, (r, n) in enumerate(batch) if self._to_feed(r) <= 0]
         if not ready:
+            self._keep_hidden(batch, starts, out)
             return
-        argmax = ops.to_numpy(ops.argmax(logits, axis=-1))
-        rows = ops.to_numpy(logits) if any(r.sampler.needs_logits for _, r in ready) else None
-        for i, r in ready:
-            if r.sampler.needs_logits:
-                token = r.sampler.sample(rows[i], r._seq.tokens)  # type: ignore[index, union-attr]
+        argmax = ops.to_numpy(ops.argmax(out.logits, axis=-1))
+        rows = ops.to_numpy(out.logits) if any(batch[i][0].sampler.needs_logits for i in ready) else None
+        self._keep_hidden(batch, starts, out)
+        for i in ready:
+            r, n = batch[i]
+            seq = r._seq
+            assert seq is not None
+            first, count = rows_of[i]
+            if r.speculation is None:
+                if r.sampler.needs_logits:
+                    emitted = [r.sampler.sample(rows[first], seq.tokens)]  # type: ignore[index]
+                else:
+                    emitted = [int(argmax[first])]
             else:
-                token = int(argmax[i])
-            r.tokens.append(token)
-            # Same rules, in the same order, as Engine.generate.
-            if not r.stop.ignore_eos and token in r.stop.eos_token_ids:
-                self._finish(r, "stop")
-            elif len(r.tokens) >= r.stop.max_tokens or r._seq.cached >= self.engine.max_context:  # type: ignore[union-attr]
+                # The first logits row follows position ``pos``; the drafts were fed after it.
+                pos = starts[i] + n - count
+                drafts = chunks[i][n - count + 1:]
+                q = None if r._draft.probs is None or not drafts else r._draft.probs[:len(drafts)]
+                emitted = self._verify(r, argmax[first:first + count], rows, first, pos, drafts, q)
+                accepted = len(emitted) - 1
+                self.engine.truncate(seq, pos + 1 + accepted)  # rejected drafts leave the cache
+                r.speculation.record(forwards=1, drafted=len(drafts), accepted=accepted)
+                r._draft = Draft([])
+            for token in emitted:
+                r.tokens.append(token)
+                if r.speculation is not None:
+                    r.speculation.record(tokens=1)
+                # Same rules, in the same order, as Engine.generate.
+                if not r.stop.ignore_eos and token in r.stop.eos_token_ids:
+                    self._finish(r, "stop")
+                    break
+                if len(r.tokens) >= r.stop.max_tokens:
+                    self._finish(r, "length")
+                    break
+            if not r.finished and seq.cached >= self.engine.max_context:
                 self._finish(r, "length")
+
+    def _verify(
+        self, r: RequestHandle, argmax: object, rows: object, first: int, start: int, drafts: list[int],
+        q: object,
+    ) -> list[int]:
+        """Accepted drafts plus one token; row ``first + j`` of ``rows`` holds
+        the target's logits after position ``start + j``."""
+        if not r.sampler.needs_logits:
+            return verify_greedy([int(t) for t in argmax], drafts)  # type: ignore[attr-defined]
+        seq = r._seq
+        assert seq is not None
+        p = np.stack([r.sampler.distribution(rows[first + j], seq.tokens[:start + 1 + j])  # type: ignore[index]
+                      for j in range(len(drafts) + 1)])
+        if r.sampler.params.greedy:
+            return verify_greedy([int(np.argmax(row)) for row in p], drafts)
+        return verify_sampled(p, drafts, q, r.sampler.rng)  # type: ignore[arg-type]
+
+    def _keep_hidden(self, batch: list[tuple[RequestHandle, int]], starts: list[int], out: ForwardOutput) -> None:
+        """Each MTP-speculating request keeps its rows of the target's hidden states."""
+        if out.hidden is None:
+            return
+        offset = 0
+        for (r, n), start in zip(batch, starts):
+            if r.speculation is not None and r.speculation.source.needs_hidden:
+                r._hidden = self.engine.backend.slice(out.hidden, 0, offset, offset + n)
+                r._hidden_start = start
+            offset += n
+
+    def _propose(self, batch: list[tuple[RequestHandle, int]]) -> None:
+        """Drafts for the next step of every speculating request that is
+        decoding (and, for MTP, the module's cache brought up to date for
+        every request the forward advanced)."""
+        groups: dict[int, tuple[DraftSource, list[RequestHandle], list[DraftJob]]] = {}
+        for r, _ in batch:
+            spec = r.speculation
+            if spec is None or r.finished or r._seq is None:
+                continue
+            seq = r._seq
+            k = 0
+            if self._to_feed(r) == 1:
+                total = r._total()
+                k = max(0, min(spec.num_tokens, r.stop.max_tokens - len(r.tokens) - 1, total - seq.cached - 1))
+                if k and self.pool is not None:
+                    cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
+                    try:  # the pages of the verify forward, taken now (drafting may write them)
+                        copies = self.pool.allocator.prepare_write(cache.table, cache.length, cache.length + 1 + k)
+                        if copies:
+                            self.pool.copy_blocks(copies)
+                    except CacheFullError:
+                        k = 0  # no room to speculate this step
+            elif not spec.source.needs_hidden:
+                continue
+            tokens = r._known()[:seq.cached + 1]
+            job = DraftJob(tokens=tokens, k=k, sampler=r.sampler, state=r._draft_state, capacity=r._total(),
+                           seq=seq, hidden=r._hidden, hidden_start=r._hidden_start)
+            groups.setdefault(id(spec.source), (spec.source, [], []))
+            groups[id(spec.source)][1].append(r)
+            groups[id(spec.source)][2].append(job)
+        for source, handles, jobs in groups.values():
+            for r, job, draft in zip(handles, jobs, source.propose(jobs)):
+                draft.tokens = draft.tokens[:job.k]
+                r._draft = draft if job.k else Draft([])
+                r._hidden = None
 
     def _finish(self, r: RequestHandle, reason: str) -> None:
         self._release(r)
@@ -385,6 +533,10 @@ class BatchEngine:
         if r._seq is not None:
             self.engine.release(r._seq)
             r._seq = None
+        if r.speculation is not None:  # drafts and draft caches start afresh if it comes back
+            r.speculation.source.release(r._draft_state)
+            r._draft_state = r.speculation.source.new_state()
+            r._draft, r._hidden = Draft([]), None
         if r in self.running:
             self.running.remove(r)
 
