@@ -242,7 +242,9 @@ class PagedSequenceCache:
             raise CacheFullError(
                 f"sequence holds {self.capacity} positions; writing {n} at position {start} needs {start + n}"
             )
-        copies = self.pool.allocator.prepare_write(self.table, start, start + n)
+        # A write past the committed end (an MTP module's chained draft
+        # positions) reserves the gap too: tables have no holes.
+        copies = self.pool.allocator.prepare_write(self.table, min(start, self.length), start + n)
         if copies:
             self.pool.copy_blocks(copies)
         self.pool.write(layer, self.table.blocks, start, k, v)

@@ -408,7 +408,7 @@ class MTPDraft(DraftSource):
         outs = _last_rows(ops, hidden, [len(f) for f in feeds])
         # The engine sized k so that the verify forward fits; chained steps
         # write positions below the last draft's, so they fit too.
-        positions = [len(jobs[i].tokens) - 1 for i in idx]  # of each job's row just computed
+        positions = [len(jobs[i].tokens) - 2 for i in idx]  # of each job's row just computed (c - 1)
         step = 0
         while True:
             rows = ops.to_numpy(logits)
