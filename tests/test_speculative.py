@@ -448,3 +448,27 @@ def test_ngram_lookup_prefers_the_longest_latest_match() -> None:
     assert ngram.lookup([7, 1, 2, 8, 2], 3) == [8, 2]  # only the 1-gram [2] matches
     assert ngram.lookup([1, 2, 3], 2) == []
     assert NGramDraft(min_n=2, max_n=2).lookup([5, 6, 7, 5], 2) == []
+
+
+# -- the real SmolLM2 -----------------------------------------------------------------------
+
+CODE_TASK = (
+    "Rewrite this Python function, adding type hints:\n\n"
+    "def total_price(items, tax_rate):\n"
+    "    total = 0\n"
+    "    for item in items:\n"
+    "        total = total + item.price * item.quantity\n"
+    "    return total * (1 + tax_rate)\n"
+)
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_lookup_gives_plain_greedy_tokens_and_accepts_drafts() -> None:
+    """A rewriting task copies from its prompt, so prompt lookup's drafts get accepted."""
+    model = infer.load("smollm2-135m", backend="numpy")
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": CODE_TASK}], add_generation_prompt=True)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    want = list(model.generate_tokens(ids, max_tokens=32, ignore_eos=True))
+    gen = model.generate_tokens(ids, max_tokens=32, ignore_eos=True, speculative="ngram", num_speculative_tokens=4)
+    assert list(gen) == want
+    assert gen.stats is not None and gen.stats.acceptance_rate > 0 and gen.stats.tokens_per_forward > 1
