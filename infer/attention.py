@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from infer.errors import GenerationError
 from infer.ops import Array, Backend
 
 
@@ -103,7 +104,7 @@ class AttentionContext:
         self.positions = positions[0] if len(positions) == 1 else ops.concat(positions, 0)
         every = [all_logits] * len(sequences) if isinstance(all_logits, bool) else list(all_logits)
         if len(every) != len(sequences):
-            raise ValueError(f"all_logits has {len(every)} flags for {len(sequences)} sequences")
+            raise GenerationError(f"all_logits has {len(every)} flags for {len(sequences)} sequences")
         rows, offset = [], 0
         for s, whole in zip(sequences, every):
             rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
