@@ -21,6 +21,7 @@ accepted, partly accepted and rejected drafts all occur.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -173,6 +174,22 @@ def test_greedy_with_speculation_equals_plain_greedy(name: str, paged: bool) -> 
         assert accepted == drafted
 
 
+@pytest.mark.parametrize("backend", [
+    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
+    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
+])
+def test_other_backends_give_plain_greedy_tokens_too(backend: str) -> None:
+    model = infer.load(tiny_model_dir("llama3"), backend=backend)
+    for prompt in PROMPTS[:2]:
+        want = list(model.generate_tokens(prompt, max_tokens=16, ignore_eos=True))
+        for spec in ("ngram", model):
+            got = model.generate_tokens(prompt, max_tokens=16, ignore_eos=True, speculative=spec, num_speculative_tokens=3)
+            assert list(got) == want
+    texts = [model.tokenizer.decode(p) for p in PROMPTS[:2]]
+    assert model.generate(texts, max_tokens=8, ignore_eos=True, speculative="ngram") == [
+        model.generate(t, max_tokens=8, ignore_eos=True) for t in texts]
+
+
 @pytest.mark.parametrize("name", SOURCES)
 def test_stops_where_plain_decoding_stops(name: str) -> None:
     target, src = source(name)
@@ -308,6 +325,21 @@ def test_batched_speculation_survives_preemption(name: str) -> None:
     assert batch.stats.preemptions > 0
     assert [h.tokens for h in handles] == want
     assert pool.stats().used == 0
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_other", "mtp"])
+def test_batched_sampling_with_speculation_is_repeatable(name: str) -> None:
+    target, src = source(name)
+    params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, seed=7)
+    runs = []
+    for _ in range(2):
+        batch = BatchEngine(target, kv_layout="paged", block_size=4, kv_memory=8 * 2**20)
+        handles = [batch.submit(p, params, StopConditions(max_tokens=12), speculation=Speculation(src, 3))  # type: ignore[arg-type]
+                   for p in PROMPTS]
+        batch.run_until_done()
+        runs.append([h.tokens for h in handles])
+        assert all(len(t) == 12 for t in runs[-1]) and batch.pool.stats().used == 0  # type: ignore[union-attr]
+    assert runs[0] == runs[1]
 
 
 # -- the accept/reject rule -------------------------------------------------------------------
