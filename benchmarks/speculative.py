@@ -8,6 +8,7 @@ speculation is exact), which the script checks.
 
     python benchmarks/speculative.py                       # smollm2-135m on the default backend
     python benchmarks/speculative.py --backend torch:cpu --max-tokens 128 --repeats 5 --json out.json
+    python benchmarks/speculative.py --threads 1     # one BLAS thread: steadier on a shared machine
 
 Prints a table and writes JSON: seconds and tokens/s of each mode, their ratio
 (``speedup``), the acceptance rate and tokens per target forward.
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import infer
+if TYPE_CHECKING:
+    import infer
 
 SNIPPET = '''\
 def summarize_orders(orders, customers, tax_rate, discount_codes):
@@ -72,9 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (median reported; >= 3)")
     parser.add_argument("--json", type=Path, default=Path("speculative-benchmark.json"), help="where to write results")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for BLAS and torch (default: the libraries' own choice)")
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error("--repeats must be at least 3")
+    if args.threads is not None:  # before numpy or torch start their thread pools
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+    import infer
+
+    if args.threads is not None and args.backend and args.backend.startswith("torch"):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     model = infer.load(args.model, backend=args.backend)
     ids = _prompt_ids(model)
@@ -105,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "backend": f"{model.backend.name}/{model.backend.device}",
         "machine": platform.platform(),
+        "threads": args.threads,
         "prompt_tokens": len(ids),
         "new_tokens": n,
         "num_speculative_tokens": args.num_speculative_tokens,

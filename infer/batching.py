@@ -33,6 +33,20 @@ Memory (issue 5, items 3–5):
   so far. Blocks are taken for the whole step *before* the forward, so a
   forward never runs out of pages half way.
 
+Speculative decoding runs inside the batch (a request submitted with a
+:class:`~infer.speculative.Speculation`): after each step its draft source
+proposes up to ``k`` tokens for every speculating request that is decoding,
+and the next step feeds such a request its pending token *and* its drafts in
+the same single forward, asking the logits of all those rows
+(``forward_batch(..., all_logits=[...])``). Each request is then verified on
+its own (:func:`~infer.speculative.verify_greedy` /
+:func:`~infer.speculative.verify_sampled`) and its cache truncated after the
+last accepted draft. The pages a step's drafts need are taken when they are
+proposed; when there are none, the request simply does not speculate that
+step. Drafts are capped to the tokens a request may still produce, so
+admission needs no more than prompt + ``max_tokens``. Figures per draft
+source: :attr:`BatchStats.speculative`.
+
 Two KV layouts (``kv_layout``), the same tokens either way:
 
 * ``"paged"`` — every request's keys and values are pages of one
@@ -253,7 +267,9 @@ class BatchEngine:
         prompt = [int(t) for t in prompt_ids]
         if speculation is not None:
             name = speculation.source.name
-            speculation.totals.append(self.stats.speculative.setdefault(name, SpeculativeStats(name)))
+            totals = self.stats.speculative.setdefault(name, SpeculativeStats(name))
+            if not any(t is totals for t in speculation.totals):
+                speculation.totals.append(totals)
         with self._lock:
             handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling), stop, speculation)
             self._next_id += 1
