@@ -482,6 +482,36 @@ def test_ngram_lookup_prefers_the_longest_latest_match() -> None:
     assert NGramDraft(min_n=2, max_n=2).lookup([5, 6, 7, 5], 2) == []
 
 
+# -- the real deepseek_v3 MTP modules ---------------------------------------------------------
+
+
+def test_deepseek_v3_mtp_modules_draft_for_speculative_decoding() -> None:
+    """The tiny deepseek_v3 checkpoint with MTP modules (tests/test_deepseek_v3.py):
+    greedy decoding with speculative="mtp" gives plain greedy's tokens, alone on a
+    contiguous and a paged cache and in a batch."""
+    from test_deepseek_v3 import mtp_model_dir
+
+    model = infer.load(mtp_model_dir(), backend="numpy")
+    engine = model.engine
+    assert model.network.num_mtp_modules > 0
+    want = [plain(engine, p, 16) for p in PROMPTS]
+    paged = Engine(engine.model, engine.backend)
+    paged.kv_pool = PagedKVPool(engine.backend, engine.model.num_cache_layers, block_size=4, num_blocks=64)
+    for e in (engine, paged):
+        for prompt, w in zip(PROMPTS, want):
+            gen = model.generate_tokens(prompt, max_tokens=16, ignore_eos=True, speculative="mtp",
+                                        num_speculative_tokens=2) if e is engine else \
+                e.generate(prompt, GREEDY, StopConditions(max_tokens=16), Speculation(MTPDraft(e), 2))
+            assert list(gen) == w
+    assert paged.kv_pool.stats().used == 0
+    batch = BatchEngine(engine, kv_layout="paged", block_size=4, max_batch_tokens=12, kv_memory=8 * 2**20)
+    handles = [batch.submit(p, GREEDY, StopConditions(max_tokens=16), speculation=Speculation(MTPDraft(engine), 2))
+               for p in PROMPTS]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == want and batch.pool.stats().used == 0  # type: ignore[union-attr]
+    assert batch.stats.speculative["mtp"].drafted > 0
+
+
 # -- the real SmolLM2 -----------------------------------------------------------------------
 
 CODE_TASK = (
