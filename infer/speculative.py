@@ -348,24 +348,31 @@ class DraftModelSource(DraftSource):
 
 @dataclass
 class _MTPState:
-    #: Positions whose MTP-layer keys and values are final (computed from the
-    #: target's hidden state there and the accepted token after it).
+    #: The pending token's position at the last proposal: MTP module ``d``'s
+    #: cache entries before ``valid - d`` are final.
     valid: int = 0
+    #: The target's hidden states of the ``D - 1`` positions before ``valid``
+    #: (deeper modules lag one position per depth and recompute them).
+    tail: Array | None = None
+    tail_start: int = 0
 
 
 class MTPDraft(DraftSource):
-    """The target's own multi-token-prediction module (DeepSeek-V3 style).
+    """The target's own multi-token-prediction modules (DeepSeek-V3 style).
 
-    MTP module 0 at position ``i`` takes the target's hidden state at ``i``
-    and the token at ``i + 1`` and predicts the token at ``i + 2``; its
-    keys and values live in cache layer ``num_layers`` of the target's own
-    sequence. Each proposal first brings that layer up to the last accepted
-    position (the rows the last target forward kept), whose prediction is
-    draft 0; further drafts chain the module on its own output hidden state
-    and draft token, one position further each time (speculative entries,
-    overwritten by the next catch-up). Only module 0 is used: checkpoints
-    with MTP ship one module, and chaining the first is how they are run.
-    See docs/mtp.md for the module layouts.
+    Module ``d`` at position ``p`` takes a hidden state at ``p`` (the
+    target's for ``d = 0``, module ``d - 1``'s output for deeper ones) and the
+    token at ``p + 1 + d``, and predicts the token at ``p + 2 + d``; its keys
+    and values live in cache layer ``num_layers + d`` of the target's own
+    sequence. With ``c`` the pending token's position, each proposal runs the
+    modules in turn over the positions from where their caches are no longer
+    final up to ``c - 1``: module ``d``'s entries are final before ``c - d``
+    (their tokens are accepted ones), and its last row, fed draft ``d``,
+    predicts draft ``d + 1``. So ``D`` modules give ``D`` drafts from one
+    position, as they were trained. Past ``D`` drafts, the last module is
+    chained on its own output and the last draft, one position further each
+    time, as engines do with a single-module checkpoint. Entries written from
+    draft tokens are overwritten by the next proposal. See docs/mtp.md.
     """
 
     name = "mtp"
@@ -379,60 +386,81 @@ class MTPDraft(DraftSource):
                 f"use speculative='ngram' or a draft model instead"
             )
         self.engine = target
+        self.modules = target.model.num_mtp_modules
 
     def new_state(self) -> _MTPState:
         return _MTPState()
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        engine, ops = self.engine, self.engine.backend
+        engine, ops, depths = self.engine, self.engine.backend, self.modules
         drafts = [Draft([]) for _ in jobs]
         probs: dict[int, list[np.ndarray]] = {}
-        # Catch up: positions a..c-1, c being the pending token's position.
-        idx, seqs, starts, hiddens, feeds = [], [], [], [], []
+        # Per job: [index, first position, c, input hidden rows from the first position on].
+        work: list[list[Any]] = []
         for i, job in enumerate(jobs):
             if job.hidden is None or job.seq is None:
                 continue
+            state: _MTPState = job.state
             c = len(job.tokens) - 1
-            a = max(job.state.valid, job.hidden_start)
-            if a >= c:
+            rows, first = job.hidden, job.hidden_start
+            if state.tail is not None and state.valid == first:  # the kept rows continue these
+                rows, first = ops.concat([state.tail, rows], 0), state.tail_start
+            start = max(first, state.valid - (depths - 1))
+            if start >= c:
                 continue
-            idx.append(i)
-            seqs.append(job.seq)
-            starts.append(a)
-            hiddens.append(ops.slice(job.hidden, 0, a - job.hidden_start, c - job.hidden_start))
-            feeds.append(job.tokens[a + 1:c + 1])
-            job.state.valid = c
-        if not idx:
-            return drafts
-        logits, hidden = engine.mtp_forward(0, seqs, starts, _concat(ops, hiddens), feeds)
-        outs = _last_rows(ops, hidden, [len(f) for f in feeds])
-        # The engine sized k so that the verify forward fits; chained steps
-        # write positions below the last draft's, so they fit too.
-        positions = [len(jobs[i].tokens) - 2 for i in idx]  # of each job's row just computed (c - 1)
-        step = 0
-        while True:
-            rows = ops.to_numpy(logits)
-            for r, i in enumerate(idx):
+            keep = max(first, c - (depths - 1))
+            state.tail = ops.slice(rows, 0, keep - first, c - first) if depths > 1 and keep < c else None
+            state.tail_start, state.valid = keep, c
+            work.append([i, start, c, ops.slice(rows, 0, start - first, c - first)])
+        for depth in range(depths):
+            batch = []
+            for w in work:
+                i, start, c, _ = w
                 job = jobs[i]
-                if job.k <= 0:
-                    continue
-                token, q = _choose(job.sampler, rows[r], job.tokens + drafts[i].tokens, None)
-                drafts[i].tokens.append(token)
-                if q is not None:
-                    probs.setdefault(i, []).append(q)
-            step += 1
-            keep = [r for r, i in enumerate(idx) if step < jobs[i].k]
-            if not keep:
+                end = c if depth < job.k else c - depth  # to c - 1 when drafting, else the final entries
+                if end > start:
+                    ext = job.tokens + drafts[i].tokens
+                    batch.append((w, end, ext[start + 1 + depth:end + 1 + depth]))
+            if not batch:
                 break
-            idx = [idx[r] for r in keep]
-            positions = [positions[r] + 1 for r in keep]
             logits, hidden = engine.mtp_forward(
-                0, [jobs[i].seq for i in idx], positions, _concat(ops, [outs[r] for r in keep]),
-                [[drafts[i].tokens[-1]] for i in idx])
-            outs = _last_rows(ops, hidden, [1] * len(idx))
-        for i, qs in probs.items():
-            drafts[i].probs = np.stack(qs)
+                depth, [jobs[w[0]].seq for w, _, _ in batch], [w[1] for w, _, _ in batch],  # type: ignore[misc]
+                _concat(ops, [ops.slice(w[3], 0, 0, end - w[1]) for w, end, _ in batch]), [t for _, _, t in batch])
+            rows_np = ops.to_numpy(logits)
+            offset = 0
+            for r, (w, end, _) in enumerate(batch):
+                w[3] = ops.slice(hidden, 0, offset, offset + end - w[1])  # module depth + 1's input
+                offset += end - w[1]
+                if end == w[2]:  # its last row is position c - 1: a draft
+                    self._add(jobs[w[0]], drafts[w[0]], probs, rows_np[r])
+            work = [w for w, _, _ in batch]
+        # More drafts than modules: chain the last module past c - 1.
+        chain = [w for w in work if len(drafts[w[0]].tokens) == depths and jobs[w[0]].k > depths]
+        position = {w[0]: w[2] - 1 for w in chain}
+        hid = {w[0]: ops.slice(w[3], 0, w[2] - w[1] - 1, w[2] - w[1]) for w in chain}
+        idx = [w[0] for w in chain]
+        while idx:
+            for i in idx:
+                position[i] += 1
+            logits, hidden = engine.mtp_forward(
+                depths - 1, [jobs[i].seq for i in idx], [position[i] for i in idx],  # type: ignore[misc]
+                _concat(ops, [hid[i] for i in idx]), [[drafts[i].tokens[-1]] for i in idx])
+            rows_np = ops.to_numpy(logits)
+            for r, i in enumerate(idx):
+                hid[i] = ops.slice(hidden, 0, r, r + 1)
+                self._add(jobs[i], drafts[i], probs, rows_np[r])
+            idx = [i for i in idx if len(drafts[i].tokens) < jobs[i].k]
+        for draft in drafts:
+            if id(draft) in probs:
+                draft.probs = np.stack(probs[id(draft)])
         return drafts
+
+    @staticmethod
+    def _add(job: DraftJob, draft: Draft, probs: dict[int, list[np.ndarray]], logits: np.ndarray) -> None:
+        token, q = _choose(job.sampler, logits, job.tokens + draft.tokens, None)
+        draft.tokens.append(token)
+        if q is not None:
+            probs.setdefault(id(draft), []).append(q)
 
 
 def _choose(sampler: Sampler, logits: np.ndarray, history: list[int], width: int | None) -> tuple[int, np.ndarray | None]:

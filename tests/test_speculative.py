@@ -9,12 +9,14 @@ an accepted run, max_tokens, the context). The accept/reject rule is tested
 statistically on an 8-token vocabulary; KV cache rollback against fresh
 computation.
 
-MTP before a real MTP checkpoint exists here: :class:`ShadowMTP` is a test-only
-model wrapping the tiny llama, whose one "MTP module" runs the llama's own
-layers once more in cache layers of its own, one position behind (module
-position ``p`` holds token ``p + 1``; rope is relative, so this is the llama
-on the sequence without its first token), plus a small random mix of the
-target's hidden state. About 40% of its drafts are right, so runs of
+MTP: the tiny deepseek_v3 checkpoint with two random MTP modules
+(``test_deepseek_v3.mtp_model_dir``) checks the real thing, but its random
+modules never guess right; so :class:`ShadowMTP`, a test-only model wrapping
+the tiny llama, adds "MTP modules" that run the llama's own layers once more in
+cache layers of their own, module ``d`` ``d + 1`` positions behind (module
+position ``p`` holds token ``p + 1 + d``; rope is relative, so this is the llama
+on the sequence without its first ``d + 1`` tokens), plus a small random mix of
+the incoming hidden state. About 40% of its drafts are right, so runs of
 accepted, partly accepted and rejected drafts all occur.
 """
 
@@ -63,25 +65,28 @@ def load(variant: str) -> infer.Model:
 
 
 class ShadowMTP(CausalLM):
-    """Test-only: the tiny llama plus one MTP-like module (see the module docs)."""
+    """Test-only: the tiny llama plus ``depths`` MTP-like modules (see the module docs)."""
 
-    num_mtp_modules = 1
-
-    def __init__(self, base: CausalLM, mix: float = 0.005, seed: int = 0) -> None:
+    def __init__(self, base: CausalLM, depths: int = 1, mix: float = 0.005, seed: int = 0) -> None:
         self.base, self.ops, self.config = base, base.ops, base.config
         self.num_layers, self.max_context, self.vocab_size = base.num_layers, base.max_context, base.vocab_size
+        self.num_mtp_modules = depths
+        # Module d runs the llama's layers in cache layers of its own, after the decoder's.
         self.shadow = []
-        for layer in base.layers:  # type: ignore[attr-defined]
-            twin = copy.copy(layer)
-            twin.layer += base.num_layers  # its own cache layers, after the decoder's
-            self.shadow.append(twin)
+        for d in range(depths):
+            twins = []
+            for layer in base.layers:  # type: ignore[attr-defined]
+                twin = copy.copy(layer)
+                twin.layer += (1 + d) * base.num_layers
+                twins.append(twin)
+            self.shadow.append(twins)
         d = base.config.hidden_size
         rng = np.random.default_rng(seed)
         self.eh_proj = self.ops.from_numpy((rng.standard_normal((d, d)) * mix / np.sqrt(d)).astype(np.float32))
 
     @property
     def num_cache_layers(self) -> int:
-        return 2 * self.num_layers
+        return (1 + self.num_mtp_modules) * self.num_layers
 
     def _stack(self, h: Array, layers: list, ctx: AttentionContext) -> Array:
         ops, base = self.ops, self.base
@@ -109,21 +114,21 @@ class ShadowMTP(CausalLM):
         return self._head(h, ctx)
 
     def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
-        assert depth == 0
         ops = self.ops
         x = ops.add(ops.embedding(self.base.embed_tokens, input_ids), ops.linear(hidden, self.eh_proj))  # type: ignore[attr-defined]
-        h = self._stack(x, self.shadow, ctx)
+        h = self._stack(x, self.shadow[depth], ctx)
         return self._head(h, ctx), h
 
 
 _MTP: dict[str, Engine] = {}
 
 
-def mtp_engine() -> Engine:
-    if "e" not in _MTP:
+def mtp_engine(depths: int = 1) -> Engine:
+    key = f"shadow{depths}"
+    if key not in _MTP:
         base = load("llama3")
-        _MTP["e"] = Engine(ShadowMTP(base.network), base.backend)
-    return _MTP["e"]
+        _MTP[key] = Engine(ShadowMTP(base.network, depths), base.backend)
+    return _MTP[key]
 
 
 def plain(engine: Engine, prompt: list[int], n: int, stop: StopConditions | None = None) -> list[int]:
@@ -138,13 +143,13 @@ def source(name: str) -> tuple[Engine, object]:
         return load("llama3").engine, DraftModelSource(load("llama3").engine, 384)
     if name == "draft_other":  # another random model: nearly every draft rejected
         return load("llama3").engine, DraftModelSource(load("tinyllama").engine, 384)
-    if name == "mtp":
-        engine = mtp_engine()
+    if name.startswith("mtp"):  # "mtp": one module, "mtp2": two
+        engine = mtp_engine(2 if name == "mtp2" else 1)
         return engine, MTPDraft(engine)
     raise AssertionError(name)
 
 
-SOURCES = ["ngram", "draft_same", "draft_other", "mtp"]
+SOURCES = ["ngram", "draft_same", "draft_other", "mtp", "mtp2"]
 
 
 # -- single sequence --------------------------------------------------------------------
@@ -172,7 +177,7 @@ def test_greedy_with_speculation_equals_plain_greedy(name: str, paged: bool) -> 
     accepted = sum(s.accepted for s in stats)
     forwards = sum(s.forwards for s in stats)
     assert drafted > 0
-    if name == "mtp":  # roughly 40% of its drafts are right
+    if name.startswith("mtp"):  # roughly 40% of its drafts are right
         assert accepted / drafted > 0.2 and 24 * len(stats) / forwards > 1.15
     if name == "draft_same":
         assert accepted == drafted
@@ -215,12 +220,13 @@ def test_stops_where_plain_decoding_stops(name: str) -> None:
     assert list(gen) == want == full[:7] and gen.finish_reason == "length"
 
 
-@pytest.mark.parametrize("which", ["shadow", "deepseek_v3"])
+@pytest.mark.parametrize("which", ["shadow1", "shadow2", "deepseek_v3"])
 def test_mtp_drafts_after_rollbacks_equal_drafts_from_scratch(which: str) -> None:
-    """The MTP module's cache layer, kept in step across verify forwards and
-    rollbacks, gives the same drafts as a fresh sequence computed at once."""
-    if which == "shadow":
-        engine = mtp_engine()
+    """The MTP modules' cache layers, kept in step across verify forwards and
+    rollbacks (deeper modules lag one position per depth), give the same
+    drafts as a fresh sequence computed at once."""
+    if which.startswith("shadow"):
+        engine = mtp_engine(int(which[-1]))
     else:
         from test_deepseek_v3 import mtp_model_dir
 
@@ -236,10 +242,10 @@ def test_mtp_drafts_after_rollbacks_equal_drafts_from_scratch(which: str) -> Non
     gen = engine.generate(PROMPTS[2], GREEDY, StopConditions(max_tokens=30), Speculation(Recording(engine), 3))
     list(gen)
     assert gen.stats.accepted < gen.stats.drafted  # rollbacks happened
-    if which == "shadow":
+    if which != "deepseek_v3":
         assert gen.stats.accepted > 0  # and accepted runs (random MTP weights accept nothing)
     fresh_source = MTPDraft(engine)
-    for tokens, drafts in recorded[1::3]:
+    for tokens, drafts in recorded[1:]:
         seq = engine.new_sequence(len(tokens) + 3)
         out = engine.run([seq], [tokens[:-1]], capture_hidden=True)
         job = DraftJob(tokens=tokens, k=len(drafts), sampler=infer.sampling.Sampler(GREEDY),
@@ -319,13 +325,13 @@ def test_batched_speculation_equals_plain_greedy(name: str, layout: str) -> None
     stats = batch.stats.speculative[src.name]  # type: ignore[attr-defined]
     assert stats.tokens == 60 and stats.drafted > 0
     assert stats.forwards == sum(h.stats.forwards for h in handles[:3])  # type: ignore[union-attr]
-    if name in ("draft_same", "mtp"):
+    if name in ("draft_same", "mtp", "mtp2"):
         assert stats.tokens_per_forward > 1.15
     if batch.pool is not None:
         assert batch.pool.stats().used == 0
 
 
-@pytest.mark.parametrize("name", ["ngram", "mtp"])
+@pytest.mark.parametrize("name", ["ngram", "mtp", "mtp2"])
 def test_batched_speculation_survives_preemption(name: str) -> None:
     target, src = source(name)
     want = [plain(target, p, 24) for p in PROMPTS]
