@@ -32,7 +32,7 @@ import infer
 from infer.architecture import CausalLM
 from infer.attention import AttentionContext
 from infer.batching import BatchEngine
-from infer.engine import Engine, SequenceState, StopConditions
+from infer.engine import Engine, StopConditions
 from infer.errors import GenerationError, SamplingParameterError
 from infer.ops import Array
 from infer.paged_cache import PagedKVPool
