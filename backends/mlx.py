@@ -82,8 +82,12 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uin
 #: (mlx f32 on SmolLM2 was 5.6 tok/s before :meth:`MLXBackend.prepare_weight`
 #: stored CPU matrices transposed.) So mlx/cpu is usable when asked for, never
 #: the default while numpy is there.
-#: Whether mlx/cpu keeps GGUF weights quantized by default (see docs/quantization.md).
-KEEP_GGUF_ON_CPU = True
+#: Whether mlx/cpu keeps GGUF weights quantized by default. No: on the Linux CPU
+#: build ``quantized_matmul`` decoded SmolLM2-135M Q4_1 slower than float32 weights
+#: (docs/backends.md, "Quantized weights and speed"); ``quantize="q4"``/``"q8"``
+#: keeps them (for memory). On the GPU (Metal) quantized weights are the native
+#: way to run, and are kept by default.
+KEEP_GGUF_ON_CPU = False
 SCORE_METAL = 95
 SCORE_CUDA = 60
 SCORE_CPU = 5
@@ -426,8 +430,11 @@ class MLXBackend(Backend):
             if packed is not None:
                 return packed
             tensor = tensor.dequantize()
+            requantize = False  # a GGUF weight is never quantized a second time
+        else:
+            requantize = self.quantize in SCHEME_BITS
         host = np.asarray(tensor)
-        if (self.quantize in SCHEME_BITS and host.dtype.kind == "f" and host.ndim == 2 and host.shape[1] % 32 == 0
+        if (requantize and host.dtype.kind == "f" and host.ndim == 2 and host.shape[1] % 32 == 0
                 and (is_linear_weight(name, host.shape) or is_embedding(name))):
             bits = SCHEME_BITS[self.quantize]
             wq, scales, biases = mx.quantize(mx.array(host, dtype=self._compute), group_size=32, bits=bits,

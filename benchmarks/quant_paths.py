@@ -16,13 +16,13 @@ import time
 
 import infer
 
-PATHS = {
+PATHS: dict[str, dict[str, str]] = {
     "numpy f32 (GGUF dequantized)": dict(backend="numpy"),
     "torch/cpu f32": dict(backend="torch:cpu", dtype="float32"),
     "torch/cpu bf16": dict(backend="torch:cpu", dtype="bfloat16"),
-    "torch/cpu int4pack (quantize=q4)": dict(backend="torch:cpu", dtype="float32", quantize="q4"),
-    "mlx/cpu f32 (GGUF dequantized)": dict(backend="mlx:cpu", quantize="off"),
-    "mlx/cpu affine (GGUF kept quantized)": dict(backend="mlx:cpu"),
+    "torch/cpu int4pack f32 (quantize=q4)": dict(backend="torch:cpu", dtype="float32", quantize="q4"),
+    "mlx/cpu f32 (GGUF dequantized)": dict(backend="mlx:cpu"),
+    "mlx/cpu affine (GGUF kept quantized)": dict(backend="mlx:cpu", quantize="q4"),
 }
 
 
@@ -32,15 +32,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--paths", default="", help="comma-separated substrings selecting paths (default: all)")
     args = ap.parse_args()
+    wanted = [p for p in args.paths.split(",") if p]
+    paths = {n: kw for n, kw in PATHS.items() if not wanted or any(w in n for w in wanted)}
     models = {}
-    for name, kw in PATHS.items():
+    for name, kw in paths.items():
         t = time.perf_counter()
         models[name] = infer.load(args.model, **kw)
         print(f"loaded {name} in {time.perf_counter() - t:.2f} s", flush=True)
     text = "The quick brown fox jumps over the lazy dog. " * 40
-    ids = models["numpy f32 (GGUF dequantized)"].tokenizer.encode(text)[: args.prompt]
-    runs: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in PATHS}
+    ids = next(iter(models.values())).tokenizer.encode(text)[: args.prompt]
+    runs: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in paths}
     for _ in range(args.repeats):
         for name, model in models.items():
             t = time.perf_counter()

@@ -127,7 +127,19 @@ def mlx_ops() -> object:
     pytest.importorskip("mlx.core")
     from infer.backends.mlx import MLXBackend
 
-    return MLXBackend("float32", "cpu")
+    ops = MLXBackend("float32", "cpu")
+    ops.quantize = "q4"  # mlx/cpu keeps GGUF weights quantized when quantized compute is asked for
+    return ops
+
+
+def test_mlx_cpu_dequantizes_gguf_by_default() -> None:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("float32", "cpu")
+    t = gguf_tensor("Q4_1", 16, 256, 0)
+    w = ops.prepare_weight(t, name=LINEAR)
+    assert not isinstance(w, PackedWeight) and same_bits(ops.to_numpy(w), t.dequantize())
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
@@ -160,6 +172,7 @@ def test_mlx_bfloat16_compute_keeps_float32_scales() -> None:
     from infer.backends.mlx import MLXBackend
 
     ops = MLXBackend("bfloat16", "cpu")
+    ops.quantize = "q4"
     t = gguf_tensor("Q4_1", 8, 256, 5)
     w = ops.prepare_weight(t, name=LINEAR)
     x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
