@@ -50,3 +50,24 @@ def test_top1_agreement_with_the_float_path(scheme: str, float_top1: list[tuple[
     measured = same / sum(len(ids) for ids, _ in float_top1)
     print(f"{scheme}: top-1 agreement {measured:.3f} over {sum(len(i) for i, _ in float_top1)} positions")
     assert measured >= MINIMUM[scheme]
+
+
+# -- kept-quantized GGUF weights: exact weights, float32 activations ---------------------------
+
+GREEDY_PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "The three primary colors are"]
+
+
+@pytest.mark.parametrize("backend", ["mlx:cpu", "torch:cpu"])
+def test_kept_quantized_gguf_greedy_tokens_equal_transformers_float32(backend: str) -> None:
+    """SmolLM2 Q4_1 kept quantized (MLX affine / torch int4pack, float32 scales and
+    activations): the weights are the GGUF values exactly, so greedy tokens equal
+    the float32 reference, as on the dequantized path (tests/test_real_gguf.py)."""
+    pytest.importorskip("mlx.core" if backend.startswith("mlx") else "torch")
+    from reference import encode, reference_greedy
+
+    model = infer.load("smollm2-135m", backend=backend, quantize="q4")
+    hf_dir = smollm2_hf_dir()
+    for prompt in GREEDY_PROMPTS:
+        ids = encode(hf_dir, prompt)
+        got = list(model.generate_tokens(ids, max_tokens=8, ignore_eos=True))
+        assert got == reference_greedy(hf_dir, ids, 16)[:8], prompt
