@@ -52,6 +52,22 @@ def test_affine_form_equals_dequantize_fused_and_unfused(qtype: str) -> None:
         assert same_bits((s * a.codes() + b).astype(np.float32), want)  # one rounding (fma)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0"])
+def test_affine_scales_need_float32(qtype: str) -> None:
+    # Why kernels get float32 scales: float16 d has 11 significant bits (bfloat16 holds 8),
+    # and Q4_K's d * sc up to 17 (float16 holds 11), so 16-bit scales would change values.
+    torch = pytest.importorskip("torch")
+
+    a = from_gguf(gguf_tensor(qtype, 16, 512, 4))
+    assert a is not None
+    s = torch.from_numpy(a.scales)
+    assert not torch.equal(s.to(torch.bfloat16).float(), s)
+    if qtype == "Q4_K":
+        assert not torch.equal(s.to(torch.float16).float(), s)
+    else:
+        assert torch.equal(s.to(torch.float16).float(), s)  # d itself is a float16
+
+
 def test_gguf_rows_are_the_rows_of_the_whole_tensor() -> None:
     t = gguf_tensor("Q4_K", 12, 256, 1)
     ids = np.array([11, 0, 5, 5])
@@ -199,6 +215,22 @@ def test_numpy_keeps_blocks_when_over_budget_and_results_are_identical() -> None
     assert same_bits(lazy.linear(x[:1], wl), eager.linear(x[:1], we))
     ids = np.array([15, 1])
     assert same_bits(lazy.embedding(wl, ids), eager.embedding(we, ids))
+
+
+def test_numpy_decides_from_available_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from infer.backends import numpy as numpy_backend
+
+    ops = numpy_backend.NumpyBackend()
+    t = gguf_tensor("Q8_0", 16, 256, 0)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4)
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)  # just fits
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4 - 1)
+    assert isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+    ops.quantize = "off"  # never keeps anything quantized
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: dequantize
+    ops.quantize = None
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
 
 
 def test_numpy_cache_keeps_the_first_weights_that_fit() -> None:
