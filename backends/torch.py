@@ -14,6 +14,13 @@ CUDA only where the GPU supports it; on MPS only where the OS does). The
 default is float32, except on CUDA where it is bfloat16 when supported:
 decoding is bound by the bytes of weights read per token.
 
+Quantized weights (docs/quantization.md): on the CPU, GGUF Q4_0/Q4_1/Q4_K
+matrices can be kept as int4pack with float32 scales (exact), and float
+checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per output
+channel), when ``infer.load(..., quantize=...)`` asks for it; by default
+GGUF weights are dequantized, because torch's float32 int4pack kernel is
+slower than float32 BLAS here. Off the CPU nothing is kept quantized.
+
 Where the contract leaves precision open, this backend widens: norms,
 softmax, rope and the soft-capped attention path compute in float32 and
 round once at the end.
@@ -550,7 +557,8 @@ def _probe(device: str) -> Probe:
         _import_torch()
     except Exception as exc:  # a broken install is a reason, not a crash
         return Probe(0, f"torch failed to import: {type(exc).__name__}: {exc}")
-    native = tuple(sorted(NATIVE_OPS if device != "cpu" else set(NATIVE_OPS) - {"synchronize"}))
+    off_cpu = {"prepare_weight", "quantized_linear"}  # see TorchBackend.__init__
+    native = tuple(sorted(set(NATIVE_OPS) - ({"synchronize"} if device == "cpu" else off_cpu)))
     try:
         if device == "cuda":
             if not torch.backends.cuda.is_built():

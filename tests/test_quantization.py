@@ -116,6 +116,18 @@ def test_torch_keeps_gguf_float_by_default() -> None:
     assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_0", 16, 256, 0), name=LINEAR), PackedWeight)
 
 
+def test_torch_off_the_cpu_keeps_nothing_quantized(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The CUDA int4pack/int8 layouts are untested here: guarded, not guessed.
+    torch = pytest.importorskip("torch")
+    from infer.backends.torch import TorchBackend
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    ops = TorchBackend("cuda")  # no tensor is made on the device here
+    ops.quantize = "q4"
+    assert ops.quantize_schemes == frozenset() and not ops.keeps_gguf()
+    assert not ops.supports("quantized_linear")
+
+
 @pytest.mark.parametrize("scheme", ["q4", "q8"])
 def test_torch_on_load_quantization(torch_q, scheme: str) -> None:  # type: ignore[no-untyped-def]
     from infer.backends.torch import TorchBackend
