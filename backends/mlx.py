@@ -57,7 +57,8 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
-from infer.ops import Array, Backend, QuantizedTensor
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
 
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
@@ -81,6 +82,12 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uin
 #: (mlx f32 on SmolLM2 was 5.6 tok/s before :meth:`MLXBackend.prepare_weight`
 #: stored CPU matrices transposed.) So mlx/cpu is usable when asked for, never
 #: the default while numpy is there.
+#: Whether mlx/cpu keeps GGUF weights quantized by default. No: on the Linux CPU
+#: build ``quantized_matmul`` decoded SmolLM2-135M Q4_1 slower than float32 weights
+#: (docs/backends.md, "Quantized weights and speed"); ``quantize="q4"``/``"q8"``
+#: keeps them (for memory). On the GPU (Metal) quantized weights are the native
+#: way to run, and are kept by default.
+KEEP_GGUF_ON_CPU = False
 SCORE_METAL = 95
 SCORE_CUDA = 60
 SCORE_CPU = 5
@@ -91,7 +98,8 @@ class MLXBackend(Backend):
 
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
-    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "compile"})
+    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile"})
+    quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
         import mlx.core as mx
@@ -170,6 +178,8 @@ class MLXBackend(Backend):
         return self._mx.matmul(a, b, stream=self._s)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if isinstance(weight, PackedWeight):
+            return self.quantized_linear(x, weight, bias)
         mx = self._mx
         # weight.T is a strided view; the GEMM reads it without a copy.
         wt = mx.transpose(weight, stream=self._s)
@@ -305,6 +315,13 @@ class MLXBackend(Backend):
         host = np.asarray(ids)
         if host.size and (host.min() < 0 or host.max() >= table.shape[0]):
             raise IndexError(f"token id out of range [0, {table.shape[0]})")
+        if isinstance(table, PackedWeight):
+            # Rows of codes, scales and biases, dequantized natively (exact, like the matmul).
+            mx, s = self._mx, self._s
+            wq, scales, biases, bits = table.data
+            rows = mx.dequantize(mx.take(wq, ids, axis=0, stream=s), mx.take(scales, ids, axis=0, stream=s),
+                                 mx.take(biases, ids, axis=0, stream=s), group_size=32, bits=bits, stream=s)
+            return rows.astype(self._compute, stream=s)
         return self._mx.take(table, ids, axis=0, stream=self._s)
 
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
@@ -409,8 +426,19 @@ class MLXBackend(Backend):
         """
         mx = self._mx
         if isinstance(tensor, QuantizedTensor):
+            packed = self._pack_gguf(tensor) if self.keeps_gguf() else None
+            if packed is not None:
+                return packed
             tensor = tensor.dequantize()
+            requantize = False  # a GGUF weight is never quantized a second time
+        else:
+            requantize = self.quantize in SCHEME_BITS
         host = np.asarray(tensor)
+        if (requantize and host.dtype.kind == "f" and host.ndim == 2 and host.shape[1] % 32 == 0
+                and (is_linear_weight(name, host.shape) or is_embedding(name))):
+            # infer's min/max quantizer rather than mx.quantize: same layout, and on
+            # SmolLM2 q4 it agreed with float32 more often (82.5% of top-1 against 73%).
+            return self._pack_affine(quantize_affine(host, self.quantize, name=name))
         if self.device == "cpu" and host.ndim == 2 and host.dtype.kind == "f" and self._compute == mx.float32:
             weight = mx.transpose(mx.array(np.ascontiguousarray(host.T), dtype=mx.float32), stream=self._s)
         else:
@@ -423,6 +451,39 @@ class MLXBackend(Backend):
         dtype, with elementwise chains fused into single kernels."""
         return self._mx.compile(fn)
 
+    def keeps_gguf(self) -> bool:
+        """Whether GGUF weights of the types with an exact affine form stay
+        quantized (unless ``quantize="off"``)."""
+        return self.quantize != "off" and (self.device == "gpu" or self.quantize in SCHEME_BITS
+                                            or KEEP_GGUF_ON_CPU)
+
+    def _pack_gguf(self, tensor: QuantizedTensor) -> PackedWeight | None:
+        """GGUF Q4_0/Q4_1/Q4_K (4 bits), Q5_0/Q5_1/Q5_K (5 bits) and Q8_0
+        (8 bits) as MLX affine groups of 32 with float32 scales and biases:
+        ``mx.dequantize`` and ``quantized_matmul`` compute ``scale * code +
+        bias``, which is the GGUF value bit for bit (tested). None for other
+        types."""
+        affine = from_gguf(tensor)
+        return None if affine is None else self._pack_affine(affine)
+
+    def _pack_affine(self, affine: AffineTensor) -> PackedWeight:
+        mx = self._mx
+        wq = mx.array(pack_codes(affine.codes(), affine.bits))
+        scales, biases = mx.array(affine.scales), mx.array(affine.biases)
+        mx.eval(wq, scales, biases)
+        return PackedWeight(affine.shape, affine.qtype, f"mlx affine {affine.bits}-bit g32 float32",
+                            (wq, scales, biases, affine.bits))
+
+    def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
+        """``mx.quantized_matmul``; the result is cast to ``x``'s dtype (float32
+        scales with bfloat16 activations give float32)."""
+        mx, s = self._mx, self._s
+        wq, scales, biases, bits = weight.data
+        y = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=bits, stream=s)
+        if y.dtype != x.dtype:
+            y = y.astype(x.dtype, stream=s)
+        return y if bias is None else mx.add(y, bias, stream=s)
+
     def synchronize(self) -> None:
         """Wait for every op queued on this backend's stream."""
         self._mx.synchronize(self._s)
@@ -431,6 +492,19 @@ class MLXBackend(Backend):
 # ----------------------------------------------------------------------
 # Registration
 # ----------------------------------------------------------------------
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes ``[rows, cols]`` -> MLX's packed uint32 ``[rows, cols * bits / 32]``:
+    a little-endian bit stream per row, code ``i`` at bit ``bits * i`` (the
+    layout ``mx.quantize`` writes, for 4, 5 and 8 bits alike)."""
+    rows, cols = codes.shape
+    eight = codes.reshape(rows, cols // 8, 8).astype(np.uint64)
+    word = np.zeros((rows, cols // 8), np.uint64)
+    for j in range(8):
+        word |= eight[:, :, j] << np.uint64(bits * j)
+    packed = word.astype("<u8").view(np.uint8).reshape(rows, cols // 8, 8)[:, :, :bits]  # 8 codes fill `bits` bytes
+    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
 
 
 def _import_mlx() -> tuple[Any, str | None]:

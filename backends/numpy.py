@@ -4,6 +4,17 @@ It computes in float32 on any CPU through numpy's BLAS. Weights given in
 float16 or bfloat16 are widened to float32 at load (bfloat16 arrives already
 widened, see :meth:`infer.package.TensorSource.get`). It is also the default
 when nothing faster is installed, so the hot ops avoid needless copies.
+
+Quantized weights (GGUF blocks) are dequantized to float32 at load while
+memory allows: BLAS on float32 is the fastest matmul numpy has. When the
+float32 copy of a weight would not fit in the memory still available (less
+1 GiB of headroom; or past :attr:`NumpyBackend.float_budget` bytes when that
+is set), the weight stays in its blocks (:class:`~infer.ops.PackedWeight`)
+and is dequantized for each matmul instead, the first
+:attr:`NumpyBackend.cache_bytes` of them kept dequantized. On-load
+quantization (``quantize="q8"``/``"q4"``) stores codes with a float32 scale
+and bias per group of 32 (:class:`~infer.quantize.AffineTensor`), also
+dequantized per matmul: it saves memory, not time.
 """
 
 from __future__ import annotations
@@ -15,7 +26,8 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
-from infer.ops import Array, Backend
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.quantize import SCHEME_BITS, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
 
 _DTYPES = {
@@ -37,7 +49,66 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "topk"})
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight",
+                            "quantized_linear", "topk"})
+    quantize_schemes = frozenset(SCHEME_BITS)
+    #: Bytes of float32 weights to hold in total before quantized weights stay
+    #: quantized; None: decide per tensor from the memory available.
+    float_budget: int | None = None
+    #: Bytes of per-matmul dequantized weights kept between calls (the first
+    #: ones that fit stay; decoding reads every weight in turn, so an LRU
+    #: smaller than the model would never hit).
+    cache_bytes: int = 64 << 20
+    #: Headroom left free when deciding from the memory available.
+    HEADROOM = 1 << 30
+
+    def __init__(self, dtype: str | None = None) -> None:
+        super().__init__(dtype)
+        self._float_bytes = 0
+        self._cache: dict[int, tuple[PackedWeight, np.ndarray]] = {}
+        self._cached_bytes = 0
+
+    # -- weights -------------------------------------------------------------
+
+    def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
+        """Float32 copies while memory allows; otherwise (or with on-load
+        quantization) a :class:`~infer.ops.PackedWeight` dequantized per matmul."""
+        if isinstance(tensor, QuantizedTensor):
+            # Kept in its blocks when memory is short, and with on-load quantization
+            # (asked for to save memory; a GGUF weight is never quantized twice).
+            if self.quantize != "off" and len(tensor.shape) == 2 and (
+                    self.quantize in SCHEME_BITS or not self._room_for(tensor)):
+                return PackedWeight(tensor.shape, tensor.qtype, f"{tensor.qtype} blocks, dequantized per matmul",
+                                    tensor, rows=tensor)
+            tensor = tensor.dequantize()
+        host = np.asarray(tensor)
+        if (self.quantize in SCHEME_BITS and host.dtype.kind == "f" and host.ndim == 2
+                and host.shape[1] % 32 == 0 and (is_linear_weight(name, host.shape) or is_embedding(name))):
+            packed = quantize_affine(host, self.quantize, name=name)
+            return PackedWeight(host.shape, self.quantize, f"{self.quantize} group 32, dequantized per matmul",
+                                packed, rows=packed)
+        weight = self.from_numpy(host)
+        self._float_bytes += weight.nbytes
+        return weight
+
+    def _room_for(self, tensor: QuantizedTensor) -> bool:
+        need = 4 * int(np.prod(tensor.shape))
+        if self.float_budget is not None:
+            return self._float_bytes + need <= self.float_budget
+        available = available_memory()
+        return available is None or need <= available - self.HEADROOM
+
+    def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
+        """Dequantize (or find in the cache), then the float32 BLAS path."""
+        hit = self._cache.get(id(weight))
+        if hit is not None and hit[0] is weight:
+            w = hit[1]
+        else:
+            w = weight.data.dequantize()
+            if self._cached_bytes + w.nbytes <= self.cache_bytes:
+                self._cache[id(weight)] = (weight, w)  # the weight kept alive: its id stays its own
+                self._cached_bytes += w.nbytes
+        return self.linear(x, w, bias)
 
     # -- transfer, creation, casting -------------------------------------
 
@@ -86,6 +157,8 @@ class NumpyBackend(Backend):
         return np.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if isinstance(weight, PackedWeight):
+            return self.quantized_linear(x, weight, bias)
         if x.ndim == 2 and x.shape[0] == 1:
             # One row (decoding): numpy sends [1, k] @ [k, n] (an F-ordered
             # view) through a GEMM path several times slower than the
@@ -210,6 +283,8 @@ class NumpyBackend(Backend):
         return out
 
     def embedding(self, table: Array, ids: Array) -> Array:
+        if isinstance(table, PackedWeight):
+            return self.packed_rows(table, ids)
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
             raise IndexError(f"token id out of range [0, {table.shape[0]})")
@@ -306,6 +381,23 @@ class NumpyBackend(Backend):
         k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
         v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``,
+    else psutil when installed), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
 
 
 def attention_mask(tq: int, tk: int, causal: bool, window: int | None) -> np.ndarray | None:

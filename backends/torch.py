@@ -14,6 +14,13 @@ CUDA only where the GPU supports it; on MPS only where the OS does). The
 default is float32, except on CUDA where it is bfloat16 when supported:
 decoding is bound by the bytes of weights read per token.
 
+Quantized weights (docs/quantization.md): on the CPU, GGUF Q4_0/Q4_1/Q4_K
+matrices can be kept as int4pack with float32 scales (exact), and float
+checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per output
+channel), when ``infer.load(..., quantize=...)`` asks for it; by default
+GGUF weights are dequantized, because torch's float32 int4pack kernel is
+slower than float32 BLAS here. Off the CPU nothing is kept quantized.
+
 Where the contract leaves precision open, this backend widens: norms,
 softmax, rope and the soft-capped attention path compute in float32 and
 round once at the end.
@@ -22,6 +29,7 @@ round once at the end.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,8 +38,11 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
-from infer.ops import Array, Backend
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
+
+log = logging.getLogger(__name__)
 
 # Bound by _import_torch() on first use, so importing this module stays cheap.
 torch: Any = None
@@ -40,7 +51,8 @@ _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile")
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
+              "quantized_linear")
 # On the CPU, torch's float32 matrix-vector products measured slower than
 # numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
 # 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
@@ -89,8 +101,102 @@ class TorchBackend(Backend):
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
         if device == "cpu":
             self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
+        else:
+            # The CUDA int4/int8 kernels take other layouts and are untested here:
+            # no on-load quantization off the CPU (asking for it is an error).
+            self.native_ops = frozenset(NATIVE_OPS) - {"prepare_weight", "quantized_linear"}
+            self.quantize_schemes = frozenset()
         self._float = _DTYPES[self.compute_dtype]
         self._masks: dict[tuple[int, int, bool, int | None], Any] = {}
+
+    # -- quantized weights ------------------------------------------------
+
+    #: GGUF types packed into int4pack (groups of 32, 4-bit codes).
+    INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+    quantize_schemes = frozenset(SCHEME_BITS)
+
+    def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
+        """int4pack for GGUF Q4_0/Q4_1/Q4_K matrices where exact and asked for
+        (see :meth:`keeps_gguf`); on-load ``q4`` as int4pack and ``q8`` as
+        int8 per output channel; everything else in the compute dtype."""
+        if isinstance(tensor, QuantizedTensor):
+            if self.keeps_gguf() and tensor.qtype in self.INT4_TYPES:
+                affine = from_gguf(tensor)
+                packed = None if affine is None else self._int4pack(affine, name)
+                if packed is not None:
+                    return packed
+            return self.from_numpy(tensor.dequantize())  # never quantized a second time
+        host = np.asarray(tensor)
+        if (self.quantize in SCHEME_BITS and self._device.type == "cpu" and host.dtype.kind == "f"
+                and host.ndim == 2 and host.shape[1] % 32 == 0
+                and (is_linear_weight(name, host.shape) or is_embedding(name))):
+            packed = self._quantize_on_load(host, name)
+            if packed is not None:
+                return packed
+        return self.from_numpy(host)
+
+    def keeps_gguf(self) -> bool:
+        """Whether GGUF Q4 weights stay quantized (int4pack) here.
+
+        Only on the CPU (the CUDA kernels ``_weight_int4pack_mm`` /
+        ``_convert_weight_to_int4pack`` take another packing and bfloat16
+        scales, and are untested here: not used). With float32 compute the
+        kernel takes float32 scales, which is what makes GGUF blocks exact,
+        but torch's float32 int4pack path is a slow generic loop (measured
+        ~40x slower than the float32 BLAS matrix-vector product on a 2-core
+        AVX-512 CPU), so it is used when ``quantize`` asks for quantized
+        compute (``"q4"``/``"q8"``), not by default."""
+        return self._device.type == "cpu" and self.quantize in SCHEME_BITS
+
+    def _int4pack(self, affine: AffineTensor, name: str) -> PackedWeight | None:
+        """``affine`` as int4pack with float32 scales and zero points, or None
+        when not exact. The kernel computes ``(code - 8) * scale + zero`` fused
+        (checked in tests); with ``zero = bias + 8 * scale`` exact in float32
+        that is ``scale * code + bias`` rounded once, as in the affine form."""
+        if affine.bits != 4 or affine.group != 32 or affine.shape[0] % 16:
+            return None  # the CPU packing takes N (output rows) in multiples of 16
+        scale = affine.scales.astype(np.float64)
+        zero = affine.biases.astype(np.float64) + 8.0 * scale
+        if not np.array_equal(zero.astype(np.float32).astype(np.float64), zero):
+            log.debug("%s: int4pack zero points not exact in float32; dequantized instead", name)
+            return None
+        codes = torch.from_numpy(affine.codes().astype(np.int32))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        sz = torch.from_numpy(np.stack([affine.scales.T, zero.astype(np.float32).T], axis=-1).copy())
+        rows = affine if is_embedding(name) else None
+        return PackedWeight(affine.shape, affine.qtype, "int4pack g32 f32", ("int4", packed, sz), rows)
+
+    def _quantize_on_load(self, host: np.ndarray, name: str) -> PackedWeight | None:
+        if self.quantize == "q4":
+            # bfloat16-rounded scales and biases keep zero = bias + 8 * scale exact in float32.
+            return self._int4pack(quantize_affine(host, "q4", scale_dtype="bfloat16", name=name), name)
+        # q8: torch's int8 kernel scales per output channel (no groups):
+        # symmetric codes, scale = max|w| / 127 per row, rounded to bfloat16 so
+        # that code * scale is exact in float32 (the host form matches).
+        w = np.asarray(host, np.float32)
+        scale = _bf16_up(np.abs(w).max(axis=1) / np.float32(127))
+        scale = np.where(scale > 0, scale, np.float32(1))
+        codes = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+        rows = None
+        if is_embedding(name):
+            rows = AffineTensor("q8", w.shape, 8, (codes.view(np.uint8) ^ np.uint8(0x80)), scale[:, None].copy(),
+                                (scale * np.float32(-128))[:, None].copy(), group=w.shape[1])
+        data = ("int8", torch.from_numpy(codes.copy()), torch.from_numpy(scale.astype(np.float32)))
+        return PackedWeight(w.shape, "q8", "int8 per channel", data, rows)
+
+    def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
+        """int4pack / int8 matmul in float32 (activations widened, result
+        rounded once to ``x``'s dtype)."""
+        kind, w, s = weight.data
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, 32, s)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, w, s)
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*lead, weight.shape[0]).to(x.dtype)
 
     # -- transfer, creation, casting -------------------------------------
 
@@ -155,6 +261,8 @@ class TorchBackend(Backend):
         return torch.matmul(a, _like(a, b))
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if isinstance(weight, PackedWeight):
+            return self.quantized_linear(x, weight, bias)
         return F.linear(x, _like(x, weight), None if bias is None else _like(x, bias))
 
     # -- elementwise ---------------------------------------------------------
@@ -257,6 +365,8 @@ class TorchBackend(Backend):
     def embedding(self, table: Array, ids: Array) -> Array:
         """Checks the range first: on CUDA an out-of-range index is a device
         assert that kills the process, not an exception."""
+        if isinstance(table, PackedWeight):
+            return self.packed_rows(table, ids)
         if ids.numel():
             lo, hi = torch.stack((ids.min(), ids.max())).tolist()  # one device sync, not two
             if lo < 0 or hi >= table.shape[0]:
@@ -439,6 +549,14 @@ class TorchBackend(Backend):
         return out.reshape(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)
 
 
+def _bf16_up(x: np.ndarray) -> np.ndarray:
+    """float32 -> a bfloat16 value >= x (rounded up), kept as float32: a scale
+    that never lets a code overflow its range."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    up = (u + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
+    return up.view(np.float32)
+
+
 def _like(a: Array, b: Any) -> Any:
     """``b`` cast to ``a``'s dtype when both are float tensors of different
     dtypes: the contract's float ops return their first float input's dtype
@@ -459,7 +577,8 @@ def _probe(device: str) -> Probe:
         _import_torch()
     except Exception as exc:  # a broken install is a reason, not a crash
         return Probe(0, f"torch failed to import: {type(exc).__name__}: {exc}")
-    native = tuple(sorted(NATIVE_OPS if device != "cpu" else set(NATIVE_OPS) - {"synchronize"}))
+    off_cpu = {"prepare_weight", "quantized_linear"}  # see TorchBackend.__init__
+    native = tuple(sorted(set(NATIVE_OPS) - ({"synchronize"} if device == "cpu" else off_cpu)))
     try:
         if device == "cuda":
             if not torch.backends.cuda.is_built():

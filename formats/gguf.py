@@ -315,6 +315,11 @@ class GGUFQuantizedTensor(QuantizedTensor):
         """The float32 values, shaped :attr:`shape` (bit-exact with ggml's dequantization)."""
         return gguf_quants.dequantize(self.raw, self.qtype, self.name).reshape(self.shape)
 
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Only the rows ``rows`` (e.g. the tokens of an embedding lookup), float32."""
+        picked = self.raw.reshape(self.shape[0], -1)[np.asarray(rows)]
+        return gguf_quants.dequantize(picked, self.qtype, self.name).reshape((len(picked),) + self.shape[1:])
+
     def __repr__(self) -> str:
         return f"GGUFQuantizedTensor({self.name!r}, {self.qtype}, shape={self.shape})"
 

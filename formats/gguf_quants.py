@@ -297,3 +297,113 @@ def dequantize(raw: np.ndarray, qtype: str, tensor: str = "a tensor") -> np.ndar
 def _run(fn: Callable[[np.ndarray, np.ndarray], None], blocks: np.ndarray, out: np.ndarray) -> None:
     with np.errstate(all="ignore"):  # error state is per thread
         fn(blocks, out)
+
+
+# Byte offsets of each type's float16 scale fields (d, dmin, ...) inside a block.
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random but finite ``qtype`` data for a ``[rows, cols]`` tensor, as uint8
+    ``[rows, bytes_per_row]`` (for tests): random codes and sub-block scales,
+    with float16 scales drawn like real ones (small, positive or negative,
+    with full 11-bit mantissas)."""
+    t = TYPES_BY_NAME[qtype]
+    if cols % t.block_size:
+        raise ValueError(f"random_blocks: {cols} columns is not a whole number of {qtype} blocks")
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, t.row_bytes(cols)), dtype=np.uint8)
+    blocks = raw.reshape(-1, t.type_size)
+    # Scales of magnitudes like real weights' (1e-4 .. 0.1); a block's second field (a min)
+    # of either sign and within a factor of 2 of its first, as quantizers produce them.
+    mag = np.exp(rng.uniform(np.log(1e-4), np.log(0.1), blocks.shape[0]))
+    for i, at in enumerate(_F16_FIELDS.get(qtype, ())):
+        sign = 1.0 if i == 0 and qtype not in ("Q3_K", "Q6_K") else rng.choice([-1.0, 1.0], blocks.shape[0])
+        factor = 1.0 if i == 0 else rng.uniform(0.5, 2.0, blocks.shape[0])
+        blocks[:, at:at + 2] = (mag * factor * sign).astype("<f2").view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+
+# -- exact affine form: value = scale * code + bias, per group of 32 ---------------------
+#
+# Native kernels (torch's int4pack, MLX's affine quantized_matmul) store unsigned codes
+# with one scale and one bias (or zero point) per group of consecutive values in a row.
+# These GGML types are such groups of 32 already. For each, ``scale * code`` is exact in
+# float32 (an 11-bit float16 scale, or Q4_K/Q5_K's ``d * sc`` of 17 bits, times a code
+# of at most 8 bits), so ``scale * code + bias`` rounds once, exactly as the dequantizers
+# above do (Q4_1: ``d * q + m``; Q4_K: ``(d * sc) * q - dmin * m``; Q4_0/Q5_0/Q8_0:
+# ``d * (q - 8)`` etc., whose exact product needs no rounding at all).
+
+def _affine_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:]), d, d * np.float32(-8)
+
+
+def _affine_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return _q5_codes(b, 2), d, d * np.float32(-16)
+
+
+def _affine_q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _q5_codes(b, 4), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return b[:, 2:] ^ np.uint8(0x80), d, d * np.float32(-128)  # int8 q -> q + 128
+
+
+def _affine_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = b.shape[0]
+    ds, dm = _k_scales(b)
+    codes = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 256)
+    return codes, ds.reshape(n, 8), -dm.reshape(n, 8)
+
+
+def _affine_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = b.shape[0]
+    ds, dm = _k_scales(b)
+    high = _bits(b[:, 16:48], _SHIFT8, 1)
+    codes = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32) | (high << np.uint8(4))
+    return codes.reshape(n, 256), ds.reshape(n, 8), -dm.reshape(n, 8)
+
+
+_AFFINE: dict[str, tuple[int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {
+    "Q4_0": (4, _affine_q4_0), "Q4_1": (4, _affine_q4_1), "Q4_K": (4, _affine_q4_k),
+    "Q5_0": (5, _affine_q5_0), "Q5_1": (5, _affine_q5_1), "Q5_K": (5, _affine_q5_k),
+    "Q8_0": (8, _affine_q8_0),
+}
+#: Types with an exact group-of-32 affine form, and their code width in bits.
+AFFINE_BITS: dict[str, int] = {name: bits for name, (bits, _) in _AFFINE.items()}
+AFFINE_GROUP = 32
+
+
+def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact affine form of ``qtype`` rows: ``(codes, scales, biases)``.
+
+    ``raw`` is uint8 ``[rows, bytes_per_row]`` for rows of ``cols`` values;
+    ``codes`` is uint8 ``[rows, cols]`` (unsigned, below ``2**AFFINE_BITS[qtype]``),
+    ``scales`` and ``biases`` float32 ``[rows, cols / 32]``, such that
+    ``scales * codes + biases`` (per group of 32 consecutive values of a row,
+    in float32, fused or not) equals :func:`dequantize` bit for bit.
+    """
+    if qtype not in _AFFINE:
+        raise UnsupportedDtypeError(f"GGML type {qtype} has no exact group-of-32 affine form; "
+                                    f"types that have one: {', '.join(_AFFINE)}")
+    t = TYPES_BY_NAME[qtype]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
+    with np.errstate(all="ignore"):
+        codes, scales, biases = _AFFINE[qtype][1](blocks)
+    return (np.ascontiguousarray(codes).reshape(rows, cols),
+            np.ascontiguousarray(scales, np.float32).reshape(rows, cols // AFFINE_GROUP),
+            np.ascontiguousarray(biases, np.float32).reshape(rows, cols // AFFINE_GROUP))

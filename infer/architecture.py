@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from infer.attention import AttentionContext
 from infer.errors import MissingTensorError, ShapeMismatchError
-from infer.ops import Array, Backend, QuantizedTensor
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
 from infer.package import TensorSource
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class WeightLoader:
         self._names = set(tensors.names())
         self._used: set[str] = set()
         self._progress = progress
+        #: How many tensors went from which stored type to which backend form,
+        #: e.g. ``("Q4_1", "int4pack g32 f32")`` or ``("Q6_K", "float32")``.
+        self.placements: Counter[tuple[str, str]] = Counter()
 
     def has(self, name: str) -> bool:
         """True if the package holds ``name``."""
@@ -99,16 +103,36 @@ class WeightLoader:
                 tensor = tensor.dequantize()
             tensor = transform(np.asarray(tensor, dtype=np.float32))
         prepared = self.backend.prepare_weight(tensor, name=name)
+        self.placements[(_stored_type(tensor), self._form(prepared))] += 1
         if name not in self._used:
             self._used.add(name)
             if self._progress is not None:
                 self._progress(1)
         return prepared
 
+    def _form(self, prepared: Any) -> str:
+        if isinstance(prepared, PackedWeight):
+            return prepared.scheme
+        try:
+            return self.backend.dtype(prepared)
+        except Exception:  # a third-party weight object: name its type
+            return type(prepared).__name__
+
+    def summary(self) -> str:
+        """One line: stored type -> backend form, with counts, e.g.
+        ``Q4_1 x210 -> int4pack g32 f32; F32 x61 -> float32``."""
+        return "; ".join(f"{src} x{n} -> {dst}" for (src, dst), n in sorted(self.placements.items()))
+
     def unused(self, ignore: Iterable[str] = ()) -> list[str]:
         """Names in the package that no :meth:`get` asked for."""
         skip = set(ignore)
         return sorted(n for n in self._names - self._used if n not in skip)
+
+
+def _stored_type(tensor: Any) -> str:
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.qtype
+    return str(getattr(tensor, "dtype", type(tensor).__name__)).upper().replace("FLOAT", "F")
 
 
 class CausalLM(abc.ABC):

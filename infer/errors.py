@@ -81,6 +81,10 @@ class UnsupportedOpError(BackendError):
     """A backend was asked for an op or dtype it does not implement."""
 
 
+class InvalidQuantizationError(BackendError, ValueError):
+    """``quantize=`` names no known scheme, or one the chosen backend does not provide."""
+
+
 class PluginError(InferError):
     """A plugin registered something invalid or conflicting."""
 

@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from infer.architecture import WeightLoader
 from infer import catalog
-from infer.errors import ModelNotFoundError
+from infer.errors import InvalidQuantizationError, ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
+from infer.quantize import SCHEME_BITS
 from infer.plugins import get_registry
 from infer.selection import select_backend
 
@@ -51,6 +52,13 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Pat
         f"no model at {text!r}: not a file or folder, not a catalog alias "
         f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face repository id (org/name)"
     )
+
+
+def _check_quantize(quantize: object) -> None:
+    if quantize is not None and quantize != "off" and quantize not in SCHEME_BITS:
+        raise InvalidQuantizationError(
+            f"quantize={quantize!r}: expected None, 'off' or one of "
+            f"{', '.join(repr(s) for s in SCHEME_BITS)}")
 
 
 def _looks_like_repo_id(text: str) -> bool:
@@ -95,6 +103,7 @@ def load(
     dtype: str | None = None,
     format: str | None = None,
     progress: bool = False,
+    quantize: str | None = None,
     compile: bool = False,
 ) -> Model:
     """Load a model.
@@ -115,7 +124,18 @@ def load(
             backend can (:meth:`~infer.ops.Backend.compile`); costs compile
             time at the first step of each new shape. Outputs equal the
             uncompiled ones within rounding.
+        quantize: ``None`` (default): float weights stay float, quantized
+            (GGUF) weights stay quantized where the backend computes on them
+            exactly and natively, and are dequantized otherwise; ``"q8"`` or
+            ``"q4"``: also quantize float linear weights on load with the
+            backend's native scheme (see docs/quantization.md); ``"off"``:
+            dequantize every weight to the compute dtype.
+
+    Raises:
+        InvalidQuantizationError: ``quantize`` is not one of those, or the
+            backend has no such scheme.
     """
+    _check_quantize(quantize)
     started = time.perf_counter()
     path = resolve(reference, progress=progress)
     registry = get_registry()
@@ -128,11 +148,17 @@ def load(
         if not ops.supports("compile"):
             log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
         ops.graph_capture = True
+    if quantize in SCHEME_BITS and quantize not in ops.quantize_schemes:
+        raise InvalidQuantizationError(
+            f"quantize={quantize!r}: backend {ops.name}/{ops.device} has no on-load quantization "
+            f"{quantize!r}; it has {', '.join(sorted(ops.quantize_schemes)) or 'none'}")
+    ops.quantize = quantize
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         weights = WeightLoader(package.tensors, ops, progress=bar.update)
         network = arch.build(package.config, weights, ops)
+    log.info("weights on %r: %s", ops, weights.summary())
     unused = weights.unused(ignore=getattr(network, "ignored_tensors", ()))
     if unused:
         log.info("%d tensors not used by %s: %s", len(unused), arch.name, ", ".join(unused[:8]))

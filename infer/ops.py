@@ -80,6 +80,45 @@ class QuantizedTensor(abc.ABC):
     def dequantize(self) -> np.ndarray:
         """Return the float32 values, shaped :attr:`shape`."""
 
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The float32 values of the rows ``rows`` (1-D integer indices along
+        the first axis), ``[len(rows), *shape[1:]]``. Default: :meth:`dequantize`
+        everything, then index; formats override it to read only those rows."""
+        return self.dequantize()[np.asarray(rows)]
+
+
+class PackedWeight:
+    """A weight a backend keeps in its own quantized layout.
+
+    :meth:`Backend.prepare_weight` returns one for a tensor it computes on
+    without dequantizing; the backend's :meth:`Backend.linear` hands it to
+    :meth:`Backend.quantized_linear` and its :meth:`Backend.embedding`
+    gathers rows from :attr:`rows`. Architectures never see the difference:
+    they call ``linear`` and ``embedding`` on whatever ``prepare_weight``
+    returned.
+    """
+
+    __slots__ = ("shape", "qtype", "scheme", "data", "rows")
+
+    def __init__(self, shape: tuple[int, ...], qtype: str, scheme: str, data: Any,
+                 rows: QuantizedTensor | None = None) -> None:
+        #: Logical shape ``[out, in]``.
+        self.shape = tuple(int(d) for d in shape)
+        #: What the weight was stored as before: a GGUF type (``"Q4_1"``) or an
+        #: on-load scheme (``"q8"``, ``"q4"``).
+        self.qtype = qtype
+        #: The backend's layout, in words, for logs (``"int4pack g32 f32"``).
+        self.scheme = scheme
+        #: Backend-specific arrays (packed codes, scales, ...).
+        self.data = data
+        #: An exact host form of the same values, for :meth:`Backend.embedding`
+        #: and for the default :meth:`Backend.quantized_linear`; None when the
+        #: backend needs neither (the weight is only ever a ``linear`` weight).
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.qtype} as {self.scheme}, shape={list(self.shape)})"
+
 
 class Backend(abc.ABC):
     """A compute backend: the ops an architecture may call.
@@ -98,6 +137,15 @@ class Backend(abc.ABC):
     native_ops: frozenset[str] = frozenset()
     #: Float dtypes the backend computes in; the first is its default.
     float_dtypes: tuple[str, ...] = ("float32",)
+    #: On-load quantization schemes :meth:`prepare_weight` honours
+    #: (``"q8"``, ``"q4"``); empty for a backend that has none.
+    quantize_schemes: frozenset[str] = frozenset()
+    #: The on-load quantization asked for (one of :attr:`quantize_schemes`),
+    #: ``"off"`` (dequantize every weight, keep nothing quantized) or None
+    #: (default: float weights stay float, quantized ones stay quantized
+    #: where the backend computes on them exactly). Set by
+    #: :func:`infer.load` before the weights are prepared.
+    quantize: str | None = None
 
     def __init__(self, dtype: str | None = None) -> None:
         from infer.errors import UnsupportedOpError
@@ -172,9 +220,9 @@ class Backend(abc.ABC):
 
         x: ``[..., in]``; weight: ``[out, in]`` as returned by
         :meth:`prepare_weight`; bias: ``[out]`` or None. Returns ``[..., out]``.
-        A backend whose :meth:`prepare_weight` returns its own weight objects
-        (e.g. quantized) dispatches on them here; architectures only ever call
-        ``linear``.
+        A backend whose :meth:`prepare_weight` returns :class:`PackedWeight`
+        objects dispatches on them here: ``linear`` of a ``PackedWeight`` is
+        :meth:`quantized_linear`. Architectures only ever call ``linear``.
         """
 
     # ------------------------------------------------------------------
@@ -294,7 +342,9 @@ class Backend(abc.ABC):
     def embedding(self, table: Array, ids: Array) -> Array:
         """Rows of ``table`` (``[vocab, d]``, as returned by
         :meth:`prepare_weight`) at integer ``ids`` (``[n]``): ``[n, d]``.
-        Ids out of range are an error, never a silent wrap."""
+        Ids out of range are an error, never a silent wrap. A
+        :class:`PackedWeight` table (a tied embedding and output head kept
+        quantized) gives its rows through :meth:`packed_rows`."""
 
     @abc.abstractmethod
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
@@ -368,9 +418,14 @@ class Backend(abc.ABC):
         """Turn a weight from a format into what :meth:`linear` and
         :meth:`embedding` accept. Called once per tensor at load.
 
+        ``name`` is the tensor's canonical (Hugging Face) name: a backend may
+        treat linear weights, embeddings and norms differently by it.
+
         Default: dequantize a :class:`QuantizedTensor` and copy to the
         backend in :attr:`compute_dtype`. A backend with native quantized
-        kernels returns its own weight object for the types it computes on.
+        kernels returns a :class:`PackedWeight` for the types it computes on
+        exactly, and honours :attr:`quantize` (on-load quantization of float
+        weights) when it lists the scheme in :attr:`quantize_schemes`.
         """
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize()
@@ -393,15 +448,36 @@ class Backend(abc.ABC):
         :meth:`mul`."""
         return self.mul(self.tanh(self.div(x, cap)), cap)
 
-    def quantized_linear(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
-        """:meth:`linear` with a weight kept quantized by
-        :meth:`prepare_weight`. Only called on backends that list
-        ``"quantized_linear"`` in :attr:`native_ops` (the default
-        :meth:`prepare_weight` dequantizes, so the default path never needs
-        it); the default raises :class:`~infer.errors.UnsupportedOpError`."""
+    def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
+        """:meth:`linear` of a :class:`PackedWeight` kept quantized by
+        :meth:`prepare_weight`: ``x @ dequantized(weight).T + bias``, with
+        the weight's values exactly those of its source (GGUF blocks or an
+        on-load quantization). Backends call it from :meth:`linear` when the
+        weight is a ``PackedWeight``.
+
+        Default: dequantize ``weight.rows`` on the host and call
+        :meth:`linear` (a backend whose :meth:`prepare_weight` never packs
+        never gets here)."""
         from infer.errors import UnsupportedOpError
 
-        raise UnsupportedOpError(f"backend {self.name}/{self.device} has no quantized_linear")
+        if weight.rows is None:
+            raise UnsupportedOpError(
+                f"backend {self.name}/{self.device}: {weight!r} has no host form to dequantize")
+        return self.linear(x, self.from_numpy(weight.rows.dequantize()), bias)
+
+    def packed_rows(self, table: PackedWeight, ids: Array) -> Array:
+        """:meth:`embedding` of a :class:`PackedWeight`: the rows at ``ids``
+        dequantized on the host from ``table.rows`` (only those rows), then
+        copied to the backend. A helper for backends, not an op."""
+        from infer.errors import UnsupportedOpError
+
+        if table.rows is None:
+            raise UnsupportedOpError(f"backend {self.name}/{self.device}: {table!r} has no rows for embedding")
+        host = np.asarray(self.to_numpy(ids)).reshape(-1)
+        vocab = table.shape[0]
+        if host.size and (host.min() < 0 or host.max() >= vocab):
+            raise IndexError(f"token id out of range [0, {vocab}): found {host.min() if host.min() < 0 else host.max()}")
+        return self.from_numpy(table.rows.dequantize_rows(host.astype(np.int64)))
 
     def paged_attention(
         self,
@@ -476,6 +552,6 @@ def is_float_dtype(dtype: str) -> bool:
 
 
 __all__ = [
-    "API_VERSION", "Array", "Backend", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
+    "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "FLOAT_DTYPES", "INT_DTYPES", "is_float_dtype",
 ]

@@ -32,10 +32,8 @@ from infer.testing.tiny_model import check_end_to_end
 
 
 def test_every_op_of_the_contract_has_a_case() -> None:
-    # quantized_linear is only called by backends with their own quantized
-    # weight objects; the kit cannot make those, prepare_weight-quantized checks the fallback.
     covered = {c.op for c in CASES}
-    assert set(REQUIRED_OPS) | set(OPTIONAL_OPS) - {"quantized_linear"} <= covered
+    assert set(REQUIRED_OPS) | set(OPTIONAL_OPS) <= covered
     assert len({c.name for c in CASES}) == len(CASES)
 
 

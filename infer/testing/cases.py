@@ -17,8 +17,8 @@ from infer.ops import QuantizedTensor
 from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
     arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls, embedding_calls,
-    from_numpy_calls, fused_add_rms_norm_calls, layer_norm_calls, linear_calls, matmul_calls,
-    compile_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls,
+    compile_calls, from_numpy_calls, fused_add_rms_norm_calls, gguf_linear_calls, layer_norm_calls, linear_calls,
+    matmul_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls,
     softcap_calls, softmax_calls, sqrt_calls, swiglu_calls, take_calls, topk_calls, transpose_calls, unary,
     update_rows_calls, zeros_calls,
 )
@@ -85,6 +85,26 @@ def _compiled_block(ops: Any, call: Call, x: Any, w: Any, norm: Any) -> Any:
 
 
 _COMPILED: dict[Any, Any] = {}
+def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
+    """``linear`` of a random GGUF matrix as the backend prepares it, with
+    quantized compute asked for (``quantize`` set to the backend's first
+    on-load scheme, if it has one) so that native kernels are what runs. The
+    weight's values are exact on every backend; only the accumulation order
+    (and the dtype under test for ``x``) differ from numpy's
+    dequantize-then-BLAS, so the ordinary per-dtype tolerances apply."""
+    from infer.formats.gguf import GGUFQuantizedTensor
+    from infer.formats.gguf_quants import random_blocks
+
+    i = call.info
+    raw = random_blocks(i["qtype"], *i["shape"], seed=i["seed"])
+    tensor = GGUFQuantizedTensor(i["qtype"], i["shape"], raw, f"conformance {i['qtype']}")
+    before = ops.quantize
+    ops.quantize = min(ops.quantize_schemes) if ops.quantize_schemes else None
+    try:
+        weight = ops.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
+    finally:
+        ops.quantize = before
+    return ops.linear(x, weight, bias)
 
 
 def _case(name: str, op: str, inputs: Any, **kw: Any) -> Case:
@@ -161,6 +181,8 @@ CASES: tuple[Case, ...] = (
     # optional ops (native or default)
     _case("prepare_weight-quantized", "prepare_weight", quantized_weight_calls(),
           run=_run(lambda ops, call, x: ops.linear(x, ops.prepare_weight(_Stored(call.info["weight"]))))),
+    *(_case(f"quantized_linear-{t}", "quantized_linear", gguf_linear_calls(t), run=_run(_quantized_linear))
+      for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")),
     _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
     _case("swiglu", "swiglu", swiglu_calls()),
     _case("softcap", "softcap", softcap_calls()),

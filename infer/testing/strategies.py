@@ -368,6 +368,24 @@ def quantized_weight_calls(draw: Any) -> Call:
     return Call((In(normal(seed, (rows, d_in))),), info={"weight": normal(seed + 1, (d_out, d_in))})
 
 
+#: GGUF types drawn for quantized_linear: every type with an exact group-of-32
+#: affine form (what native kernels take), and Q6_K (which has none: dequantized).
+GGUF_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
+
+
+@st.composite
+def gguf_linear_calls(draw: Any, qtype: str | None = None) -> Call:
+    """x ``[rows, in]`` and, in ``info``, a random GGUF matrix ``[out, in]`` of
+    ``qtype`` (``out`` a multiple of 16, ``in`` of 256: every block type fits)."""
+    qtype = qtype or draw(st.sampled_from(GGUF_LINEAR_TYPES))
+    rows, d_out, d_in, seed = (draw(st.integers(1, 5)), 16 * draw(st.integers(1, 3)),
+                               256 * draw(st.integers(1, 2)), draw(seeds))
+    bias = draw(st.booleans())
+    x = In(normal(seed, (rows, d_in)))
+    b = In(normal(seed + 2, (d_out,), 0.1), weight=True) if bias else None
+    return Call((x, b), info={"qtype": qtype, "shape": (d_out, d_in), "seed": seed % 2**31})
+
+
 @st.composite
 def compile_calls(draw: Any) -> Call:
     """x ``[t, 16]``, a ``[16, 16]`` weight and a norm weight, with t of 1 or 5

@@ -1,0 +1,154 @@
+"""Group-wise affine quantization on the host: the form backends pack from.
+
+Every quantized weight a backend computes on is, per group of ``group``
+consecutive values of a row, ``value = scale * code + bias`` with unsigned
+integer codes. :class:`AffineTensor` holds that form on the host:
+
+* from GGUF blocks (:func:`from_gguf`): Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
+  and Q8_0 are such groups of 32 already, exactly (see
+  :func:`infer.formats.gguf_quants.affine_groups`);
+* from float weights (:func:`quantize_affine`): on-load quantization
+  (``infer.load(path, quantize="q8" | "q4")``), min/max per group of 32,
+  codes rounded to nearest.
+
+A backend turns it into its native layout (torch's int4pack, MLX's packed
+uint32 codes) or computes on it directly (numpy: dequantize per matmul).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from infer.errors import InvalidQuantizationError, UnsupportedDtypeError
+from infer.ops import QuantizedTensor
+
+#: On-load quantization schemes and their code width.
+SCHEME_BITS = {"q8": 8, "q4": 4}
+GROUP = 32
+
+
+class AffineTensor(QuantizedTensor):
+    """``scales * codes + biases`` per group of :attr:`group` values of a row.
+
+    codes: uint8 ``[rows, cols]`` (4-bit codes packed two to a byte, even
+    column in the low nibble, when :attr:`bits` is 4); scales, biases:
+    float32 ``[rows, cols / group]``. :meth:`dequantize` computes in float32
+    (``scale * code`` is exact for the codes and scales produced here, so
+    fused and unfused evaluation agree).
+    """
+
+    def __init__(self, qtype: str, shape: tuple[int, int], bits: int, codes: np.ndarray,
+                 scales: np.ndarray, biases: np.ndarray, group: int = GROUP) -> None:
+        self.qtype, self.shape, self.bits, self.group = qtype, (int(shape[0]), int(shape[1])), bits, group
+        if bits == 4 and codes.shape[1] == shape[1]:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+        self.packed, self.scales, self.biases = codes, scales, biases
+
+    def codes(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Unpacked uint8 codes ``[rows, cols]``."""
+        p = self.packed[rows]
+        if self.bits != 4:
+            return p
+        out = np.empty((p.shape[0], p.shape[1], 2), np.uint8)
+        np.bitwise_and(p, np.uint8(15), out=out[..., 0])
+        np.right_shift(p, np.uint8(4), out=out[..., 1])
+        return out.reshape(p.shape[0], -1)
+
+    def _values(self, rows: np.ndarray | slice) -> np.ndarray:
+        codes = self.codes(rows)
+        n = codes.shape[0]
+        out = codes.astype(np.float32).reshape(n, -1, self.group)
+        out *= self.scales[rows][:, :, None]
+        out += self.biases[rows][:, :, None]
+        return out.reshape(n, -1)
+
+    def dequantize(self) -> np.ndarray:
+        return self._values(slice(None))
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self._values(np.asarray(rows))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales, biases)."""
+        return self.packed.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def __repr__(self) -> str:
+        return f"AffineTensor({self.qtype}, {self.bits} bits, group {self.group}, shape={self.shape})"
+
+
+def from_gguf(tensor: QuantizedTensor) -> AffineTensor | None:
+    """The exact affine form of a GGUF quantized matrix, or None when its type
+    has none (Q6_K's groups of 16, Q2_K, Q3_K, the IQ types...)."""
+    from infer.formats import gguf_quants
+
+    bits = gguf_quants.AFFINE_BITS.get(tensor.qtype)
+    raw = getattr(tensor, "raw", None)
+    if bits is None or raw is None or len(tensor.shape) != 2:
+        return None
+    rows, cols = tensor.shape
+    codes, scales, biases = gguf_quants.affine_groups(np.asarray(raw).reshape(rows, -1), tensor.qtype, cols)
+    if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
+        return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
+    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases)
+
+
+def quantize_affine(weight: np.ndarray, scheme: str, *, scale_dtype: str = "float32",
+                    name: str = "a tensor") -> AffineTensor:
+    """Quantize a float matrix ``[rows, cols]`` with ``scheme`` (``"q8"`` or
+    ``"q4"``): per group of 32 values, ``scale = (max - min) / (2**bits - 1)``,
+    ``bias = min``, ``code = round((w - bias) / scale)``.
+
+    ``scale_dtype`` ``"bfloat16"`` rounds scales and biases to bfloat16 first
+    (for kernels that take them so); codes are computed against the rounded
+    values and clipped, so :meth:`AffineTensor.dequantize` is exactly what
+    such a kernel computes. Raises :class:`UnsupportedDtypeError` when
+    ``cols`` is not a multiple of 32.
+    """
+    bits = check_scheme(scheme)
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % GROUP:
+        raise UnsupportedDtypeError(f"cannot quantize {name!r} with {scheme}: shape {list(w.shape)} "
+                                    f"is not [rows, cols] with cols a multiple of {GROUP}")
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    levels = np.float32(2 ** bits - 1)
+    scales = (hi - lo) / levels
+    biases = lo
+    if scale_dtype == "bfloat16":
+        scales, biases = _round_bf16(scales), _round_bf16(biases)
+    elif scale_dtype != "float32":
+        raise ValueError(f"quantize_affine: scale_dtype must be float32 or bfloat16, not {scale_dtype!r}")
+    safe = np.where(scales > 0, scales, np.float32(1))
+    codes = np.rint((g - biases[:, :, None]) / safe[:, :, None])
+    codes = np.clip(codes, 0, levels).astype(np.uint8).reshape(rows, cols)
+    return AffineTensor(scheme, (rows, cols), bits, codes, scales.astype(np.float32), biases.astype(np.float32))
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bfloat16 (ties to even), kept as float32."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def check_scheme(scheme: str) -> int:
+    """The code width of an on-load scheme; :class:`InvalidQuantizationError` otherwise."""
+    try:
+        return SCHEME_BITS[scheme]
+    except (KeyError, TypeError):
+        raise InvalidQuantizationError(
+            f"quantize={scheme!r}: expected one of {', '.join(repr(s) for s in SCHEME_BITS)}, "
+            "'off' or None") from None
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """True for the matrices on-load quantization applies to: 2-D ``*.weight``
+    tensors that are not embeddings or norms (projections, MLP, ``lm_head``)."""
+    return (len(shape) == 2 and name.endswith(".weight") and "embed" not in name and "norm" not in name)
+
+
+def is_embedding(name: str) -> bool:
+    """True for the token embedding table (the output head too when tied)."""
+    return "embed_tokens" in name

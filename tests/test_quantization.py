@@ -1,0 +1,320 @@
+"""Quantized weights: native layouts dequantize bit-exactly to GGUF's values, and
+on-load quantization (``quantize="q8" | "q4"``) is checked and bounded.
+
+"Bit-exact" is checked through each backend's own kernels: ``linear`` of the
+packed weight with the identity matrix gives the weight's transpose (each output
+is one product ``1 * w`` plus exact zeros), and ``embedding`` gives its rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from infer.errors import InvalidQuantizationError
+from infer.formats import gguf_quants
+from infer.formats.gguf import GGUFQuantizedTensor
+from infer.ops import PackedWeight
+from infer.quantize import AffineTensor, from_gguf, quantize_affine
+
+LINEAR = "model.layers.0.mlp.up_proj.weight"
+EMBED = "model.embed_tokens.weight"
+UNMAPPED = ("Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
+
+
+def gguf_tensor(qtype: str, rows: int, cols: int, seed: int) -> GGUFQuantizedTensor:
+    raw = gguf_quants.random_blocks(qtype, rows, cols, seed)
+    return GGUFQuantizedTensor(qtype, (rows, cols), raw, f"random {qtype}")
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.astype(np.float32).view(np.uint32),
+                                                 b.astype(np.float32).view(np.uint32))
+
+
+def weight_through_kernel(ops, weight) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The weight as the backend's matmul sees it: ``linear(I, w).T``."""
+    cols = weight.shape[1]
+    return ops.to_numpy(ops.linear(ops.from_numpy(np.eye(cols, dtype=np.float32)), weight)).T
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
+def test_affine_form_equals_dequantize_fused_and_unfused(qtype: str) -> None:
+    for seed in range(3):
+        t = gguf_tensor(qtype, 8, 512, seed)
+        a = from_gguf(t)
+        assert a is not None and a.codes().max() < 2 ** a.bits
+        want = t.dequantize()
+        assert same_bits(a.dequantize(), want)
+        s, b = (np.repeat(v, 32, axis=1).astype(np.float64) for v in (a.scales, a.biases))
+        assert same_bits((s * a.codes() + b).astype(np.float32), want)  # one rounding (fma)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0"])
+def test_affine_scales_need_float32(qtype: str) -> None:
+    # Why kernels get float32 scales: float16 d has 11 significant bits (bfloat16 holds 8),
+    # and Q4_K's d * sc up to 17 (float16 holds 11), so 16-bit scales would change values.
+    torch = pytest.importorskip("torch")
+
+    a = from_gguf(gguf_tensor(qtype, 16, 512, 4))
+    assert a is not None
+    s = torch.from_numpy(a.scales)
+    assert not torch.equal(s.to(torch.bfloat16).float(), s)
+    if qtype == "Q4_K":
+        assert not torch.equal(s.to(torch.float16).float(), s)
+    else:
+        assert torch.equal(s.to(torch.float16).float(), s)  # d itself is a float16
+
+
+def test_gguf_rows_are_the_rows_of_the_whole_tensor() -> None:
+    t = gguf_tensor("Q4_K", 12, 256, 1)
+    ids = np.array([11, 0, 5, 5])
+    assert same_bits(t.dequantize_rows(ids), t.dequantize()[ids])
+
+
+# -- torch: int4pack ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_q() -> object:
+    pytest.importorskip("torch")
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cpu")
+    ops.quantize = "q4"  # int4pack is used when quantized compute is asked for (see keeps_gguf)
+    return ops
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_torch_int4pack_is_bit_exact_with_gguf(torch_q, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    for seed, (rows, cols) in enumerate([(16, 256), (48, 512), (64, 1024)]):
+        t = gguf_tensor(qtype, rows, cols, seed)
+        w = torch_q.prepare_weight(t, name=EMBED)
+        assert isinstance(w, PackedWeight) and w.scheme == "int4pack g32 f32"
+        assert same_bits(weight_through_kernel(torch_q, w), t.dequantize())
+        ids = np.array([rows - 1, 0, 3], np.int32)
+        rows_got = torch_q.to_numpy(torch_q.embedding(w, torch_q.from_numpy(ids)))
+        assert same_bits(rows_got, t.dequantize()[ids])
+
+
+def test_torch_falls_back_to_exact_floats(torch_q) -> None:  # type: ignore[no-untyped-def]
+    # 40 output rows: the CPU packing wants multiples of 16; Q8_0/Q5_0/Q6_K: no exact int4 form.
+    for qtype, rows in [("Q4_0", 40), ("Q8_0", 32), ("Q5_0", 32), ("Q6_K", 32)]:
+        t = gguf_tensor(qtype, rows, 256, 3)
+        w = torch_q.prepare_weight(t, name=LINEAR)
+        assert not isinstance(w, PackedWeight)
+        assert same_bits(torch_q.to_numpy(w), t.dequantize())
+
+
+def test_torch_keeps_gguf_float_by_default() -> None:
+    pytest.importorskip("torch")
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cpu")
+    assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_0", 16, 256, 0), name=LINEAR), PackedWeight)
+
+
+def test_torch_off_the_cpu_keeps_nothing_quantized(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The CUDA int4pack/int8 layouts are untested here: guarded, not guessed.
+    torch = pytest.importorskip("torch")
+    from infer.backends.torch import TorchBackend
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    ops = TorchBackend("cuda")  # no tensor is made on the device here
+    ops.quantize = "q4"
+    assert ops.quantize_schemes == frozenset() and not ops.keeps_gguf()
+    assert not ops.supports("quantized_linear")
+
+
+@pytest.mark.parametrize("scheme", ["q4", "q8"])
+def test_torch_on_load_quantization(torch_q, scheme: str) -> None:  # type: ignore[no-untyped-def]
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cpu")
+    ops.quantize = scheme
+    w = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32) * 0.05
+    packed = ops.prepare_weight(w, name=EMBED)
+    assert isinstance(packed, PackedWeight)
+    got = weight_through_kernel(ops, packed)
+    bound = (np.abs(w).max(axis=1, keepdims=True) / 127) if scheme == "q8" else 0.6 * np.ptp(w) / 15
+    assert np.all(np.abs(got - w) <= bound * 1.01)
+    # embedding rows are the same values the matmul uses
+    rows = ops.to_numpy(ops.embedding(packed, ops.from_numpy(np.array([3, 0], np.int32))))
+    np.testing.assert_allclose(rows, got[[3, 0]], rtol=2e-6, atol=1e-7)
+    norm = ops.prepare_weight(np.ones((64,), np.float32), name="model.norm.weight")
+    assert not isinstance(norm, PackedWeight)
+
+
+# -- MLX: affine quantized_matmul -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlx_ops() -> object:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("float32", "cpu")
+    ops.quantize = "q4"  # mlx/cpu keeps GGUF weights quantized when quantized compute is asked for
+    return ops
+
+
+def test_mlx_cpu_dequantizes_gguf_by_default() -> None:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("float32", "cpu")
+    t = gguf_tensor("Q4_1", 16, 256, 0)
+    w = ops.prepare_weight(t, name=LINEAR)
+    assert not isinstance(w, PackedWeight) and same_bits(ops.to_numpy(w), t.dequantize())
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
+def test_mlx_affine_is_bit_exact_with_gguf(mlx_ops, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    import mlx.core as mx
+
+    for seed, (rows, cols) in enumerate([(8, 256), (24, 512)]):
+        t = gguf_tensor(qtype, rows, cols, seed)
+        w = mlx_ops.prepare_weight(t, name=EMBED)
+        assert isinstance(w, PackedWeight) and w.scheme.startswith("mlx affine")
+        want = t.dequantize()
+        wq, scales, biases, bits = w.data
+        own = np.array(mx.dequantize(wq, scales, biases, group_size=32, bits=bits, stream=mx.cpu))
+        assert same_bits(own, want)
+        assert same_bits(weight_through_kernel(mlx_ops, w), want)
+        ids = np.array([rows - 1, 0, 2], np.int32)
+        assert same_bits(mlx_ops.to_numpy(mlx_ops.embedding(w, mlx_ops.from_numpy(ids))), want[ids])
+
+
+@pytest.mark.parametrize("scheme", ["q8", "q4"])
+def test_mlx_on_load_quantization_is_infers_affine_scheme(scheme: str) -> None:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("float32", "cpu")
+    ops.quantize = scheme
+    w = np.random.default_rng(2).standard_normal((24, 128)).astype(np.float32) * 0.05
+    packed = ops.prepare_weight(w, name=LINEAR)
+    assert isinstance(packed, PackedWeight) and packed.qtype == scheme
+    assert same_bits(weight_through_kernel(ops, packed), quantize_affine(w, scheme).dequantize())
+    assert not isinstance(ops.prepare_weight(np.ones(128, np.float32), name="model.norm.weight"), PackedWeight)
+
+
+@pytest.mark.parametrize("qtype", UNMAPPED)
+def test_mlx_unmapped_types_become_exact_float32(mlx_ops, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    t = gguf_tensor(qtype, 4, 256, 0)
+    w = mlx_ops.prepare_weight(t, name=LINEAR)
+    assert not isinstance(w, PackedWeight)
+    assert same_bits(mlx_ops.to_numpy(w), t.dequantize())
+
+
+def test_mlx_bfloat16_compute_keeps_float32_scales() -> None:
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+
+    ops = MLXBackend("bfloat16", "cpu")
+    ops.quantize = "q4"
+    t = gguf_tensor("Q4_1", 8, 256, 5)
+    w = ops.prepare_weight(t, name=LINEAR)
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    y = ops.linear(ops.from_numpy(x), w)
+    assert ops.dtype(y) == "bfloat16"
+    xb = ops.to_numpy(ops.from_numpy(x))  # x as bfloat16 holds it
+    np.testing.assert_allclose(ops.to_numpy(y), xb @ t.dequantize().T, rtol=1e-2, atol=1e-2)
+
+
+# -- numpy: blocks kept when memory is short ----------------------------------------------
+
+
+def test_numpy_keeps_blocks_when_over_budget_and_results_are_identical() -> None:
+    from infer.backends.numpy import NumpyBackend
+
+    eager, lazy = NumpyBackend(), NumpyBackend()
+    lazy.float_budget = 0
+    lazy.cache_bytes = 0
+    t = gguf_tensor("Q4_K", 16, 256, 2)
+    we, wl = eager.prepare_weight(t, name=LINEAR), lazy.prepare_weight(t, name=LINEAR)
+    assert isinstance(wl, PackedWeight) and not isinstance(we, PackedWeight)
+    x = np.random.default_rng(0).standard_normal((5, 256)).astype(np.float32)
+    assert same_bits(lazy.linear(x, wl), eager.linear(x, we))
+    assert same_bits(lazy.linear(x[:1], wl), eager.linear(x[:1], we))
+    ids = np.array([15, 1])
+    assert same_bits(lazy.embedding(wl, ids), eager.embedding(we, ids))
+
+
+def test_numpy_decides_from_available_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from infer.backends import numpy as numpy_backend
+
+    ops = numpy_backend.NumpyBackend()
+    t = gguf_tensor("Q8_0", 16, 256, 0)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4)
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)  # just fits
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4 - 1)
+    assert isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+    ops.quantize = "off"  # never keeps anything quantized
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: dequantize
+    ops.quantize = None
+    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+
+
+def test_numpy_cache_keeps_the_first_weights_that_fit() -> None:
+    from infer.backends.numpy import NumpyBackend
+
+    ops = NumpyBackend()
+    ops.float_budget = 0
+    ops.cache_bytes = 16 * 256 * 4  # one weight
+    a, b = (ops.prepare_weight(gguf_tensor("Q4_0", 16, 256, s), name=LINEAR) for s in (0, 1))
+    x = np.ones((1, 256), np.float32)
+    ops.linear(x, a), ops.linear(x, b), ops.linear(x, a)
+    assert [w for w, _ in ops._cache.values()] == [a]
+
+
+# -- on-load quantization: the host scheme and the option ------------------------------------
+
+
+@pytest.mark.parametrize("scheme,bits", [("q8", 8), ("q4", 4)])
+def test_quantize_affine_error_is_at_most_half_a_step(scheme: str, bits: int) -> None:
+    w = np.random.default_rng(1).standard_normal((8, 96)).astype(np.float32)
+    w[0, :32] = 0.25  # a constant group: scale 0, exact
+    a = quantize_affine(w, scheme)
+    step = np.repeat(a.scales, 32, axis=1)
+    assert np.all(np.abs(a.dequantize() - w) <= step / 2 + 1e-6)
+    assert np.all(a.dequantize()[0, :32] == 0.25)
+    assert a.codes().max() <= 2 ** bits - 1
+    assert isinstance(a, AffineTensor) and a.nbytes < w.nbytes
+
+
+def test_invalid_quantize_values_are_typed_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import infer
+    from infer.ops import Backend
+
+    for bad in ("q3", "int4", 4, True):
+        with pytest.raises(InvalidQuantizationError, match="quantize="):
+            infer.load(tmp_path, quantize=bad)  # checked before the path is read
+    with pytest.raises(InvalidQuantizationError, match="expected one of"):
+        quantize_affine(np.zeros((2, 32), np.float32), "q2")
+    assert Backend.quantize_schemes == frozenset()  # a third-party backend has none until it says so
+
+
+def test_backend_without_schemes_refuses_on_load_quantization(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import infer
+    from infer.backends.numpy import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "quantize_schemes", frozenset())
+    from reference import tiny_model_dir
+
+    with pytest.raises(InvalidQuantizationError, match="numpy/cpu has no on-load quantization 'q8'"):
+        infer.load(tiny_model_dir("smollm2_like"), backend="numpy", quantize="q8")
+
+
+def test_load_logs_one_summary_line(caplog) -> None:  # type: ignore[no-untyped-def]
+    import infer
+    from reference import tiny_model_dir
+
+    with caplog.at_level(logging.INFO, logger="infer.loading"):
+        infer.load(tiny_model_dir("smollm2_like"), backend="numpy", quantize="q8")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights on")]
+    assert len(lines) == 1
+    assert "-> q8 group 32, dequantized per matmul" in lines[0] and "-> float32" in lines[0]
