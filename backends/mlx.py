@@ -448,8 +448,19 @@ class MLXBackend(Backend):
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``mx.compile``: the graph of ``fn`` traced once per input shape and
-        dtype, with elementwise chains fused into single kernels."""
-        return self._mx.compile(fn)
+        dtype, with elementwise chains fused into single kernels.
+
+        ``mx.compile`` takes trees of arrays and constants only, so a
+        :class:`~infer.ops.PackedWeight` argument travels as a dict of its
+        arrays and layout constants and is rebuilt inside the trace (without
+        its host ``rows``, which only ``embedding`` reads)."""
+        compiled = self._mx.compile(lambda *args: fn(*_unpack_tree(args)))
+
+        def call(*args: Any) -> Any:
+            return compiled(*_pack_tree(args))
+
+        call.__wrapped__ = compiled  # type: ignore[attr-defined]
+        return call
 
     def keeps_gguf(self) -> bool:
         """Whether GGUF weights of the types with an exact affine form stay
@@ -487,6 +498,30 @@ class MLXBackend(Backend):
     def synchronize(self) -> None:
         """Wait for every op queued on this backend's stream."""
         self._mx.synchronize(self._s)
+
+
+def _pack_tree(tree: Any) -> Any:
+    """``tree`` with every PackedWeight as a dict ``mx.compile`` accepts."""
+    if isinstance(tree, PackedWeight):
+        *arrays, bits = tree.data
+        return {"__packed_weight__": True, "arrays": tuple(arrays), "bits": bits, "shape": tree.shape,
+                "qtype": tree.qtype, "scheme": tree.scheme}
+    if isinstance(tree, dict):
+        return {k: _pack_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_pack_tree(v) for v in tree)
+    return tree
+
+
+def _unpack_tree(tree: Any) -> Any:
+    """The inverse of :func:`_pack_tree`, inside the trace."""
+    if isinstance(tree, dict):
+        if tree.get("__packed_weight__"):
+            return PackedWeight(tuple(tree["shape"]), tree["qtype"], tree["scheme"], (*tree["arrays"], tree["bits"]))
+        return {k: _unpack_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_unpack_tree(v) for v in tree)
+    return tree
 
 
 # ----------------------------------------------------------------------
