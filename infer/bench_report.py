@@ -18,8 +18,12 @@ from infer.errors import BenchmarkError
 
 log = logging.getLogger(__name__)
 
-#: The lines that delimit the generated block in docs/performance.md and README.md.
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def markers(name: str = "bench") -> tuple[str, str]:
+    """The lines that delimit a generated block (``bench`` in
+    docs/performance.md and README.md, ``batching`` in docs/performance.md)."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -118,19 +122,20 @@ def plot(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Pat
 
 
 def results_block(reports: Sequence[dict[str, Any]], image: str | None = None) -> str:
-    """The Markdown put between :data:`BEGIN` and :data:`END`."""
+    """The Markdown of the ``bench`` block (see :func:`markers`)."""
     parts = [f"Measured {machine_line(reports[0])}", "", markdown_table(reports)]
     if image:
         parts += ["", f"![infer bench results]({image})"]
     return "\n".join(parts)
 
 
-def update_marked_block(path: str | os.PathLike[str], text: str) -> None:
-    """Replace what lies between the :data:`BEGIN` and :data:`END` lines of
-    ``path`` with ``text``; the file must hold both markers once."""
+def update_marked_block(path: str | os.PathLike[str], text: str, name: str = "bench") -> None:
+    """Replace what lies between the two :func:`markers` lines of ``path``
+    with ``text``; the file must hold the pair once."""
+    begin, end = markers(name)
     file = Path(path)
     content = file.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if len(pattern.findall(content)) != 1:
-        raise BenchmarkError(f"{file} must hold exactly one {BEGIN} … {END} block to update")
-    file.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", content), encoding="utf-8")
+        raise BenchmarkError(f"{file} must hold exactly one {begin} … {end} block to update")
+    file.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", content), encoding="utf-8")

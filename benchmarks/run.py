@@ -1,0 +1,93 @@
+"""The issue's speed table: both real models, every available engine, one run.
+
+    python benchmarks/run.py [--repeats 3] [--models smollm2-135m,gemma3-270m] [--peers all]
+                             [--backends numpy,torch,mlx] [--update-docs] [-v]
+    python benchmarks/run.py --from benchmarks/results/latest.json --update-docs
+
+Runs :func:`infer.bench.run_benchmark` on SmolLM2-135M (GGUF Q4_1) and
+Gemma3-270M (GGUF Q4_K_M), both fetched by catalog alias, with infer as
+``infer.load(path)`` picks it (the default), infer on every available
+backend, and the peers that are installed (llama.cpp, transformers float32
+and bfloat16, mlx-lm), ratios against llama.cpp. Writes
+``benchmarks/results/latest.json`` (``{"reports": [one per model]}``) and
+``latest.png``. ``--update-docs`` rewrites the marked results block of
+docs/performance.md and README.md from those results (``--from`` does that
+from an earlier JSON without measuring again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from infer import bench, bench_report
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
+    """infer's default, infer on each backend asked for (default: every
+    available one, in its default dtype), then the peers."""
+    from infer.selection import list_backends
+
+    specs = [bench.infer_engine(label="infer (default)")]
+    if backends is None:
+        names = [f"{b.name}:{b.device}" for b in list_backends() if b.available]
+    else:
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+    specs += [bench.infer_engine(name) for name in names]
+    return specs + bench.parse_peers(peers)
+
+
+def update_docs(suite: dict[str, Any], image: Path | None) -> None:
+    reports = suite["reports"]
+    for doc, rel in ((ROOT / "docs" / "performance.md", "../benchmarks/results/latest.png"),
+                     (ROOT / "README.md", "benchmarks/results/latest.png")):
+        block = bench_report.results_block(reports, rel if image is not None else None)
+        bench_report.update_marked_block(doc, block)
+        print(f"updated {doc.relative_to(ROOT)}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models (aliases or paths)")
+    parser.add_argument("--backends", default=None, help="infer backends (default: every available one)")
+    parser.add_argument("--peers", default="all", help="as for infer bench --peers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=str(RESULTS / "latest.json"))
+    parser.add_argument("--from", dest="from_json", default=None, help="use this JSON instead of measuring")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the results block of the docs")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    out = Path(args.out)
+    if args.from_json:
+        suite = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+    else:
+        config = bench.BenchConfig(repeats=args.repeats, prompt_tokens=args.prompt_tokens,
+                                   new_tokens=args.new_tokens, threads=args.threads, baseline="llama.cpp")
+        specs = engines(args.backends, args.peers)
+        suite = {"schema": "infer-bench-suite/1",
+                 "reports": [bench.run_benchmark(m.strip(), specs, config) for m in args.models.split(",")]}
+        bench.write_json(suite, out)
+        print(f"written: {out}", file=sys.stderr)
+    image = bench_report.plot(suite["reports"], out.with_suffix(".png"))
+    print(f"Measured {bench_report.machine_line(suite['reports'][0])}\n")
+    print(bench_report.markdown_table(suite["reports"]))
+    if args.update_docs:
+        update_docs(suite, image)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
