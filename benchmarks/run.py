@@ -29,16 +29,18 @@ from infer import bench, bench_report
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ("smollm2-135m", "gemma3-270m")
+#: infer's own backends (third-party plugins are measured when named with --backends).
+FIRST_PARTY = ("numpy", "torch", "mlx")
 
 
 def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
     """infer's default, infer on each backend asked for (default: every
-    available one, in its default dtype), then the peers."""
+    available first-party one, in its default dtype), then the peers."""
     from infer.selection import list_backends
 
     specs = [bench.infer_engine(label="infer (default)")]
     if backends is None:
-        names = [f"{b.name}:{b.device}" for b in list_backends() if b.available]
+        names = [f"{b.name}:{b.device}" for b in list_backends() if b.available and b.plugin in FIRST_PARTY]
     else:
         names = [b.strip() for b in backends.split(",") if b.strip()]
     specs += [bench.infer_engine(name) for name in names]

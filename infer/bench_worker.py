@@ -208,7 +208,7 @@ def _llama_cpp(spec: dict[str, Any]) -> Loaded:
         n_ctx = spec["prompt_tokens"] + spec["new_tokens"] + 16
         llm = llama_cpp.Llama(model_path=spec["model_path"], n_ctx=n_ctx, n_batch=max(512, spec["prompt_tokens"]),
                               n_threads=threads, n_threads_batch=threads, verbose=False)
-        return {"threads": threads}
+        return {"threads": threads, "weight_bytes_per_token": _gguf_weight_bytes(spec["model_path"])}
 
     def generate(ids: list[int], n: int) -> dict[str, Any]:
         llm.reset()  # forget the previous prompt, so its cached prefix is not reused
@@ -217,6 +217,28 @@ def _llama_cpp(spec: dict[str, Any]) -> Loaded:
         return time_generation(tokens, len(ids), n, started)
 
     return load, generate
+
+
+def _gguf_weight_bytes(path: str) -> int | None:
+    """Bytes of the tensors a decode step reads from a GGUF file (the token
+    embedding only when it doubles as the output head), if gguf is installed."""
+    try:
+        import gguf
+    except ImportError:
+        return None
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    total = sum(sizes.values())
+    if "output.weight" in sizes:
+        total -= sizes.get("token_embd.weight", 0)
+    return total
+
+
+def _tree_weight_bytes(named: dict[str, Any]) -> int:
+    """Bytes of named parameters, an untied input embedding left out."""
+    total = sum(int(v.nbytes) for v in named.values())
+    if any(k.endswith("lm_head.weight") for k in named):
+        total -= sum(int(v.nbytes) for k, v in named.items() if k.endswith("embed_tokens.weight"))
+    return total
 
 
 class _TimingStreamer:
@@ -283,6 +305,7 @@ def _transformers(spec: dict[str, Any]) -> Loaded:
 def _mlx_lm(spec: dict[str, Any]) -> Loaded:
     import mlx.core as mx
     import mlx_lm
+    from mlx.utils import tree_flatten
     from mlx_lm.generate import generate_step
 
     model: Any = None
@@ -290,7 +313,8 @@ def _mlx_lm(spec: dict[str, Any]) -> Loaded:
     def load() -> dict[str, Any]:
         nonlocal model
         model, _tokenizer = mlx_lm.load(spec["model_path"])
-        return {"device": str(mx.default_device())}
+        return {"device": str(mx.default_device()),
+                "weight_bytes_per_token": _tree_weight_bytes(dict(tree_flatten(model.parameters())))}
 
     def generate(ids: list[int], n: int) -> dict[str, Any]:
         started = time.perf_counter()
