@@ -10,7 +10,8 @@ Gemma3-270M (GGUF Q4_K_M), both fetched by catalog alias, with infer as
 backend, and the peers that are installed (llama.cpp, transformers float32
 and bfloat16, mlx-lm), ratios against llama.cpp. Writes
 ``benchmarks/results/latest.json`` (``{"reports": [one per model]}``) and
-``latest.png``. ``--update-docs`` rewrites the marked results block of
+``latest.png``, and checks issue 7's targets (item 5) on them.
+``--update-docs`` rewrites the marked results block of
 docs/performance.md and README.md from those results (``--from`` does that
 from an earlier JSON without measuring again).
 """
@@ -47,11 +48,55 @@ def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
     return specs + bench.parse_peers(peers)
 
 
+def _row(report: dict[str, Any], label: str) -> dict[str, Any] | None:
+    return next((e for e in report["engines"] if e["label"] == label and e["status"] == "ok"), None)
+
+
+def targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 7's targets (item 5), each with the measured value and whether it is met."""
+    out: list[dict[str, Any]] = []
+
+    def check(model: str, what: str, value: float | None, goal: float, at_least: bool = True) -> None:
+        met = None if value is None else (value >= goal if at_least else value <= goal)
+        out.append({"model": model, "target": what, "measured": value, "goal": goal, "met": met})
+
+    for report in suite["reports"]:
+        name = report["model"]["reference"]
+        default, numpy = _row(report, "infer (default)"), _row(report, "infer numpy:cpu")
+        hf32 = _row(report, "transformers float32")
+        if name == "smollm2-135m" and default is not None:
+            r, m = default.get("ratios") or {}, default["median"]
+            check(name, "decode ≥ 1.25× llama.cpp", r.get("decode_tok_s"), 1.25)
+            check(name, "prefill ≥ 2× llama.cpp", r.get("prefill_tok_s"), 2.0)
+            check(name, "load ≤ 1 s", m["load_s"], 1.0, at_least=False)
+            rss = m["peak_rss_bytes"] / report["model"]["bytes"] if m["peak_rss_bytes"] is not None else None
+            check(name, "peak RSS above imports ≤ 1.3× the GGUF file", rss, 1.3, at_least=False)
+        if name == "gemma3-270m" and default is not None:
+            check(name, "decode ≥ 1.0× llama.cpp", (default.get("ratios") or {}).get("decode_tok_s"), 1.0)
+        if numpy is not None and numpy["info"].get("dtype") == "float32":
+            check(name, "numpy float32 decode ≥ 75% of its bandwidth bound", numpy.get("bound_fraction"), 0.75)
+            if hf32 is not None and numpy["median"]["decode_tok_s"] and hf32["median"]["decode_tok_s"]:
+                check(name, "numpy float32 decode ≥ 2× transformers float32",
+                      numpy["median"]["decode_tok_s"] / hf32["median"]["decode_tok_s"], 2.0)
+    return out
+
+
+def format_targets(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | target | measured | met |", "|---|---|---|---|"]
+    for t in rows:
+        value = "–" if t["measured"] is None else f"{t['measured']:.2f}"
+        met = "–" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['model']} | {t['target']} | {value} | {met} |")
+    return "\n".join(lines)
+
+
 def update_docs(suite: dict[str, Any], image: Path | None) -> None:
     reports = suite["reports"]
     for doc, rel in ((ROOT / "docs" / "performance.md", "../benchmarks/results/latest.png"),
                      (ROOT / "README.md", "benchmarks/results/latest.png")):
         block = bench_report.results_block(reports, rel if image is not None else None)
+        if doc.name == "performance.md":
+            block += "\n\nThe targets of issue 7 (item 5), checked on these figures:\n\n" + format_targets(targets(suite))
         bench_report.update_marked_block(doc, block)
         print(f"updated {doc.relative_to(ROOT)}", file=sys.stderr)
 
@@ -81,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         specs = engines(args.backends, args.peers)
         suite = {"schema": "infer-bench-suite/1",
                  "reports": [bench.run_benchmark(m.strip(), specs, config) for m in args.models.split(",")]}
+        suite["targets"] = targets(suite)
         bench.write_json(suite, out)
         print(f"written: {out}", file=sys.stderr)
     image = bench_report.plot(suite["reports"], out.with_suffix(".png"))
     print(f"Measured {bench_report.machine_line(suite['reports'][0])}\n")
     print(bench_report.markdown_table(suite["reports"]))
+    print("\nIssue 7 targets:\n")
+    print(format_targets(targets(suite)))
     if args.update_docs:
         update_docs(suite, image)
     return 0
