@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -202,6 +203,18 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _peer_version(peer: Peer) -> str | None:
+    """The installed distribution's version, else the module's ``__version__``
+    (a development install may have no distribution metadata)."""
+    found = _version(peer.distribution)
+    if found is None and importlib.util.find_spec(peer.module) is not None:
+        try:
+            found = getattr(importlib.import_module(peer.module), "__version__", None)
+        except Exception:  # a broken install is reported when the engine runs
+            found = None
+    return found
 
 
 def _cpu_model() -> str:
@@ -440,8 +453,8 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
     runnable: list[tuple[EngineSpec, dict[str, Any]]] = []
     for spec in engines:
         row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "options": dict(spec.options),
-                               "version": _version("infer-engine" if spec.kind == "infer"
-                                                   else PEERS[spec.kind].distribution),
+                               "version": _version("infer-engine") if spec.kind == "infer"
+                               else _peer_version(PEERS[spec.kind]),
                                "status": "ok", "reason": None, "processes": []}
         rows.append(row)
         reason = unavailable_reason(spec, path, hf)
