@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import statistics
 import sys
 import time
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": bench.machine_info(), "model": args.model, "backend": repr(model.backend),
               "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                           "repeats": args.repeats, "kv_memory_bytes": kv_memory},
+                           "repeats": args.repeats, "kv_memory_bytes": kv_memory,
+                           "thread_env": {k: v for k, v in os.environ.items() if k.endswith("_NUM_THREADS")}},
               "throughput": points,
               "prefix_cache": prefix_hit_rate(model, args.prefix_requests, args.system_tokens, args.new_tokens, kv_memory)}
     out = bench.write_json(result, args.out)

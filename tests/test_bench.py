@@ -283,3 +283,29 @@ def test_bad_bench_options_exit_1_with_the_reason(tiny: Path, tmp_path: Path, ca
 def test_bench_on_a_missing_model_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "r.json")]) == 1
     assert "no model at" in capsys.readouterr().err
+
+
+def test_run_script_checks_the_issue_targets() -> None:
+    spec = importlib.util.spec_from_file_location("bench_run_script", ROOT / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    def row(label: str, decode: float, prefill: float, load: float, rss: float, **extra: Any) -> dict[str, Any]:
+        return dict({"label": label, "status": "ok", "info": {"dtype": "float32"},
+                     "median": {"decode_tok_s": decode, "prefill_tok_s": prefill, "load_s": load,
+                                "peak_rss_bytes": rss, "ttft_s": 0.1}}, **extra)
+
+    smol = {"model": {"reference": "smollm2-135m", "bytes": 100}, "engines": [
+        row("infer (default)", 150, 500, 0.5, 120, ratios={"decode_tok_s": 1.5, "prefill_tok_s": 1.8}),
+        row("infer numpy:cpu", 40, 300, 1.0, 600, bound_fraction=0.8),
+        row("transformers float32", 18, 580, 16, 900)]}
+    gemma = {"model": {"reference": "gemma3-270m", "bytes": 250}, "engines": [
+        row("infer (default)", 60, 500, 0.5, 300, ratios={"decode_tok_s": 0.9})]}
+    found = {(t["model"], t["target"]): t for t in run.targets({"reports": [smol, gemma]})}
+    assert found[("smollm2-135m", "decode ≥ 1.25× llama.cpp")]["met"] is True
+    assert found[("smollm2-135m", "prefill ≥ 2× llama.cpp")]["met"] is False
+    assert found[("smollm2-135m", "load ≤ 1 s")]["met"] is True
+    assert found[("smollm2-135m", "peak RSS above imports ≤ 1.3× the GGUF file")]["measured"] == pytest.approx(1.2)
+    assert found[("smollm2-135m", "numpy float32 decode ≥ 2× transformers float32")]["measured"] == pytest.approx(40 / 18)
+    assert found[("gemma3-270m", "decode ≥ 1.0× llama.cpp")]["met"] is False
+    assert "| smollm2-135m | load ≤ 1 s | 0.50 | yes |" in run.format_targets(list(found.values()))
