@@ -28,7 +28,6 @@ The library never prints: progress goes to the ``infer.bench`` logger.
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import importlib
 import importlib.metadata
@@ -36,17 +35,16 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench_machine import dist_version, machine_info, measure_read_bandwidth
 from infer.errors import BenchmarkError, InferError
 
 log = logging.getLogger(__name__)
@@ -193,95 +191,19 @@ def ratios(summary: dict[str, float | None], baseline: dict[str, float | None]) 
     return out
 
 
-# -- the machine --------------------------------------------------------------------------
-
-VERSIONED = ("infer-engine", "numpy", "torch", "mlx", "transformers", "llama-cpp-python", "mlx-lm", "gguf")
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+# -- versions -----------------------------------------------------------------------------
 
 
 def _peer_version(peer: Peer) -> str | None:
     """The installed distribution's version, else the module's ``__version__``
     (a development install may have no distribution metadata)."""
-    found = _version(peer.distribution)
+    found = dist_version(peer.distribution)
     if found is None and importlib.util.find_spec(peer.module) is not None:
         try:
             found = getattr(importlib.import_module(peer.module), "__version__", None)
         except Exception:  # a broken install is reported when the engine runs
             found = None
     return found
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if sys.platform == "darwin":
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                                  text=True, timeout=5).stdout.strip() or platform.processor()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> list[str]:
-    wanted = {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "neon", "asimd"}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return sorted(wanted & set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return []
-
-
-def _ram_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, OS, Python, and the versions of every engine."""
-    return {
-        "cpu": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
-        "cores": os.cpu_count(),
-        "ram_bytes": _ram_bytes(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {d: _version(d) for d in VERSIONED},
-    }
-
-
-def measure_read_bandwidth(megabytes: int = 256, repeats: int = 7, threads: int | None = None) -> float:
-    """Memory read bandwidth in bytes/s: the median time of summing a
-    ``megabytes`` float32 array (much larger than any cache), split over
-    ``threads`` threads (numpy releases the GIL while it reduces)."""
-    import numpy as np
-
-    threads = threads or os.cpu_count() or 1
-    data = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
-    parts = np.array_split(data, threads)
-    times = []
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats + 1):  # the first pass faults the pages in
-            t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            times.append(time.perf_counter() - t0)
-    return data.nbytes / statistics.median(times[1:])
 
 
 # -- running ------------------------------------------------------------------------------
@@ -453,7 +375,7 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
     runnable: list[tuple[EngineSpec, dict[str, Any]]] = []
     for spec in engines:
         row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "options": dict(spec.options),
-                               "version": _version("infer-engine") if spec.kind == "infer"
+                               "version": dist_version("infer-engine") if spec.kind == "infer"
                                else _peer_version(PEERS[spec.kind]),
                                "status": "ok", "reason": None, "processes": []}
         rows.append(row)
