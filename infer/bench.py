@@ -20,8 +20,9 @@ within a repeat, in an order rotated from repeat to repeat, so slow drifts of
 a shared machine spread over all of them. Each figure is the median over the
 repeats, reported as is and as a ratio to a baseline engine measured in the
 same run (by default llama.cpp). The memory read bandwidth of the machine is
-measured too, giving each engine whose weight bytes are known its decode
-bound: bandwidth / bytes of weights read per token (see docs/performance.md).
+measured too, before each repeat (the median counts), giving each engine
+whose weight bytes are known its decode bound: bandwidth / bytes of weights
+read per token (see docs/performance.md).
 
 The library never prints: progress goes to the ``infer.bench`` logger.
 """
@@ -366,10 +367,6 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
                      "sampling": "greedy, end-of-sequence ignored"},
         "engines": [],
     }
-    if config.bandwidth:
-        bandwidth = measure_read_bandwidth(threads=threads)
-        report["machine"]["read_bandwidth_bytes_s"] = bandwidth
-        log.info("memory read bandwidth: %.1f GB/s", bandwidth / 1e9)
 
     rows: list[dict[str, Any]] = []
     runnable: list[tuple[EngineSpec, dict[str, Any]]] = []
@@ -397,7 +394,11 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         runnable.append((spec, job))
 
     by_label = {r["label"]: r for r in rows}
+    bandwidths: list[float] = []
     for repeat in range(config.repeats):
+        if config.bandwidth:  # once per repeat, between the engines, like them a median
+            bandwidths.append(measure_read_bandwidth(threads=threads))
+            log.info("memory read bandwidth: %.1f GB/s", bandwidths[-1] / 1e9)
         shift = repeat % len(runnable) if runnable else 0
         for spec, job in runnable[shift:] + runnable[:shift]:
             log.info("repeat %d/%d: %s", repeat + 1, config.repeats, spec.label)
@@ -406,6 +407,9 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
                 log.warning("%s failed: %s", spec.label, result["error"])
             by_label[spec.label]["processes"].append(result)
 
+    if bandwidths:
+        report["machine"]["read_bandwidth_bytes_s"] = median(bandwidths)
+        report["machine"]["read_bandwidth_samples"] = bandwidths
     for row in rows:
         if row["status"] == "ok":
             _summarize_row(row, report["machine"].get("read_bandwidth_bytes_s"))
