@@ -7,7 +7,7 @@
 Runs :func:`infer.bench.run_benchmark` on SmolLM2-135M (GGUF Q4_1) and
 Gemma3-270M (GGUF Q4_K_M), both fetched by catalog alias, with infer as
 ``infer.load(path)`` picks it (the default), infer on every available
-backend, and the peers that are installed (llama.cpp, transformers float32
+backend, infer on numpy with float32 weights (``quantize="off"``), and the peers that are installed (llama.cpp, transformers float32
 and bfloat16, mlx-lm), ratios against llama.cpp. Writes
 ``benchmarks/results/latest.json`` (``{"reports": [one per model]}``) and
 ``latest.png``, and checks issue 7's targets (item 5) on them.
@@ -32,11 +32,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ("smollm2-135m", "gemma3-270m")
 #: infer's own backends (third-party plugins are measured when named with --backends).
 FIRST_PARTY = ("numpy", "torch", "mlx")
+FLOAT32_NUMPY = "infer numpy float32 weights"
 
 
 def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
     """infer's default, infer on each backend asked for (default: every
-    available first-party one, in its default dtype), then the peers."""
+    available first-party one, in its default dtype), infer on numpy with
+    float32 weights (``quantize="off"``, for the bandwidth bound), then the peers."""
     from infer.selection import list_backends
 
     specs = [bench.infer_engine(label="infer (default)")]
@@ -45,6 +47,8 @@ def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
     else:
         names = [b.strip() for b in backends.split(",") if b.strip()]
     specs += [bench.infer_engine(name) for name in names]
+    # The bandwidth-bound target is about float32 weights: GGUF weights dequantized at load.
+    specs.append(bench.infer_engine("numpy:cpu", "float32", quantize="off", label=FLOAT32_NUMPY))
     return specs + bench.parse_peers(peers)
 
 
@@ -62,7 +66,7 @@ def targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
 
     for report in suite["reports"]:
         name = report["model"]["reference"]
-        default, numpy = _row(report, "infer (default)"), _row(report, "infer numpy:cpu")
+        default, numpy = _row(report, "infer (default)"), _row(report, FLOAT32_NUMPY)
         hf32 = _row(report, "transformers float32")
         if name == "smollm2-135m" and default is not None:
             r, m = default.get("ratios") or {}, default["median"]

@@ -90,16 +90,18 @@ class EngineSpec:
 
 
 def infer_engine(backend: str | None = None, dtype: str | None = None, quantize: str | None = None,
-                 label: str | None = None) -> EngineSpec:
-    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=])``
-    (``quantize`` is passed only when given)."""
+                 label: str | None = None, compile: bool = False) -> EngineSpec:
+    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=][, compile=True])``
+    (``quantize`` and ``compile`` are passed only when given)."""
     parts = ["infer", backend or "default"]
     if dtype:
         parts.append(dtype)
     if quantize:
-        parts.append(quantize)
+        parts.append(f"quantize={quantize}")
+    if compile:
+        parts.append("compiled")
     return EngineSpec("infer", label or " ".join(parts),
-                      {"backend": backend, "dtype": dtype, "quantize": quantize})
+                      {"backend": backend, "dtype": dtype, "quantize": quantize, "compile": compile})
 
 
 def peer_engine(kind: str, dtype: str | None = None, label: str | None = None) -> EngineSpec:
@@ -250,14 +252,21 @@ def _check_infer(spec: EngineSpec) -> str | None:
     from infer.selection import list_backends, select_backend
 
     backend, dtype = spec.options.get("backend"), spec.options.get("dtype")
-    if spec.options.get("quantize") is not None:
-        import inspect
+    import inspect
 
-        import infer
+    import infer
+    from infer import loading
 
-        if "quantize" not in inspect.signature(infer.load).parameters:
-            raise BenchmarkError(f"this infer's load() has no quantize option (asked for "
-                                 f"quantize={spec.options['quantize']!r} for {spec.label!r})")
+    for option in ("quantize", "compile"):
+        if spec.options.get(option) and option not in inspect.signature(infer.load).parameters:
+            raise BenchmarkError(f"this infer's load() has no {option} option (asked for "
+                                 f"{option}={spec.options[option]!r} for {spec.label!r})")
+    check_quantize = getattr(loading, "_check_quantize", None)
+    if spec.options.get("quantize") is not None and check_quantize is not None:
+        try:
+            check_quantize(spec.options["quantize"])
+        except InferError as exc:
+            raise BenchmarkError(f"{spec.label}: {exc}") from exc
     if backend is not None:
         name, _, device = backend.partition(":")
         known = list_backends()

@@ -177,6 +177,8 @@ def _infer(spec: dict[str, Any]) -> Loaded:
         kwargs: dict[str, Any] = {"backend": backend}
         if options.get("quantize") is not None:
             kwargs["quantize"] = options["quantize"]
+        if options.get("compile"):
+            kwargs["compile"] = True
         model = infer.load(spec["model_path"], **kwargs)
         backend.prepare_weight = original  # type: ignore[method-assign]
         # An untied input embedding is read one row per token; a tied one is the output head.

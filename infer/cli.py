@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from infer import bench, bench_report
 
     backends = [b.strip() for item in args.backend or [] for b in item.split(",") if b.strip()] or [None]
-    engines = [bench.infer_engine(b, args.dtype, args.quantize) for b in backends]
+    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile) for b in backends]
     engines += bench.parse_peers(args.peers)
     config = bench.BenchConfig(repeats=args.repeats, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                warmup_tokens=args.warmup_tokens, threads=args.threads,
@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", action="append", default=None,
                    help="infer backend to measure (repeatable or comma-separated; default: the one infer.load picks)")
     b.add_argument("--dtype", default=None, help="compute dtype of infer's backends (default: each backend's)")
-    b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...), e.g. q8 or q4")
+    b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...): q8, q4 or off")
+    b.add_argument("--compile", action="store_true", help="passed to infer.load(compile=True): graph capture")
     b.add_argument("--peers", default="all", help="peers to measure too: all (default), none, or a comma-separated "
                    "list of llama.cpp, transformers[:DTYPE], mlx-lm; those not installed are skipped")
     b.add_argument("--baseline", default="llama.cpp", help="engine label or kind the ratios are against, or none "

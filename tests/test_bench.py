@@ -107,11 +107,21 @@ def test_infer_engine_options_are_checked_before_anything_runs(tiny: Path) -> No
     assert bench.unavailable_reason(bench.infer_engine("numpy"), tiny) is None
 
 
-@pytest.mark.skipif("quantize" in inspect.signature(infer.load).parameters,
-                    reason="this infer.load takes quantize")
-def test_quantize_without_support_in_load_is_a_typed_error(tiny: Path) -> None:
-    with pytest.raises(BenchmarkError, match="no quantize option"):
-        bench.unavailable_reason(bench.infer_engine("numpy", quantize="q4"), tiny)
+def test_quantize_is_checked_and_passed_to_load(tiny: Path, tmp_path: Path) -> None:
+    if "quantize" not in inspect.signature(infer.load).parameters:
+        with pytest.raises(BenchmarkError, match="no quantize option"):
+            bench.unavailable_reason(bench.infer_engine("numpy", quantize="q4"), tiny)
+        return
+    with pytest.raises(BenchmarkError, match="q3"):
+        bench.unavailable_reason(bench.infer_engine("numpy", quantize="q3"), tiny)
+    out = tmp_path / "r.json"
+    assert main(["bench", str(tiny), "--backend", "numpy", "--quantize", "q8", "--peers", "none", "--repeats", "1",
+                 "--prompt-tokens", "8", "--new-tokens", "4", "--warmup-tokens", "0", "--no-bandwidth", "--no-plot",
+                 "-o", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["engines"]
+    assert row["status"] == "ok" and row["options"]["quantize"] == "q8"
+    assert row["label"] == "infer numpy quantize=q8"
+    assert 0 < row["info"]["weight_bytes_per_token"]
 
 
 # -- peers ----------------------------------------------------------------------------------
@@ -272,6 +282,7 @@ def test_infer_bench_with_transformers_as_the_baseline(tiny: Path, tmp_path: Pat
     (["--backend", "nosuch"], "unknown backend 'nosuch'"),
     (["--peers", "vllm"], "unknown peer 'vllm'"),
     (["--new-tokens", "1"], "new_tokens must be at least 2"),
+    (["--quantize", "q3"], "q3"),
 ])
 def test_bad_bench_options_exit_1_with_the_reason(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   extra: list[str], message: str) -> None:
@@ -297,7 +308,7 @@ def test_run_script_checks_the_issue_targets() -> None:
 
     smol = {"model": {"reference": "smollm2-135m", "bytes": 100}, "engines": [
         row("infer (default)", 150, 500, 0.5, 120, ratios={"decode_tok_s": 1.5, "prefill_tok_s": 1.8}),
-        row("infer numpy:cpu", 40, 300, 1.0, 600, bound_fraction=0.8),
+        row(run.FLOAT32_NUMPY, 40, 300, 1.0, 600, bound_fraction=0.8),
         row("transformers float32", 18, 580, 16, 900)]}
     gemma = {"model": {"reference": "gemma3-270m", "bytes": 250}, "engines": [
         row("infer (default)", 60, 500, 0.5, 300, ratios={"decode_tok_s": 0.9})]}
