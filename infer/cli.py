@@ -5,6 +5,7 @@
     infer backends
     infer doctor
     infer diff MODEL --backends A,B [--prompt TEXT]
+    infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
@@ -174,6 +175,36 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from infer import bench, bench_report
+
+    backends = [b.strip() for item in args.backend or [] for b in item.split(",") if b.strip()] or [None]
+    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile) for b in backends]
+    engines += bench.parse_peers(args.peers)
+    config = bench.BenchConfig(repeats=args.repeats, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                               warmup_tokens=args.warmup_tokens, threads=args.threads,
+                               baseline=None if args.baseline == "none" else args.baseline,
+                               bandwidth=not args.no_bandwidth, timeout_s=args.timeout)
+    report = bench.run_benchmark(args.model, engines, config, hf_folder=args.hf)
+    out = bench.write_json(report, args.output)
+    print(f"Measured {bench_report.machine_line(report)}\n")
+    print(bench_report.markdown_table([report]))
+    if report.get("baseline_note"):
+        print(f"\n{report['baseline_note']}")
+    print(f"\nreport: {out}", file=sys.stderr)
+    if not args.no_plot:
+        image = bench_report.plot([report], args.plot or out.with_suffix(".png"))
+        if image is not None:
+            print(f"plot: {image}", file=sys.stderr)
+    failed = [e for e in report["engines"] if e["status"] == "failed"]
+    for e in failed:
+        print(f"infer: error: {e['label']} failed: {e['reason']}", file=sys.stderr)
+    if not any(e["status"] == "ok" for e in report["engines"]):
+        print("infer: error: no engine could be measured", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="Run language models on pluggable backends.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv for debug)")
@@ -201,6 +232,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tolerance", type=float, default=1e-3, help="relative error that counts as divergence")
     d.add_argument("--dtype", default=None, help="compute dtype of the backends")
     d.set_defaults(func=cmd_diff)
+    b = sub.add_parser("bench", help="measure speed and memory against llama.cpp, transformers and mlx-lm")
+    b.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
+    b.add_argument("--backend", action="append", default=None,
+                   help="infer backend to measure (repeatable or comma-separated; default: the one infer.load picks)")
+    b.add_argument("--dtype", default=None, help="compute dtype of infer's backends (default: each backend's)")
+    b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...): q8, q4 or off")
+    b.add_argument("--compile", action="store_true", help="passed to infer.load(compile=True): graph capture")
+    b.add_argument("--peers", default="all", help="peers to measure too: all (default), none, or a comma-separated "
+                   "list of llama.cpp, transformers[:DTYPE], mlx-lm; those not installed are skipped")
+    b.add_argument("--baseline", default="llama.cpp", help="engine label or kind the ratios are against, or none "
+                   "(default: llama.cpp)")
+    b.add_argument("--repeats", type=int, default=3, help="repeats; figures are medians (default 3)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens (default 128)")
+    b.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    b.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up run (default 16; 0: none)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads of every engine (default: all cores)")
+    b.add_argument("--hf", default=None, help="Hugging Face folder of the same model for mlx-lm (default: made "
+                   "from the GGUF file with transformers, once)")
+    b.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine process may take")
+    b.add_argument("--no-bandwidth", action="store_true", help="skip measuring memory bandwidth and decode bounds")
+    b.add_argument("-o", "--output", default="infer-bench.json", help="JSON report (default: infer-bench.json)")
+    b.add_argument("--plot", default=None, help="PNG plot (default: the report's name with .png; needs matplotlib)")
+    b.add_argument("--no-plot", action="store_true", help="write no plot")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -110,3 +110,10 @@ class CacheConfigError(InferError, ValueError):
 
 class CacheFullError(GenerationError):
     """The KV cache cannot hold what a request needs."""
+
+
+# -- tools ---------------------------------------------------------------------
+
+
+class BenchmarkError(InferError, ValueError):
+    """A benchmark was configured inconsistently (options, engines, baseline)."""

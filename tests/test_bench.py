@@ -1,0 +1,322 @@
+"""The benchmark harness (infer/bench.py, infer bench): statistics, report
+schema, skipped peers, the CLI on a tiny model. No speed is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import infer
+from infer import bench, bench_report, bench_worker
+from infer.cli import main
+from infer.errors import BenchmarkError
+from reference import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return tiny_model_dir("smollm2_like")
+
+
+# -- statistics ------------------------------------------------------------------------
+
+
+def test_median_ignores_missing_values() -> None:
+    assert bench.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert bench.median([4.0, 1.0]) == 2.5
+    assert bench.median([None, None]) is None
+    assert bench.median([]) is None
+
+
+def test_summarize_takes_the_median_of_each_metric() -> None:
+    runs = [{"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "load_s": 1.0},
+            {"decode_tok_s": 30.0, "prefill_tok_s": None, "load_s": 3.0},
+            {"decode_tok_s": 20.0, "prefill_tok_s": 300.0, "load_s": 2.0}]
+    summary = bench.summarize(runs)
+    assert summary["decode_tok_s"] == 20.0
+    assert summary["prefill_tok_s"] == 200.0
+    assert summary["load_s"] == 2.0
+    assert summary["ttft_s"] is None  # no run has it
+    assert set(summary) == set(bench.METRICS)
+
+
+def test_ratios_divide_by_the_baseline_and_skip_missing_or_zero() -> None:
+    r = bench.ratios({"decode_tok_s": 30.0, "prefill_tok_s": 5.0, "load_s": None, "ttft_s": 1.0},
+                     {"decode_tok_s": 20.0, "prefill_tok_s": 0.0, "load_s": 1.0, "ttft_s": 4.0})
+    assert r["decode_tok_s"] == pytest.approx(1.5)
+    assert r["ttft_s"] == pytest.approx(0.25)
+    assert r["prefill_tok_s"] is None and r["load_s"] is None and r["peak_rss_bytes"] is None
+
+
+def test_time_generation_counts_decode_after_the_first_token() -> None:
+    figures = bench_worker.time_generation(iter(range(100)), prompt_tokens=8, new_tokens=5)
+    assert figures["tokens"] == [0, 1, 2, 3, 4] and figures["new_tokens"] == 5
+    assert figures["ttft_s"] >= 0 and figures["decode_s"] >= 0
+    one = bench_worker.time_generation(iter([7]), prompt_tokens=8, new_tokens=5)
+    assert one["tokens"] == [7] and one["decode_tok_s"] is None
+
+
+def test_peak_memory_is_measured_above_the_baseline() -> None:
+    memory = bench_worker.PeakMemory()
+    block = bytearray(32 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    assert memory.baseline > 0
+    assert memory.peak_above_baseline() >= (16 * 2**20 if memory.method.startswith("VmHWM") else 0)
+    del block
+
+
+# -- options ----------------------------------------------------------------------------
+
+
+def test_parse_peers() -> None:
+    assert [e.label for e in bench.parse_peers("all")] == [
+        "llama.cpp", "transformers float32", "transformers bfloat16", "mlx-lm"]
+    assert bench.parse_peers("none") == []
+    assert [e.label for e in bench.parse_peers("transformers")] == ["transformers float32", "transformers bfloat16"]
+    assert [e.label for e in bench.parse_peers("llama.cpp, transformers:bfloat16")] == [
+        "llama.cpp", "transformers bfloat16"]
+    with pytest.raises(BenchmarkError, match="unknown peer 'vllm'"):
+        bench.parse_peers("vllm")
+    with pytest.raises(BenchmarkError, match="float32, bfloat16 or float16"):
+        bench.parse_peers("transformers:int3")
+    with pytest.raises(BenchmarkError, match="takes no dtype"):
+        bench.parse_peers("llama.cpp:float32")
+
+
+@pytest.mark.parametrize("field, value", [("repeats", 0), ("prompt_tokens", -1), ("new_tokens", 1),
+                                          ("warmup_tokens", -2), ("threads", 0), ("repeats", 1.5)])
+def test_bad_config_is_a_typed_error(field: str, value: Any) -> None:
+    config = bench.BenchConfig(**{field: value})
+    with pytest.raises(BenchmarkError, match=field):
+        config.check()
+
+
+def test_infer_engine_options_are_checked_before_anything_runs(tiny: Path) -> None:
+    with pytest.raises(BenchmarkError, match="unknown backend 'nosuch'"):
+        bench.unavailable_reason(bench.infer_engine("nosuch"), tiny)
+    with pytest.raises(BenchmarkError, match="int3"):
+        bench.unavailable_reason(bench.infer_engine("numpy", dtype="int3"), tiny)
+    assert bench.unavailable_reason(bench.infer_engine("numpy"), tiny) is None
+
+
+def test_quantize_is_checked_and_passed_to_load(tiny: Path, tmp_path: Path) -> None:
+    if "quantize" not in inspect.signature(infer.load).parameters:
+        with pytest.raises(BenchmarkError, match="no quantize option"):
+            bench.unavailable_reason(bench.infer_engine("numpy", quantize="q4"), tiny)
+        return
+    with pytest.raises(BenchmarkError, match="q3"):
+        bench.unavailable_reason(bench.infer_engine("numpy", quantize="q3"), tiny)
+    out = tmp_path / "r.json"
+    assert main(["bench", str(tiny), "--backend", "numpy", "--quantize", "q8", "--peers", "none", "--repeats", "1",
+                 "--prompt-tokens", "8", "--new-tokens", "4", "--warmup-tokens", "0", "--no-bandwidth", "--no-plot",
+                 "-o", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["engines"]
+    assert row["status"] == "ok" and row["options"]["quantize"] == "q8"
+    assert row["label"] == "infer numpy quantize=q8"
+    assert 0 < row["info"]["weight_bytes_per_token"]
+
+
+# -- peers ----------------------------------------------------------------------------------
+
+
+def test_peers_that_are_not_installed_are_skipped_with_the_reason(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llama_cpp", "mlx_lm") else real(name, *a))
+    engines = [bench.peer_engine("llama.cpp"), bench.peer_engine("mlx-lm")]
+    report = bench.run_benchmark(tiny, engines, bench.BenchConfig(repeats=1, bandwidth=False))
+    rows = {e["label"]: e for e in report["engines"]}
+    assert rows["llama.cpp"]["status"] == "skipped"
+    assert "llama-cpp-python is not installed" in rows["llama.cpp"]["reason"]
+    assert "mlx-lm is not installed" in rows["mlx-lm"]["reason"]
+    assert all(e["processes"] == [] for e in report["engines"])
+    assert report["baseline"] is None and "llama.cpp" in report["baseline_note"]
+    json.dumps(report)  # JSON-ready
+
+
+def test_llama_cpp_needs_a_gguf_file(tiny: Path) -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    reason = bench.unavailable_reason(bench.peer_engine("llama.cpp"), tiny)
+    assert reason is not None and "reads only gguf" in reason
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def _fake_process(figures: dict[str, dict[str, list[float]]]):
+    """A stand-in for one engine process: the next of the given figures, per label."""
+    calls: dict[str, int] = {}
+
+    def run(spec: bench.EngineSpec, job: dict[str, Any], threads: int, timeout_s: float) -> dict[str, Any]:
+        i = calls.setdefault(spec.label, 0)
+        calls[spec.label] += 1
+        f = {k: v[i] for k, v in figures[spec.label].items()}
+        if f.get("error"):
+            return {"error": "boom"}
+        return {"import_s": 0.1, "load_s": f["load_s"], "peak_rss_bytes": 1000, "baseline_rss_bytes": 5,
+                "rss_method": "test", "info": {"weight_bytes_per_token": 1e9},
+                "runs": [{"ttft_s": 0.5, "prefill_tok_s": f["prefill"], "decode_tok_s": f["decode"],
+                          "decode_s": 1.0, "new_tokens": 4, "tokens": [1, 2, 3, 4]}]}
+
+    return run, calls
+
+
+def test_report_medians_ratios_order_and_bound(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = {"infer numpy": {"decode": [30.0, 10.0, 20.0], "prefill": [300.0, 100.0, 200.0],
+                               "load_s": [0.2, 0.1, 0.3]},
+               "other": {"decode": [10.0, 10.0, 12.0], "prefill": [50.0, 50.0, 40.0], "load_s": [1.0, 1.0, 1.0]},
+               "broken": {"error": [True, True, True]}}
+    fake, calls = _fake_process(figures)
+    order: list[str] = []
+    monkeypatch.setattr(bench, "_run_process", lambda spec, *a: (order.append(spec.label), fake(spec, *a))[1])
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda **kw: 25e9)
+    engines = [bench.infer_engine("numpy"), bench.infer_engine("numpy", label="other"),
+               bench.infer_engine("numpy", label="broken")]
+    report = bench.run_benchmark(tiny, engines, bench.BenchConfig(repeats=3, baseline="other"))
+    assert report["schema"] == bench.SCHEMA
+    for key in ("date", "machine", "model", "settings", "engines", "baseline"):
+        assert key in report
+    for key in ("cpu", "cores", "ram_bytes", "versions", "read_bandwidth_bytes_s"):
+        assert key in report["machine"]
+    assert report["machine"]["versions"]["infer-engine"] == infer.__version__
+    assert report["settings"]["prompt_tokens"] == 128 and report["settings"]["repeats"] == 3
+    # engines take turns, in an order rotated every repeat
+    assert order == ["infer numpy", "other", "broken", "other", "broken", "infer numpy",
+                     "broken", "infer numpy", "other"]
+    rows = {e["label"]: e for e in report["engines"]}
+    mine = rows["infer numpy"]
+    assert mine["median"]["decode_tok_s"] == 20.0 and mine["median"]["prefill_tok_s"] == 200.0
+    assert mine["median"]["load_s"] == 0.2
+    assert mine["ratios"]["decode_tok_s"] == pytest.approx(2.0)
+    assert mine["ratios"]["prefill_tok_s"] == pytest.approx(4.0)
+    assert mine["decode_bound_tok_s"] == pytest.approx(25.0)
+    assert mine["bound_fraction"] == pytest.approx(0.8)
+    assert mine["tokens"] == [1, 2, 3, 4] and mine["tokens_agreeing_with_baseline"] == 4
+    assert report["baseline"] == "other" and rows["other"]["ratios"]["decode_tok_s"] == 1.0
+    assert rows["broken"]["status"] == "failed" and rows["broken"]["reason"] == "boom"
+    table = bench_report.markdown_table([report])
+    assert "| infer numpy |" in table
+    assert "2.00×" in table and "failed: boom" in table
+
+
+def test_duplicate_labels_and_no_engines_are_errors(tiny: Path) -> None:
+    with pytest.raises(BenchmarkError, match="distinct"):
+        bench.run_benchmark(tiny, [bench.infer_engine("numpy"), bench.infer_engine("numpy")])
+    with pytest.raises(BenchmarkError, match="no engines"):
+        bench.run_benchmark(tiny, [])
+
+
+def test_marked_block_is_replaced(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# T\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\nafter\n")
+    bench_report.update_marked_block(page, "new | table")
+    assert page.read_text() == "# T\n\n<!-- bench:begin -->\nnew | table\n<!-- bench:end -->\n\nafter\n"
+    with pytest.raises(BenchmarkError, match="exactly one"):
+        bench_report.update_marked_block(page, "x", name="batching")
+
+
+def test_the_docs_hold_the_blocks_the_scripts_rewrite() -> None:
+    for page, names in ((ROOT / "docs" / "performance.md", ("bench", "batching")), (ROOT / "README.md", ("bench",))):
+        text = page.read_text()
+        for name in names:
+            begin, end = bench_report.markers(name)
+            assert text.count(begin) == 1 and text.count(end) == 1, (page, name)
+
+
+def test_no_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench_report.plot([{}], tmp_path / "x.png") is None
+    assert "matplotlib is not installed" in caplog.text
+    assert not (tmp_path / "x.png").exists()
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_infer_bench_on_a_tiny_model_writes_a_valid_report(tiny: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    args = ["bench", str(tiny), "--backend", "numpy", "--peers", "none", "--repeats", "1", "--prompt-tokens", "8",
+            "--new-tokens", "4", "--warmup-tokens", "2", "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["schema"] == bench.SCHEMA and report["settings"]["new_tokens"] == 4
+    (row,) = report["engines"]
+    assert row["status"] == "ok", row
+    assert row["info"]["backend"] == "numpy/cpu" and row["info"]["weight_bytes_per_token"] > 0
+    assert len(row["processes"]) == 1 and len(row["tokens"]) == 4
+    for metric in bench.METRICS:
+        assert row["median"][metric] is not None and row["median"][metric] >= 0, metric
+    assert row["decode_bound_tok_s"] > 0
+    assert "infer numpy" in capsys.readouterr().out
+    assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_infer_bench_with_transformers_as_the_baseline(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", str(tiny), "--backend", "numpy", "--peers", "transformers:float32", "--baseline",
+                 "transformers", "--repeats", "1", "--prompt-tokens", "8", "--new-tokens", "4", "--no-bandwidth",
+                 "--no-plot", "-o", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {e["label"]: e for e in report["engines"]}
+    assert report["baseline"] == "transformers float32"
+    assert rows["transformers float32"]["status"] == "ok", rows["transformers float32"]
+    # same greedy tokens from the same prompt ids (the tiny models have wide logit gaps)
+    assert rows["infer numpy"]["tokens_agreeing_with_baseline"] == 4
+    assert rows["infer numpy"]["ratios"]["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--repeats", "0"], "repeats must be a positive integer"),
+    (["--backend", "nosuch"], "unknown backend 'nosuch'"),
+    (["--peers", "vllm"], "unknown peer 'vllm'"),
+    (["--new-tokens", "1"], "new_tokens must be at least 2"),
+    (["--quantize", "q3"], "q3"),
+])
+def test_bad_bench_options_exit_1_with_the_reason(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  extra: list[str], message: str) -> None:
+    assert main(["bench", str(tiny), "--no-bandwidth", "-o", str(tmp_path / "r.json")] + extra) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("infer: error: ") and message in err and "Traceback" not in err
+
+
+def test_bench_on_a_missing_model_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "r.json")]) == 1
+    assert "no model at" in capsys.readouterr().err
+
+
+def test_run_script_checks_the_issue_targets() -> None:
+    spec = importlib.util.spec_from_file_location("bench_run_script", ROOT / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    def row(label: str, decode: float, prefill: float, load: float, rss: float, **extra: Any) -> dict[str, Any]:
+        return dict({"label": label, "status": "ok", "info": {"dtype": "float32"},
+                     "median": {"decode_tok_s": decode, "prefill_tok_s": prefill, "load_s": load,
+                                "peak_rss_bytes": rss, "ttft_s": 0.1}}, **extra)
+
+    smol = {"model": {"reference": "smollm2-135m", "bytes": 100}, "engines": [
+        row("infer (default)", 150, 500, 0.5, 120, ratios={"decode_tok_s": 1.5, "prefill_tok_s": 1.8}),
+        row(run.FLOAT32_NUMPY, 40, 300, 1.0, 600, bound_fraction=0.8),
+        row("transformers float32", 18, 580, 16, 900)]}
+    gemma = {"model": {"reference": "gemma3-270m", "bytes": 250}, "engines": [
+        row("infer (default)", 60, 500, 0.5, 300, ratios={"decode_tok_s": 0.9})]}
+    found = {(t["model"], t["target"]): t for t in run.targets({"reports": [smol, gemma]})}
+    assert found[("smollm2-135m", "decode ≥ 1.25× llama.cpp")]["met"] is True
+    assert found[("smollm2-135m", "prefill ≥ 2× llama.cpp")]["met"] is False
+    assert found[("smollm2-135m", "load ≤ 1 s")]["met"] is True
+    assert found[("smollm2-135m", "peak RSS above imports ≤ 1.3× the GGUF file")]["measured"] == pytest.approx(1.2)
+    assert found[("smollm2-135m", "numpy float32 decode ≥ 2× transformers float32")]["measured"] == pytest.approx(40 / 18)
+    assert found[("gemma3-270m", "decode ≥ 1.0× llama.cpp")]["met"] is False
+    assert "| smollm2-135m | load ≤ 1 s | 0.50 | yes |" in run.format_targets(list(found.values()))
