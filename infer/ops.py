@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 0)
+API_VERSION: tuple[int, int] = (1, 1)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
