@@ -27,6 +27,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="catalog alias (smollm2-135m, gemma3-270m), model folder, .gguf file, or org/name")
     p.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda (default: best available)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    p.add_argument("--quantize", default=None,
+                   help="q8 or q4: quantize float weights on load; off: dequantize everything (see docs/quantization.md)")
+    p.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs (torch, MLX)")
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=None, help="most new tokens")
     g.add_argument("-t", "--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
@@ -37,18 +40,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    g.add_argument("--speculative", default=None, choices=("ngram", "mtp"),
+                   help="speculative decoding with n-gram prompt lookup or the model's MTP modules")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft tokens per step")
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _load(args: argparse.Namespace) -> Any:
     import infer
 
-    return infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet)
+    return infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
+                      quantize=args.quantize, compile=args.compile)
 
 
 def _write_stream(chunks: Iterator[str]) -> str:

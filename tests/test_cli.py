@@ -39,6 +39,22 @@ def test_run_passes_sampling_flags(path: Path, capsys: pytest.CaptureFixture[str
     assert first == want + "\n"
 
 
+def test_run_passes_load_and_speculation_flags(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--quantize and --compile reach infer.load; --speculative gives the
+    same greedy text (speculation is exact); bad values exit 1 with a message."""
+    args = ["-q", "run", str(path), PROMPT, "-n", "10", "--ignore-eos", "--backend", "numpy"]
+    assert main(args + ["--speculative", "ngram", "-k", "3"]) == 0
+    want = infer.load(path, backend="numpy").generate(PROMPT, max_tokens=10, ignore_eos=True)
+    assert capsys.readouterr().out == want + "\n"
+    assert main(args + ["--quantize", "q8", "--compile"]) == 0
+    quantized = infer.load(path, backend="numpy", quantize="q8").generate(PROMPT, max_tokens=10, ignore_eos=True)
+    assert capsys.readouterr().out == quantized + "\n"
+    assert main(args + ["--quantize", "q3"]) == 1
+    assert "q3" in capsys.readouterr().err
+    assert main(args + ["--speculative", "mtp"]) == 1
+    assert "ships none" in capsys.readouterr().err
+
+
 def test_chat_keeps_the_conversation(path: Path, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello!\nAnd then?\n"))
