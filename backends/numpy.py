@@ -26,7 +26,7 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
 from infer.quantize import SCHEME_BITS, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
 
@@ -371,13 +371,7 @@ class NumpyBackend(Backend):
         each kv head's keys in one strided array, so a copy of the
         sequence's blocks is the price on the CPU; a GPU kernel would read
         the pages in place."""
-        block_size = k_pool.shape[1]
-        used = -(-context_len // block_size)  # the table may hold blocks past context_len
-        if used > len(block_table):
-            raise IndexError(
-                f"paged_attention: {context_len} keys need {used} blocks; the table has {len(block_table)}"
-            )
-        table = np.asarray(block_table)[:used]
+        table = np.asarray(block_table)[:blocks_holding(context_len, k_pool.shape[1], len(block_table))]
         k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
         v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)

@@ -38,7 +38,7 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.hookspecs import hookimpl
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
 from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
 from infer.registry import BackendSpec, Probe
 
@@ -435,13 +435,7 @@ class TorchBackend(Backend):
         the kernel, one thread block per (sequence, head, key partition),
         never materialising the gathered copy.
         """
-        block_size = k_pool.shape[1]
-        used = -(-context_len // block_size)  # the table may hold blocks past context_len
-        if used > block_table.shape[0]:
-            raise IndexError(
-                f"paged_attention: {context_len} keys need {used} blocks; the table has {block_table.shape[0]}"
-            )
-        table = self._index(block_table[:used])
+        table = self._index(block_table[:blocks_holding(context_len, k_pool.shape[1], block_table.shape[0])])
         k = k_pool.index_select(0, table).flatten(0, 1)[:context_len]
         v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)

@@ -500,9 +500,10 @@ class Backend(abc.ABC):
         Default: gather the blocks into contiguous arrays, then
         :meth:`attention`.
         """
-        blocks, block_size = self.shape(k_pool)[:2]
-        k = self.take(k_pool, block_table, axis=0)
-        v = self.take(v_pool, block_table, axis=0)
+        used = blocks_holding(context_len, self.shape(k_pool)[1], self.shape(block_table)[0])
+        table = self.slice(block_table, 0, 0, used)
+        k = self.take(k_pool, table, axis=0)
+        v = self.take(v_pool, table, axis=0)
         k = self.slice(self.reshape(k, (-1,) + tuple(self.shape(k_pool)[2:])), 0, 0, context_len)
         v = self.slice(self.reshape(v, (-1,) + tuple(self.shape(v_pool)[2:])), 0, 0, context_len)
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
@@ -546,6 +547,15 @@ class Backend(abc.ABC):
         return fn
 
 
+def blocks_holding(context_len: int, block_size: int, table_len: int) -> int:
+    """How many leading blocks of a block table hold ``context_len`` keys
+    (the table may list more); ``IndexError`` when it lists fewer."""
+    used = -(-context_len // block_size)
+    if used > table_len:
+        raise IndexError(f"paged_attention: {context_len} keys need {used} blocks; the table has {table_len}")
+    return used
+
+
 def is_float_dtype(dtype: str) -> bool:
     """True for the contract's float dtype names."""
     return dtype in FLOAT_DTYPES
@@ -553,5 +563,5 @@ def is_float_dtype(dtype: str) -> bool:
 
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
-    "FLOAT_DTYPES", "INT_DTYPES", "is_float_dtype",
+    "FLOAT_DTYPES", "INT_DTYPES", "blocks_holding", "is_float_dtype",
 ]
