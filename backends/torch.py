@@ -19,7 +19,9 @@ matrices can be kept as int4pack with float32 scales (exact), and float
 checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per output
 channel), when ``infer.load(..., quantize=...)`` asks for it; by default
 GGUF weights are dequantized, because torch's float32 int4pack kernel is
-slower than float32 BLAS here. Off the CPU nothing is kept quantized.
+slower than float32 BLAS here. On CUDA in bfloat16 the same is done with
+tinygemm's int4 kernel (bfloat16 scales) and, where this torch has it, the
+int8 one; on MPS nothing is kept quantized.
 
 Where the contract leaves precision open, this backend widens: norms,
 softmax, rope and the soft-capped attention path compute in float32 and
@@ -101,9 +103,14 @@ class TorchBackend(Backend):
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
         if device == "cpu":
             self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
+        elif device == "cuda" and self.compute_dtype == "bfloat16" and _cuda_int4_layout() is not None:
+            # tinygemm int4 (bfloat16 activations, scales and zero points); q8 only
+            # where this torch has a CUDA int8 kernel (probed once per process).
+            self.quantize_schemes = frozenset({"q4", "q8"} if _cuda_int8_works() else {"q4"})
         else:
-            # The CUDA int4/int8 kernels take other layouts and are untested here:
-            # no on-load quantization off the CPU (asking for it is an error).
+            # MPS, or CUDA in float32/float16 (tinygemm takes bfloat16 only), or a
+            # torch whose CUDA int4 kernel failed the probe: nothing kept quantized,
+            # and asking for on-load quantization is an error.
             self.native_ops = frozenset(NATIVE_OPS) - {"prepare_weight", "quantized_linear"}
             self.quantize_schemes = frozenset()
         self._float = _DTYPES[self.compute_dtype]
@@ -127,7 +134,7 @@ class TorchBackend(Backend):
                     return packed
             return self.from_numpy(tensor.dequantize())  # never quantized a second time
         host = np.asarray(tensor)
-        if (self.quantize in SCHEME_BITS and self._device.type == "cpu" and host.dtype.kind == "f"
+        if (self.quantize in self.quantize_schemes and host.dtype.kind == "f"
                 and host.ndim == 2 and host.shape[1] % 32 == 0
                 and (is_linear_weight(name, host.shape) or is_embedding(name))):
             packed = self._quantize_on_load(host, name)
@@ -138,21 +145,24 @@ class TorchBackend(Backend):
     def keeps_gguf(self) -> bool:
         """Whether GGUF Q4 weights stay quantized (int4pack) here.
 
-        Only on the CPU (the CUDA kernels ``_weight_int4pack_mm`` /
-        ``_convert_weight_to_int4pack`` take another packing and bfloat16
-        scales, and are untested here: not used). With float32 compute the
-        kernel takes float32 scales, which is what makes GGUF blocks exact,
-        but torch's float32 int4pack path is a slow generic loop (measured
-        ~40x slower than the float32 BLAS matrix-vector product on a 2-core
-        AVX-512 CPU), so it is used when ``quantize`` asks for quantized
-        compute (``"q4"``/``"q8"``), not by default."""
-        return self._device.type == "cpu" and self.quantize in SCHEME_BITS
+        On the CPU with float32 compute the kernel takes float32 scales, which
+        is what makes GGUF blocks exact, but torch's float32 int4pack path is
+        a slow generic loop (measured ~40x slower than the float32 BLAS
+        matrix-vector product on a 2-core AVX-512 CPU), so it is used when
+        ``quantize`` asks for quantized compute (``"q4"``/``"q8"``), not by
+        default. On CUDA the tinygemm kernel (``_weight_int4pack_mm``) takes
+        bfloat16 scales and zero points: GGUF's float16 scales are rounded to
+        bfloat16 (within the bfloat16 rounding the dequantized weights get
+        anyway in bfloat16 compute, but not bit-exact), also only when asked."""
+        return self.quantize in self.quantize_schemes
 
     def _int4pack(self, affine: AffineTensor, name: str) -> PackedWeight | None:
         """``affine`` as int4pack with float32 scales and zero points, or None
         when not exact. The kernel computes ``(code - 8) * scale + zero`` fused
         (checked in tests); with ``zero = bias + 8 * scale`` exact in float32
         that is ``scale * code + bias`` rounded once, as in the affine form."""
+        if self._device.type == "cuda":
+            return self._int4pack_cuda(affine, name)
         if affine.bits != 4 or affine.group != 32 or affine.shape[0] % 16:
             return None  # the CPU packing takes N (output rows) in multiples of 16
         scale = affine.scales.astype(np.float64)
@@ -165,6 +175,24 @@ class TorchBackend(Backend):
         sz = torch.from_numpy(np.stack([affine.scales.T, zero.astype(np.float32).T], axis=-1).copy())
         rows = affine if is_embedding(name) else None
         return PackedWeight(affine.shape, affine.qtype, "int4pack g32 f32", ("int4", packed, sz), rows)
+
+    def _int4pack_cuda(self, affine: AffineTensor, name: str) -> PackedWeight | None:
+        """``affine`` in tinygemm's layout: codes packed by
+        ``_convert_weight_to_int4pack`` and ``[K/32, N, 2]`` bfloat16 scales and
+        zero points (``zero = bias + 8 * scale``, rounded to bfloat16)."""
+        n, k = affine.shape
+        tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+        n_tile = 16 if torch.version.hip else 8  # the packed layout's output-row tile
+        if affine.bits != 4 or affine.group != 32 or n % n_tile or tiles is None:
+            log.debug("%s: %s does not fit tinygemm's int4 layout; kept in %s", name, affine.shape, self.compute_dtype)
+            return None
+        codes = torch.from_numpy(_nibbles(affine.codes(), _cuda_int4_layout())).to(self._device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(codes, tiles)
+        zero = affine.biases.astype(np.float64) + 8.0 * affine.scales.astype(np.float64)
+        sz = np.stack([affine.scales.T, zero.astype(np.float32).T], axis=-1)
+        sz = torch.from_numpy(np.ascontiguousarray(sz)).to(self._device, torch.bfloat16)
+        rows = affine if is_embedding(name) else None
+        return PackedWeight(affine.shape, affine.qtype, "int4 tinygemm g32 bf16", ("int4", packed, sz), rows)
 
     def _quantize_on_load(self, host: np.ndarray, name: str) -> PackedWeight | None:
         if self.quantize == "q4":
@@ -181,17 +209,23 @@ class TorchBackend(Backend):
         if is_embedding(name):
             rows = AffineTensor("q8", w.shape, 8, (codes.view(np.uint8) ^ np.uint8(0x80)), scale[:, None].copy(),
                                 (scale * np.float32(-128))[:, None].copy(), group=w.shape[1])
-        data = ("int8", torch.from_numpy(codes.copy()), torch.from_numpy(scale.astype(np.float32)))
+        scale_dtype = torch.float32 if self._device.type == "cpu" else torch.bfloat16
+        data = ("int8", torch.from_numpy(codes.copy()).to(self._device),
+                torch.from_numpy(scale.astype(np.float32)).to(self._device, scale_dtype))
         return PackedWeight(w.shape, "q8", "int8 per channel", data, rows)
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
-        """int4pack / int8 matmul in float32 (activations widened, result
-        rounded once to ``x``'s dtype)."""
+        """int4 / int8 matmul: in float32 on the CPU (activations widened,
+        result rounded once to ``x``'s dtype), in bfloat16 on CUDA (the
+        kernels' only activation dtype there)."""
         kind, w, s = weight.data
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        if kind == "int4":
+        wide = torch.float32 if self._device.type == "cpu" else torch.bfloat16
+        x2 = x.reshape(-1, x.shape[-1]).to(wide)
+        if kind == "int4" and self._device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, 32, s)
+        elif kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm(x2, w, 32, s)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, w, s)
         if bias is not None:
@@ -543,6 +577,78 @@ class TorchBackend(Backend):
         return out.reshape(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)
 
 
+# -- CUDA quantized kernels -------------------------------------------------------------
+#
+# torch's CUDA int4 kernel (tinygemm) is a private op whose input packing has
+# changed between releases (int32 codes before 2.5, two codes per uint8 since).
+# Rather than trust a version table, each process checks once, on a small
+# random matrix, which packing reproduces ``(code - 8) * scale + zero``; if
+# none does, int4 is not offered on CUDA and the load says so.
+
+#: Nibble orders tried: the even column in the high nibble (torch >= 2.5, as
+#: torchao packs), or in the low one.
+_INT4_LAYOUTS = ("even-high", "even-low")
+
+
+def _nibbles(codes: np.ndarray, layout: str | None) -> np.ndarray:
+    """uint8 codes ``[N, K]`` (0..15) as ``[N, K/2]`` bytes, two per byte."""
+    even, odd = codes[:, 0::2].astype(np.uint8), codes[:, 1::2].astype(np.uint8)
+    return (even << 4 | odd) if layout == "even-high" else (odd << 4 | even)
+
+
+_CUDA_INT4: list[str | None] = []
+
+
+def _cuda_int4_layout() -> str | None:
+    """The packing under which this torch's CUDA int4 kernel computes
+    ``(code - 8) * scale + zero`` (None: no working kernel). Probed once."""
+    if not _CUDA_INT4:
+        _CUDA_INT4.append(_probe_cuda_int4())
+    return _CUDA_INT4[0]
+
+
+def _probe_cuda_int4() -> str | None:
+    rng = np.random.default_rng(0)
+    n, k = 64, 256
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    sz = torch.randn(k // 32, n, 2, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    scale, zero = sz[..., 0].float().repeat_interleave(32, 0), sz[..., 1].float().repeat_interleave(32, 0)
+    want = (torch.from_numpy(codes.T.astype(np.float32)) - 8) * scale + zero  # [K, N] = W^T
+    eye = torch.eye(k, dtype=torch.bfloat16, device="cuda")
+    for layout in _INT4_LAYOUTS:
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack(torch.from_numpy(_nibbles(codes, layout)).cuda(), 2)
+            got = torch.ops.aten._weight_int4pack_mm(eye, packed, 32, sz.cuda()).float().cpu()
+        except Exception as exc:  # a missing or changed private op: not offered, never a crash
+            log.info("torch/cuda: no int4 kernel (%s: %s); int4 weights not offered", type(exc).__name__, exc)
+            return None
+        if torch.allclose(got, want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2):
+            log.debug("torch/cuda int4 kernel: codes packed %s", layout)
+            return layout
+    log.info("torch/cuda: the int4 kernel matched no known packing; int4 weights not offered")
+    return None
+
+
+_CUDA_INT8: list[bool] = []
+
+
+def _cuda_int8_works() -> bool:
+    """Whether ``_weight_int8pack_mm`` runs on CUDA with bfloat16 and computes
+    ``x @ (codes * scale).T`` (probed once)."""
+    if not _CUDA_INT8:
+        ok = False
+        try:
+            w = torch.randint(-127, 128, (16, 64), dtype=torch.int8, device="cuda")
+            s = torch.rand(16, device="cuda").to(torch.bfloat16)
+            x = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
+            got = torch.ops.aten._weight_int8pack_mm(x, w, s).float()
+            ok = bool(torch.allclose(got, x.float() @ (w.float() * s.float()[:, None]).T, rtol=2e-2, atol=1e-1))
+        except Exception as exc:
+            log.info("torch/cuda: no int8 kernel (%s: %s); q8 not offered", type(exc).__name__, exc)
+        _CUDA_INT8.append(ok)
+    return _CUDA_INT8[0]
+
+
 def _bf16_up(x: np.ndarray) -> np.ndarray:
     """float32 -> a bfloat16 value >= x (rounded up), kept as float32: a scale
     that never lets a code overflow its range."""
@@ -571,7 +677,9 @@ def _probe(device: str) -> Probe:
         _import_torch()
     except Exception as exc:  # a broken install is a reason, not a crash
         return Probe(0, f"torch failed to import: {type(exc).__name__}: {exc}")
-    off_cpu = {"prepare_weight", "quantized_linear"}  # see TorchBackend.__init__
+    # Off the CPU the quantized ops depend on the dtype and a kernel probe
+    # (see TorchBackend.__init__); the listing names what every dtype has.
+    off_cpu = {"prepare_weight", "quantized_linear"}
     native = tuple(sorted(set(NATIVE_OPS) - ({"synchronize"} if device == "cpu" else off_cpu)))
     try:
         if device == "cuda":

@@ -29,12 +29,14 @@ The library never prints: progress goes to the ``infer.bench`` logger.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import importlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infer.bench_machine import dist_version, machine_info, measure_read_bandwidth
+from infer.bench_machine import dist_version, gpu_info, machine_info, measure_gpu_read_bandwidth, measure_read_bandwidth
 from infer.errors import BenchmarkError, InferError
 
 log = logging.getLogger(__name__)
@@ -104,17 +106,23 @@ def infer_engine(backend: str | None = None, dtype: str | None = None, quantize:
                       {"backend": backend, "dtype": dtype, "quantize": quantize, "compile": compile})
 
 
-def peer_engine(kind: str, dtype: str | None = None, label: str | None = None) -> EngineSpec:
-    """A peer library; ``dtype`` applies to transformers (float32 by default)."""
+def peer_engine(kind: str, dtype: str | None = None, label: str | None = None,
+                device: str | None = None) -> EngineSpec:
+    """A peer library; ``dtype`` and ``device`` (``"cpu"`` or ``"cuda"``, the
+    CPU by default) apply to transformers (float32 by default)."""
     if kind not in PEERS:
         raise BenchmarkError(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
     if kind == "transformers":
         dtype = dtype or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise BenchmarkError(f"transformers dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    elif dtype is not None:
-        raise BenchmarkError(f"peer {kind!r} takes no dtype (got {dtype!r})")
-    return EngineSpec(kind, label or (f"{kind} {dtype}" if dtype else kind), {"dtype": dtype})
+        if device not in (None, "cpu", "cuda"):
+            raise BenchmarkError(f"transformers device must be cpu or cuda, got {device!r}")
+    elif dtype is not None or device is not None:
+        raise BenchmarkError(f"peer {kind!r} takes no dtype or device (got {dtype or device!r})")
+    where = f" on {device}" if device and device != "cpu" else ""
+    options = {"dtype": dtype, **({"device": device} if device and device != "cpu" else {})}
+    return EngineSpec(kind, label or ((f"{kind} {dtype}" if dtype else kind) + where), options)
 
 
 def default_peers() -> list[EngineSpec]:
@@ -125,7 +133,8 @@ def default_peers() -> list[EngineSpec]:
 
 def parse_peers(text: str) -> list[EngineSpec]:
     """``"all"``, ``"none"`` or a comma-separated list of peers, each
-    ``kind`` or ``kind:dtype`` (``transformers`` alone means float32 and bfloat16)."""
+    ``kind`` or ``kind:dtype``, with ``@cuda`` to run it on the GPU
+    (``transformers`` alone means float32 and bfloat16)."""
     text = text.strip()
     if text == "all":
         return default_peers()
@@ -133,11 +142,13 @@ def parse_peers(text: str) -> list[EngineSpec]:
         return []
     out: list[EngineSpec] = []
     for item in (s.strip() for s in text.split(",") if s.strip()):
+        item, _, device = item.partition("@")
         kind, _, dtype = item.partition(":")
         if kind == "transformers" and not dtype:
-            out += [peer_engine(kind, "float32"), peer_engine(kind, "bfloat16")]
+            out += [peer_engine(kind, "float32", device=device or None),
+                    peer_engine(kind, "bfloat16", device=device or None)]
         else:
-            out.append(peer_engine(kind, dtype or None))
+            out.append(peer_engine(kind, dtype or None, device=device or None))
     return out
 
 
@@ -403,11 +414,18 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         runnable.append((spec, job))
 
     by_label = {r["label"]: r for r in rows}
+    on_gpu = any(_on_gpu(spec) for spec, _ in runnable)
+    if on_gpu:
+        report["machine"]["gpu"] = _in_process(gpu_info)
     bandwidths: list[float] = []
+    gpu_bandwidths: list[float] = []
     for repeat in range(config.repeats):
         if config.bandwidth:  # once per repeat, between the engines, like them a median
             bandwidths.append(measure_read_bandwidth(threads=threads))
             log.info("memory read bandwidth: %.1f GB/s", bandwidths[-1] / 1e9)
+            if on_gpu:
+                gpu_bandwidths.append(_in_process(measure_gpu_read_bandwidth))
+                log.info("GPU memory read bandwidth: %.1f GB/s", gpu_bandwidths[-1] / 1e9)
         shift = repeat % len(runnable) if runnable else 0
         for spec, job in runnable[shift:] + runnable[:shift]:
             log.info("repeat %d/%d: %s", repeat + 1, config.repeats, spec.label)
@@ -419,12 +437,38 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
     if bandwidths:
         report["machine"]["read_bandwidth_bytes_s"] = median(bandwidths)
         report["machine"]["read_bandwidth_samples"] = bandwidths
+    ran_on_gpu = [r for r in rows if any(_ran_on_gpu(p) for p in r["processes"])]
+    if ran_on_gpu and config.bandwidth and not gpu_bandwidths:  # the default backend picked the GPU
+        report["machine"]["gpu"] = _in_process(gpu_info)
+        gpu_bandwidths = [_in_process(measure_gpu_read_bandwidth) for _ in range(config.repeats)]
+    if gpu_bandwidths:
+        report["machine"]["gpu_read_bandwidth_bytes_s"] = median(gpu_bandwidths)
+        report["machine"]["gpu_read_bandwidth_samples"] = gpu_bandwidths
     for row in rows:
         if row["status"] == "ok":
-            _summarize_row(row, report["machine"].get("read_bandwidth_bytes_s"))
+            bandwidth = "gpu_read_bandwidth_bytes_s" if row in ran_on_gpu else "read_bandwidth_bytes_s"
+            _summarize_row(row, report["machine"].get(bandwidth))
     _add_ratios(rows, config.baseline, report)
     report["engines"] = rows
     return report
+
+
+def _on_gpu(spec: EngineSpec) -> bool:
+    """Whether the engine computes on a CUDA GPU (its bound is the GPU's bandwidth)."""
+    backend = spec.options.get("backend") or ""
+    return spec.options.get("device") == "cuda" or backend.split(":")[0] == "torch" and backend.endswith(":cuda")
+
+
+def _ran_on_gpu(process: dict[str, Any]) -> bool:
+    info = process.get("info") or {}
+    return info.get("backend") == "torch/cuda" or str(info.get("device", "")).startswith("cuda")
+
+
+def _in_process(fn: Any) -> Any:
+    """Run a GPU measurement in a child process, so that this one never holds
+    a CUDA context (or the memory it keeps) while the engines run."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn).result()
 
 
 def _summarize_row(row: dict[str, Any], bandwidth: float | None) -> None:

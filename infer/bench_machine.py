@@ -1,5 +1,6 @@
 """The machine a benchmark runs on: CPU, cores, memory, library versions,
-and its memory read bandwidth (what bounds decoding, see docs/performance.md)."""
+the GPU when one is measured, and the memory read bandwidth of each (what
+bounds decoding, see docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,38 @@ def measure_read_bandwidth(megabytes: int = 256, repeats: int = 7, threads: int 
             list(pool.map(np.sum, parts))
             times.append(time.perf_counter() - t0)
     return data.nbytes / statistics.median(times[1:])
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """The CUDA GPU torch sees (name, memory, compute capability), or None.
+    Imports torch: called only when an engine runs on the GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "memory_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+            "cuda": torch.version.cuda}
+
+
+def measure_gpu_read_bandwidth(megabytes: int = 2048, repeats: int = 20) -> float:
+    """GPU memory read bandwidth in bytes/s: the median time, by CUDA events,
+    of summing a ``megabytes`` float32 tensor (far larger than the L2 cache).
+    Decoding reads each weight once per token, as this reads each element once."""
+    import torch
+
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device="cuda")
+    times = []
+    for _ in range(repeats + 3):  # three warm-ups
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        data.sum()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del data
+    torch.cuda.empty_cache()
+    return megabytes * 2**20 / statistics.median(times[3:])

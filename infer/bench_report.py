@@ -45,6 +45,11 @@ def machine_line(report: dict[str, Any]) -> str:
     ram = f", {m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else ""
     bw = m.get("read_bandwidth_bytes_s")
     bandwidth = f", memory read {bw / 1e9:.1f} GB/s" if bw else ""
+    gpu = m.get("gpu")
+    if gpu:
+        gbw = m.get("gpu_read_bandwidth_bytes_s")
+        bandwidth += (f"; GPU {gpu['name']} ({gpu['memory_bytes'] / 2**30:.0f} GiB"
+                      + (f", memory read {gbw / 1e9:.0f} GB/s" if gbw else "") + ")")
     return (f"{report['date']} on {m['cpu']} ({m['cores']} logical cores{ram}{bandwidth}), {m['platform']}; "
             f"{versions}. Prompt {s['prompt_tokens']} tokens, {s['new_tokens']} new tokens greedy, "
             f"{s['threads']} threads, median of {s['repeats']} repeats.")
@@ -70,9 +75,16 @@ def markdown_table(reports: Sequence[dict[str, Any]]) -> str:
             bound = e.get("bound_fraction")
             cells = [model_name(report), e["label"], _fmt(m["prefill_tok_s"]), _fmt(m["decode_tok_s"]),
                      _fmt(ttft, 0), _fmt(m["load_s"], 2), _fmt(rss, 0), _ratio(r.get("prefill_tok_s")),
-                     _ratio(r.get("decode_tok_s")), "–" if bound is None else f"{bound:.0%}"]
+                     _ratio(r.get("decode_tok_s")), _share(bound)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _share(fraction: float | None) -> str:
+    """A fraction of the bound as a percentage (one decimal under 10%: GPU decoding of small models)."""
+    if fraction is None:
+        return "–"
+    return f"{fraction:.1%}" if fraction < 0.1 else f"{fraction:.0%}"
 
 
 def plot(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path | None:

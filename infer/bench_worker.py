@@ -141,6 +141,10 @@ def _weights_nbytes(value: Any, seen: set[int]) -> int:
     if id(value) in seen:
         return 0
     seen.add(id(value))
+    from infer.ops import PackedWeight
+
+    if isinstance(value, PackedWeight):  # its host ``rows`` serve embedding lookups: one row per token
+        return _weights_nbytes(value.data, seen)
     nbytes = getattr(value, "nbytes", None)
     if isinstance(nbytes, int):
         return nbytes
@@ -268,6 +272,7 @@ def _transformers(spec: dict[str, Any]) -> Loaded:
 
     torch.set_num_threads(spec["threads"])
     dtype = getattr(torch, spec["options"].get("dtype") or "float32")
+    device = spec["options"].get("device") or "cpu"
     model: Any = None
 
     def load() -> dict[str, Any]:
@@ -278,7 +283,9 @@ def _transformers(spec: dict[str, Any]) -> Loaded:
                                                                       dtype=dtype)
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        model.eval()
+        model.to(device).eval()
+        if device == "cuda":
+            torch.cuda.synchronize()
         # generate() fills unset fields from the model's generation config: with
         # no eos there, it runs exactly max_new_tokens without masking any logit.
         model.generation_config = transformers.GenerationConfig(do_sample=False, pad_token_id=0)
@@ -287,12 +294,12 @@ def _transformers(spec: dict[str, Any]) -> Loaded:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         if embed is not None and head is not None and embed.weight is not head.weight:
             total -= embed.weight.numel() * embed.weight.element_size()
-        return {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        return {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "device": device,
                 "weight_bytes_per_token": total}
 
     def generate(ids: list[int], n: int) -> dict[str, Any]:
         streamer = _TimingStreamer()
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=device)
         with torch.inference_mode():
             started = time.perf_counter()
             model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
@@ -347,8 +354,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("warmup_tokens", 0) > 0:
         generate(ids, spec["warmup_tokens"])
     runs = [generate(ids, spec["new_tokens"]) for _ in range(spec.get("runs", 1))]
+    gpu = _peak_gpu_bytes()
+    if gpu is not None:
+        info["peak_gpu_bytes"] = gpu
     return {"import_s": import_s, "load_s": load_s, "peak_rss_bytes": memory.peak_above_baseline(),
             "baseline_rss_bytes": memory.baseline, "rss_method": memory.method, "info": info, "runs": runs}
+
+
+def _peak_gpu_bytes() -> int | None:
+    """Peak bytes torch's CUDA allocator held in this process (None when no
+    CUDA context was made: torch never imported, or no GPU used)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
 
 
 def convert_gguf_to_hf(gguf: Path, out: Path) -> None:

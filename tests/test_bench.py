@@ -91,6 +91,22 @@ def test_parse_peers() -> None:
         bench.parse_peers("llama.cpp:float32")
 
 
+def test_gpu_peers_and_rows() -> None:
+    # ``@cuda`` runs transformers on the GPU; its decode bound is then the GPU's bandwidth.
+    gpu = bench.parse_peers("transformers:bfloat16@cuda")
+    assert [(e.label, e.options) for e in gpu] == [("transformers bfloat16 on cuda", {"dtype": "bfloat16", "device": "cuda"})]
+    assert [e.label for e in bench.parse_peers("transformers@cuda")] == [
+        "transformers float32 on cuda", "transformers bfloat16 on cuda"]
+    with pytest.raises(BenchmarkError, match="device must be cpu or cuda"):
+        bench.parse_peers("transformers:bfloat16@tpu")
+    with pytest.raises(BenchmarkError, match="takes no dtype or device"):
+        bench.parse_peers("llama.cpp@cuda")
+    assert bench._on_gpu(gpu[0]) and bench._on_gpu(bench.infer_engine("torch:cuda"))
+    assert not bench._on_gpu(bench.infer_engine("torch:cpu")) and not bench._on_gpu(bench.peer_engine("transformers"))
+    # The default backend is judged by where it ran.
+    assert bench._ran_on_gpu({"info": {"backend": "torch/cuda"}}) and not bench._ran_on_gpu({"info": {"backend": "numpy/cpu"}})
+
+
 @pytest.mark.parametrize("field, value", [("repeats", 0), ("prompt_tokens", -1), ("new_tokens", 1),
                                           ("warmup_tokens", -2), ("threads", 0), ("repeats", 1.5)])
 def test_bad_config_is_a_typed_error(field: str, value: Any) -> None:

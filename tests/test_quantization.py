@@ -116,16 +116,108 @@ def test_torch_keeps_gguf_float_by_default() -> None:
     assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_0", 16, 256, 0), name=LINEAR), PackedWeight)
 
 
-def test_torch_off_the_cpu_keeps_nothing_quantized(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # The CUDA int4pack/int8 layouts are untested here: guarded, not guessed.
+def test_torch_cuda_quantizes_only_where_the_kernel_probe_passes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # torch's CUDA int4 kernel is private and its packing has changed between
+    # releases: it is used only where a probe on the device reproduces the
+    # formula (the probe itself runs in the CUDA tests below).
     torch = pytest.importorskip("torch")
+    from infer.backends import torch as torch_backend
     from infer.backends.torch import TorchBackend
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch_backend, "_cuda_int4_layout", lambda: None)
     ops = TorchBackend("cuda")  # no tensor is made on the device here
     ops.quantize = "q4"
     assert ops.quantize_schemes == frozenset() and not ops.keeps_gguf()
     assert not ops.supports("quantized_linear")
+
+    monkeypatch.setattr(torch_backend, "_cuda_int4_layout", lambda: "even-high")
+    monkeypatch.setattr(torch_backend, "_cuda_int8_works", lambda: False)
+    ops = TorchBackend("cuda")
+    assert ops.quantize_schemes == frozenset({"q4"}) and ops.supports("quantized_linear")
+    # tinygemm takes bfloat16 activations only: float32 compute keeps floats.
+    assert TorchBackend("cuda", "float32").quantize_schemes == frozenset()
+
+
+@pytest.mark.parametrize("layout", ["even-high", "even-low"])
+def test_cuda_nibble_packing_round_trips(layout: str) -> None:
+    pytest.importorskip("torch")
+    from infer.backends.torch import _nibbles
+
+    codes = np.random.default_rng(0).integers(0, 16, (8, 64), dtype=np.uint8)
+    packed = _nibbles(codes, layout)
+    first, second = packed >> 4, packed & 15
+    even, odd = (first, second) if layout == "even-high" else (second, first)
+    assert packed.shape == (8, 32) and np.array_equal(even, codes[:, 0::2]) and np.array_equal(odd, codes[:, 1::2])
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+CUDA = pytest.mark.skipif(not _cuda(), reason="no CUDA device")
+
+
+@CUDA
+def test_cuda_int4_probe_finds_the_packing() -> None:
+    from infer.backends.torch import _cuda_int4_layout
+
+    assert _cuda_int4_layout() in ("even-high", "even-low")
+
+
+@CUDA
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_cuda_int4_matches_gguf_within_bfloat16_scales(qtype: str) -> None:
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cuda")
+    ops.quantize = "q4"
+    for seed, (rows, cols) in enumerate([(64, 256), (48, 576), (128, 1536)]):
+        t = gguf_tensor(qtype, rows, cols, seed)
+        w = ops.prepare_weight(t, name=LINEAR)
+        assert isinstance(w, PackedWeight) and w.scheme == "int4 tinygemm g32 bf16"
+        got = weight_through_kernel(ops, w).astype(np.float64)
+        want = t.dequantize().astype(np.float64)
+        # tinygemm computes (code - 8) * scale + zero with scale and zero rounded
+        # to bfloat16 (relative 2^-9 each, times |code - 8| <= 8) and rounds the
+        # output to bfloat16: at most about 2^-7 of the group's largest |w|.
+        # A wrong packing or scale layout is off by the weights' own size.
+        group_max = np.abs(want).reshape(rows, -1, 32).max(axis=-1, keepdims=True)
+        err = np.abs(got - want).reshape(rows, -1, 32)
+        assert (err <= group_max * 2.0**-6 + 1e-30).all(), f"{qtype}: worst {(err / group_max).max():.2e} of max|w|"
+        x = np.random.default_rng(seed).standard_normal((3, cols)).astype(np.float32)
+        y = ops.to_numpy(ops.linear(ops.from_numpy(x), w)).astype(np.float64)
+        ref = x.astype(np.float64) @ want.T
+        assert np.linalg.norm(y - ref) <= 1e-2 * np.linalg.norm(ref)
+
+
+@CUDA
+@pytest.mark.parametrize("scheme", ["q4", "q8"])
+def test_cuda_on_load_quantization_stays_close_to_the_cpu_path(scheme: str) -> None:
+    import infer
+    from reference import encode, tiny_model_dir
+    from test_parity import PROMPT
+
+    path = tiny_model_dir("llama3")
+    gpu = infer.load(path, backend="torch:cuda", dtype="bfloat16", quantize="q4") if scheme == "q4" else None
+    if scheme == "q8":
+        try:
+            gpu = infer.load(path, backend="torch:cuda", dtype="bfloat16", quantize="q8")
+        except InvalidQuantizationError:
+            pytest.skip("this torch has no CUDA int8 kernel (the probe said so)")
+    cpu = infer.load(path, backend="torch:cpu", quantize=scheme)
+    assert any(isinstance(w, PackedWeight) for w in vars(gpu.network.layers[0].mlp).values())
+    prompt = encode(path, PROMPT)
+    got = gpu.backend.to_numpy(gpu.engine.forward(gpu.engine.new_sequence(), prompt, all_logits=True))
+    want = cpu.backend.to_numpy(cpu.engine.forward(cpu.engine.new_sequence(), prompt, all_logits=True))
+    # Same codes on both; the GPU computes in bfloat16 (activations and
+    # scales), the CPU in float32: bfloat16-sized differences, not layout errors.
+    rel = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
+    assert rel < 3e-2, rel
 
 
 @pytest.mark.parametrize("scheme", ["q4", "q8"])
