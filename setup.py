@@ -1,0 +1,26 @@
+"""Build configuration beyond pyproject.toml: the numpy backend's optional C
+kernels (backends/_affine.c). Everything else is declared in pyproject.toml.
+
+The extension is optional: where it does not compile (no C compiler, no
+Python headers) the install still succeeds and the numpy backend uses its
+pure-numpy paths (``infer doctor`` says which). OpenMP is used where the
+compiler supports it (gcc and clang with libomp on Linux), so a product uses
+every core the way BLAS does.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+setup(
+    ext_modules=[
+        Extension(
+            "infer.backends._affine",
+            sources=["backends/_affine.c"],
+            extra_compile_args=["-O3", *openmp],
+            extra_link_args=openmp,
+            optional=True,
+        )
+    ]
+)

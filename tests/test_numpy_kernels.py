@@ -1,0 +1,184 @@
+"""The numpy backend's C kernels (backends/_affine.c): products on affine-quantized
+codes and few-row float32 products, on both code paths (AVX2+FMA and portable).
+
+Tolerance: the kernels sum in float32 in another order than float64, so each
+output may differ from the float64 product by a few float32 roundings of the
+sum of absolute terms: 1e-6 * sum|x * w| bounds it for k <= 2048 (about
+sqrt(k) * 2^-24 per row in practice; a wrong code, scale or nibble order is
+off by the size of the terms themselves).
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import numpy as np
+import pytest
+
+import infer
+from infer.backends import numpy as numpy_backend
+from infer.formats import gguf_quants
+from infer.formats.gguf import GGUFQuantizedTensor
+from infer.ops import PackedWeight
+from infer.quantize import AffineTensor, from_gguf, quantize_affine
+
+_affine = numpy_backend._affine
+needs_kernels = pytest.mark.skipif(_affine is None, reason="the C kernels are not built here")
+LINEAR = "model.layers.0.mlp.up_proj.weight"
+PATHS = ["portable"] + (["avx2+fma"] if _affine is not None and _affine.simd() == "avx2+fma" else [])
+
+
+def test_kernels_are_built_on_linux_x86() -> None:
+    # CI runs here: a build that silently failed would put every GGUF model on
+    # the slow float32 path, so it must fail a test instead.
+    if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
+        pytest.skip("the build is only required on Linux x86-64")
+    assert _affine is not None
+    assert _affine.simd() in ("avx2+fma", "portable") and _affine.threads() >= 1
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    chosen = _affine.simd()
+    _affine.use_simd(request.param)
+    yield request.param
+    _affine.use_simd(chosen)
+
+
+def within_float32(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> bool:
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 1e-6 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-30
+    return got.shape == ref.shape and bool((np.abs(got - ref) <= bound).all())
+
+
+def affine(bits: int, n: int, k: int, seed: int) -> AffineTensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    if bits in (4, 8):
+        return quantize_affine(w, f"q{bits}")
+    raw = gguf_quants.random_blocks("Q5_1", n, k, seed)  # 5-bit codes, one per byte
+    a = from_gguf(GGUFQuantizedTensor("Q5_1", (n, k), raw, "random Q5_1"))
+    assert a is not None and a.bits == 5
+    return a
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_on_codes_matches_the_dequantized_product(path: str, bits: int, m: int) -> None:
+    for seed, (n, k) in enumerate([(1, 32), (5, 96), (64, 576), (33, 2048)]):
+        a = affine(bits, n, k, seed)
+        x = np.random.default_rng(100 + seed).standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)  # poisoned: every element must be written
+        _affine.gemv(4 if bits == 4 else 8, x, a.packed, a.scales, a.biases, out, m, k, n)
+        assert within_float32(out, x, a.dequantize()), (bits, m, n, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 11])
+def test_gemv_f32_matches_the_float64_product(path: str, m: int) -> None:
+    for seed, (n, k) in enumerate([(1, 1), (7, 33), (64, 576), (9, 2051)]):
+        rng = np.random.default_rng(seed)
+        w, x = rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
+        _affine.gemv_f32(x, w, out, m, k, n)
+        assert within_float32(out, x, w), (m, n, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_dequantize_is_bit_exact(bits: int) -> None:
+    a = affine(bits, 24, 320, 3)
+    out = np.full(a.shape, np.nan, np.float32)
+    _affine.dequantize(4 if bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape)
+    assert np.array_equal(out.view(np.uint32), a.dequantize().view(np.uint32))
+
+
+@needs_kernels
+def test_bad_buffers_are_value_errors() -> None:
+    a = affine(4, 8, 64, 0)
+    x, out = np.zeros((1, 64), np.float32), np.zeros((1, 8), np.float32)
+    with pytest.raises(ValueError, match="codes"):
+        _affine.gemv(4, x, a.packed[:4], a.scales, a.biases, out, 1, 64, 8)
+    with pytest.raises(ValueError, match="out"):
+        _affine.gemv(4, x, a.packed, a.scales, a.biases, out[:, :4], 1, 64, 8)
+    with pytest.raises(ValueError, match="bits"):
+        _affine.gemv(3, x, a.packed, a.scales, a.biases, out, 1, 64, 8)
+    with pytest.raises(ValueError, match="k=48"):
+        _affine.gemv(4, x[:, :48], a.packed, a.scales, a.biases, out, 1, 48, 8)
+    with pytest.raises(ValueError, match="unknown code path"):
+        _affine.use_simd("sse9")
+
+
+# -- through the backend --------------------------------------------------------------------
+
+
+def gguf_tensor(qtype: str, rows: int, cols: int, seed: int) -> GGUFQuantizedTensor:
+    return GGUFQuantizedTensor(qtype, (rows, cols), gguf_quants.random_blocks(qtype, rows, cols, seed), "random")
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"])
+def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
+    ops = numpy_backend.NumpyBackend()
+    t = gguf_tensor(qtype, 48, 512, 1)
+    w = ops.prepare_weight(t, name=LINEAR)
+    assert isinstance(w, PackedWeight) and w.scheme.endswith("affine group 32, C kernel")
+    assert w.data.nbytes < t.dequantize().nbytes / 2.5  # what decoding reads per token
+    dense = t.dequantize()
+    for m in (1, 4, ops.KERNEL_ROWS + 1, 40):  # the kernel, then slabs dequantized for BLAS
+        x = np.random.default_rng(m).standard_normal((m, 512)).astype(np.float32)
+        assert within_float32(ops.linear(x, w), x, dense), m
+    ops.SLAB_BYTES = 512 * 4 * 5  # five rows a slab: the last slab is partial
+    x = np.random.default_rng(0).standard_normal((20, 512)).astype(np.float32)
+    assert within_float32(ops.linear(x, w), x, dense)
+    ids = np.array([47, 0, 5])
+    assert np.array_equal(ops.embedding(w, ids), dense[ids])
+
+
+@needs_kernels
+def test_off_and_unmapped_types_are_float32() -> None:
+    ops = numpy_backend.NumpyBackend()
+    assert not isinstance(ops.prepare_weight(gguf_tensor("Q6_K", 16, 256, 0), name=LINEAR), PackedWeight)
+    ops.quantize = "off"
+    assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_1", 16, 256, 0), name=LINEAR), PackedWeight)
+
+
+@needs_kernels
+def test_few_row_float_products_use_the_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    calls = []
+    real = _affine.gemv_f32
+    monkeypatch.setattr(_affine, "gemv_f32", lambda *a: calls.append(a[3]) or real(*a))
+    for lead in [(1,), (3,), (2, 4), (ops.KERNEL_ROWS + 1,)]:
+        x = rng.standard_normal((*lead, 96)).astype(np.float32)
+        y = ops.linear(x, w, bias=np.ones(40, np.float32))
+        assert y.shape == (*lead, 40)
+        assert within_float32(y.reshape(-1, 40) - 1, x.reshape(-1, 96), w)
+    assert calls == [1, 3, 8]  # 9 rows go to BLAS
+
+
+@needs_kernels
+def test_on_load_quantization_runs_on_the_kernel() -> None:
+    ops = numpy_backend.NumpyBackend()
+    ops.quantize = "q4"
+    w = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32)
+    p = ops.prepare_weight(w, name=LINEAR)
+    assert isinstance(p, PackedWeight) and p.scheme == "q4 group 32, C kernel"
+    x = np.random.default_rng(1).standard_normal((2, 128)).astype(np.float32)
+    assert within_float32(ops.linear(x, p), x, p.data.dequantize())
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_real_model_default_is_quantized_and_off_is_float() -> None:
+    # Greedy tokens of the default against transformers float32: tests/test_real_gguf.py.
+    quantized = infer.load("smollm2-135m", backend="numpy")
+    dense = infer.load("smollm2-135m", backend="numpy", quantize="off")
+    layer = quantized.network.layers[0]
+    assert isinstance(layer.mlp.up_proj, PackedWeight) and not isinstance(dense.network.layers[0].mlp.up_proj, PackedWeight)
+    prompt = quantized.tokenizer.encode("The capital of France is")
+    assert list(quantized.generate_tokens(prompt, max_tokens=24, ignore_eos=True)) == \
+        list(dense.generate_tokens(prompt, max_tokens=24, ignore_eos=True))
