@@ -255,6 +255,32 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
         out[i * n] = t;
     }
 }
+/* One row of codes to float32, group by group (even columns in the low nibbles). */
+AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases,
+                                  float *out, Py_ssize_t k) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (Py_ssize_t g = 0; g < k / GROUP; g++) {
+        __m256 sc = _mm256_broadcast_ss(scales + g), b = _mm256_broadcast_ss(biases + g);
+        float *o = out + g * GROUP;
+        if (bits == 4) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(codes + g * (GROUP / 2)));
+            /* interleave low and high nibbles back into column order */
+            __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+            __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
+            _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
+            _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c1, 8)), sc), b));
+        } else {
+            const uint8_t *c = codes + g * GROUP;
+            __m128i c0 = _mm_loadu_si128((const __m128i *)c), c1 = _mm_loadu_si128((const __m128i *)(c + 16));
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
+            _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
+            _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c1, 8)), sc), b));
+        }
+    }
+}
 #endif
 
 typedef void (*row_fn)(const uint8_t *, const float *, const float *, const float *, const float *, float *,
@@ -366,13 +392,16 @@ done:
     return result;
 }
 
-/* dequantize(bits, codes, scales, biases, out, n, k) -> None: out float32 [n, k]
- * = scale * code + bias, the same float32 values as AffineTensor.dequantize. */
+/* dequantize(bits, codes, scales, biases, out, n, k[, parallel]) -> None: out
+ * float32 [n, k] = scale * code + bias, the same float32 values as
+ * AffineTensor.dequantize. parallel=0 keeps it on the calling thread: before a
+ * BLAS call, OpenMP workers would compete with BLAS's spinning ones. */
 static PyObject *dequantize(PyObject *self, PyObject *args) {
-    int bits;
+    int bits, parallel = 1;
     Py_buffer codes, scales, biases, out;
     Py_ssize_t n, k;
-    if (!PyArg_ParseTuple(args, "iy*y*y*w*nn", &bits, &codes, &scales, &biases, &out, &n, &k)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*y*w*nn|p", &bits, &codes, &scales, &biases, &out, &n, &k, &parallel))
+        return NULL;
     PyObject *result = NULL;
     if ((bits != 4 && bits != 8) || k < GROUP || k % GROUP || n < 1) {
         PyErr_Format(PyExc_ValueError, "bad shape or bits: bits=%d n=%zd k=%zd", bits, n, k);
@@ -386,14 +415,29 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     const uint8_t *c = (const uint8_t *)codes.buf;
     const float *s = (const float *)scales.buf, *bi = (const float *)biases.buf;
     float *y = (float *)out.buf;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (parallel)
     for (Py_ssize_t r = 0; r < n; r++) {
         const uint8_t *cr = c + r * row_bytes;
         float *yr = y + r * k;
-        for (Py_ssize_t col = 0; col < k; col++) {
-            unsigned code = bits == 4 ? (cr[col / 2] >> (4 * (col & 1))) & 15 : cr[col];
-            Py_ssize_t g = r * groups + col / GROUP;
-            yr[col] = s[g] * (float)code + bi[g];
+#ifdef HAVE_X86
+        if (use_avx2) {
+            dequant_row_avx2(bits, cr, s + r * groups, bi + r * groups, yr, k);
+            continue;
+        }
+#endif
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            const float sc = s[r * groups + g], b = bi[r * groups + g];
+            float *yg = yr + g * GROUP;
+            if (bits == 4) {
+                const uint8_t *cg = cr + g * (GROUP / 2);
+                for (int j = 0; j < GROUP / 2; j++) {
+                    yg[2 * j] = sc * (float)(cg[j] & 15) + b;
+                    yg[2 * j + 1] = sc * (float)(cg[j] >> 4) + b;
+                }
+            } else {
+                const uint8_t *cg = cr + g * GROUP;
+                for (int j = 0; j < GROUP; j++) yg[j] = sc * (float)cg[j] + b;
+            }
         }
     }
     Py_END_ALLOW_THREADS

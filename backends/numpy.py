@@ -162,7 +162,9 @@ class NumpyBackend(Backend):
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 slab = self._slab[: (r1 - r0) * k].reshape(r1 - r0, k)
-                _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k)
+                # On this thread: OpenMP workers woken here would fight BLAS's
+                # spinning threads for the cores (measured 5x slower prefill on 2 cores).
+                _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k, False)
                 np.matmul(x2, slab.T, out=out[:, r0:r1])
         return out.reshape(*lead, n)
 

@@ -285,6 +285,21 @@ class GGUFFile:
             return np.zeros((rows, row), np.uint8)
         return np.frombuffer(self._map, np.uint8, info.end - info.begin, info.begin).reshape(rows, row)
 
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's whole pages from this process's resident set
+        (``MADV_DONTNEED`` on the read-only map: the page cache keeps them, and
+        any view still using them faults them back in from the file)."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or info.end <= info.begin:
+            return
+        page = mmap.PAGESIZE
+        start, stop = -(-info.begin // page) * page, info.end // page * page
+        if stop > start:
+            try:
+                self._map.madvise(advice, start, stop - start)
+            except (ValueError, OSError):  # closed map, or an OS that refuses: only a hint
+                pass
+
     def close(self) -> None:
         """Unmap the file (arrays handed out keep the map alive until they are freed)."""
         try:
@@ -401,6 +416,11 @@ class GGUFTensorSource(TensorSource):
             with np.errstate(all="ignore"):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
         return data
+
+    def release(self, name: str) -> None:
+        entry = self._entries.get(name)
+        if entry is not None:
+            self.file.release(entry.info)
 
     def close(self) -> None:
         """Unmap the file."""

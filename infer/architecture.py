@@ -104,6 +104,8 @@ class WeightLoader:
             tensor = transform(np.asarray(tensor, dtype=np.float32))
         prepared = self.backend.prepare_weight(tensor, name=name)
         self.placements[(_stored_type(tensor), self._form(prepared))] += 1
+        del tensor
+        self.tensors.release(name)  # the file's pages need not stay resident beside the backend's copy
         if name not in self._used:
             self._used.add(name)
             if self._progress is not None:

@@ -52,6 +52,12 @@ class TensorSource(abc.ABC):
         """Where the tensor lives, for error messages (e.g. a file name)."""
         return "the model package"
 
+    def release(self, name: str) -> None:
+        """A hint that the backend has prepared its own copy of ``name``: a
+        memory-mapped source may drop the tensor's pages from the process's
+        resident set (they are read again from the file if ever needed).
+        Default: nothing."""
+
     def __contains__(self, name: object) -> bool:
         return name in set(self.names())
 

@@ -511,3 +511,18 @@ def test_gemma3_file():
         assert c[key] == hf[key], key
     assert hf.get("final_logit_softcapping") is None and "final_logit_softcapping" not in c
     package.tensors.close()
+
+
+@pytest.mark.slow
+def test_release_drops_a_tensors_pages_and_reads_still_work() -> None:
+    # After the backend has its own copy, the loader tells the source; the map's
+    # pages may leave the resident set, and a later read faults them back in.
+    import infer
+
+    model = infer.load("smollm2-135m", backend="numpy")
+    source = model.package.tensors
+    name = "model.layers.0.mlp.up_proj.weight"
+    before = np.asarray(source.get(name).dequantize())
+    source.release(name)
+    source.release("no.such.tensor")  # unknown names are ignored
+    assert np.array_equal(np.asarray(source.get(name).dequantize()), before)

@@ -87,10 +87,12 @@ def test_gemv_f32_matches_the_float64_product(path: str, m: int) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 5, 8])
-def test_dequantize_is_bit_exact(bits: int) -> None:
+@pytest.mark.parametrize("parallel", [True, False])
+def test_dequantize_is_bit_exact(path: str, bits: int, parallel: bool) -> None:
+    # quantize_affine's scales make scale * code inexact: a fused multiply-add would differ.
     a = affine(bits, 24, 320, 3)
     out = np.full(a.shape, np.nan, np.float32)
-    _affine.dequantize(4 if bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape)
+    _affine.dequantize(4 if bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape, parallel)
     assert np.array_equal(out.view(np.uint32), a.dequantize().view(np.uint32))
 
 
