@@ -150,6 +150,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except importlib.metadata.PackageNotFoundError:
             version = "not installed"
         print(f"  {dist:<12} {version}")
+    from infer.backends import numpy as numpy_backend
+
+    kernels = numpy_backend._affine
+    print("  numpy C kernels: " + (f"{kernels.simd()}, {kernels.threads()} threads (GGUF weights stay quantized)"
+                                   if kernels is not None else
+                                   "not built (GGUF weights become float32; reinstall with a C compiler)"))
     print()
     cmd_backends(args)
     print()

@@ -105,3 +105,7 @@ def test_doctor_names_the_default_backend_and_its_attention_path(capsys: pytest.
     best = next(b for b in infer.list_backends() if b.available)
     assert f"infer.load() would run on {best.key}" in out
     assert "batched KV cache on" in out and "numpy" in out
+    from infer.backends import numpy as numpy_backend
+
+    kernels = numpy_backend._affine
+    assert f"numpy C kernels: {kernels.simd()}" in out if kernels is not None else "numpy C kernels: not built" in out
