@@ -49,6 +49,8 @@ from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
 from .mlp import GatedMLP, gated_mlp
+from .projections import load_qkv
+from .projections import qkv as project_qkv
 from .rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -172,9 +174,7 @@ class DecoderLayer:
         #: Weights the piece before attention reads.
         self.attn_in = {
             "input_layernorm": norm(p + "input_layernorm"),
-            "q_proj": w.get(a + "q_proj.weight", (nh * hd, d)),
-            "k_proj": w.get(a + "k_proj.weight", (nkv * hd, d)),
-            "v_proj": w.get(a + "v_proj.weight", (nkv * hd, d)),
+            **load_qkv(w, a, nh, nkv, hd, d, bias=cfg.attention_bias),  # qkv_proj where stored alike
             "q_norm": norm(a + "q_norm", hd),
             "k_norm": norm(a + "k_norm", hd),
         }
@@ -187,8 +187,6 @@ class DecoderLayer:
             "post_feedforward_layernorm": norm(p + "post_feedforward_layernorm"),
         }
         if cfg.attention_bias:
-            for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-                self.attn_in[name + ".bias"] = w.get(a + name + ".bias", (n,))
             self.attn_out["o_proj.bias"] = w.get(a + "o_proj.bias", (d,))
 
 
@@ -202,10 +200,7 @@ def layer_pieces(ops: Backend, cfg: Gemma3Config) -> tuple[Callable[..., Any], C
     activation = ACTIVATIONS[cfg.hidden_activation]
 
     def qkv(x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        t = ops.shape(x)[0]
-        q = ops.reshape(ops.linear(x, w["q_proj"], w.get("q_proj.bias")), (t, nh, hd))
-        k = ops.reshape(ops.linear(x, w["k_proj"], w.get("k_proj.bias")), (t, nkv, hd))
-        v = ops.reshape(ops.linear(x, w["v_proj"], w.get("v_proj.bias")), (t, nkv, hd))
+        q, k, v = project_qkv(ops, x, w, nh, nkv, hd)
         q = ops.rms_norm(q, w["q_norm"], eps)  # per head, over head_dim
         k = ops.rms_norm(k, w["k_norm"], eps)
         return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v

@@ -27,6 +27,8 @@ from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
 from .mlp import GatedMLP, gated_mlp
+from .projections import load_qkv
+from .projections import qkv as project_qkv
 from .rope import RotaryEmbedding
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -113,13 +115,8 @@ class DecoderLayer:
         #: Weights the piece before attention reads (biases only where present).
         self.attn_in = {
             "input_layernorm": w.get(p + "input_layernorm.weight", (d,)),
-            "q_proj": w.get(a + "q_proj.weight", (nh * hd, d)),
-            "k_proj": w.get(a + "k_proj.weight", (nkv * hd, d)),
-            "v_proj": w.get(a + "v_proj.weight", (nkv * hd, d)),
+            **load_qkv(w, a, nh, nkv, hd, d),  # stacked as qkv_proj where stored alike
         }
-        for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            if w.has(a + name + ".bias"):
-                self.attn_in[name + ".bias"] = w.get(a + name + ".bias", (n,))
         #: Weights the piece after attention reads.
         self.attn_out = {
             "o_proj": w.get(a + "o_proj.weight", (d, nh * hd)),
@@ -144,10 +141,7 @@ def layer_pieces(ops: Backend, cfg: LlamaConfig) -> tuple[Callable[..., Any], Ca
     activation = ACTIVATIONS[cfg.hidden_act]
 
     def qkv(x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        t = ops.shape(x)[0]
-        q = ops.reshape(ops.linear(x, w["q_proj"], w.get("q_proj.bias")), (t, nh, hd))
-        k = ops.reshape(ops.linear(x, w["k_proj"], w.get("k_proj.bias")), (t, nkv, hd))
-        v = ops.reshape(ops.linear(x, w["v_proj"], w.get("v_proj.bias")), (t, nkv, hd))
+        q, k, v = project_qkv(ops, x, w, nh, nkv, hd)
         return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
 
     def first(h: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:

@@ -37,6 +37,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -334,6 +335,16 @@ class GGUFQuantizedTensor(QuantizedTensor):
         """Only the rows ``rows`` (e.g. the tokens of an embedding lookup), float32."""
         picked = self.raw.reshape(self.shape[0], -1)[np.asarray(rows)]
         return gguf_quants.dequantize(picked, self.qtype, self.name).reshape((len(picked),) + self.shape[1:])
+
+    def stacked(self, parts: Sequence[QuantizedTensor]) -> GGUFQuantizedTensor | None:
+        """The parts' rows one after another (each row is whole blocks), when
+        all are 2-D GGUF tensors of this type and width."""
+        if not all(isinstance(p, GGUFQuantizedTensor) and p.qtype == self.qtype and len(p.shape) == 2
+                   and p.shape[1:] == self.shape[1:] for p in parts):
+            return None
+        raw = np.concatenate([p.raw.reshape(p.shape[0], -1) for p in parts], axis=0)
+        names = "+".join(p.name for p in parts)  # type: ignore[attr-defined]
+        return GGUFQuantizedTensor(self.qtype, (raw.shape[0], *self.shape[1:]), raw, names)
 
     def __repr__(self) -> str:
         return f"GGUFQuantizedTensor({self.name!r}, {self.qtype}, shape={self.shape})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,34 +82,69 @@ class WeightLoader:
         ``fallback`` names a tensor to use when ``name`` is absent (e.g. tied
         output embeddings read the input embedding).
         """
+        name = self._check(name, shape, fallback)
+        tensor = self.tensors.get(name)
+        if transform is not None:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
+            tensor = transform(np.asarray(tensor, dtype=np.float32))
+        return self._prepare(tensor, name, [name])
+
+    def get_stacked(self, name: str, parts: Sequence[tuple[str, tuple[int, ...]]]) -> Array | None:
+        """Matrices with the same columns stacked by rows into one weight,
+        prepared under ``name`` (e.g. the q, k and v projections as
+        ``...self_attn.qkv_proj.weight``): one product per token in place of
+        several, and the outputs are slices of its result.
+
+        Returns None, and reads nothing, when the parts are stored differently
+        (a GGUF file may keep v in Q6_K and q, k in Q4_K), so they cannot form
+        one weight; the caller then gets them one by one. Shapes are checked as
+        :meth:`get` checks them.
+        """
+        names = [self._check(part, shape, None) for part, shape in parts]
+        stored = {self.tensors.storage_dtype(n) for n in names}
+        cols = {shape[1:] for _, shape in parts}
+        if len(stored) != 1 or len(cols) != 1 or any(len(shape) != 2 for _, shape in parts):
+            return None
+        tensors = [self.tensors.get(n) for n in names]
+        if all(isinstance(t, QuantizedTensor) for t in tensors):
+            stacked = tensors[0].stacked(tensors)
+            if stacked is None:
+                return None
+        elif any(isinstance(t, QuantizedTensor) for t in tensors):
+            return None
+        else:
+            stacked = np.concatenate([np.asarray(t) for t in tensors], axis=0)
+        del tensors
+        return self._prepare(stacked, name, names)
+
+    def _check(self, name: str, shape: tuple[int, ...], fallback: str | None) -> str:
         if name not in self._names:
             if fallback is not None and fallback in self._names:
                 log.debug("%s absent; using %s", name, fallback)
-                name = fallback
-            else:
-                raise MissingTensorError(
-                    f"tensor {name!r} is missing from {self.tensors.location(name)}"
-                    + (f" (nor is {fallback!r} there)" if fallback else "")
-                )
+                return self._check(fallback, shape, None)
+            raise MissingTensorError(
+                f"tensor {name!r} is missing from {self.tensors.location(name)}"
+                + (f" (nor is {fallback!r} there)" if fallback else "")
+            )
         found = tuple(self.tensors.shape(name))
         if found != tuple(shape):
             raise ShapeMismatchError(
                 f"tensor {name!r} in {self.tensors.location(name)} has shape {list(found)}; "
                 f"the config implies {list(shape)}"
             )
-        tensor = self.tensors.get(name)
-        if transform is not None:
-            if isinstance(tensor, QuantizedTensor):
-                tensor = tensor.dequantize()
-            tensor = transform(np.asarray(tensor, dtype=np.float32))
+        return name
+
+    def _prepare(self, tensor: Any, name: str, sources: list[str]) -> Array:
         prepared = self.backend.prepare_weight(tensor, name=name)
-        self.placements[(_stored_type(tensor), self._form(prepared))] += 1
+        self.placements[(_stored_type(tensor), self._form(prepared))] += len(sources)
         del tensor
-        self.tensors.release(name)  # the file's pages need not stay resident beside the backend's copy
-        if name not in self._used:
-            self._used.add(name)
-            if self._progress is not None:
-                self._progress(1)
+        for source in sources:
+            self.tensors.release(source)  # the file's pages need not stay resident beside the backend's copy
+            if source not in self._used:
+                self._used.add(source)
+                if self._progress is not None:
+                    self._progress(1)
         return prepared
 
     def _form(self, prepared: Any) -> str:

@@ -86,6 +86,12 @@ class QuantizedTensor(abc.ABC):
         everything, then index; formats override it to read only those rows."""
         return self.dequantize()[np.asarray(rows)]
 
+    def stacked(self, parts: Sequence[QuantizedTensor]) -> QuantizedTensor | None:
+        """``parts`` (2-D, this tensor among them) stacked by rows into one
+        tensor of the same storage, or None where that is not possible (the
+        default; formats whose rows are independent blocks override it)."""
+        return None
+
 
 class PackedWeight:
     """A weight a backend keeps in its own quantized layout.
