@@ -28,6 +28,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -37,21 +38,6 @@
 
 #define GROUP 32
 #define MAX_ROWS 8 /* activation rows handled together; more go in chunks */
-
-/* x [m, k] regrouped per group of 32 for the 4-bit layout: the 16 even
- * columns, then the 16 odd ones (the order of the low and high nibbles). */
-static void permute_pairs(const float *x, float *xp, Py_ssize_t m, Py_ssize_t k) {
-    for (Py_ssize_t i = 0; i < m; i++) {
-        for (Py_ssize_t g = 0; g < k; g += GROUP) {
-            const float *src = x + i * k + g;
-            float *dst = xp + i * k + g;
-            for (int j = 0; j < GROUP / 2; j++) {
-                dst[j] = src[2 * j];
-                dst[GROUP / 2 + j] = src[2 * j + 1];
-            }
-        }
-    }
-}
 
 static void group_sums(const float *x, float *xs, Py_ssize_t m, Py_ssize_t k) {
     Py_ssize_t groups = k / GROUP;
@@ -65,16 +51,16 @@ static void group_sums(const float *x, float *xs, Py_ssize_t m, Py_ssize_t k) {
 
 /* -- portable ----------------------------------------------------------------- */
 
-static void row4_portable(const uint8_t *codes, const float *scales, const float *biases, const float *xp,
+static void row4_portable(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                           const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     Py_ssize_t groups = k / GROUP;
     for (Py_ssize_t i = 0; i < m; i++) {
         float acc = 0.0f, bacc = 0.0f;
         for (Py_ssize_t g = 0; g < groups; g++) {
             const uint8_t *b = codes + g * (GROUP / 2);
-            const float *v = xp + i * k + g * GROUP;
+            const float *v = x + i * k + g * GROUP;
             float t = 0.0f;
-            for (int j = 0; j < GROUP / 2; j++) t += (float)(b[j] & 15) * v[j] + (float)(b[j] >> 4) * v[GROUP / 2 + j];
+            for (int j = 0; j < GROUP / 2; j++) t += (float)(b[j] & 15) * v[2 * j] + (float)(b[j] >> 4) * v[2 * j + 1];
             acc += scales[g] * t;
             bacc += biases[g] * xs[i * groups + g];
         }
@@ -124,14 +110,21 @@ AVX2 static inline __m256 widen(__m128i bytes8) { /* the low 8 bytes as 8 floats
 }
 
 /* One activation row: two accumulators in registers, two groups per step
- * (the accumulator chain, not the loads, limits the loop otherwise). */
-AVX2 static inline __m256 dot4(const uint8_t *codes, const float *v, __m128i low) {
-    __m128i b = _mm_loadu_si128((const __m128i *)codes);
-    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    __m256 t = _mm256_mul_ps(widen(lo), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(widen(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(widen(hi), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(widen(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(v + 24), t);
+ * (the accumulator chain, not the loads, limits the loop otherwise).
+ * 4-bit codes: each 32-bit word holds 8 consecutive columns (the even column
+ * of a pair in the low nibble), so broadcasting the word and shifting lane i
+ * right by 4i puts column i in lane i: no shuffles, x in its own order. */
+AVX2 static inline __m256 nibbles8(const uint8_t *codes, __m256i shifts, __m256i mask) {
+    int32_t word;
+    memcpy(&word, codes, 4);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask));
+}
+
+AVX2 static inline __m256 dot4(const uint8_t *codes, const float *v, __m256i shifts, __m256i mask) {
+    __m256 t = _mm256_mul_ps(nibbles8(codes, shifts, mask), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(nibbles8(codes + 4, shifts, mask), _mm256_loadu_ps(v + 8), t);
+    t = _mm256_fmadd_ps(nibbles8(codes + 8, shifts, mask), _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(nibbles8(codes + 12, shifts, mask), _mm256_loadu_ps(v + 24), t);
 }
 
 AVX2 static inline __m256 dot8(const uint8_t *c, const float *v) {
@@ -145,15 +138,15 @@ AVX2 static inline __m256 dot8(const uint8_t *c, const float *v) {
 AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *v,
                           const float *xs, Py_ssize_t k) {
     Py_ssize_t groups = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, g = 0;
-    const __m128i low = _mm_set1_epi8(15);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     if (bits == 4) {
         for (; g + 1 < groups; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, low), a0);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, shifts, mask), a0);
             a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1),
-                                 dot4(codes + (g + 1) * step, v + (g + 1) * GROUP, low), a1);
+                                 dot4(codes + (g + 1) * step, v + (g + 1) * GROUP, shifts, mask), a1);
         }
-        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, low), a0);
+        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, shifts, mask), a0);
     } else {
         for (; g + 1 < groups; g += 2) {
             a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot8(codes + g * step, v + g * GROUP), a0);
@@ -166,35 +159,38 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
     return hsum(_mm256_add_ps(a0, a1)) + bacc;
 }
 
-AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *xp,
+AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                            const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     if (m == 1) {
-        out[0] = one_row(4, codes, scales, biases, xp, xs, k);
+        out[0] = one_row(4, codes, scales, biases, x, xs, k);
         return;
     }
+    /* The same sums in the same order as one_row (even groups into one
+     * accumulator, odd into the other): a row's result does not depend on
+     * how many rows share the call. */
     Py_ssize_t groups = k / GROUP;
-    __m256 acc[MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(15);
+    __m256 acc[2][MAX_ROWS];
+    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     for (Py_ssize_t g = 0; g < groups; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(codes + g * (GROUP / 2)));
-        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        __m256 w0 = widen(lo), w1 = widen(_mm_srli_si128(lo, 8));
-        __m256 w2 = widen(hi), w3 = widen(_mm_srli_si128(hi, 8));
+        const uint8_t *c = codes + g * (GROUP / 2);
+        __m256 w0 = nibbles8(c, shifts, mask), w1 = nibbles8(c + 4, shifts, mask);
+        __m256 w2 = nibbles8(c + 8, shifts, mask), w3 = nibbles8(c + 12, shifts, mask);
         __m256 s = _mm256_broadcast_ss(scales + g);
+        __m256 *a = acc[g & 1];
         for (Py_ssize_t i = 0; i < m; i++) {
-            const float *v = xp + i * k + g * GROUP;
+            const float *v = x + i * k + g * GROUP;
             __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
             t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
             t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
             t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            acc[i] = _mm256_fmadd_ps(s, t, acc[i]);
+            a[i] = _mm256_fmadd_ps(s, t, a[i]);
         }
     }
     for (Py_ssize_t i = 0; i < m; i++) {
         float bacc = 0.0f;
         for (Py_ssize_t g = 0; g < groups; g++) bacc += biases[g] * xs[i * groups + g];
-        out[i * n] = hsum(acc[i]) + bacc;
+        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bacc;
     }
 }
 
@@ -204,33 +200,38 @@ AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const floa
         out[0] = one_row(8, codes, scales, biases, x, xs, k);
         return;
     }
-    Py_ssize_t groups = k / GROUP;
-    __m256 acc[MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+    Py_ssize_t groups = k / GROUP;  /* sums ordered as in one_row, see row4_avx2 */
+    __m256 acc[2][MAX_ROWS];
+    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     for (Py_ssize_t g = 0; g < groups; g++) {
         const uint8_t *c = codes + g * GROUP;
         __m128i b0 = _mm_loadu_si128((const __m128i *)c), b1 = _mm_loadu_si128((const __m128i *)(c + 16));
         __m256 w0 = widen(b0), w1 = widen(_mm_srli_si128(b0, 8));
         __m256 w2 = widen(b1), w3 = widen(_mm_srli_si128(b1, 8));
         __m256 s = _mm256_broadcast_ss(scales + g);
+        __m256 *a = acc[g & 1];
         for (Py_ssize_t i = 0; i < m; i++) {
             const float *v = x + i * k + g * GROUP;
             __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
             t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
             t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
             t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            acc[i] = _mm256_fmadd_ps(s, t, acc[i]);
+            a[i] = _mm256_fmadd_ps(s, t, a[i]);
         }
     }
     for (Py_ssize_t i = 0; i < m; i++) {
         float bacc = 0.0f;
         for (Py_ssize_t g = 0; g < groups; g++) bacc += biases[g] * xs[i * groups + g];
-        out[i * n] = hsum(acc[i]) + bacc;
+        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bacc;
     }
 }
 AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     Py_ssize_t c;
-    if (m == 1) {
+    if (m > 1) {  /* row by row, so each row's sum is the one-row sum (the weight row stays in L1) */
+        for (Py_ssize_t i = 0; i < m; i++) rowf_avx2(w, x + i * k, out + i * n, 1, k, n);
+        return;
+    }
+    {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (c = 0; c + 32 <= k; c += 32) {
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + c), _mm256_loadu_ps(x + c), a0);
@@ -241,18 +242,6 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
         float acc = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
         for (; c < k; c++) acc += w[c] * x[c];
         out[0] = acc;
-        return;
-    }
-    __m256 acc[MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    for (c = 0; c + 8 <= k; c += 8) {
-        __m256 wv = _mm256_loadu_ps(w + c);
-        for (Py_ssize_t i = 0; i < m; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * k + c), acc[i]);
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        float t = hsum(acc[i]);
-        for (Py_ssize_t cc = c; cc < k; cc++) t += w[cc] * x[i * k + cc];
-        out[i * n] = t;
     }
 }
 /* One row of codes to float32, group by group (even columns in the low nibbles). */
@@ -318,17 +307,15 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         !check(&scales, n * groups * 4, "scales") || !check(&biases, n * groups * 4, "biases") ||
         !check(&out, m * n * 4, "out"))
         goto done;
-    work = malloc((size_t)(m * k + m * groups) * sizeof(float));
+    work = malloc((size_t)(m * groups) * sizeof(float));
     if (!work) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    float *xp = work, *xs = work + m * k;
-    const float *xin = (const float *)x.buf;
-    if (bits == 4) permute_pairs(xin, xp, m, k);
-    else memcpy(xp, xin, (size_t)(m * k) * sizeof(float));
-    group_sums(xin, xs, m, k);
+    float *xs = work;
+    const float *xp = (const float *)x.buf;
+    group_sums(xp, xs, m, k);
     row_fn fn = bits == 4 ? row4_portable : row8_portable;
 #ifdef HAVE_X86
     if (use_avx2) fn = bits == 4 ? row4_avx2 : row8_avx2;
@@ -464,6 +451,109 @@ static PyObject *threads(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+/* -- per-row elementwise ops of a decoder layer -------------------------------
+ *
+ * One pass each over rows of float32, single-threaded (they are small). They
+ * follow the numpy backend's float32 formulas step by step (built with
+ * -ffp-contract=off, so no multiply-add is fused): rope is bit-identical to
+ * numpy's; rms_norm differs only in the order of its sum of squares. */
+
+static void rms_row(const float *x, const float *w, float *y, Py_ssize_t n, float eps) {
+    float acc[8] = {0};
+    Py_ssize_t c = 0;
+    for (; c + 8 <= n; c += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[c + j] * x[c + j];
+    float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; c < n; c++) ss += x[c] * x[c];
+    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    if (w)
+        for (c = 0; c < n; c++) y[c] = (x[c] * scale) * w[c];
+    else
+        for (c = 0; c < n; c++) y[c] = x[c] * scale;
+}
+
+/* rms_norm(x, weight or None, out, rows, n, eps[, residual, h]) -> None. With
+ * residual and h: h = x + residual first (written), and out = rms_norm(h). */
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    Py_buffer x, out, w = {0}, res = {0}, h = {0};
+    PyObject *wobj, *robj = Py_None, *hobj = Py_None;
+    Py_ssize_t rows, n;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*Ow*nnf|OO", &x, &wobj, &out, &rows, &n, &eps, &robj, &hobj)) return NULL;
+    PyObject *result = NULL;
+    int has_w = wobj != Py_None, has_r = robj != Py_None;
+    if (has_w && PyObject_GetBuffer(wobj, &w, PyBUF_SIMPLE) < 0) goto done;
+    if (has_r && (PyObject_GetBuffer(robj, &res, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE) < 0))
+        goto done;
+    if (rows < 1 || n < 1 || !check(&x, rows * n * 4, "x") || !check(&out, rows * n * 4, "out") ||
+        (has_w && !check(&w, n * 4, "weight")) ||
+        (has_r && (!check(&res, rows * n * 4, "residual") || !check(&h, rows * n * 4, "h"))))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const float *xi = (const float *)x.buf, *wt = has_w ? (const float *)w.buf : NULL;
+    float *yo = (float *)out.buf;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = xi + r * n;
+        if (has_r) {
+            const float *rr = (const float *)res.buf + r * n;
+            float *hr = (float *)h.buf + r * n;
+            for (Py_ssize_t c = 0; c < n; c++) hr[c] = row[c] + rr[c];
+            row = hr;
+        }
+        rms_row(row, wt, yo + r * n, n, eps);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    if (w.obj) PyBuffer_Release(&w);
+    if (res.obj) PyBuffer_Release(&res);
+    if (h.obj) PyBuffer_Release(&h);
+    return result;
+}
+
+/* rope(x, cos, sin, out, tokens, heads, d, half) -> None: the rotate-half form on
+ * the first 2*half features of each head (x [tokens, heads, d], cos and sin
+ * [tokens, half]); features past 2*half are copied. */
+static PyObject *rope(PyObject *self, PyObject *args) {
+    Py_buffer x, cs, sn, out;
+    Py_ssize_t t, heads, d, half;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnn", &x, &cs, &sn, &out, &t, &heads, &d, &half)) return NULL;
+    PyObject *result = NULL;
+    if (t < 1 || heads < 1 || half < 0 || 2 * half > d) {
+        PyErr_Format(PyExc_ValueError, "bad shape: tokens=%zd heads=%zd d=%zd half=%zd", t, heads, d, half);
+        goto done;
+    }
+    if (!check(&x, t * heads * d * 4, "x") || !check(&out, t * heads * d * 4, "out") ||
+        !check(&cs, t * half * 4, "cos") || !check(&sn, t * half * 4, "sin"))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const float *xi = (const float *)x.buf, *c = (const float *)cs.buf, *s = (const float *)sn.buf;
+    float *o = (float *)out.buf;
+    for (Py_ssize_t i = 0; i < t; i++)
+        for (Py_ssize_t hh = 0; hh < heads; hh++) {
+            const float *a = xi + (i * heads + hh) * d, *ci = c + i * half, *si = s + i * half;
+            float *y = o + (i * heads + hh) * d;
+            for (Py_ssize_t j = 0; j < half; j++) {
+                float lo = a[j], hi = a[half + j];
+                y[j] = lo * ci[j] - hi * si[j];
+                y[half + j] = lo * si[j] + hi * ci[j];
+            }
+            for (Py_ssize_t j = 2 * half; j < d; j++) y[j] = a[j];
+        }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&cs);
+    PyBuffer_Release(&sn);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* use_simd(name) -> None: "portable" or "avx2+fma" (where the CPU has it), for tests. */
 static PyObject *use_simd(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
@@ -491,6 +581,8 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"use_simd", use_simd, METH_O, "Choose the code path (\"portable\" or \"avx2+fma\"); for tests."},
     {"gemv", gemv, METH_VARARGS, "y = x @ W.T for an affine-quantized W (see the module source)."},
+    {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
+    {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},

@@ -313,6 +313,11 @@ class NumpyBackend(Backend):
     # -- normalisation, position, gather ---------------------------------------
 
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        if _rowwise(x, weight):  # one C pass instead of five numpy ones (decode is per-op overhead)
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            _affine.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps)
+            return out
         x32 = x.astype(np.float32, copy=False)
         scale = 1.0 / np.sqrt(np.mean(np.square(x32), axis=-1, keepdims=True) + np.float32(eps))
         y = (x32 * scale).astype(x.dtype, copy=False)
@@ -321,6 +326,11 @@ class NumpyBackend(Backend):
     def fused_add_rms_norm(
         self, x: Array, residual: Array, weight: Array | None, eps: float
     ) -> tuple[Array, Array]:
+        if _rowwise(x, weight) and residual.shape == x.shape and residual.dtype == np.float32:
+            x, residual = np.ascontiguousarray(x), np.ascontiguousarray(residual)
+            h, out = np.empty_like(x), np.empty_like(x)
+            _affine.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps, residual, h)
+            return out, h
         h = x + residual
         return self.rms_norm(h, weight, eps), h
 
@@ -336,6 +346,13 @@ class NumpyBackend(Backend):
         return y
 
     def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+        if (_affine is not None and not interleaved and x.ndim == 3 and x.dtype == np.float32
+                and cos.dtype == np.float32 and sin.dtype == np.float32 and x.size
+                and cos.shape == sin.shape == (x.shape[0], cos.shape[-1])):
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            _affine.rope(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out, *x.shape, cos.shape[-1])
+            return out  # bit-identical to the numpy formula below
         half = cos.shape[-1]
         rot = 2 * half
         cos = cos[:, None, :]  # [tokens, 1, rot/2], broadcast over heads
@@ -445,6 +462,13 @@ class NumpyBackend(Backend):
         k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
         v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+def _rowwise(x: Array, weight: Array | None) -> bool:
+    """Whether the C row kernels take this float32 input (and its weight over the last axis)."""
+    return (_affine is not None and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim >= 1
+            and x.size > 0 and (weight is None or (isinstance(weight, np.ndarray) and weight.dtype == np.float32
+                                                  and weight.shape == x.shape[-1:] and weight.flags.c_contiguous)))
 
 
 def available_memory() -> int | None:

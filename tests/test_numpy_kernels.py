@@ -180,7 +180,83 @@ def test_real_model_default_is_quantized_and_off_is_float() -> None:
     quantized = infer.load("smollm2-135m", backend="numpy")
     dense = infer.load("smollm2-135m", backend="numpy", quantize="off")
     layer = quantized.network.layers[0]
-    assert isinstance(layer.mlp.up_proj, PackedWeight) and not isinstance(dense.network.layers[0].mlp.up_proj, PackedWeight)
+    assert isinstance(layer.mlp.gate_up_proj, PackedWeight)
+    assert not isinstance(dense.network.layers[0].mlp.gate_up_proj, PackedWeight)
     prompt = quantized.tokenizer.encode("The capital of France is")
     assert list(quantized.generate_tokens(prompt, max_tokens=24, ignore_eos=True)) == \
         list(dense.generate_tokens(prompt, max_tokens=24, ignore_eos=True))
+
+
+# -- the same row, whatever the batch -------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8, 32])
+def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int) -> None:
+    # Batched decoding gives each request exactly what it would get alone (up to
+    # KERNEL_ROWS rows): the multi-row kernels keep the one-row order of sums.
+    n, k = 40, 576
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    together, alone = np.empty((5, n), np.float32), np.empty((1, n), np.float32)
+    if bits == 32:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        _affine.gemv_f32(x, w, together, 5, k, n)
+    else:
+        a = affine(bits, n, k, 7)
+        _affine.gemv(bits, x, a.packed, a.scales, a.biases, together, 5, k, n)
+    for i in range(5):
+        if bits == 32:
+            _affine.gemv_f32(x[i:i + 1], w, alone, 1, k, n)
+        else:
+            _affine.gemv(bits, x[i:i + 1], a.packed, a.scales, a.biases, alone, 1, k, n)
+        assert np.array_equal(alone[0].view(np.uint32), together[i].view(np.uint32)), i
+
+
+# -- rms_norm and rope ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pure_numpy(monkeypatch):  # type: ignore[no-untyped-def]
+    """The numpy backend's formulas without the C kernels (the reference here)."""
+    ops = numpy_backend.NumpyBackend()
+
+    def call(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with monkeypatch.context() as m:
+            m.setattr(numpy_backend, "_affine", None)
+            return getattr(ops, name)(*args, **kwargs)
+    return call
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (3, 64), (2, 4, 256), (5, 7)])
+def test_rms_norm_matches_the_numpy_formula(pure_numpy, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(len(shape))
+    x, res = (rng.standard_normal(shape).astype(np.float32) * 3 for _ in range(2))
+    w = rng.standard_normal(shape[-1:]).astype(np.float32)
+    # Only the sum of squares is ordered differently (8 running sums against
+    # numpy's pairwise sum): for n <= 576 positive terms at most about
+    # (n / 8) * 2^-24 = 4.3e-6 relative, halved by the square root.
+    for weight in (w, None):
+        assert np.allclose(ops.rms_norm(x, weight, 1e-6), pure_numpy("rms_norm", x, weight, 1e-6), rtol=3e-6, atol=0)
+    y, h = ops.fused_add_rms_norm(x, res, w, 1e-5)
+    want_y, want_h = pure_numpy("fused_add_rms_norm", x, res, w, 1e-5)
+    assert np.array_equal(h, want_h) and np.allclose(y, want_y, rtol=3e-6, atol=0)
+    assert np.array_equal(ops.rms_norm(np.zeros(shape, np.float32), w, 1e-6), np.zeros(shape, np.float32))
+    # A strided view and a weight of another shape go through the same formula.
+    view = x[..., ::2]
+    assert np.allclose(ops.rms_norm(view, None, 1e-6), pure_numpy("rms_norm", view, None, 1e-6), rtol=3e-6, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d,half", [(64, 32), (64, 16), (24, 12)])
+def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: int) -> None:  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(d + half)
+    x = rng.standard_normal((5, 3, d)).astype(np.float32)
+    angles = rng.uniform(0, 100, (5, half)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    got, want = ops.rope(x, cos, sin), pure_numpy("rope", x, cos, sin)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(ops.rope(x, cos, sin, interleaved=True), pure_numpy("rope", x, cos, sin, interleaved=True))
