@@ -135,6 +135,16 @@ AVX2 static inline __m256 dot8(const uint8_t *c, const float *v) {
     return _mm256_fmadd_ps(widen(_mm_srli_si128(b1, 8)), _mm256_loadu_ps(v + 24), t);
 }
 
+/* sum_g biases[g] * xs[g], eight groups at a time (one order for every caller). */
+AVX2 static inline float bias_dot(const float *biases, const float *xs, Py_ssize_t groups) {
+    __m256 a = _mm256_setzero_ps();
+    Py_ssize_t g = 0;
+    for (; g + 8 <= groups; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(biases + g), _mm256_loadu_ps(xs + g), a);
+    float t = hsum(a);
+    for (; g < groups; g++) t += biases[g] * xs[g];
+    return t;
+}
+
 AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *v,
                           const float *xs, Py_ssize_t k) {
     Py_ssize_t groups = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, g = 0;
@@ -154,9 +164,7 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
         }
         if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot8(codes + g * step, v + g * GROUP), a0);
     }
-    float bacc = 0.0f;
-    for (g = 0; g < groups; g++) bacc += biases[g] * xs[g];
-    return hsum(_mm256_add_ps(a0, a1)) + bacc;
+    return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
 }
 
 AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
@@ -187,11 +195,8 @@ AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const floa
             a[i] = _mm256_fmadd_ps(s, t, a[i]);
         }
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        float bacc = 0.0f;
-        for (Py_ssize_t g = 0; g < groups; g++) bacc += biases[g] * xs[i * groups + g];
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bacc;
-    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
 }
 
 AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
@@ -219,11 +224,8 @@ AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const floa
             a[i] = _mm256_fmadd_ps(s, t, a[i]);
         }
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        float bacc = 0.0f;
-        for (Py_ssize_t g = 0; g < groups; g++) bacc += biases[g] * xs[i * groups + g];
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bacc;
-    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
 }
 AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     Py_ssize_t c;
