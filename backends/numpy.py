@@ -16,6 +16,14 @@ more than :attr:`NumpyBackend.KERNEL_ROWS` rows (prefill) dequantize a slab
 of rows at a time into a scratch buffer and use BLAS. ``quantize="off"``
 dequantizes everything to float32 instead.
 
+The same extension computes few-row float32 products (decoding with float32
+weights) on the same OpenMP threads, since alternating with OpenBLAS's own
+thread pool on few cores makes each wait for the other's spinning workers,
+and ``rms_norm``, ``fused_add_rms_norm`` and ``rope`` in one C pass each
+(a decode step is hundreds of small ops: their numpy overhead showed beside
+the quantized products). ``rope`` is bit-identical to the numpy formula;
+``rms_norm`` differs only in the order of its sum of squares.
+
 Without the kernels, GGUF weights are dequantized to float32 at load while
 memory allows: BLAS on float32 is then the fastest matmul. When the float32
 copy of a weight would not fit in the memory still available (less 1 GiB of
