@@ -556,6 +556,87 @@ done:
     return result;
 }
 
+/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap) -> None
+ * for the few query rows of decoding (q [tq, hq, dk], k [tk, hkv, dk], v [tk,
+ * hkv, dv], out [tq, hq, dv], all float32 and contiguous): per query row and
+ * head, scores over the visible keys (bottom-right aligned causal mask, and
+ * the sliding window when window > 0), optional tanh soft-capping, softmax,
+ * weighted sum of values. Keys outside the mask are skipped, which is what
+ * their -inf scores give. The numpy path does the same with two GEMMs. */
+static PyObject *attention(PyObject *self, PyObject *args) {
+    Py_buffer q, k, v, out;
+    Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
+    float scale, softcap;
+    int causal;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+                          &causal, &window, &softcap))
+        return NULL;
+    PyObject *result = NULL;
+    float *scores = NULL;
+    if (tq < 1 || tk < 1 || hq < 1 || hkv < 1 || hq % hkv || dk < 1 || dv < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shape: tq=%zd tk=%zd hq=%zd hkv=%zd", tq, tk, hq, hkv);
+        goto done;
+    }
+    if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, tk * hkv * dk * 4, "k") ||
+        !check(&v, tk * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out"))
+        goto done;
+    scores = malloc((size_t)tk * sizeof(float));
+    if (!scores) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const float *Q = (const float *)q.buf, *K = (const float *)k.buf, *V = (const float *)v.buf;
+    float *O = (float *)out.buf;
+    Py_ssize_t group = hq / hkv;
+    for (Py_ssize_t i = 0; i < tq; i++) {
+        Py_ssize_t pos = tk - tq + i, lo = 0, hi = tk; /* visible keys: [lo, hi) */
+        if (causal) hi = pos + 1 < tk ? pos + 1 : tk;
+        if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
+        for (Py_ssize_t h = 0; h < hq; h++) {
+            const float *qh = Q + (i * hq + h) * dk;
+            Py_ssize_t kvh = h / group;
+            float *o = O + (i * hq + h) * dv;
+            for (Py_ssize_t c = 0; c < dv; c++) o[c] = 0.0f;
+            if (hi <= lo) continue; /* nothing visible: numpy gives NaN rows; never the case in decoding */
+            float top = -INFINITY;
+            for (Py_ssize_t j = lo; j < hi; j++) {
+                const float *kj = K + (j * hkv + kvh) * dk;
+                float acc[8] = {0};
+                Py_ssize_t c = 0;
+                for (; c + 8 <= dk; c += 8)
+                    for (int u = 0; u < 8; u++) acc[u] += qh[c + u] * kj[c + u];
+                float sdot = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                for (; c < dk; c++) sdot += qh[c] * kj[c];
+                float sc = sdot * scale;
+                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                scores[j] = sc;
+                if (sc > top) top = sc;
+            }
+            float total = 0.0f;
+            for (Py_ssize_t j = lo; j < hi; j++) {
+                scores[j] = expf(scores[j] - top);
+                total += scores[j];
+            }
+            for (Py_ssize_t j = lo; j < hi; j++) {
+                const float p = scores[j] / total;
+                const float *vj = V + (j * hkv + kvh) * dv;
+                for (Py_ssize_t c = 0; c < dv; c++) o[c] += p * vj[c];
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(scores);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* use_simd(name) -> None: "portable" or "avx2+fma" (where the CPU has it), for tests. */
 static PyObject *use_simd(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
@@ -585,6 +666,7 @@ static PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = x @ W.T for an affine-quantized W (see the module source)."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
+    {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},

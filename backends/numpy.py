@@ -428,6 +428,15 @@ class NumpyBackend(Backend):
     ) -> Array:
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
+        if (_affine is not None and tq <= self.KERNEL_ROWS and q.dtype == k.dtype == v.dtype == np.float32
+                and k.flags.c_contiguous and v.flags.c_contiguous and (softcap is None or softcap > 0)
+                and (window is None or window > 0) and tq <= tk):  # tq <= tk: no row sees no key
+            # Decoding: one C pass per head over the cached keys, instead of two
+            # small GEMMs, a mask and a softmax of numpy calls.
+            out = np.empty((tq, hq, dv), np.float32)
+            _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
+                              window or 0, softcap or 0.0)
+            return out
         group = hq // hkv
         # [hkv, group*tq, dk] @ [hkv, dk, tk]: one batched GEMM per kv head,
         # without materialising repeated keys for grouped-query attention.

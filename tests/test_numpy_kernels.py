@@ -260,3 +260,22 @@ def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: in
     got, want = ops.rope(x, cos, sin), pure_numpy("rope", x, cos, sin)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(ops.rope(x, cos, sin, interleaved=True), pure_numpy("rope", x, cos, sin, interleaved=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tq,tk", [(1, 1), (1, 37), (3, 20), (8, 8), (5, 300)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("causal,window,softcap", [(True, None, None), (True, 7, None), (False, None, None),
+                                                    (True, None, 20.0), (False, 5, 30.0)])
+def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv, causal, window, softcap):  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(tq * 1000 + tk)
+    q = rng.standard_normal((tq, hq, 16)).astype(np.float32) * 2
+    k = rng.standard_normal((tk, hkv, 16)).astype(np.float32)
+    v = rng.standard_normal((tk, hkv, 24)).astype(np.float32)
+    kw = dict(scale=0.25, causal=causal, window=window, softcap=softcap)
+    got, want = ops.attention(q, k, v, **kw), pure_numpy("attention", q, k, v, **kw)
+    # Sums in another order (dot products, softmax total, weighted values) and
+    # C's expf/tanhf against numpy's: a few float32 roundings of values <= max|v|.
+    assert got.shape == want.shape and np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(v).max(), np.abs(got - want).max()
