@@ -128,7 +128,7 @@ def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
     assert isinstance(w, PackedWeight) and w.scheme.endswith("affine group 32, C kernel")
     assert w.data.nbytes < t.dequantize().nbytes / 2.5  # what decoding reads per token
     dense = t.dequantize()
-    for m in (1, 4, ops.KERNEL_ROWS + 1, 40):  # the kernel, then slabs dequantized for BLAS
+    for m in (1, 4, 12, ops.KERNEL_ROWS + 1, 40):  # the kernel (12: two chunks of rows), then slabs for BLAS
         x = np.random.default_rng(m).standard_normal((m, 512)).astype(np.float32)
         assert within_float32(ops.linear(x, w), x, dense), m
     ops.SLAB_BYTES = 512 * 4 * 5  # five rows a slab: the last slab is partial
