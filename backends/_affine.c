@@ -562,34 +562,57 @@ done:
     return result;
 }
 
-/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap) -> None
+/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block]) -> None
  * for the few query rows of decoding (q [tq, hq, dk], k [tk, hkv, dk], v [tk,
  * hkv, dv], out [tq, hq, dv], all float32 and contiguous): per query row and
  * head, scores over the visible keys (bottom-right aligned causal mask, and
  * the sliding window when window > 0), optional tanh soft-capping, softmax,
  * weighted sum of values. Keys outside the mask are skipped, which is what
- * their -inf scores give. The numpy path does the same with two GEMMs. */
+ * their -inf scores give. The numpy path does the same with two GEMMs.
+ * With a block table, keys and values are read in place from paged pools. */
 static PyObject *attention(PyObject *self, PyObject *args) {
-    Py_buffer q, k, v, out;
-    Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
+    Py_buffer q, k, v, out, table = {0};
+    Py_ssize_t tq, tk, hq, hkv, dk, dv, window, block = 0;
     float scale, softcap;
     int causal;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
-                          &causal, &window, &softcap))
+    PyObject *tobj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|On", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+                          &causal, &window, &softcap, &tobj, &block))
         return NULL;
     PyObject *result = NULL;
     float *scores = NULL;
-    if (tq < 1 || tk < 1 || hq < 1 || hkv < 1 || hq % hkv || dk < 1 || dv < 1) {
-        PyErr_Format(PyExc_ValueError, "bad shape: tq=%zd tk=%zd hq=%zd hkv=%zd", tq, tk, hq, hkv);
+    Py_ssize_t *rows = NULL; /* pool row of each key position */
+    int paged = tobj != Py_None;
+    if (tq < 1 || tk < 1 || hq < 1 || hkv < 1 || hq % hkv || dk < 1 || dv < 1 || (paged && block < 1)) {
+        PyErr_Format(PyExc_ValueError, "bad shape: tq=%zd tk=%zd hq=%zd hkv=%zd block=%zd", tq, tk, hq, hkv, block);
         goto done;
     }
-    if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, tk * hkv * dk * 4, "k") ||
-        !check(&v, tk * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out"))
+    /* Contiguous: k [tk, hkv, dk]. Paged: k and v are pools [blocks, block, hkv, d]
+     * and the int64 table maps logical block b to its physical block. */
+    Py_ssize_t pool_rows = paged ? k.len / (hkv * dk * 4) : tk;
+    if (paged && PyObject_GetBuffer(tobj, &table, PyBUF_SIMPLE) < 0) goto done;
+    if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, pool_rows * hkv * dk * 4, "k") ||
+        !check(&v, pool_rows * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out") ||
+        (paged && !check(&table, ((tk + block - 1) / block) * 8, "block table")))
         goto done;
     scores = malloc((size_t)tk * sizeof(float));
-    if (!scores) {
+    rows = malloc((size_t)tk * sizeof(Py_ssize_t));
+    if (!scores || !rows) {
         PyErr_NoMemory();
         goto done;
+    }
+    for (Py_ssize_t j = 0; j < tk; j++) {
+        Py_ssize_t r = j;
+        if (paged) {
+            int64_t b = ((const int64_t *)table.buf)[j / block];
+            r = (Py_ssize_t)b * block + j % block;
+            if (b < 0 || r >= pool_rows) {
+                PyErr_Format(PyExc_IndexError, "block table entry %lld is outside the pool of %zd blocks",
+                             (long long)b, pool_rows / block);
+                goto done;
+            }
+        }
+        rows[j] = r;
     }
     Py_BEGIN_ALLOW_THREADS
     const float *Q = (const float *)q.buf, *K = (const float *)k.buf, *V = (const float *)v.buf;
@@ -607,7 +630,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
             if (hi <= lo) continue; /* nothing visible: numpy gives NaN rows; never the case in decoding */
             float top = -INFINITY;
             for (Py_ssize_t j = lo; j < hi; j++) {
-                float sc = dot_f32(qh, K + (j * hkv + kvh) * dk, dk) * scale;
+                float sc = dot_f32(qh, K + (rows[j] * hkv + kvh) * dk, dk) * scale;
                 if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
                 scores[j] = sc;
                 if (sc > top) top = sc;
@@ -619,7 +642,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
             }
             for (Py_ssize_t j = lo; j < hi; j++) {
                 const float p = scores[j] / total;
-                const float *vj = V + (j * hkv + kvh) * dv;
+                const float *vj = V + (rows[j] * hkv + kvh) * dv;
                 for (Py_ssize_t c = 0; c < dv; c++) o[c] += p * vj[c];
             }
         }
@@ -629,6 +652,8 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     Py_INCREF(result);
 done:
     free(scores);
+    free(rows);
+    if (table.obj) PyBuffer_Release(&table);
     PyBuffer_Release(&q);
     PyBuffer_Release(&k);
     PyBuffer_Release(&v);

@@ -471,13 +471,24 @@ class NumpyBackend(Backend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> Array:
-        """Reads only the blocks holding the ``context_len`` keys: ``np.take``
-        on the block axis copies the sequence's own blocks (never the pool),
-        then :meth:`attention`'s math runs on them. The batched GEMM wants
-        each kv head's keys in one strided array, so a copy of the
-        sequence's blocks is the price on the CPU; a GPU kernel would read
-        the pages in place."""
+        """Reads only the blocks holding the ``context_len`` keys. For a few
+        query rows (decoding) the C kernel reads them in place through the
+        table; otherwise ``np.take`` on the block axis copies the sequence's
+        own blocks (never the pool), then :meth:`attention`'s math runs on
+        them (the batched GEMM wants each kv head's keys in one strided array)."""
         table = np.asarray(block_table)[:blocks_holding(context_len, k_pool.shape[1], len(block_table))]
+        tq = q.shape[0]
+        if (_affine is not None and tq <= self.KERNEL_ROWS and tq <= context_len
+                and q.dtype == k_pool.dtype == v_pool.dtype == np.float32
+                and k_pool.flags.c_contiguous and v_pool.flags.c_contiguous
+                and (softcap is None or softcap > 0) and (window is None or window > 0)):
+            # Decoding: the C pass reads the pages in place through the table.
+            hq, hkv, dk, dv = q.shape[1], k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
+            out = np.empty((tq, hq, dv), np.float32)
+            _affine.attention(np.ascontiguousarray(q), k_pool, v_pool, out, tq, context_len, hq, hkv, dk, dv, scale,
+                              causal, window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64),
+                              k_pool.shape[1])
+            return out
         k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
         v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)

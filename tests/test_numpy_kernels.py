@@ -279,3 +279,29 @@ def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv
     # C's expf/tanhf against numpy's: a few float32 roundings of values <= max|v|.
     assert got.shape == want.shape and np.isfinite(got).all()
     assert np.abs(got - want).max() <= 2e-6 * np.abs(v).max(), np.abs(got - want).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("tq,context", [(1, 1), (1, 37), (3, 20), (2, 48)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 25.0)])
+def test_paged_attention_reads_pages_in_place_like_the_gather(pure_numpy, tq, context, window, softcap):  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(context * 10 + tq)
+    block, hq, hkv = 16, 6, 2
+    k_pool = rng.standard_normal((9, block, hkv, 16)).astype(np.float32)
+    v_pool = rng.standard_normal((9, block, hkv, 8)).astype(np.float32)
+    table = np.array([7, 2, 5, 0], np.int32)  # out of order, more blocks than the context needs
+    q = rng.standard_normal((tq, hq, 16)).astype(np.float32)
+    kw = dict(scale=0.3, causal=True, window=window, softcap=softcap)
+    got = ops.paged_attention(q, k_pool, v_pool, table, context, **kw)
+    want = pure_numpy("paged_attention", q, k_pool, v_pool, table, context, **kw)
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(v_pool).max()
+
+
+@needs_kernels
+def test_paged_attention_rejects_a_table_outside_the_pool() -> None:
+    ops = numpy_backend.NumpyBackend()
+    k_pool = np.zeros((2, 4, 1, 8), np.float32)
+    q = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(IndexError, match="block table entry 5 is outside the pool of 2 blocks"):
+        ops.paged_attention(q, k_pool, k_pool, np.array([0, 5]), 6, scale=1.0)
