@@ -227,7 +227,7 @@ class NumpyBackend(Backend):
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         if isinstance(weight, PackedWeight):
             return self.quantized_linear(x, weight, bias)
-        rows = x.size // x.shape[-1] if x.ndim else 0
+        rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
         if (_affine is not None and 0 < rows <= self.KERNEL_ROWS and weight.ndim == 2
                 and weight.dtype == np.float32 and weight.flags.c_contiguous):
             # Few rows (decoding): the C kernel, on the same OpenMP threads as the
