@@ -19,9 +19,9 @@ dequantizes everything to float32 instead.
 The same extension computes few-row float32 products (decoding with float32
 weights) on the same OpenMP threads, since alternating with OpenBLAS's own
 thread pool on few cores makes each wait for the other's spinning workers,
-and ``rms_norm``, ``fused_add_rms_norm`` and ``rope`` in one C pass each
-(a decode step is hundreds of small ops: their numpy overhead showed beside
-the quantized products). ``rope`` is bit-identical to the numpy formula;
+and ``rms_norm``, ``fused_add_rms_norm``, ``rope`` and few-row (paged)
+attention in one C pass each (a decode step is hundreds of small ops: their
+numpy overhead showed beside the quantized products). ``rope`` is bit-identical to the numpy formula;
 ``rms_norm`` differs only in the order of its sum of squares.
 
 Without the kernels, GGUF weights are dequantized to float32 at load while
@@ -430,14 +430,8 @@ class NumpyBackend(Backend):
     ) -> Array:
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
-        if (_affine is not None and tq <= self.KERNEL_ROWS and q.dtype == k.dtype == v.dtype == np.float32
-                and k.flags.c_contiguous and v.flags.c_contiguous and (softcap is None or softcap > 0)
-                and (window is None or window > 0) and tq <= tk):  # tq <= tk: no row sees no key
-            # Decoding: one C pass per head over the cached keys, instead of two
-            # small GEMMs, a mask and a softmax of numpy calls.
-            out = np.empty((tq, hq, dv), np.float32)
-            _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
-                              window or 0, softcap or 0.0)
+        out = self._kernel_attention(q, k, v, tk, scale, causal, window, softcap)
+        if out is not None:
             return out
         group = hq // hkv
         # [hkv, group*tq, dk] @ [hkv, dk, tk]: one batched GEMM per kv head,
@@ -477,21 +471,31 @@ class NumpyBackend(Backend):
         own blocks (never the pool), then :meth:`attention`'s math runs on
         them (the batched GEMM wants each kv head's keys in one strided array)."""
         table = np.asarray(block_table)[:blocks_holding(context_len, k_pool.shape[1], len(block_table))]
-        tq = q.shape[0]
-        if (_affine is not None and tq <= self.KERNEL_ROWS and tq <= context_len
-                and q.dtype == k_pool.dtype == v_pool.dtype == np.float32
-                and k_pool.flags.c_contiguous and v_pool.flags.c_contiguous
-                and (softcap is None or softcap > 0) and (window is None or window > 0)):
-            # Decoding: the C pass reads the pages in place through the table.
-            hq, hkv, dk, dv = q.shape[1], k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
-            out = np.empty((tq, hq, dv), np.float32)
-            _affine.attention(np.ascontiguousarray(q), k_pool, v_pool, out, tq, context_len, hq, hkv, dk, dv, scale,
-                              causal, window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64),
-                              k_pool.shape[1])
+        out = self._kernel_attention(q, k_pool, v_pool, context_len, scale, causal, window, softcap, table)
+        if out is not None:  # decoding: the C pass read the pages in place through the table
             return out
         k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
         v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+    def _kernel_attention(self, q: Array, k: Array, v: Array, tk: int, scale: float, causal: bool,
+                          window: int | None, softcap: float | None, table: np.ndarray | None = None) -> Array | None:
+        """Attention for up to :attr:`KERNEL_ROWS` query rows (decoding) in one C
+        pass per head, instead of two small GEMMs, a mask and a softmax of numpy
+        calls; None where the kernel does not apply. ``k``/``v`` are ``[tk, hkv,
+        d]``, or paged pools ``[blocks, block, hkv, d]`` read through ``table``."""
+        tq, hq, dk = q.shape
+        if not (_affine is not None and tq <= self.KERNEL_ROWS and tq <= tk  # tq <= tk: every row sees a key
+                and q.dtype == k.dtype == v.dtype == np.float32 and k.flags.c_contiguous and v.flags.c_contiguous
+                and (softcap is None or softcap > 0) and (window is None or window > 0)):
+            return None
+        hkv, dv = k.shape[-2], v.shape[-1]
+        out = np.empty((tq, hq, dv), np.float32)
+        paged = () if table is None else (np.ascontiguousarray(table, np.int64), k.shape[1])
+        _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
+                          window or 0, softcap or 0.0, *paged)
+        return out
 
 
 def _rowwise(x: Array, weight: Array | None) -> bool:
