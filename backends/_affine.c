@@ -7,7 +7,8 @@
  *     W[r, c] = scale[r, g] * code[r, c] + bias[r, g],    g = c / 32
  *
  * (infer.quantize.AffineTensor; every GGUF type with a group-of-32 affine form
- * maps onto it exactly). For activations x [m, k] this computes y = x @ W.T as
+ * maps onto it exactly, and Q6_K onto 8-bit codes with groups of 16). For
+ * activations x [m, k] this computes y = x @ W.T as
  *
  *     y[i, r] = sum_g scale[r, g] * sum_{c in g} code[r, c] * x[i, c]
  *             + sum_g bias[r, g] * sum_{c in g} x[i, c]
@@ -16,10 +17,15 @@
  * bytes for 4 bits), which is what bounds decoding. The result differs from
  * dequantize-then-BLAS only in the order of float32 additions.
  *
+ * Scales and biases are float32, or float16 where every one of them is a
+ * float16 value (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so): each
+ * row's are then widened to float32 before its sums, so the arithmetic, and
+ * the result, are the same as with float32 ones, for fewer bytes read.
+ *
  * Also: dequantization into a caller's float32 buffer (for products with many
  * rows, where BLAS on the dequantized matrix is faster).
  *
- * The AVX2+FMA path is chosen at run time (__builtin_cpu_supports); other
+ * The AVX2+FMA(+F16C) path is chosen at run time (__builtin_cpu_supports); other
  * CPUs take the portable loops. Rows of W are split across OpenMP threads when
  * built with OpenMP. The GIL is released while computing.
  */
@@ -36,23 +42,51 @@
 #include <immintrin.h>
 #endif
 
-#define GROUP 32
-#define MAX_ROWS 8 /* activation rows handled together; more go in chunks */
+#define GROUP 32    /* columns per block of codes; a block has one scale, or two (groups of 16) */
+#define MAX_ROWS 8  /* activation rows handled together; more go in chunks */
+#define TILE_GROUPS 8192  /* float16 scales are widened a tile of rows at a time, on the stack */
+#define TILE_ROWS 32
+#ifndef PREFETCH
+#define PREFETCH 4096
+#endif
 
-static void group_sums(const float *x, float *xs, Py_ssize_t m, Py_ssize_t k) {
-    Py_ssize_t groups = k / GROUP;
+static void group_sums(const float *x, float *xs, Py_ssize_t m, Py_ssize_t k, Py_ssize_t group) {
+    Py_ssize_t groups = k / group;
     for (Py_ssize_t i = 0; i < m; i++)
         for (Py_ssize_t g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int j = 0; j < GROUP; j++) s += x[i * k + g * GROUP + j];
+            for (Py_ssize_t j = 0; j < group; j++) s += x[i * k + g * group + j];
             xs[i * groups + g] = s;
         }
+}
+
+/* IEEE half to float, exactly (subnormals, infinities and NaNs included). */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: shift the mantissa up to a leading one */
+        uint32_t e = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* -- portable ----------------------------------------------------------------- */
 
 static void row4_portable(const uint8_t *codes, const float *scales, const float *biases, const float *x,
-                          const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
+                          const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+    (void)group; /* always 32 */
     Py_ssize_t groups = k / GROUP;
     for (Py_ssize_t i = 0; i < m; i++) {
         float acc = 0.0f, bacc = 0.0f;
@@ -69,15 +103,15 @@ static void row4_portable(const uint8_t *codes, const float *scales, const float
 }
 
 static void row8_portable(const uint8_t *codes, const float *scales, const float *biases, const float *x,
-                          const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
-    Py_ssize_t groups = k / GROUP;
+                          const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+    Py_ssize_t groups = k / group;
     for (Py_ssize_t i = 0; i < m; i++) {
         float acc = 0.0f, bacc = 0.0f;
         for (Py_ssize_t g = 0; g < groups; g++) {
-            const uint8_t *b = codes + g * GROUP;
-            const float *v = x + i * k + g * GROUP;
+            const uint8_t *b = codes + g * group;
+            const float *v = x + i * k + g * group;
             float t = 0.0f;
-            for (int j = 0; j < GROUP; j++) t += (float)b[j] * v[j];
+            for (Py_ssize_t j = 0; j < group; j++) t += (float)b[j] * v[j];
             acc += scales[g] * t;
             bacc += biases[g] * xs[i * groups + g];
         }
@@ -96,7 +130,7 @@ static void rowf_portable(const float *w, const float *x, float *out, Py_ssize_t
 /* -- AVX2 + FMA ----------------------------------------------------------------- */
 
 #ifdef HAVE_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -135,6 +169,16 @@ AVX2 static inline __m256 dot8(const uint8_t *c, const float *v) {
     return _mm256_fmadd_ps(widen(_mm_srli_si128(b1, 8)), _mm256_loadu_ps(v + 24), t);
 }
 
+/* 8-bit codes with a scale per 16 columns: one block of 32, scales s[0], s[1]. */
+AVX2 static inline __m256 g16_step(const uint8_t *c, const float *v, const float *s, __m256 acc) {
+    __m128i b0 = _mm_loadu_si128((const __m128i *)c), b1 = _mm_loadu_si128((const __m128i *)(c + 16));
+    __m256 t = _mm256_mul_ps(widen(b0), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(widen(_mm_srli_si128(b0, 8)), _mm256_loadu_ps(v + 8), t);
+    __m256 u = _mm256_mul_ps(widen(b1), _mm256_loadu_ps(v + 16));
+    u = _mm256_fmadd_ps(widen(_mm_srli_si128(b1, 8)), _mm256_loadu_ps(v + 24), u);
+    return _mm256_fmadd_ps(_mm256_broadcast_ss(s + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(s), t, acc));
+}
+
 /* sum_g biases[g] * xs[g], eight groups at a time (one order for every caller). */
 AVX2 static inline float bias_dot(const float *biases, const float *xs, Py_ssize_t groups) {
     __m256 a = _mm256_setzero_ps();
@@ -146,10 +190,18 @@ AVX2 static inline float bias_dot(const float *biases, const float *xs, Py_ssize
 }
 
 AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *v,
-                          const float *xs, Py_ssize_t k) {
+                          const float *xs, Py_ssize_t k, Py_ssize_t group) {
     Py_ssize_t groups = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, g = 0;
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    if (group == 16) { /* groups here are blocks of 32 columns, two scales each */
+        for (; g + 1 < groups; g += 2) {
+            a0 = g16_step(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
+            a1 = g16_step(codes + (g + 1) * GROUP, v + (g + 1) * GROUP, scales + 2 * (g + 1), a1);
+        }
+        if (g < groups) a0 = g16_step(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
+        return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, 2 * groups);
+    }
     if (bits == 4) {
         for (; g + 1 < groups; g += 2) {
             a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, shifts, mask), a0);
@@ -168,9 +220,9 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
 }
 
 AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
-                           const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
+                           const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (m == 1) {
-        out[0] = one_row(4, codes, scales, biases, x, xs, k);
+        out[0] = one_row(4, codes, scales, biases, x, xs, k, group);
         return;
     }
     /* The same sums in the same order as one_row (even groups into one
@@ -200,12 +252,35 @@ AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const floa
 }
 
 AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
-                           const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
+                           const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (m == 1) {
-        out[0] = one_row(8, codes, scales, biases, x, xs, k);
+        out[0] = one_row(8, codes, scales, biases, x, xs, k, group);
         return;
     }
     Py_ssize_t groups = k / GROUP;  /* sums ordered as in one_row, see row4_avx2 */
+    if (group == 16) {
+        __m256 acc16[2][MAX_ROWS];
+        for (Py_ssize_t i = 0; i < m; i++) acc16[0][i] = acc16[1][i] = _mm256_setzero_ps();
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            const uint8_t *c = codes + g * GROUP;
+            __m128i b0 = _mm_loadu_si128((const __m128i *)c), b1 = _mm_loadu_si128((const __m128i *)(c + 16));
+            __m256 w0 = widen(b0), w1 = widen(_mm_srli_si128(b0, 8));
+            __m256 w2 = widen(b1), w3 = widen(_mm_srli_si128(b1, 8));
+            __m256 s0 = _mm256_broadcast_ss(scales + 2 * g), s1 = _mm256_broadcast_ss(scales + 2 * g + 1);
+            __m256 *a = acc16[g & 1];
+            for (Py_ssize_t i = 0; i < m; i++) {
+                const float *v = x + i * k + g * GROUP;
+                __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+                __m256 u = _mm256_mul_ps(w2, _mm256_loadu_ps(v + 16));
+                u = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), u);
+                a[i] = _mm256_fmadd_ps(s1, u, _mm256_fmadd_ps(s0, t, a[i]));
+            }
+        }
+        for (Py_ssize_t i = 0; i < m; i++)
+            out[i * n] = hsum(_mm256_add_ps(acc16[0][i], acc16[1][i])) + bias_dot(biases, xs + i * 2 * groups, 2 * groups);
+        return;
+    }
     __m256 acc[2][MAX_ROWS];
     for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     for (Py_ssize_t g = 0; g < groups; g++) {
@@ -248,8 +323,16 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
 }
 /* One row of codes to float32, group by group (even columns in the low nibbles). */
 AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases,
-                                  float *out, Py_ssize_t k) {
+                                  float *out, Py_ssize_t k, Py_ssize_t group) {
     const __m128i low = _mm_set1_epi8(15);
+    if (group != GROUP) { /* 8-bit codes, groups of 16: eight columns at a time */
+        for (Py_ssize_t c = 0; c < k; c += 8) {
+            __m256 sc = _mm256_broadcast_ss(scales + c / group), b = _mm256_broadcast_ss(biases + c / group);
+            __m128i v = _mm_loadl_epi64((const __m128i *)(codes + c));
+            _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(widen(v), sc), b));
+        }
+        return;
+    }
     for (Py_ssize_t g = 0; g < k / GROUP; g++) {
         __m256 sc = _mm256_broadcast_ss(scales + g), b = _mm256_broadcast_ss(biases + g);
         float *o = out + g * GROUP;
@@ -275,7 +358,16 @@ AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *s
 #endif
 
 typedef void (*row_fn)(const uint8_t *, const float *, const float *, const float *, const float *, float *,
-                       Py_ssize_t, Py_ssize_t, Py_ssize_t);
+                       Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t);
+
+/* n float16 values to float32 (F16C on the AVX2 path). */
+#ifdef HAVE_X86
+AVX2 static void halves_f16c(const uint16_t *h, float *f, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+#endif
 
 static int use_avx2 = 0;
 
@@ -289,26 +381,91 @@ static int check(Py_buffer *b, Py_ssize_t want, const char *what) {
     return 1;
 }
 
-/* gemv(bits, x, codes, scales, biases, out, m, k, n) -> None
+static void halves(const uint16_t *h, float *f, Py_ssize_t n) {
+#ifdef HAVE_X86
+    if (use_avx2) {
+        halves_f16c(h, f, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) f[i] = half_to_float(h[i]);
+}
+
+/* The shape checks shared by gemv and dequantize: codes of `bits` (4, or 8 for
+ * 5-, 6- and 8-bit codes one per byte) in groups of `group` (32; or 16 for
+ * 8-bit codes), scales and biases float32 or, with half, float16. */
+static int check_codes(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ssize_t k, Py_buffer *codes,
+                       Py_buffer *scales, Py_buffer *biases) {
+    if ((bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP || k % GROUP ||
+        n < 1 || (half && k / group > TILE_GROUPS)) {
+        PyErr_Format(PyExc_ValueError, "bad shape, bits or group: bits=%d group=%zd n=%zd k=%zd", bits, group, n, k);
+        return 0;
+    }
+    Py_ssize_t size = half ? 2 : 4, groups = k / group;
+    return check(codes, n * (bits == 4 ? k / 2 : k), "codes") && check(scales, n * groups * size, "scales") &&
+           check(biases, n * groups * size, "biases");
+}
+
+/* Rows per tile: float16 scales and biases are widened for a tile of rows at a
+ * time (one contiguous span each, vectorized), not row by row. */
+static Py_ssize_t tile_rows(Py_ssize_t groups) {
+    Py_ssize_t t = TILE_GROUPS / groups;
+    return t < 1 ? 1 : t > TILE_ROWS ? TILE_ROWS : t;
+}
+
+/* Rows [r0, r1) of float16 scales, then biases, into wide (float32). */
+static void widen_tile(Py_buffer *scales, Py_buffer *biases, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t groups,
+                       float *wide) {
+    halves((const uint16_t *)scales->buf + r0 * groups, wide, (r1 - r0) * groups);
+    halves((const uint16_t *)biases->buf + r0 * groups, wide + (r1 - r0) * groups, (r1 - r0) * groups);
+}
+
+/* One row of codes to float32: scale * code + bias. */
+static void dequant_row(int bits, const uint8_t *cr, const float *s, const float *bi, float *yr, Py_ssize_t k,
+                        Py_ssize_t group) {
+#ifdef HAVE_X86
+    if (use_avx2) {
+        dequant_row_avx2(bits, cr, s, bi, yr, k, group);
+        return;
+    }
+#endif
+    for (Py_ssize_t g = 0; g < k / group; g++) {
+        const float sc = s[g], b = bi[g];
+        float *yg = yr + g * group;
+        if (bits == 4) {
+            const uint8_t *cg = cr + g * (GROUP / 2);
+            for (int j = 0; j < GROUP / 2; j++) {
+                yg[2 * j] = sc * (float)(cg[j] & 15) + b;
+                yg[2 * j + 1] = sc * (float)(cg[j] >> 4) + b;
+            }
+        } else {
+            const uint8_t *cg = cr + g * group;
+            for (Py_ssize_t j = 0; j < group; j++) yg[j] = sc * (float)cg[j] + b;
+        }
+    }
+}
+
+/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half]) -> None
  * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
- * scales, biases float32 [n, k/32]; out float32 [m, n], written. */
+ * scales, biases [n, k/group], float32 (or float16 with half true); out
+ * float32 [m, n], written. group: 32 (default), or 16 for 8-bit codes. */
 static PyObject *gemv(PyObject *self, PyObject *args) {
-    int bits;
+    int bits, half = 0;
     Py_buffer x, codes, scales, biases, out;
-    Py_ssize_t m, k, n;
-    if (!PyArg_ParseTuple(args, "iy*y*y*y*w*nnn", &bits, &x, &codes, &scales, &biases, &out, &m, &k, &n))
+    Py_ssize_t m, k, n, group = GROUP;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*w*nnn|np", &bits, &x, &codes, &scales, &biases, &out, &m, &k, &n, &group,
+                          &half))
         return NULL;
     PyObject *result = NULL;
     float *work = NULL;
-    if ((bits != 4 && bits != 8) || m < 1 || k < GROUP || k % GROUP || n < 1) {
-        PyErr_Format(PyExc_ValueError, "bad shape or bits: bits=%d m=%zd k=%zd n=%zd", bits, m, k, n);
+    if (m < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
         goto done;
     }
-    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / GROUP;
-    if (!check(&x, m * k * 4, "x") || !check(&codes, n * row_bytes, "codes") ||
-        !check(&scales, n * groups * 4, "scales") || !check(&biases, n * groups * 4, "biases") ||
+    if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&x, m * k * 4, "x") ||
         !check(&out, m * n * 4, "out"))
         goto done;
+    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     work = malloc((size_t)(m * groups) * sizeof(float));
     if (!work) {
         PyErr_NoMemory();
@@ -317,20 +474,35 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     float *xs = work;
     const float *xp = (const float *)x.buf;
-    group_sums(xp, xs, m, k);
+    group_sums(xp, xs, m, k, group);
     row_fn fn = bits == 4 ? row4_portable : row8_portable;
 #ifdef HAVE_X86
     if (use_avx2) fn = bits == 4 ? row4_avx2 : row8_avx2;
 #endif
     const uint8_t *c = (const uint8_t *)codes.buf;
-    const float *s = (const float *)scales.buf, *bi = (const float *)biases.buf;
     float *y = (float *)out.buf;
+    Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
     for (Py_ssize_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
         Py_ssize_t rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
         #pragma omp parallel for schedule(static)
-        for (Py_ssize_t r = 0; r < n; r++)
-            fn(c + r * row_bytes, s + r * groups, bi + r * groups, xp + i0 * k, xs + i0 * groups, y + i0 * n + r,
-               rows, k, n);
+        for (Py_ssize_t t = 0; t < tiles; t++) {
+            Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+            float wide[2 * TILE_GROUPS];
+            const float *s = (const float *)scales.buf + r0 * groups, *bi = (const float *)biases.buf + r0 * groups;
+            if (half) {
+                widen_tile(&scales, &biases, r0, r1, groups, wide);
+                s = wide;
+                bi = wide + (r1 - r0) * groups;
+            }
+            for (Py_ssize_t r = r0; r < r1; r++) {
+                /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
+                const char *ahead = (const char *)(c + r * row_bytes) + PREFETCH;
+                for (Py_ssize_t b = 0; b < row_bytes && r * row_bytes + PREFETCH + b < n * row_bytes; b += 64)
+                    __builtin_prefetch(ahead + b, 0, 0);
+                fn(c + r * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, xp + i0 * k, xs + i0 * groups,
+                   y + i0 * n + r, rows, k, n, group);
+            }
+        }
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -381,53 +553,36 @@ done:
     return result;
 }
 
-/* dequantize(bits, codes, scales, biases, out, n, k[, parallel]) -> None: out
- * float32 [n, k] = scale * code + bias, the same float32 values as
+/* dequantize(bits, codes, scales, biases, out, n, k[, parallel, group, half]) -> None:
+ * out float32 [n, k] = scale * code + bias, the same float32 values as
  * AffineTensor.dequantize. parallel=0 keeps it on the calling thread: before a
  * BLAS call, OpenMP workers would compete with BLAS's spinning ones. */
 static PyObject *dequantize(PyObject *self, PyObject *args) {
-    int bits, parallel = 1;
+    int bits, parallel = 1, half = 0;
     Py_buffer codes, scales, biases, out;
-    Py_ssize_t n, k;
-    if (!PyArg_ParseTuple(args, "iy*y*y*w*nn|p", &bits, &codes, &scales, &biases, &out, &n, &k, &parallel))
+    Py_ssize_t n, k, group = GROUP;
+    if (!PyArg_ParseTuple(args, "iy*y*y*w*nn|pnp", &bits, &codes, &scales, &biases, &out, &n, &k, &parallel, &group,
+                          &half))
         return NULL;
     PyObject *result = NULL;
-    if ((bits != 4 && bits != 8) || k < GROUP || k % GROUP || n < 1) {
-        PyErr_Format(PyExc_ValueError, "bad shape or bits: bits=%d n=%zd k=%zd", bits, n, k);
-        goto done;
-    }
-    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / GROUP;
-    if (!check(&codes, n * row_bytes, "codes") || !check(&scales, n * groups * 4, "scales") ||
-        !check(&biases, n * groups * 4, "biases") || !check(&out, n * k * 4, "out"))
-        goto done;
+    if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&out, n * k * 4, "out")) goto done;
+    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     Py_BEGIN_ALLOW_THREADS
     const uint8_t *c = (const uint8_t *)codes.buf;
-    const float *s = (const float *)scales.buf, *bi = (const float *)biases.buf;
     float *y = (float *)out.buf;
+    Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
     #pragma omp parallel for schedule(static) if (parallel)
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *cr = c + r * row_bytes;
-        float *yr = y + r * k;
-#ifdef HAVE_X86
-        if (use_avx2) {
-            dequant_row_avx2(bits, cr, s + r * groups, bi + r * groups, yr, k);
-            continue;
+    for (Py_ssize_t t = 0; t < tiles; t++) {
+        Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+        float wide[2 * TILE_GROUPS];
+        const float *st = (const float *)scales.buf + r0 * groups, *bt = (const float *)biases.buf + r0 * groups;
+        if (half) {
+            widen_tile(&scales, &biases, r0, r1, groups, wide);
+            st = wide;
+            bt = wide + (r1 - r0) * groups;
         }
-#endif
-        for (Py_ssize_t g = 0; g < groups; g++) {
-            const float sc = s[r * groups + g], b = bi[r * groups + g];
-            float *yg = yr + g * GROUP;
-            if (bits == 4) {
-                const uint8_t *cg = cr + g * (GROUP / 2);
-                for (int j = 0; j < GROUP / 2; j++) {
-                    yg[2 * j] = sc * (float)(cg[j] & 15) + b;
-                    yg[2 * j + 1] = sc * (float)(cg[j] >> 4) + b;
-                }
-            } else {
-                const uint8_t *cg = cr + g * GROUP;
-                for (int j = 0; j < GROUP; j++) yg[j] = sc * (float)cg[j] + b;
-            }
-        }
+        for (Py_ssize_t r = r0; r < r1; r++)
+            dequant_row(bits, c + r * row_bytes, st + (r - r0) * groups, bt + (r - r0) * groups, y + r * k, k, group);
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -669,8 +824,8 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
         use_avx2 = 0;
     } else if (strcmp(name, "avx2+fma") == 0) {
 #ifdef HAVE_X86
-        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
-            PyErr_SetString(PyExc_ValueError, "this CPU has no AVX2+FMA");
+        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
+            PyErr_SetString(PyExc_ValueError, "this CPU has no AVX2+FMA+F16C");
             return NULL;
         }
         use_avx2 = 1;
@@ -703,7 +858,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_affine", NULL, -1, 
 PyMODINIT_FUNC PyInit__affine(void) {
 #ifdef HAVE_X86
     __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return PyModule_Create(&module);
 }

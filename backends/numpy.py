@@ -7,11 +7,13 @@ when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
 (``infer.backends._affine``, built at install where a C compiler exists),
-GGUF matrices whose type has an exact group-of-32 affine form (Q4_0, Q4_1,
-Q4_K, Q5_0, Q5_1, Q5_K, Q8_0) stay in that form, 4 or 8 bits per value plus
-a float32 scale and bias per 32: decoding reads a quarter to a third of
-float32's bytes, and the kernel multiplies on the codes directly (about
-2-3x faster than float32 BLAS per token on a 2-core AVX2 CPU). Products with
+GGUF matrices whose type has an exact affine form (Q4_0, Q4_1, Q4_K, Q5_0,
+Q5_1, Q5_K, Q8_0 in groups of 32; Q6_K in groups of 16) stay in that form,
+4 or 8 bits per value plus a scale and bias per group, float16 where the
+type stores them so (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and float32 otherwise:
+decoding reads a quarter to a third of float32's bytes, and the kernel
+multiplies on the codes directly (about 2-3x faster than float32 BLAS per
+token on a 2-core AVX2 CPU). Products with
 more than :attr:`NumpyBackend.KERNEL_ROWS` rows (prefill) dequantize a slab
 of rows at a time into a scratch buffer and use BLAS. ``quantize="off"``
 dequantizes everything to float32 instead.
@@ -110,9 +112,11 @@ class NumpyBackend(Backend):
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
-                affine = from_gguf(tensor) if _affine is not None else None
+                affine = from_gguf(tensor, groups=(16, 32)) if _affine is not None else None
                 if affine is not None:
-                    return PackedWeight(tensor.shape, tensor.qtype, f"{affine.bits}-bit affine group 32, C kernel", affine, rows=affine)
+                    affine = affine.half_scales()
+                    how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
+                    return PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine)
                 # Kept in its blocks when memory is short, and with on-load quantization
                 # (asked for to save memory; a GGUF weight is never quantized twice).
                 if self.quantize in SCHEME_BITS or not self._room_for(tensor):
@@ -141,7 +145,8 @@ class NumpyBackend(Backend):
         :attr:`KERNEL_ROWS` rows, slabs dequantized for BLAS beyond. Other
         blocks: dequantize (or find in the cache), then the float32 BLAS path."""
         data = weight.data
-        if _affine is not None and isinstance(data, AffineTensor) and data.group == 32 and data.bits in (4, 5, 8):
+        if (_affine is not None and isinstance(data, AffineTensor)
+                and (data.group == 32 or (data.group == 16 and data.bits > 4))):
             y = self._affine_linear(np.asarray(x, np.float32), data)
             if bias is not None:
                 y += bias
@@ -161,10 +166,11 @@ class NumpyBackend(Backend):
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, k))
         m = x2.shape[0]
-        bits = 4 if w.bits == 4 else 8  # 5-bit codes are stored one per byte
+        bits = 4 if w.bits == 4 else 8  # 5- and 6-bit codes are stored one per byte
+        half = w.scales.dtype == np.float16
         out = np.empty((m, n), np.float32)
         if m <= self.KERNEL_ROWS:
-            _affine.gemv(bits, x2, w.packed, w.scales, w.biases, out, m, k, n)
+            _affine.gemv(bits, x2, w.packed, w.scales, w.biases, out, m, k, n, w.group, half)
         else:
             rows = max(1, min(n, self.SLAB_BYTES // (4 * k)))
             if self._slab.size < rows * k:
@@ -174,7 +180,8 @@ class NumpyBackend(Backend):
                 slab = self._slab[: (r1 - r0) * k].reshape(r1 - r0, k)
                 # On this thread: OpenMP workers woken here would fight BLAS's
                 # spinning threads for the cores (measured 5x slower prefill on 2 cores).
-                _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k, False)
+                _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k, False,
+                                   w.group, half)
                 np.matmul(x2, slab.T, out=out[:, r0:r1])
         return out.reshape(*lead, n)
 

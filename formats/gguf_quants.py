@@ -329,11 +329,13 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 
 
 
-# -- exact affine form: value = scale * code + bias, per group of 32 ---------------------
+# -- exact affine form: value = scale * code + bias, per group of 32 (or 16) ---------------
 #
 # Native kernels (torch's int4pack, MLX's affine quantized_matmul) store unsigned codes
 # with one scale and one bias (or zero point) per group of consecutive values in a row.
-# These GGML types are such groups of 32 already. For each, ``scale * code`` is exact in
+# These GGML types are such groups of 32 already; Q6_K is one of 16 (its 6-bit codes
+# times an int8 sub-block scale times d: ``d * sc`` has at most 18 bits, times a code of
+# 6 bits is exact, and the bias ``-32 * d * sc`` is exact, so the sum is the exact value). For each, ``scale * code`` is exact in
 # float32 (an 11-bit float16 scale, or Q4_K/Q5_K's ``d * sc`` of 17 bits, times a code
 # of at most 8 bits), so ``scale * code + bias`` rounds once, exactly as the dequantizers
 # above do (Q4_1: ``d * q + m``; Q4_K: ``(d * sc) * q - dmin * m``; Q4_0/Q5_0/Q8_0:
@@ -377,14 +379,23 @@ def _affine_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes.reshape(n, 256), ds.reshape(n, 8), -dm.reshape(n, 8)
 
 
-_AFFINE: dict[str, tuple[int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {
-    "Q4_0": (4, _affine_q4_0), "Q4_1": (4, _affine_q4_1), "Q4_K": (4, _affine_q4_k),
-    "Q5_0": (5, _affine_q5_0), "Q5_1": (5, _affine_q5_1), "Q5_K": (5, _affine_q5_k),
-    "Q8_0": (8, _affine_q8_0),
+def _affine_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = b.shape[0]
+    low = _nibbles(b[:, :128].reshape(n * 2, 64)).reshape(n, 8, 32)
+    high = _bits(b[:, 128:192].reshape(n * 2, 32), _SHIFT2, 3).reshape(n, 8, 32)
+    scales = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)   # [n, 16]: d * sc, exact
+    return (low | (high << np.uint8(4))).reshape(n, 256), scales, scales * np.float32(-32)
+
+
+_AFFINE: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {
+    "Q4_0": (4, 32, _affine_q4_0), "Q4_1": (4, 32, _affine_q4_1), "Q4_K": (4, 32, _affine_q4_k),
+    "Q5_0": (5, 32, _affine_q5_0), "Q5_1": (5, 32, _affine_q5_1), "Q5_K": (5, 32, _affine_q5_k),
+    "Q6_K": (6, 16, _affine_q6_k), "Q8_0": (8, 32, _affine_q8_0),
 }
-#: Types with an exact group-of-32 affine form, and their code width in bits.
-AFFINE_BITS: dict[str, int] = {name: bits for name, (bits, _) in _AFFINE.items()}
-AFFINE_GROUP = 32
+#: Types with an exact affine form, and their code width in bits.
+AFFINE_BITS: dict[str, int] = {name: bits for name, (bits, _, _) in _AFFINE.items()}
+#: ... and the values per group (scale and bias) of that form.
+AFFINE_GROUP: dict[str, int] = {name: group for name, (_, group, _) in _AFFINE.items()}
 
 
 def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -392,18 +403,19 @@ def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, n
 
     ``raw`` is uint8 ``[rows, bytes_per_row]`` for rows of ``cols`` values;
     ``codes`` is uint8 ``[rows, cols]`` (unsigned, below ``2**AFFINE_BITS[qtype]``),
-    ``scales`` and ``biases`` float32 ``[rows, cols / 32]``, such that
-    ``scales * codes + biases`` (per group of 32 consecutive values of a row,
-    in float32, fused or not) equals :func:`dequantize` bit for bit.
+    ``scales`` and ``biases`` float32 ``[rows, cols / AFFINE_GROUP[qtype]]``, such that
+    ``scales * codes + biases`` (per group of 32, or Q6_K's 16, consecutive values of a
+    row, in float32, fused or not) equals :func:`dequantize` bit for bit.
     """
     if qtype not in _AFFINE:
-        raise UnsupportedDtypeError(f"GGML type {qtype} has no exact group-of-32 affine form; "
+        raise UnsupportedDtypeError(f"GGML type {qtype} has no exact affine form; "
                                     f"types that have one: {', '.join(_AFFINE)}")
     t = TYPES_BY_NAME[qtype]
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
     with np.errstate(all="ignore"):
-        codes, scales, biases = _AFFINE[qtype][1](blocks)
+        codes, scales, biases = _AFFINE[qtype][2](blocks)
+    group = AFFINE_GROUP[qtype]
     return (np.ascontiguousarray(codes).reshape(rows, cols),
-            np.ascontiguousarray(scales, np.float32).reshape(rows, cols // AFFINE_GROUP),
-            np.ascontiguousarray(biases, np.float32).reshape(rows, cols // AFFINE_GROUP))
+            np.ascontiguousarray(scales, np.float32).reshape(rows, cols // group),
+            np.ascontiguousarray(biases, np.float32).reshape(rows, cols // group))

@@ -5,7 +5,7 @@ consecutive values of a row, ``value = scale * code + bias`` with unsigned
 integer codes. :class:`AffineTensor` holds that form on the host:
 
 * from GGUF blocks (:func:`from_gguf`): Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
-  and Q8_0 are such groups of 32 already, exactly (see
+  and Q8_0 are such groups of 32 already, exactly, and Q6_K groups of 16 (see
   :func:`infer.formats.gguf_quants.affine_groups`);
 * from float weights (:func:`quantize_affine`): on-load quantization
   (``infer.load(path, quantize="q8" | "q4")``), min/max per group of 32,
@@ -32,9 +32,9 @@ class AffineTensor(QuantizedTensor):
 
     codes: uint8 ``[rows, cols]`` (4-bit codes packed two to a byte, even
     column in the low nibble, when :attr:`bits` is 4); scales, biases:
-    float32 ``[rows, cols / group]``. :meth:`dequantize` computes in float32
-    (``scale * code`` is exact for the codes and scales produced here, so
-    fused and unfused evaluation agree).
+    float32 ``[rows, cols / group]``, or float16 after :meth:`half_scales`.
+    :meth:`dequantize` computes in float32 (``scale * code`` is exact for the
+    codes and scales produced here, so fused and unfused evaluation agree).
     """
 
     def __init__(self, qtype: str, shape: tuple[int, int], bits: int, codes: np.ndarray,
@@ -68,6 +68,22 @@ class AffineTensor(QuantizedTensor):
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         return self._values(np.asarray(rows))
 
+    def half_scales(self) -> AffineTensor:
+        """The same values with float16 scales and biases, when every scale and
+        bias is a float16 value (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store
+        them so); otherwise ``self``. Widening them back to float32 is exact,
+        so a kernel computes exactly what it would with the float32 ones and
+        reads 4 bytes per group instead of 8."""
+        if self.scales.dtype == np.float16:
+            return self
+        with np.errstate(over="ignore"):
+            scales, biases = self.scales.astype(np.float16), self.biases.astype(np.float16)
+        # Compared as bits: equal values, and NaN payloads, must survive the round trip.
+        if not (np.array_equal(scales.astype(np.float32).view(np.uint32), self.scales.view(np.uint32))
+                and np.array_equal(biases.astype(np.float32).view(np.uint32), self.biases.view(np.uint32))):
+            return self
+        return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, biases, self.group)
+
     @property
     def nbytes(self) -> int:
         """Bytes held (codes, scales, biases)."""
@@ -77,20 +93,22 @@ class AffineTensor(QuantizedTensor):
         return f"AffineTensor({self.qtype}, {self.bits} bits, group {self.group}, shape={self.shape})"
 
 
-def from_gguf(tensor: QuantizedTensor) -> AffineTensor | None:
+def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) -> AffineTensor | None:
     """The exact affine form of a GGUF quantized matrix, or None when its type
-    has none (Q6_K's groups of 16, Q2_K, Q3_K, the IQ types...)."""
+    has none with a group size in ``groups`` (by default 32, what torch's and
+    MLX's kernels take; Q6_K's form has groups of 16; Q2_K, Q3_K and the IQ
+    types have none)."""
     from infer.formats import gguf_quants
 
     bits = gguf_quants.AFFINE_BITS.get(tensor.qtype)
     raw = getattr(tensor, "raw", None)
-    if bits is None or raw is None or len(tensor.shape) != 2:
+    if bits is None or raw is None or len(tensor.shape) != 2 or gguf_quants.AFFINE_GROUP[tensor.qtype] not in groups:
         return None
     rows, cols = tensor.shape
     codes, scales, biases = gguf_quants.affine_groups(np.asarray(raw).reshape(rows, -1), tensor.qtype, cols)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
-    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases)
+    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, gguf_quants.AFFINE_GROUP[tensor.qtype])
 
 
 def quantize_affine(weight: np.ndarray, scheme: str, *, scale_dtype: str = "float32",

@@ -52,26 +52,69 @@ def within_float32(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> bool:
     return got.shape == ref.shape and bool((np.abs(got - ref) <= bound).all())
 
 
-def affine(bits: int, n: int, k: int, seed: int) -> AffineTensor:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    if bits in (4, 8):
-        return quantize_affine(w, f"q{bits}")
-    raw = gguf_quants.random_blocks("Q5_1", n, k, seed)  # 5-bit codes, one per byte
-    a = from_gguf(GGUFQuantizedTensor("Q5_1", (n, k), raw, "random Q5_1"))
-    assert a is not None and a.bits == 5
-    return a
+def affine(kind: int | str, n: int, k: int, seed: int) -> AffineTensor:
+    """4 or 8: on-load quantization (float32 scales); a GGML type: its affine
+    form as the backend holds it (float16 scales where exact; Q6_K: groups of 16)."""
+    if isinstance(kind, int):
+        w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+        return quantize_affine(w, f"q{kind}")
+    raw = gguf_quants.random_blocks(kind, n, k, seed)
+    a = from_gguf(GGUFQuantizedTensor(kind, (n, k), raw, f"random {kind}"), groups=(16, 32))
+    assert a is not None
+    return a.half_scales()
+
+
+# Every form the kernel takes: 4- and 8-bit codes with float32 scales (q4, q8, Q4_K),
+# float16 ones (Q4_1, Q8_0), 5-bit codes one per byte (Q5_1, Q5_K), and Q6_K's
+# 6-bit codes in groups of 16.
+KINDS = [4, 8, "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+
+
+def gemv(a: AffineTensor, x: np.ndarray, out: np.ndarray) -> None:
+    _affine.gemv(4 if a.bits == 4 else 8, x, a.packed, a.scales, a.biases, out, x.shape[0], a.shape[1], a.shape[0],
+                 a.group, a.scales.dtype == np.float16)
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_gemv_on_codes_matches_the_dequantized_product(path: str, bits: int, m: int) -> None:
-    for seed, (n, k) in enumerate([(1, 32), (5, 96), (64, 576), (33, 2048)]):
-        a = affine(bits, n, k, seed)
+def test_gemv_on_codes_matches_the_dequantized_product(path: str, kind: int | str, m: int) -> None:
+    shapes = [(1, 32), (5, 96), (64, 576), (33, 2048)] if isinstance(kind, int) or not kind.endswith("_K") else \
+        [(1, 256), (5, 768), (33, 2048)]  # K types come in blocks of 256
+    for seed, (n, k) in enumerate(shapes):
+        a = affine(kind, n, k, seed)
         x = np.random.default_rng(100 + seed).standard_normal((m, k)).astype(np.float32)
         out = np.full((m, n), np.nan, np.float32)  # poisoned: every element must be written
-        _affine.gemv(4 if bits == 4 else 8, x, a.packed, a.scales, a.biases, out, m, k, n)
-        assert within_float32(out, x, a.dequantize()), (bits, m, n, k)
+        gemv(a, x, out)
+        assert within_float32(out, x, a.dequantize()), (kind, m, n, k)
+
+
+@needs_kernels
+def test_float16_scales_are_the_ggml_types_own() -> None:
+    # Exactly the types that store float16 scales and biases keep them so (half the
+    # bytes per group); K types' d * sc products need float32.
+    for kind in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]:
+        assert affine(kind, 4, 256, 0).scales.dtype == np.float16, kind
+    for kind in ["Q4_K", "Q5_K", "Q6_K", 4, 8]:
+        assert affine(kind, 4, 256, 0).scales.dtype == np.float32, kind
+    assert affine("Q6_K", 4, 256, 0).group == 16
+
+
+@needs_kernels
+def test_float16_scales_widen_exactly(path: str) -> None:
+    # Every float16 value as a scale (code 1, bias -0): the kernel's widening
+    # (F16C, or the portable bit manipulation) must be exact, subnormals,
+    # infinities and signed zeros included.
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(-1, 1)
+    n = halves.shape[0]
+    codes = np.full((n, 16), 0x11, np.uint8)
+    biases = np.full((n, 1), -0.0, np.float16)
+    out = np.empty((n, 32), np.float32)
+    _affine.dequantize(4, codes, halves, biases, out, n, 32, True, 32, True)
+    want = halves.astype(np.float32)[:, 0]
+    finite = ~np.isnan(want)
+    assert np.array_equal(out[finite, 0].view(np.uint32), want[finite].view(np.uint32))
+    assert np.isnan(out[~finite]).all() and (out == out[:, :1]).sum() == 32 * finite.sum()
 
 
 @needs_kernels
@@ -86,14 +129,19 @@ def test_gemv_f32_matches_the_float64_product(path: str, m: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("parallel", [True, False])
-def test_dequantize_is_bit_exact(path: str, bits: int, parallel: bool) -> None:
+def test_dequantize_is_bit_exact(path: str, kind: int | str, parallel: bool) -> None:
     # quantize_affine's scales make scale * code inexact: a fused multiply-add would differ.
-    a = affine(bits, 24, 320, 3)
+    a = affine(kind, 24, 512, 3)
     out = np.full(a.shape, np.nan, np.float32)
-    _affine.dequantize(4 if bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape, parallel)
+    _affine.dequantize(4 if a.bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape, parallel, a.group,
+                       a.scales.dtype == np.float16)
     assert np.array_equal(out.view(np.uint32), a.dequantize().view(np.uint32))
+    if isinstance(kind, str):  # and that is GGML's own dequantization (but for the sign of zeros, see
+        raw = gguf_quants.random_blocks(kind, 24, 512, 3)  # test_quantization.same_values)
+        want = gguf_quants.dequantize(raw, kind).reshape(24, 512) + np.float32(0)
+        assert np.array_equal((out + np.float32(0)).view(np.uint32), want.view(np.uint32))
 
 
 @needs_kernels
@@ -108,6 +156,13 @@ def test_bad_buffers_are_value_errors() -> None:
         _affine.gemv(3, x, a.packed, a.scales, a.biases, out, 1, 64, 8)
     with pytest.raises(ValueError, match="k=48"):
         _affine.gemv(4, x[:, :48], a.packed, a.scales, a.biases, out, 1, 48, 8)
+    with pytest.raises(ValueError, match="group=16"):  # groups of 16 only for 8-bit codes
+        _affine.gemv(4, x, a.packed, a.scales, a.biases, out, 1, 64, 8, 16)
+    with pytest.raises(ValueError, match="scales"):  # float32 scales passed as float16
+        _affine.gemv(4, x, a.packed, a.scales, a.biases, out, 1, 64, 8, 32, True)
+    with pytest.raises(ValueError, match="scales"):
+        _affine.dequantize(8, np.zeros((8, 64), np.uint8), a.scales, a.biases, np.zeros((8, 64), np.float32), 8, 64,
+                           True, 16)
     with pytest.raises(ValueError, match="unknown code path"):
         _affine.use_simd("sse9")
 
@@ -120,12 +175,13 @@ def gguf_tensor(qtype: str, rows: int, cols: int, seed: int) -> GGUFQuantizedTen
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
 def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
     ops = numpy_backend.NumpyBackend()
     t = gguf_tensor(qtype, 48, 512, 1)
     w = ops.prepare_weight(t, name=LINEAR)
-    assert isinstance(w, PackedWeight) and w.scheme.endswith("affine group 32, C kernel")
+    group = 16 if qtype == "Q6_K" else 32
+    assert isinstance(w, PackedWeight) and f"affine group {group}, " in w.scheme and w.scheme.endswith("C kernel")
     assert w.data.nbytes < t.dequantize().nbytes / 2.5  # what decoding reads per token
     dense = t.dequantize()
     for m in (1, 4, 12, ops.KERNEL_ROWS + 1, 40):  # the kernel (12: two chunks of rows), then slabs for BLAS
@@ -141,7 +197,7 @@ def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
 @needs_kernels
 def test_off_and_unmapped_types_are_float32() -> None:
     ops = numpy_backend.NumpyBackend()
-    assert not isinstance(ops.prepare_weight(gguf_tensor("Q6_K", 16, 256, 0), name=LINEAR), PackedWeight)
+    assert not isinstance(ops.prepare_weight(gguf_tensor("Q3_K", 16, 256, 0), name=LINEAR), PackedWeight)
     ops.quantize = "off"
     assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_1", 16, 256, 0), name=LINEAR), PackedWeight)
 
@@ -191,8 +247,8 @@ def test_real_model_default_is_quantized_and_off_is_float() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8, 32])
-def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int) -> None:
+@pytest.mark.parametrize("bits", [4, 8, 32, "Q4_1", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int | str) -> None:
     # Batched decoding gives each request exactly what it would get alone (up to
     # KERNEL_ROWS rows): the multi-row kernels keep the one-row order of sums.
     n, k = 40, 576
@@ -203,13 +259,14 @@ def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int) -> Non
         w = rng.standard_normal((n, k)).astype(np.float32)
         _affine.gemv_f32(x, w, together, 5, k, n)
     else:
-        a = affine(bits, n, k, 7)
-        _affine.gemv(bits, x, a.packed, a.scales, a.biases, together, 5, k, n)
+        a = affine(bits, n, k if isinstance(bits, int) else 512, 7)
+        x = x[:, :a.shape[1]].copy()
+        gemv(a, x, together)
     for i in range(5):
         if bits == 32:
             _affine.gemv_f32(x[i:i + 1], w, alone, 1, k, n)
         else:
-            _affine.gemv(bits, x[i:i + 1], a.packed, a.scales, a.biases, alone, 1, k, n)
+            gemv(a, x[i:i + 1], alone)
         assert np.array_equal(alone[0].view(np.uint32), together[i].view(np.uint32)), i
 
 
