@@ -339,6 +339,28 @@ def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv
 
 
 @needs_kernels
+@pytest.mark.parametrize("d", [64, 80, 256])  # the value sums go 64 columns at a time, then the rest
+@pytest.mark.parametrize("tq,tk", [(1, 1), (1, 300), (4, 40)])
+def test_attention_head_sizes_and_code_paths_agree(pure_numpy, d: int, tq: int, tk: int) -> None:  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(d + tk)
+    q = rng.standard_normal((tq, 4, d)).astype(np.float32)
+    k = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    v = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    kw = dict(scale=d ** -0.5, causal=True, window=None, softcap=None)
+    want = pure_numpy("attention", q, k, v, **kw)
+    chosen, outputs = _affine.simd(), []
+    try:
+        for name in PATHS:  # the same operations in the same order on each path: the same bits
+            _affine.use_simd(name)
+            outputs.append(ops.attention(q, k, v, **kw))
+    finally:
+        _affine.use_simd(chosen)
+    assert all(np.array_equal(o.view(np.uint32), outputs[0].view(np.uint32)) for o in outputs)
+    assert np.abs(outputs[0] - want).max() <= 2e-6 * np.abs(v).max()
+
+
+@needs_kernels
 @pytest.mark.parametrize("tq,context", [(1, 1), (1, 37), (3, 20), (2, 48)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 25.0)])
 def test_paged_attention_reads_pages_in_place_like_the_gather(pure_numpy, tq, context, window, softcap):  # type: ignore[no-untyped-def]
