@@ -793,22 +793,25 @@ static void attend_portable(const struct attend_args *a, Py_ssize_t task, float 
 AVX2 static void attend_avx2(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores); }
 #endif
 
-/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block]) -> None
+/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block, parallel]) -> None
  * for the few query rows of decoding (q [tq, hq, dk], k [tk, hkv, dk], v [tk,
  * hkv, dv], out [tq, hq, dv], all float32 and contiguous): per query row and
  * head, scores over the visible keys (bottom-right aligned causal mask, and
  * the sliding window when window > 0), optional tanh soft-capping, softmax,
  * weighted sum of values. Keys outside the mask are skipped, which is what
  * their -inf scores give. The numpy path does the same with two GEMMs.
- * With a block table, keys and values are read in place from paged pools. */
+ * With a block table, keys and values are read in place from paged pools.
+ * parallel=0 keeps it on the calling thread (after BLAS products, whose
+ * spinning threads OpenMP's would fight for the cores).
+ */
 static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, out, table = {0};
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window, block = 0;
     float scale, softcap;
-    int causal;
+    int causal, parallel = 1;
     PyObject *tobj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|On", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
-                          &causal, &window, &softcap, &tobj, &block))
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|Onp", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+                          &causal, &window, &softcap, &tobj, &block, &parallel))
         return NULL;
     PyObject *result = NULL;
     float *scores = NULL;
@@ -853,7 +856,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     if (use_avx2) fn = attend_avx2;
 #endif
     /* (query row, head) pairs across threads, each with its own scores */
-    #pragma omp parallel for schedule(static) if (tq * hq > 1 && tk * dk >= 4096)
+    #pragma omp parallel for schedule(static) if (parallel && tq * hq > 1 && tk * dk >= 4096)
     for (Py_ssize_t task = 0; task < tq * hq; task++) {
 #ifdef _OPENMP
         float *mine = scores + (Py_ssize_t)omp_get_thread_num() * tk;

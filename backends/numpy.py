@@ -102,6 +102,11 @@ class NumpyBackend(Backend):
         self._cache: dict[int, tuple[PackedWeight, np.ndarray]] = {}
         self._cached_bytes = 0
         self._slab = np.empty(0, np.float32)
+        #: Whether the last product ran on BLAS (whose threads then spin for a
+        #: while) rather than on the C kernels' OpenMP threads: the attention
+        #: after it then stays on one thread rather than wake the other pool
+        #: (measured: 64 batched decode rows ran at half speed otherwise).
+        self._after_blas = False
 
     # -- weights -------------------------------------------------------------
 
@@ -169,6 +174,7 @@ class NumpyBackend(Backend):
         bits = 4 if w.bits == 4 else 8  # 5- and 6-bit codes are stored one per byte
         half = w.scales.dtype == np.float16
         out = np.empty((m, n), np.float32)
+        self._after_blas = m > self.KERNEL_ROWS
         if m <= self.KERNEL_ROWS:
             _affine.gemv(bits, x2, w.packed, w.scales, w.biases, out, m, k, n, w.group, half)
         else:
@@ -235,8 +241,10 @@ class NumpyBackend(Backend):
         if isinstance(weight, PackedWeight):
             return self.quantized_linear(x, weight, bias)
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        self._after_blas = True
         if (_affine is not None and 0 < rows <= self.KERNEL_ROWS and weight.ndim == 2
                 and weight.dtype == np.float32 and weight.flags.c_contiguous):
+            self._after_blas = False
             # Few rows (decoding): the C kernel, on the same OpenMP threads as the
             # quantized products. Alternating with BLAS's own thread pool on few
             # cores makes each product wait for the other pool's spinning threads
@@ -499,9 +507,9 @@ class NumpyBackend(Backend):
             return None
         hkv, dv = k.shape[-2], v.shape[-1]
         out = np.empty((tq, hq, dv), np.float32)
-        paged = () if table is None else (np.ascontiguousarray(table, np.int64), k.shape[1])
+        pages = (None, 0) if table is None else (np.ascontiguousarray(table, np.int64), k.shape[1])
         _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
-                          window or 0, softcap or 0.0, *paged)
+                          window or 0, softcap or 0.0, *pages, not self._after_blas)
         return out
 
 

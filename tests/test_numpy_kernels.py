@@ -219,6 +219,24 @@ def test_few_row_float_products_use_the_kernel(monkeypatch) -> None:  # type: ig
 
 
 @needs_kernels
+def test_attention_after_a_blas_product_stays_on_one_thread(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # OpenMP's threads woken right after BLAS's would fight its spinning ones for
+    # the cores (batched decoding of 64 rows ran at half speed): the attention
+    # after a BLAS product runs on the calling thread, after a kernel product on all.
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    q, k, v = (rng.standard_normal((t, 2, 64)).astype(np.float32) for t in (1, 40, 40))
+    parallel = []
+    real = _affine.attention
+    monkeypatch.setattr(_affine, "attention", lambda *a: parallel.append(a[-1]) or real(*a))
+    for rows in (1, ops.KERNEL_ROWS + 1, 3):
+        ops.linear(rng.standard_normal((rows, 64)).astype(np.float32), w)
+        ops.attention(q, k, v, scale=0.125, causal=True)
+    assert parallel == [True, False, True]
+
+
+@needs_kernels
 def test_on_load_quantization_runs_on_the_kernel() -> None:
     ops = numpy_backend.NumpyBackend()
     ops.quantize = "q4"
