@@ -421,11 +421,19 @@ static Py_ssize_t tile_rows(Py_ssize_t groups) {
     return t < 1 ? 1 : t > TILE_ROWS ? TILE_ROWS : t;
 }
 
-/* Rows [r0, r1) of float16 scales, then biases, into wide (float32). */
-static void widen_tile(Py_buffer *scales, Py_buffer *biases, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t groups,
-                       float *wide) {
+/* The float32 scales and biases of rows [r0, r1) into *s and *b: pointers into
+ * the buffers, or, with half, into wide after widening them from float16. */
+static void tile_scales(Py_buffer *scales, Py_buffer *biases, int half, Py_ssize_t r0, Py_ssize_t r1,
+                        Py_ssize_t groups, float *wide, const float **s, const float **b) {
+    if (!half) {
+        *s = (const float *)scales->buf + r0 * groups;
+        *b = (const float *)biases->buf + r0 * groups;
+        return;
+    }
     halves((const uint16_t *)scales->buf + r0 * groups, wide, (r1 - r0) * groups);
     halves((const uint16_t *)biases->buf + r0 * groups, wide + (r1 - r0) * groups, (r1 - r0) * groups);
+    *s = wide;
+    *b = wide + (r1 - r0) * groups;
 }
 
 /* One row of codes to float32: scale * code + bias. */
@@ -496,12 +504,8 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         for (Py_ssize_t t = 0; t < tiles; t++) {
             Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
             float wide[2 * TILE_GROUPS];
-            const float *s = (const float *)scales.buf + r0 * groups, *bi = (const float *)biases.buf + r0 * groups;
-            if (half) {
-                widen_tile(&scales, &biases, r0, r1, groups, wide);
-                s = wide;
-                bi = wide + (r1 - r0) * groups;
-            }
+            const float *s, *bi;
+            tile_scales(&scales, &biases, half, r0, r1, groups, wide, &s, &bi);
             for (Py_ssize_t r = r0; r < r1; r++) {
                 /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
                 const char *ahead = (const char *)(c + r * row_bytes) + PREFETCH;
@@ -583,12 +587,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     for (Py_ssize_t t = 0; t < tiles; t++) {
         Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
         float wide[2 * TILE_GROUPS];
-        const float *st = (const float *)scales.buf + r0 * groups, *bt = (const float *)biases.buf + r0 * groups;
-        if (half) {
-            widen_tile(&scales, &biases, r0, r1, groups, wide);
-            st = wide;
-            bt = wide + (r1 - r0) * groups;
-        }
+        const float *st, *bt;
+        tile_scales(&scales, &biases, half, r0, r1, groups, wide, &st, &bt);
         for (Py_ssize_t r = r0; r < r1; r++)
             dequant_row(bits, c + r * row_bytes, st + (r - r0) * groups, bt + (r - r0) * groups, y + r * k, k, group);
     }

@@ -196,15 +196,23 @@ def _q5_k(b: np.ndarray, out: np.ndarray) -> None:
     o -= dm
 
 
-def _q6_k(b: np.ndarray, out: np.ndarray) -> None:
+def _q6_k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's unsigned 6-bit codes ``[n, 256]`` and its ``d * sc`` per 16 values ``[n, 16]``
+    (exact in float32): value = (code - 32) * scale."""
     n = b.shape[0]
     # Two halves of 128 values; in each, ql holds 64 bytes (low nibbles: groups 0, 1; high: 2, 3)
     # and qh 32 bytes (shifts 0, 2, 4, 6: groups 0..3 of 32 values).
     low = _nibbles(b[:, :128].reshape(n * 2, 64)).reshape(n, 8, 32)
     high = _bits(b[:, 128:192].reshape(n * 2, 32), _SHIFT2, 3).reshape(n, 8, 32)
-    o = out.reshape(n, 16, 16)
-    np.copyto(o, _signed(low | (high << np.uint8(4)), 32).reshape(n, 16, 16), casting="unsafe")
-    o *= (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
+    scales = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return (low | (high << np.uint8(4))).reshape(n, 256), scales
+
+
+def _q6_k(b: np.ndarray, out: np.ndarray) -> None:
+    codes, scales = _q6_k_parts(b)
+    o = out.reshape(-1, 16, 16)
+    np.copyto(o, _signed(codes, 32).reshape(-1, 16, 16), casting="unsafe")
+    o *= scales[:, :, None]
 
 
 def _iq4_nl(b: np.ndarray, out: np.ndarray) -> None:
@@ -380,11 +388,8 @@ def _affine_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _affine_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n = b.shape[0]
-    low = _nibbles(b[:, :128].reshape(n * 2, 64)).reshape(n, 8, 32)
-    high = _bits(b[:, 128:192].reshape(n * 2, 32), _SHIFT2, 3).reshape(n, 8, 32)
-    scales = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)   # [n, 16]: d * sc, exact
-    return (low | (high << np.uint8(4))).reshape(n, 256), scales, scales * np.float32(-32)
+    codes, scales = _q6_k_parts(b)
+    return codes, scales, scales * np.float32(-32)
 
 
 _AFFINE: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {

@@ -100,15 +100,15 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) ->
     types have none)."""
     from infer.formats import gguf_quants
 
-    bits = gguf_quants.AFFINE_BITS.get(tensor.qtype)
+    bits, group = gguf_quants.AFFINE_BITS.get(tensor.qtype), gguf_quants.AFFINE_GROUP.get(tensor.qtype)
     raw = getattr(tensor, "raw", None)
-    if bits is None or raw is None or len(tensor.shape) != 2 or gguf_quants.AFFINE_GROUP[tensor.qtype] not in groups:
+    if bits is None or raw is None or len(tensor.shape) != 2 or group not in groups:
         return None
     rows, cols = tensor.shape
     codes, scales, biases = gguf_quants.affine_groups(np.asarray(raw).reshape(rows, -1), tensor.qtype, cols)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
-    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, gguf_quants.AFFINE_GROUP[tensor.qtype])
+    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
 
 
 def quantize_affine(weight: np.ndarray, scheme: str, *, scale_dtype: str = "float32",
