@@ -65,7 +65,7 @@ def tokens(models: dict[str, str], want: dict[str, Any], device: str) -> dict[st
     return out
 
 
-def bench(models: dict[str, str], out: Path, repeats: int, compile_too: bool, device: str) -> None:
+def bench(models: dict[str, str], out: Path, repeats: int, compile_too: bool, device: str, peer_too: bool) -> None:
     from infer import bench as b
     from infer import bench_report
 
@@ -74,42 +74,51 @@ def bench(models: dict[str, str], out: Path, repeats: int, compile_too: bool, de
     if compile_too:
         engines.append(b.infer_engine(f"torch:{device}", "bfloat16", compile=True,
                                       label=f"infer torch/{device} bfloat16 compiled"))
-    peer = b.peer_engine("transformers", "bfloat16", device=device)
-    engines.append(peer)
+    peer = b.peer_engine("transformers", "bfloat16", device=device) if peer_too else None
+    if peer is not None:
+        engines.append(peer)
     reports = []
     for name, path in models.items():
-        config = b.BenchConfig(repeats=repeats, baseline=peer.label, timeout_s=300)
+        config = b.BenchConfig(repeats=repeats, baseline=peer.label if peer else engines[0].label, timeout_s=300)
         report = b.run_benchmark(path, engines, config)
         b.write_json(report, out / f"gpu-{name}.json")
         reports.append(report)
         print(bench_report.machine_line(report), flush=True)
     table = bench_report.markdown_table(reports)
-    (out / "gpu-table.md").write_text(table + "\n")
+    (out / f"gpu-table-{'-'.join(models)}.md").write_text(table + "\n")
     print(table, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smollm2", required=True)
-    ap.add_argument("--gemma3", required=True)
-    ap.add_argument("--reference", required=True, help="JSON of float32 reference tokens")
+    ap.add_argument("--smollm2", help="SmolLM2-135M Q4_1 GGUF")
+    ap.add_argument("--gemma3", help="Gemma3-270M Q4_K_M GGUF")
+    ap.add_argument("--reference", help="JSON of float32 reference tokens (needed unless tokens is skipped)")
     ap.add_argument("--reference-only", action="store_true", help="write the reference and stop")
     ap.add_argument("--out", default="gpu-results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tests-timeout", type=float, default=240)
     ap.add_argument("--compile", action="store_true", help="also measure compile=True")
+    ap.add_argument("--no-peer", action="store_true",
+                    help="leave out transformers bfloat16 (its GGUF load takes most of the bench stage's time)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: tests,tokens,bench")
     ap.add_argument("--device", default="cuda", help="torch device (cpu only to try the script out)")
     args = ap.parse_args(argv)
-    models = {"smollm2": args.smollm2, "gemma3": args.gemma3}
+    # Either model may be left out, so a lease can measure one while the other is still on its way.
+    models = {name: path for name, path in (("smollm2", args.smollm2), ("gemma3", args.gemma3)) if path}
+    skip = set(filter(None, args.skip.split(",")))
+    if not models and not {"tokens", "bench"} <= skip:
+        ap.error("name a model (--smollm2, --gemma3), or skip the tokens and bench stages")
+    if models and "tokens" not in skip and not args.reference:
+        ap.error("--reference is needed for the tokens stage")
     if args.reference_only:
         Path(args.reference).write_text(json.dumps(reference(models)))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
     if "tests" not in skip:  # the CUDA tests, then the conformance kit on torch/cuda in each dtype
         runs = {"cuda tests": ["tests/test_torch_backend.py", "tests/test_quantization.py", "-k", "cuda or CUDA"],
+                "graph capture": ["tests/test_graph_capture.py", "-k", "cuda"],
                 "conformance": ["--pyargs", "infer.testing", "--infer-backend", f"torch:{args.device}",
                                 "--infer-examples", "10"]}
         logs = []
@@ -119,15 +128,16 @@ def main(argv: list[str] | None = None) -> int:
                 done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tests_timeout)
                 log = done.stdout + done.stderr
             except subprocess.TimeoutExpired as exc:
-                log = f"timed out after {args.tests_timeout} s\n{exc.stdout or ''}"
+                partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+                log = f"{partial or ''}\ntimed out after {args.tests_timeout} s"
             logs.append(f"== {what}: {' '.join(cmd)}\n{log}")
             print(f"{what}:", log.strip().splitlines()[-1] if log.strip() else "no output", flush=True)
         (out / "gpu-tests.txt").write_text("\n".join(logs))
-    if "tokens" not in skip:
+    if "tokens" not in skip and models:
         want = json.loads(Path(args.reference).read_text())
-        (out / "gpu-tokens.json").write_text(json.dumps(tokens(models, want, args.device), indent=1))
-    if "bench" not in skip:
-        bench(models, out, args.repeats, args.compile, args.device)
+        (out / f"gpu-tokens-{'-'.join(models)}.json").write_text(json.dumps(tokens(models, want, args.device), indent=1))
+    if "bench" not in skip and models:
+        bench(models, out, args.repeats, args.compile, args.device, not args.no_peer)
     return 0
 
 

@@ -1,8 +1,8 @@
 """``infer.load(..., compile=True)`` captures each layer's pieces around
 attention as compiled graphs and gives the same outputs.
 
-Tiny random llama and gemma3 models run on torch/cpu (``torch.compile``, Inductor) and
-mlx/cpu (``mx.compile``) with and without capture: prefill and decode logits
+Tiny random llama and gemma3 models run on torch/cpu, torch/cuda where there is one
+(``torch.compile``, Inductor) and mlx/cpu (``mx.compile``) with and without capture: prefill and decode logits
 agree within 1e-4 of the largest logit — compiled kernels fuse elementwise
 chains and may reassociate sums, a few float32 ulp per op, far below a
 token-changing difference — and the greedy tokens are identical. numpy has
@@ -35,9 +35,23 @@ def logits_and_tokens(model: infer.Model) -> tuple[list[np.ndarray], list[int]]:
     return [np.asarray(r, dtype=np.float32) for r in rows], tokens
 
 
+def _cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+NO_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
+NO_CUDA = pytest.mark.skipif(not _cuda(), reason="no CUDA device")
+NO_MLX = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")
+
+
 @pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
-    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
+    pytest.param("torch:cpu", marks=NO_TORCH),
+    pytest.param("torch:cuda", marks=NO_CUDA),
+    pytest.param("mlx:cpu", marks=NO_MLX),
     "numpy",
 ])
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
@@ -58,15 +72,16 @@ def test_compiled_layers_give_the_same_outputs(backend: str, variant: str) -> No
         after = getattr(after, "__wrapped__", after)
     compiled = hasattr(after, "_torchdynamo_orig_callable") or type(after) is not types.FunctionType
     assert compiled == (backend != "numpy")
-    if backend == "torch:cpu":
+    if backend.startswith("torch"):
         from torch._dynamo.utils import counters  # noqa: I001
 
         assert counters["stats"]["unique_graphs"] >= 3  # first, before, after
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
-    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
+    pytest.param("torch:cpu", marks=NO_TORCH),
+    pytest.param("torch:cuda", marks=NO_CUDA),
+    pytest.param("mlx:cpu", marks=NO_MLX),
 ])
 def test_compiled_layers_take_quantized_weights(backend: str) -> None:
     """Weights kept quantized (on-load q4: torch int4pack, MLX affine)
