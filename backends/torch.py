@@ -52,6 +52,9 @@ F: Any = None
 _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
+#: On CUDA, the attention kernels SDPA may pick: all but cuDNN's (see ``attention``).
+#: None where this torch cannot choose (then SDPA picks as it likes).
+_CUDA_SDPA: Any = None
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
               "quantized_linear")
@@ -63,7 +66,7 @@ SCORES = {"cuda": 100, "mps": 90, "cpu": 8}
 
 
 def _import_torch() -> None:
-    global torch, F, _HAS_ENABLE_GQA
+    global torch, F, _HAS_ENABLE_GQA, _CUDA_SDPA
     if torch is not None:
         return
     import torch as _torch
@@ -78,6 +81,13 @@ def _import_torch() -> None:
     # scaled_dot_product_attention grew grouped-query support in torch 2.5.
     major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in _torch.__version__.split(".")[:2])
     _HAS_ENABLE_GQA = (major, minor) >= (2, 5)
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: no way to choose, and no cuDNN attention either
+        pass
+    else:
+        kept = [b for b in SDPBackend.__members__.values() if b.name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")]
+        _CUDA_SDPA = (sdpa_kernel, kept)
     torch, F = _torch, _F
 
 
@@ -514,6 +524,17 @@ class TorchBackend(Backend):
         causal or windowed case passes an explicit boolean mask. SDPA has no
         soft-capping, so with ``softcap`` the scores are formed, capped,
         masked and soft-maxed here in float32.
+
+        On CUDA, cuDNN's attention is left out of SDPA's choice. On an H200
+        (torch 2.11) SDPA picked it for decode, and cuDNN builds an execution
+        plan for every new key count: a decode step always has one more key
+        than the last, so every step of a first generation paid a plan build.
+        SmolLM2 bfloat16 took 77 ms per token on a first 128-token generation
+        and 27 ms on a second one over the same lengths; transformers, also on
+        SDPA, was as slow. (MLX's CUDA backend found the same: ml-explore/mlx
+        pull request 2743.) Flash and memory-efficient attention need no
+        per-shape plan. This choice was made after that GPU run and has not
+        been timed on a GPU yet.
         """
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
@@ -533,7 +554,13 @@ class TorchBackend(Backend):
             else:
                 kt = kt.repeat_interleave(hq // hkv, dim=1)
                 vt = vt.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
+        if self._device.type == "cuda" and _CUDA_SDPA is not None:
+            choose, kept = _CUDA_SDPA
+            with choose(kept):
+                out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                     **gqa)
+        else:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
         return out[0].transpose(0, 1)  # [tq, hq, dv]
 
     def _mask(self, tq: int, tk: int, causal: bool, window: int | None) -> tuple[Any, bool]:

@@ -190,7 +190,9 @@ def test_cuda_int4_matches_gguf_within_bfloat16_scales(qtype: str) -> None:
 
     ops = TorchBackend("cuda")
     ops.quantize = "q4"
+    block = gguf_quants.TYPES_BY_NAME[qtype].block_size
     for seed, (rows, cols) in enumerate([(64, 256), (48, 576), (128, 1536)]):
+        cols = -(-cols // block) * block  # Q4_K's 256-wide blocks: 576 -> 768
         t = gguf_tensor(qtype, rows, cols, seed)
         w = ops.prepare_weight(t, name=LINEAR)
         assert isinstance(w, PackedWeight) and w.scheme == "int4 tinygemm g32 bf16"
