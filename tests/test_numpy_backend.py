@@ -100,6 +100,24 @@ def test_attention_matches_torch_sdpa(case):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.parametrize("tq, past, window, softcap", [
+    (150, 0, None, None),  # a prefill: 64-row chunks and a short last one
+    (520, 0, None, None),  # ceil(520 / 8) = 65-row chunks
+    (150, 90, None, None),  # after a cached prefix (2 tq >= tk still)
+    (150, 0, 37, None),  # sliding window: each chunk also starts late
+    (150, 20, 100, 30.0),  # window and softcap
+])
+def test_chunked_prefill_attention_matches_torch_sdpa(tq, past, window, softcap):
+    """Causal attention over many query rows runs in chunks of rows, each over
+    only the keys it can see; same tolerance as the small cases above."""
+    assert tq > NumpyBackend.ATTENTION_CHUNK
+    tk, hkv, group, d = tq + past, 2, 3, 16
+    q, k, v = normal(tq, tq, hkv * group, d), normal(tk, tk, hkv, d), normal(tk + 1, tk, hkv, d)
+    kwargs = dict(scale=0.3, causal=True, window=window, softcap=softcap)
+    out = ops.attention(q, k, v, **kwargs)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, **kwargs), rtol=1e-4, atol=5e-5)
+
+
 def test_attention_decode_step_sees_all_past_keys():
     # tq = 1 at the end of tk = 5: causal must not hide the cache (bottom-right).
     q, k, v = normal(0, 1, 2, 4), normal(1, 5, 2, 4), normal(2, 5, 2, 4)
