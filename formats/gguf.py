@@ -127,8 +127,9 @@ class _Cursor:
             return raw.decode("utf-8", errors="replace")
 
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        """A metadata value of type ``vtype``: a Python scalar or str, a list of str (or of
-        arrays), or a numpy array (a copy) for arrays of numbers."""
+        """A metadata value of type ``vtype``: a Python scalar or str, a
+        :class:`StringArray` for an array of strings, a list for an array of
+        arrays, or a numpy array (a copy) for arrays of numbers."""
         if vtype not in VALUE_TYPES:
             raise self.fail(f"{what} has unknown value type {vtype} (known: 0..12)", self.pos - 4)
         name, fmt, size = VALUE_TYPES[vtype]
@@ -152,10 +153,11 @@ class _Cursor:
             return self.strings(count, what)
         return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
 
-    def strings(self, count: int, what: str) -> list[str]:
+    def strings(self, count: int, what: str) -> StringArray:
         """``count`` strings (the fast path for vocabularies of 10^5 tokens)."""
-        buf, size, pos, out = self.buf, self.size, self.pos, []
-        unpack, append = _U64.unpack_from, out.append
+        buf, size, pos, pieces = self.buf, self.size, self.pos, []
+        ends = np.empty(count, np.int64)
+        unpack, append, total = _U64.unpack_from, pieces.append, 0
         for i in range(count):
             if pos + 8 > size:
                 self.pos = pos
@@ -165,10 +167,63 @@ class _Cursor:
             if n > size - pos:
                 self.pos = pos
                 raise self.fail(f"{what}[{i}] ({n} bytes) needs {n} bytes but only {size - pos} remain")
-            append(buf[pos:pos + n].decode("utf-8", errors="replace"))
+            append(buf[pos:pos + n])
             pos += n
+            total += n
+            ends[i] = total
         self.pos = pos
-        return out
+        return StringArray(b"".join(pieces), ends)
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings, decoded (UTF-8, invalid bytes replaced) when
+    an item is read. A vocabulary of 49k tokens and as many merges held as
+    Python strings takes about 8 MiB that a loaded model never reads again
+    (its tokenizer keeps its own copy); held as the strings' bytes and their
+    end offsets, about 1 MiB. It compares equal to any sequence of the same
+    strings; ``list(array)`` gives a plain list."""
+
+    __slots__ = ("_data", "_ends")
+
+    def __init__(self, data: bytes, ends: np.ndarray) -> None:
+        self._data = data
+        self._ends = ends.astype(np.uint32) if len(data) < 2**32 else ends
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def _item(self, i: int) -> str:
+        start = int(self._ends[i - 1]) if i else 0
+        return self._data[start:int(self._ends[i])].decode("utf-8", errors="replace")
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(len(self)))]
+        i = int(index)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} strings")
+        return self._item(i)
+
+    def __iter__(self) -> Any:
+        data, start = self._data, 0
+        for end in self._ends.tolist():
+            yield data[start:end].decode("utf-8", errors="replace")
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self._data == other._data and np.array_equal(self._ends, other._ends)
+        if isinstance(other, (str, bytes)) or not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[:3])
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
 
 
 class GGUFFile:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -255,7 +255,7 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     if "vocab_size" not in config:
         embed = file.tensors.get("token_embd.weight")
         tokens = md.get("tokenizer.ggml.tokens")
-        if embed is None and not isinstance(tokens, list):
+        if embed is None and (isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence)):
             raise ConfigError(f"{path}: cannot tell the vocabulary size: no {name}.vocab_size, "
                               f"token_embd.weight or tokenizer.ggml.tokens")
         config["vocab_size"] = embed.shape[0] if embed is not None else len(tokens)

@@ -312,6 +312,32 @@ def test_eos_includes_end_of_turn(tmp_path):
 # -- errors ----------------------------------------------------------------------------------------
 
 
+def test_string_arrays_read_like_lists_and_stay_small(tmp_path):
+    """Arrays of strings (a vocabulary) are held as their bytes and decoded on
+    access: they behave as sequences of str and compare equal to lists, and a
+    50k-token vocabulary costs a fraction of what Python strings would."""
+    import tracemalloc
+
+    words = [f"tok{i}" for i in range(50_000)] + ["", "é€😀", "\n"]
+    write_model(tmp_path / "m.gguf", extra={"tokenizer.ggml.tokens": ("array", words),
+                                            "tokenizer.ggml.merges": ("array", ["a b", "ab c"])})
+    tracemalloc.start()
+    try:
+        file = read_gguf(tmp_path / "m.gguf")
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    tokens = file.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(words) and tokens == words and words == tokens and list(tokens) == words
+    assert (tokens[0], tokens[-1], tokens[-3], tokens[50_001]) == ("tok0", "\n", "", "é€😀")
+    assert tokens[10:13] == ["tok10", "tok11", "tok12"] and tokens.index("tok777") == 777
+    assert tokens != words[:-1] and tokens != "tok0" and file.metadata["tokenizer.ggml.merges"] == ["a b", "ab c"]
+    with pytest.raises(IndexError, match="out of range"):
+        tokens[len(words)]
+    # As a list: ~50k str objects of ~55 bytes plus 8-byte pointers, about 3 MiB.
+    assert held < 1.5 * 2**20, f"{held / 2**20:.1f} MiB held after parsing"
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     write_model(tmp_path / "m.gguf", "falcon", layers=1)
     with pytest.raises(UnsupportedArchitectureError, match=r"'falcon'.*supported: gemma3, llama, qwen2"):
