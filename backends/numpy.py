@@ -95,8 +95,9 @@ class NumpyBackend(Backend):
     KERNEL_ROWS = 16
     #: Fewest query rows per chunk of a causal attention with many rows (see :meth:`attention`).
     ATTENTION_CHUNK = 64
-    #: Float32 bytes of weight rows dequantized at a time for BLAS.
-    SLAB_BYTES = 4 << 20
+    #: Float32 bytes of weight rows dequantized at a time for BLAS (SmolLM2's
+    #: 128-token prefill: 2 MiB as fast as 4, 1 MiB 3% slower).
+    SLAB_BYTES = 2 << 20
 
     def __init__(self, dtype: str | None = None) -> None:
         super().__init__(dtype)
