@@ -345,11 +345,15 @@ class GGUFFile:
         """Drop the tensor's whole pages from this process's resident set
         (``MADV_DONTNEED`` on the read-only map: the page cache keeps them, and
         any view still using them faults them back in from the file)."""
+        self.release_bytes(info.begin, info.end)
+
+    def release_bytes(self, begin: int, end: int) -> None:
+        """:meth:`release` for the whole pages inside bytes ``[begin, end)`` of the file."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is None or info.end <= info.begin:
+        if advice is None or end <= begin:
             return
         page = mmap.PAGESIZE
-        start, stop = -(-info.begin // page) * page, info.end // page * page
+        start, stop = -(-begin // page) * page, end // page * page
         if stop > start:
             try:
                 self._map.madvise(advice, start, stop - start)
@@ -377,10 +381,20 @@ class GGUFQuantizedTensor(QuantizedTensor):
     shape, whose last axis is the quantized row.
     """
 
-    def __init__(self, qtype: str, shape: tuple[int, ...], raw: np.ndarray, name: str = "a tensor") -> None:
+    def __init__(self, qtype: str, shape: tuple[int, ...], raw: np.ndarray, name: str = "a tensor",
+                 file: GGUFFile | None = None, begin: int = 0) -> None:
         self.qtype, self.shape, self.raw, self.name = qtype, tuple(shape), raw, name
         t = gguf_quants.TYPES_BY_NAME[qtype]
         self.block_size, self.type_size = t.block_size, t.type_size
+        # Where ``raw`` is the file's own bytes (rows in file order): its map and offset.
+        self._file, self._begin = file, begin
+
+    def release_rows(self, start: int, stop: int) -> None:
+        """Drop the file pages of rows ``[start, stop)`` from the resident set
+        (see :meth:`GGUFFile.release`); nothing when the rows are a copy."""
+        if self._file is not None:
+            row = self.raw.nbytes // self.shape[0]
+            self._file.release_bytes(self._begin + start * row, self._begin + stop * row)
 
     def dequantize(self) -> np.ndarray:
         """The float32 values, shaped :attr:`shape` (bit-exact with ggml's dequantization)."""
@@ -467,11 +481,12 @@ class GGUFTensorSource(TensorSource):
             raw = self.file.raw(e.info)
         except ValueError as exc:  # the map was closed
             raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
+        mapped = not e.permute_heads and e.info.end > e.info.begin
         if e.permute_heads:  # rows of a matrix; elements of a bias (always a plain type)
             rows = raw.reshape(e.shape[0], -1)
             raw = rows[_unpermute_rows(e.shape[0], e.permute_heads)].reshape(raw.shape)
         if t.quantized:
-            q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name)
+            q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name, *((self.file, e.info.begin) if mapped else ()))
             return q.dequantize() - np.float32(e.norm_offset) if e.norm_offset else q
         data = gguf_quants.dequantize(raw, t.name, e.info.name) if t.name == "BF16" else raw.view(
             "<f4" if t.name == "F32" else "<f2")

@@ -92,6 +92,12 @@ class QuantizedTensor(abc.ABC):
         default; formats whose rows are independent blocks override it)."""
         return None
 
+    def release_rows(self, start: int, stop: int) -> None:
+        """A hint that rows ``[start, stop)`` of the stored data will not be
+        read again by this load (a conversion has consumed them): a format
+        whose data is a memory-mapped file may drop those pages from memory.
+        Reading them again must still work. Default: nothing."""
+
 
 class PackedWeight:
     """A weight a backend keeps in its own quantized layout.

@@ -105,10 +105,28 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) ->
     if bits is None or raw is None or len(tensor.shape) != 2 or group not in groups:
         return None
     rows, cols = tensor.shape
-    codes, scales, biases = gguf_quants.affine_groups(np.asarray(raw).reshape(rows, -1), tensor.qtype, cols)
+    raw = np.asarray(raw).reshape(rows, -1)
+    # In slabs of rows, each slab's file pages released once converted: a large
+    # matrix (Gemma 3's 262k-row head) then never has its stored bytes, its
+    # unpacking temporaries and its new codes all resident at once.
+    step = max(1, CONVERT_BYTES // max(1, raw.shape[1]))
+    if rows <= step:
+        codes, scales, biases = gguf_quants.affine_groups(raw, tensor.qtype, cols)
+    else:
+        codes = np.empty((rows, cols), np.uint8)
+        scales = np.empty((rows, cols // group), np.float32)
+        biases = np.empty_like(scales)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            codes[r0:r1], scales[r0:r1], biases[r0:r1] = gguf_quants.affine_groups(raw[r0:r1], tensor.qtype, cols)
+            tensor.release_rows(r0, r1)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
     return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
+
+
+#: Stored bytes of a GGUF matrix converted at a time by :func:`from_gguf`.
+CONVERT_BYTES = 8 << 20
 
 
 def quantize_affine(weight: np.ndarray, scheme: str, *, scale_dtype: str = "float32",

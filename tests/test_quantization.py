@@ -82,6 +82,46 @@ def test_affine_scales_need_float32(qtype: str) -> None:
         assert torch.equal(s.to(torch.float16).float(), s)  # d itself is a float16
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
+def test_large_matrices_convert_in_slabs_releasing_the_file_as_they_go(monkeypatch, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    """A matrix larger than ``CONVERT_BYTES`` converts a slab of rows at a
+    time, each slab's stored rows released once read: the same arrays as in
+    one piece, and every row released exactly once, in order."""
+    import infer.quantize as quantize
+
+    t = gguf_tensor(qtype, 50, 512, 7)
+    whole = from_gguf(t, groups=(16, 32))
+    released: list[tuple[int, int]] = []
+    monkeypatch.setattr(t, "release_rows", lambda a, b: released.append((a, b)), raising=False)
+    monkeypatch.setattr(quantize, "CONVERT_BYTES", 7 * t.raw.reshape(50, -1).shape[1])  # 7 rows a slab
+    slabs = from_gguf(t, groups=(16, 32))
+    assert whole is not None and slabs is not None
+    for name in ("packed", "scales", "biases"):
+        assert np.array_equal(getattr(slabs, name), getattr(whole, name)), name
+    assert released == [(r, min(50, r + 7)) for r in range(0, 50, 7)]
+
+
+def test_released_gguf_rows_read_back_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Releasing a mapped tensor's pages drops them from memory, not from the
+    file: reading the rows again gives the same values."""
+    gguf = pytest.importorskip("gguf")
+    from infer.formats.gguf import read_gguf
+
+    raw = gguf_quants.random_blocks("Q8_0", 4096, 256, 3)  # 1.1 MB: whole pages to release
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = read_gguf(tmp_path / "t.gguf")
+    info = file.tensors["blk.0.ffn_up.weight"]
+    t = GGUFQuantizedTensor("Q8_0", (4096, 256), file.raw(info), "up", file, info.begin)
+    before = t.dequantize()
+    t.release_rows(0, 4096)
+    assert same_bits(t.dequantize(), before)
+
+
 def test_gguf_rows_are_the_rows_of_the_whole_tensor() -> None:
     t = gguf_tensor("Q4_K", 12, 256, 1)
     ids = np.array([11, 0, 5, 5])
