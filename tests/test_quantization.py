@@ -101,27 +101,6 @@ def test_large_matrices_convert_in_slabs_releasing_the_file_as_they_go(monkeypat
     assert released == [(r, min(50, r + 7)) for r in range(0, 50, 7)]
 
 
-def test_released_gguf_rows_read_back_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Releasing a mapped tensor's pages drops them from memory, not from the
-    file: reading the rows again gives the same values."""
-    gguf = pytest.importorskip("gguf")
-    from infer.formats.gguf import read_gguf
-
-    raw = gguf_quants.random_blocks("Q8_0", 4096, 256, 3)  # 1.1 MB: whole pages to release
-    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    file = read_gguf(tmp_path / "t.gguf")
-    info = file.tensors["blk.0.ffn_up.weight"]
-    t = GGUFQuantizedTensor("Q8_0", (4096, 256), file.raw(info), "up", file, info.begin)
-    before = t.dequantize()
-    t.release_rows(0, 4096)
-    assert same_bits(t.dequantize(), before)
-
-
 def test_gguf_rows_are_the_rows_of_the_whole_tensor() -> None:
     t = gguf_tensor("Q4_K", 12, 256, 1)
     ids = np.array([11, 0, 5, 5])
