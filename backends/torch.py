@@ -30,6 +30,8 @@ round once at the end.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 import warnings
@@ -52,9 +54,9 @@ F: Any = None
 _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
-#: On CUDA, the attention kernels SDPA may pick: all but cuDNN's (see ``attention``).
-#: None where this torch cannot choose (then SDPA picks as it likes).
-_CUDA_SDPA: Any = None
+#: On CUDA, a context in which SDPA may pick every attention kernel but cuDNN's
+#: (see ``attention``); a null context where this torch cannot choose.
+_CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
               "quantized_linear")
@@ -87,7 +89,7 @@ def _import_torch() -> None:
         pass
     else:
         kept = [b for b in SDPBackend.__members__.values() if b.name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")]
-        _CUDA_SDPA = (sdpa_kernel, kept)
+        _CUDA_SDPA = functools.partial(sdpa_kernel, kept)
     torch, F = _torch, _F
 
 
@@ -554,12 +556,7 @@ class TorchBackend(Backend):
             else:
                 kt = kt.repeat_interleave(hq // hkv, dim=1)
                 vt = vt.repeat_interleave(hq // hkv, dim=1)
-        if self._device.type == "cuda" and _CUDA_SDPA is not None:
-            choose, kept = _CUDA_SDPA
-            with choose(kept):
-                out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                                     **gqa)
-        else:
+        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
         return out[0].transpose(0, 1)  # [tq, hq, dv]
 

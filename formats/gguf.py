@@ -486,7 +486,8 @@ class GGUFTensorSource(TensorSource):
             rows = raw.reshape(e.shape[0], -1)
             raw = rows[_unpermute_rows(e.shape[0], e.permute_heads)].reshape(raw.shape)
         if t.quantized:
-            q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name, *((self.file, e.info.begin) if mapped else ()))
+            q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name, file=self.file if mapped else None,
+                                    begin=e.info.begin)
             return q.dequantize() - np.float32(e.norm_offset) if e.norm_offset else q
         data = gguf_quants.dequantize(raw, t.name, e.info.name) if t.name == "BF16" else raw.view(
             "<f4" if t.name == "F32" else "<f2")

@@ -341,13 +341,13 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 #
 # Native kernels (torch's int4pack, MLX's affine quantized_matmul) store unsigned codes
 # with one scale and one bias (or zero point) per group of consecutive values in a row.
-# These GGML types are such groups of 32 already; Q6_K is one of 16 (its 6-bit codes
-# times an int8 sub-block scale times d: ``d * sc`` has at most 18 bits, times a code of
-# 6 bits is exact, and the bias ``-32 * d * sc`` is exact, so the sum is the exact value). For each, ``scale * code`` is exact in
-# float32 (an 11-bit float16 scale, or Q4_K/Q5_K's ``d * sc`` of 17 bits, times a code
-# of at most 8 bits), so ``scale * code + bias`` rounds once, exactly as the dequantizers
-# above do (Q4_1: ``d * q + m``; Q4_K: ``(d * sc) * q - dmin * m``; Q4_0/Q5_0/Q8_0:
-# ``d * (q - 8)`` etc., whose exact product needs no rounding at all).
+# These GGML types are such groups of 32 already, and Q6_K one of 16. For each,
+# ``scale * code`` is exact in float32 (an 11-bit float16 scale, Q4_K/Q5_K's ``d * sc``
+# of 17 bits or Q6_K's of 18, times a code of at most 8 bits), so
+# ``scale * code + bias`` rounds once, exactly as the dequantizers above do (Q4_1:
+# ``d * q + m``; Q4_K: ``(d * sc) * q - dmin * m``; Q6_K: ``bias = -32 * d * sc``, also
+# exact, so the sum is the exact value; Q4_0/Q5_0/Q8_0: ``d * (q - 8)`` etc., whose
+# exact product needs no rounding at all).
 
 def _affine_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _f16(b, 0)
