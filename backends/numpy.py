@@ -41,20 +41,41 @@ on by the kernels where they exist.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from infer.errors import UnsupportedOpError
+from infer.errors import ConfigError, UnsupportedOpError
 from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
-    from infer.backends import _affine
-except ImportError:  # pragma: no cover - exercised where the extension is not built
-    _affine = None
 from infer.registry import BackendSpec, Probe
+
+#: Which C kernel path the numpy backend uses: ``auto`` (the best the CPU
+#: has), ``portable`` (the plain C loops, as on a CPU without AVX2) or ``off``
+#: (no C kernels: pure numpy, GGUF weights dequantized to float32). Read once
+#: at import; it lets a user, and the test suite, run every path on one machine.
+KERNELS_ENV = "INFER_NUMPY_KERNELS"
+
+
+def _load_kernels() -> object | None:
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "portable", "off"):
+        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of auto, portable, off")
+    if choice == "off":
+        return None
+    try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
+        from infer.backends import _affine as kernels
+    except ImportError:  # pragma: no cover - exercised where the extension is not built
+        return None
+    if choice == "portable":
+        kernels.use_simd("portable")
+    return kernels
+
+
+_affine = _load_kernels()
 
 _DTYPES = {
     "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,

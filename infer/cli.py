@@ -153,9 +153,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from infer.backends import numpy as numpy_backend
 
     kernels = numpy_backend._affine
-    print("  numpy C kernels: " + (f"{kernels.simd()}, {kernels.threads()} threads (GGUF weights stay quantized)"
-                                   if kernels is not None else
-                                   "not built (GGUF weights become float32; reinstall with a C compiler)"))
+    forced = os.environ.get(numpy_backend.KERNELS_ENV)
+    if kernels is not None:
+        line = f"{kernels.simd()}, {kernels.threads()} threads (GGUF weights stay quantized)"
+    elif forced and forced.strip().lower() == "off":
+        line = f"off ({numpy_backend.KERNELS_ENV}={forced}; GGUF weights become float32)"
+    else:
+        line = "not built (GGUF weights become float32; reinstall with a C compiler)"
+    print("  numpy C kernels: " + line + (f" [{numpy_backend.KERNELS_ENV}={forced}]" if forced and kernels else ""))
     print()
     cmd_backends(args)
     print()

@@ -10,7 +10,9 @@ off by the size of the terms themselves).
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 import sys
 
 import numpy as np
@@ -34,8 +36,43 @@ def test_kernels_are_built_on_linux_x86() -> None:
     # the slow float32 path, so it must fail a test instead.
     if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
         pytest.skip("the build is only required on Linux x86-64")
-    assert _affine is not None
-    assert _affine.simd() in ("avx2+fma", "portable") and _affine.threads() >= 1
+    from infer.backends import _affine as built  # built, whatever INFER_NUMPY_KERNELS chose
+
+    assert built.simd() in ("avx2+fma", "portable") and built.threads() >= 1
+
+
+def _cpu_has_avx2() -> bool | None:
+    """What /proc/cpuinfo says of AVX2+FMA+F16C (None where there is none to read)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return None
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+@pytest.mark.parametrize("choice", ["auto", "portable", "off", "bogus"])
+def test_the_kernel_path_can_be_forced(choice: str) -> None:
+    # INFER_NUMPY_KERNELS runs every path on one machine (the suite runs under each,
+    # tests/README.md); it is read at import, so each choice in a fresh process.
+    try:
+        from infer.backends import _affine as built  # noqa: F401
+    except ImportError:
+        pytest.skip("the C kernels are not built here")
+    probe = "from infer.backends import numpy as n; k = n._affine; print(k.simd() if k else None)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, numpy_backend.KERNELS_ENV: choice})
+    if choice == "bogus":
+        assert out.returncode != 0
+        assert "INFER_NUMPY_KERNELS='bogus' is not one of auto, portable, off" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    avx2 = _cpu_has_avx2()
+    want = {"portable": "portable", "off": "None"}.get(choice) or (
+        {True: "avx2+fma", False: "portable"}.get(avx2) if platform.machine() == "x86_64" else "portable")
+    if avx2 is None and choice == "auto":
+        assert out.stdout.strip() in ("avx2+fma", "portable")
+    else:
+        assert out.stdout.strip() == want
 
 
 @pytest.fixture(params=PATHS)
