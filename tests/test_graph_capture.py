@@ -3,9 +3,9 @@ attention as compiled graphs and gives the same outputs.
 
 Tiny random llama and gemma3 models run on torch/cpu, torch/cuda where there is one
 (``torch.compile``, Inductor) and mlx/cpu (``mx.compile``) with and without capture: prefill and decode logits
-agree within 1e-4 of the largest logit — compiled kernels fuse elementwise
-chains and may reassociate sums, a few float32 ulp per op, far below a
-token-changing difference — and the greedy tokens are identical. numpy has
+agree within ``COMPILED_RTOL`` of the largest logit (below: compiled kernels
+fuse elementwise chains and may reassociate sums, a few float32 ulp per op, far
+below a token-changing difference) and the greedy tokens are identical. numpy has
 nothing to capture: the flag changes nothing there.
 """
 
@@ -20,9 +20,14 @@ import pytest
 import infer
 from infer.engine import StopConditions
 from infer.sampling import SamplingParams
-from reference import tiny_model_dir
+from reference import LOGIT_RTOL, assert_logits_close, tiny_model_dir
 
 PROMPT = list(range(3, 14))
+# Compiled kernels also contract multiply-adds into FMAs and reassociate the
+# elementwise chains they fuse (Inductor's C++ and mx.compile's codegen): on top of
+# the reordered sums of LOGIT_RTOL, at most one extra rounding per fused op (~10 a
+# layer). Twice LOGIT_RTOL covers it; measured worst in tests/README.md.
+COMPILED_RTOL = 2 * LOGIT_RTOL
 
 
 def logits_and_tokens(model: infer.Model) -> tuple[list[np.ndarray], list[int]]:
@@ -64,8 +69,7 @@ def test_compiled_layers_give_the_same_outputs(backend: str, variant: str) -> No
     want_rows, want_tokens = logits_and_tokens(plain)
     got_rows, got_tokens = logits_and_tokens(captured)
     for step, (g, w) in enumerate(zip(got_rows, want_rows)):
-        err, tol = float(np.abs(g - w).max()), 1e-4 * float(np.abs(w).max())
-        assert err <= tol, f"step {step}: max abs error {err:.3g} > {tol:.3g}"
+        assert_logits_close(g, w, f"compiled vs eager, step {step}", rtol=COMPILED_RTOL)
     assert got_tokens == want_tokens
     # The pieces really are compiled: not the plain closures of layer_pieces.
     after = captured.network.after

@@ -33,7 +33,7 @@ from infer.backends import mlx as mlx_backend  # noqa: E402
 from infer.backends.mlx import MLXBackend  # noqa: E402
 from infer.backends.numpy import NumpyBackend  # noqa: E402
 from infer.selection import list_backends, select_backend  # noqa: E402
-from reference import TINY_VARIANTS, encode, smollm2_hf_dir, tiny_model_dir  # noqa: E402
+from reference import TINY_VARIANTS, assert_greedy_equal, encode, float32_rtol, smollm2_hf_dir, tiny_model_dir  # noqa: E402
 
 NMSE_BOUND = {"float32": 1e-9, "float16": 1.5e-5, "bfloat16": 1e-3}
 PROMPT = "The capital of France is Paris. Once upon a time"
@@ -454,12 +454,13 @@ def test_smollm2_greedy_tokens_match_numpy() -> None:
     reference = infer.load(path, backend="numpy")
     want = [list(reference.generate_tokens(p, max_tokens=16, ignore_eos=True)) for p in prompts]
     model = infer.load(path, backend="mlx:cpu", dtype="float32")
-    assert [list(model.generate_tokens(p, max_tokens=16, ignore_eos=True)) for p in prompts] == want
     half = infer.load(path, backend="mlx:cpu", dtype="bfloat16")
     agree = []
     for ids, cont in zip(prompts, want):
         engine = reference.engine
         full = reference.backend.to_numpy(engine.forward(engine.new_sequence(), ids + cont[:-1], all_logits=True))
+        got = list(model.generate_tokens(ids, max_tokens=16, ignore_eos=True))
+        assert_greedy_equal(got, cont, full[len(ids) - 1 :], float32_rtol(path), f"mlx float32 {ids}")
         agree.append(top1_agreement(half, ids, cont[:-1], full.argmax(-1)))
     rate = float(np.concatenate(agree).mean())
     assert rate >= SMOLLM2_BF16_AGREEMENT, f"SmolLM2 bfloat16 top-1 agreement {rate:.3f} < {SMOLLM2_BF16_AGREEMENT}"

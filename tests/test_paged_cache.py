@@ -238,4 +238,6 @@ def test_native_paged_attention_equals_the_contract_default(backend: str, call) 
     args = [ops.from_numpy(a.value, None if a.dtype == "float" else a.dtype) for a in call.args[:4]]
     got = ops.paged_attention(*args, call.args[4], **call.kwargs)
     want = Backend.paged_attention(ops, *args, call.args[4], **call.kwargs)
+    # The same float32 attention over the same keys, read in place or gathered: the
+    # sums may be blocked differently (a few u of the output, |v| <~ 4 here).
     np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(want), rtol=1e-5, atol=1e-6)

@@ -227,6 +227,8 @@ def test_cuda_int4_matches_gguf_within_bfloat16_scales(qtype: str) -> None:
         x = np.random.default_rng(seed).standard_normal((3, cols)).astype(np.float32)
         y = ops.to_numpy(ops.linear(ops.from_numpy(x), w)).astype(np.float64)
         ref = x.astype(np.float64) @ want.T
+        # The weights err by <= 2^-6 of their group's max (above) and bfloat16
+        # activations by 2^-9: a product's relative rms error stays well under 1e-2.
         assert np.linalg.norm(y - ref) <= 1e-2 * np.linalg.norm(ref)
 
 
@@ -269,6 +271,8 @@ def test_torch_on_load_quantization(torch_q, scheme: str) -> None:  # type: igno
     assert np.all(np.abs(got - w) <= bound * 1.01)
     # embedding rows are the same values the matmul uses
     rows = ops.to_numpy(ops.embedding(packed, ops.from_numpy(np.array([3, 0], np.int32))))
+    # Both dequantize the same codes (code * scale + bias, float32): one rounding
+    # each, maybe in another order (<= 2 u relative, ~1e-7 absolute at |w| ~ 0.05).
     np.testing.assert_allclose(rows, got[[3, 0]], rtol=2e-6, atol=1e-7)
     norm = ops.prepare_weight(np.ones((64,), np.float32), name="model.norm.weight")
     assert not isinstance(norm, PackedWeight)
@@ -348,6 +352,9 @@ def test_mlx_bfloat16_compute_keeps_float32_scales() -> None:
     y = ops.linear(ops.from_numpy(x), w)
     assert ops.dtype(y) == "bfloat16"
     xb = ops.to_numpy(ops.from_numpy(x))  # x as bfloat16 holds it
+    # x is compared as bfloat16 holds it and the float32 scales keep the weights
+    # exact, so what is left is the bfloat16 output's rounding (2^-9 = 0.2% of |y|,
+    # |y| <= 9 here): rtol 1e-2 is 5x that; atol 1e-2 covers outputs near zero.
     np.testing.assert_allclose(ops.to_numpy(y), xb @ t.dequantize().T, rtol=1e-2, atol=1e-2)
 
 

@@ -63,11 +63,12 @@ def test_kept_quantized_gguf_greedy_tokens_equal_transformers_float32(backend: s
     activations): the weights are the GGUF values exactly, so greedy tokens equal
     the float32 reference, as on the dequantized path (tests/test_real_gguf.py)."""
     pytest.importorskip("mlx.core" if backend.startswith("mlx") else "torch")
-    from reference import encode, reference_greedy
+    from reference import assert_greedy_equal, encode, float32_rtol, reference_greedy, reference_teacher_forced
 
     model = infer.load("smollm2-135m", backend=backend, quantize="q4")
     hf_dir = smollm2_hf_dir()
     for prompt in GREEDY_PROMPTS:
         ids = encode(hf_dir, prompt)
         got = list(model.generate_tokens(ids, max_tokens=8, ignore_eos=True))
-        assert got == reference_greedy(hf_dir, ids, 16)[:8], prompt
+        want = reference_greedy(hf_dir, ids, 16)[:8]
+        assert_greedy_equal(got, want, reference_teacher_forced(hf_dir, ids, want), float32_rtol(hf_dir), prompt)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 
 import infer
-from reference import reference_greedy, smollm2_hf_dir, smollm2_reference_chat_ids, smollm2_reference_greedy
+from reference import (
+    assert_greedy_equal,
+    float32_rtol,
+    reference_greedy,
+    reference_teacher_forced,
+    smollm2_hf_dir,
+    smollm2_reference_chat_ids,
+    smollm2_reference_greedy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +43,15 @@ def test_greedy_tokens_equal_transformers_float32(smollm2: infer.Model) -> None:
     for prompt, expected in zip(PROMPTS, want):
         ids = smollm2.tokenizer.encode(prompt)
         got = list(smollm2.generate_tokens(ids, max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert got == expected, f"prompt {prompt!r}: {smollm2.tokenizer.decode(got)!r}"
+        logits = reference_teacher_forced(smollm2_hf_dir(), ids, expected)
+        assert_greedy_equal(got, expected, logits, float32_rtol(smollm2_hf_dir()), f"prompt {prompt!r}")
 
 
 def test_generate_text_is_the_decoded_greedy_tokens(smollm2: infer.Model) -> None:
-    (expected,) = smollm2_reference_greedy(PROMPTS[:1], NEW_TOKENS)
+    tokens = list(smollm2.generate_tokens(smollm2.tokenizer.encode(PROMPTS[0]), max_tokens=NEW_TOKENS,
+                                          ignore_eos=True))
     text = smollm2.generate(PROMPTS[0], max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert text == smollm2.tokenizer.decode(expected)
+    assert text == smollm2.tokenizer.decode(tokens)
     assert "Paris" in text
     streamed = "".join(smollm2.generate(PROMPTS[0], max_tokens=NEW_TOKENS, ignore_eos=True, stream=True))
     assert streamed == text
@@ -53,9 +63,12 @@ def test_chat_uses_the_template_and_matches_transformers(smollm2: infer.Model) -
     )
     assert ids == smollm2_reference_chat_ids(MESSAGES)
     expected = reference_greedy(smollm2_hf_dir(), ids, 32)
+    got = list(smollm2.generate_tokens(ids, max_tokens=32, ignore_eos=True))
+    logits = reference_teacher_forced(smollm2_hf_dir(), ids, expected)
+    assert_greedy_equal(got, expected, logits, float32_rtol(smollm2_hf_dir()), "chat reply")
     eos = smollm2.eos_token_ids
-    if any(t in eos for t in expected):  # the reference ran past EOS; the chat stops there
-        expected = expected[: next(i for i, t in enumerate(expected) if t in eos)]
+    if any(t in eos for t in got):  # generation ran past EOS; the chat stops there
+        got = got[: next(i for i, t in enumerate(got) if t in eos)]
     reply = smollm2.chat(MESSAGES, max_tokens=32)
-    assert reply == smollm2.tokenizer.decode(expected)
+    assert reply == smollm2.tokenizer.decode(got)
     assert reply.strip()

@@ -45,7 +45,7 @@ from infer.speculative import (
     Speculation,
     verify_sampled,
 )
-from reference import tiny_model_dir
+from reference import assert_logits_close, tiny_model_dir
 
 GREEDY = SamplingParams()
 # Repeats make n-gram lookup find matches; the rest is arbitrary.
@@ -271,7 +271,7 @@ def test_rollback_then_forward_equals_fresh_computation(paged: bool) -> None:
     got = ops.to_numpy(engine.forward(seq, [50, 51], all_logits=True))
     fresh = engine.new_sequence(32, kv_pool=pool)
     want = ops.to_numpy(engine.forward(fresh, prompt + [40, 50, 51], all_logits=True))[-2:]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_logits_close(got, want, "after rollback vs fresh")
     for s in (seq, fresh):
         engine.release(s)
     if pool is not None:
@@ -302,7 +302,7 @@ def test_paged_rollback_keeps_prefix_cache_keys_true_and_copies_shared_blocks() 
     b = ops.to_numpy(engine.forward(other, [99]))
     for ids, got in ((tokens[:6] + [60, 61], a), (tokens + [99], b)):
         fresh = engine.new_sequence(32)
-        np.testing.assert_allclose(got, ops.to_numpy(engine.forward(fresh, ids)), rtol=1e-5, atol=1e-5)
+        assert_logits_close(got, ops.to_numpy(engine.forward(fresh, ids)), "after a shared block's copy vs fresh")
     engine.release(seq)
     engine.release(other)
     assert pool.stats().used == 0

@@ -86,6 +86,8 @@ def test_attention_matches_formula(tq, past, hkv, group, dk, causal, window, sof
     q, k, v = normal(seed, tq, hkv * group, dk), normal(seed + 1, tk, hkv, dk), normal(seed + 2, tk, hkv, dk)
     kw = dict(scale=1 / math.sqrt(dk), causal=causal, window=window, softcap=softcap)
     got = ops.to_numpy(ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), **kw))
+    # Against float64: scores of dk <= 16 unit normals, each rounded once; the output
+    # is a convex mix of v (|v| <~ 5), a few float32 roundings of it: <~ 5 * 6 u = 2e-6.
     np.testing.assert_allclose(got, formula_attention(q, k, v, **kw), rtol=1e-5, atol=2e-6)
 
 
