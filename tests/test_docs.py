@@ -25,6 +25,7 @@ or into the rest of the suite.
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ from infer.cli import build_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
+README = DOCS.parent / "README.md"
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
@@ -200,6 +202,41 @@ def test_documented_commands_parse(page: Path) -> None:
             parser.parse_args(argv)
         except SystemExit as exc:
             raise AssertionError(f"{page.name}:{line}: `infer {shlex.join(argv)}` does not parse") from exc
+
+
+def _ends_no_line(node: ast.AST) -> bool:
+    """``print(..., end=X)`` with an ``X`` that holds no newline."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+            and any(k.arg == "end" and not (isinstance(k.value, ast.Constant) and "\n" in str(k.value.value))
+                    for k in node.keywords))
+
+
+def _is_newline(node: ast.stmt) -> bool:
+    """A bare ``print()``."""
+    call = node.value if isinstance(node, ast.Expr) else None
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "print"
+            and not call.args and not call.keywords)
+
+
+@pytest.mark.parametrize("page", PAGES + [README], ids=[p.name for p in PAGES + [README]])
+def test_streamed_text_ends_its_line(page: Path) -> None:
+    """A loop that prints chunks without newlines (``print(chunk, end="")``)
+    is followed by ``print()``: otherwise the next output is glued onto the
+    streamed text (README's first example once printed the chat reply so)."""
+    for block in blocks(page.read_text(encoding="utf-8")):
+        if block.language != "python":
+            continue
+        for node in ast.walk(ast.parse(block.source)):
+            for field in ("body", "orelse", "finalbody"):
+                body = getattr(node, field, None)
+                if not isinstance(body, list):
+                    continue
+                for i, stmt in enumerate(body):
+                    if isinstance(stmt, (ast.For, ast.While)) and any(map(_ends_no_line, ast.walk(stmt))):
+                        after = body[i + 1] if i + 1 < len(body) else None
+                        assert after is not None and _is_newline(after), (
+                            f"{page.name}:{block.line + stmt.lineno - 1}: the loop prints without a newline "
+                            "and no print() follows it")
 
 
 def test_cli_page_has_commands() -> None:
