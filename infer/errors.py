@@ -117,3 +117,7 @@ class CacheFullError(GenerationError):
 
 class BenchmarkError(InferError, ValueError):
     """A benchmark was configured inconsistently (options, engines, baseline)."""
+
+
+class MissingDependencyError(InferError, ImportError):
+    """An optional package a tool needs is not installed; the message says what to install."""

@@ -224,6 +224,47 @@ def test_report_medians_ratios_order_and_bound(tiny: Path, monkeypatch: pytest.M
     assert "2.00×" in table and "failed: boom" in table
 
 
+def test_progress_names_the_repeat_and_engine_while_it_runs(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    figures = {label: {"decode": [10.0, 20.0] * 2, "prefill": [100.0, 200.0] * 2, "load_s": [0.1, 0.2] * 2}
+               for label in ("infer numpy", "other")}  # two runs of two repeats
+    fake, _ = _fake_process(figures)
+    shown: list[str] = []  # the bar's last redraw when each engine process starts
+
+    def run(spec: bench.EngineSpec, *args: Any) -> dict[str, Any]:
+        shown.append(capsys.readouterr().err.rsplit("\r", 1)[-1])
+        return fake(spec, *args)
+
+    monkeypatch.setattr(bench, "_run_process", run)
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda **kw: 25e9)
+    engines = [bench.infer_engine("numpy"), bench.infer_engine("numpy", label="other")]
+    config = bench.BenchConfig(repeats=2, baseline=None)
+    bench.run_benchmark(tiny, engines, config)
+    assert capsys.readouterr() == ("", "") and shown == ["", "", "", ""]  # the library prints only when asked
+    shown.clear()
+    bench.run_benchmark(tiny, engines, config, progress=True)
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert [line.split(":")[0:2] for line in shown] == [
+        ["repeat 1/2", " infer numpy"], ["repeat 1/2", " other"], ["repeat 2/2", " other"], ["repeat 2/2", " infer numpy"]]
+    assert [line.split("|")[0].rsplit(" ", 1)[-1] for line in shown] == ["0%", "25%", "50%", "75%"]
+    assert "4/4" in err and err.count("\n") == 1  # one bar, redrawn in place
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["progress", "quiet"])
+def test_infer_bench_shows_progress_on_stderr_unless_quiet(tiny: Path, tmp_path: Path, quiet: bool,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    fake, _ = _fake_process({"infer numpy": {"decode": [10.0, 20.0], "prefill": [100.0, 200.0], "load_s": [0.1, 0.2]}})
+    monkeypatch.setattr(bench, "_run_process", fake)
+    argv = ["bench", str(tiny), "--backend", "numpy", "--peers", "none", "--repeats", "2", "--no-bandwidth",
+            "--no-plot", "-o", str(tmp_path / "r.json")]
+    assert main(["-q"] * quiet + argv) == 0
+    out, err = capsys.readouterr()
+    assert "| infer numpy |" in out and "repeat 1/2" not in out  # the report alone on stdout
+    assert ("repeat 2/2: infer numpy" in err) == (not quiet) and "report: " in err
+
+
 def test_duplicate_labels_and_no_engines_are_errors(tiny: Path) -> None:
     with pytest.raises(BenchmarkError, match="distinct"):
         bench.run_benchmark(tiny, [bench.infer_engine("numpy"), bench.infer_engine("numpy")])

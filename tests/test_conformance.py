@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from infer.backends.numpy import NumpyBackend, attention_mask
-from infer.errors import UnsupportedOpError
+from infer.errors import InferError, MissingDependencyError, UnsupportedOpError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS
 from infer.testing.cases import CASES, case_named
 from infer.testing.conformance import check_backend, check_case
@@ -237,6 +237,42 @@ def test_unknown_backend_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "nosuchbackend")
     assert proc.returncode == 4  # pytest's usage error
     assert "nosuchbackend: no such backend is registered" in proc.stderr
+
+
+# -- without hypothesis ---------------------------------------------------------------------------
+
+INSTALL_ADVICE = "pip install 'infer-engine[conformance]'"
+
+
+def test_without_hypothesis_the_kit_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry is what `import hypothesis` meets when it is not installed:
+    # ModuleNotFoundError (name="hypothesis"). The kit's modules are imported afresh.
+    monkeypatch.setitem(sys.modules, "hypothesis", None)
+    for name in ("infer.testing.cases", "infer.testing.strategies"):
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(MissingDependencyError) as caught:
+        check_backend(NumpyBackend(), max_examples=1)
+    message = str(caught.value)
+    assert "hypothesis, which is not installed here" in message and INSTALL_ADVICE in message
+    assert isinstance(caught.value, InferError) and isinstance(caught.value, ImportError)
+
+
+#: A hypothesis that is "not installed": it shadows the real one on PYTHONPATH.
+NO_HYPOTHESIS = '''raise ModuleNotFoundError("No module named 'hypothesis'", name="hypothesis")\n'''
+
+
+def test_the_pytest_command_without_hypothesis_says_what_to_install(tmp_path: Path) -> None:
+    (tmp_path / "hypothesis").mkdir()
+    (tmp_path / "hypothesis" / "__init__.py").write_text(NO_HYPOTHESIS)
+    # hypothesis' own pytest plugin is not there either when hypothesis is not installed.
+    named = run_pytest(tmp_path, "-p", "no:hypothesispytest", "--pyargs", "infer.testing", "--infer-backend", "numpy")
+    assert named.returncode == 4, named.stdout[-2000:] + named.stderr[-2000:]  # pytest's usage error
+    assert "ERROR: infer's conformance kit draws its op calls with hypothesis" in named.stderr
+    assert INSTALL_ADVICE in named.stderr
+    assert "Traceback" not in named.stderr
+    unnamed = run_pytest(tmp_path, "-p", "no:hypothesispytest", "--pyargs", "infer.testing")
+    assert unnamed.returncode == 2  # an error while collecting the kit's module
+    assert "MissingDependencyError" in unnamed.stdout and INSTALL_ADVICE in unnamed.stdout
 
 
 def test_the_kit_needs_neither_transformers_nor_a_framework() -> None:

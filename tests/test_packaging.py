@@ -10,6 +10,7 @@ is what every other test runs against.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -62,3 +63,16 @@ def test_wheel_works_in_clean_venv(wheel: Path, tmp_path: Path) -> None:
     assert run(bindir / "python", "-c", probe, cwd=tmp_path).stdout.strip() == "ok"
     listing = run(bindir / "infer", "backends", cwd=tmp_path).stdout
     assert "numpy/cpu" in listing and "yes" in listing
+
+
+def test_wheel_offers_the_conformance_extra(wheel: Path) -> None:
+    # Without hypothesis the conformance kit tells its user to install this extra.
+    from infer.testing import INSTALL
+
+    assert "pip install 'infer-engine[conformance]'" in INSTALL
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Provides-Extra: conformance" in metadata.splitlines()
+    needs = {re.match(r"Requires-Dist: ([A-Za-z0-9_.-]+)", line)[1] for line in metadata.splitlines()
+             if line.startswith("Requires-Dist:") and 'extra == "conformance"' in line}
+    assert needs == {"pytest", "hypothesis"}

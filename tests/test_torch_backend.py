@@ -303,3 +303,16 @@ def test_listing_backends_does_not_import_torch():
     code = ("import sys, infer.backends.torch as t; assert 'torch' not in sys.modules; "
             "t.infer_register_backends(lambda spec: None); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compile_warns_nothing_about_torch_jit():
+    # Inductor's first run imports torch.utils.mkldnn, which warns 14 times that
+    # torch.jit.script_method is deprecated; the backend silences exactly that
+    # message. A fresh process, since this one may have imported the module already.
+    code = ("import numpy as np; from infer.backends.torch import TorchBackend; ops = TorchBackend('cpu'); "
+            "f = ops.compile(lambda x: ops.add(ops.mul(x, x), x)); "
+            "print(ops.to_numpy(f(ops.from_numpy(np.full(3, 2, np.float32)))).tolist())")
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[6.0, 6.0, 6.0]"
+    assert "script_method" not in done.stderr, done.stderr[-3000:]

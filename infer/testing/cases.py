@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from hypothesis import strategies as st
+
+from infer.testing import missing_hypothesis
+
+try:
+    from hypothesis import strategies as st
+except ImportError as exc:  # not a dependency of infer
+    raise missing_hypothesis(exc) from exc
 
 from infer.ops import QuantizedTensor
 from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch

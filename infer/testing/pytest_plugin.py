@@ -153,10 +153,22 @@ def _session_targets(config: pytest.Config) -> list[Target]:
     return targets
 
 
+def _require_hypothesis() -> None:
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as exc:
+        from infer.testing import missing_hypothesis
+
+        raise pytest.UsageError(str(missing_hypothesis(exc))) from exc
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Backends named explicitly are resolved up front, so a name that is not
-    # registered or not usable here stops the run with one clear message.
+    # registered or not usable here, or a missing hypothesis, stops the run
+    # with one clear message. (Without the option the kit's test module
+    # raises MissingDependencyError, with the same advice, as it is collected.)
     if _split(config.getoption("--infer-backend"), BACKENDS_ENV):
+        _require_hypothesis()
         _session_targets(config)
 
 

@@ -15,7 +15,13 @@ import math
 from typing import Any
 
 import numpy as np
-from hypothesis import strategies as st
+
+from infer.testing import missing_hypothesis
+
+try:
+    from hypothesis import strategies as st
+except ImportError as exc:  # not a dependency of infer
+    raise missing_hypothesis(exc) from exc
 
 from infer.testing.conformance import Call, In
 
