@@ -396,6 +396,22 @@ class GGUFQuantizedTensor(QuantizedTensor):
             row = self.raw.nbytes // self.shape[0]
             self._file.release_bytes(self._begin + start * row, self._begin + stop * row)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored blocks."""
+        return int(self.raw.nbytes)
+
+    def affine_layout(self) -> tuple[int, int] | None:
+        """``(bits, group)`` of the types with an exact affine form (see
+        :func:`~infer.formats.gguf_quants.affine_groups`), None for the others."""
+        bits = gguf_quants.AFFINE_BITS.get(self.qtype)
+        return None if bits is None else (bits, gguf_quants.AFFINE_GROUP[self.qtype])
+
+    def affine_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Codes, scales and biases of rows ``[start, stop)``, unpacked from their blocks."""
+        raw = self.raw.reshape(self.shape[0], -1)[start:stop]
+        return gguf_quants.affine_groups(raw, self.qtype, self.shape[-1])
+
     def dequantize(self) -> np.ndarray:
         """The float32 values, shaped :attr:`shape` (bit-exact with ggml's dequantization)."""
         return gguf_quants.dequantize(self.raw, self.qtype, self.name).reshape(self.shape)
