@@ -284,8 +284,17 @@ def open_gguf(path: str | Path, *, tokenizer: bool = True) -> ModelPackage:
                         generation=generation, path=Path(path), format="gguf")
 
 
+def random_tensor(qtype: str, shape: tuple[int, int], seed: int) -> GGUFQuantizedTensor:
+    """A random but finite ``qtype`` matrix (:func:`~infer.formats.gguf_quants.random_blocks`):
+    the conformance kit's quantized weights."""
+    rows, cols = shape
+    raw = gguf_quants.random_blocks(qtype, rows, cols, seed=seed)
+    return GGUFQuantizedTensor(qtype, (rows, cols), raw, f"random {qtype}")
+
+
 @hookimpl
 def infer_register_formats(register: Any) -> None:
     """Register the GGUF format."""
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
-                        description="GGUF file (llama.cpp): metadata + tensors, quantized or not"))
+                        description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
+                        random_tensor=random_tensor))

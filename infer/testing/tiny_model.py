@@ -34,6 +34,7 @@ from infer.ops import Backend
 from infer.package import TensorSource
 from infer.plugins import get_registry
 from infer.sampling import SamplingParams
+from infer.testing.conformance import reference_backend
 
 #: Least top-1 agreement with numpy float32 over the teacher-forced steps,
 #: per variant (32 steps each). Measured on torch/cpu and mlx/cpu alike:
@@ -182,9 +183,7 @@ def check_end_to_end(candidate: Backend, variants: Sequence[str] = tuple(VARIANT
     :data:`AGREEMENT`.
     """
     if reference is None:
-        from infer.backends.numpy import NumpyBackend
-
-        reference = NumpyBackend()
+        reference = reference_backend()
     dtype = candidate.compute_dtype
     results = []
     for variant in variants:
