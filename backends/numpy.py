@@ -602,5 +602,13 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
             factory=lambda dtype: NumpyBackend(dtype),
             probe=lambda: Probe(10, None, tuple(sorted(NumpyBackend.native_ops))),
             description=f"numpy {np.__version__} float32 on the CPU (reference backend)",
+            details=kernel_details,
         )
     )
+
+
+def kernel_details() -> str:
+    """Whether the C kernels are built here, for ``infer doctor``."""
+    if _affine is None:
+        return "numpy C kernels: not built (GGUF weights become float32; reinstall with a C compiler)"
+    return f"numpy C kernels: {_affine.simd()}, {_affine.threads()} threads (GGUF weights stay quantized)"

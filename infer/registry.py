@@ -50,6 +50,9 @@ class BackendSpec:
     description: str = ""
     api_version: tuple[int, int] = API_VERSION
     plugin: str = ""
+    #: Optional: one line for ``infer doctor`` on how the backend is built here
+    #: (e.g. which native kernels it has). Cheap, never raises.
+    details: Callable[[], str] | None = None
 
     @property
     def key(self) -> str:
