@@ -64,30 +64,20 @@ from infer.registry import BackendSpec, Probe
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8", "uint32")
 
-#: Probe scores (numpy/cpu is 10; torch registers cuda 100, mps 90, cpu 8).
-#: On Apple silicon MLX on Metal is the native way to run a model, ranked above
-#: torch/mps. Under CUDA (mlx[cuda]) torch/cuda is the mature choice, so MLX ranks
-#: below it. On the CPU MLX ranks *below* numpy: the Linux ``mlx[cpu]`` wheel
-#: bundles a reference (netlib) BLAS (``mlx_cpu.libs/libblas-*.so.3.10.0``), and
-#: MLX runs each op of a step from one scheduler thread. Measured decode speed,
-#: best of 5 runs on a shared 2-core x86 VM (mlx 0.32.4, numpy 2.4.6, torch 2.13):
-#:
-#: ======================  ======  ===========  ============  =======  ========
-#: model                   numpy   torch f32    torch bf16    mlx f32  mlx bf16
-#: ======================  ======  ===========  ============  =======  ========
-#: tiny smollm2_like       1836    767          699           862      788  tok/s
-#: SmolLM2-135M (HF f32)   35.0    21.5         34.7          15.3     7.3  tok/s
-#: ======================  ======  ===========  ============  =======  ========
-#:
-#: (mlx f32 on SmolLM2 was 5.6 tok/s before :meth:`MLXBackend.prepare_weight`
-#: stored CPU matrices transposed.) So mlx/cpu is usable when asked for, never
-#: the default while numpy is there.
 #: Whether mlx/cpu keeps GGUF weights quantized by default. No: on the Linux CPU
 #: build ``quantized_matmul`` decoded SmolLM2-135M Q4_1 slower than float32 weights
 #: (docs/backends.md, "Quantized weights and speed"); ``quantize="q4"``/``"q8"``
 #: keeps them (for memory). On the GPU (Metal) quantized weights are the native
 #: way to run, and are kept by default.
 KEEP_GGUF_ON_CPU = False
+#: Probe scores (numpy/cpu is 10; torch registers cuda 100, mps 90, cpu 8).
+#: On Apple silicon MLX on Metal is the native way to run a model, ranked above
+#: torch/mps. Under CUDA (mlx[cuda]) torch/cuda is the mature choice, so MLX ranks
+#: below it. On the CPU MLX ranks *below* numpy: the Linux ``mlx[cpu]`` wheel
+#: bundles a reference (netlib) BLAS (``mlx_cpu.libs/libblas-*.so.3.10.0``), and
+#: MLX runs each op of a step from one scheduler thread, so it decodes slower
+#: than numpy (docs/backends.md, "Why these scores"). mlx/cpu is usable when
+#: asked for, never the default while numpy is there.
 SCORE_METAL = 95
 SCORE_CUDA = 60
 SCORE_CPU = 5
@@ -436,8 +426,8 @@ class MLXBackend(Backend):
         host = np.asarray(tensor)
         if (requantize and host.dtype.kind == "f" and host.ndim == 2 and host.shape[1] % 32 == 0
                 and (is_linear_weight(name, host.shape) or is_embedding(name))):
-            # infer's min/max quantizer rather than mx.quantize: same layout, and on
-            # SmolLM2 q4 it agreed with float32 more often (82.5% of top-1 against 73%).
+            # infer's min/max quantizer rather than mx.quantize: same layout, and at
+            # 4 bits it agrees with float32 more often (docs/quantization.md, "Accuracy").
             return self._pack_affine(quantize_affine(host, self.quantize, name=name))
         if self.device == "cpu" and host.ndim == 2 and host.dtype.kind == "f" and self._compute == mx.float32:
             weight = mx.transpose(mx.array(np.ascontiguousarray(host.T), dtype=mx.float32), stream=self._s)

@@ -12,10 +12,10 @@ Q5_1, Q5_K, Q8_0 in groups of 32; Q6_K in groups of 16) stay in that form,
 4 or 8 bits per value plus a scale and bias per group, float16 where the
 type stores them so (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and float32 otherwise:
 decoding reads a quarter to a third of float32's bytes, and the kernel
-multiplies on the codes directly (about 2-3x faster than float32 BLAS per
-token on a 2-core AVX2 CPU). Products with
-more than :attr:`NumpyBackend.KERNEL_ROWS` rows (prefill) dequantize a slab
-of rows at a time into a scratch buffer and use BLAS. ``quantize="off"``
+multiplies on the codes directly, which decodes faster than float32 BLAS
+(docs/performance.md, "Where the time goes"). Products with more than
+:attr:`NumpyBackend.KERNEL_ROWS` rows (prefill) dequantize a slab of rows at
+a time into a scratch buffer and use BLAS. ``quantize="off"``
 dequantizes everything to float32 instead.
 
 The same extension computes few-row float32 products (decoding with float32
@@ -110,14 +110,14 @@ class NumpyBackend(Backend):
     HEADROOM = 1 << 30
     #: Products with at most this many rows run in the C kernel on the codes;
     #: more rows (prefill) dequantize slabs of the weight for BLAS, which is
-    #: faster once the weight's rows are reused that many times (measured on a
-    #: 2-core AVX2 CPU over a SmolLM2 layer's 4-bit weights: the kernel wins up
-    #: to 16 rows, 5.9 ms against 6.4; they tie at 24; BLAS wins from 32).
+    #: faster once the weight's rows are reused that many times (where the two
+    #: cross: docs/performance.md, "The numpy backend's constants").
     KERNEL_ROWS = 16
     #: Fewest query rows per chunk of a causal attention with many rows (see :meth:`attention`).
     ATTENTION_CHUNK = 64
-    #: Float32 bytes of weight rows dequantized at a time for BLAS (SmolLM2's
-    #: 128-token prefill: 2 MiB as fast as 4, 1 MiB 3% slower).
+    #: Float32 bytes of weight rows dequantized at a time for BLAS: the
+    #: smallest scratch buffer (it counts in the peak memory) with which
+    #: prefill still runs at full speed (docs/performance.md).
     SLAB_BYTES = 2 << 20
 
     def __init__(self, dtype: str | None = None) -> None:
@@ -128,8 +128,8 @@ class NumpyBackend(Backend):
         self._slab = np.empty(0, np.float32)
         #: Whether the last product ran on BLAS (whose threads then spin for a
         #: while) rather than on the C kernels' OpenMP threads: the attention
-        #: after it then stays on one thread rather than wake the other pool
-        #: (measured: 64 batched decode rows ran at half speed otherwise).
+        #: after it then stays on one thread rather than wake the other pool,
+        #: whose threads would fight BLAS's for the cores.
         self._after_blas = False
 
     # -- weights -------------------------------------------------------------
@@ -209,7 +209,7 @@ class NumpyBackend(Backend):
                 r1 = min(n, r0 + rows)
                 slab = self._slab[: (r1 - r0) * k].reshape(r1 - r0, k)
                 # On this thread: OpenMP workers woken here would fight BLAS's
-                # spinning threads for the cores (measured 5x slower prefill on 2 cores).
+                # spinning threads for the cores.
                 _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k, False,
                                    w.group, half)
                 np.matmul(x2, slab.T, out=out[:, r0:r1])
@@ -271,9 +271,8 @@ class NumpyBackend(Backend):
             self._after_blas = False
             # Few rows (decoding): the C kernel, on the same OpenMP threads as the
             # quantized products. Alternating with BLAS's own thread pool on few
-            # cores makes each product wait for the other pool's spinning threads
-            # (measured 3x slower per token on 2 cores), and BLAS's GEMM path for
-            # 2-8 rows is slower than its matrix-vector one.
+            # cores makes each product wait for the other pool's spinning threads,
+            # and BLAS's GEMM path for 2-8 rows is slower than its matrix-vector one.
             x2 = np.ascontiguousarray(x.reshape(rows, -1), np.float32)
             y = np.empty((rows, weight.shape[0]), np.float32)
             _affine.gemv_f32(x2, weight, y, rows, weight.shape[1], weight.shape[0])
@@ -325,8 +324,8 @@ class NumpyBackend(Backend):
     def silu(self, x: Array) -> Array:
         # x * sigmoid(x) = x / (1 + exp(-x)); exp overflow to inf gives 0, as it should.
         # One buffer, each step in place: the same roundings as the plain
-        # expression without its three temporaries (a [128, 1536] gate: 1.3 ->
-        # 0.4 ms alone, about 2% of a 128-token SmolLM2 prefill).
+        # expression without its three temporaries (allocating and filling
+        # them cost most of the op's time).
         t = np.negative(x)
         with np.errstate(over="ignore"):
             np.exp(t, out=t)
@@ -482,10 +481,8 @@ class NumpyBackend(Backend):
         if causal and tq > chunk and 2 * tq >= tk:
             # Up to 8 chunks of query rows, each over the keys it can see: a
             # causal prefill then scores a little over half of the [tq, tk]
-            # square, not all of it. SmolLM2's 512-token prefill: 1376 -> 1007 ms
-            # (attention 21 -> 8 ms a layer); at 128 tokens no change could be
-            # told from the noise. Not where most keys are a cached prefix that
-            # every row sees: there the chunks only add calls.
+            # square, not all of it. Not where most keys are a cached prefix
+            # that every row sees: there the chunks only add calls.
             out = np.empty((tq, hq, dv), np.result_type(q.dtype, v.dtype))
             for i0 in range(0, tq, chunk):
                 i1 = min(tq, i0 + chunk)
@@ -623,5 +620,18 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
             factory=lambda dtype: NumpyBackend(dtype),
             probe=lambda: Probe(10, None, tuple(sorted(NumpyBackend.native_ops))),
             description=f"numpy {np.__version__} float32 on the CPU (reference backend)",
+            details=kernel_details,
         )
     )
+
+
+def kernel_details() -> str:
+    """Which C kernel path runs here (and whether ``INFER_NUMPY_KERNELS`` chose
+    it), for ``infer doctor``."""
+    forced = os.environ.get(KERNELS_ENV)
+    if _affine is not None:
+        chosen = f" [{KERNELS_ENV}={forced}]" if forced else ""
+        return f"numpy C kernels: {_affine.simd()}, {_affine.threads()} threads (GGUF weights stay quantized){chosen}"
+    if forced and forced.strip().lower() == "off":
+        return f"numpy C kernels: off ({KERNELS_ENV}={forced}; GGUF weights become float32)"
+    return "numpy C kernels: not built (GGUF weights become float32; reinstall with a C compiler)"

@@ -60,10 +60,10 @@ _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
               "quantized_linear")
-# On the CPU, torch's float32 matrix-vector products measured slower than
-# numpy's BLAS (SmolLM2-135M decode: numpy 35 tok/s, torch 21.5; tiny model
-# 1836 vs 767), so torch/cpu ranks just below numpy: the default picks the
-# faster path, and torch/cpu stays one `backend="torch:cpu"` away.
+# On the CPU, torch's float32 matrix-vector products are slower than numpy's
+# BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
+# numpy: the default picks the faster path, and torch/cpu stays one
+# `backend="torch:cpu"` away.
 SCORES = {"cuda": 100, "mps": 90, "cpu": 8}
 
 
@@ -175,8 +175,8 @@ class TorchBackend(Backend):
 
         On the CPU with float32 compute the kernel takes float32 scales, which
         is what makes GGUF blocks exact, but torch's float32 int4pack path is
-        a slow generic loop (measured ~40x slower than the float32 BLAS
-        matrix-vector product on a 2-core AVX-512 CPU), so it is used when
+        a slow generic loop, far slower than the float32 BLAS matrix-vector
+        product (docs/backends.md, "Quantized weights and speed"), so it is used when
         ``quantize`` asks for quantized compute (``"q4"``/``"q8"``), not by
         default. On CUDA the tinygemm kernel (``_weight_int4pack_mm``) takes
         bfloat16 scales and zero points: GGUF's float16 scales are rounded to
@@ -544,16 +544,13 @@ class TorchBackend(Backend):
         soft-capping, so with ``softcap`` the scores are formed, capped,
         masked and soft-maxed here in float32.
 
-        On CUDA, cuDNN's attention is left out of SDPA's choice. On an H200
-        (torch 2.11) SDPA picked it for decode, and cuDNN builds an execution
-        plan for every new key count: a decode step always has one more key
-        than the last, so every step of a first generation paid a plan build.
-        SmolLM2 bfloat16 took 77 ms per token on a first 128-token generation
-        and 27 ms on a second one over the same lengths; transformers, also on
-        SDPA, was as slow. (MLX's CUDA backend found the same: ml-explore/mlx
-        pull request 2743.) Flash and memory-efficient attention need no
-        per-shape plan. This choice was made after that GPU run and has not
-        been timed on a GPU yet.
+        On CUDA, cuDNN's attention is left out of SDPA's choice: SDPA picks
+        it for decode, and cuDNN builds an execution plan for every new key
+        count, while a decode step always has one more key than the last, so
+        every step of a first generation would pay a plan build (the GPU run
+        that showed it: docs/performance.md, "The H200 run"; MLX's CUDA
+        backend found the same, ml-explore/mlx pull request 2743). Flash and
+        memory-efficient attention need no per-shape plan.
         """
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape

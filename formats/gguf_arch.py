@@ -22,7 +22,7 @@ import numpy as np
 from infer.errors import ConfigError, UnsupportedArchitectureError
 
 if TYPE_CHECKING:
-    from .gguf import GGUFFile
+    from .gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)

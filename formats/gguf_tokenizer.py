@@ -68,7 +68,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from infer.catalog import cache_dir
+from infer.paths import cache_dir
 from infer.errors import TokenizerError
 from infer.tokenizer import Tokenizer
 
@@ -141,7 +141,7 @@ _PHI3_ARCHITECTURES = ("phi3",)
 
 def default_cache_dir() -> Path:
     """Where built tokenizers are cached: ``tokenizers/`` in infer's cache
-    (:func:`infer.catalog.cache_dir`)."""
+    (:func:`infer.paths.cache_dir`)."""
     return cache_dir() / "tokenizers"
 
 

@@ -7,7 +7,7 @@ computes q, k, v for a layer and calls :meth:`AttentionContext.attention`;
 the context stores k and v in the engine's cache and computes attention over
 everything the sequence has cached, through the backend's attention op.
 Which cache layout and which attention kernel run is the engine's choice
-(DESIGN.md rule 3); architectures never see it.
+(docs/design.md, rule 3); architectures never see it.
 
 Two paths, chosen per sequence when the context is built: a cache that can
 ``attend`` by itself (a :class:`PagedKVStore`, e.g. the paged cache) does so

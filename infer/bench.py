@@ -317,7 +317,7 @@ def unavailable_reason(spec: EngineSpec, model_path: Path, hf_folder: Path | Non
 
 def _hf_folder_for(gguf: Path, timeout_s: float) -> Path:
     """A Hugging Face folder dequantized from ``gguf`` (made once, cached)."""
-    from infer.catalog import cache_dir
+    from infer.paths import cache_dir
 
     stat = gguf.stat()
     folder = cache_dir() / "bench" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-hf"

@@ -11,8 +11,9 @@ reaches the terminal: it is read (and logged at DEBUG), and its error lines
 end up in the :class:`~infer.errors.DownloadError`; with ``progress=True``
 one progress bar on stderr shows the download, then the assembly.
 
-The cache is ``$INFER_CACHE`` or ``$XDG_CACHE_HOME/infer`` (default
-``~/.cache/infer``); models live under ``models/<alias>/``.
+The cache is :func:`infer.paths.cache_dir` (``$INFER_CACHE`` or
+``$XDG_CACHE_HOME/infer``, default ``~/.cache/infer``); models live under
+``models/<alias>/``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from infer.errors import DownloadError, ModelNotFoundError
+from infer.paths import cache_dir
 
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "INFER_CACHE"
-
 
 @dataclass(frozen=True)
 class CatalogEntry:
@@ -79,14 +78,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """Where infer keeps downloaded models and built tokenizers."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "infer"
 
 
 def model_path(alias: str) -> Path:

@@ -150,17 +150,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except importlib.metadata.PackageNotFoundError:
             version = "not installed"
         print(f"  {dist:<12} {version}")
-    from infer.backends import numpy as numpy_backend
+    from infer.plugins import get_registry
 
-    kernels = numpy_backend._affine
-    forced = os.environ.get(numpy_backend.KERNELS_ENV)
-    if kernels is not None:
-        line = f"{kernels.simd()}, {kernels.threads()} threads (GGUF weights stay quantized)"
-    elif forced and forced.strip().lower() == "off":
-        line = f"off ({numpy_backend.KERNELS_ENV}={forced}; GGUF weights become float32)"
-    else:
-        line = "not built (GGUF weights become float32; reinstall with a C compiler)"
-    print("  numpy C kernels: " + line + (f" [{numpy_backend.KERNELS_ENV}={forced}]" if forced and kernels else ""))
+    for spec in get_registry().backends.values():
+        if spec.details is not None:
+            try:
+                print(f"  {spec.details()}")
+            except Exception as exc:  # the contract says details() never raises; still, never fatal
+                print(f"  {spec.key}: details raised {type(exc).__name__}: {exc}")
     print()
     cmd_backends(args)
     print()

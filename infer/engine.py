@@ -1,6 +1,6 @@
 """The engine: the loop that keeps calling the model.
 
-It owns the KV cache (DESIGN.md rule 3). A request is prefilled in one
+It owns the KV cache (docs/design.md, rule 3). A request is prefilled in one
 forward over the whole prompt, then decoded one token per forward, each
 step feeding back the token just sampled. The architecture sees only an
 :class:`~infer.attention.AttentionContext` per forward.

@@ -98,6 +98,32 @@ class QuantizedTensor(abc.ABC):
         whose data is a memory-mapped file may drop those pages from memory.
         Reading them again must still work. Default: nothing."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored data (sizes conversions done a slab of rows at
+        a time). Default: what float32 values of :attr:`shape` would take;
+        formats override it with their storage's size."""
+        return 4 * int(np.prod(self.shape))
+
+    def affine_layout(self) -> tuple[int, int] | None:
+        """``(bits, group)`` when the stored values are exactly ``scale * code
+        + bias`` per ``group`` consecutive values of a row, with unsigned codes
+        of ``bits`` bits (GGUF's Q4_0 ... Q8_0 in groups of 32, Q6_K in groups
+        of 16): backends with affine kernels then compute on the codes (see
+        :func:`infer.quantize.from_gguf`). None where the storage has no such
+        form. Default: None."""
+        return None
+
+    def affine_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exact affine form of rows ``[start, stop)`` of a 2-D tensor whose
+        :meth:`affine_layout` is ``(bits, group)``: ``(codes, scales,
+        biases)``, codes uint8 ``[n, cols]`` below ``2**bits``, scales and
+        biases float32 ``[n, cols / group]``, such that ``scales * codes +
+        biases`` per group (in float32, fused or not) gives the values of
+        :meth:`dequantize`. Default: :class:`NotImplementedError` (no affine
+        form)."""
+        raise NotImplementedError(f"{type(self).__name__} {self.qtype} has no affine form")
+
 
 class PackedWeight:
     """A weight a backend keeps in its own quantized layout.

@@ -4,9 +4,11 @@ Every quantized weight a backend computes on is, per group of ``group``
 consecutive values of a row, ``value = scale * code + bias`` with unsigned
 integer codes. :class:`AffineTensor` holds that form on the host:
 
-* from GGUF blocks (:func:`from_gguf`): Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
-  and Q8_0 are such groups of 32 already, exactly, and Q6_K groups of 16 (see
-  :func:`infer.formats.gguf_quants.affine_groups`);
+* from a quantized tensor whose storage is such groups already (:func:`from_gguf`):
+  a format says so through :meth:`~infer.ops.QuantizedTensor.affine_layout`
+  and hands out the groups through :meth:`~infer.ops.QuantizedTensor.affine_rows`
+  (GGUF's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 are groups of 32,
+  exactly, and Q6_K groups of 16);
 * from float weights (:func:`quantize_affine`): on-load quantization
   (``infer.load(path, quantize="q8" | "q4")``), min/max per group of 32,
   codes rounded to nearest.
@@ -94,38 +96,37 @@ class AffineTensor(QuantizedTensor):
 
 
 def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) -> AffineTensor | None:
-    """The exact affine form of a GGUF quantized matrix, or None when its type
-    has none with a group size in ``groups`` (by default 32, what torch's and
-    MLX's kernels take; Q6_K's form has groups of 16; Q2_K, Q3_K and the IQ
-    types have none)."""
-    from infer.formats import gguf_quants
-
-    bits, group = gguf_quants.AFFINE_BITS.get(tensor.qtype), gguf_quants.AFFINE_GROUP.get(tensor.qtype)
-    raw = getattr(tensor, "raw", None)
-    if bits is None or raw is None or len(tensor.shape) != 2 or group not in groups:
+    """The exact affine form of a quantized matrix (GGUF blocks, in practice),
+    or None when its storage has none with a group size in ``groups`` (by
+    default 32, what torch's and MLX's kernels take; Q6_K's form has groups of
+    16; Q2_K, Q3_K and the IQ types have none). The tensor's format provides
+    the form (:meth:`~infer.ops.QuantizedTensor.affine_layout`,
+    :meth:`~infer.ops.QuantizedTensor.affine_rows`)."""
+    layout = tensor.affine_layout()
+    if layout is None or len(tensor.shape) != 2 or layout[1] not in groups:
         return None
+    bits, group = layout
     rows, cols = tensor.shape
-    raw = np.asarray(raw).reshape(rows, -1)
     # In slabs of rows, each slab's file pages released once converted: a large
     # matrix (Gemma 3's 262k-row head) then never has its stored bytes, its
     # unpacking temporaries and its new codes all resident at once.
-    step = max(1, CONVERT_BYTES // max(1, raw.shape[1]))
+    step = max(1, CONVERT_BYTES // max(1, tensor.nbytes // max(1, rows)))
     if rows <= step:
-        codes, scales, biases = gguf_quants.affine_groups(raw, tensor.qtype, cols)
+        codes, scales, biases = tensor.affine_rows(0, rows)
     else:
         codes = np.empty((rows, cols), np.uint8)
         scales = np.empty((rows, cols // group), np.float32)
         biases = np.empty_like(scales)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            codes[r0:r1], scales[r0:r1], biases[r0:r1] = gguf_quants.affine_groups(raw[r0:r1], tensor.qtype, cols)
+            codes[r0:r1], scales[r0:r1], biases[r0:r1] = tensor.affine_rows(r0, r1)
             tensor.release_rows(r0, r1)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
     return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
 
 
-#: Stored bytes of a GGUF matrix converted at a time by :func:`from_gguf`.
+#: Stored bytes of a quantized matrix converted at a time by :func:`from_gguf`.
 CONVERT_BYTES = 8 << 20
 
 

@@ -17,7 +17,7 @@ from infer.errors import PluginError, UnsupportedArchitectureError, UnsupportedF
 from infer.ops import API_VERSION
 
 if TYPE_CHECKING:
-    from infer.ops import Backend
+    from infer.ops import Backend, QuantizedTensor
     from infer.package import ModelPackage
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class BackendSpec:
     description: str = ""
     api_version: tuple[int, int] = API_VERSION
     plugin: str = ""
+    #: Optional: one line for ``infer doctor`` on how the backend is built here
+    #: (e.g. which native kernels it has). Cheap, never raises.
+    details: Callable[[], str] | None = None
 
     @property
     def key(self) -> str:
@@ -77,6 +80,11 @@ class FormatSpec:
     open: Callable[..., ModelPackage]
     description: str = ""
     plugin: str = ""
+    #: Optional, for the conformance kit: ``random_tensor(qtype, shape, seed)``,
+    #: a random but finite matrix stored in the format's quantized type
+    #: ``qtype`` (a :class:`~infer.ops.QuantizedTensor`), the same for the same
+    #: seed; None for a format without quantized types.
+    random_tensor: Callable[[str, tuple[int, int], int], QuantizedTensor] | None = None
 
 
 @dataclass(frozen=True)

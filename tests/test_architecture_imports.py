@@ -1,4 +1,4 @@
-"""Architecture files are written only against the op contract (DESIGN.md, rule 2).
+"""Architecture files are written only against the op contract (docs/design.md, rule 2).
 
 Every ``.py`` file of ``infer.architectures`` is parsed with :mod:`ast` (never
 imported) and may not import numpy, torch, mlx or jax, a backend or a format,

@@ -1,7 +1,7 @@
 """The third-party backend in examples/infer-jax, installed as a third party would be.
 
 CI installs it from its folder after infer (``pip install -e examples/infer-jax``);
-where it is not installed these tests skip. They check what DESIGN.md rule 5
+where it is not installed these tests skip. They check what docs/design.md rule 5
 promises: infer discovers the plugin through its entry point with no change
 to infer, installing it changes no default, the conformance kit passes on it
 with the one command a backend author runs, and a real model decodes the same

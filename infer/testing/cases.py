@@ -1,6 +1,6 @@
 """The conformance kit's op cases: every required op and every optional op.
 
-A declarative table: each :class:`~infer.testing.conformance.Case` names the
+A declarative table: each :class:`~infer.testing.calls.Case` names the
 op, the strategy that draws its calls (:mod:`infer.testing.strategies`),
 how to call it when that is more than ``op(*args, **kwargs)``, and which
 dtype its result must have.
@@ -20,13 +20,13 @@ except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
 from infer.ops import QuantizedTensor
-from infer.testing.conformance import INDEX, SAME, Call, Case, Host, Mismatch
+from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
-    arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls, embedding_calls,
-    compile_calls, from_numpy_calls, fused_add_rms_norm_calls, gguf_linear_calls, layer_norm_calls, linear_calls,
-    matmul_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls, slice_calls,
-    softcap_calls, softmax_calls, sqrt_calls, swiglu_calls, take_calls, topk_calls, transpose_calls, unary,
-    update_rows_calls, zeros_calls,
+    QUANTIZED_FORMAT, arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls,
+    embedding_calls, compile_calls, from_numpy_calls, fused_add_rms_norm_calls, gguf_linear_calls, layer_norm_calls,
+    linear_calls, matmul_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls,
+    slice_calls, softcap_calls, softmax_calls, sqrt_calls, swiglu_calls, take_calls, topk_calls, transpose_calls,
+    unary, update_rows_calls, zeros_calls,
 )
 
 
@@ -98,12 +98,8 @@ def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
     weight's values are exact on every backend; only the accumulation order
     (and the dtype under test for ``x``) differ from numpy's
     dequantize-then-BLAS, so the ordinary per-dtype tolerances apply."""
-    from infer.formats.gguf import GGUFQuantizedTensor
-    from infer.formats.gguf_quants import random_blocks
-
     i = call.info
-    raw = random_blocks(i["qtype"], *i["shape"], seed=i["seed"])
-    tensor = GGUFQuantizedTensor(i["qtype"], i["shape"], raw, f"conformance {i['qtype']}")
+    tensor = _quantized_format().random_tensor(i["qtype"], i["shape"], i["seed"])
     before = ops.quantize
     ops.quantize = min(ops.quantize_schemes) if ops.quantize_schemes else None
     try:
@@ -111,6 +107,18 @@ def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
     finally:
         ops.quantize = before
     return ops.linear(x, weight, bias)
+
+
+def _quantized_format() -> Any:
+    """The format whose quantized types the ``quantized_linear`` cases draw
+    (:data:`~infer.testing.strategies.QUANTIZED_FORMAT`), from the registry."""
+    from infer.plugins import get_registry
+
+    spec = get_registry().formats.get(QUANTIZED_FORMAT)
+    if spec is None or spec.random_tensor is None:
+        raise RuntimeError(f"the conformance kit needs the {QUANTIZED_FORMAT!r} format's random_tensor for its "
+                           f"quantized_linear cases; registered formats: {', '.join(sorted(get_registry().formats))}")
+    return spec
 
 
 def _case(name: str, op: str, inputs: Any, **kw: Any) -> Case:

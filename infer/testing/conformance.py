@@ -37,13 +37,15 @@ libraries legitimately reorder long sums (BLAS blocking, pairwise vs
 sequential reductions), and e.g. ``layer_norm`` of values offset by -50
 loses ~6 bits to cancellation on both sides.
 
-=========  =========  ==========  ===============================================
-dtype      NMSE       ``(k u)²``   measured worst (torch/cpu, mlx/cpu; 25 examples)
-=========  =========  ==========  ===============================================
-float32    1e-9       k ~ 530      2.6e-11 (layer_norm, offset -50); others <1e-12
-float16    1.5e-5     k ~ 8        6.8e-7 (~3 u**2; mlx attention-decode)
-bfloat16   1e-3       k ~ 8        8.8e-5 (~6 u**2; mlx gelu, rounded inside)
-=========  =========  ==========  ===============================================
+=========  =========  ==========
+dtype      NMSE       ``(k u)²``
+=========  =========  ==========
+float32    1e-9       k ~ 530
+float16    1.5e-5     k ~ 8
+bfloat16   1e-3       k ~ 8
+=========  =========  ==========
+
+(The worst NMSE torch and MLX reach, well inside these: docs/conformance.md.)
 
 Real mistakes give NMSE from 1e-3 to 1 (a wrong rope pair, a mask off by
 one, a dropped bias, eps outside the square root on small inputs), far
@@ -57,98 +59,35 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from infer.errors import UnsupportedOpError
+from infer.errors import BackendUnavailableError, UnsupportedOpError
 from infer.ops import Backend, is_float_dtype
+from infer.testing.calls import FLOAT, INDEX, SAME, Call, Case, Host, In, Mismatch  # importable from here too
 
 #: Largest NMSE accepted for a float result, by the dtype under test.
 TOLERANCES: dict[str, float] = {"float32": 1e-9, "float16": 1.5e-5, "bfloat16": 1e-3}
 
 DEFAULT_EXAMPLES = 25
 
-
-# -- describing a call ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class In:
-    """A host array the kit uploads as an op input.
-
-    ``dtype`` "float" means the dtype under test; otherwise a contract dtype
-    name. ``weight`` uploads through :meth:`~infer.ops.Backend.prepare_weight`
-    (what :meth:`linear` and :meth:`embedding` expect) instead of
-    :meth:`~infer.ops.Backend.from_numpy`.
-    """
-
-    value: np.ndarray
-    dtype: str = "float"
-    weight: bool = False
-
-    def __repr__(self) -> str:  # short, for the kit's own messages
-        return f"In({self.dtype}{list(self.value.shape)}{', weight' if self.weight else ''})"
+#: The reference backend, by its registry name: the kit reaches it through the
+#: plugin registry, as any caller would, and imports no backend module.
+REFERENCE = "numpy/cpu"
 
 
-@dataclass(frozen=True)
-class Call:
-    """One drawn op call: positional and keyword arguments, where every
-    :class:`In` (also inside lists) becomes a backend array."""
+def reference_backend() -> Backend:
+    """A new instance of the reference backend (:data:`REFERENCE`), in float32."""
+    from infer.plugins import get_registry
 
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    #: Free-form facts about the call, for ``run`` and ``out`` functions.
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Host:
-    """A result that already is a host array (what ``to_numpy`` returns)."""
-
-    value: np.ndarray
-
-
-Run = Callable[[Backend, Call, tuple, dict], Any]
-OutDtype = Callable[[Call, str], "str | tuple[str, ...]"]
-
-
-def FLOAT(call: Call, dtype: str) -> str:  # noqa: N802 - used like a constant
-    """The result has the dtype under test."""
-    return dtype
-
-
-def SAME(call: Call, dtype: str) -> str:  # noqa: N802
-    """The result has the dtype of the first array input."""
-    first = next(a for a in _leaves(call.args) if isinstance(a, In))
-    return dtype if first.dtype == "float" else first.dtype
-
-
-def INDEX(call: Call, dtype: str) -> tuple[str, ...]:  # noqa: N802
-    """An integer index result (argmax): int64 or int32."""
-    return ("int64", "int32")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One declarative op case.
-
-    ``inputs`` is a hypothesis strategy of :class:`Call`; ``run`` calls the
-    op (default: ``getattr(backend, op)(*args, **kwargs)``); ``out`` gives
-    the dtype(s) the candidate's float or integer results must have;
-    ``mutates`` lists positional arguments the op may modify; ``raises``
-    marks a call that must raise (any exception but UnsupportedOpError).
-    """
-
-    name: str
-    op: str
-    inputs: Any
-    run: Run | None = None
-    out: OutDtype = FLOAT
-    mutates: tuple[int, ...] = ()
-    raises: bool = False
-    doc: str = ""
+    spec = get_registry().backends.get(REFERENCE)
+    if spec is None:
+        raise BackendUnavailableError(
+            f"the conformance kit's reference backend {REFERENCE} is not registered (is infer installed "
+            f"with its entry points?); registered: {', '.join(sorted(get_registry().backends)) or 'none'}")
+    return spec.factory("float32")
 
 
 @dataclass
@@ -163,22 +102,11 @@ class CaseResult:
     worst_nmse: float = 0.0
 
 
-class Mismatch(AssertionError):
-    """The candidate's result differs from numpy's beyond tolerance."""
-
-
 class _Unsupported(Exception):
     pass
 
 
 # -- running one call ------------------------------------------------------------------
-
-
-def _leaves(args: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
-    for a in args:
-        out.extend(_leaves(a) if isinstance(a, (list, tuple)) else [a])
-    return out
 
 
 def _upload(ops: Backend, value: Any, dtype: str, source: Callable[[In], np.ndarray],
@@ -342,9 +270,7 @@ def check_case(
     from hypothesis import HealthCheck, given, reject, settings
 
     if reference is None:
-        from infer.backends.numpy import NumpyBackend
-
-        reference = NumpyBackend()
+        reference = reference_backend()
     result = CaseResult(case.name, "ok")
     reasons: list[str] = []
 
@@ -397,5 +323,5 @@ def check_backend(candidate: Backend, cases: Sequence[Case] | None = None, **kwa
 
 __all__ = [
     "TOLERANCES", "In", "Call", "Host", "Case", "CaseResult", "Mismatch", "FLOAT", "SAME", "INDEX",
-    "nmse", "run_call", "check_case", "check_backend",
+    "REFERENCE", "reference_backend", "nmse", "run_call", "check_case", "check_backend",
 ]

@@ -1,6 +1,6 @@
 """Hypothesis strategies that draw the conformance kit's op calls.
 
-Each strategy draws a :class:`~infer.testing.conformance.Call`: shapes,
+Each strategy draws a :class:`~infer.testing.calls.Call`: shapes,
 axes, flags and dtypes come from hypothesis, the values from numpy seeded
 with a drawn seed (fast, and a failing call prints small). Value ranges keep
 float16 clear of overflow and underflow where a correct implementation would
@@ -23,7 +23,7 @@ try:
 except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
-from infer.testing.conformance import Call, In
+from infer.testing.calls import Call, In
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -374,6 +374,8 @@ def quantized_weight_calls(draw: Any) -> Call:
     return Call((In(normal(seed, (rows, d_in))),), info={"weight": normal(seed + 1, (d_out, d_in))})
 
 
+#: The format, by registry name, whose ``random_tensor`` makes quantized_linear's weights.
+QUANTIZED_FORMAT = "gguf"
 #: GGUF types drawn for quantized_linear: every type with an exact group-of-32
 #: affine form (what native kernels take), and Q6_K (which has none: dequantized).
 GGUF_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
