@@ -229,7 +229,7 @@ class BatchEngine:
         backend = f"{engine.backend.name}/{engine.backend.device}"
         if kv_layout == "paged":
             if kv_pool is None:
-                kv_pool = PagedKVPool.for_engine(engine, block_size=block_size, memory_budget=budget)
+                kv_pool = engine.new_kv_pool(block_size=block_size, memory_budget=budget)
             self.pool = kv_pool
             log.info("batch engine: paged KV pool of %d blocks of %d positions on %s, %s", kv_pool.num_blocks,
                      kv_pool.block_size, backend,
@@ -407,10 +407,7 @@ class BatchEngine:
                 return batch
             try:
                 for r, n in batch:
-                    cache: PagedSequenceCache = r._seq.cache  # type: ignore[union-attr, assignment]
-                    copies = self.pool.allocator.prepare_write(cache.table, cache.length, cache.length + n)
-                    if copies:
-                        self.pool.copy_blocks(copies)
+                    r._seq.cache.reserve(r._seq.cached + n)  # type: ignore[union-attr]
                 return batch
             except CacheFullError:
                 if len(self.running) == 1:
@@ -520,11 +517,8 @@ class BatchEngine:
                 total = r._total()
                 k = max(0, min(spec.num_tokens, r.stop.max_tokens - len(r.tokens) - 1, total - seq.cached - 1))
                 if k and self.pool is not None:
-                    cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
                     try:  # the pages of the verify forward, taken now (drafting may write them)
-                        copies = self.pool.allocator.prepare_write(cache.table, cache.length, cache.length + 1 + k)
-                        if copies:
-                            self.pool.copy_blocks(copies)
+                        seq.cache.reserve(seq.cached + 1 + k)
                     except CacheFullError:
                         k = 0  # no room to speculate this step
             elif not spec.source.needs_hidden:

@@ -26,10 +26,10 @@ import numpy as np
 
 from infer.architecture import CausalLM
 from infer.attention import AttentionContext, SequenceSlice
-from infer.cache import ContiguousKVCache
+from infer.cache import ContiguousKVCache, SequenceCache
 from infer.errors import ContextLengthError, GenerationError, SamplingParameterError
 from infer.ops import Array, Backend
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
+from infer.paged_cache import PagedKVPool
 from infer.sampling import Sampler, SamplingParams
 from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify_greedy, verify_sampled
 
@@ -41,7 +41,7 @@ class SequenceState:
     """One sequence being generated: its tokens and its cache."""
 
     tokens: list[int]
-    cache: ContiguousKVCache | PagedSequenceCache
+    cache: SequenceCache
 
     @property
     def cached(self) -> int:
@@ -137,11 +137,20 @@ class Engine:
             self._kv_bytes_per_position = cache.nbytes_per_position
         return self._kv_bytes_per_position
 
+    def new_kv_pool(
+        self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
+    ) -> PagedKVPool:
+        """A paged pool for this engine's model, sized by ``num_blocks`` or
+        by ``memory_budget`` bytes; then the bytes one position takes are
+        those :meth:`kv_bytes_per_position` measures."""
+        per_token = None if memory_budget is None else self.kv_bytes_per_position()
+        # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
+        return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
+                           memory_budget=memory_budget, bytes_per_token=per_token)
+
     def release(self, seq: SequenceState) -> None:
-        """Done with ``seq``: a paged cache's pages return to the pool now
-        (a contiguous cache is simply dropped with the sequence)."""
-        if isinstance(seq.cache, PagedSequenceCache):
-            seq.cache.free()
+        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back now."""
+        seq.cache.free()
 
     def check_tokens(self, token_ids: Sequence[int]) -> None:
         """Every id must be an int within the vocabulary."""
@@ -188,17 +197,16 @@ class Engine:
                     f"{seq.cache.capacity} (model context {self.max_context})"
                 )
             slices.append(SequenceSlice(seq.cache, start, len(ids)))
+        for s in slices:  # all of them before anything runs: a forward never runs out of memory half way
+            s.cache.reserve(s.start + s.length)
         ops = self.backend
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
         ctx = AttentionContext(ops, slices, all_logits=all_logits, capture_hidden=capture_hidden)
         logits = self.model.forward(ops.from_numpy(flat), ctx)
         if capture_hidden and ctx.hidden is None:
             raise GenerationError(f"{type(self.model).__name__}.forward did not capture its hidden states")
-        for seq, ids, s in zip(seqs, token_ids, slices):
-            if isinstance(seq.cache, PagedSequenceCache):
-                seq.cache.commit(ids)  # the ids key its full blocks in the prefix cache
-            else:
-                seq.cache.length = s.start + len(ids)
+        for seq, ids in zip(seqs, token_ids):
+            seq.cache.commit(ids)  # a paged cache keys its full blocks in the prefix cache with them
             seq.tokens.extend(int(t) for t in ids)
         return ForwardOutput(logits, ctx.hidden)
 

@@ -56,7 +56,7 @@ def pools():
     made: list[PagedKVPool] = []
 
     def make(engine: Engine, block_size: int, num_blocks: int = 64) -> PagedKVPool:
-        pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
+        pool = engine.new_kv_pool(block_size=block_size, num_blocks=num_blocks)
         made.append(pool)
         return pool
 
@@ -218,12 +218,12 @@ def test_memory_budget_sizes_the_pool() -> None:
     per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4
     model.engine.kv_pool = PagedKVPool(model.backend, cfg["num_hidden_layers"], num_blocks=1)
     try:  # the measurement ignores the engine's own pool
-        pool = PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=10 * 8 * per_token + 5)
+        pool = model.engine.new_kv_pool(block_size=8, memory_budget=10 * 8 * per_token + 5)
     finally:
         model.engine.kv_pool = None
     assert pool.num_blocks == 10 and pool.allocator.bytes_per_block == 8 * per_token
     with pytest.raises(CacheFullError, match="holds no block"):
-        PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=per_token)
+        model.engine.new_kv_pool(block_size=8, memory_budget=per_token)
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:2])
