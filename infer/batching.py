@@ -15,7 +15,8 @@ its cache does not hold yet. When a step feeds the last of them, the logits
 of that step give the next token. Prefill, decode and recomputation after a
 preemption are therefore one code path.
 
-Memory (issue 5, items 3–5):
+Memory (:mod:`infer.kv_budget`: the batch engine asks its budget, never
+which kind of cache it holds):
 
 * **Prefix caching** — on admission a request's cache starts with the pool's
   cached blocks for the longest full-block prefix of its prompt (without the
@@ -75,8 +76,9 @@ import numpy as np
 
 from infer.engine import Engine, ForwardOutput, SequenceState, StopConditions
 from infer.errors import CacheFullError, GenerationError
+from infer.kv_budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.ops import Array
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
+from infer.paged_cache import PagedKVPool
 from infer.sampling import Sampler, SamplingParams
 from infer.speculative import (
     Draft,
@@ -213,32 +215,21 @@ class BatchEngine:
             raise GenerationError(f"kv_layout must be 'auto', 'paged' or 'contiguous', got {kv_layout!r}")
         if kv_memory is not None and (not isinstance(kv_memory, int) or kv_memory < 1):
             raise GenerationError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
-        native = engine.backend.supports("paged_attention")
         if kv_layout == "auto":
-            kv_layout = "paged" if native or kv_pool is not None else "contiguous"
+            kv_layout = "paged" if engine.backend.supports("paged_attention") or kv_pool is not None else "contiguous"
         if kv_pool is not None and kv_layout == "contiguous":
             raise GenerationError("kv_pool is for the paged layout; kv_layout='contiguous' takes kv_memory")
         self.engine = engine
         #: ``"paged"`` or ``"contiguous"``.
         self.kv_layout: str = kv_layout
-        budget = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
-        #: The paged pool (None in the contiguous layout).
-        self.pool: PagedKVPool | None = None
-        #: Positions the contiguous layout may reserve, all requests together.
-        self.capacity_positions = 0
-        backend = f"{engine.backend.name}/{engine.backend.device}"
+        memory = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
+        #: Where the requests' keys and values go (:mod:`infer.kv_budget`).
+        self.budget: KVBudget
         if kv_layout == "paged":
-            if kv_pool is None:
-                kv_pool = engine.new_kv_pool(block_size=block_size, memory_budget=budget)
-            self.pool = kv_pool
-            log.info("batch engine: paged KV pool of %d blocks of %d positions on %s, %s", kv_pool.num_blocks,
-                     kv_pool.block_size, backend,
-                     "native paged attention" if native else "pages gathered for attention (no native paged_attention)")
+            pool = kv_pool if kv_pool is not None else engine.new_kv_pool(block_size=block_size, memory_budget=memory)
+            self.budget = PagedBudget(engine, pool)
         else:
-            self.capacity_positions = budget // engine.kv_bytes_per_position()
-            log.info("batch engine: contiguous KV caches on %s, %d positions within %d bytes%s; no prefix caching",
-                     backend, self.capacity_positions, budget,
-                     "" if native else " (no native paged_attention)")
+            self.budget = ContiguousBudget(engine, memory)
         self.max_batch_tokens = max_batch_tokens
         self.stats = BatchStats()
         self.waiting: deque[RequestHandle] = deque()
@@ -247,6 +238,11 @@ class BatchEngine:
         self._lock = threading.RLock()
         self._next_id = 0
         self._admissions = 0
+
+    @property
+    def pool(self) -> PagedKVPool | None:
+        """The paged pool (None in the contiguous layout)."""
+        return self.budget.pool
 
     # -- requests -------------------------------------------------------------------
 
@@ -276,13 +272,7 @@ class BatchEngine:
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
                 return handle
-            if self.pool is None:
-                if handle._total() > self.capacity_positions:
-                    raise self._never_fits_contiguous(handle)
-            else:
-                need = self.pool.allocator.blocks_for(handle._total())
-                if need > self.pool.num_blocks:
-                    raise self._never_fits(handle, need)
+            self.budget.check(len(prompt), stop.max_tokens, handle._total())
             self.waiting.append(handle)
             return handle
 
@@ -312,14 +302,9 @@ class BatchEngine:
         with self._lock:
             self._admit()
             if not self.running:
-                if self.waiting and self.pool is not None:  # nothing of ours runs, yet the head does not fit
-                    head, alloc = self.waiting[0], self.pool.allocator
-                    raise CacheFullError(
-                        f"request {head.id} needs {alloc.blocks_for(head._total())} blocks of "
-                        f"{alloc.block_size} positions but only {alloc.available()} of the pool's "
-                        f"{self.pool.num_blocks} are available, and this batch engine holds none: "
-                        f"sequences outside it hold the rest ({self.pool.stats()}); free them first"
-                    )
+                if self.waiting:  # nothing of ours runs, yet the head does not fit
+                    head = self.waiting[0]
+                    raise self.budget.blocked(head.id, head._total())
                 return
             batch = self._schedule()
             seqs, chunks, whole = [], [], []
@@ -343,51 +328,24 @@ class BatchEngine:
             self._propose(batch)
 
     def _admit(self) -> None:
-        """Admit waiting requests in order while the pool can hold them."""
-        if self.pool is None:
-            self._admit_contiguous()
-            return
-        alloc = self.pool.allocator
+        """Admit waiting requests in order while the budget can hold them."""
         while self.waiting:
             handle = self.waiting[0]
-            seq = self.engine.new_sequence(handle._total(), kv_pool=self.pool)
-            cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
-            known = handle._known()
-            reused = cache.reuse_prefix(known[:-1])
-            # Blocks the running requests still need for tokens they already know.
-            pending = sum(self._blocks_to_cache(r) for r in self.running)
-            need = alloc.blocks_for(handle._total()) - len(cache.table.blocks)
-            if need > alloc.available() - pending:
-                cache.free()
+            running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]
+            seq = self.budget.admit(handle._total(), handle._known(), running)  # type: ignore[arg-type]
+            if seq is None:
                 return
             self.waiting.popleft()
-            seq.tokens = list(known[:reused])
             handle._seq = seq
             handle._admitted_at = self._admissions
             self._admissions += 1
             self.running.append(handle)
-            self.stats.tokens_reused += reused
-
-    def _admit_contiguous(self) -> None:
-        """Admit waiting requests in order while their whole caches fit the budget."""
-        reserved = sum(r._total() for r in self.running)
-        while self.waiting and reserved + self.waiting[0]._total() <= self.capacity_positions:
-            handle = self.waiting.popleft()
-            handle._seq = self.engine.new_sequence(handle._total(), contiguous=True)
-            handle._admitted_at = self._admissions
-            self._admissions += 1
-            self.running.append(handle)
-            reserved += handle._total()
-
-    def _blocks_to_cache(self, r: RequestHandle) -> int:
-        seq = r._seq
-        assert seq is not None
-        cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
-        return self.pool.allocator.blocks_needed(cache.table, cache.length, len(r.prompt) + len(r.tokens))
+            self.stats.tokens_reused += seq.cached
 
     def _schedule(self) -> list[tuple[RequestHandle, int]]:
-        """Tokens to feed each running request this step, with their pages
-        taken already; preempts the newest requests until the pages suffice."""
+        """Tokens to feed each running request this step, with their cache
+        positions reserved already; preempts the newest requests until the
+        memory suffices."""
         while True:
             budget = self.max_batch_tokens
             plan: dict[int, int] = {}
@@ -403,8 +361,6 @@ class BatchEngine:
                     plan[r.id] = n = min(todo, budget)
                     budget -= n
             batch = [(r, plan[r.id]) for r in self.running if r.id in plan]
-            if self.pool is None:  # contiguous caches were reserved whole at admission
-                return batch
             try:
                 for r, n in batch:
                     r._seq.cache.reserve(r._seq.cached + n)  # type: ignore[union-attr]
@@ -516,7 +472,7 @@ class BatchEngine:
             if self._to_feed(r) == 1:
                 total = r._total()
                 k = max(0, min(spec.num_tokens, r.stop.max_tokens - len(r.tokens) - 1, total - seq.cached - 1))
-                if k and self.pool is not None:
+                if k:
                     try:  # the pages of the verify forward, taken now (drafting may write them)
                         seq.cache.reserve(seq.cached + 1 + k)
                     except CacheFullError:
@@ -549,33 +505,3 @@ class BatchEngine:
             r._draft, r._hidden = Draft([]), None
         if r in self.running:
             self.running.remove(r)
-
-    # -- errors -----------------------------------------------------------------------
-
-    def _never_fits(self, r: RequestHandle, need: int) -> CacheFullError:
-        alloc = self.pool.allocator
-        per = alloc.bytes_per_block or self._bytes_per_block()
-        err = CacheFullError(
-            f"a request of {len(r.prompt)} prompt tokens + max_tokens {r.stop.max_tokens} needs "
-            f"{r._total()} positions = {need} blocks of {alloc.block_size} ({need * per:,} bytes of keys and "
-            f"values), but the whole KV pool is {self.pool.num_blocks} blocks ({self.pool.num_blocks * per:,} "
-            f"bytes): shorten the prompt, lower max_tokens, or size the pool larger"
-        )
-        err.blocks_needed, err.blocks_available = need, self.pool.num_blocks  # type: ignore[attr-defined]
-        err.bytes_needed, err.bytes_available = need * per, self.pool.num_blocks * per  # type: ignore[attr-defined]
-        return err
-
-    def _never_fits_contiguous(self, r: RequestHandle) -> CacheFullError:
-        per = self.engine.kv_bytes_per_position()
-        need, have = r._total(), self.capacity_positions
-        err = CacheFullError(
-            f"a request of {len(r.prompt)} prompt tokens + max_tokens {r.stop.max_tokens} needs a KV cache of "
-            f"{need} positions ({need * per:,} bytes), but the batch engine's budget holds {have} positions "
-            f"({have * per:,} bytes): shorten the prompt, lower max_tokens, or raise kv_memory"
-        )
-        err.bytes_needed, err.bytes_available = need * per, have * per  # type: ignore[attr-defined]
-        return err
-
-    def _bytes_per_block(self) -> int:
-        assert self.pool is not None
-        return self.engine.kv_bytes_per_position() * self.pool.block_size

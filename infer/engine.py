@@ -106,16 +106,13 @@ class Engine:
 
     # -- sequences ----------------------------------------------------------
 
-    def new_sequence(
-        self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None, contiguous: bool = False,
-    ) -> SequenceState:
+    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None) -> SequenceState:
         """A fresh sequence whose cache holds ``capacity`` positions (default:
         the model's context): pages of ``kv_pool`` (default: the engine's
-        :attr:`kv_pool`), or a contiguous cache when there is no pool or
-        ``contiguous`` is set."""
+        :attr:`kv_pool`), or a contiguous cache when there is no pool."""
         capacity = self.max_context if capacity is None else min(capacity, self.max_context)
         pool = kv_pool if kv_pool is not None else self.kv_pool
-        if pool is not None and not contiguous:
+        if pool is not None:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
         return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
 
