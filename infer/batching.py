@@ -2,10 +2,9 @@
 
 :class:`BatchEngine` keeps a queue of waiting requests and a set of running
 ones, each with its own :class:`~infer.sampling.Sampler` and
-:class:`~infer.engine.StopConditions`, all keeping their keys and values in
-one :class:`~infer.paged_cache.PagedKVPool`. Each :meth:`BatchEngine.step`
-runs **one** forward (:meth:`~infer.engine.Engine.forward_batch`) over every
-running request: one token for each decoding request and a chunk of the
+:class:`~infer.generate.StopConditions`, all keeping their keys and values
+in one KV layout (below). Each :meth:`BatchEngine.step` runs **one** forward
+(:meth:`~infer.engine.Engine.run`) over every running request: one token for each decoding request and a chunk of the
 prompt for each request still prefilling, flattened into one batch, within
 ``max_batch_tokens``. Requests join and leave between steps.
 
@@ -13,7 +12,9 @@ A request is uniform whatever its phase: its *known* tokens are the prompt
 plus the tokens sampled so far, and a step feeds it (some of) the known tokens
 its cache does not hold yet. When a step feeds the last of them, the logits
 of that step give the next token. Prefill, decode and recomputation after a
-preemption are therefore one code path.
+preemption are therefore one code path. The rules are those of a single
+request (:mod:`infer.generate`): the same stop rules, sampling and
+speculative verification, called from here.
 
 Memory (:mod:`infer.kv_budget`: the batch engine asks its budget, never
 which kind of cache it holds):
@@ -39,9 +40,8 @@ Speculative decoding runs inside the batch (a request submitted with a
 proposes up to ``k`` tokens for every speculating request that is decoding,
 and the next step feeds such a request its pending token *and* its drafts in
 the same single forward, asking the logits of all those rows
-(``forward_batch(..., all_logits=[...])``). Each request is then verified on
-its own (:func:`~infer.speculative.verify_greedy` /
-:func:`~infer.speculative.verify_sampled`) and its cache truncated after the
+(``prepare(..., all_logits=[...])``). Each request is then verified on its
+own (:func:`~infer.generate.accept_drafts`) and its cache truncated after the
 last accepted draft. The pages a step's drafts need are taken when they are
 proposed; when there are none, the request simply does not speculate that
 step. Drafts are capped to the tokens a request may still produce, so
@@ -72,23 +72,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
-from infer.engine import Engine, ForwardOutput, SequenceState, StopConditions
+from infer.engine import Engine, ForwardOutput, SequenceState
 from infer.errors import CacheFullError, GenerationError
+from infer.generate import StopConditions, accept_drafts, sample
 from infer.kv_budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.ops import Array
 from infer.paged_cache import PagedKVPool
 from infer.sampling import Sampler, SamplingParams
-from infer.speculative import (
-    Draft,
-    DraftJob,
-    DraftSource,
-    Speculation,
-    SpeculativeStats,
-    verify_greedy,
-    verify_sampled,
-)
+from infer.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
 
 log = logging.getLogger(__name__)
 
@@ -306,26 +297,25 @@ class BatchEngine:
                     head = self.waiting[0]
                     raise self.budget.blocked(head.id, head._total())
                 return
-            batch = self._schedule()
-            seqs, chunks, whole = [], [], []
-            for r, n in batch:
+            plan = self._schedule()
+            chunks, whole = [], []
+            for r, n in plan:
                 seq = r._seq
                 assert seq is not None
                 feed = r._known()[seq.cached:seq.cached + n]
                 drafts = n - len(feed)  # a decoding request: its pending token, then drafts
-                feed += r._draft.tokens[:drafts]
-                seqs.append(seq)
-                chunks.append(feed)
+                chunks.append(feed + r._draft.tokens[:drafts])
                 whole.append(drafts > 0)  # verification needs the logits of every row
-            starts = [seq.cached for seq in seqs]
-            hidden = any(r.speculation is not None and r.speculation.source.needs_hidden for r, _ in batch)
-            out = self.engine.run(seqs, chunks, all_logits=whole, capture_hidden=hidden)
-            tokens = sum(len(c) for c in chunks)
+            hidden = any(r.speculation is not None and r.speculation.source.needs_hidden for r, _ in plan)
+            batch = self.engine.prepare([r._seq for r, _ in plan], chunks, all_logits=whole,  # type: ignore[misc]
+                                        capture_hidden=hidden)
+            out = self.engine.run(batch)
+            tokens = len(batch.ids)
             self.stats.forwards += 1
             self.stats.tokens_processed += tokens
             self.stats.tokens_per_forward.append(tokens)
-            self._sample(batch, chunks, starts, whole, out)
-            self._propose(batch)
+            self._sample(plan, out)
+            self._propose(plan)
 
     def _admit(self) -> None:
         """Admit waiting requests in order while the budget can hold them."""
@@ -363,7 +353,9 @@ class BatchEngine:
             batch = [(r, plan[r.id]) for r in self.running if r.id in plan]
             try:
                 for r, n in batch:
-                    r._seq.cache.reserve(r._seq.cached + n)  # type: ignore[union-attr]
+                    seq = r._seq
+                    assert seq is not None
+                    seq.cache.reserve(seq.cached + n)
                 return batch
             except CacheFullError:
                 if len(self.running) == 1:
@@ -379,101 +371,57 @@ class BatchEngine:
         self.waiting.appendleft(r)
         self.stats.preemptions += 1
 
-    def _sample(
-        self, batch: list[tuple[RequestHandle, int]], chunks: list[list[int]], starts: list[int],
-        whole: list[bool], out: ForwardOutput,
-    ) -> None:
+    def _sample(self, plan: list[tuple[RequestHandle, int]], out: ForwardOutput) -> None:
         """New tokens for every request whose known tokens are all cached now:
         one sampled token, or (speculating) the accepted drafts plus one."""
-        ops = self.engine.backend
-        rows_of, offset = [], 0  # logits rows of each request: (first, count)
-        for (r, n), every in zip(batch, whole):
-            rows_of.append((offset, n if every else 1))
-            offset += n if every else 1
-        ready = [i for i, (r, n) in enumerate(batch) if self._to_feed(r) <= 0]
-        if not ready:
-            self._keep_hidden(batch, starts, out)
-            return
-        argmax = ops.to_numpy(ops.argmax(out.logits, axis=-1))
-        rows = ops.to_numpy(out.logits) if any(batch[i][0].sampler.needs_logits for i in ready) else None
-        self._keep_hidden(batch, starts, out)
-        for i in ready:
-            r, n = batch[i]
+        self._keep_hidden(plan, out)
+        context = self.engine.max_context
+        for i, (r, _) in enumerate(plan):
+            if self._to_feed(r) > 0:
+                continue  # still prefilling
             seq = r._seq
             assert seq is not None
-            first, count = rows_of[i]
+            first, count = out.batch.rows(i)
             if r.speculation is None:
-                if r.sampler.needs_logits:
-                    emitted = [r.sampler.sample(rows[first], seq.tokens)]  # type: ignore[index]
-                else:
-                    emitted = [int(argmax[first])]
+                emitted = [sample(r.sampler, out, first, seq.tokens)]
             else:
-                # The first logits row follows position ``pos``; the drafts were fed after it.
-                pos = starts[i] + n - count
-                drafts = chunks[i][n - count + 1:]
-                q = None if r._draft.probs is None or not drafts else r._draft.probs[:len(drafts)]
-                emitted = self._verify(r, argmax[first:first + count], rows, first, pos, drafts, q)
-                accepted = len(emitted) - 1
-                self.engine.truncate(seq, pos + 1 + accepted)  # rejected drafts leave the cache
-                r.speculation.record(forwards=1, drafted=len(drafts), accepted=accepted)
+                drafts = out.batch.token_ids[i][1:] if count > 1 else []  # fed after the pending token
+                emitted = accept_drafts(self.engine, seq, r.speculation, r.sampler, out, first, drafts,
+                                        r._draft.probs)
                 r._draft = Draft([])
             for token in emitted:
                 r.tokens.append(token)
                 if r.speculation is not None:
                     r.speculation.record(tokens=1)
-                # Same rules, in the same order, as Engine.generate.
-                if not r.stop.ignore_eos and token in r.stop.eos_token_ids:
-                    self._finish(r, "stop")
+                reason = r.stop.finish_reason(token, len(r.tokens), len(r.prompt), context)
+                if reason is not None:
+                    self._finish(r, reason)
                     break
-                if len(r.tokens) >= r.stop.max_tokens:
-                    self._finish(r, "length")
-                    break
-            if not r.finished and seq.cached >= self.engine.max_context:
-                self._finish(r, "length")
 
-    def _verify(
-        self, r: RequestHandle, argmax: object, rows: object, first: int, start: int, drafts: list[int],
-        q: object,
-    ) -> list[int]:
-        """Accepted drafts plus one token; row ``first + j`` of ``rows`` holds
-        the target's logits after position ``start + j``."""
-        if not r.sampler.needs_logits:
-            return verify_greedy([int(t) for t in argmax], drafts)  # type: ignore[attr-defined]
-        seq = r._seq
-        assert seq is not None
-        p = np.stack([r.sampler.distribution(rows[first + j], seq.tokens[:start + 1 + j])  # type: ignore[index]
-                      for j in range(len(drafts) + 1)])
-        if r.sampler.params.greedy:
-            return verify_greedy([int(np.argmax(row)) for row in p], drafts)
-        return verify_sampled(p, drafts, q, r.sampler.rng)  # type: ignore[arg-type]
-
-    def _keep_hidden(self, batch: list[tuple[RequestHandle, int]], starts: list[int], out: ForwardOutput) -> None:
+    def _keep_hidden(self, plan: list[tuple[RequestHandle, int]], out: ForwardOutput) -> None:
         """Each MTP-speculating request keeps its rows of the target's hidden states."""
         if out.hidden is None:
             return
-        offset = 0
-        for (r, n), start in zip(batch, starts):
+        for i, (r, _) in enumerate(plan):
             if r.speculation is not None and r.speculation.source.needs_hidden:
-                r._hidden = self.engine.backend.slice(out.hidden, 0, offset, offset + n)
-                r._hidden_start = start
-            offset += n
+                r._hidden = out.hidden_of(i)
+                r._hidden_start = out.batch.slices[i].start
 
-    def _propose(self, batch: list[tuple[RequestHandle, int]]) -> None:
+    def _propose(self, plan: list[tuple[RequestHandle, int]]) -> None:
         """Drafts for the next step of every speculating request that is
         decoding (and, for MTP, the module's cache brought up to date for
         every request the forward advanced)."""
         groups: dict[int, tuple[DraftSource, list[RequestHandle], list[DraftJob]]] = {}
-        for r, _ in batch:
+        for r, _ in plan:
             spec = r.speculation
             if spec is None or r.finished or r._seq is None:
                 continue
             seq = r._seq
             k = 0
             if self._to_feed(r) == 1:
-                total = r._total()
-                k = max(0, min(spec.num_tokens, r.stop.max_tokens - len(r.tokens) - 1, total - seq.cached - 1))
+                k = spec.budget(r.stop.max_tokens - len(r.tokens), seq.cache.capacity - seq.cached)
                 if k:
-                    try:  # the pages of the verify forward, taken now (drafting may write them)
+                    try:  # the positions of the verify forward, taken now (drafting may write them)
                         seq.cache.reserve(seq.cached + 1 + k)
                     except CacheFullError:
                         k = 0  # no room to speculate this step

@@ -23,8 +23,10 @@ Three sources share the :class:`DraftSource` interface:
   (:meth:`~infer.architecture.CausalLM.mtp_forward`), fed the target's hidden
   states.
 
-The engines (:mod:`infer.engine`, :mod:`infer.batching`) run the loop; this
-module holds what is the same for both: the sources, the accept/reject rule
+The loops are :func:`infer.generate.speculative_decode` (one request) and
+:class:`infer.batching.BatchEngine` (speculating requests inside a batch);
+this module holds what is the same for both: the accept/reject rule
+(:func:`verify`), the sources, the draft budget (:meth:`Speculation.budget`)
 and the figures (:class:`SpeculativeStats`).
 """
 
@@ -43,7 +45,7 @@ from infer.ops import Array
 from infer.sampling import Sampler
 
 if TYPE_CHECKING:
-    from infer.engine import Engine, SequenceState
+    from infer.engine import Engine, ForwardOutput, SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,26 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 # -- the accept/reject rule ---------------------------------------------------------
+
+
+def verify(
+    sampler: Sampler, out: ForwardOutput, first: int, history: Sequence[int], drafts: Sequence[int],
+    q: np.ndarray | None,
+) -> list[int]:
+    """Accepted drafts plus one token of the target's, from a verify
+    forward: row ``first + i`` of ``out`` holds the target's logits after the
+    pending token and drafts ``0..i-1``; ``history`` is the request's tokens
+    up to and including the pending one; ``q`` the draft distributions (None:
+    one-hot). Each row's distribution follows the request's own sampling
+    rules, its repetition penalty over every token up to that row."""
+    count = len(drafts) + 1
+    if not sampler.needs_logits:  # greedy: only the argmax of each row leaves the device
+        return verify_greedy([int(t) for t in out.argmax()[first:first + count]], drafts)
+    rows = out.host_logits()
+    p = np.stack([sampler.distribution(rows[first + i], [*history, *drafts[:i]]) for i in range(count)])
+    if sampler.params.greedy:  # a repetition penalty: p is one-hot at each row's penalised argmax
+        return verify_greedy([int(np.argmax(r)) for r in p], drafts)
+    return verify_sampled(p, drafts, q, sampler.rng)
 
 
 def verify_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -318,9 +340,9 @@ class DraftModelSource(DraftSource):
         if not active:
             return drafts
         probs: dict[int, list[np.ndarray]] = {i: [] for i in active}
-        logits = engine.forward_batch([jobs[i].state.seq for i in active], feeds)
+        out = engine.run(engine.prepare([jobs[i].state.seq for i in active], feeds))
         for step in range(max(budget)):
-            rows = engine.backend.to_numpy(logits)
+            rows = out.host_logits()
             nxt = []
             for row, (i, k) in enumerate(zip(active, budget)):
                 if step >= k:
@@ -338,8 +360,8 @@ class DraftModelSource(DraftSource):
             active = nxt
             if not active:
                 break
-            logits = engine.forward_batch([jobs[i].state.seq for i in active],
-                                          [[drafts[i].tokens[-1]] for i in active])
+            out = engine.run(engine.prepare([jobs[i].state.seq for i in active],
+                                            [[drafts[i].tokens[-1]] for i in active]))
         for i, qs in probs.items():
             if qs:
                 drafts[i].probs = np.stack(qs)
@@ -522,6 +544,13 @@ class Speculation:
         if not isinstance(self.source, DraftSource):
             raise SamplingParameterError(f"a speculation's source must be a DraftSource, got {self.source!r}")
         self.stats = SpeculativeStats(self.source.name)
+
+    def budget(self, left: int, room: int) -> int:
+        """Drafts the next verify forward may hold: at most
+        :attr:`num_tokens`, fewer than the ``left`` tokens the request may
+        still emit (the target's own token is one more) and than the ``room``
+        positions its sequence has from the pending token's on."""
+        return max(0, min(self.num_tokens, left - 1, room - 1))
 
     def record(self, *, forwards: int = 0, tokens: int = 0, drafted: int = 0, accepted: int = 0) -> None:
         """Count a target forward's outcome here and in every total."""

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 import infer
 from infer.batching import BatchEngine
-from infer.engine import Engine, StopConditions
+from infer.engine import Engine
 from infer.errors import CacheFullError
+from infer.generate import StopConditions, generate
 from infer.sampling import SamplingParams
 from reference import load_tiny
 
@@ -81,7 +82,7 @@ def stop(max_tokens: int) -> StopConditions:
 
 
 def alone(engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY) -> list[int]:
-    return list(engine.generate(prompt, sampling, stop(max_tokens)))
+    return list(generate(engine, prompt, sampling, stop(max_tokens)))
 
 
 PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(50, 63)), list(range(30, 34)) * 3]
