@@ -42,7 +42,7 @@ import numpy as np
 
 from infer.errors import GenerationError, SamplingParameterError
 from infer.ops import Array
-from infer.sampling import Sampler
+from infer.sampling import Sampler, draw
 
 if TYPE_CHECKING:
     from infer.engine import Engine, ForwardOutput, SequenceState
@@ -132,18 +132,10 @@ def verify_sampled(
         total = residual.sum()
         if total <= 0.0:  # p == q on the support: rejection had probability 0 (rounding)
             residual, total = p[i], p[i].sum()
-        out.append(_draw(residual / total, rng))
+        out.append(draw(residual / total, rng))
         return out
-    out.append(_draw(p[k], rng))
+    out.append(draw(p[k], rng))
     return out
-
-
-def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cumulative = np.cumsum(probs)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    if index >= probs.size or probs[index] == 0.0:
-        index = int(np.flatnonzero(probs)[-1])
-    return index
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -177,13 +169,6 @@ class SpeculativeStats:
     def tokens_per_forward(self) -> float:
         """Tokens generated per forward of the target model."""
         return self.tokens / self.forwards if self.forwards else 0.0
-
-    def merge(self, other: SpeculativeStats) -> None:
-        """Add ``other``'s counts to these."""
-        self.forwards += other.forwards
-        self.tokens += other.tokens
-        self.drafted += other.drafted
-        self.accepted += other.accepted
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and both ratios, e.g. for JSON."""
@@ -510,15 +495,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 def _concat(ops: Any, parts: list[Array]) -> Array:
     return parts[0] if len(parts) == 1 else ops.concat(parts, 0)
-
-
-def _last_rows(ops: Any, hidden: Array, lengths: list[int]) -> list[Array]:
-    """Each sequence's last row of a flattened ``[tokens, d]`` batch, as ``[1, d]``."""
-    out, offset = [], 0
-    for n in lengths:
-        offset += n
-        out.append(ops.slice(hidden, 0, offset - 1, offset))
-    return out
 
 
 # -- choosing a source -------------------------------------------------------------------
