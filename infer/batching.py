@@ -74,9 +74,8 @@ from typing import Literal
 
 from infer.engine import Engine, ForwardOutput, SequenceState
 from infer.errors import CacheFullError, GenerationError
-from infer.generate import StopConditions, accept_drafts, sample
+from infer.generate import Drafting, StopConditions, accept_drafts, sample
 from infer.kv_budget import ContiguousBudget, KVBudget, PagedBudget
-from infer.ops import Array
 from infer.paged_cache import PagedKVPool
 from infer.sampling import Sampler, SamplingParams
 from infer.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
@@ -131,12 +130,10 @@ class RequestHandle:
         self._seq: SequenceState | None = None
         self._admitted_at = -1
         self._read = 0
-        # Speculation: the draft source's state, the drafts for the next
-        # forward (and their q), the target's hidden states of the last forward.
-        self._draft_state = None if speculation is None else speculation.source.new_state()
+        # Speculation: its state between forwards, and the drafts (and their
+        # q) for the next forward.
+        self._drafting = None if speculation is None else Drafting(speculation)
         self._draft = Draft([])
-        self._hidden: Array | None = None
-        self._hidden_start = 0
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("running" if self._seq is not None else "waiting")
@@ -374,9 +371,10 @@ class BatchEngine:
     def _sample(self, plan: list[tuple[RequestHandle, int]], out: ForwardOutput) -> None:
         """New tokens for every request whose known tokens are all cached now:
         one sampled token, or (speculating) the accepted drafts plus one."""
-        self._keep_hidden(plan, out)
         context = self.engine.max_context
         for i, (r, _) in enumerate(plan):
+            if r._drafting is not None:  # an MTP source drafts from the target's hidden states
+                r._drafting.keep(out, i)
             if self._to_feed(r) > 0:
                 continue  # still prefilling
             seq = r._seq
@@ -398,25 +396,16 @@ class BatchEngine:
                     self._finish(r, reason)
                     break
 
-    def _keep_hidden(self, plan: list[tuple[RequestHandle, int]], out: ForwardOutput) -> None:
-        """Each MTP-speculating request keeps its rows of the target's hidden states."""
-        if out.hidden is None:
-            return
-        for i, (r, _) in enumerate(plan):
-            if r.speculation is not None and r.speculation.source.needs_hidden:
-                r._hidden = out.hidden_of(i)
-                r._hidden_start = out.batch.slices[i].start
-
     def _propose(self, plan: list[tuple[RequestHandle, int]]) -> None:
         """Drafts for the next step of every speculating request that is
         decoding (and, for MTP, the module's cache brought up to date for
         every request the forward advanced)."""
         groups: dict[int, tuple[DraftSource, list[RequestHandle], list[DraftJob]]] = {}
         for r, _ in plan:
-            spec = r.speculation
-            if spec is None or r.finished or r._seq is None:
+            drafting = r._drafting
+            if drafting is None or r.finished or r._seq is None:
                 continue
-            seq = r._seq
+            spec, seq = drafting.spec, r._seq
             k = 0
             if self._to_feed(r) == 1:
                 k = spec.budget(r.stop.max_tokens - len(r.tokens), seq.cache.capacity - seq.cached)
@@ -427,9 +416,7 @@ class BatchEngine:
                         k = 0  # no room to speculate this step
             elif not spec.source.needs_hidden:
                 continue
-            tokens = r._known()[:seq.cached + 1]
-            job = DraftJob(tokens=tokens, k=k, sampler=r.sampler, state=r._draft_state, capacity=r._total(),
-                           seq=seq, hidden=r._hidden, hidden_start=r._hidden_start)
+            job = drafting.job(seq, r._known()[seq.cached], k, r.sampler)
             groups.setdefault(id(spec.source), (spec.source, [], []))
             groups[id(spec.source)][1].append(r)
             groups[id(spec.source)][2].append(job)
@@ -437,7 +424,7 @@ class BatchEngine:
             for r, job, draft in zip(handles, jobs, source.propose(jobs)):
                 draft.tokens = draft.tokens[:job.k]
                 r._draft = draft if job.k else Draft([])
-                r._hidden = None
+                r._drafting.hidden = None  # type: ignore[union-attr]
 
     def _finish(self, r: RequestHandle, reason: str) -> None:
         self._release(r)
@@ -448,8 +435,7 @@ class BatchEngine:
             self.engine.release(r._seq)
             r._seq = None
         if r.speculation is not None:  # drafts and draft caches start afresh if it comes back
-            r.speculation.source.release(r._draft_state)
-            r._draft_state = r.speculation.source.new_state()
-            r._draft, r._hidden = Draft([]), None
+            r._drafting.release()  # type: ignore[union-attr]
+            r._drafting, r._draft = Drafting(r.speculation), Draft([])
         if r in self.running:
             self.running.remove(r)

@@ -4,16 +4,18 @@ Each step is a function named after it:
 
 * :func:`prefill` — the whole prompt in one forward; the first new token;
 * :func:`decode_one_token` — feed the pending token; the next one;
-* :func:`decode_n_tokens` — one token per forward until a stop rule ends the request;
 * :func:`speculative_decode` — a draft source guesses up to ``k`` tokens,
   one forward verifies them all, and the tokens the target agrees with are
-  kept (:mod:`infer.speculative`), until a stop rule ends the request.
+  kept (:mod:`infer.speculative`);
+* :func:`decode_n_tokens` — tokens, by either of the two above, until a
+  stop rule ends the request.
 
-:func:`generate` starts a request on one of the two loops. The rules every
-loop follows live here once, and the batch engine (:mod:`infer.batching`)
-uses them too: :meth:`StopConditions.finish_reason` (when a request ends),
-:func:`sample` (a token from a forward's row of logits) and
-:func:`accept_drafts` (what a verify forward gives a speculating request).
+:func:`generate` starts a request. The rules every request follows live here
+once, and the batch engine (:mod:`infer.batching`) uses them too:
+:meth:`StopConditions.finish_reason` (when a request ends), :func:`sample` (a
+token from a forward's row of logits), :func:`accept_drafts` (what a verify
+forward gives a speculating request) and :class:`Drafting` (a speculating
+request's state between forwards).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from infer.engine import Engine, ForwardOutput, SequenceState
 from infer.errors import SamplingParameterError
+from infer.ops import Array
 from infer.sampling import Sampler, SamplingParams
 from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify
 
@@ -80,8 +83,9 @@ def generate(
     speculation: Speculation | None = None,
 ) -> Generation:
     """Start a request; iterate the result for its new token ids. With a
-    :class:`~infer.speculative.Speculation`, tokens come from
-    :func:`speculative_decode` (the same tokens for greedy decoding)."""
+    :class:`~infer.speculative.Speculation`, each forward after the prefill
+    is a :func:`speculative_decode` round (the same tokens for greedy
+    decoding)."""
     engine.check_prompt(prompt_ids)
     prompt = [int(t) for t in prompt_ids]
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
@@ -98,13 +102,41 @@ def _tokens(
         gen.finish_reason = "length"
         return
     seq = engine.new_sequence(len(prompt) + stop.max_tokens)
+    drafting = None if spec is None else Drafting(spec)
     try:
-        if spec is None:
-            yield from decode_n_tokens(engine, seq, prefill(engine, seq, prompt, sampler), sampler, stop, gen)
-        else:
-            yield from speculative_decode(engine, seq, prompt, sampler, stop, spec, gen)
+        token = prefill(engine, seq, prompt, sampler, drafting)
+        yield from decode_n_tokens(engine, seq, token, sampler, stop, gen, drafting)
     finally:  # also when the consumer stops early and the generator is closed
+        if drafting is not None:
+            drafting.release()
         engine.release(seq)
+
+
+class Drafting:
+    """One request's speculation between its forwards: the draft source's
+    per-request state, and the target's hidden states of the last forward
+    (rows from position :attr:`hidden_start` on) for a source that drafts
+    from them (MTP)."""
+
+    def __init__(self, spec: Speculation) -> None:
+        self.spec = spec
+        self.state = spec.source.new_state()
+        self.hidden: Array | None = None
+        self.hidden_start = 0
+
+    def job(self, seq: SequenceState, pending: int, k: int, sampler: Sampler) -> DraftJob:
+        """Ask for up to ``k`` drafts after ``pending``, the token that follows ``seq``'s."""
+        return DraftJob(tokens=seq.tokens + [pending], k=k, sampler=sampler, state=self.state,
+                        capacity=seq.cache.capacity, seq=seq, hidden=self.hidden, hidden_start=self.hidden_start)
+
+    def keep(self, out: ForwardOutput, i: int) -> None:
+        """Keep sequence ``i``'s hidden states of ``out`` where the source drafts from them."""
+        if self.spec.source.needs_hidden and out.hidden is not None:
+            self.hidden, self.hidden_start = out.hidden_of(i), out.batch.slices[i].start
+
+    def release(self) -> None:
+        """The request ended: the source frees what it held for it (e.g. a draft model's cache)."""
+        self.spec.source.release(self.state)
 
 
 def sample(sampler: Sampler, out: ForwardOutput, row: int, history: Sequence[int]) -> int:
@@ -117,9 +149,17 @@ def sample(sampler: Sampler, out: ForwardOutput, row: int, history: Sequence[int
     return sampler.sample(out.host_logits()[row], history)
 
 
-def prefill(engine: Engine, seq: SequenceState, prompt: list[int], sampler: Sampler) -> int:
-    """The whole prompt in one forward; the first new token."""
-    out = engine.run(engine.prepare([seq], [prompt]))
+def prefill(
+    engine: Engine, seq: SequenceState, prompt: list[int], sampler: Sampler, drafting: Drafting | None = None,
+) -> int:
+    """The whole prompt in one forward; the first new token. A speculating
+    request's forward counts in its figures, and its hidden states are kept
+    when its draft source needs them."""
+    needs_hidden = drafting is not None and drafting.spec.source.needs_hidden
+    out = engine.run(engine.prepare([seq], [prompt], capture_hidden=needs_hidden))
+    if drafting is not None:
+        drafting.keep(out, 0)
+        drafting.spec.record(forwards=1)
     return sample(sampler, out, 0, seq.tokens)
 
 
@@ -131,55 +171,43 @@ def decode_one_token(engine: Engine, seq: SequenceState, token: int, sampler: Sa
 
 def decode_n_tokens(
     engine: Engine, seq: SequenceState, token: int, sampler: Sampler, stop: StopConditions, gen: Generation,
+    drafting: Drafting | None = None,
 ) -> Iterator[int]:
-    """``token``, the first new one, then one token per forward until a
-    stop rule ends the request (:attr:`Generation.finish_reason` says which)."""
-    produced = 0
+    """``token``, the first new one, then more until a stop rule ends the
+    request (:attr:`Generation.finish_reason` says which): one per forward
+    (:func:`decode_one_token`) or, speculating, the accepted drafts and one
+    token of the target's per forward (:func:`speculative_decode`)."""
+    emitted, produced = [token], 0
     while True:
-        produced += 1
-        yield token
-        reason = stop.finish_reason(token, produced, gen.prompt_tokens, engine.max_context)
-        if reason is not None:
-            gen.finish_reason = reason
-            return
-        token = decode_one_token(engine, seq, token, sampler)
+        for token in emitted:
+            produced += 1
+            if drafting is not None:
+                drafting.spec.record(tokens=1)
+            yield token
+            reason = stop.finish_reason(token, produced, gen.prompt_tokens, engine.max_context)
+            if reason is not None:
+                gen.finish_reason = reason
+                return
+        if drafting is None:
+            emitted = [decode_one_token(engine, seq, token, sampler)]
+        else:
+            k = drafting.spec.budget(stop.max_tokens - produced, seq.cache.capacity - seq.cached)
+            emitted = speculative_decode(engine, seq, token, k, sampler, drafting)
 
 
 def speculative_decode(
-    engine: Engine, seq: SequenceState, prompt: list[int], sampler: Sampler, stop: StopConditions,
-    spec: Speculation, gen: Generation,
-) -> Iterator[int]:
-    """Prefill, then rounds of: the draft source proposes up to ``k`` tokens
-    after the pending one, one forward verifies them all, the accepted ones
-    and one of the target's come out, the cache rolls back over the rest.
-    Stops exactly where :func:`decode_n_tokens` would."""
-    source = spec.source
-    state = source.new_state()
-    try:
-        out = engine.run(engine.prepare([seq], [prompt], capture_hidden=source.needs_hidden))
-        spec.record(forwards=1)
-        emitted, start, produced = [sample(sampler, out, 0, seq.tokens)], 0, 0
-        while True:
-            for token in emitted:
-                produced += 1
-                spec.record(tokens=1)
-                yield token
-                reason = stop.finish_reason(token, produced, gen.prompt_tokens, engine.max_context)
-                if reason is not None:
-                    gen.finish_reason = reason
-                    return
-            pending = emitted[-1]
-            k = spec.budget(stop.max_tokens - produced, seq.cache.capacity - seq.cached)
-            job = DraftJob(tokens=seq.tokens + [pending], k=k, sampler=sampler, state=state,
-                           capacity=seq.cache.capacity, seq=seq, hidden=out.hidden, hidden_start=start)
-            draft = source.propose([job])[0]
-            drafts = draft.tokens[:k]
-            start = seq.cached
-            out = engine.run(engine.prepare([seq], [[pending] + drafts], all_logits=True,
-                                            capture_hidden=source.needs_hidden))
-            emitted = accept_drafts(engine, seq, spec, sampler, out, 0, drafts, draft.probs)
-    finally:  # also when the consumer stops early and the generator is closed
-        source.release(state)
+    engine: Engine, seq: SequenceState, pending: int, k: int, sampler: Sampler, drafting: Drafting,
+) -> list[int]:
+    """One round: the draft source proposes up to ``k`` tokens after
+    ``pending``, one forward feeds ``pending`` and the drafts and verifies
+    them all; returns the accepted drafts and one token of the target's
+    (the rejected drafts leave the cache)."""
+    source = drafting.spec.source
+    draft = source.propose([drafting.job(seq, pending, k, sampler)])[0]
+    drafts = draft.tokens[:k]
+    out = engine.run(engine.prepare([seq], [[pending] + drafts], all_logits=True, capture_hidden=source.needs_hidden))
+    drafting.keep(out, 0)
+    return accept_drafts(engine, seq, drafting.spec, sampler, out, 0, drafts, draft.probs)
 
 
 def accept_drafts(
