@@ -4,9 +4,9 @@
 ones, each with its own :class:`~infer.sampling.Sampler` and
 :class:`~infer.generate.StopConditions`, all keeping their keys and values
 in one KV layout (below). Each :meth:`BatchEngine.step` runs **one** forward
-(:meth:`~infer.engine.Engine.run`) over every running request: one token for each decoding request and a chunk of the
-prompt for each request still prefilling, flattened into one batch, within
-``max_batch_tokens``. Requests join and leave between steps.
+(:meth:`~infer.engine.Engine.run`) over every running request: one token for
+each decoding request and a chunk of the prompt for each request still
+prefilling, flattened into one batch, within ``max_batch_tokens``. Requests join and leave between steps.
 
 A request is uniform whatever its phase: its *known* tokens are the prompt
 plus the tokens sampled so far, and a step feeds it (some of) the known tokens

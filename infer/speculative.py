@@ -23,7 +23,8 @@ Three sources share the :class:`DraftSource` interface:
   (:meth:`~infer.architecture.CausalLM.mtp_forward`), fed the target's hidden
   states.
 
-The loops are :func:`infer.generate.speculative_decode` (one request) and
+The loops are :mod:`infer.generate` (one request, a
+:func:`~infer.generate.speculative_decode` round per forward) and
 :class:`infer.batching.BatchEngine` (speculating requests inside a batch);
 this module holds what is the same for both: the accept/reject rule
 (:func:`verify`), the sources, the draft budget (:meth:`Speculation.budget`)
