@@ -35,7 +35,7 @@ from typing import Any
 import infer
 from infer import bench, bench_report
 from infer.batching import BatchEngine
-from infer.engine import StopConditions
+from infer.generate import StopConditions
 from infer.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

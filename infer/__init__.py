@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from infer.batching import BatchEngine, BatchStats, RequestHandle
-from infer.engine import StopConditions
 from infer.errors import InferError
+from infer.generate import StopConditions
 from infer.loading import load
 from infer.model import Model
 from infer.ops import API_VERSION, Backend

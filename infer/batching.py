@@ -2,20 +2,22 @@
 
 :class:`BatchEngine` keeps a queue of waiting requests and a set of running
 ones, each with its own :class:`~infer.sampling.Sampler` and
-:class:`~infer.engine.StopConditions`, all keeping their keys and values in
-one :class:`~infer.paged_cache.PagedKVPool`. Each :meth:`BatchEngine.step`
-runs **one** forward (:meth:`~infer.engine.Engine.forward_batch`) over every
-running request: one token for each decoding request and a chunk of the
-prompt for each request still prefilling, flattened into one batch, within
-``max_batch_tokens``. Requests join and leave between steps.
+:class:`~infer.generate.StopConditions`, all keeping their keys and values
+in one KV layout (below). Each :meth:`BatchEngine.step` runs **one** forward
+(:meth:`~infer.engine.Engine.run`) over every running request: one token for
+each decoding request and a chunk of the prompt for each request still
+prefilling, flattened into one batch, within ``max_batch_tokens``. Requests join and leave between steps.
 
 A request is uniform whatever its phase: its *known* tokens are the prompt
 plus the tokens sampled so far, and a step feeds it (some of) the known tokens
 its cache does not hold yet. When a step feeds the last of them, the logits
 of that step give the next token. Prefill, decode and recomputation after a
-preemption are therefore one code path.
+preemption are therefore one code path. The rules are those of a single
+request (:mod:`infer.generate`): the same stop rules, sampling and
+speculative verification, called from here.
 
-Memory (issue 5, items 3–5):
+Memory (:mod:`infer.kv_budget`: the batch engine asks its budget, never
+which kind of cache it holds):
 
 * **Prefix caching** — on admission a request's cache starts with the pool's
   cached blocks for the longest full-block prefix of its prompt (without the
@@ -38,9 +40,8 @@ Speculative decoding runs inside the batch (a request submitted with a
 proposes up to ``k`` tokens for every speculating request that is decoding,
 and the next step feeds such a request its pending token *and* its drafts in
 the same single forward, asking the logits of all those rows
-(``forward_batch(..., all_logits=[...])``). Each request is then verified on
-its own (:func:`~infer.speculative.verify_greedy` /
-:func:`~infer.speculative.verify_sampled`) and its cache truncated after the
+(``prepare(..., all_logits=[...])``). Each request is then verified on its
+own (:func:`~infer.generate.accept_drafts`) and its cache truncated after the
 last accepted draft. The pages a step's drafts need are taken when they are
 proposed; when there are none, the request simply does not speculate that
 step. Drafts are capped to the tokens a request may still produce, so
@@ -71,22 +72,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
-from infer.engine import Engine, ForwardOutput, SequenceState, StopConditions
+from infer.engine import Engine, ForwardOutput, SequenceState
 from infer.errors import CacheFullError, GenerationError
-from infer.ops import Array
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
+from infer.generate import Drafting, StopConditions, accept_drafts, sample
+from infer.kv_budget import ContiguousBudget, KVBudget, PagedBudget
+from infer.paged_cache import PagedKVPool
 from infer.sampling import Sampler, SamplingParams
-from infer.speculative import (
-    Draft,
-    DraftJob,
-    DraftSource,
-    Speculation,
-    SpeculativeStats,
-    verify_greedy,
-    verify_sampled,
-)
+from infer.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +130,10 @@ class RequestHandle:
         self._seq: SequenceState | None = None
         self._admitted_at = -1
         self._read = 0
-        # Speculation: the draft source's state, the drafts for the next
-        # forward (and their q), the target's hidden states of the last forward.
-        self._draft_state = None if speculation is None else speculation.source.new_state()
+        # Speculation: its state between forwards, and the drafts (and their
+        # q) for the next forward.
+        self._drafting = None if speculation is None else Drafting(speculation)
         self._draft = Draft([])
-        self._hidden: Array | None = None
-        self._hidden_start = 0
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("running" if self._seq is not None else "waiting")
@@ -213,32 +203,21 @@ class BatchEngine:
             raise GenerationError(f"kv_layout must be 'auto', 'paged' or 'contiguous', got {kv_layout!r}")
         if kv_memory is not None and (not isinstance(kv_memory, int) or kv_memory < 1):
             raise GenerationError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
-        native = engine.backend.supports("paged_attention")
         if kv_layout == "auto":
-            kv_layout = "paged" if native or kv_pool is not None else "contiguous"
+            kv_layout = "paged" if engine.backend.supports("paged_attention") or kv_pool is not None else "contiguous"
         if kv_pool is not None and kv_layout == "contiguous":
             raise GenerationError("kv_pool is for the paged layout; kv_layout='contiguous' takes kv_memory")
         self.engine = engine
         #: ``"paged"`` or ``"contiguous"``.
         self.kv_layout: str = kv_layout
-        budget = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
-        #: The paged pool (None in the contiguous layout).
-        self.pool: PagedKVPool | None = None
-        #: Positions the contiguous layout may reserve, all requests together.
-        self.capacity_positions = 0
-        backend = f"{engine.backend.name}/{engine.backend.device}"
+        memory = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
+        #: Where the requests' keys and values go (:mod:`infer.kv_budget`).
+        self.budget: KVBudget
         if kv_layout == "paged":
-            if kv_pool is None:
-                kv_pool = PagedKVPool.for_engine(engine, block_size=block_size, memory_budget=budget)
-            self.pool = kv_pool
-            log.info("batch engine: paged KV pool of %d blocks of %d positions on %s, %s", kv_pool.num_blocks,
-                     kv_pool.block_size, backend,
-                     "native paged attention" if native else "pages gathered for attention (no native paged_attention)")
+            pool = kv_pool if kv_pool is not None else engine.new_kv_pool(block_size=block_size, memory_budget=memory)
+            self.budget = PagedBudget(engine, pool)
         else:
-            self.capacity_positions = budget // engine.kv_bytes_per_position()
-            log.info("batch engine: contiguous KV caches on %s, %d positions within %d bytes%s; no prefix caching",
-                     backend, self.capacity_positions, budget,
-                     "" if native else " (no native paged_attention)")
+            self.budget = ContiguousBudget(engine, memory)
         self.max_batch_tokens = max_batch_tokens
         self.stats = BatchStats()
         self.waiting: deque[RequestHandle] = deque()
@@ -247,6 +226,11 @@ class BatchEngine:
         self._lock = threading.RLock()
         self._next_id = 0
         self._admissions = 0
+
+    @property
+    def pool(self) -> PagedKVPool | None:
+        """The paged pool (None in the contiguous layout)."""
+        return self.budget.pool
 
     # -- requests -------------------------------------------------------------------
 
@@ -276,13 +260,7 @@ class BatchEngine:
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
                 return handle
-            if self.pool is None:
-                if handle._total() > self.capacity_positions:
-                    raise self._never_fits_contiguous(handle)
-            else:
-                need = self.pool.allocator.blocks_for(handle._total())
-                if need > self.pool.num_blocks:
-                    raise self._never_fits(handle, need)
+            self.budget.check(len(prompt), stop.max_tokens, handle._total())
             self.waiting.append(handle)
             return handle
 
@@ -312,82 +290,49 @@ class BatchEngine:
         with self._lock:
             self._admit()
             if not self.running:
-                if self.waiting and self.pool is not None:  # nothing of ours runs, yet the head does not fit
-                    head, alloc = self.waiting[0], self.pool.allocator
-                    raise CacheFullError(
-                        f"request {head.id} needs {alloc.blocks_for(head._total())} blocks of "
-                        f"{alloc.block_size} positions but only {alloc.available()} of the pool's "
-                        f"{self.pool.num_blocks} are available, and this batch engine holds none: "
-                        f"sequences outside it hold the rest ({self.pool.stats()}); free them first"
-                    )
+                if self.waiting:  # nothing of ours runs, yet the head does not fit
+                    head = self.waiting[0]
+                    raise self.budget.blocked(head.id, head._total())
                 return
-            batch = self._schedule()
-            seqs, chunks, whole = [], [], []
-            for r, n in batch:
+            plan = self._schedule()
+            chunks, whole = [], []
+            for r, n in plan:
                 seq = r._seq
                 assert seq is not None
                 feed = r._known()[seq.cached:seq.cached + n]
                 drafts = n - len(feed)  # a decoding request: its pending token, then drafts
-                feed += r._draft.tokens[:drafts]
-                seqs.append(seq)
-                chunks.append(feed)
+                chunks.append(feed + r._draft.tokens[:drafts])
                 whole.append(drafts > 0)  # verification needs the logits of every row
-            starts = [seq.cached for seq in seqs]
-            hidden = any(r.speculation is not None and r.speculation.source.needs_hidden for r, _ in batch)
-            out = self.engine.run(seqs, chunks, all_logits=whole, capture_hidden=hidden)
-            tokens = sum(len(c) for c in chunks)
+            hidden = any(r.speculation is not None and r.speculation.source.needs_hidden for r, _ in plan)
+            batch = self.engine.prepare([r._seq for r, _ in plan], chunks, all_logits=whole,  # type: ignore[misc]
+                                        capture_hidden=hidden)
+            out = self.engine.run(batch)
+            tokens = len(batch.ids)
             self.stats.forwards += 1
             self.stats.tokens_processed += tokens
             self.stats.tokens_per_forward.append(tokens)
-            self._sample(batch, chunks, starts, whole, out)
-            self._propose(batch)
+            self._sample(plan, out)
+            self._propose(plan)
 
     def _admit(self) -> None:
-        """Admit waiting requests in order while the pool can hold them."""
-        if self.pool is None:
-            self._admit_contiguous()
-            return
-        alloc = self.pool.allocator
+        """Admit waiting requests in order while the budget can hold them."""
         while self.waiting:
             handle = self.waiting[0]
-            seq = self.engine.new_sequence(handle._total(), kv_pool=self.pool)
-            cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
-            known = handle._known()
-            reused = cache.reuse_prefix(known[:-1])
-            # Blocks the running requests still need for tokens they already know.
-            pending = sum(self._blocks_to_cache(r) for r in self.running)
-            need = alloc.blocks_for(handle._total()) - len(cache.table.blocks)
-            if need > alloc.available() - pending:
-                cache.free()
+            running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]
+            seq = self.budget.admit(handle._total(), handle._known(), running)  # type: ignore[arg-type]
+            if seq is None:
                 return
             self.waiting.popleft()
-            seq.tokens = list(known[:reused])
             handle._seq = seq
             handle._admitted_at = self._admissions
             self._admissions += 1
             self.running.append(handle)
-            self.stats.tokens_reused += reused
-
-    def _admit_contiguous(self) -> None:
-        """Admit waiting requests in order while their whole caches fit the budget."""
-        reserved = sum(r._total() for r in self.running)
-        while self.waiting and reserved + self.waiting[0]._total() <= self.capacity_positions:
-            handle = self.waiting.popleft()
-            handle._seq = self.engine.new_sequence(handle._total(), contiguous=True)
-            handle._admitted_at = self._admissions
-            self._admissions += 1
-            self.running.append(handle)
-            reserved += handle._total()
-
-    def _blocks_to_cache(self, r: RequestHandle) -> int:
-        seq = r._seq
-        assert seq is not None
-        cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
-        return self.pool.allocator.blocks_needed(cache.table, cache.length, len(r.prompt) + len(r.tokens))
+            self.stats.tokens_reused += seq.cached
 
     def _schedule(self) -> list[tuple[RequestHandle, int]]:
-        """Tokens to feed each running request this step, with their pages
-        taken already; preempts the newest requests until the pages suffice."""
+        """Tokens to feed each running request this step, with their cache
+        positions reserved already; preempts the newest requests until the
+        memory suffices."""
         while True:
             budget = self.max_batch_tokens
             plan: dict[int, int] = {}
@@ -403,14 +348,11 @@ class BatchEngine:
                     plan[r.id] = n = min(todo, budget)
                     budget -= n
             batch = [(r, plan[r.id]) for r in self.running if r.id in plan]
-            if self.pool is None:  # contiguous caches were reserved whole at admission
-                return batch
             try:
                 for r, n in batch:
-                    cache: PagedSequenceCache = r._seq.cache  # type: ignore[union-attr, assignment]
-                    copies = self.pool.allocator.prepare_write(cache.table, cache.length, cache.length + n)
-                    if copies:
-                        self.pool.copy_blocks(copies)
+                    seq = r._seq
+                    assert seq is not None
+                    seq.cache.reserve(seq.cached + n)
                 return batch
             except CacheFullError:
                 if len(self.running) == 1:
@@ -426,112 +368,55 @@ class BatchEngine:
         self.waiting.appendleft(r)
         self.stats.preemptions += 1
 
-    def _sample(
-        self, batch: list[tuple[RequestHandle, int]], chunks: list[list[int]], starts: list[int],
-        whole: list[bool], out: ForwardOutput,
-    ) -> None:
+    def _sample(self, plan: list[tuple[RequestHandle, int]], out: ForwardOutput) -> None:
         """New tokens for every request whose known tokens are all cached now:
         one sampled token, or (speculating) the accepted drafts plus one."""
-        ops = self.engine.backend
-        rows_of, offset = [], 0  # logits rows of each request: (first, count)
-        for (r, n), every in zip(batch, whole):
-            rows_of.append((offset, n if every else 1))
-            offset += n if every else 1
-        ready = [i for i, (r, n) in enumerate(batch) if self._to_feed(r) <= 0]
-        if not ready:
-            self._keep_hidden(batch, starts, out)
-            return
-        argmax = ops.to_numpy(ops.argmax(out.logits, axis=-1))
-        rows = ops.to_numpy(out.logits) if any(batch[i][0].sampler.needs_logits for i in ready) else None
-        self._keep_hidden(batch, starts, out)
-        for i in ready:
-            r, n = batch[i]
+        context = self.engine.max_context
+        for i, (r, _) in enumerate(plan):
+            if r._drafting is not None:  # an MTP source drafts from the target's hidden states
+                r._drafting.keep(out, i)
+            if self._to_feed(r) > 0:
+                continue  # still prefilling
             seq = r._seq
             assert seq is not None
-            first, count = rows_of[i]
+            first, count = out.batch.rows(i)
             if r.speculation is None:
-                if r.sampler.needs_logits:
-                    emitted = [r.sampler.sample(rows[first], seq.tokens)]  # type: ignore[index]
-                else:
-                    emitted = [int(argmax[first])]
+                emitted = [sample(r.sampler, out, first, seq.tokens)]
             else:
-                # The first logits row follows position ``pos``; the drafts were fed after it.
-                pos = starts[i] + n - count
-                drafts = chunks[i][n - count + 1:]
-                q = None if r._draft.probs is None or not drafts else r._draft.probs[:len(drafts)]
-                emitted = self._verify(r, argmax[first:first + count], rows, first, pos, drafts, q)
-                accepted = len(emitted) - 1
-                self.engine.truncate(seq, pos + 1 + accepted)  # rejected drafts leave the cache
-                r.speculation.record(forwards=1, drafted=len(drafts), accepted=accepted)
+                drafts = out.batch.token_ids[i][1:] if count > 1 else []  # fed after the pending token
+                emitted = accept_drafts(self.engine, seq, r.speculation, r.sampler, out, first, drafts,
+                                        r._draft.probs)
                 r._draft = Draft([])
             for token in emitted:
                 r.tokens.append(token)
                 if r.speculation is not None:
                     r.speculation.record(tokens=1)
-                # Same rules, in the same order, as Engine.generate.
-                if not r.stop.ignore_eos and token in r.stop.eos_token_ids:
-                    self._finish(r, "stop")
+                reason = r.stop.finish_reason(token, len(r.tokens), len(r.prompt), context)
+                if reason is not None:
+                    self._finish(r, reason)
                     break
-                if len(r.tokens) >= r.stop.max_tokens:
-                    self._finish(r, "length")
-                    break
-            if not r.finished and seq.cached >= self.engine.max_context:
-                self._finish(r, "length")
 
-    def _verify(
-        self, r: RequestHandle, argmax: object, rows: object, first: int, start: int, drafts: list[int],
-        q: object,
-    ) -> list[int]:
-        """Accepted drafts plus one token; row ``first + j`` of ``rows`` holds
-        the target's logits after position ``start + j``."""
-        if not r.sampler.needs_logits:
-            return verify_greedy([int(t) for t in argmax], drafts)  # type: ignore[attr-defined]
-        seq = r._seq
-        assert seq is not None
-        p = np.stack([r.sampler.distribution(rows[first + j], seq.tokens[:start + 1 + j])  # type: ignore[index]
-                      for j in range(len(drafts) + 1)])
-        if r.sampler.params.greedy:
-            return verify_greedy([int(np.argmax(row)) for row in p], drafts)
-        return verify_sampled(p, drafts, q, r.sampler.rng)  # type: ignore[arg-type]
-
-    def _keep_hidden(self, batch: list[tuple[RequestHandle, int]], starts: list[int], out: ForwardOutput) -> None:
-        """Each MTP-speculating request keeps its rows of the target's hidden states."""
-        if out.hidden is None:
-            return
-        offset = 0
-        for (r, n), start in zip(batch, starts):
-            if r.speculation is not None and r.speculation.source.needs_hidden:
-                r._hidden = self.engine.backend.slice(out.hidden, 0, offset, offset + n)
-                r._hidden_start = start
-            offset += n
-
-    def _propose(self, batch: list[tuple[RequestHandle, int]]) -> None:
+    def _propose(self, plan: list[tuple[RequestHandle, int]]) -> None:
         """Drafts for the next step of every speculating request that is
         decoding (and, for MTP, the module's cache brought up to date for
         every request the forward advanced)."""
         groups: dict[int, tuple[DraftSource, list[RequestHandle], list[DraftJob]]] = {}
-        for r, _ in batch:
-            spec = r.speculation
-            if spec is None or r.finished or r._seq is None:
+        for r, _ in plan:
+            drafting = r._drafting
+            if drafting is None or r.finished or r._seq is None:
                 continue
-            seq = r._seq
+            spec, seq = drafting.spec, r._seq
             k = 0
             if self._to_feed(r) == 1:
-                total = r._total()
-                k = max(0, min(spec.num_tokens, r.stop.max_tokens - len(r.tokens) - 1, total - seq.cached - 1))
-                if k and self.pool is not None:
-                    cache: PagedSequenceCache = seq.cache  # type: ignore[assignment]
-                    try:  # the pages of the verify forward, taken now (drafting may write them)
-                        copies = self.pool.allocator.prepare_write(cache.table, cache.length, cache.length + 1 + k)
-                        if copies:
-                            self.pool.copy_blocks(copies)
+                k = spec.budget(r.stop.max_tokens - len(r.tokens), seq.cache.capacity - seq.cached)
+                if k:
+                    try:  # the positions of the verify forward, taken now (drafting may write them)
+                        seq.cache.reserve(seq.cached + 1 + k)
                     except CacheFullError:
                         k = 0  # no room to speculate this step
             elif not spec.source.needs_hidden:
                 continue
-            tokens = r._known()[:seq.cached + 1]
-            job = DraftJob(tokens=tokens, k=k, sampler=r.sampler, state=r._draft_state, capacity=r._total(),
-                           seq=seq, hidden=r._hidden, hidden_start=r._hidden_start)
+            job = drafting.job(seq, r._known()[seq.cached], k, r.sampler)
             groups.setdefault(id(spec.source), (spec.source, [], []))
             groups[id(spec.source)][1].append(r)
             groups[id(spec.source)][2].append(job)
@@ -539,7 +424,7 @@ class BatchEngine:
             for r, job, draft in zip(handles, jobs, source.propose(jobs)):
                 draft.tokens = draft.tokens[:job.k]
                 r._draft = draft if job.k else Draft([])
-                r._hidden = None
+                r._drafting.hidden = None  # type: ignore[union-attr]
 
     def _finish(self, r: RequestHandle, reason: str) -> None:
         self._release(r)
@@ -550,38 +435,7 @@ class BatchEngine:
             self.engine.release(r._seq)
             r._seq = None
         if r.speculation is not None:  # drafts and draft caches start afresh if it comes back
-            r.speculation.source.release(r._draft_state)
-            r._draft_state = r.speculation.source.new_state()
-            r._draft, r._hidden = Draft([]), None
+            r._drafting.release()  # type: ignore[union-attr]
+            r._drafting, r._draft = Drafting(r.speculation), Draft([])
         if r in self.running:
             self.running.remove(r)
-
-    # -- errors -----------------------------------------------------------------------
-
-    def _never_fits(self, r: RequestHandle, need: int) -> CacheFullError:
-        alloc = self.pool.allocator
-        per = alloc.bytes_per_block or self._bytes_per_block()
-        err = CacheFullError(
-            f"a request of {len(r.prompt)} prompt tokens + max_tokens {r.stop.max_tokens} needs "
-            f"{r._total()} positions = {need} blocks of {alloc.block_size} ({need * per:,} bytes of keys and "
-            f"values), but the whole KV pool is {self.pool.num_blocks} blocks ({self.pool.num_blocks * per:,} "
-            f"bytes): shorten the prompt, lower max_tokens, or size the pool larger"
-        )
-        err.blocks_needed, err.blocks_available = need, self.pool.num_blocks  # type: ignore[attr-defined]
-        err.bytes_needed, err.bytes_available = need * per, self.pool.num_blocks * per  # type: ignore[attr-defined]
-        return err
-
-    def _never_fits_contiguous(self, r: RequestHandle) -> CacheFullError:
-        per = self.engine.kv_bytes_per_position()
-        need, have = r._total(), self.capacity_positions
-        err = CacheFullError(
-            f"a request of {len(r.prompt)} prompt tokens + max_tokens {r.stop.max_tokens} needs a KV cache of "
-            f"{need} positions ({need * per:,} bytes), but the batch engine's budget holds {have} positions "
-            f"({have * per:,} bytes): shorten the prompt, lower max_tokens, or raise kv_memory"
-        )
-        err.bytes_needed, err.bytes_available = need * per, have * per  # type: ignore[attr-defined]
-        return err
-
-    def _bytes_per_block(self) -> int:
-        assert self.pool is not None
-        return self.engine.kv_bytes_per_position() * self.pool.block_size

@@ -4,40 +4,103 @@ Architectures never see these: they call
 :meth:`infer.attention.AttentionContext.attention` with a layer's new keys
 and values, and the engine's cache decides where they go.
 
+Every sequence's cache, whatever its layout, is a :class:`SequenceCache`
+with one lifecycle, which the engine drives the same way for all of them:
+
+* :meth:`~SequenceCache.reserve` makes positions ``length..stop`` writable
+  before a forward, all or nothing, so a forward never runs out of memory
+  half way;
+* the forward :meth:`~SequenceCache.write`\\ s each layer's new keys and
+  values (and the attention context :meth:`~SequenceCache.read`\\ s them);
+* :meth:`~SequenceCache.commit` records the token ids those positions now
+  hold, and ``length`` grows;
+* :meth:`~SequenceCache.truncate` forgets positions (rejected drafts);
+* :meth:`~SequenceCache.free` gives the memory back.
+
 :class:`ContiguousKVCache` holds one sequence's keys and values per layer in
 arrays preallocated to the sequence's capacity, so decoding allocates
 nothing per step. Each layer's arrays are created at its first write, from
 the shapes written, so layers with different key and value widths (e.g.
-multi-head latent attention) need no special case.
+multi-head latent attention) need no special case. The paged cache is
+:class:`infer.paged_cache.PagedSequenceCache`.
 """
 
 from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
 
 from infer.errors import CacheFullError
 from infer.ops import Array, Backend
 
 
-class ContiguousKVCache:
+class SequenceCache(abc.ABC):
+    """One sequence's keys and values, and the lifecycle every layout shares."""
+
+    #: Most positions the sequence may hold.
+    capacity: int
+
+    @property
+    @abc.abstractmethod
+    def length(self) -> int:
+        """Positions written and committed."""
+
+    @abc.abstractmethod
+    def write(self, layer: int, start: int, k: Array, v: Array) -> None:
+        """Store ``k``, ``v`` (``[n, kv_heads, dim]``) at positions ``start..start+n``."""
+
+    @abc.abstractmethod
+    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
+        """Keys and values of positions ``start..stop``."""
+
+    @abc.abstractmethod
+    def reserve(self, stop: int) -> None:
+        """Make positions ``length..stop`` writable now, or raise
+        :class:`~infer.errors.CacheFullError` having changed nothing."""
+
+    @abc.abstractmethod
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """The positions from ``length`` on, just written, hold ``token_ids``."""
+
+    @abc.abstractmethod
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (e.g. rejected speculative tokens)."""
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Give the memory back now; the cache is empty afterwards."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes_per_position(self) -> int:
+        """Bytes one position occupies across the layers written so far."""
+
+    def _check_capacity(self, start: int, n: int) -> None:
+        if start + n > self.capacity:
+            raise CacheFullError(
+                f"KV cache holds {self.capacity} positions; writing {n} at position {start} "
+                f"needs {start + n}"
+            )
+
+
+class ContiguousKVCache(SequenceCache):
     """One sequence's keys and values, ``[capacity, kv_heads, head_dim]`` per layer."""
 
     def __init__(self, backend: Backend, num_layers: int, capacity: int) -> None:
         self.backend = backend
         self.num_layers = num_layers
         self.capacity = capacity
-        #: Number of positions written and valid.
-        self.length = 0
+        self._length = 0
         self._keys: list[Array | None] = [None] * num_layers
         self._values: list[Array | None] = [None] * num_layers
 
+    @property
+    def length(self) -> int:
+        return self._length
+
     def write(self, layer: int, start: int, k: Array, v: Array) -> None:
-        """Store ``k``, ``v`` (``[n, kv_heads, dim]``) at positions ``start..start+n``."""
         ops = self.backend
-        n = ops.shape(k)[0]
-        if start + n > self.capacity:
-            raise CacheFullError(
-                f"KV cache holds {self.capacity} positions; writing {n} at position {start} "
-                f"needs {start + n}"
-            )
+        self._check_capacity(start, ops.shape(k)[0])
         if self._keys[layer] is None:
             self._keys[layer] = ops.zeros((self.capacity,) + ops.shape(k)[1:], ops.dtype(k))
             self._values[layer] = ops.zeros((self.capacity,) + ops.shape(v)[1:], ops.dtype(v))
@@ -51,23 +114,30 @@ class ContiguousKVCache:
         k, v = self._keys[layer], self._values[layer]
         return ops.slice(k, 0, start, stop), ops.slice(v, 0, start, stop)
 
+    def reserve(self, stop: int) -> None:
+        """The arrays hold the whole capacity already: only the bound is checked."""
+        self._check_capacity(self._length, stop - self._length)
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        self._length += len(token_ids)
+
     def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (e.g. rejected speculative tokens)."""
-        self.length = min(self.length, length)
+        """Only the length changes; the next write overwrites the rows."""
+        self._length = min(self._length, length)
+
+    def free(self) -> None:
+        self._keys = [None] * self.num_layers
+        self._values = [None] * self.num_layers
+        self._length = 0
 
     @property
     def nbytes_per_position(self) -> int:
-        """Bytes one position occupies across all allocated layers."""
-        total = 0
-        for arr in (*self._keys, *self._values):
-            if arr is not None:
-                shape = self.backend.shape(arr)
-                size = 1
-                for d in shape[1:]:
-                    size *= d
-                total += size * _itemsize(self.backend.dtype(arr))
-        return total
+        return sum(row_nbytes(self.backend, a) for a in (*self._keys, *self._values) if a is not None)
 
 
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}.get(dtype, 4)
+def row_nbytes(ops: Backend, arr: Array) -> int:
+    """Bytes of one row (one position) of a ``[rows, ...]`` array."""
+    size = 1
+    for d in ops.shape(arr)[1:]:
+        size *= d
+    return size * {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}.get(ops.dtype(arr), 4)

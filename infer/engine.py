@@ -1,13 +1,20 @@
-"""The engine: the loop that keeps calling the model.
+"""The model runner: runs the network over sequences.
 
-It owns the KV cache (docs/design.md, rule 3). A request is prefilled in one
-forward over the whole prompt, then decoded one token per forward, each
-step feeding back the token just sampled. The architecture sees only an
+It owns the KV cache (docs/design.md, rule 3; docs/kv-cache.md): a sequence is its tokens and its
+cache, which :meth:`Engine.new_sequence` makes, :meth:`Engine.truncate` rolls
+back and :meth:`Engine.release` frees, whatever the cache's layout. One
+forward is two steps. :meth:`Engine.prepare` turns any mix of sequences and
+token chunks (prompts, single decode tokens, pending tokens with drafts) into
+a :class:`Batch`: the flattened token ids, each sequence's place in its cache
+(reserved before anything runs) and the rows of logits to return.
+:meth:`Engine.run` runs the network over it, commits the new tokens and
+returns a :class:`ForwardOutput`, whose greedy choices are computed on the
+device so that only the sampled ids leave it. The architecture sees only an
 :class:`~infer.attention.AttentionContext` per forward.
 
-Later engines (continuous batching, speculation) build on the same three
-steps: :meth:`Engine.forward` over a batch of sequence slices,
-:meth:`Engine.prefill` and :meth:`Engine.decode_one_token`.
+The loops that call the runner are elsewhere: :mod:`infer.generate` (one
+request: prefill, decode, speculative decoding) and :mod:`infer.batching`
+(many requests, one forward per step).
 
 A sequence's cache is contiguous (:class:`~infer.cache.ContiguousKVCache`,
 the default) or a page table into a shared pool
@@ -18,22 +25,17 @@ per sequence ``new_sequence(kv_pool=pool)``).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from infer.architecture import CausalLM
 from infer.attention import AttentionContext, SequenceSlice
-from infer.cache import ContiguousKVCache
-from infer.errors import ContextLengthError, GenerationError, SamplingParameterError
+from infer.cache import ContiguousKVCache, SequenceCache
+from infer.errors import ContextLengthError, GenerationError
 from infer.ops import Array, Backend
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
-from infer.sampling import Sampler, SamplingParams
-from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify_greedy, verify_sampled
-
-log = logging.getLogger(__name__)
+from infer.paged_cache import PagedKVPool
 
 
 @dataclass
@@ -41,7 +43,7 @@ class SequenceState:
     """One sequence being generated: its tokens and its cache."""
 
     tokens: list[int]
-    cache: ContiguousKVCache | PagedSequenceCache
+    cache: SequenceCache
 
     @property
     def cached(self) -> int:
@@ -50,46 +52,76 @@ class SequenceState:
 
 
 @dataclass
-class StopConditions:
-    """When a request ends (text-level stop strings are handled by the caller)."""
+class Batch:
+    """One forward's work, prepared on the host before it runs: the new
+    tokens of each sequence, flattened into one batch, where they go in each
+    cache, and which rows of logits come back."""
 
-    max_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
+    seqs: list[SequenceState]
+    token_ids: list[list[int]]
+    #: ``[tokens]`` int32: every sequence's new tokens, in batch order.
+    ids: np.ndarray
+    #: Per sequence: its cache, first new position and number of new tokens.
+    slices: list[SequenceSlice]
+    #: Per sequence: logits of every new token (True) or of its last one only.
+    all_logits: list[bool]
+    #: Whether the hidden states of every new token come back too (for
+    #: multi-token prediction).
+    capture_hidden: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
-            raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+        self._rows: list[tuple[int, int]] = []
+        self._tokens: list[int] = []
+        row = token = 0
+        for ids, every in zip(self.token_ids, self.all_logits):
+            count = len(ids) if every else 1
+            self._rows.append((row, count))
+            self._tokens.append(token)
+            row += count
+            token += len(ids)
+
+    def rows(self, i: int) -> tuple[int, int]:
+        """``(first, count)``: sequence ``i``'s rows of the returned logits."""
+        return self._rows[i]
+
+    def first_token(self, i: int) -> int:
+        """Sequence ``i``'s first row on the flattened token axis."""
+        return self._tokens[i]
 
 
-@dataclass
 class ForwardOutput:
-    """What one forward returns: logits, and the hidden states of every new
-    token when they were asked for."""
+    """What one forward returns: logits of the rows its batch asked for,
+    the hidden states of every new token when they were asked for, and the
+    host's view of the logits, each copied at most once."""
 
-    logits: Array
-    hidden: Array | None = None
+    def __init__(self, backend: Backend, batch: Batch, logits: Array, hidden: Array | None) -> None:
+        self.backend = backend
+        self.batch = batch
+        #: ``[rows, vocab]`` on the device.
+        self.logits = logits
+        #: ``[tokens, hidden_size]`` on the device, or None.
+        self.hidden = hidden
+        self._argmax: np.ndarray | None = None
+        self._host: np.ndarray | None = None
 
+    def argmax(self) -> np.ndarray:
+        """Every row's argmax, computed on the device: all greedy decoding
+        reads back (one integer per row)."""
+        if self._argmax is None:
+            ops = self.backend
+            self._argmax = ops.to_numpy(ops.argmax(self.logits, axis=-1)).reshape(-1)
+        return self._argmax
 
-@dataclass
-class Generation:
-    """A running request: iterate it for token ids; afterwards
-    :attr:`finish_reason` says why it ended (``"stop"`` for an EOS token,
-    ``"length"`` for max_tokens or the context, or whatever the consumer set,
-    e.g. ``"stop_string"``)."""
+    def host_logits(self) -> np.ndarray:
+        """The logits on the host, where the sampling rules run."""
+        if self._host is None:
+            self._host = self.backend.to_numpy(self.logits)
+        return self._host
 
-    tokens_iter: Iterator[int]
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    #: Speculative decoding figures (acceptance rate, tokens per forward),
-    #: updated as tokens come; None without speculation.
-    stats: SpeculativeStats | None = None
-
-    def __iter__(self) -> Iterator[int]:
-        for token in self.tokens_iter:
-            self.tokens.append(token)
-            yield token
+    def hidden_of(self, i: int) -> Array:
+        """Sequence ``i``'s rows of :attr:`hidden` (``[new tokens, hidden_size]``)."""
+        first = self.batch.first_token(i)
+        return self.backend.slice(self.hidden, 0, first, first + self.batch.slices[i].length)
 
 
 class Engine:
@@ -106,18 +138,36 @@ class Engine:
 
     # -- sequences ----------------------------------------------------------
 
-    def new_sequence(
-        self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None, contiguous: bool = False,
-    ) -> SequenceState:
+    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None) -> SequenceState:
         """A fresh sequence whose cache holds ``capacity`` positions (default:
         the model's context): pages of ``kv_pool`` (default: the engine's
-        :attr:`kv_pool`), or a contiguous cache when there is no pool or
-        ``contiguous`` is set."""
+        :attr:`kv_pool`), or a contiguous cache when there is no pool."""
         capacity = self.max_context if capacity is None else min(capacity, self.max_context)
         pool = kv_pool if kv_pool is not None else self.kv_pool
-        if pool is not None and not contiguous:
+        if pool is not None:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
         return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
+
+    def truncate(self, seq: SequenceState, length: int) -> None:
+        """Forget ``seq``'s positions from ``length`` on (rejected speculative
+        tokens): its cache rolls back and the next forward starts there."""
+        seq.cache.truncate(length)
+        del seq.tokens[seq.cache.length:]
+
+    def release(self, seq: SequenceState) -> None:
+        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back now."""
+        seq.cache.free()
+
+    def new_kv_pool(
+        self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
+    ) -> PagedKVPool:
+        """A paged pool for this engine's model, sized by ``num_blocks`` or
+        by ``memory_budget`` bytes; then the bytes one position takes are
+        those :meth:`kv_bytes_per_position` measures."""
+        per_token = None if memory_budget is None else self.kv_bytes_per_position()
+        # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
+        return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
+                           memory_budget=memory_budget, bytes_per_token=per_token)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes one position takes in every KV cache layer (the main model's
@@ -137,12 +187,6 @@ class Engine:
             self._kv_bytes_per_position = cache.nbytes_per_position
         return self._kv_bytes_per_position
 
-    def release(self, seq: SequenceState) -> None:
-        """Done with ``seq``: a paged cache's pages return to the pool now
-        (a contiguous cache is simply dropped with the sequence)."""
-        if isinstance(seq.cache, PagedSequenceCache):
-            seq.cache.free()
-
     def check_tokens(self, token_ids: Sequence[int]) -> None:
         """Every id must be an int within the vocabulary."""
         vocab = self.model.vocab_size
@@ -150,35 +194,36 @@ class Engine:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise GenerationError(f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})")
 
-    # -- the three steps ------------------------------------------------------
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """A prompt must be non-empty, in the vocabulary, and leave room to generate."""
+        if len(prompt_ids) == 0:
+            raise GenerationError("the prompt is empty: give at least one token")
+        self.check_tokens(prompt_ids)
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{self.max_context} positions, and at least one must remain for generation: "
+                f"shorten the prompt by {len(prompt_ids) - self.max_context + 1} tokens or more"
+            )
 
-    def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
-        """Run the model on ``token_ids`` appended to ``seq``; returns logits
-        ``[rows, vocab]`` for every new token (``all_logits``) or the last."""
-        if not token_ids:
-            raise GenerationError("forward needs at least one token")
-        return self.run([seq], [token_ids], all_logits=all_logits).logits
+    # -- forwards -------------------------------------------------------------
 
-    def forward_batch(
-        self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]], *,
-        all_logits: bool | Sequence[bool] = False,
-    ) -> Array:
-        """One forward over several sequences at once: ``token_ids[i]`` (non-empty)
-        appended to ``seqs[i]``, all flattened into one batch of
-        :class:`~infer.attention.SequenceSlice`\\ s. Returns logits of each
-        sequence's last new token, or of all its new tokens where
-        ``all_logits`` (one flag, or one per sequence) says so, in batch
-        order. The continuous-batching engine (:mod:`infer.batching`) calls this."""
-        return self.run(seqs, token_ids, all_logits=all_logits).logits
-
-    def run(
+    def prepare(
         self, seqs: Sequence[SequenceState], token_ids: Sequence[Sequence[int]], *,
         all_logits: bool | Sequence[bool] = False, capture_hidden: bool = False,
-    ) -> ForwardOutput:
-        """:meth:`forward_batch`, also returning the hidden states of every
-        new token when ``capture_hidden`` (for multi-token prediction)."""
+    ) -> Batch:
+        """One forward's work: ``token_ids[i]`` (non-empty) appended to
+        ``seqs[i]``. ``all_logits`` (one flag, or one per sequence) asks for
+        the logits of every new token of a sequence (speculative
+        verification), else of its last one; ``capture_hidden`` for the
+        hidden states of every new token (multi-token prediction). Every
+        sequence's new positions are reserved here, before anything runs, so
+        a forward never runs out of cache memory half way."""
         if not seqs or len(seqs) != len(token_ids) or any(len(t) == 0 for t in token_ids):
-            raise GenerationError("forward_batch needs one non-empty token list per sequence")
+            raise GenerationError("a forward needs one non-empty token list per sequence")
+        every = [all_logits] * len(seqs) if isinstance(all_logits, bool) else list(all_logits)
+        if len(every) != len(seqs):
+            raise GenerationError(f"all_logits has {len(every)} flags for {len(seqs)} sequences")
         slices = []
         for seq, ids in zip(seqs, token_ids):
             start = seq.cache.length
@@ -188,19 +233,35 @@ class Engine:
                     f"{seq.cache.capacity} (model context {self.max_context})"
                 )
             slices.append(SequenceSlice(seq.cache, start, len(ids)))
+        for s in slices:
+            s.cache.reserve(s.start + s.length)
+        chunks = [[int(t) for t in ids] for ids in token_ids]
+        flat = np.asarray([t for ids in chunks for t in ids], dtype=np.int32)
+        return Batch(list(seqs), chunks, flat, slices, every, capture_hidden)
+
+    def run(self, batch: Batch) -> ForwardOutput:
+        """Run the network over ``batch``; afterwards every sequence's cache
+        and tokens hold its new tokens."""
+        logits, hidden = self._forward(batch)
+        for seq, ids in zip(batch.seqs, batch.token_ids):
+            seq.cache.commit(ids)  # a paged cache keys its full blocks in the prefix cache with them
+            seq.tokens.extend(ids)
+        return ForwardOutput(self.backend, batch, logits, hidden)
+
+    def _forward(self, batch: Batch) -> tuple[Array, Array | None]:
+        """The network over ``batch``: the logits of the rows it asks for,
+        and every new token's hidden states when it asks for them."""
         ops = self.backend
-        flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
-        ctx = AttentionContext(ops, slices, all_logits=all_logits, capture_hidden=capture_hidden)
-        logits = self.model.forward(ops.from_numpy(flat), ctx)
-        if capture_hidden and ctx.hidden is None:
+        ctx = AttentionContext(ops, batch.slices, all_logits=batch.all_logits, capture_hidden=batch.capture_hidden)
+        logits = self.model.forward(ops.from_numpy(batch.ids), ctx)
+        if batch.capture_hidden and ctx.hidden is None:
             raise GenerationError(f"{type(self.model).__name__}.forward did not capture its hidden states")
-        for seq, ids, s in zip(seqs, token_ids, slices):
-            if isinstance(seq.cache, PagedSequenceCache):
-                seq.cache.commit(ids)  # the ids key its full blocks in the prefix cache
-            else:
-                seq.cache.length = s.start + len(ids)
-            seq.tokens.extend(int(t) for t in ids)
-        return ForwardOutput(logits, ctx.hidden)
+        return logits, ctx.hidden
+
+    def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
+        """One sequence's forward: ``token_ids`` appended to ``seq``; logits
+        ``[rows, vocab]`` of every new token (``all_logits``) or of the last."""
+        return self.run(self.prepare([seq], [token_ids], all_logits=all_logits)).logits
 
     def mtp_forward(
         self, depth: int, seqs: Sequence[SequenceState], starts: Sequence[int], hidden: Array,
@@ -215,147 +276,3 @@ class Engine:
         slices = [SequenceSlice(seq.cache, start, len(ids)) for seq, start, ids in zip(seqs, starts, token_ids)]
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
         return self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
-
-    def truncate(self, seq: SequenceState, length: int) -> None:
-        """Forget ``seq``'s positions from ``length`` on (rejected speculative
-        tokens): its cache rolls back and the next forward starts there."""
-        seq.cache.truncate(length)
-        del seq.tokens[seq.cache.length:]
-
-    def prefill(self, seq: SequenceState, prompt_ids: Sequence[int]) -> Array:
-        """Process the whole prompt in one forward; logits of its last token."""
-        return self.forward(seq, prompt_ids)[-1]
-
-    def decode_one_token(self, seq: SequenceState, token_id: int) -> Array:
-        """Feed one token; the logits for the next."""
-        return self.forward(seq, [token_id])[-1]
-
-    # -- the loop -----------------------------------------------------------------
-
-    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """A prompt must be non-empty, in the vocabulary, and leave room to generate."""
-        if len(prompt_ids) == 0:
-            raise GenerationError("the prompt is empty: give at least one token")
-        self.check_tokens(prompt_ids)
-        if len(prompt_ids) >= self.max_context:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
-                f"{self.max_context} positions, and at least one must remain for generation: "
-                f"shorten the prompt by {len(prompt_ids) - self.max_context + 1} tokens or more"
-            )
-
-    def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
-        speculation: Speculation | None = None,
-    ) -> Generation:
-        """Start a request; iterate the result for its new token ids. With a
-        :class:`~infer.speculative.Speculation`, tokens come from
-        :meth:`speculative_decode` (the same tokens for greedy decoding)."""
-        self.check_prompt(prompt_ids)
-        prompt = [int(t) for t in prompt_ids]
-        generation = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt))
-        if speculation is None:
-            generation.tokens_iter = self._run(prompt, Sampler(sampling), stop, generation)
-        else:
-            generation.stats = speculation.stats
-            generation.tokens_iter = self.speculative_decode(prompt, Sampler(sampling), stop, speculation, generation)
-        return generation
-
-    def _next_token(self, sampler: Sampler, logits: Array, seq: SequenceState) -> int:
-        if not sampler.needs_logits:  # only the sampled id leaves the device
-            return int(self.backend.to_numpy(self.backend.argmax(logits, axis=-1)))
-        return sampler.sample(self.backend.to_numpy(logits), seq.tokens)
-
-    def _run(self, prompt: list[int], sampler: Sampler, stop: StopConditions, gen: Generation) -> Iterator[int]:
-        if stop.max_tokens == 0:
-            gen.finish_reason = "length"
-            return
-        seq = self.new_sequence(len(prompt) + stop.max_tokens)
-        try:
-            logits = self.prefill(seq, prompt)
-            produced = 0
-            while True:
-                token = self._next_token(sampler, logits, seq)
-                produced += 1
-                yield token
-                if not stop.ignore_eos and token in stop.eos_token_ids:
-                    gen.finish_reason = "stop"
-                    return
-                if produced >= stop.max_tokens or seq.cache.length >= self.max_context:
-                    gen.finish_reason = "length"
-                    return
-                logits = self.decode_one_token(seq, token)
-        finally:  # also when the consumer stops early and the generator is closed
-            self.release(seq)
-
-    # -- speculative decoding -----------------------------------------------------------
-
-    def speculative_decode(
-        self, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation, gen: Generation,
-    ) -> Iterator[int]:
-        """Draft, verify all drafts in one forward, keep the accepted prefix
-        plus one token of the target's, roll the cache back over the rest
-        (see :mod:`infer.speculative`). Stops exactly where :meth:`generate`
-        without speculation would."""
-        if stop.max_tokens == 0:
-            gen.finish_reason = "length"
-            return
-        source = spec.source
-        capacity = min(len(prompt) + stop.max_tokens, self.max_context)
-        seq = self.new_sequence(capacity)
-        state = source.new_state()
-        try:
-            out = self.run([seq], [prompt], capture_hidden=source.needs_hidden)
-            hidden, hidden_start = out.hidden, 0
-            emitted = [self._next_token(sampler, out.logits[-1], seq)]
-            produced = 0
-            spec.record(forwards=1)
-            while True:
-                for token in emitted:
-                    produced += 1
-                    spec.record(tokens=1)
-                    yield token
-                    if not stop.ignore_eos and token in stop.eos_token_ids:
-                        gen.finish_reason = "stop"
-                        return
-                    if produced >= stop.max_tokens:
-                        gen.finish_reason = "length"
-                        return
-                if seq.cache.length >= self.max_context:
-                    gen.finish_reason = "length"
-                    return
-                pending = emitted[-1]
-                # Drafts: no more than can still be emitted (the bonus token
-                # is one more) and than fit the sequence after the pending token.
-                k = min(spec.num_tokens, stop.max_tokens - produced - 1, capacity - seq.cache.length - 1)
-                job = DraftJob(tokens=seq.tokens + [pending], k=max(k, 0), sampler=sampler, state=state,
-                               capacity=capacity, seq=seq, hidden=hidden, hidden_start=hidden_start)
-                draft = source.propose([job])[0]
-                drafts = draft.tokens[: max(k, 0)]
-                start = seq.cache.length
-                out = self.run([seq], [[pending] + drafts], all_logits=True, capture_hidden=source.needs_hidden)
-                emitted = self._verify(sampler, out.logits, seq, start, drafts, draft.probs)
-                accepted = len(emitted) - 1
-                spec.record(forwards=1, drafted=len(drafts), accepted=accepted)
-                self.truncate(seq, start + 1 + accepted)  # rejected drafts leave the cache
-                hidden, hidden_start = out.hidden, start
-        finally:  # also when the consumer stops early and the generator is closed
-            source.release(state)
-            self.release(seq)
-
-    def _verify(
-        self, sampler: Sampler, logits: Array, seq: SequenceState, start: int, drafts: list[int],
-        q: np.ndarray | None,
-    ) -> list[int]:
-        """Accepted drafts plus one target token, from the verify forward's
-        rows (row ``i``: after the pending token and drafts ``0..i-1``)."""
-        ops = self.backend
-        if not sampler.needs_logits:  # greedy: only the argmax of each row leaves the device
-            return verify_greedy([int(t) for t in ops.to_numpy(ops.argmax(logits, axis=-1))], drafts)
-        rows = ops.to_numpy(logits)
-        # Each row's distribution under the request's own rules; its history
-        # (repetition penalty) is every token up to and including that row's.
-        p = np.stack([sampler.distribution(rows[i], seq.tokens[: start + 1 + i]) for i in range(len(drafts) + 1)])
-        if sampler.params.greedy:
-            return verify_greedy([int(np.argmax(r)) for r in p], drafts)
-        return verify_sampled(p, drafts, q if q is None else q[: len(drafts)], sampler.rng)

@@ -14,8 +14,9 @@ from typing import Any
 
 from infer.architecture import CausalLM
 from infer.batching import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
-from infer.engine import Engine, Generation, StopConditions
+from infer.engine import Engine
 from infer.errors import GenerationError, SamplingParameterError, TokenizerError
+from infer.generate import Generation, StopConditions, generate
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.sampling import SamplingParams
@@ -132,7 +133,7 @@ class Model:
             max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
         )
         spec = self.speculation(speculative, num_speculative_tokens)
-        return self.engine.generate(list(prompt_ids), params, stop, spec)
+        return generate(self.engine, list(prompt_ids), params, stop, spec)
 
     def speculation(
         self, speculative: str | Model | DraftSource | None, num_speculative_tokens: int | None = None,

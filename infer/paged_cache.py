@@ -16,7 +16,10 @@ count, or a memory budget in bytes).
 ``KVStore`` protocol (``write``/``read``) plus ``attend``, which the context
 calls instead of ``read`` + ``attention`` when the backend has a native
 ``paged_attention``; then keys and values are read through the block table
-and never copied into a per-sequence array by the cache.
+and never copied into a per-sequence array by the cache. Its lifecycle is
+every cache's (:class:`~infer.cache.SequenceCache`): ``reserve`` takes the
+pages a forward will write (copying shared ones first), ``commit`` enters
+full blocks in the prefix cache, ``truncate`` and ``free`` give pages back.
 
 Writes go through :meth:`~infer.ops.Backend.update_rows`, one call per run of
 physically consecutive rows (a fresh sequence's blocks usually are: the
@@ -28,16 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from infer.cache import SequenceCache, row_nbytes
 from infer.errors import CacheConfigError, CacheFullError
 from infer.ops import Array, Backend
 from infer.paging import BlockAllocator, BlockTable, PoolStats
-
-if TYPE_CHECKING:
-    from infer.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class PagedKVPool:
 
     Size it with ``num_blocks``, or with ``memory_budget`` (bytes for keys and
     values of every layer) together with ``bytes_per_token`` (what one
-    position costs across all layers; :meth:`for_engine` measures it).
+    position costs across all layers;
+    :meth:`~infer.engine.Engine.new_kv_pool` measures it).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class PagedKVPool:
         bytes_per_block = None if bytes_per_token is None else bytes_per_token * block_size
         if memory_budget is not None:
             if bytes_per_block is None:
-                raise CacheConfigError("a memory_budget needs bytes_per_token (PagedKVPool.for_engine measures it)")
+                raise CacheConfigError("a memory_budget needs bytes_per_token (Engine.new_kv_pool measures it)")
             num_blocks = memory_budget // bytes_per_block
             if num_blocks < 1:
                 raise CacheFullError(
@@ -91,18 +92,6 @@ class PagedKVPool:
             "through the backend's native paged_attention" if self.attention_path == "paged_attention"
             else "by gathering each sequence's blocks (the backend has no native paged_attention)",
         )
-
-    @classmethod
-    def for_engine(
-        cls, engine: Engine, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None
-    ) -> PagedKVPool:
-        """A pool for ``engine``'s model; with ``memory_budget``, the bytes one
-        position takes are those :meth:`~infer.engine.Engine.kv_bytes_per_position`
-        measures (every layer's real key and value shapes count)."""
-        per_token = None if memory_budget is None else engine.kv_bytes_per_position()
-        # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
-        return cls(engine.backend, engine.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
-                   memory_budget=memory_budget, bytes_per_token=per_token)
 
     # -- sequences --------------------------------------------------------------------
 
@@ -186,8 +175,12 @@ class PagedKVPool:
         self._keys[layer] = ops.zeros((rows,) + ops.shape(k)[1:], ops.dtype(k))
         self._values[layer] = ops.zeros((rows,) + ops.shape(v)[1:], ops.dtype(v))
         if not self._bytes_known:  # grows to the true figure as layers appear
-            per_row = sum(_row_bytes(ops, a) for a in (*self._keys, *self._values) if a is not None)
-            self.allocator.bytes_per_block = per_row * self.block_size
+            self.allocator.bytes_per_block = self.nbytes_per_position * self.block_size
+
+    @property
+    def nbytes_per_position(self) -> int:
+        """Bytes one position occupies across the layers allocated so far."""
+        return sum(row_nbytes(self.backend, a) for a in (*self._keys, *self._values) if a is not None)
 
     def _runs(self, blocks: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
         """``(pool row, source row, count)`` for each run of consecutive pool
@@ -208,12 +201,13 @@ class PagedKVPool:
         return runs
 
 
-class PagedSequenceCache:
-    """One sequence's keys and values in a :class:`PagedKVPool` (a ``KVStore``).
+class PagedSequenceCache(SequenceCache):
+    """One sequence's keys and values in a :class:`PagedKVPool`.
 
-    The engine writes a forward's new keys and values layer by layer, then
-    :meth:`commit`\\ s the forward's token ids: full blocks then join the
-    pool's prefix cache. :meth:`free` returns the pages at once.
+    The engine reserves a forward's pages, writes its new keys and values
+    layer by layer, then :meth:`commit`\\ s the forward's token ids: full
+    blocks then join the pool's prefix cache. :meth:`free` returns the pages
+    at once.
     """
 
     def __init__(self, pool: PagedKVPool, table: BlockTable, capacity: int, tokens: list[int] | None = None) -> None:
@@ -231,22 +225,17 @@ class PagedSequenceCache:
         """Positions written and committed."""
         return self.table.num_tokens
 
-    # -- KVStore ----------------------------------------------------------------------
+    # -- keys and values --------------------------------------------------------------
 
     def write(self, layer: int, start: int, k: Array, v: Array) -> None:
         """Store ``k``, ``v`` (``[n, kv_heads, dim]``) at positions
         ``start..start+n``, taking blocks from the pool as needed and copying
         a shared block before writing it."""
         n = self.pool.backend.shape(k)[0]
-        if start + n > self.capacity:
-            raise CacheFullError(
-                f"sequence holds {self.capacity} positions; writing {n} at position {start} needs {start + n}"
-            )
+        self._check_capacity(start, n)
         # A write past the committed end (an MTP module's chained draft
         # positions) reserves the gap too: tables have no holes.
-        copies = self.pool.allocator.prepare_write(self.table, min(start, self.length), start + n)
-        if copies:
-            self.pool.copy_blocks(copies)
+        self._prepare(min(start, self.length), start + n)
         self.pool.write(layer, self.table.blocks, start, k, v)
 
     def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
@@ -272,6 +261,13 @@ class PagedSequenceCache:
         )
 
     # -- lifecycle --------------------------------------------------------------------
+
+    def reserve(self, stop: int) -> None:
+        """Take the pages of positions ``length..stop`` now, copying shared
+        ones (all or nothing: :class:`~infer.errors.CacheFullError` when the
+        pool, counting evictable cached pages, cannot supply them)."""
+        self._check_capacity(self.length, stop - self.length)
+        self._prepare(self.length, stop)
 
     def commit(self, token_ids: Sequence[int]) -> None:
         """Record the ids of the positions just written (after a forward)."""
@@ -304,6 +300,15 @@ class PagedSequenceCache:
         self.pool.allocator.free_table(self.table)
         self.tokens.clear()
 
+    @property
+    def nbytes_per_position(self) -> int:
+        return self.pool.nbytes_per_position
+
+    def _prepare(self, start: int, stop: int) -> None:
+        copies = self.pool.allocator.prepare_write(self.table, start, stop)
+        if copies:
+            self.pool.copy_blocks(copies)
+
     def _table_array(self, first: int, last: int) -> Array:
         """``table.blocks[first:last]`` as a backend int32 array, cached until
         the table changes (every layer of a forward reuses it)."""
@@ -315,10 +320,3 @@ class PagedSequenceCache:
             arr = self.pool.backend.from_numpy(np.asarray(self.table.blocks[first:last], dtype=np.int32))
             self._table_arrays[(first, last)] = arr
         return arr
-
-
-def _row_bytes(ops: Backend, arr: Array) -> int:
-    size = 1
-    for d in ops.shape(arr)[1:]:
-        size *= d
-    return size * {"float32": 4, "float16": 2, "bfloat16": 2}.get(ops.dtype(arr), 4)

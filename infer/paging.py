@@ -251,31 +251,31 @@ class BlockAllocator:
     def lookup_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``tokens``
         (a query: nothing is referenced or reordered)."""
-        found, parent, bs = [], ROOT_HASH, self.block_size
-        for i in range(len(tokens) // bs):
-            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
-            block = self._cached.get(parent)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return [block for _, block in self._cached_prefix(tokens)]
 
     def attach_prefix(self, table: BlockTable, tokens: Sequence[int]) -> int:
         """Start an empty ``table`` with the cached blocks of the longest
         full-block prefix of ``tokens``; returns the positions reused."""
         if table.blocks:
             raise CacheConfigError("a cached prefix can only start an empty block table")
-        parent, bs = ROOT_HASH, self.block_size
+        for key, block in self._cached_prefix(tokens):
+            self.incref(block)
+            table.blocks.append(block)
+            table.hashes.append(key)
+        table.num_tokens = len(table.blocks) * self.block_size
+        return table.num_tokens
+
+    def _cached_prefix(self, tokens: Sequence[int]) -> list[tuple[bytes, int]]:
+        """``(chain hash, block)`` of each cached block of the longest
+        full-block prefix of ``tokens``, in order."""
+        found, parent, bs = [], ROOT_HASH, self.block_size
         for i in range(len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             block = self._cached.get(parent)
             if block is None:
                 break
-            self.incref(block)
-            table.blocks.append(block)
-            table.hashes.append(parent)
-        table.num_tokens = len(table.blocks) * bs
-        return table.num_tokens
+            found.append((parent, block))
+        return found
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached entry (referenced blocks stay allocated); returns
@@ -287,10 +287,6 @@ class BlockAllocator:
         self._cached.clear()
         self._hash_of.clear()
         return freed
-
-    def cached_block(self, key: bytes) -> int | None:
-        """The block cached under a chain hash, if any."""
-        return self._cached.get(key)
 
     # -- statistics -----------------------------------------------------------------
 

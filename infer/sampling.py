@@ -152,10 +152,16 @@ class Sampler:
         return filter_probabilities(probs, p, scores=logits)
 
     def draw(self, probs: np.ndarray) -> int:
-        """A token id drawn from ``probs`` (``[vocab]``, summing to 1) with
-        this request's random generator (one uniform number per draw)."""
-        cumulative = np.cumsum(probs)
-        index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
-        if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end
-            index = int(np.flatnonzero(probs)[-1])
-        return index
+        """A token id drawn from ``probs`` with this request's random generator."""
+        return draw(probs, self.rng)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """A token id drawn from ``probs`` (``[vocab]``, summing to 1), one
+    uniform number per draw (sampling and speculative rejection sampling
+    draw alike, so a seed repeats either exactly)."""
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end
+        index = int(np.flatnonzero(probs)[-1])
+    return index

@@ -23,8 +23,11 @@ Three sources share the :class:`DraftSource` interface:
   (:meth:`~infer.architecture.CausalLM.mtp_forward`), fed the target's hidden
   states.
 
-The engines (:mod:`infer.engine`, :mod:`infer.batching`) run the loop; this
-module holds what is the same for both: the sources, the accept/reject rule
+The loops are :mod:`infer.generate` (one request, a
+:func:`~infer.generate.speculative_decode` round per forward) and
+:class:`infer.batching.BatchEngine` (speculating requests inside a batch);
+this module holds what is the same for both: the accept/reject rule
+(:func:`verify`), the sources, the draft budget (:meth:`Speculation.budget`)
 and the figures (:class:`SpeculativeStats`).
 """
 
@@ -40,10 +43,10 @@ import numpy as np
 
 from infer.errors import GenerationError, SamplingParameterError
 from infer.ops import Array
-from infer.sampling import Sampler
+from infer.sampling import Sampler, draw
 
 if TYPE_CHECKING:
-    from infer.engine import Engine, SequenceState
+    from infer.engine import Engine, ForwardOutput, SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,26 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 # -- the accept/reject rule ---------------------------------------------------------
+
+
+def verify(
+    sampler: Sampler, out: ForwardOutput, first: int, history: Sequence[int], drafts: Sequence[int],
+    q: np.ndarray | None,
+) -> list[int]:
+    """Accepted drafts plus one token of the target's, from a verify
+    forward: row ``first + i`` of ``out`` holds the target's logits after the
+    pending token and drafts ``0..i-1``; ``history`` is the request's tokens
+    up to and including the pending one; ``q`` the draft distributions (None:
+    one-hot). Each row's distribution follows the request's own sampling
+    rules, its repetition penalty over every token up to that row."""
+    count = len(drafts) + 1
+    if not sampler.needs_logits:  # greedy: only the argmax of each row leaves the device
+        return verify_greedy([int(t) for t in out.argmax()[first:first + count]], drafts)
+    rows = out.host_logits()
+    p = np.stack([sampler.distribution(rows[first + i], [*history, *drafts[:i]]) for i in range(count)])
+    if sampler.params.greedy:  # a repetition penalty: p is one-hot at each row's penalised argmax
+        return verify_greedy([int(np.argmax(r)) for r in p], drafts)
+    return verify_sampled(p, drafts, q, sampler.rng)
 
 
 def verify_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -110,18 +133,10 @@ def verify_sampled(
         total = residual.sum()
         if total <= 0.0:  # p == q on the support: rejection had probability 0 (rounding)
             residual, total = p[i], p[i].sum()
-        out.append(_draw(residual / total, rng))
+        out.append(draw(residual / total, rng))
         return out
-    out.append(_draw(p[k], rng))
+    out.append(draw(p[k], rng))
     return out
-
-
-def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cumulative = np.cumsum(probs)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    if index >= probs.size or probs[index] == 0.0:
-        index = int(np.flatnonzero(probs)[-1])
-    return index
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -155,13 +170,6 @@ class SpeculativeStats:
     def tokens_per_forward(self) -> float:
         """Tokens generated per forward of the target model."""
         return self.tokens / self.forwards if self.forwards else 0.0
-
-    def merge(self, other: SpeculativeStats) -> None:
-        """Add ``other``'s counts to these."""
-        self.forwards += other.forwards
-        self.tokens += other.tokens
-        self.drafted += other.drafted
-        self.accepted += other.accepted
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and both ratios, e.g. for JSON."""
@@ -318,9 +326,9 @@ class DraftModelSource(DraftSource):
         if not active:
             return drafts
         probs: dict[int, list[np.ndarray]] = {i: [] for i in active}
-        logits = engine.forward_batch([jobs[i].state.seq for i in active], feeds)
+        out = engine.run(engine.prepare([jobs[i].state.seq for i in active], feeds))
         for step in range(max(budget)):
-            rows = engine.backend.to_numpy(logits)
+            rows = out.host_logits()
             nxt = []
             for row, (i, k) in enumerate(zip(active, budget)):
                 if step >= k:
@@ -338,8 +346,8 @@ class DraftModelSource(DraftSource):
             active = nxt
             if not active:
                 break
-            logits = engine.forward_batch([jobs[i].state.seq for i in active],
-                                          [[drafts[i].tokens[-1]] for i in active])
+            out = engine.run(engine.prepare([jobs[i].state.seq for i in active],
+                                            [[drafts[i].tokens[-1]] for i in active]))
         for i, qs in probs.items():
             if qs:
                 drafts[i].probs = np.stack(qs)
@@ -490,15 +498,6 @@ def _concat(ops: Any, parts: list[Array]) -> Array:
     return parts[0] if len(parts) == 1 else ops.concat(parts, 0)
 
 
-def _last_rows(ops: Any, hidden: Array, lengths: list[int]) -> list[Array]:
-    """Each sequence's last row of a flattened ``[tokens, d]`` batch, as ``[1, d]``."""
-    out, offset = [], 0
-    for n in lengths:
-        offset += n
-        out.append(ops.slice(hidden, 0, offset - 1, offset))
-    return out
-
-
 # -- choosing a source -------------------------------------------------------------------
 
 
@@ -522,6 +521,13 @@ class Speculation:
         if not isinstance(self.source, DraftSource):
             raise SamplingParameterError(f"a speculation's source must be a DraftSource, got {self.source!r}")
         self.stats = SpeculativeStats(self.source.name)
+
+    def budget(self, left: int, room: int) -> int:
+        """Drafts the next verify forward may hold: at most
+        :attr:`num_tokens`, fewer than the ``left`` tokens the request may
+        still emit (the target's own token is one more) and than the ``room``
+        positions its sequence has from the pending token's on."""
+        return max(0, min(self.num_tokens, left - 1, room - 1))
 
     def record(self, *, forwards: int = 0, tokens: int = 0, drafted: int = 0, accepted: int = 0) -> None:
         """Count a target forward's outcome here and in every total."""

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import infer
 from infer.batching import BatchEngine
-from infer.engine import Engine, StopConditions
+from infer.engine import Engine
 from infer.errors import CacheFullError
-from infer.paged_cache import PagedKVPool
+from infer.generate import StopConditions, generate
 from infer.sampling import SamplingParams
 from reference import load_tiny
 
@@ -64,7 +64,7 @@ def batch_engines():
             memory = num_blocks * block_size * engine.kv_bytes_per_position()
             batch = BatchEngine(engine, kv_layout="contiguous", kv_memory=memory, **kwargs)
         else:
-            pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
+            pool = engine.new_kv_pool(block_size=block_size, num_blocks=num_blocks)
             batch = BatchEngine(engine, kv_pool=pool, **kwargs)
         made.append(batch)
         return batch
@@ -82,7 +82,7 @@ def stop(max_tokens: int) -> StopConditions:
 
 
 def alone(engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY) -> list[int]:
-    return list(engine.generate(prompt, sampling, stop(max_tokens)))
+    return list(generate(engine, prompt, sampling, stop(max_tokens)))
 
 
 PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(50, 63)), list(range(30, 34)) * 3]
@@ -242,7 +242,7 @@ def test_random_interleavings_keep_outputs_and_pages_right(ops, num_blocks) -> N
     preempt: every finished request equals its single-request result, a
     cancelled one is a prefix of it, and every page comes back."""
     engine = load("llama3", "numpy").engine
-    pool = PagedKVPool.for_engine(engine, block_size=4, num_blocks=num_blocks)
+    pool = engine.new_kv_pool(block_size=4, num_blocks=num_blocks)
     batch = BatchEngine(engine, kv_pool=pool, max_batch_tokens=16)
     handles = []
     for op, which, n in ops:

@@ -63,11 +63,11 @@ def test_paged_cache_matches_transformers(backend: str, block_size: int) -> None
     prompt, decode = encode(path, PROMPT), encode(path, DECODE_TEXT)
     ref = reference_logits(path, prompt, decode)
     engine, ops = model.engine, model.backend
-    pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=64)
+    pool = engine.new_kv_pool(block_size=block_size, num_blocks=64)
     seq = engine.new_sequence(kv_pool=pool)
     assert_logits_close(ops.to_numpy(engine.forward(seq, prompt, all_logits=True)), ref["prefill"], "paged prefill")
     for step, (token, want) in enumerate(zip(decode, ref["decode"])):
-        assert_logits_close(ops.to_numpy(engine.decode_one_token(seq, token)), want, f"paged decode {step}")
+        assert_logits_close(ops.to_numpy(engine.forward(seq, [token])[-1]), want, f"paged decode {step}")
     engine.release(seq)
     assert pool.stats().used == 0
 
@@ -260,8 +260,7 @@ def infer_mtp(model: infer.Model, ids: list[int], *, chunks: list[int] | None = 
     cache = pool.new_sequence(n) if pool is not None else ContiguousKVCache(ops, net.num_cache_layers, n)
     ctx = AttentionContext(ops, [SequenceSlice(cache, 0, n)], all_logits=True, capture_hidden=True)
     net.forward(ops.from_numpy(np.asarray(ids, np.int32)), ctx)
-    if pool is not None:
-        cache.commit(ids)  # as the engine does after a forward; MTP rows then go to committed positions
+    cache.commit(ids)  # as the engine does after a forward; MTP rows then go to committed positions
     hidden = ctx.hidden
     assert ops.shape(hidden) == (n, net.config.hidden_size)
     out = []
@@ -281,8 +280,7 @@ def infer_mtp(model: infer.Model, ids: list[int], *, chunks: list[int] | None = 
         assert start == rows
         hidden = outs[0] if len(outs) == 1 else ops.concat(outs, 0)
         out.append(np.concatenate(logits))
-    if pool is not None:
-        cache.free()
+    cache.free()
     return out
 
 
@@ -323,7 +321,7 @@ def test_the_reference_tells_the_wrong_conventions_apart(mtp_ids: list[int], ref
 def test_mtp_cached_in_chunks_and_paged(backend: str, mtp_ids: list[int], reference: list[np.ndarray]) -> None:
     # Rows fed 7, then 1 at a time: each module's own cache layer carries the earlier rows.
     model = infer.load(mtp_model_dir(), backend=backend)
-    pool = PagedKVPool.for_engine(model.engine, block_size=4, num_blocks=32)
+    pool = model.engine.new_kv_pool(block_size=4, num_blocks=32)
     assert pool.num_layers == MAIN_LAYERS + MTP_MODULES
     chunks = [7] + [1] * len(mtp_ids)
     for got in (infer_mtp(model, mtp_ids, chunks=chunks), infer_mtp(model, mtp_ids, chunks=chunks, pool=pool)):

@@ -6,6 +6,7 @@ import pytest
 
 import infer
 from infer.errors import ChatTemplateError, ContextLengthError, GenerationError, SamplingParameterError
+from infer.generate import StopConditions, generate
 from reference import EOS_ID, tiny_model_dir
 
 PROMPT = "The capital of France is Paris. Once upon a time"
@@ -45,15 +46,13 @@ def test_eos_stops_unless_ignored(model: infer.Model) -> None:
     # Make EOS the greedy choice by asking for whatever token comes first: use a
     # model whose eos set is patched to the first greedy token.
     first = next(iter(model.generate_tokens(ids, max_tokens=1)))
-    gen = model.engine.generate(ids, infer.SamplingParams(), _stop(max_tokens=10, eos={first}))
+    gen = generate(model.engine, ids, infer.SamplingParams(), _stop(max_tokens=10, eos={first}))
     assert list(gen) == [first] and gen.finish_reason == "stop"
-    gen = model.engine.generate(ids, infer.SamplingParams(), _stop(max_tokens=10, eos={first}, ignore=True))
+    gen = generate(model.engine, ids, infer.SamplingParams(), _stop(max_tokens=10, eos={first}, ignore=True))
     assert len(list(gen)) == 10 and gen.finish_reason == "length"
 
 
 def _stop(max_tokens: int, eos: set[int], ignore: bool = False):  # type: ignore[no-untyped-def]
-    from infer.engine import StopConditions
-
     return StopConditions(max_tokens=max_tokens, eos_token_ids=frozenset(eos), ignore_eos=ignore)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import infer
-from infer.engine import StopConditions
+from infer.generate import StopConditions, generate
 from infer.sampling import SamplingParams
 from reference import LOGIT_RTOL, assert_logits_close, tiny_model_dir
 
@@ -33,10 +33,10 @@ COMPILED_RTOL = 2 * LOGIT_RTOL
 def logits_and_tokens(model: infer.Model) -> tuple[list[np.ndarray], list[int]]:
     engine, ops = model.engine, model.backend
     seq = engine.new_sequence(64)
-    rows = [ops.to_numpy(engine.prefill(seq, PROMPT))]
+    rows = [ops.to_numpy(engine.forward(seq, PROMPT)[-1])]
     for token in (5, 17, 2):
-        rows.append(ops.to_numpy(engine.decode_one_token(seq, token)))
-    tokens = list(engine.generate(PROMPT, SamplingParams(), StopConditions(max_tokens=8, ignore_eos=True)))
+        rows.append(ops.to_numpy(engine.forward(seq, [token])[-1]))
+    tokens = list(generate(engine, PROMPT, SamplingParams(), StopConditions(max_tokens=8, ignore_eos=True)))
     return [np.asarray(r, dtype=np.float32) for r in rows], tokens
 
 
@@ -133,5 +133,5 @@ def test_compiled_layers_take_quantized_weights(backend: str) -> None:
             assert c <= 2 * p, f"step {step}: captured {c:.3g} against plain {p:.3g} of the largest logit"
         return
     stop = StopConditions(max_tokens=8, ignore_eos=True)
-    want = list(plain.engine.generate(PROMPT, SamplingParams(), stop))
-    assert list(captured.engine.generate(PROMPT, SamplingParams(), stop)) == want
+    want = list(generate(plain.engine, PROMPT, SamplingParams(), stop))
+    assert list(generate(captured.engine, PROMPT, SamplingParams(), stop)) == want

@@ -57,17 +57,6 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
 #: reason: ``(importer prefix, imported prefix) -> why``. None today.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-#: TEMPORARY, for the lead to delete once issue 15's engine work is merged:
-#: the two edges that close the cycles engine <-> speculative and
-#: engine <-> paged_cache, which that work removes ("engine no longer imports
-#: speculative"; "no cache module imports the engine"). The cycle check skips
-#: exactly these edges, and fails once one of them is gone, so this list
-#: cannot outlive its reason.
-TEMPORARY_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    ("infer.engine", "infer.speculative"): "the generation loops move out of the engine (issue 15, item 1)",
-    ("infer.paged_cache", "infer.engine"): "PagedKVPool.for_engine goes (issue 15, item 2)",
-}
-
 IMPORT_FUNCTIONS = ("import_module", "__import__")
 
 
@@ -288,15 +277,8 @@ def test_the_whole_package_is_parsed(graph: Graph) -> None:
 
 
 def test_no_import_cycles(graph: Graph) -> None:
-    found = cycles(graph, skip=set(TEMPORARY_CYCLE_EDGES))
+    found = cycles(graph)
     assert not found, "import cycles (docs/design.md, \"Layering\"):\n" + "\n".join(map(describe, found))
-
-
-def test_the_temporary_cycle_edges_still_exist(graph: Graph) -> None:
-    """Once the engine work removes an edge, its entry must go too."""
-    edges = {(e.importer, e.imported) for es in graph.values() for e in es}
-    gone = [f"{a} -> {b}" for a, b in TEMPORARY_CYCLE_EDGES if (a, b) not in edges]
-    assert not gone, f"delete these from TEMPORARY_CYCLE_EDGES, they no longer exist: {gone}"
 
 
 @pytest.mark.parametrize("layer", sorted(MAY_IMPORT))

@@ -365,12 +365,12 @@ def test_a_decode_step_evaluates_once_at_the_transfer_and_does_not_copy_the_cach
     engine, ops = model.engine, model.backend
     engine.max_context = 4096  # a big cache (positions stay far below the rope's range)
     seq = engine.new_sequence()
-    token = int(ops.to_numpy(ops.argmax(engine.prefill(seq, [1, 5, 9, 13]), axis=-1)))
+    token = int(ops.to_numpy(ops.argmax(engine.forward(seq, [1, 5, 9, 13])[-1], axis=-1)))
     cache_bytes = 4096 * seq.cache.nbytes_per_position // (2 * model.network.num_layers)  # one K array
     for _ in range(3):
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        logits = engine.decode_one_token(seq, token)
+        logits = engine.forward(seq, [token])[-1]
         chosen = ops.argmax(logits, axis=-1)
         # Building the step's graph computes nothing (only the id array is allocated).
         assert mx.get_peak_memory() - before < 4096

@@ -56,7 +56,7 @@ def pools():
     made: list[PagedKVPool] = []
 
     def make(engine: Engine, block_size: int, num_blocks: int = 64) -> PagedKVPool:
-        pool = PagedKVPool.for_engine(engine, block_size=block_size, num_blocks=num_blocks)
+        pool = engine.new_kv_pool(block_size=block_size, num_blocks=num_blocks)
         made.append(pool)
         return pool
 
@@ -70,7 +70,7 @@ def run(engine: Engine, seq, prompt: list[int], decode: list[int]) -> list[np.nd
     """Prefill logits (every row), then one row per decode step."""
     ops = engine.backend
     out = [ops.to_numpy(engine.forward(seq, prompt, all_logits=True))]
-    out += [ops.to_numpy(engine.decode_one_token(seq, t)) for t in decode]
+    out += [ops.to_numpy(engine.forward(seq, [t])[-1]) for t in decode]
     return out
 
 
@@ -130,8 +130,8 @@ def test_forked_sequences_continue_correctly_after_copy_on_write(model: infer.Mo
     child = type(parent)(tokens=list(parent.tokens), cache=parent.cache.fork())
     assert pool.stats().shared == 3
     a, b = [5, 6, 7, 8, 9], [60, 61, 62, 63, 64]
-    got_child = [engine.backend.to_numpy(engine.decode_one_token(child, t)) for t in b]
-    got_parent = [engine.backend.to_numpy(engine.decode_one_token(parent, t)) for t in a]
+    got_child = [engine.backend.to_numpy(engine.forward(child, [t])[-1]) for t in b]
+    got_parent = [engine.backend.to_numpy(engine.forward(parent, [t])[-1]) for t in a]
     assert pool.stats().shared == 2  # the two full prompt blocks; the partial one was copied
     for tokens, got in ((a, got_parent), (b, got_child)):
         want = run(engine, engine.new_sequence(), prompt, tokens)[1:]
@@ -172,7 +172,7 @@ def test_truncate_rolls_back(model: infer.Model, pools) -> None:
     engine.forward(seq, [1, 2, 3, 4, 5])  # rejected, say, by a speculative verifier
     seq.cache.truncate(len(prompt))
     seq.tokens = seq.tokens[:len(prompt)]
-    got = [engine.backend.to_numpy(engine.decode_one_token(seq, t)) for t in [6, 7, 8]]
+    got = [engine.backend.to_numpy(engine.forward(seq, [t])[-1]) for t in [6, 7, 8]]
     want = run(engine, engine.new_sequence(), prompt, [6, 7, 8])[1:]
     for g, w in zip(got, want):
         assert_logits_close(g, w, "after truncate")
@@ -218,12 +218,12 @@ def test_memory_budget_sizes_the_pool() -> None:
     per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4
     model.engine.kv_pool = PagedKVPool(model.backend, cfg["num_hidden_layers"], num_blocks=1)
     try:  # the measurement ignores the engine's own pool
-        pool = PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=10 * 8 * per_token + 5)
+        pool = model.engine.new_kv_pool(block_size=8, memory_budget=10 * 8 * per_token + 5)
     finally:
         model.engine.kv_pool = None
     assert pool.num_blocks == 10 and pool.allocator.bytes_per_block == 8 * per_token
     with pytest.raises(CacheFullError, match="holds no block"):
-        PagedKVPool.for_engine(model.engine, block_size=8, memory_budget=per_token)
+        model.engine.new_kv_pool(block_size=8, memory_budget=per_token)
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:2])

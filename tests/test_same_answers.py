@@ -44,8 +44,8 @@ def reference(numpy_model: infer.Model) -> list[tuple[list[int], list[int], np.n
 def teacher_forced_logits(model: infer.Model, ids: list[int], tokens: list[int]) -> np.ndarray:
     engine = model.engine
     seq = engine.new_sequence()
-    rows = [model.backend.to_numpy(engine.prefill(seq, ids))]
-    rows += [model.backend.to_numpy(engine.decode_one_token(seq, t)) for t in tokens[:-1]]
+    rows = [model.backend.to_numpy(engine.forward(seq, ids)[-1])]
+    rows += [model.backend.to_numpy(engine.forward(seq, [t])[-1]) for t in tokens[:-1]]
     return np.stack(rows)
 
 

@@ -32,8 +32,9 @@ import infer
 from infer.architecture import CausalLM
 from infer.attention import AttentionContext
 from infer.batching import BatchEngine
-from infer.engine import Engine, StopConditions
+from infer.engine import Engine
 from infer.errors import GenerationError, SamplingParameterError
+from infer.generate import StopConditions, generate
 from infer.ops import Array
 from infer.paged_cache import PagedKVPool
 from infer.sampling import SamplingParams
@@ -132,7 +133,7 @@ def mtp_engine(depths: int = 1) -> Engine:
 
 
 def plain(engine: Engine, prompt: list[int], n: int, stop: StopConditions | None = None) -> list[int]:
-    return list(engine.generate(prompt, GREEDY, stop or StopConditions(max_tokens=n)))
+    return list(generate(engine, prompt, GREEDY, stop or StopConditions(max_tokens=n)))
 
 
 def source(name: str) -> tuple[Engine, object]:
@@ -167,7 +168,7 @@ def test_greedy_with_speculation_equals_plain_greedy(name: str, paged: bool) -> 
         want = plain(target, prompt, 24)
         for k in (1, 3):
             spec = Speculation(src, k)  # type: ignore[arg-type]
-            gen = engine.generate(prompt, GREEDY, StopConditions(max_tokens=24), spec)
+            gen = generate(engine, prompt, GREEDY, StopConditions(max_tokens=24), spec)
             assert list(gen) == want, (name, k, prompt)
             assert gen.stats is spec.stats and gen.stats.tokens == 24
             stats.append(spec.stats)
@@ -207,16 +208,16 @@ def test_stops_where_plain_decoding_stops(name: str) -> None:
     # An EOS inside what speculation accepts in one run: the output ends there.
     eos = full[7]
     stop = StopConditions(max_tokens=24, eos_token_ids=frozenset({eos}))
-    gen = target.generate(prompt, GREEDY, stop, Speculation(src, 4))  # type: ignore[arg-type]
+    gen = generate(target, prompt, GREEDY, stop, Speculation(src, 4))  # type: ignore[arg-type]
     assert list(gen) == full[: full.index(eos) + 1] and gen.finish_reason == "stop"
     for n in (1, 2, 5):
-        gen = target.generate(prompt, GREEDY, StopConditions(max_tokens=n), Speculation(src, 4))  # type: ignore[arg-type]
+        gen = generate(target, prompt, GREEDY, StopConditions(max_tokens=n), Speculation(src, 4))  # type: ignore[arg-type]
         assert list(gen) == full[:n] and gen.finish_reason == "length"
     # The context: a copy of the engine whose model context ends 6 positions after the prompt.
     short = Engine(target.model, target.backend)
     short.max_context = len(prompt) + 6
     want = plain(short, prompt, 24)
-    gen = short.generate(prompt, GREEDY, StopConditions(max_tokens=24), Speculation(src, 4))  # type: ignore[arg-type]
+    gen = generate(short, prompt, GREEDY, StopConditions(max_tokens=24), Speculation(src, 4))  # type: ignore[arg-type]
     assert list(gen) == want == full[:7] and gen.finish_reason == "length"
 
 
@@ -239,7 +240,7 @@ def test_mtp_drafts_after_rollbacks_equal_drafts_from_scratch(which: str) -> Non
             recorded.extend((list(j.tokens), list(d.tokens)) for j, d in zip(jobs, drafts))
             return drafts
 
-    gen = engine.generate(PROMPTS[2], GREEDY, StopConditions(max_tokens=30), Speculation(Recording(engine), 3))
+    gen = generate(engine, PROMPTS[2], GREEDY, StopConditions(max_tokens=30), Speculation(Recording(engine), 3))
     list(gen)
     assert gen.stats.accepted < gen.stats.drafted  # rollbacks happened
     if which != "deepseek_v3":
@@ -247,7 +248,7 @@ def test_mtp_drafts_after_rollbacks_equal_drafts_from_scratch(which: str) -> Non
     fresh_source = MTPDraft(engine)
     for tokens, drafts in recorded[1:]:
         seq = engine.new_sequence(len(tokens) + 3)
-        out = engine.run([seq], [tokens[:-1]], capture_hidden=True)
+        out = engine.run(engine.prepare([seq], [tokens[:-1]], capture_hidden=True))
         job = DraftJob(tokens=tokens, k=len(drafts), sampler=infer.sampling.Sampler(GREEDY),
                        state=fresh_source.new_state(), capacity=len(tokens) + 3, seq=seq, hidden=out.hidden)
         assert fresh_source.propose([job])[0].tokens == drafts
@@ -519,7 +520,7 @@ def test_deepseek_v3_mtp_modules_draft_for_speculative_decoding() -> None:
         for prompt, w in zip(PROMPTS, want):
             gen = model.generate_tokens(prompt, max_tokens=16, ignore_eos=True, speculative="mtp",
                                         num_speculative_tokens=2) if e is engine else \
-                e.generate(prompt, GREEDY, StopConditions(max_tokens=16), Speculation(MTPDraft(e), 2))
+                generate(e, prompt, GREEDY, StopConditions(max_tokens=16), Speculation(MTPDraft(e), 2))
             assert list(gen) == w
     assert paged.kv_pool.stats().used == 0
     batch = BatchEngine(engine, kv_layout="paged", block_size=4, max_batch_tokens=12, kv_memory=8 * 2**20)

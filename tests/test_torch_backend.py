@@ -181,15 +181,15 @@ def test_logits_match_transformers(variant):
     seq = engine.new_sequence()
     assert_logits_close(ops.to_numpy(engine.forward(seq, prompt, all_logits=True)), ref["prefill"], f"{name} prefill")
     for step, (token, want) in enumerate(zip(decode, ref["decode"])):
-        assert_logits_close(ops.to_numpy(engine.decode_one_token(seq, token)), want, f"{name} decode {step}")
+        assert_logits_close(ops.to_numpy(engine.forward(seq, [token])[-1]), want, f"{name} decode {step}")
 
 
 def teacher_forced_top1(model: infer.Model, prompt: list[int], tokens: list[int]) -> list[int]:
     engine, backend = model.engine, model.backend
     seq = engine.new_sequence(len(prompt) + len(tokens))
-    picks = [int(backend.to_numpy(backend.argmax(engine.prefill(seq, prompt), axis=-1)))]
+    picks = [int(backend.to_numpy(backend.argmax(engine.forward(seq, prompt)[-1], axis=-1)))]
     for t in tokens[:-1]:
-        picks.append(int(backend.to_numpy(backend.argmax(engine.decode_one_token(seq, t), axis=-1))))
+        picks.append(int(backend.to_numpy(backend.argmax(engine.forward(seq, [t])[-1], axis=-1))))
     return picks
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.architecture import WeightLoader
-from infer.engine import Engine, StopConditions
+from infer.engine import Engine
+from infer.generate import StopConditions, generate
 from infer.ops import Backend
 from infer.package import TensorSource
 from infer.plugins import get_registry
@@ -130,16 +131,16 @@ def prompt_ids(variant: str) -> list[int]:
 def greedy(engine: Engine, prompt: Sequence[int], steps: int = STEPS) -> list[int]:
     """Greedy decoding: prefill, then one token per step."""
     stop = StopConditions(max_tokens=steps, ignore_eos=True)
-    return list(engine.generate(list(prompt), SamplingParams(), stop))
+    return list(generate(engine, list(prompt), SamplingParams(), stop))
 
 
 def teacher_forced(engine: Engine, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], np.ndarray]:
     """Top-1 token and logits at each step when fed ``tokens`` after ``prompt``."""
     ops = engine.backend
     seq = engine.new_sequence(len(prompt) + len(tokens))
-    rows = [ops.to_numpy(engine.prefill(seq, list(prompt)))]
+    rows = [ops.to_numpy(engine.forward(seq, list(prompt))[-1])]
     for t in tokens[:-1]:
-        rows.append(ops.to_numpy(engine.decode_one_token(seq, t)))
+        rows.append(ops.to_numpy(engine.forward(seq, [t])[-1]))
     logits = np.stack(rows).astype(np.float32)
     return [int(i) for i in logits.argmax(-1)], logits
 

@@ -1,0 +1,228 @@
+"""Generating one request's tokens, a step at a time.
+
+Each step is a function named after it:
+
+* :func:`prefill` — the whole prompt in one forward; the first new token;
+* :func:`decode_one_token` — feed the pending token; the next one;
+* :func:`speculative_decode` — a draft source guesses up to ``k`` tokens,
+  one forward verifies them all, and the tokens the target agrees with are
+  kept (:mod:`infer.speculative`);
+* :func:`decode_n_tokens` — tokens, by either of the two above, until a
+  stop rule ends the request.
+
+:func:`generate` starts a request. The rules every request follows live here
+once, and the batch engine (:mod:`infer.batching`) uses them too:
+:meth:`StopConditions.finish_reason` (when a request ends), :func:`sample` (a
+token from a forward's row of logits), :func:`accept_drafts` (what a verify
+forward gives a speculating request) and :class:`Drafting` (a speculating
+request's state between forwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infer.engine import Engine, ForwardOutput, SequenceState
+from infer.errors import SamplingParameterError
+from infer.ops import Array
+from infer.sampling import Sampler, SamplingParams
+from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify
+
+
+@dataclass
+class StopConditions:
+    """When a request ends (text-level stop strings are handled by the caller)."""
+
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+
+    def finish_reason(self, token: int, produced: int, prompt_tokens: int, context: int) -> str | None:
+        """Why a request ends on emitting ``token``, its ``produced``-th new
+        token after a prompt of ``prompt_tokens``, in a context of
+        ``context`` positions; None when it goes on. An end-of-sequence token
+        is ``"stop"``; ``max_tokens`` reached, or no position left in the
+        context to feed ``token`` at, is ``"length"``."""
+        if not self.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if produced >= self.max_tokens or prompt_tokens + produced - 1 >= context:
+            return "length"
+        return None
+
+
+@dataclass
+class Generation:
+    """A running request: iterate it for token ids; afterwards
+    :attr:`finish_reason` says why it ended (``"stop"`` for an EOS token,
+    ``"length"`` for max_tokens or the context, or whatever the consumer set,
+    e.g. ``"stop_string"``)."""
+
+    tokens_iter: Iterator[int]
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    #: Speculative decoding figures (acceptance rate, tokens per forward),
+    #: updated as tokens come; None without speculation.
+    stats: SpeculativeStats | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        for token in self.tokens_iter:
+            self.tokens.append(token)
+            yield token
+
+
+def generate(
+    engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+    speculation: Speculation | None = None,
+) -> Generation:
+    """Start a request; iterate the result for its new token ids. With a
+    :class:`~infer.speculative.Speculation`, each forward after the prefill
+    is a :func:`speculative_decode` round (the same tokens for greedy
+    decoding)."""
+    engine.check_prompt(prompt_ids)
+    prompt = [int(t) for t in prompt_ids]
+    gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
+                     stats=None if speculation is None else speculation.stats)
+    gen.tokens_iter = _tokens(engine, prompt, Sampler(sampling), stop, speculation, gen)
+    return gen
+
+
+def _tokens(
+    engine: Engine, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation | None,
+    gen: Generation,
+) -> Iterator[int]:
+    if stop.max_tokens == 0:
+        gen.finish_reason = "length"
+        return
+    seq = engine.new_sequence(len(prompt) + stop.max_tokens)
+    drafting = None if spec is None else Drafting(spec)
+    try:
+        token = prefill(engine, seq, prompt, sampler, drafting)
+        yield from decode_n_tokens(engine, seq, token, sampler, stop, gen, drafting)
+    finally:  # also when the consumer stops early and the generator is closed
+        if drafting is not None:
+            drafting.release()
+        engine.release(seq)
+
+
+class Drafting:
+    """One request's speculation between its forwards: the draft source's
+    per-request state, and the target's hidden states of the last forward
+    (rows from position :attr:`hidden_start` on) for a source that drafts
+    from them (MTP)."""
+
+    def __init__(self, spec: Speculation) -> None:
+        self.spec = spec
+        self.state = spec.source.new_state()
+        self.hidden: Array | None = None
+        self.hidden_start = 0
+
+    def job(self, seq: SequenceState, pending: int, k: int, sampler: Sampler) -> DraftJob:
+        """Ask for up to ``k`` drafts after ``pending``, the token that follows ``seq``'s."""
+        return DraftJob(tokens=seq.tokens + [pending], k=k, sampler=sampler, state=self.state,
+                        capacity=seq.cache.capacity, seq=seq, hidden=self.hidden, hidden_start=self.hidden_start)
+
+    def keep(self, out: ForwardOutput, i: int) -> None:
+        """Keep sequence ``i``'s hidden states of ``out`` where the source drafts from them."""
+        if self.spec.source.needs_hidden and out.hidden is not None:
+            self.hidden, self.hidden_start = out.hidden_of(i), out.batch.slices[i].start
+
+    def release(self) -> None:
+        """The request ended: the source frees what it held for it (e.g. a draft model's cache)."""
+        self.spec.source.release(self.state)
+
+
+def sample(sampler: Sampler, out: ForwardOutput, row: int, history: Sequence[int]) -> int:
+    """The next token from logits row ``row`` of ``out``. When the argmax
+    alone decides (greedy, no penalty) it comes from the device and only the
+    ids leave it; otherwise the request's rules run on the host, with
+    ``history`` (the tokens so far) for the repetition penalty."""
+    if not sampler.needs_logits:
+        return int(out.argmax()[row])
+    return sampler.sample(out.host_logits()[row], history)
+
+
+def prefill(
+    engine: Engine, seq: SequenceState, prompt: list[int], sampler: Sampler, drafting: Drafting | None = None,
+) -> int:
+    """The whole prompt in one forward; the first new token. A speculating
+    request's forward counts in its figures, and its hidden states are kept
+    when its draft source needs them."""
+    needs_hidden = drafting is not None and drafting.spec.source.needs_hidden
+    out = engine.run(engine.prepare([seq], [prompt], capture_hidden=needs_hidden))
+    if drafting is not None:
+        drafting.keep(out, 0)
+        drafting.spec.record(forwards=1)
+    return sample(sampler, out, 0, seq.tokens)
+
+
+def decode_one_token(engine: Engine, seq: SequenceState, token: int, sampler: Sampler) -> int:
+    """Feed ``token``, the pending one; the token after it."""
+    out = engine.run(engine.prepare([seq], [[token]]))
+    return sample(sampler, out, 0, seq.tokens)
+
+
+def decode_n_tokens(
+    engine: Engine, seq: SequenceState, token: int, sampler: Sampler, stop: StopConditions, gen: Generation,
+    drafting: Drafting | None = None,
+) -> Iterator[int]:
+    """``token``, the first new one, then more until a stop rule ends the
+    request (:attr:`Generation.finish_reason` says which): one per forward
+    (:func:`decode_one_token`) or, speculating, the accepted drafts and one
+    token of the target's per forward (:func:`speculative_decode`)."""
+    emitted, produced = [token], 0
+    while True:
+        for token in emitted:
+            produced += 1
+            if drafting is not None:
+                drafting.spec.record(tokens=1)
+            yield token
+            reason = stop.finish_reason(token, produced, gen.prompt_tokens, engine.max_context)
+            if reason is not None:
+                gen.finish_reason = reason
+                return
+        if drafting is None:
+            emitted = [decode_one_token(engine, seq, token, sampler)]
+        else:
+            k = drafting.spec.budget(stop.max_tokens - produced, seq.cache.capacity - seq.cached)
+            emitted = speculative_decode(engine, seq, token, k, sampler, drafting)
+
+
+def speculative_decode(
+    engine: Engine, seq: SequenceState, pending: int, k: int, sampler: Sampler, drafting: Drafting,
+) -> list[int]:
+    """One round: the draft source proposes up to ``k`` tokens after
+    ``pending``, one forward feeds ``pending`` and the drafts and verifies
+    them all; returns the accepted drafts and one token of the target's
+    (the rejected drafts leave the cache)."""
+    source = drafting.spec.source
+    draft = source.propose([drafting.job(seq, pending, k, sampler)])[0]
+    drafts = draft.tokens[:k]
+    out = engine.run(engine.prepare([seq], [[pending] + drafts], all_logits=True, capture_hidden=source.needs_hidden))
+    drafting.keep(out, 0)
+    return accept_drafts(engine, seq, drafting.spec, sampler, out, 0, drafts, draft.probs)
+
+
+def accept_drafts(
+    engine: Engine, seq: SequenceState, spec: Speculation, sampler: Sampler, out: ForwardOutput, first: int,
+    drafts: list[int], q: np.ndarray | None,
+) -> list[int]:
+    """The tokens a verify forward gives a speculating request: its pending
+    token and ``drafts`` were the last tokens fed to ``seq``, rows
+    ``first..`` of ``out`` are the target's logits after each. Returns the
+    accepted drafts and one token of the target's; the rejected drafts leave
+    the cache, and the figures count the forward."""
+    start = seq.cached - len(drafts) - 1  # the pending token's position
+    q = None if q is None or not drafts else q[:len(drafts)]
+    emitted = verify(sampler, out, first, seq.tokens[:start + 1], drafts, q)
+    accepted = len(emitted) - 1
+    engine.truncate(seq, start + 1 + accepted)  # the pending token and the accepted drafts stay
+    spec.record(forwards=1, drafted=len(drafts), accepted=accepted)
+    return emitted

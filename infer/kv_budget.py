@@ -1,0 +1,165 @@
+"""How a batch engine's requests share KV memory.
+
+A :class:`KVBudget` answers the three questions admission asks, so the batch
+engine (:mod:`infer.batching`) never asks which kind of cache it holds:
+
+* :meth:`~KVBudget.check` — could a request ever fit, even alone?
+* :meth:`~KVBudget.admit` — a sequence for the request now, or None while
+  the requests already running leave too little;
+* :meth:`~KVBudget.blocked` — the error when a request waits though none of
+  the batch engine's own requests runs.
+
+Positions for the next step are reserved through every cache's own
+``reserve`` (:class:`~infer.cache.SequenceCache`); where that fails the batch
+engine preempts.
+
+Two budgets:
+
+* :class:`PagedBudget` — pages of one :class:`~infer.paged_cache.PagedKVPool`.
+  A request starts with the cached blocks of its prompt's longest full-block
+  prefix and is admitted while the pool, less what the running requests
+  still need for their known tokens, can hold its prompt + ``max_tokens``;
+  pages are taken as it grows, so decoding may run short (preemption).
+* :class:`ContiguousBudget` — each admitted request gets a contiguous cache
+  of its whole prompt + ``max_tokens`` within a number of positions; nothing
+  is ever preempted, and there is no prefix caching.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+
+from infer.cache import ContiguousKVCache
+from infer.engine import Engine, SequenceState
+from infer.errors import CacheFullError
+from infer.paged_cache import PagedKVPool, PagedSequenceCache
+
+log = logging.getLogger("infer.batching")
+
+
+class KVBudget(abc.ABC):
+    """Where a batch engine's requests keep their keys and values."""
+
+    #: The paged pool every request's pages come from (None: contiguous caches).
+    pool: PagedKVPool | None = None
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @abc.abstractmethod
+    def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
+        """Raise :class:`~infer.errors.CacheFullError` when a request of
+        ``positions`` (its prompt + ``max_tokens``, within the context) could
+        not fit even with nothing else running."""
+
+    @abc.abstractmethod
+    def admit(
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+    ) -> SequenceState | None:
+        """A sequence for a request of at most ``positions``, whose ``known``
+        tokens are its prompt and what it generated before a preemption;
+        None while the ``running`` requests (each its sequence and number of
+        known tokens) leave too little. The sequence's tokens are those its
+        cache starts with (a reused prefix)."""
+
+    @abc.abstractmethod
+    def blocked(self, request: int, positions: int) -> CacheFullError:
+        """Why request ``request``, of ``positions``, cannot be admitted
+        although none of the batch engine's requests runs."""
+
+
+class PagedBudget(KVBudget):
+    """Requests in pages of one pool, with prefix caching and preemption."""
+
+    def __init__(self, engine: Engine, pool: PagedKVPool) -> None:
+        super().__init__(engine)
+        self.pool = pool
+        log.info("batch engine: paged KV pool of %d blocks of %d positions on %s/%s, %s", pool.num_blocks,
+                 pool.block_size, engine.backend.name, engine.backend.device,
+                 "native paged attention" if engine.backend.supports("paged_attention")
+                 else "pages gathered for attention (no native paged_attention)")
+
+    def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
+        pool = self.pool
+        need = pool.allocator.blocks_for(positions)
+        if need <= pool.num_blocks:
+            return
+        per = pool.allocator.bytes_per_block or self.engine.kv_bytes_per_position() * pool.block_size
+        err = CacheFullError(
+            f"a request of {prompt_tokens} prompt tokens + max_tokens {max_tokens} needs "
+            f"{positions} positions = {need} blocks of {pool.block_size} ({need * per:,} bytes of keys and "
+            f"values), but the whole KV pool is {pool.num_blocks} blocks ({pool.num_blocks * per:,} "
+            f"bytes): shorten the prompt, lower max_tokens, or size the pool larger"
+        )
+        err.blocks_needed, err.blocks_available = need, pool.num_blocks  # type: ignore[attr-defined]
+        err.bytes_needed, err.bytes_available = need * per, pool.num_blocks * per  # type: ignore[attr-defined]
+        raise err
+
+    def admit(
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+    ) -> SequenceState | None:
+        alloc = self.pool.allocator
+        cache = self.pool.new_sequence(positions)
+        # The last known token is left to compute: its logits give the next token.
+        reused = cache.reuse_prefix(known[:-1])
+        # Blocks the running requests still need for tokens they already know.
+        pending = sum(alloc.blocks_needed(_paged(seq).table, seq.cached, n) for seq, n in running)
+        if alloc.blocks_for(positions) - len(cache.table.blocks) > alloc.available() - pending:
+            cache.free()
+            return None
+        return SequenceState(tokens=list(known[:reused]), cache=cache)
+
+    def blocked(self, request: int, positions: int) -> CacheFullError:
+        alloc = self.pool.allocator
+        return CacheFullError(
+            f"request {request} needs {alloc.blocks_for(positions)} blocks of "
+            f"{alloc.block_size} positions but only {alloc.available()} of the pool's "
+            f"{self.pool.num_blocks} are available, and this batch engine holds none: "
+            f"sequences outside it hold the rest ({self.pool.stats()}); free them first"
+        )
+
+
+class ContiguousBudget(KVBudget):
+    """A contiguous cache per request, each reserved whole at admission."""
+
+    def __init__(self, engine: Engine, memory: int) -> None:
+        super().__init__(engine)
+        #: Positions all admitted requests together may reserve.
+        self.positions = memory // engine.kv_bytes_per_position()
+        native = engine.backend.supports("paged_attention")
+        log.info("batch engine: contiguous KV caches on %s/%s, %d positions within %d bytes%s; no prefix caching",
+                 engine.backend.name, engine.backend.device, self.positions, memory,
+                 "" if native else " (no native paged_attention)")
+
+    def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
+        if positions <= self.positions:
+            return
+        per, have = self.engine.kv_bytes_per_position(), self.positions
+        err = CacheFullError(
+            f"a request of {prompt_tokens} prompt tokens + max_tokens {max_tokens} needs a KV cache of "
+            f"{positions} positions ({positions * per:,} bytes), but the batch engine's budget holds {have} "
+            f"positions ({have * per:,} bytes): shorten the prompt, lower max_tokens, or raise kv_memory"
+        )
+        err.bytes_needed, err.bytes_available = positions * per, have * per  # type: ignore[attr-defined]
+        raise err
+
+    def admit(
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+    ) -> SequenceState | None:
+        if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions:
+            return None
+        engine = self.engine
+        cache = ContiguousKVCache(engine.backend, engine.model.num_cache_layers, positions)
+        return SequenceState(tokens=[], cache=cache)
+
+    def blocked(self, request: int, positions: int) -> CacheFullError:
+        # Not reached: with nothing running the whole budget is free, and
+        # check() refused every request larger than that.
+        return CacheFullError(f"request {request} needs {positions} positions of a budget of {self.positions}")
+
+
+def _paged(seq: SequenceState) -> PagedSequenceCache:
+    assert isinstance(seq.cache, PagedSequenceCache)
+    return seq.cache
