@@ -245,15 +245,16 @@ class MTPModule:
         self.head = own("shared_head.head.weight", main.lm_head)
 
     def __call__(self, hidden: Array, input_ids: Array, cos: Array, sin: Array,
-                 ctx: AttentionContext) -> tuple[Array, Array]:
+                 ctx: AttentionContext) -> Array:
         ops = self.ops
         e = ops.rms_norm(ops.embedding(self.embed_tokens, input_ids), self.enorm, self.eps)
         h = ops.rms_norm(hidden, self.hnorm, self.eps)
         x = ops.linear(ops.concat([e, h], 1), self.eh_proj)  # [embedding ; hidden], as eh_proj was trained
         out, residual = self.block(x, None, cos, sin, ctx)
-        out = ops.add(out, residual)  # [tokens, hidden], before the shared-head norm
-        rows = out if ctx.logits_indices is None else ops.take(out, ctx.logits_indices, axis=0)
-        return ops.linear(ops.rms_norm(rows, self.norm, self.eps), self.head), out
+        return ops.add(out, residual)  # [tokens, hidden], before the shared-head norm
+
+    def logits(self, hidden: Array) -> Array:
+        return self.ops.linear(self.ops.rms_norm(hidden, self.norm, self.eps), self.head)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -295,17 +296,19 @@ class DeepseekV3ForCausalLM(CausalLM):
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, ctx)
         h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        if ctx.capture_hidden:  # after the final norm: what the head reads and MTP module 0 consumes
-            ctx.hidden = h
-        if ctx.logits_indices is not None:
-            h = ops.take(h, ctx.logits_indices, axis=0)
-        return ops.linear(h, self.lm_head)  # [rows, vocab]
+        return h  # [tokens, hidden]: what the head reads and MTP module 0 consumes
 
-    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
+        cos, sin = self.rope(ctx)
+        return self._module(depth)(hidden, input_ids, cos, sin, ctx)
+
+    def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
+        return self._module(depth).logits(hidden)
+
+    def _module(self, depth: int) -> MTPModule:
         if not 0 <= depth < self.num_mtp_modules:
             raise IndexError(f"MTP depth {depth} out of range: the model has {self.num_mtp_modules} MTP modules")
-        cos, sin = self.rope(ctx)
-        return self.mtp[depth](hidden, input_ids, cos, sin, ctx)
+        return self.mtp[depth]
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> DeepseekV3ForCausalLM:

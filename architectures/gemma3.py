@@ -268,12 +268,11 @@ class Gemma3ForCausalLM(CausalLM):
             o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
             h, residual = self.after(o, residual, layer.attn_out)
         h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        if ctx.capture_hidden:  # [tokens, hidden]: what the output head reads
-            ctx.hidden = h
-        if ctx.logits_indices is not None:
-            h = ops.take(h, ctx.logits_indices, axis=0)
-        logits = ops.linear(h, self.lm_head)  # [rows, vocab]
-        return logits if self.final_softcap is None else ops.softcap(logits, self.final_softcap)
+        return h  # [tokens, hidden]
+
+    def compute_logits(self, hidden: Array) -> Array:
+        logits = self.ops.linear(hidden, self.lm_head)  # [rows, vocab]
+        return logits if self.final_softcap is None else self.ops.softcap(logits, self.final_softcap)
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Gemma3ForCausalLM:

@@ -198,11 +198,7 @@ class LlamaForCausalLM(CausalLM):
             o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
             h, residual = self.after(o, residual, layer.attn_out)
         h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        if ctx.capture_hidden:  # [tokens, hidden]: what the output head reads
-            ctx.hidden = h
-        if ctx.logits_indices is not None:
-            h = ops.take(h, ctx.logits_indices, axis=0)
-        return ops.linear(h, self.lm_head)  # [rows, vocab]
+        return h  # [tokens, hidden]
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> LlamaForCausalLM:

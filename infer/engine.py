@@ -92,6 +92,25 @@ class Generation:
             yield token
 
 
+def _logit_rows(slices: Sequence[SequenceSlice], all_logits: bool | Sequence[bool]) -> list[int] | None:
+    """The rows of a forward's flattened tokens whose logits are wanted:
+    every new token of a sequence whose ``all_logits`` flag is set (one flag
+    for all, or one per sequence), else its last one. None: every row."""
+    every = [all_logits] * len(slices) if isinstance(all_logits, bool) else list(all_logits)
+    if len(every) != len(slices):
+        raise GenerationError(f"all_logits has {len(every)} flags for {len(slices)} sequences")
+    rows, offset = [], 0
+    for s, whole in zip(slices, every):
+        rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
+        offset += s.length
+    return None if len(rows) == offset else rows
+
+
+def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
+    """``rows`` of ``hidden`` (None: all of them), so the head projects only those."""
+    return hidden if rows is None else ops.take(hidden, ops.from_numpy(np.asarray(rows, dtype=np.int32)), axis=0)
+
+
 class Engine:
     """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
 
@@ -129,11 +148,9 @@ class Engine:
             ops, model = self.backend, self.model
             cache = ContiguousKVCache(ops, model.num_cache_layers, 1)
             ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
-            ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 1)], capture_hidden=model.num_mtp_modules > 0)
-            model.forward(ids, ctx)
-            hidden = ctx.hidden
+            hidden = model.forward(ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             for depth in range(model.num_mtp_modules):
-                _, hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
+                hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             self._kv_bytes_per_position = cache.nbytes_per_position
         return self._kv_bytes_per_position
 
@@ -190,17 +207,16 @@ class Engine:
             slices.append(SequenceSlice(seq.cache, start, len(ids)))
         ops = self.backend
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
-        ctx = AttentionContext(ops, slices, all_logits=all_logits, capture_hidden=capture_hidden)
-        logits = self.model.forward(ops.from_numpy(flat), ctx)
-        if capture_hidden and ctx.hidden is None:
-            raise GenerationError(f"{type(self.model).__name__}.forward did not capture its hidden states")
+        rows = _logit_rows(slices, all_logits)
+        hidden = self.model.forward(ops.from_numpy(flat), AttentionContext(ops, slices))
+        logits = self.model.compute_logits(_rows(ops, hidden, rows))
         for seq, ids, s in zip(seqs, token_ids, slices):
             if isinstance(seq.cache, PagedSequenceCache):
                 seq.cache.commit(ids)  # the ids key its full blocks in the prefix cache
             else:
                 seq.cache.length = s.start + len(ids)
             seq.tokens.extend(int(t) for t in ids)
-        return ForwardOutput(logits, ctx.hidden)
+        return ForwardOutput(logits, hidden if capture_hidden else None)
 
     def mtp_forward(
         self, depth: int, seqs: Sequence[SequenceState], starts: Sequence[int], hidden: Array,
@@ -214,7 +230,8 @@ class Engine:
         ops = self.backend
         slices = [SequenceSlice(seq.cache, start, len(ids)) for seq, start, ids in zip(seqs, starts, token_ids)]
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
-        return self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
+        out = self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
+        return self.model.mtp_compute_logits(depth, _rows(ops, out, _logit_rows(slices, False))), out
 
     def truncate(self, seq: SequenceState, length: int) -> None:
         """Forget ``seq``'s positions from ``length`` on (rejected speculative

@@ -102,22 +102,19 @@ class ShadowMTP(CausalLM):
         h, _ = ops.fused_add_rms_norm(h, residual, base.norm, base.eps)  # type: ignore[attr-defined]
         return h
 
-    def _head(self, h: Array, ctx: AttentionContext) -> Array:
-        if ctx.logits_indices is not None:
-            h = self.ops.take(h, ctx.logits_indices, axis=0)
-        return self.ops.linear(h, self.base.lm_head)  # type: ignore[attr-defined]
-
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        h = self._stack(self.ops.embedding(self.base.embed_tokens, input_ids), self.base.layers, ctx)  # type: ignore[attr-defined]
-        if ctx.capture_hidden:
-            ctx.hidden = h
-        return self._head(h, ctx)
+        return self._stack(self.ops.embedding(self.base.embed_tokens, input_ids), self.base.layers, ctx)  # type: ignore[attr-defined]
 
-    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+    def compute_logits(self, hidden: Array) -> Array:
+        return self.base.compute_logits(hidden)
+
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
         ops = self.ops
         x = ops.add(ops.embedding(self.base.embed_tokens, input_ids), ops.linear(hidden, self.eh_proj))  # type: ignore[attr-defined]
-        h = self._stack(x, self.shadow[depth], ctx)
-        return self._head(h, ctx), h
+        return self._stack(x, self.shadow[depth], ctx)
+
+    def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
+        return self.base.compute_logits(hidden)
 
 
 _MTP: dict[str, Engine] = {}
