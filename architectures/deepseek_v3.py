@@ -51,7 +51,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.architecture import CausalLM, WeightLoader
+from infer.architecture import WeightLoader
 from infer.attention import AttentionContext
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
@@ -59,8 +59,9 @@ from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
+from .decoder import Block, Decoder, DecoderLayer
 from .mlp import GatedMLP
-from .moe import DeepseekMoE, TopKRouter
+from .moe import DeepseekMoE
 from .rope import RotaryEmbedding, yarn_mscale
 
 log = logging.getLogger(__name__)
@@ -140,172 +141,147 @@ class DeepseekV3Config:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
 
-class Attention:
-    """Multi-head latent attention (module docstring)."""
+class LatentAttention:
+    """Multi-head latent attention (module docstring), an attention part of
+    :mod:`.decoder`."""
 
-    def __init__(self, cfg: DeepseekV3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}.self_attn."
-        d, nh, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-        self.ops, self.layer, self.heads = ops, layer, nh
+    def __init__(self, ops: Backend, cfg: DeepseekV3Config) -> None:
+        self.ops, self.cfg, self.heads = ops, cfg, cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.kv_lora_rank, self.interleaved = r, cfg.rope_interleave
-        qk = self.nope + self.rope_dim
-        bias = lambda name, n: w.get(p + name, (n,)) if cfg.attention_bias else None  # noqa: E731
-        if cfg.q_lora_rank is None:
-            self.q_proj = w.get(p + "q_proj.weight", (nh * qk, d))
-        else:
-            self.q_a_proj = w.get(p + "q_a_proj.weight", (cfg.q_lora_rank, d))
-            self.q_a_bias = bias("q_a_proj.bias", cfg.q_lora_rank)
-            self.q_a_layernorm = w.get(p + "q_a_layernorm.weight", (cfg.q_lora_rank,))
-            self.q_b_proj = w.get(p + "q_b_proj.weight", (nh * qk, cfg.q_lora_rank))
-        self.q_lora = cfg.q_lora_rank is not None
-        self.kv_a_proj = w.get(p + "kv_a_proj_with_mqa.weight", (r + self.rope_dim, d))
-        self.kv_a_bias = bias("kv_a_proj_with_mqa.bias", r + self.rope_dim)
-        self.kv_a_layernorm = w.get(p + "kv_a_layernorm.weight", (r,))
-        self.kv_b_proj = w.get(p + "kv_b_proj.weight", (nh * (self.nope + self.v_dim), r))
-        self.o_proj = w.get(p + "o_proj.weight", (d, nh * self.v_dim))
-        self.o_bias = bias("o_proj.bias", d)
-        self.scale = qk ** -0.5
+        self.kv_lora_rank, self.interleaved, self.q_lora = cfg.kv_lora_rank, cfg.rope_interleave, cfg.q_lora_rank
+        self.scale = (self.nope + self.rope_dim) ** -0.5
         if cfg.rope.get("rope_type", "default") != "default" and cfg.rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(cfg.rope["factor"]), float(cfg.rope["mscale_all_dim"])) ** 2
 
-    def __call__(self, x: Array, cos: Array, sin: Array, ctx: AttentionContext) -> Array:
+    def load(self, w: WeightLoader, p: str) -> tuple[dict[str, Array], dict[str, Array]]:
+        """The weights under ``p`` (``...self_attn.``) read before attention, and after."""
+        cfg, d, nh, r, rd = self.cfg, self.cfg.hidden_size, self.heads, self.kv_lora_rank, self.rope_dim
+        qk = self.nope + rd
+
+        def get(name: str, shape: tuple[int, ...], bias: bool = False) -> dict[str, Array]:
+            out = {name: w.get(p + name + ".weight", shape)}
+            if bias and cfg.attention_bias:
+                out[name + ".bias"] = w.get(p + name + ".bias", shape[:1])
+            return out
+
+        q = get("q_proj", (nh * qk, d)) if self.q_lora is None else {
+            **get("q_a_proj", (self.q_lora, d), bias=True), **get("q_a_layernorm", (self.q_lora,)),
+            **get("q_b_proj", (nh * qk, self.q_lora))}
+        before = {**q, **get("kv_a_proj_with_mqa", (r + rd, d), bias=True), **get("kv_a_layernorm", (r,)),
+                  **get("kv_b_proj", (nh * (self.nope + self.v_dim), r))}
+        return before, get("o_proj", (d, nh * self.v_dim), bias=True)
+
+    def qkv(self, x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         ops = self.ops
         t, nh, nope, rd = ops.shape(x)[0], self.heads, self.nope, self.rope_dim
-        if self.q_lora:
-            q = ops.linear(x, self.q_a_proj, self.q_a_bias)
-            q = ops.linear(ops.rms_norm(q, self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+        if self.q_lora is None:
+            q = ops.linear(x, w["q_proj"])
         else:
-            q = ops.linear(x, self.q_proj)
+            q = ops.linear(x, w["q_a_proj"], w.get("q_a_proj.bias"))
+            q = ops.linear(ops.rms_norm(q, w["q_a_layernorm"], LATENT_NORM_EPS), w["q_b_proj"])
         q = ops.reshape(q, (t, nh, nope + rd))
         q_rot = ops.rope(ops.slice(q, 2, nope, nope + rd), cos, sin, interleaved=self.interleaved)
         q = ops.concat([ops.slice(q, 2, 0, nope), q_rot], 2)  # [tokens, heads, nope + rope]
-        compressed = ops.linear(x, self.kv_a_proj, self.kv_a_bias)  # [tokens, latent + rope]
+        compressed = ops.linear(x, w["kv_a_proj_with_mqa"], w.get("kv_a_proj_with_mqa.bias"))  # [tokens, latent + rope]
         r = self.kv_lora_rank
-        latent = ops.rms_norm(ops.slice(compressed, 1, 0, r), self.kv_a_layernorm, LATENT_NORM_EPS)
+        latent = ops.rms_norm(ops.slice(compressed, 1, 0, r), w["kv_a_layernorm"], LATENT_NORM_EPS)
         k_rot = ops.reshape(ops.slice(compressed, 1, r, r + rd), (t, 1, rd))
         k_rot = ops.rope(k_rot, cos, sin, interleaved=self.interleaved)  # one rotary key, shared by every head
-        kv = ops.reshape(ops.linear(latent, self.kv_b_proj), (t, nh, nope + self.v_dim))
+        kv = ops.reshape(ops.linear(latent, w["kv_b_proj"]), (t, nh, nope + self.v_dim))
         k_rot = ops.add(ops.zeros((t, nh, rd), ops.dtype(kv)), k_rot)  # broadcast to every head
         k = ops.concat([ops.slice(kv, 2, 0, nope), k_rot], 2)  # [tokens, heads, nope + rope]
         v = ops.slice(kv, 2, nope, nope + self.v_dim)  # [tokens, heads, v_head_dim]
-        o = ctx.attention(self.layer, q, k, v, scale=self.scale)
-        return ops.linear(ops.reshape(o, (t, nh * self.v_dim)), self.o_proj, self.o_bias)
+        return q, k, v
+
+    def out(self, o: Array, w: dict[str, Array]) -> Array:
+        o = self.ops.reshape(o, (-1, self.heads * self.v_dim))  # [tokens, heads * v_head_dim]
+        return self.ops.linear(o, w["o_proj"], w.get("o_proj.bias"))
 
 
-class DecoderLayer:
-    def __init__(self, cfg: DeepseekV3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}."
-        d = cfg.hidden_size
-        self.ops, self.eps = ops, cfg.rms_norm_eps
-        self.input_layernorm = w.get(p + "input_layernorm.weight", (d,))
-        self.self_attn = Attention(cfg, layer, w, ops)
-        self.post_attention_layernorm = w.get(p + "post_attention_layernorm.weight", (d,))
-        self.mlp: GatedMLP | DeepseekMoE
-        if cfg.is_moe(layer):
-            router = TopKRouter(
-                f"{p}mlp.gate.", d, cfg.n_routed_experts, cfg.num_experts_per_tok, n_group=cfg.n_group,
-                topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                routed_scaling_factor=cfg.routed_scaling_factor, w=w, ops=ops,
-            )
-            self.mlp = DeepseekMoE(f"{p}mlp.", d, cfg.moe_intermediate_size, cfg.n_routed_experts,
-                                   cfg.n_shared_experts, router, w, ops)
-        else:
-            self.mlp = GatedMLP(f"{p}mlp.", d, cfg.intermediate_size, "silu", w, ops)
-
-    def __call__(
-        self, h: Array, residual: Array | None, cos: Array, sin: Array, ctx: AttentionContext
-    ) -> tuple[Array, Array]:
-        """Returns the block's output *before* its residual add, and the residual stream."""
-        ops = self.ops
-        if residual is None:
-            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
-        else:
-            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
-        a = self.self_attn(x, cos, sin, ctx)
-        x, residual = ops.fused_add_rms_norm(a, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
-
-
+@dataclass
 class MTPModule:
     """One multi-token prediction module, ``model.layers.{layer}.*`` (module docstring)."""
 
-    def __init__(self, cfg: DeepseekV3Config, layer: int, main: DeepseekV3ForCausalLM, w: WeightLoader,
-                 ops: Backend) -> None:
-        p, d = f"model.layers.{layer}.", cfg.hidden_size
-        self.ops, self.eps = ops, cfg.rms_norm_eps
-        self.enorm = w.get(p + "enorm.weight", (d,))
-        self.hnorm = w.get(p + "hnorm.weight", (d,))
-        self.eh_proj = w.get(p + "eh_proj.weight", (d, 2 * d))
-        self.block = DecoderLayer(cfg, layer, w, ops)
-        self.norm = w.get(p + "shared_head.norm.weight", (d,))
-        own = lambda name, default: (  # noqa: E731
-            w.get(p + name, (cfg.vocab_size, d)) if w.has(p + name) else default)
-        self.embed_tokens = own("embed_tokens.weight", main.embed_tokens)
-        self.head = own("shared_head.head.weight", main.lm_head)
-
-    def __call__(self, hidden: Array, input_ids: Array, cos: Array, sin: Array,
-                 ctx: AttentionContext) -> tuple[Array, Array]:
-        ops = self.ops
-        e = ops.rms_norm(ops.embedding(self.embed_tokens, input_ids), self.enorm, self.eps)
-        h = ops.rms_norm(hidden, self.hnorm, self.eps)
-        x = ops.linear(ops.concat([e, h], 1), self.eh_proj)  # [embedding ; hidden], as eh_proj was trained
-        out, residual = self.block(x, None, cos, sin, ctx)
-        out = ops.add(out, residual)  # [tokens, hidden], before the shared-head norm
-        rows = out if ctx.logits_indices is None else ops.take(out, ctx.logits_indices, axis=0)
-        return ops.linear(ops.rms_norm(rows, self.norm, self.eps), self.head), out
+    enorm: Array
+    hnorm: Array
+    eh_proj: Array
+    layer: DecoderLayer
+    norm: Array  # shared_head.norm
+    embed_tokens: Array
+    head: Array  # shared_head.head
 
 
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(Decoder):
     """Embedding, decoder layers (dense, then MoE), final norm, output head; MTP modules."""
 
     ignored_tensors = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: DeepseekV3Config, weights: WeightLoader, ops: Backend) -> None:
         super().__init__(config, weights, ops)
-        cfg = config
+        cfg, w, d = config, weights, config.hidden_size
         self.num_layers = cfg.num_hidden_layers
         self.max_context = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
-        d = cfg.hidden_size
-        self.embed_tokens = weights.get("model.embed_tokens.weight", (cfg.vocab_size, d))
-        self.rope = RotaryEmbedding(ops, cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.layers = [DecoderLayer(cfg, i, weights, ops) for i in range(cfg.num_hidden_layers)]
-        self.norm = weights.get("model.norm.weight", (d,))
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = weights.get("lm_head.weight", (cfg.vocab_size, d))
+        attention = LatentAttention(ops, cfg)
+        dense = Block(ops, attention, GatedMLP(ops, d, cfg.intermediate_size, "silu"), cfg.rms_norm_eps)
+        moe = Block(ops, attention, DeepseekMoE(
+            ops, d, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok,
+            n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        ), cfg.rms_norm_eps)
+
+        def layer(i: int) -> DecoderLayer:  # also the block of an MTP module
+            p, block = f"model.layers.{i}.", moe if cfg.is_moe(i) else dense
+            attn_in, attn_out = attention.load(w, p + "self_attn.")
+            return DecoderLayer(
+                i, block, scale=attention.scale,
+                attn_in={"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attn_in},
+                attn_out={**attn_out, "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)),
+                          **block.mlp.load(w, p + "mlp.")},
+            )
+
+        self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
+        self.rope = {"default": RotaryEmbedding(ops, cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)}
+        self.layers = [layer(i) for i in range(cfg.num_hidden_layers)]
+        self.norm = w.get("model.norm.weight", (d,))
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
         first = cfg.num_hidden_layers
-        if cfg.num_nextn_predict_layers and not weights.has(f"model.layers.{first}.eh_proj.weight"):
+        self.mtp: list[MTPModule] = []
+        if cfg.num_nextn_predict_layers and not w.has(f"model.layers.{first}.eh_proj.weight"):
             # e.g. a checkpoint saved by transformers, which drops the MTP layers at load
             log.info("deepseek_v3: config.json announces %d MTP modules but the checkpoint holds none "
                      "(no model.layers.%d.eh_proj.weight); running without", cfg.num_nextn_predict_layers, first)
-            self.mtp: list[MTPModule] = []
         else:
-            self.mtp = [MTPModule(cfg, first + i, self, weights, ops) for i in range(cfg.num_nextn_predict_layers)]
+            for i in range(first, first + cfg.num_nextn_predict_layers):
+                p = f"model.layers.{i}."
+                own = {name: w.get(p + name, (cfg.vocab_size, d))  # else the main model's
+                       for name in ("embed_tokens.weight", "shared_head.head.weight") if w.has(p + name)}
+                self.mtp.append(MTPModule(
+                    enorm=w.get(p + "enorm.weight", (d,)), hnorm=w.get(p + "hnorm.weight", (d,)),
+                    eh_proj=w.get(p + "eh_proj.weight", (d, 2 * d)), layer=layer(i),
+                    norm=w.get(p + "shared_head.norm.weight", (d,)),
+                    embed_tokens=own.get("embed_tokens.weight", self.embed_tokens),
+                    head=own.get("shared_head.head.weight", self.lm_head),
+                ))
         self.num_mtp_modules = len(self.mtp)
 
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        ops = self.ops
-        h = ops.embedding(self.embed_tokens, input_ids)  # [tokens, hidden]
-        cos, sin = self.rope(ctx)  # [tokens, qk_rope_head_dim / 2]
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, ctx)
-        h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        if ctx.capture_hidden:  # after the final norm: what the head reads and MTP module 0 consumes
-            ctx.hidden = h
-        if ctx.logits_indices is not None:
-            h = ops.take(h, ctx.logits_indices, axis=0)
-        return ops.linear(h, self.lm_head)  # [rows, vocab]
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
+        ops, m = self.ops, self._module(depth)
+        e = ops.rms_norm(ops.embedding(m.embed_tokens, input_ids), m.enorm, self.eps)
+        h = ops.rms_norm(hidden, m.hnorm, self.eps)
+        x = ops.linear(ops.concat([e, h], 1), m.eh_proj)  # [embedding ; hidden], as eh_proj was trained
+        out, residual = self.run_layers(x, [m.layer], ctx)
+        return ops.add(out, residual)  # [tokens, hidden], before the shared-head norm
 
-    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+    def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
+        m = self._module(depth)
+        return self.ops.linear(self.ops.rms_norm(hidden, m.norm, self.eps), m.head)
+
+    def _module(self, depth: int) -> MTPModule:
         if not 0 <= depth < self.num_mtp_modules:
             raise IndexError(f"MTP depth {depth} out of range: the model has {self.num_mtp_modules} MTP modules")
-        cos, sin = self.rope(ctx)
-        return self.mtp[depth](hidden, input_ids, cos, sin, ctx)
+        return self.mtp[depth]
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> DeepseekV3ForCausalLM:

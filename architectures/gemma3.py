@@ -27,7 +27,7 @@ ones, as transformers' ``Gemma3ForCausalLM`` computes them. Against Llama:
   attention soft-capping with the q/k norms, report section 2.1), so a config
   that sets it still computes what the reference computes.
 
-Per layer (``kind`` = sliding or full attention):
+Per layer (the block of :mod:`.decoder` with its post norms; ``kind`` = sliding or full attention):
     h = h + post_attention_layernorm(o_proj(attention(rope_kind(q_norm(q)), rope_kind(k_norm(k)), v)))
     h = h + post_feedforward_layernorm(down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)))
 with x = input_layernorm(h) resp. pre_feedforward_layernorm(h).
@@ -36,26 +36,22 @@ with x = input_layernorm(h) resp. pre_feedforward_layernorm(h).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.architecture import CausalLM, WeightLoader, capture, host_array
-from infer.attention import AttentionContext
+from infer.architecture import WeightLoader, host_array
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
 from infer.registry import ArchitectureSpec
 
-from .mlp import GatedMLP, gated_mlp
-from .projections import load_qkv
-from .projections import qkv as project_qkv
-from .rope import RotaryEmbedding
+from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, activation
+from .mlp import GatedMLP
+from .rope import RotaryEmbedding, context_length
 
 log = logging.getLogger(__name__)
 
-ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -100,11 +96,7 @@ class Gemma3Config:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"config.json: {name} must be positive, found {value}")
-        if self.hidden_activation not in ACTIVATIONS:
-            raise ConfigError(
-                f"config.json: hidden_activation {self.hidden_activation!r} is not supported; "
-                f"supported: {', '.join(ACTIVATIONS)}"
-            )
+        activation("hidden_activation", self.hidden_activation)
         if self.use_bidirectional_attention:
             raise ConfigError(
                 "config.json: use_bidirectional_attention is true (an embedding model, e.g. "
@@ -157,123 +149,49 @@ def _gemma_norm(w: Any) -> Any:
     return w + 1.0
 
 
-class DecoderLayer:
-    """One layer's weights; the math is in :func:`layer_pieces` (as in
-    :mod:`infer.architectures.llama`: pure pieces around attention, shared
-    by every layer, compiled when graph capture is on)."""
-
-    def __init__(self, cfg: Gemma3Config, layer: int, w: WeightLoader, ops: Backend) -> None:
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        hd, nh, nkv, d = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-        norm = lambda name, n=d: w.get(name + ".weight", (n,), transform=_gemma_norm)  # noqa: E731
-        assert cfg.layer_types is not None  # set by validate()
-        self.layer, self.kind = layer, cfg.layer_types[layer]
-        self.scale, self.window = cfg.query_pre_attn_scalar ** -0.5, cfg.window(layer)
-        mlp = GatedMLP(f"{p}mlp.", d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_activation], w, ops)
-        #: Weights the piece before attention reads.
-        self.attn_in = {
-            "input_layernorm": norm(p + "input_layernorm"),
-            **load_qkv(w, a, nh, nkv, hd, d, bias=cfg.attention_bias),  # qkv_proj where stored alike
-            "q_norm": norm(a + "q_norm", hd),
-            "k_norm": norm(a + "k_norm", hd),
-        }
-        #: Weights the piece after attention reads.
-        self.attn_out = {
-            "o_proj": w.get(a + "o_proj.weight", (d, nh * hd)),
-            "post_attention_layernorm": norm(p + "post_attention_layernorm"),
-            "pre_feedforward_layernorm": norm(p + "pre_feedforward_layernorm"),
-            **mlp.weights(),
-            "post_feedforward_layernorm": norm(p + "post_feedforward_layernorm"),
-        }
-        if cfg.attention_bias:
-            self.attn_out["o_proj.bias"] = w.get(a + "o_proj.bias", (d,))
-
-
-def layer_pieces(ops: Backend, cfg: Gemma3Config) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """A Gemma 3 layer around its attention call: ``first`` (layer 0) and
-    ``before`` give ``(q, k, v, residual)``; ``after(o, residual, w)`` gives
-    the block's output *before* its residual add, and the residual stream.
-    Gemma normalizes after attention and around the MLP, and q and k per
-    head before rope."""
-    eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    activation = ACTIVATIONS[cfg.hidden_activation]
-
-    def qkv(x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        q, k, v = project_qkv(ops, x, w, nh, nkv, hd)
-        q = ops.rms_norm(q, w["q_norm"], eps)  # per head, over head_dim
-        k = ops.rms_norm(k, w["k_norm"], eps)
-        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
-
-    def first(h: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
-        return (*qkv(ops.rms_norm(h, w["input_layernorm"], eps), w, cos, sin), h)
-
-    def before(h: Array, residual: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, ...]:
-        x, residual = ops.fused_add_rms_norm(h, residual, w["input_layernorm"], eps)
-        return (*qkv(x, w, cos, sin), residual)
-
-    def after(o: Array, residual: Array, w: dict[str, Array]) -> tuple[Array, Array]:
-        t = ops.shape(o)[0]
-        a = ops.linear(ops.reshape(o, (t, nh * hd)), w["o_proj"], w.get("o_proj.bias"))
-        a = ops.rms_norm(a, w["post_attention_layernorm"], eps)
-        x, residual = ops.fused_add_rms_norm(a, residual, w["pre_feedforward_layernorm"], eps)
-        return ops.rms_norm(gated_mlp(ops, activation, x, w), w["post_feedforward_layernorm"], eps), residual
-
-    return capture(ops, first), capture(ops, before), capture(ops, after)
-
-
-class Gemma3ForCausalLM(CausalLM):
+class Gemma3ForCausalLM(Decoder):
     """Scaled embedding, decoder layers, final norm, tied output head, optional soft-cap."""
 
     def __init__(self, config: Gemma3Config, weights: WeightLoader, ops: Backend) -> None:
         super().__init__(config, weights, ops)
-        cfg = config
-        self.num_layers = cfg.num_hidden_layers
-        self.max_context = cfg.max_position_embeddings
-        if cfg.rope["full_attention"].get("rope_type") == "dynamic":
-            # Dynamic NTK scaling exists to run past the trained length, by its factor.
-            self.max_context = int(cfg.max_position_embeddings * float(cfg.rope["full_attention"]["factor"]))
-        self.vocab_size = cfg.vocab_size
+        cfg, w = config, weights
+        hd, nh, d = cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size
+        assert cfg.layer_types is not None  # set by validate()
+        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
+        self.max_context = context_length(cfg.rope["full_attention"], cfg.max_position_embeddings)
         self.eps = cfg.rms_norm_eps
         self.final_softcap = cfg.final_logit_softcapping
         if cfg.attn_logit_softcapping is not None:
             log.warning("gemma3: attn_logit_softcapping=%s is ignored, as in transformers' Gemma 3",
                         cfg.attn_logit_softcapping)
-        self.embed_tokens = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        attention = Attention(ops, d, nh, cfg.num_key_value_heads, hd, qk_norm=True, eps=cfg.rms_norm_eps)
+        mlp = GatedMLP(ops, d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_activation])
+        block = Block(ops, attention, mlp, cfg.rms_norm_eps, post_norms=True)
+        self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         # from_numpy rounds sqrt(hidden) to the compute dtype, as transformers casts the
         # normalizer to the embedding's dtype (sqrt(3072) = 55.4256 becomes 55.5 in bfloat16).
-        self.embed_scale = ops.from_numpy(host_array([cfg.hidden_size ** 0.5]))
-        assert cfg.layer_types is not None  # set by validate()
-        self.rope = {kind: RotaryEmbedding(ops, cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings)
+        self.embed_scale = ops.from_numpy(host_array([d ** 0.5]))
+        self.rope = {kind: RotaryEmbedding(ops, hd, cfg.rope[kind], cfg.max_position_embeddings)
                      for kind in sorted(set(cfg.layer_types))}
-        self.layers = [DecoderLayer(cfg, i, weights, ops) for i in range(cfg.num_hidden_layers)]
-        self.first, self.before, self.after = layer_pieces(ops, cfg)
-        self.norm = weights.get("model.norm.weight", (cfg.hidden_size,), transform=_gemma_norm)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = weights.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        norm = lambda name, n=d: w.get(name + ".weight", (n,), transform=_gemma_norm)  # noqa: E731
+        self.layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            attn_in, attn_out = attention.load(w, a, bias=cfg.attention_bias)  # qkv_proj where stored alike
+            self.layers.append(DecoderLayer(
+                i, block, scale=cfg.query_pre_attn_scalar ** -0.5, window=cfg.window(i), rope=kind,
+                attn_in={"attn_norm": norm(p + "input_layernorm"), **attn_in,
+                         "q_norm": norm(a + "q_norm", hd), "k_norm": norm(a + "k_norm", hd)},
+                attn_out={**attn_out, "attn_post_norm": norm(p + "post_attention_layernorm"),
+                          "mlp_norm": norm(p + "pre_feedforward_layernorm"), **mlp.load(w, p + "mlp."),
+                          "mlp_post_norm": norm(p + "post_feedforward_layernorm")},
+            ))
+        self.norm = norm("model.norm")
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        ops = self.ops
-        h = ops.mul(ops.embedding(self.embed_tokens, input_ids), self.embed_scale)  # [tokens, hidden]
-        tables = {kind: rope(ctx) for kind, rope in self.rope.items()}  # cos, sin [tokens, head_dim/2]
-        residual = None
-        for layer in self.layers:
-            cos, sin = tables[layer.kind]
-            if residual is None:
-                q, k, v, residual = self.first(h, layer.attn_in, cos, sin)
-            else:
-                q, k, v, residual = self.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
-            h, residual = self.after(o, residual, layer.attn_out)
-        h, _ = ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        if ctx.capture_hidden:  # [tokens, hidden]: what the output head reads
-            ctx.hidden = h
-        if ctx.logits_indices is not None:
-            h = ops.take(h, ctx.logits_indices, axis=0)
-        logits = ops.linear(h, self.lm_head)  # [rows, vocab]
-        return logits if self.final_softcap is None else ops.softcap(logits, self.final_softcap)
+    def compute_logits(self, hidden: Array) -> Array:
+        logits = super().compute_logits(hidden)  # [rows, vocab]
+        return logits if self.final_softcap is None else self.ops.softcap(logits, self.final_softcap)
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Gemma3ForCausalLM:

@@ -16,13 +16,18 @@ DeepSeek-V3 (``topk_method`` ``noaux_tc``):
   divided by their sum when ``norm_topk_prob`` (eq. 13), times
   ``routed_scaling_factor``.
 
-Dispatch: the chosen expert ids come to the host (one small transfer per
-layer) and each expert runs on the rows routed to it (``take``); the outputs
-are put back in (token, slot) order with one more ``take``, weighted and
-summed over the slots. Only ops of the contract, so every backend runs it.
+Dispatch (:func:`mix_experts`, the same for any router that picks top-k
+experts per token): the chosen expert ids come to the host (one small
+transfer per layer) and each expert runs on the rows routed to it
+(``take``); the outputs are put back in (token, slot) order with one more
+``take``, weighted and summed over the slots. Only ops of the contract, so
+every backend runs it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from infer.architecture import WeightLoader, host_array
 from infer.ops import Array, Backend
@@ -39,25 +44,40 @@ def _ints(ops: Backend, values: list[int]) -> Array:
     return ops.from_numpy(host_array(values, "int32"))
 
 
-class TopKRouter:
-    """Weights ``{prefix}weight`` (``[experts, hidden]``) and, when present,
-    ``{prefix}e_score_correction_bias`` (``[experts]``)."""
+class DeepseekMoE:
+    """Router ``{prefix}gate.weight`` (``[experts, hidden]``) with, when present,
+    ``{prefix}gate.e_score_correction_bias`` (``[experts]``); routed experts
+    ``{prefix}experts.{i}.*`` and the shared experts ``{prefix}shared_experts.*``
+    (one gated MLP ``n_shared`` times as wide)."""
 
-    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, *, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float, w: WeightLoader, ops: Backend) -> None:
-        self.ops, self.num_experts, self.top_k = ops, num_experts, top_k
+    capturable = False  # the chosen experts are read on the host
+
+    def __init__(self, ops: Backend, hidden: int, intermediate: int, num_experts: int, n_shared: int, top_k: int, *,
+                 n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+                 activation: str = "silu") -> None:
+        self.ops, self.hidden, self.num_experts, self.top_k = ops, hidden, num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
-        self.weight = w.get(prefix + "weight", (num_experts, hidden))
-        bias = prefix + "e_score_correction_bias"
-        self.bias = w.get(bias, (num_experts,)) if w.has(bias) else None
+        self.expert = GatedMLP(ops, hidden, intermediate, activation)
+        self.shared = GatedMLP(ops, hidden, intermediate * n_shared, activation) if n_shared else None
 
-    def __call__(self, x: Array) -> tuple[Array, list[list[int]]]:
+    def load(self, w: WeightLoader, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"gate": w.get(prefix + "gate.weight", (self.num_experts, self.hidden))}
+        bias = prefix + "gate.e_score_correction_bias"
+        if w.has(bias):
+            out["gate.e_score_correction_bias"] = w.get(bias, (self.num_experts,))
+        out["experts"] = [self.expert.load(w, f"{prefix}experts.{i}.") for i in range(self.num_experts)]
+        if self.shared is not None:
+            out["shared_experts"] = self.shared.load(w, prefix + "shared_experts.")
+        return out
+
+    def route(self, x: Array, w: dict[str, Any]) -> tuple[Array, list[list[int]]]:
         """Gate weights ``[tokens, top_k]`` and the chosen expert ids per token (host lists)."""
         ops = self.ops
         t, e = ops.shape(x)[0], self.num_experts
-        scores = sigmoid(ops, ops.astype(ops.linear(x, self.weight), "float32"))  # [tokens, experts]
-        choice = scores if self.bias is None else ops.add(scores, ops.astype(self.bias, "float32"))
+        scores = sigmoid(ops, ops.astype(ops.linear(x, w["gate"]), "float32"))  # [tokens, experts]
+        bias = w.get("gate.e_score_correction_bias")
+        choice = scores if bias is None else ops.add(scores, ops.astype(bias, "float32"))
         if self.n_group > 1 and self.topk_group < self.n_group:
             grouped = ops.reshape(choice, (t, self.n_group, e // self.n_group))
             group_scores = ops.sum(ops.topk(grouped, 2)[0], axis=-1)  # [tokens, groups]
@@ -74,38 +94,32 @@ class TopKRouter:
             weights = ops.div(weights, ops.add(ops.sum(weights, axis=-1, keepdims=True), 1e-20))
         return ops.mul(weights, self.scaling), [[int(j) for j in row] for row in ids]
 
+    def __call__(self, x: Array, w: dict[str, Any]) -> Array:
+        weights, ids = self.route(x, w)
+        out = mix_experts(self.ops, x, weights, ids, lambda e, rows: self.expert(rows, w["experts"][e]))
+        return out if self.shared is None else self.ops.add(out, self.shared(x, w["shared_experts"]))
 
-class DeepseekMoE:
-    """Router ``{prefix}gate``, routed experts ``{prefix}experts.{i}`` and the
-    shared experts ``{prefix}shared_experts`` (one MLP ``n_shared`` times as wide)."""
 
-    def __init__(self, prefix: str, hidden: int, intermediate: int, num_experts: int, n_shared: int,
-                 router: TopKRouter, w: WeightLoader, ops: Backend) -> None:
-        self.ops, self.gate = ops, router
-        self.experts = [GatedMLP(f"{prefix}experts.{i}.", hidden, intermediate, "silu", w, ops)
-                        for i in range(num_experts)]
-        self.shared_experts = (GatedMLP(f"{prefix}shared_experts.", hidden, intermediate * n_shared, "silu", w, ops)
-                               if n_shared else None)
-
-    def __call__(self, x: Array) -> Array:
-        ops = self.ops
-        t, d = ops.shape(x)
-        weights, ids = self.gate(x)
-        k = len(ids[0])
-        routed: dict[int, list[int]] = {}  # expert -> flat (token * k + slot) indices routed to it
-        for i, row in enumerate(ids):
-            for slot, expert in enumerate(row):
-                routed.setdefault(expert, []).append(i * k + slot)
-        outputs, where = [], [0] * (t * k)  # where[token * k + slot]: its row among the outputs
-        row = 0
-        for expert in sorted(routed):
-            flat = routed[expert]
-            outputs.append(self.experts[expert](ops.take(x, _ints(ops, [f // k for f in flat]), axis=0)))
-            for f in flat:
-                where[f] = row
-                row += 1
-        y = ops.concat(outputs, 0) if len(outputs) > 1 else outputs[0]
-        y = ops.reshape(ops.take(y, _ints(ops, where), axis=0), (t, k, d))  # [tokens, slots, hidden]
-        weights = ops.reshape(ops.astype(weights, ops.dtype(y)), (t, k, 1))
-        out = ops.sum(ops.mul(y, weights), axis=1)
-        return out if self.shared_experts is None else ops.add(out, self.shared_experts(x))
+def mix_experts(ops: Backend, x: Array, weights: Array, ids: list[list[int]],
+                expert: Callable[[int, Array], Array]) -> Array:
+    """``sum_slot weights[t, slot] * expert(ids[t][slot], x[t])`` for every
+    token ``t`` of ``x`` ``[tokens, hidden]``: each chosen expert runs once,
+    on the rows routed to it (module docstring)."""
+    t, d = ops.shape(x)
+    k = len(ids[0])
+    routed: dict[int, list[int]] = {}  # expert -> flat (token * k + slot) indices routed to it
+    for i, row in enumerate(ids):
+        for slot, e in enumerate(row):
+            routed.setdefault(e, []).append(i * k + slot)
+    outputs, where = [], [0] * (t * k)  # where[token * k + slot]: its row among the outputs
+    n = 0
+    for e in sorted(routed):
+        flat = routed[e]
+        outputs.append(expert(e, ops.take(x, _ints(ops, [f // k for f in flat]), axis=0)))
+        for f in flat:
+            where[f] = n
+            n += 1
+    y = ops.concat(outputs, 0) if len(outputs) > 1 else outputs[0]
+    y = ops.reshape(ops.take(y, _ints(ops, where), axis=0), (t, k, d))  # [tokens, slots, hidden]
+    weights = ops.reshape(ops.astype(weights, ops.dtype(y)), (t, k, 1))
+    return ops.sum(ops.mul(y, weights), axis=1)

@@ -105,6 +105,14 @@ def _yarn(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tup
     return out, float(attention)
 
 
+def context_length(params: dict[str, Any], max_position_embeddings: int) -> int:
+    """The longest sequence a model with these rope settings runs: dynamic NTK
+    scaling exists to run past the trained length, by its factor."""
+    if params.get("rope_type") == "dynamic":
+        return int(max_position_embeddings * float(params["factor"]))
+    return max_position_embeddings
+
+
 class RotaryEmbedding:
     """cos/sin tables for a rope configuration (see the module docstring)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from infer.attention import AttentionContext
-from infer.errors import MissingTensorError, ShapeMismatchError
+from infer.errors import MissingTensorError, ShapeMismatchError, UnsupportedOpError
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
 from infer.package import TensorSource
 
@@ -37,8 +38,19 @@ def host_array(values: list[float] | list[int], dtype: str = "float32") -> np.nd
 def capture(ops: Backend, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``ops.compile(fn)`` when graph capture is on for ``ops``
     (``infer.load(..., compile=True)``), else ``fn``: how an architecture
-    marks a pure piece of a layer as worth compiling."""
-    return ops.compile(fn) if ops.graph_capture else fn
+    marks a pure piece of a layer as worth compiling.
+
+    What is compiled is a copy of ``fn`` with its own code object. The pieces
+    of every model in a process are closures over one function's code (the
+    shared decoder's), and torch.compile keeps its cache of compiled graphs,
+    and its limit on recompilations, per code object: without the copy,
+    every model loaded would add its graphs to one cache until the limit
+    (8) is hit."""
+    if not ops.graph_capture:
+        return fn
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__, own.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return ops.compile(own)
 
 
 class WeightLoader:
@@ -179,6 +191,13 @@ class CausalLM(abc.ABC):
     implement :meth:`forward`. They compute only through ``ops`` and
     ``ctx.attention``.
 
+    The network and its output head are two calls (as vLLM's ``forward`` and
+    ``compute_logits``): :meth:`forward` returns the final hidden states of
+    every new token, and the engine picks the rows whose logits it wants
+    (a prefill needs only the last) before :meth:`compute_logits` projects
+    them onto the vocabulary. So which rows to keep, and keeping the hidden
+    states for multi-token prediction, are the engine's business.
+
     **Multi-token prediction (MTP).** Some checkpoints ship MTP modules
     (DeepSeek-V3 section 2.2; see ``docs/mtp.md``): module ``d`` predicts the
     token after the next one from the hidden state at position ``p`` and the
@@ -190,11 +209,11 @@ class CausalLM(abc.ABC):
     * :attr:`num_cache_layers` — KV cache layers the engine allocates:
       ``num_layers + num_mtp_modules``; MTP module ``d`` attends in cache
       layer ``num_layers + d``;
-    * :meth:`forward` with ``ctx.capture_hidden`` True also sets
-      ``ctx.hidden``: ``[tokens, hidden_size]`` for *all* new tokens (not
-      restricted by ``ctx.logits_indices``), exactly the hidden state MTP
-      module 0 consumes. Every architecture sets it, with or without MTP;
-    * :meth:`mtp_forward` runs one module.
+    * :meth:`mtp_forward` runs one module, :meth:`mtp_compute_logits`
+      applies its head.
+
+    The hidden states :meth:`forward` returns are exactly what MTP module 0
+    consumes.
     """
 
     #: The config dataclass instance.
@@ -208,6 +227,9 @@ class CausalLM(abc.ABC):
     max_context: int
     #: Vocabulary size (logit width).
     vocab_size: int
+    #: The output head ``[vocab, hidden]`` that the default
+    #: :meth:`compute_logits` applies (the input embedding when tied).
+    lm_head: Array
 
     def __init__(self, config: Any, weights: WeightLoader, ops: Backend) -> None:
         self.config = config
@@ -221,37 +243,42 @@ class CausalLM(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        """Logits ``[rows, vocab]`` for the new tokens ``input_ids``
-        (``[tokens]`` int32), restricted to ``ctx.logits_indices`` when set.
+        """The hidden states ``[tokens, hidden_size]`` of the new tokens
+        ``input_ids`` (``[tokens]`` int32), after the final norm: what the
+        output head reads, and what MTP module 0 consumes (docs/mtp.md says
+        why that one)."""
 
-        When ``ctx.capture_hidden`` is True, also sets ``ctx.hidden`` to the
-        ``[tokens, hidden_size]`` hidden states of all new tokens: the state
-        the output head reads (after the final norm), which is also what MTP
-        module 0 consumes (docs/mtp.md says why that one).
-        """
+    def compute_logits(self, hidden: Array) -> Array:
+        """Logits ``[rows, vocab]`` for hidden states ``[rows, hidden_size]``
+        taken from :meth:`forward`'s output. Default: the output head
+        :attr:`lm_head` (``ops.linear`` takes a quantized head as it is)."""
+        return self.ops.linear(hidden, self.lm_head)
 
-    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
         """Run MTP module ``depth`` (0-based).
 
         ``hidden``: ``[tokens, hidden_size]`` at positions ``p`` — for depth 0
-        the main model's ``ctx.hidden``, for depth ``d > 0`` the hidden this
-        method returned at depth ``d - 1`` (or the same module's, when the
-        engine reuses one module for several steps). ``input_ids``:
+        rows of the main model's :meth:`forward` output, for depth ``d > 0``
+        what this method returned at depth ``d - 1`` (or the same module's,
+        when the engine reuses one module for several steps). ``input_ids``:
         ``[tokens]`` the tokens at positions ``p + 1``. ``ctx`` places these
         rows at positions ``p``; attention in the module reads and writes
         cache layer ``num_layers + depth``.
 
-        Returns ``(logits, hidden)``: logits ``[rows, vocab]`` (restricted to
-        ``ctx.logits_indices``) predicting the tokens at ``p + 2``, and the
-        module's output hidden ``[tokens, hidden_size]`` before its own head
-        norm, for chaining. Default: the model has no MTP modules.
+        Returns the module's output hidden ``[tokens, hidden_size]``, before
+        its own head norm (what the next depth chains on);
+        :meth:`mtp_compute_logits` turns rows of it into logits predicting
+        the tokens at ``p + 2``. Default: the model has no MTP modules.
         """
-        from infer.errors import UnsupportedOpError
-
         raise UnsupportedOpError(
             f"{type(self).__name__} has no multi-token prediction modules (num_mtp_modules is 0); "
             "use another draft source"
         )
+
+    def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
+        """Logits ``[rows, vocab]`` of MTP module ``depth`` for rows of its
+        :meth:`mtp_forward` output: the module's head norm, then its head."""
+        raise UnsupportedOpError(f"{type(self).__name__} has no multi-token prediction modules")
 
     #: Tensors the model package may hold that the architecture never reads
     #: (e.g. precomputed rotary tables); not reported as unused.

@@ -18,13 +18,9 @@ values for the backend's ``attention`` op. Both give the same result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import numpy as np
-
-from infer.errors import GenerationError
 from infer.ops import Array, Backend
 
 
@@ -72,44 +68,19 @@ class AttentionContext:
     * ``num_tokens`` — number of new tokens across the batch.
     * ``max_position`` — largest position in the batch + 1 (the sequence
       length, e.g. for dynamic rope scaling).
-    * ``logits_indices`` — ``[n]`` rows whose logits are wanted, or None for
-      all rows. Architectures apply it before the output head, so a prefill
-      projects only the last token onto the vocabulary.
-    * ``capture_hidden`` — when True, the architecture's ``forward`` sets
-      ``hidden``: ``[tokens, hidden_size]`` final hidden states of every new
-      token (not restricted by ``logits_indices``), what multi-token
-      prediction modules consume (see :class:`~infer.architecture.CausalLM`).
 
-    ``all_logits`` is one flag for every sequence, or one per sequence: the
-    logits of every new token of that sequence (speculative verification),
-    else of its last one only.
+    Which rows get logits is not the context's business: the architecture
+    returns the hidden states of every new token and the engine applies the
+    head (:meth:`~infer.architecture.CausalLM.compute_logits`).
     """
 
-    def __init__(
-        self,
-        ops: Backend,
-        sequences: list[SequenceSlice],
-        *,
-        all_logits: bool | Sequence[bool] = False,
-        capture_hidden: bool = False,
-    ) -> None:
+    def __init__(self, ops: Backend, sequences: list[SequenceSlice]) -> None:
         self.ops = ops
-        self.capture_hidden = capture_hidden
-        #: Set by the architecture's forward when ``capture_hidden`` is True.
-        self.hidden: Array | None = None
         self.sequences = sequences
         self.num_tokens = sum(s.length for s in sequences)
         self.max_position = max(s.start + s.length for s in sequences)
         positions = [ops.arange(s.start, s.start + s.length, "int32") for s in sequences]
         self.positions = positions[0] if len(positions) == 1 else ops.concat(positions, 0)
-        every = [all_logits] * len(sequences) if isinstance(all_logits, bool) else list(all_logits)
-        if len(every) != len(sequences):
-            raise GenerationError(f"all_logits has {len(every)} flags for {len(sequences)} sequences")
-        rows, offset = [], 0
-        for s, whole in zip(sequences, every):
-            rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
-            offset += s.length
-        self.logits_indices: Array | None = None if rows == list(range(self.num_tokens)) else _int_array(ops, rows)
         native = ops.supports("paged_attention")
         #: Per sequence: attend through the cache's ``attend`` (True) or
         #: ``read`` + the ``attention`` op (False).
@@ -156,6 +127,3 @@ class AttentionContext:
             outputs.append(ops.attention(qs, keys, values, scale=scale, window=window, softcap=softcap))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
 
-
-def _int_array(ops: Backend, values: list[int]) -> Array:
-    return ops.from_numpy(np.asarray(values, dtype=np.int32))

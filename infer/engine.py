@@ -124,6 +124,25 @@ class ForwardOutput:
         return self.backend.slice(self.hidden, 0, first, first + self.batch.slices[i].length)
 
 
+def _logit_rows(slices: Sequence[SequenceSlice], all_logits: bool | Sequence[bool]) -> list[int] | None:
+    """The rows of a forward's flattened tokens whose logits are wanted:
+    every new token of a sequence whose ``all_logits`` flag is set (one flag
+    for all, or one per sequence), else its last one. None: every row."""
+    every = [all_logits] * len(slices) if isinstance(all_logits, bool) else list(all_logits)
+    if len(every) != len(slices):
+        raise GenerationError(f"all_logits has {len(every)} flags for {len(slices)} sequences")
+    rows, offset = [], 0
+    for s, whole in zip(slices, every):
+        rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
+        offset += s.length
+    return None if len(rows) == offset else rows
+
+
+def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
+    """``rows`` of ``hidden`` (None: all of them), so the head projects only those."""
+    return hidden if rows is None else ops.take(hidden, ops.from_numpy(np.asarray(rows, dtype=np.int32)), axis=0)
+
+
 class Engine:
     """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
 
@@ -179,11 +198,9 @@ class Engine:
             ops, model = self.backend, self.model
             cache = ContiguousKVCache(ops, model.num_cache_layers, 1)
             ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
-            ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 1)], capture_hidden=model.num_mtp_modules > 0)
-            model.forward(ids, ctx)
-            hidden = ctx.hidden
+            hidden = model.forward(ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             for depth in range(model.num_mtp_modules):
-                _, hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
+                hidden = model.mtp_forward(depth, hidden, ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             self._kv_bytes_per_position = cache.nbytes_per_position
         return self._kv_bytes_per_position
 
@@ -252,11 +269,10 @@ class Engine:
         """The network over ``batch``: the logits of the rows it asks for,
         and every new token's hidden states when it asks for them."""
         ops = self.backend
-        ctx = AttentionContext(ops, batch.slices, all_logits=batch.all_logits, capture_hidden=batch.capture_hidden)
-        logits = self.model.forward(ops.from_numpy(batch.ids), ctx)
-        if batch.capture_hidden and ctx.hidden is None:
-            raise GenerationError(f"{type(self.model).__name__}.forward did not capture its hidden states")
-        return logits, ctx.hidden
+        ctx = AttentionContext(ops, batch.slices)
+        hidden = self.model.forward(ops.from_numpy(batch.ids), ctx)
+        logits = self.model.compute_logits(_rows(ops, hidden, _logit_rows(batch.slices, batch.all_logits)))
+        return logits, hidden if batch.capture_hidden else None
 
     def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
         """One sequence's forward: ``token_ids`` appended to ``seq``; logits
@@ -275,4 +291,5 @@ class Engine:
         ops = self.backend
         slices = [SequenceSlice(seq.cache, start, len(ids)) for seq, start, ids in zip(seqs, starts, token_ids)]
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
-        return self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
+        out = self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
+        return self.model.mtp_compute_logits(depth, _rows(ops, out, _logit_rows(slices, False))), out

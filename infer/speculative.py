@@ -219,8 +219,8 @@ class DraftSource(abc.ABC):
 
     #: Name used in the figures.
     name: str = "draft"
-    #: True when the engine must capture the target's hidden states
-    #: (``ctx.capture_hidden``) and pass them in :attr:`DraftJob.hidden`.
+    #: True when the engine must keep the target's hidden states (what the
+    #: model's ``forward`` returns) and pass them in :attr:`DraftJob.hidden`.
     needs_hidden: bool = False
 
     def new_state(self) -> Any:

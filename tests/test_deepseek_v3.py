@@ -253,15 +253,13 @@ def test_transformers_mtp_layer_agrees_with_the_reference(mtp_ids: list[int], re
 
 def infer_mtp(model: infer.Model, ids: list[int], *, chunks: list[int] | None = None,
               pool: PagedKVPool | None = None) -> list[np.ndarray]:
-    """Every depth's logits over the sequence through the public interface: forward with
-    capture_hidden, then mtp_forward per depth, fed in ``chunks`` of rows (cached)."""
+    """Every depth's logits over the sequence through the public interface: forward,
+    then mtp_forward and mtp_compute_logits per depth, fed in ``chunks`` of rows (cached)."""
     net, ops = model.network, model.backend
     n = len(ids)
     cache = pool.new_sequence(n) if pool is not None else ContiguousKVCache(ops, net.num_cache_layers, n)
-    ctx = AttentionContext(ops, [SequenceSlice(cache, 0, n)], all_logits=True, capture_hidden=True)
-    net.forward(ops.from_numpy(np.asarray(ids, np.int32)), ctx)
+    hidden = net.forward(ops.from_numpy(np.asarray(ids, np.int32)), AttentionContext(ops, [SequenceSlice(cache, 0, n)]))
     cache.commit(ids)  # as the engine does after a forward; MTP rows then go to committed positions
-    hidden = ctx.hidden
     assert ops.shape(hidden) == (n, net.config.hidden_size)
     out = []
     for d in range(net.num_mtp_modules):
@@ -271,10 +269,10 @@ def infer_mtp(model: infer.Model, ids: list[int], *, chunks: list[int] | None = 
             size = min(size, rows - start)
             if size <= 0:
                 break
-            c = AttentionContext(ops, [SequenceSlice(cache, start, size)], all_logits=True)
+            c = AttentionContext(ops, [SequenceSlice(cache, start, size)])
             tokens = ops.from_numpy(np.asarray(ids[start + 1 + d: start + 1 + d + size], np.int32))
-            lg, h = net.mtp_forward(d, ops.slice(hidden, 0, start, start + size), tokens, c)
-            logits.append(ops.to_numpy(lg))
+            h = net.mtp_forward(d, ops.slice(hidden, 0, start, start + size), tokens, c)
+            logits.append(ops.to_numpy(net.mtp_compute_logits(d, h)))
             outs.append(h)
             start += size
         assert start == rows
@@ -330,18 +328,16 @@ def test_mtp_cached_in_chunks_and_paged(backend: str, mtp_ids: list[int], refere
     assert pool.stats().used == 0
 
 
-def test_mtp_logits_follow_logits_indices(mtp_ids: list[int], reference: list[np.ndarray]) -> None:
-    model = infer.load(mtp_model_dir(), backend="numpy")
-    net, ops = model.network, model.backend
+def test_engine_mtp_forward_gives_each_sequences_last_row(mtp_ids: list[int], reference: list[np.ndarray]) -> None:
+    engine = infer.load(mtp_model_dir(), backend="numpy").engine
+    net, ops = engine.model, engine.backend
     n = len(mtp_ids)
-    cache = ContiguousKVCache(ops, net.num_cache_layers, n)
-    ctx = AttentionContext(ops, [SequenceSlice(cache, 0, n)], capture_hidden=True)  # last row's logits only
-    logits = net.forward(ops.from_numpy(np.asarray(mtp_ids, np.int32)), ctx)
-    assert ops.shape(logits)[0] == 1 and ops.shape(ctx.hidden)[0] == n  # hidden: every row
-    c = AttentionContext(ops, [SequenceSlice(cache, 0, n - 1)])
-    lg, h = net.mtp_forward(0, ops.slice(ctx.hidden, 0, 0, n - 1), ops.from_numpy(np.asarray(mtp_ids[1:], np.int32)), c)
-    assert ops.shape(h) == (n - 1, net.config.hidden_size)
-    assert_logits_close(ops.to_numpy(lg)[0], reference[0][-1], "last row")
+    seq = engine.new_sequence(n)
+    out = engine.run(engine.prepare([seq], [mtp_ids], capture_hidden=True))  # the last row's logits only
+    assert ops.shape(out.logits)[0] == 1 and ops.shape(out.hidden)[0] == n  # hidden: every row
+    logits, h = engine.mtp_forward(0, [seq], [0], ops.slice(out.hidden, 0, 0, n - 1), [mtp_ids[1:]])
+    assert ops.shape(logits)[0] == 1 and ops.shape(h) == (n - 1, net.config.hidden_size)
+    assert_logits_close(ops.to_numpy(logits)[0], reference[0][-1], "last row")
 
 
 def test_qwen3_next_naming_maps_onto_the_same_module(tmp_path: Path, mtp_ids: list[int],
@@ -352,14 +348,17 @@ def test_qwen3_next_naming_maps_onto_the_same_module(tmp_path: Path, mtp_ids: li
     assert_logits_close(got[0], reference[0], "Qwen3-Next-named MTP module")
 
 
-def test_models_without_mtp_capture_hidden_and_refuse_mtp_forward() -> None:
+def test_models_without_mtp_return_hidden_states_and_refuse_mtp_forward() -> None:
     for variant in ("llama3", "gemma3"):
         model = infer.load(tiny_model_dir(variant), backend="numpy")
         net, ops = model.network, model.backend
         assert net.num_mtp_modules == 0 and net.num_cache_layers == net.num_layers
         cache = ContiguousKVCache(ops, net.num_cache_layers, 4)
-        ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 4)], capture_hidden=True)
-        net.forward(ops.from_numpy(np.asarray([5, 6, 7, 8], np.int32)), ctx)
-        assert ops.shape(ctx.hidden) == (4, net.config.hidden_size)
+        ctx = AttentionContext(ops, [SequenceSlice(cache, 0, 4)])
+        hidden = net.forward(ops.from_numpy(np.asarray([5, 6, 7, 8], np.int32)), ctx)
+        assert ops.shape(hidden) == (4, net.config.hidden_size)
+        assert ops.shape(net.compute_logits(hidden)) == (4, net.vocab_size)
         with pytest.raises(infer.errors.InferError):
-            net.mtp_forward(0, ctx.hidden, ops.from_numpy(np.asarray([1, 2, 3, 4], np.int32)), ctx)
+            net.mtp_forward(0, hidden, ops.from_numpy(np.asarray([1, 2, 3, 4], np.int32)), ctx)
+        with pytest.raises(infer.errors.InferError):
+            net.mtp_compute_logits(0, hidden)

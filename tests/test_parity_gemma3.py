@@ -58,7 +58,7 @@ def test_legacy_config_is_read_as_transformers_reads_it() -> None:
     want = AutoConfig.from_pretrained(path)
     network = infer.load(path, backend="numpy").network
     assert want.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    assert [layer.kind for layer in network.layers] == want.layer_types
+    assert [layer.rope for layer in network.layers] == want.layer_types
     got = {kind: (r.rope_type, r.base, r.params.get("factor")) for kind, r in network.rope.items()}
     rope = want.rope_parameters
     assert got == {kind: (p["rope_type"], p["rope_theta"], p.get("factor")) for kind, p in rope.items()}

@@ -22,7 +22,7 @@ accepted, partly accepted and rejected drafts all occur.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -73,14 +73,8 @@ class ShadowMTP(CausalLM):
         self.num_layers, self.max_context, self.vocab_size = base.num_layers, base.max_context, base.vocab_size
         self.num_mtp_modules = depths
         # Module d runs the llama's layers in cache layers of its own, after the decoder's.
-        self.shadow = []
-        for d in range(depths):
-            twins = []
-            for layer in base.layers:  # type: ignore[attr-defined]
-                twin = copy.copy(layer)
-                twin.layer += (1 + d) * base.num_layers
-                twins.append(twin)
-            self.shadow.append(twins)
+        self.shadow = [[dataclasses.replace(layer, index=layer.index + (1 + d) * base.num_layers)
+                        for layer in base.layers] for d in range(depths)]  # type: ignore[attr-defined]
         d = base.config.hidden_size
         rng = np.random.default_rng(seed)
         self.eh_proj = self.ops.from_numpy((rng.standard_normal((d, d)) * mix / np.sqrt(d)).astype(np.float32))
@@ -90,35 +84,24 @@ class ShadowMTP(CausalLM):
         return (1 + self.num_mtp_modules) * self.num_layers
 
     def _stack(self, h: Array, layers: list, ctx: AttentionContext) -> Array:
-        ops, base = self.ops, self.base
-        cos, sin = base.rope(ctx)  # type: ignore[attr-defined]
-        residual = None
-        for layer in layers:  # as LlamaForCausalLM.forward
-            if residual is None:
-                q, k, v, residual = base.first(h, layer.attn_in, cos, sin)  # type: ignore[attr-defined]
-            else:
-                q, k, v, residual = base.before(h, residual, layer.attn_in, cos, sin)  # type: ignore[attr-defined]
-            o = ctx.attention(layer.layer, q, k, v, scale=layer.scale, window=layer.window)
-            h, residual = base.after(o, residual, layer.attn_out)  # type: ignore[attr-defined]
-        h, _ = ops.fused_add_rms_norm(h, residual, base.norm, base.eps)  # type: ignore[attr-defined]
+        base = self.base
+        h, residual = base.run_layers(h, layers, ctx)  # type: ignore[attr-defined]
+        h, _ = self.ops.fused_add_rms_norm(h, residual, base.norm, base.eps)  # type: ignore[attr-defined]
         return h
 
-    def _head(self, h: Array, ctx: AttentionContext) -> Array:
-        if ctx.logits_indices is not None:
-            h = self.ops.take(h, ctx.logits_indices, axis=0)
-        return self.ops.linear(h, self.base.lm_head)  # type: ignore[attr-defined]
-
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        h = self._stack(self.ops.embedding(self.base.embed_tokens, input_ids), self.base.layers, ctx)  # type: ignore[attr-defined]
-        if ctx.capture_hidden:
-            ctx.hidden = h
-        return self._head(h, ctx)
+        return self._stack(self.ops.embedding(self.base.embed_tokens, input_ids), self.base.layers, ctx)  # type: ignore[attr-defined]
 
-    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> tuple[Array, Array]:
+    def compute_logits(self, hidden: Array) -> Array:
+        return self.base.compute_logits(hidden)
+
+    def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
         ops = self.ops
         x = ops.add(ops.embedding(self.base.embed_tokens, input_ids), ops.linear(hidden, self.eh_proj))  # type: ignore[attr-defined]
-        h = self._stack(x, self.shadow[depth], ctx)
-        return self._head(h, ctx), h
+        return self._stack(x, self.shadow[depth], ctx)
+
+    def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
+        return self.base.compute_logits(hidden)
 
 
 _MTP: dict[str, Engine] = {}

@@ -1,0 +1,248 @@
+"""The decoder every architecture here is written as.
+
+Embedding (optionally scaled), a stack of residual blocks, final norm; the
+output head is :meth:`~infer.architecture.CausalLM.compute_logits`. Each
+block is pre-norm (Xiong et al. 2020, "On Layer Normalization in the
+Transformer Architecture"), optionally with norms after attention and MLP
+too (Gemma 2/3's "sandwich"; without them ``post_*_norm`` is the identity):
+
+    h = h + post_attn_norm(attention.out(attend(attention.qkv(attn_norm(h)))))
+    h = h + post_mlp_norm(mlp(mlp_norm(h)))
+
+What an architecture chooses, and where:
+
+* the **attention part**: ``qkv(x, w, cos, sin) -> q, k, v`` before the
+  context's attention call and ``out(o, w) -> [tokens, hidden]`` after it.
+  :class:`Attention` (grouped-query, optional biases and per-head q/k norm)
+  here; deepseek_v3's latent attention is another;
+* the **MLP part**: ``mlp(x, w) -> [tokens, hidden]``, e.g.
+  :class:`~.mlp.GatedMLP` or :class:`~.moe.DeepseekMoE`; a layer may use its
+  own (DeepSeek's first layers are dense);
+* per layer (:class:`DecoderLayer`): its weights, attention scale and
+  window, and which rotary table it uses (None: no rope in that layer);
+* the embedding scale, and anything else by overriding :meth:`Decoder.embed`
+  or :meth:`~infer.architecture.CausalLM.compute_logits`.
+
+The parts are stateless settings; weights travel in per-layer dicts whose keys
+name roles (``attn_norm``, ``attn_post_norm``, ``mlp_norm``,
+``mlp_post_norm``) or Hugging Face projections (``q_proj`` or the stacked
+``qkv_proj``, ``o_proj``, ``gate_up_proj``, ...). So the math of a block is
+pure functions of arrays (:class:`Block`), shared by every layer built with the
+same parts, and compiled once for all of them when graph capture is on.
+
+The residual stream: a block returns its output *before* the residual add,
+and the next norm adds it (``fused_add_rms_norm``: one op for both).
+
+How other families fit: per-head q/k norms (Qwen3) are ``Attention(qk_norm=True)``;
+mixture-of-experts MLPs with a softmax top-k router (Mixtral, Qwen3-MoE) are an MLP
+part over :func:`~.moe.mix_experts`; layers without rope (SmolLM3) have ``rope``
+None; Granite's multipliers are the embedding scale, the layer's ``scale`` and parts
+that scale their outputs; norms only after each sublayer (OLMo 2) or LayerNorm with
+biases (GPT-2) are a variant of :class:`Block`, learned positions an
+:meth:`Decoder.embed` override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from infer.architecture import CausalLM, WeightLoader, capture
+from infer.attention import AttentionContext
+from infer.errors import ConfigError
+from infer.ops import Array, Backend
+
+from .projections import load_qkv, qkv
+from .rope import RotaryEmbedding
+
+#: ``config.json`` activation names -> the contract's op.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
+
+Weights = dict[str, Any]
+
+
+def activation(key: str, name: str) -> str:
+    """The op for activation ``name`` read from ``config.json`` key ``key``."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"config.json: {key} {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class AttentionPart(Protocol):
+    """The two halves of an attention sublayer around ``ctx.attention``."""
+
+    def load(self, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
+        """Its weights under ``prefix``: those ``qkv`` reads, and those ``out`` reads."""
+        ...
+
+    def qkv(self, x: Array, w: Weights, cos: Array | None, sin: Array | None) -> tuple[Array, Array, Array]:
+        """q ``[t, q_heads, dk]``, k ``[t, kv_heads, dk]``, v ``[t, kv_heads, dv]`` from the normed input."""
+        ...
+
+    def out(self, o: Array, w: Weights) -> Array:
+        """The sublayer's output ``[t, hidden]`` from attention's ``[t, q_heads, dv]``."""
+        ...
+
+
+class MLPPart(Protocol):
+    """A feed-forward sublayer."""
+
+    #: False when it reads values on the host (MoE routing), so it cannot be
+    #: part of a captured graph.
+    capturable: bool
+
+    def load(self, w: WeightLoader, prefix: str) -> Weights:
+        """Its weights under ``prefix`` (``...mlp.``)."""
+        ...
+
+    def __call__(self, x: Array, w: Weights) -> Array:
+        """``[tokens, hidden]`` from the normed input ``[tokens, hidden]``."""
+        ...
+
+
+class Attention:
+    """Multi-head attention with grouped keys and values (Ainslie et al. 2023,
+    "GQA"), as Llama computes it: ``q_proj``, ``k_proj``, ``v_proj`` (stacked
+    into one ``qkv_proj`` where stored alike, :mod:`.projections`) with biases
+    where present, optionally RMSNorm over each head's q and k (``qk_norm``:
+    Gemma 3, Qwen3), rope, then ``o_proj``."""
+
+    def __init__(self, ops: Backend, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
+                 qk_norm: bool = False, eps: float = 1e-6) -> None:
+        self.ops, self.hidden = ops, hidden
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qk_norm, self.eps = qk_norm, eps
+
+    def load(self, w: WeightLoader, prefix: str, *, bias: bool | None = None) -> tuple[Weights, Weights]:
+        """The projections under ``prefix`` (``...self_attn.``): those read
+        before attention, and ``o_proj`` (and its bias) read after. ``bias``
+        None: biases where the checkpoint has them. The q/k norm weights are
+        the architecture's to add (``q_norm``, ``k_norm``: ``[head_dim]``)."""
+        nh, nkv, hd, d = self.heads, self.kv_heads, self.head_dim, self.hidden
+        out = {"o_proj": w.get(prefix + "o_proj.weight", (d, nh * hd))}
+        if w.has(prefix + "o_proj.bias") if bias is None else bias:
+            out["o_proj.bias"] = w.get(prefix + "o_proj.bias", (d,))
+        return load_qkv(w, prefix, nh, nkv, hd, d, bias=bias), out
+
+    def qkv(self, x: Array, w: Weights, cos: Array | None, sin: Array | None) -> tuple[Array, Array, Array]:
+        ops = self.ops
+        q, k, v = qkv(ops, x, w, self.heads, self.kv_heads, self.head_dim)  # [t, heads, head_dim]
+        if self.qk_norm:
+            q = ops.rms_norm(q, w["q_norm"], self.eps)  # per head, over head_dim
+            k = ops.rms_norm(k, w["k_norm"], self.eps)
+        if cos is None:  # a layer without positions (e.g. SmolLM3's NoPE layers)
+            return q, k, v
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
+
+    def out(self, o: Array, w: Weights) -> Array:
+        o = self.ops.reshape(o, (-1, self.heads * self.head_dim))  # [tokens, heads * head_dim]
+        return self.ops.linear(o, w["o_proj"], w.get("o_proj.bias"))
+
+
+class Block:
+    """A residual block's math around its attention call, for one choice of
+    attention and MLP parts, as three pure pieces:
+
+    * ``first(h, w, cos, sin) -> (q, k, v, residual)`` for the first layer run;
+    * ``before(h, residual, w, cos, sin) -> (q, k, v, residual)``, which also
+      adds the previous block's output to the residual stream (fused with
+      the input norm);
+    * ``after(o, residual, w) -> (out, residual)``, ``out`` being the
+      block's output before its residual add.
+
+    ``before`` and ``first`` read the layer's :attr:`DecoderLayer.attn_in`,
+    ``after`` its :attr:`DecoderLayer.attn_out`. With graph capture on they
+    are compiled (``after`` only when the MLP is capturable).
+    """
+
+    def __init__(self, ops: Backend, attention: AttentionPart, mlp: MLPPart, eps: float, *,
+                 post_norms: bool = False) -> None:
+        self.attention, self.mlp = attention, mlp
+
+        def first(h: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
+            return (*attention.qkv(ops.rms_norm(h, w["attn_norm"], eps), w, cos, sin), h)
+
+        def before(h: Array, residual: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
+            x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
+            return (*attention.qkv(x, w, cos, sin), residual)
+
+        def after(o: Array, residual: Array, w: Weights) -> tuple[Array, Array]:
+            a = attention.out(o, w)
+            if post_norms:
+                a = ops.rms_norm(a, w["attn_post_norm"], eps)
+            x, residual = ops.fused_add_rms_norm(a, residual, w["mlp_norm"], eps)
+            y = mlp(x, w)
+            return (ops.rms_norm(y, w["mlp_post_norm"], eps) if post_norms else y), residual
+
+        self.first: Callable[..., Any] = capture(ops, first)
+        self.before: Callable[..., Any] = capture(ops, before)
+        self.after: Callable[..., Any] = capture(ops, after) if mlp.capturable else after
+
+
+@dataclass
+class DecoderLayer:
+    """One layer: where its keys and values go, the block that computes it,
+    its weights and its attention settings."""
+
+    #: Cache layer ``ctx.attention`` stores this layer's keys and values in.
+    index: int
+    block: Block
+    #: Weights read before attention: ``attn_norm`` and the attention part's.
+    attn_in: Weights
+    #: Weights read after: the attention part's output, the other norms, the MLP's.
+    attn_out: Weights
+    #: Softmax scale.
+    scale: float
+    #: Sliding window, or None for full attention.
+    window: int | None = None
+    #: Key of the rotary table in :attr:`Decoder.rope`, or None for no rope.
+    rope: str | None = "default"
+
+
+class Decoder(CausalLM):
+    """Embedding, decoder layers, final norm (see the module docstring).
+
+    A subclass reads its weights in ``__init__`` and sets the attributes below
+    (and ``lm_head``, ``num_layers``, ``max_context``, ``vocab_size``).
+    """
+
+    #: Input embedding ``[vocab, hidden]``.
+    embed_tokens: Array
+    #: Multiplies the embeddings (Gemma: ``sqrt(hidden)``); None: no scale.
+    embed_scale: Array | None = None
+    #: Rotary tables by the key layers name them with (:attr:`DecoderLayer.rope`).
+    rope: dict[str, RotaryEmbedding]
+    layers: list[DecoderLayer]
+    #: Final norm weight and eps.
+    norm: Array
+    eps: float
+
+    def embed(self, input_ids: Array) -> Array:
+        """Token embeddings ``[tokens, hidden]``."""
+        h = self.ops.embedding(self.embed_tokens, input_ids)
+        return h if self.embed_scale is None else self.ops.mul(h, self.embed_scale)
+
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        h, residual = self.run_layers(self.embed(input_ids), self.layers, ctx)
+        h, _ = self.ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
+        return h  # [tokens, hidden]
+
+    def run_layers(self, h: Array, layers: list[DecoderLayer], ctx: AttentionContext) -> tuple[Array, Array]:
+        """Run ``layers`` on the stream ``h`` ``[tokens, hidden]``: returns the
+        last block's output before its residual add, and the residual stream."""
+        tables: dict[str | None, tuple[Any, Any]] = {None: (None, None)}
+        tables.update((kind, rope(ctx)) for kind, rope in self.rope.items())  # cos, sin [tokens, rope_dim/2]
+        residual = None
+        for layer in layers:
+            block = layer.block
+            cos, sin = tables[layer.rope]
+            if residual is None:
+                q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
+            else:
+                q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
+            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window)
+            h, residual = block.after(o, residual, layer.attn_out)
+        assert residual is not None, "run_layers needs at least one layer"
+        return h, residual
