@@ -321,9 +321,13 @@ class StreamDecoder:
     Skipped special tokens never enter it: ``tokenizers`` drops them before
     its decoder runs, so leaving them out changes nothing.
 
-    One difference remains, for ids whose byte-fallback tokens (``<0xE6>``)
-    spell invalid UTF-8: ``decode`` then turns the whole run of byte tokens
-    into U+FFFD, characters the stream already showed included.
+    Two differences remain, both for byte-fallback tokens (``<0xE6>``) that a
+    sampling model strings together: where they spell invalid UTF-8,
+    ``decode`` turns the whole run of byte tokens into U+FFFD, characters the
+    stream already showed included; and where they spell SentencePiece's own
+    space marker ``▁`` (U+2581), the Metaspace decoder makes it a space or
+    drops it depending on the tokens before it in what it decodes, which the
+    window and the whole sequence need not share.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:

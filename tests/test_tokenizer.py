@@ -321,12 +321,15 @@ def test_stream_of_arbitrary_byte_fallback_ids(style: str, data: st.DataObject, 
     # Any ids, as long as each run of byte tokens spells valid UTF-8: a
     # SentencePiece decoder turns a whole run into U+FFFD once any byte in it
     # is invalid, which a stream that already showed the run's first
-    # characters cannot match (documented on StreamDecoder).
+    # characters cannot match (documented on StreamDecoder, with the "▁" case).
     tok = toks[style]
     tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
     byte_id = {int(token[3:5], 16): i for i, token in enumerate(tokens) if token.startswith("<0x")}
     other = [i for i in range(tok.vocab_size) if i not in byte_id.values()]
-    as_bytes = st.characters(codec="utf-8").map(lambda c: [byte_id[b] for b in c.encode()])  # no lone surrogates
+    # No lone surrogates (no UTF-8), and not the space marker itself, which the
+    # Metaspace decoder keeps or drops by what precedes it (documented there too).
+    chars = st.characters(codec="utf-8").filter(lambda c: c != "\u2581")
+    as_bytes = chars.map(lambda c: [byte_id[b] for b in c.encode()])
     chunks = data.draw(st.lists(st.one_of(st.sampled_from(other).map(lambda i: [i]), as_bytes), max_size=16))
     ids = [i for chunk in chunks for i in chunk]
     _check_stream(tok, ids, True)
