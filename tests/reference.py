@@ -494,8 +494,8 @@ def rounding_rtol(layers: int, length: int) -> float:
 
     Measured (tests/README.md has the table and the command): the largest error
     over every tiny variant and the real SmolLM2, on AVX-512, AVX2 and portable
-    kernels, 1 or 2 threads, was 0.2-0.3 of ``U32 * sqrt(K * R)``, so the bound
-    leaves a margin of 12x or more. Real mistakes (a dropped bias or norm weight, a
+    kernels, 1 or 2 threads, was at most 0.36 of ``U32 * sqrt(K * R)``, so the
+    bound leaves a margin of 11x or more. Real mistakes (a dropped bias or norm weight, a
     rope pair swapped, a mask or window off by one) move logits by 1e-2 relative
     or more, hundreds of times above it.
     """
