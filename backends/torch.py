@@ -34,6 +34,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,6 +82,30 @@ def _import_inductor_helpers() -> None:
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
                                 category=DeprecationWarning)
         importlib.import_module("torch.utils.mkldnn")
+
+
+def _separate_inductor_cache() -> None:
+    """Keep Inductor's on-disk kernel cache apart per forced CPU capability.
+
+    torch 2.13 keys the CPU kernels it caches on their generated source, which
+    does not change with ``ATEN_CPU_CAPABILITY``; so a kernel compiled under
+    one capability (say ``avx2``) is loaded under another and computes garbage
+    (NaN logits, values hundreds off, heap corruption: tests/README.md). Where
+    the capability is forced and no cache folder is chosen, each capability
+    gets its own folder beside Inductor's default. Inductor reads the variable
+    whenever it looks for its cache, so setting it before the first compile
+    suffices.
+    """
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not forced or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch layout: leave Inductor's choice alone
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{forced}"
+    log.debug("ATEN_CPU_CAPABILITY=%s: Inductor caches its kernels in %s", forced,
+              os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def _import_torch() -> None:
@@ -514,6 +539,7 @@ class TorchBackend(Backend):
         one another around the engine's KV-cache writes, which stay outside
         the graphs (untested on a GPU here)."""
         _import_inductor_helpers()
+        _separate_inductor_cache()
         return torch.compile(fn, fullgraph=True)
 
     def synchronize(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 
@@ -316,3 +317,20 @@ def test_compile_warns_nothing_about_torch_jit():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[6.0, 6.0, 6.0]"
     assert "script_method" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("forced", ["avx2", None])
+def test_a_forced_cpu_capability_gets_its_own_inductor_cache(forced: str | None) -> None:
+    # torch's kernel cache ignores ATEN_CPU_CAPABILITY, so a kernel compiled
+    # under one is loaded under another and computes garbage: compile keeps
+    # them apart (backends/torch.py, _separate_inductor_cache).
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    if forced:
+        env["ATEN_CPU_CAPABILITY"] = forced
+    probe = ("import os; from infer.backends.torch import TorchBackend; TorchBackend('cpu').compile(lambda x: x); "
+             "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    folder = out.stdout.strip()
+    assert folder == (f"{default_cache_dir()}-avx2" if forced else default_cache_dir())
