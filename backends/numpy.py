@@ -60,10 +60,14 @@ from infer.registry import BackendSpec, Probe
 KERNELS_ENV = "INFER_NUMPY_KERNELS"
 
 
-def _load_kernels() -> object | None:
+def _kernel_choice() -> str:
     choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "portable", "off"):
         raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of auto, portable, off")
+    return choice
+
+
+def _load_kernels(choice: str) -> object | None:
     if choice == "off":
         return None
     try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
@@ -75,7 +79,9 @@ def _load_kernels() -> object | None:
     return kernels
 
 
-_affine = _load_kernels()
+#: The path chosen at import (``auto`` unless the variable says otherwise).
+KERNELS = _kernel_choice()
+_affine = _load_kernels(KERNELS)
 
 _DTYPES = {
     "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,
@@ -628,10 +634,9 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
 def kernel_details() -> str:
     """Which C kernel path runs here (and whether ``INFER_NUMPY_KERNELS`` chose
     it), for ``infer doctor``."""
-    forced = os.environ.get(KERNELS_ENV)
     if _affine is not None:
-        chosen = f" [{KERNELS_ENV}={forced}]" if forced else ""
+        chosen = f" [{KERNELS_ENV}={KERNELS}]" if KERNELS != "auto" else ""
         return f"numpy C kernels: {_affine.simd()}, {_affine.threads()} threads (GGUF weights stay quantized){chosen}"
-    if forced and forced.strip().lower() == "off":
-        return f"numpy C kernels: off ({KERNELS_ENV}={forced}; GGUF weights become float32)"
+    if KERNELS == "off":
+        return f"numpy C kernels: off ({KERNELS_ENV}=off; GGUF weights become float32)"
     return "numpy C kernels: not built (GGUF weights become float32; reinstall with a C compiler)"
