@@ -25,6 +25,7 @@ per sequence ``new_sequence(kv_pool=pool)``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,13 +73,18 @@ class Batch:
     def __post_init__(self) -> None:
         self._rows: list[tuple[int, int]] = []
         self._tokens: list[int] = []
+        wanted: list[int] = []
         row = token = 0
         for ids, every in zip(self.token_ids, self.all_logits):
             count = len(ids) if every else 1
             self._rows.append((row, count))
             self._tokens.append(token)
+            wanted.extend(range(token + len(ids) - count, token + len(ids)))
             row += count
             token += len(ids)
+        #: Positions on the flattened token axis whose logits come back, in
+        #: order (None: every one), so the head projects only those.
+        self.logit_tokens: list[int] | None = None if len(wanted) == token else wanted
 
     def rows(self, i: int) -> tuple[int, int]:
         """``(first, count)``: sequence ``i``'s rows of the returned logits."""
@@ -122,20 +128,6 @@ class ForwardOutput:
         """Sequence ``i``'s rows of :attr:`hidden` (``[new tokens, hidden_size]``)."""
         first = self.batch.first_token(i)
         return self.backend.slice(self.hidden, 0, first, first + self.batch.slices[i].length)
-
-
-def _logit_rows(slices: Sequence[SequenceSlice], all_logits: bool | Sequence[bool]) -> list[int] | None:
-    """The rows of a forward's flattened tokens whose logits are wanted:
-    every new token of a sequence whose ``all_logits`` flag is set (one flag
-    for all, or one per sequence), else its last one. None: every row."""
-    every = [all_logits] * len(slices) if isinstance(all_logits, bool) else list(all_logits)
-    if len(every) != len(slices):
-        raise GenerationError(f"all_logits has {len(every)} flags for {len(slices)} sequences")
-    rows, offset = [], 0
-    for s, whole in zip(slices, every):
-        rows.extend(range(offset, offset + s.length) if whole else [offset + s.length - 1])
-        offset += s.length
-    return None if len(rows) == offset else rows
 
 
 def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
@@ -271,7 +263,7 @@ class Engine:
         ops = self.backend
         ctx = AttentionContext(ops, batch.slices)
         hidden = self.model.forward(ops.from_numpy(batch.ids), ctx)
-        logits = self.model.compute_logits(_rows(ops, hidden, _logit_rows(batch.slices, batch.all_logits)))
+        logits = self.model.compute_logits(_rows(ops, hidden, batch.logit_tokens))
         return logits, hidden if batch.capture_hidden else None
 
     def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
@@ -292,4 +284,6 @@ class Engine:
         slices = [SequenceSlice(seq.cache, start, len(ids)) for seq, start, ids in zip(seqs, starts, token_ids)]
         flat = np.asarray([int(t) for ids in token_ids for t in ids], dtype=np.int32)
         out = self.model.mtp_forward(depth, hidden, ops.from_numpy(flat), AttentionContext(ops, slices))
-        return self.model.mtp_compute_logits(depth, _rows(ops, out, _logit_rows(slices, False))), out
+        last = list(itertools.accumulate(len(ids) for ids in token_ids))  # each sequence's last row, + 1
+        rows = None if last[-1] == len(last) else [end - 1 for end in last]
+        return self.model.mtp_compute_logits(depth, _rows(ops, out, rows)), out
