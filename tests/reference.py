@@ -495,9 +495,9 @@ def rounding_rtol(layers: int, length: int) -> float:
     Measured (tests/README.md has the table and the command): the largest error
     over every tiny variant and the real SmolLM2, on AVX-512, AVX2 and portable
     kernels, 1 or 2 threads, was at most 0.36 of ``U32 * sqrt(K * R)``, so the
-    bound leaves a margin of 11x or more. Real mistakes (a dropped bias or norm weight, a
-    rope pair swapped, a mask or window off by one) move logits by 1e-2 relative
-    or more, hundreds of times above it.
+    bound leaves a margin of 11x or more. Real mistakes (a dropped bias or norm
+    weight, a rope pair swapped, a mask or window off by one) move logits by 1e-2
+    relative or more, hundreds of times above it.
     """
     return 4 * U32 * math.sqrt(length * 4 * (layers + 1))
 
@@ -517,11 +517,12 @@ def assert_logits_close(got: np.ndarray, want: np.ndarray, what: str, *, rtol: f
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g} ({err / scale:.2g} relative)"
 
 
-def float32_rtol(model_dir: Path | str) -> float:
-    """:func:`rounding_rtol` for one model folder (a real model: SmolLM2's 30
-    layers and 1,536-wide MLP give 1.0e-4); positions attended count as up to 256,
-    what the real-model tests feed."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+def float32_rtol(model: Path | str | dict[str, Any]) -> float:
+    """:func:`rounding_rtol` for one model, given as its folder or its config
+    (``config.json`` names; a real model: SmolLM2's 30 layers and 1,536-wide MLP
+    give 1.0e-4); positions attended count as up to 256, what the real-model
+    tests feed."""
+    config = model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text())
     config = config.get("text_config", config)
     widths = [config.get(k) or 0 for k in ("hidden_size", "intermediate_size", "moe_intermediate_size")]
     return rounding_rtol(config["num_hidden_layers"], max(*widths, 256))
@@ -619,10 +620,24 @@ def reference_logits(model_dir: Path | str, prompt_ids: list[int], decode_ids: l
     if not prompt_ids:
         raise ValueError("reference_logits: prompt_ids is empty")
     path = cache_root() / "logits" / f"{_key('logits', _dir_fingerprint(model_dir), prompt_ids, decode_ids)}.npz"
+    data = _cached_arrays(path, lambda: _build_reference_logits(model_dir, prompt_ids, decode_ids))
+    return {"prefill": data["prefill"], "decode": list(data["decode"]), "full": data["full"]}
+
+
+def _cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays saved at ``path`` (.npz), built and saved (whole, then renamed
+    into place) on first use."""
     if path.is_file():
         with np.load(path) as data:
-            return {"prefill": data["prefill"], "decode": list(data["decode"]), "full": data["full"]}
+            return {name: data[name] for name in data.files}
+    arrays = build()
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    _write_atomic(path, buffer.getvalue())
+    return arrays
 
+
+def _build_reference_logits(model_dir: Path, prompt_ids: list[int], decode_ids: list[int]) -> dict[str, np.ndarray]:
     import torch
 
     with torch.no_grad():
@@ -638,10 +653,7 @@ def reference_logits(model_dir: Path | str, prompt_ids: list[int], decode_ids: l
         full = _logits_row(model(torch.tensor([prompt_ids + decode_ids]), use_cache=False))
 
     decode_array = np.stack(decode) if decode else np.zeros((0, full.shape[-1]), np.float32)
-    buffer = io.BytesIO()  # written whole, then renamed into place
-    np.savez(buffer, prefill=prefill, decode=decode_array, full=full)
-    _write_atomic(path, buffer.getvalue())
-    return {"prefill": prefill, "decode": list(decode_array), "full": full}
+    return {"prefill": prefill, "decode": decode_array, "full": full}
 
 
 def reference_teacher_forced(model_dir: Path | str, prompt_ids: list[int], tokens: list[int]) -> np.ndarray:
@@ -651,18 +663,15 @@ def reference_teacher_forced(model_dir: Path | str, prompt_ids: list[int], token
     model_dir = Path(model_dir)
     ids = [int(i) for i in prompt_ids] + [int(t) for t in tokens[:-1]]
     path = cache_root() / "logits" / f"{_key('teacher', _dir_fingerprint(model_dir), ids, len(prompt_ids))}.npz"
-    if path.is_file():
-        with np.load(path) as data:
-            return data["rows"]
-    import torch
 
-    with torch.no_grad():
-        full = _logits_row(load_reference_model(model_dir)(torch.tensor([ids]), use_cache=False))
-    rows = full[len(prompt_ids) - 1 :]
-    buffer = io.BytesIO()
-    np.savez(buffer, rows=rows)
-    _write_atomic(path, buffer.getvalue())
-    return rows
+    def build() -> dict[str, np.ndarray]:
+        import torch
+
+        with torch.no_grad():
+            full = _logits_row(load_reference_model(model_dir)(torch.tensor([ids]), use_cache=False))
+        return {"rows": full[len(prompt_ids) - 1 :]}
+
+    return _cached_arrays(path, build)["rows"]
 
 
 def _greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

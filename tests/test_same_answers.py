@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import infer
-from reference import assert_greedy_equal, float32_rtol, smollm2_hf_dir
+from reference import assert_greedy_equal, float32_rtol
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_float32_greedy_tokens_are_identical(backend: str, reference) -> None:  
     model = infer.load("smollm2-135m", backend=backend, dtype="float32")
     for ids, want, logits in reference:
         got = list(model.generate_tokens(ids, max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert_greedy_equal(got, want, logits, float32_rtol(smollm2_hf_dir()), f"{backend} {ids}")
+        assert_greedy_equal(got, want, logits, float32_rtol(model.config), f"{backend} {ids}")
 
 
 @pytest.mark.parametrize("backend", CANDIDATES)
