@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from infer.architecture import CausalLM, WeightLoader, capture
-from infer.attention import AttentionContext
 from infer.errors import ConfigError
+from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
 
 from .projections import load_qkv, qkv

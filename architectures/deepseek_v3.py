@@ -52,12 +52,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader
-from infer.attention import AttentionContext
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
-from infer.hookspecs import hookimpl
+from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
-from infer.registry import ArchitectureSpec
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import Block, Decoder, DecoderLayer
 from .mlp import GatedMLP

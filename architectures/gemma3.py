@@ -42,9 +42,9 @@ from typing import Any
 from infer.architecture import WeightLoader, host_array
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
-from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend
-from infer.registry import ArchitectureSpec
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, activation
 from .mlp import GatedMLP

@@ -20,9 +20,9 @@ from typing import Any
 from infer.architecture import WeightLoader
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
-from infer.hookspecs import hookimpl
 from infer.ops import Backend
-from infer.registry import ArchitectureSpec
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, activation
 from .mlp import GatedMLP

@@ -28,8 +28,8 @@ import struct
 from typing import Any
 
 from infer.architecture import host_array
-from infer.attention import AttentionContext
 from infer.errors import ConfigError
+from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")

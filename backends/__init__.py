@@ -1,1 +1,1 @@
-"""First-party plugins (mapped to infer.<this folder>); see infer.hookspecs."""
+"""First-party plugins (mapped to infer.<this folder>); see infer.plugins.hookspecs."""

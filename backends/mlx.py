@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
-from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
-from infer.registry import BackendSpec, Probe
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
+from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8", "uint32")

@@ -47,11 +47,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from infer.errors import ConfigError, UnsupportedOpError
-from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
-
-from infer.registry import BackendSpec, Probe
 
 #: Which C kernel path the numpy backend uses: ``auto`` (the best the CPU
 #: has), ``portable`` (the plain C loops, as on a CPU without AVX2) or ``off``

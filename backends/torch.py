@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.hookspecs import hookimpl
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
-from infer.quantize import AffineTensor, SCHEME_BITS, from_gguf, is_embedding, is_linear_weight, quantize_affine
-from infer.registry import BackendSpec, Probe
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
+from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 log = logging.getLogger(__name__)
 

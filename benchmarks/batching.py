@@ -5,7 +5,7 @@
 
 Throughput: for each KV layout (paged, contiguous) and each number of
 concurrent requests N, N requests with different prompts are submitted at
-once to a fresh :class:`infer.batching.BatchEngine` and run to the end
+once to a fresh :class:`infer.engine.batch.BatchEngine` and run to the end
 (greedy, end-of-sequence ignored); the figure is total new tokens over the
 wall time, and total tokens processed (prompt + new) over it too.
 
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import infer
-from infer import bench, bench_report
-from infer.batching import BatchEngine
-from infer.generate import StopConditions
-from infer.sampling import SamplingParams
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions
+from infer.engine.sampling import SamplingParams
+from infer.tools import bench, bench_report
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("benchmarks.batching")

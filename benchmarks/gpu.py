@@ -67,7 +67,7 @@ def tokens(models: dict[str, str], want: dict[str, Any], device: str) -> dict[st
 
 def bench(models: dict[str, str], out: Path, repeats: int, compile_too: bool, device: str, peer_too: bool) -> None:
     from infer import bench as b
-    from infer import bench_report
+    from infer.tools import bench_report
 
     engines = [b.infer_engine(f"torch:{device}", dtype, quantize, label=f"infer torch/{device} {label}")
                for label, dtype, quantize in VARIANTS if label != "float32"]

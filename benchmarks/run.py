@@ -4,7 +4,7 @@
                              [--backends numpy,torch,mlx] [--update-docs] [-v]
     python benchmarks/run.py --from benchmarks/results/latest.json --update-docs
 
-Runs :func:`infer.bench.run_benchmark` on SmolLM2-135M (GGUF Q4_1) and
+Runs :func:`infer.tools.bench.run_benchmark` on SmolLM2-135M (GGUF Q4_1) and
 Gemma3-270M (GGUF Q4_K_M), both fetched by catalog alias, with infer as
 ``infer.load(path)`` picks it (the default), infer on every available
 backend, infer on numpy with float32 weights (``quantize="off"``), and the peers that are installed (llama.cpp, transformers float32
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infer import bench, bench_report
+from infer.tools import bench, bench_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -39,7 +39,7 @@ def engines(backends: str | None, peers: str) -> list[bench.EngineSpec]:
     """infer's default, infer on each backend asked for (default: every
     available first-party one, in its default dtype), infer on numpy with
     float32 weights (``quantize="off"``, for the bandwidth bound), then the peers."""
-    from infer.selection import list_backends
+    from infer.plugins.selection import list_backends
 
     specs = [bench.infer_engine(label="infer (default)")]
     if backends is None:

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from infer.errors import FormatError, UnsupportedDtypeError
-from infer.hookspecs import hookimpl
 from infer.ops import QuantizedTensor
 from infer.package import GenerationDefaults, ModelPackage, TensorSource
-from infer.registry import FormatSpec
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import FormatSpec
 
 from . import gguf_quants
 from .gguf_arch import build_config, canonical_name

@@ -40,12 +40,16 @@ from typing import Any
 import numpy as np
 
 from infer.errors import (
-    ConfigError, FormatError, MissingTensorError, ModelNotFoundError, UnsafeFormatError,
+    ConfigError,
+    FormatError,
+    MissingTensorError,
+    ModelNotFoundError,
+    UnsafeFormatError,
     UnsupportedDtypeError,
 )
-from infer.hookspecs import hookimpl
 from infer.package import GenerationDefaults, ModelPackage, TensorSource
-from infer.registry import FormatSpec
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import FormatSpec
 
 log = logging.getLogger(__name__)
 

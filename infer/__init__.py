@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import logging
 
-from infer.batching import BatchEngine, BatchStats, RequestHandle
+from infer import _moved
+from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
+from infer.engine.generate import StopConditions
+from infer.engine.sampling import SamplingParams
 from infer.errors import InferError
-from infer.generate import StopConditions
 from infer.loading import load
 from infer.model import Model
 from infer.ops import API_VERSION, Backend
 from infer.plugins import get_registry
-from infer.registry import ArchitectureSpec, FormatSpec
-from infer.sampling import SamplingParams
-from infer.selection import BackendInfo, list_backends
+from infer.plugins.registry import ArchitectureSpec, FormatSpec
+from infer.plugins.selection import BackendInfo, list_backends
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+_moved.install()
 
 
 def list_architectures() -> list[ArchitectureSpec]:

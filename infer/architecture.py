@@ -3,7 +3,7 @@
 An architecture module defines a config dataclass (``config.json`` names),
 a :class:`CausalLM` subclass that takes its weights from a
 :class:`WeightLoader` in its constructor, and registers an
-:class:`~infer.registry.ArchitectureSpec` through the
+:class:`~infer.plugins.registry.ArchitectureSpec` through the
 ``infer_register_architectures`` hook.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from infer.attention import AttentionContext
 from infer.errors import MissingTensorError, ShapeMismatchError, UnsupportedOpError
+from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
 from infer.package import TensorSource
 

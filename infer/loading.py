@@ -18,14 +18,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infer.architecture import WeightLoader
 from infer import catalog
+from infer.architecture import WeightLoader
 from infer.errors import InvalidQuantizationError, ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
-from infer.quantize import SCHEME_BITS
 from infer.plugins import get_registry
-from infer.selection import select_backend
+from infer.plugins.selection import select_backend
+from infer.quantize import SCHEME_BITS
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
-from infer.batching import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine import Engine
-from infer.errors import GenerationError, SamplingParameterError, TokenizerError
-from infer.generate import Generation, StopConditions, generate
-from infer.ops import Backend
-from infer.package import ModelPackage
-from infer.sampling import SamplingParams
-from infer.speculative import (
+from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
+from infer.engine.generate import Generation, StopConditions, generate
+from infer.engine.sampling import SamplingParams
+from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DraftModelSource,
     DraftSource,
@@ -29,6 +26,9 @@ from infer.speculative import (
     Speculation,
     SpeculativeStats,
 )
+from infer.errors import GenerationError, SamplingParameterError, TokenizerError
+from infer.ops import Backend
+from infer.package import ModelPackage
 from infer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Model:
         self.engine = Engine(network, backend)
         self._batch_engine: BatchEngine | None = None
         #: Speculative decoding figures of every request this model ran, per
-        #: draft source name (cumulative; see :class:`~infer.speculative.SpeculativeStats`).
+        #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
 
     def __repr__(self) -> str:
@@ -138,7 +138,7 @@ class Model:
     def speculation(
         self, speculative: str | Model | DraftSource | None, num_speculative_tokens: int | None = None,
     ) -> Speculation | None:
-        """The :class:`~infer.speculative.Speculation` of one request, from
+        """The :class:`~infer.engine.speculative.Speculation` of one request, from
         ``generate``'s ``speculative`` and ``num_speculative_tokens``
         arguments; None without speculation. Its figures are also added to
         :attr:`speculative_stats` as the request runs."""
@@ -205,7 +205,7 @@ class Model:
                 ``"ngram"`` (prompt lookup), ``"mtp"`` (the model's
                 multi-token-prediction modules), a draft :class:`Model`
                 sharing this one's tokenizer, or a
-                :class:`~infer.speculative.DraftSource`. Greedy output is
+                :class:`~infer.engine.speculative.DraftSource`. Greedy output is
                 unchanged; sampled output keeps its distribution. Figures in
                 :attr:`speculative_stats`. See docs/speculative.md.
             num_speculative_tokens: draft tokens per forward (default 4).

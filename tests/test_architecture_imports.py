@@ -11,9 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import infer.architectures
+import pytest
 
 PACKAGE = "infer.architectures"
 
@@ -142,7 +141,7 @@ def test_checker_reports_line_numbers_of_a_synthetic_bad_file(tmp_path):
 
 @pytest.mark.parametrize("source", [
     "from infer.ops import Array, Backend",
-    "from infer.attention import AttentionContext",
+    "from infer.kv.attention import AttentionContext",
     "from infer.architecture import host_array",
     "from .rope import RotaryEmbedding",
     "from . import rope",

@@ -16,14 +16,14 @@ import importlib.util
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import load_tiny
 
 import infer
-from infer.batching import BatchEngine
 from infer.engine import Engine
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions, generate
+from infer.engine.sampling import SamplingParams
 from infer.errors import CacheFullError
-from infer.generate import StopConditions, generate
-from infer.sampling import SamplingParams
-from reference import load_tiny
 
 BACKENDS = [
     "numpy",

@@ -1,4 +1,4 @@
-"""The benchmark harness (infer/bench.py, infer bench): statistics, report
+"""The benchmark harness (infer/tools/bench.py, infer bench): statistics, report
 schema, skipped peers, the CLI on a tiny model. No speed is asserted."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reference import tiny_model_dir
 
 import infer
-from infer import bench, bench_report, bench_worker
-from infer.cli import main
 from infer.errors import BenchmarkError
-from reference import tiny_model_dir
+from infer.tools import bench, bench_report, bench_worker
+from infer.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from reference import tiny_model_dir
 
 import infer
-from infer.cli import main
-from reference import tiny_model_dir
+from infer.tools.cli import main
 
 PROMPT = "Once upon a time"
 

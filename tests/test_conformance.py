@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from infer.backends.numpy import NumpyBackend, attention_mask
+
 from infer.errors import InferError, MissingDependencyError, UnsupportedOpError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS
 from infer.testing.cases import CASES, case_named
@@ -168,9 +168,9 @@ BROKEN_PLUGIN = '''
 import numpy as np
 from infer.backends.numpy import NumpyBackend
 from infer.errors import UnsupportedOpError
-from infer.hookspecs import hookimpl
+from infer.plugins.hookspecs import hookimpl
 from infer.plugins import register_plugin
-from infer.registry import BackendSpec, Probe
+from infer.plugins.registry import BackendSpec, Probe
 
 
 class Broken(NumpyBackend):

@@ -8,11 +8,11 @@ Parity of the architectures built on it is tested against transformers in
 from __future__ import annotations
 
 import numpy as np
+from reference import tiny_model_dir
 
 import infer
-from infer.attention import AttentionContext, SequenceSlice
-from infer.cache import ContiguousKVCache
-from reference import tiny_model_dir
+from infer.kv.attention import AttentionContext, SequenceSlice
+from infer.kv.cache import ContiguousKVCache
 
 PROMPT = [5, 9, 17, 33, 5, 9, 17, 40]
 

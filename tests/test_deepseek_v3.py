@@ -33,16 +33,26 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import infer
-from infer.attention import AttentionContext, SequenceSlice
-from infer.cache import ContiguousKVCache
-from infer.paged_cache import PagedKVPool
 from reference import (
-    _BASE, _DEEPSEEK_V3, BOS_ID, EOS_ID, KIT_VERSION, _build_dir, _randomize, cache_root, encode,
-    reference_logits, tiny_model_dir, tiny_tokenizer_json,
+    _BASE,
+    _DEEPSEEK_V3,
+    BOS_ID,
+    EOS_ID,
+    KIT_VERSION,
+    _build_dir,
+    _randomize,
+    cache_root,
+    encode,
+    reference_logits,
+    tiny_model_dir,
+    tiny_tokenizer_json,
 )
 from test_parity import DECODE_TEXT, PROMPT, assert_logits_close
+
+import infer
+from infer.kv.attention import AttentionContext, SequenceSlice
+from infer.kv.cache import ContiguousKVCache
+from infer.kv.paged import PagedKVPool
 
 MAIN_LAYERS, MTP_MODULES = 3, 2
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
 from infer.backends.numpy import NumpyBackend
-from infer.cli import main
-from infer.diff import diff
-from infer.hookspecs import hookimpl
-from infer.plugins import register_plugin, unregister_plugin
-from infer.registry import BackendSpec, Probe
 from reference import LOGIT_RTOL, encode, tiny_model_dir
+
+from infer.plugins import register_plugin, unregister_plugin
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
+from infer.tools.cli import main
+from infer.tools.diff import diff
 
 
 class SlightlyWrongSilu(NumpyBackend):

@@ -48,7 +48,7 @@ import pytest
 
 import infer
 import infer.plugins
-from infer.cli import build_parser
+from infer.tools.cli import build_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))

@@ -21,11 +21,12 @@ import pytest
 
 infer_jax = pytest.importorskip("infer_jax")
 
+from reference import encode, tiny_model_dir  # noqa: E402
+
 import infer  # noqa: E402
 from infer.plugins import get_registry  # noqa: E402
-from infer.selection import select_backend  # noqa: E402
+from infer.plugins.selection import select_backend  # noqa: E402
 from infer.testing.cases import CASES  # noqa: E402
-from reference import encode, tiny_model_dir  # noqa: E402
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 

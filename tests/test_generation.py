@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from reference import EOS_ID, tiny_model_dir
 
 import infer
+from infer.engine.generate import StopConditions, generate
 from infer.errors import ChatTemplateError, ContextLengthError, GenerationError, SamplingParameterError
-from infer.generate import StopConditions, generate
-from reference import EOS_ID, tiny_model_dir
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 

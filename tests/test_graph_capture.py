@@ -16,11 +16,11 @@ import types
 
 import numpy as np
 import pytest
+from reference import LOGIT_RTOL, assert_logits_close, tiny_model_dir
 
 import infer
-from infer.generate import StopConditions, generate
-from infer.sampling import SamplingParams
-from reference import LOGIT_RTOL, assert_logits_close, tiny_model_dir
+from infer.engine.generate import StopConditions, generate
+from infer.engine.sampling import SamplingParams
 
 PROMPT = list(range(3, 14))
 # Compiled kernels also contract multiply-adds into FMAs and reassociate the

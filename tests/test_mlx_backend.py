@@ -28,12 +28,13 @@ from hypothesis import strategies as st
 
 mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 
-import infer  # noqa: E402
 from infer.backends import mlx as mlx_backend  # noqa: E402
 from infer.backends.mlx import MLXBackend  # noqa: E402
 from infer.backends.numpy import NumpyBackend  # noqa: E402
-from infer.selection import list_backends, select_backend  # noqa: E402
 from reference import TINY_VARIANTS, assert_greedy_equal, encode, float32_rtol, smollm2_hf_dir, tiny_model_dir  # noqa: E402
+
+import infer  # noqa: E402
+from infer.plugins.selection import list_backends, select_backend  # noqa: E402
 
 NMSE_BOUND = {"float32": 1e-9, "float16": 1.5e-5, "bfloat16": 1e-3}
 PROMPT = "The capital of France is Paris. Once upon a time"

@@ -43,7 +43,7 @@ def test_wheel_contains_mapped_packages(wheel: Path) -> None:
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[infer]" in text and "numpy = infer.backends.numpy" in text
-    assert "infer = infer.cli:main" in text
+    assert "infer = infer.tools.cli:main" in text
 
 
 def test_wheel_works_in_clean_venv(wheel: Path, tmp_path: Path) -> None:

@@ -17,14 +17,14 @@ import importlib.util
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from reference import assert_logits_close, encode, load_tiny, tiny_model_dir
 
 import infer
 from infer.engine import Engine
 from infer.errors import CacheFullError
+from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.ops import Backend
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
 from infer.testing.strategies import attention_calls
-from reference import assert_logits_close, encode, load_tiny, tiny_model_dir
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 BACKENDS = [
@@ -232,7 +232,7 @@ def test_memory_budget_sizes_the_pool() -> None:
 def test_native_paged_attention_equals_the_contract_default(backend: str, call) -> None:
     """The conformance kit compares backends with numpy's paged_attention;
     this pins numpy's (and torch's) to the contract's gather-then-attend default."""
-    from infer.selection import select_backend
+    from infer.plugins.selection import select_backend
 
     ops = select_backend(backend)
     args = [ops.from_numpy(a.value, None if a.dtype == "float" else a.dtype) for a in call.args[:4]]

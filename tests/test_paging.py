@@ -1,4 +1,4 @@
-"""The block allocator (infer.paging): invariants under random interleavings.
+"""The block allocator (infer.kv.blocks): invariants under random interleavings.
 
 The state machine drives a :class:`BlockAllocator` the way the paged cache
 does (allocate on append, fork, write into shared blocks, truncate, free,
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from infer.errors import CacheFullError
-from infer.paging import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash
 
 # A tiny alphabet makes equal prefixes (prefix-cache hits) common.
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)

@@ -12,15 +12,15 @@ import sys
 import textwrap
 
 import pytest
+from infer.backends.numpy import NumpyBackend
 
 import infer
-from infer.backends.numpy import NumpyBackend
 from infer.errors import BackendError, BackendUnavailableError, PluginError
-from infer.hookspecs import hookimpl
 from infer.ops import API_VERSION
 from infer.plugins import get_registry, register_plugin, reload_plugins, unregister_plugin
-from infer.registry import ArchitectureSpec, BackendSpec, FormatSpec, Probe, Registry
-from infer.selection import BACKEND_ENV, select_backend
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec, BackendSpec, FormatSpec, Probe, Registry
+from infer.plugins.selection import BACKEND_ENV, select_backend
 
 
 class TestBackend(NumpyBackend):
@@ -270,8 +270,8 @@ def test_a_broken_entry_point_is_reported_not_fatal(third_party, rediscover):
 
 PLUGIN_SOURCE = """
 from infer.backends.numpy import NumpyBackend
-from infer.hookspecs import hookimpl
-from infer.registry import BackendSpec, Probe
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
 
 class B(NumpyBackend):
     name = {name!r}
@@ -354,7 +354,7 @@ def test_unknown_backend_name_lists_the_registered_ones(plugin):
 def test_selection_logs_the_choice_and_why_others_were_rejected(plugin, caplog):
     plugin(BackendPlugin(backend_spec(score=0, reason="no device"),
                          backend_spec(name="slowbk", score=1)), "two")
-    with caplog.at_level(logging.INFO, logger="infer.selection"):
+    with caplog.at_level(logging.INFO, logger="infer.plugins.selection"):
         select_backend()
     text = caplog.text
     assert f"{best_available()} chosen" in text

@@ -11,10 +11,6 @@ import io
 import sys
 
 import pytest
-
-import infer
-from infer.cli import main
-from infer.errors import ChatTemplateError
 from real_models import gemma3_hf_dir
 from reference import (
     assert_greedy_equal,
@@ -24,6 +20,10 @@ from reference import (
     reference_teacher_forced,
     smollm2_hf_dir,
 )
+
+import infer
+from infer.errors import ChatTemplateError
+from infer.tools.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from infer.engine.sampling import Sampler, SamplingParams, filter_probabilities
 from infer.errors import SamplingParameterError
-from infer.sampling import Sampler, SamplingParams, filter_probabilities
 
 # Draws per hypothesis example in the "never picks" properties: enough that a filter
 # letting through a token with noticeable probability is caught across the examples.
@@ -188,7 +188,7 @@ def test_no_seed_is_not_a_fixed_seed():
 @settings(max_examples=150)
 @given(data=st.data(), logits=logits_st, penalty=st.floats(0.05, 20.0))
 def test_repetition_penalty_matches_transformers(data, logits, penalty):
-    from infer.sampling import apply_repetition_penalty
+    from infer.engine.sampling import apply_repetition_penalty
 
     history = data.draw(st.lists(st.integers(0, logits.size - 1), min_size=1, max_size=30))
     reference = RepetitionPenaltyLogitsProcessor(penalty=float(penalty))(

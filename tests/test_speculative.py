@@ -27,18 +27,15 @@ import importlib.util
 
 import numpy as np
 import pytest
+from reference import assert_logits_close, tiny_model_dir
 
 import infer
 from infer.architecture import CausalLM
-from infer.attention import AttentionContext
-from infer.batching import BatchEngine
 from infer.engine import Engine
-from infer.errors import GenerationError, SamplingParameterError
-from infer.generate import StopConditions, generate
-from infer.ops import Array
-from infer.paged_cache import PagedKVPool
-from infer.sampling import SamplingParams
-from infer.speculative import (
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions, generate
+from infer.engine.sampling import SamplingParams
+from infer.engine.speculative import (
     DraftJob,
     DraftModelSource,
     MTPDraft,
@@ -46,7 +43,10 @@ from infer.speculative import (
     Speculation,
     verify_sampled,
 )
-from reference import assert_logits_close, tiny_model_dir
+from infer.errors import GenerationError, SamplingParameterError
+from infer.kv.attention import AttentionContext
+from infer.kv.paged import PagedKVPool
+from infer.ops import Array
 
 GREEDY = SamplingParams()
 # Repeats make n-gram lookup find matches; the rest is arbitrary.
@@ -232,7 +232,7 @@ def test_mtp_drafts_after_rollbacks_equal_drafts_from_scratch(which: str) -> Non
     for tokens, drafts in recorded[1:]:
         seq = engine.new_sequence(len(tokens) + 3)
         out = engine.run(engine.prepare([seq], [tokens[:-1]], capture_hidden=True))
-        job = DraftJob(tokens=tokens, k=len(drafts), sampler=infer.sampling.Sampler(GREEDY),
+        job = DraftJob(tokens=tokens, k=len(drafts), sampler=infer.engine.sampling.Sampler(GREEDY),
                        state=fresh_source.new_state(), capacity=len(tokens) + 3, seq=seq, hidden=out.hidden)
         assert fresh_source.propose([job])[0].tokens == drafts
 

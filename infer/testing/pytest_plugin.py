@@ -98,8 +98,8 @@ def examples(config: pytest.Config) -> int:
 
 def _targets(config: pytest.Config) -> list[Target]:
     from infer.plugins import get_registry
-    from infer.registry import parse_backend_name
-    from infer.selection import list_backends
+    from infer.plugins.registry import parse_backend_name
+    from infer.plugins.selection import list_backends
 
     infos = {i.key: i for i in list_backends()}
     requested = _split(config.getoption("--infer-backend"), BACKENDS_ENV)

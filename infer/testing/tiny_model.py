@@ -30,11 +30,11 @@ import numpy as np
 
 from infer.architecture import WeightLoader
 from infer.engine import Engine
-from infer.generate import StopConditions, generate
+from infer.engine.generate import StopConditions, generate
+from infer.engine.sampling import SamplingParams
 from infer.ops import Backend
 from infer.package import TensorSource
 from infer.plugins import get_registry
-from infer.sampling import SamplingParams
 from infer.testing.conformance import reference_backend
 
 #: Least top-1 agreement with numpy float32 over the teacher-forced steps,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-from infer.hookspecs import hookimpl
-from infer.registry import BackendSpec, Probe
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import BackendSpec, Probe
 
 __version__ = "0.1.0"
 

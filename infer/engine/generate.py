@@ -6,12 +6,12 @@ Each step is a function named after it:
 * :func:`decode_one_token` — feed the pending token; the next one;
 * :func:`speculative_decode` — a draft source guesses up to ``k`` tokens,
   one forward verifies them all, and the tokens the target agrees with are
-  kept (:mod:`infer.speculative`);
+  kept (:mod:`infer.engine.speculative`);
 * :func:`decode_n_tokens` — tokens, by either of the two above, until a
   stop rule ends the request.
 
 :func:`generate` starts a request. The rules every request follows live here
-once, and the batch engine (:mod:`infer.batching`) uses them too:
+once, and the batch engine (:mod:`infer.engine.batch`) uses them too:
 :meth:`StopConditions.finish_reason` (when a request ends), :func:`sample` (a
 token from a forward's row of logits), :func:`accept_drafts` (what a verify
 forward gives a speculating request) and :class:`Drafting` (a speculating
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from infer.engine import Engine, ForwardOutput, SequenceState
+from infer.engine.runner import Engine, ForwardOutput, SequenceState
+from infer.engine.sampling import Sampler, SamplingParams
+from infer.engine.speculative import DraftJob, Speculation, SpeculativeStats, verify
 from infer.errors import SamplingParameterError
 from infer.ops import Array
-from infer.sampling import Sampler, SamplingParams
-from infer.speculative import DraftJob, Speculation, SpeculativeStats, verify
 
 
 @dataclass
@@ -83,7 +83,7 @@ def generate(
     speculation: Speculation | None = None,
 ) -> Generation:
     """Start a request; iterate the result for its new token ids. With a
-    :class:`~infer.speculative.Speculation`, each forward after the prefill
+    :class:`~infer.engine.speculative.Speculation`, each forward after the prefill
     is a :func:`speculative_decode` round (the same tokens for greedy
     decoding)."""
     engine.check_prompt(prompt_ids)

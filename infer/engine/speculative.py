@@ -23,9 +23,9 @@ Three sources share the :class:`DraftSource` interface:
   (:meth:`~infer.architecture.CausalLM.mtp_forward`), fed the target's hidden
   states.
 
-The loops are :mod:`infer.generate` (one request, a
-:func:`~infer.generate.speculative_decode` round per forward) and
-:class:`infer.batching.BatchEngine` (speculating requests inside a batch);
+The loops are :mod:`infer.engine.generate` (one request, a
+:func:`~infer.engine.generate.speculative_decode` round per forward) and
+:class:`infer.engine.batch.BatchEngine` (speculating requests inside a batch);
 this module holds what is the same for both: the accept/reject rule
 (:func:`verify`), the sources, the draft budget (:meth:`Speculation.budget`)
 and the figures (:class:`SpeculativeStats`).
@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from infer.engine.sampling import Sampler, draw
 from infer.errors import GenerationError, SamplingParameterError
 from infer.ops import Array
-from infer.sampling import Sampler, draw
 
 if TYPE_CHECKING:
-    from infer.engine import Engine, ForwardOutput, SequenceState
+    from infer.engine.runner import Engine, ForwardOutput, SequenceState
 
 log = logging.getLogger(__name__)
 

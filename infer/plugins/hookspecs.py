@@ -8,8 +8,8 @@ register through exactly these hooks.
 
 Example::
 
-    from infer.hookspecs import hookimpl
-    from infer.registry import BackendSpec
+    from infer.plugins.hookspecs import hookimpl
+    from infer.plugins.registry import BackendSpec
 
     @hookimpl
     def infer_register_backends(register):
@@ -31,7 +31,7 @@ hookimpl = pluggy.HookimplMarker("infer")
 def infer_register_backends(register: Callable[[Any], None]) -> None:
     """Register compute backends.
 
-    Call ``register(spec)`` with an :class:`infer.registry.BackendSpec` for
+    Call ``register(spec)`` with an :class:`infer.plugins.registry.BackendSpec` for
     each backend/device pair the plugin provides (e.g. ``torch``/``cuda`` and
     ``torch``/``cpu``). The spec's ``probe`` must be cheap and must not raise:
     it reports whether the pair is usable here and why not. Heavy imports
@@ -44,11 +44,11 @@ def infer_register_backends(register: Callable[[Any], None]) -> None:
 def infer_register_architectures(register: Callable[[Any], None]) -> None:
     """Register model architectures.
 
-    Call ``register(spec)`` with an :class:`infer.registry.ArchitectureSpec`
+    Call ``register(spec)`` with an :class:`infer.plugins.registry.ArchitectureSpec`
     naming the Hugging Face ``model_type`` values it implements and the
     callable that builds the model from a config and weights. An architecture
     is written only against the op contract (:mod:`infer.ops`) and the
-    attention context (:mod:`infer.attention`).
+    attention context (:mod:`infer.kv.attention`).
     """
 
 
@@ -56,7 +56,7 @@ def infer_register_architectures(register: Callable[[Any], None]) -> None:
 def infer_register_formats(register: Callable[[Any], None]) -> None:
     """Register model formats.
 
-    Call ``register(spec)`` with an :class:`infer.registry.FormatSpec`: a
+    Call ``register(spec)`` with an :class:`infer.plugins.registry.FormatSpec`: a
     ``detect(path)`` predicate that must not raise, and an ``open(path)``
     that returns an :class:`infer.package.ModelPackage` or raises a
     :class:`~infer.errors.FormatError` naming the file and what is wrong.

@@ -140,7 +140,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import platform
 
     import infer
-    from infer.selection import BACKEND_ENV, select_backend
+    from infer.plugins.selection import BACKEND_ENV, select_backend
 
     print(f"infer {infer.__version__} (op contract {'.'.join(map(str, infer.API_VERSION))}), "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
@@ -174,7 +174,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from infer.diff import diff
+    from infer.tools.diff import diff
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     from infer.loading import resolve
@@ -192,7 +192,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from infer import bench, bench_report
+    from infer.tools import bench, bench_report
 
     backends = [b.strip() for item in args.backend or [] for b in item.split(",") if b.strip()] or [None]
     engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile) for b in backends]

@@ -1,7 +1,7 @@
 """KV caches owned by the engine.
 
 Architectures never see these: they call
-:meth:`infer.attention.AttentionContext.attention` with a layer's new keys
+:meth:`infer.kv.attention.AttentionContext.attention` with a layer's new keys
 and values, and the engine's cache decides where they go.
 
 Every sequence's cache, whatever its layout, is a :class:`SequenceCache`
@@ -22,7 +22,7 @@ arrays preallocated to the sequence's capacity, so decoding allocates
 nothing per step. Each layer's arrays are created at its first write, from
 the shapes written, so layers with different key and value widths (e.g.
 multi-head latent attention) need no special case. The paged cache is
-:class:`infer.paged_cache.PagedSequenceCache`.
+:class:`infer.kv.paged.PagedSequenceCache`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One engine, one process: the measuring side of the benchmark harness.
 
-:mod:`infer.bench` starts ``python -m infer.bench_worker SPEC RESULT`` once
+:mod:`infer.tools.bench` starts ``python -m infer.tools.bench_worker SPEC RESULT`` once
 per engine and repeat, so every process imports, loads and measures one
 engine alone: its load time is a cold start of the library on a warm page
 cache, and its peak resident memory is its own. The parent writes the job as
@@ -26,7 +26,7 @@ The engines, each driven through its own public API:
 * ``mlx-lm`` — ``mlx_lm.load`` on a Hugging Face folder and
   ``mlx_lm.generate.generate_step``.
 
-``python -m infer.bench_worker --convert GGUF OUT`` writes a Hugging Face
+``python -m infer.tools.bench_worker --convert GGUF OUT`` writes a Hugging Face
 folder dequantized from a GGUF file with transformers (for mlx-lm, which
 reads only that form).
 """
@@ -158,7 +158,7 @@ def _weights_nbytes(value: Any, seen: set[int]) -> int:
 
 def _infer(spec: dict[str, Any]) -> Loaded:
     import infer
-    from infer.selection import select_backend
+    from infer.plugins.selection import select_backend
 
     options = spec["options"]
     model: Any = None
@@ -392,7 +392,7 @@ def main(argv: list[str]) -> int:
         convert_gguf_to_hf(Path(argv[1]), Path(argv[2]))
         return 0
     if len(argv) != 2:
-        sys.stderr.write("usage: python -m infer.bench_worker SPEC.json RESULT.json | --convert GGUF OUT\n")
+        sys.stderr.write("usage: python -m infer.tools.bench_worker SPEC.json RESULT.json | --convert GGUF OUT\n")
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     result = run(spec)

@@ -10,7 +10,7 @@ vLLM's PagedAttention, Kwon et al. 2023, section 4.2).
 This module is the bookkeeping only, in pure Python: it never touches backend
 memory. When a write needs a block's contents copied first (copy-on-write),
 :meth:`BlockAllocator.prepare_write` returns the ``(src, dst)`` pairs and the
-caller copies the rows (:class:`infer.paged_cache.PagedKVPool` does).
+caller copies the rows (:class:`infer.kv.paged.PagedKVPool` does).
 
 Every block is in exactly one of three states:
 

@@ -10,16 +10,16 @@ a :class:`Batch`: the flattened token ids, each sequence's place in its cache
 :meth:`Engine.run` runs the network over it, commits the new tokens and
 returns a :class:`ForwardOutput`, whose greedy choices are computed on the
 device so that only the sampled ids leave it. The architecture sees only an
-:class:`~infer.attention.AttentionContext` per forward.
+:class:`~infer.kv.attention.AttentionContext` per forward.
 
-The loops that call the runner are elsewhere: :mod:`infer.generate` (one
-request: prefill, decode, speculative decoding) and :mod:`infer.batching`
+The loops that call the runner are elsewhere: :mod:`infer.engine.generate` (one
+request: prefill, decode, speculative decoding) and :mod:`infer.engine.batch`
 (many requests, one forward per step).
 
-A sequence's cache is contiguous (:class:`~infer.cache.ContiguousKVCache`,
+A sequence's cache is contiguous (:class:`~infer.kv.cache.ContiguousKVCache`,
 the default) or a page table into a shared pool
-(:class:`~infer.paged_cache.PagedSequenceCache`) when the engine is given a
-:class:`~infer.paged_cache.PagedKVPool` (``Engine(..., kv_pool=pool)``, or
+(:class:`~infer.kv.paged.PagedSequenceCache`) when the engine is given a
+:class:`~infer.kv.paged.PagedKVPool` (``Engine(..., kv_pool=pool)``, or
 per sequence ``new_sequence(kv_pool=pool)``).
 """
 
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.architecture import CausalLM
-from infer.attention import AttentionContext, SequenceSlice
-from infer.cache import ContiguousKVCache, SequenceCache
 from infer.errors import ContextLengthError, GenerationError
+from infer.kv.attention import AttentionContext, SequenceSlice
+from infer.kv.cache import ContiguousKVCache, SequenceCache
+from infer.kv.paged import PagedKVPool
 from infer.ops import Array, Backend
-from infer.paged_cache import PagedKVPool
 
 
 @dataclass

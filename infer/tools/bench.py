@@ -13,7 +13,7 @@ the process's import baseline, on the same prompt token ids:
   the reason in the report.
 
 Method: every engine runs in its own process per repeat
-(:mod:`infer.bench_worker`), so load time and memory are its own; each
+(:mod:`infer.tools.bench_worker`), so load time and memory are its own; each
 process loads, runs one short warm-up generation, then the measured one
 (greedy, ``new_tokens`` tokens, end-of-sequence ignored). Engines take turns
 within a repeat, in an order rotated from repeat to repeat, so slow drifts of
@@ -27,7 +27,7 @@ read per token (see docs/performance.md).
 The library prints only when asked: with ``progress=True`` (``infer bench``
 without ``-q``) one progress bar on stderr counts the engine processes and
 names the repeat and engine running, as each can take minutes; logs go to
-the ``infer.bench`` logger.
+the ``infer.tools.bench`` logger.
 """
 
 from __future__ import annotations
@@ -52,8 +52,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from infer.bench_machine import dist_version, gpu_info, machine_info, measure_gpu_read_bandwidth, measure_read_bandwidth
 from infer.errors import BenchmarkError, InferError
+from infer.tools.bench_machine import (
+    dist_version,
+    gpu_info,
+    machine_info,
+    measure_gpu_read_bandwidth,
+    measure_read_bandwidth,
+)
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +271,7 @@ def _model_form(path: Path) -> str:
 
 def _check_infer(spec: EngineSpec) -> str | None:
     """None when the engine can run here, else why not; raises on bad options."""
-    from infer.selection import list_backends, select_backend
+    from infer.plugins.selection import list_backends, select_backend
 
     backend, dtype = spec.options.get("backend"), spec.options.get("dtype")
     import inspect
@@ -328,7 +334,7 @@ def _hf_folder_for(gguf: Path, timeout_s: float) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
     log.info("writing a Hugging Face folder for %s to %s (once)", gguf.name, folder)
-    done = subprocess.run([sys.executable, "-m", "infer.bench_worker", "--convert", str(gguf), str(tmp)],
+    done = subprocess.run([sys.executable, "-m", "infer.tools.bench_worker", "--convert", str(gguf), str(tmp)],
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise BenchmarkError(f"converting {gguf} to a Hugging Face folder failed: {_tail(done.stderr)}")
@@ -350,7 +356,7 @@ def _run_process(spec: EngineSpec, job: dict[str, Any], threads: int, timeout_s:
         spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec_path.write_text(json.dumps(job), encoding="utf-8")
         try:
-            done = subprocess.run([sys.executable, "-m", "infer.bench_worker", str(spec_path), str(result_path)],
+            done = subprocess.run([sys.executable, "-m", "infer.tools.bench_worker", str(spec_path), str(result_path)],
                                   capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s:.0f} s"}

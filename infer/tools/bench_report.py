@@ -1,7 +1,7 @@
 """Benchmark reports as text: a Markdown table, a PNG plot, and the marked
 results block of a docs page regenerated from a report.
 
-A *report* is what :func:`infer.bench.run_benchmark` returns (one model);
+A *report* is what :func:`infer.tools.bench.run_benchmark` returns (one model);
 functions here take a list of them (one per model).
 """
 

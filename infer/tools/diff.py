@@ -195,7 +195,7 @@ def trace_backend(reference: Any, backend: str, prompt_ids: Sequence[int], steps
                   dtype: str | None = None) -> tuple[str, Trace, list[int]]:
     """Load ``reference`` on ``backend`` behind a tracer and run it."""
     import infer
-    from infer.selection import select_backend
+    from infer.plugins.selection import select_backend
 
     tracer = TracingBackend(select_backend(backend, dtype))
     model = infer.load(reference, backend=tracer)

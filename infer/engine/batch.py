@@ -1,8 +1,8 @@
 """Continuous batching: many requests, one forward per step.
 
 :class:`BatchEngine` keeps a queue of waiting requests and a set of running
-ones, each with its own :class:`~infer.sampling.Sampler` and
-:class:`~infer.generate.StopConditions`, all keeping their keys and values
+ones, each with its own :class:`~infer.engine.sampling.Sampler` and
+:class:`~infer.engine.generate.StopConditions`, all keeping their keys and values
 in one KV layout (below). Each :meth:`BatchEngine.step` runs **one** forward
 (:meth:`~infer.engine.Engine.run`) over every running request: one token for
 each decoding request and a chunk of the prompt for each request still
@@ -13,10 +13,10 @@ plus the tokens sampled so far, and a step feeds it (some of) the known tokens
 its cache does not hold yet. When a step feeds the last of them, the logits
 of that step give the next token. Prefill, decode and recomputation after a
 preemption are therefore one code path. The rules are those of a single
-request (:mod:`infer.generate`): the same stop rules, sampling and
+request (:mod:`infer.engine.generate`): the same stop rules, sampling and
 speculative verification, called from here.
 
-Memory (:mod:`infer.kv_budget`: the batch engine asks its budget, never
+Memory (:mod:`infer.engine.budget`: the batch engine asks its budget, never
 which kind of cache it holds):
 
 * **Prefix caching** — on admission a request's cache starts with the pool's
@@ -36,12 +36,12 @@ which kind of cache it holds):
   forward never runs out of pages half way.
 
 Speculative decoding runs inside the batch (a request submitted with a
-:class:`~infer.speculative.Speculation`): after each step its draft source
+:class:`~infer.engine.speculative.Speculation`): after each step its draft source
 proposes up to ``k`` tokens for every speculating request that is decoding,
 and the next step feeds such a request its pending token *and* its drafts in
 the same single forward, asking the logits of all those rows
 (``prepare(..., all_logits=[...])``). Each request is then verified on its
-own (:func:`~infer.generate.accept_drafts`) and its cache truncated after the
+own (:func:`~infer.engine.generate.accept_drafts`) and its cache truncated after the
 last accepted draft. The pages a step's drafts need are taken when they are
 proposed; when there are none, the request simply does not speculate that
 step. Drafts are capped to the tokens a request may still produce, so
@@ -51,11 +51,11 @@ source: :attr:`BatchStats.speculative`.
 Two KV layouts (``kv_layout``), the same tokens either way:
 
 * ``"paged"`` — every request's keys and values are pages of one
-  :class:`~infer.paged_cache.PagedKVPool`, with prefix caching and
+  :class:`~infer.kv.paged.PagedKVPool`, with prefix caching and
   preemption as above. The default where the backend implements
   ``paged_attention`` natively (numpy, torch).
 * ``"contiguous"`` — every admitted request gets its own
-  :class:`~infer.cache.ContiguousKVCache` of prompt + ``max_tokens``
+  :class:`~infer.kv.cache.ContiguousKVCache` of prompt + ``max_tokens``
   positions, within a memory budget; admission reserves the whole cache, so
   nothing is ever preempted, and there is no prefix caching. The default on
   a backend without native ``paged_attention`` (MLX, most plugins), where
@@ -72,13 +72,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infer.engine import Engine, ForwardOutput, SequenceState
+from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
+from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
+from infer.engine.runner import Engine, ForwardOutput, SequenceState
+from infer.engine.sampling import Sampler, SamplingParams
+from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
 from infer.errors import CacheFullError, GenerationError
-from infer.generate import Drafting, StopConditions, accept_drafts, sample
-from infer.kv_budget import ContiguousBudget, KVBudget, PagedBudget
-from infer.paged_cache import PagedKVPool
-from infer.sampling import Sampler, SamplingParams
-from infer.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
+from infer.kv.paged import PagedKVPool
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class BatchStats:
     #: Requests preempted (pages freed, recomputed later).
     preemptions: int = 0
     #: Speculative decoding figures per draft source name (acceptance rate,
-    #: tokens per target forward; see :class:`~infer.speculative.SpeculativeStats`).
+    #: tokens per target forward; see :class:`~infer.engine.speculative.SpeculativeStats`).
     speculative: dict[str, SpeculativeStats] = field(default_factory=dict)
 
 
@@ -211,7 +211,7 @@ class BatchEngine:
         #: ``"paged"`` or ``"contiguous"``.
         self.kv_layout: str = kv_layout
         memory = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
-        #: Where the requests' keys and values go (:mod:`infer.kv_budget`).
+        #: Where the requests' keys and values go (:mod:`infer.engine.budget`).
         self.budget: KVBudget
         if kv_layout == "paged":
             pool = kv_pool if kv_pool is not None else engine.new_kv_pool(block_size=block_size, memory_budget=memory)
@@ -239,8 +239,8 @@ class BatchEngine:
         speculation: Speculation | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
-        With a :class:`~infer.speculative.Speculation`, each of its forwards
-        verifies draft tokens (see :mod:`infer.speculative`).
+        With a :class:`~infer.engine.speculative.Speculation`, each of its forwards
+        verifies draft tokens (see :mod:`infer.engine.speculative`).
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
         ``max_tokens`` could not fit even in an empty pool. (Speculation

@@ -1,7 +1,7 @@
 """How a batch engine's requests share KV memory.
 
 A :class:`KVBudget` answers the three questions admission asks, so the batch
-engine (:mod:`infer.batching`) never asks which kind of cache it holds:
+engine (:mod:`infer.engine.batch`) never asks which kind of cache it holds:
 
 * :meth:`~KVBudget.check` — could a request ever fit, even alone?
 * :meth:`~KVBudget.admit` — a sequence for the request now, or None while
@@ -10,12 +10,12 @@ engine (:mod:`infer.batching`) never asks which kind of cache it holds:
   the batch engine's own requests runs.
 
 Positions for the next step are reserved through every cache's own
-``reserve`` (:class:`~infer.cache.SequenceCache`); where that fails the batch
+``reserve`` (:class:`~infer.kv.cache.SequenceCache`); where that fails the batch
 engine preempts.
 
 Two budgets:
 
-* :class:`PagedBudget` — pages of one :class:`~infer.paged_cache.PagedKVPool`.
+* :class:`PagedBudget` — pages of one :class:`~infer.kv.paged.PagedKVPool`.
   A request starts with the cached blocks of its prompt's longest full-block
   prefix and is admitted while the pool, less what the running requests
   still need for their known tokens, can hold its prompt + ``max_tokens``;
@@ -31,12 +31,12 @@ import abc
 import logging
 from collections.abc import Sequence
 
-from infer.cache import ContiguousKVCache
-from infer.engine import Engine, SequenceState
+from infer.engine.runner import Engine, SequenceState
 from infer.errors import CacheFullError
-from infer.paged_cache import PagedKVPool, PagedSequenceCache
+from infer.kv.cache import ContiguousKVCache
+from infer.kv.paged import PagedKVPool, PagedSequenceCache
 
-log = logging.getLogger("infer.batching")
+log = logging.getLogger("infer.engine.batch")
 
 
 class KVBudget(abc.ABC):

@@ -5,19 +5,19 @@
 ``block * block_size + offset`` is position ``offset`` of physical block
 ``block``. Viewed as ``[num_blocks, block_size, kv_heads, head_dim]`` it is
 exactly the ``k_pool``/``v_pool`` of :meth:`infer.ops.Backend.paged_attention`.
-Like :class:`~infer.cache.ContiguousKVCache`, each layer's arrays are created
+Like :class:`~infer.kv.cache.ContiguousKVCache`, each layer's arrays are created
 at its first write, from the shapes written, so layers of different widths
 need no special case; the *number* of blocks is fixed at start-up (a block
 count, or a memory budget in bytes).
 
 :class:`PagedSequenceCache` is one sequence's view: a
-:class:`~infer.paging.BlockTable` from the pool's
-:class:`~infer.paging.BlockAllocator`. It implements the attention context's
+:class:`~infer.kv.blocks.BlockTable` from the pool's
+:class:`~infer.kv.blocks.BlockAllocator`. It implements the attention context's
 ``KVStore`` protocol (``write``/``read``) plus ``attend``, which the context
 calls instead of ``read`` + ``attention`` when the backend has a native
 ``paged_attention``; then keys and values are read through the block table
 and never copied into a per-sequence array by the cache. Its lifecycle is
-every cache's (:class:`~infer.cache.SequenceCache`): ``reserve`` takes the
+every cache's (:class:`~infer.kv.cache.SequenceCache`): ``reserve`` takes the
 pages a forward will write (copying shared ones first), ``commit`` enters
 full blocks in the prefix cache, ``truncate`` and ``free`` give pages back.
 
@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from infer.cache import SequenceCache, row_nbytes
 from infer.errors import CacheConfigError, CacheFullError
+from infer.kv.blocks import BlockAllocator, BlockTable, PoolStats
+from infer.kv.cache import SequenceCache, row_nbytes
 from infer.ops import Array, Backend
-from infer.paging import BlockAllocator, BlockTable, PoolStats
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class PagedKVPool:
         return PagedSequenceCache(self, BlockTable(), capacity)
 
     def stats(self) -> PoolStats:
-        """Block counts (see :class:`~infer.paging.PoolStats`)."""
+        """Block counts (see :class:`~infer.kv.blocks.PoolStats`)."""
         return self.allocator.stats()
 
     # -- backend memory ---------------------------------------------------------------

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from infer.errors import BackendError, BackendUnavailableError
 from infer.ops import API_VERSION, Backend
-from infer.plugins import get_registry
-from infer.registry import BackendSpec, Probe, describe, parse_backend_name
+from infer.plugins.discovery import get_registry
+from infer.plugins.registry import BackendSpec, Probe, describe, parse_backend_name
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """What can be registered, and where registered things are found.
 
 The plugin manager (:mod:`infer.plugins`) fills a :class:`Registry` from the
-hooks in :mod:`infer.hookspecs`. This module holds the spec types and the
-lookups; backend *selection* lives in :mod:`infer.selection`.
+hooks in :mod:`infer.plugins.hookspecs`. This module holds the spec types and the
+lookups; backend *selection* lives in :mod:`infer.plugins.selection`.
 """
 
 from __future__ import annotations

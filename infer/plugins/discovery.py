@@ -21,8 +21,8 @@ from typing import Any
 
 import pluggy
 
-from infer import hookspecs
-from infer.registry import PluginFailure, Registry
+from infer.plugins import hookspecs
+from infer.plugins.registry import PluginFailure, Registry
 
 log = logging.getLogger(__name__)
 

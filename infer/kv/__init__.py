@@ -1,0 +1,13 @@
+"""Where keys and values live: what the engine owns and architectures never see.
+
+* :mod:`infer.kv.attention` — the attention context, the one object an
+  architecture is handed per forward (part of the contract architectures are
+  written against);
+* :mod:`infer.kv.cache` — the sequence-cache lifecycle every layout shares
+  (:class:`~infer.kv.cache.SequenceCache`) and the contiguous cache;
+* :mod:`infer.kv.paged` — the paged pool and its sequence caches;
+* :mod:`infer.kv.blocks` — the block allocator under the paged pool (reference
+  counts, prefix hashes, eviction).
+
+Nothing here imports the engine (docs/design.md, "Layering").
+"""
