@@ -235,10 +235,12 @@ class BatchEngine:
     # -- requests -------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+        self, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
         speculation: Speculation | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
+        ``sampling`` is its rules, or a :class:`~infer.engine.sampling.Sampler`
+        made for it (one that records log-probabilities; one per request).
         With a :class:`~infer.engine.speculative.Speculation`, each of its forwards
         verifies draft tokens (see :mod:`infer.engine.speculative`).
 
@@ -255,7 +257,8 @@ class BatchEngine:
             if not any(t is totals for t in speculation.totals):
                 speculation.totals.append(totals)
         with self._lock:
-            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling), stop, speculation)
+            sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"

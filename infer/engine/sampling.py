@@ -16,6 +16,11 @@ The rules, applied in the order transformers applies them:
 
 Sampling runs on the host in float64 over a ``[vocab]`` array, with a
 per-request :class:`numpy.random.Generator`, so a seed repeats a run exactly.
+
+A :class:`Sampler` may also record each chosen token's log-probability and
+its most likely alternatives (:class:`TokenLogprob`), under the model's own
+distribution: the log-softmax of the raw logits, before any rule above, so a
+recorded value equals what scoring the text gives (:mod:`infer.engine.scoring`).
 """
 
 from __future__ import annotations
@@ -113,26 +118,79 @@ def filter_probabilities(
     return filtered / filtered.sum()
 
 
-class Sampler:
-    """Samples one request's tokens; owns its random generator."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's natural-log probability under the model, and the most likely
+    tokens at its position (``top``: ``(token id, logprob)`` pairs, most
+    likely first, ties by lower id; empty when none were asked for)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``logits - logsumexp(logits)`` in float64, over the last axis."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
+    """``token``'s :class:`TokenLogprob` from the ``[vocab]`` logits that
+    predicted it, with the ``k`` most likely tokens there."""
+    logp = log_softmax(logits)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, logp.size)
+        best = np.argpartition(-logp, k - 1)[:k]
+        best = best[np.lexsort((best, -logp[best]))]  # most likely first, ties by id
+        top = tuple((int(t), float(logp[t])) for t in best)
+    return TokenLogprob(int(token), float(logp[token]), top)
+
+
+class Sampler:
+    """Samples one request's tokens; owns its random generator.
+
+    Args:
+        params: the sampling rules.
+        logprobs: record each chosen token's :class:`TokenLogprob` in
+            :attr:`recorded`, with this many alternatives (0: the chosen
+            token's only); None records nothing.
+    """
+
+    def __init__(self, params: SamplingParams, *, logprobs: int | None = None) -> None:
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise SamplingParameterError(f"logprobs must be a non-negative integer or None, got {logprobs!r}")
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.logprobs = logprobs
+        #: One :class:`TokenLogprob` per token chosen so far (with ``logprobs``).
+        self.recorded: list[TokenLogprob] = []
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax alone decides (greedy without penalty), so
-        the engine can compute it on the device and copy one integer."""
-        return not (self.params.greedy and self.params.repetition_penalty == 1.0)
+        """False when the argmax alone decides (greedy without penalty) and
+        nothing is recorded, so the engine can compute it on the device and
+        copy one integer."""
+        return not (self.params.greedy and self.params.repetition_penalty == 1.0 and self.logprobs is None)
 
     def sample(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
-        """The next token id from ``[vocab]`` logits."""
+        """The next token id from ``[vocab]`` logits (recorded, see :meth:`chose`)."""
         p = self.params
         if p.greedy:
-            logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
-            return int(np.argmax(logits))
-        return self.draw(self.distribution(logits, history))
+            scores = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
+            token = int(np.argmax(scores))
+        else:
+            token = self.draw(self.distribution(logits, history))
+        self.chose(logits, token)
+        return token
+
+    def chose(self, logits: np.ndarray, token: int) -> None:
+        """``token`` was chosen from ``logits`` (by :meth:`sample`, or by
+        speculative verification): recorded when log-probabilities are asked for."""
+        if self.logprobs is not None:
+            self.recorded.append(token_logprob(logits, token, self.logprobs))
 
     def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> np.ndarray:
         """The float64 ``[vocab]`` distribution :meth:`sample` draws from:
