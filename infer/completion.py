@@ -48,6 +48,9 @@ class CompletionChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    #: On the last chunk of a constrained request: whether the text matches
+    #: the constraint in full (None without a constraint).
+    valid: bool | None = None
 
 
 @dataclass
@@ -74,6 +77,10 @@ class Completion:
     #: With ``echo=True``: one per prompt token, None for the first (nothing
     #: predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: With ``json_schema=``, ``regex=`` or ``grammar=``: whether :attr:`text`
+    #: matches it in full; False when generation ended first (``finish_reason``
+    #: says why). None without a constraint.
+    valid: bool | None = None
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -105,6 +112,10 @@ def stream_chunks(
             reason = generation.finish_reason or "length"
             piece.finish_reason = _REASONS.get(reason, reason)
             piece.usage = Usage(generation.prompt_tokens, len(tokens))
+            constraint = None if generation.sampler is None else generation.sampler.constraint
+            if constraint is not None:
+                # A stop string cut the text, so it may not match even where the matcher does.
+                piece.valid = bool(constraint.complete) and reason != "stop_string"  # type: ignore[attr-defined]
         return piece
 
     pending = ""
@@ -140,8 +151,10 @@ def collect(
 ) -> Completion:
     """One :class:`Completion` from a whole stream of chunks."""
     text, tokens, recorded = [], [], []
-    reason, usage = "length", Usage(len(prompt_ids), 0)
+    reason, usage, valid = "length", Usage(len(prompt_ids), 0), None
     for c in chunks:
+        if c.valid is not None:
+            valid = c.valid
         text.append(c.text)
         tokens.extend(c.token_ids)
         recorded.extend(c.logprobs or ())
@@ -150,7 +163,7 @@ def collect(
         if c.usage is not None:
             usage = c.usage
     return Completion("".join(text), tokens, reason, usage, recorded if logprobs else None, list(prompt_ids),
-                      prompt_logprobs)
+                      prompt_logprobs, valid)
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -104,6 +104,22 @@ class ContextLengthError(GenerationError):
     """A prompt (plus what must be generated) does not fit the context."""
 
 
+class StructuredOutputError(GenerationError, ValueError):
+    """A JSON schema, regex or grammar is invalid, or cannot be used with the
+    other arguments (e.g. speculative decoding)."""
+
+
+class IncompleteOutputError(GenerationError):
+    """Constrained generation ended (``max_tokens``, the context or a stop string)
+    before the output matched its constraint in full. ``text`` holds what was
+    generated; ``Model.complete`` reports the same as ``valid=False`` instead."""
+
+    def __init__(self, message: str, text: str) -> None:
+        super().__init__(message)
+        #: The text generated, which does not match the constraint in full.
+        self.text = text
+
+
 class CacheConfigError(InferError, ValueError):
     """A KV cache or page pool was configured or used inconsistently."""
 

@@ -19,6 +19,7 @@ from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, Bat
 from infer.engine.generate import Generation, StopConditions, generate
 from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
+from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DraftModelSource,
@@ -28,7 +29,13 @@ from infer.engine.speculative import (
     Speculation,
     SpeculativeStats,
 )
-from infer.errors import GenerationError, SamplingParameterError, TokenizerError
+from infer.errors import (
+    GenerationError,
+    IncompleteOutputError,
+    SamplingParameterError,
+    StructuredOutputError,
+    TokenizerError,
+)
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.tokenizer import Tokenizer
@@ -53,6 +60,7 @@ class Model:
         #: The engine that runs the network and owns the KV cache.
         self.engine = Engine(network, backend)
         self._batch_engine: BatchEngine | None = None
+        self._grammar_tokenizer: GrammarTokenizer | None = None
         #: Speculative decoding figures of every request this model ran, per
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
@@ -122,6 +130,9 @@ class Model:
         ignore_eos: bool = False,
         speculative: str | Model | DraftSource | None = None,
         num_speculative_tokens: int | None = None,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
         **sampling: Any,
     ) -> Generation:
         """Generate from token ids; iterate the result for new token ids
@@ -130,12 +141,35 @@ class Model:
         Keyword arguments are those of :meth:`generate` except ``stop`` and
         ``stream``.
         """
-        params = self.sampling_params(**sampling)
-        stop = StopConditions(
-            max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
-        )
+        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
+                                ignore_eos=ignore_eos)
+        sampler, stop = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=None, grammar=compiled,
+                                      **sampling)
         spec = self.speculation(speculative, num_speculative_tokens)
-        return generate(self.engine, list(prompt_ids), params, stop, spec)
+        return generate(self.engine, list(prompt_ids), sampler, stop, spec)
+
+    def grammar(
+        self, *, json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
+        speculative: object = None, ignore_eos: bool = False,
+    ) -> Grammar | None:
+        """The constraint of ``generate``'s ``json_schema``, ``regex`` or
+        ``grammar`` argument, compiled for this model's tokenizer and checked
+        (None when none is given). Raises
+        :class:`~infer.errors.StructuredOutputError` for an invalid one, or
+        one combined with speculative decoding or ``ignore_eos``."""
+        if json_schema is None and regex is None and grammar is None:
+            return None
+        if speculative is not None:
+            raise StructuredOutputError(
+                "constrained decoding (json_schema=, regex=, grammar=) does not combine with speculative decoding: "
+                "draft tokens are not checked against the constraint; drop speculative=")
+        if ignore_eos:
+            raise StructuredOutputError(
+                "constrained decoding ends at an end-of-sequence token once the output is complete; "
+                "ignore_eos=True would generate past it")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.network.vocab_size, self.eos_token_ids)
+        return Grammar(self._grammar_tokenizer, json_schema=json_schema, regex=regex, grammar=grammar)
 
     def speculation(
         self, speculative: str | Model | DraftSource | None, num_speculative_tokens: int | None = None,
@@ -187,6 +221,9 @@ class Model:
         add_special_tokens: bool = True,
         speculative: str | Model | DraftSource | None = None,
         num_speculative_tokens: int | None = None,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
     ) -> str | Iterator[str] | list[str]:
         """Continue ``prompt`` and return the new text.
 
@@ -211,6 +248,11 @@ class Model:
                 unchanged; sampled output keeps its distribution. Figures in
                 :attr:`speculative_stats`. See docs/speculative.md.
             num_speculative_tokens: draft tokens per forward (default 4).
+            json_schema, regex, grammar: constrained decoding (one of them):
+                only output that matches a JSON schema (a dict), a regular
+                expression, or a Lark or GBNF grammar; see docs/structured.md.
+                Raises :class:`~infer.errors.IncompleteOutputError` when
+                generation ends before the output matches in full.
 
         :meth:`complete` takes the same arguments and returns the tokens,
         their log-probabilities and why generation ended as well.
@@ -218,15 +260,19 @@ class Model:
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
                       ignore_eos=ignore_eos, add_special_tokens=add_special_tokens, speculative=speculative,
-                      num_speculative_tokens=num_speculative_tokens)
+                      num_speculative_tokens=num_speculative_tokens, json_schema=json_schema, regex=regex,
+                      grammar=grammar)
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
                 raise GenerationError("prompt must be a string or a list of strings")
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
-            return [c.text for c in self._complete_batch(list(prompt), **kwargs)]
-        chunks = self._chunks(prompt, **kwargs)
-        texts = (c.text for c in chunks if c.text)
+            completions = self._complete_batch(list(prompt), **kwargs)
+            for i, c in enumerate(completions):
+                if c.valid is False:
+                    raise IncompleteOutputError(_incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
+            return [c.text for c in completions]
+        texts = _texts(self._chunks(prompt, **kwargs))
         return texts if stream else "".join(texts)
 
     def complete(
@@ -251,6 +297,8 @@ class Model:
                 likely alternatives (0: none); None gives no log-probabilities.
             echo: also score the prompt (``prompt_logprobs``, with as many
                 alternatives as ``logprobs``).
+            With ``json_schema``, ``regex`` or ``grammar``, ``valid`` says whether
+            the text matches it in full (False when generation ended first).
             stream: yield :class:`~infer.completion.CompletionChunk` objects as the
                 text comes; the last one has ``finish_reason`` and ``usage``.
             kwargs: every other argument of :meth:`generate`.
@@ -282,10 +330,13 @@ class Model:
         return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(ids[1:], score.logprobs, tops))]
 
     def _request(
-        self, *, max_tokens: int | None, ignore_eos: bool, logprobs: int | None, **sampling: Any,
+        self, *, max_tokens: int | None, ignore_eos: bool, logprobs: int | None, grammar: Grammar | None,
+        **sampling: Any,
     ) -> tuple[Sampler, StopConditions]:
-        """One request's sampler and stop rules, from :meth:`generate`'s arguments."""
-        sampler = Sampler(self.sampling_params(**sampling), logprobs=logprobs)
+        """One request's sampler (with its own matcher of ``grammar``) and stop
+        rules, from :meth:`generate`'s arguments."""
+        sampler = Sampler(self.sampling_params(**sampling), logprobs=logprobs,
+                          constraint=None if grammar is None else grammar.matcher())
         stop = StopConditions(max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids,
                               ignore_eos=ignore_eos)
         return sampler, stop
@@ -293,14 +344,18 @@ class Model:
     def _chunks(
         self, prompt: str | list[int], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
         max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
-        num_speculative_tokens: int | None = None, logprobs: int | None = None, **sampling: Any,
+        num_speculative_tokens: int | None = None, logprobs: int | None = None,
+        json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
+        **sampling: Any,
     ) -> Iterator[CompletionChunk]:
         """One request, streamed as chunks (the engine of :meth:`generate`, :meth:`complete` and :meth:`chat`)."""
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
             else prompt
         stops = stop_strings(stop)
+        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
+                                ignore_eos=ignore_eos)
         sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs,
-                                            **sampling)
+                                            grammar=compiled, **sampling)
         spec = self.speculation(speculative, num_speculative_tokens)
         generation = generate(self.engine, ids, sampler, conditions, spec)
         return stream_chunks(self.tokenizer, generation, stops, logprobs=logprobs is not None)
@@ -309,20 +364,25 @@ class Model:
         self, prompts: list[str], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
         max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
         num_speculative_tokens: int | None = None, logprobs: int | None = None, echo: bool = False,
+        json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
         **sampling: Any,
     ) -> list[Completion]:
         """Every prompt in one continuous batch; each result equals what
-        :meth:`complete` gives for that prompt alone."""
+        :meth:`complete` gives for that prompt alone (each request has its
+        own matcher of the constraint)."""
         stops = stop_strings(stop)
+        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
+                                ignore_eos=ignore_eos)
         self.speculation(speculative, num_speculative_tokens)  # checks the arguments before anything runs
-        self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs, **sampling)  # likewise
+        self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs, grammar=None,
+                      **sampling)  # likewise
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         batch = self.batch_engine
         handles = []
         try:
             for prompt_ids in ids:  # each request gets its own Sampler (and seed) and figures
                 sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                    logprobs=logprobs, **sampling)
+                                                    logprobs=logprobs, grammar=compiled, **sampling)
                 spec = self.speculation(speculative, num_speculative_tokens)
                 handles.append(batch.submit(prompt_ids, sampler, conditions, speculation=spec))
             streams = [stream_chunks(self.tokenizer, _as_generation(h), stops, logprobs=logprobs is not None)
@@ -434,7 +494,7 @@ class Model:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        texts = (c.text for c in self._chunks(ids, stop=stop, **kwargs) if c.text)
+        texts = _texts(self._chunks(ids, stop=stop, **kwargs))
         return texts if stream else "".join(texts)
 
     # -- helpers ---------------------------------------------------------------------
@@ -465,6 +525,25 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
             f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
             f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
         )
+
+
+def _texts(chunks: Iterator[CompletionChunk]) -> Iterator[str]:
+    """The text of each chunk; raises :class:`~infer.errors.IncompleteOutputError`
+    at the end when a constrained output does not match in full."""
+    text = []
+    for c in chunks:
+        if c.text:
+            text.append(c.text)
+            yield c.text
+        if c.valid is False:
+            raise IncompleteOutputError(_incomplete(c.finish_reason, "the output"), "".join(text))
+
+
+def _incomplete(reason: str | None, what: str) -> str:
+    why = {"length": "max_tokens (or the model's context) ran out", "stop": "a stop string cut it"}.get(
+        reason or "", f"generation ended ({reason})")
+    return (f"{what} does not match its constraint in full: {why} first; raise max_tokens, or use "
+            "complete(), whose Completion has valid=False and the text")
 
 
 def _as_generation(handle: RequestHandle) -> Generation:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -149,6 +150,17 @@ def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
     return TokenLogprob(int(token), float(logp[token]), top)
 
 
+class Constraint(Protocol):
+    """What a :class:`Sampler` asks of a constraint on its tokens (one per
+    request; :class:`infer.engine.structured.Matcher` is one)."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` (float64 ``[vocab]``) with every forbidden token at ``-inf``."""
+
+    def advance(self, token: int) -> None:
+        """``token`` was chosen."""
+
+
 class Sampler:
     """Samples one request's tokens; owns its random generator.
 
@@ -157,14 +169,19 @@ class Sampler:
         logprobs: record each chosen token's :class:`TokenLogprob` in
             :attr:`recorded`, with this many alternatives (0: the chosen
             token's only); None records nothing.
+        constraint: only tokens it allows are chosen: its mask applies
+            before every rule above (forbidden logits are ``-inf``), greedy
+            or sampled, and it learns each chosen token.
     """
 
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, *, logprobs: int | None = None,
+                 constraint: Constraint | None = None) -> None:
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise SamplingParameterError(f"logprobs must be a non-negative integer or None, got {logprobs!r}")
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self.logprobs = logprobs
+        self.constraint = constraint
         #: One :class:`TokenLogprob` per token chosen so far (with ``logprobs``).
         self.recorded: list[TokenLogprob] = []
 
@@ -173,13 +190,14 @@ class Sampler:
         """False when the argmax alone decides (greedy without penalty) and
         nothing is recorded, so the engine can compute it on the device and
         copy one integer."""
-        return not (self.params.greedy and self.params.repetition_penalty == 1.0 and self.logprobs is None)
+        return not (self.params.greedy and self.params.repetition_penalty == 1.0 and self.logprobs is None
+                    and self.constraint is None)
 
     def sample(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
         """The next token id from ``[vocab]`` logits (recorded, see :meth:`chose`)."""
         p = self.params
         if p.greedy:
-            scores = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
+            scores = apply_repetition_penalty(self._masked(logits), history, p.repetition_penalty)
             token = int(np.argmax(scores))
         else:
             token = self.draw(self.distribution(logits, history))
@@ -188,9 +206,16 @@ class Sampler:
 
     def chose(self, logits: np.ndarray, token: int) -> None:
         """``token`` was chosen from ``logits`` (by :meth:`sample`, or by
-        speculative verification): recorded when log-probabilities are asked for."""
+        speculative verification): recorded when log-probabilities are asked
+        for, and the constraint learns it."""
         if self.logprobs is not None:
             self.recorded.append(token_logprob(logits, token, self.logprobs))
+        if self.constraint is not None:
+            self.constraint.advance(token)
+
+    def _masked(self, logits: np.ndarray) -> np.ndarray:
+        x = np.asarray(logits, dtype=np.float64)
+        return x if self.constraint is None else self.constraint.mask(x)
 
     def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> np.ndarray:
         """The float64 ``[vocab]`` distribution :meth:`sample` draws from:
@@ -198,7 +223,7 @@ class Sampler:
         the one-hot vector of the argmax. Speculative decoding compares
         these distributions of target and draft."""
         p = self.params
-        logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
+        logits = apply_repetition_penalty(self._masked(logits), history, p.repetition_penalty)
         if p.greedy:
             probs = np.zeros(logits.shape, dtype=np.float64)
             probs[int(np.argmax(logits))] = 1.0
