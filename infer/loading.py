@@ -12,11 +12,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
@@ -37,9 +38,11 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Pat
     """The local path a model reference names.
 
     In order: an existing file or folder; a catalog alias (downloaded once
-    into the cache, see :mod:`infer.catalog`); a Hugging Face repository id
-    ``org/name``, resolved through ``huggingface_hub`` (which answers from
-    its local cache when offline, e.g. with ``HF_HUB_OFFLINE=1``).
+    into the cache, see :mod:`infer.catalog`); a Hugging Face reference,
+    resolved through ``huggingface_hub`` (which answers from its local cache
+    when offline, e.g. with ``HF_HUB_OFFLINE=1``): ``org/name`` (the model's
+    files), ``org/name:Q4_K_M`` (only the GGUF file whose name ends with that
+    quantization) or ``org/name/file.gguf`` (only that file).
     """
     path = Path(reference).expanduser()
     if path.exists():
@@ -49,9 +52,16 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Pat
         return catalog.fetch(text, progress=progress)
     if _looks_like_repo_id(text):
         return _from_hub(text, progress)
+    repo, _, tag = text.rpartition(":")
+    if _looks_like_repo_id(repo) and re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+        return _from_hub(repo, progress, quantization=tag)
+    parts = text.split("/")
+    if len(parts) > 2 and text.lower().endswith(".gguf") and _looks_like_repo_id("/".join(parts[:2])):
+        return _from_hub("/".join(parts[:2]), progress, filename="/".join(parts[2:]))
     raise ModelNotFoundError(
         f"no model at {text!r}: not a file or folder, not a catalog alias "
-        f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face repository id (org/name)"
+        f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face reference (org/name, "
+        "org/name:QUANT for one GGUF quantization, org/name/file.gguf)"
     )
 
 
@@ -64,7 +74,7 @@ def _check_quantize(quantize: object) -> None:
 
 def _looks_like_repo_id(text: str) -> bool:
     parts = text.split("/")
-    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and "\\" not in text
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not {"\\", ":"} & set(text)
 
 
 class _SilentProgress(tqdm):  # type: ignore[misc]
@@ -73,7 +83,11 @@ class _SilentProgress(tqdm):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
 
 
-def _from_hub(repo_id: str, progress: bool) -> Path:
+def _from_hub(repo_id: str, progress: bool, *, quantization: str | None = None,
+              filename: str | None = None) -> Path:
+    """A repository's model through huggingface_hub (its cache first): the
+    whole model (``HUB_ALLOW_PATTERNS``), or only the GGUF file whose name
+    ends with ``quantization`` (``Q4_K_M``, any case), or only ``filename``."""
     try:
         import huggingface_hub
         from huggingface_hub.utils import HfHubHTTPError
@@ -82,12 +96,20 @@ def _from_hub(repo_id: str, progress: bool) -> Path:
             f"{repo_id!r} looks like a Hugging Face repository id, but huggingface_hub is not installed "
             "(pip install huggingface_hub)"
         ) from None
+    quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
     try:
-        quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
+        if filename is not None:
+            return Path(huggingface_hub.hf_hub_download(repo_id, filename, **quiet))
+        if quantization is not None:
+            spellings = sorted({quantization, quantization.upper(), quantization.lower()})
+            folder = huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=[f"*{q}.gguf" for q in spellings], **quiet)
+            return _one_quantization(repo_id, Path(folder), quantization)
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, **quiet)
     except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
+        what = f" file {filename!r}" if filename else ""
         raise ModelNotFoundError(
-            f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}"
+            f"cannot resolve Hugging Face repository {repo_id!r}{what}: {type(exc).__name__}: {exc}"
         ) from exc
     path = Path(folder)
     if not (path / "config.json").is_file():
@@ -95,6 +117,22 @@ def _from_hub(repo_id: str, progress: bool) -> Path:
         if len(ggufs) == 1:
             return ggufs[0]
     return path
+
+
+def _one_quantization(repo_id: str, folder: Path, quantization: str) -> Path:
+    """The one GGUF file of ``folder`` whose name ends with ``quantization``."""
+    found = sorted(p for p in folder.rglob("*.gguf") if p.stem.lower().endswith(quantization.lower()))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        present = sorted(p.name for p in folder.rglob("*.gguf"))
+        raise ModelNotFoundError(
+            f"Hugging Face repository {repo_id!r} has no GGUF file ending in {quantization!r}"
+            + (f" (cached: {', '.join(present)})" if present else "")
+            + "; give the file itself as org/name/file.gguf")
+    raise ModelNotFoundError(
+        f"Hugging Face repository {repo_id!r} has {len(found)} GGUF files ending in {quantization!r} "
+        f"({', '.join(p.name for p in found)}); give one as org/name/file.gguf")
 
 
 def load(

