@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from infer import _moved
-from infer.completion import Completion, CompletionChunk, Usage
+from infer.completion import Completion, CompletionChunk, Stream, Usage
 from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import SamplingParams, TokenLogprob
@@ -44,6 +44,7 @@ def list_formats() -> list[FormatSpec]:
 
 __all__ = [
     "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "Completion", "CompletionChunk",
-    "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "TokenLogprob", "Usage",
+    "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "Stream", "TokenLogprob",
+    "Usage",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]

@@ -11,13 +11,19 @@ usage; :func:`collect` joins them into one :class:`Completion`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from infer.engine.generate import Generation
 from infer.engine.sampling import TokenLogprob
 from infer.errors import SamplingParameterError
 from infer.tokenizer import Tokenizer
+
+T = TypeVar("T")
+_END = object()
 
 #: How a :class:`~infer.engine.generate.Generation`'s reason reads in a completion.
 _REASONS = {"stop": "eos", "stop_string": "stop"}
@@ -81,6 +87,46 @@ class Completion:
     #: matches it in full; False when generation ended first (``finish_reason``
     #: says why). None without a constraint.
     valid: bool | None = None
+
+
+class Stream(Iterator[T], AsyncIterator[T], Generic[T]):
+    """What ``stream=True`` returns: the pieces of one request as they come.
+    Iterate it (``for``), or ``async for`` it in a notebook or a server: then
+    each piece is computed in a worker thread, so the event loop keeps
+    running. Steps of streams of one model never run at once (they share the
+    model's lock), so concurrent async streams interleave safely.
+    :meth:`close` ends the request early and frees its cache."""
+
+    def __init__(self, pieces: Iterator[T], lock: threading.RLock) -> None:
+        self._pieces = pieces
+        self._lock = lock
+
+    def __iter__(self) -> Stream[T]:
+        return self
+
+    def __next__(self) -> T:
+        with self._lock:
+            return next(self._pieces)
+
+    def __aiter__(self) -> Stream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        piece = await asyncio.to_thread(self._next_or_end)
+        if piece is _END:
+            raise StopAsyncIteration
+        return piece  # type: ignore[return-value]
+
+    def _next_or_end(self) -> object:
+        with self._lock:
+            return next(self._pieces, _END)
+
+    def close(self) -> None:
+        """End the request now (its KV cache is freed)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            with self._lock:
+                close()
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

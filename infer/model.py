@@ -8,12 +8,14 @@ token ids and back, including stop strings and streaming.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
-from infer.completion import Completion, CompletionChunk, collect, stop_strings, stream_chunks
+from infer.completion import Completion, CompletionChunk, Stream, collect, stop_strings, stream_chunks
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, StopConditions, generate
@@ -61,6 +63,8 @@ class Model:
         self.engine = Engine(network, backend)
         self._batch_engine: BatchEngine | None = None
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        # Held by each step of a Stream and by the async methods, so those never run two forwards at once.
+        self._lock = threading.RLock()
         #: Speculative decoding figures of every request this model ran, per
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
@@ -273,7 +277,28 @@ class Model:
                     raise IncompleteOutputError(_incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
             return [c.text for c in completions]
         texts = _texts(self._chunks(prompt, **kwargs))
-        return texts if stream else "".join(texts)
+        return Stream(texts, self._lock) if stream else "".join(texts)
+
+    async def agenerate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str] | Stream[str]:
+        """:meth:`generate` for ``asyncio``: the same arguments and result,
+        computed in a worker thread so the event loop keeps running (with
+        ``stream=True`` the :class:`~infer.completion.Stream`, to ``async for``).
+        Calls on one model run one at a time."""
+        if kwargs.get("stream"):
+            return self.generate(prompt, **kwargs)  # type: ignore[return-value]
+        return await asyncio.to_thread(self._locked, self.generate, prompt, **kwargs)  # type: ignore[arg-type]
+
+    async def acomplete(
+        self, prompt: str | Sequence[int] | Sequence[str], **kwargs: Any,
+    ) -> Completion | list[Completion] | Stream[CompletionChunk]:
+        """:meth:`complete` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
+        if kwargs.get("stream"):
+            return self.complete(prompt, **kwargs)  # type: ignore[return-value]
+        return await asyncio.to_thread(self._locked, self.complete, prompt, **kwargs)  # type: ignore[arg-type]
+
+    def _locked(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(*args, **kwargs)
 
     def complete(
         self,
@@ -311,7 +336,7 @@ class Model:
         ids = self._prompt_ids(prompt, kwargs.pop("add_special_tokens", True))
         chunks = self._chunks(ids, logprobs=logprobs, **kwargs)
         if stream:
-            return chunks
+            return Stream(chunks, self._lock)
         return collect(chunks, ids, logprobs=logprobs is not None,
                        prompt_logprobs=self._prompt_logprobs(ids, logprobs) if echo else None)
 
@@ -495,7 +520,13 @@ class Model:
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         texts = _texts(self._chunks(ids, stop=stop, **kwargs))
-        return texts if stream else "".join(texts)
+        return Stream(texts, self._lock) if stream else "".join(texts)
+
+    async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:
+        """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
+        if kwargs.get("stream"):
+            return self.chat(messages, **kwargs)  # type: ignore[return-value]
+        return await asyncio.to_thread(self._locked, self.chat, messages, **kwargs)
 
     # -- helpers ---------------------------------------------------------------------
 
