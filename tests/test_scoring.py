@@ -167,12 +167,13 @@ def test_score_equals_transformers_on_smollm2(source: str) -> None:
 
 
 @pytest.mark.slow
-def test_score_equals_transformers_on_gemma3_gguf() -> None:
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_score_equals_transformers_on_gemma3(source: str) -> None:
     from real_models import gemma3_hf_dir
 
     hf = gemma3_hf_dir()
-    model = infer.load("gemma3-270m", backend="numpy")
+    model = infer.load(hf if source == "hf" else "gemma3-270m", backend="numpy")
     ids = model.tokenizer.encode("The three primary colors are red, yellow and blue.")
     logits = reference_teacher_forced(hf, ids[:1], ids[1:])
     assert_logprobs_close(model.score(ids).logprobs, reference_logprobs(logits, ids), logits, float32_rtol(hf),
-                          "gemma3")
+                          f"gemma3 {source}")
