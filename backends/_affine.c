@@ -233,36 +233,95 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
     return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
 }
 
+/* M activation rows against one weight row: each block widened once for all M
+ * rows, M a constant (2..MAX_ROWS) and the accumulators named per parity (an
+ * array indexed by g & 1 is kept in memory), so they stay in registers. The
+ * sums and their order are one_row's (even blocks into one accumulator, odd
+ * into the other), so a row's result does not depend on how many rows share
+ * the call. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* One block of 32 codes, widened (w0..w3), into each row's accumulator. */
+AVX2 INLINE void block_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s, const float *x, Py_ssize_t k,
+                            __m256 *acc, const int M) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        const float *v = x + i * k;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
+        acc[i] = _mm256_fmadd_ps(s, t, acc[i]);
+    }
+}
+
+/* The same for 8-bit codes with a scale per 16 columns (g16_step's order). */
+AVX2 INLINE void block16_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s0, __m256 s1, const float *x,
+                              Py_ssize_t k, __m256 *acc, const int M) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        const float *v = x + i * k;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+        __m256 u = _mm256_mul_ps(w2, _mm256_loadu_ps(v + 16));
+        u = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), u);
+        acc[i] = _mm256_fmadd_ps(s1, u, _mm256_fmadd_ps(s0, t, acc[i]));
+    }
+}
+
+AVX2 INLINE void widen_block(int bits, const uint8_t *codes, Py_ssize_t g, __m256 *w) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    if (bits == 4) {
+        const uint8_t *c = codes + g * (GROUP / 2);
+        w[0] = nibbles8(c, shifts, mask), w[1] = nibbles8(c + 4, shifts, mask);
+        w[2] = nibbles8(c + 8, shifts, mask), w[3] = nibbles8(c + 12, shifts, mask);
+    } else {
+        const uint8_t *c = codes + g * GROUP;
+        w[0] = widen8(c), w[1] = widen8(c + 8), w[2] = widen8(c + 16), w[3] = widen8(c + 24);
+    }
+}
+
+AVX2 INLINE void one_block(int bits, const uint8_t *codes, const float *scales, const float *x, Py_ssize_t k,
+                           Py_ssize_t group, Py_ssize_t g, __m256 *acc, const int M) {
+    __m256 w[4];
+    widen_block(bits, codes, g, w);
+    if (group == 16)
+        block16_rows(w[0], w[1], w[2], w[3], _mm256_broadcast_ss(scales + 2 * g), _mm256_broadcast_ss(scales + 2 * g + 1),
+                     x + g * GROUP, k, acc, M);
+    else
+        block_rows(w[0], w[1], w[2], w[3], _mm256_broadcast_ss(scales + g), x + g * GROUP, k, acc, M);
+}
+
+AVX2 INLINE void rows_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                           const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group, const int M) {
+    Py_ssize_t groups = k / GROUP, bias_groups = k / group, g = 0;
+    __m256 even[MAX_ROWS], odd[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        one_block(bits, codes, scales, x, k, group, g, even, M);
+        one_block(bits, codes, scales, x, k, group, g + 1, odd, M);
+    }
+    if (g < groups) one_block(bits, codes, scales, x, k, group, g, even, M);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+        out[i * n] = hsum(_mm256_add_ps(even[i], odd[i])) + bias_dot(biases, xs + i * bias_groups, bias_groups);
+}
+
+#define ROWS_CASES(call) \
+    switch (m) { \
+    case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
+    }
+
 AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                            const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (m == 1) {
         out[0] = one_row(4, codes, scales, biases, x, xs, k, group);
         return;
     }
-    /* The same sums in the same order as one_row (even groups into one
-     * accumulator, odd into the other): a row's result does not depend on
-     * how many rows share the call. */
-    Py_ssize_t groups = k / GROUP;
-    __m256 acc[2][MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + g * (GROUP / 2);
-        __m256 w0 = nibbles8(c, shifts, mask), w1 = nibbles8(c + 4, shifts, mask);
-        __m256 w2 = nibbles8(c + 8, shifts, mask), w3 = nibbles8(c + 12, shifts, mask);
-        __m256 s = _mm256_broadcast_ss(scales + g);
-        __m256 *a = acc[g & 1];
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *v = x + i * k + g * GROUP;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            a[i] = _mm256_fmadd_ps(s, t, a[i]);
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++)
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
+#define CALL_ROWS4(M) rows_avx2(4, codes, scales, biases, x, xs, out, k, n, group, M)
+    ROWS_CASES(CALL_ROWS4)
 }
 
 AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
@@ -271,47 +330,10 @@ AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const floa
         out[0] = one_row(8, codes, scales, biases, x, xs, k, group);
         return;
     }
-    Py_ssize_t groups = k / GROUP;  /* sums ordered as in one_row, see row4_avx2 */
-    if (group == 16) {
-        __m256 acc16[2][MAX_ROWS];
-        for (Py_ssize_t i = 0; i < m; i++) acc16[0][i] = acc16[1][i] = _mm256_setzero_ps();
-        for (Py_ssize_t g = 0; g < groups; g++) {
-            const uint8_t *c = codes + g * GROUP;
-            __m256 w0 = widen8(c), w1 = widen8(c + 8), w2 = widen8(c + 16), w3 = widen8(c + 24);
-            __m256 s0 = _mm256_broadcast_ss(scales + 2 * g), s1 = _mm256_broadcast_ss(scales + 2 * g + 1);
-            __m256 *a = acc16[g & 1];
-            for (Py_ssize_t i = 0; i < m; i++) {
-                const float *v = x + i * k + g * GROUP;
-                __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-                __m256 u = _mm256_mul_ps(w2, _mm256_loadu_ps(v + 16));
-                u = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), u);
-                a[i] = _mm256_fmadd_ps(s1, u, _mm256_fmadd_ps(s0, t, a[i]));
-            }
-        }
-        for (Py_ssize_t i = 0; i < m; i++)
-            out[i * n] = hsum(_mm256_add_ps(acc16[0][i], acc16[1][i])) + bias_dot(biases, xs + i * 2 * groups, 2 * groups);
-        return;
-    }
-    __m256 acc[2][MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + g * GROUP;
-        __m256 w0 = widen8(c), w1 = widen8(c + 8), w2 = widen8(c + 16), w3 = widen8(c + 24);
-        __m256 s = _mm256_broadcast_ss(scales + g);
-        __m256 *a = acc[g & 1];
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *v = x + i * k + g * GROUP;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            a[i] = _mm256_fmadd_ps(s, t, a[i]);
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++)
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
+#define CALL_ROWS8(M) rows_avx2(8, codes, scales, biases, x, xs, out, k, n, group, M)
+    ROWS_CASES(CALL_ROWS8)
 }
+
 AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     Py_ssize_t c;
     if (m > 1) {  /* row by row, so each row's sum is the one-row sum (the weight row stays in L1) */
@@ -402,8 +424,6 @@ AVX512 static float one_row4_512(const uint8_t *codes, const float *scales, cons
  * registers. Each row's sums are those of one_row4_512 (even blocks into one
  * accumulator, odd into the other), so a row's result does not depend on how
  * many rows share the call. */
-#define INLINE static inline __attribute__((always_inline))
-
 AVX512 INLINE void block4_rows(const uint8_t *c, float scale, const float *x, Py_ssize_t k, __m512 table,
                                __m512 *acc, const int M) {
     __m512i b = _mm512_castps_si512(codes16(c));
@@ -433,12 +453,6 @@ AVX512 INLINE void rows4_512(const uint8_t *codes, const float *scales, const fl
     for (int i = 0; i < M; i++)
         out[i * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + bias_dot(biases, xs + i * groups, groups);
 }
-
-#define ROWS_CASES(call) \
-    switch (m) { \
-    case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
-    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
-    }
 
 AVX512 static void row4_avx512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                                const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n,
