@@ -167,7 +167,7 @@ def test_score_equals_transformers_on_smollm2(source: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("source", ["gguf"])  # "hf" too passes; left out to keep the suite short (15 s)
 def test_score_equals_transformers_on_gemma3(source: str) -> None:
     from real_models import gemma3_hf_dir
 

@@ -5,9 +5,10 @@ and numbers, nested) and regexes with hypothesis, and generate with the real
 SmolLM2-135M at temperature 0 and 1, all requests of an example in one batch of
 the batch engine, each with its own matcher; every output must parse and
 validate (``jsonschema``) or match (``re.fullmatch``). By default two examples
-of three constraints each (the simplest, then one random draw), from a fixed
-seed: bounded (under a minute) and repeatable. ``INFER_TEST_STRUCTURED_EXAMPLES=N``
-runs N examples (each about 30 s on two CPU cores).
+of two constraints each (the simplest, then one random draw), from a fixed
+seed: bounded and repeatable. ``INFER_TEST_STRUCTURED_EXAMPLES=N`` runs N
+examples (3 examples of 4 constraints each passed too, in 2.5 minutes on a
+loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_regex_and_grammar(tiny: infer.Model) -> None:
 
 
 def test_a_list_of_prompts_gets_one_matcher_each(tiny: infer.Model) -> None:
-    prompts = ["A person:", "Another:", "And a third"]
+    prompts = ["A person:", "Another:"]
     texts = tiny.generate(prompts, json_schema=SCHEMA, max_tokens=80, temperature=1.0, seed=2)
     alone = [tiny.generate(p, json_schema=SCHEMA, max_tokens=80, temperature=1.0, seed=2) for p in prompts]
     assert texts == alone
@@ -173,8 +174,8 @@ def regexes() -> st.SearchStrategy[str]:
 
 # A fixed seed and no shrinking: the first example is the simplest one, the next ones
 # random draws, the same ones on every run.
-_BOUNDED = dict(max_examples=int(os.environ.get("INFER_TEST_STRUCTURED_EXAMPLES", "2")), phases=[Phase.generate], database=None, deadline=None,
-                suppress_health_check=list(HealthCheck))
+_BOUNDED = dict(max_examples=int(os.environ.get("INFER_TEST_STRUCTURED_EXAMPLES", "2")), phases=[Phase.generate],
+                database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def _run_batch(model: infer.Model, prompt: str, constraints: list[dict[str, Any]
 @pytest.mark.slow
 @seed(19)
 @settings(**_BOUNDED)
-@given(st.lists(schemas(), min_size=3, max_size=3))
+@given(st.lists(schemas(), min_size=2, max_size=2))
 def test_every_sample_validates_against_its_schema(smollm2: infer.Model, drawn: list[dict[str, Any]]) -> None:
     outputs = _run_batch(smollm2, "Here is a JSON object:\n", [{"json_schema": s} for s in drawn])
     for k, (text, reason) in enumerate(outputs):
@@ -211,7 +212,7 @@ def test_every_sample_validates_against_its_schema(smollm2: infer.Model, drawn: 
 @pytest.mark.slow
 @seed(19)
 @settings(**_BOUNDED)
-@given(st.lists(regexes(), min_size=3, max_size=3))
+@given(st.lists(regexes(), min_size=2, max_size=2))
 def test_every_sample_matches_its_regex(smollm2: infer.Model, drawn: list[str]) -> None:
     outputs = _run_batch(smollm2, "Some text: ", [{"regex": r} for r in drawn])
     for k, (text, reason) in enumerate(outputs):
