@@ -21,7 +21,8 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 SCHEMA = {
     "type": "object",
@@ -64,7 +65,7 @@ def bench_llguidance(folder: Path, kind: str, constraint: str, tokens: list[int]
     import llguidance
     import llguidance.numpy as lln
 
-    tok, text, vocab, eos = _load(folder)
+    _, text, vocab, eos = _load(folder)
     t0 = time.perf_counter()
     lltok = llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos)
     t1 = time.perf_counter()

@@ -21,7 +21,6 @@ from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, Bat
 from infer.engine.generate import Generation, StopConditions, generate
 from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
-from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DraftModelSource,
@@ -31,6 +30,7 @@ from infer.engine.speculative import (
     Speculation,
     SpeculativeStats,
 )
+from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.errors import (
     GenerationError,
     IncompleteOutputError,

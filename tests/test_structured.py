@@ -63,8 +63,8 @@ def test_generate_complete_and_chat_follow_a_json_schema(tiny: infer.Model) -> N
 
 def test_regex_and_grammar(tiny: infer.Model) -> None:
     pattern = r"(red|green|blue) [0-9]{2}"
-    for seed in range(3):
-        assert re.fullmatch(pattern, tiny.generate("Color:", regex=pattern, temperature=1.0, seed=seed, max_tokens=40))
+    for draw in range(3):
+        assert re.fullmatch(pattern, tiny.generate("Color:", regex=pattern, temperature=1.0, seed=draw, max_tokens=40))
     lark = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]/'
     assert tiny.generate("Answer:", grammar=lark, max_tokens=10) in {"yes", "no"} | {f"maybe {d}" for d in range(10)}
     gbnf = 'root ::= "(" [a-c] [a-c]? ")"'  # llama.cpp's GBNF, converted
