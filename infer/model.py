@@ -308,7 +308,7 @@ class Model:
         echo: bool = False,
         stream: bool = False,
         **kwargs: Any,
-    ) -> Completion | Iterator[CompletionChunk] | list[Completion]:
+    ) -> Completion | Stream[CompletionChunk] | list[Completion]:
         """Continue ``prompt`` like :meth:`generate`, with the details: a
         :class:`~infer.completion.Completion` with the text, the new token ids,
         ``finish_reason`` (``"eos"``, ``"stop"`` for a stop string,
@@ -321,13 +321,19 @@ class Model:
                 (before temperature and filters) with its ``logprobs`` most
                 likely alternatives (0: none); None gives no log-probabilities.
             echo: also score the prompt (``prompt_logprobs``, with as many
-                alternatives as ``logprobs``).
-            With ``json_schema``, ``regex`` or ``grammar``, ``valid`` says whether
-            the text matches it in full (False when generation ended first).
-            stream: yield :class:`~infer.completion.CompletionChunk` objects as the
-                text comes; the last one has ``finish_reason`` and ``usage``.
+                alternatives as ``logprobs``); not with ``stream`` (score the
+                prompt with :meth:`score` then).
+            stream: return an :class:`~infer.completion.Stream` of
+                :class:`~infer.completion.CompletionChunk` objects as the text
+                comes; the last one has ``finish_reason`` and ``usage``.
             kwargs: every other argument of :meth:`generate`.
+
+        With ``json_schema``, ``regex`` or ``grammar``, the completion's
+        ``valid`` says whether its text matches in full (False when generation
+        ended first; :meth:`generate` raises instead).
         """
+        if stream and echo:
+            raise GenerationError("echo=True takes stream=False; with a stream, score the prompt with Model.score")
         if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
                 isinstance(p, str) for p in prompt):
             if stream:

@@ -118,3 +118,10 @@ def test_bad_logprobs_is_a_typed_error(model: infer.Model) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(SamplingParameterError, match="logprobs"):
             model.complete(PROMPT, max_tokens=2, logprobs=bad)
+
+
+def test_echo_needs_the_whole_completion(model: infer.Model) -> None:
+    from infer.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="echo"):
+        model.complete(PROMPT, max_tokens=2, echo=True, stream=True)
