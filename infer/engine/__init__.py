@@ -8,7 +8,12 @@
 * :mod:`infer.engine.budget` — the batch engine's KV-memory strategy (paged
   or contiguous);
 * :mod:`infer.engine.speculative` — draft sources and their statistics;
-* :mod:`infer.engine.sampling` — sampling parameters and the sampler.
+* :mod:`infer.engine.sampling` — sampling parameters and the sampler (and
+  the log-probabilities it records);
+* :mod:`infer.engine.scoring` — log-probabilities of given texts, in sliding
+  windows;
+* :mod:`infer.engine.structured` — constrained decoding: grammar matchers that
+  mask the sampler's logits.
 
 ``from infer.engine import Engine`` is the runner; the loops are imported
 from their modules.
