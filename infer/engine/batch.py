@@ -255,7 +255,8 @@ class BatchEngine:
             if not any(t is totals for t in speculation.totals):
                 speculation.totals.append(totals)
         with self._lock:
-            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling), stop, speculation)
+            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling, len(prompt)), stop,
+                                   speculation)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"

@@ -90,7 +90,7 @@ def generate(
     prompt = [int(t) for t in prompt_ids]
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats)
-    gen.tokens_iter = _tokens(engine, prompt, Sampler(sampling), stop, speculation, gen)
+    gen.tokens_iter = _tokens(engine, prompt, Sampler(sampling, len(prompt)), stop, speculation, gen)
     return gen
 
 
