@@ -346,39 +346,66 @@ class Model:
         return max_tokens
 
     def _stream_text(self, generation: Generation, stops: tuple[str, ...]) -> Iterator[str]:
-        """Detokenize incrementally, cutting at the first stop string.
-
-        Text that might be the start of a stop string is held back until it
-        is known not to be one, so a stop string is never partly emitted.
-        """
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        pending = ""
+        """Detokenize incrementally, cutting at the first stop string
+        (:class:`TextStream`); a stop string ends the generation."""
+        text = TextStream(self.tokenizer, stops)
         for token in generation:
-            pending += decoder.push(token)
-            if not pending:
-                continue
-            if stops:
-                cut = _first_stop(pending, stops)
-                if cut is not None:
-                    if cut:
-                        yield pending[:cut]
-                    generation.finish_reason = "stop_string"
-                    generation.tokens_iter.close()  # type: ignore[attr-defined]
-                    return
-                keep = _held_back(pending, stops)
-                emit, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-            else:
-                emit, pending = pending, ""
-            if emit:
-                yield emit
-        pending += decoder.flush()
-        if stops:
-            cut = _first_stop(pending, stops)
-            if cut is not None:
-                pending = pending[:cut]
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
                 generation.finish_reason = "stop_string"
-        if pending:
-            yield pending
+                generation.tokens_iter.close()  # type: ignore[attr-defined]
+                return
+        piece = text.finish()
+        if text.stopped:
+            generation.finish_reason = "stop_string"
+        if piece:
+            yield piece
+
+
+class TextStream:
+    """Generated token ids in, text out as soon as it is final, cut before
+    the first stop string (the stop string itself is never shown).
+
+    Text that might be the start of a stop string is held back until it is
+    known not to be one, so a stop string is never partly emitted. Once
+    :attr:`stopped` is true, :meth:`push` returns "" and the caller should
+    end the request.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self.stops = tuple(stops)
+        self._decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+        self._pending = ""
+        #: Whether a stop string has appeared.
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; the text that is now certain (maybe "")."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.push(token)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """The generation ended: the text still held back."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        pending = self._pending
+        if not pending:
+            return ""
+        cut = _first_stop(pending, self.stops) if self.stops else None
+        if cut is not None:
+            self.stopped, self._pending = True, ""
+            return pending[:cut]
+        keep = 0 if final or not self.stops else _held_back(pending, self.stops)
+        self._pending = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep]
 
 
 def _check_same_vocabulary(target: Model, draft: Model) -> None:

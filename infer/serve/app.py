@@ -1,0 +1,503 @@
+"""The ASGI app: OpenAI's completions and chat completions over one batch engine.
+
+A handler validates the body (:mod:`infer.serve.protocol`), turns it into
+token ids, sampling parameters and stop conditions, submits one request per
+choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
+that come back into text (:class:`~infer.model.TextStream`: stop strings),
+tool calls (:mod:`infer.serve.tools`) and OpenAI's response or its stream of
+server-sent events. A client that goes away cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions
+from infer.engine.sampling import SamplingParams
+from infer.errors import CacheFullError, ContextLengthError, InferError, RequestError, ServerBusyError
+from infer.model import Model, TextStream
+from infer.serve import tools as toolcalls
+from infer.serve.loop import EngineLoop, TokenStream
+from infer.serve.metrics import Metrics
+from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse
+
+log = logging.getLogger(__name__)
+
+#: Largest request body accepted, in bytes (a 1 MiB prompt is ~250k tokens).
+DEFAULT_MAX_BODY_BYTES = 2**20
+#: Requests that may wait for admission before new ones get 429.
+DEFAULT_MAX_QUEUE = 256
+#: OpenAI's default ``max_tokens`` of the completions endpoint.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+def create_app(
+    model: Model, *, model_name: str | None = None, api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    batch_engine: BatchEngine | None = None,
+) -> Starlette:
+    """The ASGI app serving ``model`` with OpenAI's API.
+
+    Args:
+        model: the loaded model; its :attr:`~infer.Model.batch_engine`
+            (or ``batch_engine``) runs every request, on a thread the app
+            starts with its lifespan.
+        model_name: the id clients pass as ``model`` (default: the model
+            folder's or file's name); any other id is a 404.
+        api_key: when set, every endpoint but ``/health`` needs
+            ``Authorization: Bearer <api_key>`` (401 otherwise).
+        max_queue: requests that may wait for admission; beyond, 429 with
+            ``Retry-After``.
+        max_body_bytes: largest request body (413 beyond).
+        batch_engine: the batch engine to run (default the model's); no one
+            else may use it while the app runs.
+    """
+    server = _Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
+                     max_queue=max_queue, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    handlers: dict[Any, Callable[..., Any]] = {HTTPException: _http_error, InferError: _infer_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
+    #: What tests and embedding code reach: the server (its loop, metrics).
+    app.state.server = server
+    return app
+
+
+def _default_name(model: Model) -> str:
+    path = model.package.path
+    return path.name if path is not None else model.model_type
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+
+
+async def _infer_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, RequestError):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(exc.status, str(exc), kind=kind, param=exc.param, code=exc.code)
+    if isinstance(exc, ServerBusyError):
+        return error_response(429, str(exc), kind="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, CacheFullError):
+        return error_response(400, str(exc), param="max_tokens", code="kv_cache_too_small")
+    if isinstance(exc, ContextLengthError):
+        return error_response(400, str(exc), param="messages" if "chat" in request.url.path else "prompt",
+                              code="context_length_exceeded")
+    return error_response(400, str(exc))  # any other typed error is about the request
+
+
+class _Guard:
+    """API key and body size, before any route: pure ASGI, so a refused
+    request costs no parsing."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = None if not api_key else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time in the key's bytes
+                reply = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                       code="invalid_api_key")
+                return await reply(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            reply = error_response(413, f"the request body has {int(length)} bytes; this server takes at most "
+                                   f"{self.max_body_bytes}", code="request_too_large")
+            return await reply(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, counting bytes as they come (a chunked body has no Content-Length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from None
+
+
+# -- one choice ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """One generated choice: its request's stream and what became of it."""
+
+    index: int
+    stream: TokenStream
+    text: TextStream
+    tokens: int = 0
+    finish_reason: str | None = None
+    pieces: list[str] = field(default_factory=list)
+
+    async def run(self, loop: EngineLoop, emit: Callable[[_Choice, str], Awaitable[None]] | None = None) -> None:
+        """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
+        async for ids in self.stream:
+            for token in ids:
+                self.tokens += 1
+                piece = self.text.push(token)
+                if piece:
+                    await self._piece(piece, emit)
+                if self.text.stopped:
+                    loop.cancel(self.stream)  # its pages go back before the next step
+                    self.finish_reason = "stop"
+                    return
+        piece = self.text.finish()
+        if piece:
+            await self._piece(piece, emit)
+        self.finish_reason = "stop" if self.stream.finish_reason == "stop" or self.text.stopped else "length"
+
+    async def _piece(self, piece: str, emit: Callable[[_Choice, str], Awaitable[None]] | None) -> None:
+        self.pieces.append(piece)
+        if emit is not None:
+            await emit(self, piece)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.pieces)
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int) -> None:
+        self.model = model
+        self.name = name
+        self.created = int(time.time())
+        self.max_body_bytes = max_body_bytes
+        self.loop = EngineLoop(batch, max_queue=max_queue, on_tokens=lambda *args: self.metrics.on_tokens(*args))
+        self.metrics = Metrics(self.loop)
+
+    # -- small endpoints ---------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+                "max_model_len": self.model.context_length}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        self._check_model(request.path_params["name"])
+        return JSONResponse(self._card())
+
+    def _check_model(self, name: str) -> None:
+        if name != self.name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {self.name!r}", "model",
+                               status=404, code="model_not_found")
+
+    # -- what both generation endpoints share ----------------------------------------------
+
+    def _sampling(self, body: _Sampling, index: int) -> SamplingParams:
+        seed = None if body.seed is None else body.seed + index  # n choices, n different draws
+        return self.model.sampling_params(
+            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, seed=seed, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.bias(self.model.network.vocab_size))
+
+    def _max_tokens(self, requested: int | None, default: int | None, prompt_tokens: int) -> int:
+        """``requested``, else ``default``, else all the context and KV pool leave; capped by the context."""
+        room = self.model.context_length - prompt_tokens
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens but the model's context is {self.model.context_length} "
+                f"positions, and at least one must remain for generation")
+        if requested is None:
+            requested = default if default is not None else max(1, self._pool_positions() - prompt_tokens)
+        return min(requested, room)
+
+    def _pool_positions(self) -> int:
+        budget = self.loop.batch.budget
+        if budget.pool is not None:
+            return budget.pool.num_blocks * budget.pool.block_size
+        return int(getattr(budget, "positions", self.model.context_length))
+
+    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int]) -> list[_Choice]:
+        """Submit ``body.n`` requests per prompt; all or none (a refusal cancels those already in)."""
+        stops = body.stops()
+        choices: list[_Choice] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                stop = StopConditions(max_tokens=max_tokens[i], eos_token_ids=self.model.eos_token_ids,
+                                      ignore_eos=body.ignore_eos)
+                for j in range(body.n):
+                    stream = await self.loop.submit(prompt, self._sampling(body, j), stop)
+                    choices.append(_Choice(len(choices), stream, TextStream(self.model.tokenizer, stops)))
+        except BaseException:
+            for choice in choices:
+                self.loop.cancel(choice.stream)
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return choices
+
+    def _usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(c.tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def _all(self, request: Request, choices: list[_Choice], endpoint: str) -> None:
+        """Run every choice to its end; a client that goes away first cancels them."""
+        work = asyncio.gather(*(c.run(self.loop) for c in choices))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise asyncio.CancelledError
+            work.result()
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                for c in choices:
+                    self.loop.cancel(c.stream)
+            self._count(endpoint, choices)
+
+    def _count(self, endpoint: str, choices: list[_Choice]) -> None:
+        for c in choices:
+            self.metrics.requests.labels(endpoint, c.finish_reason or "cancelled").inc()
+
+    def _unsupported(self, param: str, why: str) -> RequestError:
+        return RequestError(f"{param} is not supported by infer's server: {why}", param, code="unsupported_parameter")
+
+    # -- /v1/completions ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = parse(CompletionRequest, await _read_json(request, self.max_body_bytes))
+        self._check_model(body.model)
+        if body.best_of not in (None, 1):
+            raise self._unsupported("best_of", "generate n choices instead")
+        if body.suffix is not None:
+            raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
+        if body.logprobs is not None:
+            raise self._unsupported("logprobs", "token log-probabilities are not implemented yet")
+        if body.echo:
+            raise self._unsupported("echo", "echoing the prompt comes with prompt logprobs, not implemented yet")
+        tokenizer = self.model.tokenizer
+        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+        max_tokens = [self._max_tokens(body.max_tokens, COMPLETIONS_MAX_TOKENS, len(p)) for p in prompts]
+        choices = await self._start(body, prompts, max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choice: _Choice | None, text: str, finish: str | None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                                   "choices": []}
+            if choice is not None:
+                out["choices"] = [{"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}]
+            return out
+
+        if not body.stream:
+            await self._all(request, choices, "completions")
+            return JSONResponse({
+                "id": rid, "object": "text_completion", "created": created, "model": self.name,
+                "choices": [{"index": c.index, "text": c.output, "logprobs": None, "finish_reason": c.finish_reason}
+                            for c in choices],
+                "usage": self._usage(prompts, choices),
+            })
+
+        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+            async def piece(choice: _Choice, text: str) -> None:
+                await emit(chunk(choice, text, None))
+
+            async def one(choice: _Choice) -> None:
+                await choice.run(self.loop, piece)
+                await emit(chunk(choice, "", choice.finish_reason))
+
+            await asyncio.gather(*(one(c) for c in choices))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await emit({**chunk(None, "", None), "usage": self._usage(prompts, choices)})
+
+        return self._sse(events, choices, "completions")
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatRequest = parse(ChatRequest, await _read_json(request, self.max_body_bytes))
+        self._check_model(body.model)
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
+                                    "does not have yet")
+        if body.logprobs or body.top_logprobs is not None:
+            param = "logprobs" if body.logprobs else "top_logprobs"
+            raise self._unsupported(param, "token log-probabilities are not implemented yet")
+        if body.tool_choice not in (None, "auto", "none"):
+            raise self._unsupported("tool_choice", "forcing a call needs constrained decoding; use 'auto' or 'none'")
+        tools = body.tools if body.tools and body.tool_choice != "none" else None
+        text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
+        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))])
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def reply(c: _Choice) -> tuple[dict[str, Any], str | None]:
+            if tools is None:
+                return {"role": "assistant", "content": c.output}, c.finish_reason
+            parsed = toolcalls.parse_tool_calls(c.output)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+                return message, "tool_calls"
+            return message, c.finish_reason
+
+        if not body.stream:
+            await self._all(request, choices, "chat")
+            out = []
+            for c in choices:
+                message, finish = reply(c)
+                out.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": finish})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
+                                 "choices": out, "usage": self._usage([prompt], choices)})
+
+        def chunk(index: int | None, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": self.name, "choices": []}
+            if index is not None:
+                out["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            return out
+
+        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+            shown = {c.index: 0 for c in choices}  # characters of each output already sent
+
+            async def piece(c: _Choice, text: str) -> None:
+                # With tools, text from a possible "<tool_call>" on waits for the end.
+                out = c.output
+                end = len(out)
+                if tools is not None:
+                    start = out.find(toolcalls.OPEN)
+                    end = start if start >= 0 else len(out) - toolcalls.held_back(out)
+                if end > shown[c.index]:
+                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None))
+                    shown[c.index] = end
+
+            async def one(c: _Choice) -> None:
+                await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
+                await c.run(self.loop, piece)
+                finish = c.finish_reason
+                if tools is not None:
+                    rest = c.output[shown[c.index]:]
+                    parsed = toolcalls.parse_tool_calls(rest)
+                    if parsed.tool_calls:
+                        if parsed.content:
+                            await emit(chunk(c.index, {"content": parsed.content}, None))
+                        calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
+                        await emit(chunk(c.index, {"tool_calls": calls}, None))
+                        finish = "tool_calls"
+                    elif rest:
+                        await emit(chunk(c.index, {"content": rest}, None))
+                await emit(chunk(c.index, {}, finish))
+
+            await asyncio.gather(*(one(c) for c in choices))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await emit({**chunk(None, {}, None), "usage": self._usage([prompt], choices)})
+
+        return self._sse(events, choices, "chat")
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    def _sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
+             choices: list[_Choice], endpoint: str) -> Response:
+        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``; a
+        client that goes away cancels every choice's request."""
+        async def stream() -> AsyncIterator[str]:
+            out: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+            async def work() -> None:
+                try:
+                    await produce(out.put)
+                except Exception as err:  # an engine failure mid-stream: an error event, then the end
+                    await out.put(err)
+                await out.put(None)
+
+            task = asyncio.ensure_future(work())
+            try:
+                while True:
+                    item = await out.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        log.warning("a streamed request failed: %s", item)
+                        yield json.dumps({"error": {"message": str(item), "type": "server_error", "param": None,
+                                                    "code": None}})
+                        break
+                    yield json.dumps(item, ensure_ascii=False)
+                yield "[DONE]"
+            finally:  # also when the client went away and the response was cancelled
+                task.cancel()
+                for c in choices:
+                    self.loop.cancel(c.stream)
+                self._count(endpoint, choices)
+
+        return EventSourceResponse(stream())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
