@@ -400,3 +400,26 @@ def test_chat_tool_calls_reach_the_client_streamed_and_not() -> None:
         follow = MESSAGES + [choice.message.model_dump(exclude_none=True),
                              {"role": "tool", "tool_call_id": tool_call.id, "content": "18 C"}]
         assert client.chat.completions.create(model=NAME, messages=follow, tools=tools).choices
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.serve
+    from infer.tools.cli import main
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(infer.serve, "serve", lambda model, **kwargs: seen.update(model=model, **kwargs))
+    monkeypatch.setenv("INFER_API_KEY", "from-env")
+    path = str(tiny_model_dir("smollm2_like"))
+    assert main(["-q", "serve", path, "--port", "8123", "--kv-memory", "1MiB", "--max-batch-tokens", "64",
+                 "--model-name", "mine", "--max-queue", "3"]) == 0
+    model = seen.pop("model")
+    pool = model.batch_engine.pool
+    assert pool.num_blocks * pool.allocator.bytes_per_block <= 2**20 < (pool.num_blocks + 1) * pool.allocator.bytes_per_block
+    assert model.batch_engine.max_batch_tokens == 64
+    assert seen == dict(host="127.0.0.1", port=8123, model_name="mine", api_key="from-env", max_queue=3,
+                        max_body_bytes=2**20, log_level="warning")
+    with pytest.raises(SystemExit):
+        main(["serve", path, "--kv-memory", "lots"])
