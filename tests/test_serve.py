@@ -24,11 +24,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
+import numpy as np
 import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import load_tiny, tiny_model_dir
+from reference import LOGIT_RTOL, load_tiny, reference_logits, reference_teacher_forced, tiny_model_dir
 
 import infer
 from infer.engine.batch import BatchEngine
@@ -190,6 +191,74 @@ def test_penalties_and_logit_bias_equal_generate(client: openai.OpenAI, referenc
                                     presence_penalty=1.5, frequency_penalty=0.5, logit_bias={str(first): -100})
     assert out.choices[0].text == want
     assert want != reference.generate(PROMPT, max_tokens=12, temperature=0)
+
+
+# -- log-probabilities ----------------------------------------------------------------------------
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    x = rows.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def logprob_tolerance(logits: np.ndarray) -> np.ndarray:
+    """Per row: log_softmax(x)_i = x_i - logsumexp(x), and logsumexp moves by at
+    most the largest change of any x, so a logprob errs by at most twice the
+    logits' error, which the suite bounds by LOGIT_RTOL * max|logit| (tests/README.md)."""
+    return 2 * LOGIT_RTOL * np.abs(logits).max(axis=-1)
+
+
+def test_completion_logprobs_and_echo_match_transformers(client: openai.OpenAI, reference: Any) -> None:
+    prompt_ids = reference.tokenizer.encode(PROMPT)
+    generated = list(reference.generate_tokens(prompt_ids, max_tokens=6, temperature=0, ignore_eos=True))
+    full = reference_logits(tiny_model_dir("smollm2_like"), prompt_ids, generated)["full"]
+    want, tolerance = log_softmax(full), logprob_tolerance(full)
+    ids = prompt_ids + generated
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, echo=True,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text == PROMPT + reference.tokenizer.decode(generated)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):  # position i is predicted by row i - 1
+        assert abs(lp.token_logprobs[i] - want[i - 1, ids[i]]) <= tolerance[i - 1], i
+        # Alternatives are keyed by text, so two ids that read the same (half a character) show once.
+        best = np.sort(want[i - 1])[::-1][:3]
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert abs(top[0] - best[0]) <= tolerance[i - 1]
+        assert all(np.abs(best - v).min() <= tolerance[i - 1] for v in top)
+        if i >= len(prompt_ids):  # greedy: the generated token is the most likely one
+            assert lp.token_logprobs[i] == max(lp.top_logprobs[i].values())
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # Streamed: the same tokens and log-probabilities, chunk by chunk.
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                            echo=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    # lm-eval's loglikelihood request: echo, no new tokens, one alternative.
+    score = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert score.choices[0].text == PROMPT
+    assert score.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt_ids)]
+
+
+def test_chat_logprobs_match_transformers(client: openai.OpenAI, reference: Any) -> None:
+    text = reference.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    prompt_ids = reference.tokenizer.encode(text, add_special_tokens=False)
+    generated = list(reference.generate_tokens(prompt_ids, max_tokens=6, temperature=0, ignore_eos=True))
+    logits = reference_teacher_forced(tiny_model_dir("smollm2_like"), prompt_ids, generated)
+    want, tolerance = log_softmax(logits), logprob_tolerance(logits)
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(generated)
+    for i, entry in enumerate(content):
+        assert abs(entry.logprob - want[i, generated[i]]) <= tolerance[i]
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
 
 
 # -- refusals -------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from typing import Literal
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
-from infer.engine.sampling import Sampler, SamplingParams
+from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
 from infer.errors import CacheFullError, GenerationError
 from infer.kv.paged import PagedKVPool
@@ -116,7 +116,7 @@ class RequestHandle:
     (``"stop"``, ``"length"`` or ``"cancelled"``)."""
 
     def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, top_logprobs: int | None = None):
         self.engine = engine
         self.id = rid
         self.prompt = prompt
@@ -126,6 +126,10 @@ class RequestHandle:
         self.speculation = speculation
         #: Token ids generated so far.
         self.tokens: list[int] = []
+        #: Alternatives per token kept in :attr:`logprobs` (None: no log-probabilities).
+        self.top_logprobs = top_logprobs
+        #: Each generated token's log-probability and top alternatives (with ``top_logprobs``).
+        self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self._seq: SequenceState | None = None
         self._admitted_at = -1
@@ -236,11 +240,13 @@ class BatchEngine:
 
     def submit(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
-        speculation: Speculation | None = None,
+        speculation: Speculation | None = None, top_logprobs: int | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
         With a :class:`~infer.engine.speculative.Speculation`, each of its forwards
-        verifies draft tokens (see :mod:`infer.engine.speculative`).
+        verifies draft tokens (see :mod:`infer.engine.speculative`). With
+        ``top_logprobs`` (0 or more), every generated token's log-probability
+        and that many alternatives are kept in :attr:`RequestHandle.logprobs`.
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
         ``max_tokens`` could not fit even in an empty pool. (Speculation
@@ -249,6 +255,9 @@ class BatchEngine:
         """
         self.engine.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
+        if top_logprobs is not None and (speculation is not None or top_logprobs < 0):
+            raise GenerationError(f"top_logprobs must be >= 0 and without speculation, got {top_logprobs} "
+                                  f"{'with' if speculation else 'without'} speculation")
         if speculation is not None:
             name = speculation.source.name
             totals = self.stats.speculative.setdefault(name, SpeculativeStats(name))
@@ -256,7 +265,7 @@ class BatchEngine:
                 speculation.totals.append(totals)
         with self._lock:
             handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling, len(prompt)), stop,
-                                   speculation)
+                                   speculation, top_logprobs)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
@@ -383,6 +392,8 @@ class BatchEngine:
             first, count = out.batch.rows(i)
             if r.speculation is None:
                 emitted = [sample(r.sampler, out, first, seq.tokens)]
+                if r.top_logprobs is not None:
+                    r.logprobs.append(token_logprob(out.host_logits()[first], emitted[0], r.top_logprobs))
             else:
                 drafts = out.batch.token_ids[i][1:] if count > 1 else []  # fed after the pending token
                 emitted = accept_drafts(self.engine, seq, r.speculation, r.sampler, out, first, drafts,

@@ -246,3 +246,30 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end
         index = int(np.flatnonzero(probs)[-1])
     return index
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely
+    alternatives at its position: the log-softmax of the raw logits (before
+    any sampling rule), in float64, as OpenAI's ``logprobs`` report them."""
+
+    token: int
+    logprob: float
+    #: The ``k`` most likely ids with their log-probabilities, most likely
+    #: first (ties: lower id first).
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
+    """``token``'s :class:`TokenLogprob` from one ``[vocab]`` row of logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    logprobs = x - (m + np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        k = min(k, x.size)
+        ids = np.argpartition(-logprobs, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -logprobs[ids]))]
+        top = tuple((int(i), float(logprobs[i])) for i in ids)
+    return TokenLogprob(int(token), float(logprobs[token]), top)

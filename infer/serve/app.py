@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -32,10 +33,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infer.engine.batch import BatchEngine
 from infer.engine.generate import StopConditions
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.errors import CacheFullError, ContextLengthError, InferError, RequestError, ServerBusyError
-from infer.model import Model, TextStream
+from infer.model import DEFAULT_MAX_TOKENS, Model, TextStream
 from infer.serve import tools as toolcalls
+from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
 from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse
@@ -188,6 +190,15 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
+    #: Log-probabilities handed out so far (:meth:`new_logprobs`).
+    _logprobs_taken: int = 0
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens consumed since the last call
+        (empty without ``logprobs``)."""
+        entries = self.stream.logprobs[self._logprobs_taken:self.tokens]
+        self._logprobs_taken += len(entries)
+        return entries
 
     async def run(self, loop: EngineLoop, emit: Callable[[_Choice, str], Awaitable[None]] | None = None) -> None:
         """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
@@ -262,23 +273,20 @@ class _Server:
             frequency_penalty=body.frequency_penalty, logit_bias=body.bias(self.model.network.vocab_size))
 
     def _max_tokens(self, requested: int | None, default: int | None, prompt_tokens: int) -> int:
-        """``requested``, else ``default``, else all the context and KV pool leave; capped by the context."""
+        """``requested``, else ``default``, else the model's default (as
+        :meth:`~infer.Model.chat`'s); capped by the context."""
         room = self.model.context_length - prompt_tokens
-        if room < 1:
+        if room < 1 and requested != 0:
             raise ContextLengthError(
                 f"the prompt has {prompt_tokens} tokens but the model's context is {self.model.context_length} "
                 f"positions, and at least one must remain for generation")
         if requested is None:
-            requested = default if default is not None else max(1, self._pool_positions() - prompt_tokens)
+            requested = default if default is not None else (
+                self.model.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS)
         return min(requested, room)
 
-    def _pool_positions(self) -> int:
-        budget = self.loop.batch.budget
-        if budget.pool is not None:
-            return budget.pool.num_blocks * budget.pool.block_size
-        return int(getattr(budget, "positions", self.model.context_length))
-
-    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int]) -> list[_Choice]:
+    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int],
+                     top_logprobs: int | None = None) -> list[_Choice]:
         """Submit ``body.n`` requests per prompt; all or none (a refusal cancels those already in)."""
         stops = body.stops()
         choices: list[_Choice] = []
@@ -287,7 +295,7 @@ class _Server:
                 stop = StopConditions(max_tokens=max_tokens[i], eos_token_ids=self.model.eos_token_ids,
                                       ignore_eos=body.ignore_eos)
                 for j in range(body.n):
-                    stream = await self.loop.submit(prompt, self._sampling(body, j), stop)
+                    stream = await self.loop.submit(prompt, self._sampling(body, j), stop, top_logprobs)
                     choices.append(_Choice(len(choices), stream, TextStream(self.model.tokenizer, stops)))
         except BaseException:
             for choice in choices:
@@ -334,39 +342,66 @@ class _Server:
             raise self._unsupported("best_of", "generate n choices instead")
         if body.suffix is not None:
             raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
-        if body.logprobs is not None:
-            raise self._unsupported("logprobs", "token log-probabilities are not implemented yet")
-        if body.echo:
-            raise self._unsupported("echo", "echoing the prompt comes with prompt logprobs, not implemented yet")
         tokenizer = self.model.tokenizer
-        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+        given = body.prompts()
+        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
         max_tokens = [self._max_tokens(body.max_tokens, COMPLETIONS_MAX_TOKENS, len(p)) for p in prompts]
-        choices = await self._start(body, prompts, max_tokens)
+        k = body.logprobs
+        echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
+        if body.echo and k is not None:  # the prompt's own log-probabilities, between two steps
+            engine = self.model.engine
+            for i, prompt in enumerate(prompts):
+                scored = await self.loop.call(functools.partial(prompt_logprobs, engine, prompt, k))
+                echoed[i] = list(zip(prompt, scored))
+        choices = await self._start(body, prompts, max_tokens, k)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(choice: _Choice | None, text: str, finish: str | None) -> dict[str, Any]:
+        def source(c: _Choice) -> int:  # the prompt a choice continues
+            return c.index // body.n
+
+        def logprobs(c: _Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
+            return None if k is None else completion_logprobs(tokenizer, entries, offset)
+
+        def generated(c: _Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+            return [(e.token, e) for e in entries]
+
+        def chunk(c: _Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
                                    "choices": []}
-            if choice is not None:
-                out["choices"] = [{"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}]
+            if c is not None:
+                out["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]
             return out
 
         if not body.stream:
             await self._all(request, choices, "completions")
-            return JSONResponse({
-                "id": rid, "object": "text_completion", "created": created, "model": self.name,
-                "choices": [{"index": c.index, "text": c.output, "logprobs": None, "finish_reason": c.finish_reason}
-                            for c in choices],
-                "usage": self._usage(prompts, choices),
-            })
+            out = []
+            for c in choices:
+                head = texts[source(c)] if body.echo else ""
+                entries = (echoed[source(c)] if body.echo else []) + generated(c, c.new_logprobs())
+                offset = 0 if body.echo else len(texts[source(c)])
+                out.append({"index": c.index, "text": head + c.output, "logprobs": logprobs(c, entries, offset),
+                            "finish_reason": c.finish_reason})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                                 "choices": out, "usage": self._usage(prompts, choices)})
 
         async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            async def piece(choice: _Choice, text: str) -> None:
-                await emit(chunk(choice, text, None))
+            offsets = {c.index: 0 if body.echo else len(texts[source(c)]) for c in choices}
 
-            async def one(choice: _Choice) -> None:
-                await choice.run(self.loop, piece)
-                await emit(chunk(choice, "", choice.finish_reason))
+            async def send(c: _Choice, text: str, finish: str | None,
+                           entries: list[tuple[int, TokenLogprob | None]]) -> None:
+                lp = logprobs(c, entries, offsets[c.index])
+                offsets[c.index] += len(text)
+                await emit(chunk(c, text, finish, lp))
+
+            async def piece(c: _Choice, text: str) -> None:
+                await send(c, text, None, generated(c, c.new_logprobs()))
+
+            async def one(c: _Choice) -> None:
+                if body.echo:
+                    await send(c, texts[source(c)], None, echoed[source(c)])
+                await c.run(self.loop, piece)
+                await send(c, "", c.finish_reason, generated(c, c.new_logprobs()))
 
             await asyncio.gather(*(one(c) for c in choices))
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -382,16 +417,20 @@ class _Server:
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
                                     "does not have yet")
-        if body.logprobs or body.top_logprobs is not None:
-            param = "logprobs" if body.logprobs else "top_logprobs"
-            raise self._unsupported(param, "token log-probabilities are not implemented yet")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
         if body.tool_choice not in (None, "auto", "none"):
             raise self._unsupported("tool_choice", "forcing a call needs constrained decoding; use 'auto' or 'none'")
         tools = body.tools if body.tools and body.tool_choice != "none" else None
         text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
         prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))])
+        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))], k)
+        tokenizer = self.model.tokenizer
+
+        def logprobs(c: _Choice) -> Any:
+            return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def reply(c: _Choice) -> tuple[dict[str, Any], str | None]:
@@ -409,15 +448,15 @@ class _Server:
             out = []
             for c in choices:
                 message, finish = reply(c)
-                out.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": finish})
+                out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                                  "choices": out, "usage": self._usage([prompt], choices)})
 
-        def chunk(index: int | None, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        def chunk(index: int | None, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": self.name, "choices": []}
             if index is not None:
-                out["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                out["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
             return out
 
         async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
@@ -431,7 +470,7 @@ class _Server:
                     start = out.find(toolcalls.OPEN)
                     end = start if start >= 0 else len(out) - toolcalls.held_back(out)
                 if end > shown[c.index]:
-                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None))
+                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None, logprobs(c)))
                     shown[c.index] = end
 
             async def one(c: _Choice) -> None:
@@ -449,7 +488,7 @@ class _Server:
                         finish = "tool_calls"
                     elif rest:
                         await emit(chunk(c.index, {"content": rest}, None))
-                await emit(chunk(c.index, {}, finish))
+                await emit(chunk(c.index, {}, finish, logprobs(c)))
 
             await asyncio.gather(*(one(c) for c in choices))
             if body.stream_options is not None and body.stream_options.include_usage:

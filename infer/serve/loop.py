@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from infer.engine.batch import BatchEngine, RequestHandle
 from infer.engine.generate import StopConditions
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.errors import ServerBusyError
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,18 @@ class TokenStream:
     ``async for ids in stream`` gives lists of ids (each step's, at least
     one); when it ends, :attr:`finish_reason` says why (``"stop"``,
     ``"length"`` or ``"cancelled"``). An error of the engine ends it by
-    raising that error.
+    raising that error. A request submitted with ``top_logprobs`` has each
+    token's :class:`~infer.engine.sampling.TokenLogprob` in :attr:`logprobs`
+    by the time its id is yielded.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[list[int], list[TokenLogprob]] | BaseException | None] = asyncio.Queue()
         self.prompt_tokens = prompt_tokens
         self.handle: RequestHandle | None = None
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
         #: Engine-thread bookkeeping: tokens delivered, when the last came.
         self._sent = 0
         self._submitted = time.perf_counter()
@@ -64,9 +68,11 @@ class TokenStream:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            ids, logprobs = item
+            self.logprobs.extend(logprobs)
+            yield ids
 
-    def _put(self, item: list[int] | BaseException | None) -> None:
+    def _put(self, item: tuple[list[int], list[TokenLogprob]] | BaseException | None) -> None:
         """From the engine thread: hand ``item`` to the event loop."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -80,7 +86,14 @@ class _Submit:
     prompt: list[int]
     sampling: SamplingParams
     stop: StopConditions
+    top_logprobs: int | None
     admitted: asyncio.Future[None]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    done: asyncio.Future[Any]
 
 
 @dataclass
@@ -108,7 +121,7 @@ class EngineLoop:
         self.batch = batch
         self.max_queue = max_queue
         self._on_tokens = on_tokens
-        self._inbox: queue.SimpleQueue[_Submit | _Cancel] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Cancel | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, TokenStream] = {}
         self._stopping = False
@@ -145,8 +158,10 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.batch.running)
 
-    async def submit(self, prompt: Sequence[int], sampling: SamplingParams, stop: StopConditions) -> TokenStream:
-        """Queue a request; returns its stream once the engine has accepted it.
+    async def submit(self, prompt: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+                     top_logprobs: int | None = None) -> TokenStream:
+        """Queue a request; returns its stream once the engine has accepted it
+        (``top_logprobs``: see :meth:`~infer.engine.batch.BatchEngine.submit`).
 
         Raises :class:`~infer.errors.ServerBusyError` when ``max_queue``
         requests wait already, and what
@@ -163,10 +178,21 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(_Submit(stream, list(prompt), sampling, stop, accepted))
+        self._inbox.put(_Submit(stream, list(prompt), sampling, stop, top_logprobs, accepted))
         self._wake.set()
         await accepted
         return stream
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the engine thread between two steps (work on the
+        model that must not overlap a forward, e.g. scoring a prompt); its
+        result, or its exception."""
+        if self._thread is None:
+            raise RuntimeError("the engine loop is not running")
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, done))
+        self._wake.set()
+        return await done
 
     def cancel(self, stream: TokenStream) -> None:
         """End ``stream``'s request before the next step (its pages return to
@@ -208,9 +234,30 @@ class EngineLoop:
                 if stream.handle is not None and stream.handle.id in self._streams:
                     self._end(stream, None, cancel=True)
                 continue
+            if isinstance(item, _Call):
+                self._run_call(item)
+                continue
             with self._pending_lock:
                 self._pending -= 1
             self._accept(item)
+
+    def _run_call(self, item: _Call) -> None:
+        def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        try:
+            result, ok = item.fn(), True
+        except Exception as err:
+            result, ok = err, False
+        try:
+            item.done.get_loop().call_soon_threadsafe(settle, item.done, ok, result)
+        except RuntimeError:
+            pass
 
     def _accept(self, item: _Submit) -> None:
         stream = item.stream
@@ -224,7 +271,7 @@ class EngineLoop:
                 item.admitted.set_exception(error)
 
         try:
-            handle = self.batch.submit(item.prompt, item.sampling, item.stop)
+            handle = self.batch.submit(item.prompt, item.sampling, item.stop, top_logprobs=item.top_logprobs)
         except Exception as err:
             self._call(stream, resolve, err)
             return
@@ -248,11 +295,12 @@ class EngineLoop:
             assert handle is not None
             new = handle.tokens[stream._sent:]
             if new:
+                logprobs = handle.logprobs[stream._sent:] if handle.top_logprobs is not None else []
                 first = stream._sent == 0
                 since = now - (stream._submitted if stream._last is None else stream._last)
                 stream._sent += len(new)
                 stream._last = now
-                stream._put(list(new))
+                stream._put((list(new), list(logprobs)))
                 if self._on_tokens is not None:
                     self._on_tokens(stream, len(new), since, first)
             if handle.finished:
