@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 
 from infer import _moved
+from infer.completion import Completion, CompletionChunk, Usage
 from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
 from infer.engine.generate import StopConditions
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import SamplingParams, TokenLogprob
+from infer.engine.scoring import Score
 from infer.errors import InferError
 from infer.loading import load
 from infer.model import Model
@@ -41,7 +43,7 @@ def list_formats() -> list[FormatSpec]:
 
 
 __all__ = [
-    "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "InferError", "Model",
-    "RequestHandle", "SamplingParams", "StopConditions",
+    "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "Completion", "CompletionChunk",
+    "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "TokenLogprob", "Usage",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]

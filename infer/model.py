@@ -13,10 +13,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
+from infer.completion import Completion, CompletionChunk, collect, stop_strings, stream_chunks
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, StopConditions, generate
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DraftModelSource,
@@ -228,44 +230,124 @@ class Model:
                 unchanged; sampled output keeps its distribution. Figures in
                 :attr:`speculative_stats`. See docs/speculative.md.
             num_speculative_tokens: draft tokens per forward (default 4).
+
+        :meth:`complete` takes the same arguments and returns the tokens,
+        their log-probabilities and why generation ended as well.
         """
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                      ignore_eos=ignore_eos, speculative=speculative,
+                      ignore_eos=ignore_eos, add_special_tokens=add_special_tokens, speculative=speculative,
                       num_speculative_tokens=num_speculative_tokens)
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
                 raise GenerationError("prompt must be a string or a list of strings")
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
-            return self._generate_batch(list(prompt), stop=stop, add_special_tokens=add_special_tokens, **kwargs)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        chunks = self._stream_text(self.generate_tokens(ids, **kwargs), _stop_strings(stop))
-        return chunks if stream else "".join(chunks)
+            return [c.text for c in self._complete_batch(list(prompt), **kwargs)]
+        chunks = self._chunks(prompt, **kwargs)
+        texts = (c.text for c in chunks if c.text)
+        return texts if stream else "".join(texts)
 
-    def _generate_batch(
-        self, prompts: list[str], *, stop: str | Sequence[str] | None, add_special_tokens: bool,
-        max_tokens: int | None, ignore_eos: bool, speculative: str | Model | DraftSource | None,
-        num_speculative_tokens: int | None, **sampling: Any,
-    ) -> list[str]:
+    def complete(
+        self,
+        prompt: str | Sequence[int] | Sequence[str],
+        *,
+        logprobs: int | None = None,
+        echo: bool = False,
+        stream: bool = False,
+        **kwargs: Any,
+    ) -> Completion | Iterator[CompletionChunk] | list[Completion]:
+        """Continue ``prompt`` like :meth:`generate`, with the details: a
+        :class:`~infer.completion.Completion` with the text, the new token ids,
+        ``finish_reason`` (``"eos"``, ``"stop"`` for a stop string,
+        ``"length"``) and the token usage.
+
+        Args:
+            prompt: a text, token ids (used as they are), or a list of texts
+                (returns a list, run as one continuous batch).
+            logprobs: give every new token's log-probability under the model
+                (before temperature and filters) with its ``logprobs`` most
+                likely alternatives (0: none); None gives no log-probabilities.
+            echo: also score the prompt (``prompt_logprobs``, with as many
+                alternatives as ``logprobs``).
+            stream: yield :class:`~infer.completion.CompletionChunk` objects as the
+                text comes; the last one has ``finish_reason`` and ``usage``.
+            kwargs: every other argument of :meth:`generate`.
+        """
+        if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
+                isinstance(p, str) for p in prompt):
+            if stream:
+                raise GenerationError("stream=True takes one prompt, not a list")
+            return self._complete_batch(list(prompt), logprobs=logprobs, echo=echo, **kwargs)  # type: ignore[arg-type]
+        ids = self._prompt_ids(prompt, kwargs.pop("add_special_tokens", True))
+        chunks = self._chunks(ids, logprobs=logprobs, **kwargs)
+        if stream:
+            return chunks
+        return collect(chunks, ids, logprobs=logprobs is not None,
+                       prompt_logprobs=self._prompt_logprobs(ids, logprobs) if echo else None)
+
+    def _prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            raise GenerationError("prompt must be a string, a list of token ids or a list of strings")
+        return [int(t) for t in prompt]
+
+    def _prompt_logprobs(self, ids: list[int], logprobs: int | None) -> list[TokenLogprob | None]:
+        """What ``echo=True`` gives: each prompt token's log-probability after the ones before it."""
+        score = score_sequences(self.engine, [ids], top_logprobs=logprobs or 0)[0]
+        tops = score.top or [()] * len(score.logprobs)
+        return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(ids[1:], score.logprobs, tops))]
+
+    def _request(
+        self, *, max_tokens: int | None, ignore_eos: bool, logprobs: int | None, **sampling: Any,
+    ) -> tuple[Sampler, StopConditions]:
+        """One request's sampler and stop rules, from :meth:`generate`'s arguments."""
+        sampler = Sampler(self.sampling_params(**sampling), logprobs=logprobs)
+        stop = StopConditions(max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids,
+                              ignore_eos=ignore_eos)
+        return sampler, stop
+
+    def _chunks(
+        self, prompt: str | list[int], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
+        max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
+        num_speculative_tokens: int | None = None, logprobs: int | None = None, **sampling: Any,
+    ) -> Iterator[CompletionChunk]:
+        """One request, streamed as chunks (the engine of :meth:`generate`, :meth:`complete` and :meth:`chat`)."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
+            else prompt
+        stops = stop_strings(stop)
+        sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs,
+                                            **sampling)
+        spec = self.speculation(speculative, num_speculative_tokens)
+        generation = generate(self.engine, ids, sampler, conditions, spec)
+        return stream_chunks(self.tokenizer, generation, stops, logprobs=logprobs is not None)
+
+    def _complete_batch(
+        self, prompts: list[str], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
+        max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
+        num_speculative_tokens: int | None = None, logprobs: int | None = None, echo: bool = False,
+        **sampling: Any,
+    ) -> list[Completion]:
         """Every prompt in one continuous batch; each result equals what
-        :meth:`generate` gives for that prompt alone."""
-        stops = _stop_strings(stop)
-        params = self.sampling_params(**sampling)
+        :meth:`complete` gives for that prompt alone."""
+        stops = stop_strings(stop)
         self.speculation(speculative, num_speculative_tokens)  # checks the arguments before anything runs
-        conditions = StopConditions(
-            max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
-        )
+        self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs, **sampling)  # likewise
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         batch = self.batch_engine
         handles = []
         try:
             for prompt_ids in ids:  # each request gets its own Sampler (and seed) and figures
+                sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                    logprobs=logprobs, **sampling)
                 spec = self.speculation(speculative, num_speculative_tokens)
-                handles.append(batch.submit(prompt_ids, params, conditions, speculation=spec))
-            streams = [self._stream_text(_as_generation(h), stops) for h in handles]
-            texts: list[list[str]] = [[] for _ in prompts]
+                handles.append(batch.submit(prompt_ids, sampler, conditions, speculation=spec))
+            streams = [stream_chunks(self.tokenizer, _as_generation(h), stops, logprobs=logprobs is not None)
+                       for h in handles]
+            chunks: list[list[CompletionChunk]] = [[] for _ in prompts]
             live = list(range(len(prompts)))
             while live:  # round robin, so a stop string ends its request early
                 for i in list(live):
@@ -273,11 +355,50 @@ class Model:
                     if chunk is None:
                         live.remove(i)
                     else:
-                        texts[i].append(chunk)
-            return ["".join(t) for t in texts]
+                        chunks[i].append(chunk)
         finally:
             for h in handles:
                 batch.cancel(h)
+        return [collect(c, p, logprobs=logprobs is not None,
+                        prompt_logprobs=self._prompt_logprobs(p, logprobs) if echo else None)
+                for c, p in zip(chunks, ids)]
+
+    def score(
+        self,
+        text: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        add_special_tokens: bool = True,
+        context: int | None = None,
+        stride: int | None = None,
+        top_logprobs: int = 0,
+        max_batch_tokens: int = DEFAULT_SCORE_BATCH_TOKENS,
+        progress: bool = False,
+    ) -> Score | list[Score]:
+        """How likely the model finds ``text``: a :class:`~infer.engine.scoring.Score`
+        with the scored ``token_ids``, one ``logprobs`` value per token after
+        the first (natural log of p(token | the tokens before it)) and the
+        ``perplexity``.
+
+        Args:
+            text: a text or token ids, or a list of either (returns a list;
+                scored together, many per forward).
+            add_special_tokens: let the tokenizer add BOS etc. to a text.
+            context: the window in tokens (default: the model's context); a
+                longer text is scored in sliding windows.
+            stride: how far consecutive windows start apart (default half a
+                window); each token is scored once, in the first window that
+                reaches it (see :mod:`infer.engine.scoring`).
+            top_logprobs: also keep this many most likely tokens per position.
+            max_batch_tokens: most tokens one forward feeds.
+            progress: a progress bar of the tokens scored.
+        """
+        many = not isinstance(text, str) and isinstance(text, Sequence) and bool(text) and all(
+            isinstance(t, (str, Sequence)) and not isinstance(t, (bytes, bytearray)) for t in text)
+        items = list(text) if many else [text]  # type: ignore[list-item]
+        ids = [self._prompt_ids(t, add_special_tokens) for t in items]  # type: ignore[arg-type]
+        scores = score_sequences(self.engine, ids, context=context, stride=stride, max_batch_tokens=max_batch_tokens,
+                                 top_logprobs=top_logprobs, progress=progress)
+        return scores if many else scores[0]
 
     @property
     def batch_engine(self) -> BatchEngine:
@@ -333,8 +454,8 @@ class Model:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        chunks = self._stream_text(self.generate_tokens(ids, **kwargs), _stop_strings(stop))
-        return chunks if stream else "".join(chunks)
+        texts = (c.text for c in self._chunks(ids, stop=stop, **kwargs) if c.text)
+        return texts if stream else "".join(texts)
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -344,68 +465,6 @@ class Model:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         return max_tokens
-
-    def _stream_text(self, generation: Generation, stops: tuple[str, ...]) -> Iterator[str]:
-        """Detokenize incrementally, cutting at the first stop string
-        (:class:`TextStream`); a stop string ends the generation."""
-        text = TextStream(self.tokenizer, stops)
-        for token in generation:
-            piece = text.push(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                generation.finish_reason = "stop_string"
-                generation.tokens_iter.close()  # type: ignore[attr-defined]
-                return
-        piece = text.finish()
-        if text.stopped:
-            generation.finish_reason = "stop_string"
-        if piece:
-            yield piece
-
-
-class TextStream:
-    """Generated token ids in, text out as soon as it is final, cut before
-    the first stop string (the stop string itself is never shown).
-
-    Text that might be the start of a stop string is held back until it is
-    known not to be one, so a stop string is never partly emitted. Once
-    :attr:`stopped` is true, :meth:`push` returns "" and the caller should
-    end the request.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
-        self.stops = tuple(stops)
-        self._decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
-        self._pending = ""
-        #: Whether a stop string has appeared.
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        """Add one token; the text that is now certain (maybe "")."""
-        if self.stopped:
-            return ""
-        self._pending += self._decoder.push(token)
-        return self._emit(final=False)
-
-    def finish(self) -> str:
-        """The generation ended: the text still held back."""
-        if self.stopped:
-            return ""
-        self._pending += self._decoder.flush()
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        pending = self._pending
-        if not pending:
-            return ""
-        cut = _first_stop(pending, self.stops) if self.stops else None
-        if cut is not None:
-            self.stopped, self._pending = True, ""
-            return pending[:cut]
-        keep = 0 if final or not self.stops else _held_back(pending, self.stops)
-        self._pending = pending[len(pending) - keep:]
-        return pending[:len(pending) - keep]
 
 
 def _check_same_vocabulary(target: Model, draft: Model) -> None:
@@ -431,7 +490,7 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
 def _as_generation(handle: RequestHandle) -> Generation:
     """A batched request seen as a :class:`Generation` (closing its token
     iterator, as a stop string does, cancels the request)."""
-    gen = Generation(tokens_iter=iter(()), prompt_tokens=handle.prompt_tokens)
+    gen = Generation(tokens_iter=iter(()), prompt_tokens=handle.prompt_tokens, sampler=handle.sampler)
 
     def tokens() -> Iterator[int]:
         try:
@@ -443,29 +502,3 @@ def _as_generation(handle: RequestHandle) -> Generation:
 
     gen.tokens_iter = tokens()
     return gen
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise SamplingParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return tuple(stop)
-
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if s.startswith(text[-n:]):
-                best = n
-                break
-    return best

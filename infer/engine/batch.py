@@ -75,7 +75,7 @@ from typing import Literal
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
-from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
 from infer.errors import CacheFullError, GenerationError
 from infer.kv.paged import PagedKVPool
@@ -116,7 +116,7 @@ class RequestHandle:
     (``"stop"``, ``"length"`` or ``"cancelled"``)."""
 
     def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions,
-                 speculation: Speculation | None = None, top_logprobs: int | None = None):
+                 speculation: Speculation | None = None):
         self.engine = engine
         self.id = rid
         self.prompt = prompt
@@ -126,10 +126,6 @@ class RequestHandle:
         self.speculation = speculation
         #: Token ids generated so far.
         self.tokens: list[int] = []
-        #: Alternatives per token kept in :attr:`logprobs` (None: no log-probabilities).
-        self.top_logprobs = top_logprobs
-        #: Each generated token's log-probability and top alternatives (with ``top_logprobs``).
-        self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self._seq: SequenceState | None = None
         self._admitted_at = -1
@@ -239,14 +235,14 @@ class BatchEngine:
     # -- requests -------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
-        speculation: Speculation | None = None, top_logprobs: int | None = None,
+        self, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
+        speculation: Speculation | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
+        ``sampling`` is its rules, or a :class:`~infer.engine.sampling.Sampler`
+        made for it (one that records log-probabilities; one per request).
         With a :class:`~infer.engine.speculative.Speculation`, each of its forwards
-        verifies draft tokens (see :mod:`infer.engine.speculative`). With
-        ``top_logprobs`` (0 or more), every generated token's log-probability
-        and that many alternatives are kept in :attr:`RequestHandle.logprobs`.
+        verifies draft tokens (see :mod:`infer.engine.speculative`).
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
         ``max_tokens`` could not fit even in an empty pool. (Speculation
@@ -255,17 +251,15 @@ class BatchEngine:
         """
         self.engine.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
-        if top_logprobs is not None and (speculation is not None or top_logprobs < 0):
-            raise GenerationError(f"top_logprobs must be >= 0 and without speculation, got {top_logprobs} "
-                                  f"{'with' if speculation else 'without'} speculation")
         if speculation is not None:
             name = speculation.source.name
             totals = self.stats.speculative.setdefault(name, SpeculativeStats(name))
             if not any(t is totals for t in speculation.totals):
                 speculation.totals.append(totals)
         with self._lock:
-            handle = RequestHandle(self, self._next_id, prompt, Sampler(sampling, len(prompt)), stop,
-                                   speculation, top_logprobs)
+            sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+            sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
+            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
@@ -392,8 +386,6 @@ class BatchEngine:
             first, count = out.batch.rows(i)
             if r.speculation is None:
                 emitted = [sample(r.sampler, out, first, seq.tokens)]
-                if r.top_logprobs is not None:
-                    r.logprobs.append(token_logprob(out.host_logits()[first], emitted[0], r.top_logprobs))
             else:
                 drafts = out.batch.token_ids[i][1:] if count > 1 else []  # fed after the pending token
                 emitted = accept_drafts(self.engine, seq, r.speculation, r.sampler, out, first, drafts,

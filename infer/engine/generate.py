@@ -71,6 +71,9 @@ class Generation:
     #: Speculative decoding figures (acceptance rate, tokens per forward),
     #: updated as tokens come; None without speculation.
     stats: SpeculativeStats | None = None
+    #: The request's sampler (its :attr:`~infer.engine.sampling.Sampler.recorded`
+    #: log-probabilities, when it was asked for them).
+    sampler: Sampler | None = None
 
     def __iter__(self) -> Iterator[int]:
         for token in self.tokens_iter:
@@ -79,18 +82,22 @@ class Generation:
 
 
 def generate(
-    engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
+    engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
     speculation: Speculation | None = None,
 ) -> Generation:
-    """Start a request; iterate the result for its new token ids. With a
+    """Start a request; iterate the result for its new token ids. ``sampling``
+    is its rules, or a :class:`~infer.engine.sampling.Sampler` made for it
+    (one that records log-probabilities). With a
     :class:`~infer.engine.speculative.Speculation`, each forward after the prefill
     is a :func:`speculative_decode` round (the same tokens for greedy
     decoding)."""
     engine.check_prompt(prompt_ids)
     prompt = [int(t) for t in prompt_ids]
+    sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+    sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
-                     stats=None if speculation is None else speculation.stats)
-    gen.tokens_iter = _tokens(engine, prompt, Sampler(sampling, len(prompt)), stop, speculation, gen)
+                     stats=None if speculation is None else speculation.stats, sampler=sampler)
+    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen)
     return gen
 
 
@@ -222,6 +229,9 @@ def accept_drafts(
     start = seq.cached - len(drafts) - 1  # the pending token's position
     q = None if q is None or not drafts else q[:len(drafts)]
     emitted = verify(sampler, out, first, seq.tokens[:start + 1], drafts, q)
+    if sampler.logprobs is not None:  # row first + j predicted emitted[j]
+        for j, token in enumerate(emitted):
+            sampler.chose(out.host_logits()[first + j], token)
     accepted = len(emitted) - 1
     engine.truncate(seq, start + 1 + accepted)  # the pending token and the accepted drafts stay
     spec.record(forwards=1, drafted=len(drafts), accepted=accepted)

@@ -21,6 +21,11 @@ The rules, applied in the order transformers applies them:
 
 Sampling runs on the host in float64 over a ``[vocab]`` array, with a
 per-request :class:`numpy.random.Generator`, so a seed repeats a run exactly.
+
+A :class:`Sampler` may also record each chosen token's log-probability and
+its most likely alternatives (:class:`TokenLogprob`), under the model's own
+distribution: the log-softmax of the raw logits, before any rule above, so a
+recorded value equals what scoring the text gives (:mod:`infer.engine.scoring`).
 """
 
 from __future__ import annotations
@@ -181,30 +186,86 @@ def filter_probabilities(
     return filtered / filtered.sum()
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's natural-log probability under the model, and the most likely
+    tokens at its position (``top``: ``(token id, logprob)`` pairs, most
+    likely first, ties by lower id; empty when none were asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``logits - logsumexp(logits)`` in float64, over the last axis."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
+    """``token``'s :class:`TokenLogprob` from the ``[vocab]`` logits that
+    predicted it, with the ``k`` most likely tokens there."""
+    logp = log_softmax(logits)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, logp.size)
+        best = np.argpartition(-logp, k - 1)[:k]
+        best = best[np.lexsort((best, -logp[best]))]  # most likely first, ties by id
+        top = tuple((int(t), float(logp[t])) for t in best)
+    return TokenLogprob(int(token), float(logp[token]), top)
+
+
 class Sampler:
     """Samples one request's tokens; owns its random generator.
 
     ``history``, wherever a method takes it, is the request's whole token
-    sequence before the position sampled: its first ``prompt_tokens`` are the
-    prompt, the rest were generated (what the presence and frequency
-    penalties count)."""
+    sequence before the position sampled: its first :attr:`prompt_tokens` are
+    the prompt, the rest were generated (what the presence and frequency
+    penalties count).
 
-    def __init__(self, params: SamplingParams, prompt_tokens: int = 0) -> None:
+    Args:
+        params: the sampling rules.
+        prompt_tokens: the prompt's length (the engine that runs the request
+            sets it: :func:`~infer.engine.generate.generate`,
+            :meth:`~infer.engine.batch.BatchEngine.submit`).
+        logprobs: record each chosen token's :class:`TokenLogprob` in
+            :attr:`recorded`, with this many alternatives (0: the chosen
+            token's only); None records nothing.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_tokens: int = 0, *, logprobs: int | None = None) -> None:
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise SamplingParameterError(f"logprobs must be a non-negative integer or None, got {logprobs!r}")
         self.params = params
         self.prompt_tokens = prompt_tokens
         self.rng = np.random.default_rng(params.seed)
+        self.logprobs = logprobs
+        #: One :class:`TokenLogprob` per token chosen so far (with ``logprobs``).
+        self.recorded: list[TokenLogprob] = []
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax alone decides (greedy, no bias or penalty),
-        so the engine can compute it on the device and copy one integer."""
-        return not (self.params.greedy and not self.params.penalized)
+        """False when the argmax alone decides (greedy, no bias or penalty)
+        and nothing is recorded, so the engine can compute it on the device
+        and copy one integer."""
+        return not (self.params.greedy and not self.params.penalized and self.logprobs is None)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """The next token id from ``[vocab]`` logits."""
+        """The next token id from ``[vocab]`` logits (recorded, see :meth:`chose`)."""
         if self.params.greedy:
-            return int(np.argmax(self.adjust(logits, history)))
-        return self.draw(self.distribution(logits, history))
+            token = int(np.argmax(self.adjust(logits, history)))
+        else:
+            token = self.draw(self.distribution(logits, history))
+        self.chose(logits, token)
+        return token
+
+    def chose(self, logits: np.ndarray, token: int) -> None:
+        """``token`` was chosen from ``logits`` (by :meth:`sample`, or by
+        speculative verification): recorded when log-probabilities are asked for."""
+        if self.logprobs is not None:
+            self.recorded.append(token_logprob(logits, token, self.logprobs))
 
     def adjust(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """``logits`` in float64 after the logit bias and the penalties
@@ -247,29 +308,3 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
         index = int(np.flatnonzero(probs)[-1])
     return index
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the model, and the most likely
-    alternatives at its position: the log-softmax of the raw logits (before
-    any sampling rule), in float64, as OpenAI's ``logprobs`` report them."""
-
-    token: int
-    logprob: float
-    #: The ``k`` most likely ids with their log-probabilities, most likely
-    #: first (ties: lower id first).
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
-    """``token``'s :class:`TokenLogprob` from one ``[vocab]`` row of logits."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max()
-    logprobs = x - (m + np.log(np.exp(x - m).sum()))
-    top: tuple[tuple[int, float], ...] = ()
-    if k:
-        k = min(k, x.size)
-        ids = np.argpartition(-logprobs, k - 1)[:k]
-        ids = ids[np.lexsort((ids, -logprobs[ids]))]
-        top = tuple((int(i), float(logprobs[i])) for i in ids)
-    return TokenLogprob(int(token), float(logprobs[token]), top)

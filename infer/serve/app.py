@@ -3,7 +3,7 @@
 A handler validates the body (:mod:`infer.serve.protocol`), turns it into
 token ids, sampling parameters and stop conditions, submits one request per
 choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
-that come back into text (:class:`~infer.model.TextStream`: stop strings),
+that come back into text (:class:`~infer.completion.TextStream`: stop strings),
 tool calls (:mod:`infer.serve.tools`) and OpenAI's response or its stream of
 server-sent events. A client that goes away cancels its requests.
 """
@@ -33,9 +33,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infer.engine.batch import BatchEngine
 from infer.engine.generate import StopConditions
-from infer.engine.sampling import SamplingParams, TokenLogprob
+from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from infer.errors import CacheFullError, ContextLengthError, InferError, RequestError, ServerBusyError
-from infer.model import DEFAULT_MAX_TOKENS, Model, TextStream
+from infer.completion import TextStream
+from infer.model import DEFAULT_MAX_TOKENS, Model
 from infer.serve import tools as toolcalls
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
@@ -295,7 +296,8 @@ class _Server:
                 stop = StopConditions(max_tokens=max_tokens[i], eos_token_ids=self.model.eos_token_ids,
                                       ignore_eos=body.ignore_eos)
                 for j in range(body.n):
-                    stream = await self.loop.submit(prompt, self._sampling(body, j), stop, top_logprobs)
+                    sampler = Sampler(self._sampling(body, j), logprobs=top_logprobs)
+                    stream = await self.loop.submit(prompt, sampler, stop)
                     choices.append(_Choice(len(choices), stream, TextStream(self.model.tokenizer, stops)))
         except BaseException:
             for choice in choices:

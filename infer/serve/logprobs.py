@@ -4,7 +4,8 @@ Generated tokens get theirs from the batch engine, from the same row of
 logits their token was sampled from (:class:`~infer.engine.sampling.TokenLogprob`:
 the log-softmax of the raw logits, before temperature and filters, as
 OpenAI and vLLM report them). A prompt's come from one teacher-forced pass
-over it (:func:`prompt_logprobs`), run on the engine thread between steps.
+over it (:func:`prompt_logprobs`, by infer's scorer), run on the engine
+thread between steps.
 """
 
 from __future__ import annotations
@@ -12,29 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from infer.engine.runner import Engine
-from infer.engine.sampling import TokenLogprob, token_logprob
+from infer.engine.sampling import TokenLogprob
+from infer.engine.scoring import score_sequences
 from infer.tokenizer import Tokenizer
-
-#: Prompt positions per forward of :func:`prompt_logprobs`: bounds the logits
-#: copied to the host at once (rows x vocab x 4 bytes; 32 MiB for a 32k vocabulary).
-PROMPT_CHUNK = 256
-
 
 def prompt_logprobs(engine: Engine, prompt: list[int], k: int) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it, with
-    ``k`` alternatives (None for the first token, which nothing predicts):
-    the prompt fed in chunks through a cache of its own, every row's logits kept."""
-    seq = engine.new_sequence(len(prompt))
-    out: list[TokenLogprob | None] = [None]
-    try:
-        for start in range(0, len(prompt) - 1, PROMPT_CHUNK):
-            chunk = prompt[start:start + PROMPT_CHUNK]
-            logits = engine.run(engine.prepare([seq], [chunk], all_logits=True)).host_logits()
-            for row, target in enumerate(prompt[start + 1:start + 1 + len(chunk)]):
-                out.append(token_logprob(logits[row], target, k))
-    finally:
-        engine.release(seq)
-    return out
+    ``k`` alternatives (None for the first token, which nothing predicts),
+    by :func:`~infer.engine.scoring.score_sequences`."""
+    score = score_sequences(engine, [prompt], top_logprobs=k)[0]
+    tops = score.top or [()] * len(score.logprobs)
+    return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(prompt[1:], score.logprobs, tops))]
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from infer.engine.batch import BatchEngine, RequestHandle
 from infer.engine.generate import StopConditions
-from infer.engine.sampling import SamplingParams, TokenLogprob
+from infer.engine.sampling import Sampler, TokenLogprob
 from infer.errors import ServerBusyError
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,9 @@ class TokenStream:
     ``async for ids in stream`` gives lists of ids (each step's, at least
     one); when it ends, :attr:`finish_reason` says why (``"stop"``,
     ``"length"`` or ``"cancelled"``). An error of the engine ends it by
-    raising that error. A request submitted with ``top_logprobs`` has each
-    token's :class:`~infer.engine.sampling.TokenLogprob` in :attr:`logprobs`
-    by the time its id is yielded.
+    raising that error. A request whose sampler records log-probabilities
+    has each token's :class:`~infer.engine.sampling.TokenLogprob` in
+    :attr:`logprobs` by the time its id is yielded.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int) -> None:
@@ -84,9 +84,8 @@ class TokenStream:
 class _Submit:
     stream: TokenStream
     prompt: list[int]
-    sampling: SamplingParams
+    sampler: Sampler
     stop: StopConditions
-    top_logprobs: int | None
     admitted: asyncio.Future[None]
 
 
@@ -158,10 +157,10 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.batch.running)
 
-    async def submit(self, prompt: Sequence[int], sampling: SamplingParams, stop: StopConditions,
-                     top_logprobs: int | None = None) -> TokenStream:
-        """Queue a request; returns its stream once the engine has accepted it
-        (``top_logprobs``: see :meth:`~infer.engine.batch.BatchEngine.submit`).
+    async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions) -> TokenStream:
+        """Queue a request; returns its stream once the engine has accepted it.
+        ``sampler`` is the request's own (one made with ``logprobs=k``
+        records what :attr:`TokenStream.logprobs` gives).
 
         Raises :class:`~infer.errors.ServerBusyError` when ``max_queue``
         requests wait already, and what
@@ -178,7 +177,7 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(_Submit(stream, list(prompt), sampling, stop, top_logprobs, accepted))
+        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted))
         self._wake.set()
         await accepted
         return stream
@@ -271,7 +270,7 @@ class EngineLoop:
                 item.admitted.set_exception(error)
 
         try:
-            handle = self.batch.submit(item.prompt, item.sampling, item.stop, top_logprobs=item.top_logprobs)
+            handle = self.batch.submit(item.prompt, item.sampler, item.stop)
         except Exception as err:
             self._call(stream, resolve, err)
             return
@@ -295,7 +294,7 @@ class EngineLoop:
             assert handle is not None
             new = handle.tokens[stream._sent:]
             if new:
-                logprobs = handle.logprobs[stream._sent:] if handle.top_logprobs is not None else []
+                logprobs = handle.sampler.recorded[stream._sent:len(handle.tokens)]
                 first = stream._sent == 0
                 since = now - (stream._submitted if stream._last is None else stream._last)
                 stream._sent += len(new)

@@ -2,6 +2,7 @@
 
     infer run MODEL PROMPT [sampling flags] [--backend NAME]
     infer chat MODEL [--system TEXT] [sampling flags]
+    infer perplexity MODEL FILE [--context N] [--stride S]
     infer backends
     infer doctor
     infer diff MODEL --backends A,B [--prompt TEXT]
@@ -116,6 +117,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InferError(f"cannot read the text file {args.file!r}: {exc}") from exc
+    model = _load(args)
+    score = model.score(text, context=args.context, stride=args.stride, progress=not args.quiet)
+    mean = score.logprob / max(len(score.logprobs), 1)
+    print(f"perplexity {score.perplexity:.4f} over {len(score.logprobs)} tokens "
+          f"(mean log-probability {mean:.4f} nats)")
     return 0
 
 
@@ -269,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--template", default=None, help="file with a Jinja chat template to use instead")
     chat.set_defaults(func=cmd_chat)
+    ppl = sub.add_parser("perplexity", help="perplexity of a text file, in sliding windows")
+    ppl.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
+    ppl.add_argument("file", help="UTF-8 text file to score")
+    ppl.add_argument("--context", type=int, default=None, help="window in tokens (default: the model's context)")
+    ppl.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
+    ppl.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda")
+    ppl.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    ppl.add_argument("--quantize", default=None, help="q8 or q4: quantize float weights on load; off: dequantize")
+    ppl.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    ppl.set_defaults(func=cmd_perplexity)
     backends = sub.add_parser("backends", help="list backends, whether each is usable here, and why not")
     backends.set_defaults(func=cmd_backends)
     doctor = sub.add_parser("doctor", help="versions, backends, and which backend infer.load would pick and why")
