@@ -163,26 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     server = start_server(args, port)
     url = f"http://127.0.0.1:{port}"
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": bench.machine_info(), "model": path.name, "backend": args.backend,
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "note": "measured on a machine shared with other work (load_average: the 1, 5 and 15 minute load "
+                "averages when each level ended, on 2 cores); llama.cpp's server not installed here, so not compared",
+        "levels": [],
+    }
     try:
         asyncio.run(level(url, prompts[:1], 8))  # warm-up
-        rows = []
         for n in levels:
             row = asyncio.run(level(url, prompts[:n], args.new_tokens))
+            row["load_average"] = [round(x, 2) for x in os.getloadavg()]
             print(json.dumps(row), file=sys.stderr)
-            rows.append(row)
+            result["levels"].append(row)
+            # Written after every level, so a run cut short keeps what it measured.
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            plot(result, Path(args.plot))
     finally:
         server.terminate()
         server.wait(30)
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": bench.machine_info(), "load_average": os.getloadavg(), "model": path.name,
-        "backend": args.backend, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "note": "measured on a machine shared with other work (see load_average); llama.cpp's server not "
-                "installed here, so not compared",
-        "levels": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, Path(args.plot))
     return 0
 
 

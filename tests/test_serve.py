@@ -355,6 +355,17 @@ def test_a_client_that_goes_away_frees_its_pages(url: str, client: openai.OpenAI
     assert m['infer_requests_total{endpoint="completions",finish_reason="cancelled"}'] >= 1
 
 
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_pages(url: str, reference: Any) -> None:
+    before = metrics(url)
+    key = 'infer_requests_total{endpoint="completions",finish_reason="cancelled"}'
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 10_000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the whole context's worth of tokens takes longer than this
+        httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    m = settled(url)
+    assert (m["infer_requests_running"], m["infer_kv_blocks_used"]) == (0, 0)
+    assert m[key] - before.get(key, 0) == 1
+
+
 def test_load_64_streaming_clients_a_quarter_leaving(url: str, reference: Any) -> None:
     """64 clients stream at once; every fourth goes away after a few chunks.
     The rest each get exactly their own greedy text; afterwards no page is
@@ -469,6 +480,17 @@ def test_chat_tool_calls_reach_the_client_streamed_and_not() -> None:
         follow = MESSAGES + [choice.message.model_dump(exclude_none=True),
                              {"role": "tool", "tool_call_id": tool_call.id, "content": "18 C"}]
         assert client.chat.completions.create(model=NAME, messages=follow, tools=tools).choices
+
+
+def test_a_missing_extra_is_a_typed_error(monkeypatch: pytest.MonkeyPatch, reference: Any) -> None:
+    import importlib.util
+
+    from infer.errors import MissingDependencyError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(MissingDependencyError, match=r"uvicorn.*infer-engine\[serve\]"):
+        create_app(reference)
 
 
 # -- the command --------------------------------------------------------------------------------------

@@ -288,21 +288,21 @@ class _Server:
 
     async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int],
                      top_logprobs: int | None = None) -> list[_Choice]:
-        """Submit ``body.n`` requests per prompt; all or none (a refusal cancels those already in)."""
+        """Submit ``body.n`` requests per prompt, all at once; all or none (a
+        refusal cancels those already in)."""
         stops = body.stops()
-        choices: list[_Choice] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                stop = StopConditions(max_tokens=max_tokens[i], eos_token_ids=self.model.eos_token_ids,
-                                      ignore_eos=body.ignore_eos)
-                for j in range(body.n):
-                    sampler = Sampler(self._sampling(body, j), logprobs=top_logprobs)
-                    stream = await self.loop.submit(prompt, sampler, stop)
-                    choices.append(_Choice(len(choices), stream, TextStream(self.model.tokenizer, stops)))
-        except BaseException:
-            for choice in choices:
-                self.loop.cancel(choice.stream)
-            raise
+        eos = self.model.eos_token_ids
+        jobs = [(prompt, Sampler(self._sampling(body, j), logprobs=top_logprobs),
+                 StopConditions(max_tokens=limit, eos_token_ids=eos, ignore_eos=body.ignore_eos))
+                for prompt, limit in zip(prompts, max_tokens) for j in range(body.n)]
+        results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, TokenStream)]
+        refused = [r for r in results if not isinstance(r, TokenStream)]
+        if refused:
+            for stream in streams:
+                self.loop.cancel(stream)
+            raise refused[0]
+        choices = [_Choice(i, stream, TextStream(self.model.tokenizer, stops)) for i, stream in enumerate(streams)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 

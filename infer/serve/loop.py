@@ -262,6 +262,9 @@ class EngineLoop:
         stream = item.stream
 
         def resolve(error: BaseException | None) -> None:
+            if item.admitted.cancelled():  # the handler is gone (its client left): so is the request
+                self.cancel(stream)
+                return
             if item.admitted.done():
                 return
             if error is None:
