@@ -93,7 +93,6 @@ def stream_chunks(
 ) -> Iterator[CompletionChunk]:
     """The chunks of ``generation`` (see the module docs); ``logprobs``: attach
     the log-probabilities its sampler recorded."""
-    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
     sent = 0  # tokens already in a chunk
 
     def chunk(text: str, last: bool = False) -> CompletionChunk:

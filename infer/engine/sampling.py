@@ -30,7 +30,7 @@ recorded value equals what scoring the text gives (:mod:`infer.engine.scoring`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,7 +95,8 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _bias_pairs(bias: object, number) -> tuple[tuple[int, float], ...]:  # type: ignore[no-untyped-def]
+def _bias_pairs(bias: object, number: Callable[[str, object], float]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(id, bias)`` pairs, each checked (``number`` checks a value)."""
     items = bias.items() if isinstance(bias, Mapping) else bias
     if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
         raise SamplingParameterError(f"logit_bias must map token ids to numbers, got {bias!r}")

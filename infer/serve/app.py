@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import time
@@ -29,15 +28,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
-from infer.errors import CacheFullError, ContextLengthError, InferError, RequestError, ServerBusyError
-from infer.completion import TextStream
+from infer.errors import ContextLengthError, InferError, RequestError
 from infer.model import DEFAULT_MAX_TOKENS, Model
 from infer.serve import tools as toolcalls
+from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
@@ -93,9 +92,9 @@ def create_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
-    handlers: dict[Any, Callable[..., Any]] = {HTTPException: _http_error, InferError: _infer_error}
+    handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
     #: What tests and embedding code reach: the server (its loop, metrics).
     app.state.server = server
     return app
@@ -104,78 +103,6 @@ def create_app(
 def _default_name(model: Model) -> str:
     path = model.package.path
     return path.name if path is not None else model.model_type
-
-
-# -- errors ----------------------------------------------------------------------------
-
-
-def error_response(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
-
-
-async def _infer_error(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, RequestError):
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return error_response(exc.status, str(exc), kind=kind, param=exc.param, code=exc.code)
-    if isinstance(exc, ServerBusyError):
-        return error_response(429, str(exc), kind="rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(exc.retry_after)})
-    if isinstance(exc, CacheFullError):
-        return error_response(400, str(exc), param="max_tokens", code="kv_cache_too_small")
-    if isinstance(exc, ContextLengthError):
-        return error_response(400, str(exc), param="messages" if "chat" in request.url.path else "prompt",
-                              code="context_length_exceeded")
-    return error_response(400, str(exc))  # any other typed error is about the request
-
-
-class _Guard:
-    """API key and body size, before any route: pure ASGI, so a refused
-    request costs no parsing."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.expected = None if not api_key else f"Bearer {api_key}".encode()
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # constant time in the key's bytes
-                reply = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                       code="invalid_api_key")
-                return await reply(scope, receive, send)
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            reply = error_response(413, f"the request body has {int(length)} bytes; this server takes at most "
-                                   f"{self.max_body_bytes}", code="request_too_large")
-            return await reply(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, counting bytes as they come (a chunked body has no Content-Length)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"the request body is not valid JSON: {err}") from None
 
 
 # -- one choice ------------------------------------------------------------------------------
@@ -314,7 +241,7 @@ class _Server:
     async def _all(self, request: Request, choices: list[_Choice], endpoint: str) -> None:
         """Run every choice to its end; a client that goes away first cancels them."""
         work = asyncio.gather(*(c.run(self.loop) for c in choices))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
@@ -338,7 +265,7 @@ class _Server:
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = parse(CompletionRequest, await _read_json(request, self.max_body_bytes))
+        body: CompletionRequest = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
         self._check_model(body.model)
         if body.best_of not in (None, 1):
             raise self._unsupported("best_of", "generate n choices instead")
@@ -414,7 +341,7 @@ class _Server:
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatRequest = parse(ChatRequest, await _read_json(request, self.max_body_bytes))
+        body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
         self._check_model(body.model)
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
@@ -534,11 +461,3 @@ class _Server:
                 self._count(endpoint, choices)
 
         return EventSourceResponse(stream())
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the body has been read by then)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -17,6 +17,7 @@ from infer.engine.sampling import TokenLogprob
 from infer.engine.scoring import score_sequences
 from infer.tokenizer import Tokenizer
 
+
 def prompt_logprobs(engine: Engine, prompt: list[int], k: int) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it, with
     ``k`` alternatives (None for the first token, which nothing predicts),
