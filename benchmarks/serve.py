@@ -3,6 +3,11 @@
     python benchmarks/serve.py [--model smollm2-135m] [--backend numpy] [--concurrency 1,8,32,64]
                                [--prompt-tokens 64] [--new-tokens 64] [--out FILE] [--plot FILE]
 
+The committed results (benchmarks/results/serve*.json, .png) were measured with
+``--prompt-tokens 32 --new-tokens 32`` on a 2-core machine shared with other
+work: ``serve.json`` with ``OPENBLAS_NUM_THREADS=1``, ``serve-blas-threads.json``
+with OpenBLAS's default threads (see docs/performance.md, "Serving").
+
 The server runs as its own process (``infer serve``, so the clients do not
 share its interpreter), on a free port of 127.0.0.1. For each level N, N
 clients send one streaming completion each at the same moment (different
@@ -134,8 +139,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in axes[1:]:
         ax.legend()
     machine = result["machine"]
-    fig.suptitle(f"infer serve, {result['model']} on {result['backend']}, {machine.get('cpu')} "
-                 f"({machine.get('cores')} cores, shared), {result['prompt_tokens']}+{result['new_tokens']} tokens")
+    blas = (result.get("env") or {}).get("OPENBLAS_NUM_THREADS") or "default"
+    fig.suptitle(f"infer serve, {result['model']} on {result['backend']} (OpenBLAS threads: {blas}), "
+                 f"{machine.get('cpu')} ({machine.get('cores')} cores, shared), "
+                 f"{result['prompt_tokens']}+{result['new_tokens']} tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": bench.machine_info(), "model": path.name, "backend": args.backend,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        # The server inherits these: OpenBLAS's threads decide the numpy backend's speed on a loaded machine.
+        "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "INFER_NUMPY_KERNELS")},
         "note": "measured on a machine shared with other work (load_average: the 1, 5 and 15 minute load "
                 "averages when each level ended, on 2 cores); llama.cpp's server not installed here, so not compared",
         "levels": [],
