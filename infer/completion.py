@@ -6,7 +6,8 @@ the start of a stop string is held back until it is known not to be one, so a
 stop string is never partly emitted. :func:`stream_chunks` yields
 :class:`CompletionChunk` objects — text, the tokens that produced it and their
 log-probabilities — and a last chunk with the finish reason and the token
-usage; :func:`collect` joins them into one :class:`Completion`.
+usage; :func:`collect` joins them into one :class:`Completion`. The text
+itself comes through a :class:`TextStream`, which tokens are pushed into.
 """
 
 from __future__ import annotations
@@ -145,7 +146,6 @@ def stream_chunks(
 ) -> Iterator[CompletionChunk]:
     """The chunks of ``generation`` (see the module docs); ``logprobs``: attach
     the log-probabilities its sampler recorded."""
-    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
     sent = 0  # tokens already in a chunk
 
     def chunk(text: str, last: bool = False) -> CompletionChunk:
@@ -164,31 +164,65 @@ def stream_chunks(
                 piece.valid = bool(constraint.complete) and reason != "stop_string"  # type: ignore[attr-defined]
         return piece
 
-    pending = ""
+    text = TextStream(tokenizer, stops)
     for token in generation:
-        pending += decoder.push(token)
-        if not pending:
-            continue
-        if stops:
-            cut = _first_stop(pending, stops)
-            if cut is not None:
-                generation.finish_reason = "stop_string"
-                generation.tokens_iter.close()  # type: ignore[attr-defined]
-                yield chunk(pending[:cut], last=True)
-                return
-            keep = _held_back(pending, stops)
-            emit, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-        else:
-            emit, pending = pending, ""
-        if emit:
-            yield chunk(emit)
-    pending += decoder.flush()
-    if stops:
-        cut = _first_stop(pending, stops)
-        if cut is not None:
-            pending = pending[:cut]
+        piece = text.push(token)
+        if text.stopped:
             generation.finish_reason = "stop_string"
-    yield chunk(pending, last=True)
+            generation.tokens_iter.close()  # type: ignore[attr-defined]
+            yield chunk(piece, last=True)
+            return
+        if piece:
+            yield chunk(piece)
+    piece = text.finish()
+    if text.stopped:
+        generation.finish_reason = "stop_string"
+    yield chunk(piece, last=True)
+
+
+class TextStream:
+    """Generated token ids in, text out as soon as it is final, cut before
+    the first stop string (the stop string itself is never shown): what
+    :func:`stream_chunks` reads a generation with, and what a caller that is
+    handed tokens (the HTTP server) pushes them through.
+
+    Text that might be the start of a stop string is held back until it is
+    known not to be one. Once :attr:`stopped` is true, :meth:`push` returns
+    "" and the caller should end the request.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self.stops = tuple(stops)
+        self._decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+        self._pending = ""
+        #: Whether a stop string has appeared.
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; the text that is now certain (maybe "")."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.push(token)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """The generation ended: the text still held back."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        pending = self._pending
+        if not pending:
+            return ""
+        cut = _first_stop(pending, self.stops) if self.stops else None
+        if cut is not None:
+            self.stopped, self._pending = True, ""
+            return pending[:cut]
+        keep = 0 if final or not self.stops else _held_back(pending, self.stops)
+        self._pending = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep]
 
 
 def collect(

@@ -128,6 +128,29 @@ class CacheFullError(GenerationError):
     """The KV cache cannot hold what a request needs."""
 
 
+# -- serving -------------------------------------------------------------------
+
+
+class RequestError(InferError, ValueError):
+    """An HTTP request to ``infer serve`` is malformed or asks for something
+    infer does not do; :attr:`param` names the parameter at fault (None when
+    no one parameter is), :attr:`status` is the HTTP status it answers with."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+class ServerBusyError(InferError):
+    """The server's queue of waiting requests is full; retry after :attr:`retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 # -- tools ---------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
@@ -117,14 +117,25 @@ class Model:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> SamplingParams:
         """Sampling parameters: the ones given, else the model's generation
-        defaults, else greedy decoding."""
+        defaults, else greedy decoding. A ``logit_bias`` id past the
+        vocabulary is a :class:`~infer.errors.SamplingParameterError`."""
         values = self.package.generation.sampling_overrides()
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      repetition_penalty=repetition_penalty)
         values.update({k: v for k, v in given.items() if v is not None})
-        return SamplingParams(seed=seed, **values)
+        params = SamplingParams(seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias or (), **values)
+        vocab = self.network.vocab_size
+        beyond = [t for t, _ in params.logit_bias if t >= vocab]  # type: ignore[misc]
+        if beyond:
+            raise SamplingParameterError(
+                f"logit_bias names token id {beyond[0]}, but the vocabulary has {vocab} ids (0..{vocab - 1})")
+        return params
 
     def generate_tokens(
         self,
@@ -219,6 +230,9 @@ class Model:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         stream: bool = False,
@@ -239,6 +253,11 @@ class Model:
                 else 0.
             top_k, top_p, min_p: filters (0, 1.0, 0.0 are off).
             repetition_penalty: CTRL penalty (1.0 is off).
+            presence_penalty, frequency_penalty: OpenAI's penalties in
+                [-2, 2] (0 is off): a token generated ``c`` times so far loses
+                ``c * frequency_penalty + presence_penalty`` from its logit.
+            logit_bias: token id -> number in [-100, 100] added to its logit
+                (OpenAI's ``logit_bias``; -100 bans a token).
             seed: makes sampling repeatable.
             stop: text(s) that end generation; not included in the output.
             ignore_eos: keep going past end-of-sequence tokens (benchmarks).
@@ -263,6 +282,7 @@ class Model:
         """
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                       ignore_eos=ignore_eos, add_special_tokens=add_special_tokens, speculative=speculative,
                       num_speculative_tokens=num_speculative_tokens, json_schema=json_schema, regex=regex,
                       grammar=grammar)

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, repetition penalty.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, repetition penalty,
+OpenAI's presence and frequency penalties and logit bias.
 
 Every filter is checked against an independent computation written here (or, for the
 repetition penalty, against transformers' own logits processor), on logits drawn by
@@ -209,6 +210,71 @@ def test_repetition_penalty_changes_the_greedy_choice():
     assert Sampler(params).sample(logits, history=[]) == 0
 
 
+# -- OpenAI's presence and frequency penalties, logit bias --------------------------------
+
+
+@settings(max_examples=150)
+@given(data=st.data(), logits=st.integers(2, 60).flatmap(lambda n: arrays(np.float32, n, elements=st.floats(-8, 8, width=32))),
+       presence=st.floats(-2, 2), frequency=st.floats(-2, 2))
+def test_presence_and_frequency_penalties_follow_openais_formula(data, logits, presence, frequency):
+    """OpenAI's API reference: mu[j] - c[j] * frequency - (c[j] > 0) * presence,
+    c[j] counting token j among the tokens generated so far (not the prompt)."""
+    prompt = data.draw(st.lists(st.integers(0, logits.size - 1), max_size=10))
+    generated = data.draw(st.lists(st.integers(0, logits.size - 1), max_size=30))
+    want = logits.astype(np.float64).copy()
+    for j in set(generated):
+        c = generated.count(j)
+        want[j] = want[j] - c * frequency - presence
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
+    got = Sampler(params, prompt_tokens=len(prompt)).adjust(logits, prompt + generated)
+    # The same one multiply-add per penalised entry in float64, in another order: within 4 ulp of ~10.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)
+    assert Sampler(params, len(prompt)).sample(logits, prompt + generated) == int(np.argmax(got))
+
+
+def test_penalties_count_generated_tokens_not_the_prompt():
+    logits = np.array([2.0, 1.5, 0.0], dtype=np.float32)
+    params = SamplingParams(presence_penalty=1.0)
+    assert Sampler(params, prompt_tokens=2).sample(logits, [0, 0]) == 0    # 0 only in the prompt
+    assert Sampler(params, prompt_tokens=2).sample(logits, [1, 1, 0]) == 1  # 0 generated once
+    frequent = SamplingParams(frequency_penalty=0.3)
+    assert Sampler(frequent, 0).sample(logits, [0]) == 0                  # 2.0 - 0.3 still leads
+    assert Sampler(frequent, 0).sample(logits, [0, 0]) == 1                # 2.0 - 0.6 < 1.5
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = np.array([3.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    assert Sampler(SamplingParams(logit_bias={0: -100})).sample(logits) == 1
+    assert Sampler(SamplingParams(logit_bias={3: 100})).sample(logits) == 3
+    # Sampled: a banned token is never drawn (its probability is below e^-100).
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={0: -100, 1: -100}))
+    assert 0 not in {sampler.sample(logits) for _ in range(200)}
+    with pytest.raises(SamplingParameterError, match="token id 9"):
+        Sampler(SamplingParams(logit_bias={9: 1.0})).sample(logits)
+    # A mapping is kept as sorted pairs: the params stay hashable and compare by value.
+    assert SamplingParams(logit_bias={3: 1, 1: 2}) == SamplingParams(logit_bias=((1, 2.0), (3, 1.0)))
+    hash(SamplingParams(logit_bias={3: 1}))
+
+
+def test_penalties_and_bias_reach_generate_and_batches():
+    """generate() takes them; a batched request follows the same rules as a lone
+    one (the batch counts each request's generated tokens from its own prompt)."""
+    from reference import load_tiny
+
+    model = load_tiny("smollm2_like")
+    plain = model.generate_tokens(model.tokenizer.encode("Once upon a time"), max_tokens=12, ignore_eos=True)
+    tokens = list(plain)
+    first = tokens[0]
+    banned = model.generate("Once upon a time", max_tokens=12, ignore_eos=True, logit_bias={first: -100})
+    assert model.tokenizer.encode(banned, add_special_tokens=False)[:1] != [first]
+    kwargs = dict(max_tokens=16, ignore_eos=True, presence_penalty=2.0, frequency_penalty=1.0)
+    alone = model.generate("Once upon a time", **kwargs)
+    assert alone != model.generate("Once upon a time", max_tokens=16, ignore_eos=True)
+    assert model.generate(["Once upon a time", "The capital of France"], **kwargs)[0] == alone
+    with pytest.raises(SamplingParameterError, match="vocabulary"):
+        model.generate("Once", logit_bias={10**6: 1.0})
+
+
 # -- the distribution itself --------------------------------------------------------------
 
 
@@ -288,6 +354,13 @@ def test_chi2_tail_formula_is_right():
     {"seed": 1.5},
     {"seed": True},
     {"seed": "42"},
+    {"presence_penalty": 2.5},
+    {"frequency_penalty": -3},
+    {"frequency_penalty": float("nan")},
+    {"logit_bias": {"5": 1.0}},
+    {"logit_bias": {5: 101}},
+    {"logit_bias": {-1: 1}},
+    {"logit_bias": "x"},
 ], ids=repr)
 def test_invalid_parameters_raise_sampling_parameter_error(kwargs):
     with pytest.raises(SamplingParameterError) as info:

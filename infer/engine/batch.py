@@ -258,6 +258,7 @@ class BatchEngine:
                 speculation.totals.append(totals)
         with self._lock:
             sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+            sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
             handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation)
             self._next_id += 1
             if stop.max_tokens == 0:

@@ -94,6 +94,7 @@ def generate(
     engine.check_prompt(prompt_ids)
     prompt = [int(t) for t in prompt_ids]
     sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+    sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats, sampler=sampler)
     gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen)

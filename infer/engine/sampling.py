@@ -2,9 +2,14 @@
 
 The rules, applied in the order transformers applies them:
 
-1. repetition penalty (CTRL, Keskar et al. 2019): the logit of every token
-   already in the sequence is divided by the penalty if positive, multiplied
-   if negative;
+1. logit bias (OpenAI's ``logit_bias``): a fixed number added to the logit
+   of each listed token id (-100 in effect bans a token, +100 forces it);
+   then the repetition penalty (CTRL, Keskar et al. 2019): the logit of every
+   token already in the sequence, prompt included, is divided by the penalty
+   if positive, multiplied if negative; then OpenAI's presence and frequency
+   penalties over the tokens *generated* so far: token ``j`` produced
+   ``c[j]`` times loses ``c[j] * frequency_penalty + (c[j] > 0) *
+   presence_penalty`` (the formula of OpenAI's API reference);
 2. temperature 0 picks the argmax (greedy; the first index wins ties);
    otherwise logits are divided by the temperature;
 3. top-k keeps the k most likely tokens;
@@ -25,7 +30,7 @@ recorded value equals what scoring the text gives (:mod:`infer.engine.scoring`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +49,12 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: OpenAI's penalties, each in [-2, 2] (0 = off; see the module docs).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: Token id -> bias added to its logit, each in [-100, 100]; a mapping
+    #: given here is kept as sorted ``(id, bias)`` pairs (the params stay hashable).
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def number(name: str, value: object, integer: bool = False) -> float:
@@ -68,10 +79,68 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or self.seed < 0):
             raise SamplingParameterError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name, getattr(self, name)) <= 2:
+                raise SamplingParameterError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias, number))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any rule reads the history or shifts logits (so greedy
+        decoding needs the logits on the host, not just their argmax)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _bias_pairs(bias: object, number: Callable[[str, object], float]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(id, bias)`` pairs, each checked (``number`` checks a value)."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
+        raise SamplingParameterError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise SamplingParameterError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        token, value = item
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise SamplingParameterError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not -100 <= number(f"logit_bias[{token}]", value) <= 100:
+            raise SamplingParameterError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """``logits`` with each ``(id, bias)`` added; raises
+    :class:`~infer.errors.SamplingParameterError` for an id past the vocabulary."""
+    if not bias:
+        return logits
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+    if ids[-1] >= logits.shape[-1]:
+        raise SamplingParameterError(
+            f"logit_bias names token id {int(ids[-1])}, but the vocabulary has {logits.shape[-1]} ids")
+    out = logits.copy()
+    out[ids] += np.fromiter((b for _, b in bias), dtype=np.float64, count=len(bias))
+    return out
+
+
+def apply_presence_frequency_penalties(
+    logits: np.ndarray, generated: Iterable[int], presence: float, frequency: float,
+) -> np.ndarray:
+    """OpenAI's penalties: token ``j`` generated ``c[j]`` times loses
+    ``c[j] * frequency + (c[j] > 0) * presence``."""
+    if not presence and not frequency:
+        return logits
+    ids, counts = np.unique(np.fromiter(generated, dtype=np.int64), return_counts=True)
+    if ids.size == 0:
+        return logits
+    out = logits.copy()
+    out[ids] -= counts * frequency + presence
+    return out
 
 
 def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int], penalty: float) -> np.ndarray:
@@ -164,8 +233,16 @@ class Constraint(Protocol):
 class Sampler:
     """Samples one request's tokens; owns its random generator.
 
+    ``history``, wherever a method takes it, is the request's whole token
+    sequence before the position sampled: its first :attr:`prompt_tokens` are
+    the prompt, the rest were generated (what the presence and frequency
+    penalties count).
+
     Args:
         params: the sampling rules.
+        prompt_tokens: the prompt's length (the engine that runs the request
+            sets it: :func:`~infer.engine.generate.generate`,
+            :meth:`~infer.engine.batch.BatchEngine.submit`).
         logprobs: record each chosen token's :class:`TokenLogprob` in
             :attr:`recorded`, with this many alternatives (0: the chosen
             token's only); None records nothing.
@@ -174,11 +251,12 @@ class Sampler:
             or sampled, and it learns each chosen token.
     """
 
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None,
+    def __init__(self, params: SamplingParams, prompt_tokens: int = 0, *, logprobs: int | None = None,
                  constraint: Constraint | None = None) -> None:
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise SamplingParameterError(f"logprobs must be a non-negative integer or None, got {logprobs!r}")
         self.params = params
+        self.prompt_tokens = prompt_tokens
         self.rng = np.random.default_rng(params.seed)
         self.logprobs = logprobs
         self.constraint = constraint
@@ -187,18 +265,16 @@ class Sampler:
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax alone decides (greedy without penalty) and
-        nothing is recorded, so the engine can compute it on the device and
-        copy one integer."""
-        return not (self.params.greedy and self.params.repetition_penalty == 1.0 and self.logprobs is None
+        """False when the argmax alone decides (greedy, no bias or penalty,
+        no constraint) and nothing is recorded, so the engine can compute it
+        on the device and copy one integer."""
+        return not (self.params.greedy and not self.params.penalized and self.logprobs is None
                     and self.constraint is None)
 
-    def sample(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """The next token id from ``[vocab]`` logits (recorded, see :meth:`chose`)."""
-        p = self.params
-        if p.greedy:
-            scores = apply_repetition_penalty(self._masked(logits), history, p.repetition_penalty)
-            token = int(np.argmax(scores))
+        if self.params.greedy:
+            token = int(np.argmax(self.adjust(logits, history)))
         else:
             token = self.draw(self.distribution(logits, history))
         self.chose(logits, token)
@@ -217,13 +293,22 @@ class Sampler:
         x = np.asarray(logits, dtype=np.float64)
         return x if self.constraint is None else self.constraint.mask(x)
 
-    def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> np.ndarray:
+    def adjust(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """``logits`` in float64 after the constraint's mask, the logit bias
+        and the penalties (rule 1 of the module docs), before temperature."""
+        p = self.params
+        out = apply_logit_bias(self._masked(logits), p.logit_bias)
+        out = apply_repetition_penalty(out, history, p.repetition_penalty)
+        generated = list(history)[self.prompt_tokens:] if (p.presence_penalty or p.frequency_penalty) else ()
+        return apply_presence_frequency_penalties(out, generated, p.presence_penalty, p.frequency_penalty)
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """The float64 ``[vocab]`` distribution :meth:`sample` draws from:
         every rule above applied to ``logits``, renormalised. Greedy gives
         the one-hot vector of the argmax. Speculative decoding compares
         these distributions of target and draft."""
         p = self.params
-        logits = apply_repetition_penalty(self._masked(logits), history, p.repetition_penalty)
+        logits = self.adjust(logits, history)
         if p.greedy:
             probs = np.zeros(logits.shape, dtype=np.float64)
             probs[int(np.argmax(logits))] = 1.0
@@ -248,3 +333,4 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     if index >= probs.size or probs[index] == 0.0:  # rounding at the very top end
         index = int(np.flatnonzero(probs)[-1])
     return index
+

@@ -7,6 +7,7 @@
     infer doctor
     infer diff MODEL --backends A,B [--prompt TEXT]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
+    infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from infer.errors import ChatTemplateError, InferError
+
+log = logging.getLogger(__name__)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -239,6 +243,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _bytes(text: str) -> int:
+    """``536870912``, ``512MiB``, ``2GiB``, ``500MB``: a number of bytes."""
+    units = {"": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+             "g": 10**9, "gb": 10**9, "gib": 2**30}
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2GiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from infer.serve import serve
+
+    api_key = args.api_key or os.environ.get("INFER_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("serving on %s without an API key: anyone who can reach this port can use the model "
+                    "(set --api-key or INFER_API_KEY)", args.host)
+    model = _load(args)
+    model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
+    serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+          log_level="warning" if args.quiet else "info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="Run language models on pluggable backends.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv for debug)")
@@ -276,6 +310,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tolerance", type=float, default=1e-3, help="relative error that counts as divergence")
     d.add_argument("--dtype", default=None, help="compute dtype of the backends")
     d.set_defaults(func=cmd_diff)
+    srv = sub.add_parser("serve", help="serve the model over HTTP with OpenAI's API (needs infer-engine[serve])")
+    srv.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
+    srv.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda (default: best available)")
+    srv.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    srv.add_argument("--quantize", default=None, help="q8, q4 or off (see docs/quantization.md)")
+    srv.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--model-name", default=None, help="the id clients pass as model (default: the folder or "
+                     "file name)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $INFER_API_KEY; "
+                     "none: no key)")
+    srv.add_argument("--kv-memory", type=_bytes, default=None, help="bytes of keys and values for all requests, "
+                     "e.g. 2GiB (default 256MiB)")
+    srv.add_argument("--max-batch-tokens", type=int, default=512, help="most tokens one forward processes "
+                     "(default 512)")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
+                     "(default 256)")
+    srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB)")
+    srv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="measure speed and memory against llama.cpp, transformers and mlx-lm")
     b.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
     b.add_argument("--backend", action="append", default=None,

@@ -1,0 +1,463 @@
+"""The ASGI app: OpenAI's completions and chat completions over one batch engine.
+
+A handler validates the body (:mod:`infer.serve.protocol`), turns it into
+token ids, sampling parameters and stop conditions, submits one request per
+choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
+that come back into text (:class:`~infer.completion.TextStream`: stop strings),
+tool calls (:mod:`infer.serve.tools`) and OpenAI's response or its stream of
+server-sent events. A client that goes away cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from infer.completion import TextStream
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions
+from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from infer.errors import ContextLengthError, InferError, RequestError
+from infer.model import DEFAULT_MAX_TOKENS, Model
+from infer.serve import tools as toolcalls
+from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
+from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from infer.serve.loop import EngineLoop, TokenStream
+from infer.serve.metrics import Metrics
+from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse
+
+log = logging.getLogger(__name__)
+
+#: Largest request body accepted, in bytes (a 1 MiB prompt is ~250k tokens).
+DEFAULT_MAX_BODY_BYTES = 2**20
+#: Requests that may wait for admission before new ones get 429.
+DEFAULT_MAX_QUEUE = 256
+#: OpenAI's default ``max_tokens`` of the completions endpoint.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+def create_app(
+    model: Model, *, model_name: str | None = None, api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    batch_engine: BatchEngine | None = None,
+) -> Starlette:
+    """The ASGI app serving ``model`` with OpenAI's API.
+
+    Args:
+        model: the loaded model; its :attr:`~infer.Model.batch_engine`
+            (or ``batch_engine``) runs every request, on a thread the app
+            starts with its lifespan.
+        model_name: the id clients pass as ``model`` (default: the model
+            folder's or file's name); any other id is a 404.
+        api_key: when set, every endpoint but ``/health`` needs
+            ``Authorization: Bearer <api_key>`` (401 otherwise).
+        max_queue: requests that may wait for admission; beyond, 429 with
+            ``Retry-After``.
+        max_body_bytes: largest request body (413 beyond).
+        batch_engine: the batch engine to run (default the model's); no one
+            else may use it while the app runs.
+    """
+    server = _Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
+                     max_queue=max_queue, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
+    #: What tests and embedding code reach: the server (its loop, metrics).
+    app.state.server = server
+    return app
+
+
+def _default_name(model: Model) -> str:
+    path = model.package.path
+    return path.name if path is not None else model.model_type
+
+
+# -- one choice ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """One generated choice: its request's stream and what became of it."""
+
+    index: int
+    stream: TokenStream
+    text: TextStream
+    tokens: int = 0
+    finish_reason: str | None = None
+    pieces: list[str] = field(default_factory=list)
+    #: Log-probabilities handed out so far (:meth:`new_logprobs`).
+    _logprobs_taken: int = 0
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens consumed since the last call
+        (empty without ``logprobs``)."""
+        entries = self.stream.logprobs[self._logprobs_taken:self.tokens]
+        self._logprobs_taken += len(entries)
+        return entries
+
+    async def run(self, loop: EngineLoop, emit: Callable[[_Choice, str], Awaitable[None]] | None = None) -> None:
+        """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
+        async for ids in self.stream:
+            for token in ids:
+                self.tokens += 1
+                piece = self.text.push(token)
+                if piece:
+                    await self._piece(piece, emit)
+                if self.text.stopped:
+                    loop.cancel(self.stream)  # its pages go back before the next step
+                    self.finish_reason = "stop"
+                    return
+        piece = self.text.finish()
+        if piece:
+            await self._piece(piece, emit)
+        self.finish_reason = "stop" if self.stream.finish_reason == "stop" or self.text.stopped else "length"
+
+    async def _piece(self, piece: str, emit: Callable[[_Choice, str], Awaitable[None]] | None) -> None:
+        self.pieces.append(piece)
+        if emit is not None:
+            await emit(self, piece)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.pieces)
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int) -> None:
+        self.model = model
+        self.name = name
+        self.created = int(time.time())
+        self.max_body_bytes = max_body_bytes
+        self.loop = EngineLoop(batch, max_queue=max_queue, on_tokens=lambda *args: self.metrics.on_tokens(*args))
+        self.metrics = Metrics(self.loop)
+
+    # -- small endpoints ---------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+                "max_model_len": self.model.context_length}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        self._check_model(request.path_params["name"])
+        return JSONResponse(self._card())
+
+    def _check_model(self, name: str) -> None:
+        if name != self.name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {self.name!r}", "model",
+                               status=404, code="model_not_found")
+
+    # -- what both generation endpoints share ----------------------------------------------
+
+    def _sampling(self, body: _Sampling, index: int) -> SamplingParams:
+        seed = None if body.seed is None else body.seed + index  # n choices, n different draws
+        return self.model.sampling_params(
+            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, seed=seed, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.bias(self.model.network.vocab_size))
+
+    def _max_tokens(self, requested: int | None, default: int | None, prompt_tokens: int) -> int:
+        """``requested``, else ``default``, else the model's default (as
+        :meth:`~infer.Model.chat`'s); capped by the context."""
+        room = self.model.context_length - prompt_tokens
+        if room < 1 and requested != 0:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens but the model's context is {self.model.context_length} "
+                f"positions, and at least one must remain for generation")
+        if requested is None:
+            requested = default if default is not None else (
+                self.model.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS)
+        return min(requested, room)
+
+    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int],
+                     top_logprobs: int | None = None) -> list[_Choice]:
+        """Submit ``body.n`` requests per prompt, all at once; all or none (a
+        refusal cancels those already in)."""
+        stops = body.stops()
+        eos = self.model.eos_token_ids
+        jobs = [(prompt, Sampler(self._sampling(body, j), logprobs=top_logprobs),
+                 StopConditions(max_tokens=limit, eos_token_ids=eos, ignore_eos=body.ignore_eos))
+                for prompt, limit in zip(prompts, max_tokens) for j in range(body.n)]
+        results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, TokenStream)]
+        refused = [r for r in results if not isinstance(r, TokenStream)]
+        if refused:
+            for stream in streams:
+                self.loop.cancel(stream)
+            raise refused[0]
+        choices = [_Choice(i, stream, TextStream(self.model.tokenizer, stops)) for i, stream in enumerate(streams)]
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return choices
+
+    def _usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(c.tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def _all(self, request: Request, choices: list[_Choice], endpoint: str) -> None:
+        """Run every choice to its end; a client that goes away first cancels them."""
+        work = asyncio.gather(*(c.run(self.loop) for c in choices))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise asyncio.CancelledError
+            work.result()
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                for c in choices:
+                    self.loop.cancel(c.stream)
+            self._count(endpoint, choices)
+
+    def _count(self, endpoint: str, choices: list[_Choice]) -> None:
+        for c in choices:
+            self.metrics.requests.labels(endpoint, c.finish_reason or "cancelled").inc()
+
+    def _unsupported(self, param: str, why: str) -> RequestError:
+        return RequestError(f"{param} is not supported by infer's server: {why}", param, code="unsupported_parameter")
+
+    # -- /v1/completions ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        self._check_model(body.model)
+        if body.best_of not in (None, 1):
+            raise self._unsupported("best_of", "generate n choices instead")
+        if body.suffix is not None:
+            raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
+        tokenizer = self.model.tokenizer
+        given = body.prompts()
+        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
+        max_tokens = [self._max_tokens(body.max_tokens, COMPLETIONS_MAX_TOKENS, len(p)) for p in prompts]
+        k = body.logprobs
+        echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
+        if body.echo and k is not None:  # the prompt's own log-probabilities, between two steps
+            engine = self.model.engine
+            for i, prompt in enumerate(prompts):
+                scored = await self.loop.call(functools.partial(prompt_logprobs, engine, prompt, k))
+                echoed[i] = list(zip(prompt, scored))
+        choices = await self._start(body, prompts, max_tokens, k)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def source(c: _Choice) -> int:  # the prompt a choice continues
+            return c.index // body.n
+
+        def logprobs(c: _Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
+            return None if k is None else completion_logprobs(tokenizer, entries, offset)
+
+        def generated(c: _Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+            return [(e.token, e) for e in entries]
+
+        def chunk(c: _Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                                   "choices": []}
+            if c is not None:
+                out["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]
+            return out
+
+        if not body.stream:
+            await self._all(request, choices, "completions")
+            out = []
+            for c in choices:
+                head = texts[source(c)] if body.echo else ""
+                entries = (echoed[source(c)] if body.echo else []) + generated(c, c.new_logprobs())
+                offset = 0 if body.echo else len(texts[source(c)])
+                out.append({"index": c.index, "text": head + c.output, "logprobs": logprobs(c, entries, offset),
+                            "finish_reason": c.finish_reason})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                                 "choices": out, "usage": self._usage(prompts, choices)})
+
+        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+            offsets = {c.index: 0 if body.echo else len(texts[source(c)]) for c in choices}
+
+            async def send(c: _Choice, text: str, finish: str | None,
+                           entries: list[tuple[int, TokenLogprob | None]]) -> None:
+                lp = logprobs(c, entries, offsets[c.index])
+                offsets[c.index] += len(text)
+                await emit(chunk(c, text, finish, lp))
+
+            async def piece(c: _Choice, text: str) -> None:
+                await send(c, text, None, generated(c, c.new_logprobs()))
+
+            async def one(c: _Choice) -> None:
+                if body.echo:
+                    await send(c, texts[source(c)], None, echoed[source(c)])
+                await c.run(self.loop, piece)
+                await send(c, "", c.finish_reason, generated(c, c.new_logprobs()))
+
+            await asyncio.gather(*(one(c) for c in choices))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await emit({**chunk(None, "", None), "usage": self._usage(prompts, choices)})
+
+        return self._sse(events, choices, "completions")
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
+        self._check_model(body.model)
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
+                                    "does not have yet")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        if body.tool_choice not in (None, "auto", "none"):
+            raise self._unsupported("tool_choice", "forcing a call needs constrained decoding; use 'auto' or 'none'")
+        tools = body.tools if body.tools and body.tool_choice != "none" else None
+        text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
+        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))], k)
+        tokenizer = self.model.tokenizer
+
+        def logprobs(c: _Choice) -> Any:
+            return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def reply(c: _Choice) -> tuple[dict[str, Any], str | None]:
+            if tools is None:
+                return {"role": "assistant", "content": c.output}, c.finish_reason
+            parsed = toolcalls.parse_tool_calls(c.output)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+                return message, "tool_calls"
+            return message, c.finish_reason
+
+        if not body.stream:
+            await self._all(request, choices, "chat")
+            out = []
+            for c in choices:
+                message, finish = reply(c)
+                out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
+                                 "choices": out, "usage": self._usage([prompt], choices)})
+
+        def chunk(index: int | None, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": self.name, "choices": []}
+            if index is not None:
+                out["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+            return out
+
+        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+            shown = {c.index: 0 for c in choices}  # characters of each output already sent
+
+            async def piece(c: _Choice, text: str) -> None:
+                # With tools, text from a possible "<tool_call>" on waits for the end.
+                out = c.output
+                end = len(out)
+                if tools is not None:
+                    start = out.find(toolcalls.OPEN)
+                    end = start if start >= 0 else len(out) - toolcalls.held_back(out)
+                if end > shown[c.index]:
+                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None, logprobs(c)))
+                    shown[c.index] = end
+
+            async def one(c: _Choice) -> None:
+                await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
+                await c.run(self.loop, piece)
+                finish = c.finish_reason
+                if tools is not None:
+                    rest = c.output[shown[c.index]:]
+                    parsed = toolcalls.parse_tool_calls(rest)
+                    if parsed.tool_calls:
+                        if parsed.content:
+                            await emit(chunk(c.index, {"content": parsed.content}, None))
+                        calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
+                        await emit(chunk(c.index, {"tool_calls": calls}, None))
+                        finish = "tool_calls"
+                    elif rest:
+                        await emit(chunk(c.index, {"content": rest}, None))
+                await emit(chunk(c.index, {}, finish, logprobs(c)))
+
+            await asyncio.gather(*(one(c) for c in choices))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await emit({**chunk(None, {}, None), "usage": self._usage([prompt], choices)})
+
+        return self._sse(events, choices, "chat")
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    def _sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
+             choices: list[_Choice], endpoint: str) -> Response:
+        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``; a
+        client that goes away cancels every choice's request."""
+        async def stream() -> AsyncIterator[str]:
+            out: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+            async def work() -> None:
+                try:
+                    await produce(out.put)
+                except Exception as err:  # an engine failure mid-stream: an error event, then the end
+                    await out.put(err)
+                await out.put(None)
+
+            task = asyncio.ensure_future(work())
+            try:
+                while True:
+                    item = await out.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        log.warning("a streamed request failed: %s", item)
+                        yield json.dumps({"error": {"message": str(item), "type": "server_error", "param": None,
+                                                    "code": None}})
+                        break
+                    yield json.dumps(item, ensure_ascii=False)
+                yield "[DONE]"
+            finally:  # also when the client went away and the response was cancelled
+                task.cancel()
+                for c in choices:
+                    self.loop.cancel(c.stream)
+                self._count(endpoint, choices)
+
+        return EventSourceResponse(stream())

@@ -1,0 +1,171 @@
+"""OpenAI's request bodies, validated; what is not supported is refused by name.
+
+Every parameter of OpenAI's completions and chat completions APIs is either
+implemented, accepted as the no-op it is here (``user``,
+``parallel_tool_calls``, ``best_of: 1``, ``tool_choice: "auto"``) or refused
+with a 400 naming it (:class:`~infer.errors.RequestError`): an unknown field
+too, so a client never gets silently different behaviour from what it
+asked for. Beyond OpenAI's: ``top_k``, ``min_p``, ``repetition_penalty`` and
+``ignore_eos``, as vLLM and llama.cpp's server accept them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from infer.errors import RequestError
+
+#: Most choices one request may ask for (``n``).
+MAX_N = 16
+#: Most alternatives per token (``logprobs`` / ``top_logprobs``), as OpenAI's chat API.
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What both endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Beyond OpenAI (vLLM, llama.cpp's server).
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > 4 or not all(stops):
+            raise RequestError("stop takes at most 4 non-empty strings", "stop")
+        return tuple(stops)
+
+    def bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` with integer keys, each checked against the vocabulary."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < vocab_size:
+                raise RequestError(f"logit_bias names token id {token}, but the vocabulary has {vocab_size} ids",
+                                   "logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {value}", "logit_bias")
+            out[token] = value
+        return out
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: text content, and the
+        arguments of earlier tool calls as objects rather than JSON text."""
+        out = []
+        for i, message in enumerate(self.messages):
+            if not isinstance(message.get("role"), str):
+                raise RequestError(f"messages[{i}] has no role", f"messages[{i}].role")
+            message = dict(message)
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise RequestError(f"messages[{i}].content[{j}] is of type {kind!r}; this server takes text "
+                                           "only", f"messages[{i}].content")
+                    texts.append(part["text"])
+                message["content"] = "".join(texts)
+            elif content is None:
+                message["content"] = ""
+            elif not isinstance(content, str):
+                raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
+                                   f"messages[{i}].content")
+            calls = message.get("tool_calls")
+            if calls:
+                message["tool_calls"] = [_template_call(call) for call in calls]
+            out.append(message)
+        return out
+
+
+def _template_call(call: Any) -> Any:
+    """OpenAI's ``{"function": {"name", "arguments": "<json>"}}`` with the
+    arguments decoded, as Hugging Face chat templates expect."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
+def parse(model: type[_Sampling], body: Any) -> Any:
+    """``body`` (decoded JSON) as ``model``, or a :class:`~infer.errors.RequestError`
+    naming the first parameter at fault."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        param = loc[0] if loc else None
+        if first["type"] == "extra_forbidden":
+            raise RequestError(f"unsupported parameter {'.'.join(loc)!r}: infer's server does not implement it",
+                               param, code="unsupported_parameter") from None
+        raise RequestError(f"invalid {'.'.join(loc)}: {first['msg']}", param) from None
