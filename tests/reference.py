@@ -240,7 +240,20 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
     "deepseek_v3_lite": ("DeepseekV3Config", _DEEPSEEK_V3_LITE),
 }
-TINY_VARIANTS: tuple[str, ...] = tuple(_VARIANTS)
+# The families on the shared decoder run by tests/test_families.py (numpy, torch and MLX,
+# against transformers), each with its own knobs varied; kept out of TINY_VARIANTS, which the
+# backend tests (bfloat16 agreement, graph capture, ...) iterate over with llama-shaped models.
+_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 24 with hidden 64 / 4 heads (explicit head_dim), GQA 4:2, untied.
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24)),
+    # Biases on q, k, v and o; MQA; tied head; layers 1, 2 slide with window 6 (max_window_layers 1).
+    "qwen3_bias": ("Qwen3Config", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, attention_bias=True,
+                                       tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
+                                       max_window_layers=1)),
+}
+_VARIANTS.update(_FAMILIES)
+FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)
+TINY_VARIANTS: tuple[str, ...] = tuple(v for v in _VARIANTS if v not in _FAMILIES)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -1,0 +1,144 @@
+"""The families on the shared decoder match transformers in float32, on numpy, torch and MLX.
+
+One runner for every tiny variant of ``reference.FAMILY_VARIANTS`` (configs and what
+each one varies: tests/reference.py, ``_FAMILIES``): prefill logits and decode steps
+against transformers' cached decoding, greedy tokens against ``generate``, and
+cached decoding in chunks against one full forward, on each backend. Tolerance:
+``reference.LOGIT_RTOL * max|logit|`` (2.0e-5; float32 on both sides, different
+summation orders; ``rounding_rtol`` in tests/reference.py derives it), and greedy
+tokens may part only at a near-tie of the reference (``assert_greedy_equal``).
+
+Each family's own knobs are shown to matter: the same checkpoint with one knob
+switched (config.json edited, or the knob of the loaded network turned off) moves
+the logits by more than 100 times that tolerance (``KNOBS``), so a family that
+ignored it could not pass the parity tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from reference import (
+    FAMILY_VARIANTS,
+    LOGIT_RTOL,
+    assert_greedy_equal,
+    assert_logits_close,
+    encode,
+    load_tiny,
+    reference_greedy,
+    reference_logits,
+    reference_teacher_forced,
+    tiny_model_dir,
+)
+
+import infer
+
+PROMPT = "The capital of France is Paris. Once upon a time"
+DECODE_TEXT = " the quick brown fox jumps over"
+BACKENDS = [
+    "numpy",
+    pytest.param("torch:cpu", marks=pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="no torch")),
+    pytest.param("mlx:cpu", marks=pytest.mark.skipif(not importlib.util.find_spec("mlx"), reason="no mlx")),
+]
+
+
+@pytest.fixture(scope="module", params=FAMILY_VARIANTS)
+def variant(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_and_decode_logits_match_transformers(variant: str, backend: str) -> None:
+    path = tiny_model_dir(variant)
+    prompt, decode = encode(path, PROMPT), encode(path, DECODE_TEXT)
+    ref = reference_logits(path, prompt, decode)
+    model = load_tiny(variant, backend)
+    engine, ops = model.engine, model.backend
+    seq = engine.new_sequence()
+    assert_logits_close(ops.to_numpy(engine.forward(seq, prompt, all_logits=True)), ref["prefill"],
+                        f"{variant} {backend} prefill")
+    for step, (token, want) in enumerate(zip(decode, ref["decode"])):
+        assert_logits_close(ops.to_numpy(engine.forward(seq, [token])[-1]), want, f"{variant} {backend} decode {step}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_match_transformers(variant: str, backend: str) -> None:
+    path = tiny_model_dir(variant)
+    prompt = encode(path, PROMPT)
+    want = reference_greedy(path, prompt, 16)
+    got = list(load_tiny(variant, backend).generate_tokens(prompt, max_tokens=16, ignore_eos=True))
+    assert_greedy_equal(got, want, reference_teacher_forced(path, prompt, want), LOGIT_RTOL, f"{variant} {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_decode_equals_full_forward(variant: str, backend: str) -> None:
+    path = tiny_model_dir(variant)
+    ids = encode(path, PROMPT + DECODE_TEXT)
+    model = load_tiny(variant, backend)
+    engine, ops = model.engine, model.backend
+    full = ops.to_numpy(engine.forward(engine.new_sequence(), ids, all_logits=True))
+    seq = engine.new_sequence()
+    rows = [ops.to_numpy(engine.forward(seq, ids[:5], all_logits=True))]
+    rows += [ops.to_numpy(engine.forward(seq, ids[start:start + 3], all_logits=True)) for start in (5, 8)]
+    rows += [ops.to_numpy(engine.forward(seq, [t], all_logits=True)) for t in ids[11:]]
+    assert_logits_close(np.concatenate(rows), full, f"{variant} {backend} cached vs full")
+
+
+# ----------------------------------------------------------------------------- the knobs matter
+
+
+def _edited(path: Path, tmp: Path, edit: dict[str, Any]) -> Path:
+    """The folder ``path`` with config.json updated by ``edit`` (other files linked)."""
+    out = tmp / "edited"
+    out.mkdir()
+    for f in path.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "config.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            config[key] = {**config.get(key, {}), **value}
+        else:
+            config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _no_qk_norm(model: infer.Model) -> None:
+    for layer in model.network.layers:
+        layer.block.attention.qk_norm = False
+
+
+#: variant -> (what is switched, a config.json edit or a change to the loaded model).
+KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
+    "qwen3": [("per-head q/k norms off", _no_qk_norm)],
+    "qwen3_bias": [("sliding window off", {"use_sliding_window": False, "layer_types": None}),
+                   ("biases off", {"attention_bias": False})],
+}
+
+
+@pytest.mark.parametrize(("name", "what", "change"),
+                         [(v, what, change) for v, knobs in KNOBS.items() for what, change in knobs],
+                         ids=[f"{v}-{what}" for v, knobs in KNOBS.items() for what, _ in knobs])
+def test_switching_a_knob_moves_the_logits_far_beyond_the_tolerance(
+        name: str, what: str, change: Any, tmp_path: Path) -> None:
+    path = tiny_model_dir(name)
+    prompt = encode(path, PROMPT)
+    want = reference_logits(path, prompt, [])["prefill"]
+    if callable(change):
+        model = infer.load(path, backend="numpy")
+        change(model)
+    else:
+        model = infer.load(_edited(path, tmp_path, change), backend="numpy")
+    engine = model.engine
+    got = model.backend.to_numpy(engine.forward(engine.new_sequence(), prompt, all_logits=True))
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    assert rel > 100 * LOGIT_RTOL, f"{name}, {what}: the logits moved by only {rel:.2g} relative"
+    shutil.rmtree(tmp_path / "edited", ignore_errors=True)
