@@ -250,6 +250,22 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_bias": ("Qwen3Config", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, attention_bias=True,
                                        tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
                                        max_window_layers=1)),
+    # 4 experts, top-2, sliding window 8 (inside the prompt), GQA 4:2.
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=48, sliding_window=8)),
+    # 6 experts, top-3, head_dim 32, MQA, tied; no window.
+    "mixtral_top3": ("MixtralConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+                                           num_local_experts=6, num_experts_per_tok=3, intermediate_size=32,
+                                           tie_word_embeddings=True)),
+    # 8 experts of 32, top-2 renormalised; layer 0 dense (mlp_only_layers), layers 1-3 every 1.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
+    # decoder_sparse_step 2 (layers 1, 3 sparse), top-3 not renormalised, 5 experts, qkv biases.
+    "qwen3_moe_sparse_step": ("Qwen3MoeConfig", dict(num_hidden_layers=4, num_key_value_heads=4, head_dim=16,
+                                                     num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                     norm_topk_prob=False, decoder_sparse_step=2,
+                                                     attention_bias=True)),
 }
 _VARIANTS.update(_FAMILIES)
 FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)

@@ -121,6 +121,10 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
     "qwen3_bias": [("sliding window off", {"use_sliding_window": False, "layer_types": None}),
                    ("biases off", {"attention_bias": False})],
+    "mixtral": [("top-1 routing", {"num_experts_per_tok": 1}), ("sliding window off", {"sliding_window": None})],
+    "mixtral_top3": [("top-2 routing", {"num_experts_per_tok": 2})],
+    "qwen3_moe": [("top-k weights not renormalised", {"norm_topk_prob": False})],
+    "qwen3_moe_sparse_step": [("top-k weights renormalised", {"norm_topk_prob": True})],
 }
 
 
