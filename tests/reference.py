@@ -266,6 +266,38 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                      num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
                                                      norm_topk_prob=False, decoder_sparse_step=2,
                                                      attention_bias=True)),
+    # Partial rotary (half of each 16-wide head rotates), GQA 4:2, sliding window 10.
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=10, pad_token_id=0)),
+    # LongRoPE: 3/4 of each head rotates (6 frequencies), original length 20 against 256 positions
+    # (attention factor 1.29): the 23-token prompt and all after it use the long factors (so no
+    # switch happens while generating: transformers' generate() would then recompute its cache,
+    # see docs/architectures.md); test_families checks the short factors on a shorter prompt.
+    "phi3_longrope": ("Phi3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0,
+        original_max_position_embeddings=20,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+                         "original_max_position_embeddings": 20})),
+    # Norms after the sublayers only; q/k norms over the whole projection; GQA 4:2.
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    # ... with q, k, v, o biases, MQA, tied head, 3 layers.
+    "olmo2_bias": ("Olmo2Config", dict(num_hidden_layers=3, num_key_value_heads=1, attention_bias=True,
+                                       tie_word_embeddings=True)),
+    # 4 layers: the default pattern (every 4th layer, here layer 3, without rope); tied.
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2, pad_token_id=0)),
+    # Layers 0 and 2 without rope, which then slide (window 6); MLP and attention biases; untied.
+    "smollm3_pattern": ("SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=1, no_rope_layers=[0, 1, 0],
+                                              use_sliding_window=True, sliding_window=6, mlp_bias=True,
+                                              attention_bias=True, tie_word_embeddings=False, pad_token_id=0)),
+    # The four multipliers (embedding 6, residual 0.22, softmax scale 0.3 for head_dim 16, logits / 4).
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.3, logits_scaling=4.0)),
+    # Other values, with MLP and attention biases, MQA, tied head.
+    "granite_bias": ("GraniteConfig", dict(num_hidden_layers=3, num_key_value_heads=1, embedding_multiplier=12.0,
+                                           residual_multiplier=0.5, attention_multiplier=0.125,
+                                           logits_scaling=0.5, mlp_bias=True, attention_bias=True,
+                                           tie_word_embeddings=True)),
 }
 _VARIANTS.update(_FAMILIES)
 FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)
