@@ -298,6 +298,12 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                            residual_multiplier=0.5, attention_multiplier=0.125,
                                            logits_scaling=0.5, mlp_bias=True, attention_bias=True,
                                            tie_word_embeddings=True)),
+    # Learned positions, LayerNorm with biases, Conv1D weights, tied head; 2 layers of 4 heads, MLP 256.
+    "gpt2": ("GPT2Config", dict()),
+    # Softmax scale divided by layer + 1, exact gelu, MLP 96 wide, 3 layers of 8 heads, untied.
+    "gpt2_scaled": ("GPT2Config", dict(num_hidden_layers=3, num_attention_heads=8, n_inner=96,
+                                       activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
+                                       tie_word_embeddings=False)),
 }
 _VARIANTS.update(_FAMILIES)
 FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)
@@ -395,15 +401,17 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name == "model.norm.weight":
+                if name in ("model.norm.weight", "transformer.ln_f.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif param.dim() == 2 and name.split(".")[-2].startswith("c_"):  # GPT-2's Conv1D: [in, out]
+                param.copy_(torch.randn_like(param) / param.shape[0] ** 0.5)
             elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
             elif param.dim() == 3:  # [experts, out, in] stacked expert projections (saved one per expert)
