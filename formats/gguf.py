@@ -33,7 +33,7 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import FormatSpec
 
 from . import gguf_quants
-from .gguf_arch import build_config, canonical_name
+from .gguf_arch import block_kind, build_config, canonical_name
 from .gguf_file import MAGIC, GGUFFile, TensorInfo, read_gguf
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class _Entry:
     shape: tuple[int, ...]
     permute_heads: int | None  # undo llama.cpp's Q/K row permutation for this many heads
     norm_offset: float  # subtracted after reading (gemma3 norms)
+    expert: int | None = None  # one expert's rows of a stacked [experts, rows, cols] tensor
+    transpose: bool = False  # Hugging Face stores the transpose (GPT-2's Conv1D)
 
 
 class GGUFTensorSource(TensorSource):
@@ -163,13 +165,24 @@ class GGUFTensorSource(TensorSource):
             raw = self.file.raw(e.info)
         except ValueError as exc:  # the map was closed
             raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
+        begin = e.info.begin
+        if e.expert is not None:  # the expert's rows: whole blocks, so quantized ones stay quantized
+            rows = e.shape[0]
+            raw = raw[e.expert * rows:(e.expert + 1) * rows]
+            begin += e.expert * raw.nbytes
         mapped = not e.permute_heads and e.info.end > e.info.begin
+        if e.transpose:  # a copy: dequantized, in the Hugging Face layout
+            stored = e.shape[::-1]
+            data = (GGUFQuantizedTensor(t.name, stored, raw, e.info.name).dequantize() if t.quantized else
+                    gguf_quants.dequantize(raw, t.name, e.info.name) if t.name == "BF16" else
+                    raw.view("<f4" if t.name == "F32" else "<f2").astype(np.float32))
+            return np.ascontiguousarray(data.reshape(stored).T)
         if e.permute_heads:  # rows of a matrix; elements of a bias (always a plain type)
             rows = raw.reshape(e.shape[0], -1)
             raw = rows[_unpermute_rows(e.shape[0], e.permute_heads)].reshape(raw.shape)
         if t.quantized:
             q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name, file=self.file if mapped else None,
-                                    begin=e.info.begin)
+                                    begin=begin)
             return q.dequantize() - np.float32(e.norm_offset) if e.norm_offset else q
         data = gguf_quants.dequantize(raw, t.name, e.info.name) if t.name == "BF16" else raw.view(
             "<f4" if t.name == "F32" else "<f2")
@@ -183,8 +196,14 @@ class GGUFTensorSource(TensorSource):
 
     def release(self, name: str) -> None:
         entry = self._entries.get(name)
-        if entry is not None:
+        if entry is None:
+            return
+        if entry.expert is None:
             self.file.release(entry.info)
+        else:  # only this expert's bytes: the others may not be read yet
+            size = (entry.info.end - entry.info.begin) // entry.info.shape[0]
+            start = entry.info.begin + entry.expert * size
+            self.file.release_bytes(start, start + size)
 
     def close(self) -> None:
         """Unmap the file."""
@@ -201,7 +220,7 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
     """Canonical name -> entry for every tensor of the file; unknown names are an error."""
     entries: dict[str, _Entry] = {}
     unknown = []
-    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
+    layers = config.get("num_hidden_layers", config.get("n_layer", 0)) + config.get("num_nextn_predict_layers", 0)
     for info in file.tensors.values():
         if info.name in arch.ignored_tensors:
             continue
@@ -223,7 +242,16 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
                 raise FormatError(f"{file.path}: tensor {info.name!r} has {info.shape[0]} rows, not a multiple "
                                   f"of 2 x {heads} heads: cannot undo the Q/K permutation")
         offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) else 0.0
-        entries[hf] = _Entry(info, info.shape, heads, offset)
+        kind = block_kind(info.name)
+        if "{e}" in hf:
+            if len(info.shape) != 3:
+                raise FormatError(f"{file.path}: expert tensor {info.name!r} has shape {list(info.shape)}; "
+                                  f"expected [experts, rows, columns]")
+            for e in range(info.shape[0]):
+                entries[hf.format(e=e)] = _Entry(info, info.shape[1:], heads, offset, expert=e)
+            continue
+        transpose = kind in arch.transposed and len(info.shape) == 2
+        entries[hf] = _Entry(info, info.shape[::-1] if transpose else info.shape, heads, offset, transpose=transpose)
     if unknown:
         raise FormatError(f"{file.path}: tensors unknown for architecture {arch.gguf_name!r}: "
                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
@@ -280,7 +308,7 @@ def open_gguf(path: str | Path, *, tokenizer: bool = True) -> ModelPackage:
     except BaseException:
         file.close()
         raise
-    return ModelPackage(model_type=arch.model_type, config=config, tensors=tensors, tokenizer=tok,
+    return ModelPackage(model_type=config["model_type"], config=config, tensors=tensors, tokenizer=tok,
                         generation=generation, path=Path(path), format="gguf")
 
 

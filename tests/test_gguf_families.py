@@ -1,0 +1,180 @@
+"""The families of test_families.py from GGUF files, as llama.cpp's converter writes them.
+
+Each tiny Hugging Face model (tests/reference.py, ``_FAMILIES``) is converted here with the
+``gguf`` package's ``GGUFWriter`` and llama.cpp's own tensor-name table
+(``gguf.get_tensor_name_map``, what convert_hf_to_gguf.py uses), applying the layout
+changes that converter makes: the Q/K row permutation for the families it converts as
+Llama (llama/Mixtral, Granite, SmolLM3), experts stacked into one ``[experts, rows,
+cols]`` tensor per projection, GPT-2's Conv1D weights transposed, Phi-3's LongRoPE factors
+as tensors. Reading the file back must give every Hugging Face tensor exactly (float32
+files), and the logits must match transformers' on the Hugging Face folder at
+``reference.LOGIT_RTOL`` (the same weights, so the same bound as the parity tests).
+A Q8_0 file of each mixture-of-experts family checks that one expert's rows of a stacked
+quantized tensor are that expert's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
+from test_format_gguf import llama_permute, llama_unpermute
+
+import infer
+from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
+
+PROMPT = "The capital of France is Paris. Once upon a time the quick brown fox"
+
+#: variant -> (GGUF architecture, llama.cpp permutes Q/K rows).
+FILES = {
+    "qwen3": ("qwen3", False),
+    "mixtral": ("llama", True),
+    "qwen3_moe": ("qwen3moe", False),
+    "phi3": ("phi3", False),
+    "phi3_longrope": ("phi3", False),
+    "olmo2": ("olmo2", False),
+    "smollm3": ("smollm3", True),
+    "granite": ("granite", True),
+    "gpt2": ("gpt2", False),
+}
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def _metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``{arch}.*`` keys as convert_hf_to_gguf.py writes them for this config."""
+    if arch == "gpt2":
+        return {"block_count": cfg["n_layer"], "context_length": cfg["n_positions"], "embedding_length": cfg["n_embd"],
+                "feed_forward_length": cfg.get("n_inner") or 4 * cfg["n_embd"], "attention.head_count": cfg["n_head"],
+                "attention.layer_norm_epsilon": cfg["layer_norm_epsilon"]}
+    rope = cfg["rope_parameters"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
+          "attention.key_length": head_dim, "attention.value_length": head_dim,
+          "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"], "rope.freq_base": rope["rope_theta"],
+          "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0))}
+    if cfg.get("sliding_window"):
+        md["attention.sliding_window"] = cfg["sliding_window"]
+    if "num_local_experts" in cfg:
+        md.update({"expert_count": cfg["num_local_experts"], "expert_used_count": cfg["num_experts_per_tok"]})
+    if "moe_intermediate_size" in cfg:
+        md["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if arch == "granite":
+        md.update({"embedding_scale": cfg["embedding_multiplier"], "residual_scale": cfg["residual_multiplier"],
+                   "attention.scale": cfg["attention_multiplier"], "logit_scale": cfg["logits_scaling"]})
+    if rope.get("rope_type") == "longrope":
+        md.update({"rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
+    return md
+
+
+def convert(variant: str, out: Path, qtype: str = "F32") -> dict[str, np.ndarray]:
+    """Write ``variant`` as a GGUF file; returns what each Hugging Face tensor must read back as
+    (2-D and 3-D weights quantized to ``qtype`` when it is not F32)."""
+    from safetensors.numpy import load_file
+
+    arch, permute = FILES[variant]
+    folder = tiny_model_dir(variant)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    layers = cfg.get("num_hidden_layers") or cfg["n_layer"]
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, value in _metadata(arch, cfg).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    expected: dict[str, np.ndarray] = {}
+
+    def add(name: str, value: np.ndarray) -> np.ndarray:
+        if qtype == "F32" or value.ndim < 2 or value.shape[-1] % 32:  # Q8_0 rows are blocks of 32
+            w.add_tensor(name, value)
+            return value
+        raw = gguf.quants.quantize(value, gguf.GGMLQuantizationType[qtype])
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(value.shape)
+
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for hf, value in sorted(state.items()):
+        m = _EXPERT.fullmatch(hf)
+        if m:  # stacked below, as the converter does
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+            continue
+        base, _, suffix = hf.rpartition(".")
+        stored = value
+        if permute and re.search(r"self_attn\.[qk]_proj$", base):
+            heads = cfg["num_attention_heads" if "q_proj" in base else "num_key_value_heads"]
+            stored = llama_permute(value, heads)
+        if arch == "gpt2" and value.ndim == 2 and base.rsplit(".", 1)[-1].startswith("c_"):
+            stored = value.T.copy()  # Conv1D [in, out] -> [out, in]
+        # (llama.cpp's qwen3moe has no dense blocks; the qwen3_moe variant's layer 0 is one, written
+        # with the dense names, which infer reads where present.)
+        gguf_name = names.get_name(base) or dense.get_name(base)
+        back = add(f"{gguf_name}.{suffix}", stored)
+        if arch == "gpt2" and stored is not value:
+            back = back.T
+        elif stored is not value:  # permuted: the reader gives back the Hugging Face rows
+            back = llama_unpermute(back, heads)
+        expected[hf] = back
+    for stacked, by_expert in experts.items():
+        value = np.stack([by_expert[e] for e in sorted(by_expert)])  # [experts, rows, cols]
+        back = add(names.get_name(stacked) + ".weight", value)
+        for e in sorted(by_expert):
+            expected[f"{stacked.rsplit('.', 1)[0]}.{e}.{stacked.rsplit('.', 1)[1]}.weight"] = back[e]
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf_families")
+
+
+@pytest.mark.parametrize("variant", list(FILES))
+def test_gguf_file_reads_back_the_hugging_face_tensors_and_logits(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}.gguf"
+    expected = convert(variant, path)
+    package = open_gguf(path, tokenizer=False)
+    hf_config = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    assert package.model_type == hf_config["model_type"]
+    src = package.tensors
+    assert sorted(src.names()) == sorted(expected)
+    for name, want in expected.items():
+        got = np.asarray(src.get(name))
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        assert np.array_equal(got, want), name  # bit for bit
+    folder = tiny_model_dir(variant)
+    ids = encode(folder, PROMPT)
+    model = infer.load(path, backend="numpy")
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
+    assert_logits_close(logits, reference_logits(folder, ids, [])["prefill"], f"{variant} from GGUF")
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_are_each_experts_own_blocks(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}_q8.gguf"
+    expected = convert(variant, path, qtype="Q8_0")
+    src = open_gguf(path, tokenizer=False).tensors
+    experts = [n for n in expected if ".experts." in n]
+    assert experts
+    for name in experts:
+        got = src.get(name)
+        if expected[name].shape[-1] % 32 == 0:
+            assert isinstance(got, GGUFQuantizedTensor) and got.qtype == "Q8_0", name
+            got = got.dequantize()
+        assert np.array_equal(got, expected[name]), name
+    model = infer.load(path, backend="numpy")  # runs on the quantized experts
+    assert model.network.num_layers == json.loads((tiny_model_dir(variant) / "config.json").read_text())[
+        "num_hidden_layers"]
