@@ -33,6 +33,7 @@ class Hparam:
     name: str
     kind: type  # int or float
     required: bool = False
+    zero_ok: bool = False  # 0 is a meaningful value (a count of optional blocks)
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,63 @@ def _finish_phi3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
     config["original_max_position_embeddings"] = original
 
 
+_DEEPSEEK2_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    **_MLP, "ffn_gate_inp": "mlp.gate", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_DEEPSEEK2_HPARAMS = (
+    Hparam("attention.q_lora_rank", "q_lora_rank", int),
+    Hparam("attention.kv_lora_rank", "kv_lora_rank", int, True),
+    Hparam("rope.dimension_count", "qk_rope_head_dim", int, True),
+    Hparam("leading_dense_block_count", "first_k_dense_replace", int, zero_ok=True),
+    Hparam("expert_feed_forward_length", "moe_intermediate_size", int),
+    Hparam("expert_count", "n_routed_experts", int),
+    Hparam("expert_shared_count", "n_shared_experts", int, zero_ok=True),
+    Hparam("expert_used_count", "num_experts_per_tok", int),
+    Hparam("expert_weights_scale", "routed_scaling_factor", float),
+    Hparam("expert_group_count", "n_group", int),
+    Hparam("expert_group_used_count", "topk_group", int),
+)
+
+
+def _finish_deepseek2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """DeepSeek-V3 (and Kimi K2) files: llama.cpp calls them ``deepseek2``.
+
+    Head widths: ``attention.key_length_mla`` / ``value_length_mla`` where llama.cpp
+    stores the absorbed-MLA layout (there ``key_length`` is ``kv_lora_rank + rope``),
+    else ``key_length`` / ``value_length``. Only sigmoid routing
+    (``expert_gating_func`` 2, DeepSeek-V3's) is supported: DeepSeek-V2's softmax
+    routing is another architecture. The yarn softmax correction: llama.cpp stores
+    ``0.1 * mscale_all_dim`` as ``rope.scaling.yarn_log_multiplier``; ``mscale`` is not
+    stored and is taken equal to it (1.0 and 1.0 in the released V3 and R1)."""
+    md, p, path = file.metadata, arch.gguf_name, file.path
+    gating = md.get(f"{p}.expert_gating_func")
+    if config.get("n_routed_experts") and gating != 2:
+        raise ConfigError(f"{path}: {p}.expert_gating_func is {gating!r}; only 2 (sigmoid, DeepSeek-V3) is "
+                          f"supported, DeepSeek-V2's softmax routing (1, or absent) is not")
+    rope_dim = config["qk_rope_head_dim"]
+    key = _number(md, f"{p}.attention.key_length_mla", int, file) or _number(md, f"{p}.attention.key_length", int, file)
+    value = (_number(md, f"{p}.attention.value_length_mla", int, file)
+             or _number(md, f"{p}.attention.value_length", int, file))
+    if not key or not value or key <= rope_dim:
+        raise ConfigError(f"{path}: {p}.attention.key_length(_mla) and value_length(_mla) must give the head widths "
+                          f"(key {key}, value {value}, rope part {rope_dim})")
+    config.update(model_type="deepseek_v3", qk_nope_head_dim=key - rope_dim, v_head_dim=value, rope_interleave=True,
+                  scoring_func="sigmoid", topk_method="noaux_tc",
+                  norm_topk_prob=bool(md.get(f"{p}.expert_weights_norm", False)))
+    config.pop("head_dim", None)
+    rope = config["rope_parameters"]
+    rope.pop("partial_rotary_factor", None)
+    log_mul = _number(md, f"{p}.rope.scaling.yarn_log_multiplier", float, file)
+    if rope["rope_type"] == "yarn" and log_mul:
+        rope.update(mscale_all_dim=log_mul / 0.1, mscale=log_mul / 0.1)
+
+
 def _finish_gpt2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
     """GPT-2's config names; no rope."""
     for ours, theirs in (("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
@@ -292,6 +350,8 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
                     default_rope_theta=2000000.0, finish=_finish_smollm3),
     ArchitectureMap("granite", "granite", _COMMON + _GRANITE_HPARAMS, _LLAMA_LAYER, {"hidden_act": "silu"},
                     permute_qk=True),
+    ArchitectureMap("deepseek2", "deepseek_v3", _COMMON + _DEEPSEEK2_HPARAMS, _DEEPSEEK2_LAYER,
+                    {"hidden_act": "silu"}, finish=_finish_deepseek2, expert_tensors=_EXPERTS),
     ArchitectureMap("gpt2", "gpt2", _GPT2_HPARAMS, _GPT2_LAYER, {"activation_function": "gelu_new"},
                     finish=_finish_gpt2, layer_prefix="transformer.h",
                     global_tensors={"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
@@ -364,7 +424,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
             if h.required:
                 raise ConfigError(f"{path}: metadata {key} is missing; it gives {h.name}")
             continue
-        if value <= 0 and h.name not in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if (value < 0 or (value == 0 and not h.zero_ok)) and h.name not in ("final_logit_softcapping",
+                                                                          "attn_logit_softcapping"):
             raise ConfigError(f"{path}: metadata {key} must be positive, found {value}")
         config[h.name] = value
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
@@ -436,6 +497,9 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
     m = _BLOCK.fullmatch(name)
     if m is None or int(m[1]) >= layers:
         return None
+    full = arch.layer_tensors.get(f"{m[2]}.{m[3]}")  # a Hugging Face name with another ending
+    if full is not None:
+        return f"{arch.layer_prefix}.{m[1]}.{full}"
     module = arch.layer_tensors.get(m[2]) or (arch.expert_tensors.get(m[2]) if m[3] == "weight" else None)
     return None if module is None else f"{arch.layer_prefix}.{m[1]}.{module}.{m[3]}"
 

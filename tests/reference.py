@@ -305,9 +305,16 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                        activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
                                        tie_word_embeddings=False)),
 }
+# Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
+# (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
+_GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3_gguf": ("DeepseekV3Config", dict(_DEEPSEEK_V3, num_hidden_layers=2,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
 _VARIANTS.update(_FAMILIES)
+_VARIANTS.update(_GGUF_ONLY)
 FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)
-TINY_VARIANTS: tuple[str, ...] = tuple(v for v in _VARIANTS if v not in _FAMILIES)
+TINY_VARIANTS: tuple[str, ...] = tuple(v for v in _VARIANTS if v not in _FAMILIES and v not in _GGUF_ONLY)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -42,12 +42,40 @@ FILES = {
     "smollm3": ("smollm3", True),
     "granite": ("granite", True),
     "gpt2": ("gpt2", False),
+    "deepseek_v3_gguf": ("deepseek2", False),
+    "deepseek_v3_lite": ("deepseek2", False),
+    "deepseek_v3": ("deepseek2", False),
 }
+#: Variants whose logits are not compared, as no llama.cpp file can say what their config says:
+#: deepseek_v3_lite's rope is half-split (llama.cpp's deepseek2 always rotates interleaved pairs),
+#: deepseek_v3's YaRN has mscale 1.0 but mscale_all_dim 0.8 (GGUF stores only the latter, as
+#: rope.scaling.yarn_log_multiplier). Their tensors are still compared; deepseek_v3_gguf's logits too.
+TENSORS_ONLY = {"deepseek_v3_lite", "deepseek_v3"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
-def _metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def _metadata(arch: str, cfg: dict[str, Any], split_kv_b: bool = False) -> dict[str, Any]:
     """``{arch}.*`` keys as convert_hf_to_gguf.py writes them for this config."""
+    if arch == "deepseek2":
+        rope, nope, v, r = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+              "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+              "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": 1 if split_kv_b else
+              cfg["num_attention_heads"], "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+              "rope.freq_base": cfg["rope_parameters"]["rope_theta"], "rope.dimension_count": rope,
+              "attention.kv_lora_rank": r, "leading_dense_block_count": cfg["first_k_dense_replace"],
+              "expert_feed_forward_length": cfg["moe_intermediate_size"], "expert_count": cfg["n_routed_experts"],
+              "expert_shared_count": cfg["n_shared_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+              "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_group_count": cfg["n_group"],
+              "expert_group_used_count": cfg["topk_group"], "expert_gating_func": 2}
+        if cfg.get("q_lora_rank"):
+            md["attention.q_lora_rank"] = cfg["q_lora_rank"]
+        if split_kv_b:  # llama.cpp's absorbed-MLA layout: keys and values of the latent
+            md.update({"attention.key_length": r + rope, "attention.value_length": r,
+                       "attention.key_length_mla": nope + rope, "attention.value_length_mla": v})
+        else:
+            md.update({"attention.key_length": nope + rope, "attention.value_length": v})
+        return md
     if arch == "gpt2":
         return {"block_count": cfg["n_layer"], "context_length": cfg["n_positions"], "embedding_length": cfg["n_embd"],
                 "feed_forward_length": cfg.get("n_inner") or 4 * cfg["n_embd"], "attention.head_count": cfg["n_head"],
@@ -74,9 +102,10 @@ def _metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return md
 
 
-def convert(variant: str, out: Path, qtype: str = "F32") -> dict[str, np.ndarray]:
+def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = False) -> dict[str, np.ndarray]:
     """Write ``variant`` as a GGUF file; returns what each Hugging Face tensor must read back as
-    (2-D and 3-D weights quantized to ``qtype`` when it is not F32)."""
+    (2-D and 3-D weights quantized to ``qtype`` when it is not F32; DeepSeek's kv_b_proj split
+    into attn_k_b and attn_v_b with ``split_kv_b``, as llama.cpp's converter does since 2025)."""
     from safetensors.numpy import load_file
 
     arch, permute = FILES[variant]
@@ -87,8 +116,10 @@ def convert(variant: str, out: Path, qtype: str = "F32") -> dict[str, np.ndarray
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
     w = gguf.GGUFWriter(str(out), arch)
-    for key, value in _metadata(arch, cfg).items():
+    for key, value in _metadata(arch, cfg, split_kv_b).items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    if arch == "deepseek2":
+        w.add_bool("deepseek2.expert_weights_norm", cfg["norm_topk_prob"])
     expected: dict[str, np.ndarray] = {}
 
     def add(name: str, value: np.ndarray) -> np.ndarray:
@@ -106,6 +137,15 @@ def convert(variant: str, out: Path, qtype: str = "F32") -> dict[str, np.ndarray
             experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
             continue
         base, _, suffix = hf.rpartition(".")
+        if hf.endswith("e_score_correction_bias"):  # llama.cpp maps it with the ".bias" suffix split off
+            base, suffix = hf[: -len("_bias")], "bias"
+        if split_kv_b and base.endswith("kv_b_proj"):
+            heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+            kv_b = value.reshape(heads, nope + cfg["v_head_dim"], -1)
+            add(names.get_name(base.replace("kv_b", "k_b")) + ".weight", kv_b[:, :nope].transpose(0, 2, 1).copy())
+            add(names.get_name(base.replace("kv_b", "v_b")) + ".weight", kv_b[:, nope:].copy())
+            expected[hf] = value
+            continue
         stored = value
         if permute and re.search(r"self_attn\.[qk]_proj$", base):
             heads = cfg["num_attention_heads" if "q_proj" in base else "num_key_value_heads"]
@@ -155,11 +195,45 @@ def test_gguf_file_reads_back_the_hugging_face_tensors_and_logits(variant: str, 
         got = np.asarray(src.get(name))
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), name  # bit for bit
+    if variant not in TENSORS_ONLY:
+        _check_logits(variant, path)
+
+
+def _check_logits(variant: str, path: Path) -> None:
     folder = tiny_model_dir(variant)
     ids = encode(folder, PROMPT)
     model = infer.load(path, backend="numpy")
     logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
     assert_logits_close(logits, reference_logits(folder, ids, [])["prefill"], f"{variant} from GGUF")
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3_gguf", "deepseek_v3_lite"])
+def test_deepseek2_with_kv_b_split_for_absorbed_mla(variant: str, gguf_dir: Path) -> None:
+    # Newer llama.cpp files store kv_b_proj as attn_k_b (transposed per head) and attn_v_b, and
+    # the MLA head widths under key_length_mla / value_length_mla: joined back, exactly.
+    path = gguf_dir / f"{variant}_split.gguf"
+    expected = convert(variant, path, split_kv_b=True)
+    package = open_gguf(path, tokenizer=False)
+    assert sorted(package.tensors.names()) == sorted(expected)
+    for name, want in expected.items():
+        assert np.array_equal(np.asarray(package.tensors.get(name)), want), name
+    hf = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group",
+                "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace"):
+        assert package.config.get(key) == hf[key], key
+    if variant not in TENSORS_ONLY:
+        _check_logits(variant, path)
+
+
+def test_deepseek2_softmax_routing_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "v2.gguf"
+    convert("deepseek_v3_gguf", path)
+    data = path.read_bytes()
+    key = b"deepseek2.expert_gating_func"
+    at = data.index(key) + len(key) + 4  # then the uint32 type tag, then the value
+    path.write_bytes(data[:at] + (1).to_bytes(4, "little") + data[at + 4:])  # 2 (sigmoid) -> 1 (softmax)
+    with pytest.raises(infer.errors.ConfigError, match="expert_gating_func is 1.*sigmoid"):
+        open_gguf(path, tokenizer=False)
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
