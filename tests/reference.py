@@ -281,9 +281,8 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                          "original_max_position_embeddings": 20})),
     # Norms after the sublayers only; q/k norms over the whole projection; GQA 4:2.
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
-    # ... with q, k, v, o biases, MQA, tied head, 3 layers.
-    "olmo2_bias": ("Olmo2Config", dict(num_hidden_layers=3, num_key_value_heads=1, attention_bias=True,
-                                       tie_word_embeddings=True)),
+    # ... with q, k, v, o biases, MQA, 3 layers.
+    "olmo2_bias": ("Olmo2Config", dict(num_hidden_layers=3, num_key_value_heads=1, attention_bias=True)),
     # 4 layers: the default pattern (every 4th layer, here layer 3, without rope); tied.
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2, pad_token_id=0)),
     # Layers 0 and 2 without rope, which then slide (window 6); MLP and attention biases; untied.
@@ -293,11 +292,10 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # The four multipliers (embedding 6, residual 0.22, softmax scale 0.3 for head_dim 16, logits / 4).
     "granite": ("GraniteConfig", dict(num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.22,
                                       attention_multiplier=0.3, logits_scaling=4.0)),
-    # Other values, with MLP and attention biases, MQA, tied head.
+    # Other values, with MLP and attention biases, MQA.
     "granite_bias": ("GraniteConfig", dict(num_hidden_layers=3, num_key_value_heads=1, embedding_multiplier=12.0,
                                            residual_multiplier=0.5, attention_multiplier=0.125,
-                                           logits_scaling=0.5, mlp_bias=True, attention_bias=True,
-                                           tie_word_embeddings=True)),
+                                           logits_scaling=0.5, mlp_bias=True, attention_bias=True)),
     # Learned positions, LayerNorm with biases, Conv1D weights, tied head; 2 layers of 4 heads, MLP 256.
     "gpt2": ("GPT2Config", dict()),
     # Softmax scale divided by layer + 1, exact gelu, MLP 96 wide, 3 layers of 8 heads, untied.
@@ -417,6 +415,10 @@ def _randomize(model: Any) -> None:
                     param.sub_(1.0)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("wte.weight", "wpe.weight")):
+                # GPT-2's embeddings at unit scale: its plain gelu MLP adds an input-independent vector
+                # (gelu's mean is positive) that would otherwise swamp them, and every greedy token be one.
+                param.copy_(torch.randn_like(param))
             elif param.dim() == 2 and name.split(".")[-2].startswith("c_"):  # GPT-2's Conv1D: [in, out]
                 param.copy_(torch.randn_like(param) / param.shape[0] ** 0.5)
             elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
