@@ -151,6 +151,11 @@ class GGUFTensorSource(TensorSource):
             return "float32"
         return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes of the tensor's data in the file, from its offsets (nothing read)."""
+        info = self._entry(name).info
+        return info.end - info.begin
+
     def gguf_name(self, name: str) -> str:
         """The tensor's name in the file (``blk.0.attn_q.weight``...)."""
         return self._entry(name).info.name
