@@ -17,7 +17,6 @@ closest is GPT-2's tanh-approximated gelu against the exact one, 1.4e-4 (7 times
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -42,11 +41,7 @@ import infer
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 DECODE_TEXT = " the quick brown fox jumps over"
-BACKENDS = [
-    "numpy",
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="no torch")),
-    pytest.param("mlx:cpu", marks=pytest.mark.skipif(not importlib.util.find_spec("mlx"), reason="no mlx")),
-]
+BACKENDS = ("numpy", "torch:cpu", "mlx:cpu")  # each test taking `backend` runs on each (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=FAMILY_VARIANTS)
@@ -54,7 +49,6 @@ def variant(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_and_decode_logits_match_transformers(variant: str, backend: str) -> None:
     path = tiny_model_dir(variant)
     prompt, decode = encode(path, PROMPT), encode(path, DECODE_TEXT)
@@ -68,7 +62,6 @@ def test_prefill_and_decode_logits_match_transformers(variant: str, backend: str
         assert_logits_close(ops.to_numpy(engine.forward(seq, [token])[-1]), want, f"{variant} {backend} decode {step}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_tokens_match_transformers(variant: str, backend: str) -> None:
     path = tiny_model_dir(variant)
     prompt = encode(path, PROMPT)
@@ -78,7 +71,6 @@ def test_greedy_tokens_match_transformers(variant: str, backend: str) -> None:
     assert_greedy_equal(got, want, np.stack([ref["prefill"][-1], *ref["decode"]]), LOGIT_RTOL, f"{variant} {backend}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_cached_decode_equals_full_forward(variant: str, backend: str) -> None:
     if variant == "phi3_longrope":
         # LongRoPE picks its factors per forward from the sequence length: a first chunk shorter than

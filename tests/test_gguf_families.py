@@ -23,11 +23,11 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
 from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
 from test_format_gguf import llama_permute, llama_unpermute
 
 import infer
-from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
 
 PROMPT = "The capital of France is Paris. Once upon a time the quick brown fox"
 
