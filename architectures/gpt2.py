@@ -90,7 +90,8 @@ class GPT2LMHeadModel(Decoder):
         self.ignored_tensors = tuple(f"{p}h.{i}.attn.{b}" for i in range(cfg.n_layer) for b in ("bias", "masked_bias"))
 
         def linear(name: str, n_in: int, n_out: int) -> dict[str, Array]:
-            return {"": w.get(name + ".weight", (n_in, n_out), transform=_conv1d), ".bias": w.get(name + ".bias", (n_out,))}
+            return {"": w.get(name + ".weight", (n_in, n_out), transform=_conv1d),
+                    ".bias": w.get(name + ".bias", (n_out,))}
 
         def named(key: str, parts: dict[str, Array]) -> dict[str, Array]:
             return {key + suffix: value for suffix, value in parts.items()}
@@ -106,7 +107,9 @@ class GPT2LMHeadModel(Decoder):
         self.layers = []
         for i in range(cfg.n_layer):
             h = f"{p}h.{i}."
-            scale = (hd ** -0.5 if cfg.scale_attn_weights else 1.0) / (i + 1 if cfg.scale_attn_by_inverse_layer_idx else 1)
+            scale = hd ** -0.5 if cfg.scale_attn_weights else 1.0
+            if cfg.scale_attn_by_inverse_layer_idx:
+                scale /= i + 1
             self.layers.append(DecoderLayer(
                 i, block, scale=scale, rope=None,
                 attn_in={**norm("attn_norm", h + "ln_1"), **named("qkv_proj", linear(h + "attn.c_attn", d, 3 * d))},

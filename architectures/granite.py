@@ -69,4 +69,5 @@ def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Granit
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register Granite."""
     register(ArchitectureSpec(name="granite", model_types=("granite",), build=build,
-                              description="IBM Granite 3.x dense models (embedding, residual, attention, logit multipliers)"))
+                              description="IBM Granite 3.x dense models (embedding, residual, attention and "
+                                          "logit multipliers)"))

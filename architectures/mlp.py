@@ -39,11 +39,13 @@ class GatedMLP:
         if w.has(prefix + "gate_up_proj.weight"):  # stored stacked (Phi-3)
             out["gate_up_proj"] = w.get(prefix + "gate_up_proj.weight", (2 * n, d))
         else:
-            stacked = w.get_stacked(prefix + "gate_up_proj.weight", [(gate + ".weight", (n, d)), (up + ".weight", (n, d))])
+            parts = [(gate + ".weight", (n, d)), (up + ".weight", (n, d))]
+            stacked = w.get_stacked(prefix + "gate_up_proj.weight", parts)
             if stacked is not None:
                 out["gate_up_proj"] = stacked
                 if w.has(gate + ".bias"):
-                    out["gate_up_proj.bias"] = w.backend.concat([w.get(gate + ".bias", (n,)), w.get(up + ".bias", (n,))], 0)
+                    biases = [w.get(gate + ".bias", (n,)), w.get(up + ".bias", (n,))]
+                    out["gate_up_proj.bias"] = w.backend.concat(biases, 0)
             else:
                 for key, name in (("gate_proj", gate), ("up_proj", up)):
                     out[key] = w.get(name + ".weight", (n, d))
@@ -61,7 +63,8 @@ class GatedMLP:
             n = ops.shape(y)[-1] // 2
             gate, up = ops.slice(y, -1, 0, n), ops.slice(y, -1, n, 2 * n)
         else:
-            gate, up = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias")), ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
+            gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
+            up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
         if self.activation == "silu":
             h = ops.swiglu(gate, up)
         else:

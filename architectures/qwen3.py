@@ -15,8 +15,9 @@ Against Llama (:mod:`.llama`), and Qwen2 before it:
   on (as Qwen2; transformers 5 writes the result as ``layer_types``).
 
 Per layer:
-    h = h + o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))   x = input_layernorm(h)
-    h = h + down_proj(silu(gate_proj(x)) * up_proj(x))                                       x = post_attention_layernorm(h)
+    h = h + o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))
+    h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
+with x = input_layernorm(h) resp. post_attention_layernorm(h).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Qwen3Config(LlamaConfig):
     model_type: str = "qwen3"
     head_dim: int | None = 128
     attention_bias: bool = False
+    max_window_layers: int | None = 28
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

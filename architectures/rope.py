@@ -203,7 +203,8 @@ class RotaryEmbedding:
         inv = self._inv_freq
         if self.rope_type == "dynamic":
             inv = self._dynamic_frequencies(ctx.max_position)
-        elif self.rope_type == "longrope" and ctx.max_position > (original := self.params["original_max_position_embeddings"]):
+        elif self.rope_type == "longrope" and ctx.max_position > (
+                original := self.params["original_max_position_embeddings"]):
             if not self._warned and any(0 < s.start <= original < s.start + s.length for s in ctx.sequences):
                 self._warned = True  # a sequence grew past the original length with keys cached before it
                 log.warning("longrope: a sequence grew past original_max_position_embeddings (%s); its cached "

@@ -183,7 +183,8 @@ _MOE = (
 )
 _EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
             "ffn_down_exps": "mlp.experts.{e}.down_proj"}
-_MIXTRAL_EXPERTS = {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+_MIXTRAL_EXPERTS = {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
                     "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
 _OLMO2_LAYER = {**_ATTENTION, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm", **_MLP}
