@@ -152,9 +152,13 @@ class GGUFTensorSource(TensorSource):
         return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
     def stored_nbytes(self, name: str) -> int:
-        """Bytes of the tensor's data in the file, from its offsets (nothing read)."""
-        info = self._entry(name).info
-        return info.end - info.begin
+        """Bytes of the tensor's data in the file, from its offsets (nothing read): one
+        expert's share of a stacked tensor; both halves of a joined one."""
+        e = self._entry(name)
+        size = e.info.end - e.info.begin
+        if e.expert is not None:
+            return size // e.info.shape[0]
+        return size + (e.value_part.end - e.value_part.begin if e.value_part is not None else 0)
 
     def gguf_name(self, name: str) -> str:
         """The tensor's name in the file (``blk.0.attn_q.weight``...)."""

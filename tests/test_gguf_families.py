@@ -25,11 +25,10 @@ import numpy as np
 import pytest
 from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
 from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
+from test_families import DECODE_TEXT, PROMPT
 from test_format_gguf import llama_permute, llama_unpermute
 
 import infer
-
-PROMPT = "The capital of France is Paris. Once upon a time the quick brown fox"
 
 #: variant -> (GGUF architecture, llama.cpp permutes Q/K rows).
 FILES = {
@@ -201,10 +200,11 @@ def test_gguf_file_reads_back_the_hugging_face_tensors_and_logits(variant: str, 
 
 def _check_logits(variant: str, path: Path) -> None:
     folder = tiny_model_dir(variant)
-    ids = encode(folder, PROMPT)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    want = reference_logits(folder, prompt, decode)["full"]  # one forward over both: test_families' reference
     model = infer.load(path, backend="numpy")
-    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
-    assert_logits_close(logits, reference_logits(folder, ids, [])["prefill"], f"{variant} from GGUF")
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
+    assert_logits_close(logits, want, f"{variant} from GGUF")
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3_gguf", "deepseek_v3_lite"])
@@ -243,6 +243,7 @@ def test_quantized_experts_are_each_experts_own_blocks(variant: str, gguf_dir: P
     src = open_gguf(path, tokenizer=False).tensors
     experts = [n for n in expected if ".experts." in n]
     assert experts
+    assert sum(src.stored_nbytes(n) for n in src.names()) == sum(i.end - i.begin for i in src.file.tensors.values())
     for name in experts:
         got = src.get(name)
         if expected[name].shape[-1] % 32 == 0:
