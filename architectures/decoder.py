@@ -33,13 +33,15 @@ same parts, and compiled once for all of them when graph capture is on.
 The residual stream: a block returns its output *before* the residual add,
 and the next norm adds it (``fused_add_rms_norm``: one op for both).
 
-How other families fit: per-head q/k norms (Qwen3) are ``Attention(qk_norm=True)``;
-mixture-of-experts MLPs with a softmax top-k router (Mixtral, Qwen3-MoE) are an MLP
-part over :func:`~.moe.mix_experts`; layers without rope (SmolLM3) have ``rope``
-None; Granite's multipliers are the embedding scale, the layer's ``scale`` and parts
-that scale their outputs; norms only after each sublayer (OLMo 2) or LayerNorm with
-biases (GPT-2) are a variant of :class:`Block`, learned positions an
-:meth:`Decoder.embed` override.
+How the families fit (docs/architectures.md has the table): per-head q/k norms
+(Qwen3) are ``Attention(qk_norm="head")``, norms over the whole q and k projections
+(OLMo 2) ``qk_norm="full"``; mixture-of-experts MLPs with a softmax top-k router
+(Mixtral, Qwen3-MoE) are :class:`~.moe.SparseMoE`, over :func:`~.moe.mix_experts`;
+layers without rope (SmolLM3) have ``rope`` None; Granite's multipliers are the
+embedding scale, the layer's ``scale``, :class:`Block`'s ``residual_scale`` and a
+:meth:`~infer.architecture.CausalLM.compute_logits` override; norms only after each
+sublayer (OLMo 2) or LayerNorm with biases (GPT-2) are variants of :class:`Block`,
+learned positions (GPT-2) an :meth:`Decoder.embed` override.
 """
 
 from __future__ import annotations

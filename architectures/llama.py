@@ -126,7 +126,9 @@ class LlamaForCausalLM(Decoder):
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             mlp, mlp_prefix = self.mlp_part(i)
-            block = blocks.setdefault(id(mlp), Block(ops, attention, mlp, cfg.rms_norm_eps, **self.block_options()))
+            if id(mlp) not in blocks:
+                blocks[id(mlp)] = Block(ops, attention, mlp, cfg.rms_norm_eps, **self.block_options())
+            block = blocks[id(mlp)]
             attn_in, attn_out = self.load_attention(attention, w, p + "self_attn.")
             norms = self.load_norms(w, p)
             self.layers.append(DecoderLayer(
