@@ -9,8 +9,8 @@
 * Partial rotary embedding (``partial_rotary_factor``, 0.75 in Phi-4-mini):
   only the first ``head_dim * factor`` features of each head rotate, the rest
   pass through (the contract's ``rope`` does both).
-* LongRoPE scaling (``rope_type`` ``longrope``, Phi-3-128k and later; see
-  :mod:`.rope`) against ``original_max_position_embeddings``.
+* LongRoPE scaling (``rope_type`` ``longrope``, or ``su`` in the first 128k
+  configs; see :mod:`.rope`) against ``original_max_position_embeddings``.
 * An optional ``sliding_window`` on every layer (Phi-3-mini-4k: 2047).
 
 Per layer:
@@ -58,6 +58,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Phi3ForCausalLM:
     """Build a Phi-3 model from a ``config.json`` dict."""
     rope = rope_parameters(config)
+    if rope["rope_type"] == "su":  # the first Phi-3-128k configs' name for LongRoPE
+        rope["rope_type"] = "longrope"
     if rope["rope_type"] == "longrope":  # transformers reads the original length from the top level too
         rope.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings", 4096))
     cfg = from_dict(Phi3Config, {**config, "rope": rope})

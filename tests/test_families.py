@@ -102,6 +102,18 @@ def test_longrope_uses_the_short_factors_within_the_original_length() -> None:
     assert np.abs(long - short).max() > 100 * LOGIT_RTOL * np.abs(short).max()
 
 
+def test_phi3_reads_longrope_under_its_first_name_su(tmp_path: Path) -> None:
+    path = tiny_model_dir("phi3_longrope")
+    config = json.loads((path / "config.json").read_text())
+    rope = {k: v for k, v in config["rope_parameters"].items() if k not in ("rope_type", "rope_theta")}
+    edited = _edited(path, tmp_path, {"rope_parameters": None, "rope_theta": 10000.0,
+                                      "rope_scaling": {**rope, "type": "su"}})
+    ids = encode(path, PROMPT)
+    model = infer.load(edited, backend="numpy")
+    got = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
+    assert_logits_close(got, reference_logits(path, ids, encode(path, DECODE_TEXT))["prefill"], "phi3, su")
+
+
 # ----------------------------------------------------------------------------- the knobs matter
 
 
