@@ -33,13 +33,15 @@ same parts, and compiled once for all of them when graph capture is on.
 The residual stream: a block returns its output *before* the residual add,
 and the next norm adds it (``fused_add_rms_norm``: one op for both).
 
-How other families fit: per-head q/k norms (Qwen3) are ``Attention(qk_norm=True)``;
-mixture-of-experts MLPs with a softmax top-k router (Mixtral, Qwen3-MoE) are an MLP
-part over :func:`~.moe.mix_experts`; layers without rope (SmolLM3) have ``rope``
-None; Granite's multipliers are the embedding scale, the layer's ``scale`` and parts
-that scale their outputs; norms only after each sublayer (OLMo 2) or LayerNorm with
-biases (GPT-2) are a variant of :class:`Block`, learned positions an
-:meth:`Decoder.embed` override.
+How the families fit (docs/architectures.md has the table): per-head q/k norms
+(Qwen3) are ``Attention(qk_norm="head")``, norms over the whole q and k projections
+(OLMo 2) ``qk_norm="full"``; mixture-of-experts MLPs with a softmax top-k router
+(Mixtral, Qwen3-MoE) are :class:`~.moe.SparseMoE`, over :func:`~.moe.mix_experts`;
+layers without rope (SmolLM3) have ``rope`` None; Granite's multipliers are the
+embedding scale, the layer's ``scale``, :class:`Block`'s ``residual_scale`` and a
+:meth:`~infer.architecture.CausalLM.compute_logits` override; norms only after each
+sublayer (OLMo 2) or LayerNorm with biases (GPT-2) are variants of :class:`Block`,
+learned positions (GPT-2) an :meth:`Decoder.embed` override.
 """
 
 from __future__ import annotations
@@ -110,10 +112,12 @@ class Attention:
     Gemma 3, Qwen3), rope, then ``o_proj``."""
 
     def __init__(self, ops: Backend, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
-                 qk_norm: bool = False, eps: float = 1e-6) -> None:
+                 qk_norm: bool | str = False, eps: float = 1e-6) -> None:
         self.ops, self.hidden = ops, hidden
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.qk_norm, self.eps = qk_norm, eps
+        #: False, True or "head" (RMSNorm over each head's q and k: Gemma 3, Qwen3) or
+        #: "full" (over the whole q and k projections, before the heads split: OLMo 2).
+        self.qk_norm, self.eps = ("head" if qk_norm is True else qk_norm), eps
 
     def load(self, w: WeightLoader, prefix: str, *, bias: bool | None = None) -> tuple[Weights, Weights]:
         """The projections under ``prefix`` (``...self_attn.``): those read
@@ -129,9 +133,13 @@ class Attention:
     def qkv(self, x: Array, w: Weights, cos: Array | None, sin: Array | None) -> tuple[Array, Array, Array]:
         ops = self.ops
         q, k, v = qkv(ops, x, w, self.heads, self.kv_heads, self.head_dim)  # [t, heads, head_dim]
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q = ops.rms_norm(q, w["q_norm"], self.eps)  # per head, over head_dim
             k = ops.rms_norm(k, w["k_norm"], self.eps)
+        elif self.qk_norm == "full":  # over heads * head_dim
+            t, hd = ops.shape(x)[0], self.head_dim
+            q = ops.reshape(ops.rms_norm(ops.reshape(q, (t, -1)), w["q_norm"], self.eps), (t, self.heads, hd))
+            k = ops.reshape(ops.rms_norm(ops.reshape(k, (t, -1)), w["k_norm"], self.eps), (t, self.kv_heads, hd))
         if cos is None:  # a layer without positions (e.g. SmolLM3's NoPE layers)
             return q, k, v
         return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
@@ -155,26 +163,52 @@ class Block:
     ``before`` and ``first`` read the layer's :attr:`DecoderLayer.attn_in`,
     ``after`` its :attr:`DecoderLayer.attn_out`. With graph capture on they
     are compiled (``after`` only when the MLP is capturable).
+
+    The variants, each a keyword: ``post_norms`` adds a norm after each
+    sublayer (Gemma's sandwich: ``attn_post_norm``, ``mlp_post_norm``);
+    ``pre_norms=False`` drops the norms before them (OLMo 2 then norms only
+    after); ``layer_norm`` makes every norm a LayerNorm with its bias where
+    the weights hold ``<name>.bias`` (GPT-2); ``residual_scale`` multiplies
+    each sublayer's output before it joins the residual stream (Granite's
+    ``residual_multiplier``).
     """
 
     def __init__(self, ops: Backend, attention: AttentionPart, mlp: MLPPart, eps: float, *,
-                 post_norms: bool = False) -> None:
+                 post_norms: bool = False, pre_norms: bool = True, layer_norm: bool = False,
+                 residual_scale: float | None = None) -> None:
         self.attention, self.mlp = attention, mlp
 
+        def norm(x: Array, w: Weights, name: str) -> Array:
+            if layer_norm:
+                return ops.layer_norm(x, w[name], w.get(name + ".bias"), eps)
+            return ops.rms_norm(x, w[name], eps)
+
+        def add_norm(x: Array, residual: Array, w: Weights, name: str) -> tuple[Array, Array]:
+            """(the input of the next sublayer, the residual stream ``x + residual``)."""
+            if not pre_norms:
+                residual = ops.add(x, residual)
+                return residual, residual
+            if layer_norm:
+                residual = ops.add(x, residual)
+                return norm(residual, w, name), residual
+            return ops.fused_add_rms_norm(x, residual, w[name], eps)
+
+        def sublayer_out(y: Array, w: Weights, name: str) -> Array:
+            if post_norms:
+                y = norm(y, w, name)
+            return y if residual_scale is None else ops.mul(y, residual_scale)
+
         def first(h: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
-            return (*attention.qkv(ops.rms_norm(h, w["attn_norm"], eps), w, cos, sin), h)
+            return (*attention.qkv(norm(h, w, "attn_norm") if pre_norms else h, w, cos, sin), h)
 
         def before(h: Array, residual: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
-            x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
+            x, residual = add_norm(h, residual, w, "attn_norm")
             return (*attention.qkv(x, w, cos, sin), residual)
 
         def after(o: Array, residual: Array, w: Weights) -> tuple[Array, Array]:
-            a = attention.out(o, w)
-            if post_norms:
-                a = ops.rms_norm(a, w["attn_post_norm"], eps)
-            x, residual = ops.fused_add_rms_norm(a, residual, w["mlp_norm"], eps)
-            y = mlp(x, w)
-            return (ops.rms_norm(y, w["mlp_post_norm"], eps) if post_norms else y), residual
+            a = sublayer_out(attention.out(o, w), w, "attn_post_norm")
+            x, residual = add_norm(a, residual, w, "mlp_norm")
+            return sublayer_out(mlp(x, w), w, "mlp_post_norm"), residual
 
         self.first: Callable[..., Any] = capture(ops, first)
         self.before: Callable[..., Any] = capture(ops, before)
@@ -219,15 +253,18 @@ class Decoder(CausalLM):
     norm: Array
     eps: float
 
-    def embed(self, input_ids: Array) -> Array:
-        """Token embeddings ``[tokens, hidden]``."""
+    def embed(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        """Token embeddings ``[tokens, hidden]`` (``ctx`` holds their positions)."""
         h = self.ops.embedding(self.embed_tokens, input_ids)
         return h if self.embed_scale is None else self.ops.mul(h, self.embed_scale)
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        h, residual = self.run_layers(self.embed(input_ids), self.layers, ctx)
-        h, _ = self.ops.fused_add_rms_norm(h, residual, self.norm, self.eps)
-        return h  # [tokens, hidden]
+        h, residual = self.run_layers(self.embed(input_ids, ctx), self.layers, ctx)
+        return self.final_norm(h, residual)  # [tokens, hidden]
+
+    def final_norm(self, h: Array, residual: Array) -> Array:
+        """The final norm of the last block's output added to the residual stream."""
+        return self.ops.fused_add_rms_norm(h, residual, self.norm, self.eps)[0]
 
     def run_layers(self, h: Array, layers: list[DecoderLayer], ctx: AttentionContext) -> tuple[Array, Array]:
         """Run ``layers`` on the stream ``h`` ``[tokens, hidden]``: returns the

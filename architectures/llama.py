@@ -15,6 +15,7 @@ Per layer (the pre-norm block of :mod:`.decoder`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from infer.architecture import WeightLoader
@@ -24,7 +25,16 @@ from infer.ops import Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
-from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, activation
+from .decoder import (
+    ACTIVATIONS,
+    Attention,
+    Block,
+    Decoder,
+    DecoderLayer,
+    MLPPart,
+    Weights,
+    activation,
+)
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding, context_length
 
@@ -83,7 +93,7 @@ class LlamaConfig:
             return None
         if self.layer_types is not None:
             return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-        if self.model_type == "qwen2":  # Qwen2 slides only when asked, from max_window_layers on
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):  # slide only when asked, from max_window_layers on
             if not self.use_sliding_window:
                 return None
             return self.sliding_window if layer >= (self.max_window_layers or 0) else None
@@ -91,34 +101,83 @@ class LlamaConfig:
 
 
 class LlamaForCausalLM(Decoder):
-    """Embedding, decoder layers, final norm, output head."""
+    """Embedding, decoder layers, final norm, output head.
+
+    The families built on Llama (qwen3, mixtral, phi3, olmo2, smollm3,
+    granite, ...) subclass it and override the hooks below, each one
+    difference: the attention and MLP parts, the block variant, the norm
+    weights of a layer, its rope table, the attention scale.
+    """
 
     ignored_tensors = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: LlamaConfig, weights: WeightLoader, ops: Backend) -> None:
         super().__init__(config, weights, ops)
         cfg, w, d, hd = config, weights, config.hidden_size, config.head_dim
-        assert hd is not None and cfg.num_key_value_heads is not None  # set by validate()
+        assert hd is not None  # set by validate()
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
         self.max_context = context_length(cfg.rope, cfg.max_position_embeddings)
         self.eps = cfg.rms_norm_eps
-        attention = Attention(ops, d, cfg.num_attention_heads, cfg.num_key_value_heads, hd)
-        mlp = GatedMLP(ops, d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act])
-        block = Block(ops, attention, mlp, cfg.rms_norm_eps)
+        attention = self.attention_part()
+        blocks: dict[int, Block] = {}  # one block per distinct MLP part
         self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         self.rope = {"default": RotaryEmbedding(ops, hd, cfg.rope, cfg.max_position_embeddings)}
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn_in, attn_out = attention.load(w, p + "self_attn.")  # biases where present (Qwen2: q, k, v)
+            mlp, mlp_prefix = self.mlp_part(i)
+            if id(mlp) not in blocks:
+                blocks[id(mlp)] = Block(ops, attention, mlp, cfg.rms_norm_eps, **self.block_options())
+            block = blocks[id(mlp)]
+            attn_in, attn_out = self.load_attention(attention, w, p + "self_attn.")
+            norms = self.load_norms(w, p)
             self.layers.append(DecoderLayer(
-                i, block, scale=hd ** -0.5, window=cfg.window(i),
-                attn_in={"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attn_in},
-                attn_out={**attn_out, "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)),
-                          **mlp.load(w, p + "mlp.")},
+                i, block, scale=self.attention_scale(), window=cfg.window(i), rope=self.layer_rope(i),
+                attn_in={k: v for k, v in norms.items() if k == "attn_norm"} | attn_in,
+                attn_out=attn_out | {k: v for k, v in norms.items() if k != "attn_norm"} | mlp.load(w, p + mlp_prefix),
             ))
         self.norm = w.get("model.norm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
+
+    # ---- the hooks a family overrides
+
+    def attention_part(self) -> Attention:
+        """The attention part of every layer."""
+        cfg = self.config
+        return Attention(self.ops, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+
+    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
+        """Its weights under ``prefix`` (``...self_attn.``): biases where present (Qwen2: q, k, v)."""
+        return attention.load(w, prefix)
+
+    def mlp_part(self, layer: int) -> tuple[MLPPart, str]:
+        """The MLP part of ``layer`` and the prefix of its weights after ``model.layers.N.``;
+        layers that share a part (the same object) share their compiled block."""
+        return self.dense_mlp, "mlp."
+
+    @cached_property
+    def dense_mlp(self) -> GatedMLP:
+        """The gated MLP of ``intermediate_size`` (every layer's, in Llama)."""
+        cfg = self.config
+        return GatedMLP(self.ops, cfg.hidden_size, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act])
+
+    def block_options(self) -> dict[str, Any]:
+        """Keywords of :class:`~.decoder.Block`: the pre-norm block here."""
+        return {}
+
+    def load_norms(self, w: WeightLoader, prefix: str) -> Weights:
+        """A layer's norm weights by role (``attn_norm``, ``mlp_norm``, ...)."""
+        d = self.config.hidden_size
+        return {"attn_norm": w.get(prefix + "input_layernorm.weight", (d,)),
+                "mlp_norm": w.get(prefix + "post_attention_layernorm.weight", (d,))}
+
+    def layer_rope(self, layer: int) -> str | None:
+        """The rotary table ``layer`` uses (None: no rope)."""
+        return "default"
+
+    def attention_scale(self) -> float:
+        """The softmax scale."""
+        return self.config.head_dim ** -0.5
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> LlamaForCausalLM:

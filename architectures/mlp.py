@@ -1,8 +1,9 @@
-"""The gated feed-forward block shared by the llama, gemma and deepseek families.
+"""The feed-forward blocks: gated (llama, gemma, deepseek and most others) and plain (GPT-2).
 
 ``down_proj(act(gate_proj(x)) * up_proj(x))`` (Shazeer 2020, "GLU Variants
 Improve Transformer"): SwiGLU when ``act`` is silu (through the fusable
-``swiglu`` op), GeGLU when it is gelu or its tanh approximation.
+``swiglu`` op), GeGLU when it is gelu or its tanh approximation. The plain
+one is ``down(act(up(x)))`` (Radford et al. 2019, GPT-2).
 """
 
 from __future__ import annotations
@@ -15,37 +16,72 @@ from infer.ops import Array, Backend
 
 class GatedMLP:
     """Weights ``{prefix}gate_proj``, ``up_proj`` (``[intermediate, hidden]``) and
-    ``down_proj`` (``[hidden, intermediate]``); ``activation`` is an op name.
-    gate and up are stacked into one ``gate_up_proj`` where they are stored
-    alike (see :mod:`.projections`)."""
+    ``down_proj`` (``[hidden, intermediate]``), with biases where the checkpoint
+    has them (Granite's and SmolLM3's ``mlp_bias``); ``activation`` is an op
+    name. gate and up are stacked into one ``gate_up_proj`` where they are
+    stored alike (see :mod:`.projections`); a checkpoint that stores them
+    stacked already (Phi-3's ``gate_up_proj``, gate rows first) is read as it
+    is. ``names`` renames the three for checkpoints that call them otherwise
+    (Mixtral's experts: ``w1``, ``w3``, ``w2``)."""
 
     capturable = True
 
-    def __init__(self, ops: Backend, hidden: int, intermediate: int, activation: str) -> None:
+    def __init__(self, ops: Backend, hidden: int, intermediate: int, activation: str, *,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         self.ops, self.hidden, self.intermediate, self.activation = ops, hidden, intermediate, activation
+        self.names = names
 
     def load(self, w: WeightLoader, prefix: str) -> dict[str, Array]:
-        """``{"gate_up_proj" or "gate_proj", "up_proj", "down_proj"}``."""
+        """``{"gate_up_proj" or "gate_proj", "up_proj", "down_proj"}``, and their ``.bias``."""
         d, n = self.hidden, self.intermediate
-        parts = [(prefix + "gate_proj.weight", (n, d)), (prefix + "up_proj.weight", (n, d))]
-        stacked = w.get_stacked(prefix + "gate_up_proj.weight", parts)
-        if stacked is not None:
-            out = {"gate_up_proj": stacked}
+        gate, up, down = (prefix + name for name in self.names)
+        out: dict[str, Array] = {}
+        if w.has(prefix + "gate_up_proj.weight"):  # stored stacked (Phi-3)
+            out["gate_up_proj"] = w.get(prefix + "gate_up_proj.weight", (2 * n, d))
         else:
-            out = {"gate_proj": w.get(*parts[0]), "up_proj": w.get(*parts[1])}
-        out["down_proj"] = w.get(prefix + "down_proj.weight", (d, n))
+            parts = [(gate + ".weight", (n, d)), (up + ".weight", (n, d))]
+            stacked = w.get_stacked(prefix + "gate_up_proj.weight", parts)
+            if stacked is not None:
+                out["gate_up_proj"] = stacked
+                if w.has(gate + ".bias"):
+                    biases = [w.get(gate + ".bias", (n,)), w.get(up + ".bias", (n,))]
+                    out["gate_up_proj.bias"] = w.backend.concat(biases, 0)
+            else:
+                for key, name in (("gate_proj", gate), ("up_proj", up)):
+                    out[key] = w.get(name + ".weight", (n, d))
+                    if w.has(name + ".bias"):
+                        out[key + ".bias"] = w.get(name + ".bias", (n,))
+        out["down_proj"] = w.get(down + ".weight", (d, n))
+        if w.has(down + ".bias"):
+            out["down_proj.bias"] = w.get(down + ".bias", (d,))
         return out
 
     def __call__(self, x: Array, w: dict[str, Any]) -> Array:
         ops = self.ops
         if "gate_up_proj" in w:
-            y = ops.linear(x, w["gate_up_proj"])
+            y = ops.linear(x, w["gate_up_proj"], w.get("gate_up_proj.bias"))
             n = ops.shape(y)[-1] // 2
             gate, up = ops.slice(y, -1, 0, n), ops.slice(y, -1, n, 2 * n)
         else:
-            gate, up = ops.linear(x, w["gate_proj"]), ops.linear(x, w["up_proj"])
+            gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
+            up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
         if self.activation == "silu":
             h = ops.swiglu(gate, up)
         else:
             h = ops.mul(getattr(ops, self.activation)(gate), up)
-        return ops.linear(h, w["down_proj"])
+        return ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
+
+
+class MLP:
+    """``down_proj(act(up_proj(x)))`` with biases; the architecture puts the
+    weights under ``up_proj``, ``down_proj`` (and ``.bias``) in the dict."""
+
+    capturable = True
+
+    def __init__(self, ops: Backend, activation: str) -> None:
+        self.ops, self.activation = ops, activation
+
+    def __call__(self, x: Array, w: dict[str, Any]) -> Array:
+        ops = self.ops
+        h = getattr(ops, self.activation)(ops.linear(x, w["up_proj"], w.get("up_proj.bias")))
+        return ops.linear(h, w["down_proj"], w.get("down_proj.bias"))

@@ -1,4 +1,13 @@
-"""Mixture of experts with DeepSeek's routing (DeepSeek-V3 report, section 2.1.2).
+"""Mixture of experts: DeepSeek's routing, and the softmax top-k router of Mixtral and Qwen3-MoE.
+
+**Softmax top-k** (:class:`SparseMoE`; Jiang et al. 2024, "Mixtral of
+Experts", section 2.1): the router's logits ``x @ gate.T`` go through a
+float32 softmax over all experts, the ``top_k`` best are chosen, and their
+probabilities are the gate weights, divided by their sum when
+``norm_topk_prob`` (always for Mixtral: then they are exactly the softmax of
+the top-k logits; Qwen3-MoE says in its config). No shared experts.
+
+**DeepSeek** (DeepSeek-V3 report, section 2.1.2):
 
 Each token is sent to ``top_k`` of ``num_experts`` routed experts (gated MLPs)
 chosen by a router, and always to the shared experts. The router of
@@ -98,6 +107,38 @@ class DeepseekMoE:
         weights, ids = self.route(x, w)
         out = mix_experts(self.ops, x, weights, ids, lambda e, rows: self.expert(rows, w["experts"][e]))
         return out if self.shared is None else self.ops.add(out, self.shared(x, w["shared_experts"]))
+
+
+class SparseMoE:
+    """Router ``{prefix}{router}.weight`` (``[experts, hidden]``) and experts
+    ``{prefix}{experts}.{i}.*`` (gated MLPs, their projections named by
+    ``names``), routed by the softmax top-k rule (module docstring)."""
+
+    capturable = False  # the chosen experts are read on the host
+
+    def __init__(self, ops: Backend, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                 norm_topk_prob: bool, activation: str = "silu", router: str = "gate", experts: str = "experts",
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        self.ops, self.hidden, self.num_experts, self.top_k = ops, hidden, num_experts, top_k
+        self.norm_topk_prob, self.router, self.experts = norm_topk_prob, router, experts
+        self.expert = GatedMLP(ops, hidden, intermediate, activation, names=names)
+
+    def load(self, w: WeightLoader, prefix: str) -> dict[str, Any]:
+        return {"gate": w.get(f"{prefix}{self.router}.weight", (self.num_experts, self.hidden)),
+                "experts": [self.expert.load(w, f"{prefix}{self.experts}.{i}.") for i in range(self.num_experts)]}
+
+    def route(self, x: Array, w: dict[str, Any]) -> tuple[Array, list[list[int]]]:
+        """Gate weights ``[tokens, top_k]`` and the chosen expert ids per token (host lists)."""
+        ops = self.ops
+        probs = ops.softmax(ops.astype(ops.linear(x, w["gate"]), "float32"), axis=-1)  # [tokens, experts]
+        weights, chosen = ops.topk(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = ops.div(weights, ops.sum(weights, axis=-1, keepdims=True))
+        return weights, [[int(j) for j in row] for row in ops.to_numpy(chosen).tolist()]
+
+    def __call__(self, x: Array, w: dict[str, Any]) -> Array:
+        weights, ids = self.route(x, w)
+        return mix_experts(self.ops, x, weights, ids, lambda e, rows: self.expert(rows, w["experts"][e]))
 
 
 def mix_experts(ops: Backend, x: Array, weights: Array, ids: list[list[int]],

@@ -19,10 +19,18 @@ positions through ops. The scaling variants change only the frequencies:
   transformers computes them. DeepSeek-V3 also scales the softmax by
   ``mscale(factor, mscale_all_dim)**2``; that is the architecture's part
   (:func:`yarn_mscale`).
+* ``longrope`` (Ding et al. 2024, "LongRoPE"; Phi-3 128k, Phi-3.5, Phi-4-mini):
+  each frequency divided by its own factor, ``short_factor`` while the
+  sequence fits ``original_max_position_embeddings`` and ``long_factor``
+  past it (chosen per forward from its longest position, as transformers
+  does, so keys cached before keep their rotation); cos and sin times
+  ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` being
+  ``max_position_embeddings / original`` unless given.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from typing import Any
@@ -32,7 +40,9 @@ from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+log = logging.getLogger(__name__)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _f32(x: float) -> float:
@@ -125,7 +135,8 @@ class RotaryEmbedding:
             )
         for key in {"linear": ("factor",), "dynamic": ("factor",),
                     "llama3": ("factor", "original_max_position_embeddings"),
-                    "yarn": ("original_max_position_embeddings",)}.get(rope_type, ()):
+                    "yarn": ("original_max_position_embeddings",),
+                    "longrope": ("original_max_position_embeddings",)}.get(rope_type, ()):
             if not isinstance(params.get(key), (int, float)):
                 raise ConfigError(f"config.json: rope type {rope_type!r} needs a numeric {key!r}")
         self.ops = ops
@@ -144,8 +155,31 @@ class RotaryEmbedding:
         self.attention_factor = 1.0
         if rope_type == "yarn":
             inv, self.attention_factor = _yarn(self.dim, params, max_position_embeddings)
+        if rope_type == "longrope":
+            inv, self._long_inv_freq, self.attention_factor = self._longrope(params, max_position_embeddings)
         self._inv_freq = self._upload(inv)
         self._dynamic_len = 0
+        self._warned = False
+
+    def _longrope(self, params: dict[str, Any], max_position_embeddings: int) -> tuple[list[float], Array, float]:
+        """Short-factor frequencies, long-factor frequencies (uploaded) and the attention factor."""
+        original = float(params["original_max_position_embeddings"])
+        half = self.dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = params.get(key)
+            if not isinstance(factors, list) or len(factors) != half:
+                raise ConfigError(f"config.json: rope type 'longrope' needs {key} as a list of {half} numbers "
+                                  f"(rotary dimensions / 2), found {factors!r}")
+        factor = float(params.get("factor") or max_position_embeddings / original)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+        def frequencies(factors: list[float]) -> list[float]:
+            return [_f32(1.0 / _f32(_f32(float(f)) * _f32(self.base ** _f32(2 * i / self.dim))))
+                    for i, f in enumerate(factors)]
+
+        return frequencies(params["short_factor"]), self._upload(frequencies(params["long_factor"])), float(attention)
 
     def _upload(self, values: list[float]) -> Array:
         return self.ops.reshape(self.ops.from_numpy(host_array(values), "float32"), (1, -1))
@@ -166,7 +200,17 @@ class RotaryEmbedding:
     def __call__(self, ctx: AttentionContext) -> tuple[Array, Array]:
         """cos, sin ``[tokens, dim/2]`` for the context's positions."""
         ops = self.ops
-        inv = self._dynamic_frequencies(ctx.max_position) if self.rope_type == "dynamic" else self._inv_freq
+        inv = self._inv_freq
+        if self.rope_type == "dynamic":
+            inv = self._dynamic_frequencies(ctx.max_position)
+        elif self.rope_type == "longrope" and ctx.max_position > (
+                original := self.params["original_max_position_embeddings"]):
+            if not self._warned and any(0 < s.start <= original < s.start + s.length for s in ctx.sequences):
+                self._warned = True  # a sequence grew past the original length with keys cached before it
+                log.warning("longrope: a sequence grew past original_max_position_embeddings (%s); its cached "
+                            "keys keep the short factors' rotation (transformers' generate() recomputes them)",
+                            original)
+            inv = self._long_inv_freq
         pos = ops.reshape(ops.astype(ctx.positions, "float32"), (-1, 1))
         freqs = ops.mul(pos, inv)  # [tokens, dim/2]
         cos, sin = ops.cos(freqs), ops.sin(freqs)

@@ -33,7 +33,7 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import FormatSpec
 
 from . import gguf_quants
-from .gguf_arch import build_config, canonical_name
+from .gguf_arch import block_kind, build_config, canonical_name
 from .gguf_file import MAGIC, GGUFFile, TensorInfo, read_gguf
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,9 @@ class _Entry:
     shape: tuple[int, ...]
     permute_heads: int | None  # undo llama.cpp's Q/K row permutation for this many heads
     norm_offset: float  # subtracted after reading (gemma3 norms)
+    expert: int | None = None  # one expert's rows of a stacked [experts, rows, cols] tensor
+    transpose: bool = False  # Hugging Face stores the transpose (GPT-2's Conv1D)
+    value_part: TensorInfo | None = None  # DeepSeek's kv_b_proj joined from attn_k_b (info) and attn_v_b
 
 
 class GGUFTensorSource(TensorSource):
@@ -143,13 +146,19 @@ class GGUFTensorSource(TensorSource):
 
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, or the GGML type name (``"Q4_K"``...)."""
-        t = self._entry(name).info.type.name
-        return _FLOAT_NAMES.get(t, t)
+        e = self._entry(name)
+        if e.transpose or e.value_part is not None:  # rebuilt in float32
+            return "float32"
+        return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
     def stored_nbytes(self, name: str) -> int:
-        """Bytes of the tensor's data in the file, from its offsets (nothing read)."""
-        info = self._entry(name).info
-        return info.end - info.begin
+        """Bytes of the tensor's data in the file, from its offsets (nothing read): one
+        expert's share of a stacked tensor; both halves of a joined one."""
+        e = self._entry(name)
+        size = e.info.end - e.info.begin
+        if e.expert is not None:
+            return size // e.info.shape[0]
+        return size + (e.value_part.end - e.value_part.begin if e.value_part is not None else 0)
 
     def gguf_name(self, name: str) -> str:
         """The tensor's name in the file (``blk.0.attn_q.weight``...)."""
@@ -168,13 +177,22 @@ class GGUFTensorSource(TensorSource):
             raw = self.file.raw(e.info)
         except ValueError as exc:  # the map was closed
             raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
+        if e.value_part is not None:
+            return _join_kv_b(self._floats(e.info, raw), self._floats(e.value_part, self.file.raw(e.value_part)))
+        begin = e.info.begin
+        if e.expert is not None:  # the expert's rows: whole blocks, so quantized ones stay quantized
+            rows = e.shape[0]
+            raw = raw[e.expert * rows:(e.expert + 1) * rows]
+            begin += e.expert * raw.nbytes
         mapped = not e.permute_heads and e.info.end > e.info.begin
+        if e.transpose:  # a copy: dequantized, in the Hugging Face layout
+            return np.ascontiguousarray(self._floats(e.info, raw).T)
         if e.permute_heads:  # rows of a matrix; elements of a bias (always a plain type)
             rows = raw.reshape(e.shape[0], -1)
             raw = rows[_unpermute_rows(e.shape[0], e.permute_heads)].reshape(raw.shape)
         if t.quantized:
             q = GGUFQuantizedTensor(t.name, e.shape, raw, e.info.name, file=self.file if mapped else None,
-                                    begin=e.info.begin)
+                                    begin=begin)
             return q.dequantize() - np.float32(e.norm_offset) if e.norm_offset else q
         data = gguf_quants.dequantize(raw, t.name, e.info.name) if t.name == "BF16" else raw.view(
             "<f4" if t.name == "F32" else "<f2")
@@ -186,10 +204,27 @@ class GGUFTensorSource(TensorSource):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
         return data
 
+    def _floats(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+        """``raw`` (the stored bytes of ``info``) as float32, shaped as stored."""
+        t = info.type
+        if t.quantized or t.name == "BF16":
+            data = gguf_quants.dequantize(raw, t.name, info.name)
+        else:
+            data = raw.view("<f4" if t.name == "F32" else "<f2").astype(np.float32)
+        return data.reshape(info.shape)
+
     def release(self, name: str) -> None:
         entry = self._entries.get(name)
-        if entry is not None:
+        if entry is None:
+            return
+        if entry.value_part is not None:
+            self.file.release(entry.value_part)
+        if entry.expert is None:
             self.file.release(entry.info)
+        else:  # only this expert's bytes: the others may not be read yet
+            size = (entry.info.end - entry.info.begin) // entry.info.shape[0]
+            start = entry.info.begin + entry.expert * size
+            self.file.release_bytes(start, start + size)
 
     def close(self) -> None:
         """Unmap the file."""
@@ -202,15 +237,31 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's ``kv_b_proj`` ``[heads * (nope + v), kv_lora_rank]`` from the two halves
+    llama.cpp's converter splits it into for absorbed MLA: ``attn_k_b`` ``[heads,
+    kv_lora_rank, nope]`` (each head's key part, transposed) and ``attn_v_b`` ``[heads, v,
+    kv_lora_rank]``."""
+    return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1]))
+
+
+_KV_B = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
+
+
 def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _Entry]:
     """Canonical name -> entry for every tensor of the file; unknown names are an error."""
     entries: dict[str, _Entry] = {}
     unknown = []
-    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
+    halves: dict[str, dict[str, TensorInfo]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b}
+    layers = config.get("num_hidden_layers", config.get("n_layer", 0)) + config.get("num_nextn_predict_layers", 0)
     for info in file.tensors.values():
         if info.name in arch.ignored_tensors:
             continue
         hf = canonical_name(arch, info.name, layers)
+        split = _KV_B.fullmatch(info.name) if "attn_kv_b" in arch.layer_tensors else None
+        if split is not None:
+            halves.setdefault(split[1], {})[split[2]] = info
+            continue
         if hf is None:
             unknown.append(info.name)
             continue
@@ -228,7 +279,24 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
                 raise FormatError(f"{file.path}: tensor {info.name!r} has {info.shape[0]} rows, not a multiple "
                                   f"of 2 x {heads} heads: cannot undo the Q/K permutation")
         offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) else 0.0
-        entries[hf] = _Entry(info, info.shape, heads, offset)
+        kind = block_kind(info.name)
+        if "{e}" in hf:
+            if len(info.shape) != 3:
+                raise FormatError(f"{file.path}: expert tensor {info.name!r} has shape {list(info.shape)}; "
+                                  f"expected [experts, rows, columns]")
+            for e in range(info.shape[0]):
+                entries[hf.format(e=e)] = _Entry(info, info.shape[1:], heads, offset, expert=e)
+            continue
+        transpose = kind in arch.transposed and len(info.shape) == 2
+        entries[hf] = _Entry(info, info.shape[::-1] if transpose else info.shape, heads, offset, transpose=transpose)
+    for layer, pair in halves.items():
+        k, v = pair.get("k"), pair.get("v")
+        if k is None or v is None or len(k.shape) != 3 or len(v.shape) != 3 or k.shape[0] != v.shape[0] \
+                or k.shape[1] != v.shape[2]:
+            raise FormatError(f"{file.path}: block {layer} needs attn_k_b [heads, rank, nope] and attn_v_b "
+                              f"[heads, v, rank] together; found {k and list(k.shape)} and {v and list(v.shape)}")
+        shape = (k.shape[0] * (k.shape[2] + v.shape[1]), k.shape[1])
+        entries[f"{arch.layer_prefix}.{layer}.self_attn.kv_b_proj.weight"] = _Entry(k, shape, None, 0.0, value_part=v)
     if unknown:
         raise FormatError(f"{file.path}: tensors unknown for architecture {arch.gguf_name!r}: "
                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
@@ -285,7 +353,7 @@ def open_gguf(path: str | Path, *, tokenizer: bool = True) -> ModelPackage:
     except BaseException:
         file.close()
         raise
-    return ModelPackage(model_type=arch.model_type, config=config, tensors=tensors, tokenizer=tok,
+    return ModelPackage(model_type=config["model_type"], config=config, tensors=tensors, tokenizer=tok,
                         generation=generation, path=Path(path), format="gguf")
 
 

@@ -33,6 +33,7 @@ class Hparam:
     name: str
     kind: type  # int or float
     required: bool = False
+    zero_ok: bool = False  # 0 is a meaningful value (a count of optional blocks)
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,18 @@ class ArchitectureMap:
     default_rope_theta: float = 10000.0
     #: file tensors that are consumed here (into the config), not exposed.
     ignored_tensors: frozenset[str] = frozenset()
-    #: architecture-specific completion of the config.
+    #: architecture-specific completion of the config (it may set another ``model_type``).
     finish: Callable[[dict[str, Any], GGUFFile, ArchitectureMap], None] | None = None
+    #: ``blk.N.<gguf>.weight`` holding every expert stacked (``[experts, rows, cols]``) ->
+    #: the Hugging Face module of expert ``{e}`` in ``model.layers.N``.
+    expert_tensors: dict[str, str] = field(default_factory=dict)
+    #: Global tensors (``token_embd``...) -> Hugging Face names; None: :data:`GLOBAL_TENSORS`.
+    global_tensors: dict[str, str] | None = None
+    #: The Hugging Face prefix of block ``N`` is ``{layer_prefix}.N``.
+    layer_prefix: str = "model.layers"
+    #: Block tensors whose Hugging Face layout is the transpose of llama.cpp's (GPT-2's
+    #: Conv1D weights, ``[in, out]``; llama.cpp's converter transposed them to ``[out, in]``).
+    transposed: frozenset[str] = frozenset()
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -163,9 +174,190 @@ def _finish_gemma3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap
         config["query_pre_attn_scalar"] = config["head_dim"]
 
 
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_QWEN3_LAYER = {**_LLAMA_LAYER, **_QK_NORMS}
+_MOE = (
+    Hparam("expert_count", "num_experts", int),
+    Hparam("expert_used_count", "num_experts_per_tok", int),
+    Hparam("expert_feed_forward_length", "moe_intermediate_size", int),
+)
+_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+            "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+_MIXTRAL_EXPERTS = {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
+_OLMO2_LAYER = {**_ATTENTION, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm", **_MLP}
+_PHI3_LAYER = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+               "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+_GPT2_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+               "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_GPT2_HPARAMS = (
+    Hparam("embedding_length", "hidden_size", int, True),
+    Hparam("feed_forward_length", "n_inner", int),
+    Hparam("block_count", "num_hidden_layers", int, True),
+    Hparam("attention.head_count", "num_attention_heads", int, True),
+    Hparam("context_length", "max_position_embeddings", int),
+    Hparam("attention.layer_norm_epsilon", "layer_norm_epsilon", float),
+    Hparam("vocab_size", "vocab_size", int),
+)
+_GRANITE_HPARAMS = (
+    Hparam("embedding_scale", "embedding_multiplier", float),
+    Hparam("residual_scale", "residual_multiplier", float),
+    Hparam("attention.scale", "attention_multiplier", float),
+    Hparam("logit_scale", "logits_scaling", float),
+)
+
+
+def _sparse_layers(config: dict[str, Any], file: GGUFFile) -> list[int]:
+    """The blocks that hold a router (``ffn_gate_inp``), i.e. are mixtures of experts."""
+    return [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" in file.tensors]
+
+
+def _finish_mixtral(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """llama.cpp writes Mixtral as ``llama`` with expert tensors: then it is ``mixtral``
+    (every layer sparse, softmax over the top-k router logits)."""
+    _finish_llama(config, file, arch)
+    if config.get("num_experts"):
+        config["model_type"] = "mixtral"
+        config["num_local_experts"] = config.pop("num_experts")
+        config.pop("moe_intermediate_size", None)  # Mixtral's experts are intermediate_size wide
+        if len(_sparse_layers(config, file)) != config["num_hidden_layers"]:
+            raise ConfigError(f"{file.path}: llama.expert_count is set but not every block has a router "
+                              f"(ffn_gate_inp); Mixtral files have one in every block")
+
+
+def _finish_qwen3moe(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Dense blocks (no router) become ``mlp_only_layers``; the top-k weights are
+    renormalised (Qwen3-MoE's released setting, llama.cpp's too) unless the file says."""
+    sparse = set(_sparse_layers(config, file))
+    config["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"]) if i not in sparse]
+    norm = file.metadata.get(f"{arch.gguf_name}.expert_weights_norm", True)
+    config["norm_topk_prob"] = bool(norm)
+
+
+def _finish_smollm3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """llama.cpp hard-codes SmolLM3's NoPE pattern (no rope in every 4th layer; its
+    ``n_no_rope_layer_step``), as the released config does; the files do not store it."""
+    config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
+
+
+def _finish_phi3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """LongRoPE is stored as two tensors of per-frequency factors, ``rope_factors_long``
+    and ``rope_factors_short``, beside ``rope.scaling.original_context_length`` and
+    ``rope.scaling.attn_factor``."""
+    long, short = file.tensors.get("rope_factors_long.weight"), file.tensors.get("rope_factors_short.weight")
+    if long is None and short is None:
+        return
+    rope, md, p = config["rope_parameters"], file.metadata, f"{arch.gguf_name}.rope.scaling"
+    factors = {}
+    for key, info in (("long_factor", long), ("short_factor", short)):
+        if info is None or info.type.name != "F32" or len(info.dims) != 1:
+            raise ConfigError(f"{file.path}: LongRoPE needs rope_factors_long and rope_factors_short as 1-D F32 "
+                              f"tensors; found {info.name if info else 'none'} for {key}")
+        factors[key] = [float(v) for v in file.raw(info).view("<f4").reshape(-1)]
+    original = _number(md, f"{p}.original_context_length", int, file)
+    if not original:
+        raise ConfigError(f"{file.path}: LongRoPE factors without {p}.original_context_length")
+    rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors)
+    attn = _number(md, f"{p}.attn_factor", float, file)
+    if attn:
+        rope["attention_factor"] = attn
+    config["original_max_position_embeddings"] = original
+
+
+_DEEPSEEK2_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    **_MLP, "ffn_gate_inp": "mlp.gate", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_DEEPSEEK2_HPARAMS = (
+    Hparam("attention.q_lora_rank", "q_lora_rank", int),
+    Hparam("attention.kv_lora_rank", "kv_lora_rank", int, True),
+    Hparam("rope.dimension_count", "qk_rope_head_dim", int, True),
+    Hparam("leading_dense_block_count", "first_k_dense_replace", int, zero_ok=True),
+    Hparam("expert_feed_forward_length", "moe_intermediate_size", int),
+    Hparam("expert_count", "n_routed_experts", int),
+    Hparam("expert_shared_count", "n_shared_experts", int, zero_ok=True),
+    Hparam("expert_used_count", "num_experts_per_tok", int),
+    Hparam("expert_weights_scale", "routed_scaling_factor", float),
+    Hparam("expert_group_count", "n_group", int),
+    Hparam("expert_group_used_count", "topk_group", int),
+)
+
+
+def _finish_deepseek2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """DeepSeek-V3 (and Kimi K2) files: llama.cpp calls them ``deepseek2``.
+
+    Head widths: ``attention.key_length_mla`` / ``value_length_mla`` where llama.cpp
+    stores the absorbed-MLA layout (there ``key_length`` is ``kv_lora_rank + rope``),
+    else ``key_length`` / ``value_length``. Only sigmoid routing
+    (``expert_gating_func`` 2, DeepSeek-V3's) is supported: DeepSeek-V2's softmax
+    routing is another architecture. The yarn softmax correction: llama.cpp stores
+    ``0.1 * mscale_all_dim`` as ``rope.scaling.yarn_log_multiplier``; ``mscale`` is not
+    stored and is taken equal to it (1.0 and 1.0 in the released V3 and R1)."""
+    md, p, path = file.metadata, arch.gguf_name, file.path
+    gating = md.get(f"{p}.expert_gating_func")
+    if config.get("n_routed_experts") and gating != 2:
+        raise ConfigError(f"{path}: {p}.expert_gating_func is {gating!r}; only 2 (sigmoid, DeepSeek-V3) is "
+                          f"supported, DeepSeek-V2's softmax routing (1, or absent) is not")
+    rope_dim = config["qk_rope_head_dim"]
+    key = _number(md, f"{p}.attention.key_length_mla", int, file) or _number(md, f"{p}.attention.key_length", int, file)
+    value = (_number(md, f"{p}.attention.value_length_mla", int, file)
+             or _number(md, f"{p}.attention.value_length", int, file))
+    if not key or not value or key <= rope_dim:
+        raise ConfigError(f"{path}: {p}.attention.key_length(_mla) and value_length(_mla) must give the head widths "
+                          f"(key {key}, value {value}, rope part {rope_dim})")
+    config.update(model_type="deepseek_v3", qk_nope_head_dim=key - rope_dim, v_head_dim=value, rope_interleave=True,
+                  scoring_func="sigmoid", topk_method="noaux_tc",
+                  norm_topk_prob=bool(md.get(f"{p}.expert_weights_norm", False)))
+    config.pop("head_dim", None)
+    rope = config["rope_parameters"]
+    rope.pop("partial_rotary_factor", None)
+    log_mul = _number(md, f"{p}.rope.scaling.yarn_log_multiplier", float, file)
+    if rope["rope_type"] == "yarn" and log_mul:
+        rope.update(mscale_all_dim=log_mul / 0.1, mscale=log_mul / 0.1)
+
+
+def _finish_gpt2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """GPT-2's config names; no rope."""
+    for ours, theirs in (("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
+                         ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions")):
+        if ours in config:
+            config[theirs] = config.pop(ours)
+    for key in ("num_key_value_heads", "head_dim", "rope_parameters"):
+        config.pop(key, None)
+
+
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
-    ArchitectureMap("llama", "llama", _COMMON, _LLAMA_LAYER, {"hidden_act": "silu"}, permute_qk=True,
-                    ignored_tensors=frozenset({"rope_freqs.weight"}), finish=_finish_llama),
+    # Mixtral too: llama with expert tensors (_finish_mixtral).
+    ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
+                    {"hidden_act": "silu"}, permute_qk=True, ignored_tensors=frozenset({"rope_freqs.weight"}),
+                    finish=_finish_mixtral, expert_tensors=_MIXTRAL_EXPERTS),
+    # Qwen3, OLMo 2 and Phi-3 are converted without the Q/K permutation (their rope is
+    # half-split, llama.cpp's NEOX mode); Granite and SmolLM3 with it (converted as Llama).
+    ArchitectureMap("qwen3", "qwen3", _COMMON, _QWEN3_LAYER, {"hidden_act": "silu"}, default_rope_theta=1000000.0),
+    ArchitectureMap("qwen3moe", "qwen3_moe", _COMMON + _MOE, {**_QWEN3_LAYER, "ffn_gate_inp": "mlp.gate"},
+                    {"hidden_act": "silu"}, default_rope_theta=1000000.0, finish=_finish_qwen3moe,
+                    expert_tensors=_EXPERTS),
+    ArchitectureMap("olmo2", "olmo2", _COMMON, _OLMO2_LAYER, {"hidden_act": "silu"}, default_rope_theta=500000.0),
+    ArchitectureMap("phi3", "phi3", _COMMON, _PHI3_LAYER, {"hidden_act": "silu"}, finish=_finish_phi3,
+                    ignored_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})),
+    ArchitectureMap("smollm3", "smollm3", _COMMON, _LLAMA_LAYER, {"hidden_act": "silu"}, permute_qk=True,
+                    default_rope_theta=2000000.0, finish=_finish_smollm3),
+    ArchitectureMap("granite", "granite", _COMMON + _GRANITE_HPARAMS, _LLAMA_LAYER, {"hidden_act": "silu"},
+                    permute_qk=True),
+    ArchitectureMap("deepseek2", "deepseek_v3", _COMMON + _DEEPSEEK2_HPARAMS, _DEEPSEEK2_LAYER,
+                    {"hidden_act": "silu"}, finish=_finish_deepseek2, expert_tensors=_EXPERTS),
+    ArchitectureMap("gpt2", "gpt2", _GPT2_HPARAMS, _GPT2_LAYER, {"activation_function": "gelu_new"},
+                    finish=_finish_gpt2, layer_prefix="transformer.h",
+                    global_tensors={"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                                    "output_norm": "transformer.ln_f", "output": "lm_head"},
+                    transposed=frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})),
     # Qwen2 is converted without the Q/K permutation; q, k and v carry biases.
     ArchitectureMap("qwen2", "qwen2", _COMMON, _LLAMA_LAYER, {"hidden_act": "silu"},
                     default_rope_theta=1000000.0),
@@ -233,7 +425,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
             if h.required:
                 raise ConfigError(f"{path}: metadata {key} is missing; it gives {h.name}")
             continue
-        if value <= 0 and h.name not in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if (value < 0 or (value == 0 and not h.zero_ok)) and h.name not in ("final_logit_softcapping",
+                                                                          "attn_logit_softcapping"):
             raise ConfigError(f"{path}: metadata {key} must be positive, found {value}")
         config[h.name] = value
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
@@ -261,14 +454,20 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
         config["vocab_size"] = embed.shape[0] if embed is not None else len(tokens)
     config["rope_parameters"] = _rope(config, file, arch)
     config["tie_word_embeddings"] = "output.weight" not in file.tensors
+    if "blk.0.attn_q.bias" in file.tensors:  # read where the architecture asks whether to
+        config["attention_bias"] = True
+    if "blk.0.ffn_up.bias" in file.tensors:
+        config["mlp_bias"] = True
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
         value = md.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if isinstance(value, int) and not isinstance(value, bool):
             config[f"{key}_token_id"] = value
     if arch.finish is not None:
         arch.finish(config, file, arch)
-    rope = config["rope_parameters"]
-    if "full_attention" not in rope:  # the transformers 4 form too, for readers that know only it
+    rope = config.get("rope_parameters")
+    if rope is None:  # no rope (GPT-2)
+        pass
+    elif "full_attention" not in rope:  # the transformers 4 form too, for readers that know only it
         config["rope_theta"] = rope["rope_theta"]
         scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
         config["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
@@ -285,16 +484,28 @@ _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
 
 def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
     """The Hugging Face name of GGUF tensor ``name``, or None if the architecture has none.
-    ``layers`` counts every block of the file, MTP blocks included."""
+    ``layers`` counts every block of the file, MTP blocks included. An expert tensor's
+    name keeps ``{e}`` for the expert (:func:`expert_kind`)."""
     base, _, kind = name.rpartition(".")
-    if base in GLOBAL_TENSORS and kind in ("weight", "bias"):
-        return f"{GLOBAL_TENSORS[base]}.{kind}"
+    globals_ = GLOBAL_TENSORS if arch.global_tensors is None else arch.global_tensors
+    if base in globals_ and kind in ("weight", "bias"):
+        return f"{globals_[base]}.{kind}"
     m = _NEXTN.fullmatch(name)
     if m is not None:
         if int(m[1]) >= layers or m[2] not in NEXTN_TENSORS:
             return None
         return f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}.weight"
     m = _BLOCK.fullmatch(name)
-    if m is None or int(m[1]) >= layers or m[2] not in arch.layer_tensors:
+    if m is None or int(m[1]) >= layers:
         return None
-    return f"model.layers.{m[1]}.{arch.layer_tensors[m[2]]}.{m[3]}"
+    full = arch.layer_tensors.get(f"{m[2]}.{m[3]}")  # a Hugging Face name with another ending
+    if full is not None:
+        return f"{arch.layer_prefix}.{m[1]}.{full}"
+    module = arch.layer_tensors.get(m[2]) or (arch.expert_tensors.get(m[2]) if m[3] == "weight" else None)
+    return None if module is None else f"{arch.layer_prefix}.{m[1]}.{module}.{m[3]}"
+
+
+def block_kind(name: str) -> str | None:
+    """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``), or None."""
+    m = _BLOCK.fullmatch(name)
+    return None if m is None else m[2]

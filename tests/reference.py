@@ -240,7 +240,79 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
     "deepseek_v3_lite": ("DeepseekV3Config", _DEEPSEEK_V3_LITE),
 }
-TINY_VARIANTS: tuple[str, ...] = tuple(_VARIANTS)
+# The families on the shared decoder run by tests/test_families.py (numpy, torch and MLX,
+# against transformers), each with its own knobs varied; kept out of TINY_VARIANTS, which the
+# backend tests (bfloat16 agreement, graph capture, ...) iterate over with llama-shaped models.
+_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 24 with hidden 64 / 4 heads (explicit head_dim), GQA 4:2, untied.
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24)),
+    # Biases on q, k, v and o; MQA; tied head; layers 1, 2 slide with window 6 (max_window_layers 1).
+    "qwen3_bias": ("Qwen3Config", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, attention_bias=True,
+                                       tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
+                                       max_window_layers=1)),
+    # 4 experts, top-2, sliding window 8 (inside the prompt), GQA 4:2.
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=48, sliding_window=8)),
+    # 6 experts, top-3, head_dim 32, MQA, tied; no window.
+    "mixtral_top3": ("MixtralConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+                                           num_local_experts=6, num_experts_per_tok=3, intermediate_size=32,
+                                           tie_word_embeddings=True)),
+    # 8 experts of 32, top-2 renormalised; layer 0 dense (mlp_only_layers), layers 1-3 every 1.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
+    # decoder_sparse_step 2 (layers 1, 3 sparse), top-3 not renormalised, 5 experts, qkv biases.
+    "qwen3_moe_sparse_step": ("Qwen3MoeConfig", dict(num_hidden_layers=4, num_key_value_heads=4, head_dim=16,
+                                                     num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                     norm_topk_prob=False, decoder_sparse_step=2,
+                                                     attention_bias=True)),
+    # Partial rotary (half of each 16-wide head rotates), GQA 4:2, sliding window 10.
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=10, pad_token_id=0)),
+    # LongRoPE: 3/4 of each head rotates (6 frequencies), original length 20 against 256 positions
+    # (attention factor 1.29): the 23-token prompt and all after it use the long factors (so no
+    # switch happens while generating: transformers' generate() would then recompute its cache,
+    # see docs/architectures.md); test_families checks the short factors on a shorter prompt.
+    "phi3_longrope": ("Phi3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0,
+        original_max_position_embeddings=20,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+                         "original_max_position_embeddings": 20})),
+    # Norms after the sublayers only; q/k norms over the whole projection; GQA 4:2.
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    # ... with q, k, v, o biases, MQA, 3 layers.
+    "olmo2_bias": ("Olmo2Config", dict(num_hidden_layers=3, num_key_value_heads=1, attention_bias=True)),
+    # 4 layers: the default pattern (every 4th layer, here layer 3, without rope); tied.
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2, pad_token_id=0)),
+    # Layers 0 and 2 without rope, which then slide (window 6); MLP and attention biases; untied.
+    "smollm3_pattern": ("SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=1, no_rope_layers=[0, 1, 0],
+                                              use_sliding_window=True, sliding_window=6, mlp_bias=True,
+                                              attention_bias=True, tie_word_embeddings=False, pad_token_id=0)),
+    # The four multipliers (embedding 6, residual 0.22, softmax scale 0.3 for head_dim 16, logits / 4).
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.3, logits_scaling=4.0)),
+    # Other values, with MLP and attention biases, MQA.
+    "granite_bias": ("GraniteConfig", dict(num_hidden_layers=3, num_key_value_heads=1, embedding_multiplier=12.0,
+                                           residual_multiplier=0.5, attention_multiplier=0.125,
+                                           logits_scaling=0.5, mlp_bias=True, attention_bias=True)),
+    # Learned positions, LayerNorm with biases, Conv1D weights, tied head; 2 layers of 4 heads, MLP 256.
+    "gpt2": ("GPT2Config", dict()),
+    # Softmax scale divided by layer + 1, exact gelu, MLP 96 wide, 3 layers of 8 heads, untied.
+    "gpt2_scaled": ("GPT2Config", dict(num_hidden_layers=3, num_attention_heads=8, n_inner=96,
+                                       activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
+                                       tie_word_embeddings=False)),
+}
+# Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
+# (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
+_GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3_gguf": ("DeepseekV3Config", dict(_DEEPSEEK_V3, num_hidden_layers=2,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+_VARIANTS.update(_FAMILIES)
+_VARIANTS.update(_GGUF_ONLY)
+FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)
+TINY_VARIANTS: tuple[str, ...] = tuple(v for v in _VARIANTS if v not in _FAMILIES and v not in _GGUF_ONLY)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -334,15 +406,21 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name == "model.norm.weight":
+                if name in ("model.norm.weight", "transformer.ln_f.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("wte.weight", "wpe.weight")):
+                # GPT-2's embeddings at unit scale: its plain gelu MLP adds an input-independent vector
+                # (gelu's mean is positive) that would otherwise swamp them, and every greedy token be one.
+                param.copy_(torch.randn_like(param))
+            elif param.dim() == 2 and name.split(".")[-2].startswith("c_"):  # GPT-2's Conv1D: [in, out]
+                param.copy_(torch.randn_like(param) / param.shape[0] ** 0.5)
             elif param.dim() == 2:  # [out, in] projections and the [vocab, hidden] embedding/head
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
             elif param.dim() == 3:  # [experts, out, in] stacked expert projections (saved one per expert)

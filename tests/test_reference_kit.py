@@ -14,6 +14,7 @@ import pytest
 import reference
 from reference import (
     LOGIT_RTOL,
+    FAMILY_VARIANTS,
     TINY_VARIANTS,
     assert_logits_close,
     encode,
@@ -35,7 +36,7 @@ def _decode_matches_full(result: dict, n_prompt: int) -> None:
     assert_logits_close(np.stack(result["decode"]), full[n_prompt:], "transformers cached decode vs full forward")
 
 
-@pytest.mark.parametrize("variant", TINY_VARIANTS)
+@pytest.mark.parametrize("variant", TINY_VARIANTS + FAMILY_VARIANTS)
 def test_tiny_model_folder(variant: str) -> None:
     model_dir = tiny_model_dir(variant)
     assert FILES <= {p.name for p in model_dir.iterdir()}
@@ -53,7 +54,7 @@ def test_tiny_model_folder(variant: str) -> None:
     assert tokenizer.decode(encode(model_dir, PROMPT)) == PROMPT
 
 
-@pytest.mark.parametrize("variant", [v for v in TINY_VARIANTS if v != "llama_dynamic"])
+@pytest.mark.parametrize("variant", [v for v in TINY_VARIANTS + FAMILY_VARIANTS if v != "llama_dynamic"])
 def test_cached_decode_equals_full_forward(variant: str) -> None:
     model_dir = tiny_model_dir(variant)
     prompt = encode(model_dir, PROMPT)

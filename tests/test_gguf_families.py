@@ -1,0 +1,255 @@
+"""The families of test_families.py from GGUF files, as llama.cpp's converter writes them.
+
+Each tiny Hugging Face model (tests/reference.py, ``_FAMILIES``) is converted here with the
+``gguf`` package's ``GGUFWriter`` and llama.cpp's own tensor-name table
+(``gguf.get_tensor_name_map``, what convert_hf_to_gguf.py uses), applying the layout
+changes that converter makes: the Q/K row permutation for the families it converts as
+Llama (llama/Mixtral, Granite, SmolLM3), experts stacked into one ``[experts, rows,
+cols]`` tensor per projection, GPT-2's Conv1D weights transposed, Phi-3's LongRoPE factors
+as tensors. Reading the file back must give every Hugging Face tensor exactly (float32
+files), and the logits must match transformers' on the Hugging Face folder at
+``reference.LOGIT_RTOL`` (the same weights, so the same bound as the parity tests).
+A Q8_0 file of each mixture-of-experts family checks that one expert's rows of a stacked
+quantized tensor are that expert's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
+from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
+from test_families import DECODE_TEXT, PROMPT
+from test_format_gguf import llama_permute, llama_unpermute
+
+import infer
+
+#: variant -> (GGUF architecture, llama.cpp permutes Q/K rows).
+FILES = {
+    "qwen3": ("qwen3", False),
+    "mixtral": ("llama", True),
+    "qwen3_moe": ("qwen3moe", False),
+    "phi3": ("phi3", False),
+    "phi3_longrope": ("phi3", False),
+    "olmo2": ("olmo2", False),
+    "smollm3": ("smollm3", True),
+    "granite": ("granite", True),
+    "gpt2": ("gpt2", False),
+    "deepseek_v3_gguf": ("deepseek2", False),
+    "deepseek_v3_lite": ("deepseek2", False),
+    "deepseek_v3": ("deepseek2", False),
+}
+#: Variants whose logits are not compared, as no llama.cpp file can say what their config says:
+#: deepseek_v3_lite's rope is half-split (llama.cpp's deepseek2 always rotates interleaved pairs),
+#: deepseek_v3's YaRN has mscale 1.0 but mscale_all_dim 0.8 (GGUF stores only the latter, as
+#: rope.scaling.yarn_log_multiplier). Their tensors are still compared; deepseek_v3_gguf's logits too.
+TENSORS_ONLY = {"deepseek_v3_lite", "deepseek_v3"}
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def _metadata(arch: str, cfg: dict[str, Any], split_kv_b: bool = False) -> dict[str, Any]:
+    """``{arch}.*`` keys as convert_hf_to_gguf.py writes them for this config."""
+    if arch == "deepseek2":
+        rope, nope, v, r = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+              "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+              "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": 1 if split_kv_b else
+              cfg["num_attention_heads"], "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+              "rope.freq_base": cfg["rope_parameters"]["rope_theta"], "rope.dimension_count": rope,
+              "attention.kv_lora_rank": r, "leading_dense_block_count": cfg["first_k_dense_replace"],
+              "expert_feed_forward_length": cfg["moe_intermediate_size"], "expert_count": cfg["n_routed_experts"],
+              "expert_shared_count": cfg["n_shared_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+              "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_group_count": cfg["n_group"],
+              "expert_group_used_count": cfg["topk_group"], "expert_gating_func": 2}
+        if cfg.get("q_lora_rank"):
+            md["attention.q_lora_rank"] = cfg["q_lora_rank"]
+        if split_kv_b:  # llama.cpp's absorbed-MLA layout: keys and values of the latent
+            md.update({"attention.key_length": r + rope, "attention.value_length": r,
+                       "attention.key_length_mla": nope + rope, "attention.value_length_mla": v})
+        else:
+            md.update({"attention.key_length": nope + rope, "attention.value_length": v})
+        return md
+    if arch == "gpt2":
+        return {"block_count": cfg["n_layer"], "context_length": cfg["n_positions"], "embedding_length": cfg["n_embd"],
+                "feed_forward_length": cfg.get("n_inner") or 4 * cfg["n_embd"], "attention.head_count": cfg["n_head"],
+                "attention.layer_norm_epsilon": cfg["layer_norm_epsilon"]}
+    rope = cfg["rope_parameters"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
+          "attention.key_length": head_dim, "attention.value_length": head_dim,
+          "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"], "rope.freq_base": rope["rope_theta"],
+          "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0))}
+    if cfg.get("sliding_window"):
+        md["attention.sliding_window"] = cfg["sliding_window"]
+    if "num_local_experts" in cfg:
+        md.update({"expert_count": cfg["num_local_experts"], "expert_used_count": cfg["num_experts_per_tok"]})
+    if "moe_intermediate_size" in cfg:
+        md["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if arch == "granite":
+        md.update({"embedding_scale": cfg["embedding_multiplier"], "residual_scale": cfg["residual_multiplier"],
+                   "attention.scale": cfg["attention_multiplier"], "logit_scale": cfg["logits_scaling"]})
+    if rope.get("rope_type") == "longrope":
+        md.update({"rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
+    return md
+
+
+def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = False) -> dict[str, np.ndarray]:
+    """Write ``variant`` as a GGUF file; returns what each Hugging Face tensor must read back as
+    (2-D and 3-D weights quantized to ``qtype`` when it is not F32; DeepSeek's kv_b_proj split
+    into attn_k_b and attn_v_b with ``split_kv_b``, as llama.cpp's converter does since 2025)."""
+    from safetensors.numpy import load_file
+
+    arch, permute = FILES[variant]
+    folder = tiny_model_dir(variant)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    layers = cfg.get("num_hidden_layers") or cfg["n_layer"]
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, value in _metadata(arch, cfg, split_kv_b).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    if arch == "deepseek2":
+        w.add_bool("deepseek2.expert_weights_norm", cfg["norm_topk_prob"])
+    expected: dict[str, np.ndarray] = {}
+
+    def add(name: str, value: np.ndarray) -> np.ndarray:
+        if qtype == "F32" or value.ndim < 2 or value.shape[-1] % 32:  # Q8_0 rows are blocks of 32
+            w.add_tensor(name, value)
+            return value
+        raw = gguf.quants.quantize(value, gguf.GGMLQuantizationType[qtype])
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(value.shape)
+
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for hf, value in sorted(state.items()):
+        m = _EXPERT.fullmatch(hf)
+        if m:  # stacked below, as the converter does
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+            continue
+        base, _, suffix = hf.rpartition(".")
+        if hf.endswith("e_score_correction_bias"):  # llama.cpp maps it with the ".bias" suffix split off
+            base, suffix = hf[: -len("_bias")], "bias"
+        if split_kv_b and base.endswith("kv_b_proj"):
+            heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+            kv_b = value.reshape(heads, nope + cfg["v_head_dim"], -1)
+            add(names.get_name(base.replace("kv_b", "k_b")) + ".weight", kv_b[:, :nope].transpose(0, 2, 1).copy())
+            add(names.get_name(base.replace("kv_b", "v_b")) + ".weight", kv_b[:, nope:].copy())
+            expected[hf] = value
+            continue
+        stored = value
+        if permute and re.search(r"self_attn\.[qk]_proj$", base):
+            heads = cfg["num_attention_heads" if "q_proj" in base else "num_key_value_heads"]
+            stored = llama_permute(value, heads)
+        if arch == "gpt2" and value.ndim == 2 and base.rsplit(".", 1)[-1].startswith("c_"):
+            stored = value.T.copy()  # Conv1D [in, out] -> [out, in]
+        # (llama.cpp's qwen3moe has no dense blocks; the qwen3_moe variant's layer 0 is one, written
+        # with the dense names, which infer reads where present.)
+        gguf_name = names.get_name(base) or dense.get_name(base)
+        back = add(f"{gguf_name}.{suffix}", stored)
+        if arch == "gpt2" and stored is not value:
+            back = back.T
+        elif stored is not value:  # permuted: the reader gives back the Hugging Face rows
+            back = llama_unpermute(back, heads)
+        expected[hf] = back
+    for stacked, by_expert in experts.items():
+        value = np.stack([by_expert[e] for e in sorted(by_expert)])  # [experts, rows, cols]
+        back = add(names.get_name(stacked) + ".weight", value)
+        for e in sorted(by_expert):
+            expected[f"{stacked.rsplit('.', 1)[0]}.{e}.{stacked.rsplit('.', 1)[1]}.weight"] = back[e]
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf_families")
+
+
+@pytest.mark.parametrize("variant", list(FILES))
+def test_gguf_file_reads_back_the_hugging_face_tensors_and_logits(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}.gguf"
+    expected = convert(variant, path)
+    package = open_gguf(path, tokenizer=False)
+    hf_config = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    assert package.model_type == hf_config["model_type"]
+    src = package.tensors
+    assert sorted(src.names()) == sorted(expected)
+    for name, want in expected.items():
+        got = np.asarray(src.get(name))
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        assert np.array_equal(got, want), name  # bit for bit
+    if variant not in TENSORS_ONLY:
+        _check_logits(variant, path)
+
+
+def _check_logits(variant: str, path: Path) -> None:
+    folder = tiny_model_dir(variant)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    want = reference_logits(folder, prompt, decode)["full"]  # one forward over both: test_families' reference
+    model = infer.load(path, backend="numpy")
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
+    assert_logits_close(logits, want, f"{variant} from GGUF")
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3_gguf", "deepseek_v3_lite"])
+def test_deepseek2_with_kv_b_split_for_absorbed_mla(variant: str, gguf_dir: Path) -> None:
+    # Newer llama.cpp files store kv_b_proj as attn_k_b (transposed per head) and attn_v_b, and
+    # the MLA head widths under key_length_mla / value_length_mla: joined back, exactly.
+    path = gguf_dir / f"{variant}_split.gguf"
+    expected = convert(variant, path, split_kv_b=True)
+    package = open_gguf(path, tokenizer=False)
+    assert sorted(package.tensors.names()) == sorted(expected)
+    for name, want in expected.items():
+        assert np.array_equal(np.asarray(package.tensors.get(name)), want), name
+    hf = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group",
+                "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace"):
+        assert package.config.get(key) == hf[key], key
+    if variant not in TENSORS_ONLY:
+        _check_logits(variant, path)
+
+
+def test_deepseek2_softmax_routing_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "v2.gguf"
+    convert("deepseek_v3_gguf", path)
+    data = path.read_bytes()
+    key = b"deepseek2.expert_gating_func"
+    at = data.index(key) + len(key) + 4  # then the uint32 type tag, then the value
+    path.write_bytes(data[:at] + (1).to_bytes(4, "little") + data[at + 4:])  # 2 (sigmoid) -> 1 (softmax)
+    with pytest.raises(infer.errors.ConfigError, match="expert_gating_func is 1.*sigmoid"):
+        open_gguf(path, tokenizer=False)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_are_each_experts_own_blocks(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}_q8.gguf"
+    expected = convert(variant, path, qtype="Q8_0")
+    src = open_gguf(path, tokenizer=False).tensors
+    experts = [n for n in expected if ".experts." in n]
+    assert experts
+    assert sum(src.stored_nbytes(n) for n in src.names()) == sum(i.end - i.begin for i in src.file.tensors.values())
+    for name in experts:
+        got = src.get(name)
+        if expected[name].shape[-1] % 32 == 0:
+            assert isinstance(got, GGUFQuantizedTensor) and got.qtype == "Q8_0", name
+            got = got.dequantize()
+        assert np.array_equal(got, expected[name]), name
+    model = infer.load(path, backend="numpy")  # runs on the quantized experts
+    assert model.network.num_layers == json.loads((tiny_model_dir(variant) / "config.json").read_text())[
+        "num_hidden_layers"]
