@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
-from infer.errors import InvalidQuantizationError, ModelNotFoundError
+from infer.errors import ConfigError, InvalidQuantizationError, ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
 from infer.plugins import get_registry
@@ -159,7 +159,11 @@ def load(
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         weights = WeightLoader(package.tensors, ops, progress=bar.update)
-        network = arch.build(package.config, weights, ops)
+        try:
+            network = arch.build(package.config, weights, ops)
+        except ConfigError as exc:  # name the file: the architecture knows only config.json's keys
+            source = path if path.is_dir() else f"{path} (its metadata in config.json names)"
+            raise ConfigError(f"{source}: {exc}") from exc
     release_free_heap()
     log.info("weights on %r: %s", ops, weights.summary())
     unused = weights.unused(ignore=getattr(network, "ignored_tensors", ()))
