@@ -26,7 +26,7 @@ from infer.engine.speculative import (
     Speculation,
     SpeculativeStats,
 )
-from infer.errors import GenerationError, SamplingParameterError, TokenizerError
+from infer.errors import ChatTemplateError, GenerationError, SamplingParameterError, TokenizerError
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.tokenizer import Tokenizer
@@ -128,6 +128,8 @@ class Model:
         Keyword arguments are those of :meth:`generate` except ``stop`` and
         ``stream``.
         """
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+            raise GenerationError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
         params = self.sampling_params(**sampling)
         stop = StopConditions(
             max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos
@@ -310,6 +312,8 @@ class Model:
         other arguments are those of :meth:`generate` except ``prompt`` and
         ``add_special_tokens`` (the template already places every special
         token)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)

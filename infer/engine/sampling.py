@@ -77,7 +77,8 @@ def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int], penalty
         return logits
     out = logits.copy()
     picked = out[ids]
-    out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    with np.errstate(over="ignore"):  # an extreme penalty overflows to inf; distribution() clips it
+        out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
     return out
 
 
@@ -145,8 +146,11 @@ class Sampler:
             probs = np.zeros(logits.shape, dtype=np.float64)
             probs[int(np.argmax(logits))] = 1.0
             return probs
-        scaled = logits / p.temperature
-        scaled -= scaled.max()
+        # Shifted before scaling, so a tiny temperature gives -inf, never inf - inf;
+        # clipped, so a penalty that overflowed a logit keeps its order, not NaN.
+        finite = np.clip(logits, -np.finfo(np.float64).max, np.finfo(np.float64).max)
+        with np.errstate(over="ignore"):
+            scaled = (finite - finite.max()) / p.temperature
         probs = np.exp(scaled)
         probs /= probs.sum()
         return filter_probabilities(probs, p, scores=logits)
