@@ -34,25 +34,57 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.gguf", "*.txt", "
 
 
 def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Path:
-    """The local path a model reference names.
+    """The local path a model reference names, in this order:
 
-    In order: an existing file or folder; a catalog alias (downloaded once
-    into the cache, see :mod:`infer.catalog`); a Hugging Face repository id
-    ``org/name``, resolved through ``huggingface_hub`` (which answers from
-    its local cache when offline, e.g. with ``HF_HUB_OFFLINE=1``).
+    1. an ``os.PathLike`` (a :class:`~pathlib.Path`), or a string written as a
+       path (absolute, or starting with ``.`` or ``~``, or ending in
+       ``.gguf``): that file or folder, which must exist;
+    2. a catalog alias (``smollm2-135m``; downloaded once into the cache, see
+       :mod:`infer.catalog`), even where a file of that name exists here;
+    3. a Hugging Face repository id ``org/name``, resolved through
+       ``huggingface_hub`` (which answers from its local cache when offline,
+       e.g. with ``HF_HUB_OFFLINE=1``), even where a folder of that name
+       exists here;
+    4. any other string naming an existing file or folder.
+
+    So a file in the working directory never stands in for an alias or a
+    repository: write ``./smollm2-135m`` to mean it. A folder must hold a
+    model (``config.json`` or a ``.gguf`` file).
+
+    Raises:
+        ModelNotFoundError: the reference is empty, or names nothing of these.
     """
-    path = Path(reference).expanduser()
-    if path.exists():
-        return path
-    text = str(reference)
+    if not isinstance(reference, (str, os.PathLike)):
+        raise ModelNotFoundError(f"a model reference is a path or a string, got {type(reference).__name__}")
+    text = os.fspath(reference)
+    if not isinstance(text, str) or not text.strip():
+        raise ModelNotFoundError(f"the model reference {text!r} is empty; pass a path, a catalog alias "
+                                 f"({', '.join(sorted(catalog.CATALOG))}) or a Hugging Face id org/name")
+    if not isinstance(reference, str) or _written_as_path(text):
+        return _local_model(Path(text).expanduser(), text)
     if text in catalog.CATALOG:
         return catalog.fetch(text, progress=progress)
     if _looks_like_repo_id(text):
         return _from_hub(text, progress)
+    if Path(text).exists():
+        return _local_model(Path(text), text)
     raise ModelNotFoundError(
         f"no model at {text!r}: not a file or folder, not a catalog alias "
         f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face repository id (org/name)"
     )
+
+
+def _written_as_path(text: str) -> bool:
+    return os.path.isabs(text) or text.startswith((".", "~")) or text.lower().endswith(".gguf")
+
+
+def _local_model(path: Path, text: str) -> Path:
+    if not path.exists():
+        raise ModelNotFoundError(f"no model at {text!r}: no such file or folder")
+    if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+        raise ModelNotFoundError(f"{text!r} is a folder without a model: expected a Hugging Face folder "
+                                 "(config.json) or a .gguf file")
+    return path
 
 
 def _check_quantize(quantize: object) -> None:
@@ -81,13 +113,15 @@ def _from_hub(repo_id: str, progress: bool) -> Path:
         raise ModelNotFoundError(
             f"{repo_id!r} looks like a Hugging Face repository id, but huggingface_hub is not installed "
             "(pip install huggingface_hub)"
+            + (f"; a local {repo_id!r} exists: write './{repo_id}' to load it" if Path(repo_id).exists() else "")
         ) from None
     try:
         quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, **quiet)
     except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
+        hint = f" (a local {repo_id!r} exists: write './{repo_id}' to load it)" if Path(repo_id).exists() else ""
         raise ModelNotFoundError(
-            f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}"
+            f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     path = Path(folder)
     if not (path / "config.json").is_file():
