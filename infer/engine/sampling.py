@@ -45,7 +45,11 @@ class SamplingParams:
             if not ok or isinstance(value, bool) or (isinstance(value, float) and not np.isfinite(value)):
                 kind = "an integer" if integer else "a finite number"
                 raise SamplingParameterError(f"{name} must be {kind}, got {value!r}")
-            return float(value)  # type: ignore[arg-type]
+            try:
+                return float(value)  # type: ignore[arg-type]
+            except OverflowError:  # an int past float's range
+                raise SamplingParameterError(f"{name} must be a finite number, got an integer of "
+                                             f"{value.bit_length()} bits") from None  # type: ignore[union-attr]
 
         if number("temperature", self.temperature) < 0:
             raise SamplingParameterError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
