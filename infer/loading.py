@@ -41,15 +41,15 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Pat
        ``.gguf``): that file or folder, which must exist;
     2. a catalog alias (``smollm2-135m``; downloaded once into the cache, see
        :mod:`infer.catalog`), even where a file of that name exists here;
-    3. a Hugging Face repository id ``org/name``, resolved through
+    3. a relative path to an existing model: a file, or a folder holding
+       ``config.json`` or a ``.gguf`` file (``models/SmolLM2-135M-Instruct``);
+    4. a Hugging Face repository id ``org/name``, resolved through
        ``huggingface_hub`` (which answers from its local cache when offline,
-       e.g. with ``HF_HUB_OFFLINE=1``), even where a folder of that name
-       exists here;
-    4. any other string naming an existing file or folder.
+       e.g. with ``HF_HUB_OFFLINE=1``).
 
-    So a file in the working directory never stands in for an alias or a
-    repository: write ``./smollm2-135m`` to mean it. A folder must hold a
-    model (``config.json`` or a ``.gguf`` file).
+    So a file in the working directory never stands in for a catalog alias
+    (write ``./smollm2-135m`` to mean it), and a folder that holds no model
+    never stands in for a repository.
 
     Raises:
         ModelNotFoundError: the reference is empty, or names nothing of these.
@@ -64,10 +64,12 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Pat
         return _local_model(Path(text).expanduser(), text)
     if text in catalog.CATALOG:
         return catalog.fetch(text, progress=progress)
+    if _holds_model(Path(text)):
+        return Path(text)
     if _looks_like_repo_id(text):
         return _from_hub(text, progress)
     if Path(text).exists():
-        return _local_model(Path(text), text)
+        return _local_model(Path(text), text)  # raises: it is no model
     raise ModelNotFoundError(
         f"no model at {text!r}: not a file or folder, not a catalog alias "
         f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face repository id (org/name)"
@@ -78,10 +80,16 @@ def _written_as_path(text: str) -> bool:
     return os.path.isabs(text) or text.startswith((".", "~")) or text.lower().endswith(".gguf")
 
 
+def _holds_model(path: Path) -> bool:
+    if path.is_dir():
+        return (path / "config.json").is_file() or any(path.glob("*.gguf"))
+    return path.is_file()
+
+
 def _local_model(path: Path, text: str) -> Path:
     if not path.exists():
         raise ModelNotFoundError(f"no model at {text!r}: no such file or folder")
-    if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+    if not _holds_model(path):
         raise ModelNotFoundError(f"{text!r} is a folder without a model: expected a Hugging Face folder "
                                  "(config.json) or a .gguf file")
     return path
@@ -113,13 +121,13 @@ def _from_hub(repo_id: str, progress: bool) -> Path:
         raise ModelNotFoundError(
             f"{repo_id!r} looks like a Hugging Face repository id, but huggingface_hub is not installed "
             "(pip install huggingface_hub)"
-            + (f"; a local {repo_id!r} exists: write './{repo_id}' to load it" if Path(repo_id).exists() else "")
+            + (f"; a local {repo_id!r} exists but holds no model" if Path(repo_id).exists() else "")
         ) from None
     try:
         quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, **quiet)
     except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
-        hint = f" (a local {repo_id!r} exists: write './{repo_id}' to load it)" if Path(repo_id).exists() else ""
+        hint = f" (a local {repo_id!r} exists but holds no model)" if Path(repo_id).exists() else ""
         raise ModelNotFoundError(
             f"cannot resolve Hugging Face repository {repo_id!r}: {type(exc).__name__}: {exc}{hint}"
         ) from exc

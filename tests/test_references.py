@@ -66,12 +66,12 @@ def test_unknown_reference_lists_the_catalog() -> None:
         resolve("definitely-not-a-model")
 
 
-def test_a_local_folder_never_stands_in_for_an_alias_or_a_repository(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Resolution order (docs/formats.md): a folder that happens to be named like an
-    alias or a repository id is loaded only when written as a path."""
-    for name in ("smollm2-135m", "org/name"):
+def test_a_local_folder_never_stands_in_for_an_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolution order (docs/formats.md): a folder named like an alias is loaded only
+    when written as a path; a folder named org/name only when it holds a model."""
+    for name in ("smollm2-135m", "org/model", "org/empty"):
         (tmp_path / name).mkdir(parents=True)
+    for name in ("smollm2-135m", "org/model"):
         (tmp_path / name / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     fetched = []
@@ -80,8 +80,8 @@ def test_a_local_folder_never_stands_in_for_an_alias_or_a_repository(
     assert resolve("./smollm2-135m") == Path("./smollm2-135m")
     assert resolve(Path("smollm2-135m")) == Path("smollm2-135m")
     monkeypatch.setattr(loading, "_from_hub", lambda repo, progress: Path("hub") / repo)
-    assert resolve("org/name") == Path("hub/org/name")
-    assert resolve("./org/name") == Path("./org/name")
+    assert resolve("org/model") == Path("org/model")
+    assert resolve("org/empty") == Path("hub/org/empty")
 
 
 @pytest.mark.parametrize("reference", ["", "   ", "./empty-folder", "./nothing-here"])
