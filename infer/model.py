@@ -26,7 +26,7 @@ from infer.engine.speculative import (
     Speculation,
     SpeculativeStats,
 )
-from infer.errors import ChatTemplateError, GenerationError, SamplingParameterError, TokenizerError
+from infer.errors import CacheFullError, ChatTemplateError, GenerationError, SamplingParameterError, TokenizerError
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.tokenizer import Tokenizer
@@ -242,13 +242,21 @@ class Model:
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         batch = self.batch_engine
         handles = []
+        alone: list[int] = []
         try:
-            for prompt_ids in ids:  # each request gets its own Sampler (and seed) and figures
+            for i, prompt_ids in enumerate(ids):  # each request gets its own Sampler (and seed) and figures
                 spec = self.speculation(speculative, num_speculative_tokens)
-                handles.append(batch.submit(prompt_ids, params, conditions, speculation=spec))
+                try:
+                    handles.append(batch.submit(prompt_ids, params, conditions, speculation=spec))
+                except CacheFullError as exc:
+                    # More than the batch engine's KV memory holds even alone: generated on
+                    # its own afterwards, as generate(prompt) would, so the limits are the same.
+                    log.info("prompt %d runs alone after the batch: %s", i, exc)
+                    alone.append(i)
+            batched = [i for i in range(len(prompts)) if i not in alone]
             streams = [self._stream_text(_as_generation(h), stops) for h in handles]
-            texts: list[list[str]] = [[] for _ in prompts]
-            live = list(range(len(prompts)))
+            texts: list[list[str]] = [[] for _ in batched]
+            live = list(range(len(batched)))
             while live:  # round robin, so a stop string ends its request early
                 for i in list(live):
                     chunk = next(streams[i], None)
@@ -256,7 +264,13 @@ class Model:
                         live.remove(i)
                     else:
                         texts[i].append(chunk)
-            return ["".join(t) for t in texts]
+            results = dict(zip(batched, ("".join(t) for t in texts)))
+            for i in alone:
+                generation = self.generate_tokens(ids[i], max_tokens=conditions.max_tokens, ignore_eos=ignore_eos,
+                                                  speculative=speculative,
+                                                  num_speculative_tokens=num_speculative_tokens, **sampling)
+                results[i] = "".join(self._stream_text(generation, stops))
+            return [results[i] for i in range(len(prompts))]
         finally:
             for h in handles:
                 batch.cancel(h)
