@@ -119,6 +119,11 @@ class RotaryEmbedding:
     """cos/sin tables for a rope configuration (see the module docstring)."""
 
     def __init__(self, ops: Backend, dim: int, params: dict[str, Any], max_position_embeddings: int) -> None:
+        if not isinstance(params.get("rope_theta"), (int, float)):  # e.g. rope_parameters given per layer type
+            raise ConfigError(
+                f"config.json: the rope settings need a number rope_theta, found keys {sorted(params)} "
+                "(rope_parameters per layer type are read only by architectures that have layer types)"
+            )
         rope_type = params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(

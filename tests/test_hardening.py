@@ -78,6 +78,7 @@ DYNAMIC = {"rope_type": "dynamic"}
     (dict(partial_rotary_factor="x"), "partial_rotary_factor' must be a number"),
     (dict(partial_rotary_factor=1.5), r"partial_rotary_factor' = 1.5 is out of range; allowed: \[1e-06, 1\]"),
     (dict(rms_norm_eps=10**400), "'rms_norm_eps' is too large for a float"),
+    (dict(rope_parameters={"a": {}}), "need a number rope_theta"),  # found by test_fuzz_inputs
 ])
 def test_out_of_range_hyperparameters_name_file_key_value_and_range(folder: Path, changes: dict,
                                                                    match: str) -> None:
