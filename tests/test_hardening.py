@@ -20,6 +20,8 @@ import pytest
 import infer
 from infer.architecture import WeightLoader
 from infer.chat_template import render_chat_template
+from infer.engine import Engine
+from infer.engine.generate import StopConditions, generate
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.errors import (
     BackendOutputError,
@@ -265,6 +267,19 @@ def test_nan_logits_are_an_error_naming_the_backend(model: infer.Model, monkeypa
     for sampling in ({}, {"temperature": 0.7}):  # the device argmax and the host sampler
         with pytest.raises(BackendOutputError, match="backend numpy/cpu returned NaN logits"):
             model.generate("Hello", max_tokens=2, **sampling)
+    calls = []
+
+    def nan_after_prefill(hidden):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        out = type(model.network).compute_logits(model.network, hidden)
+        return out if len(calls) == 1 else ops.mul(out, float("nan"))
+
+    monkeypatch.setattr(model.network, "compute_logits", nan_after_prefill)
+    engine = Engine(model.network, ops)
+    step = engine.capture_decode(compile=False)  # the static decode step that compile=True captures
+    with pytest.raises(BackendOutputError, match="NaN logits in the captured decode step"):
+        list(generate(engine, [1, 2, 3], SamplingParams(), StopConditions(max_tokens=3)))
+    assert step.reason is None  # the static step ran, and its check caught the NaNs
 
 
 def test_none_prompts_are_typed_errors(model: infer.Model) -> None:
