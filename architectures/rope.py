@@ -82,6 +82,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def _yarn(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tuple[list[float], float]:
     """YaRN's inverse frequencies and attention factor (module docstring)."""
     base = float(params["rope_theta"])
+    if base <= 1.0:
+        raise ConfigError(f"config.json: yarn rope needs rope_theta > 1 (it divides by log(rope_theta)), found {base}")
     old_context = float(params["original_max_position_embeddings"])
     factor = params.get("factor")
     if factor is None:  # DeepSeek configs may leave it to the context ratio
@@ -127,6 +129,11 @@ class RotaryEmbedding:
     """cos/sin tables for a rope configuration (see the module docstring)."""
 
     def __init__(self, ops: Backend, dim: int, params: dict[str, Any], max_position_embeddings: int) -> None:
+        if not isinstance(params.get("rope_theta"), (int, float)):  # e.g. rope_parameters given per layer type
+            raise ConfigError(
+                f"config.json: the rope settings need a number rope_theta, found keys {sorted(params)} "
+                "(rope_parameters per layer type are read only by architectures that have layer types)"
+            )
         rope_type = params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
@@ -142,6 +149,12 @@ class RotaryEmbedding:
         self.ops = ops
         self.dim = int(dim * float(params.get("partial_rotary_factor", 1.0)))
         self.dim -= self.dim % 2
+        if self.dim < (4 if rope_type == "dynamic" else 2):
+            raise ConfigError(
+                f"config.json: rope rotates {self.dim} of {dim} dimensions (partial_rotary_factor "
+                f"{params.get('partial_rotary_factor', 1.0)}); it needs at least "
+                f"{4 if rope_type == 'dynamic' else 2}"
+            )
         self.rope_type = rope_type
         self.params = params
         self.base = params["rope_theta"]

@@ -43,6 +43,11 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 2
+#: The longest metadata string (a key, a tensor name, a chat template) read
+#: into a Python ``str``. The longest in published files are chat templates of
+#: tens of KB; a length field beyond this is corruption, refused before a byte
+#: is copied (a Python str of the file's size would cost several times it).
+MAX_STRING_BYTES = 16 << 20
 
 # Metadata value types: id -> (name, struct format or None, size in bytes (minimum for variable ones)).
 VALUE_TYPES: dict[int, tuple[str, str | None, int]] = {
@@ -78,6 +83,9 @@ class _Cursor:
 
     def __init__(self, buf: Any, size: int, path: Path, pos: int = 0) -> None:
         self.buf, self.size, self.path, self.pos = buf, size, path, pos
+        #: Bytes that must remain after the value being read: the smallest
+        #: size of the entries still to come, so no string can span them.
+        self.reserve = 0
 
     def fail(self, what: str, at: int | None = None, hint: str = "; the file is truncated or corrupt") -> FormatError:
         return FormatError(f"{self.path}: {what} (at byte {self.pos if at is None else at}){hint}")
@@ -101,7 +109,10 @@ class _Cursor:
     def string(self, what: str, strict: bool = True) -> str:
         at = self.pos
         n = self.u64(f"length of {what}")
-        self.need(n, f"{what} ({n} bytes)")
+        if n > MAX_STRING_BYTES:
+            raise self.fail(f"{what} claims {n} bytes; the limit for a metadata string is {MAX_STRING_BYTES}")
+        self.need(n + self.reserve, f"{what} ({n} bytes) and the {self.reserve} bytes the entries after it "
+                                    f"take at least")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
@@ -259,12 +270,14 @@ class GGUFFile:
         self.value_types: dict[str, int] = {}
         for i in range(n_kv):
             at = c.pos
+            c.reserve = (n_kv - 1 - i) * 13 + n_tensors * 24
             key = c.string(f"key of metadata entry {i}")
             if key in self.metadata:
                 raise c.fail(f"metadata key {key!r} appears twice", at)
             vtype = c.u32(f"value type of {key!r}")
             self.metadata[key] = c.value(vtype, f"metadata {key!r}")
             self.value_types[key] = vtype
+        c.reserve = 0
         self.alignment = self._alignment()
         infos = [self._tensor_info(c, i) for i in range(n_tensors)]
         self.data_start = -(-c.pos // self.alignment) * self.alignment

@@ -70,7 +70,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from infer.paths import cache_dir
 from infer.errors import TokenizerError
-from infer.tokenizer import Tokenizer
+from infer.tokenizer import Tokenizer, tokenizer_errors
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, cache_dir: Path | None =
     cached = folder / f"{vocab.fingerprint()}.json"
     backend = _load_cached(cached)
     if backend is None:
-        backend = vocab.build()
+        with tokenizer_errors(f"{vocab.where}: building the tokenizer"):
+            backend = vocab.build()
         _store(cached, backend)
     return Tokenizer(
         backend,
@@ -547,8 +548,9 @@ def _load_cached(path: Path) -> tokenizers.Tokenizer | None:
     if not path.is_file():
         return None
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception; rebuild instead
+        with tokenizer_errors(str(path)):
+            return tokenizers.Tokenizer.from_file(str(path))
+    except TokenizerError as exc:  # rebuild instead
         log.warning("cached tokenizer %s is unreadable (%s); rebuilding it", path, exc)
         return None
 

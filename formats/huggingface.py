@@ -119,6 +119,8 @@ class _SafetensorsFile:
             raise FormatError(f"{path}: header is not valid JSON: {exc.msg} at byte {exc.pos + 8}") from exc
         except RecursionError as exc:
             raise FormatError(f"{path}: header JSON is nested too deeply") from exc
+        except ValueError as exc:  # an integer past Python's digit limit
+            raise FormatError(f"{path}: header JSON holds an unreadable value: {exc}") from exc
         if not isinstance(header, dict):
             raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
         metadata = header.pop("__metadata__", {})
@@ -148,6 +150,13 @@ class _SafetensorsFile:
                                   f"data_offsets {offsets} span {offsets[1] - offsets[0]}")
             begin, end = data_start + offsets[0], data_start + offsets[1]
             entries[name] = _Entry(path, dtype, tuple(shape), begin, end)
+        # As the safetensors package: tensors may not share bytes (one write
+        # would change two weights, and a crafted file could alias any tensor).
+        spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+        for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+            if begin_b < end_a:
+                raise FormatError(f"{path}: tensors {a!r} and {b!r} overlap (bytes {begin_b} to "
+                                  f"{min(end_a, begin_b)}... are in both); each tensor needs bytes of its own")
         return entries, metadata
 
     def array(self, entry: _Entry) -> np.ndarray:
@@ -286,6 +295,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
                           f"(line {exc.lineno}, column {exc.colno})") from exc
     except RecursionError as exc:
         raise ConfigError(f"{path}: {what} is nested too deeply") from exc
+    except ValueError as exc:  # an integer past Python's int digit limit (sys.set_int_max_str_digits)
+        raise ConfigError(f"{path}: {what} holds an unreadable value: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: {what} must be a JSON object, found {type(data).__name__}")
     return data

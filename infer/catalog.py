@@ -14,6 +14,12 @@ one progress bar on stderr shows the download, then the assembly.
 The cache is :func:`infer.paths.cache_dir` (``$INFER_CACHE`` or
 ``$XDG_CACHE_HOME/infer``, default ``~/.cache/infer``); models live under
 ``models/<alias>/``.
+
+A cached file is trusted only while it is the file that was verified: beside
+it, ``<file>.verified`` records its size, modification time and SHA-256.
+When the file no longer matches that stamp (or has none, as caches made
+before the stamps), it is hashed again; a file whose digest differs is
+removed and fetched again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -187,7 +194,15 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
     e = entry(alias)
     target = model_path(alias)
     if target.is_file():
-        return target
+        if _verified(target, e.sha256):
+            return target
+        log.warning("cached %s at %s does not match its SHA-256 %s (corrupt or changed); fetching it again",
+                    alias, target, e.sha256)
+        try:
+            target.unlink()
+        except OSError as exc:
+            raise DownloadError(f"{target} is corrupt (its SHA-256 is not {e.sha256}) and cannot be removed: "
+                                f"{exc}; delete it by hand") from exc
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \
             tqdm(desc=f"Downloading {alias}", unit="B", unit_scale=True, file=sys.stderr, disable=not progress) as bar:
@@ -217,5 +232,42 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
                 f"{digest.hexdigest()}, expected {e.sha256}; nothing was cached"
             )
         os.replace(partial, target)
+    _stamp(target, e.sha256)
     log.info("cached %s at %s", alias, target)
     return target
+
+
+def _stamp_path(target: Path) -> Path:
+    return target.with_name(target.name + ".verified")
+
+
+def _file_id(target: Path) -> dict[str, int]:
+    st = target.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _stamp(target: Path, sha256: str) -> None:
+    """Record that ``target``, as it is now, has digest ``sha256``."""
+    try:
+        _stamp_path(target).write_text(json.dumps({**_file_id(target), "sha256": sha256}))
+    except OSError as exc:  # a read-only cache only costs hashing the file next time
+        log.info("cannot write %s: %s", _stamp_path(target), exc)
+
+
+def _verified(target: Path, sha256: str) -> bool:
+    """Whether ``target`` is the file the catalog names: its stamp matches it,
+    or (no stamp, or a stale one) its digest does, which renews the stamp."""
+    try:
+        stamp = json.loads(_stamp_path(target).read_text())
+        if isinstance(stamp, dict) and stamp == {**_file_id(target), "sha256": sha256}:
+            return True
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.sha256()
+    with open(target, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        return False
+    _stamp(target, sha256)
+    return True

@@ -85,6 +85,10 @@ class InvalidQuantizationError(BackendError, ValueError):
     """``quantize=`` names no known scheme, or one the chosen backend does not provide."""
 
 
+class BackendOutputError(BackendError):
+    """A backend computed something impossible: NaN logits, or an array of the wrong shape."""
+
+
 class PluginError(InferError):
     """A plugin registered something invalid or conflicting."""
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
-from infer.errors import InvalidQuantizationError, ModelNotFoundError
+from infer.errors import ConfigError, InvalidQuantizationError, ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
 from infer.plugins import get_registry
@@ -35,34 +35,85 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.gguf", "*.txt", "
 
 
 def resolve(reference: str | os.PathLike[str], *, progress: bool = False) -> Path:
-    """The local path a model reference names.
+    """The local path a model reference names, in this order:
 
-    In order: an existing file or folder; a catalog alias (downloaded once
-    into the cache, see :mod:`infer.catalog`); a Hugging Face reference,
-    resolved through ``huggingface_hub`` (which answers from its local cache
-    when offline, e.g. with ``HF_HUB_OFFLINE=1``): ``org/name`` (the model's
-    files), ``org/name:Q4_K_M`` (only the GGUF file whose name ends with that
-    quantization) or ``org/name/file.gguf`` (only that file).
+    1. an ``os.PathLike`` (a :class:`~pathlib.Path`), or a string written as a
+       path (absolute, or starting with ``.`` or ``~``, or ending in
+       ``.gguf``): that file or folder, which must exist;
+    2. a catalog alias (``smollm2-135m``; downloaded once into the cache, see
+       :mod:`infer.catalog`), even where a file of that name exists here;
+    3. a relative path to an existing model: a file, or a folder holding
+       ``config.json`` or a ``.gguf`` file (``models/SmolLM2-135M-Instruct``);
+    4. a Hugging Face reference, resolved through ``huggingface_hub`` (which
+       answers from its local cache when offline, e.g. with
+       ``HF_HUB_OFFLINE=1``): ``org/name`` (the model's files),
+       ``org/name:Q4_K_M`` (only the GGUF file whose name ends with that
+       quantization) or ``org/name/file.gguf`` (only that file, when no
+       local file of that name exists).
+
+    So a file in the working directory never stands in for a catalog alias
+    (write ``./smollm2-135m`` to mean it), and a folder that holds no model
+    never stands in for a repository.
+
+    Raises:
+        ModelNotFoundError: the reference is empty, or names nothing of these.
     """
-    path = Path(reference).expanduser()
-    if path.exists():
-        return path
-    text = str(reference)
+    if not isinstance(reference, (str, os.PathLike)):
+        raise ModelNotFoundError(f"a model reference is a path or a string, got {type(reference).__name__}")
+    text = os.fspath(reference)
+    if not isinstance(text, str) or not text.strip():
+        raise ModelNotFoundError(f"the model reference {text!r} is empty; pass a path, a catalog alias "
+                                 f"({', '.join(sorted(catalog.CATALOG))}) or a Hugging Face id org/name")
+    if not isinstance(reference, str) or _written_as_path(text):
+        path = Path(text).expanduser()
+        if not isinstance(reference, str) or path.exists() or _hub_file(text) is None:
+            return _local_model(path, text)
     if text in catalog.CATALOG:
         return catalog.fetch(text, progress=progress)
+    if _holds_model(Path(text)):
+        return Path(text)
     if _looks_like_repo_id(text):
         return _from_hub(text, progress)
     repo, _, tag = text.rpartition(":")
     if _looks_like_repo_id(repo) and re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
         return _from_hub(repo, progress, quantization=tag)
-    parts = text.split("/")
-    if len(parts) > 2 and text.lower().endswith(".gguf") and _looks_like_repo_id("/".join(parts[:2])):
-        return _from_hub("/".join(parts[:2]), progress, filename="/".join(parts[2:]))
+    hub_file = _hub_file(text)
+    if hub_file is not None:
+        return _from_hub(hub_file[0], progress, filename=hub_file[1])
+    if Path(text).exists():
+        return _local_model(Path(text), text)  # raises: it is no model
     raise ModelNotFoundError(
         f"no model at {text!r}: not a file or folder, not a catalog alias "
         f"({', '.join(sorted(catalog.CATALOG))}), and not a Hugging Face reference (org/name, "
         "org/name:QUANT for one GGUF quantization, org/name/file.gguf)"
     )
+
+
+def _written_as_path(text: str) -> bool:
+    return os.path.isabs(text) or text.startswith((".", "~")) or text.lower().endswith(".gguf")
+
+
+def _hub_file(text: str) -> tuple[str, str] | None:
+    """``(repo, filename)`` of a reference ``org/name/file.gguf``, else None."""
+    parts = text.split("/")
+    if len(parts) > 2 and text.lower().endswith(".gguf") and _looks_like_repo_id("/".join(parts[:2])):
+        return "/".join(parts[:2]), "/".join(parts[2:])
+    return None
+
+
+def _holds_model(path: Path) -> bool:
+    if path.is_dir():
+        return (path / "config.json").is_file() or any(path.glob("*.gguf"))
+    return path.is_file()
+
+
+def _local_model(path: Path, text: str) -> Path:
+    if not path.exists():
+        raise ModelNotFoundError(f"no model at {text!r}: no such file or folder")
+    if not _holds_model(path):
+        raise ModelNotFoundError(f"{text!r} is a folder without a model: expected a Hugging Face folder "
+                                 "(config.json) or a .gguf file")
+    return path
 
 
 def _check_quantize(quantize: object) -> None:
@@ -95,6 +146,7 @@ def _from_hub(repo_id: str, progress: bool, *, quantization: str | None = None,
         raise ModelNotFoundError(
             f"{repo_id!r} looks like a Hugging Face repository id, but huggingface_hub is not installed "
             "(pip install huggingface_hub)"
+            + (f"; a local {repo_id!r} exists but holds no model" if Path(repo_id).exists() else "")
         ) from None
     quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
     try:
@@ -108,8 +160,9 @@ def _from_hub(repo_id: str, progress: bool, *, quantization: str | None = None,
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, **quiet)
     except (HfHubHTTPError, OSError, ValueError) as exc:  # offline without a cached copy, unknown repo, ...
         what = f" file {filename!r}" if filename else ""
+        hint = f" (a local {repo_id!r} exists but holds no model)" if Path(repo_id).exists() else ""
         raise ModelNotFoundError(
-            f"cannot resolve Hugging Face repository {repo_id!r}{what}: {type(exc).__name__}: {exc}"
+            f"cannot resolve Hugging Face repository {repo_id!r}{what}: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     path = Path(folder)
     if not (path / "config.json").is_file():
@@ -200,7 +253,11 @@ def load(
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         weights = WeightLoader(package.tensors, ops, progress=bar.update)
-        network = arch.build(package.config, weights, ops)
+        try:
+            network = arch.build(package.config, weights, ops)
+        except ConfigError as exc:  # name the file: the architecture knows only config.json's keys
+            source = path if path.is_dir() else f"{path} (its metadata in config.json names)"
+            raise ConfigError(f"{source}: {exc}") from exc
     release_free_heap()
     log.info("weights on %r: %s", ops, weights.summary())
     unused = weights.unused(ignore=getattr(network, "ignored_tensors", ()))

@@ -32,6 +32,8 @@ from infer.engine.speculative import (
 )
 from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.errors import (
+    CacheFullError,
+    ChatTemplateError,
     GenerationError,
     IncompleteOutputError,
     SamplingParameterError,
@@ -156,6 +158,8 @@ class Model:
         Keyword arguments are those of :meth:`generate` except ``stop`` and
         ``stream``.
         """
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+            raise GenerationError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
         compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
                                 ignore_eos=ignore_eos)
         sampler, stop = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=None, grammar=compiled,
@@ -430,29 +434,42 @@ class Model:
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         batch = self.batch_engine
         handles = []
+        alone: list[int] = []
         try:
-            for prompt_ids in ids:  # each request gets its own Sampler (and seed) and figures
+            for i, prompt_ids in enumerate(ids):  # each request gets its own Sampler (and seed) and figures
                 sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                                     logprobs=logprobs, grammar=compiled, **sampling)
                 spec = self.speculation(speculative, num_speculative_tokens)
-                handles.append(batch.submit(prompt_ids, sampler, conditions, speculation=spec))
+                try:
+                    handles.append(batch.submit(prompt_ids, sampler, conditions, speculation=spec))
+                except CacheFullError as exc:
+                    # More than the batch engine's KV memory holds even alone: generated on
+                    # its own afterwards, as complete(prompt) would, so the limits are the same.
+                    log.info("prompt %d runs alone after the batch: %s", i, exc)
+                    alone.append(i)
+            batched = [i for i in range(len(prompts)) if i not in alone]
             streams = [stream_chunks(self.tokenizer, _as_generation(h), stops, logprobs=logprobs is not None)
                        for h in handles]
-            chunks: list[list[CompletionChunk]] = [[] for _ in prompts]
-            live = list(range(len(prompts)))
+            chunks: dict[int, list[CompletionChunk]] = {i: [] for i in batched}
+            live = list(range(len(batched)))
             while live:  # round robin, so a stop string ends its request early
-                for i in list(live):
-                    chunk = next(streams[i], None)
+                for j in list(live):
+                    chunk = next(streams[j], None)
                     if chunk is None:
-                        live.remove(i)
+                        live.remove(j)
                     else:
-                        chunks[i].append(chunk)
+                        chunks[batched[j]].append(chunk)
+            for i in alone:
+                chunks[i] = list(self._chunks(ids[i], stop=stop, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                              speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                                              logprobs=logprobs, json_schema=json_schema, regex=regex,
+                                              grammar=grammar, **sampling))
         finally:
             for h in handles:
                 batch.cancel(h)
-        return [collect(c, p, logprobs=logprobs is not None,
+        return [collect(chunks[i], p, logprobs=logprobs is not None,
                         prompt_logprobs=self._prompt_logprobs(p, logprobs) if echo else None)
-                for c, p in zip(chunks, ids)]
+                for i, p in enumerate(ids)]
 
     def score(
         self,
@@ -542,6 +559,8 @@ class Model:
         other arguments are those of :meth:`generate` except ``prompt`` and
         ``add_special_tokens`` (the template already places every special
         token)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
         # The template already holds every special token the model expects.
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -11,10 +11,11 @@ time without ever emitting half a character.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,33 @@ from infer.errors import ChatTemplateError, TokenizerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StreamDecoder", "Tokenizer"]
+__all__ = ["StreamDecoder", "Tokenizer", "tokenizer_errors"]
 
 #: transformers' named special tokens, in the order it adds missing ones.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@contextlib.contextmanager
+def tokenizer_errors(what: str) -> Iterator[None]:
+    """Turn whatever the ``tokenizers`` library raises inside the block into a
+    :class:`~infer.errors.TokenizerError` that starts with ``what``.
+
+    The Rust side raises plain ``Exception``s for bad files and input, and,
+    where a file makes it panic, pyo3's ``PanicException``, which derives
+    from ``BaseException`` so that ``except Exception`` misses it. A panic
+    leaves no state behind in the Rust object, so it is reported like any
+    other error; ``KeyboardInterrupt`` and ``SystemExit`` pass through.
+    """
+    try:
+        yield
+    except TokenizerError:
+        raise
+    except Exception as exc:
+        raise TokenizerError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":  # pyo3_runtime's, created on the first panic
+            raise
+        raise TokenizerError(f"{what}: the tokenizers library panicked: {exc}") from exc
 
 
 class Tokenizer:
@@ -66,6 +90,13 @@ class Tokenizer:
     ) -> None:
         if not isinstance(backend, tokenizers.Tokenizer):
             raise TokenizerError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        with tokenizer_errors("tokenizer"):
+            self._setup(backend, bos_token, eos_token, pad_token, add_bos_token, add_eos_token, extra_eos_tokens)
+        self._templates = _check_templates(chat_template)
+
+    def _setup(self, backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None,
+               pad_token: str | None, add_bos_token: bool | None, add_eos_token: bool | None,
+               extra_eos_tokens: Iterable[str]) -> None:
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
@@ -90,8 +121,6 @@ class Tokenizer:
         self._append_eos = bool(add_eos_token) and self._eos_id is not None and around_empty[-1:] != [self._eos_id]
         if self._prepend_bos:
             logger.info("add_bos_token is set and the post-processor adds no BOS: prepending %r", bos_token)
-
-        self._templates = _check_templates(chat_template)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
@@ -120,10 +149,8 @@ class Tokenizer:
                 "(a folder with only tokenizer.model can be converted with transformers: "
                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
             )
-        try:
+        with tokenizer_errors(f"{tokenizer_file} is not a valid tokenizers file"):
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise TokenizerError(f"{tokenizer_file} is not a valid tokenizers file: {exc}") from exc
 
         config = _read_json(folder / "tokenizer_config.json")
         settings = config
@@ -131,7 +158,8 @@ class Tokenizer:
             settings = {**config, **_read_json(folder / "special_tokens_map.json")}
         where = f"{folder}: tokenizer_config.json or special_tokens_map.json"
         names = {key: _token_content(settings.get(key), f"{where}: {key}") for key in _NAMED_TOKENS}
-        _add_missing_tokens(backend, folder, settings, names)
+        with tokenizer_errors(f"{folder}: adding the special tokens of tokenizer_config.json"):
+            _add_missing_tokens(backend, folder, settings, names)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
         flags = {key: _optional_bool(config, key, folder) for key in ("add_bos_token", "add_eos_token")}
@@ -149,7 +177,12 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            with tokenizer_errors("encoding the text"):
+                ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TokenizerError:
+            _check_utf8(text)  # the likelier cause, named precisely
+            raise
         if add_special_tokens:
             if self._prepend_bos:
                 ids.insert(0, self._bos_id)
@@ -164,7 +197,8 @@ class Tokenizer:
             TokenizerError: an id is not an integer or not in ``[0, vocab_size)``.
         """
         checked = [self._check_id(i) for i in ids]
-        return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+        with tokenizer_errors("decoding token ids"):
+            return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A :class:`StreamDecoder` for text generated one token at a time."""
@@ -349,11 +383,13 @@ class StreamDecoder:
         if token_id in self._skipped:
             return ""
         self._ids.append(token_id)
-        return self._emit(final=False)
+        with tokenizer_errors("decoding generated tokens"):
+            return self._emit(final=False)
 
     def flush(self) -> str:
         """Return what is held back (an unfinished character, as U+FFFD)."""
-        return self._emit(final=True)
+        with tokenizer_errors("decoding generated tokens"):
+            return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
         text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
@@ -367,6 +403,16 @@ class StreamDecoder:
         return piece
 
 
+def _check_utf8(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TokenizerError(
+            f"the text holds {text[exc.start]!r} at index {exc.start}, a lone surrogate, which no "
+            "UTF-8 text contains (was it decoded with errors='surrogateescape'?)"
+        ) from None
+
+
 # -- reading a folder -------------------------------------------------------------
 
 
@@ -375,7 +421,7 @@ def _read_json(file: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: also the int digit limit
         raise TokenizerError(f"{file} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise TokenizerError(f"{file} must hold a JSON object, found {type(data).__name__}")
@@ -439,10 +485,10 @@ def _add_missing_tokens(backend: tokenizers.Tokenizer, folder: Path, config: Map
 def _read_templates(folder: Path, config: Mapping[str, Any]) -> object:
     templates = {}
     if (folder / "chat_template.jinja").is_file():
-        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        templates["default"] = _read_template(folder / "chat_template.jinja")
     if (folder / "chat_templates").is_dir():
         for file in sorted((folder / "chat_templates").glob("*.jinja")):
-            templates[file.stem] = file.read_text(encoding="utf-8")
+            templates[file.stem] = _read_template(file)
     if templates:  # files win over the config, as in transformers 5
         return templates
     value = config.get("chat_template")
@@ -453,6 +499,16 @@ def _read_templates(folder: Path, config: Mapping[str, Any]) -> object:
             raise TokenizerError(f"{folder / 'tokenizer_config.json'}: chat_template entries need "
                                  "'name' and 'template'") from exc
     return value
+
+
+def _read_template(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"{file} is not UTF-8 text (byte {exc.start}); a chat template "
+                                "must be saved as UTF-8") from exc
+    except OSError as exc:
+        raise ChatTemplateError(f"cannot read the chat template {file}: {exc}") from exc
 
 
 def _check_templates(chat_template: object) -> dict[str, str] | None:

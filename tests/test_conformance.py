@@ -287,3 +287,18 @@ def test_attention_mask_is_bottom_right() -> None:
     mask = attention_mask(2, 5, True, None)
     assert mask.tolist() == [[True, True, True, True, False], [True] * 5]
     assert math.isclose(float(np.mean(mask)), 0.9)
+
+
+def test_end_to_end_reports_nan_and_wrong_shape_backends_with_their_reason() -> None:
+    class NaNLinear(NumpyBackend):
+        def linear(self, x, w, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super().linear(x, w, *args, **kwargs) * np.float32("nan")
+
+    class ShortNorm(NumpyBackend):
+        def rms_norm(self, x, w, eps):  # type: ignore[no-untyped-def]
+            return super().rms_norm(x, w, eps)[..., :3]
+
+    for backend, says in ((NaNLinear("float32"), "NaN"), (ShortNorm("float32"), "ValueError")):
+        (result,) = check_end_to_end(backend, variants=["llama"])
+        assert not result.passed and says in result.error
+        assert result.describe().startswith("llama in float32: the candidate failed to decode")

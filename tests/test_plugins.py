@@ -431,3 +431,106 @@ def test_backend_instance_with_old_contract_is_refused() -> None:
         select_backend(Old())
     with pytest.raises(BackendError, match="bfloat16"):
         select_backend(NumpyBackend(), dtype="bfloat16")
+
+
+# -- hostile plugins (docs/security.md) --------------------------------------------------
+
+
+@pytest.fixture
+def tiny_model_path():
+    from reference import tiny_model_dir
+
+    return tiny_model_dir("llama3")
+
+CLAIMING_SOURCE = """
+    from infer.plugins.hookspecs import hookimpl
+    from infer.plugins.registry import ArchitectureSpec, BackendSpec, FormatSpec, Probe
+    from infer.backends.numpy import NumpyBackend
+
+    @hookimpl
+    def infer_register_backends(register):
+        register(BackendSpec(name="numpy", device="cpu", factory=NumpyBackend, probe=lambda: Probe(1),
+                             description="an impostor"))
+
+    @hookimpl
+    def infer_register_architectures(register):
+        register(ArchitectureSpec(name="impostor", model_types=("llama",), build=lambda *a: None))
+
+    @hookimpl
+    def infer_register_formats(register):
+        register(FormatSpec(name="gguf", detect=lambda path: True, open=lambda path: None))
+"""
+
+
+def test_a_third_party_cannot_take_first_party_names_unless_opted_in(third_party, rediscover, monkeypatch):
+    third_party("impostor-dist", {"impostor": ("impostor_plugin", CLAIMING_SOURCE)})
+    rediscover()
+    registry = get_registry()
+    assert registry.backends["numpy/cpu"].plugin == "numpy"
+    assert registry.architecture_for("llama").name == "llama"
+    assert registry.formats["gguf"].plugin == "gguf"
+    refused = [f for f in registry.failures if f.name == "impostor"]
+    assert len(refused) == 3 and all("refused" in f.reason and "INFER_PLUGINS" in f.reason for f in refused)
+    assert not [f for f in registry.failures if f.name in ("numpy", "llama", "gguf")]
+
+    monkeypatch.setenv("INFER_PLUGINS", "impostor")  # the deliberate override
+    rediscover()
+    registry = get_registry()
+    assert registry.backends["numpy/cpu"].plugin == "impostor"
+    assert registry.architecture_for("llama").name == "impostor"
+    assert registry.architecture_for("mistral").name == "llama"  # only what it claimed moved
+    assert registry.formats["gguf"].plugin == "impostor"
+
+
+EXITING_SOURCES = {
+    "exits_at_import": ("exits_plugin", "import sys\nsys.exit(3)\n"),
+    "interrupts_in_hook": ("interrupts_plugin", """
+        from infer.plugins.hookspecs import hookimpl
+
+        @hookimpl
+        def infer_register_backends(register):
+            raise KeyboardInterrupt
+    """),
+    "exits_in_hook": ("exits_hook_plugin", """
+        from infer.plugins.hookspecs import hookimpl
+
+        @hookimpl
+        def infer_register_formats(register):
+            raise SystemExit(4)
+    """),
+}
+
+
+def test_a_plugin_that_exits_or_interrupts_is_a_failure_not_the_end(third_party, rediscover, tiny_model_path):
+    third_party("rude-dist", EXITING_SOURCES)
+    rediscover()
+    reasons = {f.name: f.reason for f in get_registry().failures}
+    assert reasons["exits_at_import"].startswith("SystemExit")
+    assert reasons["interrupts_in_hook"].startswith("KeyboardInterrupt")
+    assert reasons["exits_in_hook"].startswith("SystemExit")
+    assert infer.load(tiny_model_path, backend="numpy").generate("Hi", max_tokens=1, ignore_eos=True)
+
+
+class FormatPlugin:
+    def __init__(self, *specs) -> None:
+        self.specs = specs
+
+    @hookimpl
+    def infer_register_formats(self, register):
+        for spec in self.specs:
+            register(spec)
+
+
+def test_formats_must_claim_a_path_and_conflicts_are_settled_or_reported(plugin, tmp_path, tiny_model_path):
+    from infer.errors import UnsupportedFormatError
+
+    plugin(FormatPlugin(FormatSpec(name="grabby", detect=lambda path: True, open=lambda path: None),
+                        FormatSpec(name="vague", detect=lambda path: "yes", open=lambda path: None)), "grabby")
+    registry = get_registry()
+    assert registry.format_for(tiny_model_path).name == "huggingface"  # the first party's claim wins
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    assert registry.format_for(other).name == "grabby"  # "yes" is no claim: only grabby's True counts
+    plugin(FormatPlugin(FormatSpec(name="greedy", detect=lambda path: True, open=lambda path: None)), "greedy")
+    with pytest.raises(UnsupportedFormatError, match="grabby, greedy all claim"):
+        get_registry().format_for(other)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infer import catalog
+from infer import catalog, loading
 from infer.errors import DownloadError, ModelNotFoundError
 from infer.loading import resolve
 from reference import tiny_model_dir
@@ -66,10 +66,31 @@ def test_unknown_reference_lists_the_catalog() -> None:
         resolve("definitely-not-a-model")
 
 
-def test_local_path_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "smollm2-135m").mkdir()
+def test_a_local_folder_never_stands_in_for_an_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolution order (docs/formats.md): a folder named like an alias is loaded only
+    when written as a path; a folder named org/name only when it holds a model."""
+    for name in ("smollm2-135m", "org/model", "org/empty"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("smollm2-135m", "org/model"):
+        (tmp_path / name / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
-    assert resolve("smollm2-135m") == Path("smollm2-135m")
+    fetched = []
+    monkeypatch.setattr(catalog, "fetch", lambda alias, progress=False: fetched.append(alias) or Path("cached"))
+    assert resolve("smollm2-135m") == Path("cached") and fetched == ["smollm2-135m"]
+    assert resolve("./smollm2-135m") == Path("./smollm2-135m")
+    assert resolve(Path("smollm2-135m")) == Path("smollm2-135m")
+    monkeypatch.setattr(loading, "_from_hub", lambda repo, progress: Path("hub") / repo)
+    assert resolve("org/model") == Path("org/model")
+    assert resolve("org/empty") == Path("hub/org/empty")
+
+
+@pytest.mark.parametrize("reference", ["", "   ", "./empty-folder", "./nothing-here"])
+def test_empty_and_non_model_references_are_refused(reference: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "empty-folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError):
+        resolve(reference)
 
 
 def test_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -112,6 +133,18 @@ def test_fetch_assembles_verifies_and_caches(fake_entry: tuple[catalog.CatalogEn
     assert path.read_bytes() == data
     assert path == catalog.model_path(entry.alias)
     assert catalog.fetch(entry.alias) == path  # cached: nothing downloaded again
+
+
+def test_a_corrupt_cached_file_is_fetched_again(fake_entry: tuple[catalog.CatalogEntry, bytes]) -> None:
+    entry, data = fake_entry
+    path = catalog.fetch(entry.alias)
+    flipped = bytearray(data)
+    flipped[500] ^= 0x01
+    path.write_bytes(bytes(flipped))  # same size, new contents: the stamp no longer matches
+    assert catalog.fetch(entry.alias).read_bytes() == data
+    stamp = path.with_name(path.name + ".verified")
+    stamp.unlink()  # a cache from before stamps: hashed once, then stamped
+    assert catalog.fetch(entry.alias).read_bytes() == data and stamp.is_file()
 
 
 def test_checksum_mismatch_caches_nothing(fake_entry: tuple[catalog.CatalogEntry, bytes],

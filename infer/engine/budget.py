@@ -80,6 +80,7 @@ class PagedBudget(KVBudget):
                  pool.block_size, engine.backend.name, engine.backend.device,
                  "native paged attention" if engine.backend.supports("paged_attention")
                  else "pages gathered for attention (no native paged_attention)")
+        _state_capacity(engine, pool.num_blocks * pool.block_size)
 
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
         pool = self.pool
@@ -132,6 +133,7 @@ class ContiguousBudget(KVBudget):
         log.info("batch engine: contiguous KV caches on %s/%s, %d positions within %d bytes%s; no prefix caching",
                  engine.backend.name, engine.backend.device, self.positions, memory,
                  "" if native else " (no native paged_attention)")
+        _state_capacity(engine, self.positions)
 
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
         if positions <= self.positions:
@@ -163,3 +165,13 @@ class ContiguousBudget(KVBudget):
 def _paged(seq: SequenceState) -> PagedSequenceCache:
     assert isinstance(seq.cache, PagedSequenceCache)
     return seq.cache
+
+
+def _state_capacity(engine: Engine, positions: int) -> None:
+    """Say so when the KV memory holds less than one request of the model's whole
+    context: such a request is refused at submit (``Model.generate([...])`` then
+    runs it alone, as ``Model.generate(prompt)`` would)."""
+    if positions < engine.max_context:
+        log.info("batch engine: the KV memory holds %d positions, fewer than the model's context of %d; a "
+                 "request needing more is refused with CacheFullError (raise kv_memory to batch it)",
+                 positions, engine.max_context)

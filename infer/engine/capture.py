@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from infer.errors import BackendOutputError
 from infer.kv.attention import StaticAttentionContext
 from infer.kv.cache import ContiguousKVCache
 from infer.ops import Array, Backend
@@ -78,11 +79,12 @@ class CapturedDecode:
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, list, list]:
+    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
         ctx = StaticAttentionContext(self.ops, keys, values, start, tokens=1)
         hidden = self.model.forward(ids, ctx)
-        next_id = self.ops.argmax(self.model.compute_logits(hidden), -1)
-        return next_id, ctx.keys, ctx.values
+        logits = self.model.compute_logits(hidden)
+        # The row maximum rides along: an argmax over NaNs is an index, never a token.
+        return self.ops.argmax(logits, -1), self.ops.max(logits, -1), ctx.keys, ctx.values
 
     def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
@@ -101,14 +103,19 @@ class CapturedDecode:
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, keys, values = self._fn(ids, start, *buffers)
+            next_id, top, keys, values = self._fn(ids, start, *buffers)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
+            nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             if not first:
                 raise
             self.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             log.info("decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device, self.reason)
             return None
+        if nan:
+            raise BackendOutputError(f"backend {ops.name}/{ops.device} returned NaN logits in the captured decode "
+                                     "step; the model's weights or the backend's kernels produce NaN: try another "
+                                     "backend or dtype")
         cache.replace_layer_buffers(keys, values)
         cache.commit([token])
         self.steps += 1

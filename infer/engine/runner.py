@@ -33,7 +33,7 @@ import numpy as np
 
 from infer.architecture import CausalLM
 from infer.engine.capture import CapturedDecode, capacity_bucket
-from infer.errors import ContextLengthError, GenerationError
+from infer.errors import BackendOutputError, ContextLengthError, GenerationError
 from infer.kv.attention import AttentionContext, SequenceSlice
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool
@@ -83,6 +83,8 @@ class Batch:
             wanted.extend(range(token + len(ids) - count, token + len(ids)))
             row += count
             token += len(ids)
+        #: How many rows of logits come back.
+        self.num_rows = row
         #: Positions on the flattened token axis whose logits come back, in
         #: order (None: every one), so the head projects only those.
         self.logit_tokens: list[int] | None = None if len(wanted) == token else wanted
@@ -116,14 +118,37 @@ class ForwardOutput:
         reads back (one integer per row)."""
         if self._argmax is None:
             ops = self.backend
-            self._argmax = ops.to_numpy(ops.argmax(self.logits, axis=-1)).reshape(-1)
+            # The row maxima ride along (one more reduction, one more small copy):
+            # an argmax over NaNs is an index, and must not become a token.
+            ids = ops.to_numpy(ops.argmax(self.logits, axis=-1)).reshape(-1)
+            self._check(ops.to_numpy(ops.max(self.logits, axis=-1)).reshape(-1, 1), ids)
+            self._argmax = ids
         return self._argmax
 
     def host_logits(self) -> np.ndarray:
-        """The logits on the host, where the sampling rules run."""
+        """The logits on the host, where the sampling rules run.
+
+        Raises:
+            BackendOutputError: the backend returned logits of the wrong shape
+                or with NaNs (it is named).
+        """
         if self._host is None:
-            self._host = self.backend.to_numpy(self.logits)
+            host = self.backend.to_numpy(self.logits)
+            self._check(host, None)
+            self._host = host
         return self._host
+
+    def _check(self, host: np.ndarray, ids: np.ndarray | None) -> None:
+        ops, rows = self.backend, self.batch.num_rows
+        where = f"backend {ops.name}/{ops.device}"
+        if host.ndim != 2 or host.shape[0] != rows or (ids is not None and ids.shape != (rows,)):
+            shape = list(host.shape) if ids is None else f"argmax {list(ids.shape)}"
+            raise BackendOutputError(f"{where} returned logits of shape {shape} for {rows} rows; expected "
+                                     f"[{rows}, vocab]: the backend or the architecture is broken")
+        if np.isnan(host).any():
+            bad = sorted({int(r) for r in np.flatnonzero(np.isnan(host).any(axis=1))})
+            raise BackendOutputError(f"{where} returned NaN logits (rows {bad} of {rows}); the model's "
+                                     "weights or the backend's kernels produce NaN: try another backend or dtype")
 
     def hidden_of(self, i: int) -> Array:
         """Sequence ``i``'s rows of :attr:`hidden` (``[new tokens, hidden_size]``)."""

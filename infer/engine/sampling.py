@@ -62,7 +62,11 @@ class SamplingParams:
             if not ok or isinstance(value, bool) or (isinstance(value, float) and not np.isfinite(value)):
                 kind = "an integer" if integer else "a finite number"
                 raise SamplingParameterError(f"{name} must be {kind}, got {value!r}")
-            return float(value)  # type: ignore[arg-type]
+            try:
+                return float(value)  # type: ignore[arg-type]
+            except OverflowError:  # an int past float's range
+                raise SamplingParameterError(f"{name} must be a finite number, got an integer of "
+                                             f"{value.bit_length()} bits") from None  # type: ignore[union-attr]
 
         if number("temperature", self.temperature) < 0:
             raise SamplingParameterError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -152,7 +156,8 @@ def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int], penalty
         return logits
     out = logits.copy()
     picked = out[ids]
-    out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    with np.errstate(over="ignore"):  # an extreme penalty overflows to inf; distribution() clips it
+        out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
     return out
 
 
@@ -313,8 +318,11 @@ class Sampler:
             probs = np.zeros(logits.shape, dtype=np.float64)
             probs[int(np.argmax(logits))] = 1.0
             return probs
-        scaled = logits / p.temperature
-        scaled -= scaled.max()
+        # Shifted before scaling, so a tiny temperature gives -inf, never inf - inf;
+        # clipped, so a penalty that overflowed a logit keeps its order, not NaN.
+        finite = np.clip(logits, -np.finfo(np.float64).max, np.finfo(np.float64).max)
+        with np.errstate(over="ignore"):
+            scaled = (finite - finite.max()) / p.temperature
         probs = np.exp(scaled)
         probs /= probs.sum()
         return filter_probabilities(probs, p, scores=logits)

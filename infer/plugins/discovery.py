@@ -3,11 +3,19 @@
 Plugins are published under the ``infer`` entry-point group. They are loaded
 one at a time: a plugin that fails to import, or whose hook raises, is
 recorded in :attr:`Registry.failures` with its reason and logged, never
-fatal. Setting ``INFER_PLUGINS`` to a comma-separated list of entry-point
-names loads only those third-party plugins (the escape hatch when one breaks
-the process); infer's own first-party plugins always load, since without them
+fatal, whatever it raises (``SystemExit`` and ``KeyboardInterrupt`` from a
+plugin included: a plugin must not end the process that imports infer).
+Setting ``INFER_PLUGINS`` to a comma-separated list of entry-point names loads
+only those third-party plugins (the escape hatch when one breaks the
+process); infer's own first-party plugins always load, since without them
 nothing works. ``INFER_PLUGINS=""`` (set but empty) loads no third-party
 plugin.
+
+First-party names are protected: infer's own plugins register first, and a
+third-party plugin that registers a backend, architecture, ``model_type`` or
+format one of them already holds is refused and recorded as the failure. A
+third-party plugin named in ``INFER_PLUGINS`` has opted in to replacing them
+(logged as a warning).
 """
 
 from __future__ import annotations
@@ -45,6 +53,16 @@ def _allowed(name: str, value: str) -> bool:
     return name in {item.strip() for item in allow.split(",") if item.strip()}
 
 
+def _opted_in(name: str) -> bool:
+    """Whether ``INFER_PLUGINS`` names the third-party plugin ``name`` explicitly."""
+    allow = os.environ.get(ALLOW_LIST_ENV)
+    return allow is not None and name in {item.strip() for item in allow.split(",")}
+
+
+def _first_party(plugin: object) -> bool:
+    return getattr(plugin, "__name__", "").startswith(_FIRST_PARTY_PREFIX)
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
     seen: dict[str, str] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -60,7 +78,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         try:
             plugin = ep.load()
-        except Exception as exc:  # any import-time failure of a plugin is reported, not raised
+        except BaseException as exc:  # noqa: BLE001 - any import-time failure, sys.exit() included, is reported
             reason = f"{type(exc).__name__}: {exc}"
             _load_failures.append(PluginFailure(ep.name, ep.value, reason))
             log.warning("plugin %s (%s) failed to load: %s", ep.name, ep.value, reason)
@@ -82,15 +100,18 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def _collect(registry: Registry, hook: Any, add: Any) -> None:
-    for impl in hook.get_hookimpls():
-        def register(spec: Any, _plugin: str = impl.plugin_name) -> None:
+    # First-party plugins register first, so a name they hold is theirs (module docstring).
+    for impl in sorted(hook.get_hookimpls(), key=lambda impl: not _first_party(impl.plugin)):
+        replace = not _first_party(impl.plugin) and _opted_in(impl.plugin_name)
+
+        def register(spec: Any, _plugin: str = impl.plugin_name, _replace: bool = replace) -> None:
             if dataclasses.is_dataclass(spec) and hasattr(spec, "plugin"):
                 spec = dataclasses.replace(spec, plugin=_plugin)
-            add(spec)
+            add(spec, replace=_replace)
 
         try:
             impl.function(register=register)
-        except Exception as exc:  # a broken hook is reported, never fatal
+        except BaseException as exc:  # noqa: BLE001 - a broken hook is reported, never fatal (SystemExit too)
             reason = f"{type(exc).__name__}: {exc}"
             registry.failures.append(PluginFailure(impl.plugin_name, hook.name, reason))
             log.warning("plugin %s failed in %s: %s", impl.plugin_name, hook.name, reason)
@@ -114,6 +135,7 @@ def get_registry() -> Registry:
         if _registry is None:
             pm = plugin_manager()
             registry = Registry(failures=list(_load_failures))
+            registry.first_party_plugins = {name for name, plugin in pm.list_name_plugin() if _first_party(plugin)}
             _collect(registry, pm.hook.infer_register_backends, registry.add_backend)
             _collect(registry, pm.hook.infer_register_architectures, registry.add_architecture)
             _collect(registry, pm.hook.infer_register_formats, registry.add_format)

@@ -7,6 +7,7 @@ lookups; backend *selection* lives in :mod:`infer.plugins.selection`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from infer.package import ModelPackage
 
 log = logging.getLogger(__name__)
+
+_OPT_IN = (" (first-party names are protected: name the plugin in INFER_PLUGINS to let it replace "
+           "what it clashes with)")
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,13 @@ class Registry:
     architectures: dict[str, ArchitectureSpec] = field(default_factory=dict)
     formats: dict[str, FormatSpec] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
+    #: Names of infer's own plugins (``infer.*`` modules), which hold their names first.
+    first_party_plugins: set[str] = field(default_factory=set)
 
     # -- registration (called through the hooks' ``register`` callbacks) --
 
-    def add_backend(self, spec: BackendSpec) -> None:
+    def add_backend(self, spec: BackendSpec, replace: bool = False) -> None:
+        """Add ``spec``; with ``replace`` it may take the place of one of the same key."""
         if not isinstance(spec, BackendSpec):
             raise PluginError(f"plugin {spec!r} registered a backend that is not a BackendSpec")
         if spec.api_version[0] != API_VERSION[0]:
@@ -115,35 +122,47 @@ class Registry:
                 f"backend {spec.key} was written for op contract {spec.api_version}, "
                 f"infer implements {API_VERSION}: the major versions differ"
             )
-        if spec.key in self.backends:
+        if spec.key in self.backends and replace:
+            log.warning("backend %s of plugin %r replaces the one of %r (opted in through INFER_PLUGINS)",
+                        spec.key, spec.plugin, self.backends[spec.key].plugin)
+        elif spec.key in self.backends:
             raise PluginError(
                 f"backend {spec.key} registered twice (by {self.backends[spec.key].plugin!r} "
-                f"and {spec.plugin!r})"
+                f"and {spec.plugin!r}); the second is refused{_OPT_IN}"
             )
         self.backends[spec.key] = spec
 
-    def add_architecture(self, spec: ArchitectureSpec) -> None:
+    def add_architecture(self, spec: ArchitectureSpec, replace: bool = False) -> None:
+        """Add ``spec``; with ``replace`` it may take over a name or model types already held."""
         if not isinstance(spec, ArchitectureSpec):
             raise PluginError(f"plugin registered an architecture that is not an ArchitectureSpec: {spec!r}")
-        if spec.name in self.architectures:
+        if spec.name in self.architectures and not replace:
             raise PluginError(
                 f"architecture {spec.name!r} registered twice (by {self.architectures[spec.name].plugin!r} "
-                f"and {spec.plugin!r})"
+                f"and {spec.plugin!r}); the second is refused{_OPT_IN}"
             )
-        for other in self.architectures.values():
+        self.architectures.pop(spec.name, None)
+        for other in list(self.architectures.values()):
             clash = set(other.model_types) & set(spec.model_types)
-            if clash:
+            if clash and not replace:
                 raise PluginError(
                     f"architectures {other.name!r} ({other.plugin}) and {spec.name!r} ({spec.plugin}) "
-                    f"both claim model_type {sorted(clash)}"
+                    f"both claim model_type {sorted(clash)}; the second is refused{_OPT_IN}"
                 )
+            if clash:
+                log.warning("architecture %r of plugin %r takes model_type %s from %r (opted in through "
+                            "INFER_PLUGINS)", spec.name, spec.plugin, sorted(clash), other.name)
+                self.architectures[other.name] = dataclasses.replace(
+                    other, model_types=tuple(t for t in other.model_types if t not in clash))
         self.architectures[spec.name] = spec
 
-    def add_format(self, spec: FormatSpec) -> None:
+    def add_format(self, spec: FormatSpec, replace: bool = False) -> None:
+        """Add ``spec``; with ``replace`` it may take the place of one of the same name."""
         if not isinstance(spec, FormatSpec):
             raise PluginError(f"plugin registered a format that is not a FormatSpec: {spec!r}")
-        if spec.name in self.formats:
-            raise PluginError(f"format {spec.name!r} registered twice")
+        if spec.name in self.formats and not replace:
+            raise PluginError(f"format {spec.name!r} registered twice (by {self.formats[spec.name].plugin!r} "
+                              f"and {spec.plugin!r}); the second is refused{_OPT_IN}")
         self.formats[spec.name] = spec
 
     # -- lookups -----------------------------------------------------------
@@ -167,12 +186,32 @@ class Registry:
                     f"unknown format {name!r}; registered: {', '.join(sorted(self.formats))}"
                 )
             return self.formats[name]
+        claims = []
         for spec in self.formats.values():
             try:
-                if spec.detect(path):
-                    return spec
-            except Exception as exc:  # a broken detect() must not hide the others
-                log.warning("format %s failed to inspect %s: %s", spec.name, path, exc)
+                claimed = spec.detect(path)
+            except BaseException as exc:  # noqa: BLE001 - a broken detect() must not hide the others
+                log.warning("format %s failed to inspect %s: %s: %s", spec.name, path, type(exc).__name__, exc)
+                continue
+            if claimed is True:  # a claim is True itself: a truthy object is no claim
+                claims.append(spec)
+            elif claimed is not False:
+                log.warning("format %s: detect(%s) returned %r, not True or False; ignored", spec.name, path, claimed)
+        if len(claims) > 1:
+            # infer's own formats claim disjoint paths; a plugin that claims one of
+            # them too loses to it, and two claims by plugins are the user's to settle.
+            first_party = [c for c in claims if c.plugin in self.first_party_plugins]
+            if len(first_party) == 1:
+                log.warning("formats %s also claim %s; %s (first party) opens it (pass format= to choose)",
+                            ", ".join(c.name for c in claims if c is not first_party[0]), path,
+                            first_party[0].name)
+                return first_party[0]
+            raise UnsupportedFormatError(
+                f"formats {', '.join(c.name for c in claims)} all claim {path}: pass format= "
+                f"(one of them) to choose, or limit the plugins with INFER_PLUGINS"
+            )
+        if claims:
+            return claims[0]
         raise UnsupportedFormatError(
             f"no registered format recognises {path}; registered formats: "
             f"{', '.join(sorted(self.formats)) or 'none'}"

@@ -23,6 +23,7 @@ checked by infer's tests).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from infer.architecture import WeightLoader
 from infer.engine import Engine
 from infer.engine.generate import StopConditions, generate
 from infer.engine.sampling import SamplingParams
+from infer.errors import BackendOutputError
 from infer.ops import Backend
 from infer.package import TensorSource
 from infer.plugins import get_registry
@@ -160,12 +162,16 @@ class EndToEndResult:
     #: Smallest gap between numpy's best and second-best logit on the path.
     reference_margin: float
     logits_nmse: float
+    #: What the candidate raised instead of decoding (a wrong shape, NaN logits), or "".
+    error: str = ""
 
     @property
     def passed(self) -> bool:
-        return self.agreement >= self.required
+        return not self.error and self.agreement >= self.required
 
     def describe(self) -> str:
+        if self.error:
+            return f"{self.variant} in {self.dtype}: the candidate failed to decode: {self.error}"
         first = next((i for i, (a, b) in enumerate(zip(self.candidate_tokens, self.reference_tokens)) if a != b), None)
         where = "" if first is None else f"; first difference at step {first}"
         return (f"{self.variant} in {self.dtype}: top-1 agreement {self.agreement:.3f} "
@@ -193,11 +199,21 @@ def check_end_to_end(candidate: Backend, variants: Sequence[str] = tuple(VARIANT
         ref_top1, ref_logits = teacher_forced(ref_engine, prompt, want)
         top2 = np.sort(ref_logits, axis=-1)[:, -2:]
         margin = float(np.min(top2[:, 1] - top2[:, 0]))
-        engine = tiny_engine(variant, candidate)
-        got_top1, got_logits = teacher_forced(engine, prompt, want)
+        try:
+            engine = tiny_engine(variant, candidate)
+            got_top1, got_logits = teacher_forced(engine, prompt, want)
+            if got_logits.shape != ref_logits.shape or np.isnan(got_logits).any():
+                raise BackendOutputError(
+                    f"logits of shape {list(got_logits.shape)} with {int(np.isnan(got_logits).sum())} NaNs; "
+                    f"expected shape {list(ref_logits.shape)} and no NaN")
+            got_greedy = greedy(engine, prompt) if dtype == "float32" else got_top1
+        except Exception as exc:  # a broken backend is a failed result with its reason, not a crash
+            results.append(EndToEndResult(variant, dtype, want, [], 0.0, 1.0, margin, math.inf,
+                                          error=f"{type(exc).__name__}: {exc}"))
+            continue
         err = float(np.sum((got_logits.astype(np.float64) - ref_logits) ** 2) / np.sum(ref_logits.astype(np.float64) ** 2))
         if dtype == "float32":
-            got = greedy(engine, prompt)
+            got = got_greedy
             required = 1.0
             agreement = float(np.mean([a == b for a, b in zip(got, want)])) if len(got) == len(want) else 0.0
         else:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import InferError
+from infer.errors import InferError, UnsafeFormatError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend
 
 log = logging.getLogger(__name__)
@@ -212,10 +212,18 @@ def trace_transformers(path: Any, prompt_ids: Sequence[int], steps: int) -> tupl
     from infer.loading import resolve
 
     path = resolve(path)
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    # Never pickle (torch.load) and never the folder's own Python code: the
+    # reference reads what infer reads, safetensors or GGUF.
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": False}
     if path.is_file():
         kwargs["gguf_file"] = path.name
         path = path.parent
+    else:
+        if not any(path.glob("*.safetensors")):
+            raise UnsafeFormatError(
+                f"{path} has no .safetensors weights; the transformers reference loads only safetensors "
+                "or GGUF, never pickled weights (.bin, .pt), which can run code when loaded")
+        kwargs["use_safetensors"] = True
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
     ids = list(prompt_ids)
     trace, tokens, rows = Trace(), [], []
