@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from infer import _moved
+from infer.convert import convert
 from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import SamplingParams
@@ -42,6 +43,6 @@ def list_formats() -> list[FormatSpec]:
 
 __all__ = [
     "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "InferError", "Model",
-    "RequestHandle", "SamplingParams", "StopConditions",
+    "RequestHandle", "SamplingParams", "StopConditions", "convert",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]
