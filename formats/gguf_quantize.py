@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from infer.errors import UnsupportedDtypeError
+from infer.errors import FormatError, UnsupportedDtypeError
 
 from .gguf_quants import QK_K, TYPES_BY_NAME
 
@@ -262,8 +262,6 @@ def quantize_rows(matrix: np.ndarray, qtype: str, *, name: str = "a tensor",
         FormatError: the tensor holds a NaN or an infinity (no GGML type can
             store it faithfully).
     """
-    from infer.errors import FormatError
-
     if qtype not in QUANTIZABLE:
         raise UnsupportedDtypeError(f"cannot quantize {name} to {qtype}; supported: {', '.join(QUANTIZABLE)}")
     t = TYPES_BY_NAME[qtype]

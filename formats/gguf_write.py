@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import ConfigError, FormatError, TokenizerError, UnsupportedArchitectureError
+from infer.errors import (ConfigError, FormatError, MissingDependencyError, TokenizerError,
+                          UnsupportedArchitectureError)
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
@@ -384,9 +385,13 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
         ConfigError, FormatError, TokenizerError: a field, tensor or tokenizer with no
             GGUF form (the message names it).
     """
-    import gguf
     from tqdm.auto import tqdm
 
+    try:
+        import gguf
+    except ImportError as exc:
+        raise MissingDependencyError("writing GGUF files needs the gguf package: "
+                                     "pip install 'infer-engine[convert]'") from exc
     out = TYPES[type]
     arch = architecture_for(package.model_type)
     config = package.config

@@ -54,10 +54,13 @@ def _shards(package: ModelPackage, dtype: str, limit: int) -> list[list[str]]:
 
 def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     """One safetensors file; bfloat16 goes through torch (numpy has no bfloat16)."""
+    try:
+        import safetensors.numpy
+    except ImportError as exc:
+        raise MissingDependencyError("writing Hugging Face folders needs the safetensors package: "
+                                     "pip install 'infer-engine[convert]'") from exc
     if dtype != "BF16":
-        from safetensors.numpy import save_file
-
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
         return
     try:
         import torch
@@ -128,10 +131,11 @@ def _generation_config(package: ModelPackage) -> dict[str, Any]:
 
 
 def write_folder(package: ModelPackage, path: Path, *, type: str = "f32", progress: bool | None = None,
-                 shard_bytes: int = SHARD_BYTES) -> None:
+                 shard_bytes: int | None = None) -> None:
     """Write ``package`` as a Hugging Face folder ``path`` (created; the caller owns it),
     weights stored as ``type`` (a key of :data:`TYPES`). ``progress``: a tqdm bar on
-    stderr (None: only on a terminal).
+    stderr (None: only on a terminal). ``shard_bytes``: split the weights into
+    shards of at most this size (default :data:`SHARD_BYTES`).
 
     Raises:
         UnsupportedArchitectureError: no transformers class is known for the model type.
@@ -142,7 +146,7 @@ def write_folder(package: ModelPackage, path: Path, *, type: str = "f32", progre
     dtype = TYPES[type]
     config = _config(package, dtype)
     path.mkdir(parents=True, exist_ok=False)
-    shards = _shards(package, dtype, shard_bytes)
+    shards = _shards(package, dtype, SHARD_BYTES if shard_bytes is None else shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         names = ["model.safetensors"]

@@ -86,6 +86,28 @@ def test_round_trip_model_answers_as_the_original(tmp_path):
     assert greedy(back) == greedy(src)  # the same weights and config: the same float32 sums
 
 
+def test_large_checkpoints_are_written_in_shards(tmp_path, monkeypatch):
+    from infer.formats import huggingface_write
+
+    src = tiny_model_dir("qwen2")
+    file = infer.convert(src, tmp_path / "m.gguf", type="f32", progress=False)
+    monkeypatch.setattr(huggingface_write, "SHARD_BYTES", 40_000)
+    back = infer.convert(file, tmp_path / "hf", type="f16", progress=False)
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    got = {}
+    for shard in shards:
+        assert (back / shard).stat().st_size <= 50_000  # at most 40 kB a shard (or one tensor), plus its header: the limit plus its header
+        got.update(load_file(back / shard))
+    want = _weights(src)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value.astype(np.float16))
+    package = infer.load(back, backend="numpy")  # infer reads the index
+    assert package.config["vocab_size"] == want["model.embed_tokens.weight"].shape[0]
+
+
 def test_q8_0_holds_what_gguf_quants_writes_and_infer_reads_it_back(tmp_path):
     src = tiny_model_dir("llama3")
     config = json.loads((src / "config.json").read_text())
