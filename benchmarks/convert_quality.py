@@ -33,13 +33,15 @@ TEXT = (
     "stayed awake until morning, counting the flashes and listening for horns in the fog."
 )
 
+# Peak memory is the process's VmHWM (reset by exec); ru_maxrss would inherit the parent's.
 _CONVERT = """
-import resource, sys, time
+import re, sys, time
 import infer
 start = time.perf_counter()
 infer.convert(sys.argv[1], sys.argv[2], type=sys.argv[3], progress=False)
 seconds = time.perf_counter() - start
-print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+status = open("/proc/self/status").read()
+print(seconds, int(re.search(r"VmHWM:\\s+(\\d+) kB", status)[1]) * 1024)
 """
 
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="Hugging Face folder to convert")
     parser.add_argument("-o", "--output", default=None, help="JSON file for the results")
+    parser.add_argument("--memory-only", action="store_true", help="only time and peak memory, no quality")
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
@@ -77,6 +80,17 @@ def main() -> None:
         for kind in TYPES:
             out = Path(tmp) / f"model.{kind}.gguf"
             seconds, peak = convert(args.src, out, kind)
+            if kind == "f32":  # and the way back: GGUF -> Hugging Face folder
+                back_seconds, back_peak = convert(str(out), Path(tmp) / "back", "f32")
+                rows.append({"type": "gguf f32 -> hf f32", "seconds": round(back_seconds, 1),
+                             "peak_rss_bytes": back_peak})
+                print(json.dumps(rows[-1]), flush=True)
+            if args.memory_only:
+                rows.append({"type": kind, "bytes": out.stat().st_size, "seconds": round(seconds, 1),
+                             "peak_rss_bytes": peak})
+                print(json.dumps(rows[-1]), flush=True)
+                out.unlink()
+                continue
             logits = teacher_forced_logits(out, ids)
             if baseline is None:
                 baseline = logits
@@ -88,11 +102,6 @@ def main() -> None:
                    "top1_agree": float(np.mean(logits.argmax(-1) == baseline.argmax(-1)))}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if kind == "f32":  # and the way back: GGUF -> Hugging Face folder
-                seconds, peak = convert(str(out), Path(tmp) / "back", "f32")
-                print(json.dumps({"type": "gguf f32 -> hf f32", "seconds": round(seconds, 1),
-                                  "peak_rss_bytes": peak}), flush=True)
-                rows.append({"type": "gguf f32 -> hf f32", "seconds": round(seconds, 1), "peak_rss_bytes": peak})
     if args.output:
         Path(args.output).write_text(json.dumps({"tokens": len(ids), "rows": rows}, indent=2) + "\n")
 

@@ -9,10 +9,10 @@ fixes (the Q/K row permutation of ``llama``, Gemma's ``w + 1`` norms) and its
 of rows at a time (:func:`~infer.formats.gguf_quantize.quantize_rows`), and
 streamed into the file, so memory holds one tensor, never the model.
 
-Output types (:data:`TYPES`): ``f32``, ``f16``, ``bf16`` and the block types
-each store every matrix in that one type (norms and biases stay F32, as in
-llama.cpp's files); ``q4_k_m`` / ``q5_k_m`` follow ``llama-quantize``'s mix
-(:func:`tensor_type`). A matrix whose rows do not fit the type's block falls
+Output types (:data:`TYPES`): ``f32``, ``f16`` and ``bf16`` store every matrix
+in that type; the block types too, except the output projection (Q6_K, as
+``llama-quantize`` makes it); ``q4_k_m`` / ``q5_k_m`` follow ``llama-quantize``'s
+mix (:func:`tensor_type`). Norms and biases stay F32, as in llama.cpp's files. A matrix whose rows do not fit the type's block falls
 back as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16).
 """
 
@@ -36,7 +36,7 @@ from infer.package import ModelPackage
 from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
-from .gguf_tokenizer import _PRE_TOKENIZERS, CONTROL, NORMAL, UNUSED, USER_DEFINED
+from .gguf_tokenizer import _PRE_TOKENIZERS, BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class OutputType:
 
 
 #: ``--type`` -> how tensors are stored. ``file_type`` is llama.cpp's ``LlamaFileType``;
-#: q4_k / q5_k (one type throughout, ``llama-quantize --pure``) carry the ``_S`` numbers.
+#: q4_k / q5_k (one type but for the output, no per-layer tweaks) carry the ``_S`` numbers.
 TYPES: dict[str, OutputType] = {
     "f32": OutputType("F32", 0), "f16": OutputType("F16", 1), "bf16": OutputType("BF16", 32),
     "q8_0": OutputType("Q8_0", 7), "q4_0": OutputType("Q4_0", 2), "q4_1": OutputType("Q4_1", 3),
@@ -74,21 +74,23 @@ def _more_bits(layer: int, layers: int) -> bool:
 def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: int, tied: bool) -> str:
     """The GGML type of tensor ``gguf_name`` (rows of ``cols`` values) in a file of type ``out``.
 
-    Vectors (norms, biases) stay F32. In the _M mixes (llama.cpp's
-    ``llama_tensor_get_type`` without an importance matrix, dense models) the
-    output projection -- the token embedding when it is tied -- is Q6_K, and
-    ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits` picks are Q6_K.
+    Vectors (norms, biases) stay F32. As ``llama-quantize`` does for every block
+    type (``llama_tensor_get_type``, dense models, no importance matrix), the output
+    projection -- the token embedding when it is tied -- is Q6_K unless the type is
+    Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
+    picks are Q6_K too.
     """
     if ndim < 2 or out.ggml == "F32":
         return "F32"
     qtype = out.ggml
-    if out.mix:
-        layer = re.match(r"blk\.(\d+)\.", gguf_name)
-        if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
-            qtype = "Q6_K"
-        elif layer and gguf_name.endswith((".attn_v.weight", ".ffn_down.weight")) and \
-                _more_bits(int(layer[1]), layers):
-            qtype = "Q6_K"
+    block_type = TYPES_BY_NAME[qtype].quantized
+    layer = re.match(r"blk\.(\d+)\.", gguf_name)
+    if block_type and qtype != "Q8_0" and (gguf_name == "output.weight" or
+                                             (tied and gguf_name == "token_embd.weight")):
+        qtype = "Q6_K"
+    elif out.mix and layer and gguf_name.endswith((".attn_v.weight", ".ffn_down.weight")) and \
+            _more_bits(int(layer[1]), layers):
+        qtype = "Q6_K"
     block = TYPES_BY_NAME[qtype].block_size
     if cols % block:
         qtype = _FALLBACK.get(qtype, qtype)
@@ -261,12 +263,15 @@ def _pre_regexes(pre: dict[str, Any] | None) -> tuple[str, ...] | None:
 _PRE_NAMES = ("gpt-2", "llama-bpe", "qwen2", "smollm", "deepseek-v3", "tekken", "gpt-4o", "qwen35", "dbrx")
 
 
-def tokenizer_metadata(package: ModelPackage, vocab_size: int) -> dict[str, Any]:
+def tokenizer_metadata(package: ModelPackage, vocab_size: int, architecture: str = "") -> dict[str, Any]:
     """``tokenizer.ggml.*`` and ``tokenizer.chat_template*`` for the package's tokenizer.
 
     Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen2, SmolLM2...) become
-    ``gpt2`` with llama.cpp's name for their pre-tokenizer; the vocabulary is
-    padded to ``vocab_size`` with ``[PADn]`` tokens as llama.cpp's converter does.
+    ``gpt2`` with llama.cpp's name for their pre-tokenizer; BPE with byte fallback
+    (Llama 2, Gemma...) becomes ``llama`` (see :func:`_sentencepiece`). The
+    vocabulary is padded to ``vocab_size`` with ``[PADn]`` tokens as llama.cpp's
+    converter does. ``architecture``: the GGUF architecture (Gemma's files spell
+    their multi-space tokens with spaces).
 
     Raises:
         TokenizerError: a tokenizer kind or pre-tokenizer llama.cpp has no name for.
@@ -278,16 +283,20 @@ def tokenizer_metadata(package: ModelPackage, vocab_size: int) -> dict[str, Any]
     spec = json.loads(tok.backend.to_str())
     model = spec.get("model", {})
     where = f"{package.path}: tokenizer.json"
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise TokenizerError(f"{where}: a {model.get('type')} tokenizer{' with byte fallback' if model.get('byte_fallback') else ''}"
-                             f" cannot be written as GGUF yet; supported: byte-level BPE (gpt2)")
-    regexes = _pre_regexes(spec.get("pre_tokenizer"))
-    ignore = bool(model.get("ignore_merges"))
-    pre = next((n for n in _PRE_NAMES if (_PRE_TOKENIZERS[n].regexes, _PRE_TOKENIZERS[n].ignore_merges)
-                == (regexes, ignore)), None)
-    if pre is None:
-        raise TokenizerError(f"{where}: its pre-tokenizer ({json.dumps(spec.get('pre_tokenizer'))[:200]}) has no "
-                             f"name llama.cpp knows; known: {', '.join(_PRE_NAMES)}")
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"{where}: a {model.get('type')} tokenizer cannot be written as GGUF yet; supported: "
+                             f"byte-level BPE (gpt2) and SentencePiece-style BPE with byte fallback (llama)")
+    sentencepiece = bool(model.get("byte_fallback"))
+    if sentencepiece:
+        pre = None
+    else:
+        regexes = _pre_regexes(spec.get("pre_tokenizer"))
+        ignore = bool(model.get("ignore_merges"))
+        pre = next((n for n in _PRE_NAMES if (_PRE_TOKENIZERS[n].regexes, _PRE_TOKENIZERS[n].ignore_merges)
+                    == (regexes, ignore)), None)
+        if pre is None:
+            raise TokenizerError(f"{where}: its pre-tokenizer ({json.dumps(spec.get('pre_tokenizer'))[:200]}) has "
+                                 f"no name llama.cpp knows; known: {', '.join(_PRE_NAMES)}")
     n = max(vocab_size, tok.vocab_size)
     tokens: list[str | None] = [None] * n
     for text, index in model.get("vocab", {}).items():
@@ -300,9 +309,15 @@ def tokenizer_metadata(package: ModelPackage, vocab_size: int) -> dict[str, Any]
         if text is None:
             tokens[i], types[i] = f"[PAD{i}]", UNUSED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    md: dict[str, Any] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-                          "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-                          "tokenizer.ggml.merges": merges}
+    md: dict[str, Any]
+    if sentencepiece:
+        md = _sentencepiece(spec, tokens, types, gemma=architecture.startswith("gemma"))
+        md["tokenizer.ggml.merges"] = merges
+        if model.get("unk_token") in tokens:
+            md["tokenizer.ggml.unknown_token_id"] = tokens.index(model["unk_token"])
+    else:
+        md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
     empty = tok.encode("")
     for key, token_id in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id),
                           ("padding", tok.token_to_id(tok.pad_token) if tok.pad_token else None)):
@@ -317,6 +332,33 @@ def tokenizer_metadata(package: ModelPackage, vocab_size: int) -> dict[str, Any]
     for name, template in tok.chat_templates.items():
         md["tokenizer.chat_template" if name == "default" else f"tokenizer.chat_template.{name}"] = template
     return md
+
+
+def _sentencepiece(spec: dict[str, Any], tokens: list[str], types: np.ndarray, gemma: bool) -> dict[str, Any]:
+    """``llama`` (SentencePiece) vocabulary fields: byte tokens typed BYTE, scores as
+    llama.cpp's files have them (-1000 for control and user-defined tokens, 0 for bytes,
+    minus the id for the rest: a tokenizer.json has no scores, its ids rank the pieces),
+    and whether a space is prepended (a ``Prepend("▁")`` normalizer or a Metaspace
+    pre-tokenizer that prepends). Gemma's runs of ``▁`` are user-defined tokens
+    spelled with spaces in llama.cpp's files (the reader spells them back)."""
+    byte = re.compile(r"<0x[0-9A-F]{2}>")
+    for i, text in enumerate(tokens):
+        if types[i] == NORMAL and byte.fullmatch(text):
+            types[i] = BYTE
+        elif gemma and len(text) > 1 and text == "▁" * len(text):
+            tokens[i], types[i] = " " * len(text), USER_DEFINED
+    scores = np.where(types == NORMAL, -np.arange(len(tokens), dtype=np.float32),
+                      np.where(types == BYTE, np.float32(0), np.float32(-1000)))
+    def steps(part: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+        return [] if not part else part.get(key, []) if part.get("type") == "Sequence" else [part]
+
+    prefix = any(n.get("type") == "Prepend" and n.get("prepend") == "▁"
+                 for n in steps(spec.get("normalizer"), "normalizers")) or any(
+        p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never"
+        and p.get("add_prefix_space", True) for p in steps(spec.get("pre_tokenizer"), "pretokenizers"))
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores.astype(np.float32), "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.add_space_prefix": prefix}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -397,7 +439,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
     config = package.config
     md, freqs = hyperparameters(arch, config)
     vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
-    md.update(tokenizer_metadata(package, vocab))
+    md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
     plan = _plan(package, arch, out, freqs)
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
@@ -453,6 +495,8 @@ def _add(writer: Any, key: str, value: Any) -> None:
         writer.add_string(key, value)
     elif isinstance(value, np.ndarray) and value.dtype == bool:
         writer.add_array(key, [bool(v) for v in value])
+    elif isinstance(value, np.ndarray) and value.dtype == np.float32:
+        writer.add_key_value(key, value.tolist(), V.ARRAY, sub_type=V.FLOAT32)
     elif isinstance(value, np.ndarray):
         writer.add_key_value(key, [int(v) for v in value], V.ARRAY, sub_type=V.INT32)
     elif len(value):

@@ -190,6 +190,47 @@ def test_quantization_error_within_the_type_bound(qtype):
     assert np.mean((back - x) ** 2) <= bound
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_quantization_error_within_the_type_bound_on_real_weights(qtype):
+    # SmolLM2-135M's down projection of layer 5: rows of 1536 values, whole K super-blocks.
+    from reference import smollm2_hf_dir
+
+    x = load_file(smollm2_hf_dir() / "model.safetensors")["model.layers.5.mlp.down_proj.weight"]
+    back = gguf.quants.dequantize(gguf_quantize.quantize_rows(x, qtype), Q[qtype]).reshape(x.shape)
+    bits, group, symmetric = BITS[qtype]
+    g = x.reshape(-1, group)
+    span = 2 * np.abs(g).max(axis=1) if symmetric else g.max(axis=1) - np.minimum(g.min(axis=1), 0)
+    assert np.mean((back - x) ** 2) <= np.mean((span / (2**bits - 1)) ** 2 / 12) * 1.5**2
+
+
+def test_sentencepiece_vocabulary_is_written_as_llama_cpp_does():
+    # Gemma 3's tokenizer.json (from the real 270M file, through transformers) written back
+    # as GGUF metadata equals what llama.cpp's converter stored in that file, and tokenizes alike.
+    from infer.formats.gguf_file import read_gguf
+    from infer.formats.gguf_tokenizer import tokenizer_from_gguf
+    from infer.formats.huggingface import open_folder
+    from real_models import gemma3_gguf_path, gemma3_hf_dir
+
+    package = open_folder(gemma3_hf_dir())
+    md = gguf_write.tokenizer_metadata(package, package.config["vocab_size"], "gemma3")
+    original = read_gguf(gemma3_gguf_path())
+    try:
+        theirs = original.metadata
+        assert md["tokenizer.ggml.model"] == theirs["tokenizer.ggml.model"] == "llama"
+        assert md["tokenizer.ggml.tokens"] == list(theirs["tokenizer.ggml.tokens"])
+        np.testing.assert_array_equal(md["tokenizer.ggml.token_type"], np.asarray(theirs["tokenizer.ggml.token_type"]))
+        for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token",
+                    "add_eos_token", "add_space_prefix"):
+            assert md[f"tokenizer.ggml.{key}"] == theirs[f"tokenizer.ggml.{key}"], key
+        assert md.get("tokenizer.chat_template") == theirs.get("tokenizer.chat_template")
+        mine = tokenizer_from_gguf({**md, "general.architecture": "gemma3"}, source="written")
+        reference = tokenizer_from_gguf(theirs, source="llama.cpp's")
+        for text in TEXTS + ["  two  spaces\n\nnewlines", "<start_of_turn>user\nhi<end_of_turn>", "émoji 🤖 中文"]:
+            assert mine.encode(text) == reference.encode(text), text
+    finally:
+        original.close()
+
+
 def test_quantize_rows_works_in_slabs_with_progress(monkeypatch):
     monkeypatch.setattr(gguf_quantize, "SLAB_VALUES", 1024)
     x = np.random.default_rng(1).standard_normal((40, 256)).astype(np.float32)
@@ -215,6 +256,12 @@ def test_k_m_mix_follows_llama_quantize():
     # Rows that are not whole super-blocks fall back as llama.cpp does.
     assert gguf_write.tensor_type("blk.1.attn_q.weight", 64, 2, out, layers, False) == "Q5_0"
     assert gguf_write.tensor_type("blk.1.attn_q.weight", 48, 2, out, layers, False) == "F16"
+    # Every block type gives the output Q6_K (Q8_0 keeps Q8_0; a 576-wide row falls back to Q8_0).
+    for kind, want in (("q4_0", "Q6_K"), ("q5_k", "Q6_K"), ("q8_0", "Q8_0"), ("f16", "F16")):
+        assert gguf_write.tensor_type("output.weight", 256, 2, gguf_write.TYPES[kind], layers, False) == want
+        assert gguf_write.tensor_type("blk.0.attn_v.weight", 256, 2, gguf_write.TYPES[kind], layers,
+                                      False) == gguf_write.TYPES[kind].ggml
+    assert gguf_write.tensor_type("token_embd.weight", 576, 2, gguf_write.TYPES["q4_1"], layers, True) == "Q8_0"
 
 
 @pytest.mark.parametrize("kind", ["q4_k_m", "q6_k", "q5_1"])
