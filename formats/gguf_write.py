@@ -349,6 +349,7 @@ def _sentencepiece(spec: dict[str, Any], tokens: list[str], types: np.ndarray, g
             tokens[i], types[i] = " " * len(text), USER_DEFINED
     scores = np.where(types == NORMAL, -np.arange(len(tokens), dtype=np.float32),
                       np.where(types == BYTE, np.float32(0), np.float32(-1000)))
+
     def steps(part: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
         return [] if not part else part.get(key, []) if part.get("type") == "Sequence" else [part]
 
@@ -443,7 +444,8 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
     plan = _plan(package, arch, out, freqs)
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
-    writer.add_name(str(config.get("_name_or_path") or (package.path.name if package.path else "model")))
+    name = config.get("_name_or_path") or config.get("_model_name_or_path")
+    writer.add_name(str(name or (package.path.name if package.path else "model")))
     writer.add_file_type(out.file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value in md.items():

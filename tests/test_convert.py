@@ -203,6 +203,25 @@ def test_quantization_error_within_the_type_bound_on_real_weights(qtype):
     assert np.mean((back - x) ** 2) <= np.mean((span / (2**bits - 1)) ** 2 / 12) * 1.5**2
 
 
+def test_q4_1_of_smollm2_is_llama_cpps_own_file_byte_for_byte(tmp_path):
+    # The suite's SmolLM2 folder is the Q4_1 release (quantized by llama.cpp) dequantized:
+    # quantizing it again must give llama.cpp's tensors back exactly, the tied embedding
+    # included (Q8_0: llama-quantize's output rule with its fallback for 576-wide rows).
+    from infer.formats.gguf_file import read_gguf
+    from reference import smollm2_gguf_path, smollm2_hf_dir
+
+    file = infer.convert(smollm2_hf_dir(), tmp_path / "m.gguf", type="q4_1", progress=False)
+    ours, theirs = read_gguf(file), read_gguf(smollm2_gguf_path())
+    try:
+        assert list(ours.tensors) == list(theirs.tensors)
+        for name, info in theirs.tensors.items():
+            mine = ours.tensors[name]
+            assert (mine.type.name, mine.dims) == (info.type.name, info.dims), name
+            assert np.array_equal(ours.raw(mine), theirs.raw(info)), name
+    finally:
+        ours.close(), theirs.close()
+
+
 def test_sentencepiece_vocabulary_is_written_as_llama_cpp_does():
     # Gemma 3's tokenizer.json (from the real 270M file, through transformers) written back
     # as GGUF metadata equals what llama.cpp's converter stored in that file, and tokenizes alike.
