@@ -68,7 +68,7 @@ def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     except ImportError as exc:
         raise MissingDependencyError("writing bfloat16 safetensors needs torch (pip install torch); "
                                      "or convert with --type f32 / f16") from exc
-    save_torch({k: torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16) for k, v in tensors.items()},
+    save_torch({k: torch.from_numpy(np.array(v, dtype=np.float32)).to(torch.bfloat16) for k, v in tensors.items()},
                str(path), metadata={"format": "pt"})
 
 

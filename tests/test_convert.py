@@ -27,14 +27,15 @@ from infer.formats.gguf import open_gguf
 from infer.tools.cli import main
 from reference import tiny_model_dir
 
-FAMILIES = ("llama3", "qwen2", "gemma3", "mistral", "smollm2_like")
+FAMILIES = ("llama3", "llama_linear", "head_dim", "qwen2", "gemma3", "gemma3_softcap", "mistral", "smollm2_like")
 DATA = Path(__file__).parent / "data"
 TEXTS = ["Hello world, the quick brown fox 123 jumps.\n\tok", " leading space", "<|im_start|>user\nhi<|im_end|>",
          "numbers 3.14159 and 2024", ""]
 #: Hyperparameters a round trip must keep (the rest are transformers' defaults either way).
 KEPT = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "max_position_embeddings", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "sliding_window",
-        "query_pre_attn_scalar", "rope_parameters", "bos_token_id")
+        "query_pre_attn_scalar", "rope_parameters", "bos_token_id", "head_dim", "final_logit_softcapping",
+        "attn_logit_softcapping")
 
 
 def _weights(folder: Path) -> dict[str, np.ndarray]:
@@ -306,6 +307,30 @@ def test_unknown_type_is_refused_with_the_choices(tmp_path):
         infer.convert(tiny_model_dir("llama3"), tmp_path / "m.gguf", type="q3_k")
     with pytest.raises(ConversionError, match=r"'q8_0' for a huggingface output.*f32, f16, bf16"):
         infer.convert(tiny_model_dir("llama3"), tmp_path / "hf", type="q8_0")
+    assert not any(tmp_path.iterdir())
+
+
+def test_gguf_to_folder_dequantizes_to_the_chosen_float_type(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file as load_torch
+
+    file = infer.convert(tiny_model_dir("llama3"), tmp_path / "m.gguf", type="q6_k", progress=False)
+    package = open_gguf(file, tokenizer=False)
+    folder = infer.convert(file, tmp_path / "hf", type="bf16", progress=False)
+    got = load_torch(folder / "model.safetensors")
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    for name in package.tensors.names():
+        value = package.tensors.get(name)
+        want = torch.from_numpy(np.asarray(value.dequantize() if hasattr(value, "dequantize") else value))
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want.to(torch.bfloat16)), name
+    package.tensors.close()
+
+
+def test_rope_scaling_without_a_gguf_form_is_refused(tmp_path):
+    from infer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rope scaling 'dynamic' has no GGUF form.*linear, yarn, llama3"):
+        infer.convert(tiny_model_dir("llama_dynamic"), tmp_path / "m.gguf", progress=False)
     assert not any(tmp_path.iterdir())
 
 
