@@ -321,7 +321,7 @@ def test_gguf_to_folder_dequantizes_to_the_chosen_float_type(tmp_path):
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
     for name in package.tensors.names():
         value = package.tensors.get(name)
-        want = torch.from_numpy(np.asarray(value.dequantize() if hasattr(value, "dequantize") else value))
+        want = torch.from_numpy(np.array(value.dequantize() if hasattr(value, "dequantize") else value))
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want.to(torch.bfloat16)), name
     package.tensors.close()
 
