@@ -25,9 +25,11 @@
  * Also: dequantization into a caller's float32 buffer (for products with many
  * rows, where BLAS on the dequantized matrix is faster).
  *
- * The AVX2+FMA(+F16C) path is chosen at run time (__builtin_cpu_supports); other
- * CPUs take the portable loops. Rows of W are split across OpenMP threads when
- * built with OpenMP. The GIL is released while computing.
+ * The code path is chosen at run time (__builtin_cpu_supports): AVX-512F where
+ * the CPU has it (the products only), else AVX2+FMA+F16C, else the portable
+ * loops; use_simd() forces a lesser one (INFER_NUMPY_KERNELS, the tests). Rows
+ * of W are split across OpenMP threads when built with OpenMP. The GIL is
+ * released while computing.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -231,36 +233,95 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
     return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
 }
 
+/* M activation rows against one weight row: each block widened once for all M
+ * rows, M a constant (2..MAX_ROWS) and the accumulators named per parity (an
+ * array indexed by g & 1 is kept in memory), so they stay in registers. The
+ * sums and their order are one_row's (even blocks into one accumulator, odd
+ * into the other), so a row's result does not depend on how many rows share
+ * the call. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* One block of 32 codes, widened (w0..w3), into each row's accumulator. */
+AVX2 INLINE void block_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s, const float *x, Py_ssize_t k,
+                            __m256 *acc, const int M) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        const float *v = x + i * k;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
+        acc[i] = _mm256_fmadd_ps(s, t, acc[i]);
+    }
+}
+
+/* The same for 8-bit codes with a scale per 16 columns (g16_step's order). */
+AVX2 INLINE void block16_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s0, __m256 s1, const float *x,
+                              Py_ssize_t k, __m256 *acc, const int M) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        const float *v = x + i * k;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+        __m256 u = _mm256_mul_ps(w2, _mm256_loadu_ps(v + 16));
+        u = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), u);
+        acc[i] = _mm256_fmadd_ps(s1, u, _mm256_fmadd_ps(s0, t, acc[i]));
+    }
+}
+
+AVX2 INLINE void widen_block(int bits, const uint8_t *codes, Py_ssize_t g, __m256 *w) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    if (bits == 4) {
+        const uint8_t *c = codes + g * (GROUP / 2);
+        w[0] = nibbles8(c, shifts, mask), w[1] = nibbles8(c + 4, shifts, mask);
+        w[2] = nibbles8(c + 8, shifts, mask), w[3] = nibbles8(c + 12, shifts, mask);
+    } else {
+        const uint8_t *c = codes + g * GROUP;
+        w[0] = widen8(c), w[1] = widen8(c + 8), w[2] = widen8(c + 16), w[3] = widen8(c + 24);
+    }
+}
+
+AVX2 INLINE void one_block(int bits, const uint8_t *codes, const float *scales, const float *x, Py_ssize_t k,
+                           Py_ssize_t group, Py_ssize_t g, __m256 *acc, const int M) {
+    __m256 w[4];
+    widen_block(bits, codes, g, w);
+    if (group == 16)
+        block16_rows(w[0], w[1], w[2], w[3], _mm256_broadcast_ss(scales + 2 * g), _mm256_broadcast_ss(scales + 2 * g + 1),
+                     x + g * GROUP, k, acc, M);
+    else
+        block_rows(w[0], w[1], w[2], w[3], _mm256_broadcast_ss(scales + g), x + g * GROUP, k, acc, M);
+}
+
+AVX2 INLINE void rows_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                           const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group, const int M) {
+    Py_ssize_t groups = k / GROUP, bias_groups = k / group, g = 0;
+    __m256 even[MAX_ROWS], odd[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        one_block(bits, codes, scales, x, k, group, g, even, M);
+        one_block(bits, codes, scales, x, k, group, g + 1, odd, M);
+    }
+    if (g < groups) one_block(bits, codes, scales, x, k, group, g, even, M);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+        out[i * n] = hsum(_mm256_add_ps(even[i], odd[i])) + bias_dot(biases, xs + i * bias_groups, bias_groups);
+}
+
+#define ROWS_CASES(call) \
+    switch (m) { \
+    case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
+    }
+
 AVX2 static void row4_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                            const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (m == 1) {
         out[0] = one_row(4, codes, scales, biases, x, xs, k, group);
         return;
     }
-    /* The same sums in the same order as one_row (even groups into one
-     * accumulator, odd into the other): a row's result does not depend on
-     * how many rows share the call. */
-    Py_ssize_t groups = k / GROUP;
-    __m256 acc[2][MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + g * (GROUP / 2);
-        __m256 w0 = nibbles8(c, shifts, mask), w1 = nibbles8(c + 4, shifts, mask);
-        __m256 w2 = nibbles8(c + 8, shifts, mask), w3 = nibbles8(c + 12, shifts, mask);
-        __m256 s = _mm256_broadcast_ss(scales + g);
-        __m256 *a = acc[g & 1];
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *v = x + i * k + g * GROUP;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            a[i] = _mm256_fmadd_ps(s, t, a[i]);
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++)
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
+#define CALL_ROWS4(M) rows_avx2(4, codes, scales, biases, x, xs, out, k, n, group, M)
+    ROWS_CASES(CALL_ROWS4)
 }
 
 AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const float *biases, const float *x,
@@ -269,47 +330,10 @@ AVX2 static void row8_avx2(const uint8_t *codes, const float *scales, const floa
         out[0] = one_row(8, codes, scales, biases, x, xs, k, group);
         return;
     }
-    Py_ssize_t groups = k / GROUP;  /* sums ordered as in one_row, see row4_avx2 */
-    if (group == 16) {
-        __m256 acc16[2][MAX_ROWS];
-        for (Py_ssize_t i = 0; i < m; i++) acc16[0][i] = acc16[1][i] = _mm256_setzero_ps();
-        for (Py_ssize_t g = 0; g < groups; g++) {
-            const uint8_t *c = codes + g * GROUP;
-            __m256 w0 = widen8(c), w1 = widen8(c + 8), w2 = widen8(c + 16), w3 = widen8(c + 24);
-            __m256 s0 = _mm256_broadcast_ss(scales + 2 * g), s1 = _mm256_broadcast_ss(scales + 2 * g + 1);
-            __m256 *a = acc16[g & 1];
-            for (Py_ssize_t i = 0; i < m; i++) {
-                const float *v = x + i * k + g * GROUP;
-                __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-                __m256 u = _mm256_mul_ps(w2, _mm256_loadu_ps(v + 16));
-                u = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), u);
-                a[i] = _mm256_fmadd_ps(s1, u, _mm256_fmadd_ps(s0, t, a[i]));
-            }
-        }
-        for (Py_ssize_t i = 0; i < m; i++)
-            out[i * n] = hsum(_mm256_add_ps(acc16[0][i], acc16[1][i])) + bias_dot(biases, xs + i * 2 * groups, 2 * groups);
-        return;
-    }
-    __m256 acc[2][MAX_ROWS];
-    for (Py_ssize_t i = 0; i < m; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + g * GROUP;
-        __m256 w0 = widen8(c), w1 = widen8(c + 8), w2 = widen8(c + 16), w3 = widen8(c + 24);
-        __m256 s = _mm256_broadcast_ss(scales + g);
-        __m256 *a = acc[g & 1];
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *v = x + i * k + g * GROUP;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            a[i] = _mm256_fmadd_ps(s, t, a[i]);
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++)
-        out[i * n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + bias_dot(biases, xs + i * groups, groups);
+#define CALL_ROWS8(M) rows_avx2(8, codes, scales, biases, x, xs, out, k, n, group, M)
+    ROWS_CASES(CALL_ROWS8)
 }
+
 AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
     Py_ssize_t c;
     if (m > 1) {  /* row by row, so each row's sum is the one-row sum (the weight row stays in L1) */
@@ -329,6 +353,119 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
         out[0] = acc;
     }
 }
+/* -- AVX-512F ---------------------------------------------------------------------
+ *
+ * The 4-bit products of the AVX2 path (the same formula, float32 sums in
+ * another order), with fewer instructions per code byte, so that decoding is
+ * bound by memory rather than by instruction issue:
+ *
+ * 4-bit codes: the 16 bytes of a block are zero-extended to 16 lanes in one
+ * load (vpmovzxbd); vpermps indexes a 16-entry table by the low 4 bits of each
+ * lane, so the table {0.0, ..., 15.0} turns the low nibbles into floats
+ * directly, and the high nibbles after one shift: no mask, no conversion. The
+ * low nibbles are the even columns of the block, the high ones the odd
+ * columns, so x is split once per call into its even and odd columns
+ * (`deinterleave`), and each block is lo * x_even + hi * x_odd.
+ *
+ * Per block the scale multiplies the block's sum once and the bias term is
+ * sum_g bias[g] * sum(x in g) (bias_dot), as everywhere else.
+ *
+ * 8-bit codes keep the AVX2 rows: 16-lane versions measured no faster, being
+ * near one core's memory bandwidth already (docs/performance.md). */
+
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+/* x [m, k] -> per row: its k/2 even columns, then its k/2 odd columns. */
+static void deinterleave(const float *x, float *out, Py_ssize_t m, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const float *v = x + i * k;
+        float *e = out + i * k, *o = e + k / 2;
+        for (Py_ssize_t j = 0; j < k / 2; j++) {
+            e[j] = v[2 * j];
+            o[j] = v[2 * j + 1];
+        }
+    }
+}
+
+/* 16 bytes as 16 integer lanes (vpmovzxbd). */
+AVX512 static inline __m512 codes16(const uint8_t *c) {
+    return _mm512_castsi512_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* One block of 32 4-bit codes against the block's even (e) and odd (o) columns of x. */
+AVX512 static inline __m512 block4_512(__m512 bytes, const float *e, const float *o, __m512 table) {
+    __m512i b = _mm512_castps_si512(bytes);
+    __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(o), _mm512_mul_ps(lo, _mm512_loadu_ps(e)));
+}
+
+/* One activation row (deinterleaved: k/2 even columns e, then the odd ones at
+ * e + k/2) against one row of 4-bit codes; even blocks into one accumulator,
+ * odd blocks into the other. */
+AVX512 static float one_row4_512(const uint8_t *codes, const float *scales, const float *biases, const float *e,
+                                 const float *xs, Py_ssize_t k) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    Py_ssize_t groups = k / GROUP, half = k / 2, g = 0, step = GROUP / 2;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        const float *v = e + g * step;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), block4_512(codes16(codes + g * step), v, v + half, table), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g + 1]),
+                             block4_512(codes16(codes + (g + 1) * step), v + step, v + step + half, table), a1);
+    }
+    if (g < groups)
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]),
+                             block4_512(codes16(codes + g * step), e + g * step, e + g * step + half, table), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
+}
+
+/* M activation rows against one weight row: each block decoded once for all M
+ * rows, M a constant (1..MAX_ROWS) so that the 2 x M accumulators live in
+ * registers. Each row's sums are those of one_row4_512 (even blocks into one
+ * accumulator, odd into the other), so a row's result does not depend on how
+ * many rows share the call. */
+AVX512 INLINE void block4_rows(const uint8_t *c, float scale, const float *x, Py_ssize_t k, __m512 table,
+                               __m512 *acc, const int M) {
+    __m512i b = _mm512_castps_si512(codes16(c));
+    __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    __m512 s = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        const float *v = x + i * k;
+        __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(v + k / 2), _mm512_mul_ps(lo, _mm512_loadu_ps(v)));
+        acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
+    }
+}
+
+AVX512 INLINE void rows4_512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                             const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, const int M) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    Py_ssize_t groups = k / GROUP, step = GROUP / 2, g = 0;
+    __m512 even[MAX_ROWS], odd[MAX_ROWS]; /* (named per parity, not indexed by g & 1: kept in registers) */
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        block4_rows(codes + g * step, scales[g], x + g * step, k, table, even, M);
+        block4_rows(codes + (g + 1) * step, scales[g + 1], x + (g + 1) * step, k, table, odd, M);
+    }
+    if (g < groups) block4_rows(codes + g * step, scales[g], x + g * step, k, table, even, M);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+        out[i * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + bias_dot(biases, xs + i * groups, groups);
+}
+
+AVX512 static void row4_avx512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                               const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n,
+                               Py_ssize_t group) {
+    (void)group; /* always 32 */
+    if (m == 1) {
+        out[0] = one_row4_512(codes, scales, biases, x, xs, k);
+        return;
+    }
+#define CALL4(M) rows4_512(codes, scales, biases, x, xs, out, k, n, M)
+    ROWS_CASES(CALL4)
+}
+
 /* One row of codes to float32, group by group (even columns in the low nibbles). */
 AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases,
                                   float *out, Py_ssize_t k, Py_ssize_t group) {
@@ -377,7 +514,9 @@ AVX2 static void halves_f16c(const uint16_t *h, float *f, Py_ssize_t n) {
 }
 #endif
 
-static int use_avx2 = 0;
+/* The code path: portable C loops, AVX2+FMA+F16C, or AVX-512F (on top of AVX2,
+ * which its elementwise ops, attention and dequantization keep using). */
+static int use_avx2 = 0, use_avx512 = 0;
 
 /* -- Python ------------------------------------------------------------------- */
 
@@ -482,7 +621,8 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         !check(&out, m * n * 4, "out"))
         goto done;
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
-    work = malloc((size_t)(m * groups) * sizeof(float));
+    int split = bits == 4 && use_avx512; /* the AVX-512 4-bit rows read x as even, then odd columns */
+    work = malloc((size_t)(m * groups + (split ? m * k : 0)) * sizeof(float));
     if (!work) {
         PyErr_NoMemory();
         goto done;
@@ -494,6 +634,11 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     row_fn fn = bits == 4 ? row4_portable : row8_portable;
 #ifdef HAVE_X86
     if (use_avx2) fn = bits == 4 ? row4_avx2 : row8_avx2;
+    if (use_avx512 && bits == 4) fn = row4_avx512; /* 8-bit codes: AVX2 measured as fast */
+    if (split) {
+        deinterleave(xp, work + m * groups, m, k);
+        xp = work + m * groups;
+    }
 #endif
     const uint8_t *c = (const uint8_t *)codes.buf;
     float *y = (float *)out.buf;
@@ -604,7 +749,7 @@ done:
 }
 
 static PyObject *simd(PyObject *self, PyObject *noargs) {
-    return PyUnicode_FromString(use_avx2 ? "avx2+fma" : "portable");
+    return PyUnicode_FromString(use_avx512 ? "avx512" : use_avx2 ? "avx2+fma" : "portable");
 }
 
 static int max_threads(void) {
@@ -883,32 +1028,51 @@ done:
     return result;
 }
 
-/* use_simd(name) -> None: "portable" or "avx2+fma" (where the CPU has it), for tests. */
+#ifdef HAVE_X86
+static int cpu_avx2(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+static int cpu_avx512(void) { return cpu_avx2() && __builtin_cpu_supports("avx512f"); }
+#endif
+
+/* paths() -> list: the code paths this CPU can run, best last. */
+static PyObject *paths(PyObject *self, PyObject *noargs) {
+#ifdef HAVE_X86
+    if (cpu_avx512()) return Py_BuildValue("[sss]", "portable", "avx2+fma", "avx512");
+    if (cpu_avx2()) return Py_BuildValue("[ss]", "portable", "avx2+fma");
+#endif
+    return Py_BuildValue("[s]", "portable");
+}
+
+/* use_simd(name) -> None: "portable", "avx2+fma" or "avx512" (where the CPU has it). */
 static PyObject *use_simd(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     if (strcmp(name, "portable") == 0) {
-        use_avx2 = 0;
-    } else if (strcmp(name, "avx2+fma") == 0) {
+        use_avx2 = use_avx512 = 0;
+    } else if (strcmp(name, "avx2+fma") == 0 || strcmp(name, "avx512") == 0) {
+        int wide = name[3] == '5';
 #ifdef HAVE_X86
-        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
-            PyErr_SetString(PyExc_ValueError, "this CPU has no AVX2+FMA+F16C");
+        if (!(wide ? cpu_avx512() : cpu_avx2())) {
+            PyErr_Format(PyExc_ValueError, "this CPU has no %s", wide ? "AVX-512F" : "AVX2+FMA+F16C");
             return NULL;
         }
         use_avx2 = 1;
+        use_avx512 = wide;
 #else
-        PyErr_SetString(PyExc_ValueError, "built without the x86 path");
+        PyErr_SetString(PyExc_ValueError, "built without the x86 paths");
         return NULL;
 #endif
     } else {
-        PyErr_Format(PyExc_ValueError, "unknown code path %R (portable, avx2+fma)", arg);
+        PyErr_Format(PyExc_ValueError, "unknown code path %R (portable, avx2+fma, avx512)", arg);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"use_simd", use_simd, METH_O, "Choose the code path (\"portable\" or \"avx2+fma\"); for tests."},
+    {"use_simd", use_simd, METH_O, "Choose the code path (\"portable\", \"avx2+fma\" or \"avx512\")."},
+    {"paths", paths, METH_NOARGS, "The code paths this CPU can run, best last."},
     {"gemv", gemv, METH_VARARGS, "y = x @ W.T for an affine-quantized W (see the module source)."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
@@ -925,7 +1089,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_affine", NULL, -1, 
 PyMODINIT_FUNC PyInit__affine(void) {
 #ifdef HAVE_X86
     __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    use_avx2 = cpu_avx2();
+    use_avx512 = cpu_avx512();
 #endif
     return PyModule_Create(&module);
 }

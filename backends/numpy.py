@@ -53,16 +53,18 @@ from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 #: Which C kernel path the numpy backend uses: ``auto`` (the best the CPU
-#: has), ``portable`` (the plain C loops, as on a CPU without AVX2) or ``off``
-#: (no C kernels: pure numpy, GGUF weights dequantized to float32). Read once
-#: at import; it lets a user, and the test suite, run every path on one machine.
+#: has), ``avx2`` (AVX2+FMA, as on a CPU without AVX-512), ``portable`` (the
+#: plain C loops, as on a CPU without AVX2) or ``off`` (no C kernels: pure
+#: numpy, GGUF weights dequantized to float32). Read once at import; it lets a
+#: user, and the test suite, run every path on one machine.
 KERNELS_ENV = "INFER_NUMPY_KERNELS"
+_KERNEL_CHOICES = {"auto": None, "avx512": "avx512", "avx2": "avx2+fma", "portable": "portable", "off": None}
 
 
 def _kernel_choice() -> str:
     choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "portable", "off"):
-        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of auto, portable, off")
+    if choice not in _KERNEL_CHOICES:
+        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(_KERNEL_CHOICES)}")
     return choice
 
 
@@ -73,8 +75,11 @@ def _load_kernels(choice: str) -> object | None:
         from infer.backends import _affine as kernels
     except ImportError:  # pragma: no cover - exercised where the extension is not built
         return None
-    if choice == "portable":
-        kernels.use_simd("portable")
+    path = _KERNEL_CHOICES[choice]
+    if path is not None:
+        if path not in kernels.paths():
+            raise ConfigError(f"{KERNELS_ENV}={choice}: this CPU runs only {', '.join(kernels.paths())}")
+        kernels.use_simd(path)
     return kernels
 
 

@@ -146,6 +146,11 @@ class GGUFTensorSource(TensorSource):
         t = self._entry(name).info.type.name
         return _FLOAT_NAMES.get(t, t)
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes of the tensor's data in the file, from its offsets (nothing read)."""
+        info = self._entry(name).info
+        return info.end - info.begin
+
     def gguf_name(self, name: str) -> str:
         """The tensor's name in the file (``blk.0.attn_q.weight``...)."""
         return self._entry(name).info.name

@@ -228,6 +228,11 @@ class SafetensorsSource(TensorSource):
         """``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int64"``..."""
         return DTYPES[self._entry(name).dtype][0]
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes of the tensor's data in its file, from the header (nothing read)."""
+        entry = self._entry(name)
+        return entry.end - entry.begin
+
     def location(self, name: str) -> str:
         """The file holding ``name``; for an unknown name, the folder."""
         entry = self._entries.get(name)
@@ -453,6 +458,9 @@ class RenamedSource(TensorSource):
 
     def get(self, name: str) -> Any:
         return self.base.get(self._stored(name))
+
+    def stored_nbytes(self, name: str) -> int:
+        return self.base.stored_nbytes(self._stored(name))
 
     def location(self, name: str) -> str:
         stored = self._names.get(name, name)

@@ -48,6 +48,12 @@ class TensorSource(abc.ABC):
         (bfloat16 is widened to float32, which is exact) or a
         :class:`~infer.ops.QuantizedTensor`."""
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes the tensor occupies in its file (quantized blocks as stored).
+        Default: the bytes of what :meth:`get` returns; sources that know
+        their offsets answer without reading the tensor."""
+        return int(self.get(name).nbytes)
+
     def location(self, name: str) -> str:
         """Where the tensor lives, for error messages (e.g. a file name)."""
         return "the model package"

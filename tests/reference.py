@@ -457,6 +457,36 @@ def load_tiny(variant: str, backend: str = "numpy") -> Any:
     return _LOADED[key]
 
 
+#: What each backend needs beyond numpy: (importable module, whether it needs a CUDA device).
+_BACKEND_NEEDS = {"torch:cpu": ("torch", False), "torch:cuda": ("torch", True), "mlx:cpu": ("mlx", False)}
+
+
+def _cuda_device() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def backend_params(*names: str) -> list[Any]:
+    """``pytest.param`` per backend name, skipped where its framework or device
+    is missing (numpy always runs)."""
+    import importlib.util
+
+    import pytest
+
+    params = []
+    for name in names:
+        module, cuda = _BACKEND_NEEDS.get(name, (None, False))
+        missing = (f"no {module}" if module and importlib.util.find_spec(module) is None
+                   else "no CUDA device" if cuda and not _cuda_device() else None)
+        params.append(pytest.param(name, marks=pytest.mark.skipif(missing is not None, reason=missing or "")))
+    return params
+
+
 # ----------------------------------------------------------------------------- float32 tolerances
 
 #: float32 unit roundoff: one correctly rounded operation errs by at most U32 relative.

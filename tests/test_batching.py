@@ -11,12 +11,10 @@ the pool.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import load_tiny
+from reference import backend_params, load_tiny
 
 import infer
 from infer.engine import Engine
@@ -25,24 +23,11 @@ from infer.engine.generate import StopConditions, generate
 from infer.engine.sampling import SamplingParams
 from infer.errors import CacheFullError
 
-BACKENDS = [
-    "numpy",
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
-]
+BACKENDS = ["numpy", "torch:cpu"]  # (conftest.py: the backend and model fixtures)
 VARIANTS = ["llama3", "gemma3"]
 GREEDY = SamplingParams()
 
 load = load_tiny
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(params=VARIANTS)
-def model(request: pytest.FixtureRequest, backend: str) -> infer.Model:
-    return load(request.param, backend)
 
 
 @pytest.fixture(params=["paged", "contiguous"])
@@ -324,9 +309,9 @@ def test_auto_layout_follows_native_paged_attention() -> None:
         BatchEngine(engine, kv_memory=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")
-def test_mlx_batches_on_contiguous_caches() -> None:
-    model = load("llama3", "mlx:cpu")
+@pytest.mark.parametrize("backend", backend_params("mlx:cpu"))
+def test_mlx_batches_on_contiguous_caches(backend: str) -> None:
+    model = load("llama3", backend)
     batch = model.configure_batching(kv_memory=2**20)
     assert batch.kv_layout == "contiguous"
     handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]

@@ -377,3 +377,27 @@ def test_run_script_checks_the_issue_targets() -> None:
     assert found[("smollm2-135m", "numpy float32 decode ≥ 2× transformers float32")]["measured"] == pytest.approx(40 / 18)
     assert found[("gemma3-270m", "decode ≥ 1.0× llama.cpp")]["met"] is False
     assert "| smollm2-135m | load ≤ 1 s | 0.50 | yes |" in run.format_targets(list(found.values()))
+
+
+# -- what each engine is charged for -----------------------------------------------------
+
+
+def test_stored_weight_bytes_come_from_the_file_index_and_leave_out_a_tied_embedding(tiny: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(tiny / "model.safetensors"), "np") as f:
+        sizes = {name: f.get_tensor(name).nbytes for name in f.keys()}
+    want = sum(sizes.values()) - (sizes["model.embed_tokens.weight"] if "lm_head.weight" in sizes else 0)
+    assert bench.stored_weight_bytes(tiny) == want
+
+
+def test_the_llama_cpp_worker_reads_no_file_to_count_weights(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight bytes of a peer's decode are counted in the parent and handed
+    to the worker, so the peer's timed load and peak memory are its own call."""
+    jobs: list[dict[str, Any]] = []
+    fake, _ = _fake_process({"infer numpy": {"decode": [1.0], "prefill": [1.0], "load_s": [1.0]}})
+    monkeypatch.setattr(bench, "_run_process", lambda spec, job, *a: (jobs.append(job), fake(spec, job, *a))[1])
+    bench.run_benchmark(tiny, [bench.infer_engine("numpy")], bench.BenchConfig(repeats=1, bandwidth=False))
+    assert jobs[0]["stored_weight_bytes"] == bench.stored_weight_bytes(tiny)
+    source = inspect.getsource(bench_worker._llama_cpp)
+    assert "stored_weight_bytes" in source and "GGUFReader" not in inspect.getsource(bench_worker)

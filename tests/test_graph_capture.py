@@ -11,12 +11,11 @@ nothing to capture: the flag changes nothing there.
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import numpy as np
 import pytest
-from reference import LOGIT_RTOL, assert_logits_close, tiny_model_dir
+from reference import LOGIT_RTOL, assert_logits_close, backend_params, tiny_model_dir
 
 import infer
 from infer.engine.generate import StopConditions, generate
@@ -40,25 +39,7 @@ def logits_and_tokens(model: infer.Model) -> tuple[list[np.ndarray], list[int]]:
     return [np.asarray(r, dtype=np.float32) for r in rows], tokens
 
 
-def _cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-NO_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
-NO_CUDA = pytest.mark.skipif(not _cuda(), reason="no CUDA device")
-NO_MLX = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")
-
-
-@pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=NO_TORCH),
-    pytest.param("torch:cuda", marks=NO_CUDA),
-    pytest.param("mlx:cpu", marks=NO_MLX),
-    "numpy",
-])
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "torch:cuda", "mlx:cpu", "numpy"))
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
 def test_compiled_layers_give_the_same_outputs(backend: str, variant: str) -> None:
     path = tiny_model_dir(variant)
@@ -88,10 +69,7 @@ def distances(rows: list[np.ndarray], exact: list[np.ndarray]) -> list[float]:
     return [float(np.abs(r - e).max() / np.abs(e).max()) for r, e in zip(rows, exact)]
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=NO_TORCH),
-    pytest.param("torch:cuda", marks=NO_CUDA),
-])
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "torch:cuda"))
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
 def test_compiled_bfloat16_stays_within_bfloat16_rounding(backend: str, variant: str) -> None:
     """In bfloat16 captured and plain layers cannot agree to float32 ulps: the
@@ -111,11 +89,7 @@ def test_compiled_bfloat16_stays_within_bfloat16_rounding(backend: str, variant:
         assert c <= 2 * p, f"step {step}: captured {c:.3g} against plain {p:.3g} of the largest logit"
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=NO_TORCH),
-    pytest.param("torch:cuda", marks=NO_CUDA),
-    pytest.param("mlx:cpu", marks=NO_MLX),
-])
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "torch:cuda", "mlx:cpu"))
 def test_compiled_layers_take_quantized_weights(backend: str) -> None:
     """Weights kept quantized (on-load q4: torch int4pack, MLX affine)
     pass through the captured graphs: same greedy tokens as uncompiled where

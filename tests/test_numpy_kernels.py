@@ -28,7 +28,8 @@ from infer.quantize import AffineTensor, from_gguf, quantize_affine
 _affine = numpy_backend._affine
 needs_kernels = pytest.mark.skipif(_affine is None, reason="the C kernels are not built here")
 LINEAR = "model.layers.0.mlp.up_proj.weight"
-PATHS = ["portable"] + (["avx2+fma"] if _affine is not None and _affine.simd() == "avx2+fma" else [])
+#: Every code path this CPU can run (portable, avx2+fma, avx512): each test below runs on each.
+PATHS = _affine.paths() if _affine is not None else []
 
 
 def test_kernels_are_built_on_linux_x86() -> None:
@@ -38,19 +39,27 @@ def test_kernels_are_built_on_linux_x86() -> None:
         pytest.skip("the build is only required on Linux x86-64")
     from infer.backends import _affine as built  # built, whatever INFER_NUMPY_KERNELS chose
 
-    assert built.simd() in ("avx2+fma", "portable") and built.threads() >= 1
+    assert built.simd() in ("avx512", "avx2+fma", "portable") and built.threads() >= 1
 
 
-def _cpu_has_avx2() -> bool | None:
-    """What /proc/cpuinfo says of AVX2+FMA+F16C (None where there is none to read)."""
+def _cpu_paths() -> list[str] | None:
+    """The code paths /proc/cpuinfo says this CPU can run (None where there is nothing to read)."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
         return None
-    return {"avx2", "fma", "f16c"} <= set(flags)
+    avx2 = {"avx2", "fma", "f16c"} <= flags and platform.machine() == "x86_64"  # x86 paths on x86 only
+    return ["portable"] + (["avx2+fma"] if avx2 else []) + (["avx512"] if avx2 and "avx512f" in flags else [])
 
 
-@pytest.mark.parametrize("choice", ["auto", "portable", "off", "bogus"])
+def test_the_kernels_offer_exactly_the_paths_the_cpu_has() -> None:
+    if _affine is None:
+        pytest.skip("the C kernels are not built here")
+    want = _cpu_paths()
+    assert _affine.paths() == want if want is not None else _affine.paths()[0] == "portable"
+
+
+@pytest.mark.parametrize("choice", ["auto", "avx2", "portable", "off", "bogus"])
 def test_the_kernel_path_can_be_forced(choice: str) -> None:
     # INFER_NUMPY_KERNELS runs every path on one machine (the suite runs under each,
     # tests/README.md); it is read at import, so each choice in a fresh process.
@@ -63,18 +72,21 @@ def test_the_kernel_path_can_be_forced(choice: str) -> None:
                          env={**os.environ, numpy_backend.KERNELS_ENV: choice})
     if choice == "bogus":
         assert out.returncode != 0
-        assert "INFER_NUMPY_KERNELS='bogus' is not one of auto, portable, off" in out.stderr
+        assert "INFER_NUMPY_KERNELS='bogus' is not one of auto, avx512, avx2, portable, off" in out.stderr
+        return
+    cpu = _cpu_paths()
+    if choice == "avx2" and cpu is not None and "avx2+fma" not in cpu:  # a path this CPU lacks is refused
+        assert out.returncode != 0 and "this CPU runs only portable" in out.stderr
         return
     assert out.returncode == 0, out.stderr
     got = out.stdout.strip()
     if choice != "auto":
-        assert got == {"portable": "portable", "off": "None"}[choice]
+        assert got == {"avx2": "avx2+fma", "portable": "portable", "off": "None"}[choice]
         return
-    avx2 = _cpu_has_avx2() if platform.machine() == "x86_64" else False  # the AVX2 path exists on x86 only
-    if avx2 is None:  # nothing tells what the CPU has: either path is the best one
-        assert got in ("avx2+fma", "portable")
+    if cpu is None:  # nothing tells what the CPU has: any path may be the best one
+        assert got in ("avx512", "avx2+fma", "portable")
     else:
-        assert got == ("avx2+fma" if avx2 else "portable")
+        assert got == cpu[-1]  # the best it has
 
 
 @pytest.fixture(params=PATHS)
@@ -305,21 +317,22 @@ def test_real_model_default_is_quantized_and_off_is_float() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8, 32, "Q4_1", "Q6_K"])
-def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int | str) -> None:
+@pytest.mark.parametrize("m,k", [(2, 576), (5, 544), (8, 576)])  # 544: an odd number of blocks of 32
+def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int | str, m: int, k: int) -> None:
     # Batched decoding gives each request exactly what it would get alone (up to
     # KERNEL_ROWS rows): the multi-row kernels keep the one-row order of sums.
-    n, k = 40, 576
+    n = 40
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((5, k)).astype(np.float32)
-    together, alone = np.empty((5, n), np.float32), np.empty((1, n), np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    together, alone = np.empty((m, n), np.float32), np.empty((1, n), np.float32)
     if bits == 32:
         w = rng.standard_normal((n, k)).astype(np.float32)
-        _affine.gemv_f32(x, w, together, 5, k, n)
+        _affine.gemv_f32(x, w, together, m, k, n)
     else:
         a = affine(bits, n, k if isinstance(bits, int) else 512, 7)
         x = x[:, :a.shape[1]].copy()
         gemv(a, x, together)
-    for i in range(5):
+    for i in range(m):
         if bits == 32:
             _affine.gemv_f32(x[i:i + 1], w, alone, 1, k, n)
         else:

@@ -12,12 +12,11 @@ and every test ends with every page back in the pool.
 from __future__ import annotations
 
 import gc
-import importlib.util
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from reference import assert_logits_close, encode, load_tiny, tiny_model_dir
+from reference import assert_logits_close, backend_params, encode, load_tiny, tiny_model_dir
 
 import infer
 from infer.engine import Engine
@@ -27,27 +26,13 @@ from infer.ops import Backend
 from infer.testing.strategies import attention_calls
 
 PROMPT = "The capital of France is Paris. Once upon a time"
-BACKENDS = [
-    "numpy",
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
-    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
-]
+BACKENDS = ["numpy", "torch:cpu", "mlx:cpu"]  # (conftest.py: the backend and model fixtures)
 VARIANTS = ["llama3", "gemma3"]  # gemma3: sliding-window layers (window 4) and global ones
 DECODE_STEPS = 8
 
 
 
 load = load_tiny
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(params=VARIANTS)
-def model(request: pytest.FixtureRequest, backend: str) -> infer.Model:
-    return load(request.param, backend)
 
 
 @pytest.fixture
@@ -98,7 +83,7 @@ def test_paged_logits_and_greedy_tokens_equal_contiguous(model: infer.Model, blo
     assert paged == greedy
 
 
-@pytest.mark.parametrize("backend", BACKENDS[:2])
+@pytest.mark.parametrize("backend", backend_params(*BACKENDS[:2]))
 def test_native_and_gather_paths_agree(backend: str, pools) -> None:
     engine = load("gemma3", backend).engine
     pool = pools(engine, 4)
@@ -226,7 +211,7 @@ def test_memory_budget_sizes_the_pool() -> None:
         model.engine.new_kv_pool(block_size=8, memory_budget=per_token)
 
 
-@pytest.mark.parametrize("backend", BACKENDS[:2])
+@pytest.mark.parametrize("backend", backend_params(*BACKENDS[:2]))
 @given(call=attention_calls(paged=True))
 @settings(max_examples=40, deadline=None)
 def test_native_paged_attention_equals_the_contract_default(backend: str, call) -> None:

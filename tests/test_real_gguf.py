@@ -18,6 +18,7 @@ from reference import (
     float32_rtol,
     reference_greedy,
     reference_teacher_forced,
+    smollm2_gguf_path,
     smollm2_hf_dir,
 )
 
@@ -83,3 +84,16 @@ def test_gemma3_chat_cli_error_is_clear(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["-q", "chat", "gemma3-270m", "--backend", "numpy"]) == 1
     err = capsys.readouterr().err
     assert "no chat template" in err and "--template FILE" in err
+
+
+def test_stored_weight_bytes_of_a_gguf_file_are_its_tensor_bytes() -> None:
+    """The benchmark's bandwidth bound reads weight bytes from infer's own GGUF
+    index (no data read); gguf's reader, which parses everything, agrees."""
+    import gguf
+
+    from infer.tools.bench import stored_weight_bytes
+
+    path = smollm2_gguf_path()
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    tied = "output.weight" not in sizes  # SmolLM2 ties its head to the embedding: both are one tensor
+    assert tied and stored_weight_bytes(path) == sum(sizes.values())

@@ -23,11 +23,10 @@ accepted, partly accepted and rejected drafts all occur.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import numpy as np
 import pytest
-from reference import assert_logits_close, tiny_model_dir
+from reference import assert_logits_close, backend_params, tiny_model_dir
 
 import infer
 from infer.architecture import CausalLM
@@ -167,10 +166,7 @@ def test_greedy_with_speculation_equals_plain_greedy(name: str, paged: bool) -> 
         assert accepted == drafted
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("torch:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")),
-    pytest.param("mlx:cpu", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="no mlx")),
-])
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "mlx:cpu"))
 def test_other_backends_give_plain_greedy_tokens_too(backend: str) -> None:
     model = infer.load(tiny_model_dir("llama3"), backend=backend)
     for prompt in PROMPTS[:2]:

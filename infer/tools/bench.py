@@ -265,6 +265,24 @@ def prompt_ids(model_path: Path, count: int) -> list[int]:
         package.tensors.close()
 
 
+def stored_weight_bytes(model_path: Path) -> int:
+    """Bytes of the tensors a decode step reads, as stored in the model file
+    (quantized blocks as they are; the token embedding left out when a
+    separate output head exists, since decoding reads one row of it). Counted
+    here, in the parent, from the file's index: no engine is charged for it."""
+    from infer.plugins import get_registry
+
+    package = get_registry().format_for(model_path).open(model_path)
+    try:
+        sizes = {name: package.tensors.stored_nbytes(name) for name in package.tensors.names()}
+    finally:
+        package.tensors.close()
+    total = sum(sizes.values())
+    if "lm_head.weight" in sizes:
+        total -= sizes.get("model.embed_tokens.weight", 0)
+    return total
+
+
 def _model_form(path: Path) -> str:
     return "gguf" if path.is_file() and path.suffix == ".gguf" else "hf"
 
@@ -388,6 +406,7 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         raise BenchmarkError(f"--hf folder {hf} has no config.json")
     threads = config.threads or os.cpu_count() or 1
     ids = prompt_ids(path, config.prompt_tokens)
+    file_weight_bytes = stored_weight_bytes(path)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -423,7 +442,8 @@ def run_benchmark(model: str | os.PathLike[str], engines: Sequence[EngineSpec], 
         row["model_path"] = str(target)
         job = {"kind": spec.kind, "options": dict(spec.options), "model_path": str(target), "prompt_ids": ids,
                "prompt_tokens": len(ids), "new_tokens": config.new_tokens,
-               "warmup_tokens": config.warmup_tokens, "threads": threads, "runs": 1}
+               "warmup_tokens": config.warmup_tokens, "threads": threads, "runs": 1,
+               "stored_weight_bytes": file_weight_bytes}
         runnable.append((spec, job))
 
     by_label = {r["label"]: r for r in rows}

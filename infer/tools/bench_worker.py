@@ -19,7 +19,8 @@ The engines, each driven through its own public API:
 * ``infer`` — :func:`infer.load` and :meth:`~infer.model.Model.generate_tokens`.
 * ``llama.cpp`` — ``llama_cpp.Llama`` on a GGUF file and its token generator,
   with the context reset before each generation so nothing of the prompt is
-  reused from the previous one.
+  reused from the previous one. Its timed load is that call alone: the
+  weight bytes its decode reads come from the parent (``stored_weight_bytes``).
 * ``transformers`` — ``AutoModelForCausalLM.from_pretrained`` (a GGUF file is
   dequantized by transformers) and ``generate`` with a streamer that records
   when each token arrives.
@@ -162,19 +163,21 @@ def _infer(spec: dict[str, Any]) -> Loaded:
 
     options = spec["options"]
     model: Any = None
-    prepared: dict[str, Any] = {}
+    prepared_bytes: dict[str, int] = {}
     # Starting the backend imports its framework (torch, mlx): part of the import
     # baseline, as importing torch is for transformers.
     backend = select_backend(options.get("backend"), options.get("dtype"))
 
     def load() -> dict[str, Any]:
         nonlocal model
-        # Record every weight the backend prepares, to count the bytes a decode step reads.
+        # Count the bytes of every weight the backend prepares (what a decode
+        # step reads), keeping no reference: a weight the loader replaces
+        # (stacked, repacked) must be freed as it would be without the count.
         original = backend.prepare_weight
 
         def recording(tensor: Any, *, name: str = "") -> Any:
             out = original(tensor, name=name)
-            prepared[name] = out
+            prepared_bytes[name] = _weights_nbytes(out, set())
             return out
 
         backend.prepare_weight = recording  # type: ignore[method-assign]
@@ -188,8 +191,7 @@ def _infer(spec: dict[str, Any]) -> Loaded:
         # An untied input embedding is read one row per token; a tied one is the output head.
         head = getattr(model.network, "lm_head", None)
         embed = getattr(model.network, "embed_tokens", None)
-        seen: set[int] = set()
-        total = sum(_weights_nbytes(w, seen) for w in prepared.values())
+        total = sum(prepared_bytes.values())
         if embed is not None and head is not None and embed is not head:
             total -= _weights_nbytes(embed, set())
         return {"backend": f"{backend.name}/{backend.device}", "dtype": backend.compute_dtype,
@@ -214,7 +216,10 @@ def _llama_cpp(spec: dict[str, Any]) -> Loaded:
         n_ctx = spec["prompt_tokens"] + spec["new_tokens"] + 16
         llm = llama_cpp.Llama(model_path=spec["model_path"], n_ctx=n_ctx, n_batch=max(512, spec["prompt_tokens"]),
                               n_threads=threads, n_threads_batch=threads, verbose=False)
-        return {"threads": threads, "weight_bytes_per_token": _gguf_weight_bytes(spec["model_path"])}
+        # The weight bytes were counted by the parent from the file's index
+        # (bench.stored_weight_bytes): reading the file here would be charged
+        # to llama.cpp's load time and memory.
+        return {"threads": threads, "weight_bytes_per_token": spec.get("stored_weight_bytes")}
 
     def generate(ids: list[int], n: int) -> dict[str, Any]:
         llm.reset()  # forget the previous prompt, so its cached prefix is not reused
@@ -223,20 +228,6 @@ def _llama_cpp(spec: dict[str, Any]) -> Loaded:
         return time_generation(tokens, len(ids), n, started)
 
     return load, generate
-
-
-def _gguf_weight_bytes(path: str) -> int | None:
-    """Bytes of the tensors a decode step reads from a GGUF file (the token
-    embedding only when it doubles as the output head), if gguf is installed."""
-    try:
-        import gguf
-    except ImportError:
-        return None
-    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
-    total = sum(sizes.values())
-    if "output.weight" in sizes:
-        total -= sizes.get("token_embd.weight", 0)
-    return total
 
 
 def _tree_weight_bytes(named: dict[str, Any]) -> int:
