@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 import infer
 from infer.errors import ConversionError, OutputExistsError, UnsupportedArchitectureError
-from infer.formats import gguf_quantize, gguf_write
+from infer.formats import gguf_quantize, gguf_write, gguf_write_tokenizer
 from infer.formats.gguf import open_gguf
 from infer.tools.cli import main
 from reference import tiny_model_dir
@@ -232,7 +232,7 @@ def test_sentencepiece_vocabulary_is_written_as_llama_cpp_does():
     from real_models import gemma3_gguf_path, gemma3_hf_dir
 
     package = open_folder(gemma3_hf_dir())
-    md = gguf_write.tokenizer_metadata(package, package.config["vocab_size"], "gemma3")
+    md = gguf_write_tokenizer.tokenizer_metadata(package, package.config["vocab_size"], "gemma3")
     original = read_gguf(gemma3_gguf_path())
     try:
         theirs = original.metadata
