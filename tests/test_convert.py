@@ -134,17 +134,25 @@ def test_q8_0_holds_what_gguf_quants_writes_and_infer_reads_it_back(tmp_path):
     package.tensors.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "smollm2_like", "gemma3"])
-def test_transformers_loads_the_written_file(family, tmp_path):
+@pytest.mark.parametrize("family,kind", [("qwen2", "f32"), ("smollm2_like", "f32"), ("gemma3", "f32"),
+                                         ("smollm2_like", "q8_0")])
+def test_transformers_loads_the_written_file(family, kind, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = tiny_model_dir(family)
-    file = infer.convert(src, tmp_path / "m.gguf", type="f32", progress=False)
+    file = infer.convert(src, tmp_path / "m.gguf", type=kind, progress=False)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=file.name, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     got, want = model.state_dict(), reference.state_dict()
     assert set(want) <= set(got)
+    if kind != "f32":  # what infer reads from the file (dequantized as ggml does), in Hugging Face layout
+        package = open_gguf(file, tokenizer=False)
+        embed = "model.embed_tokens.weight"
+        for name in want:
+            value = package.tensors.get(embed if name == "lm_head.weight" else name)
+            want[name] = torch.from_numpy(np.array(value.dequantize() if hasattr(value, "dequantize") else value))
+        package.tensors.close()
     for name, value in want.items():
         assert torch.equal(got[name], value), name
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=file.name)
