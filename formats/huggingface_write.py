@@ -75,6 +75,9 @@ def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
 def _config(package: ModelPackage, dtype: str) -> dict[str, Any]:
     config = dict(package.config)
     model_type = package.model_type
+    if model_type == "llama" and config.get("sliding_window"):
+        # GGUF's llama architecture carries Mistral too; only Mistral's class slides a window.
+        model_type = "mistral"
     if model_type not in CLASS_NAMES:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} has no transformers class known here; "
                                            f"supported: {', '.join(sorted(CLASS_NAMES))}")

@@ -109,6 +109,21 @@ def test_large_checkpoints_are_written_in_shards(tmp_path, monkeypatch):
     assert package.config["vocab_size"] == want["model.embed_tokens.weight"].shape[0]
 
 
+@pytest.mark.parametrize("family", ["llama3", "mistral", "gemma3"])
+def test_transformers_loads_the_folder_written_back(family, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_dir(family)
+    back = infer.convert(infer.convert(src, tmp_path / "m.gguf", type="f32", progress=False), tmp_path / "hf",
+                         progress=False)
+    ids = torch.tensor([[1, 5, 9, 30, 70, 100, 3, 4, 5, 6, 7, 8]])  # longer than Mistral's window of 8
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(str(back), dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)  # the same weights and configuration: the same float32 computation
+
+
 def test_q8_0_holds_what_gguf_quants_writes_and_infer_reads_it_back(tmp_path):
     src = tiny_model_dir("llama3")
     config = json.loads((src / "config.json").read_text())
