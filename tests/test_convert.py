@@ -177,10 +177,12 @@ def test_transformers_loads_the_written_file(family, kind, tmp_path):
 
 
 def test_k_quants_equal_llama_cpp_reference_blocks():
-    # Fixed inputs and the blocks llama.cpp's quantize_row_q{4,5,6}_K_ref (ggml-quants.c of
-    # llama-cpp-python 0.3.36, built for x86-64 without FMA) made of them: normal, scaled
-    # over 18 orders of magnitude, sparse, all-positive, heavy-tailed, integer, zero and
-    # constant blocks.
+    # Fixed inputs and the blocks llama.cpp's quantize_row_q{4,5,6}_K_ref made of them:
+    # normal, scaled over 18 orders of magnitude, sparse, all-positive, heavy-tailed,
+    # integer, zero and constant blocks (6 super-blocks each). Made once by compiling
+    # vendor/llama.cpp/ggml/src/ggml-quants.c of the llama-cpp-python 0.3.36 sdist as a
+    # shared library (gcc -O3, x86-64 without FMA, as ggml-base is built) and calling those
+    # functions through ctypes on the x_* arrays stored beside the blocks.
     data = np.load(DATA / "k_quants_llama_cpp.npz")
     cases = [k[2:] for k in data if k.startswith("x_")]
     assert len(cases) == 7
