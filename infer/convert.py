@@ -66,6 +66,8 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
     if type not in target.write_types:
         raise ConversionError(f"unknown --type {type!r} for a {target.name} output ({out}); "
                               f"choose one of: {', '.join(target.write_types)}")
+    if not out.parent.is_dir():
+        raise ConversionError(f"cannot write {out}: the folder {out.parent} does not exist")
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExistsError(f"{out} exists; pass force=True (--force) to replace it")
     path = resolve(src, progress=bool(progress))

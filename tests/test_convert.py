@@ -229,6 +229,43 @@ def test_quantization_error_within_the_type_bound_on_real_weights(qtype):
     assert np.mean((back - x) ** 2) <= np.mean((span / (2**bits - 1)) ** 2 / 12) * 1.5**2
 
 
+def _package_with(pre_tokenizer, ignore_merges=False):
+    """A package whose only content is a byte-level BPE tokenizer with this pre-tokenizer."""
+    from tokenizers import models
+
+    from infer.package import ModelPackage
+    from infer.tokenizer import Tokenizer as InferTokenizer
+
+    backend = Tokenizer.from_str(Path(tiny_model_dir("llama2") / "tokenizer.json").read_text())
+    spec = json.loads(backend.to_str())
+    backend.model = models.BPE(vocab=spec["model"]["vocab"], merges=[tuple(m) if not isinstance(m, str) else
+                                                                      tuple(m.split(" ")) for m in spec["model"]["merges"]],
+                               ignore_merges=ignore_merges)
+    backend.pre_tokenizer = pre_tokenizer
+    return ModelPackage(model_type="llama", config={}, tensors=None, tokenizer=InferTokenizer(backend))
+
+
+def test_pre_tokenizer_gets_the_name_llama_cpp_knows():
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as pt
+
+    from infer.errors import TokenizerError
+    from infer.formats.gguf_tokenizer import _LLAMA3, _QWEN2
+
+    def name(pre, **kw):
+        return gguf_write_tokenizer.tokenizer_metadata(_package_with(pre, **kw), 0)["tokenizer.ggml.pre"]
+
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=False)
+    assert name(pt.ByteLevel(add_prefix_space=False)) == "gpt-2"
+    assert name(pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)])) == "smollm"
+    split = pt.Split(Regex(_LLAMA3), behavior="isolated")
+    assert name(pt.Sequence([split, byte_level]), ignore_merges=True) == "llama-bpe"
+    assert name(pt.Sequence([split, byte_level])) == "dbrx"  # the same split, merges not ignored
+    assert name(pt.Sequence([pt.Split(Regex(_QWEN2), behavior="isolated"), byte_level])) == "qwen2"
+    with pytest.raises(TokenizerError, match=r"pre-tokenizer .* has no name llama.cpp knows; known: gpt-2"):
+        name(pt.Sequence([pt.Split(Regex(r"\\w+"), behavior="isolated"), byte_level]))
+
+
 def test_q4_1_of_smollm2_is_llama_cpps_own_file_byte_for_byte(tmp_path):
     # The suite's SmolLM2 folder is the Q4_1 release (quantized by llama.cpp) dequantized:
     # quantizing it again must give llama.cpp's tensors back exactly, the tied embedding
@@ -332,6 +369,8 @@ def test_unknown_type_is_refused_with_the_choices(tmp_path):
         infer.convert(tiny_model_dir("llama3"), tmp_path / "m.gguf", type="q3_k")
     with pytest.raises(ConversionError, match=r"'q8_0' for a huggingface output.*f32, f16, bf16"):
         infer.convert(tiny_model_dir("llama3"), tmp_path / "hf", type="q8_0")
+    with pytest.raises(ConversionError, match=r"the folder .*no-such-folder does not exist"):
+        infer.convert(tiny_model_dir("llama3"), tmp_path / "no-such-folder" / "m.gguf")
     assert not any(tmp_path.iterdir())
 
 
