@@ -330,12 +330,14 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
         else:
             writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     total = sum(int(np.prod(p.shape)) for p in plan)
+    bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
+               disable=None if progress is None else not progress)
     try:
-        with tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", disable=None if progress is None else not progress, leave=False) as bar:
+        with bar:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
             for p in plan:
                 value = _values(package, p, freqs)
                 if p.qtype in ("F32", "F16") and value.ndim == 1:
