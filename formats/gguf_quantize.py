@@ -22,13 +22,16 @@ Everything is float32, with sums accumulated left to right
 ``nearest_int`` does, so the blocks are bit-for-bit those of llama.cpp's
 reference code (checked against it by the tests).
 
-:func:`quantize_rows` works through a matrix a slab of rows at a time, so
-the temporaries stay bounded whatever the tensor's size.
+:func:`quantize_rows` works through a matrix a slab of rows at a time, a few
+slabs side by side on threads, so the temporaries stay bounded whatever the
+tensor's size.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -39,6 +42,9 @@ from .gguf_quants import QK_K, TYPES_BY_NAME
 GROUP_MAX_EPS = np.float32(1e-15)
 #: Values quantized per slab: bounds the temporaries (a few dozen float32 copies of a slab).
 SLAB_VALUES = 1 << 18
+#: Slabs quantized at once, each on its own thread.
+THREADS = max(1, min(8, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
 
 _F32 = np.float32
 
@@ -252,9 +258,10 @@ def quantize_rows(matrix: np.ndarray, qtype: str, *, name: str = "a tensor",
                   advance: Callable[[int], object] | None = None) -> np.ndarray:
     """``matrix`` [rows, cols] (any float dtype) as ``qtype`` blocks: uint8 [rows, row bytes].
 
-    Works a slab of rows at a time (about :data:`SLAB_VALUES` values), converting
-    each slab to float32 only when it is quantized; ``advance(n)`` is called with
-    the values done after each slab (a progress bar's ``update``).
+    Works a slab of rows at a time (about :data:`SLAB_VALUES` values; up to
+    :data:`THREADS` slabs at once), converting each slab to float32 only when it is
+    quantized; ``advance(n)`` is called with the values done after each slab, in
+    order, from the calling thread (a progress bar's ``update``).
 
     Raises:
         UnsupportedDtypeError: ``qtype`` is not one of :data:`QUANTIZABLE`, or the
@@ -271,12 +278,24 @@ def quantize_rows(matrix: np.ndarray, qtype: str, *, name: str = "a tensor",
                                     f"block of {t.block_size}")
     out = np.empty((rows, t.row_bytes(cols)), np.uint8)
     step = max(1, SLAB_VALUES // max(cols, 1))
-    for start in range(0, rows, step):
+
+    def one(start: int) -> int:
         slab = np.asarray(matrix[start:start + step], dtype=np.float32)
         if not np.isfinite(slab).all():
             bad = int(np.argwhere(~np.isfinite(slab))[0][0]) + start
             raise FormatError(f"{name}: row {bad} holds a NaN or infinity; refusing to quantize it")
         out[start:start + step] = _quantize_slab(slab, qtype)
+        return slab.size
+
+    starts = range(0, rows, step)
+    if len(starts) <= 2 or THREADS == 1:
+        done = map(one, starts)
+    else:  # numpy releases the GIL in its loops: slabs quantize side by side
+        global _pool
+        if _pool is None:
+            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="infer-quantize")
+        done = _pool.map(one, starts)
+    for size in done:
         if advance is not None:
-            advance(slab.size)
+            advance(size)
     return out
