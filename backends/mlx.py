@@ -88,7 +88,8 @@ class MLXBackend(Backend):
 
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
-    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile"})
+    native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
+                            "update_rows_at", "cached_attention"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -302,8 +303,13 @@ class MLXBackend(Backend):
 
     def embedding(self, table: Array, ids: Array) -> Array:
         # Ids come from the host (from_numpy), so this view costs no evaluation.
-        host = np.asarray(ids)
-        if host.size and (host.min() < 0 or host.max() >= table.shape[0]):
+        # Inside mx.compile they are a trace that cannot be read: the engine
+        # checks ids before they enter a captured step.
+        try:
+            host = np.asarray(ids)
+        except ValueError:
+            host = None
+        if host is not None and host.size and (host.min() < 0 or host.max() >= table.shape[0]):
             raise IndexError(f"token id out of range [0, {table.shape[0]})")
         if isinstance(table, PackedWeight):
             # Rows of codes, scales and biases, dequantized natively (exact, like the matmul).
@@ -345,7 +351,36 @@ class MLXBackend(Backend):
         # when nothing else references it, so this is not a full copy.
         return mx.slice_update(dst, src, mx.array([start], dtype=mx.int32), (0,), stream=self._s)
 
+    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
+        """Functional, at a row given as a device array (no host read): use the result."""
+        mx = self._mx
+        if src.dtype != dst.dtype:
+            src = src.astype(dst.dtype, stream=self._s)
+        index = mx.reshape(start, (-1,), stream=self._s)[:1].astype(mx.int32)
+        return mx.slice_update(dst, src, index, (0,), stream=self._s)
+
     # -- attention -----------------------------------------------------------------
+
+    def cached_attention(
+        self, q: Array, k_cache: Array, v_cache: Array, length: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Attention over the whole buffer, the valid keys a boolean mask made
+        on the device from ``length``: one graph for every step."""
+        mx, s = self._mx, self._s
+        tq, hq, _ = q.shape
+        capacity, _, dv = v_cache.shape
+        with mx.stream(s):
+            pos = mx.reshape(length, (-1,))[:1].astype(mx.int32) - tq + mx.arange(tq, dtype=mx.int32)
+            dist = mx.expand_dims(pos, 1) - mx.arange(capacity, dtype=mx.int32)  # p - j, [tq, capacity]
+            mask = dist >= 0
+            if window is not None:
+                mask = mx.logical_and(mask, dist < window)
+        if softcap is not None:
+            return self._softcap_attention(q, k_cache, v_cache, scale, softcap, mask)
+        qt, kt, vt = (mx.expand_dims(mx.transpose(a, (1, 0, 2), stream=s), 0, stream=s) for a in (q, k_cache, v_cache))
+        out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mask, stream=s)
+        return mx.transpose(mx.reshape(out, (hq, tq, dv), stream=s), (1, 0, 2), stream=s)
 
     def attention(
         self,
@@ -436,20 +471,28 @@ class MLXBackend(Backend):
         mx.eval(weight)
         return weight
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """``mx.compile``: the graph of ``fn`` traced once per input shape and
         dtype, with elementwise chains fused into single kernels.
 
         ``mx.compile`` takes trees of arrays and constants only, so a
         :class:`~infer.ops.PackedWeight` argument travels as a dict of its
         arrays and layout constants and is rebuilt inside the trace (without
-        its host ``rows``, which only ``embedding`` reads)."""
-        compiled = self._mx.compile(lambda *args: fn(*_unpack_tree(args)))
+        its host ``rows``, which only ``embedding`` reads). Always shape-specialized
+        (``static`` changes nothing)."""
+        graphs = [0]
+
+        def traced(*args: Any) -> Any:
+            graphs[0] += 1  # the body runs only while mx.compile traces it
+            return fn(*_unpack_tree(args))
+
+        compiled = self._mx.compile(traced)
 
         def call(*args: Any) -> Any:
             return compiled(*_pack_tree(args))
 
         call.__wrapped__ = compiled  # type: ignore[attr-defined]
+        call.graphs = lambda: graphs[0]  # type: ignore[attr-defined]
         return call
 
     def keeps_gguf(self) -> bool:

@@ -60,7 +60,7 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
-              "quantized_linear")
+              "quantized_linear", "update_rows_at", "cached_attention")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
 # numpy: the default picks the faster path, and torch/cpu stays one
@@ -451,10 +451,12 @@ class TorchBackend(Backend):
 
     def embedding(self, table: Array, ids: Array) -> Array:
         """Checks the range first: on CUDA an out-of-range index is a device
-        assert that kills the process, not an exception."""
+        assert that kills the process, not an exception. Not while a graph is
+        being captured, where the ids are not known yet: the engine checks
+        them before they enter a captured step."""
         if isinstance(table, PackedWeight):
             return self.packed_rows(table, ids)
-        if ids.numel():
+        if ids.numel() and not torch.compiler.is_compiling():
             lo, hi = torch.stack((ids.min(), ids.max())).tolist()  # one device sync, not two
             if lo < 0 or hi >= table.shape[0]:
                 raise IndexError(f"token id out of range [0, {table.shape[0]}): found {lo if lo < 0 else hi}")
@@ -490,6 +492,40 @@ class TorchBackend(Backend):
         return dst
 
     # -- optional ops ---------------------------------------------------------------
+
+    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
+        """In place, at a row given as a device tensor (no host read)."""
+        rows = start.reshape(-1)[:1].to(torch.int64) + torch.arange(src.shape[0], device=dst.device)
+        return dst.index_copy_(0, rows, src.to(dst.dtype))
+
+    def cached_attention(
+        self, q: Array, k_cache: Array, v_cache: Array, length: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """SDPA over the whole buffer with the valid keys as a boolean mask
+        built on the device from ``length``: the same kernels and shapes at
+        every step (the masked-out rows cost their reads, not a new graph)."""
+        tq = q.shape[0]
+        capacity = k_cache.shape[0]
+        pos = (length.reshape(-1)[:1].to(torch.int64) - tq + torch.arange(tq, device=q.device))[:, None]
+        j = torch.arange(capacity, device=q.device)[None, :]
+        mask = j <= pos
+        if window is not None:
+            mask = mask & (pos - j < window)
+        return self._masked_attention(q, k_cache, v_cache, mask, scale, softcap)
+
+    def _masked_attention(self, q: Array, k: Array, v: Array, mask: Array, scale: float,
+                          softcap: float | None) -> Array:
+        if softcap is not None:
+            return self._attention_float32(q, k, v, scale, True, None, softcap, mask=mask)
+        hq, hkv = q.shape[1], k.shape[1]
+        qt, kt, vt = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+        if hkv != hq:  # with a mask, native GQA misses the fused kernels: repeat the kv heads
+            kt = kt.repeat_interleave(hq // hkv, dim=1)
+            vt = vt.repeat_interleave(hq // hkv, dim=1)
+        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1)
 
     def swiglu(self, gate: Array, up: Array) -> Array:
         return F.silu(gate).mul_(up)  # one temporary instead of two
@@ -527,7 +563,7 @@ class TorchBackend(Backend):
         v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """``torch.compile`` (Inductor): the ops of ``fn`` traced into one
         graph with fused kernels, recompiled once with dynamic shapes when a
         second token count appears (decode steps are 1 token, prefills
@@ -540,7 +576,18 @@ class TorchBackend(Backend):
         the graphs (untested on a GPU here)."""
         _import_inductor_helpers()
         _separate_inductor_cache()
-        return torch.compile(fn, fullgraph=True)
+        inductor = torch._dynamo.lookup_backend("inductor")
+        graphs = [0]
+
+        def counting(gm: Any, example_inputs: Any) -> Any:
+            graphs[0] += 1
+            return inductor(gm, example_inputs)
+
+        # static: dynamic=False, so that a second step function (another model
+        # in the process) is not taken for a shape change of the first.
+        compiled = torch.compile(fn, fullgraph=True, backend=counting, dynamic=False if static else None)
+        compiled.graphs = lambda: graphs[0]  # type: ignore[attr-defined]
+        return compiled
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":
@@ -623,7 +670,9 @@ class TorchBackend(Backend):
         return mask, False
 
     def _attention_float32(self, q: Array, k: Array, v: Array, scale: float, causal: bool,
-                           window: int | None, softcap: float) -> Array:
+                           window: int | None, softcap: float, *, mask: Array | None = None) -> Array:
+        """Scores formed, capped, masked (``mask``, else the contract's causal
+        and window rules) and soft-maxed in float32."""
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
         group = hq // hkv
@@ -631,7 +680,10 @@ class TorchBackend(Backend):
         qg = q.float().reshape(tq, hkv, group, dk).permute(1, 2, 0, 3).reshape(hkv, group * tq, dk)
         scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-        mask, is_causal = self._mask(tq, tk, causal, window)
+        if mask is None:
+            mask, is_causal = self._mask(tq, tk, causal, window)
+        else:
+            is_causal = False
         if is_causal:
             mask = torch.ones((tq, tk), dtype=torch.bool, device=self._device).tril()
         if mask is not None:

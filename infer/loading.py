@@ -120,11 +120,14 @@ def load(
         format: force a registered format instead of detecting it.
         progress: show progress bars on stderr while downloading and
             loading weights.
-        compile: capture the pieces of each layer between attention calls as
-            compiled graphs (``torch.compile``, ``mx.compile``) where the
-            backend can (:meth:`~infer.ops.Backend.compile`); costs compile
-            time at the first step of each new shape. Outputs equal the
-            uncompiled ones within rounding.
+        compile: where the backend can compile
+            (:meth:`~infer.ops.Backend.compile`: ``torch.compile``,
+            ``mx.compile``), capture each greedy decode step as one graph
+            (:mod:`infer.engine.capture`; ``model.engine.decode_step``
+            says whether it is captured and why not), and the pieces of each
+            layer between attention calls for every other forward. Costs
+            compile time at the first step of each new shape. Outputs equal
+            the uncompiled ones within rounding.
         quantize: ``None`` (default): float weights stay float, quantized
             (GGUF) weights stay quantized where the backend computes on them
             exactly and natively, and are dequantized otherwise; ``"q8"`` or
@@ -167,7 +170,10 @@ def load(
         log.info("%d tensors not used by %s: %s", len(unused), arch.name, ", ".join(unused[:8]))
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
-    return Model(package, network, ops)
+    model = Model(package, network, ops)
+    if compile and ops.supports("compile"):
+        model.engine.capture_decode()
+    return model
 
 
 _malloc_trim: object = None

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 1)
+API_VERSION: tuple[int, int] = (1, 2)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
@@ -60,6 +60,7 @@ REQUIRED_OPS: tuple[str, ...] = (
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "paged_attention", "synchronize", "topk", "compile",
+    "update_rows_at", "cached_attention",
 )
 
 
@@ -380,7 +381,9 @@ class Backend(abc.ABC):
     def embedding(self, table: Array, ids: Array) -> Array:
         """Rows of ``table`` (``[vocab, d]``, as returned by
         :meth:`prepare_weight`) at integer ``ids`` (``[n]``): ``[n, d]``.
-        Ids out of range are an error, never a silent wrap. A
+        Ids out of range are an error, never a silent wrap (inside a
+        captured step, :meth:`compile`, where ids are not known while
+        tracing, the engine checks them before the step instead). A
         :class:`PackedWeight` table (a tied embedding and output head kept
         quantized) gives its rows through :meth:`packed_rows`."""
 
@@ -546,6 +549,39 @@ class Backend(abc.ABC):
         v = self.slice(self.reshape(v, (-1,) + tuple(self.shape(v_pool)[2:])), 0, 0, context_len)
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
 
+    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
+        """:meth:`update_rows` with ``start`` a device array (int32 ``[1]``):
+        the row to write at is data, not a Python int, so a captured decode
+        step (:mod:`infer.engine.capture`) keeps one graph for every
+        position. The same in-place-or-new rule: use the returned array.
+        Default: ``start`` read back to the host, then :meth:`update_rows`."""
+        return self.update_rows(dst, int(self.to_numpy(start).reshape(-1)[0]), src)
+
+    def cached_attention(
+        self,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        length: Array,
+        *,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Causal :meth:`attention` over the first ``length`` rows of a
+        fixed-capacity cache, ``length`` a device array (int32 ``[1]``).
+
+        k_cache: ``[capacity, hkv, dk]``, v_cache likewise; rows from
+        ``length`` on are not keys (whatever they hold). The ``tq`` queries
+        are the last ``tq`` of the ``length`` positions, as in
+        :meth:`attention`. Shapes do not depend on ``length``, so a captured
+        decode step keeps one graph for every step. Default: ``length``
+        read back to the host, then :meth:`attention` on the slices.
+        """
+        n = int(self.to_numpy(length).reshape(-1)[0])
+        k, v = self.slice(k_cache, 0, 0, n), self.slice(v_cache, 0, 0, n)
+        return self.attention(q, k, v, scale=scale, window=window, softcap=softcap)
+
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to
         wait for."""
@@ -568,8 +604,12 @@ class Backend(abc.ABC):
     #: compile time at the first call of each new shape.
     graph_capture: bool = False
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """A graph-captured (compiled) version of ``fn``.
+
+        ``static``: the caller keeps the input shapes fixed from call to call
+        (a captured decode step), so the backend may specialize its graph on
+        them and never trade it for a shape-generic one.
 
         ``fn`` is a pure function of backend arrays (and tuples, lists and
         dicts of them) computed only through this backend's ops, returning
@@ -579,6 +619,10 @@ class Backend(abc.ABC):
         calls, so the KV cache and attention stay with the engine: the
         "piecewise" graphs vLLM also uses. They do so only when
         :attr:`graph_capture` is on (see :func:`infer.architecture.capture`).
+
+        The result has a ``graphs()`` method where the backend compiles: how
+        many graphs it has built for ``fn`` so far (one per new input shape
+        or dtype; a count that grows with every call means it recompiles).
 
         Default: ``fn`` itself (nothing to capture, e.g. numpy).
         """

@@ -164,7 +164,13 @@ def prefill(
 
 
 def decode_one_token(engine: Engine, seq: SequenceState, token: int, sampler: Sampler) -> int:
-    """Feed ``token``, the pending one; the token after it."""
+    """Feed ``token``, the pending one; the token after it. Greedy tokens
+    come from the captured decode step where it is on and serves this
+    sequence (:meth:`~infer.engine.runner.Engine.greedy_step`)."""
+    if not sampler.needs_logits:
+        nxt = engine.greedy_step(seq, token)
+        if nxt is not None:
+            return nxt
     out = engine.run(engine.prepare([seq], [[token]]))
     return sample(sampler, out, 0, seq.tokens)
 

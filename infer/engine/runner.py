@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.architecture import CausalLM
+from infer.engine.capture import CapturedDecode, capacity_bucket
 from infer.errors import ContextLengthError, GenerationError
 from infer.kv.attention import AttentionContext, SequenceSlice
 from infer.kv.cache import ContiguousKVCache, SequenceCache
@@ -146,6 +147,17 @@ class Engine:
         #: or (None) a contiguous cache each.
         self.kv_pool = kv_pool
         self._kv_bytes_per_position: int | None = None
+        #: The captured greedy decode step (:mod:`infer.engine.capture`), when on.
+        self.decode_step: CapturedDecode | None = None
+
+    def capture_decode(self, *, compile: bool = True) -> CapturedDecode:
+        """Run greedy decode steps of contiguous sequences through one
+        captured graph from now on (``infer.load(..., compile=True)`` does
+        this where the backend can compile); ``compile=False`` runs the same
+        static-shape step uncompiled. New sequences' capacities are rounded
+        up to a power of two so that requests share graphs."""
+        self.decode_step = CapturedDecode(self.model, self.backend, compile=compile)
+        return self.decode_step
 
     # -- sequences ----------------------------------------------------------
 
@@ -157,6 +169,8 @@ class Engine:
         pool = kv_pool if kv_pool is not None else self.kv_pool
         if pool is not None:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
+        if self.decode_step is not None:
+            capacity = capacity_bucket(capacity, self.max_context)
         return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
 
     def truncate(self, seq: SequenceState, length: int) -> None:
@@ -265,6 +279,19 @@ class Engine:
         hidden = self.model.forward(ops.from_numpy(batch.ids), ctx)
         logits = self.model.compute_logits(_rows(ops, hidden, batch.logit_tokens))
         return logits, hidden if batch.capture_hidden else None
+
+    def greedy_step(self, seq: SequenceState, token: int) -> int | None:
+        """Feed ``token`` to ``seq`` through the captured decode step; the
+        greedy token after it, or None where that step does not serve (not
+        on, a paged cache, not capturable): then nothing changed and the
+        caller runs the eager forward."""
+        if self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache):
+            return None
+        self.check_tokens([token])
+        nxt = self.decode_step(seq.cache, token)
+        if nxt is not None:
+            seq.tokens.append(int(token))
+        return nxt
 
     def forward(self, seq: SequenceState, token_ids: Sequence[int], *, all_logits: bool = False) -> Array:
         """One sequence's forward: ``token_ids`` appended to ``seq``; logits

@@ -127,3 +127,50 @@ class AttentionContext:
             outputs.append(ops.attention(qs, keys, values, scale=scale, window=window, softcap=softcap))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
 
+
+class DynamicContextError(Exception):
+    """An architecture asked a static context for something that changes from
+    step to step on the host (e.g. :attr:`AttentionContext.max_position`, which
+    dynamic rope scaling reads): that forward cannot be one captured graph."""
+
+
+class StaticAttentionContext(AttentionContext):
+    """One sequence's forward with static shapes, for a captured decode step
+    (:mod:`infer.engine.capture`).
+
+    The sequence's cache is one key and one value buffer per layer, each
+    ``[capacity, kv_heads, dim]``; ``start`` (a device int32 ``[1]``) is the
+    position of the first of ``tokens`` new tokens. Writes go through
+    :meth:`~infer.ops.Backend.update_rows_at` and attention through
+    :meth:`~infer.ops.Backend.cached_attention`, so nothing here depends on
+    the position but data: the same graph serves every step. The buffers
+    after the forward are :attr:`keys` and :attr:`values` (new arrays on a
+    functional backend such as MLX).
+    """
+
+    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], start: Array, tokens: int) -> None:
+        self.ops = ops
+        self.keys, self.values = list(keys), list(values)
+        self.start = start
+        self.num_tokens = tokens
+        self.sequences = []
+        self.paged = []
+        self.positions = ops.add(ops.arange(0, tokens, "int32"), start)
+        self._length = ops.add(start, tokens)
+
+    @property  # type: ignore[override]
+    def max_position(self) -> int:
+        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
+                                  "which changes every step")
+
+    def attention(
+        self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Write this layer's new keys and values at :attr:`start`, then
+        attend over the buffer's first ``start + tokens`` rows."""
+        ops = self.ops
+        self.keys[layer] = ops.update_rows_at(self.keys[layer], self.start, k)
+        self.values[layer] = ops.update_rows_at(self.values[layer], self.start, v)
+        return ops.cached_attention(q, self.keys[layer], self.values[layer], self._length, scale=scale,
+                                    window=window, softcap=softcap)

@@ -125,6 +125,22 @@ class ContiguousKVCache(SequenceCache):
         """Only the length changes; the next write overwrites the rows."""
         self._length = min(self._length, length)
 
+    def layer_buffers(self, layers: int) -> tuple[list[Array], list[Array]] | None:
+        """The key and value buffers (``[capacity, ...]`` each) of layers
+        ``0..layers``, for a captured decode step to write and read in
+        place of :meth:`write` and :meth:`read`; None while one of them has
+        not been written yet (its shapes are not known before)."""
+        keys, values = self._keys[:layers], self._values[:layers]
+        if any(k is None for k in keys):
+            return None
+        return list(keys), list(values)  # type: ignore[arg-type]
+
+    def replace_layer_buffers(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
+        """Adopt the buffers a captured step returned (new arrays on a
+        functional backend; the same ones where writes are in place)."""
+        self._keys[:len(keys)] = list(keys)
+        self._values[:len(values)] = list(values)
+
     def free(self) -> None:
         self._keys = [None] * self.num_layers
         self._values = [None] * self.num_layers

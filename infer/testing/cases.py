@@ -22,11 +22,38 @@ except ImportError as exc:  # not a dependency of infer
 from infer.ops import QuantizedTensor
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
-    QUANTIZED_FORMAT, arange_calls, array_of_kind, astype_calls, attention_calls, binary_calls, concat_calls,
-    embedding_calls, compile_calls, from_numpy_calls, fused_add_rms_norm_calls, gguf_linear_calls, layer_norm_calls,
-    linear_calls, matmul_calls, quantized_weight_calls, reduce_calls, reshape_calls, rms_norm_calls, rope_calls,
-    slice_calls, softcap_calls, softmax_calls, sqrt_calls, swiglu_calls, take_calls, topk_calls, transpose_calls,
-    unary, update_rows_calls, zeros_calls,
+    QUANTIZED_FORMAT,
+    arange_calls,
+    array_of_kind,
+    astype_calls,
+    attention_calls,
+    binary_calls,
+    compile_calls,
+    concat_calls,
+    embedding_calls,
+    from_numpy_calls,
+    fused_add_rms_norm_calls,
+    gguf_linear_calls,
+    layer_norm_calls,
+    linear_calls,
+    matmul_calls,
+    quantized_weight_calls,
+    reduce_calls,
+    reshape_calls,
+    rms_norm_calls,
+    rope_calls,
+    slice_calls,
+    softcap_calls,
+    softmax_calls,
+    sqrt_calls,
+    swiglu_calls,
+    take_calls,
+    topk_calls,
+    transpose_calls,
+    unary,
+    update_rows_at_calls,
+    update_rows_calls,
+    zeros_calls,
 )
 
 
@@ -205,6 +232,10 @@ CASES: tuple[Case, ...] = (
     _case("topk-values", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[0]),
     _case("topk-indices", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[1], out=INDEX),
     _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
+    _case("update_rows_at", "update_rows_at", update_rows_at_calls(), mutates=(0,)),
+    _case("cached_attention", "cached_attention", attention_calls(cached=True)),
+    _case("cached_attention-decode", "cached_attention", attention_calls(cached=True, tq=st.just(1),
+                                                                         past=st.integers(0, 16))),
 )
 """Every case, in the contract's order: required ops, then optional ops."""
 

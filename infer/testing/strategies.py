@@ -337,6 +337,14 @@ def update_rows_calls(draw: Any) -> Call:
     return Call((dst, start, In(normal(seed + 1, (count,) + tail), src_kind)))
 
 
+@st.composite
+def update_rows_at_calls(draw: Any) -> Call:
+    """:func:`update_rows_calls` with the start row as an int32 ``[1]`` array."""
+    call = draw(update_rows_calls())
+    dst, start, src = call.args
+    return Call((dst, In(np.array([start], np.int32), "int32"), src))
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 
@@ -344,7 +352,7 @@ def update_rows_calls(draw: Any) -> Call:
 def attention_calls(draw: Any, tq: Any = st.integers(1, 6), past: Any = st.integers(0, 8),
                     group: Any = st.integers(1, 4), causal: Any = st.booleans(),
                     window: Any = st.none() | st.integers(1, 12), softcap: Any = st.none() | st.floats(5.0, 50.0),
-                    paged: bool = False) -> Call:
+                    paged: bool = False, cached: bool = False) -> Call:
     tq_, past_, group_, hkv = draw(tq), draw(past), draw(group), draw(st.integers(1, 3))
     dk = draw(st.sampled_from([4, 8, 16, 32]))
     dv = draw(st.sampled_from([dk, dk, 8]))
@@ -354,6 +362,11 @@ def attention_calls(draw: Any, tq: Any = st.integers(1, 6), past: Any = st.integ
         "window": draw(window), "softcap": draw(softcap),
     }
     q = In(normal(seed, (tq_, hkv * group_, dk)))
+    if cached:  # a fixed-capacity buffer, rows past the valid length full of noise; the length as data
+        capacity = tk + draw(st.integers(0, 6))
+        kwargs.pop("causal")
+        return Call((q, In(normal(seed + 1, (capacity, hkv, dk))), In(normal(seed + 2, (capacity, hkv, dv))),
+                     In(np.array([tk], np.int32), "int32")), kwargs)
     if not paged:
         return Call((q, In(normal(seed + 1, (tk, hkv, dk))), In(normal(seed + 2, (tk, hkv, dv)))), kwargs)
     block = draw(st.sampled_from([1, 2, 4, 8]))

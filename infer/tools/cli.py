@@ -169,6 +169,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = ("paged KV pool, native paged_attention" if chosen.supports("paged_attention")
                 else "contiguous caches (no native paged_attention; a paged pool would be gathered)")
         print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
+        step = ("captured as one graph with infer.load(..., compile=True) (greedy, one sequence, contiguous cache)"
+                if chosen.supports("compile") else "eager: this backend has no graph capture")
+        print(f"decode step on {chosen.name}/{chosen.device}: {step}")
     except InferError as exc:
         print(f"infer.load() has no backend to run on: {exc}")
     return 0
