@@ -370,4 +370,16 @@ def infer_register_formats(register: Any) -> None:
     """Register the GGUF format."""
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
-                        random_tensor=random_tensor))
+                        random_tensor=random_tensor, write=_write, write_types=tuple(_write_types())))
+
+
+def _write_types() -> list[str]:
+    from .gguf_write import TYPES
+
+    return ["f16", *(t for t in TYPES if t != "f16")]
+
+
+def _write(package: ModelPackage, path: Path, **options: Any) -> None:
+    from .gguf_write import write_gguf  # lazily: only `infer convert` needs the writer
+
+    write_gguf(package, path, **options)

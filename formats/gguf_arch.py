@@ -67,6 +67,8 @@ class ArchitectureMap:
     #: Block tensors whose Hugging Face layout is the transpose of llama.cpp's (GPT-2's
     #: Conv1D weights, ``[in, out]``; llama.cpp's converter transposed them to ``[out, in]``).
     transposed: frozenset[str] = frozenset()
+    #: further Hugging Face model_types llama.cpp's converter writes as this architecture.
+    also_from: tuple[str, ...] = ()
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -107,7 +109,9 @@ def _finish_llama(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap)
     """Llama 3.1+ files carry their rope scaling only as a ``rope_freqs`` tensor of
     per-frequency divisors (transformers' loader ignores it). Recognise Llama 3's rule
     (factor, low/high frequency factors 1 and 4, 8192 original positions: every Llama 3.x
-    release) and express it as ``rope_type: llama3``; anything else is refused."""
+    release, unless ``rope.scaling.original_context_length`` says otherwise, as infer's own
+    converter writes for other models) and express it as ``rope_type: llama3``; anything
+    else is refused."""
     info = file.tensors.get("rope_freqs.weight")
     if info is None:
         return
@@ -120,8 +124,9 @@ def _finish_llama(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap)
         raise ConfigError(f"{where}: expected head_dim / 2 = {config['head_dim'] // 2} finite factors, "
                           f"found {len(factors)}")
     theta = config["rope_parameters"]["rope_theta"]
+    original = _number(file.metadata, f"{arch.gguf_name}.rope.scaling.original_context_length", int, file) or 8192
     rope = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factors[-1]), "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original}
     if not np.allclose(_llama3_divisors(rope, dim), factors, rtol=1e-5, atol=0):
         raise ConfigError(f"{where}: per-frequency rope factors that do not follow Llama 3's rule "
                           f"(factor {rope['factor']}, low/high 1/4, 8192 positions) are not supported")
@@ -167,7 +172,9 @@ def _finish_gemma3(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap
                                  "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     scale = _number(md, f"{arch.gguf_name}.attention.scale", float, file)
     if scale:
-        config["query_pre_attn_scalar"] = 1.0 / scale**2
+        # Stored as float32 1/sqrt(s): an integer s (every Gemma's) comes back a few ulps off.
+        scalar = 1.0 / scale**2
+        config["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) <= 1e-6 * scalar else scalar
     elif n == 62:
         config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
     else:
@@ -337,7 +344,7 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     # Mixtral too: llama with expert tensors (_finish_mixtral).
     ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
                     {"hidden_act": "silu"}, permute_qk=True, ignored_tensors=frozenset({"rope_freqs.weight"}),
-                    finish=_finish_mixtral, expert_tensors=_MIXTRAL_EXPERTS),
+                    finish=_finish_mixtral, expert_tensors=_MIXTRAL_EXPERTS, also_from=("mistral",)),
     # Qwen3, OLMo 2 and Phi-3 are converted without the Q/K permutation (their rope is
     # half-split, llama.cpp's NEOX mode); Granite and SmolLM3 with it (converted as Llama).
     ArchitectureMap("qwen3", "qwen3", _COMMON, _QWEN3_LAYER, {"hidden_act": "silu"}, default_rope_theta=1000000.0),

@@ -539,4 +539,11 @@ def infer_register_formats(register: Any) -> None:
     register(FormatSpec(
         name="huggingface", detect=detect, open=open_folder,
         description="Hugging Face folder: config.json + safetensors (+ tokenizer.json)",
+        write=_write, write_types=("f32", "f16", "bf16"),
     ))
+
+
+def _write(package: ModelPackage, path: Path, **options: Any) -> None:
+    from .huggingface_write import write_folder  # lazily: only `infer convert` needs the writer
+
+    write_folder(package, path, **options)

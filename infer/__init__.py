@@ -14,6 +14,7 @@ import logging
 
 from infer import _moved
 from infer.completion import Completion, CompletionChunk, Stream, Usage
+from infer.convert import convert
 from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import SamplingParams, TokenLogprob
@@ -45,6 +46,6 @@ def list_formats() -> list[FormatSpec]:
 __all__ = [
     "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "Completion", "CompletionChunk",
     "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "Stream", "TokenLogprob",
-    "Usage",
+    "Usage", "convert",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]

@@ -164,3 +164,13 @@ class BenchmarkError(InferError, ValueError):
 
 class MissingDependencyError(InferError, ImportError):
     """An optional package a tool needs is not installed; the message says what to install."""
+
+
+class ConversionError(InferError, ValueError):
+    """``infer convert`` cannot do what was asked (an unknown ``--type``, a target format
+    that cannot be written) or writing the output failed (disk full...); nothing is left
+    at the output path."""
+
+
+class OutputExistsError(ConversionError, FileExistsError):
+    """The output path of a conversion exists; pass ``force=True`` (``--force``) to replace it."""

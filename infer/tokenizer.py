@@ -277,6 +277,11 @@ class Tokenizer:
         """The default chat template source, or None."""
         return None if self._templates is None else self._templates.get("default")
 
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """Every chat template by name (``"default"``, ``"tool_use"``...); empty if none."""
+        return dict(self._templates or {})
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

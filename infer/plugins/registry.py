@@ -89,6 +89,12 @@ class FormatSpec:
     #: ``qtype`` (a :class:`~infer.ops.QuantizedTensor`), the same for the same
     #: seed; None for a format without quantized types.
     random_tensor: Callable[[str, tuple[int, int], int], QuantizedTensor] | None = None
+    #: Optional, for ``infer convert``: ``write(package, path, *, type, progress)`` writes a
+    #: :class:`~infer.package.ModelPackage` in this format at ``path`` (which does not exist
+    #: yet: the caller renames it into place afterwards). ``write_types`` names the storage
+    #: types ``type`` accepts, the default first.
+    write: Callable[..., None] | None = None
+    write_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

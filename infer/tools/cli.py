@@ -8,6 +8,7 @@
     infer diff MODEL --backends A,B [--prompt TEXT]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
     infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB]
+    infer convert SRC OUT [--type TYPE] [--force]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
@@ -273,6 +274,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from infer.convert import convert
+
+    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="Run language models on pluggable backends.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv for debug)")
@@ -354,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG plot (default: the report's name with .png; needs matplotlib)")
     b.add_argument("--no-plot", action="store_true", help="write no plot")
     b.set_defaults(func=cmd_bench)
+    c = sub.add_parser("convert", help="write a model as a GGUF file (quantized) or a Hugging Face folder")
+    c.add_argument("src", help="catalog alias, model folder or .gguf file")
+    c.add_argument("out", help="OUT.gguf for a GGUF file; any other path for a Hugging Face folder")
+    c.add_argument("--type", default=None, help="storage type. GGUF: f32, f16 (default), bf16, q8_0, q4_0, q4_1, "
+                   "q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m; folder: f32 (default), f16, bf16")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -1,0 +1,378 @@
+"""Writing a model package as a GGUF file that llama.cpp and transformers read.
+
+The reverse of :mod:`infer.formats.gguf`: the Hugging Face names, layouts and
+``config.json`` fields of a :class:`~infer.package.ModelPackage` become
+llama.cpp's tensor names (the same :data:`~infer.formats.gguf_arch.ARCHITECTURES`
+row the reader uses, read backwards), its ``{arch}.*`` metadata, its layout
+fixes (the Q/K row permutation of ``llama``, Gemma's ``w + 1`` norms) and its
+``tokenizer.ggml.*`` vocabulary (:mod:`infer.formats.gguf_write_tokenizer`). Tensors are quantized one at a time, a slab
+of rows at a time (:func:`~infer.formats.gguf_quantize.quantize_rows`), and
+streamed into the file, so memory holds one tensor, never the model.
+
+Output types (:data:`TYPES`): ``f32``, ``f16`` and ``bf16`` store every matrix
+in that type; the block types too, except the output projection (Q6_K, as
+``llama-quantize`` makes it); ``q4_k_m`` / ``q5_k_m`` follow ``llama-quantize``'s
+mix (:func:`tensor_type`). Norms and biases stay F32, as in llama.cpp's files. A matrix whose rows do not fit the type's block falls
+back as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infer.errors import ConfigError, FormatError, MissingDependencyError, UnsupportedArchitectureError
+from infer.ops import QuantizedTensor
+from infer.package import ModelPackage
+
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
+from .gguf_quantize import quantize_rows
+from .gguf_quants import TYPES_BY_NAME
+from .gguf_write_tokenizer import tokenizer_metadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OutputType:
+    """One ``--type``: the GGML type of matrices, llama.cpp's ``general.file_type``,
+    and whether ``llama-quantize``'s per-tensor mix applies."""
+
+    ggml: str
+    file_type: int
+    mix: bool = False
+
+
+#: ``--type`` -> how tensors are stored. ``file_type`` is llama.cpp's ``LlamaFileType``;
+#: q4_k / q5_k (one type but for the output, no per-layer tweaks) carry the ``_S`` numbers.
+TYPES: dict[str, OutputType] = {
+    "f32": OutputType("F32", 0), "f16": OutputType("F16", 1), "bf16": OutputType("BF16", 32),
+    "q8_0": OutputType("Q8_0", 7), "q4_0": OutputType("Q4_0", 2), "q4_1": OutputType("Q4_1", 3),
+    "q5_0": OutputType("Q5_0", 8), "q5_1": OutputType("Q5_1", 9), "q4_k": OutputType("Q4_K", 14),
+    "q5_k": OutputType("Q5_K", 16), "q6_k": OutputType("Q6_K", 18),
+    "q4_k_m": OutputType("Q4_K", 15, mix=True), "q5_k_m": OutputType("Q5_K", 17, mix=True),
+}
+
+#: llama.cpp's fallback for a row that is not a whole number of 256-value super-blocks.
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """``llama-quantize``'s ``use_more_bits``: the first and last eighth of the layers,
+    and every third one between, get the bigger type in the _M mixes."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: int, tied: bool) -> str:
+    """The GGML type of tensor ``gguf_name`` (rows of ``cols`` values) in a file of type ``out``.
+
+    Vectors (norms, biases) stay F32. As ``llama-quantize`` does for every block
+    type (``llama_tensor_get_type``, dense models, no importance matrix), the output
+    projection -- the token embedding when it is tied -- is Q6_K unless the type is
+    Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
+    picks are Q6_K too.
+    """
+    if ndim < 2 or out.ggml == "F32":
+        return "F32"
+    qtype = out.ggml
+    block_type = TYPES_BY_NAME[qtype].quantized
+    layer = re.match(r"blk\.(\d+)\.", gguf_name)
+    if block_type and qtype != "Q8_0" and (gguf_name == "output.weight" or
+                                             (tied and gguf_name == "token_embd.weight")):
+        qtype = "Q6_K"
+    elif out.mix and layer and gguf_name.endswith((".attn_v.weight", ".ffn_down.weight")) and \
+            _more_bits(int(layer[1]), layers):
+        qtype = "Q6_K"
+    block = TYPES_BY_NAME[qtype].block_size
+    if cols % block:
+        qtype = _FALLBACK.get(qtype, qtype)
+        if cols % TYPES_BY_NAME[qtype].block_size:
+            qtype = "F16"
+    return qtype
+
+
+# -- the architecture, backwards -------------------------------------------------------------
+
+
+def architecture_for(model_type: str) -> ArchitectureMap:
+    """The :data:`ARCHITECTURES` row that writes Hugging Face ``model_type``."""
+    for arch in ARCHITECTURES.values():
+        if model_type == arch.model_type or model_type in arch.also_from:
+            return arch
+    known = sorted({a.model_type for a in ARCHITECTURES.values()} | {m for a in ARCHITECTURES.values()
+                                                                      for m in a.also_from})
+    raise UnsupportedArchitectureError(f"model_type {model_type!r} cannot be written as GGUF; supported: "
+                                       f"{', '.join(known)}")
+
+
+_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(weight|bias)")
+_SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
+
+
+def gguf_tensor_name(arch: ArchitectureMap, name: str) -> str | None:
+    """llama.cpp's name for Hugging Face tensor ``name`` (None: not stored)."""
+    if _SKIPPED.fullmatch(name):
+        return None
+    base, _, kind = name.rpartition(".")
+    for gguf_base, hf in GLOBAL_TENSORS.items():
+        if base == hf and kind in ("weight", "bias"):
+            return f"{gguf_base}.{kind}"
+    m = _LAYER.fullmatch(name)
+    if m is not None:
+        for gguf_base, hf in arch.layer_tensors.items():
+            if hf == m[2]:
+                return f"blk.{m[1]}.{gguf_base}.{m[3]}"
+    raise FormatError(f"tensor {name!r} has no llama.cpp name in architecture {arch.gguf_name!r}; "
+                      f"it cannot be written as GGUF")
+
+
+def _permute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order of llama.cpp's ``permute`` (the inverse of the reader's ``_unpermute_rows``):
+    within each head, rows i and i + head_dim/2 of a rope pair become neighbours."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
+
+
+# -- metadata -------------------------------------------------------------------------------
+
+
+def _rope(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rope of full attention, the sliding layers' rope or None) in transformers 5 form,
+    from either ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {}) or None
+    if isinstance(params, dict) and params:
+        return dict(params), None
+    rope = dict(config.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    if "rope_theta" in config:
+        rope["rope_theta"] = config["rope_theta"]
+    return rope, None
+
+
+def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray | None]:
+    """The ``{arch}.*`` metadata for ``config`` and, for Llama 3 rope scaling, the
+    ``rope_freqs`` tensor llama.cpp stores it as."""
+    c = dict(config)
+    heads = c["num_attention_heads"]
+    c.setdefault("num_key_value_heads", heads)
+    c.setdefault("head_dim", c["hidden_size"] // heads)
+    rope, local = _rope(c)
+    theta = rope.get("rope_theta")
+    if theta is not None:
+        c["rope_theta"] = theta
+    if c.get("sliding_window") is None or (arch.model_type == "qwen2" and not c.get("use_sliding_window")):
+        c.pop("sliding_window", None)  # Qwen2 keeps a window size it does not use
+    md: dict[str, Any] = {}
+    for h in arch.hparams:
+        value = c.get(h.name)
+        if value is None or isinstance(value, bool):
+            if h.required:
+                raise ConfigError(f"config.json has no {h.name}, which GGUF's {arch.gguf_name}.{h.key} needs")
+            continue
+        md[f"{arch.gguf_name}.{h.key}"] = h.kind(value)
+    md[f"{arch.gguf_name}.attention.value_length"] = c["head_dim"]
+    md[f"{arch.gguf_name}.rope.dimension_count"] = int(c["head_dim"] * rope.get("partial_rotary_factor", 1.0))
+    freqs = None
+    kind = rope.get("rope_type", "default")
+    p = f"{arch.gguf_name}.rope.scaling"
+    if kind in ("linear", "yarn"):
+        md[f"{p}.type"], md[f"{p}.factor"] = kind, float(rope["factor"])
+        if rope.get("original_max_position_embeddings"):
+            md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "llama3" and arch.gguf_name == "llama":
+        if (rope.get("low_freq_factor"), rope.get("high_freq_factor")) != (1.0, 4.0):
+            raise ConfigError(f"Llama 3 rope scaling with low/high frequency factors {rope.get('low_freq_factor')}"
+                              f"/{rope.get('high_freq_factor')} has no GGUF form infer reads back; supported: 1/4")
+        freqs = _llama3_divisors(rope, c["head_dim"]).astype(np.float32)
+        if rope["original_max_position_embeddings"] != 8192:  # llama.cpp reads only the divisors
+            md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind != "default":
+        raise ConfigError(f"rope scaling {kind!r} has no GGUF form for {arch.gguf_name}; supported: linear, yarn"
+                          f"{', llama3' if arch.gguf_name == 'llama' else ''}")
+    for key, value in arch.defaults.items():  # what llama.cpp assumes for the family
+        if c.get(key, value) != value:
+            raise ConfigError(f"config.json {key} is {c[key]!r}; GGUF's {arch.gguf_name} computes {value!r}")
+    extra = _EXTRAS.get(arch.gguf_name)
+    if extra is not None:
+        extra(md, c, local)
+    return md, freqs
+
+
+def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """What the reader's ``_finish_gemma3`` recovers: the layer pattern, the local rope base
+    and the attention scale, each written only where it differs from llama.cpp's default."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    sliding = [t == "sliding_attention" for t in types]
+    if sliding != [(i + 1) % 6 != 0 for i in range(layers)]:
+        md["gemma3.attention.sliding_window_pattern"] = np.array(sliding, dtype=bool)
+    base = (local or {}).get("rope_theta", config.get("rope_local_base_freq", 10000.0))
+    if base != 10000.0:
+        md["gemma3.rope.freq_base_swa"] = float(base)
+    scalar = config.get("query_pre_attn_scalar", config["head_dim"])
+    default = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    if scalar != default:
+        md["gemma3.attention.scale"] = float(scalar) ** -0.5
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is None:
+            md.pop(f"gemma3.{key}", None)
+
+
+#: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
+_EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
+    "gemma3": _gemma3_metadata}
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Planned:
+    hf: str | None  # None: a tensor made here (rope_freqs)
+    gguf: str
+    shape: tuple[int, ...]  # canonical (Hugging Face) shape
+    qtype: str
+    heads: int | None  # permute the rows for this many heads
+    offset: float  # added to the values (gemma3 norms)
+
+
+def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
+    config, src = package.config, package.tensors
+    layers = config["num_hidden_layers"]
+    tied = bool(config.get("tie_word_embeddings", False))
+    plan = []
+    for name in src.names():
+        if tied and name == "lm_head.weight":
+            continue
+        gguf_name = gguf_tensor_name(arch, name)
+        if gguf_name is None:
+            continue
+        shape = tuple(src.shape(name))
+        heads = None
+        if arch.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", gguf_name):
+            heads = config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
+            heads = heads or config["num_attention_heads"]
+        offset = arch.norm_offset if re.search(r"norm\.weight$", gguf_name) else 0.0
+        qtype = tensor_type(gguf_name, shape[-1], len(shape), out, layers, tied)
+        plan.append(_Planned(name, gguf_name, shape, qtype, heads, offset))
+    if "token_embd.weight" not in {p.gguf for p in plan}:
+        raise FormatError(f"{package.path}: no model.embed_tokens.weight; not a complete model")
+    if freqs is not None:
+        plan.append(_Planned(None, "rope_freqs.weight", freqs.shape, "F32", None, 0.0))
+    return plan
+
+
+def _values(package: ModelPackage, p: _Planned, freqs: np.ndarray | None) -> np.ndarray:
+    """The tensor's values in llama.cpp's layout, as a float array [rows, cols] or [n]."""
+    if p.hf is None:
+        return freqs  # type: ignore[return-value]
+    value = package.tensors.get(p.hf)
+    if isinstance(value, QuantizedTensor):
+        value = value.dequantize()
+    value = np.asarray(value)
+    if p.heads:
+        value = value[_permute_rows(value.shape[0], p.heads)]
+    if p.offset:
+        value = value.astype(np.float32) + np.float32(p.offset)
+    return value
+
+
+def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress: bool | None = None) -> None:
+    """Write ``package`` to the GGUF file ``path`` with tensors stored as ``type``
+    (a key of :data:`TYPES`). ``progress``: a tqdm bar on stderr (None: only on a terminal).
+
+    The caller owns ``path`` (see :func:`infer.convert`, which writes to a temporary
+    name and renames it into place once this returns).
+
+    Raises:
+        UnsupportedArchitectureError: the package's model type has no GGUF architecture.
+        ConfigError, FormatError, TokenizerError: a field, tensor or tokenizer with no
+            GGUF form (the message names it).
+    """
+    from tqdm.auto import tqdm
+
+    try:
+        import gguf
+    except ImportError as exc:
+        raise MissingDependencyError("writing GGUF files needs the gguf package: "
+                                     "pip install 'infer-engine[convert]'") from exc
+    out = TYPES[type]
+    arch = architecture_for(package.model_type)
+    config = package.config
+    md, freqs = hyperparameters(arch, config)
+    vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
+    md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
+    plan = _plan(package, arch, out, freqs)
+
+    writer = gguf.GGUFWriter(str(path), arch.gguf_name)
+    name = config.get("_name_or_path") or config.get("_model_name_or_path")
+    writer.add_name(str(name or (package.path.name if package.path else "model")))
+    writer.add_file_type(out.file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in md.items():
+        _add(writer, key, value)
+    for p in plan:
+        t = TYPES_BY_NAME[p.qtype]
+        rows = int(np.prod(p.shape[:-1])) if len(p.shape) > 1 else 1
+        nbytes = rows * t.row_bytes(p.shape[-1])
+        if p.qtype in ("F32", "F16"):
+            writer.add_tensor_info(p.gguf, p.shape, np.dtype(np.float32 if p.qtype == "F32" else np.float16), nbytes)
+        else:
+            writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType[p.qtype])
+    total = sum(int(np.prod(p.shape)) for p in plan)
+    bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
+               disable=None if progress is None else not progress)
+    try:
+        with bar:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for p in plan:
+                value = _values(package, p, freqs)
+                if p.qtype in ("F32", "F16") and value.ndim == 1:
+                    data = value.astype("<f4" if p.qtype == "F32" else "<f2")
+                    bar.update(value.size)
+                else:
+                    matrix = value.reshape(-1, p.shape[-1])
+                    data = quantize_rows(matrix, p.qtype, name=f"tensor {p.hf!r}", advance=bar.update)
+                    if p.qtype in ("F32", "F16"):
+                        data = data.view("<f4" if p.qtype == "F32" else "<f2").reshape(p.shape)
+                writer.write_tensor_data(data)
+                if p.hf is not None:
+                    package.tensors.release(p.hf)
+    finally:
+        writer.close()
+
+
+def _add(writer: Any, key: str, value: Any) -> None:
+    """One metadata entry, typed as llama.cpp's converter types it."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    if isinstance(value, (bool, np.bool_)):
+        writer.add_bool(key, bool(value))
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, np.ndarray) and value.dtype == bool:
+        writer.add_array(key, [bool(v) for v in value])
+    elif isinstance(value, np.ndarray) and value.dtype == np.float32:
+        writer.add_key_value(key, value.tolist(), V.ARRAY, sub_type=V.FLOAT32)
+    elif isinstance(value, np.ndarray):
+        writer.add_key_value(key, [int(v) for v in value], V.ARRAY, sub_type=V.INT32)
+    elif len(value):
+        writer.add_array(key, list(value))

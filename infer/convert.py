@@ -1,0 +1,114 @@
+"""``infer.convert``: rewrite a model in another format or storage type.
+
+A source of any registered format is opened as a :class:`~infer.package.ModelPackage`
+(the same normalized form :func:`infer.load` runs) and handed to the target format's
+writer (``FormatSpec.write``): a ``.gguf`` output goes to the ``gguf`` format,
+anything else becomes a Hugging Face folder. The writer works on a hidden sibling
+of the output (``.NAME.partial-*``) that is renamed into place only once it is
+complete, and removed on any error or interrupt, so the output path never holds
+a truncated file.
+
+>>> import infer
+>>> infer.convert("model-folder", "model.Q4_K_M.gguf", type="q4_k_m")   # doctest: +SKIP
+PosixPath('model.Q4_K_M.gguf')
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from infer.errors import ConversionError, InferError, OutputExistsError
+from infer.loading import resolve
+from infer.plugins import get_registry
+
+log = logging.getLogger(__name__)
+
+
+def target_format(out: str | os.PathLike[str]) -> str:
+    """The format an output path asks for: ``gguf`` for ``*.gguf``, else ``huggingface``."""
+    return "gguf" if Path(out).suffix.lower() == ".gguf" else "huggingface"
+
+
+def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: str | None = None,
+            force: bool = False, progress: bool | None = None) -> Path:
+    """Convert the model ``src`` into ``out``.
+
+    Args:
+        src: a model folder, ``.gguf`` file or catalog alias (as :func:`infer.load`).
+        out: ``*.gguf`` for a GGUF file; any other path for a Hugging Face folder.
+        type: how the weights are stored. GGUF: ``f32 f16 bf16 q8_0 q4_0 q4_1 q5_0
+            q5_1 q4_k q5_k q6_k q4_k_m q5_k_m`` (default ``f16``); a Hugging Face
+            folder: ``f32 f16 bf16`` (default ``f32``). See docs/convert.md.
+        force: replace ``out`` if it exists.
+        progress: a progress bar on stderr; None shows one only on a terminal.
+
+    Returns:
+        ``out``, complete.
+
+    Raises:
+        ConversionError: ``type`` is not one the target format writes, or writing
+            failed (the message says why; nothing is left at ``out``).
+        OutputExistsError: ``out`` exists and ``force`` is false.
+        UnsupportedArchitectureError: the model's architecture has no form in the
+            target format (the message lists those that do).
+        InferError: the source cannot be read (as :func:`infer.load` raises).
+    """
+    out = Path(out).expanduser()
+    registry = get_registry()
+    target = registry.format_for(out, target_format(out))
+    if target.write is None or not target.write_types:
+        raise ConversionError(f"format {target.name!r} cannot be written")
+    type = target.write_types[0] if type is None else str(type).lower()
+    if type not in target.write_types:
+        raise ConversionError(f"unknown --type {type!r} for a {target.name} output ({out}); "
+                              f"choose one of: {', '.join(target.write_types)}")
+    if not out.parent.is_dir():
+        raise ConversionError(f"cannot write {out}: the folder {out.parent} does not exist")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExistsError(f"{out} exists; pass force=True (--force) to replace it")
+    path = resolve(src, progress=bool(progress))
+    if out.exists() and out.resolve() == path.resolve():
+        raise ConversionError(f"{out} is the source itself; write the conversion elsewhere")
+    source = registry.format_for(path)
+    log.info("converting %s (%s) to %s (%s, %s)", path, source.name, out, target.name, type)
+    package = source.open(path)
+    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        target.write(package, partial, type=type, progress=progress)
+        _replace(partial, out)
+    except BaseException as exc:
+        _remove(partial)
+        if isinstance(exc, OSError) and not isinstance(exc, InferError):
+            raise ConversionError(f"writing {out} failed: {exc}; nothing was left at {out}") from exc
+        raise
+    finally:
+        package.tensors.close()
+    return out
+
+
+def _replace(partial: Path, out: Path) -> None:
+    """Move the finished ``partial`` to ``out``, replacing what ``force`` allowed to be there."""
+    if out.is_dir() and not out.is_symlink():
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+        os.replace(partial, out)
+        shutil.rmtree(old, ignore_errors=True)
+    elif partial.is_dir() and (out.exists() or out.is_symlink()):
+        out.unlink()
+        os.replace(partial, out)
+    else:
+        os.replace(partial, out)
+
+
+def _remove(partial: Path) -> None:
+    try:
+        if partial.is_dir():
+            shutil.rmtree(partial)
+        else:
+            partial.unlink(missing_ok=True)
+    except OSError as exc:  # the error being raised matters more; say where the leftover is
+        log.warning("could not remove the partial output %s: %s", partial, exc)
