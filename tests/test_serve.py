@@ -489,6 +489,40 @@ def test_chat_tool_calls_reach_the_client_streamed_and_not() -> None:
         assert client.chat.completions.create(model=NAME, messages=follow, tools=tools).choices
 
 
+#: A Hermes/Qwen-style tool-use template: the tools' JSON in a system block.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_are_rendered_into_the_prompt_through_the_template(tmp_path: Any) -> None:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("smollm2_like"), folder)
+    default = load_tiny("smollm2_like").tokenizer.chat_templates["default"]
+    (folder / "chat_template.jinja").write_text(default, encoding="utf-8")  # beside the named one
+    (folder / "chat_templates").mkdir(exist_ok=True)
+    (folder / "chat_templates" / "tool_use.jinja").write_text(TOOL_TEMPLATE, encoding="utf-8")
+    model = infer.load(folder, backend="numpy")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    rendered = model.tokenizer.apply_chat_template(MESSAGES, tools=tools)
+    assert '"name": "get_weather"' in rendered  # the template took the tools
+    want = len(model.tokenizer.encode(rendered, add_special_tokens=False))
+    with running(create_app(model, model_name=NAME)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        with_tools = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=1)
+        without = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
+        none = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, tool_choice="none",
+                                              max_tokens=1)
+    assert with_tools.usage.prompt_tokens == want
+    assert without.usage.prompt_tokens < want and none.usage.prompt_tokens == without.usage.prompt_tokens
+
+
 def test_a_missing_extra_is_a_typed_error(monkeypatch: pytest.MonkeyPatch, reference: Any) -> None:
     import importlib.util
 
