@@ -764,6 +764,21 @@ static PyObject *threads(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(max_threads());
 }
 
+/* set_threads(n) -> None: the threads the next products may use (OpenMP's
+ * omp_set_num_threads; nothing without OpenMP). */
+static PyObject *set_threads(PyObject *self, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be at least 1, got %ld", n);
+        return NULL;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads((int)n);
+#endif
+    Py_RETURN_NONE;
+}
+
 /* -- per-row elementwise ops of a decoder layer -------------------------------
  *
  * One pass each over rows of float32, single-threaded (they are small). They
@@ -1081,6 +1096,7 @@ static PyMethodDef methods[] = {
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},
     {"threads", threads, METH_NOARGS, "Threads a product may use (OpenMP), 1 without OpenMP."},
+    {"set_threads", set_threads, METH_O, "Set the threads the next products may use (OpenMP)."},
     {NULL, NULL, 0, NULL},
 };
 

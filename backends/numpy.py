@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,6 +87,69 @@ def _load_kernels(choice: str) -> object | None:
 #: The path chosen at import (``auto`` unless the variable says otherwise).
 KERNELS = _kernel_choice()
 _affine = _load_kernels(KERNELS)
+
+
+class ThreadGovernor:
+    """Runs the kernels on fewer threads while other work keeps the cores busy.
+
+    OpenMP's workers spin between the few hundred short products of a decode
+    step; when another process holds a core, a descheduled worker stalls
+    every product behind it. Measured on this project's 2-core machine with
+    two competing busy processes (docs/performance.md, "A busy machine"):
+    SmolLM2 spent 98 ms a token in the kernels on 2 threads and 15 ms on 1,
+    against 6 ms on 2 threads with the cores free. So every ``interval``
+    seconds this reads how much CPU the machine spent busy (``/proc/stat``)
+    beyond this process's own (``os.times``), in cores, and allows the
+    kernels the cores that are left (at least one). Where ``/proc/stat`` is
+    missing, or ``OMP_NUM_THREADS`` sets the threads, it does nothing.
+    """
+
+    def __init__(self, kernels: object, interval: float = 0.5, stat: str = "/proc/stat") -> None:
+        self.kernels, self.interval, self.stat = kernels, interval, stat
+        self.most = kernels.threads()  # type: ignore[attr-defined]
+        self.threads = self.most
+        self.enabled = self.most > 1 and "OMP_NUM_THREADS" not in os.environ and os.path.exists(stat)
+        self._last: tuple[float, float, float] | None = None
+        self._next = 0.0
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall seconds, machine busy CPU seconds, this process's CPU seconds)."""
+        try:
+            with open(self.stat, encoding="ascii") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        if len(fields) < 4:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        mine = os.times()
+        return time.monotonic(), (sum(fields[:8]) - idle) / hz, mine.user + mine.system
+
+    def check(self) -> int:
+        """The threads the next products may use (re-decided at most every ``interval``)."""
+        if not self.enabled:
+            return self.threads
+        now = time.monotonic()
+        if now < self._next:
+            return self.threads
+        self._next = now + self.interval
+        sample = self._sample()
+        if sample is None:
+            return self.threads
+        if self._last is not None and sample[0] > self._last[0]:
+            wall = sample[0] - self._last[0]
+            others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall  # in cores
+            threads = max(1, min(self.most, (os.cpu_count() or self.most) - int(others + 0.5)))
+            if threads != self.threads:
+                self.kernels.set_threads(threads)  # type: ignore[attr-defined]
+                self.threads = threads
+        self._last = sample
+        return self.threads
+
+
+#: The kernels' thread governor (None without the kernels).
+GOVERNOR = ThreadGovernor(_affine) if _affine is not None and hasattr(_affine, "set_threads") else None
 
 _DTYPES = {
     "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,
@@ -210,6 +274,8 @@ class NumpyBackend(Backend):
         out = np.empty((m, n), np.float32)
         self._after_blas = m > self.KERNEL_ROWS
         if m <= self.KERNEL_ROWS:
+            if GOVERNOR is not None:
+                GOVERNOR.check()
             _affine.gemv(bits, x2, w.packed, w.scales, w.biases, out, m, k, n, w.group, half)
         else:
             rows = max(1, min(n, self.SLAB_BYTES // (4 * k)))

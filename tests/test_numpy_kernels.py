@@ -454,3 +454,67 @@ def test_paged_attention_rejects_a_table_outside_the_pool() -> None:
     q = np.zeros((1, 1, 8), np.float32)
     with pytest.raises(IndexError, match="block table entry 5 is outside the pool of 2 blocks"):
         ops.paged_attention(q, k_pool, k_pool, np.array([0, 5]), 6, scale=1.0)
+
+
+# -- threads on a busy machine ---------------------------------------------------------------------
+
+
+class _FakeKernels:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def threads(self) -> int:
+        return 2
+
+    def set_threads(self, n: int) -> None:
+        self.calls.append(n)
+
+
+def test_the_governor_gives_the_kernels_the_cores_other_work_leaves(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two cores; between checks the machine is busy for as many CPU seconds as
+    written below, of which this process spent ``mine``: the rest is other work."""
+    stat = tmp_path / "stat"
+    clock, mine = [100.0], [0.0]
+    monkeypatch.setattr(numpy_backend.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(numpy_backend.os, "times", lambda: os.times_result((mine[0], 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(numpy_backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(numpy_backend.os, "sysconf", lambda name: 100)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def machine(busy_ticks: int, idle_ticks: int) -> None:  # cumulative, as /proc/stat counts
+        stat.write_text(f"cpu  {busy_ticks} 0 0 {idle_ticks} 0 0 0 0 0 0\ncpu0 0 0 0 0\n")
+
+    kernels = _FakeKernels()
+    machine(0, 0)
+    governor = numpy_backend.ThreadGovernor(kernels, interval=0.5, stat=str(stat))
+    assert governor.enabled and governor.check() == 2  # the first sample only
+    clock[0] += 1.0
+    mine[0] += 1.0
+    machine(300, 100)  # 3 busy CPU seconds in 1 s, 1 of them ours: 2 cores of other work
+    assert governor.check() == 1 and kernels.calls == [1]
+    clock[0] += 0.1
+    assert governor.check() == 1 and kernels.calls == [1]  # not re-read within the interval
+    clock[0] += 1.0
+    mine[0] += 1.2
+    machine(300 + 130, 100 + 70)  # since the last reading 1.1 s: 1.3 busy seconds, 1.2 ours: free again
+    assert governor.check() == 2 and kernels.calls == [1, 2]
+
+
+def test_the_governor_leaves_threads_the_user_set_alone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not numpy_backend.ThreadGovernor(_FakeKernels()).enabled
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert not numpy_backend.ThreadGovernor(_FakeKernels(), stat="/nonexistent/stat").enabled
+
+
+@needs_kernels
+def test_set_threads_changes_the_threads_a_product_may_use() -> None:
+    before = _affine.threads()
+    try:
+        _affine.set_threads(1)
+        assert _affine.threads() == 1
+        with pytest.raises(ValueError, match="at least 1"):
+            _affine.set_threads(0)
+    finally:
+        _affine.set_threads(before)
+    assert _affine.threads() == before
