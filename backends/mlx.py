@@ -58,7 +58,7 @@ import numpy as np
 from infer.errors import UnsupportedOpError
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
 from infer.plugins.hookspecs import hookimpl
-from infer.plugins.registry import BackendSpec, Probe
+from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
@@ -593,6 +593,10 @@ def _native() -> tuple[str, ...]:
 
 
 def _probe_gpu() -> Probe:
+    if sys.platform.startswith("linux") and importlib.util.find_spec("mlx") is not None:
+        absent = gpu_driver_absent()  # Metal is macOS only: on Linux the GPU is CUDA's
+        if absent is not None:
+            return Probe(0, f"Metal is not available (Linux), and {absent}")
     mx, reason = _import_mlx()
     if mx is None:
         return Probe(0, reason)
@@ -634,6 +638,7 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
         name="mlx", device="gpu",
         factory=lambda dtype: MLXBackend(dtype, device="gpu"),
         probe=_probe_gpu,
+        score_ceiling=max(SCORE_METAL, SCORE_CUDA),
         description=f"{_version()}on the GPU (Metal on Apple silicon; CUDA with mlx[cuda]); "
                     "float32, bfloat16, float16",
     ))
@@ -641,5 +646,6 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
         name="mlx", device="cpu",
         factory=lambda dtype: MLXBackend(dtype, device="cpu"),
         probe=_probe_cpu,
+        score_ceiling=SCORE_CPU,
         description=f"{_version()}on the CPU; float32, bfloat16, float16",
     ))

@@ -44,7 +44,7 @@ import numpy as np
 from infer.errors import UnsupportedOpError
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
 from infer.plugins.hookspecs import hookimpl
-from infer.plugins.registry import BackendSpec, Probe
+from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 log = logging.getLogger(__name__)
@@ -786,9 +786,33 @@ def _like(a: Array, b: Any) -> Any:
 # -- registration ----------------------------------------------------------------------
 
 
+def _no_device_without_import(device: str) -> str | None:
+    """Why torch cannot have ``device`` here, found without importing torch
+    (about 2 s and 200 MB), or None when only torch can tell: a CPU-only
+    wheel says so in its version (``2.13.0+cpu``), CUDA and ROCm need a
+    driver (:func:`~infer.plugins.registry.gpu_driver_absent`), MPS macOS."""
+    import sys
+
+    if device == "mps":
+        return None if sys.platform == "darwin" else "torch was built without MPS (Apple silicon only)"
+    if device != "cuda":
+        return None
+    try:
+        from importlib.metadata import version
+
+        if version("torch").endswith("+cpu"):
+            return "torch was built without CUDA"
+    except Exception:  # no metadata: let torch answer
+        return None
+    return gpu_driver_absent()
+
+
 def _probe(device: str) -> Probe:
     if importlib.util.find_spec("torch") is None:
         return Probe(0, "torch is not installed (pip install torch)")
+    reason = _no_device_without_import(device)
+    if reason is not None:
+        return Probe(0, reason)
     try:
         _import_torch()
     except Exception as exc:  # a broken install is a reason, not a crash
@@ -821,6 +845,7 @@ def _spec(device: str, description: str) -> BackendSpec:
         factory=lambda dtype: TorchBackend(device, dtype),
         probe=lambda: _probe(device),
         description=description,
+        score_ceiling=SCORES[device],
     )
 
 

@@ -8,6 +8,8 @@ through ``rediscover``, which leaves a freshly discovered registry behind.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -148,6 +150,45 @@ def test_backends_are_listed_best_first_and_the_best_is_chosen(plugin):
     plugin(BackendPlugin(backend_spec(score=50)), "fast")
     assert infer.list_backends()[0].key == "testbk/cpu"
     assert isinstance(select_backend(), TestBackend)
+
+
+def test_a_backend_that_cannot_outrank_the_best_found_is_not_probed(plugin):
+    # What keeps a plain infer.load from importing torch (2 s, 200 MB) to learn
+    # that torch/cpu (ceiling 8) loses to numpy (10): probes run best ceiling first.
+    probed: list[str] = []
+
+    def probe(name, score):
+        return lambda: probed.append(name) or Probe(score)
+
+    plugin(BackendPlugin(backend_spec("slowbk", score=4, score_ceiling=4, probe=probe("slowbk", 4)),
+                         backend_spec("fastbk", score=60, score_ceiling=60, probe=probe("fastbk", 60)),
+                         backend_spec("gonebk", score=0, score_ceiling=90, probe=probe("gonebk", 0))), "ceilings")
+    backend = select_backend()
+    assert backend.name == "testbk" and probed == ["gonebk", "fastbk"]  # an unavailable one does not stop the search
+    probed.clear()
+    assert [b.key for b in infer.list_backends()][0] == "fastbk/cpu" and sorted(probed) == ["fastbk", "gonebk", "slowbk"]
+    probed.clear()
+    select_backend("slowbk")  # asked for by name, it is probed
+    assert probed == ["slowbk"]
+
+
+def test_a_spec_without_a_ceiling_is_always_probed(plugin):
+    probed: list[str] = []
+    plugin(BackendPlugin(backend_spec("plainbk", score=3, probe=lambda: probed.append("plainbk") or Probe(3))), "plain")
+    chosen = key(select_backend())
+    assert probed == ["plainbk"] and chosen == best_available()
+
+
+def test_choosing_the_cpu_default_imports_no_gpu_framework_without_a_gpu_driver():
+    from infer.plugins.registry import gpu_driver_absent
+
+    if gpu_driver_absent() is None:
+        pytest.skip("this machine has a GPU driver: torch must be imported to ask it")
+    code = ("import sys; from infer.plugins.selection import select_backend; b = select_backend(); "
+            "print(b.name, 'torch' in sys.modules, 'jax' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != BACKEND_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["numpy", "False", "False"]
 
 
 def test_unavailable_backend_is_listed_with_its_reason(plugin):

@@ -57,6 +57,12 @@ class BackendSpec:
     #: Optional: one line for ``infer doctor`` on how the backend is built here
     #: (e.g. which native kernels it has). Cheap, never raises.
     details: Callable[[], str] | None = None
+    #: Optional: the highest score :attr:`probe` can return. Choosing a backend
+    #: probes the specs best ceiling first and stops once one found outranks
+    #: every ceiling left, so a backend that cannot win here (torch/cpu, 8,
+    #: beside numpy, 10) is never probed, and its framework never imported, by
+    #: a plain ``infer.load``. None: unknown, always probed.
+    score_ceiling: int | None = None
 
     @property
     def key(self) -> str:
@@ -231,6 +237,29 @@ def parse_backend_name(text: str) -> tuple[str, str | None]:
             family, device = text.split(sep, 1)
             return family.strip().lower(), device.strip().lower() or None
     return text.strip().lower(), None
+
+
+def gpu_driver_absent() -> str | None:
+    """Why no CUDA or ROCm GPU can be here, found without importing a
+    framework (torch takes ~2 s and ~200 MB to import only to report no
+    device), or None when only the framework can tell.
+
+    On Linux a GPU needs its kernel driver's device node: ``/dev/nvidia*``
+    (NVIDIA), ``/dev/kfd`` (ROCm) or ``/dev/dxg`` (WSL). Elsewhere: None.
+    For backend probes (see :attr:`BackendSpec.score_ceiling` for the other
+    half of keeping ``infer.load`` from importing what cannot win)."""
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        nodes = os.listdir("/dev")
+    except OSError:
+        return None
+    if any(n.startswith("nvidia") or n in ("kfd", "dxg") for n in nodes):
+        return None
+    return "no GPU driver (no NVIDIA or ROCm device in /dev)"
 
 
 def describe(items: Sequence[str]) -> str:

@@ -1,12 +1,15 @@
 """Choosing a backend: explicit ``backend=`` > ``INFER_BACKEND`` > best score.
 
-Every candidate is probed; the choice and the reason each other candidate
-was not taken are logged, in the manner of vLLM's attention selector.
+Candidates are probed best possible score first, until the rest cannot win
+(:attr:`~infer.plugins.registry.BackendSpec.score_ceiling`); the choice and
+the reason each other candidate was not taken are logged, in the manner of
+vLLM's attention selector.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -48,34 +51,58 @@ def _probe(spec: BackendSpec) -> Probe:
     return probe
 
 
-def list_backends() -> list[BackendInfo]:
-    """Every registered backend/device pair, available or with the reason it
-    is not, best first."""
-    infos = []
-    for spec in get_registry().backends.values():
-        probe = _probe(spec)
-        infos.append(
-            BackendInfo(
-                name=spec.name, device=spec.device, available=probe.score > 0,
-                score=probe.score, reason=probe.reason, native_ops=tuple(probe.native_ops),
-                plugin=spec.plugin, description=spec.description,
-            )
-        )
+def _info(spec: BackendSpec, probe: Probe) -> BackendInfo:
+    return BackendInfo(
+        name=spec.name, device=spec.device, available=probe.score > 0,
+        score=probe.score, reason=probe.reason, native_ops=tuple(probe.native_ops),
+        plugin=spec.plugin, description=spec.description,
+    )
+
+
+def _best_first(infos: list[BackendInfo]) -> list[BackendInfo]:
     return sorted(infos, key=lambda i: (-i.score, i.key))
 
 
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend/device pair, available or with the reason it
+    is not, best first. Probes every one (and so imports every framework
+    installed); choosing a backend probes only those that could win."""
+    return _best_first([_info(spec, _probe(spec)) for spec in get_registry().backends.values()])
+
+
+def _probed_until_decided(specs: list[BackendSpec]) -> list[BackendInfo]:
+    """``specs`` probed best :attr:`~BackendSpec.score_ceiling` first, stopping
+    once an available one scores above every ceiling left (those are left
+    out, unprobed): the choice is the one probing them all would make."""
+    def ceiling(spec: BackendSpec) -> float:
+        return math.inf if spec.score_ceiling is None else spec.score_ceiling
+
+    infos: list[BackendInfo] = []
+    best: BackendInfo | None = None
+    for spec in sorted(specs, key=lambda s: (-ceiling(s), s.key)):
+        if best is not None and ceiling(spec) < best.score:
+            log.debug("backend %s not probed: it scores at most %d, below %s (%d)",
+                      spec.key, spec.score_ceiling, best.key, best.score)
+            continue
+        info = _info(spec, _probe(spec))
+        infos.append(info)
+        if info.available and (best is None or info.score > best.score):
+            best = info
+    return _best_first(infos)
+
+
 def _candidates(request: str | None) -> tuple[list[BackendInfo], str]:
-    infos = list_backends()
+    specs = list(get_registry().backends.values())
     if request is None:
-        return infos, "highest score"
+        return _probed_until_decided(specs), "highest score"
     family, device = parse_backend_name(request)
-    matching = [i for i in infos if i.name == family and (device is None or i.device == device)]
+    matching = [s for s in specs if s.name == family and (device is None or s.device == device)]
     if not matching:
         raise BackendUnavailableError(
             f"no backend named {request!r} is registered; registered: "
-            f"{describe([i.key for i in infos])}"
+            f"{describe(sorted(s.key for s in specs))}"
         )
-    return matching, f"requested {request!r}"
+    return _probed_until_decided(matching), f"requested {request!r}"
 
 
 def select_backend(backend: str | Backend | None = None, dtype: str | None = None) -> Backend:

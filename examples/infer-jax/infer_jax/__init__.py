@@ -81,10 +81,10 @@ def _factory(device: str):  # type: ignore[no-untyped-def]
 def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
     """Register JAX on the CPU and on a GPU."""
     register(BackendSpec(
-        name="jax", device="cpu", factory=_factory("cpu"), probe=_probe_cpu,
+        name="jax", device="cpu", factory=_factory("cpu"), probe=_probe_cpu, score_ceiling=SCORES["cpu"],
         description="JAX/XLA on the CPU: jit-compiled kernels, float32 or bfloat16 (infer-jax plugin)",
     ))
     register(BackendSpec(
-        name="jax", device="gpu", factory=_factory("gpu"), probe=_probe_gpu,
+        name="jax", device="gpu", factory=_factory("gpu"), probe=_probe_gpu, score_ceiling=SCORES["gpu"],
         description="JAX/XLA on a CUDA or ROCm GPU; bfloat16 by default (infer-jax plugin)",
     ))
