@@ -215,9 +215,8 @@ class NumpyBackend(Backend):
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
-                affine = from_gguf(tensor, groups=(16, 32)) if _affine is not None else None
+                affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
                 if affine is not None:
-                    affine = affine.half_scales()
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
                     return PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine)
                 # Kept in its blocks when memory is short, and with on-load quantization

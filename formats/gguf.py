@@ -74,9 +74,10 @@ class GGUFQuantizedTensor(QuantizedTensor):
         return None if bits is None else (bits, gguf_quants.AFFINE_GROUP[self.qtype])
 
     def affine_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Codes, scales and biases of rows ``[start, stop)``, unpacked from their blocks."""
+        """Codes, scales and biases of rows ``[start, stop)`` from their blocks
+        (the compact form: 4-bit codes packed, stored float16 scales kept)."""
         raw = self.raw.reshape(self.shape[0], -1)[start:stop]
-        return gguf_quants.affine_groups(raw, self.qtype, self.shape[-1])
+        return gguf_quants.affine_groups(raw, self.qtype, self.shape[-1], compact=True)
 
     def dequantize(self) -> np.ndarray:
         """The float32 values, shaped :attr:`shape` (bit-exact with ggml's dequantization)."""

@@ -188,6 +188,10 @@ class StringArray(Sequence[str]):
     def __len__(self) -> int:
         return len(self._ends)
 
+    def stored(self) -> tuple[bytes, np.ndarray]:
+        """The strings as stored: their bytes one after another, and where each ends."""
+        return self._data, self._ends
+
     def _item(self, i: int) -> str:
         start = int(self._ends[i - 1]) if i else 0
         return self._data[start:int(self._ends[i])].decode("utf-8", errors="replace")

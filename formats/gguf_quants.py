@@ -403,7 +403,59 @@ AFFINE_BITS: dict[str, int] = {name: bits for name, (bits, _, _) in _AFFINE.item
 AFFINE_GROUP: dict[str, int] = {name: group for name, (_, group, _) in _AFFINE.items()}
 
 
-def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pair_packed(qs: np.ndarray) -> np.ndarray:
+    """GGML's nibble order -> two codes a byte in column order.
+
+    ``qs`` [..., 2h] holds 4h codes: byte j's low nibble is code j, its high
+    nibble code 2h + j. Returned: byte i holds codes 2i (low) and 2i + 1
+    (high), what :class:`~infer.quantize.AffineTensor` keeps. Bytes 2i and
+    2i + 1 hold codes 2i, 2i + 1 (low nibbles, for the first h bytes out) and
+    2h + 2i, 2h + 2i + 1 (high nibbles, for the last h)."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    return np.concatenate([(even & _M4) | (odd << np.uint8(4)), (even >> np.uint8(4)) | (odd & np.uint8(0xF0))],
+                          axis=-1)
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte ``start`` of every block, as float16: shape [n, 1]."""
+    return blocks[:, start:start + 2].copy().view("<f2")
+
+
+def _half_bias(d: np.ndarray, factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(d, factor * d)`` in float16 when the product is one (``factor`` is a
+    power of two, so only overflow can stop it), else both widened to float32."""
+    wide = d.astype(np.float32)
+    bias = wide * np.float32(factor)
+    narrow = bias.astype(np.float16)
+    if np.isfinite(narrow).all() or not np.isfinite(bias).all():
+        return d, narrow
+    return wide, bias
+
+
+def _compact_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (_pair_packed(b[:, 2:]), *_half_bias(_half(b, 0), -8))
+
+
+def _compact_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _pair_packed(b[:, 4:]), _half(b, 0), _half(b, 2)
+
+
+def _compact_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (b[:, 2:] ^ np.uint8(0x80), *_half_bias(_half(b, 0), -128))
+
+
+def _compact_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = b.shape[0]
+    ds, dm = _k_scales(b)
+    return _pair_packed(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 128), ds.reshape(n, 8), -dm.reshape(n, 8)
+
+
+#: Types whose compact form (4-bit codes packed, float16 scales where exact) is built directly.
+_COMPACT = {"Q4_0": _compact_q4_0, "Q4_1": _compact_q4_1, "Q8_0": _compact_q8_0, "Q4_K": _compact_q4_k}
+
+
+def affine_groups(raw: np.ndarray, qtype: str, cols: int, *,
+                  compact: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The exact affine form of ``qtype`` rows: ``(codes, scales, biases)``.
 
     ``raw`` is uint8 ``[rows, bytes_per_row]`` for rows of ``cols`` values;
@@ -411,6 +463,11 @@ def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, n
     ``scales`` and ``biases`` float32 ``[rows, cols / AFFINE_GROUP[qtype]]``, such that
     ``scales * codes + biases`` (per group of 32, or Q6_K's 16, consecutive values of a
     row, in float32, fused or not) equals :func:`dequantize` bit for bit.
+
+    ``compact``: 4-bit codes come packed two to a byte (``[rows, cols / 2]``, even
+    column low), and Q4_0, Q4_1 and Q8_0 keep their stored float16 scales (and
+    float16 biases, exact): the form :func:`~infer.quantize.from_gguf` keeps, built
+    without unpacking (a third of SmolLM2's load time went to unpacking and repacking).
     """
     if qtype not in _AFFINE:
         raise UnsupportedDtypeError(f"GGML type {qtype} has no exact affine form; "
@@ -418,9 +475,16 @@ def affine_groups(raw: np.ndarray, qtype: str, cols: int) -> tuple[np.ndarray, n
     t = TYPES_BY_NAME[qtype]
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
+    group = AFFINE_GROUP[qtype]
+    if compact and qtype in _COMPACT:
+        with np.errstate(all="ignore"):
+            codes, scales, biases = _COMPACT[qtype](blocks)
+        width = cols // 2 if AFFINE_BITS[qtype] == 4 else cols
+        return (np.ascontiguousarray(codes).reshape(rows, width),
+                np.ascontiguousarray(scales).reshape(rows, cols // group),
+                np.ascontiguousarray(biases).reshape(rows, cols // group))
     with np.errstate(all="ignore"):
         codes, scales, biases = _AFFINE[qtype][2](blocks)
-    group = AFFINE_GROUP[qtype]
     return (np.ascontiguousarray(codes).reshape(rows, cols),
             np.ascontiguousarray(scales, np.float32).reshape(rows, cols // group),
             np.ascontiguousarray(biases, np.float32).reshape(rows, cols // group))

@@ -68,8 +68,9 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from infer.paths import cache_dir
 from infer.errors import TokenizerError
+from infer.formats.gguf_file import StringArray
+from infer.paths import cache_dir
 from infer.tokenizer import Tokenizer, tokenizer_errors
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,10 @@ class _Vocab:
     model: str
     pre: str | None
     architecture: str | None
-    tokens: list[str]
+    tokens: Sequence[str]  # a file's StringArray, or a list
     scores: np.ndarray | None  # float32 [n], or None
     types: np.ndarray  # int32 [n]; NORMAL where the file has none
-    merges: list[str] | None
+    merges: Sequence[str] | None
     add_space_prefix: bool | None
     bos_id: int | None
     eos_id: int | None
@@ -216,12 +217,6 @@ class _Vocab:
         if not tokens:
             raise TokenizerError(f"{where}: tokenizer.ggml.tokens is empty")
         n = len(tokens)
-        if len(set(tokens)) != n:  # llama.cpp refuses these too: a token must name one id
-            first: dict[str, int] = {}
-            for index, token in enumerate(tokens):
-                if first.setdefault(token, index) != index:
-                    raise TokenizerError(f"{where}: tokenizer.ggml.tokens lists {token!r} twice "
-                                         f"(ids {first[token]} and {index})")
         scores = _get_array(metadata, "tokenizer.ggml.scores", np.float32, n, where)
         types = _get_array(metadata, "tokenizer.ggml.token_type", np.int32, n, where)
         merges = _get_strings(metadata, "tokenizer.ggml.merges", where)
@@ -261,13 +256,22 @@ class _Vocab:
         )
 
     def fingerprint(self) -> str:
-        """SHA-256 of everything the built tokenizer.json depends on."""
+        """SHA-256 of everything the built tokenizer.json depends on.
+
+        Checks that need every token decoded (:meth:`check_unique`) run only
+        when the tokenizer is built: a cached one was built from metadata
+        with this fingerprint, so it passed them. A file's string arrays are
+        hashed as their stored bytes, without decoding 10^5 strings."""
         digest = hashlib.sha256()
         header = [BUILD_VERSION, self.model, self.pre, self.architecture, self.add_space_prefix, self.bos_id,
                   self.eos_id, self.unk_id, self.pad_id, self.add_bos, self.add_eos, len(self.tokens)]
         digest.update(json.dumps(header).encode())
-        digest.update(json.dumps(self.tokens, ensure_ascii=False).encode("utf-8", "surrogatepass"))
-        digest.update(json.dumps(self.merges, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        for strings in (self.tokens, self.merges):
+            if isinstance(strings, StringArray):
+                data, ends = strings.stored()
+                digest.update(b"stored" + np.asarray(ends, "<u8").tobytes() + data)
+            else:
+                digest.update(json.dumps(strings, ensure_ascii=False).encode("utf-8", "surrogatepass"))
         digest.update(b"scores" + (b"" if self.scores is None else self.scores.astype("<f4").tobytes()))
         digest.update(b"types" + self.types.astype("<i4").tobytes())
         return digest.hexdigest()
@@ -284,7 +288,17 @@ class _Vocab:
 
     # -- building --------------------------------------------------------------
 
+    def check_unique(self) -> None:
+        """llama.cpp refuses a vocabulary listing a token twice (a token must name one id); so does infer."""
+        if len(set(self.tokens)) != len(self.tokens):
+            first: dict[str, int] = {}
+            for index, token in enumerate(self.tokens):
+                if first.setdefault(token, index) != index:
+                    raise TokenizerError(f"{self.where}: tokenizer.ggml.tokens lists {token!r} twice "
+                                         f"(ids {first[token]} and {index})")
+
     def build(self) -> tokenizers.Tokenizer:
+        self.check_unique()
         try:
             backend = self._byte_level_bpe() if self.model == "gpt2" else self._sentencepiece_bpe()
             self._add_special_tokens(backend)
@@ -470,12 +484,14 @@ def _get_str(metadata: Mapping[str, Any], key: str, where: str, required: bool =
     return value
 
 
-def _get_strings(metadata: Mapping[str, Any], key: str, where: str, required: bool = False) -> list[str] | None:
+def _get_strings(metadata: Mapping[str, Any], key: str, where: str, required: bool = False) -> Sequence[str] | None:
     value = metadata.get(key)
     if value is None:
         if required:
             raise TokenizerError(f"{where}: {key} is missing; it is needed to build the tokenizer")
         return None
+    if isinstance(value, StringArray):
+        return value  # strings by construction, decoded when read
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
         raise TokenizerError(f"{where}: {key} must be an array of strings, got {type(value).__name__}")
     strings = list(value)

@@ -121,8 +121,11 @@ class QuantizedTensor(abc.ABC):
         biases)``, codes uint8 ``[n, cols]`` below ``2**bits``, scales and
         biases float32 ``[n, cols / group]``, such that ``scales * codes +
         biases`` per group (in float32, fused or not) gives the values of
-        :meth:`dequantize`. Default: :class:`NotImplementedError` (no affine
-        form)."""
+        :meth:`dequantize`. A format may also hand out 4-bit codes already
+        packed two to a byte (``[n, cols / 2]``, even column in the low
+        nibble) and float16 scales and biases where those are the exact
+        values: it saves a conversion :func:`infer.quantize.from_gguf` would
+        undo. Default: :class:`NotImplementedError` (no affine form)."""
         raise NotImplementedError(f"{type(self).__name__} {self.qtype} has no affine form")
 
 

@@ -43,7 +43,7 @@ class AffineTensor(QuantizedTensor):
                  scales: np.ndarray, biases: np.ndarray, group: int = GROUP) -> None:
         self.qtype, self.shape, self.bits, self.group = qtype, (int(shape[0]), int(shape[1])), bits, group
         if bits == 4 and codes.shape[1] == shape[1]:
-            codes = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+            codes = _pack4(codes)
         self.packed, self.scales, self.biases = codes, scales, biases
 
     def codes(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -95,13 +95,18 @@ class AffineTensor(QuantizedTensor):
         return f"AffineTensor({self.qtype}, {self.bits} bits, group {self.group}, shape={self.shape})"
 
 
-def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) -> AffineTensor | None:
+def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
+              half: bool = False) -> AffineTensor | None:
     """The exact affine form of a quantized matrix (GGUF blocks, in practice),
     or None when its storage has none with a group size in ``groups`` (by
     default 32, what torch's and MLX's kernels take; Q6_K's form has groups of
     16; Q2_K, Q3_K and the IQ types have none). The tensor's format provides
     the form (:meth:`~infer.ops.QuantizedTensor.affine_layout`,
-    :meth:`~infer.ops.QuantizedTensor.affine_rows`)."""
+    :meth:`~infer.ops.QuantizedTensor.affine_rows`).
+
+    Scales and biases come back float32, or with ``half`` float16 wherever
+    that is exact (:meth:`AffineTensor.half_scales`: a kernel that widens them
+    reads half the bytes)."""
     layout = tensor.affine_layout()
     if layout is None or len(tensor.shape) != 2 or layout[1] not in groups:
         return None
@@ -111,19 +116,33 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,)) ->
     # matrix (Gemma 3's 262k-row head) then never has its stored bytes, its
     # unpacking temporaries and its new codes all resident at once.
     step = max(1, CONVERT_BYTES // max(1, tensor.nbytes // max(1, rows)))
-    if rows <= step:
-        codes, scales, biases = tensor.affine_rows(0, rows)
-    else:
-        codes = np.empty((rows, cols), np.uint8)
-        scales = np.empty((rows, cols // group), np.float32)
-        biases = np.empty_like(scales)
-        for r0 in range(0, rows, step):
+    codes, scales, biases = tensor.affine_rows(0, min(rows, step))
+    if bits == 4 and codes.shape[1] == cols:
+        codes = _pack4(codes)
+    if rows > step:
+        first = (codes, scales, biases)
+        codes = np.empty((rows, first[0].shape[1]), np.uint8)
+        scales = np.empty((rows, cols // group), first[1].dtype)
+        biases = np.empty((rows, cols // group), first[2].dtype)
+        codes[:step], scales[:step], biases[:step] = first
+        tensor.release_rows(0, step)
+        for r0 in range(step, rows, step):
             r1 = min(rows, r0 + step)
-            codes[r0:r1], scales[r0:r1], biases[r0:r1] = tensor.affine_rows(r0, r1)
+            c, s, b = tensor.affine_rows(r0, r1)
+            codes[r0:r1] = _pack4(c) if bits == 4 and c.shape[1] == cols else c
+            scales[r0:r1], biases[r0:r1] = s, b
             tensor.release_rows(r0, r1)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
-    return AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
+    if not half and scales.dtype != np.float32:
+        scales, biases = scales.astype(np.float32), biases.astype(np.float32)
+    affine = AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
+    return affine.half_scales() if half else affine
+
+
+def _pack4(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes ``[n, cols]`` below 16 -> two per byte, even column in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
 
 
 #: Stored bytes of a quantized matrix converted at a time by :func:`from_gguf`.

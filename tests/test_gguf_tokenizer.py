@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 
 from infer.errors import TokenizerError
 from infer.formats import gguf_tokenizer
+from infer.formats.gguf_file import StringArray
 from infer.formats.gguf_tokenizer import default_cache_dir, tokenizer_from_gguf
 from infer.tokenizer import Tokenizer
 from reference import _build_dir, _write_atomic, cache_root, smollm2_gguf_path
@@ -495,6 +496,37 @@ def test_cache_is_reused_and_identical(tmp_path: Path, monkeypatch: pytest.Monke
     cached.write_text("{not json")
     assert tokenizer_from_gguf(metadata, cache_dir=tmp_path).encode("abc a") == first.encode("abc a")
     assert json.loads(cached.read_text())["model"]["type"] == "BPE"
+
+
+def _stored(strings: list[str]) -> StringArray:
+    data = [t.encode() for t in strings]
+    return StringArray(b"".join(data), np.cumsum([len(d) for d in data]))
+
+
+def test_a_cached_tokenizer_loads_without_decoding_the_vocabulary(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file's vocabulary (10^5 strings) is hashed as stored bytes: a cache hit decodes none of it.
+    metadata = _small_gpt2()
+    stored = {**metadata, "tokenizer.ggml.tokens": _stored(metadata["tokenizer.ggml.tokens"]),
+              "tokenizer.ggml.merges": _stored(metadata["tokenizer.ggml.merges"])}
+    first = tokenizer_from_gguf(stored, cache_dir=tmp_path)
+    assert first.encode("abc a") == tokenizer_from_gguf(metadata, cache_dir=tmp_path / "lists").encode("abc a")
+
+    def no_decoding(self: Any, *args: Any) -> Any:
+        raise AssertionError("a stored string was decoded")
+
+    monkeypatch.setattr(StringArray, "__iter__", no_decoding)
+    monkeypatch.setattr(StringArray, "_item", no_decoding)
+    assert tokenizer_from_gguf(dict(stored), cache_dir=tmp_path).encode("abc a") == first.encode("abc a")
+
+
+def test_a_duplicate_token_is_refused_when_the_tokenizer_is_built(tmp_path: Path) -> None:
+    metadata = _small_gpt2()
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    tokens[-1] = tokens[0]
+    with pytest.raises(TokenizerError, match="lists .* twice"):
+        tokenizer_from_gguf({**metadata, "tokenizer.ggml.tokens": _stored(tokens)}, cache_dir=tmp_path)
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_unwritable_cache_only_costs_a_rebuild(tmp_path: Path, caplog) -> None:

@@ -66,6 +66,45 @@ def test_affine_form_equals_dequantize_fused_and_unfused(qtype: str) -> None:
         assert same_values((s * a.codes() + b).astype(np.float32), want)  # one rounding (fma)
 
 
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
+def test_the_compact_form_is_the_unpacked_form_packed(qtype: str) -> None:
+    # What the GGUF reader hands out (4-bit codes packed in GGML's nibble order
+    # turned to column order, stored float16 scales kept) is the unpacked form, exactly.
+    for seed in range(3):
+        t = gguf_tensor(qtype, 8, 512, seed)
+        raw = t.raw.reshape(8, -1)
+        codes, scales, biases = gguf_quants.affine_groups(raw, qtype, 512)
+        c, s, b = gguf_quants.affine_groups(raw, qtype, 512, compact=True)
+        want = AffineTensor(qtype, (8, 512), gguf_quants.AFFINE_BITS[qtype], codes, scales, biases,
+                            gguf_quants.AFFINE_GROUP[qtype])
+        assert np.array_equal(c, want.packed)
+        assert same_bits(s, scales) and same_bits(b, biases)
+        if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+            assert s.dtype == b.dtype == np.float16
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_bias_past_float16_keeps_float32_scales(qtype: str) -> None:
+    # Q4_0's bias is -8 d: a d of 30000 (a float16) gives -240000, past float16's range.
+    t = gguf_tensor(qtype, 2, 64, 0)
+    raw = t.raw.reshape(2, -1).copy()
+    raw[0, 0:2] = np.frombuffer(np.float16(30000).tobytes(), np.uint8)
+    c, s, b = gguf_quants.affine_groups(raw, qtype, 64, compact=True)
+    assert s.dtype == b.dtype == np.float32 and b[0, 0] == np.float32(30000) * (-8 if qtype == "Q4_0" else -128)
+    a = from_gguf(GGUFQuantizedTensor(qtype, (2, 64), raw, "big"), half=True)
+    assert a is not None and a.scales.dtype == np.float32
+    assert same_values(a.dequantize(), GGUFQuantizedTensor(qtype, (2, 64), raw, "big").dequantize())
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
+def test_from_gguf_gives_float32_scales_unless_half_is_asked_for(qtype: str) -> None:
+    t = gguf_tensor(qtype, 8, 512, 1)
+    plain, half = from_gguf(t, groups=(16, 32)), from_gguf(t, groups=(16, 32), half=True)
+    assert plain is not None and half is not None
+    assert plain.scales.dtype == plain.biases.dtype == np.float32  # torch and MLX build from these
+    assert np.array_equal(plain.packed, half.packed) and same_values(half.dequantize(), plain.dequantize())
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0"])
 def test_affine_scales_need_float32(qtype: str) -> None:
     # Why kernels get float32 scales: float16 d has 11 significant bits (bfloat16 holds 8),
