@@ -218,7 +218,7 @@ class NumpyBackend(Backend):
                 affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
                 if affine is not None:
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
-                    return PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine)
+                    return _gemv_args(PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine))
                 # Kept in its blocks when memory is short, and with on-load quantization
                 # (asked for to save memory; a GGUF weight is never quantized twice).
                 if self.quantize in SCHEME_BITS or not self._room_for(tensor):
@@ -230,7 +230,8 @@ class NumpyBackend(Backend):
                 and host.shape[1] % 32 == 0 and (is_linear_weight(name, host.shape) or is_embedding(name))):
             packed = quantize_affine(host, self.quantize, name=name)
             how = "C kernel" if _affine is not None else "dequantized per matmul"
-            return PackedWeight(host.shape, self.quantize, f"{self.quantize} group 32, {how}", packed, rows=packed)
+            weight = PackedWeight(host.shape, self.quantize, f"{self.quantize} group 32, {how}", packed, rows=packed)
+            return _gemv_args(weight) if _affine is not None else weight
         weight = self.from_numpy(host)
         self._float_bytes += weight.nbytes
         return weight
@@ -317,7 +318,7 @@ class NumpyBackend(Backend):
         return x.astype(self._np_dtype(dtype), copy=False)
 
     def shape(self, x: Array) -> tuple[int, ...]:
-        return tuple(int(d) for d in x.shape)
+        return x.shape if type(x) is np.ndarray else tuple(int(d) for d in x.shape)  # ndarray's: Python ints
 
     def dtype(self, x: Array) -> str:
         try:
@@ -337,6 +338,21 @@ class NumpyBackend(Backend):
         return np.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if type(weight) is PackedWeight:
+            gemv = weight.kernel
+            if gemv is not None and bias is None and type(x) is np.ndarray and x.dtype == np.float32:
+                # Decoding's products, with what the kernel takes worked out once
+                # per weight (_gemv_args): a product costs ~1 us of Python, not ~3.
+                bits, codes, scales, biases, k, n = gemv[:6]
+                m = x.size // k
+                if 0 < m <= self.KERNEL_ROWS and x.shape[-1] == k:
+                    if GOVERNOR is not None:
+                        GOVERNOR.check()
+                    self._after_blas = False
+                    out = np.empty((m, n), np.float32)
+                    _affine.gemv(bits, np.ascontiguousarray(x), codes, scales, biases, out, m, *gemv[4:])
+                    return out if x.ndim == 2 else out.reshape(*x.shape[:-1], n)
+            return self.quantized_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
             return self.quantized_linear(x, weight, bias)
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
@@ -456,8 +472,11 @@ class NumpyBackend(Backend):
         self, x: Array, residual: Array, weight: Array | None, eps: float
     ) -> tuple[Array, Array]:
         if _rowwise(x, weight) and residual.shape == x.shape and residual.dtype == np.float32:
-            x, residual = np.ascontiguousarray(x), np.ascontiguousarray(residual)
-            h, out = np.empty_like(x), np.empty_like(x)
+            if not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x)
+            if not residual.flags.c_contiguous:
+                residual = np.ascontiguousarray(residual)
+            h, out = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
             _affine.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps, residual, h)
             return out, h
         h = x + residual
@@ -517,7 +536,7 @@ class NumpyBackend(Backend):
     # -- shapes ------------------------------------------------------------------
 
     def reshape(self, x: Array, shape: Sequence[int]) -> Array:
-        return np.reshape(x, tuple(shape))
+        return x.reshape(shape) if type(x) is np.ndarray else np.reshape(x, tuple(shape))
 
     def transpose(self, x: Array, axes: Sequence[int]) -> Array:
         return np.transpose(x, tuple(axes))
@@ -526,6 +545,8 @@ class NumpyBackend(Backend):
         return np.concatenate(list(xs), axis=axis)
 
     def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        if axis == -1 or axis == x.ndim - 1:
+            return x[..., start:stop]
         index = [slice(None)] * x.ndim
         index[axis] = slice(start, stop)
         return x[tuple(index)]
@@ -639,10 +660,23 @@ class NumpyBackend(Backend):
         return out
 
 
+def _gemv_args(weight: PackedWeight) -> PackedWeight:
+    """``weight`` with the C kernel's arguments for it kept on it (as
+    :attr:`~infer.ops.PackedWeight.kernel`: bits, codes, scales, biases, then
+    k, n, group, half) where the kernel computes it, for
+    :meth:`NumpyBackend.linear`'s decode path."""
+    w = weight.data
+    if isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0:
+        n, k = w.shape
+        weight.kernel = (4 if w.bits == 4 else 8, w.packed, w.scales, w.biases, k, n, w.group,
+                         w.scales.dtype == np.float16)
+    return weight
+
+
 def _rowwise(x: Array, weight: Array | None) -> bool:
     """Whether the C row kernels take this float32 input (and its weight over the last axis)."""
-    return (_affine is not None and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim >= 1
-            and x.size > 0 and (weight is None or (isinstance(weight, np.ndarray) and weight.dtype == np.float32
+    return (_affine is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1
+            and x.size > 0 and (weight is None or (type(weight) is np.ndarray and weight.dtype == np.float32
                                                   and weight.shape == x.shape[-1:] and weight.flags.c_contiguous)))
 
 

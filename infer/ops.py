@@ -140,7 +140,7 @@ class PackedWeight:
     returned.
     """
 
-    __slots__ = ("shape", "qtype", "scheme", "data", "rows")
+    __slots__ = ("shape", "qtype", "scheme", "data", "rows", "kernel")
 
     def __init__(self, shape: tuple[int, ...], qtype: str, scheme: str, data: Any,
                  rows: QuantizedTensor | None = None) -> None:
@@ -157,6 +157,9 @@ class PackedWeight:
         #: and for the default :meth:`Backend.quantized_linear`; None when the
         #: backend needs neither (the weight is only ever a ``linear`` weight).
         self.rows = rows
+        #: Free for the backend: e.g. its kernel's arguments for this weight,
+        #: worked out once at load instead of at every product. None by default.
+        self.kernel: Any = None
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.qtype} as {self.scheme}, shape={list(self.shape)})"
