@@ -16,6 +16,7 @@ it: ``pip install -e examples/ray-serve``); the replicas find it on the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sys
@@ -34,6 +35,8 @@ serve = pytest.importorskip("ray.serve", reason="ray serve is not installed (pip
 import httpx2 as httpx  # noqa: E402
 import openai  # noqa: E402
 from reference import load_tiny, tiny_model_dir  # noqa: E402
+
+from infer.serve import load_app  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ray-serve"
 try:
@@ -150,6 +153,20 @@ def test_errors_come_through_the_proxy(client: openai.OpenAI) -> None:
     bad = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=NAME, prompt=PROMPT, max_tokens=2)
+
+
+def test_the_health_check_asks_the_apps_own_health() -> None:
+    """What ``InferReplica.check_health`` calls, in process: 503 while the
+    engine thread is not running (Serve then replaces the replica), 200 while it is."""
+    app = load_app(tiny_model_dir("smollm2_like"), backend="numpy")
+    loop = app.state.server.loop
+    assert asyncio.run(infer_ray_serve._get_status(app, "/health")) == 503
+    loop.start()
+    try:
+        assert asyncio.run(infer_ray_serve._get_status(app, "/health")) == 200
+    finally:
+        loop.stop()
+    assert asyncio.run(infer_ray_serve._get_status(app, "/health")) == 503
 
 
 def test_deleting_the_app_lets_a_stream_in_flight_finish(client: openai.OpenAI, endpoint: str,
