@@ -33,7 +33,7 @@ from reference import LOGIT_RTOL, load_tiny, reference_logits, reference_teacher
 
 import infer
 from infer.engine.batch import BatchEngine
-from infer.serve import create_app
+from infer.serve import create_app, load_app
 from infer.serve.tools import parse_tool_calls
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -118,6 +118,19 @@ def test_models_health_and_metrics_endpoints(url: str, client: openai.OpenAI) ->
                  "infer_time_to_first_token_seconds_count", "infer_time_per_output_token_seconds_count"):
         assert name in m, name
     assert m["infer_kv_blocks_total"] > 0
+
+
+def test_load_app_loads_with_the_cli_options_and_health_follows_the_engine_thread(reference: Any) -> None:
+    app = load_app(tiny_model_dir("smollm2_like"), backend="numpy", max_batch_tokens=64, model_name=NAME)
+    assert app.state.server.loop.batch.max_batch_tokens == 64
+    with running(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == reference.generate(PROMPT, max_tokens=8, temperature=0)
+        assert httpx.get(base + "/health").status_code == 200
+        app.state.server.loop.stop()  # as if the engine thread had died: a load balancer must stop routing here
+        gone = httpx.get(base + "/health")
+        assert gone.status_code == 503 and gone.json()["status"] == "error"
 
 
 def test_greedy_completions_equal_generate(client: openai.OpenAI, reference: Any) -> None:

@@ -170,6 +170,9 @@ class _Server:
     # -- small endpoints ---------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        # A load balancer (or Ray Serve's health check) takes a 503 as "route elsewhere, restart me".
+        if not self.loop.alive:
+            return JSONResponse({"status": "error", "reason": "the engine thread is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:

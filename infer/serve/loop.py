@@ -146,6 +146,12 @@ class EngineLoop:
             self._thread.join()
             self._thread = None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running (started, not stopped, not
+        died): without it no request would ever be answered."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     # -- the event loop's side ----------------------------------------------------------
 
     @property
