@@ -14,12 +14,15 @@ CUDA only where the GPU supports it; on MPS only where the OS does). The
 default is float32, except on CUDA where it is bfloat16 when supported:
 decoding is bound by the bytes of weights read per token.
 
-Quantized weights (docs/quantization.md): on the CPU, GGUF Q4_0/Q4_1/Q4_K
-matrices can be kept as int4pack with float32 scales (exact), and float
-checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per output
-channel), when ``infer.load(..., quantize=...)`` asks for it; by default
-GGUF weights are dequantized, because torch's float32 int4pack kernel is
-slower than float32 BLAS here. On CUDA in bfloat16 the same is done with
+Quantized weights (docs/quantization.md): on the CPU, GGUF matrices with an
+affine form stay in it and are computed by the numpy backend's C kernels on
+the tensors' memory (exact; see ``_cpu_affine`` below), which also serve
+float32 norms, rope and decoding's attention. Without those kernels, GGUF
+Q4_0/Q4_1/Q4_K matrices can be kept as int4pack with float32 scales (exact),
+and float checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per
+output channel), when ``infer.load(..., quantize=...)`` asks for it;
+otherwise GGUF weights are dequantized, because torch's float32 int4pack
+kernel is slower than float32 BLAS here. On CUDA in bfloat16 the same is done with
 tinygemm's int4 kernel (bfloat16 scales) and, where this torch has it, the
 int8 one; on MPS nothing is kept quantized.
 
@@ -134,6 +137,90 @@ def _import_torch() -> None:
     torch, F = _torch, _F
 
 
+# -- GGUF weights on the CPU: numpy's C kernels through torch tensors ---------------------
+#
+# torch has no CPU kernel for GGUF's blocks that is both exact and fast: its
+# float32 int4pack path is a generic loop slower than float32 BLAS, and
+# dequantized float32 weights read 5-8x the bytes per token. The numpy
+# backend's C kernels (backends/_affine.c) compute on the blocks' affine form
+# exactly in float32, with run-time AVX2/AVX-512 paths; torch/cpu runs them on
+# its tensors' memory (no copy: a CPU tensor and its .numpy() share it).
+# Measured: docs/backends.md, "Quantized weights and speed".
+
+
+def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
+    """A GGUF matrix kept in its affine form for the C kernels, or None where
+    it has none."""
+    affine = from_gguf(tensor, groups=(16, 32), half=True)
+    if affine is None or not (affine.group == 32 or affine.bits > 4):
+        return None
+    views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, affine.biases))
+    how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
+    return PackedWeight(affine.shape, affine.qtype, how, ("affine", affine, views), rows=affine)
+
+
+def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturing: bool) -> Any:
+    """``x @ W.T`` in float32 for the affine weight ``W``: the C kernel for up
+    to 16 rows, slabs of ``W`` dequantized for torch's GEMM beyond. Under
+    torch.compile, as the custom op ``infer::affine_linear`` (opaque to it)."""
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    x = x.contiguous()
+    if capturing and torch.compiler.is_compiling():
+        return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group)
+    return _affine_product(x, affine)
+
+
+def _affine_product(x: Any, affine: AffineTensor) -> Any:
+    from infer.backends import numpy as numpy_backend
+
+    kernels = numpy_backend._affine
+    n, k = affine.shape
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    bits, half = (4 if affine.bits == 4 else 8), affine.scales.dtype == np.float16
+    if m <= numpy_backend.NumpyBackend.KERNEL_ROWS:
+        if numpy_backend.GOVERNOR is not None:
+            numpy_backend.GOVERNOR.check()
+        kernels.gemv(bits, x.numpy(), affine.packed, affine.scales, affine.biases, out.numpy(), m, k, n,
+                     affine.group, half)
+        return out
+    rows = max(1, min(n, numpy_backend.NumpyBackend.SLAB_BYTES // (4 * k)))
+    slab = torch.empty((rows, k), dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        part = slab[: r1 - r0]
+        kernels.dequantize(bits, affine.packed[r0:r1], affine.scales[r0:r1], affine.biases[r0:r1], part.numpy(),
+                           r1 - r0, k, False, affine.group, half)
+        out[:, r0:r1] = x @ part.T
+    return out
+
+
+_AFFINE_OP_REGISTERED = False
+
+
+def _register_affine_op() -> None:
+    """``infer::affine_linear`` for torch.compile: a captured step calls the
+    C kernel as one opaque op (its fake shows Inductor the output's shape)."""
+    global _AFFINE_OP_REGISTERED
+    if _AFFINE_OP_REGISTERED or not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+        return
+
+    @torch.library.custom_op("infer::affine_linear", mutates_args=())
+    def affine_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                      bits: int, group: int) -> torch.Tensor:
+        n = codes.shape[0]
+        k = x.shape[1]
+        affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), biases.numpy(), group)
+        return _affine_product(x, affine)
+
+    @affine_linear.register_fake
+    def _(x, codes, scales, biases, bits, group):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
+    _AFFINE_OP_REGISTERED = True
+
+
 class TorchBackend(Backend):
     """PyTorch on one device (``"cuda"``, ``"mps"`` or ``"cpu"``)."""
 
@@ -154,8 +241,18 @@ class TorchBackend(Backend):
                 torch.zeros(1, dtype=torch.bfloat16, device=self._device)
             except (RuntimeError, TypeError) as exc:
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
+        #: numpy's C kernels (backends/_affine.c) for float32 CPU tensors: norms,
+        #: rope, decoding's attention and GGUF products, run on the tensors'
+        #: memory; None off the CPU or where they are not built.
+        self._kernels: Any = None
         if device == "cpu":
             self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
+            _register_affine_op()
+            from infer.backends import numpy as numpy_backend
+
+            self._kernels = numpy_backend._affine
+            if self._kernels is not None:
+                self.native_ops = self.native_ops | {"fused_add_rms_norm"}
         elif device == "cuda" and self.compute_dtype == "bfloat16" and _cuda_int4_layout() is not None:
             # tinygemm int4 (bfloat16 activations, scales and zero points); q8 only
             # where this torch has a CUDA int8 kernel (probed once per process).
@@ -180,6 +277,10 @@ class TorchBackend(Backend):
         (see :meth:`keeps_gguf`); on-load ``q4`` as int4pack and ``q8`` as
         int8 per output channel; everything else in the compute dtype."""
         if isinstance(tensor, QuantizedTensor):
+            if self._kernels is not None and self.quantize != "off" and len(tensor.shape) == 2:
+                kept = _cpu_affine(tensor)
+                if kept is not None:
+                    return kept
             if self.keeps_gguf() and tensor.qtype in self.INT4_TYPES:
                 affine = from_gguf(tensor)
                 packed = None if affine is None else self._int4pack(affine, name)
@@ -272,6 +373,12 @@ class TorchBackend(Backend):
         result rounded once to ``x``'s dtype), in bfloat16 on CUDA (the
         kernels' only activation dtype there)."""
         kind, w, s = weight.data
+        if kind == "affine":
+            y = _affine_linear(x.reshape(-1, x.shape[-1]), w, s, self.graph_capture)
+            if bias is not None:
+                y = y + bias.float()
+            y = y.reshape(*x.shape[:-1], weight.shape[0])
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         lead = x.shape[:-1]
         wide = torch.float32 if self._device.type == "cpu" else torch.bfloat16
         x2 = x.reshape(-1, x.shape[-1]).to(wide)
@@ -419,10 +526,32 @@ class TorchBackend(Backend):
 
     # -- normalisation, position, gather ---------------------------------------
 
+    def _host(self, *xs: Any) -> bool:
+        """Whether the C kernels take these tensors (float32, contiguous, on the
+        CPU backend, not inside torch.compile's trace)."""
+        return (self._kernels is not None and all(x.dtype == torch.float32 and x.is_contiguous() for x in xs)
+                and not torch.compiler.is_compiling())
+
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        if x.numel() and (self._host(x) if weight is None else self._host(x, weight) and weight.shape == x.shape[-1:]):
+            out = torch.empty_like(x)
+            self._kernels.rms_norm(x.numpy(), None if weight is None else weight.numpy(), out.numpy(),
+                                   x.numel() // x.shape[-1], x.shape[-1], eps)
+            return out
         x32 = x.float()
         y = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
         return y if weight is None else y * weight
+
+    def fused_add_rms_norm(self, x: Array, residual: Array, weight: Array | None, eps: float) -> tuple[Array, Array]:
+        """On the CPU in float32 one C pass (numpy's kernel); elsewhere add, then norm."""
+        if (x.numel() and weight is not None and residual.shape == x.shape and self._host(x, residual, weight)
+                and weight.shape == x.shape[-1:]):
+            h, out = torch.empty_like(x), torch.empty_like(x)
+            self._kernels.rms_norm(x.numpy(), weight.numpy(), out.numpy(), x.numel() // x.shape[-1], x.shape[-1],
+                                   eps, residual.numpy(), h.numpy())
+            return out, h
+        h = self.add(x, residual)
+        return self.rms_norm(h, weight, eps), h
 
     def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
         y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype)
@@ -435,6 +564,11 @@ class TorchBackend(Backend):
     def rope(self, x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
         """Computed in float32 (or wider), rounded once to ``x``'s dtype."""
         half = cos.shape[-1]
+        if (not interleaved and x.dim() == 3 and x.numel() and cos.shape == sin.shape == (x.shape[0], half)
+                and 2 * half <= x.shape[-1] and self._host(x, cos, sin)):
+            out = torch.empty_like(x)
+            self._kernels.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), *x.shape, half)
+            return out  # the same formula, bit for bit
         rot = 2 * half
         wide = torch.promote_types(x.dtype, torch.float32)
         cos = cos[:, None, :].to(wide)  # [tokens, 1, rot/2], broadcast over heads
@@ -482,6 +616,8 @@ class TorchBackend(Backend):
         return torch.cat(list(xs), dim=axis)
 
     def slice(self, x: Array, axis: int, start: int, stop: int) -> Array:
+        if axis == -1:
+            return x[..., start:stop]
         index: list[Any] = [slice(None)] * (axis % x.dim())
         index.append(slice(start, stop))
         return x[tuple(index)]
@@ -629,6 +765,14 @@ class TorchBackend(Backend):
         tk, hkv, dv = v.shape
         if window is not None and window >= tk:
             window = None  # the window reaches every key: no effect
+        if (tq <= 16 and 0 < tq <= tk and (softcap is None or softcap > 0) and (window is None or window > 0)
+                and self._host(q, k, v)):
+            # Decoding on the CPU: numpy's one-pass C kernel (SDPA's CPU path
+            # costs more in dispatch than the attention of a few rows does).
+            out = torch.empty((tq, hq, dv), dtype=torch.float32)
+            self._kernels.attention(q.numpy(), k.numpy(), v.numpy(), out.numpy(), tq, tk, hq, hkv, dk, dv, scale,
+                                    causal, window or 0, softcap or 0.0, None, 0, True)
+            return out
         if softcap is not None:
             return self._attention_float32(q, k, v, scale, causal, window, softcap)
         mask, is_causal = self._mask(tq, tk, causal, window)

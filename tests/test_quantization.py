@@ -156,6 +156,7 @@ def torch_q() -> object:
 
     ops = TorchBackend("cpu")
     ops.quantize = "q4"  # int4pack is used when quantized compute is asked for (see keeps_gguf)
+    ops._kernels = None  # and numpy's C kernels are not built (with them, the affine form: below)
     return ops
 
 
@@ -180,12 +181,40 @@ def test_torch_falls_back_to_exact_floats(torch_q) -> None:  # type: ignore[no-u
         assert same_bits(torch_q.to_numpy(w), t.dequantize())
 
 
-def test_torch_keeps_gguf_float_by_default() -> None:
+def test_torch_keeps_gguf_float_by_default_without_the_c_kernels() -> None:
     pytest.importorskip("torch")
     from infer.backends.torch import TorchBackend
 
     ops = TorchBackend("cpu")
+    ops._kernels = None
     assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_0", 16, 256, 0), name=LINEAR), PackedWeight)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.AFFINE_BITS))
+def test_torch_cpu_computes_gguf_blocks_with_the_c_kernels_exactly(qtype: str) -> None:
+    # By default torch/cpu keeps every GGUF type with an affine form in it and runs the
+    # numpy backend's kernels on it: products and embedding rows equal the dequantized
+    # float32 weights, for one row (decoding) and past the kernel's 16 (prefill's slabs).
+    pytest.importorskip("torch")
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cpu")
+    if ops._kernels is None:
+        pytest.skip("numpy's C kernels are not built")
+    rows, cols = (48, 512)
+    t = gguf_tensor(qtype, rows, cols, 2)
+    w = ops.prepare_weight(t, name=EMBED)
+    assert isinstance(w, PackedWeight) and w.scheme.endswith("C kernel")
+    want = t.dequantize()
+    assert same_values(weight_through_kernel(ops, w), want)  # 512 rows of x: the slab path
+    x = np.random.default_rng(0).standard_normal((1, cols)).astype(np.float32)
+    got = ops.to_numpy(ops.linear(ops.from_numpy(x), w))
+    np.testing.assert_allclose(got, x @ want.T, rtol=2e-5, atol=2e-5)  # the kernel's own summation order
+    ids = np.array([rows - 1, 0, 3], np.int32)
+    assert same_values(ops.to_numpy(ops.embedding(w, ops.from_numpy(ids))), want[ids])
+    off = TorchBackend("cpu")
+    off.quantize = "off"
+    assert not isinstance(off.prepare_weight(t, name=LINEAR), PackedWeight)
 
 
 def test_torch_cuda_quantizes_only_where_the_kernel_probe_passes(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -104,6 +104,25 @@ def test_top_left_causal_would_be_wrong():
     assert np.abs(top_left.numpy() - want).max() > 0.1
 
 
+@pytest.mark.skipif(torch_backend.TorchBackend("cpu")._kernels is None, reason="numpy's C kernels are not built")
+@pytest.mark.parametrize("tq, tk, window, softcap", [(1, 9, None, None), (3, 9, 4, None), (1, 40, None, 30.0)])
+def test_cpu_float32_decoding_runs_numpys_c_kernels(monkeypatch, tq, tk, window, softcap):
+    # torch/cpu decodes through the numpy backend's kernels (SDPA's dispatch costs more than
+    # the attention of a few rows), and gets the numpy backend's values, bit for bit.
+    from infer.backends.numpy import NumpyBackend
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", None)  # never reached
+    q, k, v = normal(0, tq, 4, 8), normal(1, tk, 2, 8), normal(2, tk, 2, 8)
+    got = ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), scale=0.3, window=window,
+                        softcap=softcap)
+    want = NumpyBackend().attention(q, k, v, scale=0.3, window=window, softcap=softcap)
+    assert np.array_equal(ops.to_numpy(got), want)
+    x, r, w = normal(3, 2, 576), normal(4, 2, 576), normal(5, 576)
+    out, h = ops.fused_add_rms_norm(ops.from_numpy(x), ops.from_numpy(r), ops.from_numpy(w), 1e-5)
+    want_out, want_h = NumpyBackend().fused_add_rms_norm(x, r, w, 1e-5)
+    assert np.array_equal(ops.to_numpy(out), want_out) and np.array_equal(ops.to_numpy(h), want_h)
+
+
 @pytest.mark.parametrize("tq, tk, hq, window, want_mask, want_causal, want_gqa", [
     (1, 9, 4, None, False, False, True),   # decode: the single query sees every key
     (9, 9, 4, None, False, True, True),    # square prefill: top-left == bottom-right
@@ -121,6 +140,7 @@ def test_sdpa_path(monkeypatch, tq, tk, hq, window, want_mask, want_causal, want
         return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(ops, "_kernels", None)  # SDPA's path, as off the CPU (below: the CPU's C kernel)
     q, k, v = normal(0, tq, hq, 8), normal(1, tk, 2, 8), normal(2, tk, 2, 8)
     got = ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), scale=0.3, window=window)
     assert calls == [(want_mask, want_causal, want_gqa, 2 if want_gqa or hq == 2 else hq)]
