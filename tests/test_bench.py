@@ -365,18 +365,20 @@ def test_run_script_checks_the_issue_targets() -> None:
 
     smol = {"model": {"reference": "smollm2-135m", "bytes": 100}, "engines": [
         row("infer (default)", 150, 500, 0.5, 120, ratios={"decode_tok_s": 1.5, "prefill_tok_s": 1.8}),
-        row(run.FLOAT32_NUMPY, 40, 300, 1.0, 600, bound_fraction=0.8),
-        row("transformers float32", 18, 580, 16, 900)]}
+        row("infer numpy", 150, 500, 0.5, 120), row("infer torch:cpu", 120, 400, 1.5, 150),
+        row("llama.cpp", 100, 300, 0.1, 130)]}
     gemma = {"model": {"reference": "gemma3-270m", "bytes": 250}, "engines": [
         row("infer (default)", 60, 500, 0.5, 300, ratios={"decode_tok_s": 0.9})]}
     found = {(t["model"], t["target"]): t for t in run.targets({"reports": [smol, gemma]})}
     assert found[("smollm2-135m", "decode ≥ 1.25× llama.cpp")]["met"] is True
     assert found[("smollm2-135m", "prefill ≥ 2× llama.cpp")]["met"] is False
-    assert found[("smollm2-135m", "load ≤ 1 s")]["met"] is True
+    assert found[("smollm2-135m", "load ≤ 1.0× llama.cpp's")]["measured"] == pytest.approx(5.0)
+    assert found[("smollm2-135m", "peak RSS ≤ llama.cpp's (ratio)")]["met"] is True
     assert found[("smollm2-135m", "peak RSS above imports ≤ 1.3× the GGUF file")]["measured"] == pytest.approx(1.2)
-    assert found[("smollm2-135m", "numpy float32 decode ≥ 2× transformers float32")]["measured"] == pytest.approx(40 / 18)
-    assert found[("gemma3-270m", "decode ≥ 1.0× llama.cpp")]["met"] is False
-    assert "| smollm2-135m | load ≤ 1 s | 0.50 | yes |" in run.format_targets(list(found.values()))
+    assert found[("smollm2-135m", "torch/cpu decode ≥ 1.0× numpy")]["measured"] == pytest.approx(0.8)
+    assert found[("gemma3-270m", "decode ≥ 1.25× llama.cpp")]["met"] is False
+    assert ("gemma3-270m", "load ≤ 1.0× llama.cpp's") not in found  # no llama.cpp row to compare with
+    assert "| smollm2-135m | load ≤ 1.0× llama.cpp's | 5.00 | no |" in run.format_targets(list(found.values()))
 
 
 # -- what each engine is charged for -----------------------------------------------------
