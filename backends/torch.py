@@ -515,10 +515,12 @@ class TorchBackend(Backend):
             dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=init_method or "env://",
                                     rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout))
-        elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        elif init_method is not None or (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            # One default group per process: a second tensor-parallel model would talk to the first's ranks.
             raise UnsupportedOpError(
                 f"this process is rank {dist.get_rank()} of {dist.get_world_size()} in a torch.distributed "
-                f"group already; it cannot join another as rank {rank} of {world_size}")
+                f"group already (another tensor-parallel model still open?); it cannot join another as rank "
+                f"{rank} of {world_size}: close the other model first")
         self.rank, self.world_size = rank, world_size
 
     def leave_group(self) -> None:
