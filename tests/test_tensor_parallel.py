@@ -96,6 +96,20 @@ def test_batched_generation_equals_one_process(pair) -> None:  # type: ignore[no
     assert parallel.generate(prompts, **kw) == single.generate(prompts, **kw)
 
 
+def test_scoring_speculation_and_prefix_reuse_equal_one_process(pair) -> None:  # type: ignore[no-untyped-def]
+    single, parallel, ids = pair
+    text = PROMPT + " the quick brown fox jumps over the lazy dog"
+    a, b = single.score(text), parallel.score(text)
+    assert a.token_ids == b.token_ids
+    assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    want = list(single.generate_tokens(ids, max_tokens=STEPS, ignore_eos=True))
+    assert list(parallel.generate_tokens(ids, max_tokens=STEPS, ignore_eos=True, speculative="ngram")) == want
+    # The same long prompt twice in a batch: the second reuses the first's cached blocks.
+    long = [PROMPT * 2] * 2
+    kw = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert parallel.generate(long, **kw) == single.generate(long, **kw)
+
+
 def test_each_rank_holds_its_share_of_the_weights(alone: None) -> None:
     path = tiny_model_dir("llama3")
     single = infer.load(path, backend="torch:cpu")

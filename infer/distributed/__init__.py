@@ -165,6 +165,7 @@ def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format
         group.close()
         raise
     model = TensorParallelLM(network, group, loader)
+    model.wait_ready()  # a worker that failed to load is an error now, not at the first request
     atexit.register(_close_at_exit, weakref.ref(group))
     return model
 

@@ -108,13 +108,17 @@ class DriverGroup:
 
     # -- commands
 
-    def call(self, message: dict[str, Any], local: Callable[[], Any], *tensors: Array) -> Any:
-        """Send ``message`` (with the pending events), broadcast ``tensors``,
-        then run ``local`` (rank 0's share of the same call). Any failure
-        once the command is out leaves the ranks out of step: the group is
-        then broken and every later call raises :class:`WorkerError`."""
+    def call(self, message: dict[str, Any], local: Callable[[], Any], *tensors: Array,
+             ctx: AttentionContext | None = None) -> Any:
+        """Send ``message`` (with ``ctx``'s sequences described, and the
+        pending events), broadcast ``tensors``, then run ``local`` (rank 0's
+        share of the same call). Any failure once the command is out leaves
+        the ranks out of step: the group is then broken and every later call
+        raises :class:`WorkerError`."""
         with self.lock:
             self._check()
+            if ctx is not None:
+                message["slices"] = self.describe(ctx)
             message["events"], self._events = self._events, []
             try:
                 send(self.ops, message)
@@ -172,7 +176,9 @@ class DriverGroup:
                               "it again")
 
     def _fail(self, exc: BaseException) -> WorkerError:
-        time.sleep(0.2)  # a killed worker's exit status takes a moment to be reaped
+        deadline = time.monotonic() + 1.0  # a dead worker's sockets close a moment before it can be reaped
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
+            time.sleep(0.05)
         dead = [f"rank {i + 1} (pid {p.pid}, exit code {p.poll()})" for i, p in enumerate(self.processes)
                 if p.poll() is not None]
         what = f"{', '.join(dead)} exited" if dead else "a rank failed or stopped answering"
@@ -257,8 +263,7 @@ class TensorParallelLM(CausalLM):
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
         ids = self.ops.to_numpy(input_ids).astype(np.int32)
-        message = {"op": "forward", "ids": ids, "slices": self.group.describe(ctx)}
-        return self.group.call(message, lambda: self.shard.forward(input_ids, ctx))
+        return self.group.call({"op": "forward", "ids": ids}, lambda: self.shard.forward(input_ids, ctx), ctx=ctx)
 
     def compute_logits(self, hidden: Array) -> Array:
         message = {"op": "logits", "shape": self.ops.shape(hidden), "dtype": self.ops.dtype(hidden)}
@@ -266,14 +271,20 @@ class TensorParallelLM(CausalLM):
 
     def mtp_forward(self, depth: int, hidden: Array, input_ids: Array, ctx: AttentionContext) -> Array:
         ids = self.ops.to_numpy(input_ids).astype(np.int32)
-        message = {"op": "mtp_forward", "depth": depth, "ids": ids, "slices": self.group.describe(ctx),
-                   "shape": self.ops.shape(hidden), "dtype": self.ops.dtype(hidden)}
-        return self.group.call(message, lambda: self.shard.mtp_forward(depth, hidden, input_ids, ctx), hidden)
+        message = {"op": "mtp_forward", "depth": depth, "ids": ids, "shape": self.ops.shape(hidden),
+                   "dtype": self.ops.dtype(hidden)}
+        return self.group.call(message, lambda: self.shard.mtp_forward(depth, hidden, input_ids, ctx), hidden,
+                               ctx=ctx)
 
     def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:
         message = {"op": "mtp_logits", "depth": depth, "shape": self.ops.shape(hidden),
                    "dtype": self.ops.dtype(hidden)}
         return self.group.call(message, lambda: self.shard.mtp_compute_logits(depth, hidden), hidden)
+
+    def wait_ready(self) -> None:
+        """Return once every rank has built its shard and waits for commands
+        (one all-reduce); :class:`WorkerError` if one died meanwhile."""
+        self.group.call({"op": "ready"}, lambda: self.ops.all_reduce(self.ops.zeros((1,))))
 
     def rank_weights(self) -> list[dict[str, int]]:
         """Per rank: the bytes of weights it holds by role (``heads``,
@@ -344,6 +355,8 @@ class Worker:
                                          self._context(message["slices"]))
             elif op == "mtp_logits":
                 self.network.mtp_compute_logits(message["depth"], self._hidden(message))
+            elif op == "ready":
+                ops.all_reduce(ops.zeros((1,)))
             elif op == "weights":
                 mine = dict(self.bytes_by_role, total=weight_bytes(self.network, ops), rss=resident_bytes())
                 row = np.asarray([[mine.get(r, 0) for r in message["roles"]]], dtype=np.int64)

@@ -28,12 +28,25 @@ def _watch_driver() -> None:
         os._exit(3)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     logging.basicConfig(level=os.environ.get("INFER_TP_LOG", "WARNING"),
                         format=f"infer rank {spec['rank']}: %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_driver, name="infer-tp-watch", daemon=True).start()
+    log = logging.getLogger("infer.distributed.worker")
+    try:
+        run(spec)
+    except Exception as exc:  # the driver names this rank; its own log says why
+        log.error("rank %d of %d stops: %s: %s", spec["rank"], spec["ranks"], type(exc).__name__, exc,
+                  exc_info=log.isEnabledFor(logging.DEBUG))
+        logging.shutdown()
+        os._exit(1)
+    logging.shutdown()
+    os._exit(0)  # the watcher thread still blocks on stdin; nothing else is left to finish
 
+
+def run(spec: dict) -> None:
+    """Open the model, join the group, serve rank 0 until it closes the model."""
     from infer.distributed import serve
     from infer.plugins import get_registry
     from infer.plugins.selection import select_backend
@@ -46,9 +59,7 @@ def main(argv: list[str]) -> int:
     ops.quantize = spec["quantize"]
     ops.join_group(spec["rank"], spec["ranks"], init_method=spec["init_method"], timeout=spec["timeout"])
     serve(package, arch, ops, spec["ranks"])
-    logging.shutdown()
-    os._exit(0)  # the watcher thread still blocks on stdin; nothing else is left to finish
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])
