@@ -9,11 +9,14 @@ after one warm-up; results in docs/distributed.md.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 import time
 
 import infer
+
+log = logging.getLogger("benchmarks.tensor_parallel")
 
 
 def measure(reference: str, ranks: int, repeats: int = 3) -> tuple[float, float]:
@@ -34,12 +37,15 @@ def measure(reference: str, ranks: int, repeats: int = 3) -> tuple[float, float]
             model.engine.release(seq)
             prefill.append(len(ids) / (t1 - t0))
             decode.append(32 / (t2 - t1))
+        log.info("%s ranks %d: prefill %s, decode %s tok/s", reference, ranks, prefill, decode)
         return statistics.median(prefill[1:]), statistics.median(decode[1:])
     finally:
         model.close()
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("infer").setLevel(logging.WARNING)
     for n in [int(a) for a in sys.argv[2:]]:
         p, d = measure(sys.argv[1], n)
         print(f"{sys.argv[1]} ranks {n}: prefill {p:.1f} tok/s, decode {d:.1f} tok/s", flush=True)

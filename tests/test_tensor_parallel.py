@@ -174,6 +174,19 @@ def test_close_stops_the_workers(alone: None) -> None:
         list(model.generate_tokens([1, 2, 3], max_tokens=2))
 
 
+def test_the_cli_runs_tensor_parallel(alone: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.tools.cli import main
+
+    path = tiny_model_dir("llama3")
+    args = ["-q", "run", str(path), PROMPT, "-n", "6", "--ignore-eos", "--backend", "torch:cpu"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel", "2"]) == 0  # and closes the model: the next load may start a group
+    assert capsys.readouterr().out == want
+    assert main(args + ["--tensor-parallel", "3"]) == 1
+    assert "num_attention_heads 4 is not divisible by 3" in capsys.readouterr().err
+
+
 def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
     script.write_text(

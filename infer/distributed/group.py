@@ -127,6 +127,10 @@ class DriverGroup:
                 out = local()
             except Exception as exc:  # a collective failed (a peer died, or timed out), or rank 0's share did
                 raise self._fail(exc) from exc
+            except BaseException:  # KeyboardInterrupt mid-call: the workers are left inside it
+                self.broken = "rank 0 was interrupted during a call"
+                self._stop_processes(grace=0.0)
+                raise
             finally:
                 self._last = time.monotonic()
             return out
