@@ -166,6 +166,8 @@ class TorchBackend(Backend):
             # and asking for on-load quantization is an error.
             self.native_ops = frozenset(NATIVE_OPS) - {"prepare_weight", "quantized_linear"}
             self.quantize_schemes = frozenset()
+        if device not in ("cpu", "cuda"):  # gloo takes CPU tensors, NCCL CUDA ones: no process group for MPS
+            self.native_ops = self.native_ops - {"all_reduce", "all_gather", "broadcast"}
         self._float = _DTYPES[self.compute_dtype]
         self._masks: dict[tuple[int, int, bool, int | None], Any] = {}
 
