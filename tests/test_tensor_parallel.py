@@ -118,6 +118,8 @@ def test_each_rank_holds_its_share_of_the_weights(alone: None) -> None:
     whole = weight_bytes(single.network, single.backend)
     with infer.load(path, backend="torch:cpu", tensor_parallel=2) as parallel:
         ranks = parallel.network.rank_weights()
+        # 2 KV heads: each rank's cache holds one of them
+        assert 2 * parallel.engine.kv_bytes_per_position() == single.engine.kv_bytes_per_position()
     assert len(ranks) == 2
     for r in ranks:
         sharded = sum(r[k] for k in ("heads", "kv_heads", "column", "row"))
@@ -255,6 +257,7 @@ def test_real_smollm2_over_three_ranks(alone: None) -> None:
     whole = weight_bytes(single.network, single.backend)
     with infer.load("smollm2-135m", backend="torch:cpu", tensor_parallel=3) as parallel:
         assert list(parallel.generate_tokens(ids, max_tokens=12, ignore_eos=True)) == want
+        assert 3 * parallel.engine.kv_bytes_per_position() == single.engine.kv_bytes_per_position()
         ranks = parallel.network.rank_weights()
     for r in ranks:
         # the tied head: the embedding stays whole (replicated), and each rank adds its third of it as the head
