@@ -37,9 +37,12 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 PROMPT = "The capital of France is Paris. Once upon a time"
 STEPS = 10
 #: llama (GQA), qwen2 (biases, tied), qwen3 (q/k norms, head_dim 24), gemma3, two MoE
-#: families (each expert's intermediate dim sharded), and two with one KV head
-#: (replicated on both ranks: qwen3_bias, mixtral_top3).
-FAMILIES = ("llama3", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen3_bias", "mixtral_top3")
+#: families (each expert's intermediate dim sharded), smollm3 (NoPE layers, o_proj and
+#: down_proj biases: added once, after the sum) and granite (its multipliers and logit
+#: scaling); five have one KV head, replicated on both ranks (qwen3_bias, mixtral_top3,
+#: smollm3_pattern, granite_bias, gemma3).
+FAMILIES = ("llama3", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen3_bias", "mixtral_top3",
+            "smollm3_pattern", "granite_bias")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
