@@ -216,9 +216,10 @@ def _alive(pid: int) -> bool:
 
 
 TORCHRUN_SCRIPT = """
-import json, sys, infer
+import json, sys, time, infer
 path, ids, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 model = infer.load(path, backend="torch:cpu", tensor_parallel=2)   # ranks > 0 serve here and exit
+time.sleep(6)   # idle past INFER_TP_TIMEOUT: the driver's pings keep the waiting rank's collective alive
 tokens = list(model.generate_tokens(ids, max_tokens=%d, ignore_eos=True))
 model.close()
 open(out, "w").write(json.dumps(tokens))
@@ -232,6 +233,7 @@ def test_torchrun_launch_gives_the_same_tokens(tmp_path: Path) -> None:
     script, out = tmp_path / "tp.py", tmp_path / "tokens.json"
     script.write_text(TORCHRUN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["INFER_TP_TIMEOUT"] = "4"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(_free_port()), str(script), str(path), json.dumps(ids), str(out)],
                          capture_output=True, text=True, timeout=240, env=env)

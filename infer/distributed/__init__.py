@@ -153,15 +153,14 @@ def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format
                 p.wait()
             raise WorkerError(f"tensor parallelism: the {ranks} ranks did not meet within {limit:g} s: "
                               f"{type(exc).__name__}: {exc}") from exc
+    if ops.rank != 0:  # torchrun started this process as a worker: it serves until rank 0 closes the model
+        serve(package, arch, ops, ranks)
+        raise SystemExit(0)
     group = DriverGroup(ops, timeout=limit, processes=processes)
     try:
-        if ops.rank != 0:  # torchrun started this process as a worker
-            serve(package, arch, ops, ranks)
-            raise SystemExit(0)
         network, loader = build_shard(package, arch, ops, ranks, progress)
     except BaseException as exc:
-        if not isinstance(exc, SystemExit):
-            group.broken = f"rank 0 failed to load: {type(exc).__name__}: {exc}"
+        group.broken = f"rank 0 failed to load: {type(exc).__name__}: {exc}"
         group.close()
         raise
     model = TensorParallelLM(network, group, loader)

@@ -223,7 +223,7 @@ class DriverGroup:
                 except Exception as exc:
                     log.warning("tensor parallel: telling the workers to stop failed: %s", exc)
             self.ops.leave_group()
-            self._stop_processes(grace=10.0)
+            self._stop_processes(grace=10.0 if self.broken is None else 0.0)
 
     def _stop_processes(self, grace: float) -> None:
         deadline = time.monotonic() + grace
