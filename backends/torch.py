@@ -524,6 +524,13 @@ class TorchBackend(Backend):
                 f"group already (another tensor-parallel model still open?); it cannot join another as rank "
                 f"{rank} of {world_size}: close the other model first")
         self.rank, self.world_size = rank, world_size
+        if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The ranks on this machine share its cores: more threads than that spin against each
+            # other, and every collective waits for the slowest rank (docs/distributed.md).
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+            log.info("rank %d of %d: %d torch threads", rank, world_size, torch.get_num_threads())
 
     def leave_group(self) -> None:
         import torch.distributed as dist
@@ -531,6 +538,9 @@ class TorchBackend(Backend):
         if self.world_size > 1 and dist.is_initialized():
             with contextlib.suppress(Exception):  # a peer already gone: nothing left to leave
                 dist.destroy_process_group()
+        if getattr(self, "_threads_before", None):
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         self.rank, self.world_size = 0, 1
 
     def all_reduce(self, x: Array) -> Array:

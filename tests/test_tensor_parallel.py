@@ -52,6 +52,8 @@ def pair(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     single = infer.load(path, backend="torch:cpu")
     _close_open()
     parallel = _OPEN["pair"] = infer.load(path, backend="torch:cpu", tensor_parallel=2)
+    for model in (single, parallel):  # a small paged pool: zeroing the default 256 MiB costs seconds
+        model.configure_batching(kv_memory=4 << 20)
     yield single, parallel, encode(path, PROMPT)
     parallel.close()
 
