@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
+from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, ShardedWeight, blocks_holding
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -63,7 +63,7 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
-              "quantized_linear", "update_rows_at", "cached_attention")
+              "quantized_linear", "update_rows_at", "cached_attention", "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
 # numpy: the default picks the faster path, and torch/cpu stays one
@@ -263,6 +263,8 @@ class TorchBackend(Backend):
             # and asking for on-load quantization is an error.
             self.native_ops = frozenset(NATIVE_OPS) - {"prepare_weight", "quantized_linear"}
             self.quantize_schemes = frozenset()
+        if device not in ("cpu", "cuda"):  # gloo takes CPU tensors, NCCL CUDA ones: no process group for MPS
+            self.native_ops = self.native_ops - {"all_reduce", "all_gather", "broadcast"}
         self._float = _DTYPES[self.compute_dtype]
         self._masks: dict[tuple[int, int, bool, int | None], Any] = {}
 
@@ -457,6 +459,8 @@ class TorchBackend(Backend):
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         if isinstance(weight, PackedWeight):
             return self.quantized_linear(x, weight, bias)
+        if isinstance(weight, ShardedWeight):
+            return self.sharded_linear(x, weight, bias)
         return F.linear(x, _like(x, weight), None if bias is None else _like(x, bias))
 
     # -- elementwise ---------------------------------------------------------
@@ -628,6 +632,91 @@ class TorchBackend(Backend):
         return dst
 
     # -- optional ops ---------------------------------------------------------------
+
+    def join_group(self, rank: int, world_size: int, *, init_method: str | None = None,
+                   timeout: float = 60.0) -> None:
+        """``torch.distributed.init_process_group``: gloo on the CPU, NCCL on
+        CUDA (each rank on ``cuda:LOCAL_RANK``, else ``cuda:rank % devices``).
+        ``timeout`` bounds every collective, so a dead peer is an error, not
+        a hang."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if world_size == 1:
+            return
+        if self.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+            torch.cuda.set_device(local)
+            self._device = torch.device("cuda", local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=init_method or "env://",
+                                    rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        elif init_method is not None or (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            # One default group per process: a second tensor-parallel model would talk to the first's ranks.
+            raise UnsupportedOpError(
+                f"this process is rank {dist.get_rank()} of {dist.get_world_size()} in a torch.distributed "
+                f"group already (another tensor-parallel model still open?); it cannot join another as rank "
+                f"{rank} of {world_size}: close the other model first")
+        self.rank, self.world_size = rank, world_size
+        if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The ranks on this machine share its cores: more threads than that spin against each
+            # other, and every collective waits for the slowest rank (docs/distributed.md).
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+            log.info("rank %d of %d: %d torch threads", rank, world_size, torch.get_num_threads())
+
+    def leave_group(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size > 1 and dist.is_initialized():
+            with contextlib.suppress(Exception):  # a peer already gone: nothing left to leave
+                dist.destroy_process_group()
+        if getattr(self, "_threads_before", None):
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        self.rank, self.world_size = 0, 1
+
+    def all_reduce(self, x: Array) -> Array:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        out = x.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    def all_gather(self, x: Array, axis: int = -1) -> Array:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=axis)
+
+    def broadcast(self, x: Array, src: int = 0) -> Array:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        out = x.contiguous().clone()
+        dist.broadcast(out, src)
+        return out
+
+    def sharded_linear(self, x: Array, weight: ShardedWeight, bias: Array | None = None) -> Array:
+        """As the contract's, without the copy: the product is this op's own
+        tensor, so the sum is taken in place."""
+        if weight.combine != "sum" or self.world_size == 1:
+            return super().sharded_linear(x, weight, bias)
+        import torch.distributed as dist
+
+        y = self.linear(x, weight.local).contiguous()
+        dist.all_reduce(y)
+        return y if bias is None else torch.add(y, _like(y, bias))
 
     def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
         """In place, at a row given as a device tensor (no host read)."""

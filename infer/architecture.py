@@ -280,6 +280,10 @@ class CausalLM(abc.ABC):
         :meth:`mtp_forward` output: the module's head norm, then its head."""
         raise UnsupportedOpError(f"{type(self).__name__} has no multi-token prediction modules")
 
+    def close(self) -> None:
+        """Release what the network holds beyond its arrays (a
+        tensor-parallel network's worker ranks). Default: nothing."""
+
     #: Tensors the model package may hold that the architecture never reads
     #: (e.g. precomputed rotary tables); not reported as unused.
     ignored_tensors: tuple[str, ...] = ()

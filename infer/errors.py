@@ -132,6 +132,25 @@ class CacheFullError(GenerationError):
     """The KV cache cannot hold what a request needs."""
 
 
+# -- tensor parallelism ----------------------------------------------------------
+
+
+class TensorParallelError(InferError):
+    """A tensor-parallel model (``infer.load(..., tensor_parallel=N)``) could
+    not be set up or stopped working."""
+
+
+class TensorParallelConfigError(TensorParallelError, ValueError):
+    """``tensor_parallel`` does not fit the model or the backend: N below 1,
+    heads or an intermediate size N does not divide, a backend without
+    collectives, a family whose math needs statistics over all heads."""
+
+
+class WorkerError(TensorParallelError):
+    """A rank of a tensor-parallel model died, failed or stopped answering;
+    the model cannot be used further (close it and load it again)."""
+
+
 # -- serving -------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -197,6 +198,7 @@ def load(
     progress: bool = False,
     quantize: str | None = None,
     compile: bool = False,
+    tensor_parallel: int | None = None,
 ) -> Model:
     """Load a model.
 
@@ -225,10 +227,19 @@ def load(
             ``"q4"``: also quantize float linear weights on load with the
             backend's native scheme (see docs/quantization.md); ``"off"``:
             dequantize every weight to the compute dtype.
+        tensor_parallel: run the model over this many ranks of a process
+            group (``torch:cpu`` over gloo, ``torch:cuda`` over NCCL), each
+            holding its share of the heads and intermediate units; this
+            process is rank 0 and starts the others, or joins the group
+            ``torchrun`` started (see :mod:`infer.distributed` and
+            docs/distributed.md). ``None`` or 1: one process.
 
     Raises:
         InvalidQuantizationError: ``quantize`` is not one of those, or the
             backend has no such scheme.
+        TensorParallelConfigError: ``tensor_parallel`` below 1, a backend
+            without collectives, or a model it cannot split.
+        WorkerError: the ranks did not meet, or one failed while loading.
     """
     _check_quantize(quantize)
     started = time.perf_counter()
@@ -249,6 +260,9 @@ def load(
             f"quantize={quantize!r}: backend {ops.name}/{ops.device} has no on-load quantization "
             f"{quantize!r}; it has {', '.join(sorted(ops.quantize_schemes)) or 'none'}")
     ops.quantize = quantize
+    if tensor_parallel is not None and (tensor_parallel != 1 or isinstance(tensor_parallel, bool)):
+        return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, quantize, tensor_parallel,
+                              compile, progress, started)
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
@@ -269,6 +283,25 @@ def load(
     if compile and ops.supports("compile"):
         model.engine.capture_decode()
     return model
+
+
+def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backend, backend: str | Backend | None,
+                   dtype: str | None, quantize: str | None, ranks: int, compile: bool, progress: bool,
+                   started: float) -> Model:
+    """``load`` over ``ranks`` ranks (:mod:`infer.distributed`)."""
+    from infer import distributed
+
+    distributed.check(ops, package, ranks, compile=compile)
+    name = f"{ops.name}:{ops.device}"  # what the other ranks select
+    total = len(package.tensors.names())
+    with tqdm(total=total, desc=f"Loading {path.name} (rank 0 of {ranks})", unit="tensor", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        network = distributed.driver(package, arch, ops, ranks, format=format, backend=name,
+                                     dtype=dtype or ops.compute_dtype, quantize=quantize, progress=bar.update)
+    release_free_heap()
+    log.info("loaded %s (%s, %s) over %d ranks of %r in %.2f s", path, package.model_type, format, ranks, ops,
+             time.perf_counter() - started)
+    return Model(package, network, ops)
 
 
 _malloc_trim: object = None

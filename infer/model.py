@@ -71,6 +71,20 @@ class Model:
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
 
+    def close(self) -> None:
+        """Release what the model holds beyond memory: a tensor-parallel
+        model's worker processes exit and its process group is left
+        (:mod:`infer.distributed`). The model cannot run afterwards. Calling
+        it again does nothing; ``with infer.load(...) as model:`` calls it
+        at the end of the block."""
+        self.network.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         where = self.package.path.name if self.package.path else "?"
         return f"<infer.Model {self.package.model_type} {where!r} on {self.backend.name}/{self.backend.device}>"

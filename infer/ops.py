@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 2)
+API_VERSION: tuple[int, int] = (1, 3)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
@@ -60,7 +60,7 @@ REQUIRED_OPS: tuple[str, ...] = (
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "paged_attention", "synchronize", "topk", "compile",
-    "update_rows_at", "cached_attention",
+    "update_rows_at", "cached_attention", "all_reduce", "all_gather", "broadcast",
 )
 
 
@@ -165,6 +165,43 @@ class PackedWeight:
         return f"PackedWeight({self.qtype} as {self.scheme}, shape={list(self.shape)})"
 
 
+class ShardedWeight:
+    """This rank's part of a weight split across the ranks of a process
+    group (tensor parallelism, docs/distributed.md).
+
+    ``linear`` of it is :meth:`Backend.sharded_linear`: the local product
+    with :attr:`local`, then the collective that :attr:`combine` names, so
+    every rank holds the whole result afterwards:
+
+    * ``"sum"`` — a row-parallel weight (this rank's *columns* ``[out,
+      in / ranks]``, e.g. ``o_proj``, ``down_proj``): the ranks' partial
+      products are summed (:meth:`Backend.all_reduce`), then the bias, which
+      every rank holds whole, is added once;
+    * ``"concat"`` — a weight split by output rows (the output head split by
+      vocabulary, ``[ceil(out / ranks), in]``, the last rank's padded with
+      zero rows): the ranks' outputs are concatenated
+      (:meth:`Backend.all_gather`) and cut to :attr:`shape`'s ``out``.
+
+    Architectures never see the difference: they call ``linear`` on what the
+    weight loader returned.
+    """
+
+    __slots__ = ("local", "shape", "combine")
+
+    def __init__(self, local: Any, shape: tuple[int, ...], combine: str) -> None:
+        if combine not in ("sum", "concat"):
+            raise ValueError(f"ShardedWeight combine must be 'sum' or 'concat', got {combine!r}")
+        #: This rank's part, as :meth:`Backend.prepare_weight` returned it.
+        self.local = local
+        #: The whole weight's logical shape ``[out, in]``.
+        self.shape = tuple(int(d) for d in shape)
+        #: ``"sum"`` (row-parallel) or ``"concat"`` (split by output rows).
+        self.combine = combine
+
+    def __repr__(self) -> str:
+        return f"ShardedWeight({self.combine}, shape={list(self.shape)})"
+
+
 class Backend(abc.ABC):
     """A compute backend: the ops an architecture may call.
 
@@ -267,7 +304,9 @@ class Backend(abc.ABC):
         :meth:`prepare_weight`; bias: ``[out]`` or None. Returns ``[..., out]``.
         A backend whose :meth:`prepare_weight` returns :class:`PackedWeight`
         objects dispatches on them here: ``linear`` of a ``PackedWeight`` is
-        :meth:`quantized_linear`. Architectures only ever call ``linear``.
+        :meth:`quantized_linear`. A backend with :meth:`all_reduce` also
+        dispatches :class:`ShardedWeight` objects (tensor parallelism) to
+        :meth:`sharded_linear`. Architectures only ever call ``linear``.
         """
 
     # ------------------------------------------------------------------
@@ -592,6 +631,68 @@ class Backend(abc.ABC):
         """Wait for queued work to finish (for timing). Default: nothing to
         wait for."""
 
+    # ------------------------------------------------------------------
+    # Collectives (tensor parallelism, docs/distributed.md)
+    # ------------------------------------------------------------------
+
+    #: This process's rank in its process group (0: the driver).
+    rank: int = 0
+    #: Ranks in the process group (1: no group, a single process).
+    world_size: int = 1
+
+    def join_group(self, rank: int, world_size: int, *, init_method: str | None = None,
+                   timeout: float = 60.0) -> None:
+        """Join a process group of ``world_size`` ranks as ``rank``, before
+        any weight is prepared: then :meth:`all_reduce`, :meth:`all_gather`
+        and :meth:`broadcast` run over it. ``init_method`` is a rendezvous
+        address (``"tcp://host:port"``) or None for the environment that
+        ``torchrun`` sets (``MASTER_ADDR``, ``MASTER_PORT``); a collective
+        that waits longer than ``timeout`` seconds for a peer raises.
+        Default: only a group of one (no collectives needed) is possible."""
+        from infer.errors import UnsupportedOpError
+
+        if world_size != 1:
+            raise UnsupportedOpError(
+                f"backend {self.name}/{self.device} has no collectives (all_reduce), so it cannot join a "
+                f"process group of {world_size} ranks; use a backend that has them (torch:cpu, torch:cuda)")
+
+    def leave_group(self) -> None:
+        """Leave the process group :meth:`join_group` joined (nothing when
+        there is none). Default: nothing."""
+
+    def all_reduce(self, x: Array) -> Array:
+        """The elementwise sum of ``x`` over every rank of the process group
+        (each rank passes its own ``x`` of the same shape and dtype, and
+        every rank gets the sum). The order of the sum is the collective's:
+        results differ from a single process's sum by float rounding.
+        Default: ``x`` (a group of one)."""
+        return x
+
+    def all_gather(self, x: Array, axis: int = -1) -> Array:
+        """Every rank's ``x`` (the same shape on each) concatenated along
+        ``axis`` in rank order, on every rank. Default: ``x`` (a group of one)."""
+        return x
+
+    def broadcast(self, x: Array, src: int = 0) -> Array:
+        """Rank ``src``'s ``x`` on every rank (the others pass an array of
+        the same shape and dtype, whose values are ignored). Default: ``x``
+        (a group of one)."""
+        return x
+
+    def sharded_linear(self, x: Array, weight: ShardedWeight, bias: Array | None = None) -> Array:
+        """``linear`` of a :class:`ShardedWeight`: the local product, then
+        :meth:`all_reduce` (``"sum"``, the bias added after it, once) or
+        :meth:`all_gather` cut to the whole output (``"concat"``, the bias
+        added to the whole output). Backends call it from :meth:`linear`."""
+        y = self.linear(x, weight.local)
+        if weight.combine == "sum":
+            y = self.all_reduce(y)
+        else:
+            y = self.all_gather(y, axis=-1)
+            if self.shape(y)[-1] != weight.shape[0]:
+                y = self.slice(y, -1, 0, weight.shape[0])
+        return y if bias is None else self.add(y, bias)
+
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         """The ``k`` largest entries along the last axis: ``(values, indices)``,
         each ``[..., k]``, largest first; among equal values the lower index
@@ -651,5 +752,6 @@ def is_float_dtype(dtype: str) -> bool:
 
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
+    "ShardedWeight",
     "FLOAT_DTYPES", "INT_DTYPES", "blocks_holding", "is_float_dtype",
 ]

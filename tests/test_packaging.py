@@ -38,7 +38,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contains_mapped_packages(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("infer/ops.py", "infer/backends/numpy.py", "infer/formats/huggingface.py",
-                   "infer/architectures/llama.py", "infer/py.typed"):  # py.typed: type checkers read the hints
+                   "infer/architectures/llama.py", "infer/distributed/worker.py",
+                   "infer/py.typed"):  # py.typed: type checkers read the hints
         assert module in names, f"{module} missing from {wheel.name}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -82,6 +82,9 @@ class PagedKVPool:
         self._keys: list[Array | None] = [None] * num_layers
         self._values: list[Array | None] = [None] * num_layers
         self._bytes_known = bytes_per_token is not None
+        #: Called with every list of block copies :meth:`copy_blocks` makes
+        #: (a tensor-parallel driver repeats them on the other ranks' pools).
+        self.copy_listeners: list[Callable[[Sequence[tuple[int, int]]], None]] = []
         #: ``"paged_attention"`` (the backend reads through block tables) or
         #: ``"gather"`` (blocks are gathered into contiguous keys and values,
         #: then the ordinary attention op runs).
@@ -159,6 +162,8 @@ class PagedKVPool:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every allocated layer (copy-on-write)."""
+        for listener in self.copy_listeners:
+            listener(copies)
         ops, bs = self.backend, self.block_size
         for layer in range(self.num_layers):
             keys, values = self._keys[layer], self._values[layer]
@@ -233,9 +238,7 @@ class PagedSequenceCache(SequenceCache):
         a shared block before writing it."""
         n = self.pool.backend.shape(k)[0]
         self._check_capacity(start, n)
-        # A write past the committed end (an MTP module's chained draft
-        # positions) reserves the gap too: tables have no holes.
-        self._prepare(min(start, self.length), start + n)
+        self.prepare_positions(start, start + n)
         self.pool.write(layer, self.table.blocks, start, k, v)
 
     def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
@@ -303,6 +306,13 @@ class PagedSequenceCache(SequenceCache):
     @property
     def nbytes_per_position(self) -> int:
         return self.pool.nbytes_per_position
+
+    def prepare_positions(self, start: int, stop: int) -> None:
+        """Make positions ``start..stop`` writable as :meth:`write` does
+        first (taking blocks, copying shared ones); doing it again changes
+        nothing. A write past the committed end (an MTP module's chained
+        draft positions) reserves the gap too: tables have no holes."""
+        self._prepare(min(start, self.length), stop)
 
     def _prepare(self, start: int, stop: int) -> None:
         copies = self.pool.allocator.prepare_write(self.table, start, stop)

@@ -236,6 +236,10 @@ CASES: tuple[Case, ...] = (
     _case("cached_attention", "cached_attention", attention_calls(cached=True)),
     _case("cached_attention-decode", "cached_attention", attention_calls(cached=True, tq=st.just(1),
                                                                          past=st.integers(0, 16))),
+    # collectives: in the kit's single process, a group of one (docs/distributed.md tests the rest)
+    _case("all_reduce", "all_reduce", unary()),
+    _case("all_gather", "all_gather", unary()),
+    _case("broadcast", "broadcast", unary()),
 )
 """Every case, in the contract's order: required ops, then optional ops."""
 

@@ -36,6 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None,
                    help="q8 or q4: quantize float weights on load; off: dequantize everything (see docs/quantization.md)")
     p.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs (torch, MLX)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=None, help="most new tokens")
     g.add_argument("-t", "--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
@@ -59,10 +61,17 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace) -> Any:
+    """``infer.load`` with the command's flags; :func:`main` closes the model
+    when the command ends (a tensor-parallel model's workers then exit)."""
     import infer
 
-    return infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
-                      quantize=args.quantize, compile=args.compile)
+    model = infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
+                      quantize=args.quantize, compile=args.compile, tensor_parallel=getattr(args, "tensor_parallel", None))
+    _LOADED.append(model)
+    return model
+
+
+_LOADED: list[Any] = []
 
 
 def _write_stream(chunks: Iterator[str]) -> str:
@@ -305,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     ppl.add_argument("--quantize", default=None, help="q8 or q4: quantize float weights on load; off: dequantize")
     ppl.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                     help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
     backends = sub.add_parser("backends", help="list backends, whether each is usable here, and why not")
     backends.set_defaults(func=cmd_backends)
@@ -325,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     srv.add_argument("--quantize", default=None, help="q8, q4 or off (see docs/quantization.md)")
     srv.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                     help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--model-name", default=None, help="the id clients pass as model (default: the folder or "
@@ -388,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        while _LOADED:
+            _LOADED.pop().close()
 
 
 if __name__ == "__main__":
