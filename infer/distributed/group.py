@@ -61,7 +61,7 @@ def receive(ops: Backend) -> Any:
 
 def weight_bytes(network: Any, ops: Backend) -> int:
     """Bytes of the distinct arrays a network holds (walks its attributes)."""
-    seen: set[int] = set()
+    seen: set[object] = set()
     total = 0
 
     def visit(x: Any, depth: int) -> None:
@@ -78,9 +78,17 @@ def weight_bytes(network: Any, ops: Backend) -> int:
         elif hasattr(x, "local") and hasattr(x, "combine"):  # a ShardedWeight
             visit(x.local, depth + 1)
         elif type(x).__module__.startswith(("torch", "numpy", "mlx")) and hasattr(x, "nbytes"):
+            # A torch view of a numpy array (torch/cpu's GGUF blocks) is the same memory: count it once.
+            address = x.data_ptr() if hasattr(x, "data_ptr") else getattr(getattr(x, "ctypes", None), "data", None)
+            if address is not None and ("data", address) in seen:
+                return
+            if address is not None:
+                seen.add(("data", address))
             total += int(x.nbytes)
-        elif hasattr(x, "__dict__") and type(x).__module__.startswith("infer."):
-            for item in vars(x).values():
+        elif type(x).__module__.startswith("infer."):
+            items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+            items += [getattr(x, slot, None) for slot in getattr(type(x), "__slots__", ())]  # PackedWeight
+            for item in items:
                 visit(item, depth + 1)
 
     visit(network, 0)
