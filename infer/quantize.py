@@ -116,17 +116,20 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
     # matrix (Gemma 3's 262k-row head) then never has its stored bytes, its
     # unpacking temporaries and its new codes all resident at once.
     step = max(1, CONVERT_BYTES // max(1, tensor.nbytes // max(1, rows)))
-    codes, scales, biases = tensor.affine_rows(0, min(rows, step))
-    if bits == 4 and codes.shape[1] == cols:
-        codes = _pack4(codes)
-    if rows > step:
-        first = (codes, scales, biases)
-        codes = np.empty((rows, first[0].shape[1]), np.uint8)
-        scales = np.empty((rows, cols // group), first[1].dtype)
-        biases = np.empty((rows, cols // group), first[2].dtype)
-        codes[:step], scales[:step], biases[:step] = first
-        tensor.release_rows(0, step)
-        for r0 in range(step, rows, step):
+    if rows <= step:
+        codes, scales, biases = tensor.affine_rows(0, rows)
+        if bits == 4 and codes.shape[1] == cols:
+            codes = _pack4(codes)
+    else:
+        # The outputs first (one row read tells their form: packed codes? float16
+        # scales?), then the slabs: freed slab temporaries allocated before them
+        # would raise glibc's mmap threshold and stay resident in its heap.
+        c, s, b = tensor.affine_rows(0, 1)
+        width = cols // 2 if bits == 4 else c.shape[1]
+        codes = np.empty((rows, width), np.uint8)
+        scales = np.empty((rows, cols // group), s.dtype if half else np.float32)  # widened as copied: exact
+        biases = np.empty((rows, cols // group), b.dtype if half else np.float32)
+        for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             c, s, b = tensor.affine_rows(r0, r1)
             codes[r0:r1] = _pack4(c) if bits == 4 and c.shape[1] == cols else c
@@ -146,7 +149,11 @@ def _pack4(codes: np.ndarray) -> np.ndarray:
 
 
 #: Stored bytes of a quantized matrix converted at a time by :func:`from_gguf`.
-CONVERT_BYTES = 8 << 20
+#: Small, because glibc keeps freed temporaries of about a slab's size in its
+#: heap (its mmap threshold rises to the largest chunk freed): with 8 MiB slabs
+#: a 34 MiB matrix peaked at 66-70 MiB above the start, with 2 MiB at 40 MiB,
+#: its result's size; the load takes as long.
+CONVERT_BYTES = 2 << 20
 
 
 def quantize_affine(weight: np.ndarray, scheme: str, *, scale_dtype: str = "float32",
