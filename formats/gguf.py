@@ -67,6 +67,15 @@ class GGUFQuantizedTensor(QuantizedTensor):
         """Bytes of the stored blocks."""
         return int(self.raw.nbytes)
 
+    def rows(self, start: int, stop: int) -> GGUFQuantizedTensor | None:
+        """Rows ``[start, stop)``: each row is whole blocks, so a view of the
+        same bytes (of the memory-mapped file, read only when used)."""
+        if len(self.shape) != 2 or not 0 <= start <= stop <= self.shape[0]:
+            return None
+        raw = self.raw.reshape(self.shape[0], -1)
+        return GGUFQuantizedTensor(self.qtype, (stop - start, self.shape[1]), raw[start:stop],
+                                   f"{self.name}[{start}:{stop}]", self._file, self._begin + start * raw.shape[1])
+
     def affine_layout(self) -> tuple[int, int] | None:
         """``(bits, group)`` of the types with an exact affine form (see
         :func:`~infer.formats.gguf_quants.affine_groups`), None for the others."""

@@ -93,6 +93,13 @@ class QuantizedTensor(abc.ABC):
         default; formats whose rows are independent blocks override it)."""
         return None
 
+    def rows(self, start: int, stop: int) -> QuantizedTensor | None:
+        """Rows ``[start, stop)`` of a 2-D tensor in the same storage (a view
+        where the format can), or None where its rows are not independent
+        blocks. Tensor parallelism keeps a rank's rows quantized through it.
+        Default: None."""
+        return None
+
     def release_rows(self, start: int, stop: int) -> None:
         """A hint that rows ``[start, stop)`` of the stored data will not be
         read again by this load (a conversion has consumed them): a format

@@ -41,6 +41,8 @@ from infer.kv.cache import ContiguousKVCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.ops import Array, Backend
 
+from .sharding import weight_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -57,42 +59,6 @@ def receive(ops: Backend) -> Any:
     size = int(ops.to_numpy(ops.broadcast(ops.zeros((1,), "int64")))[0])
     words = ops.to_numpy(ops.broadcast(ops.zeros((-(-size // 4),), "int32")))
     return pickle.loads(words.tobytes()[:size])
-
-
-def weight_bytes(network: Any, ops: Backend) -> int:
-    """Bytes of the distinct arrays a network holds (walks its attributes)."""
-    seen: set[object] = set()
-    total = 0
-
-    def visit(x: Any, depth: int) -> None:
-        nonlocal total
-        if depth > 6 or id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            for item in x:
-                visit(item, depth + 1)
-        elif isinstance(x, dict):
-            for item in x.values():
-                visit(item, depth + 1)
-        elif hasattr(x, "local") and hasattr(x, "combine"):  # a ShardedWeight
-            visit(x.local, depth + 1)
-        elif type(x).__module__.startswith(("torch", "numpy", "mlx")) and hasattr(x, "nbytes"):
-            # A torch view of a numpy array (torch/cpu's GGUF blocks) is the same memory: count it once.
-            address = x.data_ptr() if hasattr(x, "data_ptr") else getattr(getattr(x, "ctypes", None), "data", None)
-            if address is not None and ("data", address) in seen:
-                return
-            if address is not None:
-                seen.add(("data", address))
-            total += int(x.nbytes)
-        elif type(x).__module__.startswith("infer."):
-            items = list(vars(x).values()) if hasattr(x, "__dict__") else []
-            items += [getattr(x, slot, None) for slot in getattr(type(x), "__slots__", ())]  # PackedWeight
-            for item in items:
-                visit(item, depth + 1)
-
-    visit(network, 0)
-    return total
 
 
 class DriverGroup:

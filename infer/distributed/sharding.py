@@ -178,14 +178,42 @@ def plan(config: dict[str, Any], model_type: str, tensors: TensorSource, ranks: 
     return Shard(0, ranks, heads, kv_heads, head_dim), local
 
 
-def _nbytes(x: Any) -> int:
-    nbytes = getattr(x, "nbytes", None)  # numpy, torch and MLX arrays all have it
-    if isinstance(nbytes, int):
-        return nbytes
-    data = getattr(x, "data", None)  # a PackedWeight: its backend arrays
-    if isinstance(data, (tuple, list)):
-        return sum(_nbytes(d) for d in data)
-    return 0
+def weight_bytes(network: Any, ops: Backend | None = None) -> int:
+    """Bytes of the distinct arrays a network (or one weight) holds: walks its
+    attributes, each array counted once by its memory (a torch view of a numpy
+    array, as torch/cpu keeps GGUF blocks, is the same bytes). ``ops`` is unused."""
+    seen: set[object] = set()
+    total = 0
+
+    def visit(x: Any, depth: int) -> None:
+        nonlocal total
+        if depth > 12 or id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item, depth + 1)
+        elif isinstance(x, dict):
+            for item in x.values():
+                visit(item, depth + 1)
+        elif hasattr(x, "local") and hasattr(x, "combine"):  # a ShardedWeight
+            visit(x.local, depth + 1)
+        elif type(x).__module__.startswith(("torch", "numpy", "mlx")) and hasattr(x, "nbytes"):
+            # A torch view of a numpy array (torch/cpu's GGUF blocks) is the same memory: count it once.
+            address = x.data_ptr() if hasattr(x, "data_ptr") else getattr(getattr(x, "ctypes", None), "data", None)
+            if address is not None and ("data", address) in seen:
+                return
+            if address is not None:
+                seen.add(("data", address))
+            total += int(x.nbytes)
+        elif type(x).__module__.startswith("infer."):
+            items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+            items += [getattr(x, slot, None) for slot in getattr(type(x), "__slots__", ())]  # PackedWeight
+            for item in items:
+                visit(item, depth + 1)
+
+    visit(network, 0)
+    return total
 
 
 class ShardedWeightLoader(WeightLoader):
@@ -217,6 +245,8 @@ class ShardedWeightLoader(WeightLoader):
             return super().get(stored, shape, transform=transform)
         host, full = self._slice(stored, role)
         if transform is not None:
+            if isinstance(host, QuantizedTensor):
+                host = host.dequantize()
             host = transform(np.asarray(host, dtype=np.float32))
         wanted = full if role == "vocab" else tuple(host.shape)
         if tuple(shape) != wanted:
@@ -231,8 +261,9 @@ class ShardedWeightLoader(WeightLoader):
         return prepared
 
     def get_stacked(self, name: str, parts: Sequence[tuple[str, tuple[int, ...]]]) -> Array | None:
-        """Each part's slice by its own role, stacked by rows (always
-        possible: slices of quantized parts are dequantized ones)."""
+        """Each part's slice by its own role, stacked by rows: quantized
+        slices stay quantized where the parts share a storage type, and are
+        dequantized otherwise."""
         names = [self._present(part, None) for part, _ in parts]
         if any(role_of(n) in ("replicated", "row", "vocab") for n in names):
             return None
@@ -244,11 +275,19 @@ class ShardedWeightLoader(WeightLoader):
                     f"tensor {stored!r} in {self.tensors.location(stored)} has shape {list(full)}, which this "
                     f"rank's slice makes {list(host.shape)}; the rank-local config implies {list(shape)}")
             slices.append(host)
-        if len({s.dtype for s in slices}) != 1 or len({s.shape[1:] for s in slices}) != 1:
+        if len({tuple(s.shape[1:]) for s in slices}) != 1:
             return None
+        stacked: Any = None
+        if all(isinstance(s, QuantizedTensor) for s in slices):
+            stacked = slices[0].stacked(slices)
+        if stacked is None:
+            slices = [s.dequantize() if isinstance(s, QuantizedTensor) else s for s in slices]
+            if len({s.dtype for s in slices}) != 1:
+                return None
+            stacked = np.concatenate(slices, axis=0)
         self._parts = [(role_of(n), s.nbytes) for n, s in zip(names, slices)]
         try:
-            return self._prepare(np.concatenate(slices, axis=0), name, names)
+            return self._prepare(stacked, name, names)
         finally:
             self._parts = []
 
@@ -265,7 +304,7 @@ class ShardedWeightLoader(WeightLoader):
             return
         host, full = self._slice(stored, "vocab")
         local = self.backend.prepare_weight(host, name="lm_head.weight")
-        self.bytes_by_role["vocab"] += _nbytes(local)
+        self.bytes_by_role["vocab"] += weight_bytes(local)
         network.lm_head = ShardedWeight(local, full, "concat")
 
     # -- reading slices
@@ -278,9 +317,10 @@ class ShardedWeightLoader(WeightLoader):
         raise MissingTensorError(f"tensor {name!r} is missing from {self.tensors.location(name)}"
                                  + (f" (nor is {fallback!r} there)" if fallback else ""))
 
-    def _slice(self, name: str, role: str) -> tuple[np.ndarray, tuple[int, ...]]:
-        """This rank's slice of ``name`` for ``role`` (a fresh host array)
-        and the stored tensor's whole shape."""
+    def _slice(self, name: str, role: str) -> tuple[Any, tuple[int, ...]]:
+        """This rank's slice of ``name`` for ``role`` (a fresh host array, or
+        a quantized tensor's rows in their blocks) and the stored tensor's
+        whole shape."""
         full = tuple(int(d) for d in self.tensors.shape(name))
         tensor = self.tensors.get(name)
         if role == "row":
@@ -296,6 +336,11 @@ class ShardedWeightLoader(WeightLoader):
             return host, full
         start, stop = self.shard.rows(role, full[0], name)
         if isinstance(tensor, QuantizedTensor):
+            # Rows of blocks stay blocks (a view of the file) for the backend to
+            # keep quantized, as one process would; the head's chunk, padded, is floats.
+            kept = tensor.rows(start, stop) if role != "vocab" else None
+            if kept is not None:
+                return kept, full
             host = tensor.dequantize_rows(np.arange(start, stop))
         else:
             host = np.ascontiguousarray(np.asarray(tensor)[start:stop])
@@ -309,7 +354,7 @@ class ShardedWeightLoader(WeightLoader):
         role = role_of(sources[0])
         prepared = super()._prepare(tensor, name, sources)
         self._origin[id(prepared)] = sources[0]
-        size = _nbytes(prepared)
+        size = weight_bytes(prepared)
         parts = self._parts or [(role, 1)]
         whole = sum(n for _, n in parts)
         for part_role, n in parts:  # a stacked weight's bytes go to its parts' roles
