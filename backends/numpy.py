@@ -43,7 +43,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -269,25 +270,15 @@ class NumpyBackend(Backend):
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, k))
         m = x2.shape[0]
-        bits = 4 if w.bits == 4 else 8  # 5- and 6-bit codes are stored one per byte
-        half = w.scales.dtype == np.float16
         out = np.empty((m, n), np.float32)
         self._after_blas = m > self.KERNEL_ROWS
         if m <= self.KERNEL_ROWS:
-            if GOVERNOR is not None:
-                GOVERNOR.check()
-            _affine.gemv(bits, x2, w.packed, w.scales, w.biases, out, m, k, n, w.group, half)
+            affine_gemv(x2, w, out)
         else:
-            rows = max(1, min(n, self.SLAB_BYTES // (4 * k)))
-            if self._slab.size < rows * k:
-                self._slab = np.empty(rows * k, np.float32)
-            for r0 in range(0, n, rows):
-                r1 = min(n, r0 + rows)
-                slab = self._slab[: (r1 - r0) * k].reshape(r1 - r0, k)
-                # On this thread: OpenMP workers woken here would fight BLAS's
-                # spinning threads for the cores.
-                _affine.dequantize(bits, w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], slab, r1 - r0, k, False,
-                                   w.group, half)
+            need = slab_rows(w) * k
+            if self._slab.size < need:
+                self._slab = np.empty(need, np.float32)
+            for r0, r1, slab in affine_slabs(w, self._slab[:need]):
                 np.matmul(x2, slab.T, out=out[:, r0:r1])
         return out.reshape(*lead, n)
 
@@ -660,16 +651,50 @@ class NumpyBackend(Backend):
         return out
 
 
+def kernel_args(w: AffineTensor) -> tuple[Any, ...]:
+    """The C kernels' arguments for ``w``: bits (5- and 6-bit codes are
+    stored one per byte, so 8), codes, scales, biases, then k, n, group and
+    whether the scales are float16."""
+    n, k = w.shape
+    return (4 if w.bits == 4 else 8, w.packed, w.scales, w.biases, k, n, w.group, w.scales.dtype == np.float16)
+
+
+def affine_gemv(x2: np.ndarray, w: AffineTensor, out: np.ndarray) -> None:
+    """``out = x2 @ W.T`` for up to :attr:`NumpyBackend.KERNEL_ROWS` rows of
+    float32 ``x2`` (contiguous), in the C kernel on the codes."""
+    bits, codes, scales, biases, k, n, group, half = kernel_args(w)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    _affine.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half)
+
+
+def slab_rows(w: AffineTensor) -> int:
+    """Rows of ``w`` dequantized at a time for a many-row product (:attr:`NumpyBackend.SLAB_BYTES` of float32)."""
+    n, k = w.shape
+    return max(1, min(n, NumpyBackend.SLAB_BYTES // (4 * k)))
+
+
+def affine_slabs(w: AffineTensor, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(r0, r1, rows r0..r1 of W as float32)``, one slab after another, each
+    dequantized into ``buffer`` (float32, a multiple of k values: its size
+    decides the slab), for the caller's GEMM. On this thread: OpenMP workers
+    woken here would fight BLAS's spinning threads for the cores."""
+    bits, codes, scales, biases, k, n, group, half = kernel_args(w)
+    rows = buffer.size // k
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        slab = buffer[: (r1 - r0) * k].reshape(r1 - r0, k)
+        _affine.dequantize(bits, codes[r0:r1], scales[r0:r1], biases[r0:r1], slab, r1 - r0, k, False, group, half)
+        yield r0, r1, slab
+
+
 def _gemv_args(weight: PackedWeight) -> PackedWeight:
-    """``weight`` with the C kernel's arguments for it kept on it (as
-    :attr:`~infer.ops.PackedWeight.kernel`: bits, codes, scales, biases, then
-    k, n, group, half) where the kernel computes it, for
+    """``weight`` with :func:`kernel_args` kept on it (as
+    :attr:`~infer.ops.PackedWeight.kernel`) where the kernel computes it, for
     :meth:`NumpyBackend.linear`'s decode path."""
     w = weight.data
     if isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0:
-        n, k = w.shape
-        weight.kernel = (4 if w.bits == 4 else 8, w.packed, w.scales, w.biases, k, n, w.group,
-                         w.scales.dtype == np.float16)
+        weight.kernel = kernel_args(w)
     return weight
 
 

@@ -172,27 +172,18 @@ def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturi
 
 
 def _affine_product(x: Any, affine: AffineTensor) -> Any:
+    """The numpy backend's product on the tensors' memory: its C kernel for
+    few rows, else its dequantized slabs through torch's GEMM."""
     from infer.backends import numpy as numpy_backend
 
-    kernels = numpy_backend._affine
     n, k = affine.shape
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    bits, half = (4 if affine.bits == 4 else 8), affine.scales.dtype == np.float16
-    if m <= numpy_backend.NumpyBackend.KERNEL_ROWS:
-        if numpy_backend.GOVERNOR is not None:
-            numpy_backend.GOVERNOR.check()
-        kernels.gemv(bits, x.numpy(), affine.packed, affine.scales, affine.biases, out.numpy(), m, k, n,
-                     affine.group, half)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if x.shape[0] <= numpy_backend.NumpyBackend.KERNEL_ROWS:
+        numpy_backend.affine_gemv(x.numpy(), affine, out.numpy())
         return out
-    rows = max(1, min(n, numpy_backend.NumpyBackend.SLAB_BYTES // (4 * k)))
-    slab = torch.empty((rows, k), dtype=torch.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        part = slab[: r1 - r0]
-        kernels.dequantize(bits, affine.packed[r0:r1], affine.scales[r0:r1], affine.biases[r0:r1], part.numpy(),
-                           r1 - r0, k, False, affine.group, half)
-        out[:, r0:r1] = x @ part.T
+    buffer = torch.empty(numpy_backend.slab_rows(affine) * k, dtype=torch.float32)
+    for r0, r1, slab in numpy_backend.affine_slabs(affine, buffer.numpy()):
+        out[:, r0:r1] = x @ torch.from_numpy(slab).T
     return out
 
 
