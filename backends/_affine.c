@@ -514,6 +514,16 @@ AVX2 static void halves_f16c(const uint16_t *h, float *f, Py_ssize_t n) {
 }
 #endif
 
+#ifdef HAVE_X86
+/* The same, sixteen at a time (AVX-512F's vcvtph2ps). */
+AVX512 static void halves_512(const uint16_t *h, float *f, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+#endif
+
 /* The code path: portable C loops, AVX2+FMA+F16C, or AVX-512F (on top of AVX2,
  * which its elementwise ops, attention and dequantization keep using). */
 static int use_avx2 = 0, use_avx512 = 0;
@@ -530,6 +540,10 @@ static int check(Py_buffer *b, Py_ssize_t want, const char *what) {
 
 static void halves(const uint16_t *h, float *f, Py_ssize_t n) {
 #ifdef HAVE_X86
+    if (use_avx512) {
+        halves_512(h, f, n);
+        return;
+    }
     if (use_avx2) {
         halves_f16c(h, f, n);
         return;
@@ -561,16 +575,16 @@ static Py_ssize_t tile_rows(Py_ssize_t groups) {
 }
 
 /* The float32 scales and biases of rows [r0, r1) into *s and *b: pointers into
- * the buffers, or, with half, into wide after widening them from float16. */
-static void tile_scales(Py_buffer *scales, Py_buffer *biases, int half, Py_ssize_t r0, Py_ssize_t r1,
+ * the arrays, or, with half, into wide after widening them from float16. */
+static void tile_scales(const void *scales, const void *biases, int half, Py_ssize_t r0, Py_ssize_t r1,
                         Py_ssize_t groups, float *wide, const float **s, const float **b) {
     if (!half) {
-        *s = (const float *)scales->buf + r0 * groups;
-        *b = (const float *)biases->buf + r0 * groups;
+        *s = (const float *)scales + r0 * groups;
+        *b = (const float *)biases + r0 * groups;
         return;
     }
-    halves((const uint16_t *)scales->buf + r0 * groups, wide, (r1 - r0) * groups);
-    halves((const uint16_t *)biases->buf + r0 * groups, wide + (r1 - r0) * groups, (r1 - r0) * groups);
+    halves((const uint16_t *)scales + r0 * groups, wide, (r1 - r0) * groups);
+    halves((const uint16_t *)biases + r0 * groups, wide + (r1 - r0) * groups, (r1 - r0) * groups);
     *s = wide;
     *b = wide + (r1 - r0) * groups;
 }
@@ -600,36 +614,17 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
     }
 }
 
-/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half]) -> None
- * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
- * scales, biases [n, k/group], float32 (or float16 with half true); out
- * float32 [m, n], written. group: 32 (default), or 16 for 8-bit codes. */
-static PyObject *gemv(PyObject *self, PyObject *args) {
-    int bits, half = 0;
-    Py_buffer x, codes, scales, biases, out;
-    Py_ssize_t m, k, n, group = GROUP;
-    if (!PyArg_ParseTuple(args, "iy*y*y*y*w*nnn|np", &bits, &x, &codes, &scales, &biases, &out, &m, &k, &n, &group,
-                          &half))
-        return NULL;
-    PyObject *result = NULL;
-    float *work = NULL;
-    if (m < 1) {
-        PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
-        goto done;
-    }
-    if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&x, m * k * 4, "x") ||
-        !check(&out, m * n * 4, "out"))
-        goto done;
+/* y [m, n] = x [m, k] @ W.T for an affine W (codes, scales and biases as gemv
+ * below takes them), rows of W across the OpenMP threads; called without the
+ * GIL. Returns -1 when out of memory. */
+static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, int half,
+                    float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     int split = bits == 4 && use_avx512; /* the AVX-512 4-bit rows read x as even, then odd columns */
-    work = malloc((size_t)(m * groups + (split ? m * k : 0)) * sizeof(float));
-    if (!work) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
+    float *work = malloc((size_t)(m * groups + (split ? m * k : 0)) * sizeof(float));
+    if (!work) return -1;
     float *xs = work;
-    const float *xp = (const float *)x.buf;
+    const float *xp = x;
     group_sums(xp, xs, m, k, group);
     row_fn fn = bits == 4 ? row4_portable : row8_portable;
 #ifdef HAVE_X86
@@ -640,8 +635,6 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         xp = work + m * groups;
     }
 #endif
-    const uint8_t *c = (const uint8_t *)codes.buf;
-    float *y = (float *)out.buf;
     Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
     for (Py_ssize_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
         Py_ssize_t rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
@@ -650,7 +643,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
             Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
             float wide[2 * TILE_GROUPS];
             const float *s, *bi;
-            tile_scales(&scales, &biases, half, r0, r1, groups, wide, &s, &bi);
+            tile_scales(scales, biases, half, r0, r1, groups, wide, &s, &bi);
             for (Py_ssize_t r = r0; r < r1; r++) {
                 /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
                 const char *ahead = (const char *)(c + r * row_bytes) + PREFETCH;
@@ -661,17 +654,59 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
             }
         }
     }
+    free(work);
+    return 0;
+}
+
+/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half]) -> None
+ * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
+ * scales, biases [n, k/group], float32 (or float16 with half true); out
+ * float32 [m, n], written. group: 32 (default), or 16 for 8-bit codes. */
+static PyObject *gemv(PyObject *self, PyObject *args) {
+    int bits, half = 0, failed;
+    Py_buffer x, codes, scales, biases, out;
+    Py_ssize_t m, k, n, group = GROUP;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*w*nnn|np", &bits, &x, &codes, &scales, &biases, &out, &m, &k, &n, &group,
+                          &half))
+        return NULL;
+    PyObject *result = NULL;
+    if (m < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
+        goto done;
+    }
+    if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&x, m * k * 4, "x") ||
+        !check(&out, m * n * 4, "out"))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    failed = gemv_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, half,
+                      (float *)out.buf, m, k, n, group);
     Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
     result = Py_None;
     Py_INCREF(result);
 done:
-    free(work);
     PyBuffer_Release(&x);
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
     PyBuffer_Release(&biases);
     PyBuffer_Release(&out);
     return result;
+}
+
+/* y [m, n] = x [m, k] @ w [n, k].T in float32, rows of w across the OpenMP threads. */
+static void gemvf_run(const float *xin, const float *wt, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n) {
+    void (*fn)(const float *, const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = rowf_portable;
+#ifdef HAVE_X86
+    if (use_avx2) fn = rowf_avx2;
+#endif
+    for (Py_ssize_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+        Py_ssize_t rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+        #pragma omp parallel for schedule(static)
+        for (Py_ssize_t r = 0; r < n; r++) fn(wt + r * k, xin + i0 * k, y + i0 * n + r, rows, k, n);
+    }
 }
 
 /* gemv_f32(x, w, out, m, k, n) -> None: out [m, n] = x [m, k] @ w [n, k].T in
@@ -689,17 +724,7 @@ static PyObject *gemv_f32(PyObject *self, PyObject *args) {
     }
     if (!check(&x, m * k * 4, "x") || !check(&w, n * k * 4, "w") || !check(&out, m * n * 4, "out")) goto done;
     Py_BEGIN_ALLOW_THREADS
-    void (*fn)(const float *, const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t) = rowf_portable;
-#ifdef HAVE_X86
-    if (use_avx2) fn = rowf_avx2;
-#endif
-    const float *xin = (const float *)x.buf, *wt = (const float *)w.buf;
-    float *y = (float *)out.buf;
-    for (Py_ssize_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-        Py_ssize_t rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
-        #pragma omp parallel for schedule(static)
-        for (Py_ssize_t r = 0; r < n; r++) fn(wt + r * k, xin + i0 * k, y + i0 * n + r, rows, k, n);
-    }
+    gemvf_run((const float *)x.buf, (const float *)w.buf, (float *)out.buf, m, k, n);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -733,7 +758,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
         float wide[2 * TILE_GROUPS];
         const float *st, *bt;
-        tile_scales(&scales, &biases, half, r0, r1, groups, wide, &st, &bt);
+        tile_scales(scales.buf, biases.buf, half, r0, r1, groups, wide, &st, &bt);
         for (Py_ssize_t r = r0; r < r1; r++)
             dequant_row(bits, c + r * row_bytes, st + (r - r0) * groups, bt + (r - r0) * groups, y + r * k, k, group);
     }
@@ -806,6 +831,22 @@ static void rms_row(const float *x, const float *w, float *y, Py_ssize_t n, floa
         for (c = 0; c < n; c++) y[c] = x[c] * scale;
 }
 
+/* out = rms_norm(x) row by row (w: the weight, or NULL); with res (and h):
+ * h = x + res first, and out = rms_norm(h). */
+static void rms_rows(const float *xi, const float *wt, float *yo, Py_ssize_t rows, Py_ssize_t n, float eps,
+                     const float *res, float *h) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = xi + r * n;
+        if (res) {
+            const float *rr = res + r * n;
+            float *hr = h + r * n;
+            for (Py_ssize_t c = 0; c < n; c++) hr[c] = row[c] + rr[c];
+            row = hr;
+        }
+        rms_row(row, wt, yo + r * n, n, eps);
+    }
+}
+
 /* rms_norm(x, weight or None, out, rows, n, eps[, residual, h]) -> None. With
  * residual and h: h = x + residual first (written), and out = rms_norm(h). */
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
@@ -824,18 +865,8 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
         (has_r && (!check(&res, rows * n * 4, "residual") || !check(&h, rows * n * 4, "h"))))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    const float *xi = (const float *)x.buf, *wt = has_w ? (const float *)w.buf : NULL;
-    float *yo = (float *)out.buf;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *row = xi + r * n;
-        if (has_r) {
-            const float *rr = (const float *)res.buf + r * n;
-            float *hr = (float *)h.buf + r * n;
-            for (Py_ssize_t c = 0; c < n; c++) hr[c] = row[c] + rr[c];
-            row = hr;
-        }
-        rms_row(row, wt, yo + r * n, n, eps);
-    }
+    rms_rows((const float *)x.buf, has_w ? (const float *)w.buf : NULL, (float *)out.buf, rows, n, eps,
+             has_r ? (const float *)res.buf : NULL, has_r ? (float *)h.buf : NULL);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -846,6 +877,21 @@ done:
     if (res.obj) PyBuffer_Release(&res);
     if (h.obj) PyBuffer_Release(&h);
     return result;
+}
+
+static void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssize_t t, Py_ssize_t heads,
+                      Py_ssize_t d, Py_ssize_t half) {
+    for (Py_ssize_t i = 0; i < t; i++)
+        for (Py_ssize_t hh = 0; hh < heads; hh++) {
+            const float *a = xi + (i * heads + hh) * d, *ci = c + i * half, *si = s + i * half;
+            float *y = o + (i * heads + hh) * d;
+            for (Py_ssize_t j = 0; j < half; j++) {
+                float lo = a[j], hi = a[half + j];
+                y[j] = lo * ci[j] - hi * si[j];
+                y[half + j] = lo * si[j] + hi * ci[j];
+            }
+            for (Py_ssize_t j = 2 * half; j < d; j++) y[j] = a[j];
+        }
 }
 
 /* rope(x, cos, sin, out, tokens, heads, d, half) -> None: the rotate-half form on
@@ -864,19 +910,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
         !check(&cs, t * half * 4, "cos") || !check(&sn, t * half * 4, "sin"))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    const float *xi = (const float *)x.buf, *c = (const float *)cs.buf, *s = (const float *)sn.buf;
-    float *o = (float *)out.buf;
-    for (Py_ssize_t i = 0; i < t; i++)
-        for (Py_ssize_t hh = 0; hh < heads; hh++) {
-            const float *a = xi + (i * heads + hh) * d, *ci = c + i * half, *si = s + i * half;
-            float *y = o + (i * heads + hh) * d;
-            for (Py_ssize_t j = 0; j < half; j++) {
-                float lo = a[j], hi = a[half + j];
-                y[j] = lo * ci[j] - hi * si[j];
-                y[half + j] = lo * si[j] + hi * ci[j];
-            }
-            for (Py_ssize_t j = 2 * half; j < d; j++) y[j] = a[j];
-        }
+    rope_rows((const float *)x.buf, (const float *)cs.buf, (const float *)sn.buf, (float *)out.buf, t, heads, d, half);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -898,11 +932,13 @@ typedef float v8f __attribute__((vector_size(32)));
 struct attend_args {
     const float *Q, *K, *V;
     float *O;
-    const Py_ssize_t *rows; /* pool row of each key position */
+    const Py_ssize_t *rows; /* pool row of each key position; NULL: position j is row j */
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
     float scale, softcap;
     int causal;
 };
+
+#define ROW(a, j) ((a)->rows ? (a)->rows[j] : (j))
 
 static inline __attribute__((always_inline)) void attend(const struct attend_args *a, Py_ssize_t task,
                                                          float *scores) {
@@ -918,7 +954,7 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     if (hi <= lo) return; /* nothing visible: numpy gives NaN rows; never the case in decoding */
     float top = -INFINITY;
     for (Py_ssize_t j = lo; j < hi; j++) {
-        float sc = dot_f32(qh, a->K + (a->rows[j] * hkv + kvh) * dk, dk) * a->scale;
+        float sc = dot_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, dk) * a->scale;
         if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
         scores[j] = sc;
         if (sc > top) top = sc;
@@ -936,7 +972,7 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     for (; c0 + 64 <= dv; c0 += 64) {
         v8f acc[8] = {{0}};
         for (Py_ssize_t j = lo; j < hi; j++) {
-            const float *vj = a->V + (a->rows[j] * hkv + kvh) * dv + c0;
+            const float *vj = a->V + (ROW(a, j) * hkv + kvh) * dv + c0;
             const v8f p = (v8f){0} + scores[j];
             for (int u = 0; u < 8; u++) {
                 v8f vv;
@@ -947,7 +983,7 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
         memcpy(o + c0, acc, sizeof acc);
     }
     for (Py_ssize_t j = lo; j < hi; j++) {
-        const float p = scores[j], *vj = a->V + (a->rows[j] * hkv + kvh) * dv;
+        const float p = scores[j], *vj = a->V + (ROW(a, j) * hkv + kvh) * dv;
         for (Py_ssize_t c = c0; c < dv; c++) o[c] += p * vj[c];
     }
 }
@@ -956,6 +992,25 @@ static void attend_portable(const struct attend_args *a, Py_ssize_t task, float 
 #ifdef HAVE_X86
 AVX2 static void attend_avx2(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores); }
 #endif
+
+/* Every (query row, head) of a, across the OpenMP threads where parallel and
+ * the work is worth it; scores holds a->tk floats per thread. */
+static void attention_run(const struct attend_args *a, float *scores, int parallel) {
+    void (*fn)(const struct attend_args *, Py_ssize_t, float *) = attend_portable;
+#ifdef HAVE_X86
+    if (use_avx2) fn = attend_avx2;
+#endif
+    const Py_ssize_t tasks = a->tq * a->hq, tk = a->tk;
+    #pragma omp parallel for schedule(static) if (parallel && tasks > 1 && tk * a->dk >= 4096)
+    for (Py_ssize_t task = 0; task < tasks; task++) {
+#ifdef _OPENMP
+        float *mine = scores + (Py_ssize_t)omp_get_thread_num() * tk;
+#else
+        float *mine = scores;
+#endif
+        fn(a, task, mine);
+    }
+}
 
 /* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block, parallel]) -> None
  * for the few query rows of decoding (q [tq, hq, dk], k [tk, hkv, dk], v [tk,
@@ -1015,20 +1070,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     struct attend_args a = {(const float *)q.buf, (const float *)k.buf, (const float *)v.buf, (float *)out.buf, rows,
                             tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal};
-    void (*fn)(const struct attend_args *, Py_ssize_t, float *) = attend_portable;
-#ifdef HAVE_X86
-    if (use_avx2) fn = attend_avx2;
-#endif
-    /* (query row, head) pairs across threads, each with its own scores */
-    #pragma omp parallel for schedule(static) if (parallel && tq * hq > 1 && tk * dk >= 4096)
-    for (Py_ssize_t task = 0; task < tq * hq; task++) {
-#ifdef _OPENMP
-        float *mine = scores + (Py_ssize_t)omp_get_thread_num() * tk;
-#else
-        float *mine = scores;
-#endif
-        fn(&a, task, mine);
-    }
+    attention_run(&a, scores, parallel);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -1085,6 +1127,9 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* The captured decode step's program runner (run_plan), in its own file. */
+#include "_plan.c"
+
 static PyMethodDef methods[] = {
     {"use_simd", use_simd, METH_O, "Choose the code path (\"portable\", \"avx2+fma\" or \"avx512\")."},
     {"paths", paths, METH_NOARGS, "The code paths this CPU can run, best last."},
@@ -1094,6 +1139,7 @@ static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
+    {"run_plan", run_plan, METH_VARARGS, "Run a captured decode step's program (see _plan.c)."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},
     {"threads", threads, METH_NOARGS, "Threads a product may use (OpenMP), 1 without OpenMP."},
     {"set_threads", set_threads, METH_O, "Set the threads the next products may use (OpenMP)."},

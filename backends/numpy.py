@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import ConfigError, UnsupportedOpError
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -172,7 +172,7 @@ class NumpyBackend(Backend):
     device = "cpu"
     float_dtypes = ("float32",)
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight",
-                            "quantized_linear", "topk"})
+                            "quantized_linear", "topk"} | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
     #: quantized; None: decide per tensor from the memory available.
@@ -216,7 +216,7 @@ class NumpyBackend(Backend):
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
-                affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
+                affine = from_gguf(tensor, groups=(16, 32), half=half_scales(tensor.qtype)) if _affine is not None else None
                 if affine is not None:
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
                     return _gemv_args(PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine))
@@ -281,6 +281,27 @@ class NumpyBackend(Backend):
             for r0, r1, slab in affine_slabs(w, self._slab[:need]):
                 np.matmul(x2, slab.T, out=out[:, r0:r1])
         return out.reshape(*lead, n)
+
+    @property
+    def capture_by_default(self) -> bool:  # type: ignore[override]
+        """The greedy decode step is recorded as one program of C kernel calls
+        unless ``infer.load(..., compile=False)`` (:meth:`compile`): measured
+        faster, and its products, norms, rope and attention are the eager ops' own."""
+        return records_programs(type(self))
+
+    def compile(self, fn: Any, *, static: bool = False) -> Any:
+        """With ``static`` (a captured decode step, :mod:`infer.engine.capture`):
+        ``fn`` recorded once per input signature as a program of the C
+        kernels' calls, and run as one C call after that
+        (:mod:`infer.backends.numpy_plan`). Otherwise ``fn`` itself: numpy
+        has no compiler, and shapes that change from call to call would
+        record a program per call. A subclass that overrides an op gets
+        ``fn`` itself too: a program of numpy's kernels would bypass it."""
+        if static and records_programs(type(self)):
+            from infer.backends.numpy_plan import PlannedStep
+
+            return PlannedStep(self, fn, kernels=_affine, governor=GOVERNOR)
+        return fn
 
     # -- transfer, creation, casting -------------------------------------
 
@@ -649,6 +670,36 @@ class NumpyBackend(Backend):
         _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
                           window or 0, softcap or 0.0, *pages, not self._after_blas)
         return out
+
+
+def records_programs(cls: type, base: type | None = None) -> bool:
+    """Whether the C extension runs recorded programs and ``cls`` computes
+    every op of the contract as ``base`` (default :class:`NumpyBackend`)
+    does, the ops a program of numpy's kernels stands for."""
+    base = NumpyBackend if base is None else base
+    key = (cls, base)
+    if key not in _OWN_OPS:
+        _OWN_OPS[key] = all(getattr(cls, n, None) is getattr(base, n, None)
+                            for n in (*REQUIRED_OPS, *OPTIONAL_OPS) if n != "compile")
+    return hasattr(_affine, "run_plan") and _OWN_OPS[key]
+
+
+_OWN_OPS: dict[tuple[type, type], bool] = {}
+
+
+#: GGUF types whose float16 scales and biases are widened to float32 at load
+#: (the others keep them float16 where they store them so): the 4-bit
+#: products ran 13% faster on float32 ones (SmolLM2's layer weights, median of
+#: 15 alternating pairs; widening float16 scales per tile costs a 4-bit row
+#: as much as a sixth of its work), for 4 bytes more per 32 values
+#: (docs/performance.md). 8-bit codes take twice the work per value: there
+#: the float16 ones stay, half the bytes of scales.
+WIDE_SCALE_TYPES = frozenset({"Q4_0", "Q4_1"})
+
+
+def half_scales(qtype: str) -> bool:
+    """Whether a GGUF matrix of ``qtype`` keeps float16 scales for the kernels (:data:`WIDE_SCALE_TYPES`)."""
+    return qtype not in WIDE_SCALE_TYPES
 
 
 def kernel_args(w: AffineTensor) -> tuple[Any, ...]:

@@ -151,7 +151,9 @@ def _import_torch() -> None:
 def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
     """A GGUF matrix kept in its affine form for the C kernels, or None where
     it has none."""
-    affine = from_gguf(tensor, groups=(16, 32), half=True)
+    from infer.backends import numpy as numpy_backend
+
+    affine = from_gguf(tensor, groups=(16, 32), half=numpy_backend.half_scales(tensor.qtype))
     if affine is None or not (affine.group == 32 or affine.bits > 4):
         return None
     views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, affine.biases))
@@ -185,6 +187,39 @@ def _affine_product(x: Any, affine: AffineTensor) -> Any:
     for r0, r1, slab in numpy_backend.affine_slabs(affine, buffer.numpy()):
         out[:, r0:r1] = x @ torch.from_numpy(slab).T
     return out
+
+
+class _CpuTensors:
+    """CPU tensors lent to the numpy backend's recorder (``numpy_plan.HostArrays``):
+    ``Tensor.numpy()`` and ``torch.from_numpy`` share the memory both ways."""
+
+    def __init__(self) -> None:
+        self._weights: dict[int, tuple[Any, PackedWeight]] = {}
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return x.detach().numpy()
+
+    def from_host(self, a: np.ndarray) -> Any:
+        return torch.from_numpy(a)
+
+    def weight(self, w: PackedWeight) -> Any:
+        """A GGUF weight kept for the C kernels (``_cpu_affine``) as the numpy backend holds it."""
+        from infer.backends import numpy as numpy_backend
+
+        hit = self._weights.get(id(w))
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        data = w.data
+        if not (isinstance(data, tuple) and len(data) == 3 and data[0] == "affine"):
+            return w  # int4pack and the like: the recorder refuses it by name
+        affine = data[1]
+        host = PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine)
+        host.kernel = numpy_backend.kernel_args(affine)
+        self._weights[id(w)] = (w, host)  # w kept alive: its id stays its own
+        return host
 
 
 _AFFINE_OP_REGISTERED = False
@@ -779,8 +814,28 @@ class TorchBackend(Backend):
         v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
         return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
 
+    @property
+    def capture_by_default(self) -> bool:  # type: ignore[override]
+        """On the CPU in float32 with numpy's C kernels: the greedy decode
+        step is recorded as their program by default (see :meth:`compile`)."""
+        return self._records_programs()
+
+    def _records_programs(self) -> bool:
+        from infer.backends import numpy as numpy_backend
+
+        return (self._kernels is not None and self.device == "cpu" and self.compute_dtype == "float32"
+                and numpy_backend.records_programs(type(self), TorchBackend))
+
     def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
-        """``torch.compile`` (Inductor): the ops of ``fn`` traced into one
+        """A captured decode step (``static``) on the CPU in float32, unless
+        ``infer.load(..., compile=True)`` asked for torch.compile: recorded
+        as one program of numpy's C kernels on the tensors' memory
+        (:mod:`infer.backends.numpy_plan`), the kernels this backend's eager
+        CPU ops call. It ran SmolLM2 1.6x as fast as torch.compile's graph of
+        the same step, whose Inductor kernels for the small ops between the
+        products cost more than they fuse (docs/performance.md).
+
+        Otherwise ``torch.compile`` (Inductor): the ops of ``fn`` traced into one
         graph with fused kernels, recompiled once with dynamic shapes when a
         second token count appears (decode steps are 1 token, prefills
         vary). ``fullgraph=True``: the pieces an architecture captures are
@@ -790,6 +845,12 @@ class TorchBackend(Backend):
         output buffers, and the pieces of consecutive layers hand outputs to
         one another around the engine's KV-cache writes, which stay outside
         the graphs (untested on a GPU here)."""
+        if static and not self.graph_capture and self._records_programs():
+            from infer.backends import numpy as numpy_backend
+            from infer.backends.numpy_plan import PlannedStep
+
+            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=numpy_backend.GOVERNOR,
+                               target=self, arrays=_CpuTensors())
         _import_inductor_helpers()
         _separate_inductor_cache()
         inductor = torch._dynamo.lookup_backend("inductor")

@@ -197,7 +197,7 @@ def load(
     format: str | None = None,
     progress: bool = False,
     quantize: str | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
     tensor_parallel: int | None = None,
 ) -> Model:
     """Load a model.
@@ -215,12 +215,16 @@ def load(
             loading weights.
         compile: where the backend can compile
             (:meth:`~infer.ops.Backend.compile`: ``torch.compile``,
-            ``mx.compile``), capture each greedy decode step as one graph
+            ``mx.compile``, the numpy backend's recorded programs), capture
+            each greedy decode step as one graph
             (:mod:`infer.engine.capture`; ``model.engine.decode_step``
             says whether it is captured and why not), and the pieces of each
             layer between attention calls for every other forward. Costs
             compile time at the first step of each new shape. Outputs equal
-            the uncompiled ones within rounding.
+            the uncompiled ones within rounding. ``None`` (default): the
+            decode step is captured where the backend says that is faster
+            at no compile cost (:attr:`~infer.ops.Backend.capture_by_default`:
+            numpy with its C kernels), nothing else; ``False``: all eager.
         quantize: ``None`` (default): float weights stay float, quantized
             (GGUF) weights stay quantized where the backend computes on them
             exactly and natively, and are dequantized otherwise; ``"q8"`` or
@@ -251,6 +255,7 @@ def load(
     release_free_heap()  # the tokenizer's parse left its temporaries in the heap
     arch = registry.architecture_for(package.model_type)
     ops = select_backend(backend, dtype)
+    capture = ops.capture_by_default if compile is None else compile
     if compile:
         if not ops.supports("compile"):
             log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
@@ -280,7 +285,7 @@ def load(
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
     model = Model(package, network, ops)
-    if compile and ops.supports("compile"):
+    if capture and ops.supports("compile"):
         model.engine.capture_decode()
     return model
 

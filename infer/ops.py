@@ -713,6 +713,12 @@ class Backend(abc.ABC):
         values = np.take_along_axis(host, order, axis=-1)
         return self.from_numpy(values, self.dtype(x)), self.from_numpy(order.astype(np.int32))
 
+    #: Whether ``infer.load`` captures the greedy decode step
+    #: (:mod:`infer.engine.capture`, through :meth:`compile` with ``static``)
+    #: when its ``compile`` argument is not given: for backends whose capture
+    #: is measured faster than their eager step and costs no compile time.
+    capture_by_default: bool = False
+
     #: Whether architectures should :meth:`compile` their layer pieces; set
     #: by ``infer.load(..., compile=True)``. Off by default: capturing costs
     #: compile time at the first call of each new shape.

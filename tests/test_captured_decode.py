@@ -15,18 +15,24 @@ and says why where it is the step's own limit.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 from reference import LOGIT_RTOL, assert_logits_close, backend_params, encode, tiny_model_dir
 
 import infer
+from infer.backends import numpy as numpy_backend
 from infer.engine.capture import MIN_CAPACITY, CapturedDecode, capacity_bucket
 from infer.kv.attention import StaticAttentionContext
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 COMPILED_RTOL = 2 * LOGIT_RTOL
-#: (backend, compiled): numpy has no compiler; its static step runs uncompiled.
+#: (backend, compiled): numpy's static step uncompiled, and recorded as one
+#: program of its C kernels (backends/numpy_plan.py, which has its own tests).
 STEPS = [pytest.param("numpy", False, id="numpy-static"),
+         pytest.param("numpy", True, id="numpy-program",
+                      marks=pytest.mark.skipif(not hasattr(numpy_backend._affine, "run_plan"), reason="no C kernels")),
          *(pytest.param(p.values[0], True, marks=p.marks, id=f"{p.values[0]}-compiled")
            for p in backend_params("torch:cpu", "mlx:cpu"))]
 
@@ -36,7 +42,7 @@ def _ids(variant: str) -> list[int]:
 
 
 def _eager_and_captured(variant: str, backend: str, compiled: bool, **kwargs) -> tuple[list, list, CapturedDecode]:
-    model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32")
+    model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
     prompt = _ids(variant)
     want = list(model.generate_tokens(prompt, max_tokens=20, ignore_eos=True, **kwargs))
     step = model.engine.capture_decode(compile=compiled)
@@ -56,7 +62,8 @@ def test_the_static_step_decodes_the_eager_tokens_on_numpy(variant: str, backend
 @pytest.mark.parametrize("backend", backend_params("torch:cpu", "mlx:cpu"))
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
 def test_the_captured_step_decodes_the_eager_tokens_in_one_graph(backend: str, variant: str) -> None:
-    model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32")
+    model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
+    model.backend.graph_capture = True  # as compile=True sets it: torch.compile, not torch/cpu's default program
     prompt = _ids(variant)
     want_long = list(model.generate_tokens(prompt, max_tokens=64, ignore_eos=True))
     want_short = list(model.generate_tokens(prompt[:5], max_tokens=30, ignore_eos=True))
@@ -82,7 +89,7 @@ def test_the_static_forward_gives_the_eager_logits(backend: str, compiled: bool,
         ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
         return net.compute_logits(net.forward(ids, ctx)), ctx.keys, ctx.values
 
-    fn = ops.compile(static_logits) if compiled else static_logits
+    fn = ops.compile(static_logits, static=True) if compiled else static_logits
     eager, static = engine.new_sequence(MIN_CAPACITY), engine.new_sequence(MIN_CAPACITY)
     engine.forward(eager, prompt)
     engine.forward(static, prompt)
@@ -98,7 +105,16 @@ def test_the_static_forward_gives_the_eager_logits(backend: str, compiled: bool,
 
 
 def test_load_with_compile_captures_the_decode_step_where_the_backend_compiles() -> None:
-    assert infer.load(tiny_model_dir("llama3"), backend="numpy", compile=True).engine.decode_step is None
+    # numpy records its step as one program by default (test_numpy_plan.py); compile=False keeps it eager.
+    assert infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False).engine.decode_step is None
+    if hasattr(numpy_backend._affine, "run_plan"):
+        assert infer.load(tiny_model_dir("llama3"), backend="numpy").engine.decode_step is not None
+    if importlib.util.find_spec("torch"):  # on the CPU in float32 the same program; compile=True: torch.compile
+        from infer.backends.numpy_plan import PlannedStep
+
+        step = infer.load(tiny_model_dir("llama3"), backend="torch:cpu").engine.decode_step
+        assert step is not None and isinstance(step._fn, PlannedStep)
+        assert infer.load(tiny_model_dir("llama3"), backend="torch:cpu", dtype="bfloat16").engine.decode_step is None
     pytest.importorskip("mlx")
     model = infer.load(tiny_model_dir("llama3"), backend="mlx:cpu", compile=True)
     assert model.engine.decode_step is not None
@@ -113,9 +129,9 @@ def test_dynamic_rope_scaling_is_not_captured_and_says_why() -> None:
     assert step.reason is not None and "max_position" in step.reason
 
 
-@pytest.mark.parametrize("backend,compiled", STEPS[:2])
+@pytest.mark.parametrize("backend,compiled", STEPS[:3])
 def test_what_the_step_does_not_serve_decodes_eagerly_with_the_same_tokens(backend: str, compiled: bool) -> None:
-    model = infer.load(tiny_model_dir("llama3"), backend=backend, dtype="float32")
+    model = infer.load(tiny_model_dir("llama3"), backend=backend, dtype="float32", compile=False)
     prompt = _ids("llama3")
     sampled = dict(temperature=0.8, seed=3)
     want_sampled = list(model.generate_tokens(prompt, max_tokens=12, ignore_eos=True, **sampled))

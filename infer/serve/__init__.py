@@ -46,7 +46,7 @@ def create_app(model: Model, **options: Any) -> Any:
 
 def load_app(
     reference: str | os.PathLike[str], *, backend: str | None = None, dtype: str | None = None,
-    quantize: str | None = None, compile: bool = False, kv_memory: int | None = None,
+    quantize: str | None = None, compile: bool | None = None, kv_memory: int | None = None,
     max_batch_tokens: int | None = None, progress: bool = False, **options: Any,
 ) -> Any:
     """Load a model and return the ASGI app serving it, as ``infer serve`` does.

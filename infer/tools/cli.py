@@ -35,7 +35,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     p.add_argument("--quantize", default=None,
                    help="q8 or q4: quantize float weights on load; off: dequantize everything (see docs/quantization.md)")
-    p.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs (torch, MLX)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the decode step and each layer's pieces as compiled graphs (torch, MLX); "
+                        "--no-compile: all eager (default: the backend's choice, numpy captures its decode step)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     g = p.add_argument_group("sampling")
@@ -197,8 +199,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = ("paged KV pool, native paged_attention" if chosen.supports("paged_attention")
                 else "contiguous caches (no native paged_attention; a paged pool would be gathered)")
         print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
-        step = ("captured as one graph with infer.load(..., compile=True) (greedy, one sequence, contiguous cache)"
-                if chosen.supports("compile") else "eager: this backend has no graph capture")
+        if not chosen.supports("compile"):
+            step = "eager: this backend has no graph capture"
+        elif chosen.capture_by_default:
+            step = ("captured as one program by default (greedy, one sequence, contiguous cache; "
+                    "infer.load(..., compile=False) decodes eagerly)")
+        else:
+            step = "captured as one graph with infer.load(..., compile=True) (greedy, one sequence, contiguous cache)"
         print(f"decode step on {chosen.name}/{chosen.device}: {step}")
     except InferError as exc:
         print(f"infer.load() has no backend to run on: {exc}")
@@ -313,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda")
     ppl.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     ppl.add_argument("--quantize", default=None, help="q8 or q4: quantize float weights on load; off: dequantize")
-    ppl.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    ppl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
     ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
@@ -335,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda (default: best available)")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     srv.add_argument("--quantize", default=None, help="q8, q4 or off (see docs/quantization.md)")
-    srv.add_argument("--compile", action="store_true", help="capture each layer's pieces as compiled graphs")
+    srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -1,0 +1,436 @@
+/* The numpy backend's captured decode step: a program of kernel calls, run in
+ * one call from Python.
+ *
+ * Included at the end of _affine.c (one translation unit), so that the
+ * program calls the very functions the per-op Python entry points call
+ * (gemv_run, gemvf_run, rms_rows, rope_rows, attention_run, dequant_row):
+ * a step run here computes what the same op computes eagerly.
+ *
+ * backends/numpy_plan.py records the program while the step runs once through
+ * the backend's ops (the trace); the program is then a flat list of int64:
+ * per step an opcode and its operands, pointers as two values (base, offset):
+ * base -1 is an absolute address (a weight, a constant, a buffer the plan owns
+ * and keeps alive), base i >= 0 is byte offset into the i-th input of the call
+ * (the token ids, the position, the KV cache buffers), resolved anew at every
+ * call. Float operands come from a separate list of float64. What depends on
+ * the data (the token id, the position) is read from the inputs inside the
+ * step, so one program serves every position: positions, lengths and ids are
+ * bounds-checked here, at run time, and a bad one stops the program with an
+ * error rather than touching memory outside its buffers.
+ */
+
+enum {
+    OP_GEMV = 1,     /* P x, codes, scales, biases, out; I bits, m, k, n, group, half */
+    OP_GEMV_F32,     /* P x, w, out; I m, k, n */
+    OP_RMS,          /* P x, w|0, out, res|0, h|0; I rows, n; F eps */
+    OP_ROPE,         /* P x, cos, sin, out; I tokens, heads, d, half */
+    OP_ATTEND,       /* P q, k, v, out, length (int32 [1]); I tq, capacity, hq, hkv, dk, dv, window, causal;
+                        F scale, softcap */
+    OP_WRITE_ROWS,   /* P dst, start (int32 [1]), src; I rows, row_bytes, capacity */
+    OP_GATHER,       /* P table, ids, out; I count, vocab, row_bytes, id_bytes */
+    OP_DEQUANT_ROWS, /* P codes, scales, biases, ids, out; I count, vocab, bits, k, group, half, id_bytes */
+    OP_COPY,         /* P x, out; I item_bytes, ndim, shape[ndim], x strides[ndim] (bytes); out contiguous */
+    OP_UNARY,        /* P x, out; I kind, ndim, shape[ndim], x strides[ndim]; float32 out contiguous */
+    OP_BINARY,       /* P a, b, out; I kind, int32?, ndim, shape[ndim], a strides[ndim], b strides[ndim] */
+    OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
+};
+
+enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
+enum { B_ADD, B_SUB, B_MUL, B_DIV };
+enum { R_MAX, R_ARGMAX };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH };
+
+#define MAX_DIMS 8
+
+struct machine {
+    const int64_t *code;
+    Py_ssize_t pc, size;
+    const double *floats;
+    Py_ssize_t fc, nfloats;
+    char *const *inputs;
+    Py_ssize_t ninputs;
+    int error;
+    long long detail, limit; /* what was out of range, and the range */
+};
+
+static int64_t next_int(struct machine *vm) {
+    if (vm->pc >= vm->size) {
+        vm->error = E_PROGRAM;
+        return 0;
+    }
+    return vm->code[vm->pc++];
+}
+
+static double next_float(struct machine *vm) {
+    if (vm->fc >= vm->nfloats) {
+        vm->error = E_PROGRAM;
+        return 0.0;
+    }
+    return vm->floats[vm->fc++];
+}
+
+static void *next_ptr(struct machine *vm) {
+    int64_t base = next_int(vm), offset = next_int(vm);
+    if (base < 0) return (void *)(intptr_t)offset;
+    if (base >= vm->ninputs) {
+        vm->error = E_PROGRAM;
+        return NULL;
+    }
+    return vm->inputs[base] + offset;
+}
+
+/* shape and strides of an elementwise operand; returns ndim, or -1 (bad program). */
+static int next_dims(struct machine *vm, Py_ssize_t *shape, int count, Py_ssize_t strides[][MAX_DIMS]) {
+    int64_t ndim = next_int(vm);
+    if (ndim < 0 || ndim > MAX_DIMS) {
+        vm->error = E_PROGRAM;
+        return -1;
+    }
+    for (int d = 0; d < ndim; d++) shape[d] = next_int(vm);
+    for (int a = 0; a < count; a++)
+        for (int d = 0; d < ndim; d++) strides[a][d] = next_int(vm);
+    return (int)ndim;
+}
+
+static float gelu_tanh1(float x) {
+    /* the numpy backend's 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x))), step by step in float32 */
+    const float c = (float)0.7978845608028654; /* sqrt(2 / pi) */
+    float cube = (((float)0.044715 * x) * x) * x;
+    return (0.5f * x) * (1.0f + tanhf(c * (x + cube)));
+}
+
+static float unary1(int kind, float x) {
+    switch (kind) {
+    case U_NEG: return -x;
+    case U_EXP: return expf(x);
+    case U_SQRT: return sqrtf(x);
+    case U_TANH: return tanhf(x);
+    case U_COS: return cosf(x);
+    case U_SIN: return sinf(x);
+    case U_SILU: return x / (1.0f + expf(-x));
+    case U_GELU_TANH: return gelu_tanh1(x);
+    case U_GELU_ERF: /* the numpy backend's: erf in float64 of the float32 x / sqrt(2) */
+        return (float)((double)(0.5f * x) * (1.0 + erf((double)(x / (float)1.4142135623730951))));
+    default: return x;
+    }
+}
+
+/* The n-dimensional index after `flat`, as byte offsets into each operand. */
+static void offsets(Py_ssize_t flat, int ndim, const Py_ssize_t *shape, Py_ssize_t strides[][MAX_DIMS], int count,
+                    Py_ssize_t *off) {
+    for (int a = 0; a < count; a++) off[a] = 0;
+    for (int d = ndim - 1; d >= 0; d--) {
+        Py_ssize_t i = flat % shape[d];
+        flat /= shape[d];
+        for (int a = 0; a < count; a++) off[a] += i * strides[a][d];
+    }
+}
+
+static Py_ssize_t elements(int ndim, const Py_ssize_t *shape) {
+    Py_ssize_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    return n;
+}
+
+static void step_copy(struct machine *vm) {
+    const char *x = next_ptr(vm);
+    char *out = next_ptr(vm);
+    int64_t item = next_int(vm);
+    Py_ssize_t shape[MAX_DIMS], strides[1][MAX_DIMS], off[1];
+    int ndim = next_dims(vm, shape, 1, strides);
+    if (ndim < 0 || vm->error) return;
+    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1, step = ndim ? strides[0][ndim - 1] : 0;
+    for (Py_ssize_t i = 0; i < n; i += inner) {
+        offsets(i, ndim, shape, strides, 1, off);
+        if (step == item) {
+            memcpy(out + i * item, x + off[0], (size_t)(inner * item));
+        } else {
+            for (Py_ssize_t j = 0; j < inner; j++) memcpy(out + (i + j) * item, x + off[0] + j * step, (size_t)item);
+        }
+    }
+}
+
+static void step_unary(struct machine *vm) {
+    const char *x = next_ptr(vm);
+    float *out = next_ptr(vm);
+    int kind = (int)next_int(vm);
+    Py_ssize_t shape[MAX_DIMS], strides[1][MAX_DIMS], off[1];
+    int ndim = next_dims(vm, shape, 1, strides);
+    if (ndim < 0 || vm->error) return;
+    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1, step = ndim ? strides[0][ndim - 1] : 0;
+    for (Py_ssize_t i = 0; i < n; i += inner) {
+        offsets(i, ndim, shape, strides, 1, off);
+        const char *row = x + off[0];
+        if (kind == U_CAST_I32) {
+            for (Py_ssize_t j = 0; j < inner; j++) out[i + j] = (float)*(const int32_t *)(row + j * step);
+        } else {
+            for (Py_ssize_t j = 0; j < inner; j++) out[i + j] = unary1(kind, *(const float *)(row + j * step));
+        }
+    }
+}
+
+static void step_binary(struct machine *vm) {
+    const char *a = next_ptr(vm), *b = next_ptr(vm);
+    char *out = next_ptr(vm);
+    int kind = (int)next_int(vm), ints = (int)next_int(vm);
+    Py_ssize_t shape[MAX_DIMS], strides[2][MAX_DIMS], off[2];
+    int ndim = next_dims(vm, shape, 2, strides);
+    if (ndim < 0 || vm->error) return;
+    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1;
+    Py_ssize_t sa = ndim ? strides[0][ndim - 1] : 0, sb = ndim ? strides[1][ndim - 1] : 0;
+    for (Py_ssize_t i = 0; i < n; i += inner) {
+        offsets(i, ndim, shape, strides, 2, off);
+        const char *ra = a + off[0], *rb = b + off[1];
+        if (ints) { /* int32, wrapping as numpy's does */
+            int32_t *o = (int32_t *)out + i;
+            for (Py_ssize_t j = 0; j < inner; j++) {
+                uint32_t u = (uint32_t)*(const int32_t *)(ra + j * sa), v = (uint32_t)*(const int32_t *)(rb + j * sb);
+                o[j] = (int32_t)(kind == B_ADD ? u + v : kind == B_SUB ? u - v : u * v);
+            }
+            continue;
+        }
+        float *o = (float *)out + i;
+        for (Py_ssize_t j = 0; j < inner; j++) {
+            float u = *(const float *)(ra + j * sa), v = *(const float *)(rb + j * sb);
+            o[j] = kind == B_ADD ? u + v : kind == B_SUB ? u - v : kind == B_MUL ? u * v : u / v;
+        }
+    }
+}
+
+/* numpy's max and argmax over the last axis: a NaN wins (the first one, for argmax). */
+static void step_reduce(struct machine *vm) {
+    const float *x = next_ptr(vm);
+    char *out = next_ptr(vm);
+    int kind = (int)next_int(vm);
+    Py_ssize_t rows = next_int(vm), n = next_int(vm);
+    if (vm->error || n < 1) {
+        vm->error = E_PROGRAM;
+        return;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        Py_ssize_t best = 0;
+        float top = row[0];
+        for (Py_ssize_t j = 1; j < n && top == top; j++)
+            if (row[j] > top || row[j] != row[j]) {
+                top = row[j];
+                best = j;
+            }
+        if (kind == R_MAX)
+            ((float *)out)[r] = top;
+        else
+            ((int64_t *)out)[r] = best;
+    }
+}
+
+/* ids[i] as a row index of a table of vocab rows, or -1 (and the error set). */
+static Py_ssize_t row_id(struct machine *vm, const char *ids, Py_ssize_t i, int64_t id_bytes, Py_ssize_t vocab) {
+    long long id = id_bytes == 8 ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
+    if (id < 0 || id >= vocab) {
+        vm->error = E_TOKEN;
+        vm->detail = id;
+        vm->limit = vocab;
+        return -1;
+    }
+    return (Py_ssize_t)id;
+}
+
+static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count, Py_ssize_t capacity, int error) {
+    int32_t p = *at;
+    if (p < 0 || (Py_ssize_t)p + count > capacity) {
+        vm->error = error;
+        vm->detail = (long long)p + count;
+        vm->limit = capacity;
+    }
+    return p;
+}
+
+static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+    int64_t op = next_int(vm);
+    switch (op) {
+    case OP_GEMV: {
+        const float *x = next_ptr(vm);
+        const uint8_t *codes = next_ptr(vm);
+        const void *scales = next_ptr(vm), *biases = next_ptr(vm);
+        float *out = next_ptr(vm);
+        int bits = (int)next_int(vm);
+        Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm), group = next_int(vm);
+        int half = (int)next_int(vm);
+        if (!vm->error && gemv_run(bits, x, codes, scales, biases, half, out, m, k, n, group)) vm->error = E_MEMORY;
+        return;
+    }
+    case OP_GEMV_F32: {
+        const float *x = next_ptr(vm), *w = next_ptr(vm);
+        float *out = next_ptr(vm);
+        Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm);
+        if (!vm->error) gemvf_run(x, w, out, m, k, n);
+        return;
+    }
+    case OP_RMS: {
+        const float *x = next_ptr(vm), *w = next_ptr(vm);
+        float *out = next_ptr(vm);
+        const float *res = next_ptr(vm);
+        float *h = next_ptr(vm);
+        Py_ssize_t rows = next_int(vm), n = next_int(vm);
+        float eps = (float)next_float(vm);
+        if (!vm->error) rms_rows(x, w, out, rows, n, eps, res, h);
+        return;
+    }
+    case OP_ROPE: {
+        const float *x = next_ptr(vm), *c = next_ptr(vm), *s = next_ptr(vm);
+        float *out = next_ptr(vm);
+        Py_ssize_t t = next_int(vm), heads = next_int(vm), d = next_int(vm), half = next_int(vm);
+        if (!vm->error) rope_rows(x, c, s, out, t, heads, d, half);
+        return;
+    }
+    case OP_ATTEND: {
+        struct attend_args a;
+        a.Q = next_ptr(vm);
+        a.K = next_ptr(vm);
+        a.V = next_ptr(vm);
+        a.O = next_ptr(vm);
+        const int32_t *length = next_ptr(vm);
+        a.tq = next_int(vm);
+        Py_ssize_t capacity = next_int(vm);
+        a.hq = next_int(vm);
+        a.hkv = next_int(vm);
+        a.dk = next_int(vm);
+        a.dv = next_int(vm);
+        a.window = next_int(vm);
+        a.causal = (int)next_int(vm);
+        a.scale = (float)next_float(vm);
+        a.softcap = (float)next_float(vm);
+        a.rows = NULL;
+        if (vm->error) return;
+        a.tk = position(vm, length, 0, capacity, E_LENGTH);
+        if (vm->error) return;
+        if (a.tk < a.tq) { /* every query row sees a key: the eager path's own condition */
+            vm->error = E_LENGTH;
+            vm->detail = a.tk;
+            vm->limit = a.tq;
+            return;
+        }
+        Py_ssize_t need = a.tk * max_threads();
+        if (need > *scores_size) {
+            float *more = realloc(*scores, (size_t)need * sizeof(float));
+            if (!more) {
+                vm->error = E_MEMORY;
+                return;
+            }
+            *scores = more;
+            *scores_size = need;
+        }
+        attention_run(&a, *scores, 1);
+        return;
+    }
+    case OP_WRITE_ROWS: {
+        char *dst = next_ptr(vm);
+        const int32_t *start = next_ptr(vm);
+        const char *src = next_ptr(vm);
+        Py_ssize_t rows = next_int(vm), row_bytes = next_int(vm), capacity = next_int(vm);
+        if (vm->error) return;
+        int32_t p = position(vm, start, rows, capacity, E_POSITION);
+        if (!vm->error) memcpy(dst + (Py_ssize_t)p * row_bytes, src, (size_t)(rows * row_bytes));
+        return;
+    }
+    case OP_GATHER: {
+        const char *table = next_ptr(vm), *ids = next_ptr(vm);
+        char *out = next_ptr(vm);
+        Py_ssize_t count = next_int(vm), vocab = next_int(vm), row_bytes = next_int(vm);
+        int64_t id_bytes = next_int(vm);
+        for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
+            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
+            if (r >= 0) memcpy(out + i * row_bytes, table + r * row_bytes, (size_t)row_bytes);
+        }
+        return;
+    }
+    case OP_DEQUANT_ROWS: {
+        const uint8_t *codes = next_ptr(vm);
+        const void *scales = next_ptr(vm), *biases = next_ptr(vm);
+        const char *ids = next_ptr(vm);
+        float *out = next_ptr(vm);
+        Py_ssize_t count = next_int(vm), vocab = next_int(vm);
+        int bits = (int)next_int(vm);
+        Py_ssize_t k = next_int(vm), group = next_int(vm);
+        int half = (int)next_int(vm);
+        int64_t id_bytes = next_int(vm);
+        Py_ssize_t groups = k / group, row_bytes = bits == 4 ? k / 2 : k;
+        for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
+            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
+            if (r < 0) break;
+            float wide[2 * TILE_GROUPS];
+            const float *s, *b;
+            tile_scales(scales, biases, half, r, r + 1, groups, wide, &s, &b);
+            dequant_row(bits, codes + r * row_bytes, s, b, out + i * k, k, group);
+        }
+        return;
+    }
+    case OP_COPY: step_copy(vm); return;
+    case OP_UNARY: step_unary(vm); return;
+    case OP_BINARY: step_binary(vm); return;
+    case OP_REDUCE: step_reduce(vm); return;
+    default: vm->error = E_PROGRAM; return;
+    }
+}
+
+/* run_plan(code, floats, inputs, sizes) -> None: run the program `code`
+ * (int64) with its float operands `floats` (float64) on `inputs` (a tuple of
+ * C-contiguous writable arrays; sizes (int64): the bytes each must have). */
+static PyObject *run_plan(PyObject *self, PyObject *args) {
+    Py_buffer code, floats, sizes;
+    PyObject *inputs;
+    if (!PyArg_ParseTuple(args, "y*y*O!y*", &code, &floats, &PyTuple_Type, &inputs, &sizes)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(inputs), held = 0;
+    Py_buffer *views = calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    char **bases = calloc((size_t)(n ? n : 1), sizeof(char *));
+    if (!views || !bases) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (sizes.len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "run_plan: %zd inputs, %zd sizes", n, sizes.len / 8);
+        goto done;
+    }
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(inputs, held), &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (views[held].len != ((const int64_t *)sizes.buf)[held]) {
+            PyErr_Format(PyExc_ValueError, "run_plan: input %zd has %zd bytes, the plan was made for %lld", held,
+                         views[held].len, (long long)((const int64_t *)sizes.buf)[held]);
+            held++;
+            goto done;
+        }
+        bases[held] = views[held].buf;
+    }
+    struct machine vm = {(const int64_t *)code.buf, 0, code.len / 8, (const double *)floats.buf, 0, floats.len / 8,
+                         bases, n, E_OK, 0, 0};
+    float *scores = NULL;
+    Py_ssize_t scores_size = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (vm.pc < vm.size && !vm.error) step(&vm, &scores, &scores_size);
+    Py_END_ALLOW_THREADS
+    free(scores);
+    switch (vm.error) {
+    case E_OK: result = Py_None; Py_INCREF(result); break;
+    case E_MEMORY: PyErr_NoMemory(); break;
+    case E_TOKEN:
+        PyErr_Format(PyExc_IndexError, "token id %lld out of range [0, %lld)", vm.detail, vm.limit);
+        break;
+    case E_POSITION:
+        PyErr_Format(PyExc_IndexError, "the step writes up to position %lld of a cache of %lld", vm.detail, vm.limit);
+        break;
+    case E_LENGTH:
+        PyErr_Format(PyExc_IndexError, "attention over %lld keys of a cache of %lld", vm.detail, vm.limit);
+        break;
+    default: PyErr_Format(PyExc_ValueError, "run_plan: malformed program at %zd", vm.pc); break;
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(bases);
+    PyBuffer_Release(&code);
+    PyBuffer_Release(&floats);
+    PyBuffer_Release(&sizes);
+    return result;
+}

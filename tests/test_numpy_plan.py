@@ -1,0 +1,251 @@
+"""The numpy backend's captured decode step (backends/numpy_plan.py, backends/_plan.c).
+
+``infer.load`` on numpy records the greedy decode step once as a program of
+C kernel calls and runs it as one C call per token. What a user relies on:
+
+* the same greedy tokens as the eager loop (``compile=False``), on every
+  architecture that captures, every code path of the kernels, and over
+  enough tokens to cross a capacity bucket;
+* the step's logits equal the eager forward's within ``PLAN_RTOL`` of the
+  largest logit: products, norms, rope and attention are the eager ops' own
+  C code (bit for bit), and only silu/gelu and the rope tables call the C
+  library's ``expf``/``tanhf``/``sinf``/``cosf`` where numpy uses its own
+  (a few ulp each), so the step is far inside the suite's float32 tolerance
+  for another summation order (``LOGIT_RTOL``);
+* one program per cache capacity, not one per token;
+* a step that cannot be one program (MoE routing reads the host, LayerNorm,
+  interleaved rope) decodes eagerly and says which op stopped it;
+* bad data inside the program (a token id past the vocabulary, a position
+  past the cache) is a typed error, not a write outside the buffers;
+* arithmetic outside the backend's ops on a traced value refuses to record,
+  and the trace's check against the eager ops can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import LOGIT_RTOL, assert_logits_close, encode, tiny_model_dir
+
+import infer
+from infer.backends import numpy as numpy_backend
+from infer.engine.capture import MIN_CAPACITY
+from infer.kv.attention import StaticAttentionContext
+
+_affine = numpy_backend._affine
+pytestmark = pytest.mark.skipif(not hasattr(_affine, "run_plan"), reason="the C kernels are not built here")
+from infer.backends import numpy_plan  # noqa: E402
+
+PROMPT = "The capital of France is Paris. Once upon a time"
+#: libm's transcendentals against numpy's SIMD ones: a few ulp in the MLP's
+#: activations and the rope table, well inside the float32 reordering tolerance.
+PLAN_RTOL = LOGIT_RTOL
+CAPTURED = ["llama3", "mistral", "qwen2", "gemma3", "gemma3_softcap", "qwen3", "phi3", "olmo2", "smollm3_pattern",
+            "granite_bias"]
+EAGER = {"mixtral": "softmax", "qwen3_moe": "softmax", "gpt2": "layer_norm", "deepseek_v3": "interleaved=True",
+         "llama_dynamic": "max_position"}
+
+
+def _generate(model: infer.Model, variant: str, n: int = 24) -> list[int]:
+    return list(model.generate_tokens(encode(tiny_model_dir(variant), PROMPT), max_tokens=n, ignore_eos=True))
+
+
+@pytest.mark.parametrize("variant", CAPTURED)
+def test_the_default_numpy_load_captures_the_step_with_the_eager_tokens(variant: str) -> None:
+    eager = infer.load(tiny_model_dir(variant), backend="numpy", compile=False)
+    assert eager.engine.decode_step is None
+    model = infer.load(tiny_model_dir(variant), backend="numpy")
+    step = model.engine.decode_step
+    assert step is not None and step.compiled
+    assert _generate(model, variant) == _generate(eager, variant)
+    assert step.reason is None, step.reason
+    assert step.steps == 23 and step.graphs == 1
+    assert step.describe() == "decode step captured: 1 graph(s) for 23 steps"
+
+
+@pytest.mark.parametrize("variant,op", EAGER.items())
+def test_what_one_program_cannot_hold_decodes_eagerly_and_says_why(variant: str, op: str) -> None:
+    eager = infer.load(tiny_model_dir(variant), backend="numpy", compile=False)
+    model = infer.load(tiny_model_dir(variant), backend="numpy")
+    assert _generate(model, variant, 8) == _generate(eager, variant, 8)
+    step = model.engine.decode_step
+    assert step.steps == 0 and step.reason is not None and op in step.reason
+
+
+@pytest.mark.parametrize("path", _affine.paths() if _affine is not None else [])
+def test_every_kernel_path_records_a_program_with_the_eager_tokens(path: str) -> None:
+    chosen = _affine.simd()
+    _affine.use_simd(path)
+    try:
+        want = _generate(infer.load(tiny_model_dir("gemma3"), backend="numpy", compile=False), "gemma3")
+        model = infer.load(tiny_model_dir("gemma3"), backend="numpy")
+        assert _generate(model, "gemma3") == want and model.engine.decode_step.steps == 23
+    finally:
+        _affine.use_simd(chosen)
+
+
+def test_quantized_weights_are_recorded_as_the_kernels_products() -> None:
+    # On-load q4 and q8 (the C kernel's codes) and float32 weights all capture.
+    for quantize in ("q4", "q8", "off"):
+        eager = infer.load(tiny_model_dir("llama3"), backend="numpy", quantize=quantize, compile=False)
+        model = infer.load(tiny_model_dir("llama3"), backend="numpy", quantize=quantize)
+        assert _generate(model, "llama3") == _generate(eager, "llama3"), quantize
+        assert model.engine.decode_step.reason is None
+
+
+@pytest.mark.parametrize("variant", ["llama3", "gemma3_softcap"])
+def test_the_programs_logits_are_the_eager_forwards(variant: str) -> None:
+    model = infer.load(tiny_model_dir(variant), backend="numpy", compile=False)
+    engine, ops, net = model.engine, model.backend, model.network
+    prompt = encode(tiny_model_dir(variant), PROMPT)
+
+    def static_logits(ids, start, keys, values):  # type: ignore[no-untyped-def]
+        ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
+        return net.compute_logits(net.forward(ids, ctx)), ctx.keys, ctx.values
+
+    fn = ops.compile(static_logits, static=True)
+    assert isinstance(fn, numpy_plan.PlannedStep)
+    eager, static = engine.new_sequence(MIN_CAPACITY), engine.new_sequence(MIN_CAPACITY)
+    engine.forward(eager, prompt)
+    engine.forward(static, prompt)
+    for token in (5, 17, 2, 40, 9, 5):
+        want = ops.to_numpy(engine.forward(eager, [token])[-1])
+        keys, values = static.cache.layer_buffers(net.num_layers)
+        start = ops.from_numpy(np.array([static.cache.length], np.int32))
+        logits, keys2, values2 = fn(ops.from_numpy(np.array([token], np.int32)), start, keys, values)
+        assert all(a is b for a, b in zip(keys2 + values2, keys + values))  # written in place
+        static.cache.commit([token])
+        assert_logits_close(logits[-1], want, f"program vs eager, token {token}", rtol=PLAN_RTOL)
+        # The cache rows the program wrote are the eager forward's.
+        pos = static.cache.length - 1
+        for layer in range(net.num_layers):
+            got_k, _ = static.cache.read(layer, pos, pos + 1)
+            want_k, _ = eager.cache.read(layer, pos, pos + 1)
+            np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=1e-6)
+    assert fn.graphs() == 1
+
+
+def test_a_new_capacity_records_a_new_program_and_steps_do_not_re_record() -> None:
+    model, fn, _ = _planned()
+    engine, net = model.engine, model.network
+    prompt = encode(tiny_model_dir("llama3"), PROMPT)
+    for capacity in (64, 128, 64):
+        seq = engine.new_sequence(capacity)
+        engine.forward(seq, prompt)
+        for _ in range(30):
+            keys, values = seq.cache.layer_buffers(net.num_layers)
+            fn(np.array([7], np.int32), np.array([seq.cache.length], np.int32), keys, values)
+            seq.cache.commit([7])
+    assert fn.graphs() == 2  # one per capacity, none per token or per sequence
+
+
+def _planned(variant: str = "llama3"):  # type: ignore[no-untyped-def]
+    """A recorded step of ``variant`` and its sequence after the prompt."""
+    model = infer.load(tiny_model_dir(variant), backend="numpy", compile=False)
+    engine, ops, net = model.engine, model.backend, model.network
+
+    def greedy(ids, start, keys, values):  # type: ignore[no-untyped-def]
+        ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
+        return ops.argmax(net.compute_logits(net.forward(ids, ctx)), -1)
+
+    seq = engine.new_sequence(MIN_CAPACITY)
+    engine.forward(seq, encode(tiny_model_dir(variant), PROMPT))
+    return model, ops.compile(greedy, static=True), seq
+
+
+def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> None:
+    model, fn, seq = _planned()
+    keys, values = seq.cache.layer_buffers(model.network.num_layers)
+    at = np.array([seq.cache.length], np.int32)
+    fn(np.array([3], np.int32), at, keys, values)  # recorded
+    before = [k.copy() for k in keys]
+    with pytest.raises(IndexError, match="token id 100000 out of range"):
+        fn(np.array([100000], np.int32), at, keys, values)
+    with pytest.raises(IndexError, match="token id -1 out of range"):
+        fn(np.array([-1], np.int32), at, keys, values)
+    with pytest.raises(IndexError, match="position"):
+        fn(np.array([3], np.int32), np.array([MIN_CAPACITY], np.int32), keys, values)
+    with pytest.raises(IndexError, match="position"):
+        fn(np.array([3], np.int32), np.array([-4], np.int32), keys, values)
+    assert all(np.array_equal(a, b) for a, b in zip(keys, before))
+    # Inputs unlike the recorded ones get their own program, or a clear refusal.
+    with pytest.raises(numpy_plan.NotCapturable, match="C-contiguous"):
+        fn(np.array([3], np.int32), at, [k[:, :, ::2] for k in keys], values)
+
+
+def test_arithmetic_outside_the_ops_or_host_reads_refuse_to_record() -> None:
+    model = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False)
+    ops = model.backend
+    x = np.ones((1, 8), np.float32)
+    with pytest.raises(numpy_plan.NotCapturable, match="outside the backend's ops"):
+        ops.compile(lambda a: ops.add(a * 2, 1.0), static=True)(x)
+    with pytest.raises(numpy_plan.NotCapturable, match="host"):
+        ops.compile(lambda a: ops.mul(a, float(a[0, 0])), static=True)(x)
+    with pytest.raises(numpy_plan.NotCapturable, match="to_numpy"):
+        ops.compile(lambda a: ops.from_numpy(ops.to_numpy(a)), static=True)(x)
+    with pytest.raises(numpy_plan.NotCapturable, match="outside the backend's ops"):
+        ops.compile(lambda a: np.concatenate([a, a]), static=True)(x)
+    # The backend's own ops are restored after a failed trace.
+    assert "add" not in vars(ops) and np.array_equal(ops.add(x, 1.0), x + 1)
+
+
+def test_the_trace_checks_each_step_against_the_eager_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False)
+    ops = model.backend
+    x = np.linspace(-3, 3, 16, dtype=np.float32).reshape(2, 8)
+    assert np.allclose(ops.compile(lambda a: ops.silu(a), static=True)(x), ops.silu(x), rtol=1e-6)
+    monkeypatch.setitem(numpy_plan.UNARY_KINDS, "silu", numpy_plan.UNARY_KINDS["exp"])  # a wrongly wired step
+    with pytest.raises(numpy_plan.NotCapturable, match="silu: the step's values differ"):
+        ops.compile(lambda a: ops.silu(a), static=True)(x)
+
+
+def test_elementwise_steps_broadcast_and_view_as_numpy_does() -> None:
+    ops = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False).backend
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    b = np.linspace(1, 2, 4, dtype=np.float32)
+
+    def fn(x):  # type: ignore[no-untyped-def]
+        t = ops.transpose(x, (2, 0, 1))  # a strided view
+        y = ops.div(ops.sub(ops.mul(ops.reshape(ops.transpose(t, (1, 2, 0)), (6, 4)), b), 0.5), 3.0)
+        c = ops.concat([ops.slice(y, 0, 0, 2), ops.slice(ops.reshape(ops.sqrt(ops.add(t, 1.0)), (4, 6)), 1, 0, 4)], 0)
+        i = ops.add(ops.astype(ops.arange(0, 4, "int32"), "float32"), ops.max(c, -1, keepdims=True))
+        return ops.argmax(i, -1), ops.max(c, -1), c
+
+    fn_step = ops.compile(fn, static=True)
+    for scale in (1.0, -2.5):  # the recorded program on new values
+        x = a * np.float32(scale)
+        got, want = fn_step(x), fn(x)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert fn_step.graphs() == 1
+
+
+@pytest.mark.parametrize("variant", ["llama3", "gemma3_softcap", "qwen2"])
+def test_torch_cpu_records_the_same_program_on_its_tensors_by_default(variant: str) -> None:
+    """torch/cpu in float32 runs numpy's kernels on its tensors' memory eagerly;
+    its default decode step is their program too (compile=True: torch.compile)."""
+    torch = pytest.importorskip("torch")
+    eager = infer.load(tiny_model_dir(variant), backend="torch:cpu", compile=False)
+    model = infer.load(tiny_model_dir(variant), backend="torch:cpu")
+    step = model.engine.decode_step
+    assert isinstance(step._fn, numpy_plan.PlannedStep)
+    assert _generate(model, variant) == _generate(eager, variant)
+    assert step.reason is None and step.steps == 23 and step.graphs == 1
+    # The cache stays torch's: the program wrote its tensors in place.
+    seq = model.engine.new_sequence(MIN_CAPACITY)
+    model.engine.forward(seq, [1, 2, 3])
+    assert model.engine.greedy_step(seq, 4) is not None
+    keys, _ = seq.cache.layer_buffers(model.network.num_layers)
+    assert isinstance(keys[0], torch.Tensor) and float(keys[0][3].abs().sum()) > 0
+    model.engine.release(seq)
+
+
+def test_a_backend_that_overrides_an_op_is_not_bypassed_by_a_program() -> None:
+    class Doubling(numpy_backend.NumpyBackend):
+        def silu(self, x):  # type: ignore[no-untyped-def]
+            return super().silu(x) * 2
+
+    ops = Doubling()
+    assert not ops.capture_by_default
+    fn = lambda a: ops.silu(a)  # noqa: E731
+    assert ops.compile(fn, static=True) is fn
