@@ -216,7 +216,7 @@ class NumpyBackend(Backend):
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
-                affine = from_gguf(tensor, groups=(16, 32), half=half_scales(tensor.qtype)) if _affine is not None else None
+                affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
                 if affine is not None:
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
                     return _gemv_args(PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine))
@@ -685,21 +685,6 @@ def records_programs(cls: type, base: type | None = None) -> bool:
 
 
 _OWN_OPS: dict[tuple[type, type], bool] = {}
-
-
-#: GGUF types whose float16 scales and biases are widened to float32 at load
-#: (the others keep them float16 where they store them so): the 4-bit
-#: products ran 13% faster on float32 ones (SmolLM2's layer weights, median of
-#: 15 alternating pairs; widening float16 scales per tile costs a 4-bit row
-#: as much as a sixth of its work), for 4 bytes more per 32 values
-#: (docs/performance.md). 8-bit codes take twice the work per value: there
-#: the float16 ones stay, half the bytes of scales.
-WIDE_SCALE_TYPES = frozenset({"Q4_0", "Q4_1"})
-
-
-def half_scales(qtype: str) -> bool:
-    """Whether a GGUF matrix of ``qtype`` keeps float16 scales for the kernels (:data:`WIDE_SCALE_TYPES`)."""
-    return qtype not in WIDE_SCALE_TYPES
 
 
 def kernel_args(w: AffineTensor) -> tuple[Any, ...]:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -203,7 +203,7 @@ class Recorder:
 
     # -- steps -------------------------------------------------------------
 
-    def emit(self, op: int, ptrs: list[Any], ints: list[int] = (), floats: list[float] = ()) -> None:  # type: ignore[assignment]
+    def emit(self, op: int, ptrs: Sequence[Any], ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
         """Append one step and run it now, on the call's inputs."""
         step = [op]
         for p in ptrs:
@@ -624,9 +624,17 @@ def flatten(tree: Any, leaves: list[np.ndarray], originals: list[Any], arrays: H
         host = tree if isinstance(tree, np.ndarray) else arrays.to_host(tree)  # type: ignore[union-attr]
         leaves.append(host)
         originals.append(tree)
-        return ("a", host.shape, host.dtype.str)
+        return ("a", host.shape, host.dtype)
     if isinstance(tree, (list, tuple)):
-        return (type(tree).__name__, tuple(flatten(v, leaves, originals, arrays) for v in tree))
+        parts = []
+        for v in tree:  # numpy arrays inline: a decode step passes two lists of one per layer
+            if type(v) is np.ndarray:
+                leaves.append(v)
+                originals.append(v)
+                parts.append(("a", v.shape, v.dtype))
+            else:
+                parts.append(flatten(v, leaves, originals, arrays))
+        return (type(tree).__name__, tuple(parts))
     if isinstance(tree, dict):
         return ("d", tuple((k, flatten(v, leaves, originals, arrays)) for k, v in tree.items()))
     return ("v", tree)
@@ -704,7 +712,7 @@ class Plan:
                 return value
             if kind is dict:
                 return {k: build(v) for k, v in value.items()}
-            return kind(build(v) for v in value)
+            return kind([originals[v[1]] if v[0] == "input" else build(v) for v in value])
 
         return build(self.result)
 

@@ -59,7 +59,7 @@ def test_the_static_step_decodes_the_eager_tokens_on_numpy(variant: str, backend
     assert step.reason is None and step.steps == len(want) - 1  # every token after the prefill's
 
 
-@pytest.mark.parametrize("backend", backend_params("torch:cpu", "mlx:cpu"))
+@pytest.mark.parametrize("backend", ["numpy", *backend_params("torch:cpu", "mlx:cpu")])
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
 def test_the_captured_step_decodes_the_eager_tokens_in_one_graph(backend: str, variant: str) -> None:
     model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
