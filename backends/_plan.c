@@ -38,7 +38,7 @@ enum {
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS };
 
 #define MAX_DIMS 8
 
@@ -109,7 +109,7 @@ static float unary1(int kind, float x) {
     case U_SIN: return sinf(x);
     case U_SILU: return x / (1.0f + expf(-x));
     case U_GELU_TANH: return gelu_tanh1(x);
-    case U_GELU_ERF: /* the numpy backend's: erf in float64 of the float32 x / sqrt(2) */
+    case U_GELU_ERF: /* erf in float64 of the float32 x / sqrt(2), as the numpy backend; the last product too */
         return (float)((double)(0.5f * x) * (1.0 + erf((double)(x / (float)1.4142135623730951))));
     default: return x;
     }
@@ -175,6 +175,7 @@ static void step_binary(struct machine *vm) {
     int kind = (int)next_int(vm), ints = (int)next_int(vm);
     Py_ssize_t shape[MAX_DIMS], strides[2][MAX_DIMS], off[2];
     int ndim = next_dims(vm, shape, 2, strides);
+    if (kind < B_ADD || kind > B_DIV || (ints && kind == B_DIV)) vm->error = E_PROGRAM;
     if (ndim < 0 || vm->error) return;
     Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1;
     Py_ssize_t sa = ndim ? strides[0][ndim - 1] : 0, sb = ndim ? strides[1][ndim - 1] : 0;
@@ -245,6 +246,16 @@ static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count,
     return p;
 }
 
+/* The shape of a product's codes as gemv checks it (a malformed program stops here). */
+static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half) {
+    if (vm->error || (bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP ||
+        k % GROUP || (half && k / group > TILE_GROUPS)) {
+        vm->error = vm->error ? vm->error : E_PROGRAM;
+        return 0;
+    }
+    return 1;
+}
+
 static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
     int64_t op = next_int(vm);
     switch (op) {
@@ -256,7 +267,8 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         int bits = (int)next_int(vm);
         Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm), group = next_int(vm);
         int half = (int)next_int(vm);
-        if (!vm->error && gemv_run(bits, x, codes, scales, biases, half, out, m, k, n, group)) vm->error = E_MEMORY;
+        if (!codes_ok(vm, bits, group, k, half) || m < 1 || n < 1) return;
+        if (gemv_run(bits, x, codes, scales, biases, half, out, m, k, n, group)) vm->error = E_MEMORY;
         return;
     }
     case OP_GEMV_F32: {
@@ -305,7 +317,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         a.tk = position(vm, length, 0, capacity, E_LENGTH);
         if (vm->error) return;
         if (a.tk < a.tq) { /* every query row sees a key: the eager path's own condition */
-            vm->error = E_LENGTH;
+            vm->error = E_ROWS;
             vm->detail = a.tk;
             vm->limit = a.tq;
             return;
@@ -338,6 +350,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         char *out = next_ptr(vm);
         Py_ssize_t count = next_int(vm), vocab = next_int(vm), row_bytes = next_int(vm);
         int64_t id_bytes = next_int(vm);
+        if (id_bytes != 4 && id_bytes != 8) vm->error = E_PROGRAM;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
             Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
             if (r >= 0) memcpy(out + i * row_bytes, table + r * row_bytes, (size_t)row_bytes);
@@ -354,6 +367,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         Py_ssize_t k = next_int(vm), group = next_int(vm);
         int half = (int)next_int(vm);
         int64_t id_bytes = next_int(vm);
+        if (!codes_ok(vm, bits, group, k, half) || (id_bytes != 4 && id_bytes != 8)) return;
         Py_ssize_t groups = k / group, row_bytes = bits == 4 ? k / 2 : k;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
             Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
@@ -422,6 +436,9 @@ static PyObject *run_plan(PyObject *self, PyObject *args) {
         break;
     case E_LENGTH:
         PyErr_Format(PyExc_IndexError, "attention over %lld keys of a cache of %lld", vm.detail, vm.limit);
+        break;
+    case E_ROWS:
+        PyErr_Format(PyExc_IndexError, "attention over %lld keys for %lld query rows", vm.detail, vm.limit);
         break;
     default: PyErr_Format(PyExc_ValueError, "run_plan: malformed program at %zd", vm.pc); break;
     }

@@ -34,586 +34,44 @@ differ from the eager step's only where the program calls the C library's
 (the silu, gelu and rope-table steps; a few ulp); every product, norm, rope
 and attention step is the eager op's own code, bit for bit.
 
+The traced function must compute only through the backend's ops, as the op
+contract asks of architectures. Values that depend on the inputs are handed to
+it as :class:`Traced` arrays (torch/cpu: a guarded tensor subclass), on which
+numpy's or torch's own arithmetic, copies, in-place writes and host reads
+raise :class:`NotCapturable` rather than be frozen into the program; the one
+hole left is ``np.asarray(x)``, which strips the subclass without asking.
+Ops on constants only are folded once per program: weights changed in place
+after the first step would keep their old derived values (there is no such
+API). A program points at the weights' memory and keeps those arrays alive.
+
 The recorder replaces the backend instance's op methods while it traces, so a
 backend must not be used from another thread during a trace (the engine runs
-one forward at a time).
+one forward at a time); replays of one step are serialized by a lock, since a
+program's buffers are its own.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from infer.backends.numpy_record import (  # noqa: F401 - the recorder's names, re-exported for callers and tests
+    BINARY_KINDS,
+    UNARY_KINDS,
+    HostArrays,
+    NotCapturable,
+    Recorder,
+    Traced,
+    _addr,
+)
 
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Backend, PackedWeight
-from infer.quantize import AffineTensor
+from infer.ops import Backend
 
 log = logging.getLogger(__name__)
-
-# Opcodes and kinds: the enums at the top of backends/_plan.c, in order.
-(GEMV, GEMV_F32, RMS, ROPE, ATTEND, WRITE_ROWS, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE) = range(1, 13)
-UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
-               "gelu_tanh": 8, "gelu": 9}
-BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
-MAX, ARGMAX = 0, 1
-MAX_DIMS = 8
-NULL = (-1, 0)
-
-#: Ops the recorder passes through untouched: they create constants or only
-#: read shapes, so they are the same in a trace as eagerly.
-PASS_THROUGH = frozenset({"from_numpy", "shape", "dtype", "zeros", "arange", "prepare_weight", "compile",
-                          "synchronize"})
-
-
-class NotCapturable(Exception):
-    """The step cannot be one program; the message says which op and why."""
-
-
-class Traced(np.ndarray):
-    """An array whose values depend on the step's inputs, as the traced
-    function sees it: numpy arithmetic on it outside the backend's ops, or
-    reading it on the host, would not be recorded, so it raises instead."""
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        raise NotCapturable(f"numpy's {ufunc.__name__} on a traced array, outside the backend's ops")
-
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        raise NotCapturable(f"numpy.{func.__name__} on a traced array, outside the backend's ops")
-
-    def _host(self, *args: Any) -> Any:
-        raise NotCapturable("a traced value read on the host inside the step")
-
-    def __getitem__(self, key: Any) -> Any:
-        out = super().__getitem__(key)
-        if not isinstance(out, np.ndarray):  # one element, as a numpy scalar: its value on the host
-            self._host()
-        return out
-
-    __bool__ = __int__ = __float__ = __index__ = item = tolist = _host  # type: ignore[assignment]
-
-
-def _plain(x: Any) -> Any:
-    return x.view(np.ndarray) if type(x) is Traced else x
-
-
-def _addr(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
-def _f32(x: Any) -> bool:
-    return isinstance(x, np.ndarray) and x.dtype == np.float32
-
-
-class HostArrays(Protocol):
-    """How a backend whose arrays share memory with numpy arrays (torch on the
-    CPU) lends them to the recorder: zero-copy both ways."""
-
-    def is_array(self, x: Any) -> bool:
-        """Whether ``x`` is one of the backend's arrays."""
-        ...
-
-    def to_host(self, x: Any) -> np.ndarray:
-        """A numpy array on ``x``'s memory."""
-        ...
-
-    def from_host(self, a: np.ndarray) -> Any:
-        """One of the backend's arrays on ``a``'s memory."""
-        ...
-
-    def weight(self, w: PackedWeight) -> Any:
-        """The numpy backend's form of a prepared weight (a
-        :class:`~infer.ops.PackedWeight` with its kernel arguments), or
-        ``w`` where there is none (the recorder then refuses it)."""
-        ...
-
-
-class Recorder:
-    """Records one call of a function through the backend's ops as a program
-    (see the module docstring). Methods named after ops stand in for the
-    backend's while :meth:`record` runs."""
-
-    def __init__(self, ops: Backend, leaves: list[np.ndarray], kernels: Any) -> None:
-        self.ops, self.cls, self.kernels = ops, type(ops), kernels
-        for i, a in enumerate(leaves):
-            if not (type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable and a.size):
-                raise NotCapturable(f"input {i} is not a non-empty, C-contiguous, writable numpy array")
-        self.inputs = tuple(leaves)
-        self.sizes = np.array([a.nbytes for a in leaves], np.int64)
-        self._starts: list[int] = []  # sorted region starts, and their (end, base) by start
-        self._regions: dict[int, tuple[int, int]] = {}
-        for i, a in enumerate(leaves):
-            self._region(_addr(a), a.nbytes, i)
-        self.code: list[int] = []
-        self.floats: list[float] = []
-        self.keep: list[Any] = []  # everything the program points at, alive as long as it is
-        #: Where each step starts in :attr:`code` and :attr:`floats`, and its opcode (for profiles).
-        self.marks: list[tuple[int, int, int]] = []
-
-    # -- memory ------------------------------------------------------------
-
-    def _region(self, start: int, nbytes: int, base: int) -> None:
-        bisect.insort(self._starts, start)
-        self._regions[start] = (start + nbytes, base)
-
-    def _base(self, addr: int) -> tuple[int, int] | None:
-        """(input index, byte offset) or (-1, address) for memory of the step's inputs or the plan's buffers."""
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0:
-            return None
-        start = self._starts[i]
-        end, base = self._regions[start]
-        if addr >= end:
-            return None
-        return (base, addr - start) if base >= 0 else (-1, addr)
-
-    def buffer(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A new array the plan owns (its steps write it)."""
-        out = np.empty(shape, dtype)
-        if not out.size:
-            raise NotCapturable(f"an empty intermediate {shape}")
-        self._region(_addr(out), out.nbytes, -1)
-        self.keep.append(out)
-        return out
-
-    def operand(self, x: Any) -> tuple[int, int]:
-        """How the program points at ``x``: into an input or a plan buffer, or at a constant kept alive."""
-        if x is None:
-            return NULL
-        x = _plain(x)
-        if not isinstance(x, np.ndarray):
-            raise NotCapturable(f"an operand of type {type(x).__name__}")
-        where = self._base(_addr(x))
-        if where is not None:
-            return where
-        self.keep.append(x)
-        return (-1, _addr(x))
-
-    def dynamic(self, x: Any) -> bool:
-        if type(x) is Traced:
-            if self._base(_addr(x)) is None:
-                raise NotCapturable("a traced array outside the step's memory (copied outside the backend's ops)")
-            return True
-        if isinstance(x, (list, tuple)):
-            return any(self.dynamic(v) for v in x)
-        return False
-
-    # -- steps -------------------------------------------------------------
-
-    def emit(self, op: int, ptrs: Sequence[Any], ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
-        """Append one step and run it now, on the call's inputs."""
-        step = [op]
-        for p in ptrs:
-            step.extend(self.operand(p))
-        step.extend(int(i) for i in ints)
-        self.kernels.run_plan(np.asarray(step, np.int64), np.asarray(floats, np.float64), self.inputs, self.sizes)
-        self.marks.append((len(self.code), len(self.floats), op))
-        self.code.extend(step)
-        self.floats.extend(float(f) for f in floats)
-
-    def check(self, name: str, got: np.ndarray, want: Any) -> None:
-        """The step's result against the eager op's (rounding aside: libm vs numpy's transcendentals)."""
-        want = np.asarray(want)
-        got = np.asarray(_plain(got))
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise NotCapturable(f"{name}: the step gives {got.dtype}{list(got.shape)}, "
-                                f"the op {want.dtype}{list(want.shape)}")
-        if got.dtype.kind != "f":
-            ok = np.array_equal(got, want)
-        else:
-            scale = float(np.max(np.abs(want), initial=0.0, where=np.isfinite(want)))
-            ok = np.allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, scale), equal_nan=True)
-        if not ok:
-            raise NotCapturable(f"{name}: the step's values differ from the eager op's")
-
-    def wrap(self, x: np.ndarray) -> Traced:
-        return x.view(Traced)
-
-    def contiguous(self, x: Any) -> np.ndarray:
-        """``x`` (plain) if C-contiguous, else a copy step into a new buffer."""
-        x = _plain(x)
-        if x.flags.c_contiguous:
-            return x
-        out = self.buffer(x.shape, x.dtype)
-        self.copy(x, out)
-        return out
-
-    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """A step copying ``src`` into ``dst`` (same shape, any strides)."""
-        src, dst = _plain(src), _plain(dst)
-        if src.shape != dst.shape or src.dtype != dst.dtype or src.ndim > MAX_DIMS:
-            raise NotCapturable(f"copy of {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
-        if not dst.flags.c_contiguous:
-            raise NotCapturable("a copy into a strided destination")
-        self.emit(COPY, [src, dst], [src.itemsize, src.ndim, *src.shape, *src.strides])
-
-    def eager(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """The backend's own op on plain arrays (constants, or the trace's values for :meth:`check`)."""
-        return getattr(self.cls, name)(self.ops, *(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
-
-    # -- elementwise -----------------------------------------------------------
-
-    def _unary(self, kind: str, x: Any) -> Any:
-        x = _plain(x)
-        if x.dtype != np.float32 and kind != "cast":
-            raise NotCapturable(f"{kind} of {x.dtype}")
-        if x.ndim > MAX_DIMS:
-            raise NotCapturable(f"{kind} of {x.ndim} dimensions")
-        out = self.buffer(x.shape, np.float32)
-        self.emit(UNARY, [x, out], [UNARY_KINDS[kind], x.ndim, *x.shape, *x.strides])
-        return out
-
-    def _binary(self, name: str, a: Any, b: Any) -> Traced:
-        want = np.asarray(self.eager(name, a, b))
-        dtype = want.dtype
-        if dtype not in (np.float32, np.int32) or (dtype == np.int32 and name == "div") or want.ndim > MAX_DIMS:
-            raise NotCapturable(f"{name} giving {dtype}{list(want.shape)}")
-        operands = []
-        for v in (a, b):
-            v = _plain(v)
-            if not isinstance(v, np.ndarray):
-                v = np.array(v, dtype)  # a Python scalar, as numpy's weak promotion casts it
-            if v.dtype != dtype:
-                raise NotCapturable(f"{name} of {v.dtype} with a {dtype} result")
-            operands.append(np.broadcast_to(v, want.shape))
-        out = self.buffer(want.shape, dtype)
-        pa, pb = operands
-        self.emit(BINARY, [pa, pb, out], [BINARY_KINDS[name], int(dtype == np.int32), want.ndim, *want.shape,
-                                          *pa.strides, *pb.strides])
-        self.check(name, out, want)
-        return self.wrap(out)
-
-    def add(self, a: Any, b: Any) -> Any:
-        return self._binary("add", a, b)
-
-    def sub(self, a: Any, b: Any) -> Any:
-        return self._binary("sub", a, b)
-
-    def mul(self, a: Any, b: Any) -> Any:
-        return self._binary("mul", a, b)
-
-    def div(self, a: Any, b: Any) -> Any:
-        return self._binary("div", a, b)
-
-    def _transcendental(self, name: str, x: Any) -> Traced:
-        out = self._unary(name, x)
-        self.check(name, out, self.eager(name, x))
-        return self.wrap(out)
-
-    def exp(self, x: Any) -> Any:
-        return self._transcendental("exp", x)
-
-    def sqrt(self, x: Any) -> Any:
-        return self._transcendental("sqrt", x)
-
-    def tanh(self, x: Any) -> Any:
-        return self._transcendental("tanh", x)
-
-    def cos(self, x: Any) -> Any:
-        return self._transcendental("cos", x)
-
-    def sin(self, x: Any) -> Any:
-        return self._transcendental("sin", x)
-
-    def silu(self, x: Any) -> Any:
-        return self._transcendental("silu", x)
-
-    def gelu(self, x: Any) -> Any:
-        return self._transcendental("gelu", x)
-
-    def gelu_tanh(self, x: Any) -> Any:
-        return self._transcendental("gelu_tanh", x)
-
-    def swiglu(self, gate: Any, up: Any) -> Any:
-        return self._binary("mul", self.silu(gate), up)
-
-    def astype(self, x: Any, dtype: str) -> Any:
-        target = self.ops._np_dtype(dtype)  # type: ignore[attr-defined]
-        if x.dtype == target:
-            return x
-        if x.dtype == np.int32 and target == np.float32:
-            out = self._unary("cast", x)
-            self.check("astype", out, _plain(x).astype(np.float32))
-            return self.wrap(out)
-        raise NotCapturable(f"astype {x.dtype} -> {target}")
-
-    # -- reductions -------------------------------------------------------------
-
-    def _reduce(self, name: str, x: Any, axis: int, keepdims: bool = False) -> Traced:
-        x = _plain(x)
-        if axis not in (-1, x.ndim - 1) or x.dtype != np.float32 or not x.size:
-            raise NotCapturable(f"{name} over axis {axis} of {x.dtype}{list(x.shape)}")
-        want = np.asarray(self.eager(name, x, axis, keepdims) if name == "max" else self.eager(name, x, axis))
-        if want.dtype not in (np.float32, np.int64):
-            raise NotCapturable(f"{name} giving {want.dtype}")
-        x = self.contiguous(x)
-        out = self.buffer(want.shape or (1,), want.dtype)
-        self.emit(REDUCE, [x, out], [MAX if name == "max" else ARGMAX, x.size // x.shape[-1], x.shape[-1]])
-        out = out.reshape(want.shape)
-        self.check(name, out, want)
-        return self.wrap(out)
-
-    def max(self, x: Any, axis: int = -1, keepdims: bool = False) -> Any:
-        return self._reduce("max", x, axis, keepdims)
-
-    def argmax(self, x: Any, axis: int = -1) -> Any:
-        return self._reduce("argmax", x, axis)
-
-    # -- views and copies ---------------------------------------------------------
-
-    def reshape(self, x: Any, shape: Any) -> Any:
-        view = _plain(x).view()
-        try:
-            view.shape = tuple(shape)
-        except AttributeError:  # not expressible as a view: numpy would copy
-            view = self.contiguous(x).reshape(tuple(shape))
-        return self.wrap(view)
-
-    def transpose(self, x: Any, axes: Any) -> Any:
-        return self.wrap(np.transpose(_plain(x), tuple(axes)))
-
-    def slice(self, x: Any, axis: int, start: int, stop: int) -> Any:
-        return self.wrap(self.eager("slice", x, axis, start, stop))
-
-    def concat(self, xs: Any, axis: int = 0) -> Any:
-        parts = [_plain(x) for x in xs]
-        want_shape = np.concatenate([np.empty(p.shape, p.dtype) for p in parts], axis=axis).shape
-        out = self.buffer(want_shape, np.result_type(*parts))
-        at = 0
-        for p in parts:
-            if p.dtype != out.dtype:
-                raise NotCapturable(f"concat of {p.dtype} into {out.dtype}")
-            n = p.shape[axis]
-            dst = np.moveaxis(out, axis, 0)[at:at + n]
-            if not dst.flags.c_contiguous:
-                raise NotCapturable(f"concat along axis {axis} of {len(parts)} arrays")
-            self.copy(np.moveaxis(p, axis, 0), dst)
-            at += n
-        return self.wrap(out)
-
-    def update_rows(self, dst: Any, start: int, src: Any) -> Any:
-        self.copy(src, _plain(dst)[start:start + src.shape[0]])
-        return dst
-
-    def update_rows_at(self, dst: Any, start: Any, src: Any) -> Any:
-        d, s, at = _plain(dst), _plain(src), _plain(start)
-        if not (d.flags.c_contiguous and s.shape[1:] == d.shape[1:] and s.dtype == d.dtype
-                and at.dtype == np.int32 and at.size == 1):
-            raise NotCapturable(f"update_rows_at of {s.dtype}{list(s.shape)} into {d.dtype}{list(d.shape)}")
-        s = self.contiguous(s)
-        self.emit(WRITE_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0]])
-        return dst if type(dst) is Traced else self.wrap(d)
-
-    def to_numpy(self, x: Any) -> Any:
-        if self.dynamic(x):
-            raise NotCapturable("to_numpy: the step reads a value back to the host")
-        return self.eager("to_numpy", x)
-
-    # -- the layer's kernels -------------------------------------------------------
-
-    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        xp = _plain(x)
-        if self.dynamic(weight) or not _f32(xp):
-            raise NotCapturable(f"linear of {getattr(xp, 'dtype', type(xp))} with a traced weight")
-        k = xp.shape[-1]
-        m = xp.size // k if k else 0
-        if not 0 < m <= self.ops.KERNEL_ROWS:  # type: ignore[attr-defined]
-            raise NotCapturable(f"linear of {m} rows (the step's kernels take up to the kernel rows)")
-        x2 = self.contiguous(xp).reshape(m, k)
-        if type(weight) is PackedWeight and weight.kernel is not None:
-            bits, codes, scales, biases, wk, n, group, half = weight.kernel[:8]
-            if wk != k:
-                raise NotCapturable(f"linear: x has {k} columns, the weight {wk}")
-            out = self.buffer((m, n), np.float32)
-            self.emit(GEMV, [x2, codes, scales, biases, out], [bits, m, k, n, group, int(half)])
-        elif type(weight) is np.ndarray and _f32(weight) and weight.ndim == 2 and weight.flags.c_contiguous:
-            n = weight.shape[0]
-            if weight.shape[1] != k:
-                raise NotCapturable(f"linear: x has {k} columns, the weight {weight.shape[1]}")
-            out = self.buffer((m, n), np.float32)
-            self.emit(GEMV_F32, [x2, weight, out], [m, k, n])
-        else:
-            raise NotCapturable(f"linear on {weight!r:.80}: no kernel computes it in the step")
-        y = out.reshape(*xp.shape[:-1], n)
-        self.check("linear", y, self.eager("linear", xp, weight))
-        y = self.wrap(y)
-        return y if bias is None else self.add(y, bias)
-
-    def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        return self.linear(x, weight, bias)
-
-    def _norm_ok(self, x: np.ndarray, weight: Any) -> bool:
-        return (_f32(x) and x.ndim >= 1 and x.size > 0 and not self.dynamic(weight)
-                and (weight is None or (_f32(weight) and weight.shape == x.shape[-1:] and weight.flags.c_contiguous)))
-
-    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
-        xp = _plain(x)
-        if not self._norm_ok(xp, weight):
-            raise NotCapturable(f"rms_norm of {xp.dtype}{list(xp.shape)}")
-        xc = self.contiguous(xp)
-        out = self.buffer(xp.shape, np.float32)
-        self.emit(RMS, [xc, weight, out, None, None], [xc.size // xc.shape[-1], xc.shape[-1]], [eps])
-        self.check("rms_norm", out, self.eager("rms_norm", xp, weight, eps))
-        return self.wrap(out)
-
-    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> Any:
-        xp, rp = _plain(x), _plain(residual)
-        if not (self._norm_ok(xp, weight) and _f32(rp) and rp.shape == xp.shape):
-            raise NotCapturable(f"fused_add_rms_norm of {xp.dtype}{list(xp.shape)}")
-        xc, rc = self.contiguous(xp), self.contiguous(rp)
-        out, h = self.buffer(xp.shape, np.float32), self.buffer(xp.shape, np.float32)
-        self.emit(RMS, [xc, weight, out, rc, h], [xc.size // xc.shape[-1], xc.shape[-1]], [eps])
-        want_out, want_h = self.eager("fused_add_rms_norm", xp, rp, weight, eps)
-        self.check("fused_add_rms_norm", h, want_h)
-        self.check("fused_add_rms_norm", out, want_out)
-        return self.wrap(out), self.wrap(h)
-
-    def rope(self, x: Any, cos: Any, sin: Any, interleaved: bool = False) -> Any:
-        xp, c, s = _plain(x), _plain(cos), _plain(sin)
-        if not (not interleaved and xp.ndim == 3 and _f32(xp) and _f32(c) and _f32(s) and c.ndim == 2
-                and c.shape == s.shape and c.shape[0] == xp.shape[0] and 2 * c.shape[1] <= xp.shape[2]):
-            raise NotCapturable(f"rope of {xp.dtype}{list(xp.shape)} (interleaved={interleaved})")
-        xc, c, s = self.contiguous(xp), self.contiguous(c), self.contiguous(s)
-        out = self.buffer(xp.shape, np.float32)
-        self.emit(ROPE, [xc, c, s, out], [*xp.shape, c.shape[1]])
-        self.check("rope", out, self.eager("rope", xp, c, s, interleaved))
-        return self.wrap(out)
-
-    def embedding(self, table: Any, ids: Any) -> Any:
-        idx = _plain(ids)
-        if self.dynamic(table) or idx.dtype not in (np.int32, np.int64):
-            raise NotCapturable(f"embedding by {getattr(idx, 'dtype', '?')} ids")
-        idx = self.contiguous(idx)
-        if type(table) is PackedWeight and isinstance(table.data, AffineTensor) and table.kernel is not None:
-            bits, codes, scales, biases, k, vocab, group, half = table.kernel[:8]
-            out = self.buffer((*idx.shape, k), np.float32)
-            self.emit(DEQUANT_ROWS, [codes, scales, biases, idx, out],
-                      [idx.size, vocab, bits, k, group, int(half), idx.itemsize])
-        elif type(table) is np.ndarray and table.ndim == 2 and table.flags.c_contiguous:
-            out = self.buffer((*idx.shape, table.shape[1]), table.dtype)
-            self.emit(GATHER, [table, idx, out], [idx.size, table.shape[0], table[0].nbytes, idx.itemsize])
-        else:
-            raise NotCapturable(f"embedding of {table!r:.80}")
-        self.check("embedding", out, self.eager("embedding", table, idx))
-        return self.wrap(out)
-
-    def take(self, x: Any, indices: Any, axis: int = 0) -> Any:
-        xp = _plain(x)
-        if self.dynamic(x) or axis != 0 or not isinstance(xp, np.ndarray) or xp.ndim != 2:
-            raise NotCapturable(f"take along axis {axis}")
-        return self.embedding(np.ascontiguousarray(xp), indices)
-
-    def cached_attention(self, q: Any, k_cache: Any, v_cache: Any, length: Any, *, scale: float,
-                         window: int | None = None, softcap: float | None = None) -> Any:
-        return self._attend("cached_attention", q, k_cache, v_cache, _plain(length), causal=True, scale=scale,
-                            window=window, softcap=softcap)
-
-    def attention(self, q: Any, k: Any, v: Any, *, scale: float, causal: bool = True, window: int | None = None,
-                  softcap: float | None = None) -> Any:
-        length = np.array([_plain(k).shape[0]], np.int32)
-        return self._attend("attention", q, k, v, length, causal=causal, scale=scale, window=window, softcap=softcap)
-
-    def _attend(self, name: str, q: Any, k: Any, v: Any, length: np.ndarray, *, causal: bool, scale: float,
-                window: int | None, softcap: float | None) -> Any:
-        qp, kp, vp = _plain(q), _plain(k), _plain(v)
-        tq = qp.shape[0] if qp.ndim == 3 else 0
-        if not (qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and _f32(kp) and _f32(vp)
-                and 0 < tq <= self.ops.KERNEL_ROWS and kp.shape[:2] == vp.shape[:2]  # type: ignore[attr-defined]
-                and qp.shape[2] == kp.shape[2] and qp.shape[1] % kp.shape[1] == 0
-                and length.dtype == np.int32 and length.size == 1
-                and (softcap is None or softcap > 0) and (window is None or window > 0)):
-            raise NotCapturable(f"{name} of q {qp.dtype}{list(qp.shape)}")
-        qc, kc, vc = self.contiguous(qp), self.contiguous(kp), self.contiguous(vp)
-        out = self.buffer((tq, qp.shape[1], vp.shape[2]), np.float32)
-        self.emit(ATTEND, [qc, kc, vc, out, length],
-                  [tq, kp.shape[0], qp.shape[1], kp.shape[1], qp.shape[2], vp.shape[2], window or 0, int(causal)],
-                  [scale, softcap or 0.0])
-        if name == "cached_attention":
-            want = self.eager(name, qp, kp, vp, length, scale=scale, window=window, softcap=softcap)
-        else:
-            want = self.eager(name, qp, kp, vp, scale=scale, causal=causal, window=window, softcap=softcap)
-        self.check(name, out, want)
-        return self.wrap(out)
-
-    # -- recording -------------------------------------------------------------------
-
-    def record(self, fn: Callable[..., Any], args: tuple[Any, ...], target: Backend | None = None,
-               arrays: HostArrays | None = None) -> Any:
-        """Run ``fn(*args)`` (its array leaves traced) with this recorder
-        standing in for the ops of ``target`` (default: the numpy backend
-        it records with); ``arrays`` maps another backend's arrays to numpy's."""
-        # The numpy backend's own ops too: the contract's defaults (softcap, ...) call them.
-        backends = [self.ops] if target is None or target is self.ops else [self.ops, target]
-        names = [n for n in (*REQUIRED_OPS, *OPTIONAL_OPS) if n not in PASS_THROUGH]
-        for name in names:
-            op = self._stand_in(name)
-            setattr(self.ops, name, op)
-            if len(backends) > 1 and hasattr(target, name):
-                setattr(target, name, self._foreign(name, op, target, arrays))  # type: ignore[arg-type]
-        try:
-            return fn(*(_traced_args(args, self.inputs) if arrays is None else args))
-        finally:
-            for backend in backends:
-                for name in names:
-                    backend.__dict__.pop(name, None)
-
-    def _foreign(self, name: str, op: Callable[..., Any], target: Backend, arrays: HostArrays) -> Callable[..., Any]:
-        """``op`` for ``target``'s arrays: those in the step's memory become
-        traced numpy views, results go back as ``target``'s arrays on the
-        same memory; an op on constants only is ``target``'s own."""
-        real = getattr(type(target), name)
-
-        def to_host(x: Any) -> Any:
-            if arrays.is_array(x):
-                a = arrays.to_host(x)
-                return a.view(Traced) if self._base(_addr(a)) is not None and a.size else a
-            if isinstance(x, PackedWeight):
-                return arrays.weight(x)
-            if isinstance(x, (list, tuple)):
-                return type(x)(to_host(v) for v in x)
-            return x
-
-        def back(x: Any) -> Any:
-            if isinstance(x, np.ndarray):
-                return arrays.from_host(x.view(np.ndarray))
-            if isinstance(x, (list, tuple)):
-                return type(x)(back(v) for v in x)
-            return x
-
-        def stand_in(*args: Any, **kwargs: Any) -> Any:
-            host_args = [to_host(a) for a in args]
-            host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
-            if not (self.dynamic(host_args) or self.dynamic(list(host_kwargs.values()))):
-                return real(target, *args, **kwargs)
-            return back(op(*host_args, **host_kwargs))
-
-        return stand_in
-
-    def _stand_in(self, name: str) -> Callable[..., Any]:
-        own = getattr(type(self), name, None)
-        inherited = getattr(self.cls, name, None) is getattr(Backend, name, None)
-
-        def op(*args: Any, **kwargs: Any) -> Any:
-            if not (self.dynamic(list(args)) or self.dynamic(list(kwargs.values()))):
-                return self.eager(name, *args, **kwargs)  # constants only: computed once, now
-            if own is not None:
-                return own(self, *args, **kwargs)
-            if inherited:  # the contract's default, written with other ops: recorded through them
-                return getattr(Backend, name)(self.ops, *args, **kwargs)
-            raise NotCapturable(f"{name}: the step has no program step for it")
-
-        return op
-
-
-def _unwrap(x: Any) -> Any:
-    if type(x) is Traced:
-        return x.view(np.ndarray)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_unwrap(v) for v in x)
-    return x
 
 
 def flatten(tree: Any, leaves: list[np.ndarray], originals: list[Any], arrays: HostArrays | None = None) -> Any:
@@ -624,35 +82,20 @@ def flatten(tree: Any, leaves: list[np.ndarray], originals: list[Any], arrays: H
         host = tree if isinstance(tree, np.ndarray) else arrays.to_host(tree)  # type: ignore[union-attr]
         leaves.append(host)
         originals.append(tree)
-        return ("a", host.shape, host.dtype)
+        return ("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable)
     if isinstance(tree, (list, tuple)):
         parts = []
         for v in tree:  # numpy arrays inline: a decode step passes two lists of one per layer
             if type(v) is np.ndarray:
                 leaves.append(v)
                 originals.append(v)
-                parts.append(("a", v.shape, v.dtype))
+                parts.append(("a", v.shape, v.dtype, v.flags.c_contiguous and v.flags.writeable))
             else:
                 parts.append(flatten(v, leaves, originals, arrays))
         return (type(tree).__name__, tuple(parts))
     if isinstance(tree, dict):
         return ("d", tuple((k, flatten(v, leaves, originals, arrays)) for k, v in tree.items()))
     return ("v", tree)
-
-
-def _traced_args(args: Any, leaves: tuple[np.ndarray, ...]) -> Any:
-    it = iter(leaves)
-
-    def build(tree: Any) -> Any:
-        if isinstance(tree, np.ndarray):
-            return next(it).view(Traced)
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(build(v) for v in tree)
-        if isinstance(tree, dict):
-            return {k: build(v) for k, v in tree.items()}
-        return tree
-
-    return build(args)
 
 
 class Plan:
@@ -684,6 +127,8 @@ class Plan:
                     raise NotCapturable("the step returns a view of its inputs")
                 if where is not None:
                     return ("buffer", host)
+                if type(tree) is Traced or (arrays is not None and arrays.traced(tree)):
+                    raise NotCapturable("the step returns a value computed outside the backend's ops")
                 return ("constant", tree)
             if isinstance(tree, (list, tuple)):
                 return (type(tree), [spec(v) for v in tree])
@@ -733,6 +178,9 @@ class PlannedStep:
         self.ops, self.fn, self.target, self.arrays = ops, fn, target, arrays
         self.kernels, self.governor = kernels, governor
         self._plans: OrderedDict[Any, Plan] = OrderedDict()
+        # A program's buffers are its own: two threads replaying it at once
+        # (two generations on one model) would write each other's.
+        self._lock = threading.Lock()
         self._built = 0
 
     def graphs(self) -> int:
@@ -740,6 +188,10 @@ class PlannedStep:
         return self._built
 
     def __call__(self, *args: Any) -> Any:
+        with self._lock:
+            return self._call(args)
+
+    def _call(self, args: tuple[Any, ...]) -> Any:
         leaves: list[np.ndarray] = []
         originals: list[Any] = []
         key = flatten(args, leaves, originals, self.arrays)

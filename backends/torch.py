@@ -187,6 +187,43 @@ def _affine_product(x: Any, affine: AffineTensor) -> Any:
     return out
 
 
+def _metadata() -> frozenset[Any]:
+    """What a traced tensor may be asked outside the ops: its shape, dtype and layout."""
+    t = torch.Tensor
+    return frozenset({t.shape.__get__, t.dtype.__get__, t.device.__get__, t.ndim.__get__, t.is_cuda.__get__,
+                      t.requires_grad.__get__, t.size, t.dim, t.numel, t.__len__, t.stride, t.is_contiguous,
+                      t.element_size, t.data_ptr})
+
+
+_TRACED_TENSOR: Any = None
+
+
+def _traced_tensor() -> Any:
+    """The tensor subclass the traced function sees while numpy's recorder
+    records a torch/cpu step (made once, after torch's import): a tensor
+    whose values depend on the step's inputs. torch computing on it outside
+    the backend's ops would not be recorded (its trace-time result would be
+    frozen into the program), so that raises instead; its shape, dtype and
+    layout can be read."""
+    global _TRACED_TENSOR
+    if _TRACED_TENSOR is None:
+        allowed = _metadata()
+
+        class TracedTensor(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if func not in allowed:
+                    from infer.backends.numpy_plan import NotCapturable
+
+                    raise NotCapturable(f"torch's {getattr(func, '__name__', func)} on a traced tensor, "
+                                        "outside the backend's ops")
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+
+        _TRACED_TENSOR = TracedTensor
+    return _TRACED_TENSOR
+
+
 class _CpuTensors:
     """CPU tensors lent to the numpy backend's recorder (``numpy_plan.HostArrays``):
     ``Tensor.numpy()`` and ``torch.from_numpy`` share the memory both ways."""
@@ -198,10 +235,17 @@ class _CpuTensors:
         return isinstance(x, torch.Tensor)
 
     def to_host(self, x: Any) -> np.ndarray:
-        return x.detach().numpy()
+        with torch._C.DisableTorchFunctionSubclass():
+            return x.detach().numpy()
 
     def from_host(self, a: np.ndarray) -> Any:
         return torch.from_numpy(a)
+
+    def guard(self, x: Any) -> Any:
+        return x.as_subclass(_traced_tensor())
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, _traced_tensor())
 
     def weight(self, w: PackedWeight) -> Any:
         """A GGUF weight kept for the C kernels (``_cpu_affine``) as the numpy backend holds it."""

@@ -85,6 +85,12 @@ class InvalidQuantizationError(BackendError, ValueError):
     """``quantize=`` names no known scheme, or one the chosen backend does not provide."""
 
 
+class CaptureError(BackendError):
+    """A step cannot be captured as one graph or program (an op that reads a
+    value on the host, an op the capture has no equivalent for, inputs it
+    cannot take): the engine runs that step eagerly instead and says why."""
+
+
 class BackendOutputError(BackendError):
     """A backend computed something impossible: NaN logits, or an array of the wrong shape."""
 

@@ -158,7 +158,7 @@ def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> Non
     keys, values = seq.cache.layer_buffers(model.network.num_layers)
     at = np.array([seq.cache.length], np.int32)
     fn(np.array([3], np.int32), at, keys, values)  # recorded
-    before = [k.copy() for k in keys]
+    before = [k.copy() for k in keys + values]
     with pytest.raises(IndexError, match="token id 100000 out of range"):
         fn(np.array([100000], np.int32), at, keys, values)
     with pytest.raises(IndexError, match="token id -1 out of range"):
@@ -167,7 +167,7 @@ def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> Non
         fn(np.array([3], np.int32), np.array([MIN_CAPACITY], np.int32), keys, values)
     with pytest.raises(IndexError, match="position"):
         fn(np.array([3], np.int32), np.array([-4], np.int32), keys, values)
-    assert all(np.array_equal(a, b) for a, b in zip(keys, before))
+    assert all(np.array_equal(a, b) for a, b in zip(keys + values, before))
     # Inputs unlike the recorded ones get their own program, or a clear refusal.
     with pytest.raises(numpy_plan.NotCapturable, match="C-contiguous"):
         fn(np.array([3], np.int32), at, [k[:, :, ::2] for k in keys], values)
@@ -187,6 +187,44 @@ def test_arithmetic_outside_the_ops_or_host_reads_refuse_to_record() -> None:
         ops.compile(lambda a: np.concatenate([a, a]), static=True)(x)
     # The backend's own ops are restored after a failed trace.
     assert "add" not in vars(ops) and np.array_equal(ops.add(x, 1.0), x + 1)
+
+
+def test_copies_writes_and_shared_inputs_outside_the_ops_refuse_to_record() -> None:
+    """Each would be frozen at its trace-time value, or lost at the next replay."""
+    ops = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False).backend
+    x = np.arange(4, dtype=np.float32)
+    refused = {
+        "copied": lambda a: ops.add(a, 1.0).copy(),
+        "fancy-indexed": lambda a: ops.add(a, 1.0)[[0, 1]],
+        "written in place": lambda a: (lambda y: (y.__setitem__(0, 7.0), ops.mul(y, 1.0))[1])(ops.add(a, 0.0)),
+        "cast outside": lambda a: ops.add(a, 1.0).astype(np.float64),
+        "written into a constant": lambda a: ops.mul(ops.update_rows(ops.zeros((4,)), 0, a), 2.0),
+        "all-reduced": lambda a: ops.all_reduce(ops.add(a, 1.0)),
+    }
+    for what, fn in refused.items():
+        with pytest.raises(numpy_plan.NotCapturable):
+            ops.compile(fn, static=True)(x.copy())
+        assert not any(name in vars(ops) for name in ("add", "mul")), what  # the ops are the backend's again
+    with pytest.raises(numpy_plan.NotCapturable, match="share memory"):
+        ops.compile(lambda p, q: ops.sub(p, q), static=True)(x, x)
+    # What is refused is a CaptureError, which the engine answers by decoding eagerly.
+    assert issubclass(numpy_plan.NotCapturable, infer.errors.CaptureError)
+
+
+def test_a_capture_refused_for_a_later_capacity_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False)
+    engine = model.engine
+    prompt = encode(tiny_model_dir("llama3"), PROMPT)
+    short, long = engine.new_sequence(64), engine.new_sequence(128)  # two capacities: two programs
+    for seq in (short, long):
+        engine.forward(seq, prompt)
+    step = engine.capture_decode()
+    assert step(short.cache, 5) is not None and step.reason is None
+    monkeypatch.setattr(numpy_plan.Recorder, "rope", lambda self, *a, **k: (_ for _ in ()).throw(
+        numpy_plan.NotCapturable("rope: refused for the test")))
+    assert step(long.cache, 5) is None  # the caller's eager forward serves it
+    assert step.reason is not None and "refused for the test" in step.reason
+    assert engine.greedy_step(short, 6) is None  # and every step after
 
 
 def test_the_trace_checks_each_step_against_the_eager_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,6 +276,21 @@ def test_torch_cpu_records_the_same_program_on_its_tensors_by_default(variant: s
     keys, _ = seq.cache.layer_buffers(model.network.num_layers)
     assert isinstance(keys[0], torch.Tensor) and float(keys[0][3].abs().sum()) > 0
     model.engine.release(seq)
+
+
+def test_torch_arithmetic_outside_the_ops_refuses_to_record() -> None:
+    torch = pytest.importorskip("torch")
+    model = infer.load(tiny_model_dir("llama3"), backend="torch:cpu", compile=False)
+    ops = model.backend
+    x = torch.ones(4)
+    for fn in (lambda a: ops.add(a * 2, 1.0), lambda a: ops.add(ops.add(a, 0.0).clone(), 1.0),
+               lambda a: ops.mul(a, float(a[0]))):
+        with pytest.raises(numpy_plan.NotCapturable, match="traced tensor"):
+            ops.compile(fn, static=True)(x.clone())
+    # Through the ops it records, and replays on new values.
+    fn = ops.compile(lambda a: ops.add(ops.mul(a, 2.0), 1.0), static=True)
+    assert fn(torch.ones(4)).tolist() == [3.0] * 4 and fn(torch.full((4,), 5.0)).tolist() == [11.0] * 4
+    assert type(fn(torch.ones(4))) is torch.Tensor  # results are plain tensors
 
 
 def test_a_backend_that_overrides_an_op_is_not_bypassed_by_a_program() -> None:

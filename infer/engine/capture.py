@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import BackendOutputError
+from infer.errors import BackendOutputError, CaptureError
 from infer.kv.attention import StaticAttentionContext
 from infer.kv.cache import ContiguousKVCache
 from infer.ops import Array, Backend
@@ -89,7 +89,8 @@ class CapturedDecode:
     def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
         it, or None where this step cannot run (the caller runs the eager
-        forward instead, with nothing changed)."""
+        forward instead, which writes this position's keys and values again:
+        a refused capture may have written some of them)."""
         if self.reason is not None:
             return None
         buffers = cache.layer_buffers(self.model.num_layers)
@@ -107,7 +108,9 @@ class CapturedDecode:
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
-            if not first:
+            # ...except a capture refused later, for a new capacity (another input
+            # signature): the eager forward serves from then on, as after a first refusal.
+            if not first and not isinstance(exc, CaptureError):
                 raise
             self.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             log.info("decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device, self.reason)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from infer.errors import CaptureError
 from infer.ops import Array, Backend
 
 
@@ -128,7 +129,7 @@ class AttentionContext:
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
 
 
-class DynamicContextError(Exception):
+class DynamicContextError(CaptureError):
     """An architecture asked a static context for something that changes from
     step to step on the host (e.g. :attr:`AttentionContext.max_position`, which
     dynamic rope scaling reads): that forward cannot be one captured graph."""
