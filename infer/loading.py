@@ -224,7 +224,8 @@ def load(
             the uncompiled ones within rounding. ``None`` (default): the
             decode step is captured where the backend says that is faster
             at no compile cost (:attr:`~infer.ops.Backend.capture_by_default`:
-            numpy with its C kernels), nothing else; ``False``: all eager.
+            numpy with its C kernels, torch on the CPU in float32), nothing
+            else; ``False``: all eager.
         quantize: ``None`` (default): float weights stay float, quantized
             (GGUF) weights stay quantized where the backend computes on them
             exactly and natively, and are dequantized otherwise; ``"q8"`` or

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 3)
+API_VERSION: tuple[int, int] = (1, 4)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
