@@ -79,19 +79,6 @@ static void *next_ptr(struct machine *vm) {
     return vm->inputs[base] + offset;
 }
 
-/* shape and strides of an elementwise operand; returns ndim, or -1 (bad program). */
-static int next_dims(struct machine *vm, Py_ssize_t *shape, int count, Py_ssize_t strides[][MAX_DIMS]) {
-    int64_t ndim = next_int(vm);
-    if (ndim < 0 || ndim > MAX_DIMS) {
-        vm->error = E_PROGRAM;
-        return -1;
-    }
-    for (int d = 0; d < ndim; d++) shape[d] = next_int(vm);
-    for (int a = 0; a < count; a++)
-        for (int d = 0; d < ndim; d++) strides[a][d] = next_int(vm);
-    return (int)ndim;
-}
-
 static float gelu_tanh1(float x) {
     /* the numpy backend's 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x))), step by step in float32 */
     const float c = (float)0.7978845608028654; /* sqrt(2 / pi) */
@@ -115,37 +102,55 @@ static float unary1(int kind, float x) {
     }
 }
 
-/* The n-dimensional index after `flat`, as byte offsets into each operand. */
-static void offsets(Py_ssize_t flat, int ndim, const Py_ssize_t *shape, Py_ssize_t strides[][MAX_DIMS], int count,
-                    Py_ssize_t *off) {
-    for (int a = 0; a < count; a++) off[a] = 0;
-    for (int d = ndim - 1; d >= 0; d--) {
-        Py_ssize_t i = flat % shape[d];
-        flat /= shape[d];
-        for (int a = 0; a < count; a++) off[a] += i * strides[a][d];
-    }
+/* An elementwise step's iteration space: its shape, each operand's byte
+ * strides, and the rows of its last dimension the loops walk. */
+struct strided {
+    int ndim;
+    Py_ssize_t shape[MAX_DIMS], strides[2][MAX_DIMS];
+    Py_ssize_t n, inner, step[2]; /* elements; a row's length, and each operand's stride along it */
+};
+
+/* The next words: ndim, the shape, then count operands' strides; 0 on a malformed program. */
+static int next_strided(struct machine *vm, int count, struct strided *s) {
+    int64_t ndim = next_int(vm);
+    if (ndim < 0 || ndim > MAX_DIMS) vm->error = E_PROGRAM;
+    if (vm->error) return 0;
+    s->ndim = (int)ndim;
+    for (int d = 0; d < s->ndim; d++) s->shape[d] = next_int(vm);
+    for (int a = 0; a < count; a++)
+        for (int d = 0; d < s->ndim; d++) s->strides[a][d] = next_int(vm);
+    if (vm->error) return 0;
+    s->n = 1;
+    for (int d = 0; d < s->ndim; d++) s->n *= s->shape[d];
+    s->inner = s->ndim ? s->shape[s->ndim - 1] : 1;
+    for (int a = 0; a < count; a++) s->step[a] = s->ndim ? s->strides[a][s->ndim - 1] : 0;
+    return 1;
 }
 
-static Py_ssize_t elements(int ndim, const Py_ssize_t *shape) {
-    Py_ssize_t n = 1;
-    for (int d = 0; d < ndim; d++) n *= shape[d];
-    return n;
+/* The byte offset into each of count operands of the element after `flat`. */
+static void offsets(const struct strided *s, Py_ssize_t flat, int count, Py_ssize_t *off) {
+    for (int a = 0; a < count; a++) off[a] = 0;
+    for (int d = s->ndim - 1; d >= 0; d--) {
+        Py_ssize_t i = flat % s->shape[d];
+        flat /= s->shape[d];
+        for (int a = 0; a < count; a++) off[a] += i * s->strides[a][d];
+    }
 }
 
 static void step_copy(struct machine *vm) {
     const char *x = next_ptr(vm);
     char *out = next_ptr(vm);
     int64_t item = next_int(vm);
-    Py_ssize_t shape[MAX_DIMS], strides[1][MAX_DIMS], off[1];
-    int ndim = next_dims(vm, shape, 1, strides);
-    if (ndim < 0 || vm->error) return;
-    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1, step = ndim ? strides[0][ndim - 1] : 0;
-    for (Py_ssize_t i = 0; i < n; i += inner) {
-        offsets(i, ndim, shape, strides, 1, off);
-        if (step == item) {
-            memcpy(out + i * item, x + off[0], (size_t)(inner * item));
+    struct strided s;
+    Py_ssize_t off[1];
+    if (!next_strided(vm, 1, &s)) return;
+    for (Py_ssize_t i = 0; i < s.n; i += s.inner) {
+        offsets(&s, i, 1, off);
+        if (s.step[0] == item) {
+            memcpy(out + i * item, x + off[0], (size_t)(s.inner * item));
         } else {
-            for (Py_ssize_t j = 0; j < inner; j++) memcpy(out + (i + j) * item, x + off[0] + j * step, (size_t)item);
+            for (Py_ssize_t j = 0; j < s.inner; j++)
+                memcpy(out + (i + j) * item, x + off[0] + j * s.step[0], (size_t)item);
         }
     }
 }
@@ -154,17 +159,16 @@ static void step_unary(struct machine *vm) {
     const char *x = next_ptr(vm);
     float *out = next_ptr(vm);
     int kind = (int)next_int(vm);
-    Py_ssize_t shape[MAX_DIMS], strides[1][MAX_DIMS], off[1];
-    int ndim = next_dims(vm, shape, 1, strides);
-    if (ndim < 0 || vm->error) return;
-    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1, step = ndim ? strides[0][ndim - 1] : 0;
-    for (Py_ssize_t i = 0; i < n; i += inner) {
-        offsets(i, ndim, shape, strides, 1, off);
+    struct strided s;
+    Py_ssize_t off[1];
+    if (!next_strided(vm, 1, &s)) return;
+    for (Py_ssize_t i = 0; i < s.n; i += s.inner) {
+        offsets(&s, i, 1, off);
         const char *row = x + off[0];
         if (kind == U_CAST_I32) {
-            for (Py_ssize_t j = 0; j < inner; j++) out[i + j] = (float)*(const int32_t *)(row + j * step);
+            for (Py_ssize_t j = 0; j < s.inner; j++) out[i + j] = (float)*(const int32_t *)(row + j * s.step[0]);
         } else {
-            for (Py_ssize_t j = 0; j < inner; j++) out[i + j] = unary1(kind, *(const float *)(row + j * step));
+            for (Py_ssize_t j = 0; j < s.inner; j++) out[i + j] = unary1(kind, *(const float *)(row + j * s.step[0]));
         }
     }
 }
@@ -173,25 +177,27 @@ static void step_binary(struct machine *vm) {
     const char *a = next_ptr(vm), *b = next_ptr(vm);
     char *out = next_ptr(vm);
     int kind = (int)next_int(vm), ints = (int)next_int(vm);
-    Py_ssize_t shape[MAX_DIMS], strides[2][MAX_DIMS], off[2];
-    int ndim = next_dims(vm, shape, 2, strides);
-    if (kind < B_ADD || kind > B_DIV || (ints && kind == B_DIV)) vm->error = E_PROGRAM;
-    if (ndim < 0 || vm->error) return;
-    Py_ssize_t n = elements(ndim, shape), inner = ndim ? shape[ndim - 1] : 1;
-    Py_ssize_t sa = ndim ? strides[0][ndim - 1] : 0, sb = ndim ? strides[1][ndim - 1] : 0;
-    for (Py_ssize_t i = 0; i < n; i += inner) {
-        offsets(i, ndim, shape, strides, 2, off);
+    struct strided s;
+    Py_ssize_t off[2];
+    if (!next_strided(vm, 2, &s)) return;
+    if (kind < B_ADD || kind > B_DIV || (ints && kind == B_DIV)) {
+        vm->error = E_PROGRAM;
+        return;
+    }
+    const Py_ssize_t sa = s.step[0], sb = s.step[1];
+    for (Py_ssize_t i = 0; i < s.n; i += s.inner) {
+        offsets(&s, i, 2, off);
         const char *ra = a + off[0], *rb = b + off[1];
         if (ints) { /* int32, wrapping as numpy's does */
             int32_t *o = (int32_t *)out + i;
-            for (Py_ssize_t j = 0; j < inner; j++) {
+            for (Py_ssize_t j = 0; j < s.inner; j++) {
                 uint32_t u = (uint32_t)*(const int32_t *)(ra + j * sa), v = (uint32_t)*(const int32_t *)(rb + j * sb);
                 o[j] = (int32_t)(kind == B_ADD ? u + v : kind == B_SUB ? u - v : u * v);
             }
             continue;
         }
         float *o = (float *)out + i;
-        for (Py_ssize_t j = 0; j < inner; j++) {
+        for (Py_ssize_t j = 0; j < s.inner; j++) {
             float u = *(const float *)(ra + j * sa), v = *(const float *)(rb + j * sb);
             o[j] = kind == B_ADD ? u + v : kind == B_SUB ? u - v : kind == B_MUL ? u * v : u / v;
         }

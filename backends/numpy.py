@@ -219,7 +219,7 @@ class NumpyBackend(Backend):
                 affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
                 if affine is not None:
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
-                    return _gemv_args(PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine))
+                    return with_kernel_args(PackedWeight(tensor.shape, tensor.qtype, how, affine, rows=affine))
                 # Kept in its blocks when memory is short, and with on-load quantization
                 # (asked for to save memory; a GGUF weight is never quantized twice).
                 if self.quantize in SCHEME_BITS or not self._room_for(tensor):
@@ -232,7 +232,7 @@ class NumpyBackend(Backend):
             packed = quantize_affine(host, self.quantize, name=name)
             how = "C kernel" if _affine is not None else "dequantized per matmul"
             weight = PackedWeight(host.shape, self.quantize, f"{self.quantize} group 32, {how}", packed, rows=packed)
-            return _gemv_args(weight) if _affine is not None else weight
+            return with_kernel_args(weight) if _affine is not None else weight
         weight = self.from_numpy(host)
         self._float_bytes += weight.nbytes
         return weight
@@ -354,7 +354,7 @@ class NumpyBackend(Backend):
             gemv = weight.kernel
             if gemv is not None and bias is None and type(x) is np.ndarray and x.dtype == np.float32:
                 # Decoding's products, with what the kernel takes worked out once
-                # per weight (_gemv_args): a product costs ~1 us of Python, not ~3.
+                # per weight (with_kernel_args): a product costs ~1 us of Python, not ~3.
                 bits, codes, scales, biases, k, n = gemv[:6]
                 m = x.size // k
                 if 0 < m <= self.KERNEL_ROWS and x.shape[-1] == k:
@@ -724,7 +724,7 @@ def affine_slabs(w: AffineTensor, buffer: np.ndarray) -> Iterator[tuple[int, int
         yield r0, r1, slab
 
 
-def _gemv_args(weight: PackedWeight) -> PackedWeight:
+def with_kernel_args(weight: PackedWeight) -> PackedWeight:
     """``weight`` with :func:`kernel_args` kept on it (as
     :attr:`~infer.ops.PackedWeight.kernel`) where the kernel computes it, for
     :meth:`NumpyBackend.linear`'s decode path."""

@@ -183,9 +183,13 @@ class Recorder:
         self.keep.append(x)
         return (-1, _addr(x))
 
+    def in_step(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies in the step's memory (an input's or a plan buffer's)."""
+        return self._base(_addr(a)) is not None
+
     def dynamic(self, x: Any) -> bool:
         if type(x) is Traced:
-            if self._base(_addr(x)) is None:
+            if not self.in_step(x):
                 raise NotCapturable("a traced array outside the step's memory (copied outside the backend's ops)")
             return True
         if isinstance(x, (list, tuple)):
@@ -563,7 +567,7 @@ class Recorder:
         def to_host(x: Any) -> Any:
             if arrays.is_array(x):
                 a = arrays.to_host(x)
-                return a.view(Traced) if self._base(_addr(a)) is not None and a.size else a
+                return a.view(Traced) if a.size and self.in_step(a) else a
             if isinstance(x, PackedWeight):
                 return arrays.weight(x)
             if isinstance(x, (list, tuple)):
@@ -573,8 +577,7 @@ class Recorder:
         def back(x: Any) -> Any:
             if isinstance(x, np.ndarray):
                 host = x.view(np.ndarray)
-                return arrays.guard(arrays.from_host(host)) if self._base(_addr(host)) is not None else \
-                    arrays.from_host(host)
+                return arrays.guard(arrays.from_host(host)) if self.in_step(host) else arrays.from_host(host)
             if isinstance(x, (list, tuple)):
                 return type(x)(back(v) for v in x)
             return x
@@ -607,11 +610,10 @@ class Recorder:
 
 
 def _unwrap(x: Any) -> Any:
-    if type(x) is Traced:
-        return x.view(np.ndarray)
+    """:func:`_plain` of ``x``, or of each item of a list or tuple."""
     if isinstance(x, (list, tuple)):
         return type(x)(_unwrap(v) for v in x)
-    return x
+    return _plain(x)
 
 
 def _traced_args(args: Any, leaves: tuple[np.ndarray, ...], arrays: HostArrays | None) -> Any:

@@ -258,8 +258,7 @@ class _CpuTensors:
         if not (isinstance(data, tuple) and len(data) == 3 and data[0] == "affine"):
             return w  # int4pack and the like: the recorder refuses it by name
         affine = data[1]
-        host = PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine)
-        host.kernel = numpy_backend.kernel_args(affine)
+        host = numpy_backend.with_kernel_args(PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine))
         self._weights[id(w)] = (w, host)  # w kept alive: its id stays its own
         return host
 
