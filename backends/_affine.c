@@ -1,7 +1,8 @@
 /* Matrix-vector products on affine-quantized weights for the numpy backend.
  *
- * A weight W [n, k] is held as codes (4 bits, two per byte, the even column
- * of each pair in the low nibble; or 8 bits, one per byte) with a float32
+ * A weight W [n, k] is held as codes (4 bits, two per byte in GGML's order:
+ * in each group of 32 columns, byte j holds column j in its low nibble and
+ * column j + 16 in its high one; or 8 bits, one per byte) with a float32
  * scale and bias per group of 32 consecutive values of a row:
  *
  *     W[r, c] = scale[r, g] * code[r, c] + bias[r, g],    g = c / 32
@@ -100,7 +101,7 @@ static void row4_portable(const uint8_t *codes, const float *scales, const float
             const uint8_t *b = codes + g * (GROUP / 2);
             const float *v = x + i * k + g * GROUP;
             float t = 0.0f;
-            for (int j = 0; j < GROUP / 2; j++) t += (float)(b[j] & 15) * v[2 * j] + (float)(b[j] >> 4) * v[2 * j + 1];
+            for (int j = 0; j < GROUP / 2; j++) t += (float)(b[j] & 15) * v[j] + (float)(b[j] >> 4) * v[j + GROUP / 2];
             acc += scales[g] * t;
             bacc += biases[g] * xs[i * groups + g];
         }
@@ -149,22 +150,27 @@ AVX2 static inline __m256 widen(__m128i bytes8) { /* the low 8 bytes as 8 floats
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
 }
 
-/* One activation row: two accumulators in registers, two groups per step
- * (the accumulator chain, not the loads, limits the loop otherwise).
- * 4-bit codes: each 32-bit word holds 8 consecutive columns (the even column
- * of a pair in the low nibble), so broadcasting the word and shifting lane i
- * right by 4i puts column i in lane i: no shuffles, x in its own order. */
-AVX2 static inline __m256 nibbles8(const uint8_t *codes, __m256i shifts, __m256i mask) {
-    int32_t word;
-    memcpy(&word, codes, 4);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask));
+#define INLINE static inline __attribute__((always_inline))
+
+/* One block of 32 4-bit codes (16 bytes: the low nibbles are columns 0..15,
+ * the high ones 16..31) as four vectors of 8 floats in column order: x is
+ * read in its own order. */
+AVX2 INLINE void nibbles32(const uint8_t *c, __m256 *w) {
+    const __m128i low = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128((const __m128i *)c);
+    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    w[0] = widen(lo), w[1] = widen(_mm_srli_si128(lo, 8)), w[2] = widen(hi), w[3] = widen(_mm_srli_si128(hi, 8));
 }
 
-AVX2 static inline __m256 dot4(const uint8_t *codes, const float *v, __m256i shifts, __m256i mask) {
-    __m256 t = _mm256_mul_ps(nibbles8(codes, shifts, mask), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(nibbles8(codes + 4, shifts, mask), _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(nibbles8(codes + 8, shifts, mask), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(nibbles8(codes + 12, shifts, mask), _mm256_loadu_ps(v + 24), t);
+/* One activation row: two accumulators in registers, two groups per step
+ * (the accumulator chain, not the loads, limits the loop otherwise). */
+AVX2 static inline __m256 dot4(const uint8_t *codes, const float *v) {
+    __m256 w[4];
+    nibbles32(codes, w);
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), t);
+    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
 }
 
 /* 8 codes at p as 8 floats: the 8 bytes broadcast to both 128-bit lanes, then an
@@ -206,7 +212,6 @@ AVX2 static inline float bias_dot(const float *biases, const float *xs, Py_ssize
 AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *v,
                           const float *xs, Py_ssize_t k, Py_ssize_t group) {
     Py_ssize_t groups = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, g = 0;
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     if (group == 16) { /* groups here are blocks of 32 columns, two scales each */
         for (; g + 1 < groups; g += 2) {
@@ -218,11 +223,10 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
     }
     if (bits == 4) {
         for (; g + 1 < groups; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, shifts, mask), a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1),
-                                 dot4(codes + (g + 1) * step, v + (g + 1) * GROUP, shifts, mask), a1);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP), a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1), dot4(codes + (g + 1) * step, v + (g + 1) * GROUP), a1);
         }
-        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP, shifts, mask), a0);
+        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP), a0);
     } else {
         for (; g + 1 < groups; g += 2) {
             a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot8(codes + g * step, v + g * GROUP), a0);
@@ -239,7 +243,6 @@ AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, c
  * sums and their order are one_row's (even blocks into one accumulator, odd
  * into the other), so a row's result does not depend on how many rows share
  * the call. */
-#define INLINE static inline __attribute__((always_inline))
 
 /* One block of 32 codes, widened (w0..w3), into each row's accumulator. */
 AVX2 INLINE void block_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s, const float *x, Py_ssize_t k,
@@ -270,11 +273,8 @@ AVX2 INLINE void block16_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256
 }
 
 AVX2 INLINE void widen_block(int bits, const uint8_t *codes, Py_ssize_t g, __m256 *w) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     if (bits == 4) {
-        const uint8_t *c = codes + g * (GROUP / 2);
-        w[0] = nibbles8(c, shifts, mask), w[1] = nibbles8(c + 4, shifts, mask);
-        w[2] = nibbles8(c + 8, shifts, mask), w[3] = nibbles8(c + 12, shifts, mask);
+        nibbles32(codes + g * (GROUP / 2), w);
     } else {
         const uint8_t *c = codes + g * GROUP;
         w[0] = widen8(c), w[1] = widen8(c + 8), w[2] = widen8(c + 16), w[3] = widen8(c + 24);
@@ -361,94 +361,174 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
  *
  * 4-bit codes: the 16 bytes of a block are zero-extended to 16 lanes in one
  * load (vpmovzxbd); vpermps indexes a 16-entry table by the low 4 bits of each
- * lane, so the table {0.0, ..., 15.0} turns the low nibbles into floats
- * directly, and the high nibbles after one shift: no mask, no conversion. The
- * low nibbles are the even columns of the block, the high ones the odd
- * columns, so x is split once per call into its even and odd columns
- * (`deinterleave`), and each block is lo * x_even + hi * x_odd.
+ * lane, so the table {0.0, ..., 15.0} turns the low nibbles (the block's
+ * columns 0..15) into floats directly, and the high nibbles (columns 16..31)
+ * after one shift: no mask, no conversion, and x is read in its own order:
+ * each block is lo * x[0:16] + hi * x[16:32].
+ *
+ * Decoding (one activation row) takes short 4-bit rows WROWS at a time: each
+ * block of x is loaded once for all of them, and the row loop's, the
+ * prefetches' and the call's costs are shared. A 576-column row is only 18
+ * blocks, and these costs were a tenth of its time in a decode step (SmolLM2's
+ * 576-column products 1.08-1.11x faster; docs/performance.md). Longer rows, and
+ * 8-bit ones, measured slower so (0.72-0.93x: 4 or 2 rows read at once from
+ * memory a few hundred bytes apart), and go one at a time. Each row's sums are
+ * those it gets alone (even blocks into one accumulator, odd blocks into the
+ * other), so its result does not depend on its neighbours.
+ *
+ * 8-bit codes: 16 at a time zero-extended (vpmovzxbd) and converted
+ * (vcvtdq2ps); against the AVX2 rows, 1.2-1.4x faster in a decode step
+ * (Gemma 3's and SmolLM2's heads, Gemma 3's Q5_0 and Q6_K layers).
  *
  * Per block the scale multiplies the block's sum once and the bias term is
- * sum_g bias[g] * sum(x in g) (bias_dot), as everywhere else.
- *
- * 8-bit codes keep the AVX2 rows: 16-lane versions measured no faster, being
- * near one core's memory bandwidth already (docs/performance.md). */
+ * sum_g bias[g] * sum(x in g) (bias_dot), as everywhere else. */
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-
-/* x [m, k] -> per row: its k/2 even columns, then its k/2 odd columns. */
-static void deinterleave(const float *x, float *out, Py_ssize_t m, Py_ssize_t k) {
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const float *v = x + i * k;
-        float *e = out + i * k, *o = e + k / 2;
-        for (Py_ssize_t j = 0; j < k / 2; j++) {
-            e[j] = v[2 * j];
-            o[j] = v[2 * j + 1];
-        }
-    }
-}
+#define WROWS 4 /* short 4-bit weight rows per step when decoding */
+#define WIDE_ROW_BYTES 384 /* 4-bit rows up to 768 columns */
 
 /* 16 bytes as 16 integer lanes (vpmovzxbd). */
 AVX512 static inline __m512 codes16(const uint8_t *c) {
     return _mm512_castsi512_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
-/* One block of 32 4-bit codes against the block's even (e) and odd (o) columns of x. */
-AVX512 static inline __m512 block4_512(__m512 bytes, const float *e, const float *o, __m512 table) {
-    __m512i b = _mm512_castps_si512(bytes);
+/* One block of 32 4-bit codes against the block's 32 columns of x (x0 the first 16, x1 the next). */
+AVX512 INLINE __m512 block4_512(const uint8_t *c, __m512 x0, __m512 x1, __m512 table) {
+    __m512i b = _mm512_castps_si512(codes16(c));
     __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(o), _mm512_mul_ps(lo, _mm512_loadu_ps(e)));
+    return _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
 }
 
-/* One activation row (deinterleaved: k/2 even columns e, then the odd ones at
- * e + k/2) against one row of 4-bit codes; even blocks into one accumulator,
- * odd blocks into the other. */
-AVX512 static float one_row4_512(const uint8_t *codes, const float *scales, const float *biases, const float *e,
-                                 const float *xs, Py_ssize_t k) {
+/* 16 8-bit codes as 16 floats. */
+AVX512 static inline __m512 bytes16(const uint8_t *c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* One block of 32 codes (bits 4 or 8; with g16, 8-bit codes in two groups of
+ * 16, scales s[0], s[1]; else one scale s[0]) against its columns of x (x0 the
+ * first 16, x1 the next), into acc. */
+AVX512 INLINE __m512 block_512(const uint8_t *c, const float *s, __m512 x0, __m512 x1, __m512 acc, __m512 table,
+                               const int bits, const int g16) {
+    if (bits == 4) return _mm512_fmadd_ps(_mm512_set1_ps(s[0]), block4_512(c, x0, x1, table), acc);
+    __m512 t = _mm512_mul_ps(bytes16(c), x0);
+    if (g16)
+        return _mm512_fmadd_ps(_mm512_set1_ps(s[1]), _mm512_mul_ps(bytes16(c + 16), x1),
+                               _mm512_fmadd_ps(_mm512_set1_ps(s[0]), t, acc));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s[0]), _mm512_fmadd_ps(bytes16(c + 16), x1, t), acc);
+}
+
+/* R weight rows (row_bytes apart; their scales and biases k / group apart)
+ * against one activation row x: out[r] for r < R. R a constant (1..WROWS), so
+ * that the 2 x R accumulators stay in registers. */
+AVX512 INLINE void wrows_512(const uint8_t *codes, Py_ssize_t row_bytes, const float *scales, const float *biases,
+                             const float *x, const float *xs, float *out, Py_ssize_t k, const int R, const int bits,
+                             const int g16) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    Py_ssize_t groups = k / GROUP, half = k / 2, g = 0, step = GROUP / 2;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (; g + 1 < groups; g += 2) {
-        const float *v = e + g * step;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), block4_512(codes16(codes + g * step), v, v + half, table), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g + 1]),
-                             block4_512(codes16(codes + (g + 1) * step), v + step, v + step + half, table), a1);
+    Py_ssize_t blocks = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, per = g16 ? 2 : 1, groups = blocks * per, g = 0;
+    __m512 even[WROWS], odd[WROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    for (; g + 1 < blocks; g += 2) {
+        const float *v = x + g * GROUP;
+        __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+        __m512 x2 = _mm512_loadu_ps(v + 32), x3 = _mm512_loadu_ps(v + 48);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *c = codes + r * row_bytes + g * step;
+            const float *sc = scales + r * groups + g * per;
+            even[r] = block_512(c, sc, x0, x1, even[r], table, bits, g16);
+            odd[r] = block_512(c + step, sc + per, x2, x3, odd[r], table, bits, g16);
+        }
     }
-    if (g < groups)
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]),
-                             block4_512(codes16(codes + g * step), e + g * step, e + g * step + half, table), a0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
+    if (g < blocks) {
+        __m512 x0 = _mm512_loadu_ps(x + g * GROUP), x1 = _mm512_loadu_ps(x + g * GROUP + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            even[r] = block_512(codes + r * row_bytes + g * step, scales + r * groups + g * per, x0, x1, even[r], table,
+                                bits, g16);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + bias_dot(biases + r * groups, xs, groups);
+}
+
+#define WROWS_CASES(B, G) \
+    switch (n - r < wr ? n - r : wr) { \
+    case 1: wrows_512(c, row_bytes, sr, br, x, xs, out + r, k, 1, B, G); break; \
+    case 2: wrows_512(c, row_bytes, sr, br, x, xs, out + r, k, 2, B, G); break; \
+    case 3: wrows_512(c, row_bytes, sr, br, x, xs, out + r, k, 3, B, G); break; \
+    default: wrows_512(c, row_bytes, sr, br, x, xs, out + r, k, WROWS, B, G); break; \
+    }
+
+/* Weight rows [0, n) of a tile (widened scales and biases s, bi) against one
+ * activation row, wr (1..WROWS) at a time, the codes PREFETCH bytes ahead asked
+ * for (the hardware prefetchers stop at 4 KiB pages); `left`: code bytes from
+ * these rows' start to the matrix's end, past which nothing is prefetched. */
+AVX512 static void tile_512(int bits, Py_ssize_t group, int wr, const uint8_t *codes, const float *s, const float *bi,
+                            const float *x, const float *xs, float *out, Py_ssize_t n, Py_ssize_t k, Py_ssize_t left) {
+    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group, r = 0;
+    for (; r < n; r += wr) {
+        Py_ssize_t here = (n - r < wr ? n - r : wr) * row_bytes, at = r * row_bytes;
+        for (Py_ssize_t b = 0; b < here && at + PREFETCH + b < left; b += 64)
+            __builtin_prefetch((const char *)codes + at + PREFETCH + b, 0, 0);
+        const uint8_t *c = codes + at;
+        const float *sr = s + r * groups, *br = bi + r * groups;
+        if (bits == 4) {
+            WROWS_CASES(4, 0)
+        } else if (group == 16) {
+            WROWS_CASES(8, 1)
+        } else {
+            WROWS_CASES(8, 0)
+        }
+    }
 }
 
 /* M activation rows against one weight row: each block decoded once for all M
- * rows, M a constant (1..MAX_ROWS) so that the 2 x M accumulators live in
- * registers. Each row's sums are those of one_row4_512 (even blocks into one
+ * rows, M a constant (2..MAX_ROWS) so that the 2 x M accumulators live in
+ * registers. Each row's sums are those of wrows_512 (even blocks into one
  * accumulator, odd into the other), so a row's result does not depend on how
  * many rows share the call. */
-AVX512 INLINE void block4_rows(const uint8_t *c, float scale, const float *x, Py_ssize_t k, __m512 table,
-                               __m512 *acc, const int M) {
-    __m512i b = _mm512_castps_si512(codes16(c));
-    __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    __m512 s = _mm512_set1_ps(scale);
+/* One block of codes c (scales sc) into each of the M rows' accumulators. */
+AVX512 INLINE void block_rows_512(const uint8_t *c, const float *sc, const float *x, Py_ssize_t k, __m512 table,
+                                  __m512 *acc, const int M, const int bits, const int g16) {
+    if (bits == 4) { /* the block decoded once */
+        __m512i b = _mm512_castps_si512(codes16(c));
+        __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+        __m512 s = _mm512_set1_ps(sc[0]);
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            const float *v = x + i * k;
+            __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(v + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(v)));
+            acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
+        }
+        return;
+    }
+    __m512 w0 = bytes16(c), w1 = bytes16(c + 16), s0 = _mm512_set1_ps(sc[0]);
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++) {
         const float *v = x + i * k;
-        __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(v + k / 2), _mm512_mul_ps(lo, _mm512_loadu_ps(v)));
-        acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
+        __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(v));
+        if (g16)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[1]), _mm512_mul_ps(w1, _mm512_loadu_ps(v + 16)),
+                                     _mm512_fmadd_ps(s0, t, acc[i]));
+        else
+            acc[i] = _mm512_fmadd_ps(s0, _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + 16), t), acc[i]);
     }
 }
 
-AVX512 INLINE void rows4_512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
-                             const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, const int M) {
+AVX512 INLINE void rows_512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                            const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, const int M, const int bits,
+                            const int g16) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    Py_ssize_t groups = k / GROUP, step = GROUP / 2, g = 0;
+    Py_ssize_t blocks = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, per = g16 ? 2 : 1, groups = blocks * per, g = 0;
     __m512 even[MAX_ROWS], odd[MAX_ROWS]; /* (named per parity, not indexed by g & 1: kept in registers) */
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++) even[i] = odd[i] = _mm512_setzero_ps();
-    for (; g + 1 < groups; g += 2) {
-        block4_rows(codes + g * step, scales[g], x + g * step, k, table, even, M);
-        block4_rows(codes + (g + 1) * step, scales[g + 1], x + (g + 1) * step, k, table, odd, M);
+    for (; g + 1 < blocks; g += 2) {
+        block_rows_512(codes + g * step, scales + g * per, x + g * GROUP, k, table, even, M, bits, g16);
+        block_rows_512(codes + (g + 1) * step, scales + (g + 1) * per, x + (g + 1) * GROUP, k, table, odd, M, bits, g16);
     }
-    if (g < groups) block4_rows(codes + g * step, scales[g], x + g * step, k, table, even, M);
+    if (g < blocks) block_rows_512(codes + g * step, scales + g * per, x + g * GROUP, k, table, even, M, bits, g16);
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++)
         out[i * n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + bias_dot(biases, xs + i * groups, groups);
@@ -459,14 +539,31 @@ AVX512 static void row4_avx512(const uint8_t *codes, const float *scales, const 
                                Py_ssize_t group) {
     (void)group; /* always 32 */
     if (m == 1) {
-        out[0] = one_row4_512(codes, scales, biases, x, xs, k);
+        wrows_512(codes, k / 2, scales, biases, x, xs, out, k, 1, 4, 0);
         return;
     }
-#define CALL4(M) rows4_512(codes, scales, biases, x, xs, out, k, n, M)
+#define CALL4(M) rows_512(codes, scales, biases, x, xs, out, k, n, M, 4, 0)
     ROWS_CASES(CALL4)
 }
 
-/* One row of codes to float32, group by group (even columns in the low nibbles). */
+AVX512 static void row8_avx512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
+                               const float *xs, float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n,
+                               Py_ssize_t group) {
+    if (m == 1) {
+        if (group == 16) wrows_512(codes, k, scales, biases, x, xs, out, k, 1, 8, 1);
+        else wrows_512(codes, k, scales, biases, x, xs, out, k, 1, 8, 0);
+        return;
+    }
+#define CALL8G16(M) rows_512(codes, scales, biases, x, xs, out, k, n, M, 8, 1)
+#define CALL8(M) rows_512(codes, scales, biases, x, xs, out, k, n, M, 8, 0)
+    if (group == 16) {
+        ROWS_CASES(CALL8G16)
+    } else {
+        ROWS_CASES(CALL8)
+    }
+}
+
+/* One row of codes to float32, group by group (columns 0..15 of a 4-bit group in the low nibbles). */
 AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases,
                                   float *out, Py_ssize_t k, Py_ssize_t group) {
     const __m128i low = _mm_set1_epi8(15);
@@ -481,18 +578,15 @@ AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *s
     for (Py_ssize_t g = 0; g < k / GROUP; g++) {
         __m256 sc = _mm256_broadcast_ss(scales + g), b = _mm256_broadcast_ss(biases + g);
         float *o = out + g * GROUP;
+        __m128i c0, c1; /* columns 0..15 and 16..31 of the group, a byte each */
         if (bits == 4) {
             __m128i v = _mm_loadu_si128((const __m128i *)(codes + g * (GROUP / 2)));
-            /* interleave low and high nibbles back into column order */
-            __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-            __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
-            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
-            _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
-            _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c1, 8)), sc), b));
+            c0 = _mm_and_si128(v, low), c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
         } else {
             const uint8_t *c = codes + g * GROUP;
-            __m128i c0 = _mm_loadu_si128((const __m128i *)c), c1 = _mm_loadu_si128((const __m128i *)(c + 16));
+            c0 = _mm_loadu_si128((const __m128i *)c), c1 = _mm_loadu_si128((const __m128i *)(c + 16));
+        }
+        {
             _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
             _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
             _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
@@ -604,8 +698,8 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
         if (bits == 4) {
             const uint8_t *cg = cr + g * (GROUP / 2);
             for (int j = 0; j < GROUP / 2; j++) {
-                yg[2 * j] = sc * (float)(cg[j] & 15) + b;
-                yg[2 * j + 1] = sc * (float)(cg[j] >> 4) + b;
+                yg[j] = sc * (float)(cg[j] & 15) + b;
+                yg[j + GROUP / 2] = sc * (float)(cg[j] >> 4) + b;
             }
         } else {
             const uint8_t *cg = cr + g * group;
@@ -620,19 +714,16 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
 static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, int half,
                     float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
-    int split = bits == 4 && use_avx512; /* the AVX-512 4-bit rows read x as even, then odd columns */
-    float *work = malloc((size_t)(m * groups + (split ? m * k : 0)) * sizeof(float));
-    if (!work) return -1;
-    float *xs = work;
-    const float *xp = x;
-    group_sums(xp, xs, m, k, group);
+    float *xs = malloc((size_t)(m * groups) * sizeof(float));
+    if (!xs) return -1;
+    group_sums(x, xs, m, k, group);
     row_fn fn = bits == 4 ? row4_portable : row8_portable;
+    int wide_rows = 0; /* with one activation row: weight rows per step (AVX-512) */
 #ifdef HAVE_X86
     if (use_avx2) fn = bits == 4 ? row4_avx2 : row8_avx2;
-    if (use_avx512 && bits == 4) fn = row4_avx512; /* 8-bit codes: AVX2 measured as fast */
-    if (split) {
-        deinterleave(xp, work + m * groups, m, k);
-        xp = work + m * groups;
+    if (use_avx512) {
+        fn = bits == 4 ? row4_avx512 : row8_avx512;
+        if (m == 1) wide_rows = bits == 4 && row_bytes <= WIDE_ROW_BYTES ? WROWS : 1;
     }
 #endif
     Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
@@ -644,17 +735,23 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
             float wide[2 * TILE_GROUPS];
             const float *s, *bi;
             tile_scales(scales, biases, half, r0, r1, groups, wide, &s, &bi);
+#ifdef HAVE_X86
+            if (wide_rows) {
+                tile_512(bits, group, (int)wide_rows, c + r0 * row_bytes, s, bi, x, xs, y + r0, r1 - r0, k, (n - r0) * row_bytes);
+                continue;
+            }
+#endif
             for (Py_ssize_t r = r0; r < r1; r++) {
                 /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
                 const char *ahead = (const char *)(c + r * row_bytes) + PREFETCH;
                 for (Py_ssize_t b = 0; b < row_bytes && r * row_bytes + PREFETCH + b < n * row_bytes; b += 64)
                     __builtin_prefetch(ahead + b, 0, 0);
-                fn(c + r * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, xp + i0 * k, xs + i0 * groups,
+                fn(c + r * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, x + i0 * k, xs + i0 * groups,
                    y + i0 * n + r, rows, k, n, group);
             }
         }
     }
-    free(work);
+    free(xs);
     return 0;
 }
 

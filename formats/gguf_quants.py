@@ -403,16 +403,15 @@ AFFINE_BITS: dict[str, int] = {name: bits for name, (bits, _, _) in _AFFINE.item
 AFFINE_GROUP: dict[str, int] = {name: group for name, (_, group, _) in _AFFINE.items()}
 
 
-def _pair_packed(qs: np.ndarray) -> np.ndarray:
-    """GGML's nibble order -> two codes a byte in column order.
+def _halves_from_chunks(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's nibble order -> GGML's per-group order (:func:`infer.quantize.pack4`).
 
-    ``qs`` [..., 2h] holds 4h codes: byte j's low nibble is code j, its high
-    nibble code 2h + j. Returned: byte i holds codes 2i (low) and 2i + 1
-    (high), what :class:`~infer.quantize.AffineTensor` keeps. Bytes 2i and
-    2i + 1 hold codes 2i, 2i + 1 (low nibbles, for the first h bytes out) and
-    2h + 2i, 2h + 2i + 1 (high nibbles, for the last h)."""
-    even, odd = qs[..., 0::2], qs[..., 1::2]
-    return np.concatenate([(even & _M4) | (odd << np.uint8(4)), (even >> np.uint8(4)) | (odd & np.uint8(0xF0))],
+    ``qs`` [..., 32] holds a 64-value chunk: byte j's low nibble is code j, its
+    high nibble code 32 + j. Returned, [..., 32]: the chunk's two groups of 32,
+    each as 16 bytes whose byte i holds codes i (low) and i + 16 (high) of the
+    group."""
+    first, second = qs[..., :16], qs[..., 16:]
+    return np.concatenate([(first & _M4) | (second << np.uint8(4)), (first >> np.uint8(4)) | (second & np.uint8(0xF0))],
                           axis=-1)
 
 
@@ -433,11 +432,11 @@ def _half_bias(d: np.ndarray, factor: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _compact_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return (_pair_packed(b[:, 2:]), *_half_bias(_half(b, 0), -8))
+    return (b[:, 2:], *_half_bias(_half(b, 0), -8))
 
 
 def _compact_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return _pair_packed(b[:, 4:]), _half(b, 0), _half(b, 2)
+    return b[:, 4:], _half(b, 0), _half(b, 2)
 
 
 def _compact_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -447,7 +446,7 @@ def _compact_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _compact_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = b.shape[0]
     ds, dm = _k_scales(b)
-    return _pair_packed(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 128), ds.reshape(n, 8), -dm.reshape(n, 8)
+    return _halves_from_chunks(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 128), ds.reshape(n, 8), -dm.reshape(n, 8)
 
 
 #: Types whose compact form (4-bit codes packed, float16 scales where exact) is built directly.
@@ -464,10 +463,12 @@ def affine_groups(raw: np.ndarray, qtype: str, cols: int, *,
     ``scales * codes + biases`` (per group of 32, or Q6_K's 16, consecutive values of a
     row, in float32, fused or not) equals :func:`dequantize` bit for bit.
 
-    ``compact``: 4-bit codes come packed two to a byte (``[rows, cols / 2]``, even
-    column low), and Q4_0, Q4_1 and Q8_0 keep their stored float16 scales (and
+    ``compact``: 4-bit codes come packed two to a byte (``[rows, cols / 2]``, in
+    GGML's order, :func:`infer.quantize.pack4`: Q4_0's and Q4_1's stored bytes,
+    copied), and Q4_0, Q4_1 and Q8_0 keep their stored float16 scales (and
     float16 biases, exact): the form :func:`~infer.quantize.from_gguf` keeps, built
-    without unpacking (a third of SmolLM2's load time went to unpacking and repacking).
+    without unpacking (a third of SmolLM2's load time went to unpacking and
+    repacking; then a quarter to turning GGML's nibble order into column order).
     """
     if qtype not in _AFFINE:
         raise UnsupportedDtypeError(f"GGML type {qtype} has no exact affine form; "

@@ -129,8 +129,9 @@ class QuantizedTensor(abc.ABC):
         biases float32 ``[n, cols / group]``, such that ``scales * codes +
         biases`` per group (in float32, fused or not) gives the values of
         :meth:`dequantize`. A format may also hand out 4-bit codes already
-        packed two to a byte (``[n, cols / 2]``, even column in the low
-        nibble) and float16 scales and biases where those are the exact
+        packed two to a byte (``[n, cols / 2]``, in GGML's order: per group of
+        32 columns, byte ``j`` holds column ``j`` in its low nibble and
+        column ``j + 16`` in its high one) and float16 scales and biases where those are the exact
         values: it saves a conversion :func:`infer.quantize.from_gguf` would
         undo. Default: :class:`NotImplementedError` (no affine form)."""
         raise NotImplementedError(f"{type(self).__name__} {self.qtype} has no affine form")

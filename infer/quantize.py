@@ -32,8 +32,8 @@ GROUP = 32
 class AffineTensor(QuantizedTensor):
     """``scales * codes + biases`` per group of :attr:`group` values of a row.
 
-    codes: uint8 ``[rows, cols]`` (4-bit codes packed two to a byte, even
-    column in the low nibble, when :attr:`bits` is 4); scales, biases:
+    codes: uint8 ``[rows, cols]``, or with :attr:`bits` 4 packed two to a
+    byte in GGML's order (:func:`pack4`); scales, biases:
     float32 ``[rows, cols / group]``, or float16 after :meth:`half_scales`.
     :meth:`dequantize` computes in float32 (``scale * code`` is exact for the
     codes and scales produced here, so fused and unfused evaluation agree).
@@ -43,7 +43,7 @@ class AffineTensor(QuantizedTensor):
                  scales: np.ndarray, biases: np.ndarray, group: int = GROUP) -> None:
         self.qtype, self.shape, self.bits, self.group = qtype, (int(shape[0]), int(shape[1])), bits, group
         if bits == 4 and codes.shape[1] == shape[1]:
-            codes = _pack4(codes)
+            codes = pack4(codes)
         self.packed, self.scales, self.biases = codes, scales, biases
 
     def codes(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -51,10 +51,12 @@ class AffineTensor(QuantizedTensor):
         p = self.packed[rows]
         if self.bits != 4:
             return p
-        out = np.empty((p.shape[0], p.shape[1], 2), np.uint8)
-        np.bitwise_and(p, np.uint8(15), out=out[..., 0])
-        np.right_shift(p, np.uint8(4), out=out[..., 1])
-        return out.reshape(p.shape[0], -1)
+        n = p.shape[0]
+        halves = p.reshape(n, -1, 1, GROUP // 2)
+        out = np.empty((n, halves.shape[1], 2, GROUP // 2), np.uint8)
+        np.bitwise_and(halves, np.uint8(15), out=out[:, :, :1])
+        np.right_shift(halves, np.uint8(4), out=out[:, :, 1:])
+        return out.reshape(n, -1)
 
     def _values(self, rows: np.ndarray | slice) -> np.ndarray:
         codes = self.codes(rows)
@@ -119,7 +121,7 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
     if rows <= step:
         codes, scales, biases = tensor.affine_rows(0, rows)
         if bits == 4 and codes.shape[1] == cols:
-            codes = _pack4(codes)
+            codes = pack4(codes)
     else:
         # The outputs first (one row read tells their form: packed codes? float16
         # scales?), then the slabs: freed slab temporaries allocated before them
@@ -132,7 +134,7 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             c, s, b = tensor.affine_rows(r0, r1)
-            codes[r0:r1] = _pack4(c) if bits == 4 and c.shape[1] == cols else c
+            codes[r0:r1] = pack4(c) if bits == 4 and c.shape[1] == cols else c
             scales[r0:r1], biases[r0:r1] = s, b
             tensor.release_rows(r0, r1)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
@@ -143,9 +145,16 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
     return affine.half_scales() if half else affine
 
 
-def _pack4(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes ``[n, cols]`` below 16 -> two per byte, even column in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+def pack4(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes ``[n, cols]`` below 16 -> ``[n, cols / 2]``, two a byte in
+    GGML's order (Q4_0's and Q4_1's blocks): in each group of 32 columns, byte
+    ``j`` holds column ``j`` in its low nibble and column ``j + 16`` in its high
+    one. GGUF's Q4_0 and Q4_1 codes are then a copy, not a repacking, and a
+    kernel reads a group's codes against x in x's own order (columns 0..15,
+    then 16..31)."""
+    n = codes.shape[0]
+    halves = codes.reshape(n, -1, 2, GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << np.uint8(4))).reshape(n, -1)
 
 
 #: Stored bytes of a quantized matrix converted at a time by :func:`from_gguf`.
