@@ -906,7 +906,8 @@ static PyObject *set_threads(PyObject *self, PyObject *arg) {
  * One pass each over rows of float32, single-threaded (they are small). They
  * follow the numpy backend's float32 formulas step by step (built with
  * -ffp-contract=off, so no multiply-add is fused): rope is bit-identical to
- * numpy's; rms_norm differs only in the order of its sum of squares. */
+ * numpy's; rms_norm differs only in the order of its sum of squares, and
+ * layer_norm in the order of its two sums. */
 
 /* sum a[c] * b[c] in eight running sums (one fixed order, vectorizable). */
 static inline __attribute__((always_inline)) float dot_f32(const float *a, const float *b, Py_ssize_t n) {
@@ -973,6 +974,64 @@ done:
     if (w.obj) PyBuffer_Release(&w);
     if (res.obj) PyBuffer_Release(&res);
     if (h.obj) PyBuffer_Release(&h);
+    return result;
+}
+
+/* LayerNorm row by row: mean and variance in float32 (sums in dot_f32's
+ * order), then (x - mean) / sqrt(variance + eps), times w and plus b where
+ * given (NULL: none), as the numpy backend's formula does it. */
+static void layer_rows(const float *xi, const float *w, const float *b, float *yo, Py_ssize_t rows, Py_ssize_t n,
+                       float eps) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *x = xi + r * n;
+        float *y = yo + r * n, acc[8] = {0};
+        Py_ssize_t c = 0;
+        for (; c + 8 <= n; c += 8)
+            for (int j = 0; j < 8; j++) acc[j] += x[c + j];
+        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (; c < n; c++) sum += x[c];
+        float mu = sum / (float)n;
+        for (c = 0; c < n; c++) y[c] = x[c] - mu;
+        float den = sqrtf(dot_f32(y, y, n) / (float)n + eps);
+        for (c = 0; c < n; c++) {
+            float v = y[c] / den;
+            if (w) v = v * w[c];
+            if (b) v = v + b[c];
+            y[c] = v;
+        }
+    }
+}
+
+/* layer_norm(x, weight or None, bias or None, out, rows, n, eps) -> None; out
+ * must not be x. */
+static PyObject *layer_norm(PyObject *self, PyObject *args) {
+    Py_buffer x, out, w = {0}, b = {0};
+    PyObject *wobj, *bobj;
+    Py_ssize_t rows, n;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*OOw*nnf", &x, &wobj, &bobj, &out, &rows, &n, &eps)) return NULL;
+    PyObject *result = NULL;
+    int has_w = wobj != Py_None, has_b = bobj != Py_None;
+    if (has_w && PyObject_GetBuffer(wobj, &w, PyBUF_SIMPLE) < 0) goto done;
+    if (has_b && PyObject_GetBuffer(bobj, &b, PyBUF_SIMPLE) < 0) goto done;
+    if (rows < 1 || n < 1 || !check(&x, rows * n * 4, "x") || !check(&out, rows * n * 4, "out") ||
+        (has_w && !check(&w, n * 4, "weight")) || (has_b && !check(&b, n * 4, "bias")))
+        goto done;
+    if (x.buf == out.buf) {
+        PyErr_SetString(PyExc_ValueError, "layer_norm: out must not be x");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    layer_rows((const float *)x.buf, has_w ? (const float *)w.buf : NULL, has_b ? (const float *)b.buf : NULL,
+               (float *)out.buf, rows, n, eps);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    if (w.obj) PyBuffer_Release(&w);
+    if (b.obj) PyBuffer_Release(&b);
     return result;
 }
 
@@ -1232,6 +1291,7 @@ static PyMethodDef methods[] = {
     {"paths", paths, METH_NOARGS, "The code paths this CPU can run, best last."},
     {"gemv", gemv, METH_VARARGS, "y = x @ W.T for an affine-quantized W (see the module source)."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
+    {"layer_norm", layer_norm, METH_VARARGS, "LayerNorm of float32 rows (optional weight and bias)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},

@@ -33,6 +33,7 @@ enum {
     OP_UNARY,        /* P x, out; I kind, ndim, shape[ndim], x strides[ndim]; float32 out contiguous */
     OP_BINARY,       /* P a, b, out; I kind, int32?, ndim, shape[ndim], a strides[ndim], b strides[ndim] */
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
+    OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
 };
 
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
@@ -292,6 +293,15 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         Py_ssize_t rows = next_int(vm), n = next_int(vm);
         float eps = (float)next_float(vm);
         if (!vm->error) rms_rows(x, w, out, rows, n, eps, res, h);
+        return;
+    }
+    case OP_LAYERNORM: {
+        const float *x = next_ptr(vm), *w = next_ptr(vm), *b = next_ptr(vm);
+        float *out = next_ptr(vm);
+        Py_ssize_t rows = next_int(vm), n = next_int(vm);
+        float eps = (float)next_float(vm);
+        if (!vm->error && (rows < 1 || n < 1 || (const float *)out == x)) vm->error = E_PROGRAM;
+        if (!vm->error) layer_rows(x, w, b, out, rows, n, eps);
         return;
     }
     case OP_ROPE: {

@@ -495,6 +495,11 @@ class NumpyBackend(Backend):
         return self.rms_norm(h, weight, eps), h
 
     def layer_norm(self, x: Array, weight: Array | None, bias: Array | None, eps: float) -> Array:
+        if _rowwise(x, weight) and _rowwise(x, bias) and hasattr(_affine, "layer_norm"):  # one C pass, not seven
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            _affine.layer_norm(x, weight, bias, out, x.size // x.shape[-1], x.shape[-1], eps)
+            return out
         x32 = x.astype(np.float32, copy=False)
         mu = np.mean(x32, axis=-1, keepdims=True)
         var = np.mean(np.square(x32 - mu), axis=-1, keepdims=True)

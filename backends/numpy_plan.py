@@ -28,7 +28,7 @@ static shapes (:mod:`infer.engine.capture`), :meth:`NumpyBackend.compile
 What cannot be one program stays eager, with the reason (the capture's
 :attr:`~infer.engine.capture.CapturedDecode.reason`): an op that reads a value
 back on the host (mixture-of-experts routing), an op the program has no step
-for (LayerNorm, paged attention), weights kept in GGUF blocks. The values
+for (interleaved rope, paged attention), weights kept in GGUF blocks. The values
 differ from the eager step's only where the program calls the C library's
 ``expf``/``tanhf``/``sinf``/``cosf`` where numpy calls its own SIMD versions
 (the silu, gelu and rope-table steps; a few ulp); every product, norm, rope

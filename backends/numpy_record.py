@@ -21,7 +21,8 @@ from infer.quantize import AffineTensor
 log = logging.getLogger(__name__)
 
 # Opcodes and kinds: the enums at the top of backends/_plan.c, in order.
-(GEMV, GEMV_F32, RMS, ROPE, ATTEND, WRITE_ROWS, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE) = range(1, 13)
+(GEMV, GEMV_F32, RMS, ROPE, ATTEND, WRITE_ROWS, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE,
+ LAYERNORM) = range(1, 14)
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
@@ -468,6 +469,16 @@ class Recorder:
         self.check("fused_add_rms_norm", h, want_h)
         self.check("fused_add_rms_norm", out, want_out)
         return self.wrap(out), self.wrap(h)
+
+    def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+        xp = _plain(x)
+        if not (self._norm_ok(xp, weight) and self._norm_ok(xp, bias)):
+            raise NotCapturable(f"layer_norm of {xp.dtype}{list(xp.shape)}")
+        xc = self.contiguous(xp)
+        out = self.buffer(xp.shape, np.float32)
+        self.emit(LAYERNORM, [xc, weight, bias, out], [xc.size // xc.shape[-1], xc.shape[-1]], [eps])
+        self.check("layer_norm", out, self.eager("layer_norm", xp, weight, bias, eps))
+        return self.wrap(out)
 
     def rope(self, x: Any, cos: Any, sin: Any, interleaved: bool = False) -> Any:
         xp, c, s = _plain(x), _plain(cos), _plain(sin)

@@ -397,6 +397,31 @@ def test_rms_norm_matches_the_numpy_formula(pure_numpy, shape: tuple[int, ...]) 
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(1, 768), (3, 64), (2, 4, 256), (5, 7)])
+def test_layer_norm_matches_the_numpy_formula(pure_numpy, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(len(shape))
+    x = rng.standard_normal(shape).astype(np.float32) * 3 + 0.5
+    w, b = (rng.standard_normal(shape[-1:]).astype(np.float32) for _ in range(2))
+    # The formula's steps are numpy's; only its two sums (the mean, then the
+    # mean square of x - mean) go in 8 running sums against numpy's pairwise
+    # ones. For n <= 768 terms of |x| <= ~15 each sum is within about
+    # (n / 8) * 2^-24 of its terms' magnitude: the mean within ~1e-5 absolute
+    # (x's scale is 3), so y = (x - mean) / std (std ~3) within ~4e-6, times w.
+    for weight, bias in ((w, b), (w, None), (None, b), (None, None)):
+        got, want = ops.layer_norm(x, weight, bias, 1e-5), pure_numpy("layer_norm", x, weight, bias, 1e-5)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (weight is None, bias is None)
+    # A constant row normalizes to zero (then the bias), not to NaN.
+    flat = np.full(shape, 2.5, np.float32)
+    assert np.array_equal(ops.layer_norm(flat, w, b, 1e-5), np.broadcast_to(b, shape))
+    # A strided view goes through the same formula.
+    view = x[..., ::2]
+    assert np.allclose(ops.layer_norm(view, None, None, 1e-5), pure_numpy("layer_norm", view, None, None, 1e-5),
+                       rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("d,half", [(64, 32), (64, 16), (24, 12)])
 def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: int) -> None:  # type: ignore[no-untyped-def]
     ops = numpy_backend.NumpyBackend()

@@ -41,8 +41,8 @@ PROMPT = "The capital of France is Paris. Once upon a time"
 #: activations and the rope table, well inside the float32 reordering tolerance.
 PLAN_RTOL = LOGIT_RTOL
 CAPTURED = ["llama3", "mistral", "qwen2", "gemma3", "gemma3_softcap", "qwen3", "phi3", "olmo2", "smollm3_pattern",
-            "granite_bias"]
-EAGER = {"mixtral": "softmax", "qwen3_moe": "softmax", "gpt2": "layer_norm", "deepseek_v3": "interleaved=True",
+            "granite_bias", "gpt2"]
+EAGER = {"mixtral": "softmax", "qwen3_moe": "softmax", "deepseek_v3": "interleaved=True",
          "llama_dynamic": "max_position"}
 
 
