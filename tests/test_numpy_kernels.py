@@ -20,6 +20,7 @@ import pytest
 
 import infer
 from infer.backends import numpy as numpy_backend
+from infer.backends.numpy import kernel_args
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
 from infer.ops import PackedWeight
@@ -116,13 +117,13 @@ def affine(kind: int | str, n: int, k: int, seed: int) -> AffineTensor:
 
 
 # Every form the kernel takes: 4- and 8-bit codes with float32 scales (q4, q8, Q4_K),
-# float16 ones (Q4_1, Q8_0), 5-bit codes one per byte (Q5_1, Q5_K), and Q6_K's
-# 6-bit codes in groups of 16.
-KINDS = [4, 8, "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+# float16 ones (Q4_1, Q8_0), 5-bit codes one per byte (Q5_0 and Q5_1 with float16
+# scales, Q5_K with float32 ones), and Q6_K's 6-bit codes in groups of 16.
+KINDS = [4, 8, "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
 
 
 def gemv(a: AffineTensor, x: np.ndarray, out: np.ndarray) -> None:
-    _affine.gemv(4 if a.bits == 4 else 8, x, a.packed, a.scales, a.biases, out, x.shape[0], a.shape[1], a.shape[0],
+    _affine.gemv(kernel_args(a)[0], x, a.packed, a.scales, a.biases, out, x.shape[0], a.shape[1], a.shape[0],
                  a.group, a.scales.dtype == np.float16)
 
 
@@ -186,7 +187,7 @@ def test_dequantize_is_bit_exact(path: str, kind: int | str, parallel: bool) -> 
     # quantize_affine's scales make scale * code inexact: a fused multiply-add would differ.
     a = affine(kind, 24, 512, 3)
     out = np.full(a.shape, np.nan, np.float32)
-    _affine.dequantize(4 if a.bits == 4 else 8, a.packed, a.scales, a.biases, out, *a.shape, parallel, a.group,
+    _affine.dequantize(kernel_args(a)[0], a.packed, a.scales, a.biases, out, *a.shape, parallel, a.group,
                        a.scales.dtype == np.float16)
     assert np.array_equal(out.view(np.uint32), a.dequantize().view(np.uint32))
     if isinstance(kind, str):  # and that is GGML's own dequantization (but for the sign of zeros, see
@@ -316,7 +317,7 @@ def test_real_model_default_is_quantized_and_off_is_float() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8, 32, "Q4_1", "Q6_K"])
+@pytest.mark.parametrize("bits", [4, 8, 32, "Q4_1", "Q5_0", "Q6_K"])
 @pytest.mark.parametrize("m,k", [(2, 576), (5, 544), (8, 576)])  # 544: an odd number of blocks of 32
 def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int | str, m: int, k: int) -> None:
     # Batched decoding gives each request exactly what it would get alone (up to
@@ -341,7 +342,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(path: str, bits: int | str, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", [4, "Q4_1", "Q4_K", 8, "Q6_K"])
+@pytest.mark.parametrize("kind", [4, "Q4_1", "Q4_K", "Q5_0", 8, "Q6_K"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 9, 37])
 def test_a_weight_rows_result_does_not_depend_on_its_neighbours(path: str, kind: int | str, n: int) -> None:
     # Decoding takes several weight rows at a time (AVX-512: four 4-bit rows per
