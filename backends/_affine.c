@@ -392,10 +392,16 @@ AVX512 static inline __m512 codes16(const uint8_t *c) {
     return _mm512_castsi512_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
+/* One block of 32 4-bit codes as floats: lo its columns 0..15, hi 16..31. */
+AVX512 INLINE void decode4(const uint8_t *c, __m512 table, __m512 *lo, __m512 *hi) {
+    __m512i b = _mm512_castps_si512(codes16(c));
+    *lo = _mm512_permutexvar_ps(b, table), *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+
 /* One block of 32 4-bit codes against the block's 32 columns of x (x0 the first 16, x1 the next). */
 AVX512 INLINE __m512 block4_512(const uint8_t *c, __m512 x0, __m512 x1, __m512 table) {
-    __m512i b = _mm512_castps_si512(codes16(c));
-    __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    __m512 lo, hi;
+    decode4(c, table, &lo, &hi);
     return _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
 }
 
@@ -483,18 +489,12 @@ AVX512 static void tile_512(int bits, Py_ssize_t group, int wr, const uint8_t *c
     }
 }
 
-/* M activation rows against one weight row: each block decoded once for all M
- * rows, M a constant (2..MAX_ROWS) so that the 2 x M accumulators live in
- * registers. Each row's sums are those of wrows_512 (even blocks into one
- * accumulator, odd into the other), so a row's result does not depend on how
- * many rows share the call. */
 /* One block of codes c (scales sc) into each of the M rows' accumulators. */
 AVX512 INLINE void block_rows_512(const uint8_t *c, const float *sc, const float *x, Py_ssize_t k, __m512 table,
                                   __m512 *acc, const int M, const int bits, const int g16) {
     if (bits == 4) { /* the block decoded once */
-        __m512i b = _mm512_castps_si512(codes16(c));
-        __m512 lo = _mm512_permutexvar_ps(b, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-        __m512 s = _mm512_set1_ps(sc[0]);
+        __m512 lo, hi, s = _mm512_set1_ps(sc[0]);
+        decode4(c, table, &lo, &hi);
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const float *v = x + i * k;
@@ -516,6 +516,11 @@ AVX512 INLINE void block_rows_512(const uint8_t *c, const float *sc, const float
     }
 }
 
+/* M activation rows against one weight row: each block decoded once for all M
+ * rows, M a constant (2..MAX_ROWS) so that the 2 x M accumulators live in
+ * registers. Each row's sums are those of wrows_512 (even blocks into one
+ * accumulator, odd into the other), so a row's result does not depend on how
+ * many rows share the call. */
 AVX512 INLINE void rows_512(const uint8_t *codes, const float *scales, const float *biases, const float *x,
                             const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, const int M, const int bits,
                             const int g16) {
@@ -586,12 +591,10 @@ AVX2 static void dequant_row_avx2(int bits, const uint8_t *codes, const float *s
             const uint8_t *c = codes + g * GROUP;
             c0 = _mm_loadu_si128((const __m128i *)c), c1 = _mm_loadu_si128((const __m128i *)(c + 16));
         }
-        {
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
-            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
-            _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
-            _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c1, 8)), sc), b));
-        }
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(widen(c0), sc), b));
+        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c0, 8)), sc), b));
+        _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(widen(c1), sc), b));
+        _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(widen(_mm_srli_si128(c1, 8)), sc), b));
     }
 }
 #endif
