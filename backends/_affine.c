@@ -18,6 +18,11 @@
  * bytes for 4 bits), which is what bounds decoding. The result differs from
  * dequantize-then-BLAS only in the order of float32 additions.
  *
+ * Symmetric types (GGUF's Q4_0, Q5_0, Q8_0, Q6_K: value = scale * (q - 2^(b-1)))
+ * may leave the biases out: each is then factor * its scale (factor = -2^(b-1),
+ * a power of two, so the product is exact), made per tile of rows from the
+ * scales, and the bytes of the biases are neither held nor read.
+ *
  * Scales and biases are float32, or float16 where every one of them is a
  * float16 value (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so): each
  * row's are then widened to float32 before its sums, so the arithmetic, and
@@ -649,19 +654,26 @@ static void halves(const uint16_t *h, float *f, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
+/* `obj` as a read-only buffer in *b, or b->obj NULL for None; 0 (an exception set) when neither. */
+static int optional_buffer(PyObject *obj, Py_buffer *b) {
+    b->obj = NULL;
+    b->buf = NULL;
+    return obj == Py_None || PyObject_GetBuffer(obj, b, PyBUF_SIMPLE) == 0;
+}
+
 /* The shape checks shared by gemv and dequantize: codes of `bits` (4, or 8 for
  * 5-, 6- and 8-bit codes one per byte) in groups of `group` (32; or 16 for
  * 8-bit codes), scales and biases float32 or, with half, float16. */
 static int check_codes(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ssize_t k, Py_buffer *codes,
                        Py_buffer *scales, Py_buffer *biases) {
     if ((bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP || k % GROUP ||
-        n < 1 || (half && k / group > TILE_GROUPS)) {
+        n < 1 || ((half || !biases->obj) && k / group > TILE_GROUPS)) {
         PyErr_Format(PyExc_ValueError, "bad shape, bits or group: bits=%d group=%zd n=%zd k=%zd", bits, group, n, k);
         return 0;
     }
     Py_ssize_t size = half ? 2 : 4, groups = k / group;
     return check(codes, n * (bits == 4 ? k / 2 : k), "codes") && check(scales, n * groups * size, "scales") &&
-           check(biases, n * groups * size, "biases");
+           (!biases->obj || check(biases, n * groups * size, "biases"));
 }
 
 /* Rows per tile: float16 scales and biases are widened for a tile of rows at a
@@ -672,18 +684,28 @@ static Py_ssize_t tile_rows(Py_ssize_t groups) {
 }
 
 /* The float32 scales and biases of rows [r0, r1) into *s and *b: pointers into
- * the arrays, or, with half, into wide after widening them from float16. */
-static void tile_scales(const void *scales, const void *biases, int half, Py_ssize_t r0, Py_ssize_t r1,
+ * the arrays, or, with half, into wide after widening them from float16;
+ * without biases (NULL), factor * each scale, made in wide. wide holds
+ * 2 * TILE_GROUPS floats, and (r1 - r0) * groups <= TILE_GROUPS. */
+static void tile_scales(const void *scales, const void *biases, float factor, int half, Py_ssize_t r0, Py_ssize_t r1,
                         Py_ssize_t groups, float *wide, const float **s, const float **b) {
-    if (!half) {
+    Py_ssize_t count = (r1 - r0) * groups;
+    if (half) {
+        halves((const uint16_t *)scales + r0 * groups, wide, count);
+        *s = wide;
+    } else {
         *s = (const float *)scales + r0 * groups;
-        *b = (const float *)biases + r0 * groups;
-        return;
     }
-    halves((const uint16_t *)scales + r0 * groups, wide, (r1 - r0) * groups);
-    halves((const uint16_t *)biases + r0 * groups, wide + (r1 - r0) * groups, (r1 - r0) * groups);
-    *s = wide;
-    *b = wide + (r1 - r0) * groups;
+    if (!biases) {
+        float *made = wide + TILE_GROUPS;
+        for (Py_ssize_t i = 0; i < count; i++) made[i] = factor * (*s)[i];
+        *b = made;
+    } else if (half) {
+        halves((const uint16_t *)biases + r0 * groups, wide + TILE_GROUPS, count);
+        *b = wide + TILE_GROUPS;
+    } else {
+        *b = (const float *)biases + r0 * groups;
+    }
 }
 
 /* One row of codes to float32: scale * code + bias. */
@@ -714,8 +736,8 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
 /* y [m, n] = x [m, k] @ W.T for an affine W (codes, scales and biases as gemv
  * below takes them), rows of W across the OpenMP threads; called without the
  * GIL. Returns -1 when out of memory. */
-static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, int half,
-                    float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
+                    int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     float *xs = malloc((size_t)(m * groups) * sizeof(float));
     if (!xs) return -1;
@@ -737,7 +759,7 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
             Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
             float wide[2 * TILE_GROUPS];
             const float *s, *bi;
-            tile_scales(scales, biases, half, r0, r1, groups, wide, &s, &bi);
+            tile_scales(scales, biases, factor, half, r0, r1, groups, wide, &s, &bi);
 #ifdef HAVE_X86
             if (wide_rows) {
                 tile_512(bits, group, (int)wide_rows, c + r0 * row_bytes, s, bi, x, xs, y + r0, r1 - r0, k, (n - r0) * row_bytes);
@@ -758,18 +780,22 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
     return 0;
 }
 
-/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half]) -> None
+/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None
  * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
- * scales, biases [n, k/group], float32 (or float16 with half true); out
- * float32 [m, n], written. group: 32 (default), or 16 for 8-bit codes. */
+ * scales, biases [n, k/group], float32 (or float16 with half true), biases
+ * None for factor * scales; out float32 [m, n], written. group: 32 (default),
+ * or 16 for 8-bit codes. */
 static PyObject *gemv(PyObject *self, PyObject *args) {
     int bits, half = 0, failed;
-    Py_buffer x, codes, scales, biases, out;
+    Py_buffer x, codes, scales, biases = {0}, out;
+    PyObject *bobj;
     Py_ssize_t m, k, n, group = GROUP;
-    if (!PyArg_ParseTuple(args, "iy*y*y*y*w*nnn|np", &bits, &x, &codes, &scales, &biases, &out, &m, &k, &n, &group,
-                          &half))
+    float factor = 0.0f;
+    if (!PyArg_ParseTuple(args, "iy*y*y*Ow*nnn|npf", &bits, &x, &codes, &scales, &bobj, &out, &m, &k, &n, &group,
+                          &half, &factor))
         return NULL;
     PyObject *result = NULL;
+    if (!optional_buffer(bobj, &biases)) goto done;
     if (m < 1) {
         PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
         goto done;
@@ -778,7 +804,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         !check(&out, m * n * 4, "out"))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    failed = gemv_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, half,
+    failed = gemv_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor, half,
                       (float *)out.buf, m, k, n, group);
     Py_END_ALLOW_THREADS
     if (failed) {
@@ -791,7 +817,7 @@ done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
-    PyBuffer_Release(&biases);
+    if (biases.obj) PyBuffer_Release(&biases);
     PyBuffer_Release(&out);
     return result;
 }
@@ -835,18 +861,21 @@ done:
     return result;
 }
 
-/* dequantize(bits, codes, scales, biases, out, n, k[, parallel, group, half]) -> None:
+/* dequantize(bits, codes, scales, biases, out, n, k[, parallel, group, half, factor]) -> None (biases as gemv's):
  * out float32 [n, k] = scale * code + bias, the same float32 values as
  * AffineTensor.dequantize. parallel=0 keeps it on the calling thread: before a
  * BLAS call, OpenMP workers would compete with BLAS's spinning ones. */
 static PyObject *dequantize(PyObject *self, PyObject *args) {
     int bits, parallel = 1, half = 0;
-    Py_buffer codes, scales, biases, out;
+    Py_buffer codes, scales, biases = {0}, out;
+    PyObject *bobj;
     Py_ssize_t n, k, group = GROUP;
-    if (!PyArg_ParseTuple(args, "iy*y*y*w*nn|pnp", &bits, &codes, &scales, &biases, &out, &n, &k, &parallel, &group,
-                          &half))
+    float factor = 0.0f;
+    if (!PyArg_ParseTuple(args, "iy*y*Ow*nn|pnpf", &bits, &codes, &scales, &bobj, &out, &n, &k, &parallel, &group,
+                          &half, &factor))
         return NULL;
     PyObject *result = NULL;
+    if (!optional_buffer(bobj, &biases)) goto done;
     if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&out, n * k * 4, "out")) goto done;
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     Py_BEGIN_ALLOW_THREADS
@@ -858,7 +887,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
         float wide[2 * TILE_GROUPS];
         const float *st, *bt;
-        tile_scales(scales.buf, biases.buf, half, r0, r1, groups, wide, &st, &bt);
+        tile_scales(scales.buf, biases.buf, factor, half, r0, r1, groups, wide, &st, &bt);
         for (Py_ssize_t r = r0; r < r1; r++)
             dequant_row(bits, c + r * row_bytes, st + (r - r0) * groups, bt + (r - r0) * groups, y + r * k, k, group);
     }
@@ -868,7 +897,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
-    PyBuffer_Release(&biases);
+    if (biases.obj) PyBuffer_Release(&biases);
     PyBuffer_Release(&out);
     return result;
 }

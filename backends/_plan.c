@@ -20,7 +20,7 @@
  */
 
 enum {
-    OP_GEMV = 1,     /* P x, codes, scales, biases, out; I bits, m, k, n, group, half */
+    OP_GEMV = 1,     /* P x, codes, scales, biases|0, out; I bits, m, k, n, group, half; F bias factor */
     OP_GEMV_F32,     /* P x, w, out; I m, k, n */
     OP_RMS,          /* P x, w|0, out, res|0, h|0; I rows, n; F eps */
     OP_ROPE,         /* P x, cos, sin, out; I tokens, heads, d, half */
@@ -28,7 +28,8 @@ enum {
                         F scale, softcap */
     OP_WRITE_ROWS,   /* P dst, start (int32 [1]), src; I rows, row_bytes, capacity */
     OP_GATHER,       /* P table, ids, out; I count, vocab, row_bytes, id_bytes */
-    OP_DEQUANT_ROWS, /* P codes, scales, biases, ids, out; I count, vocab, bits, k, group, half, id_bytes */
+    OP_DEQUANT_ROWS, /* P codes, scales, biases|0, ids, out; I count, vocab, bits, k, group, half, id_bytes;
+                        F bias factor */
     OP_COPY,         /* P x, out; I item_bytes, ndim, shape[ndim], x strides[ndim] (bytes); out contiguous */
     OP_UNARY,        /* P x, out; I kind, ndim, shape[ndim], x strides[ndim]; float32 out contiguous */
     OP_BINARY,       /* P a, b, out; I kind, int32?, ndim, shape[ndim], a strides[ndim], b strides[ndim] */
@@ -254,9 +255,9 @@ static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count,
 }
 
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). */
-static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half) {
+static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
     if (vm->error || (bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP ||
-        k % GROUP || (half && k / group > TILE_GROUPS)) {
+        k % GROUP || ((half || !biases) && k / group > TILE_GROUPS)) {
         vm->error = vm->error ? vm->error : E_PROGRAM;
         return 0;
     }
@@ -274,8 +275,9 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         int bits = (int)next_int(vm);
         Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm), group = next_int(vm);
         int half = (int)next_int(vm);
-        if (!codes_ok(vm, bits, group, k, half) || m < 1 || n < 1) return;
-        if (gemv_run(bits, x, codes, scales, biases, half, out, m, k, n, group)) vm->error = E_MEMORY;
+        float factor = (float)next_float(vm);
+        if (!codes_ok(vm, bits, group, k, half, biases) || m < 1 || n < 1) return;
+        if (gemv_run(bits, x, codes, scales, biases, factor, half, out, m, k, n, group)) vm->error = E_MEMORY;
         return;
     }
     case OP_GEMV_F32: {
@@ -383,14 +385,15 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         Py_ssize_t k = next_int(vm), group = next_int(vm);
         int half = (int)next_int(vm);
         int64_t id_bytes = next_int(vm);
-        if (!codes_ok(vm, bits, group, k, half) || (id_bytes != 4 && id_bytes != 8)) return;
+        float factor = (float)next_float(vm);
+        if (!codes_ok(vm, bits, group, k, half, biases) || (id_bytes != 4 && id_bytes != 8)) return;
         Py_ssize_t groups = k / group, row_bytes = bits == 4 ? k / 2 : k;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
             Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
             if (r < 0) break;
             float wide[2 * TILE_GROUPS];
             const float *s, *b;
-            tile_scales(scales, biases, half, r, r + 1, groups, wide, &s, &b);
+            tile_scales(scales, biases, factor, half, r, r + 1, groups, wide, &s, &b);
             dequant_row(bits, codes + r * row_bytes, s, b, out + i * k, k, group);
         }
         return;

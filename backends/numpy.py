@@ -694,19 +694,21 @@ _OWN_OPS: dict[tuple[type, type], bool] = {}
 
 def kernel_args(w: AffineTensor) -> tuple[Any, ...]:
     """The C kernels' arguments for ``w``: bits (5- and 6-bit codes are
-    stored one per byte, so 8), codes, scales, biases, then k, n, group and
-    whether the scales are float16."""
+    stored one per byte, so 8), codes, scales, biases (None where they are
+    the bias factor times the scales), then k, n, group, whether the scales
+    are float16, and the bias factor (0.0 where biases are held)."""
     n, k = w.shape
-    return (4 if w.bits == 4 else 8, w.packed, w.scales, w.biases, k, n, w.group, w.scales.dtype == np.float16)
+    return (4 if w.bits == 4 else 8, w.packed, w.scales, w.stored_biases, k, n, w.group, w.scales.dtype == np.float16,
+            0.0 if w.bias_factor is None else w.bias_factor)
 
 
 def affine_gemv(x2: np.ndarray, w: AffineTensor, out: np.ndarray) -> None:
     """``out = x2 @ W.T`` for up to :attr:`NumpyBackend.KERNEL_ROWS` rows of
     float32 ``x2`` (contiguous), in the C kernel on the codes."""
-    bits, codes, scales, biases, k, n, group, half = kernel_args(w)
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
     if GOVERNOR is not None:
         GOVERNOR.check()
-    _affine.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half)
+    _affine.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
 
 
 def slab_rows(w: AffineTensor) -> int:
@@ -720,12 +722,13 @@ def affine_slabs(w: AffineTensor, buffer: np.ndarray) -> Iterator[tuple[int, int
     dequantized into ``buffer`` (float32, a multiple of k values: its size
     decides the slab), for the caller's GEMM. On this thread: OpenMP workers
     woken here would fight BLAS's spinning threads for the cores."""
-    bits, codes, scales, biases, k, n, group, half = kernel_args(w)
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
     rows = buffer.size // k
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         slab = buffer[: (r1 - r0) * k].reshape(r1 - r0, k)
-        _affine.dequantize(bits, codes[r0:r1], scales[r0:r1], biases[r0:r1], slab, r1 - r0, k, False, group, half)
+        _affine.dequantize(bits, codes[r0:r1], scales[r0:r1], None if biases is None else biases[r0:r1], slab, r1 - r0,
+                           k, False, group, half, factor)
         yield r0, r1, slab
 
 

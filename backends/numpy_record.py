@@ -423,11 +423,11 @@ class Recorder:
             raise NotCapturable(f"linear of {m} rows (the step's kernels take up to the kernel rows)")
         x2 = self.contiguous(xp).reshape(m, k)
         if type(weight) is PackedWeight and weight.kernel is not None:
-            bits, codes, scales, biases, wk, n, group, half = weight.kernel[:8]
+            bits, codes, scales, biases, wk, n, group, half, factor = weight.kernel[:9]
             if wk != k:
                 raise NotCapturable(f"linear: x has {k} columns, the weight {wk}")
             out = self.buffer((m, n), np.float32)
-            self.emit(GEMV, [x2, codes, scales, biases, out], [bits, m, k, n, group, int(half)])
+            self.emit(GEMV, [x2, codes, scales, biases, out], [bits, m, k, n, group, int(half)], [factor])
         elif type(weight) is np.ndarray and _f32(weight) and weight.ndim == 2 and weight.flags.c_contiguous:
             n = weight.shape[0]
             if weight.shape[1] != k:
@@ -497,10 +497,10 @@ class Recorder:
             raise NotCapturable(f"embedding by {getattr(idx, 'dtype', '?')} ids")
         idx = self.contiguous(idx)
         if type(table) is PackedWeight and isinstance(table.data, AffineTensor) and table.kernel is not None:
-            bits, codes, scales, biases, k, vocab, group, half = table.kernel[:8]
+            bits, codes, scales, biases, k, vocab, group, half, factor = table.kernel[:9]
             out = self.buffer((*idx.shape, k), np.float32)
             self.emit(DEQUANT_ROWS, [codes, scales, biases, idx, out],
-                      [idx.size, vocab, bits, k, group, int(half), idx.itemsize])
+                      [idx.size, vocab, bits, k, group, int(half), idx.itemsize], [factor])
         elif type(table) is np.ndarray and table.ndim == 2 and table.flags.c_contiguous:
             out = self.buffer((*idx.shape, table.shape[1]), table.dtype)
             self.emit(GATHER, [table, idx, out], [idx.size, table.shape[0], table[0].nbytes, idx.itemsize])

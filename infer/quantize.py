@@ -37,14 +37,36 @@ class AffineTensor(QuantizedTensor):
     float32 ``[rows, cols / group]``, or float16 after :meth:`half_scales`.
     :meth:`dequantize` computes in float32 (``scale * code`` is exact for the
     codes and scales produced here, so fused and unfused evaluation agree).
+
+    A symmetric tensor (GGUF's Q4_0, Q5_0, Q8_0 and Q6_K, whose values are
+    ``scale * (q - 2**(bits - 1))``) may hold no biases: ``bias_factor`` is
+    then ``-2**(bits - 1)`` and every bias is ``bias_factor * scale``, exactly
+    (a power of two). :attr:`biases` makes them when asked; the numpy
+    backend's kernels make them per tile from the scales, so their bytes are
+    neither held nor read (:func:`symmetric`).
     """
 
     def __init__(self, qtype: str, shape: tuple[int, int], bits: int, codes: np.ndarray,
-                 scales: np.ndarray, biases: np.ndarray, group: int = GROUP) -> None:
+                 scales: np.ndarray, biases: np.ndarray | None, group: int = GROUP,
+                 bias_factor: float | None = None) -> None:
         self.qtype, self.shape, self.bits, self.group = qtype, (int(shape[0]), int(shape[1])), bits, group
         if bits == 4 and codes.shape[1] == shape[1]:
             codes = pack4(codes)
-        self.packed, self.scales, self.biases = codes, scales, biases
+        if biases is None and bias_factor is None:
+            raise ValueError("an AffineTensor needs biases or a bias_factor")
+        self.packed, self.scales, self.bias_factor = codes, scales, bias_factor
+        self._biases = biases if bias_factor is None else None
+
+    @property
+    def biases(self) -> np.ndarray:
+        """The biases, ``[rows, cols / group]`` in the scales' dtype (made from
+        the scales, exactly, when :attr:`bias_factor` is set)."""
+        return self._biases if self._biases is not None else _made(self.scales, self.bias_factor)
+
+    @property
+    def stored_biases(self) -> np.ndarray | None:
+        """The biases held, or None where they are :attr:`bias_factor` times the scales."""
+        return self._biases
 
     def codes(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
         """Unpacked uint8 codes ``[rows, cols]``."""
@@ -62,8 +84,9 @@ class AffineTensor(QuantizedTensor):
         codes = self.codes(rows)
         n = codes.shape[0]
         out = codes.astype(np.float32).reshape(n, -1, self.group)
-        out *= self.scales[rows][:, :, None]
-        out += self.biases[rows][:, :, None]
+        scales = self.scales[rows]
+        out *= scales[:, :, None]
+        out += (_made(scales, self.bias_factor) if self._biases is None else self._biases[rows])[:, :, None]
         return out.reshape(n, -1)
 
     def dequantize(self) -> np.ndarray:
@@ -82,16 +105,20 @@ class AffineTensor(QuantizedTensor):
             return self
         with np.errstate(over="ignore"):
             scales, biases = self.scales.astype(np.float16), self.biases.astype(np.float16)
+            if self.bias_factor is not None and not np.isfinite(biases).all():
+                return self  # factor * a float16 scale past float16's range: keep float32
         # Compared as bits: equal values, and NaN payloads, must survive the round trip.
         if not (np.array_equal(scales.astype(np.float32).view(np.uint32), self.scales.view(np.uint32))
                 and np.array_equal(biases.astype(np.float32).view(np.uint32), self.biases.view(np.uint32))):
             return self
+        if self.bias_factor is not None:
+            return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, None, self.group, self.bias_factor)
         return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, biases, self.group)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (codes, scales, biases)."""
-        return self.packed.nbytes + self.scales.nbytes + self.biases.nbytes
+        """Bytes held (codes, scales, biases where held)."""
+        return self.packed.nbytes + self.scales.nbytes + (0 if self._biases is None else self._biases.nbytes)
 
     def __repr__(self) -> str:
         return f"AffineTensor({self.qtype}, {self.bits} bits, group {self.group}, shape={self.shape})"
@@ -126,23 +153,67 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
         # The outputs first (one row read tells their form: packed codes? float16
         # scales?), then the slabs: freed slab temporaries allocated before them
         # would raise glibc's mmap threshold and stay resident in its heap.
+        # The biases are allocated only once a slab's are not the symmetric
+        # factor times its scales (then the earlier slabs' are made).
         c, s, b = tensor.affine_rows(0, 1)
         width = cols // 2 if bits == 4 else c.shape[1]
         codes = np.empty((rows, width), np.uint8)
         scales = np.empty((rows, cols // group), s.dtype if half else np.float32)  # widened as copied: exact
-        biases = np.empty((rows, cols // group), b.dtype if half else np.float32)
+        bias_dtype, factor = (b.dtype if half else np.dtype(np.float32)), _factor(bits)
+        held: np.ndarray | None = None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             c, s, b = tensor.affine_rows(r0, r1)
             codes[r0:r1] = pack4(c) if bits == 4 and c.shape[1] == cols else c
-            scales[r0:r1], biases[r0:r1] = s, b
+            scales[r0:r1] = s
+            b = b.astype(bias_dtype, copy=False)
+            if held is None and not _made_exactly(b, scales[r0:r1], factor):
+                held = np.empty((rows, cols // group), bias_dtype)
+                held[:r0] = _made(scales[:r0], factor)
+            if held is not None:
+                held[r0:r1] = b
             tensor.release_rows(r0, r1)
+        if not np.isfinite(scales).all():
+            return None
+        if held is None:
+            affine = AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, None, group, factor)
+            return affine.half_scales() if half else affine
+        biases = held
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
     if not half and scales.dtype != np.float32:
         scales, biases = scales.astype(np.float32), biases.astype(np.float32)
-    affine = AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
+    affine = symmetric(AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group))
     return affine.half_scales() if half else affine
+
+
+def _factor(bits: int) -> float:
+    """A symmetric type's bias per unit of scale: ``-2**(bits - 1)``."""
+    return -float(2 ** (bits - 1))
+
+
+def _made(scales: np.ndarray, factor: float) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return scales * scales.dtype.type(factor)
+
+
+def _made_exactly(biases: np.ndarray, scales: np.ndarray, factor: float) -> bool:
+    """Whether ``biases`` are ``factor * scales`` bit for bit (and finite)."""
+    made = _made(scales, factor)
+    return (made.dtype == biases.dtype and bool(np.isfinite(made).all())
+            and np.array_equal(made.view(np.uint8), np.ascontiguousarray(biases).view(np.uint8)))
+
+
+def symmetric(affine: AffineTensor) -> AffineTensor:
+    """``affine`` without its biases where each is ``-2**(bits - 1)`` times its
+    scale, bit for bit (symmetric types: Q4_0, Q5_0, Q8_0, Q6_K); otherwise
+    ``affine``. The biases were 2 bytes in 36 of every Q8_0 group, and the
+    same bytes less to read per token."""
+    held, factor = affine.stored_biases, _factor(affine.bits)
+    if held is None or not _made_exactly(held, affine.scales, factor):
+        return affine
+    return AffineTensor(affine.qtype, affine.shape, affine.bits, affine.packed, affine.scales, None, affine.group,
+                        factor)
 
 
 def pack4(codes: np.ndarray) -> np.ndarray:

@@ -123,8 +123,36 @@ KINDS = [4, 8, "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
 
 
 def gemv(a: AffineTensor, x: np.ndarray, out: np.ndarray) -> None:
-    _affine.gemv(kernel_args(a)[0], x, a.packed, a.scales, a.biases, out, x.shape[0], a.shape[1], a.shape[0],
-                 a.group, a.scales.dtype == np.float16)
+    """The kernel as the backend calls it (symmetric types with no biases held)."""
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(a)
+    _affine.gemv(bits, x, codes, scales, biases, out, x.shape[0], k, n, group, half, factor)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0", "Q6_K"])
+def test_symmetric_types_hold_no_biases_and_compute_the_same_bits(path: str, kind: str) -> None:
+    # Their biases are -2^(bits-1) times their scales, exactly: the kernel makes
+    # them from the scales, and gives what it gives with the biases read from memory.
+    a = affine(kind, 37, 512, 5)
+    assert a.stored_biases is None and a.bias_factor == -float(2 ** (a.bits - 1))
+    assert a.nbytes == a.packed.nbytes + a.scales.nbytes
+    held = AffineTensor(a.qtype, a.shape, a.bits, a.packed, a.scales, a.biases, a.group)
+    assert np.array_equal(held.biases.view(np.uint8), (a.scales * a.scales.dtype.type(a.bias_factor)).view(np.uint8))
+    for m in (1, 3):
+        x = np.random.default_rng(m).standard_normal((m, 512)).astype(np.float32)
+        made, read = np.empty((m, 37), np.float32), np.empty((m, 37), np.float32)
+        gemv(a, x, made)
+        gemv(held, x, read)
+        assert np.array_equal(made.view(np.uint32), read.view(np.uint32))
+    assert np.array_equal(a.dequantize().view(np.uint32), held.dequantize().view(np.uint32))
+    rows = np.array([3, 0, 36])
+    assert np.array_equal(a.dequantize_rows(rows), held.dequantize_rows(rows))
+    slab = np.empty((37, 512), np.float32)
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(a)
+    _affine.dequantize(bits, codes, scales, biases, slab, n, k, True, group, half, factor)
+    assert np.array_equal(slab.view(np.uint32), held.dequantize().view(np.uint32))
+    # Asymmetric types keep theirs.
+    assert affine("Q4_1", 4, 256, 0).stored_biases is not None and affine("Q4_K", 4, 256, 0).stored_biases is not None
 
 
 @needs_kernels
@@ -187,8 +215,8 @@ def test_dequantize_is_bit_exact(path: str, kind: int | str, parallel: bool) -> 
     # quantize_affine's scales make scale * code inexact: a fused multiply-add would differ.
     a = affine(kind, 24, 512, 3)
     out = np.full(a.shape, np.nan, np.float32)
-    _affine.dequantize(kernel_args(a)[0], a.packed, a.scales, a.biases, out, *a.shape, parallel, a.group,
-                       a.scales.dtype == np.float16)
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(a)
+    _affine.dequantize(bits, codes, scales, biases, out, n, k, parallel, group, half, factor)
     assert np.array_equal(out.view(np.uint32), a.dequantize().view(np.uint32))
     if isinstance(kind, str):  # and that is GGML's own dequantization (but for the sign of zeros, see
         raw = gguf_quants.random_blocks(kind, 24, 512, 3)  # test_quantization.same_values)
