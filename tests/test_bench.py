@@ -393,6 +393,24 @@ def test_stored_weight_bytes_come_from_the_file_index_and_leave_out_a_tied_embed
     assert bench.stored_weight_bytes(tiny) == want
 
 
+def test_a_weights_bytes_are_counted_once_however_many_views_hold_them() -> None:
+    # torch/cpu keeps an affine weight beside torch views of its arrays (for its
+    # compiled op): the decode reads those bytes once, so they count once.
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from infer.ops import PackedWeight
+    from infer.quantize import quantize_affine
+    from infer.tools.bench_worker import _weights_nbytes
+
+    affine = quantize_affine(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32), "q4")
+    views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, affine.biases))
+    packed = PackedWeight(affine.shape, affine.qtype, "test", ("affine", affine, views))
+    assert _weights_nbytes(packed, set()) == affine.nbytes
+    other = torch.zeros(10, dtype=torch.float32)  # memory of its own: counted
+    assert _weights_nbytes(("w", affine, views, other), set()) == affine.nbytes + 40
+
+
 def test_the_llama_cpp_worker_reads_no_file_to_count_weights(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The weight bytes of a peer's decode are counted in the parent and handed
     to the worker, so the peer's timed load and peak memory are its own call."""

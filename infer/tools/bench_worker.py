@@ -137,8 +137,11 @@ def _figures(out: list[int], prompt_tokens: int, t0: float, t1: float, t2: float
 Loaded = tuple[Callable[[], dict[str, Any]], Callable[[list[int], int], dict[str, Any]]]
 
 
-def _weights_nbytes(value: Any, seen: set[int]) -> int:
-    """Bytes of a prepared weight: an array (``nbytes``) or a container of them."""
+def _weights_nbytes(value: Any, seen: set[Any]) -> int:
+    """Bytes of a prepared weight: an array (``nbytes``) or a container of them.
+    Memory is counted once: a torch tensor viewing a numpy array's memory (the
+    torch/cpu backend hands its C kernels the affine weight's own arrays) adds
+    nothing (``seen`` holds object ids and data addresses)."""
     if id(value) in seen:
         return 0
     seen.add(id(value))
@@ -148,6 +151,16 @@ def _weights_nbytes(value: Any, seen: set[int]) -> int:
         return _weights_nbytes(value.data, seen)
     nbytes = getattr(value, "nbytes", None)
     if isinstance(nbytes, int):
+        address = _data_address(value)
+        if address is not None:
+            if ("data", address) in seen:
+                return 0
+            seen.add(("data", address))
+        else:  # an object that counts its own arrays (infer.quantize.AffineTensor): theirs are counted now
+            for field in (getattr(value, "__dict__", None) or {}).values():
+                inner = _data_address(field)
+                if inner is not None:
+                    seen.add(("data", inner))
         return nbytes
     if isinstance(value, (list, tuple)):
         return sum(_weights_nbytes(v, seen) for v in value)
@@ -155,6 +168,15 @@ def _weights_nbytes(value: Any, seen: set[int]) -> int:
         return sum(_weights_nbytes(v, seen) for v in value.values())
     fields = getattr(value, "__dict__", None)
     return sum(_weights_nbytes(v, seen) for v in fields.values()) if fields else 0
+
+
+def _data_address(value: Any) -> int | None:
+    """Where an array's data starts (numpy, or anything with ``data_ptr``), or None."""
+    interface = getattr(value, "__array_interface__", None)
+    if isinstance(interface, dict):
+        return int(interface["data"][0])
+    pointer = getattr(value, "data_ptr", None)
+    return int(pointer()) if callable(pointer) else None
 
 
 def _infer(spec: dict[str, Any]) -> Loaded:
