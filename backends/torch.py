@@ -154,7 +154,9 @@ def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
     affine = from_gguf(tensor, groups=(16, 32), half=True)
     if affine is None or not (affine.group == 32 or affine.bits > 4):
         return None
-    views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, affine.biases))
+    # A symmetric type holds no biases (affine.bias_factor): an empty tensor stands for them.
+    held = affine.stored_biases if affine.stored_biases is not None else np.empty((0, 0), affine.scales.dtype)
+    views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, held))
     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
     return PackedWeight(affine.shape, affine.qtype, how, ("affine", affine, views), rows=affine)
 
@@ -167,7 +169,8 @@ def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturi
         x = x.to(torch.float32)
     x = x.contiguous()
     if capturing and torch.compiler.is_compiling():
-        return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group)
+        factor = 0.0 if affine.bias_factor is None else affine.bias_factor
+        return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
     return _affine_product(x, affine)
 
 
@@ -275,14 +278,16 @@ def _register_affine_op() -> None:
 
     @torch.library.custom_op("infer::affine_linear", mutates_args=())
     def affine_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
-                      bits: int, group: int) -> torch.Tensor:
+                      bits: int, group: int, bias_factor: float) -> torch.Tensor:
         n = codes.shape[0]
         k = x.shape[1]
-        affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), biases.numpy(), group)
+        held = biases.numpy() if biases.numel() else None  # empty: bias_factor * scales
+        affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), held, group,
+                              None if held is not None else bias_factor)
         return _affine_product(x, affine)
 
     @affine_linear.register_fake
-    def _(x, codes, scales, biases, bits, group):  # type: ignore[no-untyped-def]
+    def _(x, codes, scales, biases, bits, group, bias_factor):  # type: ignore[no-untyped-def]
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     _AFFINE_OP_REGISTERED = True
