@@ -397,35 +397,39 @@ AVX512 static inline __m512 codes16(const uint8_t *c) {
     return _mm512_castsi512_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
-/* One block of 32 4-bit codes as floats: lo its columns 0..15, hi 16..31. */
-AVX512 INLINE void decode4(const uint8_t *c, __m512 table, __m512 *lo, __m512 *hi) {
-    __m512i b = _mm512_castps_si512(codes16(c));
-    *lo = _mm512_permutexvar_ps(b, table), *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-}
-
-/* One block of 32 4-bit codes against the block's 32 columns of x (x0 the first 16, x1 the next). */
-AVX512 INLINE __m512 block4_512(const uint8_t *c, __m512 x0, __m512 x1, __m512 table) {
-    __m512 lo, hi;
-    decode4(c, table, &lo, &hi);
-    return _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
-}
-
 /* 16 8-bit codes as 16 floats. */
 AVX512 static inline __m512 bytes16(const uint8_t *c) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
-/* One block of 32 codes (bits 4 or 8; with g16, 8-bit codes in two groups of
- * 16, scales s[0], s[1]; else one scale s[0]) against its columns of x (x0 the
- * first 16, x1 the next), into acc. */
+/* A decoded block (w0: its columns 0..15, w1: 16..31, as floats) against the
+ * same columns of x (x0, x1), into acc: with g16 two groups of 16 (scales
+ * s[0], s[1]), else one scale s[0]. The one formula of every AVX-512 row, so
+ * that a row's sums do not depend on the rows it is computed with. */
+AVX512 INLINE __m512 fold_512(__m512 w0, __m512 w1, const float *s, __m512 x0, __m512 x1, __m512 acc, const int g16) {
+    __m512 t = _mm512_mul_ps(w0, x0);
+    if (g16)
+        return _mm512_fmadd_ps(_mm512_set1_ps(s[1]), _mm512_mul_ps(w1, x1), _mm512_fmadd_ps(_mm512_set1_ps(s[0]), t, acc));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s[0]), _mm512_fmadd_ps(w1, x1, t), acc);
+}
+
+/* One block of 32 codes c (bits 4, or 8) as floats: w0 its columns 0..15, w1 16..31
+ * (4 bits: the low nibbles through the table, the high ones after a shift). */
+AVX512 INLINE void decode_512(const uint8_t *c, __m512 table, __m512 *w0, __m512 *w1, const int bits) {
+    if (bits == 4) {
+        __m512i b = _mm512_castps_si512(codes16(c));
+        *w0 = _mm512_permutexvar_ps(b, table), *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    } else {
+        *w0 = bytes16(c), *w1 = bytes16(c + 16);
+    }
+}
+
+/* One block of 32 codes against its columns of x (x0 the first 16, x1 the next), into acc. */
 AVX512 INLINE __m512 block_512(const uint8_t *c, const float *s, __m512 x0, __m512 x1, __m512 acc, __m512 table,
                                const int bits, const int g16) {
-    if (bits == 4) return _mm512_fmadd_ps(_mm512_set1_ps(s[0]), block4_512(c, x0, x1, table), acc);
-    __m512 t = _mm512_mul_ps(bytes16(c), x0);
-    if (g16)
-        return _mm512_fmadd_ps(_mm512_set1_ps(s[1]), _mm512_mul_ps(bytes16(c + 16), x1),
-                               _mm512_fmadd_ps(_mm512_set1_ps(s[0]), t, acc));
-    return _mm512_fmadd_ps(_mm512_set1_ps(s[0]), _mm512_fmadd_ps(bytes16(c + 16), x1, t), acc);
+    __m512 w0, w1;
+    decode_512(c, table, &w0, &w1, bits);
+    return fold_512(w0, w1, s, x0, x1, acc, g16);
 }
 
 /* R weight rows (row_bytes apart; their scales and biases k / group apart)
@@ -494,31 +498,14 @@ AVX512 static void tile_512(int bits, Py_ssize_t group, int wr, const uint8_t *c
     }
 }
 
-/* One block of codes c (scales sc) into each of the M rows' accumulators. */
+/* One block of codes c (scales sc), decoded once, into each of the M rows' accumulators. */
 AVX512 INLINE void block_rows_512(const uint8_t *c, const float *sc, const float *x, Py_ssize_t k, __m512 table,
                                   __m512 *acc, const int M, const int bits, const int g16) {
-    if (bits == 4) { /* the block decoded once */
-        __m512 lo, hi, s = _mm512_set1_ps(sc[0]);
-        decode4(c, table, &lo, &hi);
+    __m512 w0, w1;
+    decode_512(c, table, &w0, &w1, bits);
 #pragma GCC unroll 8
-        for (int i = 0; i < M; i++) {
-            const float *v = x + i * k;
-            __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(v + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(v)));
-            acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
-        }
-        return;
-    }
-    __m512 w0 = bytes16(c), w1 = bytes16(c + 16), s0 = _mm512_set1_ps(sc[0]);
-#pragma GCC unroll 8
-    for (int i = 0; i < M; i++) {
-        const float *v = x + i * k;
-        __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(v));
-        if (g16)
-            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[1]), _mm512_mul_ps(w1, _mm512_loadu_ps(v + 16)),
-                                     _mm512_fmadd_ps(s0, t, acc[i]));
-        else
-            acc[i] = _mm512_fmadd_ps(s0, _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + 16), t), acc[i]);
-    }
+    for (int i = 0; i < M; i++)
+        acc[i] = fold_512(w0, w1, sc, _mm512_loadu_ps(x + i * k), _mm512_loadu_ps(x + i * k + 16), acc[i], g16);
 }
 
 /* M activation rows against one weight row: each block decoded once for all M
@@ -654,11 +641,21 @@ static void halves(const uint16_t *h, float *f, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-/* `obj` as a read-only buffer in *b, or b->obj NULL for None; 0 (an exception set) when neither. */
-static int optional_buffer(PyObject *obj, Py_buffer *b) {
+/* `obj` as a buffer in *b (PyBUF_SIMPLE, or PyBUF_WRITABLE), or b->obj NULL for
+ * None; 0 (an exception set) when neither. */
+static int optional_buffer(PyObject *obj, Py_buffer *b, int flags) {
     b->obj = NULL;
     b->buf = NULL;
-    return obj == Py_None || PyObject_GetBuffer(obj, b, PyBUF_SIMPLE) == 0;
+    return obj == Py_None || PyObject_GetBuffer(obj, b, flags) == 0;
+}
+
+/* check() for a buffer that may be absent (b->obj NULL: nothing to check). */
+static int optional_check(Py_buffer *b, Py_ssize_t want, const char *what) {
+    return !b->obj || check(b, want, what);
+}
+
+static void release_optional(Py_buffer *b) {
+    if (b->obj) PyBuffer_Release(b);
 }
 
 /* The shape checks shared by gemv and dequantize: codes of `bits` (4, or 8 for
@@ -673,7 +670,7 @@ static int check_codes(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ss
     }
     Py_ssize_t size = half ? 2 : 4, groups = k / group;
     return check(codes, n * (bits == 4 ? k / 2 : k), "codes") && check(scales, n * groups * size, "scales") &&
-           (!biases->obj || check(biases, n * groups * size, "biases"));
+           optional_check(biases, n * groups * size, "biases");
 }
 
 /* Rows per tile: float16 scales and biases are widened for a tile of rows at a
@@ -795,7 +792,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                           &half, &factor))
         return NULL;
     PyObject *result = NULL;
-    if (!optional_buffer(bobj, &biases)) goto done;
+    if (!optional_buffer(bobj, &biases, PyBUF_SIMPLE)) goto done;
     if (m < 1) {
         PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
         goto done;
@@ -817,7 +814,7 @@ done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
-    if (biases.obj) PyBuffer_Release(&biases);
+    release_optional(&biases);
     PyBuffer_Release(&out);
     return result;
 }
@@ -875,7 +872,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
                           &half, &factor))
         return NULL;
     PyObject *result = NULL;
-    if (!optional_buffer(bobj, &biases)) goto done;
+    if (!optional_buffer(bobj, &biases, PyBUF_SIMPLE)) goto done;
     if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&out, n * k * 4, "out")) goto done;
     Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     Py_BEGIN_ALLOW_THREADS
@@ -897,7 +894,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
-    if (biases.obj) PyBuffer_Release(&biases);
+    release_optional(&biases);
     PyBuffer_Release(&out);
     return result;
 }
@@ -986,26 +983,25 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     float eps;
     if (!PyArg_ParseTuple(args, "y*Ow*nnf|OO", &x, &wobj, &out, &rows, &n, &eps, &robj, &hobj)) return NULL;
     PyObject *result = NULL;
-    int has_w = wobj != Py_None, has_r = robj != Py_None;
-    if (has_w && PyObject_GetBuffer(wobj, &w, PyBUF_SIMPLE) < 0) goto done;
-    if (has_r && (PyObject_GetBuffer(robj, &res, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE) < 0))
+    if (!optional_buffer(wobj, &w, PyBUF_SIMPLE) || !optional_buffer(robj, &res, PyBUF_SIMPLE) ||
+        !optional_buffer(robj == Py_None ? Py_None : hobj, &h, PyBUF_WRITABLE))
         goto done;
     if (rows < 1 || n < 1 || !check(&x, rows * n * 4, "x") || !check(&out, rows * n * 4, "out") ||
-        (has_w && !check(&w, n * 4, "weight")) ||
-        (has_r && (!check(&res, rows * n * 4, "residual") || !check(&h, rows * n * 4, "h"))))
+        !optional_check(&w, n * 4, "weight") ||
+        (res.obj && (!check(&res, rows * n * 4, "residual") || !check(&h, rows * n * 4, "h"))))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    rms_rows((const float *)x.buf, has_w ? (const float *)w.buf : NULL, (float *)out.buf, rows, n, eps,
-             has_r ? (const float *)res.buf : NULL, has_r ? (float *)h.buf : NULL);
+    rms_rows((const float *)x.buf, (const float *)w.buf, (float *)out.buf, rows, n, eps, (const float *)res.buf,
+             (float *)h.buf);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
-    if (w.obj) PyBuffer_Release(&w);
-    if (res.obj) PyBuffer_Release(&res);
-    if (h.obj) PyBuffer_Release(&h);
+    release_optional(&w);
+    release_optional(&res);
+    release_optional(&h);
     return result;
 }
 
@@ -1043,27 +1039,24 @@ static PyObject *layer_norm(PyObject *self, PyObject *args) {
     float eps;
     if (!PyArg_ParseTuple(args, "y*OOw*nnf", &x, &wobj, &bobj, &out, &rows, &n, &eps)) return NULL;
     PyObject *result = NULL;
-    int has_w = wobj != Py_None, has_b = bobj != Py_None;
-    if (has_w && PyObject_GetBuffer(wobj, &w, PyBUF_SIMPLE) < 0) goto done;
-    if (has_b && PyObject_GetBuffer(bobj, &b, PyBUF_SIMPLE) < 0) goto done;
+    if (!optional_buffer(wobj, &w, PyBUF_SIMPLE) || !optional_buffer(bobj, &b, PyBUF_SIMPLE)) goto done;
     if (rows < 1 || n < 1 || !check(&x, rows * n * 4, "x") || !check(&out, rows * n * 4, "out") ||
-        (has_w && !check(&w, n * 4, "weight")) || (has_b && !check(&b, n * 4, "bias")))
+        !optional_check(&w, n * 4, "weight") || !optional_check(&b, n * 4, "bias"))
         goto done;
     if (x.buf == out.buf) {
         PyErr_SetString(PyExc_ValueError, "layer_norm: out must not be x");
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    layer_rows((const float *)x.buf, has_w ? (const float *)w.buf : NULL, has_b ? (const float *)b.buf : NULL,
-               (float *)out.buf, rows, n, eps);
+    layer_rows((const float *)x.buf, (const float *)w.buf, (const float *)b.buf, (float *)out.buf, rows, n, eps);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
-    if (w.obj) PyBuffer_Release(&w);
-    if (b.obj) PyBuffer_Release(&b);
+    release_optional(&w);
+    release_optional(&b);
     return result;
 }
 
@@ -1231,10 +1224,10 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     /* Contiguous: k [tk, hkv, dk]. Paged: k and v are pools [blocks, block, hkv, d]
      * and the int64 table maps logical block b to its physical block. */
     Py_ssize_t pool_rows = paged ? k.len / (hkv * dk * 4) : tk;
-    if (paged && PyObject_GetBuffer(tobj, &table, PyBUF_SIMPLE) < 0) goto done;
+    if (!optional_buffer(tobj, &table, PyBUF_SIMPLE)) goto done;
     if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, pool_rows * hkv * dk * 4, "k") ||
         !check(&v, pool_rows * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out") ||
-        (paged && !check(&table, ((tk + block - 1) / block) * 8, "block table")))
+        !optional_check(&table, ((tk + block - 1) / block) * 8, "block table"))
         goto done;
     scores = malloc((size_t)tk * max_threads() * sizeof(float));
     rows = malloc((size_t)tk * sizeof(Py_ssize_t));
@@ -1265,7 +1258,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
 done:
     free(scores);
     free(rows);
-    if (table.obj) PyBuffer_Release(&table);
+    release_optional(&table);
     PyBuffer_Release(&q);
     PyBuffer_Release(&k);
     PyBuffer_Release(&v);
