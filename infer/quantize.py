@@ -103,17 +103,17 @@ class AffineTensor(QuantizedTensor):
         reads 4 bytes per group instead of 8."""
         if self.scales.dtype == np.float16:
             return self
+        held = self._biases
         with np.errstate(over="ignore"):
-            scales, biases = self.scales.astype(np.float16), self.biases.astype(np.float16)
-            if self.bias_factor is not None and not np.isfinite(biases).all():
-                return self  # factor * a float16 scale past float16's range: keep float32
+            scales = self.scales.astype(np.float16)
+            biases = None if held is None else held.astype(np.float16)
         # Compared as bits: equal values, and NaN payloads, must survive the round trip.
-        if not (np.array_equal(scales.astype(np.float32).view(np.uint32), self.scales.view(np.uint32))
-                and np.array_equal(biases.astype(np.float32).view(np.uint32), self.biases.view(np.uint32))):
+        if not (_round_trips(scales, self.scales) and (biases is None or _round_trips(biases, held))):
             return self
-        if self.bias_factor is not None:
-            return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, None, self.group, self.bias_factor)
-        return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, biases, self.group)
+        if biases is None and not np.isfinite(_made(scales, self.bias_factor)).all():
+            return self  # factor * a float16 scale past float16's range: keep float32
+        return AffineTensor(self.qtype, self.shape, self.bits, self.packed, scales, biases, self.group,
+                            self.bias_factor)
 
     @property
     def nbytes(self) -> int:
@@ -173,9 +173,9 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
             if held is not None:
                 held[r0:r1] = b
             tensor.release_rows(r0, r1)
-        if not np.isfinite(scales).all():
-            return None
         if held is None:
+            if not np.isfinite(scales).all():
+                return None
             affine = AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, None, group, factor)
             return affine.half_scales() if half else affine
         biases = held
@@ -183,8 +183,15 @@ def from_gguf(tensor: QuantizedTensor, *, groups: tuple[int, ...] = (GROUP,),
         return None  # inf/nan scales: leave them to the float path, which reproduces them as ggml does
     if not half and scales.dtype != np.float32:
         scales, biases = scales.astype(np.float32), biases.astype(np.float32)
-    affine = symmetric(AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group))
+    affine = AffineTensor(tensor.qtype, (rows, cols), bits, codes, scales, biases, group)
+    if rows <= step:  # (slabs were checked as they came)
+        affine = symmetric(affine)
     return affine.half_scales() if half else affine
+
+
+def _round_trips(narrow: np.ndarray, wide: np.ndarray) -> bool:
+    """Whether float16 ``narrow`` widens back to float32 ``wide`` bit for bit."""
+    return np.array_equal(narrow.astype(np.float32).view(np.uint32), wide.view(np.uint32))
 
 
 def _factor(bits: int) -> float:
