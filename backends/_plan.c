@@ -35,12 +35,15 @@ enum {
     OP_BINARY,       /* P a, b, out; I kind, int32?, ndim, shape[ndim], a strides[ndim], b strides[ndim] */
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
     OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
+    OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes, capacity */
+    OP_PAGED_ATTEND, /* P q, k pool, v pool, out, tables (int32 [batch, width]), lengths (int32 [batch]);
+                        I batch, tq, width, block, blocks, hq, hkv, dk, dv, window; F scale, softcap */
 };
 
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK };
 
 #define MAX_DIMS 8
 
@@ -254,6 +257,81 @@ static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count,
     return p;
 }
 
+/* Scratch of at least `need` floats in *buf (grown, never shrunk); 0 when out of memory. */
+static int grow(struct machine *vm, float **buf, Py_ssize_t *size, Py_ssize_t need) {
+    if (need <= *size) return 1;
+    float *more = realloc(*buf, (size_t)need * sizeof(float));
+    if (!more) {
+        vm->error = E_MEMORY;
+        return 0;
+    }
+    *buf = more;
+    *size = need;
+    return 1;
+}
+
+/* Causal attention of each sequence's tq query rows over its own keys, read in
+ * place from the paged pools through its row of the block tables: per
+ * sequence, what the eager op's C pass computes with that sequence's table. */
+static void step_paged_attend(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+    struct attend_args a;
+    const float *Q = next_ptr(vm);
+    a.K = next_ptr(vm);
+    a.V = next_ptr(vm);
+    float *O = next_ptr(vm);
+    const int32_t *tables = next_ptr(vm), *lengths = next_ptr(vm);
+    Py_ssize_t batch = next_int(vm);
+    a.tq = next_int(vm);
+    Py_ssize_t width = next_int(vm), block = next_int(vm), blocks = next_int(vm);
+    a.hq = next_int(vm);
+    a.hkv = next_int(vm);
+    a.dk = next_int(vm);
+    a.dv = next_int(vm);
+    a.window = next_int(vm);
+    a.causal = 1;
+    a.scale = (float)next_float(vm);
+    a.softcap = (float)next_float(vm);
+    if (vm->error) return;
+    if (batch < 1 || a.tq < 1 || width < 1 || block < 1) {
+        vm->error = E_PROGRAM;
+        return;
+    }
+    Py_ssize_t most = width * block;
+    Py_ssize_t *rows = malloc((size_t)most * sizeof(Py_ssize_t));
+    if (!rows || !grow(vm, scores, scores_size, most * max_threads())) {
+        free(rows);
+        vm->error = E_MEMORY;
+        return;
+    }
+    a.rows = rows;
+    for (Py_ssize_t b = 0; b < batch && !vm->error; b++) {
+        a.tk = position(vm, lengths + b, 0, most, E_LENGTH);
+        if (vm->error) break;
+        if (a.tk < a.tq) {
+            vm->error = E_ROWS;
+            vm->detail = a.tk;
+            vm->limit = a.tq;
+            break;
+        }
+        const int32_t *table = tables + b * width;
+        for (Py_ssize_t j = 0; j < a.tk; j++) {
+            int32_t t = table[j / block];
+            if (t < 0 || t >= blocks) {
+                vm->error = E_BLOCK;
+                vm->detail = t;
+                vm->limit = blocks;
+                break;
+            }
+            rows[j] = (Py_ssize_t)t * block + j % block;
+        }
+        if (vm->error) break;
+        a.Q = Q + b * a.tq * a.hq * a.dk;
+        a.O = O + b * a.tq * a.hq * a.dv;
+        attention_run(&a, *scores, 1);
+    }
+    free(rows);
+}
+
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
     if (vm->error || (bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP ||
@@ -363,6 +441,24 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         if (!vm->error) memcpy(dst + (Py_ssize_t)p * row_bytes, src, (size_t)(rows * row_bytes));
         return;
     }
+    case OP_SCATTER_ROWS: {
+        char *dst = next_ptr(vm);
+        const int32_t *rows = next_ptr(vm);
+        const char *src = next_ptr(vm);
+        Py_ssize_t n = next_int(vm), row_bytes = next_int(vm), capacity = next_int(vm);
+        if (vm->error) return;
+        for (Py_ssize_t i = 0; i < n; i++) /* every row checked before any is written */
+            if (rows[i] < 0 || rows[i] >= capacity) {
+                vm->error = E_SLOT;
+                vm->detail = rows[i];
+                vm->limit = capacity;
+                return;
+            }
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(dst + (Py_ssize_t)rows[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
+        return;
+    }
+    case OP_PAGED_ATTEND: step_paged_attend(vm, scores, scores_size); return;
     case OP_GATHER: {
         const char *table = next_ptr(vm), *ids = next_ptr(vm);
         char *out = next_ptr(vm);
@@ -458,6 +554,13 @@ static PyObject *run_plan(PyObject *self, PyObject *args) {
         break;
     case E_ROWS:
         PyErr_Format(PyExc_IndexError, "attention over %lld keys for %lld query rows", vm.detail, vm.limit);
+        break;
+    case E_SLOT:
+        PyErr_Format(PyExc_IndexError, "the step writes row %lld of a KV pool of %lld rows", vm.detail, vm.limit);
+        break;
+    case E_BLOCK:
+        PyErr_Format(PyExc_IndexError, "block table entry %lld is outside the pool of %lld blocks", vm.detail,
+                     vm.limit);
         break;
     default: PyErr_Format(PyExc_ValueError, "run_plan: malformed program at %zd", vm.pc); break;
     }

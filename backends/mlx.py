@@ -89,7 +89,7 @@ class MLXBackend(Backend):
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "update_rows_at", "cached_attention"})
+                            "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -359,7 +359,44 @@ class MLXBackend(Backend):
         index = mx.reshape(start, (-1,), stream=self._s)[:1].astype(mx.int32)
         return mx.slice_update(dst, src, index, (0,), stream=self._s)
 
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """Functional, at rows given as a device array (no host read): use the result."""
+        mx, s = self._mx, self._s
+        with mx.stream(s):
+            if src.dtype != dst.dtype:
+                src = src.astype(dst.dtype)
+            index = mx.reshape(rows, (-1,) + (1,) * (dst.ndim - 1)).astype(mx.int32)
+            return mx.put_along_axis(dst, mx.broadcast_to(index, src.shape), src, axis=0)
+
     # -- attention -----------------------------------------------------------------
+
+    def batched_paged_attention(
+        self, q: Array, k_pool: Array, v_pool: Array, block_tables: Array, lengths: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Every sequence's table width of blocks gathered, then one batched
+        attention with the valid keys a mask made on the device from
+        ``lengths``: one graph for every step. Soft-capped scores are
+        computed per sequence in float32 (the fused kernel cannot cap them)."""
+        mx, s = self._mx, self._s
+        batch, width = block_tables.shape
+        tq, hq, dk = q.shape[0] // batch, q.shape[1], q.shape[2]
+        with mx.stream(s):
+            table = mx.reshape(block_tables, (-1,)).astype(mx.int32)
+            k = mx.reshape(mx.take(k_pool, table, axis=0), (batch, width * k_pool.shape[1]) + tuple(k_pool.shape[2:]))
+            v = mx.reshape(mx.take(v_pool, table, axis=0), (batch, width * v_pool.shape[1]) + tuple(v_pool.shape[2:]))
+            pos = mx.reshape(lengths, (-1, 1)).astype(mx.int32) - tq + mx.arange(tq, dtype=mx.int32)  # [batch, tq]
+            dist = mx.expand_dims(pos, 2) - mx.arange(k.shape[1], dtype=mx.int32)  # p - j, [batch, tq, keys]
+            mask = dist >= 0
+            if window is not None:
+                mask = mx.logical_and(mask, dist < window)
+            qs = mx.reshape(q, (batch, tq, hq, dk))
+            if softcap is not None:
+                return mx.concatenate([self._softcap_attention(qs[b], k[b], v[b], scale, softcap, mask[b])
+                                       for b in range(batch)], axis=0)
+            qt, kt, vt = (mx.transpose(a, (0, 2, 1, 3)) for a in (qs, k, v))
+            out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mx.expand_dims(mask, 1))
+            return mx.reshape(mx.transpose(out, (0, 2, 1, 3)), (batch * tq, hq, v.shape[-1]))
 
     def cached_attention(
         self, q: Array, k_cache: Array, v_cache: Array, length: Array, *, scale: float,

@@ -172,7 +172,7 @@ class NumpyBackend(Backend):
     device = "cpu"
     float_dtypes = ("float32",)
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight",
-                            "quantized_linear", "topk"} | ({"compile"} if hasattr(_affine, "run_plan") else set()))
+                            "quantized_linear", "topk", "scatter_rows", "batched_paged_attention"} | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
     #: quantized; None: decide per tensor from the memory available.
@@ -570,6 +570,15 @@ class NumpyBackend(Backend):
 
     def update_rows(self, dst: Array, start: int, src: Array) -> Array:
         dst[start : start + src.shape[0]] = src
+        return dst
+
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """In place: ``dst[rows] = src``, the rows checked first."""
+        rows = np.asarray(rows).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= dst.shape[0]):
+            bad = rows.min() if rows.min() < 0 else rows.max()
+            raise IndexError(f"scatter_rows: row {int(bad)} is outside the {dst.shape[0]} rows of dst")
+        dst[rows] = src
         return dst
 
     # -- attention -----------------------------------------------------------------

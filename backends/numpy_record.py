@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Opcodes and kinds: the enums at the top of backends/_plan.c, in order.
 (GEMV, GEMV_F32, RMS, ROPE, ATTEND, WRITE_ROWS, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE,
- LAYERNORM) = range(1, 14)
+ LAYERNORM, SCATTER_ROWS, PAGED_ATTEND) = range(1, 16)
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
@@ -406,6 +406,15 @@ class Recorder:
         self.emit(WRITE_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0]])
         return dst if type(dst) is Traced else self.wrap(d)
 
+    def scatter_rows(self, dst: Any, rows: Any, src: Any) -> Any:
+        d, s, at = _plain(dst), _plain(src), _plain(rows)
+        if not (type(dst) is Traced and d.flags.c_contiguous and s.ndim == d.ndim and s.shape[1:] == d.shape[1:]
+                and s.dtype == d.dtype and at.dtype == np.int32 and at.ndim == 1 and at.size == s.shape[0]):
+            raise NotCapturable(f"scatter_rows of {s.dtype}{list(s.shape)} into {d.dtype}{list(d.shape)}")
+        s = self.contiguous(s)
+        self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0]])
+        return dst
+
     def to_numpy(self, x: Any) -> Any:
         if self.dynamic(x):
             raise NotCapturable("to_numpy: the step reads a value back to the host")
@@ -545,6 +554,27 @@ class Recorder:
         else:
             want = self.eager(name, qp, kp, vp, scale=scale, causal=causal, window=window, softcap=softcap)
         self.check(name, out, want)
+        return self.wrap(out)
+
+    def batched_paged_attention(self, q: Any, k_pool: Any, v_pool: Any, block_tables: Any, lengths: Any, *,
+                                scale: float, window: int | None = None, softcap: float | None = None) -> Any:
+        qp, kp, vp, tp, lp = (_plain(a) for a in (q, k_pool, v_pool, block_tables, lengths))
+        batch = tp.shape[0] if tp.ndim == 2 else 0
+        tq = qp.shape[0] // batch if batch and qp.ndim == 3 else 0
+        if not (tq and qp.ndim == 3 and kp.ndim == vp.ndim == 4 and _f32(qp) and _f32(kp) and _f32(vp)
+                and tq * batch == qp.shape[0] and tq <= self.ops.KERNEL_ROWS  # type: ignore[attr-defined]
+                and kp.shape[:3] == vp.shape[:3] and kp.flags.c_contiguous and vp.flags.c_contiguous
+                and qp.shape[2] == kp.shape[3] and qp.shape[1] % kp.shape[2] == 0
+                and tp.dtype == lp.dtype == np.int32 and tp.flags.c_contiguous and lp.size == batch
+                and (softcap is None or softcap > 0) and (window is None or window > 0)):
+            raise NotCapturable(f"batched_paged_attention of q {qp.dtype}{list(qp.shape)}")
+        qc, lc = self.contiguous(qp), self.contiguous(lp)
+        out = self.buffer((qp.shape[0], qp.shape[1], vp.shape[3]), np.float32)
+        self.emit(PAGED_ATTEND, [qc, kp, vp, out, tp, lc],
+                  [batch, tq, tp.shape[1], kp.shape[1], kp.shape[0], qp.shape[1], kp.shape[2], qp.shape[2],
+                   vp.shape[3], window or 0], [scale, softcap or 0.0])
+        want = self.eager("batched_paged_attention", qp, kp, vp, tp, lp, scale=scale, window=window, softcap=softcap)
+        self.check("batched_paged_attention", out, want)
         return self.wrap(out)
 
     # -- recording -------------------------------------------------------------------

@@ -38,6 +38,7 @@ import functools
 import importlib.util
 import logging
 import os
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,7 +64,8 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
-              "quantized_linear", "update_rows_at", "cached_attention", "all_reduce", "all_gather", "broadcast")
+              "quantized_linear", "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention",
+              "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
 # numpy: the default picks the faster path, and torch/cpu stays one
@@ -811,6 +813,41 @@ class TorchBackend(Backend):
             mask = mask & (pos - j < window)
         return self._masked_attention(q, k_cache, v_cache, mask, scale, softcap)
 
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """In place, at rows given as a device tensor (no host read)."""
+        return dst.index_copy_(0, rows.reshape(-1).to(torch.int64), src.to(dst.dtype))
+
+    def batched_paged_attention(
+        self, q: Array, k_pool: Array, v_pool: Array, block_tables: Array, lengths: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Every sequence's table width of blocks gathered (``index_select``
+        on the block axis, as :meth:`paged_attention`), then one batched SDPA
+        with the valid keys a mask built on the device from ``lengths``: the
+        same kernels and shapes at every step. Soft-capped scores (no fused
+        kernel caps them) are computed per sequence in float32."""
+        batch, width = block_tables.shape
+        tq, hq, dk = q.shape[0] // batch, q.shape[1], q.shape[2]
+        table = block_tables.reshape(-1).to(torch.int64)
+        k = k_pool.index_select(0, table).reshape(batch, width * k_pool.shape[1], *k_pool.shape[2:])
+        v = v_pool.index_select(0, table).reshape(batch, width * v_pool.shape[1], *v_pool.shape[2:])
+        pos = (lengths.reshape(-1).to(torch.int64)[:, None] - tq + torch.arange(tq, device=q.device))[:, :, None]
+        j = torch.arange(k.shape[1], device=q.device)
+        mask = j <= pos  # [batch, tq, keys]
+        if window is not None:
+            mask = mask & (pos - j < window)
+        qs = q.reshape(batch, tq, hq, dk)
+        if softcap is not None:
+            return torch.cat([self._masked_attention(qs[b], k[b], v[b], mask[b], scale, softcap)
+                              for b in range(batch)])
+        qt, kt, vt = (a.transpose(1, 2) for a in (qs, k, v))
+        if kt.shape[1] != hq:  # with a mask, native GQA misses the fused kernels: repeat the kv heads
+            kt = kt.repeat_interleave(hq // kt.shape[1], dim=1)
+            vt = vt.repeat_interleave(hq // vt.shape[1], dim=1)
+        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale)
+        return out.transpose(1, 2).reshape(batch * tq, hq, v.shape[-1])
+
     def _masked_attention(self, q: Array, k: Array, v: Array, mask: Array, scale: float,
                           softcap: float | None) -> Array:
         if softcap is not None:
@@ -907,11 +944,25 @@ class TorchBackend(Backend):
             graphs[0] += 1
             return inductor(gm, example_inputs)
 
-        # static: dynamic=False, so that a second step function (another model
-        # in the process) is not taken for a shape change of the first.
-        compiled = torch.compile(fn, fullgraph=True, backend=counting, dynamic=False if static else None)
-        compiled.graphs = lambda: graphs[0]  # type: ignore[attr-defined]
-        return compiled
+        if not static:
+            compiled = torch.compile(fn, fullgraph=True, backend=counting)
+            compiled.graphs = lambda: graphs[0]  # type: ignore[attr-defined]
+            return compiled
+        # A captured step: dynamic=False, one graph per input shape (batch
+        # bucket, cache capacity or table width). Dynamo keeps its graphs and
+        # counts recompiles per code object, so each step gets a code object of
+        # its own (two models' steps, or a single step's and a batched one's,
+        # would otherwise share one list of graphs and its limit of 8), and
+        # runs under a limit that holds every bucket: 7 batch buckets (1..64)
+        # times 6 widths (256..8192 positions) is 42 graphs.
+        step = torch.compile(_own_code(fn), fullgraph=True, backend=counting, dynamic=False)
+
+        def captured(*args: Any) -> Any:
+            with torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS):
+                return step(*args)
+
+        captured.graphs = lambda: graphs[0]  # type: ignore[attr-defined]
+        return captured
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":
@@ -1023,6 +1074,22 @@ class TorchBackend(Backend):
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v.float().transpose(0, 1))  # [hkv, group*tq, dv]
         return out.reshape(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)
+
+
+#: Graphs one captured step may build (its input shapes: batch buckets times
+#: table widths) before torch.compile stops compiling it.
+STEP_GRAPHS = 64
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a function or a bound method) on a copy of its code object:
+    torch.compile's graphs for it are then its own."""
+    func = getattr(fn, "__func__", fn)
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__ = func.__kwdefaults__
+    owner = getattr(fn, "__self__", None)
+    return own if owner is None else types.MethodType(own, owner)
 
 
 # -- CUDA quantized kernels -------------------------------------------------------------

@@ -3,7 +3,8 @@
     python benchmarks/batching.py [--model smollm2-135m] [--backend numpy] [--concurrency 1,4,16,64]
                                   [--prompt-tokens 64] [--new-tokens 32] [--repeats 1] [--update-docs]
 
-Throughput: for each KV layout (paged, contiguous) and each number of
+Throughput: for each KV layout (paged, contiguous; and paged with the
+captured batched decode step off, ``paged-eager``) and each number of
 concurrent requests N, N requests with different prompts are submitted at
 once to a fresh :class:`infer.engine.batch.BatchEngine` and run to the end
 (greedy, end-of-sequence ignored); the figure is total new tokens over the
@@ -60,15 +61,24 @@ def _prompts(model: Any, count: int, length: int) -> list[list[int]]:
 
 def throughput(model: Any, layout: str, n: int, prompt_tokens: int, new_tokens: int,
                kv_memory: int) -> dict[str, Any]:
-    """N concurrent requests through a fresh batch engine; tokens/s."""
-    batch = BatchEngine(model.engine, kv_layout=layout, kv_memory=kv_memory)
-    greedy = SamplingParams(temperature=0.0)
-    stop = StopConditions(max_tokens=new_tokens, ignore_eos=True)
-    prompts = _prompts(model, n, prompt_tokens)
-    t0 = time.perf_counter()
-    handles = [batch.submit(p, greedy, stop) for p in prompts]
-    batch.run_until_done()
-    wall = time.perf_counter() - t0
+    """N concurrent requests through a fresh batch engine; tokens/s. Layout
+    ``paged-eager``: the paged layout with the captured batched decode step
+    off (every forward eager), to measure what the capture gives."""
+    engine = model.engine
+    saved = engine.batch_step
+    if layout == "paged-eager":
+        engine.batch_step = None
+    try:
+        batch = BatchEngine(engine, kv_layout=layout.split("-")[0], kv_memory=kv_memory)  # type: ignore[arg-type]
+        greedy = SamplingParams(temperature=0.0)
+        stop = StopConditions(max_tokens=new_tokens, ignore_eos=True)
+        prompts = _prompts(model, n, prompt_tokens)
+        t0 = time.perf_counter()
+        handles = [batch.submit(p, greedy, stop) for p in prompts]
+        batch.run_until_done()
+        wall = time.perf_counter() - t0
+    finally:
+        engine.batch_step = saved
     generated = sum(len(h.tokens) for h in handles)
     return {"layout": layout, "requests": n, "wall_s": wall, "new_tokens": generated,
             "new_tok_s": generated / wall, "total_tok_s": (generated + n * prompt_tokens) / wall,
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--backend", default="numpy")
     parser.add_argument("--concurrency", default="1,4,16,64", help="numbers of concurrent requests")
-    parser.add_argument("--layouts", default="paged,contiguous")
+    parser.add_argument("--layouts", default="paged,paged-eager,contiguous",
+                        help="paged (decode steps captured where the backend can), paged-eager, contiguous")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="median of this many runs per point")

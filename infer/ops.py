@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 4)
+API_VERSION: tuple[int, int] = (1, 5)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
@@ -60,7 +60,8 @@ REQUIRED_OPS: tuple[str, ...] = (
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "paged_attention", "synchronize", "topk", "compile",
-    "update_rows_at", "cached_attention", "all_reduce", "all_gather", "broadcast",
+    "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention",
+    "all_reduce", "all_gather", "broadcast",
 )
 
 
@@ -634,6 +635,63 @@ class Backend(abc.ABC):
         n = int(self.to_numpy(length).reshape(-1)[0])
         k, v = self.slice(k_cache, 0, 0, n), self.slice(v_cache, 0, 0, n)
         return self.attention(q, k, v, scale=scale, window=window, softcap=softcap)
+
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """Row ``i`` of ``src`` written to row ``rows[i]`` of ``dst``, the row
+        indices a device array (int32 ``[n]``, distinct): the paged KV pool's
+        write in a captured batched decode step, where each sequence's new
+        position lands in its own page (:mod:`infer.engine.capture`). The
+        :meth:`update_rows` rule: use the returned array. Default: ``rows``
+        read back to the host, then :meth:`update_rows` row by row."""
+        host = np.asarray(self.to_numpy(rows)).reshape(-1)
+        limit = self.shape(dst)[0]
+        if host.size and (host.min() < 0 or host.max() >= limit):
+            bad = host.min() if host.min() < 0 else host.max()
+            raise IndexError(f"scatter_rows: row {int(bad)} is outside the {limit} rows of dst")
+        for i, row in enumerate(host.tolist()):
+            dst = self.update_rows(dst, int(row), self.slice(src, 0, i, i + 1))
+        return dst
+
+    def batched_paged_attention(
+        self,
+        q: Array,
+        k_pool: Array,
+        v_pool: Array,
+        block_tables: Array,
+        lengths: Array,
+        *,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Array:
+        """Causal :meth:`paged_attention` of several sequences at once, their
+        block tables and lengths device arrays, so that a captured batched
+        decode step keeps one graph for every step.
+
+        q: ``[batch * tq, hq, dk]``, sequence ``b``'s ``tq`` query rows
+        together (``batch`` is ``block_tables``' first axis); k_pool,
+        v_pool: ``[blocks, block_size, hkv, d]``; block_tables: int32
+        ``[batch, table]``, sequence ``b``'s physical blocks in logical order
+        (entries past its keys are never read); lengths: int32 ``[batch]``,
+        sequence ``b``'s valid keys, of which its queries are the last
+        ``tq``. Returns ``[batch * tq, hq, dv]``. Default: tables and lengths
+        read back to the host, then :meth:`paged_attention` per sequence."""
+        tables = np.asarray(self.to_numpy(block_tables))
+        counts = np.asarray(self.to_numpy(lengths)).reshape(-1)
+        batch = tables.shape[0]
+        tq = self.shape(q)[0] // max(batch, 1)
+        if batch == 0 or tq * batch != self.shape(q)[0] or counts.size != batch:
+            raise ValueError(f"batched_paged_attention: q has {self.shape(q)[0]} rows for {batch} block tables "
+                             f"and {counts.size} lengths; it needs the same number of rows for each sequence")
+        if counts.min() < tq:
+            raise ValueError(f"batched_paged_attention: a sequence of {int(counts.min())} keys cannot hold its "
+                             f"{tq} query rows")
+        outputs = []
+        for b in range(batch):
+            table = self.from_numpy(np.ascontiguousarray(tables[b], np.int32))
+            outputs.append(self.paged_attention(self.slice(q, 0, b * tq, (b + 1) * tq), k_pool, v_pool, table,
+                                                int(counts[b]), scale=scale, window=window, softcap=softcap))
+        return outputs[0] if batch == 1 else self.concat(outputs, 0)
 
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to

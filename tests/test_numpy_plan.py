@@ -303,3 +303,46 @@ def test_a_backend_that_overrides_an_op_is_not_bypassed_by_a_program() -> None:
     assert not ops.capture_by_default
     fn = lambda a: ops.silu(a)  # noqa: E731
     assert ops.compile(fn, static=True) is fn
+
+
+def test_bad_data_inside_a_batched_program_is_a_typed_error_not_a_stray_write() -> None:
+    """The batched step's slots, block tables and lengths are data: each is
+    checked inside the program against the pool it indexes."""
+    from infer.engine.capture import CapturedBatchDecode
+
+    model = infer.load(tiny_model_dir("llama3"), backend="numpy")
+    engine = model.engine
+    pool = engine.new_kv_pool(block_size=4, num_blocks=16)
+    step = CapturedBatchDecode(model.network, model.backend, engine.max_context)
+    seqs = [engine.new_sequence(64, kv_pool=pool) for _ in range(2)]
+    for seq in seqs:
+        engine.forward(seq, encode(tiny_model_dir("llama3"), PROMPT))
+    engine.prepare(seqs, [[3], [3]])
+    host = step.inputs([s.cache for s in seqs], [3, 3])
+    keys, values = pool.layer_rows(model.network.num_layers)
+    step._fn(*host, keys, values, 4)  # recorded
+    assert step.graphs == 1
+    rows = keys[0].shape[0]
+    before = [k.copy() for k in keys + values]
+
+    def run(i: int, patch: object) -> None:
+        args = [a.copy() for a in host]
+        args[i][...] = patch
+        step._fn(*args, keys, values, 4)
+
+    ids, positions, slots, tables, lengths = range(5)
+    with pytest.raises(IndexError, match=f"writes row {rows} of a KV pool of {rows} rows"):
+        run(slots, [0, rows])
+    with pytest.raises(IndexError, match="writes row -1"):
+        run(slots, [-1, 0])
+    assert all(np.array_equal(a, b) for a, b in zip(keys + values, before))  # nothing written: checked first
+    with pytest.raises(IndexError, match="token id"):
+        run(ids, [3, 10**6])
+    with pytest.raises(IndexError, match="block table entry 17 is outside the pool of 17 blocks"):
+        run(tables, 17)  # 16 blocks and the scratch block
+    most = host[tables].shape[1] * 4  # the table's width of blocks of 4
+    with pytest.raises(IndexError, match=f"attention over {most + 1} keys of a cache of {most}"):
+        run(lengths, most + 1)
+    with pytest.raises(IndexError, match="attention over 0 keys for 1 query rows"):
+        run(lengths, 0)
+    assert step.graphs == 1

@@ -206,9 +206,12 @@ def test_memory_budget_sizes_the_pool() -> None:
         pool = model.engine.new_kv_pool(block_size=8, memory_budget=10 * 8 * per_token + 5)
     finally:
         model.engine.kv_pool = None
-    assert pool.num_blocks == 10 and pool.allocator.bytes_per_block == 8 * per_token
+    # Ten blocks' bytes: nine for sequences, and the scratch block captured batched steps pad with.
+    assert pool.num_blocks == 9 and pool.scratch_block == 9 and pool.allocator.bytes_per_block == 8 * per_token
     with pytest.raises(CacheFullError, match="holds no block"):
         model.engine.new_kv_pool(block_size=8, memory_budget=per_token)
+    with pytest.raises(CacheFullError, match="needs two"):
+        model.engine.new_kv_pool(block_size=8, memory_budget=8 * per_token)  # one block: only the scratch
 
 
 @pytest.mark.parametrize("backend", backend_params(*BACKENDS[:2]))

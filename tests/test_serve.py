@@ -333,13 +333,14 @@ def test_api_key_and_body_limit(url: str) -> None:
 
 def test_a_request_that_can_never_fit_is_a_400_with_the_numbers(reference: Any) -> None:
     model = serve_model()
-    model.configure_batching(kv_memory=64 * model.engine.kv_bytes_per_position(), block_size=16)  # 4 blocks
+    # 4 blocks' bytes: 3 for requests and the pool's scratch block.
+    model.configure_batching(kv_memory=64 * model.engine.kv_bytes_per_position(), block_size=16)
     with running(create_app(model, model_name=NAME)) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=NAME, prompt=PROMPT, max_tokens=100)
         message = info.value.body["message"]
-        assert "blocks" in message and "bytes" in message and "4 blocks" in message, message
+        assert "blocks" in message and "bytes" in message and "3 blocks" in message, message
         # One that fits runs.
         assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4).choices
 
@@ -562,7 +563,8 @@ def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None
                  "--model-name", "mine", "--max-queue", "3"]) == 0
     model = seen.pop("model")
     pool = model.batch_engine.pool
-    assert pool.num_blocks * pool.allocator.bytes_per_block <= 2**20 < (pool.num_blocks + 1) * pool.allocator.bytes_per_block
+    held = pool.num_blocks + 1  # the sequences' blocks and the scratch block
+    assert held * pool.allocator.bytes_per_block <= 2**20 < (held + 1) * pool.allocator.bytes_per_block
     assert model.batch_engine.max_batch_tokens == 64
     assert seen == dict(host="127.0.0.1", port=8123, model_name="mine", api_key="from-env", max_queue=3,
                         max_body_bytes=2**20, log_level="warning")

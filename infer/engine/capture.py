@@ -24,9 +24,23 @@ different lengths share graphs.
 Where the step cannot be captured, decoding stays eager and
 :attr:`CapturedDecode.reason` says why: an architecture that reads the
 sequence length on the host (dynamic rope scaling), an op that reads back to
-the host inside the step, a compile error. It serves greedy decoding of one
-sequence on a contiguous cache; sampling on the host, paged caches, batching
-and speculative decoding take the eager forward (docs/performance.md).
+the host inside the step, a compile error.
+
+Two steps are captured. :class:`CapturedDecode` serves greedy decoding of one
+sequence on a contiguous cache, the device choosing the token.
+:class:`CapturedBatchDecode` serves every forward in which each sequence of
+a paged pool feeds one token (the batch engine's decode steps, one request's
+decode on a paged cache, a draft model's steps): the new keys land in the
+pool at rows given as data, attention reads each sequence's pages through
+its block table given as data, and the step returns every sequence's logits,
+so the engine's samplers, logits processors and grammars run on them as on
+the eager forward's. Batch sizes are rounded up to a power of two
+(:func:`batch_bucket`; the padding rows write to the pool's scratch block)
+and block-table widths to the blocks of a :func:`capacity_bucket`, so the
+batch engine's changing batches share a few graphs. Prefill, chunks of a
+prompt mixed into a step, speculative verification (several rows per
+sequence) and multi-token prediction take the eager forward
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -37,8 +51,9 @@ from typing import Any
 import numpy as np
 
 from infer.errors import BackendOutputError, CaptureError
-from infer.kv.attention import StaticAttentionContext
+from infer.kv.attention import PagedStaticAttentionContext, StaticAttentionContext
 from infer.kv.cache import ContiguousKVCache
+from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.ops import Array, Backend
 
 log = logging.getLogger(__name__)
@@ -55,6 +70,14 @@ def capacity_bucket(capacity: int, max_context: int) -> int:
     while bucket < capacity:
         bucket *= 2
     return min(bucket, max_context)
+
+
+def batch_bucket(batch: int) -> int:
+    """``batch`` rounded up to a power of two: the batch sizes one graph serves."""
+    bucket = 1
+    while bucket < batch:
+        bucket *= 2
+    return bucket
 
 
 class CapturedDecode:
@@ -131,3 +154,93 @@ class CapturedDecode:
         if not self.compiled:
             return f"decode step with static shapes, not compiled ({self.steps} steps)"
         return f"decode step captured: {self.graphs} graph(s) for {self.steps} steps"
+
+
+class CapturedBatchDecode:
+    """Decode forwards of several sequences of one paged pool, one token
+    each, with static shapes: compiled by the backend (``compile=True``) or
+    run as they are (``compile=False``). Returns every sequence's logits."""
+
+    def __init__(self, model: Any, ops: Backend, max_context: int, *, compile: bool = True) -> None:
+        self.model, self.ops, self.max_context = model, ops, max_context
+        self.compiled = compile and ops.supports("compile")
+        #: Why steps run eagerly instead (None while the captured step works).
+        self.reason: str | None = None
+        #: Forwards run by the captured path, and the sequences they served.
+        self.steps = self.rows = 0
+        self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
+
+    @property
+    def graphs(self) -> int | None:
+        """Graphs the backend has built (one per batch bucket, table width and
+        dtype; not one per step); None when not compiled."""
+        count = getattr(self._fn, "graphs", None)
+        return count() if count is not None else None
+
+    def _step(self, ids: Array, positions: Array, slots: Array, tables: Array, lengths: Array,
+              keys: list[Array], values: list[Array], block_size: int) -> tuple[Array, list, list]:
+        ctx = PagedStaticAttentionContext(self.ops, keys, values, positions, slots, tables, lengths,
+                                          block_size=block_size, tokens=self.ops.shape(ids)[0])
+        hidden = self.model.forward(ids, ctx)
+        return self.model.compute_logits(hidden), ctx.keys, ctx.values
+
+    def inputs(self, caches: list[PagedSequenceCache], token_ids: list[int]) -> tuple[np.ndarray, ...]:
+        """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
+        next position (reserved): ids, positions, slots, block tables and
+        lengths, padded to the batch bucket with rows on the scratch block."""
+        pool = caches[0].pool
+        bs, scratch = pool.block_size, pool.scratch_block
+        rows = batch_bucket(len(caches))
+        longest = max(c.length for c in caches) + 1
+        width = -(-capacity_bucket(longest, self.max_context) // bs)
+        ids = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        slots = np.full(rows, scratch * bs, np.int32)
+        tables = np.full((rows, width), scratch, np.int32)
+        lengths = np.ones(rows, np.int32)
+        for i, (cache, token) in enumerate(zip(caches, token_ids)):
+            p = cache.length
+            blocks = cache.table.blocks[:p // bs + 1]
+            ids[i], positions[i], lengths[i] = token, p, p + 1
+            slots[i] = blocks[p // bs] * bs + p % bs
+            tables[i, :len(blocks)] = blocks
+        return ids, positions, slots, tables, lengths
+
+    def __call__(self, caches: list[PagedSequenceCache], token_ids: list[int]) -> Array | None:
+        """Feed ``token_ids[i]`` at the next position of ``caches[i]`` (all of
+        one pool, the position reserved); the logits ``[len(caches), vocab]``,
+        or None where this step cannot run (the caller runs the eager
+        forward, which writes these positions again). Nothing is committed."""
+        if self.reason is not None or not caches:
+            return None
+        pool: PagedKVPool = caches[0].pool
+        if any(c.pool is not pool for c in caches):
+            return None
+        buffers = pool.layer_rows(self.model.num_layers)
+        if buffers is None:  # a layer not written yet: its shapes are unknown
+            return None
+        ops = self.ops
+        host = self.inputs(caches, token_ids)
+        first = self.steps == 0
+        try:
+            args = [ops.from_numpy(a) for a in host]
+            logits, keys, values = self._fn(*args, *buffers, pool.block_size)
+        except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
+            if not first and not isinstance(exc, CaptureError):
+                raise
+            self.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            log.info("batched decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device,
+                     self.reason)
+            return None
+        pool.replace_layer_rows(keys, values)
+        self.steps += 1
+        self.rows += len(caches)
+        return logits if len(caches) == len(host[0]) else ops.slice(logits, 0, 0, len(caches))
+
+    def describe(self) -> str:
+        """One line for ``infer doctor`` and logs: captured or not, and why."""
+        if self.reason is not None:
+            return f"batched decode step eager: {self.reason}"
+        if not self.compiled:
+            return f"batched decode step with static shapes, not compiled ({self.steps} steps)"
+        return f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows"

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from infer.architecture import CausalLM
-from infer.engine.capture import CapturedDecode, capacity_bucket
+from infer.engine.capture import CapturedBatchDecode, CapturedDecode, capacity_bucket
 from infer.errors import BackendOutputError, ContextLengthError, GenerationError
 from infer.kv.attention import AttentionContext, SequenceSlice
 from infer.kv.cache import ContiguousKVCache, SequenceCache
-from infer.kv.paged import PagedKVPool
+from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.ops import Array, Backend
 
 
@@ -174,14 +174,20 @@ class Engine:
         self._kv_bytes_per_position: int | None = None
         #: The captured greedy decode step (:mod:`infer.engine.capture`), when on.
         self.decode_step: CapturedDecode | None = None
+        #: The captured decode forward of paged sequences, one token each, when on.
+        self.batch_step: CapturedBatchDecode | None = None
 
     def capture_decode(self, *, compile: bool = True) -> CapturedDecode:
-        """Run greedy decode steps of contiguous sequences through one
-        captured graph from now on (``infer.load(..., compile=True)`` does
-        this where the backend can compile); ``compile=False`` runs the same
-        static-shape step uncompiled. New sequences' capacities are rounded
-        up to a power of two so that requests share graphs."""
+        """Run decode steps through captured graphs from now on
+        (``infer.load(..., compile=True)`` does this where the backend can
+        compile): greedy steps of contiguous sequences (:attr:`decode_step`)
+        and every forward of paged sequences feeding one token each
+        (:attr:`batch_step`: the batch engine's decode steps).
+        ``compile=False`` runs the same static-shape steps uncompiled. New
+        contiguous sequences' capacities are rounded up to a power of two so
+        that requests share graphs."""
         self.decode_step = CapturedDecode(self.model, self.backend, compile=compile)
+        self.batch_step = CapturedBatchDecode(self.model, self.backend, self.max_context, compile=compile)
         return self.decode_step
 
     # -- sequences ----------------------------------------------------------
@@ -300,6 +306,11 @@ class Engine:
         """The network over ``batch``: the logits of the rows it asks for,
         and every new token's hidden states when it asks for them."""
         ops = self.backend
+        if (self.batch_step is not None and not batch.capture_hidden
+                and all(s.length == 1 and isinstance(s.cache, PagedSequenceCache) for s in batch.slices)):
+            logits = self.batch_step([s.cache for s in batch.slices], [ids[0] for ids in batch.token_ids])  # type: ignore[misc]
+            if logits is not None:
+                return logits, None
         ctx = AttentionContext(ops, batch.slices)
         hidden = self.model.forward(ops.from_numpy(batch.ids), ctx)
         logits = self.model.compute_logits(_rows(ops, hidden, batch.logit_tokens))

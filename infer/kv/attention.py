@@ -175,3 +175,50 @@ class StaticAttentionContext(AttentionContext):
         self.values[layer] = ops.update_rows_at(self.values[layer], self.start, v)
         return ops.cached_attention(q, self.keys[layer], self.values[layer], self._length, scale=scale,
                                     window=window, softcap=softcap)
+
+
+class PagedStaticAttentionContext(AttentionContext):
+    """Several sequences' decode forward with static shapes, on a paged pool,
+    for a captured batched decode step (:mod:`infer.engine.capture`).
+
+    Each of the ``batch`` sequences feeds ``tokens`` rows (one, decoding). The
+    pool's layers are their flat ``[rows, kv_heads, dim]`` arrays
+    (:meth:`~infer.kv.paged.PagedKVPool.layer_rows`); everything that changes
+    from step to step is data: ``positions`` (int32 ``[batch * tokens]``),
+    ``slots`` (the pool row each new position is written to, the same shape),
+    ``tables`` (int32 ``[batch, width]``, each sequence's blocks) and
+    ``lengths`` (int32 ``[batch]``, its keys after this step). Writes go
+    through :meth:`~infer.ops.Backend.scatter_rows` and attention through
+    :meth:`~infer.ops.Backend.batched_paged_attention`, so a batch and table
+    width keep one graph for every step. The arrays after the forward are
+    :attr:`keys` and :attr:`values`.
+    """
+
+    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], positions: Array, slots: Array,
+                 tables: Array, lengths: Array, *, block_size: int, tokens: int) -> None:
+        self.ops = ops
+        self.keys, self.values = list(keys), list(values)
+        self.positions = positions
+        self.num_tokens = tokens
+        self.sequences = []
+        self.paged = []
+        self._slots, self._tables, self._lengths, self._block = slots, tables, lengths, block_size
+
+    @property  # type: ignore[override]
+    def max_position(self) -> int:
+        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
+                                  "which changes every step")
+
+    def attention(
+        self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
+        window: int | None = None, softcap: float | None = None,
+    ) -> Array:
+        """Write this layer's new keys and values to their slots, then attend
+        over each sequence's pages."""
+        ops = self.ops
+        self.keys[layer] = ops.scatter_rows(self.keys[layer], self._slots, k)
+        self.values[layer] = ops.scatter_rows(self.values[layer], self._slots, v)
+        pools = [ops.reshape(a, (-1, self._block) + tuple(ops.shape(a)[1:]))
+                 for a in (self.keys[layer], self.values[layer])]
+        return ops.batched_paged_attention(q, pools[0], pools[1], self._tables, self._lengths, scale=scale,
+                                           window=window, softcap=softcap)

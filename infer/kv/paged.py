@@ -1,10 +1,11 @@
 """The paged KV cache: one pool of backend memory, pages handed to sequences.
 
 :class:`PagedKVPool` holds, per layer, one key and one value array of
-``num_blocks * block_size`` rows (``[rows, kv_heads, head_dim]``); row
-``block * block_size + offset`` is position ``offset`` of physical block
-``block``. Viewed as ``[num_blocks, block_size, kv_heads, head_dim]`` it is
-exactly the ``k_pool``/``v_pool`` of :meth:`infer.ops.Backend.paged_attention`.
+``(num_blocks + 1) * block_size`` rows (``[rows, kv_heads, head_dim]``; the
+last block is scratch, see below); row ``block * block_size + offset`` is
+position ``offset`` of physical block ``block``. Viewed as ``[num_blocks + 1,
+block_size, kv_heads, head_dim]`` it is exactly the ``k_pool``/``v_pool`` of
+:meth:`infer.ops.Backend.paged_attention`.
 Like :class:`~infer.kv.cache.ContiguousKVCache`, each layer's arrays are created
 at its first write, from the shapes written, so layers of different widths
 need no special case; the *number* of blocks is fixed at start-up (a block
@@ -24,7 +25,12 @@ full blocks in the prefix cache, ``truncate`` and ``free`` give pages back.
 Writes go through :meth:`~infer.ops.Backend.update_rows`, one call per run of
 physically consecutive rows (a fresh sequence's blocks usually are: the
 allocator hands out the lowest free ids first), so the pool is updated in
-place on numpy and torch and functionally on MLX, with no new backend op.
+place on numpy and torch and functionally on MLX. A captured batched decode
+step (:mod:`infer.engine.capture`) writes instead through
+:meth:`~infer.ops.Backend.scatter_rows`, one row per sequence at a row given
+as data, and attends through
+:meth:`~infer.ops.Backend.batched_paged_attention` with the block tables as
+data; its padding rows use the scratch block.
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ class PagedKVPool:
     values of every layer) together with ``bytes_per_token`` (what one
     position costs across all layers;
     :meth:`~infer.engine.Engine.new_kv_pool` measures it).
+
+    The layers' arrays hold one block more than ``num_blocks``: the scratch
+    block (:attr:`scratch_block`), never handed to a sequence, where the
+    padding rows of a captured batched decode step write and read
+    (:mod:`infer.engine.capture`; a batch of 5 runs the graph made for 8).
+    A ``memory_budget`` counts it.
     """
 
     def __init__(
@@ -67,17 +79,21 @@ class PagedKVPool:
         if memory_budget is not None:
             if bytes_per_block is None:
                 raise CacheConfigError("a memory_budget needs bytes_per_token (Engine.new_kv_pool measures it)")
-            num_blocks = memory_budget // bytes_per_block
+            num_blocks = memory_budget // bytes_per_block - 1  # the scratch block's share
             if num_blocks < 1:
                 raise CacheFullError(
                     f"a KV memory budget of {memory_budget:,} bytes holds no block: one block of "
-                    f"{block_size} positions takes {bytes_per_block:,} bytes; raise the budget or lower block_size"
+                    f"{block_size} positions takes {bytes_per_block:,} bytes, and the pool needs two (one is "
+                    "its scratch block); raise the budget or lower block_size"
                 )
         assert num_blocks is not None
         self.backend = backend
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_blocks = num_blocks
+        #: The block past the sequences' blocks: padding rows of a captured
+        #: batched step write there (its contents are never keys of a sequence).
+        self.scratch_block = num_blocks
         self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
         self._keys: list[Array | None] = [None] * num_layers
         self._values: list[Array | None] = [None] * num_layers
@@ -153,7 +169,22 @@ class PagedKVPool:
     def paged_view(self, pool: Array) -> Array:
         """A layer's rows viewed as ``[num_blocks, block_size, heads, dim]``."""
         ops = self.backend
-        return ops.reshape(pool, (self.num_blocks, self.block_size) + tuple(ops.shape(pool)[1:]))
+        return ops.reshape(pool, (self.num_blocks + 1, self.block_size) + tuple(ops.shape(pool)[1:]))
+
+    def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
+        """The first ``layers`` layers' key and value arrays, ``[rows, heads,
+        dim]`` (the scratch block's rows last), as a captured step takes
+        them; None while one of them is not allocated yet (no write so far)."""
+        keys, values = self._keys[:layers], self._values[:layers]
+        if any(a is None for a in (*keys, *values)):
+            return None
+        return list(keys), list(values)  # type: ignore[arg-type]
+
+    def replace_layer_rows(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
+        """After a captured step: its arrays are the layers' from now on (the
+        same arrays on a backend that writes in place, new ones on MLX)."""
+        self._keys[:len(keys)] = list(keys)
+        self._values[:len(values)] = list(values)
 
     def layer_pools(self, layer: int) -> tuple[Array, Array]:
         """``(k_pool, v_pool)`` of ``layer``, shaped for
@@ -176,7 +207,7 @@ class PagedKVPool:
 
     def _allocate(self, layer: int, k: Array, v: Array) -> None:
         ops = self.backend
-        rows = self.num_blocks * self.block_size
+        rows = (self.num_blocks + 1) * self.block_size  # the scratch block last
         self._keys[layer] = ops.zeros((rows,) + ops.shape(k)[1:], ops.dtype(k))
         self._values[layer] = ops.zeros((rows,) + ops.shape(v)[1:], ops.dtype(v))
         if not self._bytes_known:  # grows to the true figure as layers appear

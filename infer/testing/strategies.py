@@ -345,6 +345,17 @@ def update_rows_at_calls(draw: Any) -> Call:
     return Call((dst, In(np.array([start], np.int32), "int32"), src))
 
 
+@st.composite
+def scatter_rows_calls(draw: Any) -> Call:
+    """dst ``[rows, ...]``, distinct int32 row indices in any order, and their new rows."""
+    rows, seed = draw(st.integers(1, 10)), draw(seeds)
+    tail = draw(shapes(0, 2, 5))
+    count = draw(st.integers(1, rows))
+    at = np.random.default_rng(seed).permutation(rows)[:count].astype(np.int32)
+    src_kind = draw(st.sampled_from(["float", "float32"]))  # src is cast to dst's dtype
+    return Call((In(normal(seed, (rows,) + tail)), In(at, "int32"), In(normal(seed + 1, (count,) + tail), src_kind)))
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 
@@ -376,6 +387,27 @@ def attention_calls(draw: Any, tq: Any = st.integers(1, 6), past: Any = st.integ
     k_pool = In(normal(seed + 1, (pool, block, hkv, dk)))
     v_pool = In(normal(seed + 2, (pool, block, hkv, dv)))
     return Call((q, k_pool, v_pool, In(table, "int32"), tk), kwargs)
+
+
+@st.composite
+def batched_paged_attention_calls(draw: Any, tq: Any = st.integers(1, 3)) -> Call:
+    """Several sequences of different lengths in one paged pool, ``tq`` query
+    rows each: their block tables padded to one width with blocks they never
+    read (noise), their lengths as data."""
+    batch, tq_, group, hkv = draw(st.integers(1, 4)), draw(tq), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    dk = draw(st.sampled_from([4, 8, 16]))
+    dv = draw(st.sampled_from([dk, 8]))
+    block, seed = draw(st.sampled_from([1, 2, 4])), draw(seeds)
+    lengths = [tq_ + draw(st.integers(0, 9)) for _ in range(batch)]
+    width = max(-(-n // block) for n in lengths) + draw(st.integers(0, 1))
+    pool = batch * width + draw(st.integers(0, 3))
+    rng = np.random.default_rng(seed)
+    tables = rng.integers(0, pool, (batch, width)).astype(np.int32)
+    kwargs = {"scale": draw(st.floats(0.5, 1.5)) / math.sqrt(dk), "window": draw(st.none() | st.integers(1, 12)),
+              "softcap": draw(st.none() | st.floats(5.0, 50.0))}
+    return Call((In(normal(seed, (batch * tq_, hkv * group, dk))), In(normal(seed + 1, (pool, block, hkv, dk))),
+                 In(normal(seed + 2, (pool, block, hkv, dv))), In(tables, "int32"),
+                 In(np.asarray(lengths, np.int32), "int32")), kwargs)
 
 
 # -- optional ops ---------------------------------------------------------------------------------

@@ -199,13 +199,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = ("paged KV pool, native paged_attention" if chosen.supports("paged_attention")
                 else "contiguous caches (no native paged_attention; a paged pool would be gathered)")
         print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
+        served = ("greedy, one sequence, contiguous cache; and every batched decode step on a paged pool, "
+                  "one graph per batch-size bucket")
         if not chosen.supports("compile"):
             step = "eager: this backend has no graph capture"
         elif chosen.capture_by_default:
-            step = ("captured as one program by default (greedy, one sequence, contiguous cache; "
-                    "infer.load(..., compile=False) decodes eagerly)")
+            step = f"captured as programs by default ({served}; infer.load(..., compile=False) decodes eagerly)"
         else:
-            step = "captured as one graph with infer.load(..., compile=True) (greedy, one sequence, contiguous cache)"
+            step = f"captured as graphs with infer.load(..., compile=True) ({served})"
         print(f"decode step on {chosen.name}/{chosen.device}: {step}")
     except InferError as exc:
         print(f"infer.load() has no backend to run on: {exc}")

@@ -1,0 +1,209 @@
+"""The captured batched decode step (CapturedBatchDecode, infer/engine/capture.py).
+
+Every forward in which each sequence of a paged pool feeds one token runs as
+one graph per batch-size bucket and table width: keys written to pool rows
+given as data (``scatter_rows``), attention through block tables and lengths
+given as data (``batched_paged_attention``), padding rows on the pool's
+scratch block. Tiny random models decode batches of requests twice, eagerly
+and through the step, on numpy (uncompiled: the static ops as they are; and
+recorded as one program of its C kernels), torch/cpu (``torch.compile``) and
+mlx/cpu (``mx.compile``): the tokens must be identical, the step's logits
+agree with the eager forward's within ``COMPILED_RTOL`` of the largest logit
+(test_captured_decode.py argues it: products over a padded batch may round
+differently), and the graphs are one per batch bucket, not one per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from infer.backends import numpy as numpy_backend
+from reference import (
+    LOGIT_RTOL,
+    assert_logits_close,
+    backend_params,
+    encode,
+    tiny_model_dir,
+)
+
+import infer
+from infer.engine.capture import CapturedBatchDecode, batch_bucket
+from infer.engine.generate import StopConditions
+from infer.engine.sampling import SamplingParams
+from infer.kv.attention import PagedStaticAttentionContext
+
+COMPILED_RTOL = 2 * LOGIT_RTOL
+HAS_PROGRAMS = hasattr(numpy_backend._affine, "run_plan")
+#: (backend, compiled): torch with torch.compile (not torch/cpu's default program, which is numpy's, tested here too).
+STEPS = [pytest.param("numpy", False, id="numpy-static"),
+         pytest.param("numpy", True, id="numpy-program", marks=pytest.mark.skipif(not HAS_PROGRAMS, reason="no C kernels")),
+         *(pytest.param(p.values[0], True, marks=p.marks, id=f"{p.values[0]}-compiled")
+           for p in backend_params("torch:cpu", "mlx:cpu"))]
+PROMPTS = ["The capital of France is", "Once upon a time there was", "a b c d e f g h i j k l m n o p q r s",
+           "The capital of France is"]  # the last shares the first's prompt: its full blocks come from the prefix cache
+#: New tokens per request: the running batch goes 4, 3, 2, 1 (buckets 4, 4, 2, 1: three graphs).
+NEW_TOKENS = [20, 26, 32, 40]
+
+
+def _model(variant: str, backend: str, compiled: bool) -> infer.Model:
+    model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
+    model.backend.graph_capture = compiled and backend.startswith("torch")  # torch.compile, as compile=True sets it
+    return model
+
+
+def _run_batch(model: infer.Model, variant: str, sampling: SamplingParams | None = None) -> list[list[int]]:
+    batch = model.configure_batching(kv_memory=2**22, kv_layout="paged", block_size=4)
+    ids = [encode(tiny_model_dir(variant), p) for p in PROMPTS]
+    handles = [batch.submit(p, sampling or SamplingParams(), StopConditions(max_tokens=n, ignore_eos=True))
+               for p, n in zip(ids, NEW_TOKENS)]
+    batch.run_until_done()
+    return [h.tokens for h in handles]
+
+
+@pytest.mark.parametrize("backend,compiled", STEPS)
+@pytest.mark.parametrize("variant", ["llama3", "gemma3", "gemma3_softcap"])
+def test_batched_decode_steps_give_the_eager_tokens_in_a_graph_per_batch_bucket(
+        backend: str, compiled: bool, variant: str) -> None:
+    # Sliding windows and their pages (gemma3), soft-capped attention (gemma3_softcap).
+    model = _model(variant, backend, compiled)
+    want = _run_batch(model, variant)
+    model.engine.capture_decode(compile=compiled)
+    step = model.engine.batch_step
+    assert isinstance(step, CapturedBatchDecode)
+    got = _run_batch(model, variant)
+    assert got == want
+    assert step.reason is None, step.reason
+    # Every decode step after the four prefills: batches of 4, 3, 2 and 1 sequences.
+    assert step.steps == max(NEW_TOKENS) - 1 and step.rows == sum(NEW_TOKENS) - len(NEW_TOKENS)
+    if compiled:
+        assert step.graphs == len({batch_bucket(n) for n in (4, 3, 2, 1)}) == 3, f"{step.graphs} graphs"
+    assert model.engine.decode_step is not None and model.engine.decode_step.steps == 0  # that one is for contiguous
+
+
+@pytest.mark.parametrize("backend,compiled", STEPS[:2])
+def test_sampled_batches_sample_from_the_steps_logits(backend: str, compiled: bool) -> None:
+    """The step hands every sequence's logits to the engine's samplers: seeded
+    sampling draws the eager run's tokens (numpy: the same C kernels)."""
+    model = _model("llama3", backend, compiled)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    want = _run_batch(model, "llama3", sampling)
+    model.engine.capture_decode(compile=compiled)
+    assert _run_batch(model, "llama3", sampling) == want
+    assert model.engine.batch_step.steps > 0
+
+
+@pytest.mark.parametrize("backend,compiled", STEPS)
+@pytest.mark.parametrize("variant", ["llama3", "gemma3"])
+def test_the_batched_step_gives_the_eager_logits(backend: str, compiled: bool, variant: str) -> None:
+    """Three sequences of different lengths (a padding row in the bucket of
+    4), several steps: the step's logits against the eager forward's, the
+    sequences' caches rolled back in between."""
+    model = _model(variant, backend, compiled)
+    engine, ops = model.engine, model.backend
+    pool = engine.new_kv_pool(block_size=4, num_blocks=64)
+    step = CapturedBatchDecode(model.network, ops, engine.max_context, compile=compiled)
+    prompts = [encode(tiny_model_dir(variant), p) for p in PROMPTS[:3]]
+    seqs = [engine.new_sequence(256, kv_pool=pool) for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        engine.forward(seq, prompt)
+    for tokens in ([5, 17, 2], [40, 9, 33], [1, 2, 3], [7, 7, 7]):
+        eager = ops.to_numpy(engine.run(engine.prepare(seqs, [[t] for t in tokens])).logits)
+        for seq in seqs:
+            engine.truncate(seq, seq.cached - 1)
+        batch = engine.prepare(seqs, [[t] for t in tokens])  # reserves the positions, as the runner does
+        logits = step([s.cache for s in seqs], tokens)
+        assert logits is not None, step.reason
+        for seq, t in zip(seqs, tokens):
+            seq.cache.commit([t])
+            seq.tokens.append(t)
+        assert len(batch.seqs) == 3 and ops.shape(logits) == (3, model.network.vocab_size)
+        assert_logits_close(np.asarray(ops.to_numpy(logits), np.float32), np.asarray(eager, np.float32),
+                            f"batched step vs eager, tokens {tokens}", rtol=COMPILED_RTOL)
+    for seq in seqs:
+        engine.release(seq)
+
+
+@pytest.mark.parametrize("backend,compiled", STEPS[1:])
+def test_the_step_does_not_recompile_per_token(backend: str, compiled: bool) -> None:
+    """Two sequences decoding 64 steps: one graph for all of them."""
+    model = _model("llama3", backend, compiled)
+    model.engine.capture_decode(compile=compiled)
+    engine, step = model.engine, model.engine.batch_step
+    pool = engine.new_kv_pool(block_size=8, num_blocks=64)
+    seqs = [engine.new_sequence(256, kv_pool=pool) for _ in range(2)]
+    for seq, prompt in zip(seqs, PROMPTS[:2]):
+        engine.forward(seq, encode(tiny_model_dir("llama3"), prompt))
+    tokens = [3, 4]
+    for _ in range(64):
+        out = engine.run(engine.prepare(seqs, [[t] for t in tokens]))
+        tokens = [int(t) for t in out.argmax()]
+    assert step.steps == 64 and step.graphs == 1, f"{step.graphs} graphs for {step.steps} steps: it recompiles"
+
+
+def test_what_the_batched_step_does_not_serve_runs_eagerly() -> None:
+    model = _model("llama3", "numpy", HAS_PROGRAMS)
+    model.engine.capture_decode(compile=HAS_PROGRAMS)
+    engine, step = model.engine, model.engine.batch_step
+    pool = engine.new_kv_pool(block_size=4, num_blocks=32)
+    prompt = encode(tiny_model_dir("llama3"), PROMPTS[0])
+    seq = engine.new_sequence(64, kv_pool=pool)
+    # A sequence's first forward: the pool has no layer arrays yet (their shapes come from the first write).
+    assert step([seq.cache], [prompt[0]]) is None and seq.cached == 0
+    engine.forward(seq, prompt)
+    assert step.steps == 0  # a prompt: several rows
+    engine.forward(seq, [3, 4])  # speculative verification's shape: two rows of one sequence
+    assert step.steps == 0
+    contiguous = engine.new_sequence(64)
+    engine.forward(contiguous, prompt)
+    engine.run(engine.prepare([seq, contiguous], [[5], [5]]))  # a contiguous cache in the batch
+    assert step.steps == 0
+    engine.run(engine.prepare([seq], [[6]]))
+    assert step.steps == 1 and step.reason is None
+    # Two pools in one forward: eager.
+    other = engine.new_sequence(64, kv_pool=engine.new_kv_pool(block_size=4, num_blocks=32))
+    engine.forward(other, prompt)
+    engine.run(engine.prepare([seq, other], [[7], [7]]))
+    assert step.steps == 1
+    for s in (seq, contiguous, other):
+        engine.release(s)
+
+
+def test_padding_rows_use_the_scratch_block_only() -> None:
+    """A batch of 3 in the bucket of 4: the padding row writes to the scratch
+    block and reads only it, and the step's inputs say so."""
+    model = _model("llama3", "numpy", False)
+    engine = model.engine
+    pool = engine.new_kv_pool(block_size=4, num_blocks=16)
+    step = CapturedBatchDecode(model.network, model.backend, engine.max_context, compile=False)
+    seqs = [engine.new_sequence(64, kv_pool=pool) for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        engine.forward(seq, list(range(1, 4 + 3 * i)))
+    engine.prepare(seqs, [[1]] * 3)
+    ids, positions, slots, tables, lengths = step.inputs([s.cache for s in seqs], [1, 2, 3])
+    assert ids.tolist() == [1, 2, 3, 0] and lengths.tolist() == [4, 7, 10, 1]
+    assert positions.tolist() == [3, 6, 9, 0]
+    scratch = pool.scratch_block
+    assert slots[3] == scratch * 4 and set(tables[3].tolist()) == {scratch}
+    for i, seq in enumerate(seqs):
+        blocks = seq.cache.table.blocks
+        assert slots[i] == blocks[positions[i] // 4] * 4 + positions[i] % 4
+        assert tables[i, :len(blocks)].tolist() == blocks and scratch not in blocks
+    before = [np.array(a) for a in pool.layer_rows(model.network.num_layers)[0]]
+    step([s.cache for s in seqs], [1, 2, 3])
+    after = pool.layer_rows(model.network.num_layers)[0]
+    written = {int(s) for s in slots[:3]} | set(range(scratch * 4, scratch * 4 + 4))
+    for b, a in zip(before, after):
+        changed = {int(r) for r in np.nonzero(np.any(b != a, axis=(1, 2)))[0]}
+        assert changed <= written and changed & {int(s) for s in slots[:3]}
+    for seq in seqs:
+        engine.release(seq)
+
+
+def test_the_static_context_refuses_host_reads_of_the_length() -> None:
+    model = _model("llama3", "numpy", False)
+    ops = model.backend
+    ctx = PagedStaticAttentionContext(ops, [], [], ops.from_numpy(np.zeros(1, np.int32)),
+                                      ops.from_numpy(np.zeros(1, np.int32)), ops.from_numpy(np.zeros((1, 1), np.int32)),
+                                      ops.from_numpy(np.ones(1, np.int32)), block_size=4, tokens=1)
+    with pytest.raises(infer.errors.CaptureError, match="max_position"):
+        ctx.max_position  # noqa: B018 - the read is the test
