@@ -283,6 +283,15 @@ class NumpyBackend(Backend):
         return out.reshape(*lead, n)
 
     @property
+    def max_capture_batch(self) -> int | None:  # type: ignore[override]
+        """A recorded program's products are the C kernels', which take up to
+        :attr:`KERNEL_ROWS` rows (more go to BLAS on dequantized slabs, which
+        no program step calls): batches of more sequences run as several
+        programs of that many. SmolLM2, 32 sequences: 2 programs of 16, about
+        88 ms a step, against 199 ms for the eager forward."""
+        return self.KERNEL_ROWS
+
+    @property
     def capture_by_default(self) -> bool:  # type: ignore[override]
         """The greedy decode step is recorded as one program of C kernel calls
         unless ``infer.load(..., compile=False)`` (:meth:`compile`): measured

@@ -903,6 +903,16 @@ class TorchBackend(Backend):
         step is recorded as their program by default (see :meth:`compile`)."""
         return self._records_programs()
 
+    @property
+    def max_capture_batch(self) -> int | None:  # type: ignore[override]
+        """numpy's programs (the CPU's default capture) take its kernel rows at a
+        time; torch.compile's graphs take any batch."""
+        if self._records_programs() and not self.graph_capture:
+            from infer.backends import numpy as numpy_backend
+
+            return numpy_backend.NumpyBackend.KERNEL_ROWS
+        return None
+
     def _records_programs(self) -> bool:
         from infer.backends import numpy as numpy_backend
 

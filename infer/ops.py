@@ -778,6 +778,12 @@ class Backend(abc.ABC):
     #: is measured faster than their eager step and costs no compile time.
     capture_by_default: bool = False
 
+    #: The most sequences one captured batched decode step runs at once
+    #: (None: any number): a larger batch runs as several steps of at most
+    #: this many, each exact for its rows. For a backend whose captured
+    #: products take only so many rows (numpy's programs: its kernel rows).
+    max_capture_batch: int | None = None
+
     #: Whether architectures should :meth:`compile` their layer pieces; set
     #: by ``infer.load(..., compile=True)``. Off by default: capturing costs
     #: compile time at the first call of each new shape.

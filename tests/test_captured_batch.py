@@ -207,3 +207,89 @@ def test_the_static_context_refuses_host_reads_of_the_length() -> None:
                                       ops.from_numpy(np.ones(1, np.int32)), block_size=4, tokens=1)
     with pytest.raises(infer.errors.CaptureError, match="max_position"):
         ctx.max_position  # noqa: B018 - the read is the test
+
+
+def test_speculative_batches_decode_the_eager_tokens() -> None:
+    """Requests verifying drafts (several rows each) run their forwards
+    eagerly, one-token forwards of the others and of a paged draft model are
+    captured: the tokens are the uncaptured run's."""
+    from infer.engine.speculative import DraftModelSource, NGramDraft, Speculation
+
+    target = _model("llama3", "numpy", HAS_PROGRAMS)
+    draft = _model("llama3", "numpy", HAS_PROGRAMS)
+    draft.engine.kv_pool = draft.engine.new_kv_pool(block_size=4, num_blocks=64)
+    ids = [encode(tiny_model_dir("llama3"), p) for p in PROMPTS[:3]]
+
+    def run() -> list[list[int]]:
+        batch = target.configure_batching(kv_memory=2**22, kv_layout="paged", block_size=4)
+        specs = [Speculation(NGramDraft(), 3), Speculation(DraftModelSource(draft.engine, target.network.vocab_size), 3),
+                 None]
+        handles = [batch.submit(p, SamplingParams(), StopConditions(max_tokens=n, ignore_eos=True), spec)
+                   for p, n, spec in zip(ids, (12, 12, 30), specs)]
+        batch.run_until_done()
+        return [h.tokens for h in handles]
+
+    want = run()
+    target.engine.capture_decode(compile=HAS_PROGRAMS)
+    draft.engine.capture_decode(compile=HAS_PROGRAMS)
+    assert run() == want
+    assert target.engine.batch_step.steps > 0 and target.engine.batch_step.reason is None  # the last request alone
+    assert draft.engine.batch_step.steps > 0  # the draft model's one-token forwards
+
+
+def test_multi_token_prediction_runs_its_forwards_eagerly_with_the_same_tokens() -> None:
+    """MTP needs every row's hidden states: its forwards are not the step's
+    (DeepSeek-V3 is mixture-of-experts besides, whose routing reads the host)."""
+    from test_deepseek_v3 import mtp_model_dir
+
+    from infer.engine.speculative import MTPDraft, Speculation
+
+    path = mtp_model_dir()
+    model = infer.load(path, backend="numpy", dtype="float32", compile=False)
+    ids = encode(path, PROMPTS[0])
+
+    def run() -> list[int]:
+        batch = model.configure_batching(kv_memory=2**22, kv_layout="paged", block_size=4)
+        handle = batch.submit(ids, SamplingParams(), StopConditions(max_tokens=10, ignore_eos=True),
+                              Speculation(MTPDraft(model.engine), 1))
+        batch.run_until_done()
+        return handle.tokens
+
+    want = run()
+    model.engine.capture_decode(compile=HAS_PROGRAMS)
+    assert run() == want
+    step = model.engine.batch_step
+    assert step.steps == 0
+
+
+@pytest.mark.skipif(not HAS_PROGRAMS, reason="no C kernels")
+def test_batches_past_the_backends_capture_batch_run_as_several_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # numpy's programs take its kernel rows (16) at a time; 2 here, so that 4 requests are two steps of 2.
+    monkeypatch.setattr(numpy_backend.NumpyBackend, "max_capture_batch", 2)
+    model = _model("llama3", "numpy", True)
+    want = _run_batch(model, "llama3")
+    model.engine.capture_decode()
+    assert _run_batch(model, "llama3") == want
+    step = model.engine.batch_step
+    assert step.reason is None and step.steps == max(NEW_TOKENS) - 1
+    assert step.graphs == 2  # the buckets of 2 and 1: a batch of 3 is 2 + 1
+
+
+@pytest.mark.skipif(not HAS_PROGRAMS, reason="no C kernels")
+def test_a_shape_refused_after_the_first_step_runs_eagerly_alone() -> None:
+    model = _model("llama3", "numpy", True)
+    want = _run_batch(model, "llama3")
+    model.engine.capture_decode()
+    step = model.engine.batch_step
+    real = step._fn
+
+    def refusing(ids, *args):  # type: ignore[no-untyped-def]
+        if model.backend.shape(ids)[0] == 2:
+            raise infer.errors.CaptureError("no graph for two rows here")
+        return real(ids, *args)
+
+    step._fn = refusing
+    assert _run_batch(model, "llama3") == want
+    assert step.reason is None and list(step.refused) == [(2, 64)]
+    assert step.steps == max(NEW_TOKENS) - 1 - (NEW_TOKENS[2] - NEW_TOKENS[1])  # all but the steps of 2
+    assert "2 rows x 64 blocks eager (CaptureError: no graph for two rows here)" in step.describe()

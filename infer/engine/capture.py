@@ -168,6 +168,9 @@ class CapturedBatchDecode:
         self.reason: str | None = None
         #: Forwards run by the captured path, and the sequences they served.
         self.steps = self.rows = 0
+        #: (batch bucket, table width) shapes the backend refused after the
+        #: first step, and why: their forwards run eagerly, the others' not.
+        self.refused: dict[tuple[int, int], str] = {}
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
 
     @property
@@ -210,7 +213,9 @@ class CapturedBatchDecode:
         """Feed ``token_ids[i]`` at the next position of ``caches[i]`` (all of
         one pool, the position reserved); the logits ``[len(caches), vocab]``,
         or None where this step cannot run (the caller runs the eager
-        forward, which writes these positions again). Nothing is committed."""
+        forward, which writes these positions again). Nothing is committed.
+        More sequences than the backend's :attr:`~infer.ops.Backend.max_capture_batch`
+        run as several steps (each sequence's rows are its own)."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
@@ -219,23 +224,40 @@ class CapturedBatchDecode:
         buffers = pool.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet: its shapes are unknown
             return None
-        ops = self.ops
-        host = self.inputs(caches, token_ids)
-        first = self.steps == 0
-        try:
-            args = [ops.from_numpy(a) for a in host]
-            logits, keys, values = self._fn(*args, *buffers, pool.block_size)
-        except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
-            if not first and not isinstance(exc, CaptureError):
-                raise
-            self.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            log.info("batched decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device,
-                     self.reason)
-            return None
-        pool.replace_layer_rows(keys, values)
+        limit = self.ops.max_capture_batch or len(caches)
+        parts = []
+        for i in range(0, len(caches), limit):
+            logits = self._run(pool, caches[i:i + limit], token_ids[i:i + limit])
+            if logits is None:
+                return None
+            parts.append(logits)
         self.steps += 1
         self.rows += len(caches)
-        return logits if len(caches) == len(host[0]) else ops.slice(logits, 0, 0, len(caches))
+        return parts[0] if len(parts) == 1 else self.ops.concat(parts, 0)
+
+    def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[int]) -> Array | None:
+        ops = self.ops
+        host = self.inputs(caches, token_ids)
+        shape = (len(host[0]), host[3].shape[1])  # the batch bucket and the table width
+        if shape in self.refused:
+            return None
+        buffers = pool.layer_rows(self.model.num_layers)
+        assert buffers is not None
+        try:
+            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host), *buffers, pool.block_size)
+        except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if self.steps == 0 and not self.refused:
+                self.reason = reason
+            elif isinstance(exc, CaptureError):  # refused for this shape only: its batches run eagerly
+                self.refused[shape] = reason
+            else:
+                raise
+            log.info("batched decode step of %d rows, %d blocks wide, not captured on %s/%s (%s); those steps "
+                     "run eagerly", shape[0], shape[1], ops.name, ops.device, reason)
+            return None
+        pool.replace_layer_rows(keys, values)
+        return logits if len(caches) == shape[0] else ops.slice(logits, 0, 0, len(caches))
 
     def describe(self) -> str:
         """One line for ``infer doctor`` and logs: captured or not, and why."""
@@ -243,4 +265,5 @@ class CapturedBatchDecode:
             return f"batched decode step eager: {self.reason}"
         if not self.compiled:
             return f"batched decode step with static shapes, not compiled ({self.steps} steps)"
-        return f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows"
+        refused = "".join(f"; {b} rows x {w} blocks eager ({why})" for (b, w), why in self.refused.items())
+        return f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows{refused}"
