@@ -241,7 +241,7 @@ class CapturedBatchDecode:
         shape = (len(host[0]), host[3].shape[1])  # the batch bucket and the table width
         if shape in self.refused:
             return None
-        buffers = pool.layer_rows(self.model.num_layers)
+        buffers = pool.layer_rows(self.model.num_layers)  # anew: the previous part's arrays on MLX
         assert buffers is not None
         try:
             logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host), *buffers, pool.block_size)

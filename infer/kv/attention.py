@@ -135,7 +135,26 @@ class DynamicContextError(CaptureError):
     dynamic rope scaling reads): that forward cannot be one captured graph."""
 
 
-class StaticAttentionContext(AttentionContext):
+class _StaticContext(AttentionContext):
+    """What the static contexts share: the layers' buffers as the step's
+    inputs (:attr:`keys`, :attr:`values`; new arrays after the forward on a
+    functional backend such as MLX), positions as data, and no length on the host."""
+
+    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], positions: Array, tokens: int) -> None:
+        self.ops = ops
+        self.keys, self.values = list(keys), list(values)
+        self.positions = positions
+        self.num_tokens = tokens
+        self.sequences = []
+        self.paged = []
+
+    @property  # type: ignore[override]
+    def max_position(self) -> int:
+        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
+                                  "which changes every step")
+
+
+class StaticAttentionContext(_StaticContext):
     """One sequence's forward with static shapes, for a captured decode step
     (:mod:`infer.engine.capture`).
 
@@ -150,19 +169,9 @@ class StaticAttentionContext(AttentionContext):
     """
 
     def __init__(self, ops: Backend, keys: list[Array], values: list[Array], start: Array, tokens: int) -> None:
-        self.ops = ops
-        self.keys, self.values = list(keys), list(values)
+        super().__init__(ops, keys, values, ops.add(ops.arange(0, tokens, "int32"), start), tokens)
         self.start = start
-        self.num_tokens = tokens
-        self.sequences = []
-        self.paged = []
-        self.positions = ops.add(ops.arange(0, tokens, "int32"), start)
         self._length = ops.add(start, tokens)
-
-    @property  # type: ignore[override]
-    def max_position(self) -> int:
-        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
-                                  "which changes every step")
 
     def attention(
         self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
@@ -177,7 +186,7 @@ class StaticAttentionContext(AttentionContext):
                                     window=window, softcap=softcap)
 
 
-class PagedStaticAttentionContext(AttentionContext):
+class PagedStaticAttentionContext(_StaticContext):
     """Several sequences' decode forward with static shapes, on a paged pool,
     for a captured batched decode step (:mod:`infer.engine.capture`).
 
@@ -196,18 +205,8 @@ class PagedStaticAttentionContext(AttentionContext):
 
     def __init__(self, ops: Backend, keys: list[Array], values: list[Array], positions: Array, slots: Array,
                  tables: Array, lengths: Array, *, block_size: int, tokens: int) -> None:
-        self.ops = ops
-        self.keys, self.values = list(keys), list(values)
-        self.positions = positions
-        self.num_tokens = tokens
-        self.sequences = []
-        self.paged = []
+        super().__init__(ops, keys, values, positions, tokens)
         self._slots, self._tables, self._lengths, self._block = slots, tables, lengths, block_size
-
-    @property  # type: ignore[override]
-    def max_position(self) -> int:
-        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
-                                  "which changes every step")
 
     def attention(
         self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
