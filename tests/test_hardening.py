@@ -343,11 +343,12 @@ def test_a_list_of_prompts_takes_the_max_tokens_one_prompt_takes(folder: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     edit_json(folder / "config.json", max_position_embeddings=48)
     model = infer.load(folder, backend="numpy")
-    # A KV memory of 24 positions, less than the context (48): a request that may run to the
-    # context's end cannot be batched, and runs alone, as generate(prompt) runs it.
+    # A KV memory for 24 positions (and the pool's scratch block of 8), less than the context
+    # (48): a request that may run to the context's end cannot be batched, and runs alone, as
+    # generate(prompt) runs it.
     per_position = model.engine.kv_bytes_per_position()
     with caplog.at_level("INFO", logger="infer"):
-        model.configure_batching(kv_memory=24 * per_position, block_size=8)
+        model.configure_batching(kv_memory=32 * per_position, block_size=8)
     assert "holds 24 positions, fewer than the model's context of 48" in caplog.text
     prompts = ["Hello there", "Hi"]
     alone = [model.generate(p, max_tokens=10**12, ignore_eos=True) for p in prompts]
