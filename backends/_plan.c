@@ -270,6 +270,15 @@ static int grow(struct machine *vm, float **buf, Py_ssize_t *size, Py_ssize_t ne
     return 1;
 }
 
+/* Whether each of tq query rows sees a key among tk: the eager path's own condition. */
+static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
+    if (tk >= tq) return 1;
+    vm->error = E_ROWS;
+    vm->detail = tk;
+    vm->limit = tq;
+    return 0;
+}
+
 /* Causal attention of each sequence's tq query rows over its own keys, read in
  * place from the paged pools through its row of the block tables: per
  * sequence, what the eager op's C pass computes with that sequence's table. */
@@ -306,13 +315,7 @@ static void step_paged_attend(struct machine *vm, float **scores, Py_ssize_t *sc
     a.rows = rows;
     for (Py_ssize_t b = 0; b < batch && !vm->error; b++) {
         a.tk = position(vm, lengths + b, 0, most, E_LENGTH);
-        if (vm->error) break;
-        if (a.tk < a.tq) {
-            vm->error = E_ROWS;
-            vm->detail = a.tk;
-            vm->limit = a.tq;
-            break;
-        }
+        if (vm->error || !sees_keys(vm, a.tk, a.tq)) break;
         const int32_t *table = tables + b * width;
         for (Py_ssize_t j = 0; j < a.tk; j++) {
             int32_t t = table[j / block];
@@ -412,22 +415,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         if (vm->error) return;
         a.tk = position(vm, length, 0, capacity, E_LENGTH);
         if (vm->error) return;
-        if (a.tk < a.tq) { /* every query row sees a key: the eager path's own condition */
-            vm->error = E_ROWS;
-            vm->detail = a.tk;
-            vm->limit = a.tq;
-            return;
-        }
-        Py_ssize_t need = a.tk * max_threads();
-        if (need > *scores_size) {
-            float *more = realloc(*scores, (size_t)need * sizeof(float));
-            if (!more) {
-                vm->error = E_MEMORY;
-                return;
-            }
-            *scores = more;
-            *scores_size = need;
-        }
+        if (!sees_keys(vm, a.tk, a.tq) || !grow(vm, scores, scores_size, a.tk * max_threads())) return;
         attention_run(&a, *scores, 1);
         return;
     }

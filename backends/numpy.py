@@ -49,7 +49,16 @@ from typing import Any
 import numpy as np
 
 from infer.errors import ConfigError, UnsupportedOpError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend, PackedWeight, QuantizedTensor, blocks_holding
+from infer.ops import (
+    OPTIONAL_OPS,
+    REQUIRED_OPS,
+    Array,
+    Backend,
+    PackedWeight,
+    QuantizedTensor,
+    blocks_holding,
+    rows_within,
+)
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -171,8 +180,9 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight",
-                            "quantized_linear", "topk", "scatter_rows", "batched_paged_attention"} | ({"compile"} if hasattr(_affine, "run_plan") else set()))
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight", "quantized_linear",
+                            "topk", "scatter_rows", "batched_paged_attention"}
+                           | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
     #: quantized; None: decide per tensor from the memory available.
@@ -583,11 +593,7 @@ class NumpyBackend(Backend):
 
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
         """In place: ``dst[rows] = src``, the rows checked first."""
-        rows = np.asarray(rows).reshape(-1)
-        if rows.size and (rows.min() < 0 or rows.max() >= dst.shape[0]):
-            bad = rows.min() if rows.min() < 0 else rows.max()
-            raise IndexError(f"scatter_rows: row {int(bad)} is outside the {dst.shape[0]} rows of dst")
-        dst[rows] = src
+        dst[rows_within(rows, dst.shape[0])] = src
         return dst
 
     # -- attention -----------------------------------------------------------------

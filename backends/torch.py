@@ -840,26 +840,23 @@ class TorchBackend(Backend):
         if softcap is not None:
             return torch.cat([self._masked_attention(qs[b], k[b], v[b], mask[b], scale, softcap)
                               for b in range(batch)])
-        qt, kt, vt = (a.transpose(1, 2) for a in (qs, k, v))
-        if kt.shape[1] != hq:  # with a mask, native GQA misses the fused kernels: repeat the kv heads
-            kt = kt.repeat_interleave(hq // kt.shape[1], dim=1)
-            vt = vt.repeat_interleave(hq // vt.shape[1], dim=1)
-        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale)
+        out = self._sdpa(*(a.transpose(1, 2) for a in (qs, k, v)), mask[:, None], scale)
         return out.transpose(1, 2).reshape(batch * tq, hq, v.shape[-1])
 
     def _masked_attention(self, q: Array, k: Array, v: Array, mask: Array, scale: float,
                           softcap: float | None) -> Array:
         if softcap is not None:
             return self._attention_float32(q, k, v, scale, True, None, softcap, mask=mask)
+        return self._sdpa(*(a.transpose(0, 1).unsqueeze(0) for a in (q, k, v)), mask, scale)[0].transpose(0, 1)
+
+    def _sdpa(self, q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+        """Masked SDPA of ``[batch, heads, rows, dim]`` tensors."""
         hq, hkv = q.shape[1], k.shape[1]
-        qt, kt, vt = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         if hkv != hq:  # with a mask, native GQA misses the fused kernels: repeat the kv heads
-            kt = kt.repeat_interleave(hq // hkv, dim=1)
-            vt = vt.repeat_interleave(hq // hkv, dim=1)
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
         with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-        return out[0].transpose(0, 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def swiglu(self, gate: Array, up: Array) -> Array:
         return F.silu(gate).mul_(up)  # one temporary instead of two

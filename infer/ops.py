@@ -643,11 +643,7 @@ class Backend(abc.ABC):
         position lands in its own page (:mod:`infer.engine.capture`). The
         :meth:`update_rows` rule: use the returned array. Default: ``rows``
         read back to the host, then :meth:`update_rows` row by row."""
-        host = np.asarray(self.to_numpy(rows)).reshape(-1)
-        limit = self.shape(dst)[0]
-        if host.size and (host.min() < 0 or host.max() >= limit):
-            bad = host.min() if host.min() < 0 else host.max()
-            raise IndexError(f"scatter_rows: row {int(bad)} is outside the {limit} rows of dst")
+        host = rows_within(self.to_numpy(rows), self.shape(dst)[0])
         for i, row in enumerate(host.tolist()):
             dst = self.update_rows(dst, int(row), self.slice(src, 0, i, i + 1))
         return dst
@@ -823,6 +819,16 @@ def blocks_holding(context_len: int, block_size: int, table_len: int) -> int:
     return used
 
 
+def rows_within(rows: Any, limit: int) -> np.ndarray:
+    """``rows`` (host row indices, any shape) flattened, ``IndexError`` where
+    one is outside ``0..limit``: :meth:`Backend.scatter_rows`' check."""
+    host = np.asarray(rows).reshape(-1)
+    if host.size and (host.min() < 0 or host.max() >= limit):
+        bad = host.min() if host.min() < 0 else host.max()
+        raise IndexError(f"scatter_rows: row {int(bad)} is outside the {limit} rows of dst")
+    return host
+
+
 def is_float_dtype(dtype: str) -> bool:
     """True for the contract's float dtype names."""
     return dtype in FLOAT_DTYPES
@@ -831,5 +837,5 @@ def is_float_dtype(dtype: str) -> bool:
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "ShardedWeight",
-    "FLOAT_DTYPES", "INT_DTYPES", "blocks_holding", "is_float_dtype",
+    "FLOAT_DTYPES", "INT_DTYPES", "blocks_holding", "is_float_dtype", "rows_within",
 ]

@@ -72,6 +72,12 @@ def capacity_bucket(capacity: int, max_context: int) -> int:
     return min(bucket, max_context)
 
 
+def _why(exc: Exception) -> str:
+    """A refused capture's reason: the error's type and first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def batch_bucket(batch: int) -> int:
     """``batch`` rounded up to a power of two: the batch sizes one graph serves."""
     bucket = 1
@@ -135,7 +141,7 @@ class CapturedDecode:
             # signature): the eager forward serves from then on, as after a first refusal.
             if not first and not isinstance(exc, CaptureError):
                 raise
-            self.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            self.reason = _why(exc)
             log.info("decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device, self.reason)
             return None
         if nan:
@@ -246,7 +252,7 @@ class CapturedBatchDecode:
         try:
             logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host), *buffers, pool.block_size)
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            reason = _why(exc)
             if self.steps == 0 and not self.refused:
                 self.reason = reason
             elif isinstance(exc, CaptureError):  # refused for this shape only: its batches run eagerly
@@ -266,4 +272,5 @@ class CapturedBatchDecode:
         if not self.compiled:
             return f"batched decode step with static shapes, not compiled ({self.steps} steps)"
         refused = "".join(f"; {b} rows x {w} blocks eager ({why})" for (b, w), why in self.refused.items())
-        return f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows{refused}"
+        return (f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows"
+                f"{refused}")

@@ -308,7 +308,8 @@ class Engine:
         ops = self.backend
         if (self.batch_step is not None and not batch.capture_hidden
                 and all(s.length == 1 and isinstance(s.cache, PagedSequenceCache) for s in batch.slices)):
-            logits = self.batch_step([s.cache for s in batch.slices], [ids[0] for ids in batch.token_ids])  # type: ignore[misc]
+            caches = [s.cache for s in batch.slices]
+            logits = self.batch_step(caches, [ids[0] for ids in batch.token_ids])  # type: ignore[arg-type]
             if logits is not None:
                 return logits, None
         ctx = AttentionContext(ops, batch.slices)
