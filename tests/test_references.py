@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -223,6 +224,12 @@ def fake_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[catalog.C
         return real_popen([sys.executable, str(script), *cmd[3:]], **kwargs)
 
     monkeypatch.setattr(catalog.subprocess, "Popen", popen)
+    # The stand-in speaks pip 24.1's --progress-bar raw; the pip of the environment
+    # running the tests may be older (a fresh venv's bundled pip): the version the
+    # catalog sees is the stand-in's, and test_an_old_pip_runs_quietly sets an old one.
+    version = importlib.metadata.version
+    monkeypatch.setattr(catalog.importlib.metadata, "version",
+                        lambda name: "24.1" if name == "pip" else version(name))
     return entry, "".join(parts).encode(), commands
 
 
@@ -265,6 +272,34 @@ def test_an_old_pip_runs_quietly(fake_pip: tuple, monkeypatch: pytest.MonkeyPatc
     assert all("--quiet" in c for c in commands)
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and not [word for word in PIP_CHATTER if word in err], err
+
+
+def _local_wheel(folder: Path) -> None:
+    """A minimal wheel of distribution ``fakewheel`` 1 in ``folder``."""
+    folder.mkdir()
+    info = "fakewheel-1.dist-info"
+    with zipfile.ZipFile(folder / "fakewheel-1-py3-none-any.whl", "w") as z:
+        z.writestr("fakewheel/data.bin", b"x" * 5000)
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fakewheel\nVersion: 1\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+@pytest.mark.parametrize("report", [None, "progress"], ids=["quiet", "progress"])
+def test_this_environments_pip_accepts_the_catalogs_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            report: str | None) -> None:
+    """The real pip of this environment (a fresh venv's bundled one, or the newest) runs
+    the catalog's download command: ``--progress-bar raw`` where it has it, the quiet
+    fallback where not. Offline: pip reads a local folder instead of an index."""
+    _local_wheel(tmp_path / "links")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    seen: list[tuple[int, int]] = []
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    wheel = catalog._pip_download("fakewheel==1", dest, None if report is None else lambda *a: seen.append(a))
+    assert wheel.name == "fakewheel-1-py3-none-any.whl" and zipfile.ZipFile(wheel).read("fakewheel/data.bin")
+    assert all(total == wheel.stat().st_size for _, total in seen)  # progress, when pip gave any, is this file's
 
 
 @pytest.mark.parametrize("report", [None, lambda done, total: None], ids=["quiet", "progress"])
