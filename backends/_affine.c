@@ -1117,6 +1117,7 @@ struct attend_args {
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
     float scale, softcap;
     int causal;
+    const float *sinks; /* [hq]: one more logit per head in each softmax, with no value; NULL: none */
 };
 
 #define ROW(a, j) ((a)->rows ? (a)->rows[j] : (j))
@@ -1127,6 +1128,7 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     Py_ssize_t pos = a->tk - a->tq + i, lo = 0, hi = a->tk; /* visible keys: [lo, hi) */
     if (a->causal) hi = pos + 1 < a->tk ? pos + 1 : a->tk;
     if (a->window > 0 && pos - a->window + 1 > lo) lo = pos - a->window + 1;
+    if (a->window > 0 && !a->causal && pos + a->window < hi) hi = pos + a->window;
     const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv;
     const float *qh = a->Q + (i * a->hq + h) * dk;
     Py_ssize_t kvh = h / (a->hq / hkv);
@@ -1140,7 +1142,9 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
         scores[j] = sc;
         if (sc > top) top = sc;
     }
-    float total = 0.0f;
+    const float sink = a->sinks ? a->sinks[h] : -INFINITY;
+    if (sink > top) top = sink;
+    float total = a->sinks ? expf(sink - top) : 0.0f;
     for (Py_ssize_t j = lo; j < hi; j++) {
         scores[j] = expf(scores[j] - top);
         total += scores[j];
@@ -1205,13 +1209,13 @@ static void attention_run(const struct attend_args *a, float *scores, int parall
  * spinning threads OpenMP's would fight for the cores).
  */
 static PyObject *attention(PyObject *self, PyObject *args) {
-    Py_buffer q, k, v, out, table = {0};
+    Py_buffer q, k, v, out, table = {0}, sinks = {0};
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window, block = 0;
     float scale, softcap;
     int causal, parallel = 1;
-    PyObject *tobj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|Onp", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
-                          &causal, &window, &softcap, &tobj, &block, &parallel))
+    PyObject *tobj = Py_None, *sobj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpO", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+                          &causal, &window, &softcap, &tobj, &block, &parallel, &sobj))
         return NULL;
     PyObject *result = NULL;
     float *scores = NULL;
@@ -1224,10 +1228,11 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     /* Contiguous: k [tk, hkv, dk]. Paged: k and v are pools [blocks, block, hkv, d]
      * and the int64 table maps logical block b to its physical block. */
     Py_ssize_t pool_rows = paged ? k.len / (hkv * dk * 4) : tk;
-    if (!optional_buffer(tobj, &table, PyBUF_SIMPLE)) goto done;
+    if (!optional_buffer(tobj, &table, PyBUF_SIMPLE) || !optional_buffer(sobj, &sinks, PyBUF_SIMPLE)) goto done;
     if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, pool_rows * hkv * dk * 4, "k") ||
         !check(&v, pool_rows * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out") ||
-        !optional_check(&table, ((tk + block - 1) / block) * 8, "block table"))
+        !optional_check(&table, ((tk + block - 1) / block) * 8, "block table") ||
+        !optional_check(&sinks, hq * 4, "sinks"))
         goto done;
     scores = malloc((size_t)tk * max_threads() * sizeof(float));
     rows = malloc((size_t)tk * sizeof(Py_ssize_t));
@@ -1250,7 +1255,8 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     struct attend_args a = {(const float *)q.buf, (const float *)k.buf, (const float *)v.buf, (float *)out.buf, rows,
-                            tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal};
+                            tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal,
+                            sinks.buf ? (const float *)sinks.buf : NULL};
     attention_run(&a, scores, parallel);
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -1259,6 +1265,7 @@ done:
     free(scores);
     free(rows);
     release_optional(&table);
+    release_optional(&sinks);
     PyBuffer_Release(&q);
     PyBuffer_Release(&k);
     PyBuffer_Release(&v);
@@ -1322,6 +1329,7 @@ static PyMethodDef methods[] = {
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"run_plan", run_plan, METH_VARARGS, "Run a captured decode step's program (see _plan.c)."},
+    {"opcodes", opcodes, METH_NOARGS, "The programs' opcodes by name (see _plan.c)."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},
     {"threads", threads, METH_NOARGS, "Threads a product may use (OpenMP), 1 without OpenMP."},
     {"set_threads", set_threads, METH_O, "Set the threads the next products may use (OpenMP)."},

@@ -24,9 +24,6 @@ enum {
     OP_GEMV_F32,     /* P x, w, out; I m, k, n */
     OP_RMS,          /* P x, w|0, out, res|0, h|0; I rows, n; F eps */
     OP_ROPE,         /* P x, cos, sin, out; I tokens, heads, d, half */
-    OP_ATTEND,       /* P q, k, v, out, length (int32 [1]); I tq, capacity, hq, hkv, dk, dv, window, causal;
-                        F scale, softcap */
-    OP_WRITE_ROWS,   /* P dst, start (int32 [1]), src; I rows, row_bytes, capacity */
     OP_GATHER,       /* P table, ids, out; I count, vocab, row_bytes, id_bytes */
     OP_DEQUANT_ROWS, /* P codes, scales, biases|0, ids, out; I count, vocab, bits, k, group, half, id_bytes;
                         F bias factor */
@@ -36,8 +33,18 @@ enum {
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
     OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
     OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes, capacity */
-    OP_PAGED_ATTEND, /* P q, k pool, v pool, out, tables (int32 [batch, width]), lengths (int32 [batch]);
-                        I batch, tq, width, block, blocks, hq, hkv, dk, dv, window; F scale, softcap */
+    OP_ATTENTION,    /* P q, k rows, v rows, out, query_start (int32 [batch + 1]), lengths (int32 [batch]),
+                        tables (int32 [batch, width]), sinks|0 (float32 [hq]);
+                        I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal; F scale, softcap */
+};
+
+/* The opcodes by name, for the recorder (backends/numpy_record.py reads them
+ * through _affine.opcodes(), so the two never disagree). */
+static const struct { const char *name; int code; } OPCODES[] = {
+    {"GEMV", OP_GEMV}, {"GEMV_F32", OP_GEMV_F32}, {"RMS", OP_RMS}, {"ROPE", OP_ROPE}, {"GATHER", OP_GATHER},
+    {"DEQUANT_ROWS", OP_DEQUANT_ROWS}, {"COPY", OP_COPY}, {"UNARY", OP_UNARY}, {"BINARY", OP_BINARY},
+    {"REDUCE", OP_REDUCE}, {"LAYERNORM", OP_LAYERNORM}, {"SCATTER_ROWS", OP_SCATTER_ROWS},
+    {"ATTENTION", OP_ATTENTION},
 };
 
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
@@ -282,26 +289,29 @@ static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
 /* Causal attention of each sequence's tq query rows over its own keys, read in
  * place from the paged pools through its row of the block tables: per
  * sequence, what the eager op's C pass computes with that sequence's table. */
-static void step_paged_attend(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+/* Attention of a batch of sequences over pool rows: sequence b's query rows
+ * query_start[b]..query_start[b+1] are the last of its lengths[b] positions,
+ * whose keys its block table row locates (see Backend.attention). */
+static void step_attention(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
     struct attend_args a;
     const float *Q = next_ptr(vm);
     a.K = next_ptr(vm);
     a.V = next_ptr(vm);
     float *O = next_ptr(vm);
-    const int32_t *tables = next_ptr(vm), *lengths = next_ptr(vm);
-    Py_ssize_t batch = next_int(vm);
-    a.tq = next_int(vm);
+    const int32_t *starts = next_ptr(vm), *lengths = next_ptr(vm), *tables = next_ptr(vm);
+    a.sinks = next_ptr(vm);
+    Py_ssize_t tokens = next_int(vm), batch = next_int(vm);
     Py_ssize_t width = next_int(vm), block = next_int(vm), blocks = next_int(vm);
     a.hq = next_int(vm);
     a.hkv = next_int(vm);
     a.dk = next_int(vm);
     a.dv = next_int(vm);
     a.window = next_int(vm);
-    a.causal = 1;
+    a.causal = (int)next_int(vm);
     a.scale = (float)next_float(vm);
     a.softcap = (float)next_float(vm);
     if (vm->error) return;
-    if (batch < 1 || a.tq < 1 || width < 1 || block < 1) {
+    if (batch < 1 || width < 1 || block < 1) {
         vm->error = E_PROGRAM;
         return;
     }
@@ -314,6 +324,17 @@ static void step_paged_attend(struct machine *vm, float **scores, Py_ssize_t *sc
     }
     a.rows = rows;
     for (Py_ssize_t b = 0; b < batch && !vm->error; b++) {
+        Py_ssize_t q0 = position(vm, starts + b, 0, tokens, E_LENGTH);
+        Py_ssize_t q1 = position(vm, starts + b + 1, 0, tokens, E_LENGTH);
+        if (vm->error) break;
+        if (q1 < q0) {
+            vm->error = E_LENGTH;
+            vm->detail = q1;
+            vm->limit = q0;
+            break;
+        }
+        a.tq = q1 - q0;
+        if (a.tq == 0) continue; /* a padding sequence with no rows */
         a.tk = position(vm, lengths + b, 0, most, E_LENGTH);
         if (vm->error || !sees_keys(vm, a.tk, a.tq)) break;
         const int32_t *table = tables + b * width;
@@ -328,8 +349,8 @@ static void step_paged_attend(struct machine *vm, float **scores, Py_ssize_t *sc
             rows[j] = (Py_ssize_t)t * block + j % block;
         }
         if (vm->error) break;
-        a.Q = Q + b * a.tq * a.hq * a.dk;
-        a.O = O + b * a.tq * a.hq * a.dv;
+        a.Q = Q + q0 * a.hq * a.dk;
+        a.O = O + q0 * a.hq * a.dv;
         attention_run(&a, *scores, 1);
     }
     free(rows);
@@ -394,41 +415,6 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         if (!vm->error) rope_rows(x, c, s, out, t, heads, d, half);
         return;
     }
-    case OP_ATTEND: {
-        struct attend_args a;
-        a.Q = next_ptr(vm);
-        a.K = next_ptr(vm);
-        a.V = next_ptr(vm);
-        a.O = next_ptr(vm);
-        const int32_t *length = next_ptr(vm);
-        a.tq = next_int(vm);
-        Py_ssize_t capacity = next_int(vm);
-        a.hq = next_int(vm);
-        a.hkv = next_int(vm);
-        a.dk = next_int(vm);
-        a.dv = next_int(vm);
-        a.window = next_int(vm);
-        a.causal = (int)next_int(vm);
-        a.scale = (float)next_float(vm);
-        a.softcap = (float)next_float(vm);
-        a.rows = NULL;
-        if (vm->error) return;
-        a.tk = position(vm, length, 0, capacity, E_LENGTH);
-        if (vm->error) return;
-        if (!sees_keys(vm, a.tk, a.tq) || !grow(vm, scores, scores_size, a.tk * max_threads())) return;
-        attention_run(&a, *scores, 1);
-        return;
-    }
-    case OP_WRITE_ROWS: {
-        char *dst = next_ptr(vm);
-        const int32_t *start = next_ptr(vm);
-        const char *src = next_ptr(vm);
-        Py_ssize_t rows = next_int(vm), row_bytes = next_int(vm), capacity = next_int(vm);
-        if (vm->error) return;
-        int32_t p = position(vm, start, rows, capacity, E_POSITION);
-        if (!vm->error) memcpy(dst + (Py_ssize_t)p * row_bytes, src, (size_t)(rows * row_bytes));
-        return;
-    }
     case OP_SCATTER_ROWS: {
         char *dst = next_ptr(vm);
         const int32_t *rows = next_ptr(vm);
@@ -446,7 +432,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
             memcpy(dst + (Py_ssize_t)rows[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
         return;
     }
-    case OP_PAGED_ATTEND: step_paged_attend(vm, scores, scores_size); return;
+    case OP_ATTENTION: step_attention(vm, scores, scores_size); return;
     case OP_GATHER: {
         const char *table = next_ptr(vm), *ids = next_ptr(vm);
         char *out = next_ptr(vm);
@@ -560,4 +546,20 @@ done:
     PyBuffer_Release(&floats);
     PyBuffer_Release(&sizes);
     return result;
+}
+
+/* opcodes() -> {name: code}: the recorder's opcodes, from the table above. */
+static PyObject *opcodes(PyObject *self, PyObject *noargs) {
+    PyObject *table = PyDict_New();
+    if (!table) return NULL;
+    for (size_t i = 0; i < sizeof OPCODES / sizeof OPCODES[0]; i++) {
+        PyObject *code = PyLong_FromLong(OPCODES[i].code);
+        if (!code || PyDict_SetItemString(table, OPCODES[i].name, code) < 0) {
+            Py_XDECREF(code);
+            Py_DECREF(table);
+            return NULL;
+        }
+        Py_DECREF(code);
+    }
+    return table;
 }

@@ -19,8 +19,8 @@ Three things differ from the numpy reference:
   exactly once, KV cache writes included (every write is an input of the
   attention that reads it).
 * **Functional updates.** MLX arrays are immutable values:
-  :meth:`~MLXBackend.update_rows` returns a new array built with
-  ``mx.slice_update`` and leaves ``dst`` unchanged. The KV cache keeps the
+  :meth:`~MLXBackend.scatter_rows` returns a new array built with
+  ``mx.put_along_axis`` and leaves ``dst`` unchanged. The KV cache keeps the
   returned array; MLX reuses the old buffer in place when nothing else holds
   it, so a decode step does not copy the cache.
 * **Explicit device.** Each backend instance holds the default stream of its
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
+from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, attention_mask
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -89,7 +89,7 @@ class MLXBackend(Backend):
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention"})
+                            "attention"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -340,25 +340,6 @@ class MLXBackend(Backend):
         with self._mx.stream(self._s):
             return x[tuple(index)]
 
-    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
-        mx = self._mx
-        n = src.shape[0]
-        if start < 0 or start + n > dst.shape[0]:
-            raise IndexError(f"update_rows: rows {start}..{start + n} do not fit in {dst.shape[0]} rows")
-        if src.dtype != dst.dtype:
-            src = src.astype(dst.dtype, stream=self._s)
-        # Functional: a new array; dst is unchanged. MLX donates dst's buffer
-        # when nothing else references it, so this is not a full copy.
-        return mx.slice_update(dst, src, mx.array([start], dtype=mx.int32), (0,), stream=self._s)
-
-    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
-        """Functional, at a row given as a device array (no host read): use the result."""
-        mx = self._mx
-        if src.dtype != dst.dtype:
-            src = src.astype(dst.dtype, stream=self._s)
-        index = mx.reshape(start, (-1,), stream=self._s)[:1].astype(mx.int32)
-        return mx.slice_update(dst, src, index, (0,), stream=self._s)
-
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
         """Functional, at rows given as a device array (no host read): use the result."""
         mx, s = self._mx, self._s
@@ -370,90 +351,105 @@ class MLXBackend(Backend):
 
     # -- attention -----------------------------------------------------------------
 
-    def batched_paged_attention(
-        self, q: Array, k_pool: Array, v_pool: Array, block_tables: Array, lengths: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Every sequence's table width of blocks gathered, then one batched
-        attention with the valid keys a mask made on the device from
-        ``lengths``: one graph for every step. Soft-capped scores are
-        computed per sequence in float32 (the fused kernel cannot cap them)."""
-        mx, s = self._mx, self._s
-        batch, width = block_tables.shape
-        tq, hq, dk = q.shape[0] // batch, q.shape[1], q.shape[2]
-        with mx.stream(s):
-            table = mx.reshape(block_tables, (-1,)).astype(mx.int32)
-            k = mx.reshape(mx.take(k_pool, table, axis=0), (batch, width * k_pool.shape[1]) + tuple(k_pool.shape[2:]))
-            v = mx.reshape(mx.take(v_pool, table, axis=0), (batch, width * v_pool.shape[1]) + tuple(v_pool.shape[2:]))
-            pos = mx.reshape(lengths, (-1, 1)).astype(mx.int32) - tq + mx.arange(tq, dtype=mx.int32)  # [batch, tq]
-            dist = mx.expand_dims(pos, 2) - mx.arange(k.shape[1], dtype=mx.int32)  # p - j, [batch, tq, keys]
-            mask = dist >= 0
-            if window is not None:
-                mask = mx.logical_and(mask, dist < window)
-            qs = mx.reshape(q, (batch, tq, hq, dk))
-            if softcap is not None:
-                return mx.concatenate([self._softcap_attention(qs[b], k[b], v[b], scale, softcap, mask[b])
-                                       for b in range(batch)], axis=0)
-            qt, kt, vt = (mx.transpose(a, (0, 2, 1, 3)) for a in (qs, k, v))
-            out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mx.expand_dims(mask, 1))
-            return mx.reshape(mx.transpose(out, (0, 2, 1, 3)), (batch * tq, hq, v.shape[-1]))
-
-    def cached_attention(
-        self, q: Array, k_cache: Array, v_cache: Array, length: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Attention over the whole buffer, the valid keys a boolean mask made
-        on the device from ``length``: one graph for every step."""
-        mx, s = self._mx, self._s
-        tq, hq, _ = q.shape
-        capacity, _, dv = v_cache.shape
-        with mx.stream(s):
-            pos = mx.reshape(length, (-1,))[:1].astype(mx.int32) - tq + mx.arange(tq, dtype=mx.int32)
-            dist = mx.expand_dims(pos, 1) - mx.arange(capacity, dtype=mx.int32)  # p - j, [tq, capacity]
-            mask = dist >= 0
-            if window is not None:
-                mask = mx.logical_and(mask, dist < window)
-        if softcap is not None:
-            return self._softcap_attention(q, k_cache, v_cache, scale, softcap, mask)
-        qt, kt, vt = (mx.expand_dims(mx.transpose(a, (1, 0, 2), stream=s), 0, stream=s) for a in (q, k_cache, v_cache))
-        out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mask, stream=s)
-        return mx.transpose(mx.reshape(out, (hq, tq, dv), stream=s), (1, 0, 2), stream=s)
-
     def attention(
         self,
         q: Array,
-        k: Array,
-        v: Array,
+        k_pool: Array,
+        v_pool: Array,
+        batch: AttentionBatch,
         *,
         scale: float,
         causal: bool = True,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
     ) -> Array:
+        """Eagerly, one sequence at a time over its visible keys (a slice of
+        the pool where they are consecutive rows, as a contiguous cache's
+        are, else taken row by row), through ``mx.fast``'s attention; in a
+        captured step (no host copy of the description), every sequence's
+        table of blocks is taken and one masked attention made on the device
+        serves every token (:meth:`_static_attention`): one graph for every step."""
+        if batch.host is None and not isinstance(batch.query_start, np.ndarray):
+            return self._static_attention(q, k_pool, v_pool, batch, scale, causal, window, softcap, sinks)
+        mx, s = self._mx, self._s
+        host = batch.on_host(self)
+        outputs = []
+        for b in range(host.num_seqs):
+            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
+            if q1 == q0:
+                continue
+            n = q1 - q0
+            lo, hi = host.visible(b, n, causal, window)
+            rows = host.key_rows(b, lo, hi)
+            if rows[-1] - rows[0] == hi - lo - 1:
+                k, v = (self.slice(a, 0, int(rows[0]), int(rows[-1]) + 1) for a in (k_pool, v_pool))
+            else:
+                index = mx.array(rows)
+                k, v = (mx.take(a, index, axis=0, stream=s) for a in (k_pool, v_pool))
+            outputs.append(self._dense(self.slice(q, 0, q0, q1), k, v, hi - n, lo, scale, causal, window, softcap,
+                                       sinks))
+        return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
+
+    def _dense(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
+               window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+        """Queries at positions ``first..`` over keys at positions ``lo..``."""
         mx, s = self._mx, self._s
         tq, hq, _ = q.shape
         tk, hkv, dv = v.shape
-        if window is not None and window >= tk:
-            window = None  # query p - key j <= tk - 1 < window: the window hides nothing
         mask: Any = None
-        if window is not None:
-            pos = mx.expand_dims(mx.arange(tk - tq, tk, stream=s), 1, stream=s)  # [tq, 1]
-            dist = mx.subtract(pos, mx.arange(tk, stream=s), stream=s)  # p - j, [tq, tk]
-            mask = mx.less(dist, window, stream=s)
-            if causal:
-                mask = mx.logical_and(mask, mx.greater_equal(dist, 0, stream=s), stream=s)
-        elif causal and tq > 1:
+        if window is None and causal and tq > 1 and first + tq == lo + tk:
             mask = "causal"  # bottom-right aligned: the last query sees every key
-        if softcap is not None:
-            return self._softcap_attention(q, k, v, scale, softcap, mask)
+        else:
+            host = attention_mask(first - lo, tq, 0, tk, causal, window)
+            mask = None if host is None else mx.array(host == 0)
+        if softcap is not None or sinks is not None:
+            return self._softcap_attention(q, k, v, scale, softcap, mask, sinks)
         # [1, heads, tokens, dim]; grouped-query heads are not tiled (the kernel maps them).
         qt, kt, vt = (mx.expand_dims(mx.transpose(a, (1, 0, 2), stream=s), 0, stream=s) for a in (q, k, v))
         out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=scale, mask=mask, stream=s)
         return mx.transpose(mx.reshape(out, (hq, tq, dv), stream=s), (1, 0, 2), stream=s)
 
-    def _softcap_attention(self, q: Array, k: Array, v: Array, scale: float, cap: float, mask: Any) -> Array:
-        # The fused kernel cannot cap scores before its softmax: compute them
-        # in float32, cap, mask, softmax (Gemma 2's order, as the contract says).
+    def _static_attention(self, q: Array, k_pool: Array, v_pool: Array, batch: AttentionBatch, scale: float,
+                          causal: bool, window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+        """Attention with the description as device data only: each token's
+        query against its sequence's whole table of blocks, the visible keys
+        a mask made on the device."""
+        mx, s = self._mx, self._s
+        tokens, hq, dk = q.shape
+        seqs, width = batch.block_tables.shape
+        bs = batch.block_size
+        with mx.stream(s):
+            starts = mx.reshape(batch.query_start, (-1,)).astype(mx.int32)
+            lengths = mx.reshape(batch.seq_lens, (-1,)).astype(mx.int32)
+            table = mx.reshape(batch.block_tables, (-1,)).astype(mx.int32)
+            rows = mx.reshape(mx.expand_dims(table, 1) * bs + mx.arange(bs, dtype=mx.int32), (seqs, width * bs))
+            t = mx.arange(tokens, dtype=mx.int32)
+            seq = mx.minimum(mx.sum(mx.expand_dims(t, 1) >= mx.expand_dims(starts[1:], 0), axis=1), seqs - 1)
+            first = mx.take(starts, seq)
+            pos = mx.take(lengths, seq) - (mx.take(starts, seq + 1) - first) + (t - first)  # each token's position
+            j = mx.expand_dims(mx.arange(width * bs, dtype=mx.int32), 0)
+            mask = j < mx.expand_dims(mx.take(lengths, seq), 1)
+            if causal:
+                mask = mx.logical_and(mask, j <= mx.expand_dims(pos, 1))
+            if window is not None:
+                mask = mx.logical_and(mask, mx.abs(mx.expand_dims(pos, 1) - j) < window)
+            index = mx.reshape(mx.take(rows, seq, axis=0), (-1,))
+            k = mx.reshape(mx.take(k_pool, index, axis=0), (tokens, width * bs) + tuple(k_pool.shape[1:]))
+            v = mx.reshape(mx.take(v_pool, index, axis=0), (tokens, width * bs) + tuple(v_pool.shape[1:]))
+            if softcap is not None or sinks is not None:
+                return mx.concatenate([self._softcap_attention(q[i:i + 1], k[i], v[i], scale, softcap, mask[i:i + 1],
+                                                               sinks) for i in range(tokens)], axis=0)
+            out = mx.fast.scaled_dot_product_attention(mx.expand_dims(q, 2), mx.transpose(k, (0, 2, 1, 3)),
+                                                       mx.transpose(v, (0, 2, 1, 3)), scale=scale,
+                                                       mask=mx.expand_dims(mx.expand_dims(mask, 1), 1))
+            return out[:, :, 0, :]  # [tokens, hq, dv]
+
+    def _softcap_attention(self, q: Array, k: Array, v: Array, scale: float, cap: float | None, mask: Any,
+                           sinks: Array | None = None) -> Array:
+        # The fused kernel cannot cap scores before its softmax, nor add the
+        # sinks to it: compute them in float32, cap, mask, softmax (Gemma 2's
+        # order, as the contract says), the sinks' logits in its denominator.
         mx, s = self._mx, self._s
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
@@ -463,14 +459,20 @@ class MLXBackend(Backend):
             # [hkv, group*tq, dk] @ [hkv, dk, tk]: query head h reads kv head h // group.
             qg = q.astype(f32).reshape(tq, hkv, group, dk).transpose(1, 2, 0, 3).reshape(hkv, group * tq, dk)
             scores = (qg @ k.astype(f32).transpose(1, 2, 0)) * scale
-            scores = mx.tanh(scores / cap) * cap
+            if cap is not None:
+                scores = mx.tanh(scores / cap) * cap
             if isinstance(mask, str):  # "causal": build it explicitly
                 dist = mx.expand_dims(mx.arange(tk - tq, tk), 1) - mx.arange(tk)
                 mask = dist >= 0
+            scores = scores.reshape(hkv, group, tq, tk)
             if mask is not None:
-                scores = scores.reshape(hkv, group, tq, tk)
-                scores = mx.where(mask, scores, -math.inf).reshape(hkv, group * tq, tk)
-            probs = mx.softmax(scores, axis=-1).astype(v.dtype)
+                scores = mx.where(mask, scores, -math.inf)
+            if sinks is not None:
+                sink = mx.broadcast_to(mx.reshape(sinks.astype(f32), (hkv, group, 1, 1)), (hkv, group, tq, 1))
+                probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :tk]
+            else:
+                probs = mx.softmax(scores, axis=-1)
+            probs = probs.reshape(hkv, group * tq, tk).astype(v.dtype)
             out = probs @ v.transpose(1, 0, 2)  # [hkv, group*tq, dv]
             return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
 

@@ -53,10 +53,11 @@ from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
     Array,
+    AttentionBatch,
     Backend,
     PackedWeight,
     QuantizedTensor,
-    blocks_holding,
+    attention_mask,
     rows_within,
 )
 from infer.plugins.hookspecs import hookimpl
@@ -180,8 +181,8 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "paged_attention", "prepare_weight", "quantized_linear",
-                            "topk", "scatter_rows", "batched_paged_attention"}
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "prepare_weight", "quantized_linear",
+                            "topk"}
                            | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
@@ -293,7 +294,7 @@ class NumpyBackend(Backend):
         return out.reshape(*lead, n)
 
     @property
-    def max_capture_batch(self) -> int | None:  # type: ignore[override]
+    def max_capture_tokens(self) -> int | None:  # type: ignore[override]
         """A recorded program's products are the C kernels', which take up to
         :attr:`KERNEL_ROWS` rows (more go to BLAS on dequantized slabs, which
         no program step calls): batches of more sequences run as several
@@ -587,10 +588,6 @@ class NumpyBackend(Backend):
         index[axis] = slice(start, stop)
         return x[tuple(index)]
 
-    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
-        dst[start : start + src.shape[0]] = src
-        return dst
-
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
         """In place: ``dst[rows] = src``, the rows checked first."""
         dst[rows_within(rows, dst.shape[0])] = src
@@ -601,104 +598,144 @@ class NumpyBackend(Backend):
     def attention(
         self,
         q: Array,
-        k: Array,
-        v: Array,
-        *,
-        scale: float,
-        causal: bool = True,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        tq, hq, dk = q.shape
-        tk, hkv, dv = v.shape
-        out = self._kernel_attention(q, k, v, tk, scale, causal, window, softcap)
-        if out is not None:
-            return out
-        chunk = max(self.ATTENTION_CHUNK, -(-tq // 8))
-        if causal and tq > chunk and 2 * tq >= tk:
-            # Up to 8 chunks of query rows, each over the keys it can see: a
-            # causal prefill then scores a little over half of the [tq, tk]
-            # square, not all of it. Not where most keys are a cached prefix
-            # that every row sees: there the chunks only add calls.
-            out = np.empty((tq, hq, dv), np.result_type(q.dtype, v.dtype))
-            for i0 in range(0, tq, chunk):
-                i1 = min(tq, i0 + chunk)
-                hi = tk - tq + i1  # the chunk's last row sits at position hi - 1
-                lo = 0 if window is None else max(0, tk - tq + i0 - window + 1)
-                out[i0:i1] = self._attention_rows(q[i0:i1], k[lo:hi], v[lo:hi], scale, causal, window, softcap)
-            return out
-        return self._attention_rows(q, k, v, scale, causal, window, softcap)
-
-    @staticmethod
-    def _attention_rows(q: Array, k: Array, v: Array, scale: float, causal: bool, window: int | None,
-                        softcap: float | None) -> Array:
-        """Attention of ``q``'s rows, bottom-right aligned on ``k``/``v``: two
-        batched GEMMs around a masked softmax."""
-        tq, hq, dk = q.shape
-        tk, hkv, dv = v.shape
-        group = hq // hkv
-        # [hkv, group*tq, dk] @ [hkv, dk, tk]: one batched GEMM per kv head,
-        # without materialising repeated keys for grouped-query attention.
-        qg = q.reshape(tq, hkv, group, dk).transpose(1, 2, 0, 3).reshape(hkv, group * tq, dk)
-        scores = np.matmul(qg, k.transpose(1, 2, 0)).astype(np.float32, copy=False)
-        scores *= np.float32(scale)
-        if softcap is not None:
-            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
-        mask = attention_mask(tq, tk, causal, window)
-        if mask is not None:
-            scores = scores.reshape(hkv, group, tq, tk)
-            scores = np.where(mask, scores, np.float32(-np.inf))
-            scores = scores.reshape(hkv, group * tq, tk)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out = np.matmul(scores.astype(v.dtype, copy=False), v.transpose(1, 0, 2))  # [hkv, g*tq, dv]
-        return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
-
-    def paged_attention(
-        self,
-        q: Array,
         k_pool: Array,
         v_pool: Array,
-        block_table: Array,
-        context_len: int,
+        batch: AttentionBatch,
         *,
         scale: float,
         causal: bool = True,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
     ) -> Array:
-        """Reads only the blocks holding the ``context_len`` keys. For a few
-        query rows (decoding) the C kernel reads them in place through the
-        table; otherwise ``np.take`` on the block axis copies the sequence's
-        own blocks (never the pool), then :meth:`attention`'s math runs on
-        them (the batched GEMM wants each kv head's keys in one strided array)."""
-        table = np.asarray(block_table)[:blocks_holding(context_len, k_pool.shape[1], len(block_table))]
-        out = self._kernel_attention(q, k_pool, v_pool, context_len, scale, causal, window, softcap, table)
-        if out is not None:  # decoding: the C pass read the pages in place through the table
-            return out
-        k = np.take(k_pool, table, axis=0).reshape((-1,) + k_pool.shape[2:])[:context_len]
-        v = np.take(v_pool, table, axis=0).reshape((-1,) + v_pool.shape[2:])[:context_len]
-        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+        """Each sequence by the faster of two exact paths: up to
+        :attr:`KERNEL_ROWS` query rows (decoding, verification) in one C pass
+        per row and head that reads the keys in place through the block
+        table; more (a prompt chunk) over its visible keys gathered (a view
+        when they are consecutive rows) with two batched GEMMs around a masked
+        softmax. :func:`reference_attention` is the plain definition both are
+        tested against."""
+        host = batch.on_host(self)
+        out = np.empty((q.shape[0], q.shape[1], v_pool.shape[-1]), np.result_type(q.dtype, v_pool.dtype))
+        sink = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
+        for b in range(host.num_seqs):
+            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
+            if q1 == q0:
+                continue
+            n = q1 - q0
+            lo, hi = host.visible(b, n, causal, window)
+            qb = q[q0:q1]
+            table = np.asarray(host.block_tables[b])[:-(-hi // host.block_size)]
+            if self._kernel_attention(qb, k_pool, v_pool, hi, scale, causal, window, softcap, sink, table,
+                                      host.block_size, out[q0:q1]):
+                continue
+            rows = host.key_rows(b, lo, hi)
+            consecutive = rows[-1] - rows[0] == hi - lo - 1
+            k = k_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(k_pool, rows, axis=0)
+            v = v_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(v_pool, rows, axis=0)
+            out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
+        return out
 
+    def _dense_attention(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
+                         window: int | None, softcap: float | None, sinks: np.ndarray | None) -> Array:
+        """Queries at positions ``first..`` over keys at positions ``lo..``: in
+        up to 8 chunks of query rows for a long causal prompt, each over the
+        keys it can see, so a causal prefill scores a little over half of the
+        square, not all of it (not where most keys are a cached prefix that
+        every row sees: there the chunks only add calls)."""
+        tq, tk = q.shape[0], k.shape[0]
+        chunk = max(self.ATTENTION_CHUNK, -(-tq // 8))
+        if not (causal and tq > chunk and 2 * tq >= tk):
+            return _attention_rows(q, k, v, first, lo, scale, causal, window, softcap, sinks)
+        out = np.empty((tq, q.shape[1], v.shape[2]), np.result_type(q.dtype, v.dtype))
+        for i0 in range(0, tq, chunk):
+            i1 = min(tq, i0 + chunk)
+            hi = first + i1  # the chunk's last row sits at position hi - 1
+            start = lo if window is None else max(lo, first + i0 - window + 1)
+            out[i0:i1] = _attention_rows(q[i0:i1], k[start - lo:hi - lo], v[start - lo:hi - lo], first + i0, start,
+                                         scale, causal, window, softcap, sinks)
+        return out
 
     def _kernel_attention(self, q: Array, k: Array, v: Array, tk: int, scale: float, causal: bool,
-                          window: int | None, softcap: float | None, table: np.ndarray | None = None) -> Array | None:
-        """Attention for up to :attr:`KERNEL_ROWS` query rows (decoding) in one C
-        pass per head, instead of two small GEMMs, a mask and a softmax of numpy
-        calls; None where the kernel does not apply. ``k``/``v`` are ``[tk, hkv,
-        d]``, or paged pools ``[blocks, block, hkv, d]`` read through ``table``."""
+                          window: int | None, softcap: float | None, sinks: np.ndarray | None, table: np.ndarray,
+                          block: int, out: Array) -> bool:
+        """Attention of up to :attr:`KERNEL_ROWS` query rows (decoding) in one
+        C pass per row and head into ``out``, instead of two small GEMMs, a
+        mask and a softmax of numpy calls, reading the pool rows ``k``/``v``
+        (``[rows, hkv, d]``) through ``table``; False where the kernel does not apply."""
         tq, hq, dk = q.shape
         if not (_affine is not None and tq <= self.KERNEL_ROWS and tq <= tk  # tq <= tk: every row sees a key
                 and q.dtype == k.dtype == v.dtype == np.float32 and k.flags.c_contiguous and v.flags.c_contiguous
-                and (softcap is None or softcap > 0) and (window is None or window > 0)):
-            return None
+                and out.flags.c_contiguous and (softcap is None or softcap > 0) and (window is None or window > 0)):
+            return False
         hkv, dv = k.shape[-2], v.shape[-1]
-        out = np.empty((tq, hq, dv), np.float32)
-        pages = (None, 0) if table is None else (np.ascontiguousarray(table, np.int64), k.shape[1])
         _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
-                          window or 0, softcap or 0.0, *pages, not self._after_blas)
-        return out
+                          window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64), block,
+                          not self._after_blas, sinks)
+        return True
+
+
+def _attention_rows(q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
+                    window: int | None, softcap: float | None, sinks: np.ndarray | None) -> Array:
+    """Attention of queries at positions ``first..`` over keys at positions
+    ``lo..``: two batched GEMMs around a masked softmax, one per kv head,
+    without materialising repeated keys for grouped-query attention."""
+    tq, hq, dk = q.shape
+    tk, hkv, dv = v.shape
+    group = hq // hkv
+    qg = q.reshape(tq, hkv, group, dk).transpose(1, 2, 0, 3).reshape(hkv, group * tq, dk)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)).astype(np.float32, copy=False)  # [hkv, group * tq, tk]
+    scores *= np.float32(scale)
+    if softcap is not None:
+        scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+    scores = scores.reshape(hkv, group, tq, tk)
+    mask = attention_mask(first, tq, lo, lo + tk, causal, window)
+    if mask is not None:
+        scores += mask
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.broadcast_to(sinks.reshape(hkv, group, 1, 1), top.shape)
+        top = np.maximum(top, sink)
+    scores -= top
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sink - top)
+    scores /= total
+    out = np.matmul(scores.reshape(hkv, group * tq, tk).astype(v.dtype, copy=False), v.transpose(1, 0, 2))
+    return out.reshape(hkv, group, tq, dv).transpose(2, 0, 1, 3).reshape(tq, hq, dv)
+
+
+def reference_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, batch: AttentionBatch, *,
+                        scale: float, causal: bool = True, window: int | None = None, softcap: float | None = None,
+                        sinks: np.ndarray | None = None) -> np.ndarray:
+    """:meth:`~infer.ops.Backend.attention` as its docstring defines it, one
+    query row and head at a time in float64: the plain definition the fast
+    paths (the C kernel, the chunked GEMMs, the recorded program) are tested
+    against (tests/test_numpy_backend.py)."""
+    tokens, hq, _ = q.shape
+    hkv, dv = k_pool.shape[1], v_pool.shape[2]
+    out = np.zeros((tokens, hq, dv))
+    for b in range(batch.num_seqs):
+        q0, q1 = int(batch.query_start[b]), int(batch.query_start[b + 1])
+        length = int(batch.seq_lens[b])
+        rows = batch.key_rows(b, 0, length)
+        for i in range(q1 - q0):
+            p = length - (q1 - q0) + i  # the query's position
+            for h in range(hq):
+                kvh = h // (hq // hkv)
+                logits = []
+                for j in range(length):
+                    if (causal and j > p) or (window is not None and abs(p - j) >= window):
+                        continue
+                    s = float(np.dot(q[q0 + i, h].astype(np.float64), k_pool[rows[j], kvh])) * scale
+                    logits.append((softcap * math.tanh(s / softcap) if softcap is not None else s, j))
+                extra = [float(sinks[h])] if sinks is not None else []
+                top = max([s for s, _ in logits] + extra)
+                weights = [(math.exp(s - top), j) for s, j in logits]
+                total = sum(w for w, _ in weights) + sum(math.exp(e - top) for e in extra)
+                out[q0 + i, h] = sum(w / total * v_pool[rows[j], kvh].astype(np.float64) for w, j in weights)
+    return out.astype(np.float32)
 
 
 def records_programs(cls: type, base: type | None = None) -> bool:
@@ -788,21 +825,6 @@ def available_memory() -> int | None:
     except ImportError:
         return None
     return int(psutil.virtual_memory().available)
-
-
-def attention_mask(tq: int, tk: int, causal: bool, window: int | None) -> np.ndarray | None:
-    """Boolean ``[tq, tk]`` mask of visible keys (bottom-right aligned), or
-    None when every key is visible."""
-    if not causal and window is None:
-        return None
-    pos = np.arange(tk - tq, tk)[:, None]
-    key = np.arange(tk)[None, :]
-    mask = np.ones((tq, tk), dtype=bool)
-    if causal:
-        mask &= key <= pos
-    if window is not None:
-        mask &= pos - key < window
-    return None if mask.all() else mask
 
 
 def _result_dtype(a: Array, b: Array | float) -> np.dtype | None:

@@ -15,14 +15,23 @@ from typing import Any, Protocol
 import numpy as np
 
 from infer.errors import CaptureError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Backend, PackedWeight
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AttentionBatch, Backend, PackedWeight
 from infer.quantize import AffineTensor
 
 log = logging.getLogger(__name__)
 
-# Opcodes and kinds: the enums at the top of backends/_plan.c, in order.
-(GEMV, GEMV_F32, RMS, ROPE, ATTEND, WRITE_ROWS, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE,
- LAYERNORM, SCATTER_ROWS, PAGED_ATTEND) = range(1, 16)
+try:  # only for its opcode table: whether programs run is the numpy backend's choice (INFER_NUMPY_KERNELS)
+    from infer.backends import _affine
+except ImportError:  # no C compiler at install: no programs
+    _affine = None
+
+#: The opcodes by name, from the C runner's own table (backends/_plan.c), so
+#: the two never disagree; without the extension there are no programs.
+OPCODES: dict[str, int] = _affine.opcodes() if _affine is not None and hasattr(_affine, "opcodes") else {}
+GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LAYERNORM, SCATTER_ROWS, ATTENTION = (
+    OPCODES.get(name, -1) for name in ("GEMV", "GEMV_F32", "RMS", "ROPE", "GATHER", "DEQUANT_ROWS", "COPY", "UNARY",
+                                       "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))
+# Kinds: the enums below the opcodes in backends/_plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
@@ -391,21 +400,6 @@ class Recorder:
             at += n
         return self.wrap(out)
 
-    def update_rows(self, dst: Any, start: int, src: Any) -> Any:
-        if type(dst) is not Traced:  # a constant written with step values would be read as a constant after
-            raise NotCapturable("update_rows into an array outside the step's memory")
-        self.copy(src, _plain(dst)[start:start + src.shape[0]])
-        return dst
-
-    def update_rows_at(self, dst: Any, start: Any, src: Any) -> Any:
-        d, s, at = _plain(dst), _plain(src), _plain(start)
-        if not (d.flags.c_contiguous and s.shape[1:] == d.shape[1:] and s.dtype == d.dtype
-                and at.dtype == np.int32 and at.size == 1):
-            raise NotCapturable(f"update_rows_at of {s.dtype}{list(s.shape)} into {d.dtype}{list(d.shape)}")
-        s = self.contiguous(s)
-        self.emit(WRITE_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0]])
-        return dst if type(dst) is Traced else self.wrap(d)
-
     def scatter_rows(self, dst: Any, rows: Any, src: Any) -> Any:
         d, s, at = _plain(dst), _plain(src), _plain(rows)
         if not (type(dst) is Traced and d.flags.c_contiguous and s.ndim == d.ndim and s.shape[1:] == d.shape[1:]
@@ -524,57 +518,32 @@ class Recorder:
             raise NotCapturable(f"take along axis {axis}")
         return self.embedding(np.ascontiguousarray(xp), indices)
 
-    def cached_attention(self, q: Any, k_cache: Any, v_cache: Any, length: Any, *, scale: float,
-                         window: int | None = None, softcap: float | None = None) -> Any:
-        return self._attend("cached_attention", q, k_cache, v_cache, _plain(length), causal=True, scale=scale,
-                            window=window, softcap=softcap)
-
-    def attention(self, q: Any, k: Any, v: Any, *, scale: float, causal: bool = True, window: int | None = None,
-                  softcap: float | None = None) -> Any:
-        length = np.array([_plain(k).shape[0]], np.int32)
-        return self._attend("attention", q, k, v, length, causal=causal, scale=scale, window=window, softcap=softcap)
-
-    def _attend(self, name: str, q: Any, k: Any, v: Any, length: np.ndarray, *, causal: bool, scale: float,
-                window: int | None, softcap: float | None) -> Any:
-        qp, kp, vp = _plain(q), _plain(k), _plain(v)
-        tq = qp.shape[0] if qp.ndim == 3 else 0
-        if not (qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and _f32(kp) and _f32(vp)
-                and 0 < tq <= self.ops.KERNEL_ROWS and kp.shape[:2] == vp.shape[:2]  # type: ignore[attr-defined]
+    def attention(self, q: Any, k_pool: Any, v_pool: Any, batch: AttentionBatch, *, scale: float,
+                  causal: bool = True, window: int | None = None, softcap: float | None = None,
+                  sinks: Any = None) -> Any:
+        qp, kp, vp = _plain(q), _plain(k_pool), _plain(v_pool)
+        qs, lp, tp = (_plain(a) for a in (batch.query_start, batch.seq_lens, batch.block_tables))
+        sp = None if sinks is None else _plain(sinks)
+        n = tp.shape[0] if tp.ndim == 2 else 0
+        if not (n and qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and _f32(kp) and _f32(vp)
+                and kp.shape[:2] == vp.shape[:2] and kp.flags.c_contiguous and vp.flags.c_contiguous
+                and kp.shape[0] % batch.block_size == 0
                 and qp.shape[2] == kp.shape[2] and qp.shape[1] % kp.shape[1] == 0
-                and length.dtype == np.int32 and length.size == 1
+                and qs.dtype == lp.dtype == tp.dtype == np.int32 and tp.flags.c_contiguous
+                and qs.size == n + 1 and lp.size == n
+                and (sp is None or (_f32(sp) and sp.size == qp.shape[1]))
                 and (softcap is None or softcap > 0) and (window is None or window > 0)):
-            raise NotCapturable(f"{name} of q {qp.dtype}{list(qp.shape)}")
-        qc, kc, vc = self.contiguous(qp), self.contiguous(kp), self.contiguous(vp)
-        out = self.buffer((tq, qp.shape[1], vp.shape[2]), np.float32)
-        self.emit(ATTEND, [qc, kc, vc, out, length],
-                  [tq, kp.shape[0], qp.shape[1], kp.shape[1], qp.shape[2], vp.shape[2], window or 0, int(causal)],
-                  [scale, softcap or 0.0])
-        if name == "cached_attention":
-            want = self.eager(name, qp, kp, vp, length, scale=scale, window=window, softcap=softcap)
-        else:
-            want = self.eager(name, qp, kp, vp, scale=scale, causal=causal, window=window, softcap=softcap)
-        self.check(name, out, want)
-        return self.wrap(out)
-
-    def batched_paged_attention(self, q: Any, k_pool: Any, v_pool: Any, block_tables: Any, lengths: Any, *,
-                                scale: float, window: int | None = None, softcap: float | None = None) -> Any:
-        qp, kp, vp, tp, lp = (_plain(a) for a in (q, k_pool, v_pool, block_tables, lengths))
-        batch = tp.shape[0] if tp.ndim == 2 else 0
-        tq = qp.shape[0] // batch if batch and qp.ndim == 3 else 0
-        if not (tq and qp.ndim == 3 and kp.ndim == vp.ndim == 4 and _f32(qp) and _f32(kp) and _f32(vp)
-                and tq * batch == qp.shape[0] and tq <= self.ops.KERNEL_ROWS  # type: ignore[attr-defined]
-                and kp.shape[:3] == vp.shape[:3] and kp.flags.c_contiguous and vp.flags.c_contiguous
-                and qp.shape[2] == kp.shape[3] and qp.shape[1] % kp.shape[2] == 0
-                and tp.dtype == lp.dtype == np.int32 and tp.flags.c_contiguous and lp.size == batch
-                and (softcap is None or softcap > 0) and (window is None or window > 0)):
-            raise NotCapturable(f"batched_paged_attention of q {qp.dtype}{list(qp.shape)}")
-        qc, lc = self.contiguous(qp), self.contiguous(lp)
-        out = self.buffer((qp.shape[0], qp.shape[1], vp.shape[3]), np.float32)
-        self.emit(PAGED_ATTEND, [qc, kp, vp, out, tp, lc],
-                  [batch, tq, tp.shape[1], kp.shape[1], kp.shape[0], qp.shape[1], kp.shape[2], qp.shape[2],
-                   vp.shape[3], window or 0], [scale, softcap or 0.0])
-        want = self.eager("batched_paged_attention", qp, kp, vp, tp, lp, scale=scale, window=window, softcap=softcap)
-        self.check("batched_paged_attention", out, want)
+            raise NotCapturable(f"attention of q {qp.dtype}{list(qp.shape)} over {kp.dtype}{list(kp.shape)}")
+        qc, qsc, lc = self.contiguous(qp), self.contiguous(qs), self.contiguous(lp)
+        sc = None if sp is None else self.contiguous(sp)
+        out = self.buffer((qp.shape[0], qp.shape[1], vp.shape[2]), np.float32)
+        block = batch.block_size
+        self.emit(ATTENTION, [qc, kp, vp, out, qsc, lc, tp, sc],
+                  [qp.shape[0], n, tp.shape[1], block, kp.shape[0] // block, qp.shape[1], kp.shape[1], qp.shape[2],
+                   vp.shape[2], window or 0, int(causal)], [scale, softcap or 0.0])
+        want = self.eager("attention", qp, kp, vp, AttentionBatch(qs, lp, tp, block, batch.max_query), scale=scale,
+                          causal=causal, window=window, softcap=softcap, sinks=sp)
+        self.check("attention", out, want)
         return self.wrap(out)
 
     # -- recording -------------------------------------------------------------------
@@ -611,6 +580,9 @@ class Recorder:
                 return a.view(Traced) if a.size and self.in_step(a) else a
             if isinstance(x, PackedWeight):
                 return arrays.weight(x)
+            if isinstance(x, AttentionBatch):
+                return AttentionBatch(to_host(x.query_start), to_host(x.seq_lens), to_host(x.block_tables),
+                                      x.block_size, x.max_query)
             if isinstance(x, (list, tuple)):
                 return type(x)(to_host(v) for v in x)
             return x

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, Backend, PackedWeight, QuantizedTensor, ShardedWeight, blocks_holding
+from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight, attention_mask
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -63,8 +63,8 @@ _HAS_ENABLE_GQA = False
 #: (see ``attention``); a null context where this torch cannot choose.
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize", "paged_attention", "topk", "compile", "prepare_weight",
-              "quantized_linear", "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention",
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
+              "quantized_linear",
               "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
@@ -700,10 +700,17 @@ class TorchBackend(Backend):
         index.append(slice(start, stop))
         return x[tuple(index)]
 
-    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
-        """In place: ``dst`` is modified and returned."""
-        dst[start : start + src.shape[0]].copy_(src)
-        return dst
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """In place, at rows given as a device tensor (no host read); rows
+        outside ``dst`` raise ``IndexError`` (checked on the host only where the
+        rows are there: in a captured step the kernel's own check stands)."""
+        index = rows.reshape(-1).to(torch.int64)
+        if index.device.type == "cpu" and not _is_traced(index) and index.numel():
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= dst.shape[0]:
+                raise IndexError(f"scatter_rows: row {low if low < 0 else high} is outside the {dst.shape[0]} rows "
+                                 "of dst")
+        return dst.index_copy_(0, index, src.to(dst.dtype))
 
     # -- optional ops ---------------------------------------------------------------
 
@@ -792,63 +799,6 @@ class TorchBackend(Backend):
         dist.all_reduce(y)
         return y if bias is None else torch.add(y, _like(y, bias))
 
-    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
-        """In place, at a row given as a device tensor (no host read)."""
-        rows = start.reshape(-1)[:1].to(torch.int64) + torch.arange(src.shape[0], device=dst.device)
-        return dst.index_copy_(0, rows, src.to(dst.dtype))
-
-    def cached_attention(
-        self, q: Array, k_cache: Array, v_cache: Array, length: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """SDPA over the whole buffer with the valid keys as a boolean mask
-        built on the device from ``length``: the same kernels and shapes at
-        every step (the masked-out rows cost their reads, not a new graph)."""
-        tq = q.shape[0]
-        capacity = k_cache.shape[0]
-        pos = (length.reshape(-1)[:1].to(torch.int64) - tq + torch.arange(tq, device=q.device))[:, None]
-        j = torch.arange(capacity, device=q.device)[None, :]
-        mask = j <= pos
-        if window is not None:
-            mask = mask & (pos - j < window)
-        return self._masked_attention(q, k_cache, v_cache, mask, scale, softcap)
-
-    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
-        """In place, at rows given as a device tensor (no host read)."""
-        return dst.index_copy_(0, rows.reshape(-1).to(torch.int64), src.to(dst.dtype))
-
-    def batched_paged_attention(
-        self, q: Array, k_pool: Array, v_pool: Array, block_tables: Array, lengths: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Every sequence's table width of blocks gathered (``index_select``
-        on the block axis, as :meth:`paged_attention`), then one batched SDPA
-        with the valid keys a mask built on the device from ``lengths``: the
-        same kernels and shapes at every step. Soft-capped scores (no fused
-        kernel caps them) are computed per sequence in float32."""
-        batch, width = block_tables.shape
-        tq, hq, dk = q.shape[0] // batch, q.shape[1], q.shape[2]
-        table = block_tables.reshape(-1).to(torch.int64)
-        k = k_pool.index_select(0, table).reshape(batch, width * k_pool.shape[1], *k_pool.shape[2:])
-        v = v_pool.index_select(0, table).reshape(batch, width * v_pool.shape[1], *v_pool.shape[2:])
-        pos = (lengths.reshape(-1).to(torch.int64)[:, None] - tq + torch.arange(tq, device=q.device))[:, :, None]
-        j = torch.arange(k.shape[1], device=q.device)
-        mask = j <= pos  # [batch, tq, keys]
-        if window is not None:
-            mask = mask & (pos - j < window)
-        qs = q.reshape(batch, tq, hq, dk)
-        if softcap is not None:
-            return torch.cat([self._masked_attention(qs[b], k[b], v[b], mask[b], scale, softcap)
-                              for b in range(batch)])
-        out = self._sdpa(*(a.transpose(1, 2) for a in (qs, k, v)), mask[:, None], scale)
-        return out.transpose(1, 2).reshape(batch * tq, hq, v.shape[-1])
-
-    def _masked_attention(self, q: Array, k: Array, v: Array, mask: Array, scale: float,
-                          softcap: float | None) -> Array:
-        if softcap is not None:
-            return self._attention_float32(q, k, v, scale, True, None, softcap, mask=mask)
-        return self._sdpa(*(a.transpose(0, 1).unsqueeze(0) for a in (q, k, v)), mask, scale)[0].transpose(0, 1)
-
     def _sdpa(self, q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
         """Masked SDPA of ``[batch, heads, rows, dim]`` tensors."""
         hq, hkv = q.shape[1], k.shape[1]
@@ -865,35 +815,6 @@ class TorchBackend(Backend):
         """Computed in float32, rounded once to ``x``'s dtype."""
         return (torch.tanh(x.float() / cap) * cap).to(x.dtype)
 
-    def paged_attention(
-        self,
-        q: Array,
-        k_pool: Array,
-        v_pool: Array,
-        block_table: Array,
-        context_len: int,
-        *,
-        scale: float,
-        causal: bool = True,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        """``index_select`` of the sequence's own blocks (those holding the
-        ``context_len`` keys; never a copy of the pool), then :meth:`attention`.
-
-        torch has no public attention kernel that reads a block table, so the
-        sequence's blocks are gathered once per layer: on the CPU that copy is
-        the cost of the batched GEMM anyway. A CUDA kernel (vLLM's
-        PagedAttention, FlashAttention's ``block_table`` argument, FlashInfer)
-        would instead load each key/value page straight from the pool inside
-        the kernel, one thread block per (sequence, head, key partition),
-        never materialising the gathered copy.
-        """
-        table = self._index(block_table[:blocks_holding(context_len, k_pool.shape[1], block_table.shape[0])])
-        k = k_pool.index_select(0, table).flatten(0, 1)[:context_len]
-        v = v_pool.index_select(0, table).flatten(0, 1)[:context_len]
-        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
-
     @property
     def capture_by_default(self) -> bool:  # type: ignore[override]
         """On the CPU in float32 with numpy's C kernels: the greedy decode
@@ -901,7 +822,7 @@ class TorchBackend(Backend):
         return self._records_programs()
 
     @property
-    def max_capture_batch(self) -> int | None:  # type: ignore[override]
+    def max_capture_tokens(self) -> int | None:  # type: ignore[override]
         """numpy's programs (the CPU's default capture) take its kernel rows at a
         time; torch.compile's graphs take any batch."""
         if self._records_programs() and not self.graph_capture:
@@ -982,22 +903,70 @@ class TorchBackend(Backend):
     def attention(
         self,
         q: Array,
-        k: Array,
-        v: Array,
+        k_pool: Array,
+        v_pool: Array,
+        batch: AttentionBatch,
         *,
         scale: float,
         causal: bool = True,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
     ) -> Array:
-        """Through ``scaled_dot_product_attention``, except with ``softcap``.
+        """Eagerly, one sequence at a time over its visible keys (a slice of
+        the pool where they are consecutive rows, else ``index_select``d:
+        torch has no public attention kernel that reads a block table; a
+        CUDA kernel such as vLLM's PagedAttention or FlashAttention's
+        ``block_table`` argument would read the pages in place): decode rows
+        on the CPU in numpy's one-pass C kernel, which reads them in place,
+        others through SDPA (:meth:`_dense`). In a captured step (no host
+        copy of the description), every sequence's table of blocks is
+        gathered and one masked SDPA built on the device serves every token
+        (:meth:`_static_attention`): the same kernels and shapes at every step.
+        """
+        if batch.host is None and not isinstance(batch.query_start, np.ndarray):
+            return self._static_attention(q, k_pool, v_pool, batch, scale, causal, window, softcap, sinks)
+        host = batch.on_host(self)
+        outputs = []
+        for b in range(host.num_seqs):
+            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
+            if q1 == q0:
+                continue
+            n = q1 - q0
+            lo, hi = host.visible(b, n, causal, window)
+            qb = q[q0:q1]
+            if (n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
+                    and self._host(qb, k_pool, v_pool) and (sinks is None or self._host(sinks))):
+                # Decoding on the CPU: numpy's one-pass C kernel (SDPA's CPU path
+                # costs more in dispatch than the attention of a few rows does).
+                hq, dk, hkv, dv = qb.shape[1], qb.shape[2], k_pool.shape[1], v_pool.shape[2]
+                table = np.ascontiguousarray(np.asarray(host.block_tables[b])[:-(-hi // host.block_size)], np.int64)
+                out = torch.empty((n, hq, dv), dtype=torch.float32)
+                self._kernels.attention(qb.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), out.numpy(), n, hi,
+                                        hq, hkv, dk, dv, scale, causal, window or 0, softcap or 0.0, table,
+                                        host.block_size, True, None if sinks is None else sinks.float().numpy())
+                outputs.append(out)
+                continue
+            rows = host.key_rows(b, lo, hi)
+            if rows[-1] - rows[0] == hi - lo - 1:
+                k, v = k_pool[int(rows[0]):int(rows[-1]) + 1], v_pool[int(rows[0]):int(rows[-1]) + 1]
+            else:
+                index = torch.from_numpy(rows.astype(np.int64)).to(k_pool.device)
+                k, v = k_pool.index_select(0, index), v_pool.index_select(0, index)
+            outputs.append(self._dense(qb, k, v, hi - n, lo, scale, causal, window, softcap, sinks))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-        torch's ``is_causal=True`` aligns the mask top-left, the contract
-        bottom-right; they agree only when ``tq == tk``, so ``is_causal`` is
-        used only then, a single query needs no mask at all, and every other
-        causal or windowed case passes an explicit boolean mask. SDPA has no
-        soft-capping, so with ``softcap`` the scores are formed, capped,
-        masked and soft-maxed here in float32.
+    def _dense(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
+               window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+        """Queries at positions ``first..`` over keys at positions ``lo..``,
+        through ``scaled_dot_product_attention``, except with ``softcap`` or
+        ``sinks`` (neither of which SDPA has: then the scores are formed,
+        capped, masked and soft-maxed here in float32).
+
+        torch's ``is_causal=True`` aligns the mask top-left; it is used only
+        where that is the contract's mask (as many queries as keys, starting
+        together), a single query needs no mask at all, and every other case
+        passes an explicit boolean mask.
 
         On CUDA, cuDNN's attention is left out of SDPA's choice: SDPA picks
         it for decode, and cuDNN builds an execution plan for every new key
@@ -1009,19 +978,9 @@ class TorchBackend(Backend):
         """
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
-        if window is not None and window >= tk:
-            window = None  # the window reaches every key: no effect
-        if (tq <= 16 and 0 < tq <= tk and (softcap is None or softcap > 0) and (window is None or window > 0)
-                and self._host(q, k, v)):
-            # Decoding on the CPU: numpy's one-pass C kernel (SDPA's CPU path
-            # costs more in dispatch than the attention of a few rows does).
-            out = torch.empty((tq, hq, dv), dtype=torch.float32)
-            self._kernels.attention(q.numpy(), k.numpy(), v.numpy(), out.numpy(), tq, tk, hq, hkv, dk, dv, scale,
-                                    causal, window or 0, softcap or 0.0, None, 0, True)
-            return out
-        if softcap is not None:
-            return self._attention_float32(q, k, v, scale, causal, window, softcap)
-        mask, is_causal = self._mask(tq, tk, causal, window)
+        mask, is_causal = self._mask(first, tq, lo, tk, causal, window)
+        if softcap is not None or sinks is not None:
+            return self._attention_float32(q, k, v, scale, softcap, sinks, mask, is_causal)
         # [1, heads, tokens, dim]: the fused kernels take only 4-D inputs.
         qt, kt, vt = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         gqa: dict[str, bool] = {}
@@ -1037,55 +996,92 @@ class TorchBackend(Backend):
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
         return out[0].transpose(0, 1)  # [tq, hq, dv]
 
-    def _mask(self, tq: int, tk: int, causal: bool, window: int | None) -> tuple[Any, bool]:
-        """(boolean [tq, tk] mask of visible keys or None, is_causal)."""
+    def _static_attention(self, q: Array, k_pool: Array, v_pool: Array, batch: AttentionBatch, scale: float,
+                          causal: bool, window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+        """Attention with the description as device data only: each
+        sequence's whole table of blocks gathered, each token's query against
+        its sequence's keys, the visible ones a mask built on the device."""
+        tokens, hq, dk = q.shape
+        seqs, width = batch.block_tables.shape
+        bs = batch.block_size
+        starts = batch.query_start.reshape(-1).to(torch.int64)
+        lengths = batch.seq_lens.reshape(-1).to(torch.int64)
+        table = batch.block_tables.reshape(-1).to(torch.int64)
+        rows = (table[:, None] * bs + torch.arange(bs, device=q.device)).reshape(seqs, width * bs)
+        t = torch.arange(tokens, device=q.device)
+        seq = torch.searchsorted(starts[1:], t, right=True).clamp(max=seqs - 1)  # each token's sequence
+        pos = lengths[seq] - (starts[seq + 1] - starts[seq]) + (t - starts[seq])  # each token's position
+        j = torch.arange(width * bs, device=q.device)[None, :]
+        mask = j < lengths[seq][:, None]
+        if causal:
+            mask = mask & (j <= pos[:, None])
+        if window is not None:
+            mask = mask & ((pos[:, None] - j).abs() < window)
+        index = rows[seq]  # [tokens, keys]
+        k = k_pool[index]  # [tokens, keys, hkv, dk]
+        v = v_pool[index]
+        if softcap is not None or sinks is not None:
+            return torch.cat([self._attention_float32(q[i:i + 1], k[i], v[i], scale, softcap, sinks, mask[i:i + 1],
+                                                      False) for i in range(tokens)])
+        out = self._sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
+        return out[:, :, 0, :]  # [tokens, hq, dv]
+
+    def _mask(self, first: int, tq: int, lo: int, tk: int, causal: bool, window: int | None) -> tuple[Any, bool]:
+        """(boolean [tq, tk] mask of the keys at positions ``lo..`` visible to
+        queries at positions ``first..``, or None, is_causal)."""
+        if window is not None and window >= first + tq and (causal or window >= lo + tk):
+            window = None  # the window reaches every key: no effect
         if window is None:
-            if not causal or tq == 1:
+            if not causal or (tq == 1 and first + 1 >= lo + tk):
                 return None, False
-            if tq == tk:
+            if first == lo and tq == tk:
                 return None, True
-        key = (tq, tk, causal, window)
+            if first + 1 >= lo + tk:  # every query sees every key
+                return None, False
+        key = (first - lo, tq, tk, causal, window)  # visibility is relative: one mask per shape
         mask = self._masks.get(key)
         if mask is None:
-            pos = torch.arange(tk - tq, tk, device=self._device)[:, None]  # query i sits at tk - tq + i
-            j = torch.arange(tk, device=self._device)[None, :]
-            mask = torch.ones((tq, tk), dtype=torch.bool, device=self._device)
-            if causal:
-                mask &= j <= pos
-            if window is not None:
-                mask &= pos - j < window
+            hm = attention_mask(first - lo, tq, 0, tk, causal, window)
+            mask = None if hm is None else torch.from_numpy(hm == 0).to(self._device)
             if len(self._masks) >= 32:  # every layer of a step shares one; keep a few steps
                 self._masks.clear()
             self._masks[key] = mask
         return mask, False
 
-    def _attention_float32(self, q: Array, k: Array, v: Array, scale: float, causal: bool,
-                           window: int | None, softcap: float, *, mask: Array | None = None) -> Array:
-        """Scores formed, capped, masked (``mask``, else the contract's causal
-        and window rules) and soft-maxed in float32."""
+    def _attention_float32(self, q: Array, k: Array, v: Array, scale: float, softcap: float | None,
+                           sinks: Array | None, mask: Array | None, is_causal: bool) -> Array:
+        """Scores formed, capped, masked and soft-maxed in float32, with the
+        sinks' logits in each softmax's denominator."""
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
         group = hq // hkv
         # [hkv, group*tq, dk] @ [hkv, dk, tk]: grouped-query attention without repeating keys.
         qg = q.float().reshape(tq, hkv, group, dk).permute(1, 2, 0, 3).reshape(hkv, group * tq, dk)
         scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        if mask is None:
-            mask, is_causal = self._mask(tq, tk, causal, window)
-        else:
-            is_causal = False
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if is_causal:
-            mask = torch.ones((tq, tk), dtype=torch.bool, device=self._device).tril()
+            mask = torch.ones((tq, tk), dtype=torch.bool, device=q.device).tril()
+        scores = scores.reshape(hkv, group, tq, tk)
         if mask is not None:
-            scores = scores.reshape(hkv, group, tq, tk).masked_fill(~mask, float("-inf")).reshape(hkv, -1, tk)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.float().transpose(0, 1))  # [hkv, group*tq, dv]
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(hkv, group, 1, 1).expand(hkv, group, tq, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :tk]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs.reshape(hkv, group * tq, tk), v.float().transpose(0, 1))  # [hkv, group*tq, dv]
         return out.reshape(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)
 
 
 #: Graphs one captured step may build (its input shapes: batch buckets times
 #: table widths) before torch.compile stops compiling it.
 STEP_GRAPHS = 64
+
+
+def _is_traced(t: Any) -> bool:
+    """Whether ``t`` is being traced (torch.compile): its values are not on the host."""
+    return bool(torch.compiler.is_compiling()) or type(t).__name__ == "FakeTensor"
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

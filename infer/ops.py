@@ -22,7 +22,7 @@ Conventions that hold for every op unless its docstring says otherwise:
   input; a backend may compute internally in higher precision.
 * Binary elementwise ops broadcast like numpy, and either operand may be a
   Python scalar.
-* Ops do not modify their inputs, except :meth:`Backend.update_rows`, which
+* Ops do not modify their inputs, except :meth:`Backend.scatter_rows`, which
   may write into ``dst`` and returns the array to use from then on.
 
 The contract is versioned: :data:`API_VERSION` ``(major, minor)``. A backend
@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-API_VERSION: tuple[int, int] = (1, 5)
+API_VERSION: tuple[int, int] = (2, 0)
 
 Array = Any
 """A backend-native array (``numpy.ndarray``, ``torch.Tensor``, ...)."""
@@ -53,14 +54,12 @@ REQUIRED_OPS: tuple[str, ...] = (
     "silu", "gelu", "gelu_tanh",
     "sum", "mean", "max", "argmax", "softmax",
     "rms_norm", "layer_norm", "rope", "embedding", "take",
-    "reshape", "transpose", "concat", "slice", "update_rows",
-    "attention",
+    "reshape", "transpose", "concat", "slice", "scatter_rows",
 )
 
 OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
-    "quantized_linear", "paged_attention", "synchronize", "topk", "compile",
-    "update_rows_at", "cached_attention", "scatter_rows", "batched_paged_attention",
+    "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
 )
 
@@ -209,6 +208,94 @@ class ShardedWeight:
 
     def __repr__(self) -> str:
         return f"ShardedWeight({self.combine}, shape={list(self.shape)})"
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where a forward's queries are and where each sequence's keys live: the
+    batch description :meth:`Backend.attention` reads (docs/kv-cache.md).
+
+    Every forward, whatever its mix of prompt chunks, decode rows and
+    speculative verification rows, and whether its sequences' caches are pages
+    of a pool or one contiguous buffer each (one block of the buffer's size),
+    is one such description. The arrays are the backend's (the op reads them
+    as data, so a captured step keeps one graph for every step); ``host`` is
+    the same description as numpy arrays where the host knows it (never inside
+    a captured step), for kernels that choose their path per sequence.
+    """
+
+    #: int32 ``[sequences + 1]``: sequence ``b``'s query rows are
+    #: ``query_start[b]:query_start[b + 1]`` of the forward's tokens.
+    query_start: Array
+    #: int32 ``[sequences]``: sequence ``b``'s positions after this forward's
+    #: writes; its queries are the last of them.
+    seq_lens: Array
+    #: int32 ``[sequences, width]``: sequence ``b``'s physical blocks in
+    #: logical order (entries past its keys are never read).
+    block_tables: Array
+    #: Positions per block (a contiguous cache: its capacity, one block).
+    block_size: int
+    #: Most query rows of any one sequence: 1 when every sequence decodes. A
+    #: bound known on the host, even in a captured step.
+    max_query: int
+    #: The same description as numpy arrays, or None.
+    host: AttentionBatch | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch (the tables' first axis)."""
+        shape = getattr(self.block_tables, "shape", None)
+        return int(shape[0]) if shape is not None else len(self.block_tables)
+
+    def on_host(self, ops: Backend) -> AttentionBatch:
+        """This description with numpy arrays: :attr:`host`, or the arrays
+        read back (an eager default's way; a captured step has no host copy)."""
+        if self.host is not None:
+            return self.host
+        if isinstance(self.query_start, np.ndarray):
+            return self
+        read = [np.asarray(ops.to_numpy(a), dtype=np.int32) for a in
+                (self.query_start, self.seq_lens, self.block_tables)]
+        return AttentionBatch(read[0].reshape(-1), read[1].reshape(-1), read[2].reshape(len(read[1].reshape(-1)), -1),
+                              self.block_size, self.max_query)
+
+    def visible(self, b: int, queries: int, causal: bool, window: int | None) -> tuple[int, int]:
+        """``(lo, hi)``: the key positions any of sequence ``b``'s ``queries``
+        last positions sees (a host description only)."""
+        length = int(self.seq_lens[b])
+        if length < queries or queries < 1:
+            raise ValueError(f"attention: sequence {b} has {length} positions for its {queries} query rows")
+        if window is None:
+            return 0, length
+        lo = max(0, length - queries - window + 1)
+        return lo, length if causal else min(length, length + window - 1)
+
+    def key_rows(self, b: int, lo: int, hi: int) -> np.ndarray:
+        """int32 pool rows of sequence ``b``'s key positions ``lo..hi`` (a host
+        description only); ``IndexError`` when its table lists too few blocks."""
+        bs, table = self.block_size, np.asarray(self.block_tables[b])
+        if hi > 0 and (hi - 1) // bs >= table.shape[0]:
+            raise IndexError(f"attention: {hi} keys need {-(-hi // bs)} blocks; sequence {b}'s table has "
+                             f"{table.shape[0]}")
+        j = np.arange(lo, hi)
+        return (table[j // bs].astype(np.int64) * bs + j % bs).astype(np.int32)
+
+
+def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
+                   window: int | None) -> np.ndarray | None:
+    """Additive float32 mask ``[queries, hi - lo]`` (0 or -inf) of queries at
+    positions ``first..first + queries`` over keys ``lo..hi``, as
+    :meth:`Backend.attention` defines visibility; None where every key is seen."""
+    p = np.arange(first, first + queries)[:, None]
+    j = np.arange(lo, hi)[None, :]
+    seen = np.ones((queries, hi - lo), bool)
+    if causal:
+        seen &= j <= p
+    if window is not None:
+        seen &= np.abs(p - j) < window
+    if seen.all():
+        return None
+    return np.where(seen, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
 class Backend(abc.ABC):
@@ -466,43 +553,21 @@ class Backend(abc.ABC):
         """``x[..., start:stop, ...]`` along ``axis`` (Python slice rules)."""
 
     @abc.abstractmethod
-    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
-        """Write ``src`` into ``dst[start : start + len(src)]`` (axis 0).
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
+        """Row ``i`` of ``src`` written to row ``rows[i]`` of ``dst`` (axis 0).
+
+        ``rows`` is a device int32 array ``[n]`` of distinct rows, so the rows
+        are data, not Python ints: a captured step keeps one graph for every
+        step. This is the one write of per-sequence state: a forward's keys and
+        values go to the pool rows its :class:`AttentionBatch` names (their
+        *slots*), recurrent state to its sequences' state slots, and a
+        copy-on-write block copy is a :meth:`take` and a write.
 
         May modify ``dst`` in place (numpy, torch) or build a new array
         (functional frameworks such as MLX): callers must use the returned
-        array afterwards. ``src`` is cast to ``dst``'s dtype.
-        """
-
-    # ------------------------------------------------------------------
-    # Attention
-    # ------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def attention(
-        self,
-        q: Array,
-        k: Array,
-        v: Array,
-        *,
-        scale: float,
-        causal: bool = True,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        """Scaled dot-product attention for one sequence.
-
-        q: ``[tq, hq, dk]``; k: ``[tk, hkv, dk]``; v: ``[tk, hkv, dv]`` with
-        ``tq <= tk`` and ``hq`` a multiple of ``hkv`` (grouped-query
-        attention: query head ``h`` reads key/value head ``h // (hq // hkv)``).
-        Returns ``[tq, hq, dv]``.
-
-        The queries are the *last* ``tq`` positions of the ``tk`` keys
-        (bottom-right alignment): query ``i`` sits at position
-        ``p = tk - tq + i``. With ``causal``, it sees keys ``j <= p``; with a
-        ``window`` it sees only keys with ``p - j < window``. Scores are
-        ``q·k * scale``, then, with ``softcap``, ``softcap * tanh(s / softcap)``
-        before masking and softmax. The softmax is computed in float32.
+        array afterwards. ``src`` is cast to ``dst``'s dtype. A row outside
+        ``dst`` raises ``IndexError`` (or, inside a captured step, the
+        backend's own error): it is never written somewhere else.
         """
 
     # ------------------------------------------------------------------
@@ -574,120 +639,83 @@ class Backend(abc.ABC):
             raise IndexError(f"token id out of range [0, {vocab}): found {host.min() if host.min() < 0 else host.max()}")
         return self.from_numpy(table.rows.dequantize_rows(host.astype(np.int64)))
 
-    def paged_attention(
+    def attention(
         self,
         q: Array,
         k_pool: Array,
         v_pool: Array,
-        block_table: Array,
-        context_len: int,
+        batch: AttentionBatch,
         *,
         scale: float,
         causal: bool = True,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
     ) -> Array:
-        """:meth:`attention` with keys and values read from a paged pool.
+        """Scaled dot-product attention of every sequence of a forward over
+        its keys in a pool: the one attention op of the contract.
 
-        k_pool: ``[blocks, block_size, hkv, dk]``, v_pool likewise;
-        block_table: 1-D int array of the sequence's physical blocks in
-        logical order; ``context_len``: number of valid key positions.
-        Default: gather the blocks into contiguous arrays, then
-        :meth:`attention`.
+        q: ``[tokens, hq, dk]``, each sequence's query rows together
+        (``batch.query_start``); k_pool: ``[rows, hkv, dk]`` and v_pool
+        ``[rows, hkv, dv]``, the pool rows the forward's keys and values were
+        written to (:meth:`scatter_rows`), ``hq`` a multiple of ``hkv``
+        (grouped-query attention: query head ``h`` reads key/value head
+        ``h // (hq // hkv)``). Returns ``[tokens, hq, dv]``.
+
+        Sequence ``b``'s ``n`` query rows are the *last* ``n`` of its
+        ``batch.seq_lens[b]`` positions (query ``i`` sits at position
+        ``p = seq_lens[b] - n + i``); its key at position ``j`` is pool row
+        ``block_tables[b, j // block_size] * block_size + j % block_size``.
+        With ``causal``, a query sees keys ``j <= p``, else every key of its
+        sequence; with a ``window`` only keys with ``|p - j| < window``.
+        Scores are ``q·k * scale``, then, with ``softcap``,
+        ``softcap * tanh(s / softcap)``, then masking and a softmax computed in
+        float32. ``sinks`` (``[hq]``, gpt-oss's attention sinks) adds one
+        logit per head to each softmax's denominator, with no value.
+
+        Default: built from required ops, one sequence at a time, reading
+        the batch description back to the host (:meth:`AttentionBatch.on_host`);
+        it is also the contract's plainly readable reference.
         """
-        used = blocks_holding(context_len, self.shape(k_pool)[1], self.shape(block_table)[0])
-        table = self.slice(block_table, 0, 0, used)
-        k = self.take(k_pool, table, axis=0)
-        v = self.take(v_pool, table, axis=0)
-        k = self.slice(self.reshape(k, (-1,) + tuple(self.shape(k_pool)[2:])), 0, 0, context_len)
-        v = self.slice(self.reshape(v, (-1,) + tuple(self.shape(v_pool)[2:])), 0, 0, context_len)
-        return self.attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
-
-    def update_rows_at(self, dst: Array, start: Array, src: Array) -> Array:
-        """:meth:`update_rows` with ``start`` a device array (int32 ``[1]``):
-        the row to write at is data, not a Python int, so a captured decode
-        step (:mod:`infer.engine.capture`) keeps one graph for every
-        position. The same in-place-or-new rule: use the returned array.
-        Default: ``start`` read back to the host, then :meth:`update_rows`."""
-        return self.update_rows(dst, int(self.to_numpy(start).reshape(-1)[0]), src)
-
-    def cached_attention(
-        self,
-        q: Array,
-        k_cache: Array,
-        v_cache: Array,
-        length: Array,
-        *,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        """Causal :meth:`attention` over the first ``length`` rows of a
-        fixed-capacity cache, ``length`` a device array (int32 ``[1]``).
-
-        k_cache: ``[capacity, hkv, dk]``, v_cache likewise; rows from
-        ``length`` on are not keys (whatever they hold). The ``tq`` queries
-        are the last ``tq`` of the ``length`` positions, as in
-        :meth:`attention`. Shapes do not depend on ``length``, so a captured
-        decode step keeps one graph for every step. Default: ``length``
-        read back to the host, then :meth:`attention` on the slices.
-        """
-        n = int(self.to_numpy(length).reshape(-1)[0])
-        k, v = self.slice(k_cache, 0, 0, n), self.slice(v_cache, 0, 0, n)
-        return self.attention(q, k, v, scale=scale, window=window, softcap=softcap)
-
-    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
-        """Row ``i`` of ``src`` written to row ``rows[i]`` of ``dst``, the row
-        indices a device array (int32 ``[n]``, distinct): the paged KV pool's
-        write in a captured batched decode step, where each sequence's new
-        position lands in its own page (:mod:`infer.engine.capture`). The
-        :meth:`update_rows` rule: use the returned array. Default: ``rows``
-        read back to the host, then :meth:`update_rows` row by row."""
-        host = rows_within(self.to_numpy(rows), self.shape(dst)[0])
-        for i, row in enumerate(host.tolist()):
-            dst = self.update_rows(dst, int(row), self.slice(src, 0, i, i + 1))
-        return dst
-
-    def batched_paged_attention(
-        self,
-        q: Array,
-        k_pool: Array,
-        v_pool: Array,
-        block_tables: Array,
-        lengths: Array,
-        *,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        """Causal :meth:`paged_attention` of several sequences at once, their
-        block tables and lengths device arrays, so that a captured batched
-        decode step keeps one graph for every step.
-
-        q: ``[batch * tq, hq, dk]``, sequence ``b``'s ``tq`` query rows
-        together (``batch`` is ``block_tables``' first axis); k_pool,
-        v_pool: ``[blocks, block_size, hkv, d]``; block_tables: int32
-        ``[batch, table]``, sequence ``b``'s physical blocks in logical order
-        (entries past its keys are never read); lengths: int32 ``[batch]``,
-        sequence ``b``'s valid keys, of which its queries are the last
-        ``tq``. Returns ``[batch * tq, hq, dv]``. Default: tables and lengths
-        read back to the host, then :meth:`paged_attention` per sequence."""
-        tables = np.asarray(self.to_numpy(block_tables))
-        counts = np.asarray(self.to_numpy(lengths)).reshape(-1)
-        batch = tables.shape[0]
-        tq = self.shape(q)[0] // max(batch, 1)
-        if batch == 0 or tq * batch != self.shape(q)[0] or counts.size != batch:
-            raise ValueError(f"batched_paged_attention: q has {self.shape(q)[0]} rows for {batch} block tables "
-                             f"and {counts.size} lengths; it needs the same number of rows for each sequence")
-        if counts.min() < tq:
-            raise ValueError(f"batched_paged_attention: a sequence of {int(counts.min())} keys cannot hold its "
-                             f"{tq} query rows")
+        host = batch.on_host(self)
         outputs = []
-        for b in range(batch):
-            table = self.from_numpy(np.ascontiguousarray(tables[b], np.int32))
-            outputs.append(self.paged_attention(self.slice(q, 0, b * tq, (b + 1) * tq), k_pool, v_pool, table,
-                                                int(counts[b]), scale=scale, window=window, softcap=softcap))
-        return outputs[0] if batch == 1 else self.concat(outputs, 0)
+        for b in range(host.num_seqs):
+            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
+            if q1 > q0:
+                outputs.append(self._attend_one(self.slice(q, 0, q0, q1), k_pool, v_pool, host, b, scale=scale,
+                                                causal=causal, window=window, softcap=softcap, sinks=sinks))
+        return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
+
+    def _attend_one(self, q: Array, k_pool: Array, v_pool: Array, host: AttentionBatch, b: int, *, scale: float,
+                    causal: bool, window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+        """:meth:`attention`'s default for sequence ``b`` of a host batch: its
+        visible keys gathered from the pool, two batched products around a
+        masked float32 softmax, grouped-query heads without repeating keys."""
+        n, hq, dk = self.shape(q)
+        hkv, dv = self.shape(k_pool)[1], self.shape(v_pool)[2]
+        group = hq // hkv
+        length = int(host.seq_lens[b])
+        lo, hi = host.visible(b, n, causal, window)
+        k = self.take(k_pool, self.from_numpy(host.key_rows(b, lo, hi)), axis=0)  # [tk, hkv, dk]
+        v = self.take(v_pool, self.from_numpy(host.key_rows(b, lo, hi)), axis=0)
+        qg = self.reshape(self.transpose(self.reshape(q, (n, hkv, group, dk)), (1, 2, 0, 3)), (hkv, group * n, dk))
+        scores = self.astype(self.matmul(qg, self.transpose(k, (1, 2, 0))), "float32")  # [hkv, group * n, tk]
+        scores = self.mul(scores, float(scale))
+        if softcap is not None:
+            scores = self.softcap(scores, softcap)
+        scores = self.reshape(scores, (hkv, group, n, hi - lo))
+        mask = attention_mask(length - n, n, lo, hi, causal, window)
+        if mask is not None:
+            scores = self.add(scores, self.from_numpy(mask, "float32"))
+        if sinks is not None:
+            sink = self.add(self.zeros((hkv, group, n, 1), "float32"),
+                            self.reshape(self.astype(sinks, "float32"), (hkv, group, 1, 1)))
+            probs = self.slice(self.softmax(self.concat([scores, sink], -1), -1), -1, 0, hi - lo)
+        else:
+            probs = self.softmax(scores, -1)
+        probs = self.astype(self.reshape(probs, (hkv, group * n, hi - lo)), self.dtype(v))
+        out = self.matmul(probs, self.transpose(v, (1, 0, 2)))  # [hkv, group * n, dv]
+        return self.reshape(self.transpose(self.reshape(out, (hkv, group, n, dv)), (2, 0, 1, 3)), (n, hq, dv))
 
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to
@@ -774,11 +802,12 @@ class Backend(abc.ABC):
     #: is measured faster than their eager step and costs no compile time.
     capture_by_default: bool = False
 
-    #: The most sequences one captured batched decode step runs at once
-    #: (None: any number): a larger batch runs as several steps of at most
-    #: this many, each exact for its rows. For a backend whose captured
-    #: products take only so many rows (numpy's programs: its kernel rows).
-    max_capture_batch: int | None = None
+    #: The most tokens one captured step runs at once (None: any number): a
+    #: forward of more runs as several steps of at most this many, whole
+    #: sequences each (exact for their rows), or eagerly when one sequence
+    #: alone has more. For a backend whose captured products take only so
+    #: many rows (numpy's programs: its kernel rows).
+    max_capture_tokens: int | None = None
 
     #: Whether architectures should :meth:`compile` their layer pieces; set
     #: by ``infer.load(..., compile=True)``. Off by default: capturing costs
@@ -810,15 +839,6 @@ class Backend(abc.ABC):
         return fn
 
 
-def blocks_holding(context_len: int, block_size: int, table_len: int) -> int:
-    """How many leading blocks of a block table hold ``context_len`` keys
-    (the table may list more); ``IndexError`` when it lists fewer."""
-    used = -(-context_len // block_size)
-    if used > table_len:
-        raise IndexError(f"paged_attention: {context_len} keys need {used} blocks; the table has {table_len}")
-    return used
-
-
 def rows_within(rows: Any, limit: int) -> np.ndarray:
     """``rows`` (host row indices, any shape) flattened, ``IndexError`` where
     one is outside ``0..limit``: :meth:`Backend.scatter_rows`' check."""
@@ -837,5 +857,5 @@ def is_float_dtype(dtype: str) -> bool:
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "ShardedWeight",
-    "FLOAT_DTYPES", "INT_DTYPES", "blocks_holding", "is_float_dtype", "rows_within",
+    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "is_float_dtype", "rows_within",
 ]

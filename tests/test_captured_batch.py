@@ -265,7 +265,7 @@ def test_multi_token_prediction_runs_its_forwards_eagerly_with_the_same_tokens()
 @pytest.mark.skipif(not HAS_PROGRAMS, reason="no C kernels")
 def test_batches_past_the_backends_capture_batch_run_as_several_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # numpy's programs take its kernel rows (16) at a time; 2 here, so that 4 requests are two steps of 2.
-    monkeypatch.setattr(numpy_backend.NumpyBackend, "max_capture_batch", 2)
+    monkeypatch.setattr(numpy_backend.NumpyBackend, "max_capture_tokens", 2)
     model = _model("llama3", "numpy", True)
     want = _run_batch(model, "llama3")
     model.engine.capture_decode()

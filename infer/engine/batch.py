@@ -53,14 +53,15 @@ Two KV layouts (``kv_layout``), the same tokens either way:
 * ``"paged"`` — every request's keys and values are pages of one
   :class:`~infer.kv.paged.PagedKVPool`, with prefix caching and
   preemption as above. The default where the backend implements
-  ``paged_attention`` natively (numpy, torch).
+  ``attention`` natively (numpy, torch, MLX), reading pages through their
+  block tables.
 * ``"contiguous"`` — every admitted request gets its own
   :class:`~infer.kv.cache.ContiguousKVCache` of prompt + ``max_tokens``
   positions, within a memory budget; admission reserves the whole cache, so
   nothing is ever preempted, and there is no prefix caching. The default on
-  a backend without native ``paged_attention`` (MLX, most plugins), where
-  reading pages would mean gathering them into a contiguous copy at every
-  layer of every step.
+  a backend without a native ``attention`` (the contract's default gathers
+  each sequence's pages into a contiguous copy at every layer of every step,
+  where a contiguous cache is one slice).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class BatchEngine:
     Args:
         engine: the engine (model + backend) to run.
         kv_layout: ``"paged"``, ``"contiguous"`` or ``"auto"`` (paged where the
-            backend has native ``paged_attention``; see the module docs).
+            backend has a native ``attention``; see the module docs).
         kv_pool: the pool every request's pages come from (paged layout only;
             default: one of ``kv_memory`` bytes).
         kv_memory: bytes of keys and values all requests together may hold
@@ -204,7 +205,7 @@ class BatchEngine:
         if kv_memory is not None and (not isinstance(kv_memory, int) or kv_memory < 1):
             raise GenerationError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         if kv_layout == "auto":
-            kv_layout = "paged" if engine.backend.supports("paged_attention") or kv_pool is not None else "contiguous"
+            kv_layout = "paged" if engine.backend.supports("attention") or kv_pool is not None else "contiguous"
         if kv_pool is not None and kv_layout == "contiguous":
             raise GenerationError("kv_pool is for the paged layout; kv_layout='contiguous' takes kv_memory")
         self.engine = engine

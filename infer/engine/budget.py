@@ -78,8 +78,8 @@ class PagedBudget(KVBudget):
         self.pool = pool
         log.info("batch engine: paged KV pool of %d blocks of %d positions on %s/%s, %s", pool.num_blocks,
                  pool.block_size, engine.backend.name, engine.backend.device,
-                 "native paged attention" if engine.backend.supports("paged_attention")
-                 else "pages gathered for attention (no native paged_attention)")
+                 "native attention through block tables" if engine.backend.supports("attention")
+                 else "pages gathered for attention (no native attention)")
         _state_capacity(engine, pool.num_blocks * pool.block_size)
 
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
@@ -129,10 +129,10 @@ class ContiguousBudget(KVBudget):
         super().__init__(engine)
         #: Positions all admitted requests together may reserve.
         self.positions = memory // engine.kv_bytes_per_position()
-        native = engine.backend.supports("paged_attention")
+        native = engine.backend.supports("attention")
         log.info("batch engine: contiguous KV caches on %s/%s, %d positions within %d bytes%s; no prefix caching",
                  engine.backend.name, engine.backend.device, self.positions, memory,
-                 "" if native else " (no native paged_attention)")
+                 "" if native else " (no native attention)")
         _state_capacity(engine, self.positions)
 
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:

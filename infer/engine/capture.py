@@ -1,60 +1,54 @@
-"""A decode step with static shapes, run as one captured graph where the backend can.
+"""Forwards with static shapes, run as captured graphs where the backend can.
 
-An eager decode step is hundreds of ops dispatched from Python, each with
-shapes that grow with the sequence (the keys attended over), so a compiler
-would see a new graph every step. This step is written so that it does not:
+An eager forward is hundreds of ops dispatched from Python, each with shapes
+that grow with the sequence (the keys attended over), so a compiler would see
+a new graph every step. The engine's one forward description
+(:class:`~infer.kv.attention.AttentionContext`) is what makes a step
+capturable: positions, the pool rows new keys go to, each sequence's query
+rows, length and block table are all *data*, and the keys are attended over
+in the pool's fixed-size arrays, so only the counts of tokens and sequences
+shape the graph. The engine captures the step per shape bucket; an
+architecture's ``forward`` and ``compute_logits`` run unchanged inside it.
 
-* the sequence's keys and values are the fixed-capacity buffers of its
-  :class:`~infer.kv.cache.ContiguousKVCache`, written at a position given as
-  data (:meth:`~infer.ops.Backend.update_rows_at`) and attended over with the
-  valid length as data (:meth:`~infer.ops.Backend.cached_attention`, masking
-  inside attention);
-* positions come from that device array too
-  (:class:`~infer.kv.attention.StaticAttentionContext`);
-* the greedy choice is made on the device: only the next token id is read
-  back.
+Two steps are captured:
 
-The architecture's ``forward`` and ``compute_logits`` run unchanged inside
-it. The backend then captures the whole step with
-:meth:`~infer.ops.Backend.compile` (``torch.compile``, ``mx.compile``): one
-graph, traced once per cache capacity, replayed every token. Capacities are
-rounded up to a power of two (:func:`capacity_bucket`) so that requests of
-different lengths share graphs.
+* :class:`CapturedDecode`: greedy decoding of one sequence on a contiguous
+  cache (one block of its capacity), the device choosing the token so that
+  only its id is read back. One graph per cache capacity, capacities rounded
+  up to a power of two (:func:`capacity_bucket`) so that requests share them.
+* :class:`CapturedBatchDecode`: every forward of sequences of one paged pool
+  that needs no hidden states: decode rows, prompt chunks, speculative
+  verification rows, any mix of them. It returns the logits of the rows the
+  forward asks for, so the engine's samplers, logits processors and grammars
+  run on them as on the eager forward's. Tokens, sequences, logit rows and
+  block-table widths are rounded up to buckets (:func:`token_bucket`,
+  :func:`batch_bucket`, :func:`capacity_bucket`); padding rows belong to one
+  padding sequence on the pool's scratch block. Forwards with more tokens
+  than the backend's :attr:`~infer.ops.Backend.max_capture_tokens` (numpy's
+  programs: its kernel rows) run eagerly, as do forwards that need the hidden
+  states (multi-token prediction).
 
-Where the step cannot be captured, decoding stays eager and
-:attr:`CapturedDecode.reason` says why: an architecture that reads the
+The backend captures a step with :meth:`~infer.ops.Backend.compile`
+(``torch.compile``, ``mx.compile``, numpy's recorded program of its C
+kernels). Where a step cannot be captured it runs eagerly and ``reason``
+(or ``refused``, per shape) says why: an architecture that reads the
 sequence length on the host (dynamic rope scaling), an op that reads back to
 the host inside the step, a compile error.
-
-Two steps are captured. :class:`CapturedDecode` serves greedy decoding of one
-sequence on a contiguous cache, the device choosing the token.
-:class:`CapturedBatchDecode` serves every forward in which each sequence of
-a paged pool feeds one token (the batch engine's decode steps, one request's
-decode on a paged cache, a draft model's steps): the new keys land in the
-pool at rows given as data, attention reads each sequence's pages through
-its block table given as data, and the step returns every sequence's logits,
-so the engine's samplers, logits processors and grammars run on them as on
-the eager forward's. Batch sizes are rounded up to a power of two
-(:func:`batch_bucket`; the padding rows write to the pool's scratch block)
-and block-table widths to the blocks of a :func:`capacity_bucket`, so the
-batch engine's changing batches share a few graphs. Prefill, chunks of a
-prompt mixed into a step, speculative verification (several rows per
-sequence) and multi-token prediction take the eager forward
-(docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from infer.errors import BackendOutputError, CaptureError
-from infer.kv.attention import PagedStaticAttentionContext, StaticAttentionContext
+from infer.kv.attention import AttentionContext, LayerArrays
 from infer.kv.cache import ContiguousKVCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
-from infer.ops import Array, Backend
+from infer.ops import Array, AttentionBatch, Backend
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +80,15 @@ def batch_bucket(batch: int) -> int:
     return bucket
 
 
+def token_bucket(tokens: int, block_size: int) -> int:
+    """A step's token count rounded up: to a power of two up to
+    ``block_size``, then to a multiple of it, so that the padding rows (one
+    padding sequence on the pool's one scratch block) never outnumber its rows."""
+    if tokens > block_size:
+        return -(-tokens // block_size) * block_size
+    return min(batch_bucket(tokens), block_size)
+
+
 class CapturedDecode:
     """Greedy decode steps of one sequence at a time with static shapes,
     compiled by the backend (``compile=True``) or run as they are
@@ -100,6 +103,7 @@ class CapturedDecode:
         #: Steps run by the captured path.
         self.steps = 0
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
+        self._one = None  # query_start [0, 1] and the block table [[0]], made once
 
     @property
     def graphs(self) -> int | None:
@@ -108,12 +112,17 @@ class CapturedDecode:
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
-        ctx = StaticAttentionContext(self.ops, keys, values, start, tokens=1)
+    def _step(self, ids: Array, start: Array, query_start: Array, table: Array, keys: list[Array],
+              values: list[Array]) -> tuple[Array, Array, list, list]:
+        ops = self.ops
+        capacity = ops.shape(keys[0])[0]  # the contiguous cache is one block of its capacity
+        store = LayerArrays(keys, values, capacity)
+        batch = AttentionBatch(query_start, ops.add(start, 1), table, capacity, 1)
+        ctx = AttentionContext.static(ops, store, start, start, batch, tokens=1)
         hidden = self.model.forward(ids, ctx)
         logits = self.model.compute_logits(hidden)
         # The row maximum rides along: an argmax over NaNs is an index, never a token.
-        return self.ops.argmax(logits, -1), self.ops.max(logits, -1), ctx.keys, ctx.values
+        return ops.argmax(logits, -1), ops.max(logits, -1), store.keys, store.values
 
     def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
@@ -122,18 +131,20 @@ class CapturedDecode:
         a refused capture may have written some of them)."""
         if self.reason is not None:
             return None
-        buffers = cache.layer_buffers(self.model.num_layers)
+        buffers = cache.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
             return None
         ops, position = self.ops, cache.length
         if position + 1 > cache.capacity:
             return None  # full: the eager forward says so with its typed error
         cache.reserve(position + 1)
+        if self._one is None:
+            self._one = (ops.from_numpy(np.array([0, 1], np.int32)), ops.from_numpy(np.zeros((1, 1), np.int32)))
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, top, keys, values = self._fn(ids, start, *buffers)
+            next_id, top, keys, values = self._fn(ids, start, *self._one, *buffers)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
@@ -148,7 +159,7 @@ class CapturedDecode:
             raise BackendOutputError(f"backend {ops.name}/{ops.device} returned NaN logits in the captured decode "
                                      "step; the model's weights or the backend's kernels produce NaN: try another "
                                      "backend or dtype")
-        cache.replace_layer_buffers(keys, values)
+        cache.replace_layer_rows(keys, values)
         cache.commit([token])
         self.steps += 1
         return token_out
@@ -162,115 +173,192 @@ class CapturedDecode:
         return f"decode step captured: {self.graphs} graph(s) for {self.steps} steps"
 
 
+@dataclass
+class StepInputs:
+    """A captured forward's host arrays, padded to its buckets."""
+
+    ids: np.ndarray          # int32 [tokens]
+    positions: np.ndarray    # int32 [tokens]
+    slots: np.ndarray        # int32 [tokens]: the pool row of each new key
+    query_start: np.ndarray  # int32 [sequences + 1]
+    tables: np.ndarray       # int32 [sequences, width]
+    lengths: np.ndarray      # int32 [sequences]
+    logit_rows: np.ndarray   # int32 [rows]: the token rows whose logits come back
+    max_query: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The bucket: (tokens, sequences, table width, logit rows, most query rows)."""
+        return (len(self.ids), len(self.lengths), self.tables.shape[1], len(self.logit_rows), self.max_query)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.ids, self.positions, self.slots, self.query_start, self.tables, self.lengths, self.logit_rows)
+
+
 class CapturedBatchDecode:
-    """Decode forwards of several sequences of one paged pool, one token
-    each, with static shapes: compiled by the backend (``compile=True``) or
-    run as they are (``compile=False``). Returns every sequence's logits."""
+    """Forwards of sequences of one paged pool with static shapes: decode
+    rows, prompt chunks and verification rows alike (see the module
+    docstring), compiled by the backend (``compile=True``) or run as they are
+    (``compile=False``). Returns the logits of the rows each forward asks for."""
 
     def __init__(self, model: Any, ops: Backend, max_context: int, *, compile: bool = True) -> None:
         self.model, self.ops, self.max_context = model, ops, max_context
         self.compiled = compile and ops.supports("compile")
         #: Why steps run eagerly instead (None while the captured step works).
         self.reason: str | None = None
-        #: Forwards run by the captured path, and the sequences they served.
-        self.steps = self.rows = 0
-        #: (batch bucket, table width) shapes the backend refused after the
-        #: first step, and why: their forwards run eagerly, the others' not.
-        self.refused: dict[tuple[int, int], str] = {}
+        #: Forwards run by the captured path, the sequences they served, and
+        #: how many of them mixed prompt chunks or verification rows with decode rows.
+        self.steps = self.rows = self.mixed = 0
+        #: Bucket shapes the backend refused after the first step, and why:
+        #: their forwards run eagerly, the others' not.
+        self.refused: dict[tuple[int, ...], str] = {}
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
 
     @property
     def graphs(self) -> int | None:
-        """Graphs the backend has built (one per batch bucket, table width and
-        dtype; not one per step); None when not compiled."""
+        """Graphs the backend has built (one per bucket and dtype; not one per
+        step); None when not compiled."""
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, positions: Array, slots: Array, tables: Array, lengths: Array,
-              keys: list[Array], values: list[Array], block_size: int) -> tuple[Array, list, list]:
-        ctx = PagedStaticAttentionContext(self.ops, keys, values, positions, slots, tables, lengths,
-                                          block_size=block_size, tokens=self.ops.shape(ids)[0])
+    def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
+              logit_rows: Array, keys: list[Array], values: list[Array], block_size: int,
+              max_query: int) -> tuple[Array, list, list]:
+        ops = self.ops
+        store = LayerArrays(keys, values, block_size)
+        batch = AttentionBatch(query_start, lengths, tables, block_size, max_query)
+        ctx = AttentionContext.static(ops, store, positions, slots, batch, tokens=ops.shape(ids)[0])
         hidden = self.model.forward(ids, ctx)
-        return self.model.compute_logits(hidden), ctx.keys, ctx.values
+        return self.model.compute_logits(ops.take(hidden, logit_rows, axis=0)), store.keys, store.values
 
-    def inputs(self, caches: list[PagedSequenceCache], token_ids: list[int]) -> tuple[np.ndarray, ...]:
+    def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
+               logit_tokens: list[int] | None) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
-        next position (reserved): ids, positions, slots, block tables and
-        lengths, padded to the batch bucket with rows on the scratch block."""
+        next positions (reserved), padded to the buckets: padding tokens form
+        one more sequence, on the scratch block; padding sequences have no rows."""
         pool = caches[0].pool
         bs, scratch = pool.block_size, pool.scratch_block
-        rows = batch_bucket(len(caches))
-        longest = max(c.length for c in caches) + 1
+        counts = [len(t) for t in token_ids]
+        total = sum(counts)
+        tokens = token_bucket(total, bs)
+        pad = tokens - total
+        seqs = batch_bucket(len(caches) + (1 if pad else 0))
+        longest = max(c.length + n for c, n in zip(caches, counts))
         width = -(-capacity_bucket(longest, self.max_context) // bs)
-        ids = np.zeros(rows, np.int32)
-        positions = np.zeros(rows, np.int32)
-        slots = np.full(rows, scratch * bs, np.int32)
-        tables = np.full((rows, width), scratch, np.int32)
-        lengths = np.ones(rows, np.int32)
-        for i, (cache, token) in enumerate(zip(caches, token_ids)):
-            p = cache.length
-            blocks = cache.table.blocks[:p // bs + 1]
-            ids[i], positions[i], lengths[i] = token, p, p + 1
-            slots[i] = blocks[p // bs] * bs + p % bs
+        wanted = list(range(total)) if logit_tokens is None else logit_tokens
+        rows = batch_bucket(len(wanted))
+        ids = np.zeros(tokens, np.int32)
+        positions = np.zeros(tokens, np.int32)
+        slots = np.full(tokens, scratch * bs, np.int32)
+        query_start = np.full(seqs + 1, tokens, np.int32)
+        tables = np.full((seqs, width), scratch, np.int32)
+        lengths = np.ones(seqs, np.int32)
+        at = 0
+        for i, (cache, chunk) in enumerate(zip(caches, token_ids)):
+            p, n = cache.length, len(chunk)
+            slot, blocks = cache.locate(p, p + n)
+            query_start[i] = at
+            ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p, p + n), slot
             tables[i, :len(blocks)] = blocks
-        return ids, positions, slots, tables, lengths
+            lengths[i] = p + n
+            at += n
+        if pad:  # one padding sequence of `pad` rows, its keys in the scratch block's first rows
+            query_start[len(caches)] = at
+            positions[at:] = np.arange(pad)
+            slots[at:] = scratch * bs + np.arange(pad)
+            lengths[len(caches)] = pad
+        logit_rows = np.zeros(rows, np.int32)
+        logit_rows[:len(wanted)] = wanted
+        return StepInputs(ids, positions, slots, query_start, tables, lengths, logit_rows,
+                          batch_bucket(max(counts)))
 
-    def __call__(self, caches: list[PagedSequenceCache], token_ids: list[int]) -> Array | None:
-        """Feed ``token_ids[i]`` at the next position of ``caches[i]`` (all of
-        one pool, the position reserved); the logits ``[len(caches), vocab]``,
-        or None where this step cannot run (the caller runs the eager
-        forward, which writes these positions again). Nothing is committed.
-        More sequences than the backend's :attr:`~infer.ops.Backend.max_capture_batch`
-        run as several steps (each sequence's rows are its own)."""
+    def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
+                 logit_tokens: list[int] | None = None) -> Array | None:
+        """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
+        one pool, the positions reserved); the logits of the token rows
+        ``logit_tokens`` (None: every row), or None where this step cannot run
+        (the caller runs the eager forward, which writes these positions
+        again). Nothing is committed."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
         if any(c.pool is not pool for c in caches):
             return None
-        buffers = pool.layer_rows(self.model.num_layers)
-        if buffers is None:  # a layer not written yet: its shapes are unknown
+        if pool.layer_rows(self.model.num_layers) is None:  # a layer not written yet: its shapes are unknown
             return None
-        limit = self.ops.max_capture_batch or len(caches)
-        parts = []
-        for i in range(0, len(caches), limit):
-            logits = self._run(pool, caches[i:i + limit], token_ids[i:i + limit])
+        parts = self._parts([len(t) for t in token_ids])
+        if parts is None:
+            return None
+        wanted = list(range(sum(len(t) for t in token_ids))) if logit_tokens is None else logit_tokens
+        outputs, first = [], 0
+        for lo, hi in parts:
+            stop = first + sum(len(t) for t in token_ids[lo:hi])
+            mine = [t - first for t in wanted if first <= t < stop]
+            first = stop
+            if not mine:
+                continue
+            logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine)
             if logits is None:
                 return None
-            parts.append(logits)
+            outputs.append(logits)
         self.steps += 1
         self.rows += len(caches)
-        return parts[0] if len(parts) == 1 else self.ops.concat(parts, 0)
+        self.mixed += any(len(t) > 1 for t in token_ids)
+        return outputs[0] if len(outputs) == 1 else self.ops.concat(outputs, 0)
 
-    def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[int]) -> Array | None:
+    def _parts(self, counts: list[int]) -> list[tuple[int, int]] | None:
+        """Consecutive groups of sequences, each of at most the backend's
+        :attr:`~infer.ops.Backend.max_capture_tokens` tokens (numpy's programs:
+        its kernel rows), run as one captured step each (every sequence's rows
+        are its own); None when one sequence alone has more."""
+        limit = self.ops.max_capture_tokens
+        if limit is None:
+            return [(0, len(counts))]
+        if max(counts) > limit:
+            return None
+        parts, lo, used = [], 0, 0
+        for i, n in enumerate(counts):
+            if used + n > limit:
+                parts.append((lo, i))
+                lo, used = i, 0
+            used += n
+        parts.append((lo, len(counts)))
+        return parts
+
+    def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
+             logit_tokens: list[int] | None) -> Array | None:
         ops = self.ops
-        host = self.inputs(caches, token_ids)
-        shape = (len(host[0]), host[3].shape[1])  # the batch bucket and the table width
+        host = self.inputs(caches, token_ids, logit_tokens)
+        shape = host.shape
         if shape in self.refused:
             return None
-        buffers = pool.layer_rows(self.model.num_layers)  # anew: the previous part's arrays on MLX
+        buffers = pool.layer_rows(self.model.num_layers)
         assert buffers is not None
         try:
-            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host), *buffers, pool.block_size)
+            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
+                                            host.max_query)
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             reason = _why(exc)
             if self.steps == 0 and not self.refused:
                 self.reason = reason
-            elif isinstance(exc, CaptureError):  # refused for this shape only: its batches run eagerly
+            elif isinstance(exc, CaptureError):  # refused for this shape only: its forwards run eagerly
                 self.refused[shape] = reason
             else:
                 raise
-            log.info("batched decode step of %d rows, %d blocks wide, not captured on %s/%s (%s); those steps "
-                     "run eagerly", shape[0], shape[1], ops.name, ops.device, reason)
+            log.info("captured step of %d tokens, %d sequences, %d blocks wide not captured on %s/%s (%s); "
+                     "those steps run eagerly", shape[0], shape[1], shape[2], ops.name, ops.device, reason)
             return None
         pool.replace_layer_rows(keys, values)
-        return logits if len(caches) == shape[0] else ops.slice(logits, 0, 0, len(caches))
+        wanted = len(logit_tokens) if logit_tokens is not None else sum(len(t) for t in token_ids)
+        return logits if wanted == len(host.logit_rows) else ops.slice(logits, 0, 0, wanted)
 
     def describe(self) -> str:
         """One line for ``infer doctor`` and logs: captured or not, and why."""
         if self.reason is not None:
-            return f"batched decode step eager: {self.reason}"
+            return f"batched step eager: {self.reason}"
         if not self.compiled:
-            return f"batched decode step with static shapes, not compiled ({self.steps} steps)"
-        refused = "".join(f"; {b} rows x {w} blocks eager ({why})" for (b, w), why in self.refused.items())
-        return (f"batched decode step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows"
-                f"{refused}")
+            return f"batched step with static shapes, not compiled ({self.steps} steps)"
+        refused = "".join(f"; {s[0]} tokens x {s[1]} sequences x {s[2]} blocks eager ({why})"
+                          for s, why in self.refused.items())
+        return (f"batched step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows "
+                f"({self.mixed} mixed){refused}")

@@ -1,49 +1,62 @@
 """The attention context: what an architecture sees of the engine.
 
-For each forward pass the engine builds an :class:`AttentionContext`
-describing the batch: the new tokens of one or more sequences, flattened
-into one ``[tokens, ...]`` axis, with their positions. An architecture
-computes q, k, v for a layer and calls :meth:`AttentionContext.attention`;
-the context stores k and v in the engine's cache and computes attention over
-everything the sequence has cached, through the backend's attention op.
-Which cache layout and which attention kernel run is the engine's choice
-(docs/design.md, rule 3); architectures never see it.
+For each forward pass the engine describes the batch once: the new tokens of
+one or more sequences, flattened into one ``[tokens, ...]`` axis, with their
+positions, the pool rows (*slots*) their keys and values go to, and for the
+attention op each sequence's query rows, length and block table (an
+:class:`~infer.ops.AttentionBatch`). An architecture computes q, k, v for a
+layer and calls :meth:`AttentionContext.attention`; the context writes k and
+v to their slots (:meth:`~infer.ops.Backend.scatter_rows`) and attends over
+the pool (:meth:`~infer.ops.Backend.attention`). Prompt chunks, decode rows,
+speculative verification rows, any mix of them, a contiguous cache (one block
+of its capacity) or pages of a shared pool: one description, one path
+(docs/design.md, rule 3; docs/kv-cache.md).
 
-Two paths, chosen per sequence when the context is built: a cache that can
-``attend`` by itself (a :class:`PagedKVStore`, e.g. the paged cache) does so
-when the backend implements ``paged_attention`` natively; every other cache,
-and every cache on a backend without it, is ``read`` into contiguous keys and
-values for the backend's ``attention`` op. Both give the same result.
+The description holds backend arrays, so a captured step builds the same
+context from its inputs (:meth:`AttentionContext.static`): positions, slots,
+lengths and tables are data, and one graph serves every step of a shape
+bucket. Eagerly it also keeps the host's copy, which kernels use to choose
+their path per sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
+
+import numpy as np
 
 from infer.errors import CaptureError
-from infer.ops import Array, Backend
+from infer.ops import Array, AttentionBatch, Backend
 
 
-class KVStore(Protocol):
-    """What the context needs of a sequence's cache."""
+class KVLayers(Protocol):
+    """Where a run of sequences keeps its keys and values: per layer one key
+    and one value array of pool rows (``[rows, kv_heads, dim]``)."""
 
-    def write(self, layer: int, start: int, k: Array, v: Array) -> None: ...
+    #: Positions per block of the rows' block tables.
+    block_size: int
 
-    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]: ...
+    def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
+        """``layer``'s key and value rows, created (from ``k``'s and ``v``'s
+        shapes and dtypes) at its first write."""
+        ...
+
+    def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
+        """The arrays to use from now on (new ones on a functional backend)."""
+        ...
 
 
-@runtime_checkable
-class PagedKVStore(KVStore, Protocol):
-    """A cache that computes attention over its own layout, through the
-    backend's native ``paged_attention`` (used only where the backend has it)."""
+class SequenceKV(Protocol):
+    """What building a forward's description needs of a sequence's cache."""
 
-    def attend(
-        self, layer: int, q: Array, start: int, stop: int, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Causal attention of ``q`` (``[tq, q_heads, dk]``, the last ``tq``
-        of positions ``..stop``) over the cached keys ``start..stop``."""
+    #: Its pool (a contiguous cache is its own pool of one block).
+    store: KVLayers
+
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
+        """The pool rows of positions ``start..stop`` (int32, made writable
+        first) and the sequence's block table up to ``stop``."""
         ...
 
 
@@ -52,11 +65,31 @@ class SequenceSlice:
     """One sequence's share of a forward batch."""
 
     #: Where this sequence's keys and values live.
-    cache: KVStore
+    cache: SequenceKV
     #: Position of the first new token (= tokens already cached).
     start: int
     #: Number of new tokens in this forward.
     length: int
+
+
+@dataclass
+class StoreRun:
+    """Consecutive sequences of a forward whose keys live in one store: one
+    write and one attention call per layer."""
+
+    store: KVLayers
+    #: Their rows on the forward's flattened token axis.
+    first: int
+    stop: int
+    #: int32 ``[stop - first]``: the pool row each new token's key goes to.
+    slots: Array
+    batch: AttentionBatch
+
+
+class DynamicContextError(CaptureError):
+    """An architecture asked a static context for something that changes from
+    step to step on the host (e.g. :attr:`AttentionContext.max_position`, which
+    dynamic rope scaling reads): that forward cannot be one captured graph."""
 
 
 class AttentionContext:
@@ -68,24 +101,67 @@ class AttentionContext:
     * ``positions`` — ``[tokens]`` int32 positions of the new tokens.
     * ``num_tokens`` — number of new tokens across the batch.
     * ``max_position`` — largest position in the batch + 1 (the sequence
-      length, e.g. for dynamic rope scaling).
+      length, e.g. for dynamic rope scaling); a captured step has none on the
+      host and raises :class:`DynamicContextError`.
 
     Which rows get logits is not the context's business: the architecture
     returns the hidden states of every new token and the engine applies the
     head (:meth:`~infer.architecture.CausalLM.compute_logits`).
+
+    ``AttentionContext(ops, slices)`` describes an eager forward of
+    ``slices`` (built on the host); :meth:`static` one whose description
+    is given as arrays (a captured step).
     """
 
-    def __init__(self, ops: Backend, sequences: list[SequenceSlice]) -> None:
+    def __init__(self, ops: Backend, sequences: Sequence[SequenceSlice]) -> None:
+        if not sequences:
+            raise ValueError("a forward needs at least one sequence")
+        runs: list[StoreRun] = []
+        group: list[SequenceSlice] = []
+        first = 0
+
+        def close() -> None:
+            nonlocal first
+            run = describe(ops, group, first)
+            runs.append(run)
+            first = run.stop
+
+        for s in sequences:
+            if group and s.cache.store is not group[0].cache.store:
+                close()
+                group = []
+            group.append(s)
+        close()
+        positions = np.concatenate([np.arange(s.start, s.start + s.length, dtype=np.int32) for s in sequences])
+        self._setup(ops, ops.from_numpy(positions), int(positions.shape[0]), runs,
+                    max(s.start + s.length for s in sequences))
+        self.sequences = list(sequences)
+
+    @classmethod
+    def static(cls, ops: Backend, store: KVLayers, positions: Array, slots: Array, batch: AttentionBatch,
+               tokens: int) -> AttentionContext:
+        """A forward of ``tokens`` rows whose description is data: the
+        positions, slots and ``batch`` are backend arrays (a captured step's
+        inputs) over one ``store``; nothing about the step's lengths is on the host."""
+        ctx = cls.__new__(cls)
+        ctx._setup(ops, positions, tokens, [StoreRun(store, 0, tokens, slots, batch)], None)
+        ctx.sequences = []
+        return ctx
+
+    def _setup(self, ops: Backend, positions: Array, tokens: int, runs: list[StoreRun],
+               max_position: int | None) -> None:
         self.ops = ops
-        self.sequences = sequences
-        self.num_tokens = sum(s.length for s in sequences)
-        self.max_position = max(s.start + s.length for s in sequences)
-        positions = [ops.arange(s.start, s.start + s.length, "int32") for s in sequences]
-        self.positions = positions[0] if len(positions) == 1 else ops.concat(positions, 0)
-        native = ops.supports("paged_attention")
-        #: Per sequence: attend through the cache's ``attend`` (True) or
-        #: ``read`` + the ``attention`` op (False).
-        self.paged = [native and isinstance(s.cache, PagedKVStore) for s in sequences]
+        self.positions = positions
+        self.num_tokens = tokens
+        self.runs = runs
+        self._max_position = max_position
+
+    @property
+    def max_position(self) -> int:
+        if self._max_position is None:
+            raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
+                                      "which changes every step")
+        return self._max_position
 
     def attention(
         self,
@@ -97,127 +173,68 @@ class AttentionContext:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
+        causal: bool = True,
     ) -> Array:
         """Store this layer's new keys and values, and attend.
 
         q: ``[tokens, q_heads, dk]``; k: ``[tokens, kv_heads, dk]``;
         v: ``[tokens, kv_heads, dv]``, with tokens ordered as in the batch.
-        Attention is causal over each sequence's cached and new positions,
-        optionally limited to a sliding ``window`` of keys and with logit
-        ``softcap``. Returns ``[tokens, q_heads, dv]``.
+        Attention is over each sequence's cached and new positions, causal
+        unless ``causal`` is False, optionally limited to a sliding ``window``
+        of keys, with logit ``softcap`` and per-head ``sinks``
+        (:meth:`~infer.ops.Backend.attention`). Returns ``[tokens, q_heads, dv]``.
         """
         ops = self.ops
         outputs = []
-        offset = 0
-        for seq, paged in zip(self.sequences, self.paged):
-            if len(self.sequences) == 1:
-                qs, ks, vs = q, k, v
-            else:
-                stop = offset + seq.length
-                qs, ks, vs = (ops.slice(x, 0, offset, stop) for x in (q, k, v))
-                offset = stop
-            seq.cache.write(layer, seq.start, ks, vs)
-            end = seq.start + seq.length
-            # Keys older than the window are invisible to every new query;
-            # skipping them keeps sliding-window layers O(window).
-            first = 0 if window is None else max(0, seq.start - window + 1)
-            if paged:
-                outputs.append(seq.cache.attend(layer, qs, first, end, scale=scale, window=window, softcap=softcap))
-                continue
-            keys, values = seq.cache.read(layer, first, end)
-            outputs.append(ops.attention(qs, keys, values, scale=scale, window=window, softcap=softcap))
+        for run in self.runs:
+            part = len(self.runs) > 1
+            qs, ks, vs = (ops.slice(x, 0, run.first, run.stop) if part else x for x in (q, k, v))
+            keys, values = run.store.layer_arrays(layer, ks, vs)
+            keys = ops.scatter_rows(keys, run.slots, ks)
+            values = ops.scatter_rows(values, run.slots, vs)
+            run.store.set_layer_arrays(layer, keys, values)
+            outputs.append(ops.attention(qs, keys, values, run.batch, scale=scale, causal=causal, window=window,
+                                         softcap=softcap, sinks=sinks))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
 
 
-class DynamicContextError(CaptureError):
-    """An architecture asked a static context for something that changes from
-    step to step on the host (e.g. :attr:`AttentionContext.max_position`, which
-    dynamic rope scaling reads): that forward cannot be one captured graph."""
+def describe(ops: Backend, sequences: Sequence[SequenceSlice], first: int = 0) -> StoreRun:
+    """The description of ``sequences`` (all of one store) starting at row
+    ``first`` of the forward: their slots, and the attention batch with the
+    host's copy beside the backend's arrays."""
+    store = sequences[0].cache.store
+    slots, tables = [], []
+    query_start = [0]
+    lengths = []
+    for s in sequences:
+        rows, table = s.cache.locate(s.start, s.start + s.length)
+        slots.append(rows)
+        tables.append(table)
+        query_start.append(query_start[-1] + s.length)
+        lengths.append(s.start + s.length)
+    width = max(len(t) for t in tables)
+    table_array = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        table_array[i, :len(t)] = t
+    host = AttentionBatch(np.asarray(query_start, np.int32), np.asarray(lengths, np.int32), table_array,
+                          store.block_size, max(s.length for s in sequences))
+    slot_array = np.concatenate(slots).astype(np.int32, copy=False)
+    batch = AttentionBatch(*(ops.from_numpy(a) for a in (host.query_start, host.seq_lens, host.block_tables)),
+                           host.block_size, host.max_query, host)
+    return StoreRun(store, first, first + query_start[-1], ops.from_numpy(slot_array), batch)
 
 
-class _StaticContext(AttentionContext):
-    """What the static contexts share: the layers' buffers as the step's
-    inputs (:attr:`keys`, :attr:`values`; new arrays after the forward on a
-    functional backend such as MLX), positions as data, and no length on the host."""
+class LayerArrays:
+    """A captured step's view of a store: the layers' arrays given as the
+    step's inputs (:attr:`keys`, :attr:`values`; after the forward the arrays
+    to adopt, new ones on a functional backend such as MLX)."""
 
-    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], positions: Array, tokens: int) -> None:
-        self.ops = ops
-        self.keys, self.values = list(keys), list(values)
-        self.positions = positions
-        self.num_tokens = tokens
-        self.sequences = []
-        self.paged = []
+    def __init__(self, keys: Sequence[Array], values: Sequence[Array], block_size: int) -> None:
+        self.keys, self.values, self.block_size = list(keys), list(values), block_size
 
-    @property  # type: ignore[override]
-    def max_position(self) -> int:
-        raise DynamicContextError("the architecture reads the sequence length on the host (max_position), "
-                                  "which changes every step")
+    def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
+        return self.keys[layer], self.values[layer]
 
-
-class StaticAttentionContext(_StaticContext):
-    """One sequence's forward with static shapes, for a captured decode step
-    (:mod:`infer.engine.capture`).
-
-    The sequence's cache is one key and one value buffer per layer, each
-    ``[capacity, kv_heads, dim]``; ``start`` (a device int32 ``[1]``) is the
-    position of the first of ``tokens`` new tokens. Writes go through
-    :meth:`~infer.ops.Backend.update_rows_at` and attention through
-    :meth:`~infer.ops.Backend.cached_attention`, so nothing here depends on
-    the position but data: the same graph serves every step. The buffers
-    after the forward are :attr:`keys` and :attr:`values` (new arrays on a
-    functional backend such as MLX).
-    """
-
-    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], start: Array, tokens: int) -> None:
-        super().__init__(ops, keys, values, ops.add(ops.arange(0, tokens, "int32"), start), tokens)
-        self.start = start
-        self._length = ops.add(start, tokens)
-
-    def attention(
-        self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Write this layer's new keys and values at :attr:`start`, then
-        attend over the buffer's first ``start + tokens`` rows."""
-        ops = self.ops
-        self.keys[layer] = ops.update_rows_at(self.keys[layer], self.start, k)
-        self.values[layer] = ops.update_rows_at(self.values[layer], self.start, v)
-        return ops.cached_attention(q, self.keys[layer], self.values[layer], self._length, scale=scale,
-                                    window=window, softcap=softcap)
-
-
-class PagedStaticAttentionContext(_StaticContext):
-    """Several sequences' decode forward with static shapes, on a paged pool,
-    for a captured batched decode step (:mod:`infer.engine.capture`).
-
-    Each of the ``batch`` sequences feeds ``tokens`` rows (one, decoding). The
-    pool's layers are their flat ``[rows, kv_heads, dim]`` arrays
-    (:meth:`~infer.kv.paged.PagedKVPool.layer_rows`); everything that changes
-    from step to step is data: ``positions`` (int32 ``[batch * tokens]``),
-    ``slots`` (the pool row each new position is written to, the same shape),
-    ``tables`` (int32 ``[batch, width]``, each sequence's blocks) and
-    ``lengths`` (int32 ``[batch]``, its keys after this step). Writes go
-    through :meth:`~infer.ops.Backend.scatter_rows` and attention through
-    :meth:`~infer.ops.Backend.batched_paged_attention`, so a batch and table
-    width keep one graph for every step. The arrays after the forward are
-    :attr:`keys` and :attr:`values`.
-    """
-
-    def __init__(self, ops: Backend, keys: list[Array], values: list[Array], positions: Array, slots: Array,
-                 tables: Array, lengths: Array, *, block_size: int, tokens: int) -> None:
-        super().__init__(ops, keys, values, positions, tokens)
-        self._slots, self._tables, self._lengths, self._block = slots, tables, lengths, block_size
-
-    def attention(
-        self, layer: int, q: Array, k: Array, v: Array, *, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ) -> Array:
-        """Write this layer's new keys and values to their slots, then attend
-        over each sequence's pages."""
-        ops = self.ops
-        self.keys[layer] = ops.scatter_rows(self.keys[layer], self._slots, k)
-        self.values[layer] = ops.scatter_rows(self.values[layer], self._slots, v)
-        pools = [ops.reshape(a, (-1, self._block) + tuple(ops.shape(a)[1:]))
-                 for a in (self.keys[layer], self.values[layer])]
-        return ops.batched_paged_attention(q, pools[0], pools[1], self._tables, self._lengths, scale=scale,
-                                           window=window, softcap=softcap)
+    def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
+        self.keys[layer], self.values[layer] = keys, values

@@ -10,8 +10,9 @@ with one lifecycle, which the engine drives the same way for all of them:
 * :meth:`~SequenceCache.reserve` makes positions ``length..stop`` writable
   before a forward, all or nothing, so a forward never runs out of memory
   half way;
-* the forward :meth:`~SequenceCache.write`\\ s each layer's new keys and
-  values (and the attention context :meth:`~SequenceCache.read`\\ s them);
+* the forward's description :meth:`~SequenceCache.locate`\\ s its new
+  positions in the pool, and the attention context writes each layer's new
+  keys and values there and attends over them;
 * :meth:`~SequenceCache.commit` records the token ids those positions now
   hold, and ``length`` grows;
 * :meth:`~SequenceCache.truncate` forgets positions (rejected drafts);
@@ -30,7 +31,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+import numpy as np
+
 from infer.errors import CacheFullError
+from infer.kv.attention import KVLayers
 from infer.ops import Array, Backend
 
 
@@ -39,6 +43,9 @@ class SequenceCache(abc.ABC):
 
     #: Most positions the sequence may hold.
     capacity: int
+    #: The pool whose rows hold its keys and values (the attention context
+    #: writes and reads them there; a contiguous cache is its own pool).
+    store: KVLayers
 
     @property
     @abc.abstractmethod
@@ -46,12 +53,11 @@ class SequenceCache(abc.ABC):
         """Positions written and committed."""
 
     @abc.abstractmethod
-    def write(self, layer: int, start: int, k: Array, v: Array) -> None:
-        """Store ``k``, ``v`` (``[n, kv_heads, dim]``) at positions ``start..start+n``."""
-
-    @abc.abstractmethod
-    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
-        """Keys and values of positions ``start..stop``."""
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
+        """The pool rows of positions ``start..stop`` (int32; made writable
+        first, taking pages where needed) and the block table up to ``stop``:
+        what the forward's description (:func:`infer.kv.attention.describe`)
+        is built from."""
 
     @abc.abstractmethod
     def reserve(self, stop: int) -> None:
@@ -75,6 +81,18 @@ class SequenceCache(abc.ABC):
     def nbytes_per_position(self) -> int:
         """Bytes one position occupies across the layers written so far."""
 
+    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
+        """Keys and values of positions ``start..stop`` of ``layer`` (for
+        inspection and tests: the forward reads the pool through the attention op)."""
+        ops = self.store.backend
+        rows, _ = self._rows(start, stop)
+        keys, values = self.store.stored(layer)
+        ids = ops.from_numpy(rows)
+        return ops.take(keys, ids, axis=0), ops.take(values, ids, axis=0)
+
+    def _rows(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
+        return self.locate(start, stop)
+
     def _check_capacity(self, start: int, n: int) -> None:
         if start + n > self.capacity:
             raise CacheFullError(
@@ -83,36 +101,85 @@ class SequenceCache(abc.ABC):
             )
 
 
-class ContiguousKVCache(SequenceCache):
-    """One sequence's keys and values, ``[capacity, kv_heads, head_dim]`` per layer."""
+class LayerStore:
+    """Per layer one key and one value array of ``rows`` rows, created at
+    the layer's first write from the shapes written, so layers with
+    different key and value widths (multi-head latent attention) need no
+    special case: the storage of a pool and of a contiguous cache."""
 
-    def __init__(self, backend: Backend, num_layers: int, capacity: int) -> None:
+    def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int) -> None:
         self.backend = backend
         self.num_layers = num_layers
-        self.capacity = capacity
-        self._length = 0
+        self.rows = rows
+        self.block_size = block_size
         self._keys: list[Array | None] = [None] * num_layers
         self._values: list[Array | None] = [None] * num_layers
+
+    def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
+        if self._keys[layer] is None:
+            ops = self.backend
+            self._keys[layer] = ops.zeros((self.rows,) + ops.shape(k)[1:], ops.dtype(k))
+            self._values[layer] = ops.zeros((self.rows,) + ops.shape(v)[1:], ops.dtype(v))
+            self._allocated(layer)
+        return self._keys[layer], self._values[layer]  # type: ignore[return-value]
+
+    def _allocated(self, layer: int) -> None:
+        """Called when ``layer``'s arrays are created."""
+
+    def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
+        self._keys[layer], self._values[layer] = keys, values
+
+    def stored(self, layer: int) -> tuple[Array, Array]:
+        """``layer``'s arrays as they are (``IndexError`` before its first write)."""
+        keys, values = self._keys[layer], self._values[layer]
+        if keys is None or values is None:
+            raise IndexError(f"KV layer {layer} has not been written yet")
+        return keys, values
+
+    def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
+        """The first ``layers`` layers' key and value arrays, as a captured
+        step takes them; None while one of them is not allocated yet (its
+        shapes are not known before its first write)."""
+        keys, values = self._keys[:layers], self._values[:layers]
+        if any(a is None for a in (*keys, *values)):
+            return None
+        return list(keys), list(values)  # type: ignore[arg-type]
+
+    def replace_layer_rows(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
+        """Adopt the arrays a captured step returned (new arrays on a
+        functional backend; the same ones where writes are in place)."""
+        self._keys[:len(keys)] = list(keys)
+        self._values[:len(values)] = list(values)
+
+    def clear(self) -> None:
+        self._keys = [None] * self.num_layers
+        self._values = [None] * self.num_layers
+
+    @property
+    def nbytes_per_position(self) -> int:
+        """Bytes one position occupies across the layers allocated so far."""
+        return sum(row_nbytes(self.backend, a) for a in (*self._keys, *self._values) if a is not None)
+
+
+class ContiguousKVCache(SequenceCache, LayerStore):
+    """One sequence's keys and values, ``[capacity, kv_heads, head_dim]`` per
+    layer, preallocated to the sequence's capacity so that decoding allocates
+    nothing per step. To the attention op it is a pool of one block of
+    ``capacity`` positions: its block table is ``[0]`` and position ``p`` is row ``p``."""
+
+    def __init__(self, backend: Backend, num_layers: int, capacity: int) -> None:
+        LayerStore.__init__(self, backend, num_layers, capacity, capacity)
+        self.capacity = capacity
+        self.store = self
+        self._length = 0
 
     @property
     def length(self) -> int:
         return self._length
 
-    def write(self, layer: int, start: int, k: Array, v: Array) -> None:
-        ops = self.backend
-        self._check_capacity(start, ops.shape(k)[0])
-        if self._keys[layer] is None:
-            self._keys[layer] = ops.zeros((self.capacity,) + ops.shape(k)[1:], ops.dtype(k))
-            self._values[layer] = ops.zeros((self.capacity,) + ops.shape(v)[1:], ops.dtype(v))
-        self._keys[layer] = ops.update_rows(self._keys[layer], start, k)
-        self._values[layer] = ops.update_rows(self._values[layer], start, v)
-
-    def read(self, layer: int, start: int, stop: int) -> tuple[Array, Array]:
-        """Keys and values of positions ``start..stop`` (views where the
-        backend allows)."""
-        ops = self.backend
-        k, v = self._keys[layer], self._values[layer]
-        return ops.slice(k, 0, start, stop), ops.slice(v, 0, start, stop)
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
+        self._check_capacity(start, stop - start)
+        return np.arange(start, stop, dtype=np.int32), [0]
 
     def reserve(self, stop: int) -> None:
         """The arrays hold the whole capacity already: only the bound is checked."""
@@ -125,30 +192,13 @@ class ContiguousKVCache(SequenceCache):
         """Only the length changes; the next write overwrites the rows."""
         self._length = min(self._length, length)
 
-    def layer_buffers(self, layers: int) -> tuple[list[Array], list[Array]] | None:
-        """The key and value buffers (``[capacity, ...]`` each) of layers
-        ``0..layers``, for a captured decode step to write and read in
-        place of :meth:`write` and :meth:`read`; None while one of them has
-        not been written yet (its shapes are not known before)."""
-        keys, values = self._keys[:layers], self._values[:layers]
-        if any(k is None for k in keys):
-            return None
-        return list(keys), list(values)  # type: ignore[arg-type]
-
-    def replace_layer_buffers(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
-        """Adopt the buffers a captured step returned (new arrays on a
-        functional backend; the same ones where writes are in place)."""
-        self._keys[:len(keys)] = list(keys)
-        self._values[:len(values)] = list(values)
-
     def free(self) -> None:
-        self._keys = [None] * self.num_layers
-        self._values = [None] * self.num_layers
+        self.clear()
         self._length = 0
 
     @property
     def nbytes_per_position(self) -> int:
-        return sum(row_nbytes(self.backend, a) for a in (*self._keys, *self._values) if a is not None)
+        return LayerStore.nbytes_per_position.fget(self)  # type: ignore[attr-defined]
 
 
 def row_nbytes(ops: Backend, arr: Array) -> int:

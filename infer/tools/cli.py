@@ -196,8 +196,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         chosen = select_backend()
         print(f"infer.load() would run on {chosen.name}/{chosen.device} ({chosen.compute_dtype}; {why})")
-        path = ("paged KV pool, native paged_attention" if chosen.supports("paged_attention")
-                else "contiguous caches (no native paged_attention; a paged pool would be gathered)")
+        path = ("paged KV pool, native attention through block tables" if chosen.supports("attention")
+                else "contiguous caches (no native attention; a paged pool would be gathered)")
         print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
         served = ("greedy, one sequence, contiguous cache; and every batched decode step on a paged pool, "
                   "one graph per batch-size bucket")

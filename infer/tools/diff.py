@@ -76,7 +76,7 @@ class TracingBackend(Backend):
         if op not in _NOT_TRACED:
             host = self._host(out)
             self.trace.records.append(OpRecord(len(self.trace.records), op, self._attentions, host))
-            if op in ("attention", "paged_attention"):
+            if op == "attention":
                 self.trace.attention_outputs.setdefault(self._attentions, []).append(host[0])
                 self._attentions += 1
             elif op == "fused_add_rms_norm":
@@ -129,7 +129,7 @@ class Divergence:
             lines.append("no op output exceeds the tolerance")
         else:
             index, op, layer, err = self.first
-            if op in ("attention", "paged_attention", "hidden state"):
+            if op in ("attention", "hidden state"):
                 where = f"in layer {layer}"
             elif layer == 0:
                 where = "in layer 0, before its attention"
