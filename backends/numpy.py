@@ -630,7 +630,7 @@ class NumpyBackend(Backend):
                                       host.block_size, out[q0:q1]):
                 continue
             rows = host.key_rows(b, lo, hi)
-            consecutive = rows[-1] - rows[0] == hi - lo - 1
+            consecutive = bool(np.all(np.diff(rows) == 1))  # one run of pool rows: a view
             k = k_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(k_pool, rows, axis=0)
             v = v_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(v_pool, rows, axis=0)
             out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)

@@ -948,7 +948,7 @@ class TorchBackend(Backend):
                 outputs.append(out)
                 continue
             rows = host.key_rows(b, lo, hi)
-            if rows[-1] - rows[0] == hi - lo - 1:
+            if np.all(np.diff(rows) == 1):  # one run of pool rows: a view
                 k, v = k_pool[int(rows[0]):int(rows[-1]) + 1], v_pool[int(rows[0]):int(rows[-1]) + 1]
             else:
                 index = torch.from_numpy(rows.astype(np.int64)).to(k_pool.device)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from infer.backends.numpy import NumpyBackend, attention_mask
+from infer.backends.numpy import NumpyBackend, reference_attention
+from infer.ops import AttentionBatch, attention_mask
 
 from infer.errors import InferError, MissingDependencyError, UnsupportedOpError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS
@@ -61,12 +62,33 @@ def test_tiny_models_have_clear_greedy_margins() -> None:
 
 
 class TopLeftCausal(NumpyBackend):
-    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
-        if causal and window is None and softcap is None and q.shape[0] < k.shape[0]:
-            tq = q.shape[0]
-            k, v = k[:tq], v[:tq]  # torch's is_causal=True: query i sees keys 0..i
-            return super().attention(q, k, v, scale=scale, causal=True)
-        return super().attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+    """Aligns each sequence's queries with its first keys (torch's is_causal=True)
+    instead of its last: query i sees keys 0..i."""
+
+    def attention(self, q, k_pool, v_pool, batch, *, scale, causal=True, window=None, softcap=None, sinks=None):
+        host = batch.on_host(self)
+        counts = np.diff(host.query_start)
+        lengths = np.where(counts > 0, np.minimum(host.seq_lens, np.maximum(counts, 1)), host.seq_lens)
+        moved = AttentionBatch(host.query_start, lengths.astype(np.int32), host.block_tables, host.block_size,
+                               host.max_query)
+        return super().attention(q, k_pool, v_pool, moved, scale=scale, causal=causal, window=window,
+                                 softcap=softcap, sinks=sinks)
+
+
+class IgnoresSinks(NumpyBackend):
+    def attention(self, q, k_pool, v_pool, batch, *, scale, causal=True, window=None, softcap=None, sinks=None):
+        return super().attention(q, k_pool, v_pool, batch, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+class FirstSequenceOnly(NumpyBackend):
+    """Reads every sequence's keys through the first sequence's block table."""
+
+    def attention(self, q, k_pool, v_pool, batch, *, scale, causal=True, window=None, softcap=None, sinks=None):
+        host = batch.on_host(self)
+        tables = np.repeat(host.block_tables[:1], host.num_seqs, axis=0)
+        moved = AttentionBatch(host.query_start, host.seq_lens, tables, host.block_size, host.max_query)
+        return super().attention(q, k_pool, v_pool, moved, scale=scale, causal=causal, window=window,
+                                 softcap=softcap, sinks=sinks)
 
 
 class IgnoresInterleaved(NumpyBackend):
@@ -116,13 +138,15 @@ class DropsBias(NumpyBackend):
 
 
 class SlidingWindowOffByOne(NumpyBackend):
-    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
-        return super().attention(q, k, v, scale=scale, causal=causal,
-                                 window=None if window is None else window + 1, softcap=softcap)
+    def attention(self, q, k_pool, v_pool, batch, *, scale, causal=True, window=None, softcap=None, sinks=None):
+        return super().attention(q, k_pool, v_pool, batch, scale=scale, causal=causal,
+                                 window=None if window is None else window + 1, softcap=softcap, sinks=sinks)
 
 
 @pytest.mark.parametrize("backend, wrong, right, says", [
-    (TopLeftCausal, "attention-bottom-right", "attention-causal", "NMSE"),
+    (TopLeftCausal, "attention-decode", "attention-causal", "NMSE"),
+    (IgnoresSinks, "attention-sinks", "attention-window", "NMSE"),
+    (FirstSequenceOnly, "attention-ragged", "attention-causal", "NMSE"),
     (IgnoresInterleaved, "rope", "rms_norm", "NMSE"),
     (SoftmaxZeroForMaskedRows, "softmax-masked-row", "softmax", "NaN"),
     (LastArgmax, "argmax", "max", "integer results differ"),
@@ -142,21 +166,23 @@ def test_a_wrong_op_is_reported_wrong(backend, wrong, right, says) -> None:
     assert check_case(case_named(right), broken).status == "ok"
 
 
-class NoPagedAttention(NumpyBackend):
-    def paged_attention(self, *args, **kwargs):
-        raise UnsupportedOpError("no paged attention on this backend")
-
-    def attention(self, q, k, v, *, scale, causal=True, window=None, softcap=None):
+class NoSmallWindows(NumpyBackend):
+    def attention(self, q, k_pool, v_pool, batch, *, scale, causal=True, window=None, softcap=None, sinks=None):
         if window is not None and window < 3:
             raise UnsupportedOpError("windows under 3 are not supported")
-        return super().attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+        return super().attention(q, k_pool, v_pool, batch, scale=scale, causal=causal, window=window,
+                                 softcap=softcap, sinks=sinks)
+
+
+class NoTopk(NumpyBackend):
+    def topk(self, x, k):
+        raise UnsupportedOpError("no top-k on this backend")
 
 
 def test_unsupported_is_reported_apart_from_wrong() -> None:
-    backend = NoPagedAttention()
-    result = check_case(case_named("paged_attention"), backend)
-    assert result.status == "unsupported" and "no paged attention" in result.detail
-    partial = check_case(case_named("attention-window"), backend)
+    result = check_case(case_named("topk-values"), NoTopk())
+    assert result.status == "unsupported" and "no top-k" in result.detail
+    partial = check_case(case_named("attention-window"), NoSmallWindows())
     assert partial.status == "ok" and partial.examples > 0 and partial.unsupported_examples > 0
     assert "windows under 3" in partial.detail
 
@@ -179,8 +205,8 @@ class Broken(NumpyBackend):
     def softmax(self, x, axis=-1):
         return np.nan_to_num(super().softmax(x, axis), nan=0.0)
 
-    def paged_attention(self, *args, **kwargs):
-        raise UnsupportedOpError("brokenbk keeps no page pool")
+    def topk(self, *args, **kwargs):
+        raise UnsupportedOpError("brokenbk has no top-k")
 
 
 @hookimpl
@@ -207,11 +233,11 @@ def outcome(stdout: str) -> dict[str, int]:
 def test_pyargs_reports_wrong_as_failed_and_unsupported_as_skipped(tmp_path: Path) -> None:
     (tmp_path / "brokenbk_plugin.py").write_text(textwrap.dedent(BROKEN_PLUGIN))
     proc = run_pytest(tmp_path, "-p", "brokenbk_plugin", "--pyargs", "infer.testing", "--infer-backend", "brokenbk",
-                      "--infer-examples", "5", "-k", "softmax or paged_attention or exp", "-q", "-rs")
-    # paged_attention and the two batched_paged_attention cases (whose default calls it) skip.
-    assert outcome(proc.stdout) == {"failed": 1, "passed": 2, "skipped": 3}, proc.stdout + proc.stderr
+                      "--infer-examples", "5", "-k", "softmax or topk or exp", "-q", "-rs")
+    # the two top-k cases skip.
+    assert outcome(proc.stdout) == {"failed": 1, "passed": 2, "skipped": 2}, proc.stdout + proc.stderr
     assert "brokenbk/cpu-float32-softmax-masked-row" in proc.stdout and "NaN" in proc.stdout
-    assert "brokenbk keeps no page pool" in proc.stdout
+    assert "brokenbk has no top-k" in proc.stdout
 
 
 def test_pyargs_runs_the_kit_on_torch(tmp_path: Path) -> None:
@@ -284,10 +310,33 @@ def test_the_kit_needs_neither_transformers_nor_a_framework() -> None:
 
 
 def test_attention_mask_is_bottom_right() -> None:
-    # The numpy reference's own mask, which the kit trusts: last query sees every key.
-    mask = attention_mask(2, 5, True, None)
-    assert mask.tolist() == [[True, True, True, True, False], [True] * 5]
-    assert math.isclose(float(np.mean(mask)), 0.9)
+    # The contract's mask, which the kit's numpy reference trusts: queries at positions 3 and 4
+    # (the last of 5) see keys up to themselves; the last sees every key.
+    mask = attention_mask(3, 2, 0, 5, True, None)
+    assert (mask == 0).tolist() == [[True, True, True, True, False], [True] * 5]
+    assert attention_mask(4, 1, 0, 5, True, None) is None  # decoding: every key seen
+    assert (attention_mask(2, 1, 0, 5, False, 2) == 0).tolist() == [[False, True, True, True, False]]
+
+
+def test_numpy_attention_equals_the_plain_definition() -> None:
+    """The kit's reference (numpy's fast paths: the C kernel, the chunked GEMMs) against
+    :func:`reference_attention`, the contract's definition written out in float64."""
+    from hypothesis import given, settings
+
+    case = case_named("attention-all")
+    ops = NumpyBackend()
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None)
+    @given(case.inputs)
+    def check(call) -> None:
+        q, k, v, qs, lens, tables = (a.value if hasattr(a, "value") else a for a in call.args)
+        kwargs = {key: (val.value if hasattr(val, "value") else val) for key, val in call.kwargs.items()}
+        batch = AttentionBatch(qs, lens, tables, call.info["block_size"], call.info["max_query"])
+        got = ops.attention(q, k, v, batch, **kwargs)
+        want = reference_attention(q, k, v, batch, **kwargs)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)  # float32 sums against float64
+
+    check()
 
 
 def test_end_to_end_reports_nan_and_wrong_shape_backends_with_their_reason() -> None:

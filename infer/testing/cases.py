@@ -19,7 +19,7 @@ try:
 except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
-from infer.ops import QuantizedTensor
+from infer.ops import AttentionBatch, QuantizedTensor
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
     QUANTIZED_FORMAT,
@@ -27,7 +27,6 @@ from infer.testing.strategies import (
     array_of_kind,
     astype_calls,
     attention_calls,
-    batched_paged_attention_calls,
     binary_calls,
     compile_calls,
     concat_calls,
@@ -53,10 +52,21 @@ from infer.testing.strategies import (
     topk_calls,
     transpose_calls,
     unary,
-    update_rows_at_calls,
-    update_rows_calls,
     zeros_calls,
 )
+
+
+def _attention(with_host: bool) -> Any:
+    """``run`` hook of the attention cases: the description built on the
+    backend from the uploaded arrays, with or without its host copy."""
+    def run(ops: Any, call: Call, args: Any, kwargs: Any) -> Any:
+        q, k_pool, v_pool, query_start, seq_lens, tables = args
+        i = call.info
+        host = AttentionBatch(i["host"]["query_start"], i["host"]["seq_lens"], i["host"]["block_tables"],
+                              i["block_size"], i["max_query"]) if with_host else None
+        batch = AttentionBatch(query_start, seq_lens, tables, i["block_size"], i["max_query"], host)
+        return ops.attention(q, k_pool, v_pool, batch, **kwargs)
+    return run
 
 
 def _run(fn: Any) -> Any:
@@ -206,21 +216,29 @@ CASES: tuple[Case, ...] = (
     _case("transpose", "transpose", transpose_calls(), out=SAME),
     _case("concat", "concat", concat_calls(), out=lambda call, dt: SAME(Call(tuple(call.args[0])), dt)),
     _case("slice", "slice", slice_calls(), out=SAME),
-    _case("update_rows", "update_rows", update_rows_calls(), mutates=(0,)),
-    # attention
-    _case("attention-causal", "attention", attention_calls(past=st.just(0), group=st.just(1), causal=st.just(True),
-                                                           window=st.none(), softcap=st.none())),
-    _case("attention-decode", "attention", attention_calls(tq=st.just(1), past=st.integers(1, 16),
-                                                           causal=st.just(True), window=st.none(), softcap=st.none())),
-    _case("attention-bottom-right", "attention", attention_calls(tq=st.integers(2, 6), past=st.integers(1, 8),
-                                                                 causal=st.just(True), window=st.none(),
-                                                                 softcap=st.none())),
-    _case("attention-gqa", "attention", attention_calls(group=st.integers(2, 4), causal=st.just(True),
-                                                        window=st.none(), softcap=st.none())),
-    _case("attention-window", "attention", attention_calls(window=st.integers(1, 10), softcap=st.none())),
-    _case("attention-softcap", "attention", attention_calls(softcap=st.floats(5.0, 50.0))),
-    _case("attention-non-causal", "attention", attention_calls(causal=st.just(False), window=st.none(),
-                                                               softcap=st.none())),
+    _case("scatter_rows", "scatter_rows", scatter_rows_calls(), mutates=(0,)),
+    # optional ops (native or default)
+    # attention: every case twice, with the description's host copy (an eager
+    # forward) and without (a captured step, where it is data only)
+    *(_case(f"attention-{name}{suffix}", "attention", calls, run=_attention(host))
+      for name, calls in (
+          ("causal", attention_calls(past=st.just(0), group=st.just(1), causal=st.just(True), window=st.none(),
+                                     softcap=st.none(), seqs=st.just(1))),
+          ("decode", attention_calls(queries=st.just(1), past=st.integers(1, 16), causal=st.just(True),
+                                     window=st.none(), softcap=st.none(), seqs=st.integers(1, 4))),
+          ("ragged", attention_calls(queries=st.integers(1, 9), seqs=st.integers(2, 4), causal=st.just(True),
+                                     window=st.none(), softcap=st.none())),
+          ("padding", attention_calls(queries=st.integers(0, 3), seqs=st.integers(2, 4))),
+          ("contiguous", attention_calls(block=st.just(None))),
+          ("gqa", attention_calls(group=st.integers(2, 4), causal=st.just(True), window=st.none(),
+                                  softcap=st.none())),
+          ("window", attention_calls(window=st.integers(1, 10), softcap=st.none())),
+          ("softcap", attention_calls(softcap=st.floats(5.0, 50.0))),
+          ("sinks", attention_calls(sinks=st.just(True))),
+          ("non-causal", attention_calls(causal=st.just(False), window=st.none(), softcap=st.none())),
+          ("all", attention_calls(sinks=st.booleans())),
+      )
+      for host, suffix in ((True, ""), (False, "-static"))),
     # optional ops (native or default)
     _case("prepare_weight-quantized", "prepare_weight", quantized_weight_calls(),
           run=_run(lambda ops, call, x: ops.linear(x, ops.prepare_weight(_Stored(call.info["weight"]))))),
@@ -229,18 +247,10 @@ CASES: tuple[Case, ...] = (
     _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
     _case("swiglu", "swiglu", swiglu_calls()),
     _case("softcap", "softcap", softcap_calls()),
-    _case("paged_attention", "paged_attention", attention_calls(paged=True)),
     _case("synchronize", "synchronize", st.just(Call())),
     _case("topk-values", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[0]),
     _case("topk-indices", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[1], out=INDEX),
     _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
-    _case("update_rows_at", "update_rows_at", update_rows_at_calls(), mutates=(0,)),
-    _case("scatter_rows", "scatter_rows", scatter_rows_calls(), mutates=(0,)),
-    _case("batched_paged_attention", "batched_paged_attention", batched_paged_attention_calls()),
-    _case("batched_paged_attention-decode", "batched_paged_attention", batched_paged_attention_calls(tq=st.just(1))),
-    _case("cached_attention", "cached_attention", attention_calls(cached=True)),
-    _case("cached_attention-decode", "cached_attention", attention_calls(cached=True, tq=st.just(1),
-                                                                         past=st.integers(0, 16))),
     # collectives: in the kit's single process, a group of one (docs/distributed.md tests the rest)
     _case("all_reduce", "all_reduce", unary()),
     _case("all_gather", "all_gather", unary()),

@@ -327,25 +327,6 @@ def slice_calls(draw: Any) -> Call:
 
 
 @st.composite
-def update_rows_calls(draw: Any) -> Call:
-    rows, seed = draw(st.integers(1, 10)), draw(seeds)
-    tail = draw(shapes(0, 2, 5))
-    start = draw(st.integers(0, rows - 1))
-    count = draw(st.integers(1, rows - start))
-    src_kind = draw(st.sampled_from(["float", "float32"]))  # src is cast to dst's dtype
-    dst = In(normal(seed, (rows,) + tail))
-    return Call((dst, start, In(normal(seed + 1, (count,) + tail), src_kind)))
-
-
-@st.composite
-def update_rows_at_calls(draw: Any) -> Call:
-    """:func:`update_rows_calls` with the start row as an int32 ``[1]`` array."""
-    call = draw(update_rows_calls())
-    dst, start, src = call.args
-    return Call((dst, In(np.array([start], np.int32), "int32"), src))
-
-
-@st.composite
 def scatter_rows_calls(draw: Any) -> Call:
     """dst ``[rows, ...]``, distinct int32 row indices in any order, and their new rows."""
     rows, seed = draw(st.integers(1, 10)), draw(seeds)
@@ -360,54 +341,47 @@ def scatter_rows_calls(draw: Any) -> Call:
 
 
 @st.composite
-def attention_calls(draw: Any, tq: Any = st.integers(1, 6), past: Any = st.integers(0, 8),
-                    group: Any = st.integers(1, 4), causal: Any = st.booleans(),
+def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.integers(0, 8),
+                    seqs: Any = st.integers(1, 3), group: Any = st.integers(1, 4), causal: Any = st.booleans(),
                     window: Any = st.none() | st.integers(1, 12), softcap: Any = st.none() | st.floats(5.0, 50.0),
-                    paged: bool = False, cached: bool = False) -> Call:
-    tq_, past_, group_, hkv = draw(tq), draw(past), draw(group), draw(st.integers(1, 3))
+                    sinks: Any = st.just(False), block: Any = st.sampled_from([1, 2, 4, 8, None])) -> Call:
+    """A forward's attention over a pool: ``seqs`` sequences, each with its
+    own number of query rows (the last of its positions) and of cached keys,
+    their keys in pool rows that their block tables locate, the tables padded
+    to one width with blocks they never read and the pool full of noise
+    elsewhere. ``block`` None lays them out as contiguous caches (each one
+    block of its capacity). ``queries`` of 0 makes padding sequences."""
+    n, group_, hkv = draw(seqs), draw(group), draw(st.integers(1, 3))
     dk = draw(st.sampled_from([4, 8, 16, 32]))
     dv = draw(st.sampled_from([dk, dk, 8]))
-    tk, seed = tq_ + past_, draw(seeds)
-    kwargs = {
+    seed = draw(seeds)
+    counts = [draw(queries) for _ in range(n)]
+    if not any(counts):
+        counts[0] = 1
+    lengths = [c + draw(past) for c in counts]
+    lengths = [max(1, x) for x in lengths]
+    bs = draw(block)
+    rng = np.random.default_rng(seed)
+    if bs is None:  # contiguous caches: block b is sequence b's buffer
+        bs = max(lengths) + draw(st.integers(0, 3))
+        tables = rng.permutation(n + draw(st.integers(0, 1)))[:n].reshape(n, 1).astype(np.int32)
+    else:
+        width = max(-(-x // bs) for x in lengths) + draw(st.integers(0, 1))
+        blocks = n * width + draw(st.integers(0, 3))
+        tables = rng.permutation(blocks)[:n * width].reshape(n, width).astype(np.int32)
+    rows = (int(tables.max()) + 1 + draw(st.integers(0, 1))) * bs
+    kwargs: dict[str, Any] = {
         "scale": draw(st.floats(0.5, 1.5)) / math.sqrt(dk), "causal": draw(causal),
         "window": draw(window), "softcap": draw(softcap),
     }
-    q = In(normal(seed, (tq_, hkv * group_, dk)))
-    if cached:  # a fixed-capacity buffer, rows past the valid length full of noise; the length as data
-        capacity = tk + draw(st.integers(0, 6))
-        kwargs.pop("causal")
-        return Call((q, In(normal(seed + 1, (capacity, hkv, dk))), In(normal(seed + 2, (capacity, hkv, dv))),
-                     In(np.array([tk], np.int32), "int32")), kwargs)
-    if not paged:
-        return Call((q, In(normal(seed + 1, (tk, hkv, dk))), In(normal(seed + 2, (tk, hkv, dv)))), kwargs)
-    block = draw(st.sampled_from([1, 2, 4, 8]))
-    used = -(-tk // block) + draw(st.integers(0, 1))  # the table may hold a block past context_len
-    pool = used + draw(st.integers(0, 4))
-    table = np.random.default_rng(seed).permutation(pool)[:used].astype(np.int32)
-    k_pool = In(normal(seed + 1, (pool, block, hkv, dk)))
-    v_pool = In(normal(seed + 2, (pool, block, hkv, dv)))
-    return Call((q, k_pool, v_pool, In(table, "int32"), tk), kwargs)
-
-
-@st.composite
-def batched_paged_attention_calls(draw: Any, tq: Any = st.integers(1, 3)) -> Call:
-    """Several sequences of different lengths in one paged pool, ``tq`` query
-    rows each: their block tables padded to one width with blocks they never
-    read (noise), their lengths as data."""
-    batch, tq_, group, hkv = draw(st.integers(1, 4)), draw(tq), draw(st.integers(1, 3)), draw(st.integers(1, 2))
-    dk = draw(st.sampled_from([4, 8, 16]))
-    dv = draw(st.sampled_from([dk, 8]))
-    block, seed = draw(st.sampled_from([1, 2, 4])), draw(seeds)
-    lengths = [tq_ + draw(st.integers(0, 9)) for _ in range(batch)]
-    width = max(-(-n // block) for n in lengths) + draw(st.integers(0, 1))
-    pool = batch * width + draw(st.integers(0, 3))
-    rng = np.random.default_rng(seed)
-    tables = rng.integers(0, pool, (batch, width)).astype(np.int32)
-    kwargs = {"scale": draw(st.floats(0.5, 1.5)) / math.sqrt(dk), "window": draw(st.none() | st.integers(1, 12)),
-              "softcap": draw(st.none() | st.floats(5.0, 50.0))}
-    return Call((In(normal(seed, (batch * tq_, hkv * group, dk))), In(normal(seed + 1, (pool, block, hkv, dk))),
-                 In(normal(seed + 2, (pool, block, hkv, dv))), In(tables, "int32"),
-                 In(np.asarray(lengths, np.int32), "int32")), kwargs)
+    if draw(sinks):
+        kwargs["sinks"] = In(normal(seed + 3, (hkv * group_,)) * 2)
+    query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    host = {"query_start": query_start, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables}
+    return Call((In(normal(seed, (int(query_start[-1]), hkv * group_, dk))), In(normal(seed + 1, (rows, hkv, dk))),
+                 In(normal(seed + 2, (rows, hkv, dv))), In(host["query_start"], "int32"), In(host["seq_lens"], "int32"),
+                 In(host["block_tables"], "int32")), kwargs,
+                info={"block_size": bs, "max_query": max(counts), "host": host})
 
 
 # -- optional ops ---------------------------------------------------------------------------------

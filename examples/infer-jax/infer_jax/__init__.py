@@ -27,7 +27,7 @@ from infer.plugins.registry import BackendSpec, Probe
 __version__ = "0.1.0"
 
 #: Optional ops the backend implements natively (here, so that probing imports no jax).
-NATIVE_OPS = ("fused_add_rms_norm", "paged_attention", "softcap", "swiglu")
+NATIVE_OPS = ("attention", "fused_add_rms_norm", "softcap", "swiglu")
 
 #: Probe scores: below numpy/cpu (10) so that installing the plugin changes no default.
 SCORES = {"cpu": 5, "gpu": 8}

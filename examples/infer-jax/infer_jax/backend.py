@@ -7,11 +7,11 @@ differ from infer's numpy reference:
   and attention are ``jax.jit`` functions (:mod:`infer_jax.kernels`); XLA
   fuses each into one pass. The remaining ops are single ``jax.numpy`` calls,
   which JAX compiles and caches per shape on first use.
-* **Shapes that stay put.** JAX compiles once per input shape. Attention pads
-  the keys to a bucket length and masks by the true length (traced), and
-  paged attention takes ``context_len`` traced, so decoding does not compile
-  a new attention program for every token.
-* **Functional cache writes.** :meth:`JaxBackend.update_rows` returns a new
+* **Shapes that stay put.** JAX compiles once per input shape. Attention
+  gathers each sequence's keys from the pool padded to a bucket length and
+  masks by the true length (traced), so decoding does not compile a new
+  attention program for every token.
+* **Functional cache writes.** :meth:`JaxBackend.scatter_rows` returns a new
   array, as the contract allows for functional frameworks; it donates
   ``dst``'s buffer, so the write happens in place and the old ``dst`` is
   deleted.
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, AttentionBatch, Backend
 
 from infer_jax import NATIVE_OPS, kernels
 
@@ -271,44 +271,15 @@ class JaxBackend(Backend):
         begin, end, _ = slice(start, stop).indices(x.shape[axis])  # Python's clamping rules
         return kernels.slice_axis(x, jnp.int32(begin), size=max(0, end - begin), axis=axis)
 
-    def update_rows(self, dst: Array, start: int, src: Array) -> Array:
+    def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
         """Functional, in place: returns the updated array and deletes ``dst``
-        (its buffer is donated to the result)."""
-        n = src.shape[0]
-        if start < 0 or start + n > dst.shape[0]:
-            raise IndexError(f"update_rows: rows {start}..{start + n} do not fit in {dst.shape[0]} rows")
-        return kernels.update_rows(dst, jnp.int32(start), src)
-
-    # -- attention -----------------------------------------------------------------
-
-    def attention(
-        self,
-        q: Array,
-        k: Array,
-        v: Array,
-        *,
-        scale: float,
-        causal: bool = True,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> Array:
-        """One compiled kernel: grouped-query scores in float32, soft-cap,
-        bottom-right causal and sliding-window mask, softmax, weighted sum.
-
-        JAX compiles per input shape, and while decoding the key length grows
-        by one each step. The keys and values are therefore zero-padded to a
-        bucket length (:func:`key_bucket`) and the kernel masks the padding
-        with the true length, which it takes traced: one attention program
-        serves every length in a bucket (measured on the kit's tiny llama:
-        32 decode steps compiled 32 attention programs, 8.6 s on 2 cores,
-        without buckets; 3 with them). Only the cheap pad is compiled per length.
-        """
-        tk = k.shape[0]
-        padded = key_bucket(tk)
-        if padded != tk:
-            k = jnp.pad(k, ((0, padded - tk), (0, 0), (0, 0)))
-            v = jnp.pad(v, ((0, padded - tk), (0, 0), (0, 0)))
-        return kernels.attention(q, k, v, tk, scale, bool(causal), window, softcap)
+        (its buffer is donated to the result). JAX would drop rows outside
+        ``dst`` silently: they are checked first."""
+        host = np.asarray(rows).reshape(-1)
+        if host.size and (host.min() < 0 or host.max() >= dst.shape[0]):
+            bad = host.min() if host.min() < 0 else host.max()
+            raise IndexError(f"scatter_rows: row {int(bad)} is outside the {dst.shape[0]} rows of dst")
+        return kernels.scatter_rows(dst, jnp.asarray(host, jnp.int32), src)
 
     # -- optional ops ---------------------------------------------------------------
 
@@ -323,20 +294,41 @@ class JaxBackend(Backend):
     def softcap(self, x: Array, cap: float) -> Array:
         return kernels.softcap(x, cap)
 
-    def paged_attention(
+    def attention(
         self,
         q: Array,
         k_pool: Array,
         v_pool: Array,
-        block_table: Array,
-        context_len: int,
+        batch: AttentionBatch,
         *,
         scale: float,
         causal: bool = True,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Array | None = None,
     ) -> Array:
-        """Gather and attention in one kernel. ``context_len`` is traced: the
-        program is compiled once per block-table length, not once per token."""
-        return kernels.paged_attention(q, k_pool, v_pool, block_table, context_len, scale, bool(causal),
-                                       window, softcap)
+        """Per sequence, one compiled kernel: its keys gathered from the pool,
+        grouped-query scores in float32, soft-cap, mask, sinks, softmax,
+        weighted sum.
+
+        JAX compiles per input shape, and while decoding the key length grows
+        by one each step. Each sequence's keys are therefore gathered padded to
+        a bucket length (:func:`key_bucket`) and the kernel masks the padding
+        with the true length, which it takes traced: one attention program
+        serves every length in a bucket (measured on the kit's tiny llama:
+        32 decode steps compiled 32 attention programs, 8.6 s on 2 cores,
+        without buckets; 3 with them).
+        """
+        host = batch.on_host(self)
+        outputs = []
+        for b in range(host.num_seqs):
+            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
+            if q1 == q0:
+                continue
+            length = int(host.seq_lens[b])
+            host.visible(b, q1 - q0, causal, window)  # the contract's check of the description
+            rows = host.key_rows(b, 0, length)
+            rows = jnp.asarray(np.pad(rows, (0, key_bucket(length) - length)))  # padding reads row 0, masked
+            outputs.append(kernels.attention(q[q0:q1], k_pool, v_pool, rows, length, scale, bool(causal), window,
+                                             softcap, sinks))
+        return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=0)

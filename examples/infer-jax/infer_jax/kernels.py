@@ -9,10 +9,11 @@ others, Python floats included, are traced, so a model's constant ``eps`` or
 window, no soft-cap) is an empty pytree: jit tells it apart from a value by
 structure, with no static flag needed.
 
-JAX compiles once per distinct input *shape*. Only the attention kernels see
-a shape that grows while decoding (the key length); :func:`attend` therefore
-takes the number of valid keys as a traced argument, so the paged form
-compiles once per block-table length rather than once per token.
+JAX compiles once per distinct input *shape*. Only the attention kernel sees
+a shape that grows while decoding (the key length); :func:`attention`
+therefore takes the number of valid keys as a traced argument, and the
+backend pads each sequence's key rows to a bucket, so it compiles once per
+bucket rather than once per token.
 
 Where the contract leaves precision open these kernels widen to float32 and
 round once at the end, which is what makes bfloat16 match the float32
@@ -149,31 +150,36 @@ def slice_axis(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Arra
 
 
 @partial(jax.jit, donate_argnums=0)
-def update_rows(dst: jax.Array, start: jax.Array, src: jax.Array) -> jax.Array:
-    """``dst`` with rows ``start .. start + len(src)`` replaced by ``src``.
+def scatter_rows(dst: jax.Array, rows: jax.Array, src: jax.Array) -> jax.Array:
+    """``dst`` with row ``rows[i]`` replaced by ``src[i]``.
 
     ``dst`` is donated: XLA writes into its buffer instead of copying the
     whole cache, and the caller's ``dst`` is deleted (the contract says to
-    use the returned array). ``start`` is traced, so a decode step reuses one
-    compiled program for every position. ``dynamic_update_slice`` would clamp
-    an out-of-range ``start``; the backend checks the range first.
+    use the returned array). The rows are traced, so a decode step reuses one
+    compiled program for every position; the backend checks their range first
+    (XLA would drop rows outside ``dst``).
     """
-    return lax.dynamic_update_slice_in_dim(dst, src.astype(dst.dtype), start, axis=0)
+    return dst.at[rows].set(src.astype(dst.dtype))
 
 
 # -- attention -------------------------------------------------------------------------------
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, scale: jax.Array,
-            causal: bool, window: jax.Array | None, softcap: jax.Array | None) -> jax.Array:
-    """Grouped-query attention over the first ``length`` of ``k``'s rows.
+@partial(jax.jit, static_argnames=("causal",))
+def attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, rows: jax.Array, length: jax.Array,
+              scale: jax.Array, causal: bool, window: jax.Array | None, softcap: jax.Array | None,
+              sinks: jax.Array | None) -> jax.Array:
+    """Grouped-query attention of one sequence over the pool rows ``rows``
+    (``[keys]``, its key positions in order; entries at ``j >= length`` are
+    padding).
 
-    q: ``[tq, hq, dk]``; k: ``[tk, hkv, dk]``; v: ``[tk, hkv, dv]``; keys at
-    ``j >= length`` are padding. Query ``i`` sits at position
-    ``length - tq + i`` (bottom-right alignment); causal: it sees keys
-    ``j <= p``; window: only ``p - j < window``. Scores, soft-cap, softmax and
-    the weighted sum run in float32; the result is rounded once.
+    q: ``[tq, hq, dk]``; pools: ``[rows, hkv, d]``. Query ``i`` sits at
+    position ``length - tq + i`` (its sequence's last positions); causal: it
+    sees keys ``j <= p``; window: only ``|p - j| < window``; sinks (``[hq]``)
+    join each softmax's denominator. Scores, soft-cap, softmax and the
+    weighted sum run in float32; the result is rounded once.
     """
+    k, v = jnp.take(k_pool, rows, axis=0), jnp.take(v_pool, rows, axis=0)
     tq, hq, dk = q.shape
     tk, hkv, dv = v.shape
     group = hq // hkv
@@ -189,24 +195,12 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, scale: 
     if causal:
         visible &= key <= pos
     if window is not None:
-        visible &= pos - key < window
+        visible &= jnp.abs(pos - key) < window
     scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)  # [hkv, group, tq, tk]; no row is all -inf
+    if sinks is not None:  # one more logit per head, with no value
+        sink = jnp.broadcast_to(sinks.astype(F32).reshape(hkv, group, 1, 1), (hkv, group, tq, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :tk]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)  # [hkv, group, tq, tk]; no row is all -inf
     out = jnp.einsum("hgqk,khd->qhgd", probs, v.astype(F32))
     return out.reshape(tq, hq, dv).astype(q.dtype)
-
-
-attention = partial(jax.jit, static_argnames=("causal",))(_attend)
-
-
-@partial(jax.jit, static_argnames=("causal",))
-def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_table: jax.Array,
-                    context_len: jax.Array, scale: jax.Array, causal: bool, window: jax.Array | None,
-                    softcap: jax.Array | None) -> jax.Array:
-    """Attention over the blocks ``block_table`` names in the pools
-    (``[blocks, block_size, hkv, d]``). The gather, the attention and the
-    masking of positions past ``context_len`` (traced) are one program,
-    compiled once per block-table length."""
-    k = jnp.take(k_pool, block_table, axis=0).reshape((-1,) + k_pool.shape[2:])
-    v = jnp.take(v_pool, block_table, axis=0).reshape((-1,) + v_pool.shape[2:])
-    return _attend(q, k, v, context_len, scale, causal, window, softcap)

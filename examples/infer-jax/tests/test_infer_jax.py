@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import infer_jax
+from infer.ops import AttentionBatch
 from infer_jax import kernels
 from infer_jax.backend import JaxBackend, key_bucket
 
@@ -28,12 +29,18 @@ def normal(seed: int, *shape: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def _one_sequence(ops: JaxBackend, length: int, rows: int = 4, block: int = 64) -> AttentionBatch:
+    """One sequence decoding at ``length`` keys, in block 0 of ``block`` rows."""
+    arrays = (np.array([0, rows], np.int32), np.array([length], np.int32), np.zeros((1, 1), np.int32))
+    return AttentionBatch(*(ops.from_numpy(a) for a in arrays), block, rows, AttentionBatch(*arrays, block, rows))
+
+
 def test_decoding_compiles_attention_once_per_bucket(ops: JaxBackend) -> None:
     q = ops.from_numpy(normal(0, 1, 4, 8))
+    k = ops.from_numpy(normal(1, 64, 2, 8))
     before = kernels.attention._cache_size()
     for tk in range(17, 65):  # 48 decode steps: buckets 32 and 64
-        k = ops.from_numpy(normal(tk, tk, 2, 8))
-        ops.attention(q, k, k, scale=0.3)
+        ops.attention(q, k, k, _one_sequence(ops, tk, rows=1), scale=0.3)
     assert kernels.attention._cache_size() - before == 2
     assert [key_bucket(n) for n in (1, 16, 17, 1024, 1025)] == [16, 16, 32, 1024, 2048]
 
@@ -46,25 +53,16 @@ def test_sliding_window_reads_reuse_one_slice_program(ops: JaxBackend) -> None:
     assert kernels.slice_axis._cache_size() - before == 1
 
 
-def test_paged_attention_compiles_once_per_table_length(ops: JaxBackend) -> None:
-    q = ops.from_numpy(normal(0, 1, 4, 8))
-    pool = ops.from_numpy(normal(1, 6, 4, 2, 8))
-    table = ops.from_numpy(np.array([3, 0, 5], np.int32))
-    before = kernels.paged_attention._cache_size()
-    for context_len in range(9, 13):
-        ops.paged_attention(q, pool, pool, table, context_len, scale=0.3)
-    assert kernels.paged_attention._cache_size() - before == 1
-
-
-def test_update_rows_is_functional_and_in_place(ops: JaxBackend) -> None:
+def test_scatter_rows_is_functional_and_in_place(ops: JaxBackend) -> None:
     dst = ops.zeros((6, 2))
     address = dst.unsafe_buffer_pointer()
-    out = ops.update_rows(dst, 2, ops.from_numpy(np.ones((3, 2), np.float32)))
-    assert ops.to_numpy(out)[:, 0].tolist() == [0, 0, 1, 1, 1, 0]
+    out = ops.scatter_rows(dst, ops.from_numpy(np.array([4, 1, 2], np.int32)),
+                           ops.from_numpy(np.arange(6, dtype=np.float32).reshape(3, 2)))
+    assert ops.to_numpy(out)[:, 0].tolist() == [0, 2, 4, 0, 0, 0]
     assert dst.is_deleted()  # donated: the contract says to use the returned array
     assert out.unsafe_buffer_pointer() == address  # written in place, not copied
     with pytest.raises(IndexError):
-        ops.update_rows(out, 5, ops.from_numpy(np.ones((2, 2), np.float32)))
+        ops.scatter_rows(out, ops.from_numpy(np.array([6], np.int32)), ops.from_numpy(np.ones((1, 2), np.float32)))
 
 
 def test_int64_without_switching_x64_on_globally(ops: JaxBackend) -> None:
