@@ -513,10 +513,18 @@ class Recorder:
         return self.wrap(out)
 
     def take(self, x: Any, indices: Any, axis: int = 0) -> Any:
-        xp = _plain(x)
-        if self.dynamic(x) or axis != 0 or not isinstance(xp, np.ndarray) or xp.ndim != 2:
+        xp, idx = _plain(x), _plain(indices)
+        if axis != 0 or not isinstance(xp, np.ndarray) or xp.ndim < 1 or getattr(idx, "dtype", None) not in (
+                np.int32, np.int64):
             raise NotCapturable(f"take along axis {axis}")
-        return self.embedding(np.ascontiguousarray(xp), indices)
+        if not self.dynamic(x) and xp.ndim == 2:  # a constant table: an embedding, quantized rows included
+            return self.embedding(np.ascontiguousarray(xp), indices)
+        src = self.contiguous(xp) if self.dynamic(x) else np.ascontiguousarray(xp)
+        idx = self.contiguous(idx)
+        out = self.buffer((*idx.shape, *xp.shape[1:]), xp.dtype)
+        self.emit(GATHER, [src, idx, out], [idx.size, xp.shape[0], xp[0].nbytes, idx.itemsize])
+        self.check("take", out, self.eager("take", xp, idx, 0))
+        return self.wrap(out)
 
     def attention(self, q: Any, k_pool: Any, v_pool: Any, batch: AttentionBatch, *, scale: float,
                   causal: bool = True, window: int | None = None, softcap: float | None = None,

@@ -30,7 +30,8 @@ import infer
 from infer.engine.capture import CapturedBatchDecode, batch_bucket
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import SamplingParams
-from infer.kv.attention import PagedStaticAttentionContext
+from infer.kv.attention import AttentionContext, LayerArrays
+from infer.ops import AttentionBatch
 
 COMPILED_RTOL = 2 * LOGIT_RTOL
 HAS_PROGRAMS = hasattr(numpy_backend._affine, "run_plan")
@@ -111,7 +112,7 @@ def test_the_batched_step_gives_the_eager_logits(backend: str, compiled: bool, v
         for seq in seqs:
             engine.truncate(seq, seq.cached - 1)
         batch = engine.prepare(seqs, [[t] for t in tokens])  # reserves the positions, as the runner does
-        logits = step([s.cache for s in seqs], tokens)
+        logits = step([s.cache for s in seqs], [[t] for t in tokens])
         assert logits is not None, step.reason
         for seq, t in zip(seqs, tokens):
             seq.cache.commit([t])
@@ -133,14 +134,20 @@ def test_the_step_does_not_recompile_per_token(backend: str, compiled: bool) -> 
     seqs = [engine.new_sequence(256, kv_pool=pool) for _ in range(2)]
     for seq, prompt in zip(seqs, PROMPTS[:2]):
         engine.forward(seq, encode(tiny_model_dir("llama3"), prompt))
+    prompts = step.steps  # the prompts' forwards are captured steps too (a graph per prompt bucket)
+    graphs = step.graphs
     tokens = [3, 4]
     for _ in range(64):
         out = engine.run(engine.prepare(seqs, [[t] for t in tokens]))
         tokens = [int(t) for t in out.argmax()]
-    assert step.steps == 64 and step.graphs == 1, f"{step.graphs} graphs for {step.steps} steps: it recompiles"
+    assert step.steps == prompts + 64 and step.graphs == (graphs or 0) + 1, \
+        f"{step.graphs} graphs for {step.steps} steps: it recompiles"
 
 
-def test_what_the_batched_step_does_not_serve_runs_eagerly() -> None:
+def test_mixed_steps_are_captured_and_what_the_step_does_not_serve_runs_eagerly() -> None:
+    """Prompt chunks, verification rows and decode rows of one pool, in any mix,
+    are one captured step; a sequence's first forward (no layer arrays yet), a
+    contiguous cache, two pools, or a forward wanting hidden states run eagerly."""
     model = _model("llama3", "numpy", HAS_PROGRAMS)
     model.engine.capture_decode(compile=HAS_PROGRAMS)
     engine, step = model.engine, model.engine.batch_step
@@ -148,24 +155,55 @@ def test_what_the_batched_step_does_not_serve_runs_eagerly() -> None:
     prompt = encode(tiny_model_dir("llama3"), PROMPTS[0])
     seq = engine.new_sequence(64, kv_pool=pool)
     # A sequence's first forward: the pool has no layer arrays yet (their shapes come from the first write).
-    assert step([seq.cache], [prompt[0]]) is None and seq.cached == 0
+    assert step([seq.cache], [[prompt[0]]]) is None and seq.cached == 0
     engine.forward(seq, prompt)
-    assert step.steps == 0  # a prompt: several rows
-    engine.forward(seq, [3, 4])  # speculative verification's shape: two rows of one sequence
     assert step.steps == 0
+    engine.forward(seq, [3, 4])  # speculative verification's shape: two rows of one sequence
+    assert step.steps == 1 and step.mixed == 1
     contiguous = engine.new_sequence(64)
     engine.forward(contiguous, prompt)
     engine.run(engine.prepare([seq, contiguous], [[5], [5]]))  # a contiguous cache in the batch
-    assert step.steps == 0
+    assert step.steps == 1
     engine.run(engine.prepare([seq], [[6]]))
-    assert step.steps == 1 and step.reason is None
+    assert step.steps == 2 and step.reason is None
     # Two pools in one forward: eager.
     other = engine.new_sequence(64, kv_pool=engine.new_kv_pool(block_size=4, num_blocks=32))
     engine.forward(other, prompt)
     engine.run(engine.prepare([seq, other], [[7], [7]]))
-    assert step.steps == 1
+    assert step.steps == 2
+    engine.run(engine.prepare([seq], [[8]], capture_hidden=True))  # multi-token prediction wants hidden states
+    assert step.steps == 2
     for s in (seq, contiguous, other):
         engine.release(s)
+
+
+@pytest.mark.parametrize("backend,compiled", STEPS)
+def test_four_decoding_sequences_and_a_prompt_chunk_are_one_captured_step(backend: str, compiled: bool) -> None:
+    """The batch engine's mixed step: 4 sequences decoding one token each and a
+    fifth's prompt chunk, in one forward, one graph, the eager logits."""
+    model = _model("llama3", backend, compiled)
+    engine, ops = model.engine, model.backend
+    pool = engine.new_kv_pool(block_size=4, num_blocks=64)
+    prompts = [encode(tiny_model_dir("llama3"), p) for p in PROMPTS]
+    seqs = [engine.new_sequence(128, kv_pool=pool) for _ in range(5)]
+    for seq, prompt in zip(seqs[:4], prompts):
+        engine.forward(seq, prompt)
+    engine.forward(seqs[4], prompts[2][:3])  # the fifth has the start of its prompt cached
+    chunk = prompts[2][3:10]
+    feeds = [[5], [17], [2], [40], chunk]
+    eager = ops.to_numpy(engine.run(engine.prepare(seqs, feeds)).logits)
+    for seq, feed in zip(seqs, feeds):
+        engine.truncate(seq, seq.cached - len(feed))
+    engine.capture_decode(compile=compiled)
+    step = engine.batch_step
+    out = engine.run(engine.prepare(seqs, feeds))
+    assert step.steps == 1 and step.mixed == 1 and step.reason is None, step.describe()
+    if step.graphs is not None:
+        assert step.graphs == 1
+    assert_logits_close(np.asarray(ops.to_numpy(out.logits), np.float32), np.asarray(eager, np.float32),
+                        "mixed captured step vs eager", rtol=COMPILED_RTOL)
+    for seq in seqs:
+        engine.release(seq)
 
 
 def test_padding_rows_use_the_scratch_block_only() -> None:
@@ -179,9 +217,11 @@ def test_padding_rows_use_the_scratch_block_only() -> None:
     for i, seq in enumerate(seqs):
         engine.forward(seq, list(range(1, 4 + 3 * i)))
     engine.prepare(seqs, [[1]] * 3)
-    ids, positions, slots, tables, lengths = step.inputs([s.cache for s in seqs], [1, 2, 3])
+    host = step.inputs([s.cache for s in seqs], [[1], [2], [3]], None)
+    ids, positions, slots, tables, lengths = host.ids, host.positions, host.slots, host.tables, host.lengths
+    # 3 tokens padded to 4: the padding row is a fourth sequence on the scratch block.
     assert ids.tolist() == [1, 2, 3, 0] and lengths.tolist() == [4, 7, 10, 1]
-    assert positions.tolist() == [3, 6, 9, 0]
+    assert positions.tolist() == [3, 6, 9, 0] and host.query_start.tolist() == [0, 1, 2, 3, 4]
     scratch = pool.scratch_block
     assert slots[3] == scratch * 4 and set(tables[3].tolist()) == {scratch}
     for i, seq in enumerate(seqs):
@@ -189,7 +229,7 @@ def test_padding_rows_use_the_scratch_block_only() -> None:
         assert slots[i] == blocks[positions[i] // 4] * 4 + positions[i] % 4
         assert tables[i, :len(blocks)].tolist() == blocks and scratch not in blocks
     before = [np.array(a) for a in pool.layer_rows(model.network.num_layers)[0]]
-    step([s.cache for s in seqs], [1, 2, 3])
+    step([s.cache for s in seqs], [[1], [2], [3]])
     after = pool.layer_rows(model.network.num_layers)[0]
     written = {int(s) for s in slots[:3]} | set(range(scratch * 4, scratch * 4 + 4))
     for b, a in zip(before, after):
@@ -202,9 +242,10 @@ def test_padding_rows_use_the_scratch_block_only() -> None:
 def test_the_static_context_refuses_host_reads_of_the_length() -> None:
     model = _model("llama3", "numpy", False)
     ops = model.backend
-    ctx = PagedStaticAttentionContext(ops, [], [], ops.from_numpy(np.zeros(1, np.int32)),
-                                      ops.from_numpy(np.zeros(1, np.int32)), ops.from_numpy(np.zeros((1, 1), np.int32)),
-                                      ops.from_numpy(np.ones(1, np.int32)), block_size=4, tokens=1)
+    zero = ops.from_numpy(np.zeros(1, np.int32))
+    batch = AttentionBatch(ops.from_numpy(np.array([0, 1], np.int32)), ops.from_numpy(np.ones(1, np.int32)),
+                           ops.from_numpy(np.zeros((1, 1), np.int32)), 4, 1)
+    ctx = AttentionContext.static(ops, LayerArrays([], [], 4), zero, zero, batch, tokens=1)
     with pytest.raises(infer.errors.CaptureError, match="max_position"):
         ctx.max_position  # noqa: B018 - the read is the test
 
@@ -283,13 +324,12 @@ def test_a_shape_refused_after_the_first_step_runs_eagerly_alone() -> None:
     step = model.engine.batch_step
     real = step._fn
 
-    def refusing(ids, *args):  # type: ignore[no-untyped-def]
-        if model.backend.shape(ids)[0] == 2:
+    def refusing(ids, positions, slots, query_start, *args):  # type: ignore[no-untyped-def]
+        if model.backend.shape(ids)[0] == 2 and model.backend.shape(query_start)[0] == 3:  # two decode rows
             raise infer.errors.CaptureError("no graph for two rows here")
-        return real(ids, *args)
+        return real(ids, positions, slots, query_start, *args)
 
     step._fn = refusing
     assert _run_batch(model, "llama3") == want
-    assert step.reason is None and list(step.refused) == [(2, 64)]
-    assert step.steps == max(NEW_TOKENS) - 1 - (NEW_TOKENS[2] - NEW_TOKENS[1])  # all but the steps of 2
-    assert "2 rows x 64 blocks eager (CaptureError: no graph for two rows here)" in step.describe()
+    assert step.reason is None and list(step.refused) == [(2, 2, 64, 2, 1)]
+    assert "2 tokens x 2 sequences x 64 blocks eager (CaptureError: no graph for two rows here)" in step.describe()

@@ -24,7 +24,7 @@ from reference import LOGIT_RTOL, assert_logits_close, backend_params, encode, t
 import infer
 from infer.backends import numpy as numpy_backend
 from infer.engine.capture import MIN_CAPACITY, CapturedDecode, capacity_bucket
-from infer.kv.attention import StaticAttentionContext
+from infer.kv.attention import AttentionContext
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 COMPILED_RTOL = 2 * LOGIT_RTOL
@@ -90,7 +90,7 @@ def test_the_static_forward_gives_the_eager_logits(backend: str, compiled: bool,
     prompt = _ids(variant)
 
     def static_logits(ids, start, keys, values):  # type: ignore[no-untyped-def]
-        ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
         return net.compute_logits(net.forward(ids, ctx)), ctx.keys, ctx.values
 
     fn = ops.compile(static_logits, static=True) if compiled else static_logits
@@ -99,10 +99,10 @@ def test_the_static_forward_gives_the_eager_logits(backend: str, compiled: bool,
     engine.forward(static, prompt)
     for token in (5, 17, 2, 40, 9):
         want = ops.to_numpy(engine.forward(eager, [token])[-1])
-        keys, values = static.cache.layer_buffers(net.num_layers)
+        keys, values = static.cache.layer_rows(net.num_layers)
         start = ops.from_numpy(np.array([static.cache.length], np.int32))
         logits, keys, values = fn(ops.from_numpy(np.array([token], np.int32)), start, keys, values)
-        static.cache.replace_layer_buffers(keys, values)
+        static.cache.replace_layer_rows(keys, values)
         static.cache.commit([token])
         assert_logits_close(np.asarray(ops.to_numpy(logits)[-1], np.float32), np.asarray(want, np.float32),
                             f"static vs eager, token {token}", rtol=COMPILED_RTOL)

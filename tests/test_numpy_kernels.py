@@ -23,7 +23,7 @@ from infer.backends import numpy as numpy_backend
 from infer.backends.numpy import kernel_args
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
-from infer.ops import PackedWeight
+from infer.ops import AttentionBatch, PackedWeight
 from infer.quantize import AffineTensor, from_gguf, quantize_affine
 
 _affine = numpy_backend._affine
@@ -31,6 +31,24 @@ needs_kernels = pytest.mark.skipif(_affine is None, reason="the C kernels are no
 LINEAR = "model.layers.0.mlp.up_proj.weight"
 #: Every code path this CPU can run (portable, avx2+fma, avx512): each test below runs on each.
 PATHS = _affine.paths() if _affine is not None else []
+#: Where ``_affine.attention``'s ``parallel`` argument sits: (q, k, v, out, tq, tk,
+#: hq, hkv, dk, dv, scale, causal, window, softcap, table, block, parallel, sinks).
+PARALLEL = 16
+
+
+def one_sequence(tq: int, tk: int, capacity: int) -> AttentionBatch:
+    """One sequence's ``tq`` queries at the end of its ``tk`` keys in a
+    contiguous cache of ``capacity`` rows: one block of that size."""
+    return AttentionBatch(np.array([0, tq], np.int32), np.array([tk], np.int32), np.zeros((1, 1), np.int32),
+                          capacity, tq)
+
+
+def in_pool(rows: np.ndarray, capacity: int) -> np.ndarray:
+    """``rows`` at the start of a pool of ``capacity`` rows whose other rows are
+    NaN: a key past the sequence's that were read would poison the output."""
+    pool = np.full((capacity,) + rows.shape[1:], np.nan, np.float32)
+    pool[:len(rows)] = rows
+    return pool
 
 
 def test_kernels_are_built_on_linux_x86() -> None:
@@ -309,10 +327,10 @@ def test_attention_after_a_blas_product_stays_on_one_thread(monkeypatch) -> None
     q, k, v = (rng.standard_normal((t, 2, 64)).astype(np.float32) for t in (1, 40, 40))
     parallel = []
     real = _affine.attention
-    monkeypatch.setattr(_affine, "attention", lambda *a: parallel.append(a[-1]) or real(*a))
+    monkeypatch.setattr(_affine, "attention", lambda *a: parallel.append(a[PARALLEL]) or real(*a))
     for rows in (1, ops.KERNEL_ROWS + 1, 3):
         ops.linear(rng.standard_normal((rows, 64)).astype(np.float32), w)
-        ops.attention(q, k, v, scale=0.125, causal=True)
+        ops.attention(q, k, v, one_sequence(1, 40, 40), scale=0.125, causal=True)
     assert parallel == [True, False, True]
 
 
@@ -466,20 +484,23 @@ def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: in
 @needs_kernels
 @pytest.mark.parametrize("tq,tk", [(1, 1), (1, 37), (3, 20), (8, 8), (5, 300)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("causal,window,softcap", [(True, None, None), (True, 7, None), (False, None, None),
-                                                    (True, None, 20.0), (False, 5, 30.0)])
-def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv, causal, window, softcap):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("causal,window,softcap,sinks", [
+    (True, None, None, False), (True, 7, None, False), (False, None, None, False), (True, None, 20.0, False),
+    (False, 5, 30.0, False), (True, None, None, True), (False, 5, 20.0, True)])
+def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv, causal, window, softcap, sinks):  # type: ignore[no-untyped-def]
     ops = numpy_backend.NumpyBackend()
     rng = np.random.default_rng(tq * 1000 + tk)
     q = rng.standard_normal((tq, hq, 16)).astype(np.float32) * 2
-    k = rng.standard_normal((tk, hkv, 16)).astype(np.float32)
-    v = rng.standard_normal((tk, hkv, 24)).astype(np.float32)
-    kw = dict(scale=0.25, causal=causal, window=window, softcap=softcap)
-    got, want = ops.attention(q, k, v, **kw), pure_numpy("attention", q, k, v, **kw)
+    k = in_pool(rng.standard_normal((tk, hkv, 16)).astype(np.float32), tk + 5)
+    v = in_pool(rng.standard_normal((tk, hkv, 24)).astype(np.float32), tk + 5)
+    kw = dict(scale=0.25, causal=causal, window=window, softcap=softcap,
+              sinks=rng.standard_normal(hq).astype(np.float32) * 2 if sinks else None)
+    batch = one_sequence(tq, tk, tk + 5)
+    got, want = ops.attention(q, k, v, batch, **kw), pure_numpy("attention", q, k, v, batch, **kw)
     # Sums in another order (dot products, softmax total, weighted values) and
     # C's expf/tanhf against numpy's: a few float32 roundings of values <= max|v|.
-    assert got.shape == want.shape and np.isfinite(got).all()
-    assert np.abs(got - want).max() <= 2e-6 * np.abs(v).max(), np.abs(got - want).max()
+    assert got.shape == want.shape == (tq, hq, 24) and np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2e-6 * np.nanmax(np.abs(v)), np.abs(got - want).max()
 
 
 @needs_kernels
@@ -491,17 +512,24 @@ def test_attention_head_sizes_and_code_paths_agree(pure_numpy, d: int, tq: int, 
     q = rng.standard_normal((tq, 4, d)).astype(np.float32)
     k = rng.standard_normal((tk, 2, d)).astype(np.float32)
     v = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    batch = one_sequence(tq, tk, tk)
     kw = dict(scale=d ** -0.5, causal=True, window=None, softcap=None)
-    want = pure_numpy("attention", q, k, v, **kw)
+    want = pure_numpy("attention", q, k, v, batch, **kw)
     chosen, outputs = _affine.simd(), []
     try:
         for name in PATHS:  # the same operations in the same order on each path: the same bits
             _affine.use_simd(name)
-            outputs.append(ops.attention(q, k, v, **kw))
+            outputs.append(ops.attention(q, k, v, batch, **kw))
     finally:
         _affine.use_simd(chosen)
     assert all(np.array_equal(o.view(np.uint32), outputs[0].view(np.uint32)) for o in outputs)
     assert np.abs(outputs[0] - want).max() <= 2e-6 * np.abs(v).max()
+
+
+def paged(table: list[int], context: int, tq: int, block: int) -> AttentionBatch:
+    """One sequence of ``context`` keys in the pool's blocks ``table``."""
+    return AttentionBatch(np.array([0, tq], np.int32), np.array([context], np.int32),
+                          np.array([table], np.int32), block, tq)
 
 
 @needs_kernels
@@ -511,23 +539,80 @@ def test_paged_attention_reads_pages_in_place_like_the_gather(pure_numpy, tq, co
     ops = numpy_backend.NumpyBackend()
     rng = np.random.default_rng(context * 10 + tq)
     block, hq, hkv = 16, 6, 2
-    k_pool = rng.standard_normal((9, block, hkv, 16)).astype(np.float32)
-    v_pool = rng.standard_normal((9, block, hkv, 8)).astype(np.float32)
-    table = np.array([7, 2, 5, 0], np.int32)  # out of order, more blocks than the context needs
+    k_pool = rng.standard_normal((9 * block, hkv, 16)).astype(np.float32)
+    v_pool = rng.standard_normal((9 * block, hkv, 8)).astype(np.float32)
+    batch = paged([7, 2, 5, 0], context, tq, block)  # out of order, more blocks than the context needs
     q = rng.standard_normal((tq, hq, 16)).astype(np.float32)
     kw = dict(scale=0.3, causal=True, window=window, softcap=softcap)
-    got = ops.paged_attention(q, k_pool, v_pool, table, context, **kw)
-    want = pure_numpy("paged_attention", q, k_pool, v_pool, table, context, **kw)
+    got = ops.attention(q, k_pool, v_pool, batch, **kw)
+    want = pure_numpy("attention", q, k_pool, v_pool, batch, **kw)  # the gathered rows, two GEMMs
     assert np.abs(got - want).max() <= 2e-6 * np.abs(v_pool).max()
+
+
+#: A ragged batch: (query rows, keys) per sequence: decoding, verification rows,
+#: a prompt chunk after a cached prefix and a whole prompt, the last two past
+#: KERNEL_ROWS (the GEMM path) in the same call as the kernel's rows.
+RAGGED = [(1, 37), (4, 9), (20, 50), (1, 1), (17, 17)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (6, 25.0, False), (None, None, True),
+                                                  (5, None, True)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_ragged_batch_gives_each_sequence_what_it_gets_alone(pure_numpy, causal, window, softcap, sinks):  # type: ignore[no-untyped-def]
+    # Each sequence runs on its own path (kernel or GEMMs) over its own pages:
+    # batching changes no bit of any row, and every path agrees with the plain
+    # definition (float64, reference_attention) within the tolerance above.
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(len(RAGGED) + (window or 0))
+    block, hq, hkv = 8, 6, 3
+    blocks = np.random.default_rng(1).permutation(40)  # every sequence's pages scattered over the pool
+    width = max(-(-tk // block) for _, tk in RAGGED) + 1
+    tables = np.zeros((len(RAGGED), width), np.int32)
+    used = 0
+    for b, (_, tk) in enumerate(RAGGED):
+        n = -(-tk // block)
+        tables[b, :n] = blocks[used:used + n]
+        used += n
+    starts = np.cumsum([0] + [tq for tq, _ in RAGGED]).astype(np.int32)
+    batch = AttentionBatch(starts, np.array([tk for _, tk in RAGGED], np.int32), tables, block,
+                           max(tq for tq, _ in RAGGED))
+    k_pool = rng.standard_normal((40 * block, hkv, 16)).astype(np.float32)
+    v_pool = rng.standard_normal((40 * block, hkv, 12)).astype(np.float32)
+    q = rng.standard_normal((int(starts[-1]), hq, 16)).astype(np.float32)
+    kw = dict(scale=0.3, causal=causal, window=window, softcap=softcap,
+              sinks=rng.standard_normal(hq).astype(np.float32) if sinks else None)
+    got = ops.attention(q, k_pool, v_pool, batch, **kw)
+    assert got.shape == (int(starts[-1]), hq, 12)
+    for b, (tq, tk) in enumerate(RAGGED):
+        alone = AttentionBatch(np.array([0, tq], np.int32), batch.seq_lens[b:b + 1], tables[b:b + 1], block, tq)
+        mine = ops.attention(q[starts[b]:starts[b + 1]], k_pool, v_pool, alone, **kw)
+        assert np.array_equal(got[starts[b]:starts[b + 1]].view(np.uint32), mine.view(np.uint32)), b
+    bound = 2e-6 * np.abs(v_pool).max()
+    assert np.abs(got - pure_numpy("attention", q, k_pool, v_pool, batch, **kw)).max() <= bound
+    assert np.abs(got - numpy_backend.reference_attention(q, k_pool, v_pool, batch, **kw)).max() <= bound
 
 
 @needs_kernels
 def test_paged_attention_rejects_a_table_outside_the_pool() -> None:
     ops = numpy_backend.NumpyBackend()
-    k_pool = np.zeros((2, 4, 1, 8), np.float32)
+    k_pool = np.zeros((2 * 4, 1, 8), np.float32)
     q = np.zeros((1, 1, 8), np.float32)
     with pytest.raises(IndexError, match="block table entry 5 is outside the pool of 2 blocks"):
-        ops.paged_attention(q, k_pool, k_pool, np.array([0, 5]), 6, scale=1.0)
+        ops.attention(q, k_pool, k_pool, paged([0, 5], 6, 1, 4), scale=1.0)
+
+
+@pytest.mark.parametrize("table", [[0, 5, 9, 1, 2], [4, 5, 6, 7, 8]], ids=["scattered", "consecutive"])
+@pytest.mark.parametrize("tq", [1, numpy_backend.NumpyBackend.KERNEL_ROWS + 1], ids=["kernel", "gemm"])
+def test_every_attention_path_rejects_a_table_outside_the_pool(table: list[int], tq: int) -> None:
+    # A pool of 8 blocks of 4 rows; 20 keys in 5 blocks, one of which (9, or 8:
+    # rows 32..35 of a run of rows 16..35) the pool does not hold. Reading the
+    # keys that are there would be a wrong answer, not an error.
+    ops = numpy_backend.NumpyBackend()
+    k_pool = np.ones((8 * 4, 1, 8), np.float32)
+    q = np.ones((tq, 1, 8), np.float32)
+    with pytest.raises(IndexError):
+        ops.attention(q, k_pool, k_pool, paged(table, 20, tq, 4), scale=1.0)
 
 
 # -- threads on a busy machine ---------------------------------------------------------------------

@@ -30,7 +30,7 @@ from reference import LOGIT_RTOL, assert_logits_close, encode, tiny_model_dir
 import infer
 from infer.backends import numpy as numpy_backend
 from infer.engine.capture import MIN_CAPACITY
-from infer.kv.attention import StaticAttentionContext
+from infer.kv.attention import AttentionContext
 
 _affine = numpy_backend._affine
 pytestmark = pytest.mark.skipif(not hasattr(_affine, "run_plan"), reason="the C kernels are not built here")
@@ -100,7 +100,7 @@ def test_the_programs_logits_are_the_eager_forwards(variant: str) -> None:
     prompt = encode(tiny_model_dir(variant), PROMPT)
 
     def static_logits(ids, start, keys, values):  # type: ignore[no-untyped-def]
-        ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
         return net.compute_logits(net.forward(ids, ctx)), ctx.keys, ctx.values
 
     fn = ops.compile(static_logits, static=True)
@@ -110,7 +110,7 @@ def test_the_programs_logits_are_the_eager_forwards(variant: str) -> None:
     engine.forward(static, prompt)
     for token in (5, 17, 2, 40, 9, 5):
         want = ops.to_numpy(engine.forward(eager, [token])[-1])
-        keys, values = static.cache.layer_buffers(net.num_layers)
+        keys, values = static.cache.layer_rows(net.num_layers)
         start = ops.from_numpy(np.array([static.cache.length], np.int32))
         logits, keys2, values2 = fn(ops.from_numpy(np.array([token], np.int32)), start, keys, values)
         assert all(a is b for a, b in zip(keys2 + values2, keys + values))  # written in place
@@ -134,7 +134,7 @@ def test_a_new_capacity_records_a_new_program_and_steps_do_not_re_record() -> No
         seq = engine.new_sequence(capacity)
         engine.forward(seq, prompt)
         for _ in range(30):
-            keys, values = seq.cache.layer_buffers(net.num_layers)
+            keys, values = seq.cache.layer_rows(net.num_layers)
             fn(np.array([7], np.int32), np.array([seq.cache.length], np.int32), keys, values)
             seq.cache.commit([7])
     assert fn.graphs() == 2  # one per capacity, none per token or per sequence
@@ -146,7 +146,7 @@ def _planned(variant: str = "llama3"):  # type: ignore[no-untyped-def]
     engine, ops, net = model.engine, model.backend, model.network
 
     def greedy(ids, start, keys, values):  # type: ignore[no-untyped-def]
-        ctx = StaticAttentionContext(ops, keys, values, start, tokens=1)
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
         return ops.argmax(net.compute_logits(net.forward(ids, ctx)), -1)
 
     seq = engine.new_sequence(MIN_CAPACITY)
@@ -156,7 +156,7 @@ def _planned(variant: str = "llama3"):  # type: ignore[no-untyped-def]
 
 def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> None:
     model, fn, seq = _planned()
-    keys, values = seq.cache.layer_buffers(model.network.num_layers)
+    keys, values = seq.cache.layer_rows(model.network.num_layers)
     at = np.array([seq.cache.length], np.int32)
     fn(np.array([3], np.int32), at, keys, values)  # recorded
     before = [k.copy() for k in keys + values]
@@ -164,9 +164,9 @@ def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> Non
         fn(np.array([100000], np.int32), at, keys, values)
     with pytest.raises(IndexError, match="token id -1 out of range"):
         fn(np.array([-1], np.int32), at, keys, values)
-    with pytest.raises(IndexError, match="position"):
+    with pytest.raises(IndexError, match=f"writes row {MIN_CAPACITY} of a KV pool of {MIN_CAPACITY} rows"):
         fn(np.array([3], np.int32), np.array([MIN_CAPACITY], np.int32), keys, values)
-    with pytest.raises(IndexError, match="position"):
+    with pytest.raises(IndexError, match="writes row -4"):
         fn(np.array([3], np.int32), np.array([-4], np.int32), keys, values)
     assert all(np.array_equal(a, b) for a, b in zip(keys + values, before))
     # Inputs unlike the recorded ones get their own program, or a clear refusal.
@@ -199,7 +199,8 @@ def test_copies_writes_and_shared_inputs_outside_the_ops_refuse_to_record() -> N
         "fancy-indexed": lambda a: ops.add(a, 1.0)[[0, 1]],
         "written in place": lambda a: (lambda y: (y.__setitem__(0, 7.0), ops.mul(y, 1.0))[1])(ops.add(a, 0.0)),
         "cast outside": lambda a: ops.add(a, 1.0).astype(np.float64),
-        "written into a constant": lambda a: ops.mul(ops.update_rows(ops.zeros((4,)), 0, a), 2.0),
+        "written into a constant": lambda a: ops.mul(
+            ops.scatter_rows(ops.zeros((4,)), ops.from_numpy(np.arange(4, dtype=np.int32)), a), 2.0),
         "all-reduced": lambda a: ops.all_reduce(ops.add(a, 1.0)),
     }
     for what, fn in refused.items():
@@ -274,7 +275,7 @@ def test_torch_cpu_records_the_same_program_on_its_tensors_by_default(variant: s
     seq = model.engine.new_sequence(MIN_CAPACITY)
     model.engine.forward(seq, [1, 2, 3])
     assert model.engine.greedy_step(seq, 4) is not None
-    keys, _ = seq.cache.layer_buffers(model.network.num_layers)
+    keys, _ = seq.cache.layer_rows(model.network.num_layers)
     assert isinstance(keys[0], torch.Tensor) and float(keys[0][3].abs().sum()) > 0
     model.engine.release(seq)
 
@@ -318,9 +319,10 @@ def test_bad_data_inside_a_batched_program_is_a_typed_error_not_a_stray_write() 
     for seq in seqs:
         engine.forward(seq, encode(tiny_model_dir("llama3"), PROMPT))
     engine.prepare(seqs, [[3], [3]])
-    host = step.inputs([s.cache for s in seqs], [3, 3])
+    inputs = step.inputs([s.cache for s in seqs], [[3], [3]], None)
+    host = list(inputs.arrays())
     keys, values = pool.layer_rows(model.network.num_layers)
-    step._fn(*host, keys, values, 4)  # recorded
+    step._fn(*host, keys, values, 4, inputs.max_query)  # recorded
     assert step.graphs == 1
     rows = keys[0].shape[0]
     before = [k.copy() for k in keys + values]
@@ -328,9 +330,9 @@ def test_bad_data_inside_a_batched_program_is_a_typed_error_not_a_stray_write() 
     def run(i: int, patch: object) -> None:
         args = [a.copy() for a in host]
         args[i][...] = patch
-        step._fn(*args, keys, values, 4)
+        step._fn(*args, keys, values, 4, inputs.max_query)
 
-    ids, positions, slots, tables, lengths = range(5)
+    ids, positions, slots, query_start, tables, lengths, logit_rows = range(7)
     with pytest.raises(IndexError, match=f"writes row {rows} of a KV pool of {rows} rows"):
         run(slots, [0, rows])
     with pytest.raises(IndexError, match="writes row -1"):

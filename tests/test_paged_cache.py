@@ -3,8 +3,9 @@
 Tiny random llama and gemma3 models (``reference.tiny_model_dir``) run through
 the engine twice: with a contiguous cache per sequence, and with pages of a
 :class:`PagedKVPool` (block sizes 1, 4, 16). Logits agree within 1e-5 of the
-largest logit and greedy tokens are identical, on numpy and torch/cpu (native
-``paged_attention``) and MLX (no native op: blocks are gathered). Forked
+largest logit and greedy tokens are identical, on numpy, torch/cpu and MLX,
+whose native ``attention`` reads the pages through the block tables, and with
+the contract's default (each sequence's keys gathered). Forked
 sequences, prefix reuse, rollback and a full pool are checked the same way,
 and every test ends with every page back in the pool.
 """
@@ -16,13 +17,14 @@ import gc
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import assert_logits_close, backend_params, encode, load_tiny, tiny_model_dir
 
 import infer
 from infer.engine import Engine
 from infer.errors import CacheFullError
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
-from infer.ops import Backend
+from infer.ops import AttentionBatch, Backend
 from infer.testing.strategies import attention_calls
 
 PROMPT = "The capital of France is Paris. Once upon a time"
@@ -83,27 +85,26 @@ def test_paged_logits_and_greedy_tokens_equal_contiguous(model: infer.Model, blo
     assert paged == greedy
 
 
-@pytest.mark.parametrize("backend", backend_params(*BACKENDS[:2]))
-def test_native_and_gather_paths_agree(backend: str, pools) -> None:
+@pytest.mark.parametrize("backend", backend_params(*BACKENDS))
+def test_native_and_default_attention_agree(backend: str, pools) -> None:
     engine = load("gemma3", backend).engine
     pool = pools(engine, 4)
-    assert pool.attention_path == "paged_attention"
+    assert engine.backend.supports("attention")
     prompt, decode = list(range(5, 24)), [3, 1, 4, 1, 5, 9]
     native_seq = engine.new_sequence(kv_pool=pool)
     native = run(engine, native_seq, prompt, decode)
-    saved = engine.backend.native_ops
-    engine.backend.native_ops = saved - {"paged_attention"}  # this instance only
+    ops = engine.backend
+    ops.attention = lambda *args, **kwargs: Backend.attention(ops, *args, **kwargs)  # this instance only
     try:
-        assert not engine.backend.supports("paged_attention")
-        gather_seq = engine.new_sequence(kv_pool=pool)
-        gather = run(engine, gather_seq, prompt, decode)
+        default_seq = engine.new_sequence(kv_pool=pool)
+        default = run(engine, default_seq, prompt, decode)
     finally:
-        engine.backend.native_ops = saved
-    for g, n in zip(gather, native):
-        assert_logits_close(g, n, "gather vs native")
-    assert [int(np.argmax(r[-1])) for r in gather] == [int(np.argmax(r[-1])) for r in native]
+        del ops.attention
+    for g, n in zip(default, native):
+        assert_logits_close(g, n, "the contract's default vs native")
+    assert [int(np.argmax(r[-1])) for r in default] == [int(np.argmax(r[-1])) for r in native]
     engine.release(native_seq)
-    engine.release(gather_seq)
+    engine.release(default_seq)
 
 
 def test_forked_sequences_continue_correctly_after_copy_on_write(model: infer.Model, pools) -> None:
@@ -214,18 +215,23 @@ def test_memory_budget_sizes_the_pool() -> None:
         model.engine.new_kv_pool(block_size=8, memory_budget=8 * per_token)  # one block: only the scratch
 
 
-@pytest.mark.parametrize("backend", backend_params(*BACKENDS[:2]))
-@given(call=attention_calls(paged=True))
+@pytest.mark.parametrize("backend", backend_params(*BACKENDS))
+@given(call=attention_calls(sinks=st.booleans()))
 @settings(max_examples=40, deadline=None)
-def test_native_paged_attention_equals_the_contract_default(backend: str, call) -> None:
-    """The conformance kit compares backends with numpy's paged_attention;
-    this pins numpy's (and torch's) to the contract's gather-then-attend default."""
+def test_native_attention_equals_the_contract_default(backend: str, call) -> None:
+    """The conformance kit compares backends with numpy's attention; this pins
+    numpy's (and torch's and MLX's) to the contract's gather-then-attend default."""
     from infer.plugins.selection import select_backend
 
     ops = select_backend(backend)
-    args = [ops.from_numpy(a.value, None if a.dtype == "float" else a.dtype) for a in call.args[:4]]
-    got = ops.paged_attention(*args, call.args[4], **call.kwargs)
-    want = Backend.paged_attention(ops, *args, call.args[4], **call.kwargs)
+    args = [ops.from_numpy(a.value, None if a.dtype == "float" else a.dtype) for a in call.args]
+    kwargs = {k: ops.from_numpy(v.value) if hasattr(v, "value") else v for k, v in call.kwargs.items()}
+    i = call.info
+    host = AttentionBatch(i["host"]["query_start"], i["host"]["seq_lens"], i["host"]["block_tables"], i["block_size"],
+                          i["max_query"])
+    batch = AttentionBatch(*args[3:], i["block_size"], i["max_query"], host)
+    got = ops.attention(*args[:3], batch, **kwargs)
+    want = Backend.attention(ops, *args[:3], batch, **kwargs)
     # The same float32 attention over the same keys, read in place or gathered: the
     # sums may be blocked differently (a few u of the output, |v| <~ 4 here).
     np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(want), rtol=1e-5, atol=1e-6)

@@ -103,7 +103,6 @@ class CapturedDecode:
         #: Steps run by the captured path.
         self.steps = 0
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
-        self._one = None  # query_start [0, 1] and the block table [[0]], made once
 
     @property
     def graphs(self) -> int | None:
@@ -112,17 +111,13 @@ class CapturedDecode:
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, query_start: Array, table: Array, keys: list[Array],
-              values: list[Array]) -> tuple[Array, Array, list, list]:
+    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
         ops = self.ops
-        capacity = ops.shape(keys[0])[0]  # the contiguous cache is one block of its capacity
-        store = LayerArrays(keys, values, capacity)
-        batch = AttentionBatch(query_start, ops.add(start, 1), table, capacity, 1)
-        ctx = AttentionContext.static(ops, store, start, start, batch, tokens=1)
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
         hidden = self.model.forward(ids, ctx)
         logits = self.model.compute_logits(hidden)
         # The row maximum rides along: an argmax over NaNs is an index, never a token.
-        return ops.argmax(logits, -1), ops.max(logits, -1), store.keys, store.values
+        return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
 
     def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
@@ -138,13 +133,11 @@ class CapturedDecode:
         if position + 1 > cache.capacity:
             return None  # full: the eager forward says so with its typed error
         cache.reserve(position + 1)
-        if self._one is None:
-            self._one = (ops.from_numpy(np.array([0, 1], np.int32)), ops.from_numpy(np.zeros((1, 1), np.int32)))
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, top, keys, values = self._fn(ids, start, *self._one, *buffers)
+            next_id, top, keys, values = self._fn(ids, start, *buffers)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real

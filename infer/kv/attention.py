@@ -148,6 +148,37 @@ class AttentionContext:
         ctx.sequences = []
         return ctx
 
+    @classmethod
+    def contiguous(cls, ops: Backend, keys: Sequence[Array], values: Sequence[Array], start: Array,
+                   tokens: int = 1) -> AttentionContext:
+        """A captured step's forward of ``tokens`` new positions of one sequence
+        whose cache is one key and one value buffer per layer (``[capacity,
+        kv_heads, dim]``: one block of its capacity), from position ``start``
+        (a device int32 ``[1]``) on: everything but the shapes is data, so the
+        same graph serves every position. The buffers after the forward are
+        :attr:`keys` and :attr:`values`."""
+        capacity = ops.shape(keys[0])[0]
+        positions = ops.add(ops.arange(0, tokens, "int32"), start)
+        batch = AttentionBatch(ops.mul(ops.arange(0, 2, "int32"), tokens), ops.add(start, tokens),
+                               ops.zeros((1, 1), "int32"), capacity, tokens)
+        return cls.static(ops, LayerArrays(keys, values, capacity), positions, positions, batch, tokens)
+
+    @property
+    def keys(self) -> list[Array]:
+        """A static context's layer key arrays after the forward (see :class:`LayerArrays`)."""
+        return self._arrays().keys
+
+    @property
+    def values(self) -> list[Array]:
+        """A static context's layer value arrays after the forward."""
+        return self._arrays().values
+
+    def _arrays(self) -> LayerArrays:
+        store = self.runs[0].store
+        if len(self.runs) != 1 or not isinstance(store, LayerArrays):
+            raise AttributeError("only a static context over given arrays has keys and values to hand back")
+        return store
+
     def _setup(self, ops: Backend, positions: Array, tokens: int, runs: list[StoreRun],
                max_position: int | None) -> None:
         self.ops = ops
