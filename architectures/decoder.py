@@ -28,7 +28,7 @@ name roles (``attn_norm``, ``attn_post_norm``, ``mlp_norm``,
 ``mlp_post_norm``) or Hugging Face projections (``q_proj`` or the stacked
 ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ...). So the math of a block is
 pure functions of arrays (:class:`Block`), shared by every layer built with the
-same parts, and compiled once for all of them when graph capture is on.
+same parts.
 
 The residual stream: a block returns its output *before* the residual add,
 and the next norm adds it (``fused_add_rms_norm``: one op for both).
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from infer.architecture import CausalLM, WeightLoader, capture
+from infer.architecture import CausalLM, WeightLoader
 from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
@@ -90,10 +90,6 @@ class AttentionPart(Protocol):
 
 class MLPPart(Protocol):
     """A feed-forward sublayer."""
-
-    #: False when it reads values on the host (MoE routing), so it cannot be
-    #: part of a captured graph.
-    capturable: bool
 
     def load(self, w: WeightLoader, prefix: str) -> Weights:
         """Its weights under ``prefix`` (``...mlp.``)."""
@@ -161,8 +157,9 @@ class Block:
       block's output before its residual add.
 
     ``before`` and ``first`` read the layer's :attr:`DecoderLayer.attn_in`,
-    ``after`` its :attr:`DecoderLayer.attn_out`. With graph capture on they
-    are compiled (``after`` only when the MLP is capturable).
+    ``after`` its :attr:`DecoderLayer.attn_out`. Graph capture is the
+    engine's (:mod:`infer.engine.capture`: the whole step, attention
+    included), so these are plain functions.
 
     The variants, each a keyword: ``post_norms`` adds a norm after each
     sublayer (Gemma's sandwich: ``attn_post_norm``, ``mlp_post_norm``);
@@ -210,9 +207,9 @@ class Block:
             x, residual = add_norm(a, residual, w, "mlp_norm")
             return sublayer_out(mlp(x, w), w, "mlp_post_norm"), residual
 
-        self.first: Callable[..., Any] = capture(ops, first)
-        self.before: Callable[..., Any] = capture(ops, before)
-        self.after: Callable[..., Any] = capture(ops, after) if mlp.capturable else after
+        self.first: Callable[..., Any] = first
+        self.before: Callable[..., Any] = before
+        self.after: Callable[..., Any] = after
 
 
 @dataclass

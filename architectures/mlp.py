@@ -24,7 +24,6 @@ class GatedMLP:
     is. ``names`` renames the three for checkpoints that call them otherwise
     (Mixtral's experts: ``w1``, ``w3``, ``w2``)."""
 
-    capturable = True
 
     def __init__(self, ops: Backend, hidden: int, intermediate: int, activation: str, *,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
@@ -76,7 +75,6 @@ class MLP:
     """``down_proj(act(up_proj(x)))`` with biases; the architecture puts the
     weights under ``up_proj``, ``down_proj`` (and ``.bias``) in the dict."""
 
-    capturable = True
 
     def __init__(self, ops: Backend, activation: str) -> None:
         self.ops, self.activation = ops, activation

@@ -59,7 +59,6 @@ class DeepseekMoE:
     ``{prefix}experts.{i}.*`` and the shared experts ``{prefix}shared_experts.*``
     (one gated MLP ``n_shared`` times as wide)."""
 
-    capturable = False  # the chosen experts are read on the host
 
     def __init__(self, ops: Backend, hidden: int, intermediate: int, num_experts: int, n_shared: int, top_k: int, *,
                  n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
@@ -114,7 +113,6 @@ class SparseMoE:
     ``{prefix}{experts}.{i}.*`` (gated MLPs, their projections named by
     ``names``), routed by the softmax top-k rule (module docstring)."""
 
-    capturable = False  # the chosen experts are read on the host
 
     def __init__(self, ops: Backend, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool, activation: str = "silu", router: str = "gate", experts: str = "experts",

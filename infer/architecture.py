@@ -35,24 +35,6 @@ def host_array(values: list[float] | list[int], dtype: str = "float32") -> np.nd
     return np.asarray(values, dtype=np.dtype(dtype))
 
 
-def capture(ops: Backend, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``ops.compile(fn)`` when graph capture is on for ``ops``
-    (``infer.load(..., compile=True)``), else ``fn``: how an architecture
-    marks a pure piece of a layer as worth compiling.
-
-    What is compiled is a copy of ``fn`` with its own code object. The pieces
-    of every model in a process are closures over one function's code (the
-    shared decoder's), and torch.compile keeps its cache of compiled graphs,
-    and its limit on recompilations, per code object: without the copy,
-    every model loaded would add its graphs to one cache until the limit
-    (8) is hit."""
-    if not ops.graph_capture:
-        return fn
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__, own.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    return ops.compile(own)
-
-
 class WeightLoader:
     """Hands tensors to an architecture, checked and on the backend.
 

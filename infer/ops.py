@@ -809,9 +809,10 @@ class Backend(abc.ABC):
     #: many rows (numpy's programs: its kernel rows).
     max_capture_tokens: int | None = None
 
-    #: Whether architectures should :meth:`compile` their layer pieces; set
-    #: by ``infer.load(..., compile=True)``. Off by default: capturing costs
-    #: compile time at the first call of each new shape.
+    #: Whether ``infer.load(..., compile=True)`` asked for graph capture: the
+    #: engine's captured steps then use the backend's compiler (torch.compile)
+    #: even where a cheaper capture is the default (numpy's recorded program
+    #: on torch/cpu). Off by default: compiling costs time at each new shape.
     graph_capture: bool = False
 
     def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
@@ -824,11 +825,10 @@ class Backend(abc.ABC):
         ``fn`` is a pure function of backend arrays (and tuples, lists and
         dicts of them) computed only through this backend's ops, returning
         arrays or tuples of them; the result must compute the same values,
-        within the dtype's rounding (fused kernels round differently).
-        Architectures capture the pieces of a layer *between* attention
-        calls, so the KV cache and attention stay with the engine: the
-        "piecewise" graphs vLLM also uses. They do so only when
-        :attr:`graph_capture` is on (see :func:`infer.architecture.capture`).
+        within the dtype's rounding (fused kernels round differently). The
+        engine captures whole forwards with it (:mod:`infer.engine.capture`:
+        the forward's description is data, so attention and the cache writes
+        are inside the graph); architectures never call it.
 
         The result has a ``graphs()`` method where the backend compiles: how
         many graphs it has built for ``fn`` so far (one per new input shape

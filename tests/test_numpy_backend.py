@@ -19,6 +19,7 @@ from hypothesis.extra.numpy import array_shapes, arrays
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from infer.backends.numpy import NumpyBackend
+from infer.ops import AttentionBatch
 from infer.errors import InferError
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -38,19 +39,21 @@ def normal(seed: int, *shape: int, scale: float = 1.0) -> np.ndarray:
 
 
 def visible(tq: int, tk: int, causal: bool, window: int | None) -> torch.Tensor:
-    """Bottom-right aligned mask written out: query i sits at position tk - tq + i."""
+    """Bottom-right aligned mask written out: query i sits at position tk - tq + i;
+    a window is symmetric where the attention is not causal."""
     mask = torch.ones(tq, tk, dtype=torch.bool)
     for i in range(tq):
         p = tk - tq + i
         for j in range(tk):
             if causal and j > p:
                 mask[i, j] = False
-            if window is not None and p - j >= window:
+            if window is not None and abs(p - j) >= window:
                 mask[i, j] = False
     return mask
 
 
-def reference_attention(q, k, v, scale, causal, window, softcap):
+def reference_attention(q, k, v, scale, causal, window, softcap, sinks=None):
+    """One sequence's queries over its keys (contiguous, position j in row j)."""
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
     group = hq // hkv
@@ -59,19 +62,55 @@ def reference_attention(q, k, v, scale, causal, window, softcap):
     kt = t64(k).repeat_interleave(group, dim=1).transpose(0, 1)  # [hq, tk, dk]
     vt = t64(v).repeat_interleave(group, dim=1).transpose(0, 1)
     mask = visible(tq, tk, causal, window)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    else:  # SDPA has no softcap: the same computation written out (Gemma 2's order)
+    else:  # SDPA has neither: the same computation written out (Gemma 2's order)
         scores = qt @ kt.transpose(-1, -2) * scale
-        scores = softcap * torch.tanh(scores / softcap)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ vt
+        if sinks is not None:  # one more logit per head in the softmax, with no value (gpt-oss)
+            sink = t64(sinks)[:, None, None].expand(hq, tq, 1)
+            out = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :tk] @ vt
+        else:
+            out = torch.softmax(scores, dim=-1) @ vt
     return out.transpose(0, 1).numpy()  # [tq, hq, dv]
 
 
+def one_sequence(tq: int, tk: int, capacity: int | None = None) -> AttentionBatch:
+    """One sequence's tq queries at the end of its tk keys, in a contiguous cache
+    of ``capacity`` rows (one block of that size)."""
+    return AttentionBatch(np.array([0, tq], np.int32), np.array([tk], np.int32), np.zeros((1, 1), np.int32),
+                          capacity or tk, tq)
+
+
+def in_pool(rows: np.ndarray, capacity: int, seed: int) -> np.ndarray:
+    """``rows`` at the start of a pool of ``capacity`` rows; the rest other values."""
+    pool = normal(seed, capacity, *rows.shape[1:], scale=3.0)
+    pool[:len(rows)] = rows
+    return pool
+
+
+def ragged_batch(lengths: list[tuple[int, int]], block: int | None, seed: int) -> tuple[AttentionBatch, int]:
+    """(query rows, keys) per sequence: their pages scattered over a pool (its
+    rows returned too) in blocks of ``block`` rows, or, with None, each
+    sequence's keys in a contiguous cache of its own (one block)."""
+    size = block or max(tk for _, tk in lengths) + 2
+    need = [-(-tk // size) for _, tk in lengths]
+    pages = np.random.default_rng(seed).permutation(sum(need) + 2)  # two blocks nobody uses
+    tables = np.zeros((len(lengths), max(need)), np.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = pages[sum(need[:b]):sum(need[:b]) + n]
+    starts = np.cumsum([0] + [tq for tq, _ in lengths]).astype(np.int32)
+    batch = AttentionBatch(starts, np.array([tk for _, tk in lengths], np.int32), tables, size,
+                           max(tq for tq, _ in lengths))
+    return batch, (sum(need) + 2) * size
+
+
 attention_case = st.fixed_dictionaries({
-    "tq": st.integers(1, 6),
-    "past": st.integers(0, 7),  # tk - tq: keys already in the cache
+    # (tq, tk - tq) per sequence: tk - tq keys already in its cache
+    "seqs": st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=3),
+    "block": st.sampled_from([None, 1, 3, 4, 16]),  # None: contiguous caches
     "hkv": st.integers(1, 3),
     "group": st.integers(1, 4),
     "dk": st.integers(1, 16),
@@ -79,6 +118,7 @@ attention_case = st.fixed_dictionaries({
     "causal": st.booleans(),
     "window": st.none() | st.integers(1, 14),
     "softcap": st.none() | st.floats(0.5, 30.0),
+    "sinks": st.booleans(),
     "scale": st.floats(0.05, 2.0),
     "seed": st.integers(0, 2**32 - 1),
 })
@@ -87,54 +127,66 @@ attention_case = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None)
 @given(case=attention_case)
 def test_attention_matches_torch_sdpa(case):
-    tq, hkv, group, dk, dv = case["tq"], case["hkv"], case["group"], case["dk"], case["dv"]
-    tk = tq + case["past"]
+    hkv, group, dk, dv = case["hkv"], case["group"], case["dk"], case["dv"]
+    lengths = [(tq, tq + past) for tq, past in case["seqs"]]
     rng = case["seed"]
-    q, k, v = normal(rng, tq, hkv * group, dk), normal(rng + 1, tk, hkv, dk), normal(rng + 2, tk, hkv, dv)
+    batch, rows = ragged_batch(lengths, case["block"], rng)
+    tokens = int(batch.query_start[-1])
+    q, k, v = normal(rng, tokens, hkv * group, dk), normal(rng + 1, rows, hkv, dk), normal(rng + 2, rows, hkv, dv)
+    sinks = normal(rng + 3, hkv * group, scale=2.0) if case["sinks"] else None
     kwargs = dict(scale=case["scale"], causal=case["causal"], window=case["window"], softcap=case["softcap"])
-    out = ops.attention(q, k, v, **kwargs)
-    assert out.shape == (tq, hkv * group, dv) and out.dtype == np.float32
-    ref = reference_attention(q, k, v, **kwargs)
-    # Scores reach ~|q||k|scale <~ 60; float32 rounding of a score is ~60 eps ~ 7e-6
-    # relative in its softmax weight, and the output is a convex mix of v (|v| <~ 5).
-    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=5e-5)
+    out = ops.attention(q, k, v, batch, sinks=sinks, **kwargs)
+    assert out.shape == (tokens, hkv * group, dv) and out.dtype == np.float32
+    for b, (tq, tk) in enumerate(lengths):
+        keys = batch.key_rows(b, 0, tk)  # the sequence's keys gathered: one contiguous sequence
+        ref = reference_attention(q[batch.query_start[b]:batch.query_start[b + 1]], k[keys], v[keys], sinks=sinks,
+                                  **kwargs)
+        # Scores reach ~|q||k|scale <~ 60; float32 rounding of a score is ~60 eps ~ 7e-6
+        # relative in its softmax weight, and the output is a convex mix of v (|v| <~ 5;
+        # a sink only takes weight away from it).
+        np.testing.assert_allclose(out[batch.query_start[b]:batch.query_start[b + 1]], ref, rtol=1e-4, atol=5e-5)
 
 
-@pytest.mark.parametrize("tq, past, window, softcap", [
-    (150, 0, None, None),  # a prefill: 64-row chunks and a short last one
-    (520, 0, None, None),  # ceil(520 / 8) = 65-row chunks
-    (150, 90, None, None),  # after a cached prefix (2 tq >= tk still)
-    (150, 0, 37, None),  # sliding window: each chunk also starts late
-    (150, 20, 100, 30.0),  # window and softcap
+@pytest.mark.parametrize("tq, past, window, softcap, sinks", [
+    (150, 0, None, None, False),  # a prefill: 64-row chunks and a short last one
+    (520, 0, None, None, False),  # ceil(520 / 8) = 65-row chunks
+    (150, 90, None, None, False),  # after a cached prefix (2 tq >= tk still)
+    (150, 0, 37, None, False),  # sliding window: each chunk also starts late
+    (150, 20, 100, 30.0, False),  # window and softcap
+    (150, 40, 50, None, True),  # attention sinks in every chunk's softmax
 ])
-def test_chunked_prefill_attention_matches_torch_sdpa(tq, past, window, softcap):
+def test_chunked_prefill_attention_matches_torch_sdpa(tq, past, window, softcap, sinks):
     """Causal attention over many query rows runs in chunks of rows, each over
     only the keys it can see; same tolerance as the small cases above."""
     assert tq > NumpyBackend.ATTENTION_CHUNK
     tk, hkv, group, d = tq + past, 2, 3, 16
     q, k, v = normal(tq, tq, hkv * group, d), normal(tk, tk, hkv, d), normal(tk + 1, tk, hkv, d)
-    kwargs = dict(scale=0.3, causal=True, window=window, softcap=softcap)
-    out = ops.attention(q, k, v, **kwargs)
+    kwargs = dict(scale=0.3, causal=True, window=window, softcap=softcap,
+                  sinks=normal(tq + 2, hkv * group, scale=2.0) if sinks else None)
+    out = ops.attention(q, in_pool(k, tk + 16, 1), in_pool(v, tk + 16, 2), one_sequence(tq, tk, tk + 16), **kwargs)
     np.testing.assert_allclose(out, reference_attention(q, k, v, **kwargs), rtol=1e-4, atol=5e-5)
 
 
 def test_attention_decode_step_sees_all_past_keys():
     # tq = 1 at the end of tk = 5: causal must not hide the cache (bottom-right).
-    q, k, v = normal(0, 1, 2, 4), normal(1, 5, 2, 4), normal(2, 5, 2, 4)
-    causal = ops.attention(q, k, v, scale=0.5, causal=True)
-    full = ops.attention(q, k, v, scale=0.5, causal=False)
+    q, k, v = normal(0, 1, 2, 4), in_pool(normal(1, 5, 2, 4), 8, 3), in_pool(normal(2, 5, 2, 4), 8, 4)
+    batch = one_sequence(1, 5, 8)
+    causal = ops.attention(q, k, v, batch, scale=0.5, causal=True)
+    full = ops.attention(q, k, v, batch, scale=0.5, causal=False)
     # One query row at the last position: the causal mask hides nothing, so both
     # sum the same terms; only the masking path may round differently (~8 u).
     np.testing.assert_allclose(causal, full, rtol=1e-6, atol=1e-7)
     # A window of 1 sees only the query's own position: the output is that v row.
-    np.testing.assert_allclose(ops.attention(q, k, v, scale=0.5, window=1)[0], v[-1], rtol=1e-6)  # weight exp(0)/1
+    np.testing.assert_allclose(ops.attention(q, k, v, batch, scale=0.5, window=1)[0], v[4], rtol=1e-6)  # exp(0)/1
 
 
 def test_attention_does_not_modify_its_inputs():
     q, k, v = normal(0, 3, 4, 8), normal(1, 5, 2, 8), normal(2, 5, 2, 8)
-    before = [a.copy() for a in (q, k, v)]
-    ops.attention(q, k, v, scale=0.3, window=2, softcap=5.0)
-    for a, b in zip((q, k, v), before):
+    sinks = normal(3, 4)
+    batch = one_sequence(3, 5)
+    before = [a.copy() for a in (q, k, v, sinks, batch.query_start, batch.seq_lens, batch.block_tables)]
+    ops.attention(q, k, v, batch, scale=0.3, window=2, softcap=5.0, sinks=sinks)
+    for a, b in zip((q, k, v, sinks, batch.query_start, batch.seq_lens, batch.block_tables), before):
         np.testing.assert_array_equal(a, b)
 
 
@@ -355,15 +407,20 @@ def test_linear_matches_torch(seed, n, din, dout, bias):
     np.testing.assert_allclose(ops.linear(x, w, b), ref, rtol=1e-5, atol=2e-5)
 
 
-def test_update_rows_writes_in_place_and_returns_the_array():
+def test_scatter_rows_writes_in_place_and_returns_the_array():
     cache = np.zeros((6, 2, 3), dtype=np.float32)
     rows = np.arange(12, dtype=np.float64).reshape(2, 2, 3)  # cast to the cache's dtype
-    out = ops.update_rows(cache, 3, rows)
+    out = ops.scatter_rows(cache, np.array([4, 1], np.int32), rows)
     assert out is cache and out.dtype == np.float32
-    np.testing.assert_array_equal(cache[3:5], rows)
-    assert not cache[:3].any() and not cache[5:].any()
-    out = ops.update_rows(out, 5, rows[:1] + 100)
+    np.testing.assert_array_equal(cache[[4, 1]], rows)
+    assert not cache[[0, 2, 3, 5]].any()
+    out = ops.scatter_rows(out, np.array([5], np.int32), rows[:1] + 100)
     np.testing.assert_array_equal(cache[5], rows[0] + 100)
+    before = cache.copy()
+    for bad in ([6], [0, -1]):  # never written somewhere else (a negative row would wrap)
+        with pytest.raises(IndexError, match="outside the 6 rows"):
+            ops.scatter_rows(cache, np.array(bad, np.int32), rows[:len(bad)])
+        np.testing.assert_array_equal(cache, before)
 
 
 def test_embedding_gathers_rows():
