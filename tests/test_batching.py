@@ -286,18 +286,19 @@ def test_contiguous_budget_admits_in_turn_and_refuses_what_never_fits(batch_engi
 
 
 def test_auto_layout_follows_native_paged_attention() -> None:
-    """numpy and torch attend through the block table (paged); a backend
-    without native paged attention gets contiguous caches."""
+    """numpy, torch and MLX attend through the block table natively (paged); a
+    backend without a native attention (the contract's default, which reads
+    the description back per sequence) gets contiguous caches."""
     from infer.errors import GenerationError
 
     engine = load("llama3", "numpy").engine
     assert BatchEngine(engine, kv_memory=2**20).kv_layout == "paged"
 
-    class NoPaged(type(engine.backend)):  # numpy without its native paged attention
-        native_ops = engine.backend.native_ops - {"paged_attention"}
+    class NoNative(type(engine.backend)):  # numpy without its native attention
+        native_ops = engine.backend.native_ops - {"attention"}
 
-    plain = Engine(engine.model, NoPaged())
-    assert not plain.backend.supports("paged_attention")
+    plain = Engine(engine.model, NoNative())
+    assert not plain.backend.supports("attention")
     batch = BatchEngine(plain, kv_memory=2**20)
     assert batch.kv_layout == "contiguous" and batch.pool is None
     handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
@@ -310,13 +311,17 @@ def test_auto_layout_follows_native_paged_attention() -> None:
 
 
 @pytest.mark.parametrize("backend", backend_params("mlx:cpu"))
-def test_mlx_batches_on_contiguous_caches(backend: str) -> None:
+def test_mlx_batches_on_paged_and_contiguous_caches(backend: str) -> None:
+    # MLX's attention reads the block table natively: paged by default; its
+    # contiguous caches (one block each) still give every request its tokens.
     model = load("llama3", backend)
-    batch = model.configure_batching(kv_memory=2**20)
-    assert batch.kv_layout == "contiguous"
-    handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
-    batch.run_until_done()
-    assert [h.tokens for h in handles] == [alone(model.engine, p, 6) for p in PROMPTS]
+    for layout in ("auto", "contiguous"):
+        batch = model.configure_batching(kv_memory=2**20, kv_layout=layout)
+        assert batch.kv_layout == ("paged" if layout == "auto" else "contiguous")
+        handles = [batch.submit(p, GREEDY, stop(6)) for p in PROMPTS]
+        batch.run_until_done()
+        assert [h.tokens for h in handles] == [alone(model.engine, p, 6) for p in PROMPTS], layout
+    model.configure_batching()  # back to the defaults
 
 
 def test_configure_batching_replaces_an_idle_engine_only() -> None:

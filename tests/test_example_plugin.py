@@ -37,7 +37,7 @@ def test_discovered_through_its_entry_point() -> None:
     infos = {b.key: b for b in infer.list_backends()}
     cpu = infos["jax/cpu"]
     assert cpu.available and cpu.plugin == "jax", cpu
-    assert {"swiglu", "fused_add_rms_norm", "paged_attention"} <= set(cpu.native_ops)
+    assert {"swiglu", "fused_add_rms_norm", "attention"} <= set(cpu.native_ops)
     gpu = infos["jax/gpu"]
     assert gpu.available or gpu.reason  # unavailable only with a reason
     assert get_registry().backends["jax/cpu"].plugin == "jax"

@@ -12,13 +12,17 @@ Also checked here because they are MLX-specific:
   aligned when there are fewer queries than keys (the backend relies on it);
 * lazy evaluation: building a forward evaluates nothing, the ``to_numpy`` at
   the end of a step evaluates it, and a KV cache write does not copy the cache;
-* ``update_rows`` is functional (``dst`` unchanged), ``from_numpy`` never
-  aliases the caller's buffer, ``to_numpy`` widens bfloat16 to float32.
+* ``scatter_rows`` is functional (``dst`` unchanged) and refuses rows outside
+  ``dst``, ``from_numpy`` never aliases the caller's buffer, ``to_numpy``
+  widens bfloat16 to float32;
+* attention with the batch description as device data only (a captured
+  step's: ``_static_attention``) against numpy.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 
 import numpy as np
@@ -31,6 +35,7 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 from infer.backends import mlx as mlx_backend  # noqa: E402
 from infer.backends.mlx import MLXBackend  # noqa: E402
 from infer.backends.numpy import NumpyBackend  # noqa: E402
+from infer.ops import AttentionBatch  # noqa: E402
 from reference import TINY_VARIANTS, assert_greedy_equal, encode, float32_rtol, smollm2_hf_dir, tiny_model_dir  # noqa: E402
 
 import infer  # noqa: E402
@@ -143,14 +148,31 @@ def test_to_numpy_widens_bfloat16_and_copies(ops: MLXBackend) -> None:
     assert half.to_numpy(x)[2] == -2.5
 
 
-def test_update_rows_is_functional(ops: MLXBackend) -> None:
+def test_scatter_rows_is_functional(ops: MLXBackend) -> None:
     dst = ops.zeros((5, 2))
-    new = ops.update_rows(dst, 2, ops.from_numpy(np.ones((2, 2), np.float64), "float16"))
+    rows = ops.from_numpy(np.array([3, 1], np.int32))
+    new = ops.scatter_rows(dst, rows, ops.from_numpy(np.ones((2, 2), np.float64), "float16"))
     np.testing.assert_array_equal(ops.to_numpy(dst), np.zeros((5, 2)))
-    np.testing.assert_array_equal(ops.to_numpy(new)[:, 0], [0, 0, 1, 1, 0])
+    np.testing.assert_array_equal(ops.to_numpy(new)[:, 0], [0, 1, 0, 1, 0])
     assert ops.dtype(new) == "float32"  # src is cast to dst's dtype
-    with pytest.raises(IndexError):
-        ops.update_rows(new, 4, ops.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("rows", [[5], [-1], [2, 7]])
+def test_scatter_rows_rejects_rows_outside_dst(device: str, rows: list[int]) -> None:
+    # The contract: a row outside dst raises IndexError in an eager call and is
+    # never written somewhere else. In a process of its own: a write past the
+    # array's end may corrupt memory or crash.
+    code = ("import numpy as np; from infer.backends.mlx import MLXBackend; "
+            f"ops = MLXBackend('float32', device={device!r}); dst = ops.zeros((5, 2))\n"
+            "try:\n"
+            f"    new = ops.scatter_rows(dst, ops.from_numpy(np.array({rows}, np.int32)), "
+            f"ops.from_numpy(np.ones(({len(rows)}, 2), np.float32)))\n"
+            "    print('written:', ops.to_numpy(new)[:, 0].tolist())\n"
+            "except IndexError as exc:\n"
+            "    print('IndexError:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("IndexError:"), (done.returncode, done.stdout,
+                                                                            done.stderr[-2000:])
 
 
 def test_integer_semantics(ops: MLXBackend) -> None:
@@ -281,6 +303,27 @@ def test_concat_fused_add_rms_norm_and_gather(ops: MLXBackend) -> None:
 # -- attention --------------------------------------------------------------------------------------
 
 
+def one_sequence(tq: int, tk: int, capacity: int | None = None) -> AttentionBatch:
+    """One sequence's tq queries at the end of its tk keys in a contiguous cache
+    of ``capacity`` rows (one block of that size), as numpy arrays."""
+    return AttentionBatch(np.array([0, tq], np.int32), np.array([tk], np.int32), np.zeros((1, 1), np.int32),
+                          capacity or tk, tq)
+
+
+def on(backend: MLXBackend, batch: AttentionBatch, host: bool = True) -> AttentionBatch:
+    """``batch`` as the backend's arrays, with its host copy or without (a
+    captured step's description: the device-only path)."""
+    arrays = (backend.from_numpy(a) for a in (batch.query_start, batch.seq_lens, batch.block_tables))
+    return AttentionBatch(*arrays, batch.block_size, batch.max_query, batch if host else None)
+
+
+def in_pool(rows: np.ndarray, capacity: int, seed: int) -> np.ndarray:
+    """``rows`` at the start of a pool of ``capacity`` rows; the rest other values."""
+    pool = normal(seed, capacity, *rows.shape[1:], scale=3.0)
+    pool[:len(rows)] = rows
+    return pool
+
+
 def test_fast_sdpa_causal_mask_is_bottom_right_aligned() -> None:
     # The backend passes mask="causal" to mx.fast.scaled_dot_product_attention for
     # tq < tk; MLX documents lower-right alignment, checked here against numpy.
@@ -288,8 +331,9 @@ def test_fast_sdpa_causal_mask_is_bottom_right_aligned() -> None:
     qt, kt, vt = (mx.array(a).transpose(1, 0, 2)[None] for a in (q, k, v))
     out = mx.fast.scaled_dot_product_attention(qt, kt, vt, scale=0.3, mask="causal")
     got = np.array(out[0].transpose(1, 0, 2))
-    assert_close(got, ref.attention(q, k, v, scale=0.3, causal=True), what="mx.fast causal, tq < tk")
-    top_left = ref.attention(q, k[:3], v[:3], scale=0.3, causal=True)
+    assert_close(got, ref.attention(q, k, v, one_sequence(3, 7), scale=0.3, causal=True),
+                 what="mx.fast causal, tq < tk")
+    top_left = ref.attention(q, k, v, one_sequence(3, 3, 7), scale=0.3, causal=True)  # keys 0..2 only
     assert nmse(got, top_left) > 1e-3  # and not the top-left (torch is_causal) convention
 
 
@@ -308,54 +352,106 @@ def test_fast_norms_round_to_the_input_dtype_before_the_weight() -> None:
 
 
 ATTENTION_EDGE_CASES = {
-    # name: (tq, tk, hq, hkv, dk, dv, causal, window, softcap)
-    "prefill": (6, 6, 4, 4, 16, 16, True, None, None),
-    "decode_sees_all_past": (1, 9, 4, 2, 16, 16, True, None, None),
-    "chunk_bottom_right": (3, 8, 4, 2, 16, 16, True, None, None),
-    "gqa_8_to_1": (4, 6, 8, 1, 8, 8, True, None, None),
-    "dk_ne_dv": (3, 5, 4, 2, 8, 12, True, None, None),
-    "not_causal": (3, 5, 4, 2, 8, 8, False, None, None),
-    "window_prefill": (7, 7, 4, 2, 8, 8, True, 3, None),
-    "window_chunk": (3, 9, 4, 2, 8, 8, True, 4, None),
-    "window_1_is_own_value": (2, 6, 2, 1, 8, 8, True, 1, None),
-    "window_not_causal": (3, 8, 4, 2, 8, 8, False, 2, None),
-    "window_covers_all": (1, 4, 4, 2, 8, 8, True, 4, None),
-    "softcap_prefill": (5, 5, 4, 2, 8, 8, True, None, 2.0),
-    "softcap_decode": (1, 6, 4, 2, 8, 8, True, None, 2.0),
-    "softcap_window_chunk": (3, 8, 4, 1, 8, 8, True, 3, 5.0),
-    "softcap_not_causal": (2, 5, 2, 2, 8, 8, False, None, 1.0),
+    # name: (tq, tk, hq, hkv, dk, dv, causal, window, softcap, sinks)
+    "prefill": (6, 6, 4, 4, 16, 16, True, None, None, False),
+    "decode_sees_all_past": (1, 9, 4, 2, 16, 16, True, None, None, False),
+    "chunk_bottom_right": (3, 8, 4, 2, 16, 16, True, None, None, False),
+    "gqa_8_to_1": (4, 6, 8, 1, 8, 8, True, None, None, False),
+    "dk_ne_dv": (3, 5, 4, 2, 8, 12, True, None, None, False),
+    "not_causal": (3, 5, 4, 2, 8, 8, False, None, None, False),
+    "window_prefill": (7, 7, 4, 2, 8, 8, True, 3, None, False),
+    "window_chunk": (3, 9, 4, 2, 8, 8, True, 4, None, False),
+    "window_1_is_own_value": (2, 6, 2, 1, 8, 8, True, 1, None, False),
+    "window_not_causal": (3, 8, 4, 2, 8, 8, False, 2, None, False),  # symmetric: |p - j| < 2
+    "window_covers_all": (1, 4, 4, 2, 8, 8, True, 4, None, False),
+    "softcap_prefill": (5, 5, 4, 2, 8, 8, True, None, 2.0, False),
+    "softcap_decode": (1, 6, 4, 2, 8, 8, True, None, 2.0, False),
+    "softcap_window_chunk": (3, 8, 4, 1, 8, 8, True, 3, 5.0, False),
+    "softcap_not_causal": (2, 5, 2, 2, 8, 8, False, None, 1.0, False),
+    "sinks_prefill": (5, 5, 4, 2, 8, 8, True, None, None, True),
+    "sinks_decode": (1, 6, 4, 2, 8, 8, True, None, None, True),
+    "sinks_softcap_window_chunk": (3, 8, 4, 1, 8, 8, True, 3, 5.0, True),
+    "sinks_window_not_causal": (3, 8, 4, 2, 8, 8, False, 2, None, True),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("case", list(ATTENTION_EDGE_CASES))
 def test_attention_edge_cases(device: str, dtype: str, case: str) -> None:
-    tq, tk, hq, hkv, dk, dv, causal, window, softcap = ATTENTION_EDGE_CASES[case]
+    tq, tk, hq, hkv, dk, dv, causal, window, softcap, sinks = ATTENTION_EDGE_CASES[case]
     ops = MLXBackend(dtype, device=device)
-    q, k, v = (ops.from_numpy(a) for a in (normal(0, tq, hq, dk), normal(1, tk, hkv, dk), normal(2, tk, hkv, dv)))
+    # A contiguous cache of tk + 3 rows: the rows past the keys hold other values.
+    q, k, v = (ops.from_numpy(a) for a in (normal(0, tq, hq, dk), in_pool(normal(1, tk, hkv, dk), tk + 3, 3),
+                                           in_pool(normal(2, tk, hkv, dv), tk + 3, 4)))
+    sink = ops.from_numpy(normal(5, hq, scale=2.0)) if sinks else None
+    batch = one_sequence(tq, tk, tk + 3)
     kwargs = dict(scale=dk**-0.5, causal=causal, window=window, softcap=softcap)
-    got = ops.attention(q, k, v, **kwargs)
+    got = ops.attention(q, k, v, on(ops, batch), sinks=sink, **kwargs)
     assert ops.shape(got) == (tq, hq, dv) and ops.dtype(got) == dtype
-    want = ref.attention(*(ops.to_numpy(a) for a in (q, k, v)), **kwargs)
+    want = ref.attention(*(ops.to_numpy(a) for a in (q, k, v)), batch,
+                         sinks=None if sink is None else ops.to_numpy(sink), **kwargs)
     assert_close(ops.to_numpy(got), want, dtype, case)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    tq=st.integers(1, 6), past=st.integers(0, 7), hkv=st.integers(1, 3), group=st.integers(1, 4),
+def ragged(lengths: list[tuple[int, int]], block: int | None, seed: int) -> tuple[AttentionBatch, int]:
+    """(query rows, keys) per sequence, their pages scattered over a pool
+    (numpy description, pool rows): ``block`` rows a page, or None for a
+    contiguous cache per sequence. Table entries past a sequence's keys name
+    other pages, as a reused table does."""
+    size = block or max(tk for _, tk in lengths) + 3
+    need = [-(-tk // size) for _, tk in lengths]
+    total = sum(need) + 1
+    pages = np.random.default_rng(seed).permutation(total)
+    tables = np.zeros((len(lengths), max(need) + 1), np.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = pages[sum(need[:b]):sum(need[:b]) + n]
+        tables[b, n:] = np.roll(pages, b + 1)[:tables.shape[1] - n]
+    starts = np.cumsum([0] + [tq for tq, _ in lengths]).astype(np.int32)
+    return AttentionBatch(starts, np.array([tk for _, tk in lengths], np.int32), tables, size,
+                          max(tq for tq, _ in lengths)), total * size
+
+
+batch_cases = dict(
+    seqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=3),
+    block=st.sampled_from([None, 1, 4, 16]), hkv=st.integers(1, 3), group=st.integers(1, 4),
     dk=st.sampled_from([4, 8, 16, 64]), dv=st.sampled_from([4, 8, 16, 64]), causal=st.booleans(),
-    window=st.none() | st.integers(1, 14), softcap=st.none() | st.floats(0.5, 30.0),
+    window=st.none() | st.integers(1, 14), softcap=st.none() | st.floats(0.5, 30.0), sinks=st.booleans(),
     scale=st.floats(0.05, 1.0), seed=st.integers(0, 2**31),
 )
-def test_attention_matches_numpy(  # type: ignore[no-untyped-def]
-    tq, past, hkv, group, dk, dv, causal, window, softcap, scale, seed
-):
+
+
+def attend_both(host: bool, seqs, block, hkv, group, dk, dv, causal, window, softcap, sinks, scale, seed):  # type: ignore[no-untyped-def]
+    """(MLX's attention, numpy's) of one drawn ragged batch."""
     ops = MLXBackend("float32", device="cpu")
-    tk = tq + past
-    q, k, v = normal(seed, tq, hkv * group, dk), normal(seed + 1, tk, hkv, dk), normal(seed + 2, tk, hkv, dv)
+    batch, rows = ragged([(tq, tq + past) for tq, past in seqs], block, seed)
+    q = normal(seed, int(batch.query_start[-1]), hkv * group, dk)
+    k, v = normal(seed + 1, rows, hkv, dk), normal(seed + 2, rows, hkv, dv)
+    sink = normal(seed + 3, hkv * group, scale=2.0) if sinks else None
     kwargs = dict(scale=scale, causal=causal, window=window, softcap=softcap)
-    got = ops.to_numpy(ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), **kwargs))
-    assert_close(got, ref.attention(q, k, v, **kwargs), what=str(kwargs))
+    got = ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), on(ops, batch, host),
+                        sinks=None if sink is None else ops.from_numpy(sink), **kwargs)
+    return ops.to_numpy(got), ref.attention(q, k, v, batch, sinks=sink, **kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**batch_cases)
+def test_attention_matches_numpy(**case) -> None:  # type: ignore[no-untyped-def]
+    got, want = attend_both(True, **case)
+    assert_close(got, want, what=str(case))
+
+
+@settings(max_examples=60, deadline=None)
+@given(**batch_cases)
+def test_static_attention_matches_numpy(**case) -> None:  # type: ignore[no-untyped-def]
+    # A captured step's description has no host copy: one masked attention over
+    # every sequence's whole table, made on the device (_static_attention).
+    calls = []
+    real = MLXBackend._static_attention
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(MLXBackend, "_static_attention", lambda self, *a: calls.append(1) or real(self, *a))
+        got, want = attend_both(False, **case)
+    assert calls == [1]
+    assert_close(got, want, what=str(case))
 
 
 # -- lazy evaluation ---------------------------------------------------------------------------------

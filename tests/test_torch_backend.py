@@ -32,6 +32,7 @@ import infer
 from infer.backends import torch as torch_backend
 from infer.backends.torch import TorchBackend
 from infer.errors import UnsupportedOpError
+from infer.ops import AttentionBatch
 from reference import TINY_VARIANTS, encode, reference_greedy, reference_logits, tiny_model_dir
 from test_parity import DECODE_TEXT, LONG_PROMPT, PROMPT, assert_logits_close
 
@@ -51,8 +52,9 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 # -- attention -----------------------------------------------------------------------------
 
 
-def formula_attention(q, k, v, scale, causal, window, softcap):
-    """The contract's attention, one query and head at a time, in float64."""
+def formula_attention(q, k, v, scale, causal, window, softcap, sinks=None):
+    """The contract's attention for one sequence (its keys contiguous), one
+    query and head at a time, in float64."""
     tq, hq, _ = q.shape
     tk, hkv, dv = v.shape
     out = np.zeros((tq, hq, dv))
@@ -68,9 +70,11 @@ def formula_attention(q, k, v, scale, causal, window, softcap):
             if causal:
                 visible &= j <= p
             if window is not None:
-                visible &= p - j < window
-            w = np.exp(s[visible] - s[visible].max())
-            out[i, h] = (w / w.sum()) @ v[visible, kv, :]
+                visible &= np.abs(p - j) < window  # symmetric where not causal
+            extra = [] if sinks is None else [float(sinks[h])]  # a logit with no value
+            top = max([s[visible].max(), *extra])
+            w = np.exp(s[visible] - top)
+            out[i, h] = w @ v[visible, kv, :] / (w.sum() + sum(math.exp(e - top) for e in extra))
     return out
 
 
@@ -78,18 +82,89 @@ def normal(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def described(batch: AttentionBatch, host: bool = True) -> AttentionBatch:
+    """``batch`` (numpy arrays) as torch tensors, with its host copy or without
+    (a captured step's description: the device-only path)."""
+    arrays = (torch.from_numpy(a) for a in (batch.query_start, batch.seq_lens, batch.block_tables))
+    return AttentionBatch(*arrays, batch.block_size, batch.max_query, batch if host else None)
+
+
+def one_sequence(tq: int, tk: int, capacity: int | None = None) -> AttentionBatch:
+    """One sequence's tq queries at the end of its tk keys in a contiguous cache of
+    ``capacity`` rows (one block of that size), host copy included."""
+    return described(AttentionBatch(np.array([0, tq], np.int32), np.array([tk], np.int32), np.zeros((1, 1), np.int32),
+                                    capacity or tk, tq))
+
+
+def ragged(lengths, block, seed):
+    """(query rows, keys) per sequence, pages scattered over a pool (numpy
+    description, pool rows): ``block`` rows a page, or None for a contiguous
+    cache per sequence. Table entries past a sequence's keys name other
+    sequences' pages, as a reused table does."""
+    size = block or max(tk for _, tk in lengths) + 3
+    need = [-(-tk // size) for _, tk in lengths]
+    total = sum(need) + 1
+    pages = np.random.default_rng(seed).permutation(total)
+    tables = np.zeros((len(lengths), max(need) + 1), np.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = pages[sum(need[:b]):sum(need[:b]) + n]
+        tables[b, n:] = np.roll(pages, b + 1)[:tables.shape[1] - n]
+    starts = np.cumsum([0] + [tq for tq, _ in lengths]).astype(np.int32)
+    return AttentionBatch(starts, np.array([tk for _, tk in lengths], np.int32), tables, size,
+                          max(tq for tq, _ in lengths)), total * size
+
+
+def up(*arrays):
+    return [None if a is None else ops.from_numpy(a) for a in arrays]
+
+
+batch_cases = dict(seqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), min_size=1, max_size=3),
+                   block=st.sampled_from([None, 1, 4, 16]), hkv=st.integers(1, 3), group=st.integers(1, 3),
+                   dk=st.sampled_from([4, 16]), causal=st.booleans(), window=st.none() | st.integers(1, 10),
+                   softcap=st.none() | st.floats(1.0, 30.0), sinks=st.booleans(), seed=st.integers(0, 2**31))
+
+
+def draw(seqs, block, hkv, group, dk, seed, sinks):
+    lengths = [(tq, tq + past) for tq, past in seqs]
+    batch, rows = ragged(lengths, block, seed)
+    q = normal(seed, int(batch.query_start[-1]), hkv * group, dk)
+    k, v = normal(seed + 1, rows, hkv, dk), normal(seed + 2, rows, hkv, dk)
+    return lengths, batch, q, k, v, normal(seed + 3, hkv * group) * 2 if sinks else None
+
+
 @settings(max_examples=150, deadline=None)
-@given(tq=st.integers(1, 6), past=st.integers(0, 8), hkv=st.integers(1, 3), group=st.integers(1, 3),
-       dk=st.sampled_from([4, 16]), causal=st.booleans(), window=st.none() | st.integers(1, 10),
-       softcap=st.none() | st.floats(1.0, 30.0), seed=st.integers(0, 2**31))
-def test_attention_matches_formula(tq, past, hkv, group, dk, causal, window, softcap, seed):
-    tk = tq + past
-    q, k, v = normal(seed, tq, hkv * group, dk), normal(seed + 1, tk, hkv, dk), normal(seed + 2, tk, hkv, dk)
+@given(**batch_cases)
+def test_attention_matches_formula(seqs, block, hkv, group, dk, causal, window, softcap, sinks, seed):
+    lengths, batch, q, k, v, sink = draw(seqs, block, hkv, group, dk, seed, sinks)
     kw = dict(scale=1 / math.sqrt(dk), causal=causal, window=window, softcap=softcap)
-    got = ops.to_numpy(ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), **kw))
-    # Against float64: scores of dk <= 16 unit normals, each rounded once; the output
-    # is a convex mix of v (|v| <~ 5), a few float32 roundings of it: <~ 5 * 6 u = 2e-6.
-    np.testing.assert_allclose(got, formula_attention(q, k, v, **kw), rtol=1e-5, atol=2e-6)
+    got = ops.to_numpy(ops.attention(*up(q, k, v), described(batch), sinks=up(sink)[0], **kw))
+    for b, (tq, tk) in enumerate(lengths):
+        keys = batch.key_rows(b, 0, tk)
+        rows = slice(batch.query_start[b], batch.query_start[b + 1])
+        # Against float64: scores of dk <= 16 unit normals, each rounded once; the output
+        # is a convex mix of v (|v| <~ 5), a few float32 roundings of it: <~ 5 * 6 u = 2e-6.
+        np.testing.assert_allclose(got[rows], formula_attention(q[rows], k[keys], v[keys], sinks=sink, **kw),
+                                   rtol=1e-5, atol=2e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**batch_cases)
+def test_static_attention_matches_numpy(seqs, block, hkv, group, dk, causal, window, softcap, sinks, seed):
+    # A captured step's description has no host copy: one masked attention over
+    # every sequence's whole table, built on the device (_static_attention).
+    from infer.backends.numpy import NumpyBackend
+
+    lengths, batch, q, k, v, sink = draw(seqs, block, hkv, group, dk, seed, sinks)
+    kw = dict(scale=1 / math.sqrt(dk), causal=causal, window=window, softcap=softcap)
+    calls = []
+    real = ops._static_attention
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ops, "_static_attention", lambda *a: calls.append(1) or real(*a))
+        got = ops.to_numpy(ops.attention(*up(q, k, v), described(batch, host=False), sinks=up(sink)[0], **kw))
+    assert calls == [1]
+    want = NumpyBackend().attention(q, k, v, batch, sinks=sink, **kw)
+    # Each within 2e-6 of the float64 formula (above): within 4e-6 of each other.
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=4e-6)
 
 
 def test_top_left_causal_would_be_wrong():
@@ -97,7 +172,7 @@ def test_top_left_causal_would_be_wrong():
     # queries must see. Ours matches the formula; is_causal does not.
     q, k, v = normal(0, 3, 2, 8), normal(1, 7, 2, 8), normal(2, 7, 2, 8)
     want = formula_attention(q, k, v, 0.35, True, None, None)
-    got = ops.to_numpy(ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), scale=0.35))
+    got = ops.to_numpy(ops.attention(*up(q, k, v), one_sequence(3, 7), scale=0.35))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     top_left = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(a).transpose(0, 1) for a in (q, k, v)), is_causal=True, scale=0.35).transpose(0, 1)
@@ -105,17 +180,23 @@ def test_top_left_causal_would_be_wrong():
 
 
 @pytest.mark.skipif(torch_backend.TorchBackend("cpu")._kernels is None, reason="numpy's C kernels are not built")
-@pytest.mark.parametrize("tq, tk, window, softcap", [(1, 9, None, None), (3, 9, 4, None), (1, 40, None, 30.0)])
-def test_cpu_float32_decoding_runs_numpys_c_kernels(monkeypatch, tq, tk, window, softcap):
+@pytest.mark.parametrize("lengths, block, window, softcap, sinks", [
+    ([(1, 9)], None, None, None, False), ([(3, 9)], None, 4, None, False), ([(1, 40)], None, None, 30.0, False),
+    ([(1, 9)], None, None, None, True),
+    ([(1, 40), (4, 9), (2, 2)], 8, 5, 20.0, True),  # a ragged batch of decode and verification rows, paged
+])
+def test_cpu_float32_decoding_runs_numpys_c_kernels(monkeypatch, lengths, block, window, softcap, sinks):
     # torch/cpu decodes through the numpy backend's kernels (SDPA's dispatch costs more than
     # the attention of a few rows), and gets the numpy backend's values, bit for bit.
     from infer.backends.numpy import NumpyBackend
 
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", None)  # never reached
-    q, k, v = normal(0, tq, 4, 8), normal(1, tk, 2, 8), normal(2, tk, 2, 8)
-    got = ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), scale=0.3, window=window,
-                        softcap=softcap)
-    want = NumpyBackend().attention(q, k, v, scale=0.3, window=window, softcap=softcap)
+    batch, rows = ragged(lengths, block, 7)
+    q, k, v = normal(0, int(batch.query_start[-1]), 4, 8), normal(1, rows, 2, 8), normal(2, rows, 2, 8)
+    sink = normal(3, 4) if sinks else None
+    kw = dict(scale=0.3, window=window, softcap=softcap)
+    got = ops.attention(*up(q, k, v), described(batch), sinks=up(sink)[0], **kw)
+    want = NumpyBackend().attention(q, k, v, batch, sinks=sink, **kw)
     assert np.array_equal(ops.to_numpy(got), want)
     x, r, w = normal(3, 2, 576), normal(4, 2, 576), normal(5, 576)
     out, h = ops.fused_add_rms_norm(ops.from_numpy(x), ops.from_numpy(r), ops.from_numpy(w), 1e-5)
@@ -142,10 +223,23 @@ def test_sdpa_path(monkeypatch, tq, tk, hq, window, want_mask, want_causal, want
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(ops, "_kernels", None)  # SDPA's path, as off the CPU (below: the CPU's C kernel)
     q, k, v = normal(0, tq, hq, 8), normal(1, tk, 2, 8), normal(2, tk, 2, 8)
-    got = ops.attention(ops.from_numpy(q), ops.from_numpy(k), ops.from_numpy(v), scale=0.3, window=window)
+    got = ops.attention(*up(q, k, v), one_sequence(tq, tk), scale=0.3, window=window)
     assert calls == [(want_mask, want_causal, want_gqa, 2 if want_gqa or hq == 2 else hq)]
     np.testing.assert_allclose(ops.to_numpy(got), formula_attention(q, k, v, 0.3, True, window, None),
                                rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("tq", [1, 17], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("table", [[0, 5, 9, 1, 2], [4, 5, 6, 7, 8]], ids=["scattered", "consecutive"])
+def test_attention_rejects_a_table_outside_the_pool(tq, table):
+    # A pool of 8 blocks of 4 rows; 20 keys in 5 blocks, one of which (9, or 8:
+    # rows 32..35 of a run of rows 16..35) the pool does not hold. Reading the
+    # keys that are there would be a wrong answer, not an error.
+    k = ops.from_numpy(np.ones((8 * 4, 1, 8), np.float32))
+    batch = described(AttentionBatch(np.array([0, tq], np.int32), np.array([20], np.int32),
+                                     np.array([table], np.int32), 4, tq))
+    with pytest.raises(IndexError):
+        ops.attention(ops.from_numpy(np.ones((tq, 1, 8), np.float32)), k, k, batch, scale=1.0)
 
 
 # -- small contract points ---------------------------------------------------------------------
@@ -159,8 +253,11 @@ def test_dtypes_and_in_place_update():
     # Float ops return their first float input's dtype (torch alone would promote).
     assert bf.dtype(bf.mul(x, bf.from_numpy(np.ones(3, np.float32), "float32"))) == "bfloat16"
     dst = bf.zeros((4, 3))
-    out = bf.update_rows(dst, 1, bf.from_numpy(np.ones((2, 3), np.float32), "float32"))
-    assert out is dst and bf.to_numpy(dst)[:, 0].tolist() == [0, 1, 1, 0]
+    out = bf.scatter_rows(dst, bf.from_numpy(np.array([2, 1], np.int32)), bf.from_numpy(np.ones((2, 3)), "float32"))
+    assert out is dst and bf.dtype(out) == "bfloat16" and bf.to_numpy(dst)[:, 0].tolist() == [0, 1, 1, 0]
+    with pytest.raises(IndexError, match="outside the 4 rows"):
+        bf.scatter_rows(dst, bf.from_numpy(np.array([4], np.int32)), bf.from_numpy(np.ones((1, 3), np.float32)))
+    assert bf.to_numpy(dst)[:, 0].tolist() == [0, 1, 1, 0]
     with pytest.raises(UnsupportedOpError, match="float64"):
         TorchBackend("cpu", "float64")
 
@@ -256,15 +353,22 @@ def test_load_puts_weights_on_the_device_once(device, monkeypatch):
     assert {t.device.type for t in tensors} == {device}
     # Every matrix in the compute dtype (rope's [1, head_dim/2] frequencies stay float32).
     assert {t.dtype for t in tensors if t.dim() == 2 and min(t.shape) > 1} == {torch.bfloat16}
-    # Decoding uploads only the new token's id: the weights stay where they are.
+    # Decoding uploads only small integer arrays (the new token's id, its row and
+    # the step's attention description): the weights stay where they are.
     uploads = []
     real = model.backend.from_numpy
-    monkeypatch.setattr(model.backend, "from_numpy", lambda a, dtype=None: uploads.append(a.shape) or real(a, dtype))
-    text = model.generate("The capital of France is", max_tokens=5)
-    assert isinstance(text, str)
-    # Prefill: the prompt's ids and the index of its last row (in either order); then one id per step.
-    prompt_len = len(model.tokenizer.encode("The capital of France is"))
-    assert sorted(uploads[:2]) == sorted([(prompt_len,), (1,)]) and uploads[2:] == [(1,)] * 4, uploads
+    monkeypatch.setattr(model.backend, "from_numpy",
+                        lambda a, dtype=None: uploads.append((a.shape, a.dtype.kind)) or real(a, dtype))
+    prompt = model.tokenizer.encode("The capital of France is")
+    steps = iter(model.generate_tokens(prompt, max_tokens=5, ignore_eos=True))
+    next(steps)  # the prefill
+    prefill, uploads[:] = list(uploads), []
+    assert len(list(steps)) == 4
+    assert ((len(prompt),), "i") in prefill and all(kind in "iu" and math.prod(shape) <= len(prompt)
+                                                    for shape, kind in prefill), prefill
+    # Each of the 4 decode steps the same few uploads of at most 2 integers (query_start).
+    step = uploads[:len(uploads) // 4]
+    assert uploads == step * 4 and all(kind in "iu" and math.prod(shape) <= 2 for shape, kind in step), uploads
 
 
 @CUDA

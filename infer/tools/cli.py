@@ -199,15 +199,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = ("paged KV pool, native attention through block tables" if chosen.supports("attention")
                 else "contiguous caches (no native attention; a paged pool would be gathered)")
         print(f"batched KV cache on {chosen.name}/{chosen.device}: {path}")
-        served = ("greedy, one sequence, contiguous cache; and every batched decode step on a paged pool, "
-                  "one graph per batch-size bucket")
+        served = ("greedy decoding of one sequence on a contiguous cache; and every forward of a paged pool, "
+                  "decode rows and prompt chunks mixed, one graph per shape bucket")
         if not chosen.supports("compile"):
             step = "eager: this backend has no graph capture"
         elif chosen.capture_by_default:
-            step = f"captured as programs by default ({served}; infer.load(..., compile=False) decodes eagerly)"
+            step = f"captured as programs by default ({served}; infer.load(..., compile=False) runs them eagerly)"
         else:
             step = f"captured as graphs with infer.load(..., compile=True) ({served})"
-        print(f"decode step on {chosen.name}/{chosen.device}: {step}")
+        print(f"steps on {chosen.name}/{chosen.device}: {step}")
     except InferError as exc:
         print(f"infer.load() has no backend to run on: {exc}")
     return 0
