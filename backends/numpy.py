@@ -105,10 +105,8 @@ class ThreadGovernor:
 
     OpenMP's workers spin between the few hundred short products of a decode
     step; when another process holds a core, a descheduled worker stalls
-    every product behind it. Measured on this project's 2-core machine with
-    two competing busy processes (docs/performance.md, "A busy machine"):
-    SmolLM2 spent 98 ms a token in the kernels on 2 threads and 15 ms on 1,
-    against 6 ms on 2 threads with the cores free. So every ``interval``
+    every product behind it (measured: docs/performance.md, "A busy
+    machine"). So every ``interval``
     seconds this reads how much CPU the machine spent busy (``/proc/stat``)
     beyond this process's own (``os.times``), in cores, and allows the
     kernels the cores that are left (at least one). Where ``/proc/stat`` is
@@ -297,9 +295,9 @@ class NumpyBackend(Backend):
     def max_capture_tokens(self) -> int | None:  # type: ignore[override]
         """A recorded program's products are the C kernels', which take up to
         :attr:`KERNEL_ROWS` rows (more go to BLAS on dequantized slabs, which
-        no program step calls): batches of more sequences run as several
-        programs of that many. SmolLM2, 32 sequences: 2 programs of 16, about
-        88 ms a step, against 199 ms for the eager forward."""
+        no program step calls): forwards of more tokens run as several
+        programs of that many (measured faster than the eager forward:
+        docs/performance.md, "Continuous batching")."""
         return self.KERNEL_ROWS
 
     @property

@@ -2,8 +2,8 @@
 program of C kernel calls, then run by one C call per token.
 
 numpy has no compiler, and a decode step is some 800 op calls from Python,
-each 1-2.5 µs of interpreter time around kernels that take as long: SmolLM2
-spent 1.75 ms of its 8 ms token outside the kernels. So, for a step with
+each of them interpreter time around kernels that take about as long
+(docs/performance.md, "The recorded decode step"). So, for a step with
 static shapes (:mod:`infer.engine.capture`), :meth:`NumpyBackend.compile
 <infer.backends.numpy.NumpyBackend.compile>` gives a :class:`PlannedStep`:
 

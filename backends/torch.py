@@ -143,7 +143,7 @@ def _import_torch() -> None:
 #
 # torch has no CPU kernel for GGUF's blocks that is both exact and fast: its
 # float32 int4pack path is a generic loop slower than float32 BLAS, and
-# dequantized float32 weights read 5-8x the bytes per token. The numpy
+# dequantized float32 weights read several times the bytes per token. The numpy
 # backend's C kernels (backends/_affine.c) compute on the blocks' affine form
 # exactly in float32, with run-time AVX2/AVX-512 paths; torch/cpu runs them on
 # its tensors' memory (no copy: a CPU tensor and its .numpy() share it).

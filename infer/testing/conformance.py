@@ -13,7 +13,7 @@ from which numpy draws the values. For every drawn call, :func:`check_case`
    integer results exactly, float results by NMSE (below), with NaN and
    infinity positions required to match;
 4. checks that the candidate left its inputs unmodified (except the
-   arrays an op may write, e.g. ``update_rows``'s ``dst``).
+   arrays an op may write, e.g. ``scatter_rows``'s ``dst``).
 
 A candidate that raises :class:`~infer.errors.UnsupportedOpError` for an op
 or dtype is reported *unsupported*, apart from *wrong*; any other exception

@@ -4,7 +4,7 @@ The models are built here, deterministically, with numpy and an in-memory
 :class:`~infer.package.TensorSource` (no files, no transformers), and run
 through the registered llama architecture and the engine exactly as
 :func:`infer.load` would: prefill, then one token per step through the KV
-cache (``zeros``, ``update_rows``, ``slice``, decode attention with
+cache (``zeros``, ``scatter_rows``, decode attention over the pool with
 ``tq = 1``). Two variants: ``llama`` (grouped-query attention, separate
 output head) and ``mistral`` (sliding window of 5 over a 12-token prompt,
 one kv head, tied embeddings).
