@@ -341,8 +341,18 @@ class MLXBackend(Backend):
             return x[tuple(index)]
 
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
-        """Functional, at rows given as a device array (no host read): use the result."""
+        """Functional, at rows given as a device array: use the result. MLX
+        would drop a row past ``dst``, wrap a negative one and may crash on
+        others, so eagerly the rows are checked on the host first (one small
+        evaluation); inside ``mx.compile`` they have no values to check."""
         mx, s = self._mx, self._s
+        try:
+            host = np.asarray(rows).reshape(-1)
+        except (RuntimeError, ValueError):  # a placeholder being traced by mx.compile
+            host = None
+        if host is not None and host.size and (host.min() < 0 or host.max() >= dst.shape[0]):
+            bad = int(host.min() if host.min() < 0 else host.max())
+            raise IndexError(f"scatter_rows: row {bad} is outside the {dst.shape[0]} rows of dst")
         with mx.stream(s):
             if src.dtype != dst.dtype:
                 src = src.astype(dst.dtype)
@@ -381,7 +391,7 @@ class MLXBackend(Backend):
                 continue
             n = q1 - q0
             lo, hi = host.visible(b, n, causal, window)
-            rows = host.key_rows(b, lo, hi)
+            rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             if np.all(np.diff(rows) == 1):  # one run of pool rows: a view
                 k, v = (self.slice(a, 0, int(rows[0]), int(rows[-1]) + 1) for a in (k_pool, v_pool))
             else:

@@ -627,7 +627,7 @@ class NumpyBackend(Backend):
             if self._kernel_attention(qb, k_pool, v_pool, hi, scale, causal, window, softcap, sink, table,
                                       host.block_size, out[q0:q1]):
                 continue
-            rows = host.key_rows(b, lo, hi)
+            rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             consecutive = bool(np.all(np.diff(rows) == 1))  # one run of pool rows: a view
             k = k_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(k_pool, rows, axis=0)
             v = v_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(v_pool, rows, axis=0)

@@ -947,7 +947,7 @@ class TorchBackend(Backend):
                                         host.block_size, True, None if sinks is None else sinks.float().numpy())
                 outputs.append(out)
                 continue
-            rows = host.key_rows(b, lo, hi)
+            rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             if np.all(np.diff(rows) == 1):  # one run of pool rows: a view
                 k, v = k_pool[int(rows[0]):int(rows[-1]) + 1], v_pool[int(rows[0]):int(rows[-1]) + 1]
             else:

@@ -270,15 +270,21 @@ class AttentionBatch:
         lo = max(0, length - queries - window + 1)
         return lo, length if causal else min(length, length + window - 1)
 
-    def key_rows(self, b: int, lo: int, hi: int) -> np.ndarray:
+    def key_rows(self, b: int, lo: int, hi: int, pool_rows: int | None = None) -> np.ndarray:
         """int32 pool rows of sequence ``b``'s key positions ``lo..hi`` (a host
-        description only); ``IndexError`` when its table lists too few blocks."""
+        description only); ``IndexError`` when its table lists too few blocks,
+        or (given the pool's ``pool_rows``) a block outside the pool."""
         bs, table = self.block_size, np.asarray(self.block_tables[b])
         if hi > 0 and (hi - 1) // bs >= table.shape[0]:
             raise IndexError(f"attention: {hi} keys need {-(-hi // bs)} blocks; sequence {b}'s table has "
                              f"{table.shape[0]}")
         j = np.arange(lo, hi)
-        return (table[j // bs].astype(np.int64) * bs + j % bs).astype(np.int32)
+        rows = table[j // bs].astype(np.int64) * bs + j % bs
+        if pool_rows is not None and rows.size and (rows.min() < 0 or rows.max() >= pool_rows):
+            bad = int(table[j[np.argmax((rows < 0) | (rows >= pool_rows))] // bs])
+            raise IndexError(f"attention: block table entry {bad} of sequence {b} is outside the pool of "
+                             f"{pool_rows // bs} blocks")
+        return rows.astype(np.int32)
 
 
 def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
@@ -696,8 +702,9 @@ class Backend(abc.ABC):
         group = hq // hkv
         length = int(host.seq_lens[b])
         lo, hi = host.visible(b, n, causal, window)
-        k = self.take(k_pool, self.from_numpy(host.key_rows(b, lo, hi)), axis=0)  # [tk, hkv, dk]
-        v = self.take(v_pool, self.from_numpy(host.key_rows(b, lo, hi)), axis=0)
+        rows = self.from_numpy(host.key_rows(b, lo, hi, self.shape(k_pool)[0]))
+        k = self.take(k_pool, rows, axis=0)  # [tk, hkv, dk]
+        v = self.take(v_pool, rows, axis=0)
         qg = self.reshape(self.transpose(self.reshape(q, (n, hkv, group, dk)), (1, 2, 0, 3)), (hkv, group * n, dk))
         scores = self.astype(self.matmul(qg, self.transpose(k, (1, 2, 0))), "float32")  # [hkv, group * n, tk]
         scores = self.mul(scores, float(scale))

@@ -327,7 +327,7 @@ class JaxBackend(Backend):
                 continue
             length = int(host.seq_lens[b])
             host.visible(b, q1 - q0, causal, window)  # the contract's check of the description
-            rows = host.key_rows(b, 0, length)
+            rows = host.key_rows(b, 0, length, k_pool.shape[0])
             rows = jnp.asarray(np.pad(rows, (0, key_bucket(length) - length)))  # padding reads row 0, masked
             outputs.append(kernels.attention(q[q0:q1], k_pool, v_pool, rows, length, scale, bool(causal), window,
                                              softcap, sinks))
