@@ -31,10 +31,10 @@ from starlette.routing import Route
 
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
-from infer.engine.generate import StopConditions
-from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
-from infer.errors import ContextLengthError, InferError, RequestError
-from infer.model import DEFAULT_MAX_TOKENS, Model
+from infer.engine.sampling import TokenLogprob
+from infer.errors import InferError, RequestError
+from infer.model import Model
+from infer.request import GenerationRequest, PreparedRequest
 from infer.serve import tools as toolcalls
 from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -196,35 +196,23 @@ class _Server:
 
     # -- what both generation endpoints share ----------------------------------------------
 
-    def _sampling(self, body: _Sampling, index: int) -> SamplingParams:
-        seed = None if body.seed is None else body.seed + index  # n choices, n different draws
-        return self.model.sampling_params(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, seed=seed, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=body.bias(self.model.network.vocab_size))
+    def _request(self, body: _Sampling, *, max_tokens: int | None, logprobs: int | None = None,
+                 **options: Any) -> GenerationRequest:
+        """The :class:`~infer.request.GenerationRequest` of ``body`` (what
+        every endpoint submits), with ``options`` (constraints, tools,
+        reasoning) beside its sampling parameters."""
+        return GenerationRequest(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
+            logprobs=logprobs, **options)
 
-    def _max_tokens(self, requested: int | None, default: int | None, prompt_tokens: int) -> int:
-        """``requested``, else ``default``, else the model's default (as
-        :meth:`~infer.Model.chat`'s); capped by the context."""
-        room = self.model.context_length - prompt_tokens
-        if room < 1 and requested != 0:
-            raise ContextLengthError(
-                f"the prompt has {prompt_tokens} tokens but the model's context is {self.model.context_length} "
-                f"positions, and at least one must remain for generation")
-        if requested is None:
-            requested = default if default is not None else (
-                self.model.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS)
-        return min(requested, room)
-
-    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int],
-                     top_logprobs: int | None = None) -> list[_Choice]:
-        """Submit ``body.n`` requests per prompt, all at once; all or none (a
+    async def _start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1) -> list[_Choice]:
+        """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
-        stops = body.stops()
-        eos = self.model.eos_token_ids
-        jobs = [(prompt, Sampler(self._sampling(body, j), logprobs=top_logprobs),
-                 StopConditions(max_tokens=limit, eos_token_ids=eos, ignore_eos=body.ignore_eos))
-                for prompt, limit in zip(prompts, max_tokens) for j in range(body.n)]
+        jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
+                for prompt in prompts for j in range(n)]
         results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, TokenStream)]
         refused = [r for r in results if not isinstance(r, TokenStream)]
@@ -232,6 +220,7 @@ class _Server:
             for stream in streams:
                 self.loop.cancel(stream)
             raise refused[0]
+        stops = prepared.request.stop
         choices = [_Choice(i, stream, TextStream(self.model.tokenizer, stops)) for i, stream in enumerate(streams)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
@@ -278,15 +267,18 @@ class _Server:
         given = body.prompts()
         prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
         texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
-        max_tokens = [self._max_tokens(body.max_tokens, COMPLETIONS_MAX_TOKENS, len(p)) for p in prompts]
         k = body.logprobs
+        max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        prepared = self.model.prepare(self._request(body, max_tokens=max_tokens, logprobs=k))
+        for p in prompts:
+            prepared.stop_conditions(len(p))  # a prompt too long for the context fails before any work
         echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
         if body.echo and k is not None:  # the prompt's own log-probabilities, between two steps
             engine = self.model.engine
             for i, prompt in enumerate(prompts):
                 scored = await self.loop.call(functools.partial(prompt_logprobs, engine, prompt, k))
                 echoed[i] = list(zip(prompt, scored))
-        choices = await self._start(body, prompts, max_tokens, k)
+        choices = await self._start(prepared, prompts, body.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def source(c: _Choice) -> int:  # the prompt a choice continues
@@ -358,7 +350,8 @@ class _Server:
         text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
         prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))], k)
+        prepared = self.model.prepare(self._request(body, max_tokens=requested, logprobs=k))
+        choices = await self._start(prepared, [prompt], body.n)
         tokenizer = self.model.tokenizer
 
         def logprobs(c: _Choice) -> Any:
