@@ -43,7 +43,10 @@ from infer.errors import (
 )
 from infer.ops import Backend
 from infer.package import ModelPackage
-from infer.request import GenerationRequest, PreparedRequest
+from infer.chat import ChatPlan, ChatReply, ReplyParser
+from infer.reasoning import ReasoningConstraint, ReasoningParser, get_reasoning_parser, reasoning_parser_for
+from infer.request import GenerationRequest, PreparedRequest, tool_names
+from infer.tool_parsers import get_tool_parser, tool_parser_for
 from infer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -427,13 +430,15 @@ class Model:
         tops = score.top or [()] * len(score.logprobs)
         return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(ids[1:], score.logprobs, tops))]
 
-    def _chunks(self, ids: list[int], prepared: PreparedRequest) -> Iterator[CompletionChunk]:
+    def _chunks(self, ids: list[int], prepared: PreparedRequest,
+                skip_special_tokens: bool = True) -> Iterator[CompletionChunk]:
         """One request, streamed as chunks (the engine of :meth:`generate`,
         :meth:`complete` and :meth:`chat`)."""
         request = prepared.request
         spec = self.speculation(request.speculative, request.num_speculative_tokens)
         generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec)
-        return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None)
+        return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
+                             skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
     def _complete_batch(self, prompts: list[str], prepared: PreparedRequest, *, add_special_tokens: bool = True,
                         echo: bool = False) -> list[Completion]:
@@ -552,6 +557,61 @@ class Model:
                                          block_size=block_size, max_batch_tokens=max_batch_tokens)
         return self._batch_engine
 
+    def plan_chat(
+        self, messages: Sequence[Message], request: GenerationRequest, *, template: str | None = None,
+    ) -> ChatPlan:
+        """What a chat request runs (:mod:`infer.chat`): ``messages`` rendered
+        with the chat template (or ``template``) and the request's tools and
+        thinking options; the reasoning parser and tool-call format (the
+        request's, else chosen from the template); a forced tool call
+        (``tool_choice`` ``"required"`` or a name) as the format's grammar;
+        and the answer's constraint and thinking budget applied after the
+        reasoning. Raises :class:`~infer.errors.ChatTemplateError`,
+        :class:`~infer.errors.SamplingParameterError` or
+        :class:`~infer.errors.StructuredOutputError` before any token."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
+        tokenizer = self.tokenizer
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
+                                             **request.template_options())
+        # The template already holds every special token the model expects.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        named = tokenizer.chat_templates
+        tools = request.tools_offered
+        source = named.get(template, template) if template else named.get(
+            "tool_use" if tools and "tool_use" in named else "default")
+        if request.reasoning_parser == "none":
+            reasoning = None
+        elif request.reasoning_parser is not None:
+            reasoning = get_reasoning_parser(request.reasoning_parser)
+        else:
+            reasoning = reasoning_parser_for(self.model_type, source)
+        if request.thinking_budget is not None and reasoning is None:
+            raise SamplingParameterError(
+                "thinking_budget needs a reasoning model: no reasoning parser is chosen for this model's template "
+                "(name one with reasoning_parser=)")
+        in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(text)
+        fmt = parser = None
+        if tools is not None:
+            fmt = request.tool_parser or tool_parser_for(self.model_type, source)
+            parser = get_tool_parser(fmt, tools)
+        if request.forces_tool_call:
+            assert parser is not None  # the request checked that tools come with a forced choice
+            if request.json_schema is not None or request.regex is not None or request.grammar is not None:
+                raise StructuredOutputError("a forced tool call (tool_choice) and a constraint on the output "
+                                            "(json_schema, regex, grammar) exclude each other")
+            required = request.tool_choice == "required"
+            chosen = list(tools or ()) if required else [t for t in tools or () if tool_names([t]) ==
+                                                           [request.tool_choice]]
+            request = request.replace(grammar=parser.grammar(chosen, parallel=required and request.parallel_tool_calls))
+        prepared = self.prepare(request)
+        if reasoning is not None and (prepared.grammar is not None or request.thinking_budget is not None):
+            def after_reasoning(inner: Any, parser: ReasoningParser = reasoning) -> ReasoningConstraint:
+                return ReasoningConstraint(tokenizer, parser, in_reasoning, budget=request.thinking_budget,
+                                           inner=inner)
+            prepared.wrap = after_reasoning
+        return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt)
+
     def chat(
         self,
         messages: Sequence[Message],
@@ -561,21 +621,31 @@ class Model:
         stop: str | Sequence[str] | None = None,
         request: GenerationRequest | None = None,
         **kwargs: Any,
-    ) -> str | Iterator[str]:
+    ) -> ChatReply | Iterator[str]:
         """Reply to a conversation, rendered with the model's chat template
         (or ``template``). ``messages`` are ``{"role", "content"}`` dicts; the
         other arguments are those of :meth:`generate` except ``prompt`` and
         ``add_special_tokens`` (the template already places every special
-        token)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
-        prepared = self.prepare(_request_of(request, {"stop": stop, **kwargs}))
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
-                                                  **prepared.request.template_options())
-        # The template already holds every special token the model expects.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        texts = _texts(self._chunks(ids, prepared))
-        return Stream(texts, self._lock) if stream else "".join(texts)
+        token), and those of a chat :class:`~infer.request.GenerationRequest`:
+        ``tools``, ``tool_choice``, ``enable_thinking``, ``reasoning_effort``,
+        ``thinking_budget``, ``reasoning_parser``, ``tool_parser``.
+
+        Returns a :class:`~infer.chat.ChatReply`: the answer's text, with a
+        reasoning model's thinking in ``reasoning_content`` and the tool
+        calls in ``tool_calls``. With ``stream=True``, an iterator of the
+        answer's text pieces (the reasoning and the tool calls are not in it).
+        """
+        plan = self.plan_chat(messages, _request_of(request, {"stop": stop, **kwargs}), template=template)
+        chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens)
+        if stream:
+            return Stream(_answer(plan, chunks), self._lock)
+        reader = plan.reply_parser()
+        for _ in _texts(_finished(chunks, reader)):
+            pass
+        reader.finish()
+        calls = reader.openai_calls()
+        return ChatReply(reader.content, reader.reasoning or None, calls,
+                         "tool_calls" if calls else reader.finish_reason)
 
     async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:
         """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
@@ -625,6 +695,24 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
             f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
             f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
         )
+
+
+def _finished(chunks: Iterator[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
+    """``chunks``, each one's text fed to ``reader``; the last one's finish
+    reason kept as ``reader.finish_reason``."""
+    for c in chunks:
+        reader.feed(c.text)
+        if c.finish_reason is not None:
+            reader.finish_reason = c.finish_reason
+        yield c
+
+
+def _answer(plan: ChatPlan, chunks: Iterator[CompletionChunk]) -> Iterator[str]:
+    """The answer's text pieces of a streamed chat (reasoning and tool calls left out)."""
+    reader = plan.reply_parser()
+    for piece in _texts(chunks):
+        yield from (d.text for d in reader.feed(piece) if d.kind == "content")
+    yield from (d.text for d in reader.finish() if d.kind == "content")
 
 
 def _texts(chunks: Iterator[CompletionChunk]) -> Iterator[str]:

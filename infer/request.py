@@ -17,7 +17,6 @@ model's generation config, nowhere else.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Union
@@ -79,14 +78,19 @@ class GenerationRequest:
     #: Function tools, in OpenAI's shape (rendered by the chat template).
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: ToolChoice | None = None
+    #: Whether a forced call may be several (``tool_choice="required"``).
+    parallel_tool_calls: bool = True
     #: Thinking on or off, passed to chat templates (None: the template's default).
     enable_thinking: bool | None = None
     #: ``"minimal"``, ``"low"``, ``"medium"`` or ``"high"``, passed to chat templates.
     reasoning_effort: str | None = None
     #: Most reasoning tokens: after this many, the end of thinking is forced.
     thinking_budget: int | None = None
-    #: The reasoning parser's name (:mod:`infer.reasoning`); None: chosen from the model.
+    #: The reasoning parser's name (:mod:`infer.reasoning`; ``"none"``: no
+    #: parsing); None: chosen from the model's template.
     reasoning_parser: str | None = None
+    #: The tool-call format's name (:mod:`infer.tool_parsers`); None: chosen from the template.
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         def count(name: str, value: object, low: int = 0) -> None:
@@ -229,7 +233,3 @@ class PreparedRequest:
         return StopConditions(max_tokens=limit, eos_token_ids=self.eos_token_ids,
                               ignore_eos=self.request.ignore_eos)
 
-
-def finite(value: float) -> bool:
-    """Whether ``value`` is a finite number (JSON bodies may carry NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

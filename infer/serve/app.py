@@ -4,7 +4,7 @@ A handler validates the body (:mod:`infer.serve.protocol`), turns it into
 token ids, sampling parameters and stop conditions, submits one request per
 choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
 that come back into text (:class:`~infer.completion.TextStream`: stop strings),
-tool calls (:mod:`infer.serve.tools`) and OpenAI's response or its stream of
+reasoning and tool calls (:class:`~infer.chat.ReplyParser`) and OpenAI's response or its stream of
 server-sent events. A client that goes away cancels its requests.
 """
 
@@ -32,15 +32,17 @@ from starlette.routing import Route
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
 from infer.engine.sampling import TokenLogprob
-from infer.errors import InferError, RequestError
+from infer.chat import ChatPlan, Delta, ReplyParser
+from infer.errors import InferError, RequestError, SamplingParameterError, StructuredOutputError
 from infer.model import Model
+from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
-from infer.serve import tools as toolcalls
+from infer.tool_parsers import get_tool_parser
 from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
-from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse
+from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse, response_schema
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ COMPLETIONS_MAX_TOKENS = 16
 def create_app(
     model: Model, *, model_name: str | None = None, api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    batch_engine: BatchEngine | None = None,
+    batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's API.
 
@@ -72,9 +74,19 @@ def create_app(
         max_body_bytes: largest request body (413 beyond).
         batch_engine: the batch engine to run (default the model's); no one
             else may use it while the app runs.
+        reasoning_parser: how replies' reasoning is told apart
+            (:mod:`infer.reasoning`: ``"think"``, ``"harmony"``,
+            ``"granite"``, or ``"none"``); default: chosen from the chat template.
+        tool_parser: the tool-call format (:mod:`infer.tool_parsers`);
+            default: chosen from the chat template.
     """
+    if reasoning_parser not in (None, "none"):
+        get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
+    if tool_parser is not None:
+        get_tool_parser(tool_parser)
     server = _Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
-                     max_queue=max_queue, max_body_bytes=max_body_bytes)
+                     max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
+                     tool_parser=tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -100,6 +112,12 @@ def create_app(
     return app
 
 
+def _param_of(err: Exception) -> str | None:
+    """The request parameter a typed error's message begins with (``"tool_choice must ..."``)."""
+    head = str(err).split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
 def _default_name(model: Model) -> str:
     path = model.package.path
     return path.name if path is not None else model.model_type
@@ -120,6 +138,10 @@ class _Choice:
     pieces: list[str] = field(default_factory=list)
     #: Log-probabilities handed out so far (:meth:`new_logprobs`).
     _logprobs_taken: int = 0
+    #: A chat choice's reader of its reply (reasoning, content, tool calls).
+    reader: ReplyParser | None = None
+    #: Token ids kept out of the text (end-of-sequence ones, when special tokens are decoded).
+    hidden: frozenset[int] = frozenset()
 
     def new_logprobs(self) -> list[TokenLogprob]:
         """The log-probabilities of the tokens consumed since the last call
@@ -133,7 +155,7 @@ class _Choice:
         async for ids in self.stream:
             for token in ids:
                 self.tokens += 1
-                piece = self.text.push(token)
+                piece = "" if token in self.hidden else self.text.push(token)
                 if piece:
                     await self._piece(piece, emit)
                 if self.text.stopped:
@@ -159,8 +181,12 @@ class _Choice:
 
 
 class _Server:
-    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int) -> None:
+    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
+                 reasoning_parser: str | None = None, tool_parser: str | None = None) -> None:
         self.model = model
+        #: The server's choice of reasoning parser and tool-call format (None: from the template).
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
         self.name = name
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
@@ -201,14 +227,18 @@ class _Server:
         """The :class:`~infer.request.GenerationRequest` of ``body`` (what
         every endpoint submits), with ``options`` (constraints, tools,
         reasoning) beside its sampling parameters."""
-        return GenerationRequest(
-            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, **options)
+        try:
+            return GenerationRequest(
+                max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
+                logprobs=logprobs, **options)
+        except (SamplingParameterError, StructuredOutputError) as err:
+            raise RequestError(str(err), _param_of(err)) from None
 
-    async def _start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1) -> list[_Choice]:
+    async def _start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
+                     skip_special_tokens: bool = True) -> list[_Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
@@ -221,7 +251,10 @@ class _Server:
                 self.loop.cancel(stream)
             raise refused[0]
         stops = prepared.request.stop
-        choices = [_Choice(i, stream, TextStream(self.model.tokenizer, stops)) for i, stream in enumerate(streams)]
+        tokenizer = self.model.tokenizer
+        hidden = frozenset() if skip_special_tokens else self.model.eos_token_ids
+        choices = [_Choice(i, stream, TextStream(tokenizer, stops, skip_special_tokens=skip_special_tokens),
+                           hidden=hidden) for i, stream in enumerate(streams)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 
@@ -269,7 +302,11 @@ class _Server:
         texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
         k = body.logprobs
         max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        prepared = self.model.prepare(self._request(body, max_tokens=max_tokens, logprobs=k))
+        schema = response_schema(body.response_format, "response_format")
+        try:
+            prepared = self.model.prepare(self._request(body, max_tokens=max_tokens, logprobs=k, json_schema=schema))
+        except StructuredOutputError as err:
+            raise RequestError(str(err), "response_format") from None
         for p in prompts:
             prepared.stop_conditions(len(p))  # a prompt too long for the context fails before any work
         echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
@@ -335,44 +372,76 @@ class _Server:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
+    def chat_plan(self, conversation: list[dict[str, Any]], request: GenerationRequest,
+                  param: str = "response_format") -> ChatPlan:
+        """The model's plan of a chat request (:meth:`infer.Model.plan_chat`),
+        with the server's reasoning parser and tool-call format unless the
+        request names its own; a bad constraint is a 400 naming ``param``
+        (``tool_choice`` for a forced call's grammar)."""
+        if request.reasoning_parser is None and self.reasoning_parser is not None:
+            request = request.replace(reasoning_parser=self.reasoning_parser)
+        if request.tool_parser is None and self.tool_parser is not None:
+            request = request.replace(tool_parser=self.tool_parser)
+        try:
+            return self.model.plan_chat(conversation, request)
+        except StructuredOutputError as err:
+            raise RequestError(str(err), "tool_choice" if request.forces_tool_call else param) from None
+        except SamplingParameterError as err:
+            raise RequestError(str(err), _param_of(err)) from None
+
+    async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[_Choice]:
+        """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""
+        choices = await self._start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
+        for c in choices:
+            c.reader = plan.reply_parser()
+        return choices
+
+    async def run_deltas(self, c: _Choice, emit: Callable[[_Choice, Delta], Awaitable[None]]) -> None:
+        """Run ``c`` to its end, each settled piece of its reply to ``emit``."""
+        reader = c.reader
+        assert reader is not None
+
+        async def piece(c: _Choice, text: str) -> None:
+            for d in reader.feed(text):
+                await emit(c, d)
+
+        await c.run(self.loop, piece)
+        for d in reader.finish():
+            await emit(c, d)
+
     async def chat_completions(self, request: Request) -> Response:
         body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
         self._check_model(body.model)
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
-                                    "does not have yet")
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        if body.tool_choice not in (None, "auto", "none"):
-            raise self._unsupported("tool_choice", "forcing a call needs constrained decoding; use 'auto' or 'none'")
-        tools = body.tools if body.tools and body.tool_choice != "none" else None
-        text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
-        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = self.model.prepare(self._request(body, max_tokens=requested, logprobs=k))
-        choices = await self._start(prepared, [prompt], body.n)
+        options = body.chat_options()
+        plan = self.chat_plan(body.conversation(), self._request(body, max_tokens=requested, logprobs=k, **options))
+        choices = await self.start_chat(plan, body.n)
+        prompt = plan.prompt_ids
         tokenizer = self.model.tokenizer
 
         def logprobs(c: _Choice) -> Any:
             return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def reply(c: _Choice) -> tuple[dict[str, Any], str | None]:
-            if tools is None:
-                return {"role": "assistant", "content": c.output}, c.finish_reason
-            parsed = toolcalls.parse_tool_calls(c.output)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
-                return message, "tool_calls"
-            return message, c.finish_reason
-
         if not body.stream:
             await self._all(request, choices, "chat")
             out = []
             for c in choices:
-                message, finish = reply(c)
+                reader = c.reader
+                assert reader is not None
+                reader.feed(c.output)
+                reader.finish()
+                message: dict[str, Any] = {"role": "assistant", "content": reader.content}
+                if reader.reasoning:
+                    message["reasoning_content"] = reader.reasoning
+                finish = c.finish_reason
+                if reader.calls:
+                    message["content"] = reader.content.strip() or None
+                    message["tool_calls"] = reader.openai_calls()
+                    finish = "tool_calls"
                 out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                                  "choices": out, "usage": self._usage([prompt], choices)})
@@ -385,34 +454,22 @@ class _Server:
             return out
 
         async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            shown = {c.index: 0 for c in choices}  # characters of each output already sent
-
-            async def piece(c: _Choice, text: str) -> None:
-                # With tools, text from a possible "<tool_call>" on waits for the end.
-                out = c.output
-                end = len(out)
-                if tools is not None:
-                    start = out.find(toolcalls.OPEN)
-                    end = start if start >= 0 else len(out) - toolcalls.held_back(out)
-                if end > shown[c.index]:
-                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None, logprobs(c)))
-                    shown[c.index] = end
+            async def delta(c: _Choice, d: Delta) -> None:
+                if d.kind == "tool_call":
+                    assert d.call is not None
+                    head = {"index": d.index, "id": d.call_id, "type": "function",
+                            "function": {"name": d.call.name, "arguments": ""}}
+                    await emit(chunk(c.index, {"tool_calls": [head]}, None))
+                    args = {"index": d.index, "function": {"arguments": d.call.arguments}}
+                    await emit(chunk(c.index, {"tool_calls": [args]}, None, logprobs(c)))
+                else:
+                    field = "reasoning_content" if d.kind == "reasoning" else "content"
+                    await emit(chunk(c.index, {field: d.text}, None, logprobs(c)))
 
             async def one(c: _Choice) -> None:
                 await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
-                await c.run(self.loop, piece)
-                finish = c.finish_reason
-                if tools is not None:
-                    rest = c.output[shown[c.index]:]
-                    parsed = toolcalls.parse_tool_calls(rest)
-                    if parsed.tool_calls:
-                        if parsed.content:
-                            await emit(chunk(c.index, {"content": parsed.content}, None))
-                        calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
-                        await emit(chunk(c.index, {"tool_calls": calls}, None))
-                        finish = "tool_calls"
-                    elif rest:
-                        await emit(chunk(c.index, {"content": rest}, None))
+                await self.run_deltas(c, delta)
+                finish = "tool_calls" if c.reader is not None and c.reader.calls else c.finish_reason
                 await emit(chunk(c.index, {}, finish, logprobs(c)))
 
             await asyncio.gather(*(one(c) for c in choices))

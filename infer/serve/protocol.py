@@ -82,12 +82,71 @@ class _Sampling(_Body):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+class ChatTemplateKwargs(_Body):
+    """What a request may pass to the chat template (vLLM's ``chat_template_kwargs``)."""
+
+    enable_thinking: bool | None = None
+
+
+def response_schema(fmt: Any, param: str) -> dict[str, Any] | bool | None:
+    """The JSON schema a ``response_format`` (chat completions'), or a
+    Responses ``text.format``, asks for: ``{"type": "json_object"}`` is any
+    object, ``{"type": "json_schema", "json_schema": {"schema": ...}}`` (or
+    the schema beside ``type``, as the Responses API puts it) that schema,
+    strict or not; ``text`` or None is no constraint."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise RequestError(f"{param} must be an object with a 'type'", param)
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{param} of type json_schema needs a 'schema' (a JSON schema object)", param)
+        return schema
+    raise RequestError(f"{param} type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'", param)
+
+
+def check_tools(tools: list[Any], param: str) -> list[dict[str, Any]]:
+    """OpenAI function tools, each checked: ``{"type": "function", "function": {"name", "parameters"?}}``."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise RequestError(f"{param}[{i}] must be a function tool: {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"parameters\": {...}}}", param)
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"{param}[{i}].function needs a name", param)
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise RequestError(f"{param}[{i}].function.parameters must be a JSON schema object", param)
+    return tools
+
+
+def tool_choice(choice: Any) -> str | None:
+    """``tool_choice`` as a :class:`~infer.request.GenerationRequest` takes
+    it: ``"auto"``, ``"none"``, ``"required"`` or the named function's name."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice must be 'auto', 'none', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    return name
+
+
 class CompletionRequest(_Sampling):
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # Beyond OpenAI's completions (vLLM takes it): the output's JSON schema.
+    response_format: dict[str, Any] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -109,6 +168,25 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # Beyond OpenAI (vLLM): template options, and a cap on the reasoning's tokens.
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    thinking_budget: int | None = Field(None, ge=0)
+
+    def chat_options(self) -> dict[str, Any]:
+        """The chat options of a :class:`~infer.request.GenerationRequest`:
+        the constraint of ``response_format``, the tools, the thinking options."""
+        out: dict[str, Any] = {"json_schema": response_schema(self.response_format, "response_format")}
+        if self.tools:
+            out["tools"] = check_tools(self.tools, "tools")
+        out["tool_choice"] = tool_choice(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        out["reasoning_effort"] = self.reasoning_effort
+        out["thinking_budget"] = self.thinking_budget
+        if self.chat_template_kwargs is not None:
+            out["enable_thinking"] = self.chat_template_kwargs.enable_thinking
+        return out
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: text content, and the
