@@ -201,6 +201,8 @@ class TextStream:
         self._pending = ""
         #: Whether a stop string has appeared.
         self.stopped = False
+        #: The stop string that appeared (None until one does).
+        self.stop_string: str | None = None
 
     def push(self, token: int) -> str:
         """Add one token; the text that is now certain (maybe "")."""
@@ -223,6 +225,7 @@ class TextStream:
         cut = _first_stop(pending, self.stops) if self.stops else None
         if cut is not None:
             self.stopped, self._pending = True, ""
+            self.stop_string = min((s for s in self.stops if pending.find(s) == cut), key=len)
             return pending[:cut]
         keep = 0 if final or not self.stops else _held_back(pending, self.stops)
         self._pending = pending[len(pending) - keep:]

@@ -38,6 +38,7 @@ from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
 from infer.tool_parsers import get_tool_parser
+from infer.serve import anthropic
 from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
@@ -84,7 +85,7 @@ def create_app(
         get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
     if tool_parser is not None:
         get_tool_parser(tool_parser)
-    server = _Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
+    server = Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
                      max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
                      tool_parser=tool_parser)
 
@@ -103,6 +104,8 @@ def create_app(
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -127,7 +130,7 @@ def _default_name(model: Model) -> str:
 
 
 @dataclass
-class _Choice:
+class Choice:
     """One generated choice: its request's stream and what became of it."""
 
     index: int
@@ -150,7 +153,7 @@ class _Choice:
         self._logprobs_taken += len(entries)
         return entries
 
-    async def run(self, loop: EngineLoop, emit: Callable[[_Choice, str], Awaitable[None]] | None = None) -> None:
+    async def run(self, loop: EngineLoop, emit: Callable[[Choice, str], Awaitable[None]] | None = None) -> None:
         """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
         async for ids in self.stream:
             for token in ids:
@@ -167,7 +170,7 @@ class _Choice:
             await self._piece(piece, emit)
         self.finish_reason = "stop" if self.stream.finish_reason == "stop" or self.text.stopped else "length"
 
-    async def _piece(self, piece: str, emit: Callable[[_Choice, str], Awaitable[None]] | None) -> None:
+    async def _piece(self, piece: str, emit: Callable[[Choice, str], Awaitable[None]] | None) -> None:
         self.pieces.append(piece)
         if emit is not None:
             await emit(self, piece)
@@ -180,7 +183,7 @@ class _Choice:
 # -- the server -----------------------------------------------------------------------------
 
 
-class _Server:
+class Server:
     def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
                  reasoning_parser: str | None = None, tool_parser: str | None = None) -> None:
         self.model = model
@@ -212,10 +215,10 @@ class _Server:
         return JSONResponse({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: Request) -> Response:
-        self._check_model(request.path_params["name"])
+        self.check_model(request.path_params["name"])
         return JSONResponse(self._card())
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name != self.name:
             raise RequestError(f"the model {name!r} does not exist; this server serves {self.name!r}", "model",
                                status=404, code="model_not_found")
@@ -227,18 +230,23 @@ class _Server:
         """The :class:`~infer.request.GenerationRequest` of ``body`` (what
         every endpoint submits), with ``options`` (constraints, tools,
         reasoning) beside its sampling parameters."""
+        return self.build_request(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
+            logprobs=logprobs, **options)
+
+    def build_request(self, **fields: Any) -> GenerationRequest:
+        """A :class:`~infer.request.GenerationRequest` of ``fields``; a bad
+        value is a 400 naming the parameter."""
         try:
-            return GenerationRequest(
-                max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
-                logprobs=logprobs, **options)
+            return GenerationRequest(**fields)
         except (SamplingParameterError, StructuredOutputError) as err:
             raise RequestError(str(err), _param_of(err)) from None
 
     async def _start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
-                     skip_special_tokens: bool = True) -> list[_Choice]:
+                     skip_special_tokens: bool = True) -> list[Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
@@ -253,17 +261,17 @@ class _Server:
         stops = prepared.request.stop
         tokenizer = self.model.tokenizer
         hidden = frozenset() if skip_special_tokens else self.model.eos_token_ids
-        choices = [_Choice(i, stream, TextStream(tokenizer, stops, skip_special_tokens=skip_special_tokens),
+        choices = [Choice(i, stream, TextStream(tokenizer, stops, skip_special_tokens=skip_special_tokens),
                            hidden=hidden) for i, stream in enumerate(streams)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 
-    def _usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:
+    def _usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in prompts)
         completion = sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _all(self, request: Request, choices: list[_Choice], endpoint: str) -> None:
+    async def run_all(self, request: Request, choices: list[Choice], endpoint: str) -> None:
         """Run every choice to its end; a client that goes away first cancels them."""
         work = asyncio.gather(*(c.run(self.loop) for c in choices))
         gone = asyncio.ensure_future(disconnected(request))
@@ -280,7 +288,7 @@ class _Server:
                     self.loop.cancel(c.stream)
             self._count(endpoint, choices)
 
-    def _count(self, endpoint: str, choices: list[_Choice]) -> None:
+    def _count(self, endpoint: str, choices: list[Choice]) -> None:
         for c in choices:
             self.metrics.requests.labels(endpoint, c.finish_reason or "cancelled").inc()
 
@@ -291,7 +299,7 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.best_of not in (None, 1):
             raise self._unsupported("best_of", "generate n choices instead")
         if body.suffix is not None:
@@ -318,16 +326,16 @@ class _Server:
         choices = await self._start(prepared, prompts, body.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def source(c: _Choice) -> int:  # the prompt a choice continues
+        def source(c: Choice) -> int:  # the prompt a choice continues
             return c.index // body.n
 
-        def logprobs(c: _Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
+        def logprobs(c: Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
             return None if k is None else completion_logprobs(tokenizer, entries, offset)
 
-        def generated(c: _Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+        def generated(c: Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
             return [(e.token, e) for e in entries]
 
-        def chunk(c: _Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
+        def chunk(c: Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
                                    "choices": []}
             if c is not None:
@@ -335,7 +343,7 @@ class _Server:
             return out
 
         if not body.stream:
-            await self._all(request, choices, "completions")
+            await self.run_all(request, choices, "completions")
             out = []
             for c in choices:
                 head = texts[source(c)] if body.echo else ""
@@ -349,16 +357,16 @@ class _Server:
         async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
             offsets = {c.index: 0 if body.echo else len(texts[source(c)]) for c in choices}
 
-            async def send(c: _Choice, text: str, finish: str | None,
+            async def send(c: Choice, text: str, finish: str | None,
                            entries: list[tuple[int, TokenLogprob | None]]) -> None:
                 lp = logprobs(c, entries, offsets[c.index])
                 offsets[c.index] += len(text)
                 await emit(chunk(c, text, finish, lp))
 
-            async def piece(c: _Choice, text: str) -> None:
+            async def piece(c: Choice, text: str) -> None:
                 await send(c, text, None, generated(c, c.new_logprobs()))
 
-            async def one(c: _Choice) -> None:
+            async def one(c: Choice) -> None:
                 if body.echo:
                     await send(c, texts[source(c)], None, echoed[source(c)])
                 await c.run(self.loop, piece)
@@ -368,7 +376,7 @@ class _Server:
             if body.stream_options is not None and body.stream_options.include_usage:
                 await emit({**chunk(None, "", None), "usage": self._usage(prompts, choices)})
 
-        return self._sse(events, choices, "completions")
+        return self.sse(events, choices, "completions")
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
@@ -389,19 +397,19 @@ class _Server:
         except SamplingParameterError as err:
             raise RequestError(str(err), _param_of(err)) from None
 
-    async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[_Choice]:
+    async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]:
         """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""
         choices = await self._start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
         for c in choices:
             c.reader = plan.reply_parser()
         return choices
 
-    async def run_deltas(self, c: _Choice, emit: Callable[[_Choice, Delta], Awaitable[None]]) -> None:
+    async def run_deltas(self, c: Choice, emit: Callable[[Choice, Delta], Awaitable[None]]) -> None:
         """Run ``c`` to its end, each settled piece of its reply to ``emit``."""
         reader = c.reader
         assert reader is not None
 
-        async def piece(c: _Choice, text: str) -> None:
+        async def piece(c: Choice, text: str) -> None:
             for d in reader.feed(text):
                 await emit(c, d)
 
@@ -411,7 +419,7 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -422,12 +430,12 @@ class _Server:
         prompt = plan.prompt_ids
         tokenizer = self.model.tokenizer
 
-        def logprobs(c: _Choice) -> Any:
+        def logprobs(c: Choice) -> Any:
             return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not body.stream:
-            await self._all(request, choices, "chat")
+            await self.run_all(request, choices, "chat")
             out = []
             for c in choices:
                 reader = c.reader
@@ -454,7 +462,7 @@ class _Server:
             return out
 
         async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            async def delta(c: _Choice, d: Delta) -> None:
+            async def delta(c: Choice, d: Delta) -> None:
                 if d.kind == "tool_call":
                     assert d.call is not None
                     head = {"index": d.index, "id": d.call_id, "type": "function",
@@ -466,7 +474,7 @@ class _Server:
                     field = "reasoning_content" if d.kind == "reasoning" else "content"
                     await emit(chunk(c.index, {field: d.text}, None, logprobs(c)))
 
-            async def one(c: _Choice) -> None:
+            async def one(c: Choice) -> None:
                 await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
                 await self.run_deltas(c, delta)
                 finish = "tool_calls" if c.reader is not None and c.reader.calls else c.finish_reason
@@ -476,15 +484,37 @@ class _Server:
             if body.stream_options is not None and body.stream_options.include_usage:
                 await emit({**chunk(None, {}, None), "usage": self._usage([prompt], choices)})
 
-        return self._sse(events, choices, "chat")
+        return self.sse(events, choices, "chat")
+
+    # -- the Anthropic Messages API (infer.serve.anthropic) -----------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        return await anthropic.messages(self, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await anthropic.count_tokens(self, request)
 
     # -- streaming -------------------------------------------------------------------------------
 
-    def _sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
-             choices: list[_Choice], endpoint: str) -> Response:
-        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``; a
-        client that goes away cancels every choice's request."""
-        async def stream() -> AsyncIterator[str]:
+    def sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
+             choices: list[Choice], endpoint: str, *, named: bool = False,
+             failure: Callable[[BaseException], dict[str, Any]] | None = None) -> Response:
+        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``
+        (OpenAI's chat and completions); with ``named``, each event named by
+        its chunk's ``type`` and no ``[DONE]`` (the Anthropic Messages and
+        Responses APIs). A failure mid-stream sends ``failure(error)`` (by
+        default OpenAI's error body) and ends the stream. A client that goes
+        away cancels every choice's request."""
+        def openai_failure(err: BaseException) -> dict[str, Any]:
+            return {"error": {"message": str(err), "type": "server_error", "param": None, "code": None}}
+
+        failed = failure or openai_failure
+
+        def event(item: dict[str, Any]) -> Any:
+            data = json.dumps(item, ensure_ascii=False)
+            return {"event": item.get("type", "message"), "data": data} if named else data
+
+        async def stream() -> AsyncIterator[Any]:
             out: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
             async def work() -> None:
@@ -502,11 +532,11 @@ class _Server:
                         break
                     if isinstance(item, BaseException):
                         log.warning("a streamed request failed: %s", item)
-                        yield json.dumps({"error": {"message": str(item), "type": "server_error", "param": None,
-                                                    "code": None}})
+                        yield event(failed(item))
                         break
-                    yield json.dumps(item, ensure_ascii=False)
-                yield "[DONE]"
+                    yield event(item)
+                if not named:
+                    yield "[DONE]"
             finally:  # also when the client went away and the response was cancelled
                 task.cancel()
                 for c in choices:

@@ -22,6 +22,21 @@ from infer.errors import RequestError
 MAX_N = 16
 #: Most alternatives per token (``logprobs`` / ``top_logprobs``), as OpenAI's chat API.
 MAX_TOP_LOGPROBS = 20
+#: Most stop sequences of the Anthropic Messages API (OpenAI's endpoints take 4), and their longest.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+
+
+def check_stops(stop: str | list[str] | None, param: str, most: int) -> tuple[str, ...]:
+    """Stop strings: at most ``most``, each non-empty and at most
+    :data:`MAX_STOP_LENGTH` characters (each is searched for after every token)."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > most or not all(stops) or any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise RequestError(f"{param} takes at most {most} non-empty strings of at most {MAX_STOP_LENGTH} "
+                           f"characters; got {len(stops)}", param)
+    return tuple(stops)
 
 
 class _Body(BaseModel):
@@ -55,12 +70,7 @@ class _Sampling(_Body):
     ignore_eos: bool = False
 
     def stops(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4 or not all(stops):
-            raise RequestError("stop takes at most 4 non-empty strings", "stop")
-        return tuple(stops)
+        return check_stops(self.stop, "stop", 4)
 
     def bias(self, vocab_size: int) -> dict[int, float]:
         """``logit_bias`` with integer keys, each checked against the vocabulary."""
