@@ -38,7 +38,7 @@ from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
 from infer.tool_parsers import get_tool_parser
-from infer.serve import anthropic
+from infer.serve import anthropic, responses
 from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
@@ -106,6 +106,7 @@ def create_app(
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -493,6 +494,11 @@ class Server:
 
     async def count_tokens(self, request: Request) -> Response:
         return await anthropic.count_tokens(self, request)
+
+    # -- the Responses API (infer.serve.responses) ----------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        return await responses.responses(self, request)
 
     # -- streaming -------------------------------------------------------------------------------
 
