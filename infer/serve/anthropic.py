@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response
 
 from infer.chat import Delta
 from infer.errors import RequestError
-from infer.serve.http import read_json
 from infer.serve.protocol import MAX_STOP_SEQUENCES, _Body, check_stops, parse
 
 # The server and its choices (infer.serve.app.Server, .Choice) are typed Any here: app imports this module.
@@ -207,7 +206,7 @@ def _tool_id(call_id: str) -> str:
 
 async def messages(server: Server, request: Request) -> Response:
     """``POST /v1/messages``."""
-    body: MessagesRequest = parse(MessagesRequest, await read_json(request, server.max_body_bytes))
+    body: MessagesRequest = parse(MessagesRequest, await server.read_body(request))
     server.check_model(body.model)
     stops = check_stops(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES)
     generation = server.build_request(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -289,7 +288,7 @@ async def messages(server: Server, request: Request) -> Response:
 
 async def count_tokens(server: Server, request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens, as the template renders it."""
-    body: _Counted = parse(_Counted, await read_json(request, server.max_body_bytes))
+    body: _Counted = parse(_Counted, await server.read_body(request))
     server.check_model(body.model)
     generation = server.build_request(**chat_options(body))
     plan = server.chat_plan(conversation(body), generation)

@@ -39,7 +39,7 @@ from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
 from infer.tool_parsers import get_tool_parser
 from infer.serve import anthropic, responses
-from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
+from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
@@ -59,6 +59,7 @@ def create_app(
     model: Model, *, model_name: str | None = None, api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's API.
 
@@ -80,6 +81,9 @@ def create_app(
             ``"granite"``, or ``"none"``); default: chosen from the chat template.
         tool_parser: the tool-call format (:mod:`infer.tool_parsers`);
             default: chosen from the chat template.
+        body_timeout: seconds a client may take to send its request body
+            (408 beyond: a client that sends half a request and goes silent
+            holds nothing).
     """
     if reasoning_parser not in (None, "none"):
         get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
@@ -87,7 +91,7 @@ def create_app(
         get_tool_parser(tool_parser)
     server = Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
                      max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
-                     tool_parser=tool_parser)
+                     tool_parser=tool_parser, body_timeout=body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -186,8 +190,10 @@ class Choice:
 
 class Server:
     def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
-                 reasoning_parser: str | None = None, tool_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, tool_parser: str | None = None,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.model = model
+        self.body_timeout = body_timeout
         #: The server's choice of reasoning parser and tool-call format (None: from the template).
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
@@ -218,6 +224,10 @@ class Server:
     async def model_card(self, request: Request) -> Response:
         self.check_model(request.path_params["name"])
         return JSONResponse(self._card())
+
+    async def read_body(self, request: Request) -> Any:
+        """The request's JSON body, within the server's size and time limits."""
+        return await read_json(request, self.max_body_bytes, self.body_timeout)
 
     def check_model(self, name: str) -> None:
         if name != self.name:
@@ -299,7 +309,7 @@ class Server:
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        body: CompletionRequest = parse(CompletionRequest, await self.read_body(request))
         self.check_model(body.model)
         if body.best_of not in (None, 1):
             raise self._unsupported("best_of", "generate n choices instead")
@@ -307,6 +317,12 @@ class Server:
             raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
         tokenizer = self.model.tokenizer
         given = body.prompts()
+        vocab = self.model.network.vocab_size
+        for i, p in enumerate(given):
+            if isinstance(p, list) and not all(0 <= t < vocab for t in p):
+                bad = next(t for t in p if not 0 <= t < vocab)
+                raise RequestError(f"prompt {i} has token id {bad}, but the vocabulary has {vocab} ids "
+                                   f"(0..{vocab - 1})", "prompt")
         prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
         texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
         k = body.logprobs
@@ -419,7 +435,7 @@ class Server:
             await emit(c, d)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
+        body: ChatRequest = parse(ChatRequest, await self.read_body(request))
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")

@@ -3,6 +3,7 @@ API key and the body size before any route, and reading a request's JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
@@ -95,18 +96,67 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, counting bytes as they come (a chunked body has no Content-Length)."""
+#: Deepest nesting of arrays and objects a request body may have (a real one needs a handful of levels).
+MAX_JSON_DEPTH = 64
+#: Seconds a client may take to send its whole body, by default (a slow or silent one is refused with 408).
+DEFAULT_BODY_TIMEOUT = 30.0
+
+
+async def read_json(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> Any:
+    """The body as JSON, counting bytes as they come (a chunked body has no
+    Content-Length), within ``timeout`` seconds (a client that sends half a
+    body and goes silent gets 408, and holds nothing). NaN and infinities,
+    nesting deeper than :data:`MAX_JSON_DEPTH` and strings that are not
+    Unicode (lone surrogates) are refused: each would fail somewhere later."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(f"the request body exceeds {limit} bytes", status=413,
+                                       code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout:g} seconds", status=408,
+                           code="request_timeout") from None
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json(body)
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise RequestError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def _check_json(value: Any) -> None:
+    """Nesting depth and strings of a decoded body (iteratively: a deep body must not recurse here)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError("the request body has a string with a lone surrogate (\\ud800-\\udfff), "
+                                   "which is not Unicode text") from None
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        children = list(item.items()) if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, tuple):
+                stack.append((child[0], depth + 1))
+                stack.append((child[1], depth + 1))
+            else:
+                stack.append((child, depth + 1))
 
 
 async def disconnected(request: Request) -> None:

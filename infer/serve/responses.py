@@ -32,7 +32,6 @@ from starlette.responses import JSONResponse, Response
 
 from infer.chat import Delta
 from infer.errors import RequestError
-from infer.serve.http import read_json
 from infer.serve.protocol import _Body, check_tools, parse, response_schema, tool_choice
 
 # The server and its choices (infer.serve.app.Server, .Choice) are typed Any here: app imports this module.
@@ -160,7 +159,7 @@ def chat_options(body: ResponsesRequest) -> dict[str, Any]:
 
 async def responses(server: Server, request: Request) -> Response:
     """``POST /v1/responses``."""
-    body: ResponsesRequest = parse(ResponsesRequest, await read_json(request, server.max_body_bytes))
+    body: ResponsesRequest = parse(ResponsesRequest, await server.read_body(request))
     server.check_model(body.model)
     generation = server.build_request(max_tokens=body.max_output_tokens, temperature=body.temperature,
                                       top_p=body.top_p, top_k=body.top_k, **chat_options(body))
