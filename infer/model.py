@@ -16,11 +16,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
-from infer.completion import Completion, CompletionChunk, Stream, collect, stop_strings, stream_chunks
+from infer.chat import ChatPlan, ChatReply, ReplyParser
+from infer.completion import Completion, CompletionChunk, Stream, collect, stream_chunks
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
-from infer.engine.generate import Generation, StopConditions, generate
-from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from infer.engine.generate import Generation, generate
+from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -43,11 +44,10 @@ from infer.errors import (
 )
 from infer.ops import Backend
 from infer.package import ModelPackage
-from infer.chat import ChatPlan, ChatReply, ReplyParser
 from infer.reasoning import ReasoningConstraint, ReasoningParser, get_reasoning_parser, reasoning_parser_for
 from infer.request import GenerationRequest, PreparedRequest, tool_names
-from infer.tool_parsers import get_tool_parser, tool_parser_for
 from infer.tokenizer import Tokenizer
+from infer.tool_parsers import get_tool_parser, tool_parser_for
 
 log = logging.getLogger(__name__)
 

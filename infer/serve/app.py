@@ -1,22 +1,25 @@
-"""The ASGI app: OpenAI's completions and chat completions over one batch engine.
+"""The ASGI app: every endpoint over one batch engine.
 
-A handler validates the body (:mod:`infer.serve.protocol`), turns it into
-token ids, sampling parameters and stop conditions, submits one request per
-choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
-that come back into text (:class:`~infer.completion.TextStream`: stop strings),
-reasoning and tool calls (:class:`~infer.chat.ReplyParser`) and OpenAI's response or its stream of
-server-sent events. A client that goes away cancels its requests.
+:class:`Server` is what the endpoints share: it checks the model id, reads a
+body within its limits, makes the :class:`~infer.request.GenerationRequest`
+and the chat plan (:meth:`infer.Model.plan_chat`), submits one request per
+choice to the :class:`~infer.serve.loop.EngineLoop`, runs each
+:class:`Choice` (its tokens into text: :class:`~infer.completion.TextStream`,
+stop strings; then reasoning and tool calls:
+:class:`~infer.chat.ReplyParser`) and streams server-sent events. A client
+that goes away cancels its requests. The endpoints themselves are one module
+per API: :mod:`infer.serve.completions` (OpenAI's completions and chat
+completions), :mod:`infer.serve.responses` (the Responses API) and
+:mod:`infer.serve.anthropic` (the Messages API).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,21 +32,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from infer.chat import ChatPlan, Delta, ReplyParser
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
 from infer.engine.sampling import TokenLogprob
-from infer.chat import ChatPlan, Delta, ReplyParser
 from infer.errors import InferError, RequestError, SamplingParameterError, StructuredOutputError
 from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
-from infer.tool_parsers import get_tool_parser
-from infer.serve import anthropic, responses
+from infer.serve import anthropic, completions, responses
 from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
-from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
-from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse, response_schema
+from infer.serve.protocol import _Sampling
+from infer.tool_parsers import get_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2**20
 #: Requests that may wait for admission before new ones get 429.
 DEFAULT_MAX_QUEUE = 256
-#: OpenAI's default ``max_tokens`` of the completions endpoint.
-COMPLETIONS_MAX_TOKENS = 16
 
 
 def create_app(
@@ -61,7 +61,8 @@ def create_app(
     batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
-    """The ASGI app serving ``model`` with OpenAI's API.
+    """The ASGI app serving ``model`` with OpenAI's completions, chat
+    completions and Responses APIs and Anthropic's Messages API (docs/serving.md).
 
     Args:
         model: the loaded model; its :attr:`~infer.Model.batch_engine`
@@ -189,6 +190,8 @@ class Choice:
 
 
 class Server:
+    """One served model: what every endpoint shares (see the module docs)."""
+
     def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
                  reasoning_parser: str | None = None, tool_parser: str | None = None,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
@@ -236,7 +239,7 @@ class Server:
 
     # -- what both generation endpoints share ----------------------------------------------
 
-    def _request(self, body: _Sampling, *, max_tokens: int | None, logprobs: int | None = None,
+    def sampling_request(self, body: _Sampling, *, max_tokens: int | None, logprobs: int | None = None,
                  **options: Any) -> GenerationRequest:
         """The :class:`~infer.request.GenerationRequest` of ``body`` (what
         every endpoint submits), with ``options`` (constraints, tools,
@@ -256,7 +259,7 @@ class Server:
         except (SamplingParameterError, StructuredOutputError) as err:
             raise RequestError(str(err), _param_of(err)) from None
 
-    async def _start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
+    async def start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
                      skip_special_tokens: bool = True) -> list[Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
@@ -277,7 +280,7 @@ class Server:
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 
-    def _usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in prompts)
         completion = sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -303,97 +306,13 @@ class Server:
         for c in choices:
             self.metrics.requests.labels(endpoint, c.finish_reason or "cancelled").inc()
 
-    def _unsupported(self, param: str, why: str) -> RequestError:
+    def unsupported(self, param: str, why: str) -> RequestError:
         return RequestError(f"{param} is not supported by infer's server: {why}", param, code="unsupported_parameter")
 
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = parse(CompletionRequest, await self.read_body(request))
-        self.check_model(body.model)
-        if body.best_of not in (None, 1):
-            raise self._unsupported("best_of", "generate n choices instead")
-        if body.suffix is not None:
-            raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
-        tokenizer = self.model.tokenizer
-        given = body.prompts()
-        vocab = self.model.network.vocab_size
-        for i, p in enumerate(given):
-            if isinstance(p, list) and not all(0 <= t < vocab for t in p):
-                bad = next(t for t in p if not 0 <= t < vocab)
-                raise RequestError(f"prompt {i} has token id {bad}, but the vocabulary has {vocab} ids "
-                                   f"(0..{vocab - 1})", "prompt")
-        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
-        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
-        k = body.logprobs
-        max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        schema = response_schema(body.response_format, "response_format")
-        try:
-            prepared = self.model.prepare(self._request(body, max_tokens=max_tokens, logprobs=k, json_schema=schema))
-        except StructuredOutputError as err:
-            raise RequestError(str(err), "response_format") from None
-        for p in prompts:
-            prepared.stop_conditions(len(p))  # a prompt too long for the context fails before any work
-        echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
-        if body.echo and k is not None:  # the prompt's own log-probabilities, between two steps
-            engine = self.model.engine
-            for i, prompt in enumerate(prompts):
-                scored = await self.loop.call(functools.partial(prompt_logprobs, engine, prompt, k))
-                echoed[i] = list(zip(prompt, scored))
-        choices = await self._start(prepared, prompts, body.n)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def source(c: Choice) -> int:  # the prompt a choice continues
-            return c.index // body.n
-
-        def logprobs(c: Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
-            return None if k is None else completion_logprobs(tokenizer, entries, offset)
-
-        def generated(c: Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
-            return [(e.token, e) for e in entries]
-
-        def chunk(c: Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                                   "choices": []}
-            if c is not None:
-                out["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]
-            return out
-
-        if not body.stream:
-            await self.run_all(request, choices, "completions")
-            out = []
-            for c in choices:
-                head = texts[source(c)] if body.echo else ""
-                entries = (echoed[source(c)] if body.echo else []) + generated(c, c.new_logprobs())
-                offset = 0 if body.echo else len(texts[source(c)])
-                out.append({"index": c.index, "text": head + c.output, "logprobs": logprobs(c, entries, offset),
-                            "finish_reason": c.finish_reason})
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                                 "choices": out, "usage": self._usage(prompts, choices)})
-
-        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            offsets = {c.index: 0 if body.echo else len(texts[source(c)]) for c in choices}
-
-            async def send(c: Choice, text: str, finish: str | None,
-                           entries: list[tuple[int, TokenLogprob | None]]) -> None:
-                lp = logprobs(c, entries, offsets[c.index])
-                offsets[c.index] += len(text)
-                await emit(chunk(c, text, finish, lp))
-
-            async def piece(c: Choice, text: str) -> None:
-                await send(c, text, None, generated(c, c.new_logprobs()))
-
-            async def one(c: Choice) -> None:
-                if body.echo:
-                    await send(c, texts[source(c)], None, echoed[source(c)])
-                await c.run(self.loop, piece)
-                await send(c, "", c.finish_reason, generated(c, c.new_logprobs()))
-
-            await asyncio.gather(*(one(c) for c in choices))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                await emit({**chunk(None, "", None), "usage": self._usage(prompts, choices)})
-
-        return self.sse(events, choices, "completions")
+        return await completions.completions(self, request)
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
@@ -416,7 +335,7 @@ class Server:
 
     async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]:
         """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""
-        choices = await self._start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
+        choices = await self.start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
         for c in choices:
             c.reader = plan.reply_parser()
         return choices
@@ -435,73 +354,7 @@ class Server:
             await emit(c, d)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatRequest = parse(ChatRequest, await self.read_body(request))
-        self.check_model(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        options = body.chat_options()
-        plan = self.chat_plan(body.conversation(), self._request(body, max_tokens=requested, logprobs=k, **options))
-        choices = await self.start_chat(plan, body.n)
-        prompt = plan.prompt_ids
-        tokenizer = self.model.tokenizer
-
-        def logprobs(c: Choice) -> Any:
-            return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        if not body.stream:
-            await self.run_all(request, choices, "chat")
-            out = []
-            for c in choices:
-                reader = c.reader
-                assert reader is not None
-                reader.feed(c.output)
-                reader.finish()
-                message: dict[str, Any] = {"role": "assistant", "content": reader.content}
-                if reader.reasoning:
-                    message["reasoning_content"] = reader.reasoning
-                finish = c.finish_reason
-                if reader.calls:
-                    message["content"] = reader.content.strip() or None
-                    message["tool_calls"] = reader.openai_calls()
-                    finish = "tool_calls"
-                out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
-                                 "choices": out, "usage": self._usage([prompt], choices)})
-
-        def chunk(index: int | None, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                   "model": self.name, "choices": []}
-            if index is not None:
-                out["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
-            return out
-
-        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            async def delta(c: Choice, d: Delta) -> None:
-                if d.kind == "tool_call":
-                    assert d.call is not None
-                    head = {"index": d.index, "id": d.call_id, "type": "function",
-                            "function": {"name": d.call.name, "arguments": ""}}
-                    await emit(chunk(c.index, {"tool_calls": [head]}, None))
-                    args = {"index": d.index, "function": {"arguments": d.call.arguments}}
-                    await emit(chunk(c.index, {"tool_calls": [args]}, None, logprobs(c)))
-                else:
-                    field = "reasoning_content" if d.kind == "reasoning" else "content"
-                    await emit(chunk(c.index, {field: d.text}, None, logprobs(c)))
-
-            async def one(c: Choice) -> None:
-                await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
-                await self.run_deltas(c, delta)
-                finish = "tool_calls" if c.reader is not None and c.reader.calls else c.finish_reason
-                await emit(chunk(c.index, {}, finish, logprobs(c)))
-
-            await asyncio.gather(*(one(c) for c in choices))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                await emit({**chunk(None, {}, None), "usage": self._usage([prompt], choices)})
-
-        return self.sse(events, choices, "chat")
+        return await completions.chat_completions(self, request)
 
     # -- the Anthropic Messages API (infer.serve.anthropic) -----------------------------------
 

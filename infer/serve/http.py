@@ -15,7 +15,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infer.errors import CacheFullError, ContextLengthError, RequestError, ServerBusyError
 
-
 #: Anthropic's error types by status (its API reference, "Errors").
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",

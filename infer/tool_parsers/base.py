@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.engine.structured import JSON_DEFAULTS
 from infer.errors import SamplingParameterError
 from infer.reasoning import held_back
-from infer.engine.structured import JSON_DEFAULTS
 
 
 @dataclass(frozen=True)
