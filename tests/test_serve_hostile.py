@@ -191,6 +191,25 @@ def test_half_a_request_then_silence_is_a_408_and_holds_nothing(url: str) -> Non
     assert post(url, "/v1/completions", json.dumps(valid("/v1/completions"))).status_code == 200
 
 
+def test_many_silent_clients_hold_no_one_up(url: str) -> None:
+    """Clients that stop halfway through their headers or their body, many at once: the next
+    request is answered as fast as ever."""
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for i in range(24):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            sock.sendall((head if i % 2 else head + "Content-Length: 900\r\n\r\n{\"prompt\": ").encode())
+            socks.append(sock)
+        start = time.monotonic()
+        assert post(url, "/v1/completions", json.dumps(valid("/v1/completions"))).status_code == 200
+        assert time.monotonic() - start < 5
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_after_all_that_the_server_serves_and_its_pool_is_empty(url: str) -> None:
     for endpoint in ENDPOINTS:
         assert post(url, endpoint, json.dumps(valid(endpoint))).status_code == 200

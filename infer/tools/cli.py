@@ -287,7 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
-          tool_parser=args.tool_parser, log_level="warning" if args.quiet else "info")
+          tool_parser=args.tool_parser, body_timeout=args.body_timeout,
+          log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -361,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
                      "(default 256)")
     srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB)")
+    srv.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="seconds a client may take to send its request body; 408 beyond (default 10)")
     srv.add_argument("--reasoning-parser", default=None, metavar="NAME",
                      help="how replies' reasoning is told apart: think, harmony, granite or none (default: chosen "
                      "from the chat template)")
