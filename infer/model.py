@@ -48,6 +48,7 @@ from infer.reasoning import ReasoningConstraint, ReasoningParser, get_reasoning_
 from infer.request import GenerationRequest, PreparedRequest, tool_names
 from infer.tokenizer import Tokenizer
 from infer.tool_parsers import get_tool_parser, tool_parser_for
+from infer.tool_parsers.base import MAX_FORCED_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -595,6 +596,9 @@ class Model:
         if tools is not None:
             fmt = request.tool_parser or tool_parser_for(self.model_type, source)
             parser = get_tool_parser(fmt, tools)
+            # A marker that is a special token is named by its id in a forced call's grammar.
+            parser.special = {m: i for m in parser.special_markers
+                              if (i := tokenizer.token_to_id(m)) is not None and i in tokenizer.special_ids}
         if request.forces_tool_call:
             assert parser is not None  # the request checked that tools come with a forced choice
             if request.json_schema is not None or request.regex is not None or request.grammar is not None:
@@ -603,7 +607,8 @@ class Model:
             required = request.tool_choice == "required"
             chosen = list(tools or ()) if required else [t for t in tools or () if tool_names([t]) ==
                                                            [request.tool_choice]]
-            request = request.replace(grammar=parser.grammar(chosen, parallel=required and request.parallel_tool_calls))
+            most = MAX_FORCED_CALLS if required and request.parallel_tool_calls else 1
+            request = request.replace(grammar=parser.grammar(chosen, most))
         prepared = self.prepare(request)
         if reasoning is not None and (prepared.grammar is not None or request.thinking_budget is not None):
             def after_reasoning(inner: Any, parser: ReasoningParser = reasoning) -> ReasoningConstraint:

@@ -116,6 +116,50 @@ def test_streamed_deltas_join_into_the_whole_parse(fmt: str, data: st.DataObject
     assert streamed(parser, pieces) == (whole.content, calls_of(whole.calls))
 
 
+#: Tools whose required arguments are bounded, so a forced call is short.
+BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                     "metric": {"type": "boolean"}},
+    "required": ["city", "days", "metric"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["zone"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    pytest.importorskip("llguidance")
+    from reference import load_tiny
+
+    return load_tiny("smollm2_like")
+
+
+@pytest.mark.parametrize("fmt", sorted(set(TOOL_FIXTURES) - {"harmony"}))
+def test_a_forced_calls_grammar_writes_what_its_parser_reads(fmt: str, tiny: Any) -> None:
+    """Sampled at temperature 1 under the format's grammar, the reply is calls that
+    validate against their tools' schemas."""
+    import jsonschema
+
+    parser = get_tool_parser(fmt, BOUNDED)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+    # DeepSeek's markers are dozens of byte tokens each in the tiny vocabulary: two calls outgrow its context.
+    for seed, most in ((0, 1 if fmt == "deepseek_v3" else 2), (1, 1)):
+        out = tiny.complete("Call:", grammar=parser.grammar(BOUNDED, most), max_tokens=240, temperature=1.0,
+                            seed=seed)
+        assert out.valid, (fmt, out.text)
+        parsed = parser.parse(out.text)
+        assert parsed.calls and not parsed.content.strip(), (fmt, out.text)
+        assert 1 <= len(parsed.calls) <= most
+        for call in parsed.calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_harmony_refuses_a_forced_call_by_name() -> None:
+    with pytest.raises(SamplingParameterError, match="harmony"):
+        get_tool_parser("harmony", BOUNDED).grammar(BOUNDED)
+
+
 def test_formats_are_chosen_from_the_template_and_unknown_names_are_typed_errors() -> None:
     assert tool_parser_for("qwen2", "{{ '<tool_call>' }}") == "hermes"
     assert tool_parser_for("qwen3", "<tool_call><function=x>") == "qwen3_coder"

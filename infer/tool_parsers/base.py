@@ -104,9 +104,18 @@ class ToolParser:
     #: Whether the markers are special tokens, so the reply must be decoded with them.
     needs_special_tokens = False
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+    #: Markers that may be special tokens of a model's vocabulary (a grammar then names the token).
+    special_markers: tuple[str, ...] = ()
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special: Mapping[str, int] | None = None) -> None:
         #: The request's tools (what a format that writes untyped values reads their types from).
         self.tools = list(tools)
+        #: Which of :attr:`special_markers` are special tokens of the model, with their ids.
+        self.special = dict(special or {})
+
+    def literal(self, text: str) -> str:
+        """``text`` in a grammar: the special token it is, or a string literal."""
+        return f"<[{self.special[text]}]>" if text in self.special else lark_string(text)
 
     # -- what a format defines ---------------------------------------------------------
 
@@ -130,10 +139,9 @@ class ToolParser:
         """The calls in one block; None when it does not read as calls."""
         raise NotImplementedError
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
         """A Lark grammar (llguidance's dialect) of replies that are nothing
-        but calls to ``tools`` in this format: one, or with ``parallel`` one
-        or more. Raises :class:`~infer.errors.SamplingParameterError` for a
+        but calls to ``tools`` in this format: one to ``most`` of them. Raises :class:`~infer.errors.SamplingParameterError` for a
         format that has none."""
         raise SamplingParameterError(
             f"forcing a tool call (tool_choice 'required' or a function's name) is not supported with the "
@@ -187,6 +195,20 @@ class ToolParser:
 
     # -- grammar helpers -------------------------------------------------------------------
 
+    @staticmethod
+    def guided(schema: Mapping[str, Any]) -> str:
+        """``schema`` as a grammar's ``%json`` rule, written without free whitespace."""
+        return "%json " + json.dumps({**schema, "x-guidance": JSON_DEFAULTS})
+
+    @staticmethod
+    def required_parameters(tool: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """A tool's required parameters with their schemas, in the order its schema lists them:
+        what a forced call writes (optional ones are left out)."""
+        schema = parameters_of(tool)
+        props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        return [(k, dict(v) if isinstance(v, Mapping) else {}) for k, v in props.items() if k in required]
+
     def call_schema(self, tools: Sequence[Mapping[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
         """The JSON schema of one ``{"name", "arguments"}`` object calling one of ``tools``."""
         options = [{"type": "object", "properties": {"name": {"const": function_of(t).get("name")},
@@ -194,6 +216,16 @@ class ToolParser:
                     "required": ["name", arguments_key], "additionalProperties": False} for t in tools]
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         return {**schema, "x-guidance": JSON_DEFAULTS}
+
+
+#: Most calls a forced parallel call may write (``tool_choice="required"``): a model that would
+#: never stop calling cannot run to its max_tokens.
+MAX_FORCED_CALLS = 8
+
+
+def repeat(item: str, most: int) -> str:
+    """``item`` repeated 0 to ``most - 1`` times in a grammar: what follows a first call."""
+    return f"{item}{{0,{most - 1}}}" if most > 1 else ""
 
 
 def lark_string(text: str) -> str:
@@ -247,11 +279,13 @@ def tool_parsers() -> list[str]:
     return sorted(_PARSERS)
 
 
-def get_tool_parser(name: str, tools: Sequence[Mapping[str, Any]] = ()) -> ToolParser:
-    """The parser of format ``name`` for a request with ``tools``; an
+def get_tool_parser(name: str, tools: Sequence[Mapping[str, Any]] = (),
+                    special: Mapping[str, int] | None = None) -> ToolParser:
+    """The parser of format ``name`` for a request with ``tools`` (``special``:
+    which of its markers are special tokens of the model, with their ids); an
     unknown name is a :class:`~infer.errors.SamplingParameterError` listing the formats."""
     try:
-        return _PARSERS[name](tools)
+        return _PARSERS[name](tools, special)
     except KeyError:
         raise SamplingParameterError(
             f"no tool-call format is named {name!r}; the formats are {', '.join(tool_parsers())}") from None

@@ -1,8 +1,9 @@
 """The tool-call formats infer reads, one class each, as their models write them.
 
 Each class says where a block starts and ends and how to read it
-(:class:`~infer.tool_parsers.base.ToolParser`); the JSON formats also
-write the grammar that forces a call. Formats documented by the model
+(:class:`~infer.tool_parsers.base.ToolParser`), and all but harmony write
+the grammar that forces a call (a forced call writes a tool's required
+parameters; Qwen3-Coder's string values are then one line each). Formats documented by the model
 families' chat templates and model cards.
 """
 
@@ -23,6 +24,7 @@ from infer.tool_parsers.base import (
     lark_string,
     parameters_of,
     register_tool_parser,
+    repeat,
 )
 
 _DECODER = json.JSONDecoder()
@@ -69,8 +71,8 @@ class Hermes(ToolParser):
         call = call_from_json(json.loads(body.strip()))
         return None if call is None else [call]
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
-        more = ' ("\\n" block)*' if parallel else ""
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
+        more = repeat(' ("\\n" block)', most)
         return (f"start: block{more}\n"
                 f'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
                 f"call: %json {json.dumps(self.call_schema(tools))}\n")
@@ -103,8 +105,8 @@ class Llama3Json(ToolParser):
         calls = [call_from_json(v, "parameters") for v in values or ()]
         return None if not calls or None in calls else calls  # type: ignore[return-value]
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
-        more = ' ("; " call)*' if parallel else ""
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
+        more = repeat(' ("; " call)', most)
         return f"start: call{more}\ncall: %json {json.dumps(self.call_schema(tools, 'parameters'))}\n"
 
 
@@ -116,7 +118,13 @@ class Mistral(ToolParser):
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    special_markers = ("[TOOL_CALLS]",)
     needs_special_tokens = True
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
+        more = repeat(' (", " call)', most)
+        return (f'start: {self.literal("[TOOL_CALLS]")} "[" call{more} "]"\n'
+                f"call: %json {json.dumps(self.call_schema(tools))}\n")
 
     def parse_block(self, block: str) -> list[Call] | None:
         calls: list[Call] = []
@@ -170,6 +178,27 @@ class Qwen3Coder(ToolParser):
             calls.append(Call(name.strip(), json.dumps(arguments, ensure_ascii=False)))
         return calls or None
 
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
+        rules = []
+        for i, tool in enumerate(tools):
+            params = []
+            for j, (key, schema) in enumerate(self.required_parameters(tool)):
+                if schema.get("type") == "string" and "enum" not in schema:
+                    value = "/[^<\\n]+/"  # one line of text, up to the closing tag
+                elif schema.get("type") == "string":
+                    value = " | ".join(lark_string(str(v)) for v in schema["enum"])
+                else:
+                    value = f"v{i}_{j}"
+                    rules.append(f"v{i}_{j}: {self.guided(schema)}")
+                params.append(f'{lark_string(f"<parameter={key}>" + chr(10))} ({value}) "\\n</parameter>\\n"')
+            name = function_of(tool).get("name", "")
+            body = " ".join(params) or '""'
+            rules.append(f'call{i}: {lark_string(f"<tool_call>{chr(10)}<function={name}>{chr(10)}")} {body} '
+                         f'"</function>\\n</tool_call>"')
+        more = repeat(' ("\\n" call)', most)
+        names = " | ".join(f"call{i}" for i in range(len(tools)))
+        return f"start: call{more}\ncall: {names}\n" + "\n".join(rules) + "\n"
+
     def _value(self, function: str, key: str, raw: str) -> Any:
         text = raw.strip("\n")
         kind = self._kind(function, key)
@@ -206,6 +235,24 @@ class Pythonic(ToolParser):
 
     def hold(self, text: str, pos: int) -> int:
         return len(text) - pos if not text[pos:].strip() else 0
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
+        rules = []
+        for i, tool in enumerate(tools):
+            args = []
+            for j, (key, schema) in enumerate(self.required_parameters(tool)):
+                if schema.get("type") == "boolean":
+                    value = '("True" | "False")'  # Python's spelling, not JSON's
+                else:
+                    value = f"v{i}_{j}"
+                    rules.append(f"v{i}_{j}: {self.guided(schema)}")
+                args.append(f'{lark_string(key + "=")} {value}')
+            name = function_of(tool).get("name", "")
+            joined = ' ", " '.join(args) or '""'
+            rules.append(f'call{i}: {lark_string(name + "(")} {joined} ")"')
+        more = repeat(' (", " call)', most)
+        names = " | ".join(f"call{i}" for i in range(len(tools)))
+        return f'start: "[" call{more} "]"\ncall: {names}\n' + "\n".join(rules) + "\n"
 
     def parse_block(self, block: str) -> list[Call] | None:
         if len(block) > 100_000:
@@ -262,7 +309,7 @@ class DeepSeekV3(ToolParser):
             calls.append(Call(name.strip(), encoded))
         return calls
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
         alternatives = []
         for i, tool in enumerate(tools):
             name = function_of(tool).get("name", "")
@@ -271,8 +318,7 @@ class DeepSeekV3(ToolParser):
                                 f'"\\n```json\\n" args{i} "\\n```" {lark_string(self.CALL_END)}\n'
                                 f"args{i}: %json {json.dumps(schema)}\n")
         names = " | ".join(f"call{i}" for i in range(len(tools)))
-        more = "+" if parallel else ""
-        return (f"start: {lark_string(self.BEGIN)} (call){more} {lark_string(self.END)}\n"
+        return (f"start: {lark_string(self.BEGIN)} call{repeat(' call', most)} {lark_string(self.END)}\n"
                 f"call: {names}\n" + "".join(alternatives))
 
 
