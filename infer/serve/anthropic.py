@@ -211,7 +211,7 @@ async def messages(server: Server, request: Request) -> Response:
     stops = check_stops(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES)
     generation = server.build_request(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                       top_k=body.top_k, stop=stops, **chat_options(body), **body.output_options())
-    plan = server.chat_plan(conversation(body), generation, param="output_config")
+    plan = await server.chat_plan(conversation(body), generation, param="output_config")
     (choice,) = await server.start_chat(plan)
     prompt = len(plan.prompt_ids)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
@@ -291,5 +291,5 @@ async def count_tokens(server: Server, request: Request) -> Response:
     body: _Counted = parse(_Counted, await server.read_body(request))
     server.check_model(body.model)
     generation = server.build_request(**chat_options(body))
-    plan = server.chat_plan(conversation(body), generation)
+    plan = await server.chat_plan(conversation(body), generation)
     return JSONResponse({"input_tokens": len(plan.prompt_ids)})

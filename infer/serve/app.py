@@ -121,6 +121,12 @@ def create_app(
     return app
 
 
+def constrained(request: GenerationRequest) -> bool:
+    """Whether ``request`` has a grammar to compile (a constraint, or a forced tool call)."""
+    return (request.json_schema is not None or request.regex is not None or request.grammar is not None
+            or request.forces_tool_call)
+
+
 def _param_of(err: Exception) -> str | None:
     """The request parameter a typed error's message begins with (``"tool_choice must ..."``)."""
     head = str(err).split(" ", 1)[0]
@@ -316,8 +322,8 @@ class Server:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
-    def chat_plan(self, conversation: list[dict[str, Any]], request: GenerationRequest,
-                  param: str = "response_format") -> ChatPlan:
+    async def chat_plan(self, conversation: list[dict[str, Any]], request: GenerationRequest,
+                        param: str = "response_format") -> ChatPlan:
         """The model's plan of a chat request (:meth:`infer.Model.plan_chat`),
         with the server's reasoning parser and tool-call format unless the
         request names its own; a bad constraint is a 400 naming ``param``
@@ -327,11 +333,21 @@ class Server:
         if request.tool_parser is None and self.tool_parser is not None:
             request = request.replace(tool_parser=self.tool_parser)
         try:
+            if constrained(request):
+                return await asyncio.to_thread(self.model.plan_chat, conversation, request)
             return self.model.plan_chat(conversation, request)
         except StructuredOutputError as err:
             raise RequestError(str(err), "tool_choice" if request.forces_tool_call else param) from None
         except SamplingParameterError as err:
             raise RequestError(str(err), _param_of(err)) from None
+
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """:meth:`infer.Model.prepare`; a constraint is compiled on a worker
+        thread (the first one also indexes the vocabulary, about a second for
+        a large one), so the event loop keeps serving."""
+        if constrained(request):
+            return await asyncio.to_thread(self.model.prepare, request)
+        return self.model.prepare(request)
 
     async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]:
         """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""

@@ -56,7 +56,7 @@ async def completions(server: Server, request: Request) -> Response:
     schema = response_schema(body.response_format, "response_format")
     try:
         generation = server.sampling_request(body, max_tokens=max_tokens, logprobs=k, json_schema=schema)
-        prepared = server.model.prepare(generation)
+        prepared = await server.prepare(generation)
     except StructuredOutputError as err:
         raise RequestError(str(err), "response_format") from None
     for p in prompts:
@@ -133,7 +133,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     options = body.chat_options()
     generation = server.sampling_request(body, max_tokens=requested, logprobs=k, **options)
-    plan = server.chat_plan(body.conversation(), generation)
+    plan = await server.chat_plan(body.conversation(), generation)
     choices = await server.start_chat(plan, body.n)
     prompt = plan.prompt_ids
     tokenizer = server.model.tokenizer

@@ -163,7 +163,7 @@ async def responses(server: Server, request: Request) -> Response:
     server.check_model(body.model)
     generation = server.build_request(max_tokens=body.max_output_tokens, temperature=body.temperature,
                                       top_p=body.top_p, top_k=body.top_k, **chat_options(body))
-    plan = server.chat_plan(conversation(body), generation, param="text.format")
+    plan = await server.chat_plan(conversation(body), generation, param="text.format")
     (choice,) = await server.start_chat(plan)
     prompt = len(plan.prompt_ids)
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
