@@ -175,6 +175,9 @@ class Model:
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise GenerationError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
         prepared = self.prepare(_request_of(request, options))
+        if prepared.request.stop:
+            raise GenerationError("generate_tokens gives token ids, which stop strings cannot cut; use generate() "
+                                  "or complete() for stop=")
         spec = self.speculation(prepared.request.speculative, prepared.request.num_speculative_tokens)
         return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec)
 

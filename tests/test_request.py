@@ -52,6 +52,8 @@ def test_two_constraints_and_unknown_options_are_refused(model: Any) -> None:
         model.chat(MESSAGES, mirostat=2)
     with pytest.raises(GenerationError, match="not both"):
         model.generate("Hi", request=GenerationRequest(max_tokens=2), temperature=1.0)
+    with pytest.raises(GenerationError, match="stop"):
+        model.generate_tokens([1, 2], stop="x")  # token ids cannot be cut by a stop string: refused, not ignored
 
 
 def test_keywords_and_a_request_give_the_same_tokens(model: Any) -> None:
