@@ -25,7 +25,7 @@ from infer.tool_parsers import ToolCallStream, get_tool_parser, tool_parser_for,
 TOOL_FIXTURES: dict[str, tuple[str, str, list[tuple[str, Any]]]] = {
     "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>',
-               "Let me look.\n\n", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
+               "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
     "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                     '{"name": "get_time", "parameters": {"zone": 1}}',
                     "", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
@@ -35,7 +35,7 @@ TOOL_FIXTURES: dict[str, tuple[str, str, list[tuple[str, Any]]]] = {
     "qwen3_coder": ("Sure. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                     "</tool_call><tool_call>\n<function=get_time>\n<parameter=zone>\n1\n</parameter>\n</function>\n"
                     "</tool_call>",
-                    "Sure. ", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
+                    "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
     "pythonic": ('[get_weather(city="Paris"), get_time(zone=1)]',
                  "", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]),
     "deepseek_v3": ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
@@ -79,6 +79,16 @@ def test_each_format_reads_its_fixture_whole_and_at_every_split(fmt: str) -> Non
     for cut in range(len(text) + 1):  # every split point, inside markers too
         assert streamed(parser, [text[:cut], text[cut:]]) == (content, calls), cut
     assert streamed(parser, list(text)) == (content, calls)  # a character at a time
+
+
+def test_whitespace_around_calls_goes_and_text_on_both_sides_stays_apart() -> None:
+    hermes = get_tool_parser("hermes", TOOLS)
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>'
+    for text, content in ((f"A \n{call}\n\n B", "A\nB"), (f"\n{call} \n{call}\n", ""), (f"A{call}", "A"),
+                          (f"{call}B", "B"), ("no call \n", "no call \n")):
+        assert hermes.parse(text).content == content, text
+        for cut in range(len(text) + 1):
+            assert streamed(hermes, [text[:cut], text[cut:]])[0] == content, (text, cut)
 
 
 def test_every_registered_format_has_a_fixture() -> None:

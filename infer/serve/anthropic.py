@@ -230,7 +230,7 @@ async def messages(server: Server, request: Request) -> Response:
         blocks: list[dict[str, Any]] = []
         if reader.reasoning:
             blocks.append({"type": "thinking", "thinking": reader.reasoning, "signature": ""})
-        text = reader.content.strip() if reader.calls else reader.content
+        text = reader.content
         if text or not reader.calls:
             blocks.append({"type": "text", "text": text})
         blocks += [{"type": "tool_use", "id": _tool_id(cid), "name": call.name, "input": json.loads(call.arguments)}

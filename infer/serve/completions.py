@@ -155,7 +155,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
                 message["reasoning_content"] = reader.reasoning
             finish = c.finish_reason
             if reader.calls:
-                message["content"] = reader.content.strip() or None
+                message["content"] = reader.content or None
                 message["tool_calls"] = reader.openai_calls()
                 finish = "tool_calls"
             out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})

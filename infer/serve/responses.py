@@ -216,7 +216,7 @@ async def responses(server: Server, request: Request) -> Response:
         output: list[dict[str, Any]] = []
         if reader.reasoning:
             output.append(reasoning_item(new_id("rs"), reader.reasoning, "completed"))
-        text = reader.content.strip() if reader.calls else reader.content
+        text = reader.content
         if text or not reader.calls:
             output.append(message_item(new_id("msg"), text, state))
         output += [call_item(new_id("fc"), cid, call.name, call.arguments, "completed")

@@ -150,23 +150,35 @@ class ToolParser:
     # -- what every format shares ----------------------------------------------------------
 
     def parse(self, text: str) -> Parsed:
-        """Split a whole reply into content and calls; never raises."""
+        """Split a whole reply into content and calls; never raises.
+
+        The content is the text as written, less the whitespace around calls:
+        what precedes a call loses its trailing whitespace, what follows one
+        its leading whitespace (so text that is only whitespace between or
+        after calls goes; text on both sides of a call is joined by a newline). A block that does not read as calls stays in the
+        content as it was written."""
         out = Parsed("")
         pieces: list[str] = []
-        pos = 0
+        pos, after_call = 0, False
         while True:
             start = self.find_start(text, pos)
+            segment = text[pos:len(text) if start is None else start]
+            if after_call:
+                segment = segment.lstrip()
+                if segment and any(pieces):  # text on both sides of a call stays apart
+                    segment = "\n" + segment
             if start is None:
-                pieces.append(text[pos:])
+                pieces.append(segment)
                 break
-            pieces.append(text[pos:start])
             end = self.block_end(text, start)
             end = len(text) if end is None else end
             calls = self._read(text[start:end])
             if calls is None:
-                pieces.append(text[start:end])
+                pieces.append(segment + text[start:end])
             else:
+                pieces.append(segment.rstrip())
                 out.calls.extend(calls)
+            after_call = calls is not None
             pos = end
             if pos >= len(text):
                 break
@@ -175,15 +187,17 @@ class ToolParser:
 
     def settled(self, text: str) -> int:
         """How much of ``text`` no later text can change the reading of:
-        up to the first open block, or to a possible marker's start."""
+        up to the first open block, or to a possible marker's start, less
+        the whitespace a call that follows would take away."""
         pos = 0
         while True:
             start = self.find_start(text, pos)
             if start is None:
-                return len(text) - self.hold(text, pos)
+                stop = len(text) - self.hold(text, pos)
+                return pos + len(text[pos:stop].rstrip())
             end = self.block_end(text, start)
             if end is None:
-                return start
+                return pos + len(text[pos:start].rstrip())
             pos = end
 
     def _read(self, block: str) -> list[Call] | None:
