@@ -102,12 +102,14 @@ class ReasoningParser:
                     return Split("", "", False)  # whitespace, or the start of an opening marker
                 return Split("", text, True)
             text = stripped[len(opened):]
+        # The whitespace around the markers is neither reasoning nor answer; a stream holds a
+        # reasoning's trailing whitespace back, since the end marker may follow it.
         found = [(i, e) for e in self.ends if (i := text.find(e)) >= 0]
         if found:
             i, end = min(found)
-            return Split(text[:i], text[i + len(end):], True)
+            return Split(text[:i].strip(), text[i + len(end):].lstrip(), True)
         keep = 0 if final else held_back(text, self.ends)
-        return Split(text[:len(text) - keep], "", False)
+        return Split(text[:len(text) - keep].strip(), "", False)
 
 
 class HarmonyParser(ReasoningParser):

@@ -185,12 +185,12 @@ def test_formats_are_chosen_from_the_template_and_unknown_names_are_typed_errors
 
 #: parser -> (reply, the prompt opened the reasoning, reasoning, content).
 REASONING_FIXTURES = [
-    ("think", "Let me think.\nOK.</think>\n\nThe answer is 4.", True, "Let me think.\nOK.", "\n\nThe answer is 4."),
+    ("think", "\nLet me think.\nOK.\n</think>\n\nThe answer is 4.", True, "Let me think.\nOK.", "The answer is 4."),
     ("think", "<think>hmm</think>Four.", False, "hmm", "Four."),
     ("think", "No thinking here.", False, "", "No thinking here."),
     ("think", "Cut short by max_tokens", True, "Cut short by max_tokens", ""),
     ("granite", "Here is my thought process: two and two. Here is my response: Four.", False,
-     " two and two. ", " Four."),
+     "two and two.", "Four."),
     ("harmony", "<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>"
      "Four.<|return|>", False, "Two and two.", "Four."),
 ]
