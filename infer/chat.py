@@ -16,7 +16,7 @@ whole reply (:class:`ChatReply`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from infer.reasoning import ReasoningParser, ReasoningStream
@@ -127,14 +127,9 @@ class ChatPlan:
     tools: ToolParser | None = None
     #: The tool-call format's name (None without tools).
     tool_format: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def skip_special_tokens(self) -> bool:
-        """Whether the reply is decoded without special tokens (unless its
-        reasoning or tool-call format is written in them)."""
-        return not ((self.reasoning is not None and self.reasoning.needs_special_tokens)
-                    or (self.tools is not None and self.tools.needs_special_tokens))
+    #: Whether the reply is decoded without special tokens: not where the
+    #: reasoning's or the calls' markers are special tokens of this model.
+    skip_special_tokens: bool = True
 
     def reply_parser(self) -> ReplyParser:
         """A fresh parser for one choice's reply."""

@@ -618,7 +618,12 @@ class Model:
                 return ReasoningConstraint(tokenizer, parser, in_reasoning, budget=request.thinking_budget,
                                            inner=inner)
             prepared.wrap = after_reasoning
-        return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt)
+        markers = ((reasoning.starts + reasoning.ends) if reasoning is not None else ()) + (
+            parser.markers if parser is not None else ())
+        specials = tokenizer.special_ids
+        special = any(p is not None and p.needs_special_tokens for p in (reasoning, parser)) or any(
+            tokenizer.token_to_id(m) in specials for m in markers)
+        return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special)
 
     def chat(
         self,

@@ -186,6 +186,11 @@ def register_reasoning_parser(parser: ReasoningParser) -> None:
     _PARSERS[parser.name] = parser
 
 
+def unregister_reasoning_parser(name: str) -> None:
+    """Forget the parser registered as ``name`` (nothing if there is none)."""
+    _PARSERS.pop(name, None)
+
+
 def reasoning_parsers() -> list[str]:
     """The registered parsers' names."""
     return sorted(_PARSERS)

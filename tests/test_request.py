@@ -90,3 +90,25 @@ def test_chat_returns_a_str_with_the_reasoning_and_calls_beside_it(model: Any) -
     assert budgeted == reply and budgeted.reasoning_content is None
     with pytest.raises(SamplingParameterError, match="thinking_budget"):
         model.chat(MESSAGES, thinking_budget=3)  # ChatML: no reasoning parser for this template
+
+
+def test_markers_that_are_special_tokens_are_decoded(model: Any) -> None:
+    """A reasoning format whose markers are special tokens of the model (here the tiny
+    model's ChatML tokens stand in for them) is read from a reply decoded with them."""
+    from infer.reasoning import (
+        ReasoningParser,
+        reasoning_parsers,
+        register_reasoning_parser,
+        unregister_reasoning_parser,
+    )
+
+    assert model.plan_chat(MESSAGES, GenerationRequest()).skip_special_tokens
+    assert model.plan_chat(MESSAGES, GenerationRequest(reasoning_parser="think")).skip_special_tokens
+    register_reasoning_parser(ReasoningParser("chatml-test", ("<|im_start|>",), ("<|im_end|>",)))
+    try:
+        plan = model.plan_chat(MESSAGES, GenerationRequest(reasoning_parser="chatml-test"))
+        assert not plan.skip_special_tokens
+        assert plan.in_reasoning is False
+    finally:
+        unregister_reasoning_parser("chatml-test")
+    assert "chatml-test" not in reasoning_parsers()

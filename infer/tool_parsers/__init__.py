@@ -21,7 +21,8 @@ from infer.tool_parsers.base import (
     register_tool_parser,
     tool_parser_for,
     tool_parsers,
+    unregister_tool_parser,
 )
 
 __all__ = ["Call", "Parsed", "ToolCallStream", "ToolParser", "formats", "get_tool_parser", "new_call_id",
-           "openai_call", "register_tool_parser", "tool_parser_for", "tool_parsers"]
+           "openai_call", "register_tool_parser", "tool_parser_for", "tool_parsers", "unregister_tool_parser"]

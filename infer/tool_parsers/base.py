@@ -141,8 +141,9 @@ class ToolParser:
 
     def grammar(self, tools: Sequence[Mapping[str, Any]], most: int = 1) -> str:
         """A Lark grammar (llguidance's dialect) of replies that are nothing
-        but calls to ``tools`` in this format: one to ``most`` of them. Raises :class:`~infer.errors.SamplingParameterError` for a
-        format that has none."""
+        but calls to ``tools`` in this format: one to ``most`` of them.
+        Raises :class:`~infer.errors.SamplingParameterError` for a format
+        that has none."""
         raise SamplingParameterError(
             f"forcing a tool call (tool_choice 'required' or a function's name) is not supported with the "
             f"{self.name!r} tool-call format; use tool_choice 'auto', or --tool-parser hermes")
@@ -155,8 +156,9 @@ class ToolParser:
         The content is the text as written, less the whitespace around calls:
         what precedes a call loses its trailing whitespace, what follows one
         its leading whitespace (so text that is only whitespace between or
-        after calls goes; text on both sides of a call is joined by a newline). A block that does not read as calls stays in the
-        content as it was written."""
+        after calls goes; text on both sides of a call is joined by a
+        newline). A block that does not read as calls stays in the content
+        as it was written."""
         out = Parsed("")
         pieces: list[str] = []
         pos, after_call = 0, False
@@ -286,6 +288,11 @@ def register_tool_parser(parser: type[ToolParser]) -> type[ToolParser]:
     """Make ``parser`` (a class) available under its name; usable as a decorator."""
     _PARSERS[parser.name] = parser
     return parser
+
+
+def unregister_tool_parser(name: str) -> None:
+    """Forget the format registered as ``name`` (nothing if there is none)."""
+    _PARSERS.pop(name, None)
 
 
 def tool_parsers() -> list[str]:
