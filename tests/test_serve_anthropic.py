@@ -68,6 +68,11 @@ def test_greedy_messages_equal_model_chat_streamed_and_not(client: Any, referenc
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
+def test_models_are_listed_in_anthropics_shape(client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).type == "model"
+
+
 def test_stop_sequences_and_stop_reason(client: Any, reference: Any) -> None:
     full = str(reference.chat(MESSAGES, max_tokens=24, temperature=0))
     assert len(full) >= 6

@@ -223,16 +223,22 @@ class Server:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    def _card(self) -> dict[str, Any]:
+    def _card(self, request: Request) -> dict[str, Any]:
+        if "anthropic-version" in request.headers:  # Anthropic's client lists models in its own shape
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+            return {"type": "model", "id": self.name, "display_name": self.name, "created_at": created}
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
                 "max_model_len": self.model.context_length}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        if "anthropic-version" in request.headers:
+            return JSONResponse({"data": [self._card(request)], "has_more": False, "first_id": self.name,
+                                 "last_id": self.name})
+        return JSONResponse({"object": "list", "data": [self._card(request)]})
 
     async def model_card(self, request: Request) -> Response:
         self.check_model(request.path_params["name"])
-        return JSONResponse(self._card())
+        return JSONResponse(self._card(request))
 
     async def read_body(self, request: Request) -> Any:
         """The request's JSON body, within the server's size and time limits."""
