@@ -192,3 +192,35 @@ def test_thinking_off_and_a_budget(thinker: tuple[openai.OpenAI, Any]) -> None:
                                             response_format=RESPONSE_FORMAT, extra_body={"thinking_budget": budget})
     assert served.choices[0].message.content == str(local)
     assert served.choices[0].message.reasoning_content == local.reasoning_content
+
+
+# -- every tool-call format through the server ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3",
+                                 "harmony"])
+def test_each_tool_call_format_reaches_the_client_streamed_and_not(fmt: str) -> None:
+    """A scripted model writes the format's fixture (tests/test_reply_parsers.py); with
+    --tool-parser FMT the client gets the same calls and content, streamed or not."""
+    from test_reply_parsers import TOOL_FIXTURES
+    from test_serve import ScriptedBatch
+
+    text, content, calls = TOOL_FIXTURES[fmt]
+    if fmt == "deepseek_v3":  # its markers are dozens of byte tokens each here: one call fits the tiny context
+        text, calls = text[:text.index("<｜tool▁call▁end｜>")] + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", calls[:1]
+    model = infer.load(tiny_model_dir("smollm2_like"), backend="numpy")
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "get_time")]
+    with running(create_app(model, model_name=NAME, batch_engine=ScriptedBatch(model, text), tool_parser=fmt)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=400)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == calls
+        assert (message.content or "") == content
+        chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=400,
+                                                     stream=True))
+        assert merged_tool_calls(chunks) == calls
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+        ids = [t.id for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or []) if t.id]
+        assert len(ids) == len(set(ids)) == len(calls)
