@@ -1,12 +1,15 @@
 """OpenAI's request bodies, validated; what is not supported is refused by name.
 
 Every parameter of OpenAI's completions and chat completions APIs is either
-implemented, accepted as the no-op it is here (``user``,
-``parallel_tool_calls``, ``best_of: 1``, ``tool_choice: "auto"``) or refused
-with a 400 naming it (:class:`~infer.errors.RequestError`): an unknown field
-too, so a client never gets silently different behaviour from what it
-asked for. Beyond OpenAI's: ``top_k``, ``min_p``, ``repetition_penalty`` and
-``ignore_eos``, as vLLM and llama.cpp's server accept them.
+implemented, accepted as the no-op it is here (``user``, ``best_of: 1``) or
+refused with a 400 naming it (:class:`~infer.errors.RequestError`): an
+unknown field too, so a client never gets silently different behaviour from
+what it asked for. Beyond OpenAI's: ``top_k``, ``min_p``,
+``repetition_penalty`` and ``ignore_eos``, as vLLM and llama.cpp's server
+accept them, and vLLM's ``chat_template_kwargs``, ``thinking_budget`` and
+(on completions) ``response_format``. The helpers here (``response_schema``,
+``check_tools``, ``tool_choice``, ``check_stops``) are shared with the
+Responses and Anthropic Messages endpoints.
 """
 
 from __future__ import annotations
