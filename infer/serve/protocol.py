@@ -213,7 +213,8 @@ class ChatRequest(_Sampling):
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    is_text = isinstance(part, dict) and part.get("type") == "text"
+                    if not is_text or not isinstance(part.get("text"), str):
                         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                         raise RequestError(f"messages[{i}].content[{j}] is of type {kind!r}; this server takes text "
                                            "only", f"messages[{i}].content")
