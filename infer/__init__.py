@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from infer import _moved
+from infer.chat import ChatReply
 from infer.completion import Completion, CompletionChunk, Stream, Usage
 from infer.convert import convert
 from infer.engine.batch import BatchEngine, BatchStats, RequestHandle
@@ -26,6 +27,7 @@ from infer.ops import API_VERSION, Backend
 from infer.plugins import get_registry
 from infer.plugins.registry import ArchitectureSpec, FormatSpec
 from infer.plugins.selection import BackendInfo, list_backends
+from infer.request import GenerationRequest
 
 __version__ = "0.1.0"
 
@@ -44,8 +46,8 @@ def list_formats() -> list[FormatSpec]:
 
 
 __all__ = [
-    "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "Completion", "CompletionChunk",
-    "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "Stream", "TokenLogprob",
+    "API_VERSION", "Backend", "BackendInfo", "BatchEngine", "BatchStats", "ChatReply", "Completion",
+    "CompletionChunk", "GenerationRequest", "InferError", "Model", "RequestHandle", "SamplingParams", "Score", "StopConditions", "Stream", "TokenLogprob",
     "Usage", "convert",
     "__version__", "list_architectures", "list_backends", "list_formats", "load",
 ]

@@ -143,9 +143,12 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def stream_chunks(
     tokenizer: Tokenizer, generation: Generation, stops: tuple[str, ...], *, logprobs: bool = False,
+    skip_special_tokens: bool = True, eos_token_ids: frozenset[int] = frozenset(),
 ) -> Iterator[CompletionChunk]:
     """The chunks of ``generation`` (see the module docs); ``logprobs``: attach
-    the log-probabilities its sampler recorded."""
+    the log-probabilities its sampler recorded. With ``skip_special_tokens``
+    False (a reasoning or tool-call format written in special tokens), the
+    special tokens are in the text, except the ``eos_token_ids``."""
     sent = 0  # tokens already in a chunk
 
     def chunk(text: str, last: bool = False) -> CompletionChunk:
@@ -159,14 +162,15 @@ def stream_chunks(
             piece.finish_reason = _REASONS.get(reason, reason)
             piece.usage = Usage(generation.prompt_tokens, len(tokens))
             constraint = None if generation.sampler is None else generation.sampler.constraint
-            if constraint is not None:
+            # A constraint whose `complete` is None constrains no output (it only forces the end of thinking).
+            if constraint is not None and getattr(constraint, "complete", None) is not None:
                 # A stop string cut the text, so it may not match even where the matcher does.
                 piece.valid = bool(constraint.complete) and reason != "stop_string"  # type: ignore[attr-defined]
         return piece
 
-    text = TextStream(tokenizer, stops)
+    text = TextStream(tokenizer, stops, skip_special_tokens=skip_special_tokens)
     for token in generation:
-        piece = text.push(token)
+        piece = "" if not skip_special_tokens and token in eos_token_ids else text.push(token)
         if text.stopped:
             generation.finish_reason = "stop_string"
             generation.tokens_iter.close()  # type: ignore[attr-defined]
@@ -197,6 +201,8 @@ class TextStream:
         self._pending = ""
         #: Whether a stop string has appeared.
         self.stopped = False
+        #: The stop string that appeared (None until one does).
+        self.stop_string: str | None = None
 
     def push(self, token: int) -> str:
         """Add one token; the text that is now certain (maybe "")."""
@@ -219,6 +225,7 @@ class TextStream:
         cut = _first_stop(pending, self.stops) if self.stops else None
         if cut is not None:
             self.stopped, self._pending = True, ""
+            self.stop_string = min((s for s in self.stops if pending.find(s) == cut), key=len)
             return pending[:cut]
         keep = 0 if final or not self.stops else _held_back(pending, self.stops)
         self._pending = pending[len(pending) - keep:]

@@ -9,17 +9,19 @@ token ids and back, including stop strings and streaming.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM
-from infer.completion import Completion, CompletionChunk, Stream, collect, stop_strings, stream_chunks
+from infer.chat import ChatPlan, ChatReply, ReplyParser
+from infer.completion import Completion, CompletionChunk, Stream, collect, stream_chunks
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
-from infer.engine.generate import Generation, StopConditions, generate
-from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from infer.engine.generate import Generation, generate
+from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -42,7 +44,11 @@ from infer.errors import (
 )
 from infer.ops import Backend
 from infer.package import ModelPackage
+from infer.reasoning import ReasoningConstraint, ReasoningParser, get_reasoning_parser, reasoning_parser_for
+from infer.request import GenerationRequest, PreparedRequest, tool_names
 from infer.tokenizer import Tokenizer
+from infer.tool_parsers import get_tool_parser, tool_parser_for
+from infer.tool_parsers.base import MAX_FORCED_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -157,29 +163,47 @@ class Model:
         self,
         prompt_ids: Sequence[int],
         *,
-        max_tokens: int | None = None,
-        ignore_eos: bool = False,
-        speculative: str | Model | DraftSource | None = None,
-        num_speculative_tokens: int | None = None,
-        json_schema: dict[str, Any] | str | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
-        **sampling: Any,
+        request: GenerationRequest | None = None,
+        **options: Any,
     ) -> Generation:
         """Generate from token ids; iterate the result for new token ids
         (its ``stats`` holds the speculative decoding figures, if any).
 
         Keyword arguments are those of :meth:`generate` except ``stop`` and
-        ``stream``.
+        ``stream`` (or one ``request``).
         """
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise GenerationError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
-                                ignore_eos=ignore_eos)
-        sampler, stop = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=None, grammar=compiled,
-                                      **sampling)
-        spec = self.speculation(speculative, num_speculative_tokens)
-        return generate(self.engine, list(prompt_ids), sampler, stop, spec)
+        prepared = self.prepare(_request_of(request, options))
+        if prepared.request.stop:
+            raise GenerationError("generate_tokens gives token ids, which stop strings cannot cut; use generate() "
+                                  "or complete() for stop=")
+        spec = self.speculation(prepared.request.speculative, prepared.request.num_speculative_tokens)
+        return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec)
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """``request`` with this model's defaults filled in (sampling rules and
+        ``max_tokens`` from its generation config) and its constraint compiled
+        for its tokenizer: what makes each choice's sampler and stop rules.
+        What every entry point (``generate``, ``chat``, the server's endpoints)
+        runs a request through. Raises the typed errors of
+        :meth:`sampling_params`, :meth:`grammar` and :meth:`speculation`."""
+        r = request
+        params = self.sampling_params(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                                      repetition_penalty=r.repetition_penalty, seed=r.seed,
+                                      presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                                      logit_bias=r.logit_bias)
+        compiled = self.grammar(json_schema=r.json_schema, regex=r.regex, grammar=r.grammar,
+                                speculative=r.speculative, ignore_eos=r.ignore_eos)
+        self.speculation(r.speculative, r.num_speculative_tokens)  # checks the arguments before anything runs
+        return PreparedRequest(r, params, self._max_tokens(r.max_tokens), self.eos_token_ids, self.context_length,
+                               compiled)
+
+    @property
+    def default_max_tokens(self) -> int:
+        """``max_tokens`` of a request that gives none: the generation
+        config's ``max_new_tokens``, else :data:`DEFAULT_MAX_TOKENS`."""
+        return self.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS
 
     def grammar(
         self, *, json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
@@ -260,6 +284,7 @@ class Model:
         json_schema: dict[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        request: GenerationRequest | None = None,
     ) -> str | Iterator[str] | list[str]:
         """Continue ``prompt`` and return the new text.
 
@@ -294,27 +319,31 @@ class Model:
                 expression, or a Lark or GBNF grammar; see docs/structured.md.
                 Raises :class:`~infer.errors.IncompleteOutputError` when
                 generation ends before the output matches in full.
+            request: all of the above as one
+                :class:`~infer.request.GenerationRequest` (then give none of
+                them as keywords).
 
         :meth:`complete` takes the same arguments and returns the tokens,
         their log-probabilities and why generation ended as well.
         """
-        kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                      ignore_eos=ignore_eos, add_special_tokens=add_special_tokens, speculative=speculative,
-                      num_speculative_tokens=num_speculative_tokens, json_schema=json_schema, regex=regex,
-                      grammar=grammar)
+        options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                       ignore_eos=ignore_eos, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                       json_schema=json_schema, regex=regex, grammar=grammar)
+        prepared = self.prepare(_request_of(request, options))
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
                 raise GenerationError("prompt must be a string or a list of strings")
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
-            completions = self._complete_batch(list(prompt), **kwargs)
+            completions = self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens)
             for i, c in enumerate(completions):
                 if c.valid is False:
                     raise IncompleteOutputError(_incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
             return [c.text for c in completions]
-        texts = _texts(self._chunks(prompt, **kwargs))
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        texts = _texts(self._chunks(ids, prepared))
         return Stream(texts, self._lock) if stream else "".join(texts)
 
     async def agenerate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str] | Stream[str]:
@@ -372,17 +401,24 @@ class Model:
         """
         if stream and echo:
             raise GenerationError("echo=True takes stream=False; with a stream, score the prompt with Model.score")
+        add_special_tokens = kwargs.pop("add_special_tokens", True)
+        request = kwargs.pop("request", None)
+        if request is not None and logprobs is not None:
+            request = request.replace(logprobs=logprobs)
+        prepared = self.prepare(_request_of(request, {**kwargs, "logprobs": logprobs} if request is None else kwargs))
+        k = prepared.request.logprobs
         if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
                 isinstance(p, str) for p in prompt):
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
-            return self._complete_batch(list(prompt), logprobs=logprobs, echo=echo, **kwargs)  # type: ignore[arg-type]
-        ids = self._prompt_ids(prompt, kwargs.pop("add_special_tokens", True))
-        chunks = self._chunks(ids, logprobs=logprobs, **kwargs)
+            return self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens,  # type: ignore[arg-type]
+                                        echo=echo)
+        ids = self._prompt_ids(prompt, add_special_tokens)
+        chunks = self._chunks(ids, prepared)
         if stream:
             return Stream(chunks, self._lock)
-        return collect(chunks, ids, logprobs=logprobs is not None,
-                       prompt_logprobs=self._prompt_logprobs(ids, logprobs) if echo else None)
+        return collect(chunks, ids, logprobs=k is not None,
+                       prompt_logprobs=self._prompt_logprobs(ids, k) if echo else None)
 
     def _prompt_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -398,71 +434,40 @@ class Model:
         tops = score.top or [()] * len(score.logprobs)
         return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(ids[1:], score.logprobs, tops))]
 
-    def _request(
-        self, *, max_tokens: int | None, ignore_eos: bool, logprobs: int | None, grammar: Grammar | None,
-        **sampling: Any,
-    ) -> tuple[Sampler, StopConditions]:
-        """One request's sampler (with its own matcher of ``grammar``) and stop
-        rules, from :meth:`generate`'s arguments."""
-        sampler = Sampler(self.sampling_params(**sampling), logprobs=logprobs,
-                          constraint=None if grammar is None else grammar.matcher())
-        stop = StopConditions(max_tokens=self._max_tokens(max_tokens), eos_token_ids=self.eos_token_ids,
-                              ignore_eos=ignore_eos)
-        return sampler, stop
+    def _chunks(self, ids: list[int], prepared: PreparedRequest,
+                skip_special_tokens: bool = True) -> Iterator[CompletionChunk]:
+        """One request, streamed as chunks (the engine of :meth:`generate`,
+        :meth:`complete` and :meth:`chat`)."""
+        request = prepared.request
+        spec = self.speculation(request.speculative, request.num_speculative_tokens)
+        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec)
+        return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
+                             skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
-    def _chunks(
-        self, prompt: str | list[int], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
-        max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
-        num_speculative_tokens: int | None = None, logprobs: int | None = None,
-        json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
-        **sampling: Any,
-    ) -> Iterator[CompletionChunk]:
-        """One request, streamed as chunks (the engine of :meth:`generate`, :meth:`complete` and :meth:`chat`)."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
-            else prompt
-        stops = stop_strings(stop)
-        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
-                                ignore_eos=ignore_eos)
-        sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs,
-                                            grammar=compiled, **sampling)
-        spec = self.speculation(speculative, num_speculative_tokens)
-        generation = generate(self.engine, ids, sampler, conditions, spec)
-        return stream_chunks(self.tokenizer, generation, stops, logprobs=logprobs is not None)
-
-    def _complete_batch(
-        self, prompts: list[str], *, stop: str | Sequence[str] | None = None, add_special_tokens: bool = True,
-        max_tokens: int | None = None, ignore_eos: bool = False, speculative: str | Model | DraftSource | None = None,
-        num_speculative_tokens: int | None = None, logprobs: int | None = None, echo: bool = False,
-        json_schema: dict[str, Any] | str | None = None, regex: str | None = None, grammar: str | None = None,
-        **sampling: Any,
-    ) -> list[Completion]:
+    def _complete_batch(self, prompts: list[str], prepared: PreparedRequest, *, add_special_tokens: bool = True,
+                        echo: bool = False) -> list[Completion]:
         """Every prompt in one continuous batch; each result equals what
         :meth:`complete` gives for that prompt alone (each request has its
         own matcher of the constraint)."""
-        stops = stop_strings(stop)
-        compiled = self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, speculative=speculative,
-                                ignore_eos=ignore_eos)
-        self.speculation(speculative, num_speculative_tokens)  # checks the arguments before anything runs
-        self._request(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs, grammar=None,
-                      **sampling)  # likewise
+        request = prepared.request
+        logprobs = request.logprobs
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         batch = self.batch_engine
         handles = []
         alone: list[int] = []
         try:
             for i, prompt_ids in enumerate(ids):  # each request gets its own Sampler (and seed) and figures
-                sampler, conditions = self._request(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                    logprobs=logprobs, grammar=compiled, **sampling)
-                spec = self.speculation(speculative, num_speculative_tokens)
+                spec = self.speculation(request.speculative, request.num_speculative_tokens)
                 try:
-                    handles.append(batch.submit(prompt_ids, sampler, conditions, speculation=spec))
+                    handles.append(batch.submit(prompt_ids, prepared.sampler(), prepared.stop_conditions(),
+                                                speculation=spec))
                 except CacheFullError as exc:
                     # More than the batch engine's KV memory holds even alone: generated on
                     # its own afterwards, as complete(prompt) would, so the limits are the same.
                     log.info("prompt %d runs alone after the batch: %s", i, exc)
                     alone.append(i)
             batched = [i for i in range(len(prompts)) if i not in alone]
-            streams = [stream_chunks(self.tokenizer, _as_generation(h), stops, logprobs=logprobs is not None)
+            streams = [stream_chunks(self.tokenizer, _as_generation(h), request.stop, logprobs=logprobs is not None)
                        for h in handles]
             chunks: dict[int, list[CompletionChunk]] = {i: [] for i in batched}
             live = list(range(len(batched)))
@@ -474,10 +479,7 @@ class Model:
                     else:
                         chunks[batched[j]].append(chunk)
             for i in alone:
-                chunks[i] = list(self._chunks(ids[i], stop=stop, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                              speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                                              logprobs=logprobs, json_schema=json_schema, regex=regex,
-                                              grammar=grammar, **sampling))
+                chunks[i] = list(self._chunks(ids[i], prepared))
         finally:
             for h in handles:
                 batch.cancel(h)
@@ -559,6 +561,70 @@ class Model:
                                          block_size=block_size, max_batch_tokens=max_batch_tokens)
         return self._batch_engine
 
+    def plan_chat(
+        self, messages: Sequence[Message], request: GenerationRequest, *, template: str | None = None,
+    ) -> ChatPlan:
+        """What a chat request runs (:mod:`infer.chat`): ``messages`` rendered
+        with the chat template (or ``template``) and the request's tools and
+        thinking options; the reasoning parser and tool-call format (the
+        request's, else chosen from the template); a forced tool call
+        (``tool_choice`` ``"required"`` or a name) as the format's grammar;
+        and the answer's constraint and thinking budget applied after the
+        reasoning. Raises :class:`~infer.errors.ChatTemplateError`,
+        :class:`~infer.errors.SamplingParameterError` or
+        :class:`~infer.errors.StructuredOutputError` before any token."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
+        tokenizer = self.tokenizer
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
+                                             **request.template_options())
+        # The template already holds every special token the model expects.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        named = tokenizer.chat_templates
+        tools = request.tools_offered
+        source = named.get(template, template) if template else named.get(
+            "tool_use" if tools and "tool_use" in named else "default")
+        if request.reasoning_parser == "none":
+            reasoning = None
+        elif request.reasoning_parser is not None:
+            reasoning = get_reasoning_parser(request.reasoning_parser)
+        else:
+            reasoning = reasoning_parser_for(self.model_type, source)
+        if request.thinking_budget is not None and reasoning is None:
+            raise SamplingParameterError(
+                "thinking_budget needs a reasoning model: no reasoning parser is chosen for this model's template "
+                "(name one with reasoning_parser=)")
+        in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(text)
+        fmt = parser = None
+        if tools is not None:
+            fmt = request.tool_parser or tool_parser_for(self.model_type, source)
+            parser = get_tool_parser(fmt, tools)
+            # A marker that is a special token is named by its id in a forced call's grammar.
+            parser.special = {m: i for m in parser.special_markers
+                              if (i := tokenizer.token_to_id(m)) is not None and i in tokenizer.special_ids}
+        if request.forces_tool_call:
+            assert parser is not None  # the request checked that tools come with a forced choice
+            if request.json_schema is not None or request.regex is not None or request.grammar is not None:
+                raise StructuredOutputError("a forced tool call (tool_choice) and a constraint on the output "
+                                            "(json_schema, regex, grammar) exclude each other")
+            required = request.tool_choice == "required"
+            chosen = list(tools or ()) if required else [t for t in tools or () if tool_names([t]) ==
+                                                           [request.tool_choice]]
+            most = MAX_FORCED_CALLS if required and request.parallel_tool_calls else 1
+            request = request.replace(grammar=parser.grammar(chosen, most))
+        prepared = self.prepare(request)
+        if reasoning is not None and (prepared.grammar is not None or request.thinking_budget is not None):
+            def after_reasoning(inner: Any, parser: ReasoningParser = reasoning) -> ReasoningConstraint:
+                return ReasoningConstraint(tokenizer, parser, in_reasoning, budget=request.thinking_budget,
+                                           inner=inner)
+            prepared.wrap = after_reasoning
+        markers = ((reasoning.starts + reasoning.ends) if reasoning is not None else ()) + (
+            parser.markers if parser is not None else ())
+        specials = tokenizer.special_ids
+        special = any(p is not None and p.needs_special_tokens for p in (reasoning, parser)) or any(
+            tokenizer.token_to_id(m) in specials for m in markers)
+        return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special)
+
     def chat(
         self,
         messages: Sequence[Message],
@@ -566,20 +632,33 @@ class Model:
         template: str | None = None,
         stream: bool = False,
         stop: str | Sequence[str] | None = None,
+        request: GenerationRequest | None = None,
         **kwargs: Any,
-    ) -> str | Iterator[str]:
+    ) -> ChatReply | Iterator[str]:
         """Reply to a conversation, rendered with the model's chat template
         (or ``template``). ``messages`` are ``{"role", "content"}`` dicts; the
         other arguments are those of :meth:`generate` except ``prompt`` and
         ``add_special_tokens`` (the template already places every special
-        token)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template)
-        # The template already holds every special token the model expects.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        texts = _texts(self._chunks(ids, stop=stop, **kwargs))
-        return Stream(texts, self._lock) if stream else "".join(texts)
+        token), and those of a chat :class:`~infer.request.GenerationRequest`:
+        ``tools``, ``tool_choice``, ``enable_thinking``, ``reasoning_effort``,
+        ``thinking_budget``, ``reasoning_parser``, ``tool_parser``.
+
+        Returns a :class:`~infer.chat.ChatReply`: the answer's text, with a
+        reasoning model's thinking in ``reasoning_content`` and the tool
+        calls in ``tool_calls``. With ``stream=True``, an iterator of the
+        answer's text pieces (the reasoning and the tool calls are not in it).
+        """
+        plan = self.plan_chat(messages, _request_of(request, {"stop": stop, **kwargs}), template=template)
+        chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens)
+        if stream:
+            return Stream(_answer(plan, chunks), self._lock)
+        reader = plan.reply_parser()
+        for _ in _texts(_finished(chunks, reader)):
+            pass
+        reader.finish()
+        calls = reader.openai_calls()
+        return ChatReply(reader.content, reader.reasoning or None, calls,
+                         "tool_calls" if calls else reader.finish_reason)
 
     async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:
         """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
@@ -591,10 +670,24 @@ class Model:
 
     def _max_tokens(self, max_tokens: int | None) -> int:
         if max_tokens is None:
-            return self.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS
+            return self.default_max_tokens
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise SamplingParameterError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         return max_tokens
+
+
+def _request_of(request: GenerationRequest | None, options: dict[str, Any]) -> GenerationRequest:
+    """``request``, or one made of keyword ``options``; both at once is a
+    :class:`~infer.errors.GenerationError` (an option left at its default is no conflict)."""
+    if request is None:
+        return GenerationRequest.from_options(**options)
+    if not isinstance(request, GenerationRequest):
+        raise GenerationError(f"request must be an infer.GenerationRequest, got {type(request).__name__}")
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
+    given = sorted(k for k, v in options.items() if v is not None and v != defaults.get(k))
+    if given:
+        raise GenerationError(f"give request= or keyword options, not both (also given: {given})")
+    return request
 
 
 def _check_same_vocabulary(target: Model, draft: Model) -> None:
@@ -615,6 +708,24 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
             f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
             f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
         )
+
+
+def _finished(chunks: Iterator[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
+    """``chunks``, each one's text fed to ``reader``; the last one's finish
+    reason kept as ``reader.finish_reason``."""
+    for c in chunks:
+        reader.feed(c.text)
+        if c.finish_reason is not None:
+            reader.finish_reason = c.finish_reason
+        yield c
+
+
+def _answer(plan: ChatPlan, chunks: Iterator[CompletionChunk]) -> Iterator[str]:
+    """The answer's text pieces of a streamed chat (reasoning and tool calls left out)."""
+    reader = plan.reply_parser()
+    for piece in _texts(chunks):
+        yield from (d.text for d in reader.feed(piece) if d.kind == "content")
+    yield from (d.text for d in reader.finish() if d.kind == "content")
 
 
 def _texts(chunks: Iterator[CompletionChunk]) -> Iterator[str]:

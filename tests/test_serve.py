@@ -34,7 +34,7 @@ from reference import LOGIT_RTOL, load_tiny, reference_logits, reference_teacher
 import infer
 from infer.engine.batch import BatchEngine
 from infer.serve import create_app, load_app
-from infer.serve.tools import parse_tool_calls
+from infer.tool_parsers import get_tool_parser
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -292,7 +292,7 @@ def test_bad_and_unsupported_parameters_are_400s_naming_the_parameter(client: op
         assert info.value.body["param"] == param, (kwargs, info.value.body)
         assert param in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=NAME, messages=MESSAGES, response_format={"type": "json_object"})
+        client.chat.completions.create(model=NAME, messages=MESSAGES, response_format={"type": "xml"})
     assert info.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [
@@ -432,23 +432,35 @@ def test_load_64_streaming_clients_a_quarter_leaving(url: str, reference: Any) -
 
 
 def test_hermes_tool_calls_are_parsed() -> None:
+    hermes = get_tool_parser("hermes")
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    reply = parse_tool_calls(text)
-    assert reply.content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in reply.tool_calls)
+    reply = hermes.parse(text)
+    assert reply.content.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("get_weather", {"city": "Paris"}),
+                                                                       ("get_time", {})]
     # A block cut off by the end of generation still counts; broken JSON stays text.
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}').tool_calls[0]["function"]["name"] == "f"
+    assert hermes.parse('<tool_call>{"name": "f", "arguments": {"x": 1}}').calls[0].name == "f"
     broken = "<tool_call>{not json}</tool_call>"
-    assert parse_tool_calls(broken).content == broken and not parse_tool_calls(broken).tool_calls
+    assert hermes.parse(broken).content == broken and not hermes.parse(broken).calls
 
 
 @given(st.text())
 def test_tool_call_parsing_never_raises(text: str) -> None:
-    reply = parse_tool_calls("<tool_call>" + text)
-    assert reply.tool_calls or reply.content == "<tool_call>" + text
+    reply = get_tool_parser("hermes").parse("<tool_call>" + text)
+    assert reply.calls or reply.content == "<tool_call>" + text
+
+
+def merged_tool_calls(chunks: list[Any]) -> list[tuple[str, Any]]:
+    """Streamed tool-call deltas joined as a client joins them: by index, the
+    name from the first, the arguments' fragments concatenated."""
+    calls: dict[int, dict[str, str]] = {}
+    for c in chunks:
+        for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(t.index, {"name": "", "arguments": ""})
+            call["name"] += t.function.name or ""
+            call["arguments"] += t.function.arguments or ""
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
 
 
 class ScriptedBatch(BatchEngine):
@@ -489,10 +501,8 @@ def test_chat_tool_calls_reach_the_client_streamed_and_not() -> None:
         assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
         chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, stream=True))
         content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        assert "<tool_call" not in content and content.strip() == "Checking the weather."
-        calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-            ("get_weather", {"city": "Paris"})]
+        assert content == choice.message.content == "Checking the weather."  # streamed or not, the same
+        assert merged_tool_calls(chunks) == [("get_weather", {"city": "Paris"})]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         # Without tools the same reply is plain text.
         plain = client.chat.completions.create(model=NAME, messages=MESSAGES)
@@ -567,6 +577,7 @@ def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None
     assert held * pool.allocator.bytes_per_block <= 2**20 < (held + 1) * pool.allocator.bytes_per_block
     assert model.batch_engine.max_batch_tokens == 64
     assert seen == dict(host="127.0.0.1", port=8123, model_name="mine", api_key="from-env", max_queue=3,
-                        max_body_bytes=2**20, log_level="warning")
+                        max_body_bytes=2**20, reasoning_parser=None, tool_parser=None, body_timeout=10.0,
+                        log_level="warning")
     with pytest.raises(SystemExit):
         main(["serve", path, "--kv-memory", "lots"])

@@ -1,4 +1,5 @@
-"""``infer serve``: an OpenAI-compatible HTTP server over the batch engine.
+"""``infer serve``: an HTTP server over the batch engine, speaking OpenAI's
+completions, chat completions and Responses APIs and Anthropic's Messages API.
 
 :func:`create_app` returns the ASGI app (Starlette) for a loaded model, to
 run under any ASGI server or mount in an application of one's own;
@@ -35,9 +36,10 @@ def _require() -> None:
 
 
 def create_app(model: Model, **options: Any) -> Any:
-    """The ASGI app serving ``model`` with OpenAI's API; ``options`` are those
-    of :func:`infer.serve.app.create_app` (``model_name``, ``api_key``,
-    ``max_queue``, ``max_body_bytes``, ``batch_engine``)."""
+    """The ASGI app serving ``model``; ``options`` are those of
+    :func:`infer.serve.app.create_app` (``model_name``, ``api_key``,
+    ``max_queue``, ``max_body_bytes``, ``batch_engine``, ``reasoning_parser``,
+    ``tool_parser``, ``body_timeout``)."""
     _require()
     from infer.serve.app import create_app as make
 
@@ -60,7 +62,8 @@ def load_app(
         max_batch_tokens: most tokens one forward processes (default 512),
             as ``--max-batch-tokens``.
         options: those of :func:`create_app` (``model_name``, ``api_key``,
-            ``max_queue``, ``max_body_bytes``).
+            ``max_queue``, ``max_body_bytes``, ``reasoning_parser``,
+            ``tool_parser``, ``body_timeout``).
 
     The model is loaded once, here; the app's lifespan starts the thread
     that steps its batch engine.

@@ -1,22 +1,25 @@
-"""The ASGI app: OpenAI's completions and chat completions over one batch engine.
+"""The ASGI app: every endpoint over one batch engine.
 
-A handler validates the body (:mod:`infer.serve.protocol`), turns it into
-token ids, sampling parameters and stop conditions, submits one request per
-choice to the :class:`~infer.serve.loop.EngineLoop`, and turns the tokens
-that come back into text (:class:`~infer.completion.TextStream`: stop strings),
-tool calls (:mod:`infer.serve.tools`) and OpenAI's response or its stream of
-server-sent events. A client that goes away cancels its requests.
+:class:`Server` is what the endpoints share: it checks the model id, reads a
+body within its limits, makes the :class:`~infer.request.GenerationRequest`
+and the chat plan (:meth:`infer.Model.plan_chat`), submits one request per
+choice to the :class:`~infer.serve.loop.EngineLoop`, runs each
+:class:`Choice` (its tokens into text: :class:`~infer.completion.TextStream`,
+stop strings; then reasoning and tool calls:
+:class:`~infer.chat.ReplyParser`) and streams server-sent events. A client
+that goes away cancels its requests. The endpoints themselves are one module
+per API: :mod:`infer.serve.completions` (OpenAI's completions and chat
+completions), :mod:`infer.serve.responses` (the Responses API) and
+:mod:`infer.serve.anthropic` (the Messages API).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,18 +32,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from infer.chat import ChatPlan, Delta, ReplyParser
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
-from infer.engine.generate import StopConditions
-from infer.engine.sampling import Sampler, SamplingParams, TokenLogprob
-from infer.errors import ContextLengthError, InferError, RequestError
-from infer.model import DEFAULT_MAX_TOKENS, Model
-from infer.serve import tools as toolcalls
-from infer.serve.http import Guard, disconnected, http_error, infer_error, read_json
-from infer.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from infer.engine.sampling import TokenLogprob
+from infer.errors import InferError, RequestError, SamplingParameterError, StructuredOutputError
+from infer.model import Model
+from infer.reasoning import get_reasoning_parser
+from infer.request import GenerationRequest, PreparedRequest
+from infer.serve import anthropic, completions, responses
+from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
-from infer.serve.protocol import ChatRequest, CompletionRequest, _Sampling, parse
+from infer.serve.protocol import _Sampling
+from infer.tool_parsers import get_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +53,16 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2**20
 #: Requests that may wait for admission before new ones get 429.
 DEFAULT_MAX_QUEUE = 256
-#: OpenAI's default ``max_tokens`` of the completions endpoint.
-COMPLETIONS_MAX_TOKENS = 16
 
 
 def create_app(
     model: Model, *, model_name: str | None = None, api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    batch_engine: BatchEngine | None = None,
+    batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
-    """The ASGI app serving ``model`` with OpenAI's API.
+    """The ASGI app serving ``model`` with OpenAI's completions, chat
+    completions and Responses APIs and Anthropic's Messages API (docs/serving.md).
 
     Args:
         model: the loaded model; its :attr:`~infer.Model.batch_engine`
@@ -72,9 +77,22 @@ def create_app(
         max_body_bytes: largest request body (413 beyond).
         batch_engine: the batch engine to run (default the model's); no one
             else may use it while the app runs.
+        reasoning_parser: how replies' reasoning is told apart
+            (:mod:`infer.reasoning`: ``"think"``, ``"harmony"``,
+            ``"granite"``, or ``"none"``); default: chosen from the chat template.
+        tool_parser: the tool-call format (:mod:`infer.tool_parsers`);
+            default: chosen from the chat template.
+        body_timeout: seconds a client may take to send its request body
+            (408 beyond: a client that sends half a request and goes silent
+            holds nothing).
     """
-    server = _Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
-                     max_queue=max_queue, max_body_bytes=max_body_bytes)
+    if reasoning_parser not in (None, "none"):
+        get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
+    if tool_parser is not None:
+        get_tool_parser(tool_parser)
+    server = Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
+                     max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
+                     tool_parser=tool_parser, body_timeout=body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -91,6 +109,9 @@ def create_app(
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -98,6 +119,18 @@ def create_app(
     #: What tests and embedding code reach: the server (its loop, metrics).
     app.state.server = server
     return app
+
+
+def constrained(request: GenerationRequest) -> bool:
+    """Whether ``request`` has a grammar to compile (a constraint, or a forced tool call)."""
+    return (request.json_schema is not None or request.regex is not None or request.grammar is not None
+            or request.forces_tool_call)
+
+
+def _param_of(err: Exception) -> str | None:
+    """The request parameter a typed error's message begins with (``"tool_choice must ..."``)."""
+    head = str(err).split(" ", 1)[0]
+    return head if head.isidentifier() else None
 
 
 def _default_name(model: Model) -> str:
@@ -109,7 +142,7 @@ def _default_name(model: Model) -> str:
 
 
 @dataclass
-class _Choice:
+class Choice:
     """One generated choice: its request's stream and what became of it."""
 
     index: int
@@ -120,6 +153,10 @@ class _Choice:
     pieces: list[str] = field(default_factory=list)
     #: Log-probabilities handed out so far (:meth:`new_logprobs`).
     _logprobs_taken: int = 0
+    #: A chat choice's reader of its reply (reasoning, content, tool calls).
+    reader: ReplyParser | None = None
+    #: Token ids kept out of the text (end-of-sequence ones, when special tokens are decoded).
+    hidden: frozenset[int] = frozenset()
 
     def new_logprobs(self) -> list[TokenLogprob]:
         """The log-probabilities of the tokens consumed since the last call
@@ -128,12 +165,12 @@ class _Choice:
         self._logprobs_taken += len(entries)
         return entries
 
-    async def run(self, loop: EngineLoop, emit: Callable[[_Choice, str], Awaitable[None]] | None = None) -> None:
+    async def run(self, loop: EngineLoop, emit: Callable[[Choice, str], Awaitable[None]] | None = None) -> None:
         """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
         async for ids in self.stream:
             for token in ids:
                 self.tokens += 1
-                piece = self.text.push(token)
+                piece = "" if token in self.hidden else self.text.push(token)
                 if piece:
                     await self._piece(piece, emit)
                 if self.text.stopped:
@@ -145,7 +182,7 @@ class _Choice:
             await self._piece(piece, emit)
         self.finish_reason = "stop" if self.stream.finish_reason == "stop" or self.text.stopped else "length"
 
-    async def _piece(self, piece: str, emit: Callable[[_Choice, str], Awaitable[None]] | None) -> None:
+    async def _piece(self, piece: str, emit: Callable[[Choice, str], Awaitable[None]] | None) -> None:
         self.pieces.append(piece)
         if emit is not None:
             await emit(self, piece)
@@ -158,9 +195,17 @@ class _Choice:
 # -- the server -----------------------------------------------------------------------------
 
 
-class _Server:
-    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int) -> None:
+class Server:
+    """One served model: what every endpoint shares (see the module docs)."""
+
+    def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
+                 reasoning_parser: str | None = None, tool_parser: str | None = None,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.model = model
+        self.body_timeout = body_timeout
+        #: The server's choice of reasoning parser and tool-call format (None: from the template).
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
         self.name = name
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
@@ -178,53 +223,60 @@ class _Server:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    def _card(self) -> dict[str, Any]:
+    def _card(self, request: Request) -> dict[str, Any]:
+        if "anthropic-version" in request.headers:  # Anthropic's client lists models in its own shape
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+            return {"type": "model", "id": self.name, "display_name": self.name, "created_at": created}
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
                 "max_model_len": self.model.context_length}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        if "anthropic-version" in request.headers:
+            return JSONResponse({"data": [self._card(request)], "has_more": False, "first_id": self.name,
+                                 "last_id": self.name})
+        return JSONResponse({"object": "list", "data": [self._card(request)]})
 
     async def model_card(self, request: Request) -> Response:
-        self._check_model(request.path_params["name"])
-        return JSONResponse(self._card())
+        self.check_model(request.path_params["name"])
+        return JSONResponse(self._card(request))
 
-    def _check_model(self, name: str) -> None:
+    async def read_body(self, request: Request) -> Any:
+        """The request's JSON body, within the server's size and time limits."""
+        return await read_json(request, self.max_body_bytes, self.body_timeout)
+
+    def check_model(self, name: str) -> None:
         if name != self.name:
             raise RequestError(f"the model {name!r} does not exist; this server serves {self.name!r}", "model",
                                status=404, code="model_not_found")
 
     # -- what both generation endpoints share ----------------------------------------------
 
-    def _sampling(self, body: _Sampling, index: int) -> SamplingParams:
-        seed = None if body.seed is None else body.seed + index  # n choices, n different draws
-        return self.model.sampling_params(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, seed=seed, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=body.bias(self.model.network.vocab_size))
+    def sampling_request(self, body: _Sampling, *, max_tokens: int | None, logprobs: int | None = None,
+                 **options: Any) -> GenerationRequest:
+        """The :class:`~infer.request.GenerationRequest` of ``body`` (what
+        every endpoint submits), with ``options`` (constraints, tools,
+        reasoning) beside its sampling parameters."""
+        return self.build_request(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
+            logprobs=logprobs, **options)
 
-    def _max_tokens(self, requested: int | None, default: int | None, prompt_tokens: int) -> int:
-        """``requested``, else ``default``, else the model's default (as
-        :meth:`~infer.Model.chat`'s); capped by the context."""
-        room = self.model.context_length - prompt_tokens
-        if room < 1 and requested != 0:
-            raise ContextLengthError(
-                f"the prompt has {prompt_tokens} tokens but the model's context is {self.model.context_length} "
-                f"positions, and at least one must remain for generation")
-        if requested is None:
-            requested = default if default is not None else (
-                self.model.package.generation.max_new_tokens or DEFAULT_MAX_TOKENS)
-        return min(requested, room)
+    def build_request(self, **fields: Any) -> GenerationRequest:
+        """A :class:`~infer.request.GenerationRequest` of ``fields``; a bad
+        value is a 400 naming the parameter."""
+        try:
+            return GenerationRequest(**fields)
+        except (SamplingParameterError, StructuredOutputError) as err:
+            raise RequestError(str(err), _param_of(err)) from None
 
-    async def _start(self, body: _Sampling, prompts: list[list[int]], max_tokens: list[int],
-                     top_logprobs: int | None = None) -> list[_Choice]:
-        """Submit ``body.n`` requests per prompt, all at once; all or none (a
+    async def start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
+                     skip_special_tokens: bool = True) -> list[Choice]:
+        """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
-        stops = body.stops()
-        eos = self.model.eos_token_ids
-        jobs = [(prompt, Sampler(self._sampling(body, j), logprobs=top_logprobs),
-                 StopConditions(max_tokens=limit, eos_token_ids=eos, ignore_eos=body.ignore_eos))
-                for prompt, limit in zip(prompts, max_tokens) for j in range(body.n)]
+        jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
+                for prompt in prompts for j in range(n)]
         results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, TokenStream)]
         refused = [r for r in results if not isinstance(r, TokenStream)]
@@ -232,16 +284,20 @@ class _Server:
             for stream in streams:
                 self.loop.cancel(stream)
             raise refused[0]
-        choices = [_Choice(i, stream, TextStream(self.model.tokenizer, stops)) for i, stream in enumerate(streams)]
+        stops = prepared.request.stop
+        tokenizer = self.model.tokenizer
+        hidden = frozenset() if skip_special_tokens else self.model.eos_token_ids
+        choices = [Choice(i, stream, TextStream(tokenizer, stops, skip_special_tokens=skip_special_tokens),
+                           hidden=hidden) for i, stream in enumerate(streams)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 
-    def _usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in prompts)
         completion = sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _all(self, request: Request, choices: list[_Choice], endpoint: str) -> None:
+    async def run_all(self, request: Request, choices: list[Choice], endpoint: str) -> None:
         """Run every choice to its end; a client that goes away first cancels them."""
         work = asyncio.gather(*(c.run(self.loop) for c in choices))
         gone = asyncio.ensure_future(disconnected(request))
@@ -258,183 +314,104 @@ class _Server:
                     self.loop.cancel(c.stream)
             self._count(endpoint, choices)
 
-    def _count(self, endpoint: str, choices: list[_Choice]) -> None:
+    def _count(self, endpoint: str, choices: list[Choice]) -> None:
         for c in choices:
             self.metrics.requests.labels(endpoint, c.finish_reason or "cancelled").inc()
 
-    def _unsupported(self, param: str, why: str) -> RequestError:
+    def unsupported(self, param: str, why: str) -> RequestError:
         return RequestError(f"{param} is not supported by infer's server: {why}", param, code="unsupported_parameter")
 
     # -- /v1/completions ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
-        self._check_model(body.model)
-        if body.best_of not in (None, 1):
-            raise self._unsupported("best_of", "generate n choices instead")
-        if body.suffix is not None:
-            raise self._unsupported("suffix", "no model infer runs is trained to fill in the middle here")
-        tokenizer = self.model.tokenizer
-        given = body.prompts()
-        prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in given]
-        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given]
-        max_tokens = [self._max_tokens(body.max_tokens, COMPLETIONS_MAX_TOKENS, len(p)) for p in prompts]
-        k = body.logprobs
-        echoed: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in prompts]
-        if body.echo and k is not None:  # the prompt's own log-probabilities, between two steps
-            engine = self.model.engine
-            for i, prompt in enumerate(prompts):
-                scored = await self.loop.call(functools.partial(prompt_logprobs, engine, prompt, k))
-                echoed[i] = list(zip(prompt, scored))
-        choices = await self._start(body, prompts, max_tokens, k)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def source(c: _Choice) -> int:  # the prompt a choice continues
-            return c.index // body.n
-
-        def logprobs(c: _Choice, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
-            return None if k is None else completion_logprobs(tokenizer, entries, offset)
-
-        def generated(c: _Choice, entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
-            return [(e.token, e) for e in entries]
-
-        def chunk(c: _Choice | None, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                                   "choices": []}
-            if c is not None:
-                out["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]
-            return out
-
-        if not body.stream:
-            await self._all(request, choices, "completions")
-            out = []
-            for c in choices:
-                head = texts[source(c)] if body.echo else ""
-                entries = (echoed[source(c)] if body.echo else []) + generated(c, c.new_logprobs())
-                offset = 0 if body.echo else len(texts[source(c)])
-                out.append({"index": c.index, "text": head + c.output, "logprobs": logprobs(c, entries, offset),
-                            "finish_reason": c.finish_reason})
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                                 "choices": out, "usage": self._usage(prompts, choices)})
-
-        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            offsets = {c.index: 0 if body.echo else len(texts[source(c)]) for c in choices}
-
-            async def send(c: _Choice, text: str, finish: str | None,
-                           entries: list[tuple[int, TokenLogprob | None]]) -> None:
-                lp = logprobs(c, entries, offsets[c.index])
-                offsets[c.index] += len(text)
-                await emit(chunk(c, text, finish, lp))
-
-            async def piece(c: _Choice, text: str) -> None:
-                await send(c, text, None, generated(c, c.new_logprobs()))
-
-            async def one(c: _Choice) -> None:
-                if body.echo:
-                    await send(c, texts[source(c)], None, echoed[source(c)])
-                await c.run(self.loop, piece)
-                await send(c, "", c.finish_reason, generated(c, c.new_logprobs()))
-
-            await asyncio.gather(*(one(c) for c in choices))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                await emit({**chunk(None, "", None), "usage": self._usage(prompts, choices)})
-
-        return self._sse(events, choices, "completions")
+        return await completions.completions(self, request)
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
+    async def chat_plan(self, conversation: list[dict[str, Any]], request: GenerationRequest,
+                        param: str = "response_format") -> ChatPlan:
+        """The model's plan of a chat request (:meth:`infer.Model.plan_chat`),
+        with the server's reasoning parser and tool-call format unless the
+        request names its own; a bad constraint is a 400 naming ``param``
+        (``tool_choice`` for a forced call's grammar)."""
+        if request.reasoning_parser is None and self.reasoning_parser is not None:
+            request = request.replace(reasoning_parser=self.reasoning_parser)
+        if request.tool_parser is None and self.tool_parser is not None:
+            request = request.replace(tool_parser=self.tool_parser)
+        try:
+            if constrained(request):
+                return await asyncio.to_thread(self.model.plan_chat, conversation, request)
+            return self.model.plan_chat(conversation, request)
+        except StructuredOutputError as err:
+            raise RequestError(str(err), "tool_choice" if request.forces_tool_call else param) from None
+        except SamplingParameterError as err:
+            raise RequestError(str(err), _param_of(err)) from None
+
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """:meth:`infer.Model.prepare`; a constraint is compiled on a worker
+        thread (the first one also indexes the vocabulary, about a second for
+        a large one), so the event loop keeps serving."""
+        if constrained(request):
+            return await asyncio.to_thread(self.model.prepare, request)
+        return self.model.prepare(request)
+
+    async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]:
+        """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""
+        choices = await self.start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
+        for c in choices:
+            c.reader = plan.reply_parser()
+        return choices
+
+    async def run_deltas(self, c: Choice, emit: Callable[[Choice, Delta], Awaitable[None]]) -> None:
+        """Run ``c`` to its end, each settled piece of its reply to ``emit``."""
+        reader = c.reader
+        assert reader is not None
+
+        async def piece(c: Choice, text: str) -> None:
+            for d in reader.feed(text):
+                await emit(c, d)
+
+        await c.run(self.loop, piece)
+        for d in reader.finish():
+            await emit(c, d)
+
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatRequest = parse(ChatRequest, await read_json(request, self.max_body_bytes))
-        self._check_model(body.model)
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise self._unsupported("response_format", "JSON output needs constrained decoding, which infer "
-                                    "does not have yet")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        if body.tool_choice not in (None, "auto", "none"):
-            raise self._unsupported("tool_choice", "forcing a call needs constrained decoding; use 'auto' or 'none'")
-        tools = body.tools if body.tools and body.tool_choice != "none" else None
-        text = self.model.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tools=tools)
-        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        choices = await self._start(body, [prompt], [self._max_tokens(requested, None, len(prompt))], k)
-        tokenizer = self.model.tokenizer
+        return await completions.chat_completions(self, request)
 
-        def logprobs(c: _Choice) -> Any:
-            return None if k is None else {"content": chat_logprobs(tokenizer, c.new_logprobs())}
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    # -- the Anthropic Messages API (infer.serve.anthropic) -----------------------------------
 
-        def reply(c: _Choice) -> tuple[dict[str, Any], str | None]:
-            if tools is None:
-                return {"role": "assistant", "content": c.output}, c.finish_reason
-            parsed = toolcalls.parse_tool_calls(c.output)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
-                return message, "tool_calls"
-            return message, c.finish_reason
+    async def messages(self, request: Request) -> Response:
+        return await anthropic.messages(self, request)
 
-        if not body.stream:
-            await self._all(request, choices, "chat")
-            out = []
-            for c in choices:
-                message, finish = reply(c)
-                out.append({"index": c.index, "message": message, "logprobs": logprobs(c), "finish_reason": finish})
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
-                                 "choices": out, "usage": self._usage([prompt], choices)})
+    async def count_tokens(self, request: Request) -> Response:
+        return await anthropic.count_tokens(self, request)
 
-        def chunk(index: int | None, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                   "model": self.name, "choices": []}
-            if index is not None:
-                out["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
-            return out
+    # -- the Responses API (infer.serve.responses) ----------------------------------------------
 
-        async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            shown = {c.index: 0 for c in choices}  # characters of each output already sent
-
-            async def piece(c: _Choice, text: str) -> None:
-                # With tools, text from a possible "<tool_call>" on waits for the end.
-                out = c.output
-                end = len(out)
-                if tools is not None:
-                    start = out.find(toolcalls.OPEN)
-                    end = start if start >= 0 else len(out) - toolcalls.held_back(out)
-                if end > shown[c.index]:
-                    await emit(chunk(c.index, {"content": out[shown[c.index]:end]}, None, logprobs(c)))
-                    shown[c.index] = end
-
-            async def one(c: _Choice) -> None:
-                await emit(chunk(c.index, {"role": "assistant", "content": ""}, None))
-                await c.run(self.loop, piece)
-                finish = c.finish_reason
-                if tools is not None:
-                    rest = c.output[shown[c.index]:]
-                    parsed = toolcalls.parse_tool_calls(rest)
-                    if parsed.tool_calls:
-                        if parsed.content:
-                            await emit(chunk(c.index, {"content": parsed.content}, None))
-                        calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
-                        await emit(chunk(c.index, {"tool_calls": calls}, None))
-                        finish = "tool_calls"
-                    elif rest:
-                        await emit(chunk(c.index, {"content": rest}, None))
-                await emit(chunk(c.index, {}, finish, logprobs(c)))
-
-            await asyncio.gather(*(one(c) for c in choices))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                await emit({**chunk(None, {}, None), "usage": self._usage([prompt], choices)})
-
-        return self._sse(events, choices, "chat")
+    async def responses(self, request: Request) -> Response:
+        return await responses.responses(self, request)
 
     # -- streaming -------------------------------------------------------------------------------
 
-    def _sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
-             choices: list[_Choice], endpoint: str) -> Response:
-        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``; a
-        client that goes away cancels every choice's request."""
-        async def stream() -> AsyncIterator[str]:
+    def sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
+             choices: list[Choice], endpoint: str, *, named: bool = False,
+             failure: Callable[[BaseException], dict[str, Any]] | None = None) -> Response:
+        """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``
+        (OpenAI's chat and completions); with ``named``, each event named by
+        its chunk's ``type`` and no ``[DONE]`` (the Anthropic Messages and
+        Responses APIs). A failure mid-stream sends ``failure(error)`` (by
+        default OpenAI's error body) and ends the stream. A client that goes
+        away cancels every choice's request."""
+        def openai_failure(err: BaseException) -> dict[str, Any]:
+            return {"error": {"message": str(err), "type": "server_error", "param": None, "code": None}}
+
+        failed = failure or openai_failure
+
+        def event(item: dict[str, Any]) -> Any:
+            data = json.dumps(item, ensure_ascii=False)
+            return {"event": item.get("type", "message"), "data": data} if named else data
+
+        async def stream() -> AsyncIterator[Any]:
             out: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
             async def work() -> None:
@@ -452,11 +429,11 @@ class _Server:
                         break
                     if isinstance(item, BaseException):
                         log.warning("a streamed request failed: %s", item)
-                        yield json.dumps({"error": {"message": str(item), "type": "server_error", "param": None,
-                                                    "code": None}})
+                        yield event(failed(item))
                         break
-                    yield json.dumps(item, ensure_ascii=False)
-                yield "[DONE]"
+                    yield event(item)
+                if not named:
+                    yield "[DONE]"
             finally:  # also when the client went away and the response was cancelled
                 task.cancel()
                 for c in choices:

@@ -1,12 +1,15 @@
 """OpenAI's request bodies, validated; what is not supported is refused by name.
 
 Every parameter of OpenAI's completions and chat completions APIs is either
-implemented, accepted as the no-op it is here (``user``,
-``parallel_tool_calls``, ``best_of: 1``, ``tool_choice: "auto"``) or refused
-with a 400 naming it (:class:`~infer.errors.RequestError`): an unknown field
-too, so a client never gets silently different behaviour from what it
-asked for. Beyond OpenAI's: ``top_k``, ``min_p``, ``repetition_penalty`` and
-``ignore_eos``, as vLLM and llama.cpp's server accept them.
+implemented, accepted as the no-op it is here (``user``, ``best_of: 1``) or
+refused with a 400 naming it (:class:`~infer.errors.RequestError`): an
+unknown field too, so a client never gets silently different behaviour from
+what it asked for. Beyond OpenAI's: ``top_k``, ``min_p``,
+``repetition_penalty`` and ``ignore_eos``, as vLLM and llama.cpp's server
+accept them, and vLLM's ``chat_template_kwargs``, ``thinking_budget`` and
+(on completions) ``response_format``. The helpers here (``response_schema``,
+``check_tools``, ``tool_choice``, ``check_stops``) are shared with the
+Responses and Anthropic Messages endpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ from infer.errors import RequestError
 MAX_N = 16
 #: Most alternatives per token (``logprobs`` / ``top_logprobs``), as OpenAI's chat API.
 MAX_TOP_LOGPROBS = 20
+#: Most stop sequences of the Anthropic Messages API (OpenAI's endpoints take 4), and their longest.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+
+
+def check_stops(stop: str | list[str] | None, param: str, most: int) -> tuple[str, ...]:
+    """Stop strings: at most ``most``, each non-empty and at most
+    :data:`MAX_STOP_LENGTH` characters (each is searched for after every token)."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > most or not all(stops) or any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise RequestError(f"{param} takes at most {most} non-empty strings of at most {MAX_STOP_LENGTH} "
+                           f"characters; got {len(stops)}", param)
+    return tuple(stops)
 
 
 class _Body(BaseModel):
@@ -55,12 +73,7 @@ class _Sampling(_Body):
     ignore_eos: bool = False
 
     def stops(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4 or not all(stops):
-            raise RequestError("stop takes at most 4 non-empty strings", "stop")
-        return tuple(stops)
+        return check_stops(self.stop, "stop", 4)
 
     def bias(self, vocab_size: int) -> dict[int, float]:
         """``logit_bias`` with integer keys, each checked against the vocabulary."""
@@ -82,12 +95,71 @@ class _Sampling(_Body):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+class ChatTemplateKwargs(_Body):
+    """What a request may pass to the chat template (vLLM's ``chat_template_kwargs``)."""
+
+    enable_thinking: bool | None = None
+
+
+def response_schema(fmt: Any, param: str) -> dict[str, Any] | bool | None:
+    """The JSON schema a ``response_format`` (chat completions'), or a
+    Responses ``text.format``, asks for: ``{"type": "json_object"}`` is any
+    object, ``{"type": "json_schema", "json_schema": {"schema": ...}}`` (or
+    the schema beside ``type``, as the Responses API puts it) that schema,
+    strict or not; ``text`` or None is no constraint."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise RequestError(f"{param} must be an object with a 'type'", param)
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{param} of type json_schema needs a 'schema' (a JSON schema object)", param)
+        return schema
+    raise RequestError(f"{param} type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'", param)
+
+
+def check_tools(tools: list[Any], param: str) -> list[dict[str, Any]]:
+    """OpenAI function tools, each checked: ``{"type": "function", "function": {"name", "parameters"?}}``."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise RequestError(f"{param}[{i}] must be a function tool: {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"parameters\": {...}}}", param)
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"{param}[{i}].function needs a name", param)
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise RequestError(f"{param}[{i}].function.parameters must be a JSON schema object", param)
+    return tools
+
+
+def tool_choice(choice: Any) -> str | None:
+    """``tool_choice`` as a :class:`~infer.request.GenerationRequest` takes
+    it: ``"auto"``, ``"none"``, ``"required"`` or the named function's name."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice must be 'auto', 'none', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    return name
+
+
 class CompletionRequest(_Sampling):
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # Beyond OpenAI's completions (vLLM takes it): the output's JSON schema.
+    response_format: dict[str, Any] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -109,6 +181,25 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # Beyond OpenAI (vLLM): template options, and a cap on the reasoning's tokens.
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    thinking_budget: int | None = Field(None, ge=0)
+
+    def chat_options(self) -> dict[str, Any]:
+        """The chat options of a :class:`~infer.request.GenerationRequest`:
+        the constraint of ``response_format``, the tools, the thinking options."""
+        out: dict[str, Any] = {"json_schema": response_schema(self.response_format, "response_format")}
+        if self.tools:
+            out["tools"] = check_tools(self.tools, "tools")
+        out["tool_choice"] = tool_choice(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        out["reasoning_effort"] = self.reasoning_effort
+        out["thinking_budget"] = self.thinking_budget
+        if self.chat_template_kwargs is not None:
+            out["enable_thinking"] = self.chat_template_kwargs.enable_thinking
+        return out
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: text content, and the
@@ -122,7 +213,8 @@ class ChatRequest(_Sampling):
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    is_text = isinstance(part, dict) and part.get("type") == "text"
+                    if not is_text or not isinstance(part.get("text"), str):
                         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                         raise RequestError(f"messages[{i}].content[{j}] is of type {kind!r}; this server takes text "
                                            "only", f"messages[{i}].content")

@@ -7,7 +7,7 @@
     infer doctor
     infer diff MODEL --backends A,B [--prompt TEXT]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
-    infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB]
+    infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB] [--tool-parser NAME]
     infer convert SRC OUT [--type TYPE] [--force]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
@@ -286,7 +286,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = _load(args)
     model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
-          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
+          tool_parser=args.tool_parser, body_timeout=args.body_timeout,
           log_level="warning" if args.quiet else "info")
     return 0
 
@@ -361,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
                      "(default 256)")
     srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB)")
+    srv.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="seconds a client may take to send its request body; 408 beyond (default 10)")
+    srv.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                     help="how replies' reasoning is told apart: think, harmony, granite or none (default: chosen "
+                     "from the chat template)")
+    srv.add_argument("--tool-parser", default=None, metavar="NAME",
+                     help="the tool-call format: hermes, llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3 or "
+                     "harmony (default: chosen from the chat template)")
     srv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="measure speed and memory against llama.cpp, transformers and mlx-lm")
     b.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")

@@ -1,0 +1,136 @@
+"""A chat request from messages to a reply: its plan, and its reply read back.
+
+:meth:`infer.Model.plan_chat` renders the conversation with the chat
+template (tools, ``enable_thinking``, ``reasoning_effort``), chooses the
+reasoning parser and tool-call format, turns a forced tool call into the
+format's grammar, and applies the request's constraint to the answer after
+the reasoning (:class:`~infer.reasoning.ReasoningConstraint`): a
+:class:`ChatPlan`. What every chat entry point runs — :meth:`infer.Model.chat`
+and the server's chat completions, Responses and Anthropic Messages
+endpoints — so they give the same tokens and read them the same way.
+
+A :class:`ReplyParser` reads one choice's text as it comes: reasoning, then
+content and tool calls, each as deltas (:class:`Delta`) that join into the
+whole reply (:class:`ChatReply`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from infer.reasoning import ReasoningParser, ReasoningStream
+from infer.request import PreparedRequest
+from infer.tool_parsers import Call, ToolCallStream, ToolParser, openai_call
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a reply: reasoning or content text, or a whole tool call
+    (with its index among the reply's calls and its id)."""
+
+    kind: Literal["reasoning", "content", "tool_call"]
+    text: str = ""
+    index: int = 0
+    call_id: str = ""
+    call: Call | None = None
+
+
+class ChatReply(str):
+    """What :meth:`infer.Model.chat` returns: the answer's text (a ``str``),
+    with the reasoning and the tool calls beside it.
+
+    Attributes:
+        reasoning_content: the thinking of a reasoning model (None when it
+            wrote none, or the model does not reason).
+        tool_calls: calls in OpenAI's shape (``{"id", "type": "function",
+            "function": {"name", "arguments"}}``), when tools were given.
+        finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``"tool_calls"``.
+    """
+
+    reasoning_content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+
+    def __new__(cls, content: str, reasoning_content: str | None = None,
+                tool_calls: list[dict[str, Any]] | None = None, finish_reason: str | None = None) -> ChatReply:
+        reply = super().__new__(cls, content)
+        reply.reasoning_content = reasoning_content
+        reply.tool_calls = tool_calls or []
+        reply.finish_reason = finish_reason
+        return reply
+
+
+class ReplyParser:
+    """One choice's text in, :class:`Delta` pieces out: the reasoning first
+    (by the plan's reasoning parser), then the content, and in it the tool
+    calls (by the plan's tool-call format). :attr:`reasoning`,
+    :attr:`content` and :attr:`calls` hold everything given out so far."""
+
+    def __init__(self, reasoning: ReasoningParser | None, in_reasoning: bool, tools: ToolParser | None) -> None:
+        self._reasoning = None if reasoning is None else ReasoningStream(reasoning, in_reasoning)
+        self._tools = None if tools is None else ToolCallStream(tools)
+        self.reasoning = ""
+        self.content = ""
+        self.calls: list[tuple[int, str, Call]] = []
+        #: Why generation ended, once the caller knows.
+        self.finish_reason: str | None = None
+
+    def feed(self, piece: str) -> list[Delta]:
+        """The pieces that ``piece`` settles."""
+        if self._reasoning is None:
+            return self._content(piece, final=False)
+        thought, said = self._reasoning.feed(piece)
+        return self._thought(thought) + self._content(said, final=False)
+
+    def finish(self) -> list[Delta]:
+        """The end of the reply: everything still held back."""
+        if self._reasoning is None:
+            return self._content("", final=True)
+        thought, said = self._reasoning.finish()
+        return self._thought(thought) + self._content(said, final=True)
+
+    def _thought(self, text: str) -> list[Delta]:
+        self.reasoning += text
+        return [Delta("reasoning", text)] if text else []
+
+    def _content(self, text: str, final: bool) -> list[Delta]:
+        if self._tools is None:
+            said, calls = text, []
+        else:
+            said, calls = self._tools.finish() if final and not text else self._tools.feed(text)
+            if final and text:
+                more, late = self._tools.finish()
+                said, calls = said + more, calls + late
+        self.content += said
+        self.calls.extend(calls)
+        out = [Delta("content", said)] if said else []
+        return out + [Delta("tool_call", index=i, call_id=cid, call=c) for i, cid, c in calls]
+
+    def openai_calls(self) -> list[dict[str, Any]]:
+        """The calls so far in OpenAI's ``tool_calls`` shape."""
+        return [openai_call(None, cid, call) for _, cid, call in self.calls]
+
+
+@dataclass
+class ChatPlan:
+    """A chat request ready to run (see the module docs)."""
+
+    #: The rendered prompt and its token ids.
+    prompt_text: str
+    prompt_ids: list[int]
+    #: The request, with the model's defaults and its answer's constraint.
+    prepared: PreparedRequest
+    reasoning: ReasoningParser | None = None
+    #: Whether the output begins inside the reasoning (the template opened it).
+    in_reasoning: bool = False
+    tools: ToolParser | None = None
+    #: The tool-call format's name (None without tools).
+    tool_format: str | None = None
+    #: Whether the reply is decoded without special tokens: not where the
+    #: reasoning's or the calls' markers are special tokens of this model.
+    skip_special_tokens: bool = True
+
+    def reply_parser(self) -> ReplyParser:
+        """A fresh parser for one choice's reply."""
+        return ReplyParser(self.reasoning, self.in_reasoning, self.tools)
