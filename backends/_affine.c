@@ -825,7 +825,7 @@ static inline void decode_codes(int type, const uint8_t *b, uint8_t *codes) {
 #ifdef HAVE_X86
 /* Q5_0/Q5_1's codes: the 32 fifth bits spread to bytes (byte j of the broadcast
  * word picked by j / 8, its bit j % 8 tested), as 16, or'd onto the nibbles. */
-AVX2 INLINE void q5_codes_avx2(const uint8_t *qh4, const uint8_t *qs, uint8_t *o) {
+AVX2 INLINE __m256i q5_vector(const uint8_t *qh4, const uint8_t *qs) {
     uint32_t qh;
     memcpy(&qh, qh4, 4);
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -835,7 +835,11 @@ AVX2 INLINE void q5_codes_avx2(const uint8_t *qh4, const uint8_t *qs, uint8_t *o
     __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
     __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
     __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    _mm256_storeu_si256((__m256i *)o, _mm256_or_si256(nib, fifth));
+    return _mm256_or_si256(nib, fifth);
+}
+
+AVX2 INLINE void q5_codes_avx2(const uint8_t *qh4, const uint8_t *qs, uint8_t *o) {
+    _mm256_storeu_si256((__m256i *)o, q5_vector(qh4, qs));
 }
 
 /* decode_codes, 16 or 32 bytes at a time (the same bytes). */
@@ -949,7 +953,7 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     __m256 bacc = _mm256_setzero_ps();
-    float s[16], bi[16], pending[8]; /* pending: biases of 32-value blocks not yet 8 */
+    float s[16], bi[16], pending[8]; /* pending: the biases of the last (k / 32) % 8 blocks of 32 */
     Py_ssize_t np_ = 0, gb = 0;      /* pending count; the group of pending[0] */
     if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) {
         const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
@@ -1005,25 +1009,41 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
                 }
             }
         }
-    } else { /* Q5_0, Q5_1: blocks of 32, two per step (even, odd) */
+    } else { /* Q5_0, Q5_1: blocks of 32; eight at a time, their scales widened together */
         const Py_ssize_t bytes = type == GGML_Q5_0 ? 22 : 24, off = type == GGML_Q5_0 ? 2 : 4, blocks = k / GROUP;
-        uint8_t codes[32];
-        for (Py_ssize_t g = 0; g < blocks; g++) {
+        Py_ssize_t g = 0;
+        for (; g + 8 <= blocks; g += 8) {
+            const uint8_t *b = raw + g * bytes;
+            uint16_t d[8], m[8];
+            for (int j = 0; j < 8; j++) {
+                memcpy(d + j, b + j * bytes, 2);
+                memcpy(m + j, b + j * bytes + 2, 2);
+            }
+            __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+            __m256 bv = type == GGML_Q5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), sv)
+                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m));
+            _mm256_storeu_ps(s, sv);
+            bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
+            for (int j = 0; j < 8; j += 2) {
+                const float *w = x + (g + j) * GROUP;
+                __m256i c0 = q5_vector(b + j * bytes + off, b + j * bytes + off + 4);
+                __m256i c1 = q5_vector(b + (j + 1) * bytes + off, b + (j + 1) * bytes + off + 4);
+                even = fold_512(widen_lo(c0), widen_hi(c0), s + j, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+                odd = fold_512(widen_lo(c1), widen_hi(c1), s + j + 1, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48),
+                               odd, 0);
+            }
+        }
+        gb = g;
+        for (; g < blocks; g++) { /* the last blocks' biases are bias_dot's tail, one by one */
             const uint8_t *b = raw + g * bytes;
             float sc = _cvtsh_ss((uint16_t)(b[0] | b[1] << 8));
-            float bias = type == GGML_Q5_0 ? -16.0f * sc : _cvtsh_ss((uint16_t)(b[2] | b[3] << 8));
-            q5_codes_avx2(b + off, b + off + 4, codes);
-            __m256i c = _mm256_loadu_si256((const __m256i *)codes);
+            pending[np_++] = type == GGML_Q5_0 ? -16.0f * sc : _cvtsh_ss((uint16_t)(b[2] | b[3] << 8));
+            __m256i c = q5_vector(b + off, b + off + 4);
             const float *w = x + g * GROUP;
             if (g & 1)
                 odd = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), odd, 0);
             else
                 even = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
-            pending[np_++] = bias;
-            if (np_ == 8) {
-                bacc = _mm256_fmadd_ps(_mm256_loadu_ps(pending), _mm256_loadu_ps(xs + gb), bacc);
-                gb += 8, np_ = 0;
-            }
         }
     }
     float t = hsum(bacc);

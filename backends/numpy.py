@@ -102,12 +102,15 @@ _affine = _load_kernels(KERNELS)
 BLOCK_FORMS: dict[str, int] = _affine.block_forms() if hasattr(_affine, "block_forms") else {}
 #: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
 BLOCK_COLS = 32768
-#: The GGML types the numpy backend keeps as the file stores them: those whose
-#: converted form would read more bytes per token (5- and 6-bit codes take a
-#: byte each there, K types a float32 scale and bias per group). Q4_0, Q4_1
-#: and Q8_0 convert to the same bytes, and their products on the converted
-#: codes measured faster than on the blocks (docs/performance.md).
-STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"})
+#: The GGML types the numpy backend keeps as the file stores them: the K types,
+#: whose converted form reads more bytes per token (a float32 scale and bias
+#: per group; Q5_K's and Q6_K's codes a byte each) and whose decoding products
+#: measured at least as fast on the blocks. Q4_0, Q4_1 and Q8_0 convert to
+#: the file's bytes (codes copied), and decode faster converted; Q5_0 and
+#: Q5_1 read a third fewer bytes as stored, but decoded no faster on the
+#: blocks, whose fifth bits cost more instructions than the bytes saved
+#: (docs/performance.md). The kernels read all eight (BLOCK_FORMS).
+STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 class ThreadGovernor:
