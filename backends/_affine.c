@@ -689,6 +689,7 @@ static void release_optional(Py_buffer *b) {
 #define FORM_BLOCKS 256
 #define QK_K 256
 #define DECODED_BYTES 32768 /* decoded codes of a tile of rows, on the stack (with `wide`, in L2) */
+#define DIRECT_ROWS 1 /* rows of x up to which blocks are decoded in registers: past it, once a tile for all rows (faster for 2 and up) */
 
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
@@ -1051,26 +1052,148 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + t;
 }
 
-/* Whether blocks_row_512 computes this type. */
+/* One row of a K type's blocks against one activation row on AVX2, decoding
+ * in registers: one_row's arithmetic (dot4 / dot8 / g16_step per block of 32
+ * columns, scaled into the even or odd accumulator, then bias_dot's sum) on
+ * the same codes and scales, so the bits are one_row's. */
+AVX2 INLINE __m256 widen_q(__m128i v, const int half) { /* bytes 0..7 (half 0) or 8..15 as 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(v, 8) : v));
+}
+
+/* 32 code bytes (column order) against x's 32 columns: dot8's sum (g16: g16_step's two halves, t and u). */
+AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
+    __m128i a = _mm256_castsi256_si128(c), b = _mm256_extracti128_si256(c, 1);
+    __m256 t = _mm256_mul_ps(widen_q(a, 0), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(widen_q(a, 1), _mm256_loadu_ps(v + 8), t);
+    if (u) {
+        __m256 h = _mm256_mul_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16));
+        *u = _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), h);
+        return t;
+    }
+    t = _mm256_fmadd_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), t);
+}
+
+AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
+    float s[16], bi[16];
+    const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
+    for (Py_ssize_t j = 0; j < k / QK_K; j++) {
+        const uint8_t *b = raw + j * bytes;
+        const float *v = x + j * QK_K;
+        decode_scales_avx2(type, b, s, bi);
+        bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
+        if (per == 16) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi + 8), _mm256_loadu_ps(xs + j * per + 8), bacc);
+        if (type == GGML_Q4_K) {
+            const __m128i m4 = _mm_set1_epi8(15);
+            for (int i = 0; i < 4; i++) { /* chunk i: group 2i the low nibbles, 2i + 1 the high ones */
+                __m128i qa = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * i));
+                __m128i qb = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * i));
+                const float *w = v + 64 * i;
+                __m128i la = _mm_and_si128(qa, m4), lb = _mm_and_si128(qb, m4);
+                __m128i ha = _mm_and_si128(_mm_srli_epi16(qa, 4), m4), hb = _mm_and_si128(_mm_srli_epi16(qb, 4), m4);
+                __m256 t = _mm256_mul_ps(widen_q(la, 0), _mm256_loadu_ps(w));
+                t = _mm256_fmadd_ps(widen_q(la, 1), _mm256_loadu_ps(w + 8), t);
+                t = _mm256_fmadd_ps(widen_q(lb, 0), _mm256_loadu_ps(w + 16), t);
+                t = _mm256_fmadd_ps(widen_q(lb, 1), _mm256_loadu_ps(w + 24), t);
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), t, a0);
+                t = _mm256_mul_ps(widen_q(ha, 0), _mm256_loadu_ps(w + 32));
+                t = _mm256_fmadd_ps(widen_q(ha, 1), _mm256_loadu_ps(w + 40), t);
+                t = _mm256_fmadd_ps(widen_q(hb, 0), _mm256_loadu_ps(w + 48), t);
+                t = _mm256_fmadd_ps(widen_q(hb, 1), _mm256_loadu_ps(w + 56), t);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), t, a1);
+            }
+        } else if (type == GGML_Q5_K) {
+            const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int i = 0; i < 4; i++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * i));
+                __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), one);
+                __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i + 1)), one);
+                __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(f0, 4));
+                __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_slli_epi16(f1, 4));
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), dot32_avx2(lo, v + 64 * i, NULL), a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), dot32_avx2(hi, v + 64 * i + 32, NULL), a1);
+            }
+        } else { /* Q6_K: g16_step per block of 32 */
+            const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i c[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                for (int q = 0; q < 4; q += 2) {
+                    const float *sq = s + 8 * h + 2 * q, *w = v + 128 * h + 32 * q;
+                    __m256 u, t = dot32_avx2(c[q], w, &u);
+                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq), t, a0));
+                    t = dot32_avx2(c[q + 1], w + 32, &u);
+                    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 3), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 2), t, a1));
+                }
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(a0, a1)) + hsum(bacc);
+}
+
+/* Whether blocks_row_512 computes this type (blocks_row_avx2: the K types). */
 static int direct_512(int type) {
     return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_Q5_0 || type == GGML_Q5_1;
 }
+static int direct_avx2(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
 
-/* Rows [r0, r1) of block-form W against one activation row, blocks_row_512 a
- * row, the blocks PREFETCH bytes ahead asked for (to `left` bytes past raw). */
+#define BLOCK_ROW_CASES(fn) \
+    switch (type) { \
+    case GGML_Q4_K: v = fn(GGML_Q4_K, row, xi, xsi, k); break; \
+    case GGML_Q5_K: v = fn(GGML_Q5_K, row, xi, xsi, k); break; \
+    case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k); break; \
+    case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k); break; \
+    default: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
+    }
+
+/* Rows [r0, r1) of block-form W against m activation rows (x [m, k], their
+ * group sums xs `groups` apart, y [m, n]), a row of W and of x at a time: each
+ * row's sums are those it gets alone, and a weight row stays in L1 for the m
+ * rows that read it. The blocks are asked for PREFETCH bytes ahead (up to
+ * `left` bytes past raw). wide: the AVX-512 kernel, else AVX2's. */
 AVX512 static void blocks_rows_512(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
-                                   Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t k) {
+                                   Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
+                                   Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
     for (Py_ssize_t r = r0; r < r1; r++) {
         const char *at = (const char *)raw + r * raw_row;
         for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
             __builtin_prefetch(at + PREFETCH + b, 0, 0);
         const uint8_t *row = raw + r * raw_row;
-        switch (type) {
-        case GGML_Q4_K: y[r] = blocks_row_512(GGML_Q4_K, row, x, xs, k); break;
-        case GGML_Q5_K: y[r] = blocks_row_512(GGML_Q5_K, row, x, xs, k); break;
-        case GGML_Q6_K: y[r] = blocks_row_512(GGML_Q6_K, row, x, xs, k); break;
-        case GGML_Q5_0: y[r] = blocks_row_512(GGML_Q5_0, row, x, xs, k); break;
-        default: y[r] = blocks_row_512(GGML_Q5_1, row, x, xs, k); break;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const float *xi = x + i * k, *xsi = xs + i * groups;
+            float v;
+            BLOCK_ROW_CASES(blocks_row_512)
+            y[i * n + r] = v;
+        }
+    }
+}
+
+AVX2 static void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                                  Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
+                                  Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const char *at = (const char *)raw + r * raw_row;
+        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+            __builtin_prefetch(at + PREFETCH + b, 0, 0);
+        const uint8_t *row = raw + r * raw_row;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const float *xi = x + i * k, *xsi = xs + i * groups;
+            float v;
+            switch (type) {
+            case GGML_Q4_K: v = blocks_row_avx2(GGML_Q4_K, row, xi, xsi, k); break;
+            case GGML_Q5_K: v = blocks_row_avx2(GGML_Q5_K, row, xi, xsi, k); break;
+            default: v = blocks_row_avx2(GGML_Q6_K, row, xi, xsi, k); break;
+            }
+            y[i * n + r] = v;
         }
     }
 }
@@ -1222,10 +1345,17 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
     if (blocks && tile * row_bytes > DECODED_BYTES) tile = DECODED_BYTES / row_bytes; /* >= 1: shape_ok */
     Py_ssize_t tiles = (n + tile - 1) / tile;
 #ifdef HAVE_X86
-    if (blocks && use_avx512 && m == 1 && direct_512(type)) { /* decoding: the blocks decoded in registers */
+    /* Decoding: the blocks decoded in registers, a weight row against each row of x in turn. */
+    if (blocks && m <= DIRECT_ROWS && ((use_avx512 && direct_512(type)) || (use_avx2 && direct_avx2(type)))) {
+        const int wide = use_avx512 && direct_512(type);
         #pragma omp parallel for schedule(static)
-        for (Py_ssize_t t = 0; t < tiles; t++)
-            blocks_rows_512(type, c, raw_row, t * tile, t * tile + tile < n ? t * tile + tile : n, n * raw_row, x, xs, y, k);
+        for (Py_ssize_t t = 0; t < tiles; t++) {
+            Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+            if (wide)
+                blocks_rows_512(type, c, raw_row, r0, r1, n * raw_row, x, xs, y, m, k, n, groups);
+            else
+                blocks_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, x, xs, y, m, k, n, groups);
+        }
         free(xs);
         return 0;
     }
