@@ -7,10 +7,12 @@ when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
 (``infer.backends._affine``, built at install where a C compiler exists),
-GGUF matrices whose type has an exact affine form (Q4_0, Q4_1, Q4_K, Q5_0,
-Q5_1, Q5_K, Q8_0 in groups of 32; Q6_K in groups of 16) stay in that form,
+GGUF's K types (Q4_K, Q5_K, Q6_K) are computed on as the file stores them, a
+view of the memory-mapped file (:data:`STORED_TYPES`), and the other GGUF
+matrices whose type has an exact affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in
+groups of 32) stay in that form,
 4 or 8 bits per value plus a scale and bias per group, float16 where the
-type stores them so (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and float32 otherwise:
+type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
@@ -234,7 +236,8 @@ class NumpyBackend(Backend):
     # -- weights -------------------------------------------------------------
 
     def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
-        """GGUF matrices with an affine form stay in it when the C kernels are
+        """GGUF matrices of :data:`STORED_TYPES` stay the file's blocks, and the
+        others with an affine form are converted to it, when the C kernels are
         built (unless ``quantize="off"``); float32 copies otherwise, while
         memory allows; past that (or with on-load quantization) a
         :class:`~infer.ops.PackedWeight`."""
