@@ -904,15 +904,18 @@ AVX2 INLINE void decode_codes_avx2(int type, const uint8_t *b, uint8_t *codes) {
 /* decode_scales, eight at a time where a block has 8 or 16 groups (the same float32 products). */
 AVX2 INLINE void decode_scales_avx2(int type, const uint8_t *b, float *s, float *bi) {
     if (type == GGML_Q4_K || type == GGML_Q5_K) {
-        uint8_t sc[8], m[8];
-        int64_t a, c;
-        k_sixbits(b, sc, m);
-        memcpy(&a, sc, 8);
-        memcpy(&c, m, 8);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[0] | b[1] << 8)));
-        const __m256 dmin = _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[2] | b[3] << 8)));
-        __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(a)));
-        __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(c)));
+        /* k_sixbits in one register: the block's first 16 bytes as words [d|dmin, u0, u1, u2];
+         * lanes [u0, u2, u1, u2] and [u0, u0, u1, u1] give sc 0..3, sc 4..7, m 0..3, m 4..7. */
+        __m128i q = _mm_loadu_si128((const __m128i *)b);
+        __m128i p = _mm_shuffle_epi32(q, _MM_SHUFFLE(3, 2, 3, 1)), r = _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 2, 1, 1));
+        __m128i lo = _mm_and_si128(r, _mm_set1_epi8(0x3f));
+        __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi8(0x0f)),
+                                  _mm_and_si128(_mm_srli_epi32(r, 2), _mm_set1_epi8(0x30)));
+        __m128i six = _mm_blend_epi32(lo, hi, 0xA);
+        __m128 dd = _mm_cvtph_ps(q); /* d, dmin */
+        const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+        __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six));
+        __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(six, 8)));
         _mm256_storeu_ps(s, _mm256_mul_ps(d, fs));
         _mm256_storeu_ps(bi, _mm256_xor_ps(_mm256_mul_ps(dmin, fm), _mm256_set1_ps(-0.0f))); /* -(dmin * m) */
     } else if (type == GGML_Q6_K) {
