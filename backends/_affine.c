@@ -957,14 +957,20 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     __m256 bacc = _mm256_setzero_ps();
-    float s[16], bi[16], pending[8]; /* pending: the biases of the last (k / 32) % 8 blocks of 32 */
+    float s[16], pending[8]; /* s: eight 32-value blocks' scales; pending: the last (k / 32) % 8 blocks' biases */
     Py_ssize_t np_ = 0, gb = 0;      /* pending count; the group of pending[0] */
     if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) {
         const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
-        for (Py_ssize_t j = 0; j < k / QK_K; j++) {
+        const Py_ssize_t blocks = k / QK_K;
+        /* Each super-block's scales are unpacked one block ahead, into the other half of
+         * these: the products then never wait on the stores they read them back from. */
+        float ahead_s[2][16], ahead_b[2][16];
+        decode_scales_avx2(type, raw, ahead_s[0], ahead_b[0]);
+        for (Py_ssize_t j = 0; j < blocks; j++) {
             const uint8_t *b = raw + j * bytes;
             const float *v = x + j * QK_K;
-            decode_scales_avx2(type, b, s, bi);
+            float *s = ahead_s[j & 1], *bi = ahead_b[j & 1];
+            if (j + 1 < blocks) decode_scales_avx2(type, b + bytes, ahead_s[(j + 1) & 1], ahead_b[(j + 1) & 1]);
             bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
             if (per == 16) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi + 8), _mm256_loadu_ps(xs + j * per + 8), bacc);
             if (type == GGML_Q4_K) {
