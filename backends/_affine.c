@@ -950,6 +950,30 @@ AVX2 static void decode_row_avx2(int type, const uint8_t *raw, Py_ssize_t blocks
  * table, the 8-bit ones widened alike), even blocks into one accumulator and
  * odd ones into the other; then bias_dot's sum, 8 groups at a time in order
  * and the last ones one by one. So the bits are wrows_512's. */
+/* The 32-value types with 8-bit decoded codes (Q5_0, Q5_1, Q8_0): bytes a block,
+ * a block's codes as the converted weight holds them, and the scales and
+ * biases of 8 consecutive blocks (decode_scales' values: float16 widened, a
+ * symmetric bias its factor times the scale). */
+static inline Py_ssize_t small_bytes(int type) { return type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34; }
+
+AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
+    if (type == GGML_Q8_0) /* int8 q -> q + 128 */
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    return type == GGML_Q5_0 ? q5_vector(b + 2, b + 6) : q5_vector(b + 4, b + 8);
+}
+
+AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
+    uint16_t d[8], m[8];
+    for (int j = 0; j < 8; j++) {
+        memcpy(d + j, b + j * bytes, 2);
+        if (type == GGML_Q5_1) memcpy(m + j, b + j * bytes + 2, 2);
+    }
+    __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    *biases = type == GGML_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m))
+                                : _mm256_mul_ps(_mm256_set1_ps(type == GGML_Q5_0 ? -16.0f : -128.0f), sv);
+    return sv;
+}
+
 AVX512 INLINE __m512 widen_lo(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v))); }
 AVX512 INLINE __m512 widen_hi(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1))); }
 
@@ -1019,25 +1043,17 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
                 }
             }
         }
-    } else { /* Q5_0, Q5_1: blocks of 32; eight at a time, their scales widened together */
-        const Py_ssize_t bytes = type == GGML_Q5_0 ? 22 : 24, off = type == GGML_Q5_0 ? 2 : 4, blocks = k / GROUP;
+    } else { /* Q5_0, Q5_1, Q8_0: blocks of 32; eight at a time, their scales widened together */
+        const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
         Py_ssize_t g = 0;
         for (; g + 8 <= blocks; g += 8) {
             const uint8_t *b = raw + g * bytes;
-            uint16_t d[8], m[8];
-            for (int j = 0; j < 8; j++) {
-                memcpy(d + j, b + j * bytes, 2);
-                memcpy(m + j, b + j * bytes + 2, 2);
-            }
-            __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
-            __m256 bv = type == GGML_Q5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), sv)
-                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m));
+            __m256 bv, sv = small_scales(type, b, bytes, &bv);
             _mm256_storeu_ps(s, sv);
             bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
             for (int j = 0; j < 8; j += 2) {
                 const float *w = x + (g + j) * GROUP;
-                __m256i c0 = q5_vector(b + j * bytes + off, b + j * bytes + off + 4);
-                __m256i c1 = q5_vector(b + (j + 1) * bytes + off, b + (j + 1) * bytes + off + 4);
+                __m256i c0 = small_codes(type, b + j * bytes), c1 = small_codes(type, b + (j + 1) * bytes);
                 even = fold_512(widen_lo(c0), widen_hi(c0), s + j, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
                 odd = fold_512(widen_lo(c1), widen_hi(c1), s + j + 1, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48),
                                odd, 0);
@@ -1046,9 +1062,9 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
         gb = g;
         for (; g < blocks; g++) { /* the last blocks' biases are bias_dot's tail, one by one */
             const uint8_t *b = raw + g * bytes;
-            float sc = _cvtsh_ss((uint16_t)(b[0] | b[1] << 8));
-            pending[np_++] = type == GGML_Q5_0 ? -16.0f * sc : _cvtsh_ss((uint16_t)(b[2] | b[3] << 8));
-            __m256i c = q5_vector(b + off, b + off + 4);
+            float sc;
+            decode_scales(type, b, &sc, pending + np_++);
+            __m256i c = small_codes(type, b);
             const float *w = x + g * GROUP;
             if (g & 1)
                 odd = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), odd, 0);
@@ -1086,6 +1102,35 @@ AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
 AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
     float s[16], bi[16];
+    if (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0) { /* one_row's 8-bit blocks, dot8 each */
+        const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
+        Py_ssize_t g = 0;
+        for (; g + 8 <= blocks; g += 8) {
+            const uint8_t *b = raw + g * bytes;
+            __m256 bv, sv = small_scales(type, b, bytes, &bv);
+            _mm256_storeu_ps(s, sv);
+            bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
+            for (int j = 0; j < 8; j += 2) {
+                const float *w = x + (g + j) * GROUP;
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), dot32_avx2(small_codes(type, b + j * bytes), w, NULL), a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 1),
+                                     dot32_avx2(small_codes(type, b + (j + 1) * bytes), w + 32, NULL), a1);
+            }
+        }
+        const Py_ssize_t from = g;
+        for (; g < blocks; g++) { /* one_row's last blocks (into a0, as even ones), bias_dot's tail */
+            const uint8_t *b = raw + g * bytes;
+            decode_scales(type, b, s + (g - from), bi + (g - from));
+            __m256 d = dot32_avx2(small_codes(type, b), x + g * GROUP, NULL);
+            if ((g - from) & 1)
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a1);
+            else
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a0);
+        }
+        float tail = hsum(bacc);
+        for (Py_ssize_t i = 0; i < blocks - from; i++) tail += bi[i] * xs[from + i];
+        return hsum(_mm256_add_ps(a0, a1)) + tail;
+    }
     const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
     for (Py_ssize_t j = 0; j < k / QK_K; j++) {
         const uint8_t *b = raw + j * bytes;
@@ -1149,11 +1194,12 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
     return hsum(_mm256_add_ps(a0, a1)) + hsum(bacc);
 }
 
-/* Whether blocks_row_512 computes this type (blocks_row_avx2: the K types). */
+/* Whether blocks_row_512 and blocks_row_avx2 compute this type (every one but Q4_0 and Q4_1). */
 static int direct_512(int type) {
-    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_Q5_0 || type == GGML_Q5_1;
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_Q5_0 || type == GGML_Q5_1 ||
+           type == GGML_Q8_0;
 }
-static int direct_avx2(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+static int direct_avx2(int type) { return direct_512(type); }
 
 #define BLOCK_ROW_CASES(fn) \
     switch (type) { \
@@ -1161,7 +1207,8 @@ static int direct_avx2(int type) { return type == GGML_Q4_K || type == GGML_Q5_K
     case GGML_Q5_K: v = fn(GGML_Q5_K, row, xi, xsi, k); break; \
     case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k); break; \
     case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k); break; \
-    default: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
+    case GGML_Q5_1: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
+    default: v = fn(GGML_Q8_0, row, xi, xsi, k); break; \
     }
 
 /* Rows [r0, r1) of block-form W against m activation rows (x [m, k], their
@@ -1197,11 +1244,7 @@ AVX2 static void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_r
         for (Py_ssize_t i = 0; i < m; i++) {
             const float *xi = x + i * k, *xsi = xs + i * groups;
             float v;
-            switch (type) {
-            case GGML_Q4_K: v = blocks_row_avx2(GGML_Q4_K, row, xi, xsi, k); break;
-            case GGML_Q5_K: v = blocks_row_avx2(GGML_Q5_K, row, xi, xsi, k); break;
-            default: v = blocks_row_avx2(GGML_Q6_K, row, xi, xsi, k); break;
-            }
+            BLOCK_ROW_CASES(blocks_row_avx2)
             y[i * n + r] = v;
         }
     }
