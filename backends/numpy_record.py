@@ -16,6 +16,7 @@ import numpy as np
 
 from infer.errors import CaptureError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Backend, PackedWeight
+from infer.quantize import AffineTensor
 
 log = logging.getLogger(__name__)
 
