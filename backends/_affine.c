@@ -28,6 +28,10 @@
  * row's are then widened to float32 before its sums, so the arithmetic, and
  * the result, are the same as with float32 ones, for fewer bytes read.
  *
+ * GGML's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are also taken
+ * as a GGUF file stores them, and decoded into this form a tile of rows at a
+ * time (see "GGML's blocks as a GGUF file stores them" below).
+ *
  * Also: dequantization into a caller's float32 buffer (for products with many
  * rows, where BLAS on the dequantized matrix is faster).
  *
@@ -658,16 +662,654 @@ static void release_optional(Py_buffer *b) {
     if (b->obj) PyBuffer_Release(b);
 }
 
-/* The shape checks shared by gemv and dequantize: codes of `bits` (4, or 8 for
- * 5-, 6- and 8-bit codes one per byte) in groups of `group` (32; or 16 for
- * 8-bit codes), scales and biases float32 or, with half, float16. */
+/* -- GGML's blocks as a GGUF file stores them -----------------------------------
+ *
+ * form = FORM_BLOCKS + a GGML type id (ggml.h's enum ggml_type): W's rows are
+ * that type's blocks, byte for byte the file's (ggml-common.h's block_q4_0 ...
+ * block_q6_K), read where they lie (the pages of the memory-mapped file).
+ * Each block is the affine form above, exactly
+ * (infer.formats.gguf_quants.affine_groups; d, m, dmin float16):
+ *
+ *   Q4_0, Q5_0, Q8_0: one group of 32, scale d, bias -2^(b-1) d (4-, 5-, 8-bit codes);
+ *   Q4_1, Q5_1: one group of 32, scale d, bias m;
+ *   Q4_K: 8 groups of 32 per 256, scale d * sc, bias -(dmin * m) (6-bit sc, m), 4-bit codes;
+ *   Q5_K: the same with 5-bit codes (the fifth bits in qh);
+ *   Q6_K: 16 groups of 16 per 256, scale d * sc (sc int8), bias -32 * scale, 6-bit codes.
+ *
+ * (d * sc and dmin * m are exact in float32: an 11-bit float16 times at most
+ * 8 bits.) A product decodes a tile of W's rows at a time into that form, in a
+ * buffer on the thread's stack that stays in the core's caches, and runs the
+ * affine row kernels on it: memory is read for the file's bytes only (Q4_K
+ * 4.5 bits a weight, against 6 for 4-bit codes with a float32 scale and bias
+ * per 32; Q6_K 6.6 against 10; Q5_0 5.5 against 8.5), and every path computes
+ * what it computes on the converted weight, the same codes and scales summed
+ * in the same order: the same bits (tests/test_numpy_kernels.py). Decoding is
+ * integer work on bytes already read; the float sums are untouched. */
+
+#define FORM_BLOCKS 256
+#define QK_K 256
+#define DECODED_BYTES 32768 /* decoded codes of a tile of rows, on the stack (with `wide`, in L2) */
+#define DIRECT_ROWS 1 /* rows of x up to which blocks are decoded in registers: past it, once a tile for all rows (faster for 2 and up) */
+
+enum {
+    GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14
+};
+
+/* What a block form decodes to: code bits (4, or 8 for one per byte), the
+ * group, and the values and bytes of one block. 0 for a form that is not one. */
+static int block_form(int form, int *bits, Py_ssize_t *group, Py_ssize_t *values, Py_ssize_t *bytes) {
+    int b;
+    Py_ssize_t g = 32, v = 32, n;
+    switch (form - FORM_BLOCKS) {
+    case GGML_Q4_0: b = 4, n = 18; break;
+    case GGML_Q4_1: b = 4, n = 20; break;
+    case GGML_Q5_0: b = 8, n = 22; break;
+    case GGML_Q5_1: b = 8, n = 24; break;
+    case GGML_Q8_0: b = 8, n = 34; break;
+    case GGML_Q4_K: b = 4, v = QK_K, n = 144; break;
+    case GGML_Q5_K: b = 8, v = QK_K, n = 176; break;
+    case GGML_Q6_K: b = 8, g = 16, v = QK_K, n = 210; break;
+    default: return 0;
+    }
+    *bits = b, *group = g, *values = v, *bytes = n;
+    return 1;
+}
+
+static inline float f16_at(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
+
+/* Q4_K/Q5_K's 8 six-bit scales (sc) and minimums (m) from their 12 bytes,
+ * four a word: ggml's get_scale_min_k4 for every j at once (the masks of its
+ * x86 kernels). */
+static inline void k_sixbits(const uint8_t *b, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[3], t[4];
+    memcpy(u, b + 4, 12);
+    t[0] = u[0] & 0x3f3f3f3fu;                                        /* sc 0..3 */
+    t[1] = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u);        /* sc 4..7 */
+    t[2] = u[1] & 0x3f3f3f3fu;                                        /* m 0..3 */
+    t[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u); /* m 4..7 */
+    memcpy(sc, t, 8);
+    memcpy(m, t + 2, 8);
+}
+
+/* The scales s and biases bi of one block (1, 8 or 16 groups), as the
+ * converted weight holds them: float16 values widened, the K types' products
+ * in float32, a symmetric type's bias its factor times the scale (exact). */
+static inline void decode_scales(int type, const uint8_t *b, float *s, float *bi) {
+    switch (type) {
+    case GGML_Q4_0: s[0] = f16_at(b), bi[0] = -8.0f * s[0]; return;
+    case GGML_Q5_0: s[0] = f16_at(b), bi[0] = -16.0f * s[0]; return;
+    case GGML_Q8_0: s[0] = f16_at(b), bi[0] = -128.0f * s[0]; return;
+    case GGML_Q4_1: case GGML_Q5_1: s[0] = f16_at(b), bi[0] = f16_at(b + 2); return;
+    case GGML_Q6_K: {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        for (int g = 0; g < 16; g++) {
+            s[g] = d * (float)sc[g];
+            bi[g] = -32.0f * s[g];
+        }
+        return;
+    }
+    default: { /* Q4_K, Q5_K */
+        uint8_t sc[8], m[8];
+        k_sixbits(b, sc, m);
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            s[j] = d * (float)sc[j];
+            bi[j] = -(dmin * (float)m[j]);
+        }
+    }
+    }
+}
+
+/* The 5-bit codes of a Q5_0/Q5_1 block (qh, the fifth bits as a little-endian
+ * u32, then the nibbles: low ones values 0..15, high ones 16..31), one a byte. */
+static inline void q5_codes(const uint8_t *qh4, const uint8_t *qs, uint8_t *o) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    for (int j = 0; j < 16; j++) {
+        o[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+        o[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+}
+
+/* The codes of one block as the converted weight holds them (4-bit: GGML's
+ * per-group order, 16 bytes a group, which Q4_0's and Q4_1's blocks already
+ * are; 8-bit: one a byte in column order). */
+static inline void decode_codes(int type, const uint8_t *b, uint8_t *codes) {
+    switch (type) {
+    case GGML_Q4_0: memcpy(codes, b + 2, 16); return;
+    case GGML_Q4_1: memcpy(codes, b + 4, 16); return;
+    case GGML_Q5_0: q5_codes(b + 2, b + 6, codes); return;
+    case GGML_Q5_1: q5_codes(b + 4, b + 8, codes); return;
+    case GGML_Q8_0:
+        for (int j = 0; j < 32; j++) codes[j] = b[2 + j] ^ 0x80; /* int8 q -> q + 128 */
+        return;
+    case GGML_Q4_K:
+        /* 4 chunks of 32 bytes: low nibbles are group 2i (column j at byte j),
+         * high nibbles group 2i + 1; GGML's order puts columns j and j + 16 in byte j. */
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *q = b + 16 + 32 * i;
+            uint8_t *lo = codes + 32 * i, *hi = lo + 16;
+            for (int j = 0; j < 16; j++) {
+                lo[j] = (uint8_t)((q[j] & 15) | (q[j + 16] << 4));
+                hi[j] = (uint8_t)((q[j] >> 4) | (q[j + 16] & 0xF0));
+            }
+        }
+        return;
+    case GGML_Q5_K: {
+        const uint8_t *qh = b + 16;
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *q = b + 48 + 32 * i;
+            uint8_t *lo = codes + 64 * i, *hi = lo + 32;
+            for (int j = 0; j < 32; j++) {
+                lo[j] = (uint8_t)((q[j] & 15) | (((qh[j] >> (2 * i)) & 1) << 4));
+                hi[j] = (uint8_t)((q[j] >> 4) | (((qh[j] >> (2 * i + 1)) & 1) << 4));
+            }
+        }
+        return;
+    }
+    default: /* Q6_K: two halves of 128 values; ql's nibbles and qh's 2-bit fields, 32 values at a time */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            uint8_t *o = codes + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+    }
+}
+
+#ifdef HAVE_X86
+/* Q5_0/Q5_1's codes: the 32 fifth bits spread to bytes (byte j of the broadcast
+ * word picked by j / 8, its bit j % 8 tested), as 16, or'd onto the nibbles. */
+AVX2 INLINE __m256i q5_vector(const uint8_t *qh4, const uint8_t *qs) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+    __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
+    __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    return _mm256_or_si256(nib, fifth);
+}
+
+AVX2 INLINE void q5_codes_avx2(const uint8_t *qh4, const uint8_t *qs, uint8_t *o) {
+    _mm256_storeu_si256((__m256i *)o, q5_vector(qh4, qs));
+}
+
+/* decode_codes, 16 or 32 bytes at a time (the same bytes). */
+AVX2 INLINE void decode_codes_avx2(int type, const uint8_t *b, uint8_t *codes) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: decode_codes(type, b, codes); return; /* a copy */
+    case GGML_Q5_0: q5_codes_avx2(b + 2, b + 6, codes); return;
+    case GGML_Q5_1: q5_codes_avx2(b + 4, b + 8, codes); return;
+    case GGML_Q8_0:
+        _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
+                                                                _mm256_set1_epi8((char)0x80)));
+        return;
+    case GGML_Q4_K: {
+        const __m128i m4 = _mm_set1_epi8(15), h4 = _mm_set1_epi8((char)0xF0);
+        for (int i = 0; i < 4; i++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * i));
+            __m128i c = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * i));
+            _mm_storeu_si128((__m128i *)(codes + 32 * i),
+                             _mm_or_si128(_mm_and_si128(a, m4), _mm_and_si128(_mm_slli_epi16(c, 4), h4)));
+            _mm_storeu_si128((__m128i *)(codes + 32 * i + 16),
+                             _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), _mm_and_si128(c, h4)));
+        }
+        return;
+    }
+    case GGML_Q5_K: {
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int i = 0; i < 4; i++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * i));
+            /* bit 2i (2i + 1) of each qh byte: 16-bit shifts, then the byte's low bit */
+            __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), one);
+            __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i + 1)), one);
+            _mm256_storeu_si256((__m256i *)(codes + 64 * i),
+                                _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(f0, 4)));
+            _mm256_storeu_si256((__m256i *)(codes + 64 * i + 32),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_slli_epi16(f1, 4)));
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            uint8_t *o = codes + 128 * h;
+            /* ((qh >> 2j) & 3) << 4 as one shift and a mask (bits crossing bytes are masked off) */
+            _mm256_storeu_si256((__m256i *)o, _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                                              _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)));
+            _mm256_storeu_si256((__m256i *)(o + 32), _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)));
+            _mm256_storeu_si256((__m256i *)(o + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                                     _mm256_and_si256(qh, m30)));
+            _mm256_storeu_si256((__m256i *)(o + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)));
+        }
+    }
+    }
+}
+
+/* decode_scales, eight at a time where a block has 8 or 16 groups (the same float32 products). */
+AVX2 INLINE void decode_scales_avx2(int type, const uint8_t *b, float *s, float *bi) {
+    if (type == GGML_Q4_K || type == GGML_Q5_K) {
+        /* k_sixbits in one register: the block's first 16 bytes as words [d|dmin, u0, u1, u2];
+         * lanes [u0, u2, u1, u2] and [u0, u0, u1, u1] give sc 0..3, sc 4..7, m 0..3, m 4..7. */
+        __m128i q = _mm_loadu_si128((const __m128i *)b);
+        __m128i p = _mm_shuffle_epi32(q, _MM_SHUFFLE(3, 2, 3, 1)), r = _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 2, 1, 1));
+        __m128i lo = _mm_and_si128(r, _mm_set1_epi8(0x3f));
+        __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi8(0x0f)),
+                                  _mm_and_si128(_mm_srli_epi32(r, 2), _mm_set1_epi8(0x30)));
+        __m128i six = _mm_blend_epi32(lo, hi, 0xA);
+        __m128 dd = _mm_cvtph_ps(q); /* d, dmin */
+        const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+        __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six));
+        __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(six, 8)));
+        _mm256_storeu_ps(s, _mm256_mul_ps(d, fs));
+        _mm256_storeu_ps(bi, _mm256_xor_ps(_mm256_mul_ps(dmin, fm), _mm256_set1_ps(-0.0f))); /* -(dmin * m) */
+    } else if (type == GGML_Q6_K) {
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[208] | b[209] << 8))), f = _mm256_set1_ps(-32.0f);
+        __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        _mm256_storeu_ps(s, s0);
+        _mm256_storeu_ps(s + 8, s1);
+        _mm256_storeu_ps(bi, _mm256_mul_ps(f, s0));
+        _mm256_storeu_ps(bi + 8, _mm256_mul_ps(f, s1));
+    } else {
+        decode_scales(type, b, s, bi); /* one float16 (or two) per block; half_to_float is exact, as F16C is */
+    }
+}
+
+AVX2 static void decode_row_avx2(int type, const uint8_t *raw, Py_ssize_t blocks, Py_ssize_t block_bytes,
+                                 Py_ssize_t code_bytes, Py_ssize_t per, uint8_t *codes, float *s, float *bi) {
+    for (Py_ssize_t j = 0; j < blocks; j++) {
+        decode_codes_avx2(type, raw + j * block_bytes, codes + j * code_bytes);
+        decode_scales_avx2(type, raw + j * block_bytes, s + j * per, bi + j * per);
+    }
+}
+#endif
+
+#ifdef HAVE_X86
+/* One activation row against one weight row of blocks, on AVX-512, decoding
+ * in registers (no tile buffer): for decoding, where the tile's stores and
+ * reloads cost more than the bytes they save. The arithmetic is wrows_512's
+ * (R = 1) on the decoded form, step for step: per block of 32 columns
+ * fold_512 of its columns 0..15 and 16..31 (the 4-bit ones through the same
+ * table, the 8-bit ones widened alike), even blocks into one accumulator and
+ * odd ones into the other; then bias_dot's sum, 8 groups at a time in order
+ * and the last ones one by one. So the bits are wrows_512's. */
+/* The 32-value types with 8-bit decoded codes (Q5_0, Q5_1, Q8_0): bytes a block,
+ * a block's codes as the converted weight holds them, and the scales and
+ * biases of 8 consecutive blocks (decode_scales' values: float16 widened, a
+ * symmetric bias its factor times the scale). */
+static inline Py_ssize_t small_bytes(int type) { return type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34; }
+
+AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
+    if (type == GGML_Q8_0) /* int8 q -> q + 128 */
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    return type == GGML_Q5_0 ? q5_vector(b + 2, b + 6) : q5_vector(b + 4, b + 8);
+}
+
+AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
+    uint16_t d[8], m[8];
+    for (int j = 0; j < 8; j++) {
+        memcpy(d + j, b + j * bytes, 2);
+        if (type == GGML_Q5_1) memcpy(m + j, b + j * bytes + 2, 2);
+    }
+    __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    *biases = type == GGML_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m))
+                                : _mm256_mul_ps(_mm256_set1_ps(type == GGML_Q5_0 ? -16.0f : -128.0f), sv);
+    return sv;
+}
+
+AVX512 INLINE __m512 widen_lo(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v))); }
+AVX512 INLINE __m512 widen_hi(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1))); }
+
+AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    __m256 bacc = _mm256_setzero_ps();
+    float s[16], pending[8]; /* s: eight 32-value blocks' scales; pending: the last (k / 32) % 8 blocks' biases */
+    Py_ssize_t np_ = 0, gb = 0;      /* pending count; the group of pending[0] */
+    if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) {
+        const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
+        const Py_ssize_t blocks = k / QK_K;
+        /* Each super-block's scales are unpacked one block ahead, into the other half of
+         * these: the products then never wait on the stores they read them back from. */
+        float ahead_s[2][16], ahead_b[2][16];
+        decode_scales_avx2(type, raw, ahead_s[0], ahead_b[0]);
+        for (Py_ssize_t j = 0; j < blocks; j++) {
+            const uint8_t *b = raw + j * bytes;
+            const float *v = x + j * QK_K;
+            float *s = ahead_s[j & 1], *bi = ahead_b[j & 1];
+            if (j + 1 < blocks) decode_scales_avx2(type, b + bytes, ahead_s[(j + 1) & 1], ahead_b[(j + 1) & 1]);
+            bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
+            if (per == 16) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi + 8), _mm256_loadu_ps(xs + j * per + 8), bacc);
+            if (type == GGML_Q4_K) {
+                for (int i = 0; i < 4; i++) { /* chunk i: groups 2i (low nibbles) and 2i + 1 (high) */
+                    const uint8_t *q = b + 16 + 32 * i;
+                    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                    const float *w = v + 64 * i;
+                    even = fold_512(_mm512_permutexvar_ps(a, table), _mm512_permutexvar_ps(c, table), s + 2 * i,
+                                    _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+                    odd = fold_512(_mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), table),
+                                   _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), s + 2 * i + 1,
+                                   _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48), odd, 0);
+                }
+            } else if (type == GGML_Q5_K) {
+                const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                for (int i = 0; i < 4; i++) {
+                    __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * i));
+                    __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), one);
+                    __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i + 1)), one);
+                    __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(f0, 4));
+                    __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_slli_epi16(f1, 4));
+                    const float *w = v + 64 * i;
+                    even = fold_512(widen_lo(lo), widen_hi(lo), s + 2 * i, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16),
+                                    even, 0);
+                    odd = fold_512(widen_lo(hi), widen_hi(hi), s + 2 * i + 1, _mm512_loadu_ps(w + 32),
+                                   _mm512_loadu_ps(w + 48), odd, 0);
+                }
+            } else { /* Q6_K: per half, four blocks of 32 (groups of 16, two scales each) */
+                const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t *ql = b + 64 * h;
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                    __m256i c0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                    __m256i c1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                    __m256i c2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+                    __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                    const float *w = v + 128 * h, *sh = s + 8 * h;
+                    even = fold_512(widen_lo(c0), widen_hi(c0), sh, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 1);
+                    odd = fold_512(widen_lo(c1), widen_hi(c1), sh + 2, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48), odd, 1);
+                    even = fold_512(widen_lo(c2), widen_hi(c2), sh + 4, _mm512_loadu_ps(w + 64), _mm512_loadu_ps(w + 80), even, 1);
+                    odd = fold_512(widen_lo(c3), widen_hi(c3), sh + 6, _mm512_loadu_ps(w + 96), _mm512_loadu_ps(w + 112), odd, 1);
+                }
+            }
+        }
+    } else { /* Q5_0, Q5_1, Q8_0: blocks of 32; eight at a time, their scales widened together */
+        const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
+        Py_ssize_t g = 0;
+        for (; g + 8 <= blocks; g += 8) {
+            const uint8_t *b = raw + g * bytes;
+            __m256 bv, sv = small_scales(type, b, bytes, &bv);
+            _mm256_storeu_ps(s, sv);
+            bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
+            for (int j = 0; j < 8; j += 2) {
+                const float *w = x + (g + j) * GROUP;
+                __m256i c0 = small_codes(type, b + j * bytes), c1 = small_codes(type, b + (j + 1) * bytes);
+                even = fold_512(widen_lo(c0), widen_hi(c0), s + j, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+                odd = fold_512(widen_lo(c1), widen_hi(c1), s + j + 1, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48),
+                               odd, 0);
+            }
+        }
+        gb = g;
+        for (; g < blocks; g++) { /* the last blocks' biases are bias_dot's tail, one by one */
+            const uint8_t *b = raw + g * bytes;
+            float sc;
+            decode_scales(type, b, &sc, pending + np_++);
+            __m256i c = small_codes(type, b);
+            const float *w = x + g * GROUP;
+            if (g & 1)
+                odd = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), odd, 0);
+            else
+                even = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+        }
+    }
+    float t = hsum(bacc);
+    for (Py_ssize_t i = 0; i < np_; i++) t += pending[i] * xs[gb + i];
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + t;
+}
+
+/* One row of a K type's blocks against one activation row on AVX2, decoding
+ * in registers: one_row's arithmetic (dot4 / dot8 / g16_step per block of 32
+ * columns, scaled into the even or odd accumulator, then bias_dot's sum) on
+ * the same codes and scales, so the bits are one_row's. */
+AVX2 INLINE __m256 widen_q(__m128i v, const int half) { /* bytes 0..7 (half 0) or 8..15 as 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(v, 8) : v));
+}
+
+/* 32 code bytes (column order) against x's 32 columns: dot8's sum (g16: g16_step's two halves, t and u). */
+AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
+    __m128i a = _mm256_castsi256_si128(c), b = _mm256_extracti128_si256(c, 1);
+    __m256 t = _mm256_mul_ps(widen_q(a, 0), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(widen_q(a, 1), _mm256_loadu_ps(v + 8), t);
+    if (u) {
+        __m256 h = _mm256_mul_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16));
+        *u = _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), h);
+        return t;
+    }
+    t = _mm256_fmadd_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), t);
+}
+
+AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
+    float s[16], bi[16];
+    if (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0) { /* one_row's 8-bit blocks, dot8 each */
+        const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
+        Py_ssize_t g = 0;
+        for (; g + 8 <= blocks; g += 8) {
+            const uint8_t *b = raw + g * bytes;
+            __m256 bv, sv = small_scales(type, b, bytes, &bv);
+            _mm256_storeu_ps(s, sv);
+            bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
+            for (int j = 0; j < 8; j += 2) {
+                const float *w = x + (g + j) * GROUP;
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), dot32_avx2(small_codes(type, b + j * bytes), w, NULL), a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 1),
+                                     dot32_avx2(small_codes(type, b + (j + 1) * bytes), w + 32, NULL), a1);
+            }
+        }
+        const Py_ssize_t from = g;
+        for (; g < blocks; g++) { /* one_row's last blocks (into a0, as even ones), bias_dot's tail */
+            const uint8_t *b = raw + g * bytes;
+            decode_scales(type, b, s + (g - from), bi + (g - from));
+            __m256 d = dot32_avx2(small_codes(type, b), x + g * GROUP, NULL);
+            if ((g - from) & 1)
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a1);
+            else
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a0);
+        }
+        float tail = hsum(bacc);
+        for (Py_ssize_t i = 0; i < blocks - from; i++) tail += bi[i] * xs[from + i];
+        return hsum(_mm256_add_ps(a0, a1)) + tail;
+    }
+    const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
+    for (Py_ssize_t j = 0; j < k / QK_K; j++) {
+        const uint8_t *b = raw + j * bytes;
+        const float *v = x + j * QK_K;
+        decode_scales_avx2(type, b, s, bi);
+        bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
+        if (per == 16) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi + 8), _mm256_loadu_ps(xs + j * per + 8), bacc);
+        if (type == GGML_Q4_K) {
+            const __m128i m4 = _mm_set1_epi8(15);
+            for (int i = 0; i < 4; i++) { /* chunk i: group 2i the low nibbles, 2i + 1 the high ones */
+                __m128i qa = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * i));
+                __m128i qb = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * i));
+                const float *w = v + 64 * i;
+                __m128i la = _mm_and_si128(qa, m4), lb = _mm_and_si128(qb, m4);
+                __m128i ha = _mm_and_si128(_mm_srli_epi16(qa, 4), m4), hb = _mm_and_si128(_mm_srli_epi16(qb, 4), m4);
+                __m256 t = _mm256_mul_ps(widen_q(la, 0), _mm256_loadu_ps(w));
+                t = _mm256_fmadd_ps(widen_q(la, 1), _mm256_loadu_ps(w + 8), t);
+                t = _mm256_fmadd_ps(widen_q(lb, 0), _mm256_loadu_ps(w + 16), t);
+                t = _mm256_fmadd_ps(widen_q(lb, 1), _mm256_loadu_ps(w + 24), t);
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), t, a0);
+                t = _mm256_mul_ps(widen_q(ha, 0), _mm256_loadu_ps(w + 32));
+                t = _mm256_fmadd_ps(widen_q(ha, 1), _mm256_loadu_ps(w + 40), t);
+                t = _mm256_fmadd_ps(widen_q(hb, 0), _mm256_loadu_ps(w + 48), t);
+                t = _mm256_fmadd_ps(widen_q(hb, 1), _mm256_loadu_ps(w + 56), t);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), t, a1);
+            }
+        } else if (type == GGML_Q5_K) {
+            const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int i = 0; i < 4; i++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * i));
+                __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), one);
+                __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i + 1)), one);
+                __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(f0, 4));
+                __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_slli_epi16(f1, 4));
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), dot32_avx2(lo, v + 64 * i, NULL), a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), dot32_avx2(hi, v + 64 * i + 32, NULL), a1);
+            }
+        } else { /* Q6_K: g16_step per block of 32 */
+            const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i c[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                for (int q = 0; q < 4; q += 2) {
+                    const float *sq = s + 8 * h + 2 * q, *w = v + 128 * h + 32 * q;
+                    __m256 u, t = dot32_avx2(c[q], w, &u);
+                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq), t, a0));
+                    t = dot32_avx2(c[q + 1], w + 32, &u);
+                    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 3), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 2), t, a1));
+                }
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(a0, a1)) + hsum(bacc);
+}
+
+/* Whether blocks_row_512 and blocks_row_avx2 compute this type (every one but Q4_0 and Q4_1). */
+static int direct_512(int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_Q5_0 || type == GGML_Q5_1 ||
+           type == GGML_Q8_0;
+}
+static int direct_avx2(int type) { return direct_512(type); }
+
+#define BLOCK_ROW_CASES(fn) \
+    switch (type) { \
+    case GGML_Q4_K: v = fn(GGML_Q4_K, row, xi, xsi, k); break; \
+    case GGML_Q5_K: v = fn(GGML_Q5_K, row, xi, xsi, k); break; \
+    case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k); break; \
+    case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k); break; \
+    case GGML_Q5_1: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
+    default: v = fn(GGML_Q8_0, row, xi, xsi, k); break; \
+    }
+
+/* Rows [r0, r1) of block-form W against m activation rows (x [m, k], their
+ * group sums xs `groups` apart, y [m, n]), a row of W and of x at a time: each
+ * row's sums are those it gets alone, and a weight row stays in L1 for the m
+ * rows that read it. The blocks are asked for PREFETCH bytes ahead (up to
+ * `left` bytes past raw). wide: the AVX-512 kernel, else AVX2's. */
+AVX512 static void blocks_rows_512(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                                   Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
+                                   Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const char *at = (const char *)raw + r * raw_row;
+        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+            __builtin_prefetch(at + PREFETCH + b, 0, 0);
+        const uint8_t *row = raw + r * raw_row;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const float *xi = x + i * k, *xsi = xs + i * groups;
+            float v;
+            BLOCK_ROW_CASES(blocks_row_512)
+            y[i * n + r] = v;
+        }
+    }
+}
+
+AVX2 static void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                                  Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
+                                  Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const char *at = (const char *)raw + r * raw_row;
+        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+            __builtin_prefetch(at + PREFETCH + b, 0, 0);
+        const uint8_t *row = raw + r * raw_row;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const float *xi = x + i * k, *xsi = xs + i * groups;
+            float v;
+            BLOCK_ROW_CASES(blocks_row_avx2)
+            y[i * n + r] = v;
+        }
+    }
+}
+#endif
+
+static void decode_row(int type, const uint8_t *raw, Py_ssize_t blocks, Py_ssize_t block_bytes, Py_ssize_t code_bytes,
+                       Py_ssize_t per, uint8_t *codes, float *s, float *bi) {
+    for (Py_ssize_t j = 0; j < blocks; j++) {
+        decode_codes(type, raw + j * block_bytes, codes + j * code_bytes);
+        decode_scales(type, raw + j * block_bytes, s + j * per, bi + j * per);
+    }
+}
+
+/* Rows [0, rows) of block-form W (raw_row bytes apart, from raw) decoded:
+ * codes row_bytes apart, scales and biases groups apart; the raw bytes up to
+ * `left` past raw are asked for PREFETCH ahead (the hardware prefetchers stop
+ * at 4 KiB pages). */
+static void decode_tile(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t rows, Py_ssize_t k,
+                        Py_ssize_t left, uint8_t *codes, float *s, float *bi) {
+    int bits = 8;
+    Py_ssize_t group = GROUP, values = GROUP, block_bytes = 0;
+    block_form(FORM_BLOCKS + type, &bits, &group, &values, &block_bytes);
+    const Py_ssize_t blocks = k / values, code_bytes = bits == 4 ? values / 2 : values, per = values / group;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+            __builtin_prefetch((const char *)raw + r * raw_row + PREFETCH + b, 0, 0);
+        const uint8_t *row = raw + r * raw_row;
+        uint8_t *c = codes + r * blocks * code_bytes;
+        float *sr = s + r * blocks * per, *br = bi + r * blocks * per;
+#ifdef HAVE_X86
+        if (use_avx2) {
+            decode_row_avx2(type, row, blocks, block_bytes, code_bytes, per, c, sr, br);
+            continue;
+        }
+#endif
+        decode_row(type, row, blocks, block_bytes, code_bytes, per, c, sr, br);
+    }
+}
+
+/* Whether a product's operands have a shape the kernels take: codes of `bits`
+ * (4, or 8 for 5-, 6- and 8-bit codes one per byte) in groups of `group` (32;
+ * or 16 for 8-bit codes), or a block form (k whole blocks, a row's decoded
+ * codes within DECODED_BYTES). */
+static int shape_ok(int bits, Py_ssize_t group, int half, Py_ssize_t k, int biased) {
+    int db;
+    Py_ssize_t dg, values, block_bytes;
+    if (block_form(bits, &db, &dg, &values, &block_bytes))
+        return k >= values && k % values == 0 && (db == 4 ? k / 2 : k) <= DECODED_BYTES && k / dg <= TILE_GROUPS;
+    return (bits == 4 || bits == 8) && (group == GROUP || (bits == 8 && group == 16)) && k >= GROUP &&
+           k % GROUP == 0 && !((half || !biased) && k / group > TILE_GROUPS);
+}
+
+/* The shape checks shared by gemv and dequantize (shape_ok), scales and
+ * biases float32 or, with half, float16; a block form's scales and biases
+ * are in its blocks (any buffers passed are not read). */
 static int check_codes(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ssize_t k, Py_buffer *codes,
                        Py_buffer *scales, Py_buffer *biases) {
-    if ((bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP || k % GROUP ||
-        n < 1 || ((half || !biases->obj) && k / group > TILE_GROUPS)) {
+    if (n < 1 || !shape_ok(bits, group, half, k, biases->obj != NULL)) {
         PyErr_Format(PyExc_ValueError, "bad shape, bits or group: bits=%d group=%zd n=%zd k=%zd", bits, group, n, k);
         return 0;
     }
+    int db;
+    Py_ssize_t dg, values, block_bytes;
+    if (block_form(bits, &db, &dg, &values, &block_bytes)) return check(codes, n * (k / values) * block_bytes, "blocks");
     Py_ssize_t size = half ? 2 : 4, groups = k / group;
     return check(codes, n * (bits == 4 ? k / 2 : k), "codes") && check(scales, n * groups * size, "scales") &&
            optional_check(biases, n * groups * size, "biases");
@@ -731,11 +1373,14 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
 }
 
 /* y [m, n] = x [m, k] @ W.T for an affine W (codes, scales and biases as gemv
- * below takes them), rows of W across the OpenMP threads; called without the
- * GIL. Returns -1 when out of memory. */
+ * below takes them; or bits a block form, c its blocks), rows of W across the
+ * OpenMP threads; called without the GIL. Returns -1 when out of memory. */
 static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
                     int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
-    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
+    const int type = bits - FORM_BLOCKS;
+    Py_ssize_t values = 1, block_bytes = 0;
+    const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
+    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group, raw_row = blocks ? k / values * block_bytes : row_bytes;
     float *xs = malloc((size_t)(m * groups) * sizeof(float));
     if (!xs) return -1;
     group_sums(x, xs, m, k, group);
@@ -748,33 +1393,91 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
         if (m == 1) wide_rows = bits == 4 && row_bytes <= WIDE_ROW_BYTES ? WROWS : 1;
     }
 #endif
-    Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
+    Py_ssize_t tile = tile_rows(groups);
+    if (blocks && tile * row_bytes > DECODED_BYTES) tile = DECODED_BYTES / row_bytes; /* >= 1: shape_ok */
+    Py_ssize_t tiles = (n + tile - 1) / tile;
+#ifdef HAVE_X86
+    /* Decoding: the blocks decoded in registers, a weight row against each row of x in turn. */
+    if (blocks && m <= DIRECT_ROWS && ((use_avx512 && direct_512(type)) || (use_avx2 && direct_avx2(type)))) {
+        const int wide = use_avx512 && direct_512(type);
+        #pragma omp parallel for schedule(static)
+        for (Py_ssize_t t = 0; t < tiles; t++) {
+            Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+            if (wide)
+                blocks_rows_512(type, c, raw_row, r0, r1, n * raw_row, x, xs, y, m, k, n, groups);
+            else
+                blocks_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, x, xs, y, m, k, n, groups);
+        }
+        free(xs);
+        return 0;
+    }
+#endif
     for (Py_ssize_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
         Py_ssize_t rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
         #pragma omp parallel for schedule(static)
         for (Py_ssize_t t = 0; t < tiles; t++) {
             Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
             float wide[2 * TILE_GROUPS];
+            uint8_t decoded[DECODED_BYTES];
             const float *s, *bi;
-            tile_scales(scales, biases, factor, half, r0, r1, groups, wide, &s, &bi);
+            const uint8_t *ct; /* the tile's codes, row_bytes a row */
+            Py_ssize_t left;   /* code bytes from the tile's start to W's end, to prefetch in; 0: none */
+            if (blocks) {
+                decode_tile(type, c + r0 * raw_row, raw_row, r1 - r0, k, (n - r0) * raw_row, decoded, wide,
+                            wide + TILE_GROUPS);
+                s = wide, bi = wide + TILE_GROUPS, ct = decoded, left = 0;
+            } else {
+                tile_scales(scales, biases, factor, half, r0, r1, groups, wide, &s, &bi);
+                ct = c + r0 * row_bytes, left = (n - r0) * row_bytes;
+            }
 #ifdef HAVE_X86
             if (wide_rows) {
-                tile_512(bits, group, (int)wide_rows, c + r0 * row_bytes, s, bi, x, xs, y + r0, r1 - r0, k, (n - r0) * row_bytes);
+                tile_512(bits, group, (int)wide_rows, ct, s, bi, x, xs, y + r0, r1 - r0, k, left);
                 continue;
             }
 #endif
             for (Py_ssize_t r = r0; r < r1; r++) {
                 /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
-                const char *ahead = (const char *)(c + r * row_bytes) + PREFETCH;
-                for (Py_ssize_t b = 0; b < row_bytes && r * row_bytes + PREFETCH + b < n * row_bytes; b += 64)
+                const char *ahead = (const char *)(ct + (r - r0) * row_bytes) + PREFETCH;
+                for (Py_ssize_t b = 0; b < row_bytes && (r - r0) * row_bytes + PREFETCH + b < left; b += 64)
                     __builtin_prefetch(ahead + b, 0, 0);
-                fn(c + r * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, x + i0 * k, xs + i0 * groups,
-                   y + i0 * n + r, rows, k, n, group);
+                fn(ct + (r - r0) * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, x + i0 * k,
+                   xs + i0 * groups, y + i0 * n + r, rows, k, n, group);
             }
         }
     }
     free(xs);
     return 0;
+}
+
+/* Rows [r0, r1) of W (any form gemv takes) as float32 into y (k a row):
+ * scale * code + bias, the values of AffineTensor.dequantize (and of ggml's
+ * dequantization, but for the sign of Q6_K's zeros: -32 * s + 32 * s is +0). */
+static void dequant_rows(int bits, const uint8_t *c, const void *scales, const void *biases, float factor, int half,
+                         Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t k, Py_ssize_t group, float *y) {
+    const int type = bits - FORM_BLOCKS;
+    Py_ssize_t values = 1, block_bytes = 0;
+    const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
+    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group, raw_row = k / values * block_bytes;
+    Py_ssize_t tile = tile_rows(groups);
+    if (blocks && tile * row_bytes > DECODED_BYTES) tile = DECODED_BYTES / row_bytes;
+    for (Py_ssize_t t0 = r0; t0 < r1; t0 += tile) {
+        Py_ssize_t t1 = t0 + tile < r1 ? t0 + tile : r1;
+        float wide[2 * TILE_GROUPS];
+        uint8_t decoded[DECODED_BYTES];
+        const float *st, *bt;
+        const uint8_t *ct;
+        if (blocks) {
+            decode_tile(type, c + t0 * raw_row, raw_row, t1 - t0, k, 0, decoded, wide, wide + TILE_GROUPS);
+            st = wide, bt = wide + TILE_GROUPS, ct = decoded;
+        } else {
+            tile_scales(scales, biases, factor, half, t0, t1, groups, wide, &st, &bt);
+            ct = c + t0 * row_bytes;
+        }
+        for (Py_ssize_t r = t0; r < t1; r++)
+            dequant_row(bits, ct + (r - t0) * row_bytes, st + (r - t0) * groups, bt + (r - t0) * groups,
+                        y + (r - r0) * k, k, group);
+    }
 }
 
 /* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None
@@ -874,20 +1577,13 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (!optional_buffer(bobj, &biases, PyBUF_SIMPLE)) goto done;
     if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&out, n * k * 4, "out")) goto done;
-    Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group;
     Py_BEGIN_ALLOW_THREADS
-    const uint8_t *c = (const uint8_t *)codes.buf;
-    float *y = (float *)out.buf;
-    Py_ssize_t tile = tile_rows(groups), tiles = (n + tile - 1) / tile;
+    /* Spans of rows across the threads: a tile's scales are widened (or its blocks decoded) once. */
+    const Py_ssize_t span = 32;
     #pragma omp parallel for schedule(static) if (parallel)
-    for (Py_ssize_t t = 0; t < tiles; t++) {
-        Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
-        float wide[2 * TILE_GROUPS];
-        const float *st, *bt;
-        tile_scales(scales.buf, biases.buf, factor, half, r0, r1, groups, wide, &st, &bt);
-        for (Py_ssize_t r = r0; r < r1; r++)
-            dequant_row(bits, c + r * row_bytes, st + (r - r0) * groups, bt + (r - r0) * groups, y + r * k, k, group);
-    }
+    for (Py_ssize_t r0 = 0; r0 < n; r0 += span)
+        dequant_rows(bits, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor, half, r0,
+                     r0 + span < n ? r0 + span : n, k, group, (float *)out.buf + r0 * k);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -1315,12 +2011,21 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* block_forms() -> dict: the GGML block types gemv and dequantize read as stored, and the
+ * form (bits argument) that names each. */
+static PyObject *block_forms(PyObject *self, PyObject *noargs) {
+    return Py_BuildValue("{sisisisisisisisi}", "Q4_0", FORM_BLOCKS + GGML_Q4_0, "Q4_1", FORM_BLOCKS + GGML_Q4_1,
+                         "Q5_0", FORM_BLOCKS + GGML_Q5_0, "Q5_1", FORM_BLOCKS + GGML_Q5_1, "Q8_0", FORM_BLOCKS + GGML_Q8_0,
+                         "Q4_K", FORM_BLOCKS + GGML_Q4_K, "Q5_K", FORM_BLOCKS + GGML_Q5_K, "Q6_K", FORM_BLOCKS + GGML_Q6_K);
+}
+
 /* The captured decode step's program runner (run_plan), in its own file. */
 #include "_plan.c"
 
 static PyMethodDef methods[] = {
     {"use_simd", use_simd, METH_O, "Choose the code path (\"portable\", \"avx2+fma\" or \"avx512\")."},
     {"paths", paths, METH_NOARGS, "The code paths this CPU can run, best last."},
+    {"block_forms", block_forms, METH_NOARGS, "GGML block types read as stored, and their forms."},
     {"gemv", gemv, METH_VARARGS, "y = x @ W.T for an affine-quantized W (see the module source)."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"layer_norm", layer_norm, METH_VARARGS, "LayerNorm of float32 rows (optional weight and bias)."},

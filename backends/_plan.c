@@ -356,10 +356,10 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
     free(rows);
 }
 
-/* The shape of a product's codes as gemv checks it (a malformed program stops here). */
+/* The shape of a product's codes as gemv checks it (a malformed program stops here). GEMV's and
+ * DEQUANT_ROWS's bits may be a block form (_affine.c, FORM_BLOCKS): codes are then the file's blocks. */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
-    if (vm->error || (bits != 4 && bits != 8) || (group != GROUP && !(bits == 8 && group == 16)) || k < GROUP ||
-        k % GROUP || ((half || !biases) && k / group > TILE_GROUPS)) {
+    if (vm->error || !shape_ok(bits, group, half, k, biases != NULL)) {
         vm->error = vm->error ? vm->error : E_PROGRAM;
         return 0;
     }
@@ -457,14 +457,10 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         int64_t id_bytes = next_int(vm);
         float factor = (float)next_float(vm);
         if (!codes_ok(vm, bits, group, k, half, biases) || (id_bytes != 4 && id_bytes != 8)) return;
-        Py_ssize_t groups = k / group, row_bytes = bits == 4 ? k / 2 : k;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
             Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
             if (r < 0) break;
-            float wide[2 * TILE_GROUPS];
-            const float *s, *b;
-            tile_scales(scales, biases, factor, half, r, r + 1, groups, wide, &s, &b);
-            dequant_row(bits, codes + r * row_bytes, s, b, out + i * k, k, group);
+            dequant_rows(bits, codes, scales, biases, factor, half, r, r + 1, k, group, out + i * k);
         }
         return;
     }

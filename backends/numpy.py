@@ -7,10 +7,12 @@ when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
 (``infer.backends._affine``, built at install where a C compiler exists),
-GGUF matrices whose type has an exact affine form (Q4_0, Q4_1, Q4_K, Q5_0,
-Q5_1, Q5_K, Q8_0 in groups of 32; Q6_K in groups of 16) stay in that form,
+GGUF's K types (Q4_K, Q5_K, Q6_K) are computed on as the file stores them, a
+view of the memory-mapped file (:data:`STORED_TYPES`), and the other GGUF
+matrices whose type has an exact affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in
+groups of 32) stay in that form,
 4 or 8 bits per value plus a scale and bias per group, float16 where the
-type stores them so (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and float32 otherwise:
+type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
@@ -98,6 +100,20 @@ def _load_kernels(choice: str) -> object | None:
 #: The path chosen at import (``auto`` unless the variable says otherwise).
 KERNELS = _kernel_choice()
 _affine = _load_kernels(KERNELS)
+#: GGML block types the kernels read as a GGUF file stores them, and the form
+#: (the kernels' ``bits`` argument) naming each.
+BLOCK_FORMS: dict[str, int] = _affine.block_forms() if hasattr(_affine, "block_forms") else {}
+#: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
+BLOCK_COLS = 32768
+#: The GGML types the numpy backend keeps as the file stores them: the K types,
+#: whose converted form reads more bytes per token (a float32 scale and bias
+#: per group; Q5_K's and Q6_K's codes a byte each) and whose decoding products
+#: measured at least as fast on the blocks. Q4_0, Q4_1 and Q8_0 convert to
+#: the file's bytes (codes copied), and decode faster converted; Q5_0 and
+#: Q5_1 read a third fewer bytes as stored, but decoded no faster on the
+#: blocks, whose fifth bits cost more instructions than the bytes saved
+#: (docs/performance.md). The kernels read all eight (BLOCK_FORMS).
+STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 class ThreadGovernor:
@@ -219,12 +235,16 @@ class NumpyBackend(Backend):
     # -- weights -------------------------------------------------------------
 
     def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
-        """GGUF matrices with an affine form stay in it when the C kernels are
+        """GGUF matrices of :data:`STORED_TYPES` stay the file's blocks, and the
+        others with an affine form are converted to it, when the C kernels are
         built (unless ``quantize="off"``); float32 copies otherwise, while
         memory allows; past that (or with on-load quantization) a
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
+                if block_form(tensor) is not None:  # computed on where it lies: nothing converted
+                    how = f"{tensor.qtype} blocks as stored, C kernel"
+                    return with_kernel_args(PackedWeight(tensor.shape, tensor.qtype, how, tensor, rows=tensor))
                 affine = from_gguf(tensor, groups=(16, 32), half=True) if _affine is not None else None
                 if affine is not None:
                     how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
@@ -258,8 +278,8 @@ class NumpyBackend(Backend):
         :attr:`KERNEL_ROWS` rows, slabs dequantized for BLAS beyond. Other
         blocks: dequantize (or find in the cache), then the float32 BLAS path."""
         data = weight.data
-        if (_affine is not None and isinstance(data, AffineTensor)
-                and (data.group == 32 or (data.group == 16 and data.bits > 4))):
+        if _affine is not None and ((isinstance(data, AffineTensor) and (data.group == 32 or (
+                data.group == 16 and data.bits > 4))) or block_form(data) is not None):
             y = self._affine_linear(np.asarray(x, np.float32), data)
             if bias is not None:
                 y += bias
@@ -274,7 +294,7 @@ class NumpyBackend(Backend):
                 self._cached_bytes += w.nbytes
         return self.linear(x, w, bias)
 
-    def _affine_linear(self, x: np.ndarray, w: AffineTensor) -> np.ndarray:
+    def _affine_linear(self, x: np.ndarray, w: AffineTensor | QuantizedTensor) -> np.ndarray:
         n, k = w.shape
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, k))
@@ -751,17 +771,46 @@ def records_programs(cls: type, base: type | None = None) -> bool:
 _OWN_OPS: dict[tuple[type, type], bool] = {}
 
 
-def kernel_args(w: AffineTensor) -> tuple[Any, ...]:
+def block_form(tensor: Any) -> int | None:
+    """The kernels' form for a matrix they read in its stored GGML blocks
+    (:data:`BLOCK_FORMS`: Q4_K, Q5_K, Q6_K rows of whole super-blocks, at
+    most :data:`BLOCK_COLS` wide), or None: the kernels are not built, or the
+    tensor is not such blocks."""
+    if not BLOCK_FORMS or not isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 \
+            or tensor.qtype not in STORED_TYPES:
+        return None
+    form = BLOCK_FORMS.get(tensor.qtype)
+    k, values = tensor.shape[1], 256 if tensor.qtype.endswith("_K") else 32
+    if form is None or not (0 < k <= BLOCK_COLS and k % values == 0) or tensor.shape[0] < 1:
+        return None
+    blocks = tensor.ggml_blocks()
+    return form if blocks is not None and blocks[0] == tensor.qtype else None
+
+
+#: The scales argument of a block form (its scales are in its blocks).
+_IN_BLOCKS = np.empty(0, np.float32)
+
+
+def kernel_args(w: AffineTensor | QuantizedTensor) -> tuple[Any, ...]:
     """The C kernels' arguments for ``w``: bits (5- and 6-bit codes are
     stored one per byte, so 8), codes, scales, biases (None where they are
     the bias factor times the scales), then k, n, group, whether the scales
-    are float16, and the bias factor (0.0 where biases are held)."""
+    are float16, and the bias factor (0.0 where biases are held). For GGML
+    blocks read as stored (:func:`block_form`): the form in place of bits,
+    the stored bytes ``[n, bytes_per_row]`` as codes, no scales or biases,
+    and the super-block's 256 as group."""
     n, k = w.shape
+    if not isinstance(w, AffineTensor):
+        form, raw = block_form(w), w.ggml_blocks()
+        if form is None or raw is None:
+            raise ValueError(f"{w!r} is not a weight the C kernels compute on")
+        return (form, np.ascontiguousarray(raw[1]), _IN_BLOCKS, None, k, n, 256 if w.qtype.endswith("_K") else 32,
+                False, 0.0)
     return (4 if w.bits == 4 else 8, w.packed, w.scales, w.stored_biases, k, n, w.group, w.scales.dtype == np.float16,
             0.0 if w.bias_factor is None else w.bias_factor)
 
 
-def affine_gemv(x2: np.ndarray, w: AffineTensor, out: np.ndarray) -> None:
+def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray) -> None:
     """``out = x2 @ W.T`` for up to :attr:`NumpyBackend.KERNEL_ROWS` rows of
     float32 ``x2`` (contiguous), in the C kernel on the codes."""
     bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
@@ -770,13 +819,13 @@ def affine_gemv(x2: np.ndarray, w: AffineTensor, out: np.ndarray) -> None:
     _affine.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
 
 
-def slab_rows(w: AffineTensor) -> int:
+def slab_rows(w: AffineTensor | QuantizedTensor) -> int:
     """Rows of ``w`` dequantized at a time for a many-row product (:attr:`NumpyBackend.SLAB_BYTES` of float32)."""
     n, k = w.shape
     return max(1, min(n, NumpyBackend.SLAB_BYTES // (4 * k)))
 
 
-def affine_slabs(w: AffineTensor, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+def affine_slabs(w: AffineTensor | QuantizedTensor, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
     """``(r0, r1, rows r0..r1 of W as float32)``, one slab after another, each
     dequantized into ``buffer`` (float32, a multiple of k values: its size
     decides the slab), for the caller's GEMM. On this thread: OpenMP workers
@@ -796,7 +845,8 @@ def with_kernel_args(weight: PackedWeight) -> PackedWeight:
     :attr:`~infer.ops.PackedWeight.kernel`) where the kernel computes it, for
     :meth:`NumpyBackend.linear`'s decode path."""
     w = weight.data
-    if isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0:
+    if (isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0
+            or block_form(w) is not None):
         weight.kernel = kernel_args(w)
     return weight
 

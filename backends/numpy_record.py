@@ -499,7 +499,7 @@ class Recorder:
         if self.dynamic(table) or idx.dtype not in (np.int32, np.int64):
             raise NotCapturable(f"embedding by {getattr(idx, 'dtype', '?')} ids")
         idx = self.contiguous(idx)
-        if type(table) is PackedWeight and isinstance(table.data, AffineTensor) and table.kernel is not None:
+        if type(table) is PackedWeight and table.kernel is not None:  # affine codes, or blocks as stored
             bits, codes, scales, biases, k, vocab, group, half, factor = table.kernel[:9]
             out = self.buffer((*idx.shape, k), np.float32)
             self.emit(DEQUANT_ROWS, [codes, scales, biases, idx, out],

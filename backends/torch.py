@@ -151,8 +151,19 @@ def _import_torch() -> None:
 
 
 def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
-    """A GGUF matrix kept in its affine form for the C kernels, or None where
-    it has none."""
+    """A GGUF matrix kept for the C kernels: as the file stores it where they
+    read its blocks (the numpy backend's STORED_TYPES), else in its affine
+    form; None where it has neither."""
+    from infer.backends import numpy as numpy_backend
+
+    if numpy_backend.block_form(tensor) is not None:
+        raw = numpy_backend.kernel_args(tensor)[1]
+        with warnings.catch_warnings():  # the map is read-only, and nothing writes to the view
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(raw)
+        empty = torch.empty(0, dtype=torch.float32)
+        return PackedWeight(tensor.shape, tensor.qtype, f"{tensor.qtype} blocks as stored, C kernel",
+                            ("affine", tensor, (blocks, empty, empty)), rows=tensor)
     affine = from_gguf(tensor, groups=(16, 32), half=True)
     if affine is None or not (affine.group == 32 or affine.bits > 4):
         return None
@@ -171,14 +182,20 @@ def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturi
         x = x.to(torch.float32)
     x = x.contiguous()
     if capturing and torch.compiler.is_compiling():
-        factor = 0.0 if affine.bias_factor is None else affine.bias_factor
-        return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
+        if isinstance(affine, AffineTensor):
+            factor = 0.0 if affine.bias_factor is None else affine.bias_factor
+            return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
+        from infer.backends import numpy as numpy_backend  # blocks as stored: their form as the bits
+
+        bits, group = (numpy_backend.kernel_args(affine)[i] for i in (0, 6))
+        return torch.ops.infer.affine_linear(x, *views, bits, group, 0.0)
     return _affine_product(x, affine)
 
 
-def _affine_product(x: Any, affine: AffineTensor) -> Any:
+def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
     """The numpy backend's product on the tensors' memory: its C kernel for
-    few rows, else its dequantized slabs through torch's GEMM."""
+    few rows, else its dequantized slabs through torch's GEMM (an affine
+    weight, or GGML blocks as stored)."""
     from infer.backends import numpy as numpy_backend
 
     n, k = affine.shape
@@ -190,6 +207,20 @@ def _affine_product(x: Any, affine: AffineTensor) -> Any:
     for r0, r1, slab in numpy_backend.affine_slabs(affine, buffer.numpy()):
         out[:, r0:r1] = x @ torch.from_numpy(slab).T
     return out
+
+
+class _OpBlocks(QuantizedTensor):
+    """GGML blocks handed to ``infer::affine_linear`` as a uint8 tensor, for the
+    numpy kernels (which need only :meth:`ggml_blocks` and the shape)."""
+
+    def __init__(self, qtype: str, shape: tuple[int, int], raw: np.ndarray) -> None:
+        self.qtype, self.shape, self.raw = qtype, shape, raw
+
+    def ggml_blocks(self) -> tuple[str, np.ndarray]:
+        return self.qtype, self.raw
+
+    def dequantize(self) -> np.ndarray:
+        raise NotImplementedError("blocks handed to a compiled op are only multiplied")
 
 
 def _metadata() -> frozenset[Any]:
@@ -283,6 +314,11 @@ def _register_affine_op() -> None:
                       bits: int, group: int, bias_factor: float) -> torch.Tensor:
         n = codes.shape[0]
         k = x.shape[1]
+        from infer.backends import numpy as numpy_backend
+
+        named = {form: name for name, form in numpy_backend.BLOCK_FORMS.items()}
+        if bits in named:  # GGML blocks as stored: codes are the blocks, no scales or biases
+            return _affine_product(x, _OpBlocks(named[bits], (n, k), codes.numpy()))
         held = biases.numpy() if biases.numel() else None  # empty: bias_factor * scales
         affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), held, group,
                               None if held is not None else bias_factor)

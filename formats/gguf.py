@@ -82,6 +82,14 @@ class GGUFQuantizedTensor(QuantizedTensor):
         bits = gguf_quants.AFFINE_BITS.get(self.qtype)
         return None if bits is None else (bits, gguf_quants.AFFINE_GROUP[self.qtype])
 
+    def ggml_blocks(self) -> tuple[str, np.ndarray] | None:
+        """The type and the stored blocks ``[rows, bytes_per_row]`` of a
+        matrix: the file's own bytes (a view of the map) unless rows were
+        reordered or stacked, which made a copy."""
+        if len(self.shape) != 2:
+            return None
+        return self.qtype, self.raw.reshape(self.shape[0], -1)
+
     def affine_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Codes, scales and biases of rows ``[start, stop)`` from their blocks
         (the compact form: 4-bit codes packed, stored float16 scales kept)."""

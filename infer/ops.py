@@ -122,6 +122,17 @@ class QuantizedTensor(abc.ABC):
         form. Default: None."""
         return None
 
+    def ggml_blocks(self) -> tuple[str, np.ndarray] | None:
+        """``(type, raw)`` for a 2-D tensor stored as GGML blocks (GGUF's
+        quantized types; the layouts of ggml's ``ggml-common.h``): ``type``
+        the GGML type's name (``"Q4_K"``), ``raw`` the stored bytes, uint8
+        ``[rows, bytes_per_row]``, row ``i`` of :attr:`shape` in row ``i``,
+        a view of the file where it can be. Backends whose kernels read such
+        blocks compute on them where they lie: nothing converted at load, and
+        a memory-mapped file's pages are the weight. None where the storage
+        is not GGML blocks. Default: None."""
+        return None
+
     def affine_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The exact affine form of rows ``[start, stop)`` of a 2-D tensor whose
         :meth:`affine_layout` is ``(bits, group)``: ``(codes, scales,

@@ -67,3 +67,40 @@ def test_a_large_gguf_matrix_converts_without_holding_its_file_pages(tmp_path) -
     assert peak < converted.nbytes + stored / 2, (peak / 2**20, converted.nbytes / 2**20, stored / 2**20)
     # Released pages leave memory, not the file: the rows read back the same.
     assert np.array_equal(converted.dequantize()[::997], tensor.dequantize_rows(np.arange(0, 16384, 997)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_stored_type_stays_the_files_pages(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The numpy backend computes on Q4_K (and the other STORED_TYPES) where the
+    file's map holds them: preparing the weight allocates nothing and reads
+    nothing, the kernel's codes are the map's bytes (shared with every process
+    mapping the file, evictable, counted once), and the first product reads them."""
+    gguf = pytest.importorskip("gguf")
+    from infer.backends import numpy as numpy_backend
+    from infer.formats import gguf_quants
+    from infer.formats.gguf import GGUFQuantizedTensor, read_gguf
+    from infer.ops import PackedWeight
+
+    if "Q4_K" not in numpy_backend.STORED_TYPES or numpy_backend._affine is None:
+        pytest.skip("the C kernels are not built here")
+    raw = gguf_quants.random_blocks("Q4_K", 8192, 2048, 0)  # 9.4 MB of blocks
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = read_gguf(tmp_path / "k.gguf")
+    info = file.tensors["blk.0.ffn_up.weight"]
+    tensor = GGUFQuantizedTensor("Q4_K", (8192, 2048), file.raw(info), "up", file, info.begin)
+    before = resident_kib()
+    weight = numpy_backend.NumpyBackend().prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
+    grown = resident_kib() - before
+    assert isinstance(weight, PackedWeight) and weight.data is tensor and weight.data.nbytes == raw.nbytes
+    assert np.shares_memory(weight.kernel[1], file.raw(info))  # the map's own bytes
+    assert grown < 1024, grown  # KiB: nothing converted, no page of the tensor read
+    x = np.random.default_rng(0).standard_normal((1, 2048)).astype(np.float32)
+    y = numpy_backend.NumpyBackend().linear(x, weight)
+    # The float32 sums' order against float64 (tests/test_numpy_kernels.py's bound): 1e-6 of sum |x * w|.
+    dense = tensor.dequantize_rows(np.arange(64)).astype(np.float64)
+    assert (np.abs(y[0, :64] - dense @ x[0]) <= 1e-6 * (np.abs(dense) @ np.abs(x[0]))).all()

@@ -279,7 +279,11 @@ def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
     t = gguf_tensor(qtype, 48, 512, 1)
     w = ops.prepare_weight(t, name=LINEAR)
     group = 16 if qtype == "Q6_K" else 32
-    assert isinstance(w, PackedWeight) and f"affine group {group}, " in w.scheme and w.scheme.endswith("C kernel")
+    if qtype in numpy_backend.STORED_TYPES:  # computed on as stored: the weight is the file's blocks
+        assert isinstance(w, PackedWeight) and w.scheme == f"{qtype} blocks as stored, C kernel" and w.data is t
+        assert w.kernel[1].base is not None and np.shares_memory(w.kernel[1], t.raw)
+    else:
+        assert isinstance(w, PackedWeight) and f"affine group {group}, " in w.scheme and w.scheme.endswith("C kernel")
     assert w.data.nbytes < t.dequantize().nbytes / 2.5  # what decoding reads per token
     dense = t.dequantize()
     for m in (1, 4, 12, ops.KERNEL_ROWS + 1, 40):  # the kernel (12: two chunks of rows), then slabs for BLAS
@@ -677,3 +681,94 @@ def test_set_threads_changes_the_threads_a_product_may_use() -> None:
     finally:
         _affine.set_threads(before)
     assert _affine.threads() == before
+
+
+# -- GGML's blocks as the file stores them -------------------------------------------------
+
+#: Every block type the kernels read as stored (the backend keeps STORED_TYPES so).
+BLOCK_TYPES = sorted(numpy_backend.BLOCK_FORMS)
+#: Shapes with odd row counts, one-block rows and widths that are no power of two.
+K_SHAPES = [(1, 256), (5, 768), (37, 2048), (3, 8192)]
+SMALL_SHAPES = [(1, 32), (5, 96), (37, 640), (3, 2080)]
+
+
+def block_args(qtype: str, n: int, k: int, seed: int) -> tuple[tuple, AffineTensor, np.ndarray]:
+    """The kernel's arguments for random ``qtype`` blocks as stored, the same
+    blocks converted (the affine form), and the blocks."""
+    raw = gguf_quants.random_blocks(qtype, n, k, seed)
+    converted = from_gguf(GGUFQuantizedTensor(qtype, (n, k), raw, "random"), groups=(16, 32), half=True)
+    assert converted is not None
+    group = 256 if qtype.endswith("_K") else 32
+    return (numpy_backend.BLOCK_FORMS[qtype], raw, np.empty(0, np.float32), None, k, n, group, False, 0.0), \
+        converted, raw
+
+
+@needs_kernels
+def test_the_kernels_read_every_type_the_backend_keeps_as_stored() -> None:
+    assert numpy_backend.STORED_TYPES <= set(numpy_backend.BLOCK_FORMS)
+    assert set(numpy_backend.BLOCK_FORMS) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 16])
+def test_blocks_as_stored_give_the_converted_weights_bits(path: str, qtype: str, m: int) -> None:
+    # The blocks are decoded (in registers for one row on AVX-512, a tile of rows
+    # into a buffer otherwise) into the very codes and scales the conversion
+    # makes, and summed in the converted kernels' order: the same bits, on every
+    # path, for every row count (11 and 16: two chunks of rows).
+    for seed, (n, k) in enumerate(K_SHAPES if qtype.endswith("_K") else SMALL_SHAPES):
+        args, converted, _ = block_args(qtype, n, k, seed)
+        x = np.random.default_rng(200 + seed).standard_normal((m, k)).astype(np.float32)
+        got, want = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
+        _affine.gemv(args[0], x, args[1], args[2], args[3], got, m, *args[4:])
+        gemv(converted, x, want)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, m, n, k)
+        assert within_float32(got, x, converted.dequantize()), (qtype, m, n, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_blocks_as_stored_dequantize_to_ggmls_values(path: str, qtype: str, parallel: bool) -> None:
+    # Prefill's slabs and the recorded program's embedding rows: ggml's values bit
+    # for bit, but for the sign of zeros (test_quantization.same_values), which
+    # adding +0 makes equal.
+    n, k = 37, 512
+    args, _, raw = block_args(qtype, n, k, 9)
+    out = np.full((n, k), np.nan, np.float32)
+    _affine.dequantize(args[0], args[1], args[2], args[3], out, n, k, parallel, *args[6:])
+    want = gguf_quants.dequantize(raw, qtype).reshape(n, k)
+    assert np.array_equal((out + np.float32(0)).view(np.uint32), (want + np.float32(0)).view(np.uint32))
+
+
+@needs_kernels
+def test_bad_blocks_are_value_errors() -> None:
+    args, _, raw = block_args("Q4_K", 4, 512, 0)
+    x, out = np.zeros((1, 512), np.float32), np.zeros((1, 4), np.float32)
+    form, _, scales = args[:3]
+    with pytest.raises(ValueError, match="blocks"):  # a row short
+        _affine.gemv(form, x, raw[:3], scales, None, out, 1, 512, 4, 256)
+    with pytest.raises(ValueError, match="k=320"):  # not whole super-blocks
+        _affine.gemv(form, x[:, :320], raw, scales, None, out, 1, 320, 4, 256)
+    with pytest.raises(ValueError, match="bits=267"):  # Q3_K (11) has no form
+        _affine.gemv(form - 1, x, raw, scales, None, out, 1, 512, 4, 256)
+    with pytest.raises(ValueError, match="k=65536"):  # a row's decoded codes past the tile buffer
+        _affine.dequantize(numpy_backend.BLOCK_FORMS["Q6_K"], np.zeros((1, 54 * 1024), np.uint8), scales, None,
+                           np.zeros((1, 65536), np.float32), 1, 65536, True, 256)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", sorted(numpy_backend.STORED_TYPES))
+def test_a_stored_weights_rows_do_not_depend_on_the_tile(path: str, qtype: str) -> None:
+    # Tiles of rows go to different threads (and, decoded, to a buffer sized by
+    # the row's width): each row of a weight gives what it gives alone.
+    k = 2048 if qtype.endswith("_K") else 640
+    args, _, raw = block_args(qtype, 41, k, 4)
+    x = np.random.default_rng(5).standard_normal((3, k)).astype(np.float32)
+    for m in (1, 3):
+        together, alone = np.empty((m, 41), np.float32), np.empty((m, 1), np.float32)
+        _affine.gemv(args[0], x[:m], raw, args[2], None, together, m, k, 41, args[6])
+        for r in (0, 17, 40):
+            _affine.gemv(args[0], x[:m], raw[r:r + 1], args[2], None, alone, m, k, 1, args[6])
+            assert np.array_equal(alone[:, 0].view(np.uint32), together[:, r].view(np.uint32)), (m, r)

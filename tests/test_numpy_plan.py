@@ -93,6 +93,59 @@ def test_quantized_weights_are_recorded_as_the_kernels_products() -> None:
         assert model.engine.decode_step.reason is None
 
 
+def _stored_types(value: object, seen: set[int] | None = None) -> set[str]:
+    """The GGML types of the weights under ``value`` kept as their file stores them."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, np.ndarray)):
+        return set()
+    seen.add(id(value))
+    if isinstance(value, infer.ops.PackedWeight):
+        return {value.qtype} if value.scheme.endswith("blocks as stored, C kernel") else set()
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else \
+        vars(value).values() if hasattr(value, "__dict__") else ()
+    return set().union(*(_stored_types(v, seen) for v in items))
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny Llama in a Q4_K_M GGUF file: 256 columns, so its matrices are
+    Q4_K and Q6_K blocks (the tiny models' 64 would fall back to Q5_0)."""
+    import json
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    src, hf = tiny_model_dir("llama3"), tmp_path_factory.mktemp("k_quant")
+    config = json.loads((src / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, head_dim=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config), dtype=torch.float32)
+    model.save_pretrained(hf, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, hf / name)
+    return infer.convert(hf, hf / "m.gguf", type="q4_k_m", progress=False)
+
+
+@pytest.mark.parametrize("path", _affine.paths() if _affine is not None else [])
+def test_blocks_as_stored_are_recorded_as_the_kernels_products(k_quant_gguf, path: str) -> None:  # type: ignore[no-untyped-def]
+    # The program's products and its embedding rows read the file's Q4_K and Q6_K
+    # blocks, as the eager ops do: the eager tokens, on every kernel path.
+    chosen = _affine.simd()
+    _affine.use_simd(path)
+    try:
+        eager = infer.load(k_quant_gguf, backend="numpy", compile=False)
+        model = infer.load(k_quant_gguf, backend="numpy")
+        assert {"Q4_K", "Q6_K"} <= _stored_types(model.network)
+        prompt = encode(tiny_model_dir("llama3"), PROMPT)
+        want = list(eager.generate_tokens(prompt, max_tokens=24, ignore_eos=True))
+        assert list(model.generate_tokens(prompt, max_tokens=24, ignore_eos=True)) == want
+        step = model.engine.decode_step
+        assert step.reason is None and step.steps == 23, step.reason
+    finally:
+        _affine.use_simd(chosen)
+
+
 @pytest.mark.parametrize("variant", ["llama3", "gemma3_softcap"])
 def test_the_programs_logits_are_the_eager_forwards(variant: str) -> None:
     model = infer.load(tiny_model_dir(variant), backend="numpy", compile=False)

@@ -217,6 +217,35 @@ def test_torch_cpu_computes_gguf_blocks_with_the_c_kernels_exactly(qtype: str) -
     assert not isinstance(off.prepare_weight(t, name=LINEAR), PackedWeight)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_torch_cpu_keeps_the_k_types_as_the_file_stores_them(qtype: str) -> None:
+    # torch/cpu hands numpy's kernels a view of the blocks, converting nothing: the
+    # numpy backend's bits for decoding's rows, eagerly and through the compiled
+    # op (infer::affine_linear, which torch.compile calls), which takes the block
+    # form as its bits.
+    torch = pytest.importorskip("torch")
+    from infer.backends.numpy import NumpyBackend, kernel_args
+    from infer.backends.torch import TorchBackend
+
+    ops = TorchBackend("cpu")
+    if ops._kernels is None:
+        pytest.skip("numpy's C kernels are not built")
+    t = gguf_tensor(qtype, 40, 512, 3)
+    w = ops.prepare_weight(t, name=LINEAR)
+    assert w.scheme == f"{qtype} blocks as stored, C kernel" and w.data[1] is t
+    blocks, empty, _ = w.data[2]
+    assert np.shares_memory(blocks.numpy(), t.raw)
+    numpy_ops = NumpyBackend()
+    nw = numpy_ops.prepare_weight(t, name=LINEAR)
+    form, group = kernel_args(t)[0], kernel_args(t)[6]
+    for m in (1, 3):
+        x = np.random.default_rng(m).standard_normal((m, 512)).astype(np.float32)
+        want = numpy_ops.linear(x, nw)
+        assert same_bits(ops.to_numpy(ops.linear(ops.from_numpy(x), w)), want)
+        compiled = torch.ops.infer.affine_linear(torch.from_numpy(x), blocks, empty, empty, form, group, 0.0)
+        assert same_bits(compiled.numpy(), want)
+
+
 def test_torch_cuda_quantizes_only_where_the_kernel_probe_passes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # torch's CUDA int4 kernel is private and its packing has changed between
     # releases: it is used only where a probe on the device reproduces the

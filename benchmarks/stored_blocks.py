@@ -1,0 +1,78 @@
+"""Decode speed of GGUF weights as the file stores them against converted, in one process.
+
+The numpy backend computes on the types of ``NumpyBackend``'s ``STORED_TYPES``
+(Q4_K, Q5_K, Q6_K) as the file stores them; emptying that set gives the
+conversion at load that came before. This loads the model both ways and times
+greedy decoding of each, alternating round by round (the order swapped every
+round), so that a machine whose speed drifts moves both alike. For every round
+it also prints the CPU other processes took meanwhile (``/proc/stat`` less this
+process's own, in cores): the medians count only the rounds where that stayed
+under ``--quiet`` cores.
+
+    python benchmarks/stored_blocks.py /tmp/llama-1b-q4_k_m.gguf --rounds 10
+    OMP_NUM_THREADS=1 python benchmarks/stored_blocks.py gemma3-270m --quiet 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import infer
+from infer.backends import numpy as numpy_backend
+
+
+def cpu_sample() -> tuple[float, float, float]:
+    """(wall seconds, machine busy CPU seconds, this process's CPU seconds)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    mine = os.times()
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, mine.user + mine.system
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens timed per round")
+    parser.add_argument("--quiet", type=float, default=0.1, help="most cores other work may take in a counted round")
+    args = parser.parse_args(argv)
+
+    stored = numpy_backend.STORED_TYPES
+    numpy_backend.STORED_TYPES = frozenset()
+    models = {"converted": infer.load(args.model, backend="numpy")}
+    numpy_backend.STORED_TYPES = stored
+    models["stored"] = infer.load(args.model, backend="numpy")
+    ids = models["stored"].tokenizer.encode("The capital of France is a city that")
+    for m in models.values():  # records each one's decode program
+        list(m.generate_tokens(ids, max_tokens=8, ignore_eos=True))
+    counted: dict[str, list[float]] = {name: [] for name in models}
+    for r in range(args.rounds):
+        order = list(models.items()) if r % 2 == 0 else list(reversed(models.items()))
+        round_: dict[str, tuple[float, float]] = {}
+        for name, m in order:
+            tokens = iter(m.generate_tokens(ids, max_tokens=args.tokens + 1, ignore_eos=True))
+            next(tokens)  # the prefill's token
+            before, start = cpu_sample(), time.perf_counter()
+            n = sum(1 for _ in tokens)
+            seconds, after = time.perf_counter() - start, cpu_sample()
+            others = max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0])
+            round_[name] = (n / seconds, others)
+        quiet = all(others < args.quiet for _, others in round_.values())
+        print(r, "counted" if quiet else "busy", {k: (round(v, 1), round(o, 2)) for k, (v, o) in round_.items()},
+              flush=True)
+        if quiet:
+            for name, (rate, _) in round_.items():
+                counted[name].append(rate)
+    for name, rates in counted.items():
+        print(name, f"median of {len(rates)} rounds: {statistics.median(rates):.1f} tokens/s" if rates else
+              "no round counted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
