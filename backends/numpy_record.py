@@ -16,7 +16,6 @@ import numpy as np
 
 from infer.errors import CaptureError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AttentionBatch, Backend, PackedWeight
-from infer.quantize import AffineTensor
 
 log = logging.getLogger(__name__)
 
