@@ -33,7 +33,6 @@ from collections.abc import Sequence
 
 from infer.engine.runner import Engine, SequenceState
 from infer.errors import CacheFullError
-from infer.kv.cache import ContiguousKVCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 
 log = logging.getLogger("infer.engine.batch")
@@ -101,15 +100,24 @@ class PagedBudget(KVBudget):
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
     ) -> SequenceState | None:
-        alloc = self.pool.allocator
-        cache = self.pool.new_sequence(positions)
+        pool = self.pool
+        try:
+            cache = pool.new_sequence(positions)
+        except CacheFullError:  # no recurrent state slot free
+            return None
         # The last known token is left to compute: its logits give the next token.
         reused = cache.reuse_prefix(known[:-1])
-        # Blocks the running requests still need for tokens they already know.
-        pending = sum(alloc.blocks_needed(_paged(seq).table, seq.cached, n) for seq, n in running)
-        if alloc.blocks_for(positions) - len(cache.table.blocks) > alloc.available() - pending:
-            cache.free()
-            return None
+        # Per state group: blocks the running requests still need for tokens they already know,
+        # and what this one needs (a sliding window's group: its window and margin at most).
+        for g, (alloc, window) in enumerate(zip(pool.allocators, pool.windows)):
+            pending = sum(_paged(seq).blocks_needed(n)[g] for seq, n in running)
+            need = alloc.blocks_for(positions)
+            if window is not None:
+                need = min(need, alloc.blocks_for(window + pool.window_margin) + 2)
+            held = sum(1 for b in cache.tables[g].blocks if b >= 0)
+            if need - held > alloc.available() - pending:
+                cache.free()
+                return None
         return SequenceState(tokens=list(known[:reused]), cache=cache)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
@@ -153,7 +161,10 @@ class ContiguousBudget(KVBudget):
         if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions:
             return None
         engine = self.engine
-        cache = ContiguousKVCache(engine.backend, engine.model.num_cache_layers, positions)
+        try:
+            cache = engine.contiguous_cache(positions)
+        except CacheFullError:  # no recurrent state slot free
+            return None
         return SequenceState(tokens=[], cache=cache)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:

@@ -223,7 +223,8 @@ class BlockAllocator:
         """A second table sharing every block of ``table`` (reference counts
         +1); whichever writes a shared block first gets a copy."""
         for block in table.blocks:
-            self.incref(block)
+            if block >= 0:  # a sliding window's given-back blocks are -1
+                self.incref(block)
         return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
@@ -231,7 +232,8 @@ class BlockAllocator:
         num_tokens = max(0, min(num_tokens, table.num_tokens))
         keep = self.blocks_for(num_tokens)
         for block in reversed(table.blocks[keep:]):
-            self.free(block)
+            if block >= 0:
+                self.free(block)
         del table.blocks[keep:]
         del table.hashes[num_tokens // self.block_size:]
         table.num_tokens = num_tokens
@@ -241,12 +243,39 @@ class BlockAllocator:
         under pressure a cached prefix is evicted from its tail, keeping its
         head reusable."""
         for block in reversed(table.blocks):
-            self.free(block)
+            if block >= 0:
+                self.free(block)
         table.blocks.clear()
         table.hashes.clear()
         table.num_tokens = 0
 
     # -- prefix cache ---------------------------------------------------------------
+
+    def release_before(self, table: BlockTable, position: int) -> int:
+        """Give back the blocks wholly before ``position`` (a sliding window's
+        keys no query reads again): their entries become -1, and a registered
+        one stays cached for prefix hits. Returns the blocks given back."""
+        freed = 0
+        for i in range(min(position // self.block_size, len(table.blocks))):
+            if table.blocks[i] >= 0:
+                self.free(table.blocks[i])
+                table.blocks[i] = -1
+                freed += 1
+        return freed
+
+    def attach_blocks(self, table: BlockTable, keys: Sequence[bytes], first: int) -> None:
+        """Start an empty ``table`` with the cached blocks of ``keys[first:]``
+        (the blocks before ``first`` -1: a sliding window's prefix hit needs
+        only those within the window)."""
+        if table.blocks:
+            raise CacheConfigError("a cached prefix can only start an empty block table")
+        for i, key in enumerate(keys):
+            block = -1 if i < first else self._cached[key]
+            if block >= 0:
+                self.incref(block)
+            table.blocks.append(block)
+        table.hashes = list(keys)
+        table.num_tokens = len(keys) * self.block_size
 
     def lookup_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``tokens``
@@ -276,6 +305,18 @@ class BlockAllocator:
                 break
             found.append((parent, block))
         return found
+
+    def register(self, block: int, key: bytes) -> None:
+        """Enter ``block`` in the prefix cache under ``key`` (a recurrent
+        state checkpoint keyed by the chain hash of the KV block ending where
+        it was taken); a key already cached keeps its first block."""
+        if block not in self._hash_of and key not in self._cached:
+            self._cached[key] = block
+            self._hash_of[block] = key
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block cached under ``key``, or None (a query: nothing changes)."""
+        return self._cached.get(key)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached entry (referenced blocks stay allocated); returns

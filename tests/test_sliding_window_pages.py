@@ -1,0 +1,110 @@
+"""Sliding-window layers hold the keys and values of their window only.
+
+Gemma 3's local layers (architectures/gemma3.py) declare
+``SlidingWindow(window)`` (``CausalLM.layer_states``); the paged pool gives
+them their own block tables (a state group) and gives back the pages that
+fall wholly out of the window (less a margin for rollback) after each
+commit. The figures of the first test are in docs/kv-cache.md ("State groups").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference import tiny_model_dir
+
+import infer
+from infer.engine import Engine
+from infer.kv.attention import FullAttention, SlidingWindow
+from infer.kv.paged import PagedKVPool
+
+PROMPT_TOKENS = 8192
+WINDOW = 64
+BLOCK = 16
+CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def long_gemma3(tmp_path_factory: pytest.TempPathFactory) -> infer.Model:
+    """The tiny gemma3 (5 sliding : 1 global layer) with a context of 9,000 and a window of 64."""
+    path = Path(tmp_path_factory.mktemp("gemma3_long"))
+    shutil.copytree(tiny_model_dir("gemma3"), path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=9000, sliding_window=WINDOW)
+    (path / "config.json").write_text(json.dumps(config))
+    return infer.load(path, backend="numpy")
+
+
+def _greedy(engine: Engine, pool: PagedKVPool, prompt: list[int], new: int) -> tuple[list[int], int]:
+    """Greedy tokens after ``prompt`` (prefilled in chunks), and the bytes the
+    sequence's pool held after the prefill."""
+    seq = engine.new_sequence(kv_pool=pool)
+    for at in range(0, len(prompt), CHUNK):
+        logits = engine.forward(seq, prompt[at:at + CHUNK])
+    held = pool.bytes_held()
+    out = []
+    for _ in range(new):
+        out.append(int(np.argmax(engine.backend.to_numpy(logits)[-1])))
+        logits = engine.forward(seq, [out[-1]])
+    engine.release(seq)
+    assert pool.bytes_held() == 0
+    return out, held
+
+
+def test_an_8k_prompt_holds_the_sliding_layers_window_only(long_gemma3: infer.Model) -> None:
+    network, ops = long_gemma3.network, long_gemma3.backend
+    states = network.layer_states()
+    assert states == [SlidingWindow(WINDOW)] * 5 + [FullAttention()]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, network.vocab_size, PROMPT_TOKENS)]
+    blocks = PROMPT_TOKENS // BLOCK + 8
+
+    before_pool = PagedKVPool(ops, network.num_cache_layers, block_size=BLOCK, num_blocks=blocks)  # every layer full
+    before, held_before = _greedy(Engine(network, ops), before_pool, prompt, 8)
+    engine = Engine(network, ops)
+    pool = engine.new_kv_pool(block_size=BLOCK, num_blocks=blocks)
+    assert pool.windows == [None, WINDOW]
+    after, held_after = _greedy(engine, pool, prompt, 8)
+
+    assert after == before
+    per_layer_block = 2 * BLOCK * network.config.num_key_value_heads * network.config.head_dim * 4  # k + v, float32
+    assert held_before == 6 * (PROMPT_TOKENS // BLOCK) * per_layer_block  # 6,291,456 bytes
+    # The global layer holds every position; each local one its window, the margin and the partial block.
+    window_blocks = (WINDOW + pool.window_margin) // BLOCK
+    assert held_after == (PROMPT_TOKENS // BLOCK + 5 * window_blocks) * per_layer_block  # 1,099,776 bytes
+    print(f"KV bytes held after an {PROMPT_TOKENS}-token prompt: {held_before:,} with every layer full, "
+          f"{held_after:,} with sliding windows of {WINDOW}")
+
+
+def test_windowed_pages_come_back_and_rollback_past_the_margin_replays(long_gemma3: infer.Model) -> None:
+    network, ops = long_gemma3.network, long_gemma3.backend
+    engine = Engine(network, ops)
+    pool = engine.new_kv_pool(block_size=BLOCK, num_blocks=64)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, network.vocab_size, 400)]
+    seq = engine.new_sequence(kv_pool=pool)
+    engine.forward(seq, prompt[:300])
+    local = seq.cache.tables[1].blocks
+    assert local[:(300 - WINDOW - pool.window_margin) // BLOCK] == [-1] * ((300 - WINDOW - pool.window_margin) // BLOCK)
+    # Rolled back within the margin: kept as is; past it (the window's keys are gone): recomputed.
+    engine.truncate(seq, 290)
+    assert seq.cached == 290 and seq.tokens == prompt[:290]
+    engine.truncate(seq, 100)
+    assert seq.cached == 100 and seq.tokens == prompt[:100]
+    got = ops.to_numpy(engine.forward(seq, prompt[100:120], all_logits=True))
+    fresh = engine.new_sequence(kv_pool=pool)
+    want = ops.to_numpy(engine.forward(fresh, prompt[:120], all_logits=True))[100:]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # A prefix hit needs the local layers' blocks within the window before the hit point only.
+    engine.release(fresh)
+    hit = engine.new_sequence(kv_pool=pool)
+    reused = hit.cache.reuse_prefix(prompt[:119])
+    assert reused == 112
+    hit.tokens = prompt[:reused]
+    got = ops.to_numpy(engine.forward(hit, prompt[reused:120], all_logits=True))
+    np.testing.assert_allclose(got, want[reused - 100:], rtol=1e-5, atol=1e-5)
+    for s in (seq, hit):
+        engine.release(s)
+    assert pool.bytes_held() == 0
