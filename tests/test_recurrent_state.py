@@ -218,3 +218,18 @@ def test_a_batch_preempts_prefix_caches_and_speculates(engine: Engine) -> None:
     assert [h.tokens for h in handles] == want
     assert batch.stats.preemptions > 0 and batch.stats.tokens_reused > 0
     assert batch.pool.stats().used == 0 and engine.state_store.slots_held() == 0
+
+
+def test_admission_counts_state_slots(engine: Engine) -> None:
+    # Four slots: a request is admitted with room for its live state and a checkpoint, and for a
+    # checkpoint of every running request that has none yet: two are admitted, the third waits.
+    few = Engine(engine.model, engine.backend, state_slots=4)
+    prompts = [PROMPT[:9], PROMPT[10:17], PROMPT[20:26]]
+    batch = BatchEngine(few, kv_pool=few.new_kv_pool(block_size=4, num_blocks=32))
+    stop = StopConditions(max_tokens=6, ignore_eos=True)
+    handles = [batch.submit(p, GREEDY, stop) for p in prompts]
+    batch.step()
+    assert len(batch.running) == 2 and len(batch.waiting) == 1
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == [greedy_alone(engine, p, 6) for p in prompts]
+    assert few.state_store.slots_held() == 0

@@ -101,6 +101,8 @@ class PagedBudget(KVBudget):
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
     ) -> SequenceState | None:
         pool = self.pool
+        if _slots_short(self.engine, running):
+            return None
         try:
             cache = pool.new_sequence(positions)
         except CacheFullError:  # no recurrent state slot free
@@ -135,6 +137,9 @@ class ContiguousBudget(KVBudget):
 
     def __init__(self, engine: Engine, memory: int) -> None:
         super().__init__(engine)
+        store = engine.state_store
+        if store is not None:  # the recurrent state slots come out of the same memory
+            memory = max(0, memory - store.num_slots * store.nbytes_per_slot)
         #: Positions all admitted requests together may reserve.
         self.positions = memory // engine.kv_bytes_per_position()
         native = engine.backend.supports("attention")
@@ -158,7 +163,8 @@ class ContiguousBudget(KVBudget):
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
     ) -> SequenceState | None:
-        if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions:
+        if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions or _slots_short(
+                self.engine, running):
             return None
         engine = self.engine
         try:
@@ -176,6 +182,17 @@ class ContiguousBudget(KVBudget):
 def _paged(seq: SequenceState) -> PagedSequenceCache:
     assert isinstance(seq.cache, PagedSequenceCache)
     return seq.cache
+
+
+def _slots_short(engine: Engine, running: Sequence[tuple[SequenceState, int]]) -> bool:
+    """Whether the recurrent state slots are too few for one more request:
+    its live state and one checkpoint, and a checkpoint for every running
+    request that holds none yet (without one a rollback replays from further back)."""
+    store = engine.state_store
+    if store is None:
+        return False
+    want = 2 + sum(1 for seq, _ in running if seq.cache.states is not None and not seq.cache.states.checkpoints)
+    return store.allocator.available() < want
 
 
 def _state_capacity(engine: Engine, positions: int) -> None:

@@ -135,7 +135,7 @@ class SequenceStates:
             self.store.reset(slot)
         alloc = self.store.allocator
         planned = []
-        for p in positions:
+        for p in sorted(positions, reverse=True):  # short of slots, the newest (the one kept) first
             key = keys.get(p)
             if p in self.checkpoints or (key is not None and alloc.lookup(key) is not None):
                 continue
@@ -144,7 +144,7 @@ class SequenceStates:
                 break
             self.pending.append((p, slot, key))
             planned.append((p, slot))
-        return planned
+        return planned[::-1]
 
     def commit(self) -> None:
         """The planned checkpoints were written: hold them, and key the boundary ones."""
