@@ -162,7 +162,7 @@ class BlockAllocator:
         bs = self.block_size
         grow = max(0, self.blocks_for(stop) - len(table.blocks))
         existing = range(start // bs, min(self.blocks_for(stop), len(table.blocks)))
-        return grow + sum(1 for i in existing if self._refcount[table.blocks[i]] > 1)
+        return grow + sum(1 for i in existing if table.blocks[i] >= 0 and self._refcount[table.blocks[i]] > 1)
 
     def prepare_write(self, table: BlockTable, start: int, stop: int) -> list[tuple[int, int]]:
         """Make positions ``start..stop`` of ``table`` writable.
@@ -188,6 +188,8 @@ class BlockAllocator:
         copies = []
         for i in range(start // bs, min(self.blocks_for(stop), len(table.blocks))):
             block = table.blocks[i]
+            if block < 0:  # given back by a sliding window: never written again
+                continue
             if self._refcount[block] > 1:
                 new = self.allocate()
                 self.free(block)

@@ -104,9 +104,9 @@ class PagedKVPool(LayerStore):
         #: The recurrent layers' states (None: the model has none).
         self.state_store = state_store
         self._bytes_known = bytes_per_token is not None
-        #: Called with every list of block copies :meth:`copy_blocks` makes
-        #: (a tensor-parallel driver repeats them on the other ranks' pools).
-        self.copy_listeners: list[Callable[[Sequence[tuple[int, int]]], None]] = []
+        #: Called with every list of block copies :meth:`copy_blocks` makes and
+        #: their state group (a tensor-parallel driver repeats them on the other ranks' pools).
+        self.copy_listeners: list[Callable[[Sequence[tuple[int, int]], int], None]] = []
         log.info("paged KV cache: %d blocks of %d positions on %s/%s", num_blocks, block_size, backend.name,
                  backend.device)
 
@@ -142,7 +142,7 @@ class PagedKVPool(LayerStore):
         """Copy whole blocks ``src -> dst`` in every allocated layer of state
         ``group`` (copy-on-write)."""
         for listener in self.copy_listeners:
-            listener(copies)
+            listener(copies, group)
         ops, bs = self.backend, self.block_size
         src = np.concatenate([np.arange(s * bs, s * bs + bs) for s, _ in copies]).astype(np.int32)
         dst = ops.from_numpy(np.concatenate([np.arange(d * bs, d * bs + bs) for _, d in copies]).astype(np.int32))
