@@ -33,7 +33,7 @@ import numpy as np
 
 from infer.architecture import CausalLM
 from infer.engine.capture import CapturedBatchDecode, CapturedDecode, capacity_bucket
-from infer.errors import BackendOutputError, ContextLengthError, GenerationError
+from infer.errors import BackendOutputError, CacheConfigError, ContextLengthError, GenerationError
 from infer.kv.attention import AttentionContext, Recurrent, SequenceSlice, state_groups
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -178,6 +178,9 @@ class Engine:
         self.layer_states = list(model.layer_states())
         self._layer_kv, _ = state_groups(self.layer_states)
         recurrent = {i: s for i, s in enumerate(self.layer_states) if isinstance(s, Recurrent)}
+        if recurrent and state_slots < 2:
+            raise CacheConfigError(f"state_slots must be at least 2 (a sequence's live state and a checkpoint), "
+                                   f"got {state_slots}")
         #: The recurrent layers' per-sequence states and checkpoints (None: none).
         self.state_store = StateStore(backend, recurrent, state_slots) if recurrent else None
         if kv_pool is not None and self.state_store is not None and kv_pool.state_store is None:

@@ -12,6 +12,15 @@ speculative verification rows, any mix of them, a contiguous cache (one block
 of its capacity) or pages of a shared pool: one description, one path
 (docs/design.md, rule 3; docs/kv-cache.md).
 
+What each cache layer keeps is declared by the architecture
+(:meth:`~infer.architecture.CausalLM.layer_states`: :class:`FullAttention`,
+:class:`SlidingWindow`, :class:`SharedKV`, :class:`Recurrent`); a store lays
+the attention layers out in *state groups* (:func:`state_groups`: one block
+table per window size), and a forward's description carries every group's
+slots and tables. A recurrent layer reads and writes its per-sequence state
+through :meth:`AttentionContext.state` and :meth:`AttentionContext.set_state`
+(:mod:`infer.kv.state`).
+
 The description holds backend arrays, so a captured step builds the same
 context from its inputs (:meth:`AttentionContext.static`): positions, slots,
 lengths and tables are data, and one graph serves every step of a shape
