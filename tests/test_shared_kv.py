@@ -10,6 +10,7 @@ layer really reads layer 0's keys).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from reference import load_tiny
 
 from infer.architecture import CausalLM
@@ -45,6 +46,8 @@ def test_a_shared_layer_allocates_nothing_and_reads_its_source() -> None:
         got = ops.to_numpy(engine.forward(seq, prompt[at:at + n], all_logits=True))
         np.testing.assert_allclose(got, full[at:at + n], rtol=2e-5, atol=2e-5)
         at += n
-    assert pool.layer_rows(2) is not None and pool.layer_rows(3) is None  # layer 2 has no arrays
+    assert pool.storage_layers(3) == [0, 1] and len(pool.layer_rows(3)[0]) == 2  # layer 2 has no arrays
+    with pytest.raises(IndexError):
+        pool.stored(2)
     assert engine.kv_bytes_per_position() * 3 == base.engine.kv_bytes_per_position() * 2
     engine.release(seq)

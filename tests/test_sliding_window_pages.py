@@ -66,8 +66,15 @@ def test_an_8k_prompt_holds_the_sliding_layers_window_only(long_gemma3: infer.Mo
     before, held_before = _greedy(Engine(network, ops), before_pool, prompt, 8)
     engine = Engine(network, ops)
     pool = engine.new_kv_pool(block_size=BLOCK, num_blocks=blocks)
-    assert pool.windows == [None, WINDOW]
+    assert not pool.shared_pages and pool.windows == [None, WINDOW]
     after, held_after = _greedy(engine, pool, prompt, 8)
+    # One page size for all: each local layer a group of one layer (as many as the global
+    # layers), every group's pages from one allocator, so what a window gives back serves any layer.
+    shared = engine.new_kv_pool(block_size=BLOCK, num_blocks=blocks, shared_pages=True)
+    assert shared.shared_pages and shared.windows == [None] + [WINDOW] * 5
+    assert shared.num_blocks == (blocks + 1) * 6 - 1  # the same memory, in pages of one layer
+    pages, held_shared = _greedy(engine, shared, prompt, 8)
+    assert pages == before and held_shared == held_after
 
     assert after == before
     per_layer_block = 2 * BLOCK * network.config.num_key_value_heads * network.config.head_dim * 4  # k + v, float32
@@ -108,3 +115,30 @@ def test_windowed_pages_come_back_and_rollback_past_the_margin_replays(long_gemm
     for s in (seq, hit):
         engine.release(s)
     assert pool.bytes_held() == 0
+
+
+def test_shared_pages_run_in_the_captured_batched_step(long_gemma3: infer.Model) -> None:
+    from infer.engine.capture import CapturedBatchDecode
+
+    network, ops = long_gemma3.network, long_gemma3.backend
+    engine = Engine(network, ops)
+    pool = engine.new_kv_pool(block_size=4, num_blocks=64, shared_pages=True)
+    step = CapturedBatchDecode(network, ops, engine.max_context, compile=False)
+    rng = np.random.default_rng(2)
+    seqs = [engine.new_sequence(256, kv_pool=pool) for _ in range(3)]
+    for seq, n in zip(seqs, (100, 37, 90)):
+        engine.forward(seq, [int(t) for t in rng.integers(3, network.vocab_size, n)])
+    for tokens in ([5, 17, 2], [40, 9, 33], [1, 2, 3]):
+        eager = ops.to_numpy(engine.run(engine.prepare(seqs, [[t] for t in tokens])).logits)
+        for seq in seqs:
+            engine.truncate(seq, seq.cached - 1)
+        engine.prepare(seqs, [[t] for t in tokens])  # reserves the positions, as the runner does
+        logits = step([s.cache for s in seqs], [[t] for t in tokens])
+        assert logits is not None, step.reason
+        for seq, t in zip(seqs, tokens):
+            seq.cache.commit([t])
+            seq.tokens.append(t)
+        np.testing.assert_allclose(ops.to_numpy(logits), eager, rtol=1e-5, atol=1e-5)
+    for seq in seqs:
+        engine.release(seq)
+    assert pool.stats().used == 0

@@ -84,6 +84,9 @@ class PagedBudget(KVBudget):
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
         pool = self.pool
         need = pool.allocator.blocks_for(positions)
+        if pool.shared_pages:  # the windows' pages come from the same allocator
+            need += sum(min(pool.allocator.blocks_for(positions), pool.allocator.blocks_for(w + pool.window_margin) + 2)
+                        for w in pool.windows[1:] if w is not None)
         if need <= pool.num_blocks:
             return
         per = pool.allocator.bytes_per_block or self.engine.kv_bytes_per_position() * pool.block_size
@@ -111,15 +114,18 @@ class PagedBudget(KVBudget):
         reused = cache.reuse_prefix(known[:-1])
         # Per state group: blocks the running requests still need for tokens they already know,
         # and what this one needs (a sliding window's group: its window and margin at most).
+        # Groups of one allocator (shared pages) add up.
+        short: dict[int, int] = {}
         for g, (alloc, window) in enumerate(zip(pool.allocators, pool.windows)):
             pending = sum(_paged(seq).blocks_needed(n)[g] for seq, n in running)
             need = alloc.blocks_for(positions)
             if window is not None:
                 need = min(need, alloc.blocks_for(window + pool.window_margin) + 2)
             held = sum(1 for b in cache.tables[g].blocks if b >= 0)
-            if need - held > alloc.available() - pending:
-                cache.free()
-                return None
+            short[id(alloc)] = short.get(id(alloc), -alloc.available()) + need - held + pending
+        if any(v > 0 for v in short.values()):
+            cache.free()
+            return None
         return SequenceState(tokens=list(known[:reused]), cache=cache)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:

@@ -211,7 +211,8 @@ class CapturedBatchDecode:
         #: their forwards run eagerly, the others' not.
         self.refused: dict[tuple[int, ...], str] = {}
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
-        self._layer_kv: tuple[tuple[int, int], ...] | None = None
+        self._layer_kv: tuple[tuple[int, int, bool], ...] | None = None
+        self._index: dict[int, int] | None = None
 
     @property
     def graphs(self) -> int | None:
@@ -221,11 +222,11 @@ class CapturedBatchDecode:
         return count() if count is not None else None
 
     def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
-              logit_rows: Array, keys: list[Array], values: list[Array], groups: list[Array], block_size: int,
-              max_query: int) -> tuple[Array, list, list]:
+              logit_rows: Array, keys: list[Array], values: list[Array], block_size: int, max_query: int,
+              groups: list[Array] | None = None) -> tuple[Array, list, list]:
+        groups = groups or []
         ops = self.ops
-        store = LayerArrays(keys, values, block_size)
-        store.layer_kv = self._layer_kv
+        store = LayerArrays(keys, values, block_size, self._layer_kv, self._index)
         batch = AttentionBatch(query_start, lengths, tables, block_size, max_query)
         more = [(groups[i], AttentionBatch(query_start, lengths, groups[i + 1], block_size, max_query))
                 for i in range(0, len(groups), 2)]
@@ -293,6 +294,7 @@ class CapturedBatchDecode:
         if any(c.pool is not pool or c.states is not None for c in caches):
             return None  # recurrent layers run eagerly (docs/kv-cache.md, "Recurrent state")
         self._layer_kv = None if pool.layer_kv is None else tuple(pool.layer_kv)
+        self._index = {layer: i for i, layer in enumerate(pool.storage_layers(self.model.num_layers))}
         if pool.layer_rows(self.model.num_layers) is None:  # a layer not written yet: its shapes are unknown
             return None
         parts = self._parts([len(t) for t in token_ids])
@@ -344,9 +346,8 @@ class CapturedBatchDecode:
         buffers = pool.layer_rows(self.model.num_layers)
         assert buffers is not None
         try:
-            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers,
-                                            [ops.from_numpy(a) for a in host.group_arrays()], pool.block_size,
-                                            host.max_query)
+            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
+                                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()])
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             reason = _why(exc)
             if self.steps == 0 and not self.refused:

@@ -247,10 +247,14 @@ class Engine:
 
     def new_kv_pool(
         self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
+        shared_pages: bool = False,
     ) -> PagedKVPool:
         """A paged pool for this engine's model, sized by ``num_blocks`` or
         by ``memory_budget`` bytes; then the bytes one position takes are
-        those :meth:`kv_bytes_per_position` measures."""
+        those :meth:`kv_bytes_per_position` measures. ``shared_pages``: one
+        page size and one allocator for every state group, where the layers
+        allow (:func:`~infer.kv.paged.one_page_size`), so the pages sliding
+        windows give back serve the full-attention layers too."""
         per_token = None if memory_budget is None else self.kv_bytes_per_position()
         store = self.state_store
         if memory_budget is not None and store is not None:  # the state slots come out of the same budget
@@ -258,7 +262,7 @@ class Engine:
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
         return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                            memory_budget=memory_budget, bytes_per_token=per_token,
-                           layer_states=self.layer_states, state_store=store)
+                           layer_states=self.layer_states, state_store=store, shared_pages=shared_pages)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes one position takes in every KV cache layer (the main model's

@@ -85,26 +85,28 @@ class Recurrent:
 LayerState = Union[FullAttention, SlidingWindow, SharedKV, Recurrent]
 
 
-def state_groups(specs: Sequence[LayerState]) -> tuple[list[tuple[int, int]], list[int | None]]:
-    """How a store lays out ``specs`` (one per cache layer): per layer ``(the
-    layer whose keys and values it uses, its state group)`` (group -1: a
-    recurrent layer, no keys and values), and per group its window (None:
-    full attention). Group 0 is full attention when any layer is; each window
-    size is a group with its own block tables (vLLM's KV-cache groups)."""
+def state_groups(specs: Sequence[LayerState]) -> tuple[list[tuple[int, int, bool]], list[int | None]]:
+    """How a store lays out ``specs`` (one per cache layer): per layer
+    ``(storage, group, writes)`` — the layer whose arrays hold its keys and
+    values, its state group (-1: a recurrent layer, no keys and values), and
+    whether it writes them (a :class:`SharedKV` layer only reads) — and per
+    group its window (None: full attention). Group 0 is full attention when
+    any layer is; each window size is a group with its own block tables
+    (vLLM's KV-cache groups)."""
     windows: list[int | None] = sorted({s.window for s in specs if isinstance(s, SlidingWindow)})  # type: ignore[assignment]
     if any(isinstance(s, FullAttention) for s in specs) or not windows:
         windows.insert(0, None)
-    layer_kv: list[tuple[int, int]] = []
+    layer_kv: list[tuple[int, int, bool]] = []
     for i, spec in enumerate(specs):
         if isinstance(spec, SharedKV):
             if not 0 <= spec.layer < i or isinstance(specs[spec.layer], (SharedKV, Recurrent)):
                 raise ValueError(f"cache layer {i} shares the keys and values of layer {spec.layer}, which must "
                                  "be an earlier attention layer with its own")
-            layer_kv.append(layer_kv[spec.layer])
+            layer_kv.append((*layer_kv[spec.layer][:2], False))
         elif isinstance(spec, Recurrent):
-            layer_kv.append((i, -1))
+            layer_kv.append((i, -1, False))
         else:
-            layer_kv.append((i, windows.index(spec.window if isinstance(spec, SlidingWindow) else None)))
+            layer_kv.append((i, windows.index(spec.window if isinstance(spec, SlidingWindow) else None), True))
     return layer_kv, windows
 
 
@@ -114,9 +116,9 @@ class KVLayers(Protocol):
 
     #: Positions per block of the rows' block tables.
     block_size: int
-    #: Per cache layer, ``(layer whose arrays it uses, state group)``: a
-    #: :class:`SharedKV` layer names its source; None: every layer its own, group 0.
-    layer_kv: Sequence[tuple[int, int]] | None
+    #: Per cache layer ``(storage, group, writes)`` (:func:`state_groups`);
+    #: None: every layer its own arrays, group 0.
+    layer_kv: Sequence[tuple[int, int, bool]] | None
 
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
         """``layer``'s key and value rows, created (from ``k``'s and ``v``'s
@@ -339,16 +341,14 @@ class AttentionContext:
         outputs = []
         for run in self.runs:
             part = len(self.runs) > 1
-            source, group = (layer, 0) if run.store.layer_kv is None else run.store.layer_kv[layer]
+            storage, group, writes = (layer, 0, True) if run.store.layer_kv is None else run.store.layer_kv[layer]
             slots, batch = run.group(group)
             qs, ks, vs = (ops.slice(x, 0, run.first, run.stop) if part and x is not None else x for x in (q, k, v))
-            if source == layer:
-                keys, values = run.store.layer_arrays(layer, ks, vs)
+            keys, values = run.store.layer_arrays(storage, ks, vs)
+            if writes:  # a SharedKV layer reads what its source wrote earlier in this forward
                 keys = ops.scatter_rows(keys, slots, ks)
                 values = ops.scatter_rows(values, slots, vs)
-                run.store.set_layer_arrays(layer, keys, values)
-            else:  # SharedKV: the source layer wrote them earlier in this forward
-                keys, values = run.store.layer_arrays(source, ks, vs)
+                run.store.set_layer_arrays(storage, keys, values)
             outputs.append(ops.attention(qs, keys, values, batch, scale=scale, causal=causal, window=window,
                                          softcap=softcap, sinks=sinks))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
@@ -410,12 +410,18 @@ class LayerArrays:
     step's inputs (:attr:`keys`, :attr:`values`; after the forward the arrays
     to adopt, new ones on a functional backend such as MLX)."""
 
-    def __init__(self, keys: Sequence[Array], values: Sequence[Array], block_size: int) -> None:
+    def __init__(self, keys: Sequence[Array], values: Sequence[Array], block_size: int,
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None, index: dict[int, int] | None = None) -> None:
         self.keys, self.values, self.block_size = list(keys), list(values), block_size
-        self.layer_kv = None
+        self.layer_kv = layer_kv
+        #: Storage layer -> position in :attr:`keys` (the store's storage
+        #: layers only, :meth:`~infer.kv.cache.LayerStore.storage_layers`); None: the layer itself.
+        self.index = index
 
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
-        return self.keys[layer], self.values[layer]
+        i = layer if self.index is None else self.index[layer]
+        return self.keys[i], self.values[i]
 
     def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
-        self.keys[layer], self.values[layer] = keys, values
+        i = layer if self.index is None else self.index[layer]
+        self.keys[i], self.values[i] = keys, values

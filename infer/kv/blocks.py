@@ -201,7 +201,7 @@ class BlockAllocator:
             table.blocks.append(self.allocate())
         return copies
 
-    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+    def commit(self, table: BlockTable, tokens: Sequence[int], salt: bytes = b"") -> None:
         """Record that the table's positions now hold ``tokens`` (the whole
         sequence so far), and enter its newly full blocks in the prefix cache.
 
@@ -216,10 +216,8 @@ class BlockAllocator:
             parent = table.hashes[-1] if table.hashes else ROOT_HASH
             key = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             table.hashes.append(key)
-            block = table.blocks[i]
-            if block not in self._hash_of and key not in self._cached:
-                self._cached[key] = block
-                self._hash_of[block] = key
+            # A salt (the state group) keeps apart the blocks of groups that share one allocator.
+            self.register(table.blocks[i], salt + key)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table sharing every block of ``table`` (reference counts
@@ -265,14 +263,14 @@ class BlockAllocator:
                 freed += 1
         return freed
 
-    def attach_blocks(self, table: BlockTable, keys: Sequence[bytes], first: int) -> None:
+    def attach_blocks(self, table: BlockTable, keys: Sequence[bytes], first: int, salt: bytes = b"") -> None:
         """Start an empty ``table`` with the cached blocks of ``keys[first:]``
         (the blocks before ``first`` -1: a sliding window's prefix hit needs
         only those within the window)."""
         if table.blocks:
             raise CacheConfigError("a cached prefix can only start an empty block table")
         for i, key in enumerate(keys):
-            block = -1 if i < first else self._cached[key]
+            block = -1 if i < first else self._cached[salt + key]
             if block >= 0:
                 self.incref(block)
             table.blocks.append(block)

@@ -145,12 +145,12 @@ class LayerStore:
     special case: the storage of a pool and of a contiguous cache."""
 
     def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int,
-                 layer_kv: Sequence[tuple[int, int]] | None = None) -> None:
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None) -> None:
         self.backend = backend
         self.num_layers = num_layers
         self.rows = rows
         self.block_size = block_size
-        #: Per layer (source layer, state group); None: its own, group 0
+        #: Per layer (storage layer, state group, writes); None: its own, group 0
         #: (:func:`infer.kv.attention.state_groups`).
         self.layer_kv = None if layer_kv is None else list(layer_kv)
         self._keys: list[Array | None] = [None] * num_layers
@@ -177,20 +177,29 @@ class LayerStore:
             raise IndexError(f"KV layer {layer} has not been written yet")
         return keys, values
 
+    def storage_layers(self, layers: int) -> list[int]:
+        """The layers below ``layers`` that have arrays of their own (not a
+        shared or recurrent layer, nor one whose pages another layer's arrays hold)."""
+        kv = self.layer_kv
+        return [i for i in range(layers) if kv is None or (kv[i][0] == i and kv[i][2])]
+
     def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
-        """The first ``layers`` layers' key and value arrays, as a captured
-        step takes them; None while one of them is not allocated yet (its
-        shapes are not known before its first write)."""
-        keys, values = self._keys[:layers], self._values[:layers]
+        """The key and value arrays of the storage layers below ``layers``
+        (:meth:`storage_layers`), as a captured step takes them; None while
+        one of them is not allocated yet (its shapes are not known before its
+        first write)."""
+        ids = self.storage_layers(layers)
+        keys, values = [self._keys[i] for i in ids], [self._values[i] for i in ids]
         if any(a is None for a in (*keys, *values)):
             return None
-        return list(keys), list(values)  # type: ignore[arg-type]
+        return keys, values  # type: ignore[return-value]
 
     def replace_layer_rows(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
         """Adopt the arrays a captured step returned (new arrays on a
-        functional backend; the same ones where writes are in place)."""
-        self._keys[:len(keys)] = list(keys)
-        self._values[:len(values)] = list(values)
+        functional backend; the same ones where writes are in place), in
+        :meth:`layer_rows`' order."""
+        for i, k, v in zip(self.storage_layers(self.num_layers), keys, values):
+            self._keys[i], self._values[i] = k, v
 
     def clear(self) -> None:
         self._keys = [None] * self.num_layers
@@ -209,9 +218,10 @@ class ContiguousKVCache(SequenceCache, LayerStore):
     ``capacity`` positions: its block table is ``[0]`` and position ``p`` is row ``p``."""
 
     def __init__(self, backend: Backend, num_layers: int, capacity: int, *,
-                 layer_kv: Sequence[tuple[int, int]] | None = None, states: SequenceStates | None = None) -> None:
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None,
+                 states: SequenceStates | None = None) -> None:
         # One group: a contiguous buffer holds every position already, so windows give nothing back.
-        layer_kv = None if layer_kv is None else [(src, 0) for src, _ in layer_kv]
+        layer_kv = None if layer_kv is None else [(src, 0, writes) for src, _, writes in layer_kv]
         LayerStore.__init__(self, backend, num_layers, capacity, capacity, layer_kv)
         self.capacity = capacity
         self.store = self
@@ -253,6 +263,13 @@ class ContiguousKVCache(SequenceCache, LayerStore):
     @property
     def nbytes_per_position(self) -> int:
         return LayerStore.nbytes_per_position.fget(self)  # type: ignore[attr-defined]
+
+    def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
+        """As the store's, but None where a layer has no arrays of its own
+        (the captured contiguous step indexes every layer's buffers)."""
+        if len(self.storage_layers(layers)) != layers:
+            return None
+        return LayerStore.layer_rows(self, layers)
 
 
 def row_nbytes(ops: Backend, arr: Array) -> int:

@@ -69,6 +69,7 @@ class PagedKVPool(LayerStore):
         layer_states: Sequence[LayerState] | None = None,
         state_store: StateStore | None = None,
         window_margin: int | None = None,
+        shared_pages: bool = False,
     ) -> None:
         if (num_blocks is None) == (memory_budget is None):
             raise CacheConfigError("size the KV pool with exactly one of num_blocks and memory_budget")
@@ -85,17 +86,33 @@ class PagedKVPool(LayerStore):
                 )
         assert num_blocks is not None
         layer_kv, windows = state_groups(layer_states) if layer_states is not None else (None, [None])
+        shared = None if layer_kv is None or not shared_pages else one_page_size(layer_kv, windows)
+        #: Whether every state group takes its pages from one allocator
+        #: (``shared_pages=True`` where :func:`one_page_size` applies): a page
+        #: given back by a window then serves any layer, and :meth:`stats`
+        #: counts the pages of every group.
+        self.shared_pages = shared is not None
+        if shared is not None:
+            # Same memory: a page now holds the keys of one group's layers, not of every layer.
+            layer_kv, windows, scale = shared
+            num_blocks = (num_blocks + 1) * scale - 1
+            bytes_per_block = None if bytes_per_block is None else bytes_per_block // scale
         super().__init__(backend, num_layers, (num_blocks + 1) * block_size, block_size,  # the scratch block last
                          layer_kv)
         self.num_blocks = num_blocks
         #: The block past the sequences' blocks: padding rows of a captured
         #: batched step write there (its contents are never keys of a sequence).
         self.scratch_block = num_blocks
-        #: Per state group its window (None: full attention) and its own
-        #: blocks: group 0's allocator is :attr:`allocator`.
+        #: Per state group its window (None: full attention), its blocks'
+        #: allocator (group 0's is :attr:`allocator`; one for all with
+        #: :attr:`shared_pages`) and the salt of its prefix-cache keys.
         self.windows = windows
-        self.allocators = [BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
-                           for _ in windows]
+        if self.shared_pages:
+            self.allocators = [BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)] * len(windows)
+        else:
+            self.allocators = [BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
+                               for _ in windows]
+        self.salts = [b"" if g == 0 else b"group %d:" % g for g in range(len(windows))]
         self.allocator = self.allocators[0]
         #: A sliding window's pages are given back once wholly this many
         #: positions before the window, so that rolling back that far
@@ -123,16 +140,17 @@ class PagedKVPool(LayerStore):
 
     def bytes_per_block(self, group: int) -> int:
         """Bytes one block of ``group`` holds across its layers allocated so far."""
-        layers = [i for i, (src, g) in enumerate(self.layer_kv or [(i, 0) for i in range(self.num_layers)])
-                  if g == group and src == i]
+        kv = self.layer_kv or [(i, 0, True) for i in range(self.num_layers)]
+        layers = {storage for storage, g, _ in kv if g == group}
         arrays = [a for i in layers for a in (self._keys[i], self._values[i]) if a is not None]
         return sum(row_nbytes(self.backend, a) for a in arrays) * self.block_size
 
     def bytes_held(self) -> int:
         """Bytes of keys and values referenced by sequences now (used blocks of
-        every group, at its layers' bytes per block), plus the recurrent state
-        slots held: what the sequences hold, not what the pool preallocates."""
-        kv = sum(a.stats().used * self.bytes_per_block(g) for g, a in enumerate(self.allocators))
+        every allocator, at its layers' bytes per block), plus the recurrent
+        state slots held: what the sequences hold, not what the pool preallocates."""
+        groups = range(1) if self.shared_pages else range(len(self.allocators))
+        kv = sum(self.allocators[g].stats().used * self.bytes_per_block(g) for g in groups)
         store = self.state_store
         return kv + (0 if store is None else store.slots_held() * store.nbytes_per_slot)
 
@@ -149,7 +167,9 @@ class PagedKVPool(LayerStore):
         ids = ops.from_numpy(src)
         for layer in range(self.num_layers):
             keys, values = self._keys[layer], self._values[layer]
-            if keys is None or (self.layer_kv is not None and self.layer_kv[layer][1] != group):
+            # Separate allocators number their blocks alike: copy in the group's own layers only.
+            if keys is None or (not self.shared_pages and self.layer_kv is not None
+                                and self.layer_kv[layer][1] != group):
                 continue
             self._keys[layer] = ops.scatter_rows(keys, dst, ops.take(keys, ids, axis=0))
             self._values[layer] = ops.scatter_rows(values, dst, ops.take(values, ids, axis=0))
@@ -163,6 +183,37 @@ class PagedKVPool(LayerStore):
         bs = self.block_size
         p = np.arange(start, stop)
         return (np.asarray(blocks, np.int64)[p // bs] * bs + p % bs).astype(np.int32)
+
+
+def one_page_size(layer_kv: list[tuple[int, int, bool]], windows: list[int | None],
+                 ) -> tuple[list[tuple[int, int, bool]], list[int | None], int] | None:
+    """One page size for every state group (vLLM's hybrid allocator): where
+    every window has a multiple of the full-attention layers' count ``n``,
+    the windowed layers are split into groups of ``n``, and layer ``j`` of
+    every group keeps its keys in full layer ``j``'s arrays, each group at
+    its own pages of one allocator. A page a window gives back then serves
+    any layer. Returns the new layout and how many pages of ``n`` layers one
+    block of every layer makes; None where the layers do not divide so (each
+    group then has its allocator)."""
+    if windows[0] is not None or len(windows) == 1:
+        return None
+    full = [i for i, (s, g, w) in enumerate(layer_kv) if g == 0 and w]
+    by_group = {g: [i for i, (s, gi, w) in enumerate(layer_kv) if gi == g and w] for g in range(1, len(windows))}
+    if not full or any(len(ls) % len(full) for ls in by_group.values()):
+        return None
+    n, new_windows = len(full), [None]
+    place: dict[int, tuple[int, int]] = {i: (i, 0) for i in full}
+    for g, layers in by_group.items():
+        for k, i in enumerate(layers):
+            place[i] = (full[k % n], len(new_windows) + k // n)
+        new_windows += [windows[g]] * (len(layers) // n)
+    out = []
+    for i, (storage, g, writes) in enumerate(layer_kv):
+        if g < 0:
+            out.append((storage, g, writes))
+        else:
+            out.append((*place[storage if not writes else i], writes))
+    return out, new_windows, len(new_windows)
 
 
 class PagedSequenceCache(SequenceCache):
@@ -242,8 +293,8 @@ class PagedSequenceCache(SequenceCache):
     def commit(self, token_ids: Sequence[int]) -> None:
         """Record the ids of the positions just written (after a forward)."""
         self.tokens.extend(int(t) for t in token_ids)
-        for table, alloc, window in zip(self.tables, self.pool.allocators, self.pool.windows):
-            alloc.commit(table, self.tokens)
+        for table, alloc, window, salt in zip(self.tables, self.pool.allocators, self.pool.windows, self.pool.salts):
+            alloc.commit(table, self.tokens, salt)
             if window is not None:
                 alloc.release_before(table, len(self.tokens) - window - self.pool.window_margin)
         if self.states is not None:
@@ -262,9 +313,9 @@ class PagedSequenceCache(SequenceCache):
         n = len(keys)
         while n > 0 and not self._hit(keys, n):
             n -= 1
-        for g, (table, alloc, window) in enumerate(zip(self.tables, pool.allocators, pool.windows)):
+        for table, alloc, window, salt in zip(self.tables, pool.allocators, pool.windows, pool.salts):
             first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
-            alloc.attach_blocks(table, keys[:n], first)
+            alloc.attach_blocks(table, keys[:n], first, salt)
         if self.states is not None and n:
             self.states.attach(n * bs, keys[n - 1])
         self.tokens = [int(t) for t in tokens[:n * bs]]
@@ -273,9 +324,9 @@ class PagedSequenceCache(SequenceCache):
     def _hit(self, keys: list[bytes], n: int) -> bool:
         """Whether every group and the recurrent state can start after block ``n``."""
         pool, bs = self.pool, self.pool.block_size
-        for alloc, window in zip(pool.allocators[1:], pool.windows[1:]):
+        for alloc, window, salt in zip(pool.allocators[1:], pool.windows[1:], pool.salts[1:]):
             first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
-            if any(alloc.lookup(k) is None for k in keys[first:n]):
+            if any(alloc.lookup(salt + k) is None for k in keys[first:n]):
                 return False
         return self.states is None or self.states.store.allocator.lookup(keys[n - 1]) is not None
 
@@ -348,10 +399,12 @@ class PagedSequenceCache(SequenceCache):
     def _prepare(self, start: int, stop: int) -> None:
         allocs = self.pool.allocators
         if len(allocs) > 1:  # all groups or none
+            needs: dict[int, int] = {}
             for table, alloc in zip(self.tables, allocs):
-                need = alloc.blocks_needed(table, start, stop)
-                if need > alloc.available():
-                    raise alloc._full(need)
+                needs[id(alloc)] = needs.get(id(alloc), 0) + alloc.blocks_needed(table, start, stop)
+            for alloc in {id(a): a for a in allocs}.values():
+                if needs[id(alloc)] > alloc.available():
+                    raise alloc._full(needs[id(alloc)])
         for g, (table, alloc) in enumerate(zip(self.tables, allocs)):
             copies = alloc.prepare_write(table, start, stop)
             if copies:
