@@ -142,3 +142,30 @@ def test_shared_pages_run_in_the_captured_batched_step(long_gemma3: infer.Model)
     for seq in seqs:
         engine.release(seq)
     assert pool.stats().used == 0
+
+
+@pytest.mark.parametrize("shared_pages", [False, True])
+def test_a_batch_of_long_prompts_preempts_and_reuses_windowed_prefixes(long_gemma3: infer.Model,
+                                                                        shared_pages: bool) -> None:
+    from infer.engine.batch import BatchEngine
+    from infer.engine.generate import StopConditions, generate
+    from infer.engine.sampling import SamplingParams
+
+    network, ops = long_gemma3.network, long_gemma3.backend
+    engine = Engine(network, ops)
+    rng = np.random.default_rng(3)
+    head = [int(t) for t in rng.integers(3, network.vocab_size, 200)]
+    prompts = [head + [int(t) for t in rng.integers(3, network.vocab_size, n)] for n in (40, 90, 10)]
+    stop = StopConditions(max_tokens=12, ignore_eos=True)
+    want = [list(generate(engine, p, SamplingParams(), stop)) for p in prompts]  # contiguous, alone
+    # 40 blocks of 16 positions of every layer: each request needs ~17 of the global layer's.
+    pool = engine.new_kv_pool(block_size=BLOCK, num_blocks=40, shared_pages=shared_pages)
+    batch = BatchEngine(engine, kv_pool=pool, max_batch_tokens=128)
+    handles = [batch.submit(p, SamplingParams(), stop) for p in prompts]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == want
+    # The same memory: with separate allocators the global layer's blocks run short and a
+    # request is preempted; with shared pages what the windows give back holds all three.
+    assert batch.stats.preemptions == (0 if shared_pages else 1)
+    assert batch.stats.tokens_reused > 0
+    assert pool.bytes_held() == 0
