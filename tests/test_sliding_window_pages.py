@@ -169,3 +169,56 @@ def test_a_batch_of_long_prompts_preempts_and_reuses_windowed_prefixes(long_gemm
     assert batch.stats.preemptions == (0 if shared_pages else 1)
     assert batch.stats.tokens_reused > 0
     assert pool.bytes_held() == 0
+
+
+@pytest.mark.parametrize("shared_pages", [False, True])
+def test_windowed_bookkeeping_keeps_the_window_and_loses_no_page(long_gemma3: infer.Model, shared_pages: bool) -> None:
+    """Random appends, rollbacks, forks, prefix hits and frees of sequences in a pool of one
+    global and two sliding layers (bookkeeping only: nothing is computed): every page is in
+    one state, each window's blocks are held, and freeing everything returns every page."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ops = long_gemma3.backend
+    states = [FullAttention(), SlidingWindow(8), SlidingWindow(8)]
+    window, bs = 8, 4
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from("aatfrx"), st.integers(1, 13)), max_size=40))
+    def run(script: list[tuple[str, int]]) -> None:
+        pool = PagedKVPool(ops, 3, block_size=bs, num_blocks=40, layer_states=states, window_margin=4,
+                           shared_pages=shared_pages)
+        seqs: list = []
+        for op, n in script:
+            if op == "a" or not seqs:  # append n tokens to a sequence (a new one when there is none)
+                if not seqs or n % 3 == 0:
+                    seqs.append(pool.new_sequence(200))
+                    if n % 2:
+                        seqs[-1].reuse_prefix([t % 7 for t in range(n * 3)])
+                cache = seqs[n % len(seqs)]
+                try:
+                    cache.reserve(cache.length + n)
+                except Exception:  # noqa: BLE001 - a full pool changes nothing
+                    continue
+                cache.commit([(cache.length + i) % 7 for i in range(n)])
+            elif op == "t":
+                cache = seqs[n % len(seqs)]
+                target = max(0, cache.length - n)
+                kept = cache.truncate(target)  # within the margin: kept; past it: nothing (recomputed)
+                assert kept == cache.length and kept == (target if n <= 4 else kept) and kept in (0, target)
+            elif op == "f":
+                seqs.append(seqs[n % len(seqs)].fork())
+            elif op in "rx":
+                seqs.pop(n % len(seqs)).free()
+            for alloc in {id(a): a for a in pool.allocators}.values():
+                s = alloc.stats()
+                assert s.used + s.free + s.cached == s.total
+            for cache in seqs:
+                for table, w in zip(cache.tables, pool.windows):
+                    lo = 0 if w is None else max(0, cache.length - w) // bs
+                    assert all(b >= 0 for b in table.blocks[lo:])
+        for cache in seqs:
+            cache.free()
+        assert all(a.stats().used == 0 for a in pool.allocators)
+
+    run()
