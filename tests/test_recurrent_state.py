@@ -233,3 +233,17 @@ def test_admission_counts_state_slots(engine: Engine) -> None:
     batch.run_until_done()
     assert [h.tokens for h in handles] == [greedy_alone(engine, p, 6) for p in prompts]
     assert few.state_store.slots_held() == 0
+
+
+def test_too_few_slots_is_a_clear_error(engine: Engine) -> None:
+    from infer.errors import CacheConfigError, CacheFullError
+
+    with pytest.raises(CacheConfigError, match="state_slots must be at least 2"):
+        Engine(engine.model, engine.backend, state_slots=1)
+    two = Engine(engine.model, engine.backend, state_slots=2)
+    held = [two.new_sequence(8), two.new_sequence(8)]
+    with pytest.raises(CacheFullError, match="no recurrent state slot is free for a new sequence"):
+        two.new_sequence(8)
+    for seq in held:
+        two.release(seq)
+    assert two.state_store.slots_held() == 0

@@ -82,7 +82,9 @@ class StateStore:
 
     def new_sequence(self) -> SequenceStates:
         """A sequence's live slot, zeroed (the state before any token)."""
-        slot = self.allocator.allocate()
+        slot = self.take_slot()
+        if slot is None:
+            raise self.full("a new sequence")
         self.reset(slot)
         return SequenceStates(self, slot)
 
@@ -99,6 +101,11 @@ class StateStore:
         for layer, arrays in self.arrays.items():
             for name, a in arrays.items():
                 arrays[name] = ops.scatter_rows(a, d, ops.from_numpy(self._zeros[layer][name]))
+
+    def full(self, what: str) -> CacheFullError:
+        return CacheFullError(f"no recurrent state slot is free for {what}: all {self.num_slots} are held "
+                              f"({self.nbytes_per_slot:,} bytes each) by live states and checkpoints; finish or "
+                              "free sequences, or give the engine more state_slots")
 
     def take_slot(self) -> int | None:
         """A free slot (evicting the least recently released cached
@@ -129,8 +136,7 @@ class SequenceStates:
         if self.slot < 0:  # freed, and used again (a cache reused after free())
             slot = self.store.take_slot()
             if slot is None:
-                raise CacheFullError(f"no recurrent state slot is free (all {self.store.num_slots} are held); "
-                                     "finish or free sequences, or give the engine more state_slots")
+                raise self.store.full("a sequence used again after free()")
             self.slot = slot
             self.store.reset(slot)
         alloc = self.store.allocator
@@ -204,8 +210,7 @@ class SequenceStates:
         """A second sequence with a copy of this state and the same checkpoints."""
         slot = self.store.take_slot()
         if slot is None:
-            raise CacheFullError(f"no recurrent state slot is free for a fork (all {self.store.num_slots} "
-                                 "are held); finish or free sequences, or give the engine more state_slots")
+            raise self.store.full("a fork")
         self.store.copy(self.slot, slot)
         other = SequenceStates(self.store, slot)
         for p, s in self.checkpoints.items():
