@@ -93,7 +93,8 @@ def state_groups(specs: Sequence[LayerState]) -> tuple[list[tuple[int, int, bool
     group its window (None: full attention). Group 0 is full attention when
     any layer is; each window size is a group with its own block tables
     (vLLM's KV-cache groups)."""
-    windows: list[int | None] = sorted({s.window for s in specs if isinstance(s, SlidingWindow)})  # type: ignore[assignment]
+    sizes = sorted({s.window for s in specs if isinstance(s, SlidingWindow)})
+    windows: list[int | None] = list(sizes)
     if any(isinstance(s, FullAttention) for s in specs) or not windows:
         windows.insert(0, None)
     layer_kv: list[tuple[int, int, bool]] = []
