@@ -42,6 +42,7 @@ from typing import Any
 from infer.architecture import WeightLoader, host_array
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
+from infer.kv.attention import FullAttention, LayerState, SlidingWindow
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
@@ -188,6 +189,10 @@ class Gemma3ForCausalLM(Decoder):
             ))
         self.norm = norm("model.norm")
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
+
+    def layer_states(self) -> list[LayerState]:
+        """Local layers keep their window's keys and values only."""
+        return [FullAttention() if layer.window is None else SlidingWindow(layer.window) for layer in self.layers]
 
     def compute_logits(self, hidden: Array) -> Array:
         logits = super().compute_logits(hidden)  # [rows, vocab]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import MissingTensorError, ShapeMismatchError, UnsupportedOpError
-from infer.kv.attention import AttentionContext
+from infer.kv.attention import AttentionContext, FullAttention, LayerState
 from infer.ops import Array, Backend, PackedWeight, QuantizedTensor
 from infer.package import TensorSource
 
@@ -222,6 +222,17 @@ class CausalLM(abc.ABC):
         """KV cache layers the engine allocates: ``num_layers + num_mtp_modules``
         (MTP module ``d`` uses cache layer ``num_layers + d``)."""
         return self.num_layers + self.num_mtp_modules
+
+    def layer_states(self) -> list[LayerState]:
+        """What each cache layer keeps per sequence, one entry per cache
+        layer (docs/architectures.md, "Layer states"): full-attention keys
+        and values (:class:`~infer.kv.attention.FullAttention`, the default
+        for every layer), a sliding window's
+        (:class:`~infer.kv.attention.SlidingWindow`), another layer's
+        (:class:`~infer.kv.attention.SharedKV`) or fixed-size recurrent
+        arrays (:class:`~infer.kv.attention.Recurrent`). The engine
+        allocates each kind; the architecture only declares."""
+        return [FullAttention() for _ in range(self.num_cache_layers)]
 
     @abc.abstractmethod
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:

@@ -118,6 +118,7 @@ def test_models_health_and_metrics_endpoints(url: str, client: openai.OpenAI) ->
                  "infer_time_to_first_token_seconds_count", "infer_time_per_output_token_seconds_count"):
         assert name in m, name
     assert m["infer_kv_blocks_total"] > 0
+    assert m["infer_kv_bytes_held"] >= 0 and m["infer_state_slots_total"] == 0  # no recurrent layers
 
 
 def test_load_app_loads_with_the_cli_options_and_health_follows_the_engine_thread(reference: Any) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 
 from infer.architecture import CausalLM
 from infer.errors import WorkerError
-from infer.kv.attention import AttentionContext, SequenceSlice
+from infer.kv.attention import AttentionContext, LayerState, SequenceSlice
 from infer.kv.blocks import BlockTable
 from infer.kv.cache import ContiguousKVCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -119,7 +119,7 @@ class DriverGroup:
                 cache.prepare_positions(s.start, s.start + s.length)  # copies now, sent with this command
                 pool = cache.pool
                 out.append(("paged", self._pool_id(pool), pool.num_layers, pool.block_size, pool.num_blocks,
-                            list(cache.table.blocks), cache.capacity, s.start, s.length))
+                            [list(t.blocks) for t in cache.tables], cache.capacity, s.start, s.length))
             else:
                 layers = getattr(cache, "num_layers", None)
                 out.append(("contiguous", self._cache_id(cache), layers, cache.capacity, s.start, s.length))
@@ -136,7 +136,8 @@ class DriverGroup:
         key = self._ids.get(pool)
         if key is None:
             key = self._ids[pool] = self._new_id()
-            pool.copy_listeners.append(lambda copies, key=key: self._events.append(("copy", key, list(copies))))
+            pool.copy_listeners.append(
+                lambda copies, group, key=key: self._events.append(("copy", key, list(copies), group)))
             weakref.finalize(pool, self._events.append, ("drop_pool", key))
         return key
 
@@ -234,6 +235,10 @@ class TensorParallelLM(CausalLM):
     def num_cache_layers(self) -> int:
         return self.shard.num_cache_layers
 
+    def layer_states(self) -> list[LayerState]:
+        """The shard's: every rank lays its state groups out alike."""
+        return self.shard.layer_states()
+
     @property
     def ranks(self) -> int:
         """Ranks the model runs over."""
@@ -297,8 +302,9 @@ class _MirroredPagedCache(PagedSequenceCache):
     block table of this forward, written where the driver's is (the
     driver's allocator chose the blocks and made them writable)."""
 
-    def __init__(self, pool: PagedKVPool, blocks: list[int], capacity: int) -> None:
-        super().__init__(pool, BlockTable(blocks=list(blocks)), capacity)
+    def __init__(self, pool: PagedKVPool, tables: list[list[int]], capacity: int) -> None:
+        mirrored = [BlockTable(blocks=list(blocks)) for blocks in tables]
+        super().__init__(pool, mirrored[0], capacity, tables=mirrored)
 
     def write(self, layer: int, start: int, k: Array, v: Array) -> None:
         self.pool.write(layer, self.table.blocks, start, k, v)
@@ -352,7 +358,7 @@ class Worker:
             elif event[0] == "drop_pool":
                 self.pools.pop(event[1], None)
             elif event[0] == "copy" and event[1] in self.pools:
-                self.pools[event[1]].copy_blocks(event[2])
+                self.pools[event[1]].copy_blocks(event[2], event[3])
 
     def _context(self, slices: list[tuple[Any, ...]]) -> AttentionContext:
         seqs = []
@@ -362,7 +368,8 @@ class Worker:
                 pool = self.pools.get(key)
                 if pool is None:
                     pool = self.pools[key] = PagedKVPool(self.ops, layers, block_size=block_size,
-                                                         num_blocks=num_blocks)
+                                                         num_blocks=num_blocks,
+                                                         layer_states=self.network.layer_states())
                 seqs.append(SequenceSlice(_MirroredPagedCache(pool, blocks, capacity), start, length))
             else:
                 _, key, layers, capacity, start, length = d

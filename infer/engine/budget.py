@@ -33,7 +33,6 @@ from collections.abc import Sequence
 
 from infer.engine.runner import Engine, SequenceState
 from infer.errors import CacheFullError
-from infer.kv.cache import ContiguousKVCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 
 log = logging.getLogger("infer.engine.batch")
@@ -85,6 +84,9 @@ class PagedBudget(KVBudget):
     def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
         pool = self.pool
         need = pool.allocator.blocks_for(positions)
+        if pool.shared_pages:  # the windows' pages come from the same allocator
+            need += sum(min(pool.allocator.blocks_for(positions), pool.allocator.blocks_for(w + pool.window_margin) + 2)
+                        for w in pool.windows[1:] if w is not None)
         if need <= pool.num_blocks:
             return
         per = pool.allocator.bytes_per_block or self.engine.kv_bytes_per_position() * pool.block_size
@@ -101,13 +103,27 @@ class PagedBudget(KVBudget):
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
     ) -> SequenceState | None:
-        alloc = self.pool.allocator
-        cache = self.pool.new_sequence(positions)
+        pool = self.pool
+        if _slots_short(self.engine, running):
+            return None
+        try:
+            cache = pool.new_sequence(positions)
+        except CacheFullError:  # no recurrent state slot free
+            return None
         # The last known token is left to compute: its logits give the next token.
         reused = cache.reuse_prefix(known[:-1])
-        # Blocks the running requests still need for tokens they already know.
-        pending = sum(alloc.blocks_needed(_paged(seq).table, seq.cached, n) for seq, n in running)
-        if alloc.blocks_for(positions) - len(cache.table.blocks) > alloc.available() - pending:
+        # Per state group: blocks the running requests still need for tokens they already know,
+        # and what this one needs (a sliding window's group: its window and margin at most).
+        # Groups of one allocator (shared pages) add up.
+        short: dict[int, int] = {}
+        for g, (alloc, window) in enumerate(zip(pool.allocators, pool.windows)):
+            pending = sum(_paged(seq).blocks_needed(n)[g] for seq, n in running)
+            need = alloc.blocks_for(positions)
+            if window is not None:
+                need = min(need, alloc.blocks_for(window + pool.window_margin) + 2)
+            held = sum(1 for b in cache.tables[g].blocks if b >= 0)
+            short[id(alloc)] = short.get(id(alloc), -alloc.available()) + need - held + pending
+        if any(v > 0 for v in short.values()):
             cache.free()
             return None
         return SequenceState(tokens=list(known[:reused]), cache=cache)
@@ -127,6 +143,9 @@ class ContiguousBudget(KVBudget):
 
     def __init__(self, engine: Engine, memory: int) -> None:
         super().__init__(engine)
+        store = engine.state_store
+        if store is not None:  # the recurrent state slots come out of the same memory
+            memory = max(0, memory - store.num_slots * store.nbytes_per_slot)
         #: Positions all admitted requests together may reserve.
         self.positions = memory // engine.kv_bytes_per_position()
         native = engine.backend.supports("attention")
@@ -150,10 +169,14 @@ class ContiguousBudget(KVBudget):
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
     ) -> SequenceState | None:
-        if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions:
+        if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions or _slots_short(
+                self.engine, running):
             return None
         engine = self.engine
-        cache = ContiguousKVCache(engine.backend, engine.model.num_cache_layers, positions)
+        try:
+            cache = engine.contiguous_cache(positions)
+        except CacheFullError:  # no recurrent state slot free
+            return None
         return SequenceState(tokens=[], cache=cache)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
@@ -165,6 +188,17 @@ class ContiguousBudget(KVBudget):
 def _paged(seq: SequenceState) -> PagedSequenceCache:
     assert isinstance(seq.cache, PagedSequenceCache)
     return seq.cache
+
+
+def _slots_short(engine: Engine, running: Sequence[tuple[SequenceState, int]]) -> bool:
+    """Whether the recurrent state slots are too few for one more request:
+    its live state and one checkpoint, and a checkpoint for every running
+    request that holds none yet (without one a rollback replays from further back)."""
+    store = engine.state_store
+    if store is None:
+        return False
+    want = 2 + sum(1 for seq, _ in running if seq.cache.states is not None and not seq.cache.states.checkpoints)
+    return store.allocator.available() < want
 
 
 def _state_capacity(engine: Engine, positions: int) -> None:

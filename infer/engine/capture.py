@@ -178,6 +178,8 @@ class StepInputs:
     lengths: np.ndarray      # int32 [sequences]
     logit_rows: np.ndarray   # int32 [rows]: the token rows whose logits come back
     max_query: int
+    #: The pool's further state groups (sliding windows): per group its slots and tables, as above.
+    groups: list[tuple[np.ndarray, np.ndarray]]
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -186,6 +188,9 @@ class StepInputs:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return (self.ids, self.positions, self.slots, self.query_start, self.tables, self.lengths, self.logit_rows)
+
+    def group_arrays(self) -> list[np.ndarray]:
+        return [a for pair in self.groups for a in pair]
 
 
 class CapturedBatchDecode:
@@ -206,6 +211,8 @@ class CapturedBatchDecode:
         #: their forwards run eagerly, the others' not.
         self.refused: dict[tuple[int, ...], str] = {}
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
+        self._layer_kv: tuple[tuple[int, int, bool], ...] | None = None
+        self._index: dict[int, int] | None = None
 
     @property
     def graphs(self) -> int | None:
@@ -215,12 +222,15 @@ class CapturedBatchDecode:
         return count() if count is not None else None
 
     def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
-              logit_rows: Array, keys: list[Array], values: list[Array], block_size: int,
-              max_query: int) -> tuple[Array, list, list]:
+              logit_rows: Array, keys: list[Array], values: list[Array], block_size: int, max_query: int,
+              groups: list[Array] | None = None) -> tuple[Array, list, list]:
+        groups = groups or []
         ops = self.ops
-        store = LayerArrays(keys, values, block_size)
+        store = LayerArrays(keys, values, block_size, self._layer_kv, self._index)
         batch = AttentionBatch(query_start, lengths, tables, block_size, max_query)
-        ctx = AttentionContext.static(ops, store, positions, slots, batch, tokens=ops.shape(ids)[0])
+        more = [(groups[i], AttentionBatch(query_start, lengths, groups[i + 1], block_size, max_query))
+                for i in range(0, len(groups), 2)]
+        ctx = AttentionContext.static(ops, store, positions, slots, batch, tokens=ops.shape(ids)[0], groups=more)
         hidden = self.model.forward(ids, ctx)
         return self.model.compute_logits(ops.take(hidden, logit_rows, axis=0)), store.keys, store.values
 
@@ -246,24 +256,30 @@ class CapturedBatchDecode:
         query_start = np.full(seqs + 1, tokens, np.int32)
         tables = np.full((seqs, width), scratch, np.int32)
         lengths = np.ones(seqs, np.int32)
+        groups = [(slots.copy(), tables.copy()) for _ in pool.windows[1:]]
         at = 0
         for i, (cache, chunk) in enumerate(zip(caches, token_ids)):
             p, n = cache.length, len(chunk)
-            slot, blocks = cache.locate(p, p + n)
+            located = cache.locate_groups(p, p + n)
+            slot, blocks = located[0]
             query_start[i] = at
             ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p, p + n), slot
             tables[i, :len(blocks)] = blocks
+            for (g_slots, g_tables), (g_slot, g_blocks) in zip(groups, located[1:]):
+                g_slots[at:at + n], g_tables[i, :len(g_blocks)] = g_slot, g_blocks
             lengths[i] = p + n
             at += n
         if pad:  # one padding sequence of `pad` rows, its keys in the scratch block's first rows
             query_start[len(caches)] = at
             positions[at:] = np.arange(pad)
             slots[at:] = scratch * bs + np.arange(pad)
+            for g_slots, _ in groups:
+                g_slots[at:] = scratch * bs + np.arange(pad)
             lengths[len(caches)] = pad
         logit_rows = np.zeros(rows, np.int32)
         logit_rows[:len(wanted)] = wanted
         return StepInputs(ids, positions, slots, query_start, tables, lengths, logit_rows,
-                          batch_bucket(max(counts)))
+                          batch_bucket(max(counts)), groups)
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                  logit_tokens: list[int] | None = None) -> Array | None:
@@ -275,8 +291,10 @@ class CapturedBatchDecode:
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
-        if any(c.pool is not pool for c in caches):
-            return None
+        if any(c.pool is not pool or c.states is not None for c in caches):
+            return None  # recurrent layers run eagerly (docs/kv-cache.md, "Recurrent state")
+        self._layer_kv = None if pool.layer_kv is None else tuple(pool.layer_kv)
+        self._index = {layer: i for i, layer in enumerate(pool.storage_layers(self.model.num_layers))}
         if pool.layer_rows(self.model.num_layers) is None:  # a layer not written yet: its shapes are unknown
             return None
         parts = self._parts([len(t) for t in token_ids])
@@ -329,7 +347,7 @@ class CapturedBatchDecode:
         assert buffers is not None
         try:
             logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
-                                            host.max_query)
+                                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()])
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             reason = _why(exc)
             if self.steps == 0 and not self.refused:

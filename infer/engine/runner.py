@@ -33,11 +33,16 @@ import numpy as np
 
 from infer.architecture import CausalLM
 from infer.engine.capture import CapturedBatchDecode, CapturedDecode, capacity_bucket
-from infer.errors import BackendOutputError, ContextLengthError, GenerationError
-from infer.kv.attention import AttentionContext, SequenceSlice
+from infer.errors import BackendOutputError, CacheConfigError, ContextLengthError, GenerationError
+from infer.kv.attention import AttentionContext, Recurrent, SequenceSlice, state_groups
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
+from infer.kv.state import StateStore
 from infer.ops import Array, Backend
+
+
+#: Recurrent state slots an engine keeps (live states and checkpoints) by default.
+DEFAULT_STATE_SLOTS = 64
 
 
 @dataclass
@@ -164,10 +169,22 @@ def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
 class Engine:
     """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
 
-    def __init__(self, model: CausalLM, backend: Backend, kv_pool: PagedKVPool | None = None) -> None:
+    def __init__(self, model: CausalLM, backend: Backend, kv_pool: PagedKVPool | None = None, *,
+                 state_slots: int = DEFAULT_STATE_SLOTS) -> None:
         self.model = model
         self.backend = backend
         self.max_context = model.max_context
+        #: What each cache layer keeps (:meth:`~infer.architecture.CausalLM.layer_states`).
+        self.layer_states = list(model.layer_states())
+        self._layer_kv, _ = state_groups(self.layer_states)
+        recurrent = {i: s for i, s in enumerate(self.layer_states) if isinstance(s, Recurrent)}
+        if recurrent and state_slots < 2:
+            raise CacheConfigError(f"state_slots must be at least 2 (a sequence's live state and a checkpoint), "
+                                   f"got {state_slots}")
+        #: The recurrent layers' per-sequence states and checkpoints (None: none).
+        self.state_store = StateStore(backend, recurrent, state_slots) if recurrent else None
+        if kv_pool is not None and self.state_store is not None and kv_pool.state_store is None:
+            kv_pool.state_store = self.state_store
         #: Where new sequences keep their keys and values: pages of this pool,
         #: or (None) a contiguous cache each.
         self.kv_pool = kv_pool
@@ -202,13 +219,27 @@ class Engine:
             return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
         if self.decode_step is not None:
             capacity = capacity_bucket(capacity, self.max_context)
-        return SequenceState(tokens=[], cache=ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity))
+        return SequenceState(tokens=[], cache=self.contiguous_cache(capacity))
+
+    def contiguous_cache(self, capacity: int) -> ContiguousKVCache:
+        """A contiguous cache of ``capacity`` positions for this model (its
+        recurrent state in a slot of :attr:`state_store`)."""
+        states = None if self.state_store is None else self.state_store.new_sequence()
+        return ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity, layer_kv=self._layer_kv,
+                                 states=states)
 
     def truncate(self, seq: SequenceState, length: int) -> None:
         """Forget ``seq``'s positions from ``length`` on (rejected speculative
-        tokens): its cache rolls back and the next forward starts there."""
-        seq.cache.truncate(length)
-        del seq.tokens[seq.cache.length:]
+        tokens): its cache rolls back and the next forward starts there. A
+        state that cannot be cut at ``length`` (recurrent layers between
+        checkpoints; a sliding window rolled back past its margin) goes back
+        further, and the tokens between are fed again."""
+        length = min(length, len(seq.tokens))
+        kept = seq.cache.truncate(length)
+        replay = seq.tokens[kept:length]
+        del seq.tokens[kept:]
+        if replay:
+            self.run(self.prepare([seq], [replay]))
 
     def release(self, seq: SequenceState) -> None:
         """Done with ``seq``: its cache's memory (a paged cache's pages) goes back now."""
@@ -216,14 +247,22 @@ class Engine:
 
     def new_kv_pool(
         self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
+        shared_pages: bool = False,
     ) -> PagedKVPool:
         """A paged pool for this engine's model, sized by ``num_blocks`` or
         by ``memory_budget`` bytes; then the bytes one position takes are
-        those :meth:`kv_bytes_per_position` measures."""
+        those :meth:`kv_bytes_per_position` measures. ``shared_pages``: one
+        page size and one allocator for every state group, where the layers
+        allow (:func:`~infer.kv.paged.one_page_size`), so the pages sliding
+        windows give back serve the full-attention layers too."""
         per_token = None if memory_budget is None else self.kv_bytes_per_position()
+        store = self.state_store
+        if memory_budget is not None and store is not None:  # the state slots come out of the same budget
+            memory_budget -= store.num_slots * store.nbytes_per_slot
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
         return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
-                           memory_budget=memory_budget, bytes_per_token=per_token)
+                           memory_budget=memory_budget, bytes_per_token=per_token,
+                           layer_states=self.layer_states, state_store=store, shared_pages=shared_pages)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes one position takes in every KV cache layer (the main model's
@@ -233,7 +272,9 @@ class Engine:
         (sliding-window layers, latent attention, ...)."""
         if self._kv_bytes_per_position is None:
             ops, model = self.backend, self.model
-            cache = ContiguousKVCache(ops, model.num_cache_layers, 1)
+            states = None if self.state_store is None else StateStore(
+                ops, self.state_store.specs, 1).new_sequence()
+            cache = ContiguousKVCache(ops, model.num_cache_layers, 1, layer_kv=self._layer_kv, states=states)
             ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
             hidden = model.forward(ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             for depth in range(model.num_mtp_modules):
@@ -289,6 +330,8 @@ class Engine:
             slices.append(SequenceSlice(seq.cache, start, len(ids)))
         for s in slices:
             s.cache.reserve(s.start + s.length)
+        for s, ids, whole in zip(slices, token_ids, every):  # recurrent state checkpoints (infer.kv.state)
+            s.checkpoints = s.cache.plan_checkpoints(ids, verify=whole and len(ids) > 1)
         chunks = [[int(t) for t in ids] for ids in token_ids]
         flat = np.asarray([t for ids in chunks for t in ids], dtype=np.int32)
         return Batch(list(seqs), chunks, flat, slices, every, capture_hidden)
@@ -307,7 +350,7 @@ class Engine:
         and every new token's hidden states when it asks for them."""
         ops = self.backend
         if (self.batch_step is not None and not batch.capture_hidden
-                and all(isinstance(s.cache, PagedSequenceCache) for s in batch.slices)):
+                and all(isinstance(s.cache, PagedSequenceCache) and s.cache.states is None for s in batch.slices)):
             caches = [s.cache for s in batch.slices]
             logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens)  # type: ignore[arg-type]
             if logits is not None:
@@ -322,7 +365,7 @@ class Engine:
         greedy token after it, or None where that step does not serve (not
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
-        if self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache):
+        if self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None:
             return None
         self.check_tokens([token])
         nxt = self.decode_step(seq.cache, token)

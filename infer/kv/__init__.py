@@ -1,8 +1,9 @@
 """Where keys and values live: what the engine owns and architectures never see.
 
 * :mod:`infer.kv.attention` — the attention context, the one object an
-  architecture is handed per forward (part of the contract architectures are
-  written against);
+  architecture is handed per forward, and the layer-state kinds it declares
+  (part of the contract architectures are written against);
+* :mod:`infer.kv.state` — recurrent layers' per-sequence state slots and checkpoints;
 * :mod:`infer.kv.cache` — the sequence-cache lifecycle every layout shares
   (:class:`~infer.kv.cache.SequenceCache`) and the contiguous cache;
 * :mod:`infer.kv.paged` — the paged pool and its sequence caches;

@@ -12,6 +12,15 @@ speculative verification rows, any mix of them, a contiguous cache (one block
 of its capacity) or pages of a shared pool: one description, one path
 (docs/design.md, rule 3; docs/kv-cache.md).
 
+What each cache layer keeps is declared by the architecture
+(:meth:`~infer.architecture.CausalLM.layer_states`: :class:`FullAttention`,
+:class:`SlidingWindow`, :class:`SharedKV`, :class:`Recurrent`); a store lays
+the attention layers out in *state groups* (:func:`state_groups`: one block
+table per window size), and a forward's description carries every group's
+slots and tables. A recurrent layer reads and writes its per-sequence state
+through :meth:`AttentionContext.state` and :meth:`AttentionContext.set_state`
+(:mod:`infer.kv.state`).
+
 The description holds backend arrays, so a captured step builds the same
 context from its inputs (:meth:`AttentionContext.static`): positions, slots,
 lengths and tables are data, and one graph serves every step of a shape
@@ -21,14 +30,85 @@ their path per sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
 
 import numpy as np
 
 from infer.errors import CaptureError
 from infer.ops import Array, AttentionBatch, Backend
+
+
+# -- what each cache layer keeps per sequence ---------------------------------------
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Keys and values of every position (the default for every cache layer)."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Keys and values of the last ``window`` positions only: the layer attends
+    with ``ctx.attention(..., window=window)``, so the engine gives back the
+    pages that fall wholly out of the window (docs/kv-cache.md, "State groups")."""
+
+    window: int
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """No keys and values of its own: the layer attends over those of the
+    earlier cache layer ``layer`` (its ``k`` and ``v`` are not stored)."""
+
+    layer: int
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """Fixed-size state per sequence, whatever its length: named arrays of
+    ``arrays[name]`` shape each (e.g. ``{"conv": (width - 1, channels), "ssm":
+    (heads, dk, dv)}``) in ``dtype``. The layer reads it with
+    :meth:`AttentionContext.state` and writes it back with
+    :meth:`AttentionContext.set_state`; the engine keeps it in per-sequence
+    slots and checkpoints it for prefix hits and rollback."""
+
+    arrays: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    dtype: str = "float32"
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted((k, tuple(v)) for k, v in self.arrays.items())), self.dtype))
+
+
+#: What one cache layer keeps per sequence (:meth:`infer.architecture.CausalLM.layer_states`).
+LayerState = Union[FullAttention, SlidingWindow, SharedKV, Recurrent]
+
+
+def state_groups(specs: Sequence[LayerState]) -> tuple[list[tuple[int, int, bool]], list[int | None]]:
+    """How a store lays out ``specs`` (one per cache layer): per layer
+    ``(storage, group, writes)`` — the layer whose arrays hold its keys and
+    values, its state group (-1: a recurrent layer, no keys and values), and
+    whether it writes them (a :class:`SharedKV` layer only reads) — and per
+    group its window (None: full attention). Group 0 is full attention when
+    any layer is; each window size is a group with its own block tables
+    (vLLM's KV-cache groups)."""
+    sizes = sorted({s.window for s in specs if isinstance(s, SlidingWindow)})
+    windows: list[int | None] = list(sizes)
+    if any(isinstance(s, FullAttention) for s in specs) or not windows:
+        windows.insert(0, None)
+    layer_kv: list[tuple[int, int, bool]] = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SharedKV):
+            if not 0 <= spec.layer < i or isinstance(specs[spec.layer], (SharedKV, Recurrent)):
+                raise ValueError(f"cache layer {i} shares the keys and values of layer {spec.layer}, which must "
+                                 "be an earlier attention layer with its own")
+            layer_kv.append((*layer_kv[spec.layer][:2], False))
+        elif isinstance(spec, Recurrent):
+            layer_kv.append((i, -1, False))
+        else:
+            layer_kv.append((i, windows.index(spec.window if isinstance(spec, SlidingWindow) else None), True))
+    return layer_kv, windows
 
 
 class KVLayers(Protocol):
@@ -37,6 +117,9 @@ class KVLayers(Protocol):
 
     #: Positions per block of the rows' block tables.
     block_size: int
+    #: Per cache layer ``(storage, group, writes)`` (:func:`state_groups`);
+    #: None: every layer its own arrays, group 0.
+    layer_kv: Sequence[tuple[int, int, bool]] | None
 
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
         """``layer``'s key and value rows, created (from ``k``'s and ``v``'s
@@ -53,9 +136,13 @@ class SequenceKV(Protocol):
 
     #: Its pool (a contiguous cache is its own pool of one block).
     store: KVLayers
+    #: Its recurrent state (:class:`infer.kv.state.SequenceStates`), or None
+    #: when the model has no recurrent layer.
+    states: Any
 
-    def locate(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
-        """The pool rows of positions ``start..stop`` (int32, made writable
+    def locate_groups(self, start: int, stop: int) -> list[tuple[np.ndarray, list[int]]]:
+        """Per state group of the store (docs/kv-cache.md, "State groups"):
+        the pool rows of positions ``start..stop`` (int32, made writable
         first) and the sequence's block table up to ``stop``."""
         ...
 
@@ -70,6 +157,9 @@ class SequenceSlice:
     start: int
     #: Number of new tokens in this forward.
     length: int
+    #: Recurrent state checkpoints to write: ``(position, slot)``, the state
+    #: after ``position`` tokens (``start < position <= start + length``).
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +174,12 @@ class StoreRun:
     #: int32 ``[stop - first]``: the pool row each new token's key goes to.
     slots: Array
     batch: AttentionBatch
+    #: The same for the store's further state groups (sliding-window layers
+    #: with their own block tables), group 1 first.
+    groups: list[tuple[Array, AttentionBatch]] = field(default_factory=list)
+
+    def group(self, g: int) -> tuple[Array, AttentionBatch]:
+        return (self.slots, self.batch) if g == 0 else self.groups[g - 1]
 
 
 class DynamicContextError(CaptureError):
@@ -136,15 +232,31 @@ class AttentionContext:
         self._setup(ops, ops.from_numpy(positions), int(positions.shape[0]), runs,
                     max(s.start + s.length for s in sequences))
         self.sequences = list(sequences)
+        states = [s.cache.states for s in sequences]
+        if any(st is not None for st in states):
+            if any(st is None or st.store is not states[0].store for st in states):
+                raise ValueError("a forward's sequences keep their recurrent state in one store")
+            query_start, rows, ckpt_slots = [0], [], []
+            for s in sequences:
+                rows.extend(query_start[-1] + p - s.start - 1 for p, _ in s.checkpoints)
+                ckpt_slots.extend(slot for _, slot in s.checkpoints)
+                query_start.append(query_start[-1] + s.length)
+            i32 = lambda xs: ops.from_numpy(np.asarray(xs, np.int32))  # noqa: E731
+            self._states = states[0].store
+            self.query_start = i32(query_start)
+            self.state_slots = i32([st.slot for st in states])
+            self.checkpoint_rows = i32(rows)
+            self._checkpoint_slots = i32(ckpt_slots)
 
     @classmethod
     def static(cls, ops: Backend, store: KVLayers, positions: Array, slots: Array, batch: AttentionBatch,
-               tokens: int) -> AttentionContext:
+               tokens: int, groups: Sequence[tuple[Array, AttentionBatch]] = ()) -> AttentionContext:
         """A forward of ``tokens`` rows whose description is data: the
-        positions, slots and ``batch`` are backend arrays (a captured step's
-        inputs) over one ``store``; nothing about the step's lengths is on the host."""
+        positions, slots and ``batch`` (and those of the store's further
+        state ``groups``) are backend arrays (a captured step's inputs) over
+        one ``store``; nothing about the step's lengths is on the host."""
         ctx = cls.__new__(cls)
-        ctx._setup(ops, positions, tokens, [StoreRun(store, 0, tokens, slots, batch)], None)
+        ctx._setup(ops, positions, tokens, [StoreRun(store, 0, tokens, slots, batch, list(groups))], None)
         ctx.sequences = []
         return ctx
 
@@ -186,6 +298,16 @@ class AttentionContext:
         self.num_tokens = tokens
         self.runs = runs
         self._max_position = max_position
+        self._states = None
+        #: int32 ``[sequences + 1]`` over the whole forward (recurrent layers'
+        #: ragged batch: sequence ``b``'s tokens are ``query_start[b]:query_start[b + 1]``).
+        self.query_start: Array | None = None
+        #: int32 ``[sequences]``: each sequence's state slot.
+        self.state_slots: Array | None = None
+        #: int32 ``[checkpoints]``: token rows after which a recurrent op
+        #: returns the state (see :meth:`set_state`).
+        self.checkpoint_rows: Array | None = None
+        self._checkpoint_slots: Array | None = None
 
     @property
     def max_position(self) -> int:
@@ -220,14 +342,41 @@ class AttentionContext:
         outputs = []
         for run in self.runs:
             part = len(self.runs) > 1
-            qs, ks, vs = (ops.slice(x, 0, run.first, run.stop) if part else x for x in (q, k, v))
-            keys, values = run.store.layer_arrays(layer, ks, vs)
-            keys = ops.scatter_rows(keys, run.slots, ks)
-            values = ops.scatter_rows(values, run.slots, vs)
-            run.store.set_layer_arrays(layer, keys, values)
-            outputs.append(ops.attention(qs, keys, values, run.batch, scale=scale, causal=causal, window=window,
+            storage, group, writes = (layer, 0, True) if run.store.layer_kv is None else run.store.layer_kv[layer]
+            slots, batch = run.group(group)
+            qs, ks, vs = (ops.slice(x, 0, run.first, run.stop) if part and x is not None else x for x in (q, k, v))
+            keys, values = run.store.layer_arrays(storage, ks, vs)
+            if writes:  # a SharedKV layer reads what its source wrote earlier in this forward
+                keys = ops.scatter_rows(keys, slots, ks)
+                values = ops.scatter_rows(values, slots, vs)
+                run.store.set_layer_arrays(storage, keys, values)
+            outputs.append(ops.attention(qs, keys, values, batch, scale=scale, causal=causal, window=window,
                                          softcap=softcap, sinks=sinks))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
+
+    def state(self, layer: int) -> dict[str, Array]:
+        """Recurrent ``layer``'s state before this forward, per sequence in
+        batch order: ``{name: [sequences, *shape]}``
+        (:class:`Recurrent`; a new sequence's is zeros)."""
+        if self._states is None or self.state_slots is None:
+            raise DynamicContextError(f"layer {layer} reads recurrent state, which this forward does not carry "
+                                      "(a captured step runs such models eagerly)")
+        ops = self.ops
+        return {name: ops.take(a, self.state_slots, axis=0) for name, a in self._states.arrays[layer].items()}
+
+    def set_state(self, layer: int, state: dict[str, Array], checkpoints: dict[str, Array] | None = None) -> None:
+        """Recurrent ``layer``'s state after this forward, ``{name:
+        [sequences, *shape]}``, and, when the forward has
+        :attr:`checkpoint_rows`, the state after each of those rows
+        (``{name: [checkpoints, *shape]}``, in their order)."""
+        if self._states is None or self.state_slots is None:
+            raise DynamicContextError(f"layer {layer} writes recurrent state, which this forward does not carry")
+        ops, arrays = self.ops, self._states.arrays[layer]
+        for name, value in state.items():
+            arrays[name] = ops.scatter_rows(arrays[name], self.state_slots, value)
+        if checkpoints is not None and ops.shape(self._checkpoint_slots)[0]:
+            for name, value in checkpoints.items():
+                arrays[name] = ops.scatter_rows(arrays[name], self._checkpoint_slots, value)
 
 
 def describe(ops: Backend, sequences: Sequence[SequenceSlice], first: int = 0) -> StoreRun:
@@ -235,25 +384,26 @@ def describe(ops: Backend, sequences: Sequence[SequenceSlice], first: int = 0) -
     ``first`` of the forward: their slots, and the attention batch with the
     host's copy beside the backend's arrays."""
     store = sequences[0].cache.store
-    slots, tables = [], []
+    located = [s.cache.locate_groups(s.start, s.start + s.length) for s in sequences]
     query_start = [0]
     lengths = []
     for s in sequences:
-        rows, table = s.cache.locate(s.start, s.start + s.length)
-        slots.append(rows)
-        tables.append(table)
         query_start.append(query_start[-1] + s.length)
         lengths.append(s.start + s.length)
-    width = max(len(t) for t in tables)
-    table_array = np.zeros((len(tables), width), np.int32)
-    for i, t in enumerate(tables):
-        table_array[i, :len(t)] = t
-    host = AttentionBatch(np.asarray(query_start, np.int32), np.asarray(lengths, np.int32), table_array,
-                          store.block_size, max(s.length for s in sequences))
-    slot_array = np.concatenate(slots).astype(np.int32, copy=False)
-    batch = AttentionBatch(*(ops.from_numpy(a) for a in (host.query_start, host.seq_lens, host.block_tables)),
-                           host.block_size, host.max_query, host)
-    return StoreRun(store, first, first + query_start[-1], ops.from_numpy(slot_array), batch)
+    groups = []
+    for g in range(len(located[0])):
+        tables = [loc[g][1] for loc in located]
+        width = max(len(t) for t in tables)
+        table_array = np.zeros((len(tables), width), np.int32)
+        for i, t in enumerate(tables):
+            table_array[i, :len(t)] = t
+        host = AttentionBatch(np.asarray(query_start, np.int32), np.asarray(lengths, np.int32), table_array,
+                              store.block_size, max(s.length for s in sequences))
+        slot_array = np.concatenate([loc[g][0] for loc in located]).astype(np.int32, copy=False)
+        batch = AttentionBatch(*(ops.from_numpy(a) for a in (host.query_start, host.seq_lens, host.block_tables)),
+                               host.block_size, host.max_query, host)
+        groups.append((ops.from_numpy(slot_array), batch))
+    return StoreRun(store, first, first + query_start[-1], *groups[0], groups[1:])
 
 
 class LayerArrays:
@@ -261,11 +411,18 @@ class LayerArrays:
     step's inputs (:attr:`keys`, :attr:`values`; after the forward the arrays
     to adopt, new ones on a functional backend such as MLX)."""
 
-    def __init__(self, keys: Sequence[Array], values: Sequence[Array], block_size: int) -> None:
+    def __init__(self, keys: Sequence[Array], values: Sequence[Array], block_size: int,
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None, index: dict[int, int] | None = None) -> None:
         self.keys, self.values, self.block_size = list(keys), list(values), block_size
+        self.layer_kv = layer_kv
+        #: Storage layer -> position in :attr:`keys` (the store's storage
+        #: layers only, :meth:`~infer.kv.cache.LayerStore.storage_layers`); None: the layer itself.
+        self.index = index
 
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
-        return self.keys[layer], self.values[layer]
+        i = layer if self.index is None else self.index[layer]
+        return self.keys[i], self.values[i]
 
     def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
-        self.keys[layer], self.values[layer] = keys, values
+        i = layer if self.index is None else self.index[layer]
+        self.keys[i], self.values[i] = keys, values

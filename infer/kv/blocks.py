@@ -162,7 +162,7 @@ class BlockAllocator:
         bs = self.block_size
         grow = max(0, self.blocks_for(stop) - len(table.blocks))
         existing = range(start // bs, min(self.blocks_for(stop), len(table.blocks)))
-        return grow + sum(1 for i in existing if self._refcount[table.blocks[i]] > 1)
+        return grow + sum(1 for i in existing if table.blocks[i] >= 0 and self._refcount[table.blocks[i]] > 1)
 
     def prepare_write(self, table: BlockTable, start: int, stop: int) -> list[tuple[int, int]]:
         """Make positions ``start..stop`` of ``table`` writable.
@@ -188,6 +188,8 @@ class BlockAllocator:
         copies = []
         for i in range(start // bs, min(self.blocks_for(stop), len(table.blocks))):
             block = table.blocks[i]
+            if block < 0:  # given back by a sliding window: never written again
+                continue
             if self._refcount[block] > 1:
                 new = self.allocate()
                 self.free(block)
@@ -199,7 +201,7 @@ class BlockAllocator:
             table.blocks.append(self.allocate())
         return copies
 
-    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+    def commit(self, table: BlockTable, tokens: Sequence[int], salt: bytes = b"") -> None:
         """Record that the table's positions now hold ``tokens`` (the whole
         sequence so far), and enter its newly full blocks in the prefix cache.
 
@@ -214,16 +216,15 @@ class BlockAllocator:
             parent = table.hashes[-1] if table.hashes else ROOT_HASH
             key = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             table.hashes.append(key)
-            block = table.blocks[i]
-            if block not in self._hash_of and key not in self._cached:
-                self._cached[key] = block
-                self._hash_of[block] = key
+            # A salt (the state group) keeps apart the blocks of groups that share one allocator.
+            self.register(table.blocks[i], salt + key)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table sharing every block of ``table`` (reference counts
         +1); whichever writes a shared block first gets a copy."""
         for block in table.blocks:
-            self.incref(block)
+            if block >= 0:  # a sliding window's given-back blocks are -1
+                self.incref(block)
         return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
@@ -231,7 +232,8 @@ class BlockAllocator:
         num_tokens = max(0, min(num_tokens, table.num_tokens))
         keep = self.blocks_for(num_tokens)
         for block in reversed(table.blocks[keep:]):
-            self.free(block)
+            if block >= 0:
+                self.free(block)
         del table.blocks[keep:]
         del table.hashes[num_tokens // self.block_size:]
         table.num_tokens = num_tokens
@@ -241,12 +243,39 @@ class BlockAllocator:
         under pressure a cached prefix is evicted from its tail, keeping its
         head reusable."""
         for block in reversed(table.blocks):
-            self.free(block)
+            if block >= 0:
+                self.free(block)
         table.blocks.clear()
         table.hashes.clear()
         table.num_tokens = 0
 
     # -- prefix cache ---------------------------------------------------------------
+
+    def release_before(self, table: BlockTable, position: int) -> int:
+        """Give back the blocks wholly before ``position`` (a sliding window's
+        keys no query reads again): their entries become -1, and a registered
+        one stays cached for prefix hits. Returns the blocks given back."""
+        freed = 0
+        for i in range(min(position // self.block_size, len(table.blocks))):
+            if table.blocks[i] >= 0:
+                self.free(table.blocks[i])
+                table.blocks[i] = -1
+                freed += 1
+        return freed
+
+    def attach_blocks(self, table: BlockTable, keys: Sequence[bytes], first: int, salt: bytes = b"") -> None:
+        """Start an empty ``table`` with the cached blocks of ``keys[first:]``
+        (the blocks before ``first`` -1: a sliding window's prefix hit needs
+        only those within the window)."""
+        if table.blocks:
+            raise CacheConfigError("a cached prefix can only start an empty block table")
+        for i, key in enumerate(keys):
+            block = -1 if i < first else self._cached[salt + key]
+            if block >= 0:
+                self.incref(block)
+            table.blocks.append(block)
+        table.hashes = list(keys)
+        table.num_tokens = len(keys) * self.block_size
 
     def lookup_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``tokens``
@@ -276,6 +305,18 @@ class BlockAllocator:
                 break
             found.append((parent, block))
         return found
+
+    def register(self, block: int, key: bytes) -> None:
+        """Enter ``block`` in the prefix cache under ``key`` (a recurrent
+        state checkpoint keyed by the chain hash of the KV block ending where
+        it was taken); a key already cached keeps its first block."""
+        if block not in self._hash_of and key not in self._cached:
+            self._cached[key] = block
+            self._hash_of[block] = key
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block cached under ``key``, or None (a query: nothing changes)."""
+        return self._cached.get(key)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached entry (referenced blocks stay allocated); returns

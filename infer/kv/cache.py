@@ -35,7 +35,11 @@ import numpy as np
 
 from infer.errors import CacheFullError
 from infer.kv.attention import KVLayers
+from infer.kv.state import SequenceStates
 from infer.ops import Array, Backend
+
+#: A cache without blocks (contiguous) checkpoints recurrent state every this many positions.
+CHECKPOINT_INTERVAL = 16
 
 
 class SequenceCache(abc.ABC):
@@ -46,6 +50,8 @@ class SequenceCache(abc.ABC):
     #: The pool whose rows hold its keys and values (the attention context
     #: writes and reads them there; a contiguous cache is its own pool).
     store: KVLayers
+    #: Its recurrent layers' state (None: the model has none).
+    states: SequenceStates | None = None
 
     @property
     @abc.abstractmethod
@@ -59,6 +65,33 @@ class SequenceCache(abc.ABC):
         what the forward's description (:func:`infer.kv.attention.describe`)
         is built from."""
 
+    def locate_groups(self, start: int, stop: int) -> list[tuple[np.ndarray, list[int]]]:
+        """:meth:`locate` per state group of the store (one group by default)."""
+        return [self.locate(start, stop)]
+
+    def plan_checkpoints(self, token_ids: Sequence[int], verify: bool) -> list[tuple[int, int]]:
+        """The recurrent state checkpoints the forward feeding ``token_ids``
+        writes, ``(position, slot)`` (module :mod:`infer.kv.state`): block
+        boundaries, the chunk's end when it has more than one token, and
+        after every row when it ``verify``-ies drafts."""
+        if self.states is None:
+            return []
+        start, stop, every = self.length, self.length + len(token_ids), self.checkpoint_interval
+        positions = set(range((start // every + 1) * every, stop + 1, every))
+        if len(token_ids) > 1:
+            positions.add(stop)
+        if verify:
+            positions.update(range(start + 1, stop + 1))
+        return self.states.plan(start, sorted(positions), self._checkpoint_keys(token_ids))
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return CHECKPOINT_INTERVAL
+
+    def _checkpoint_keys(self, token_ids: Sequence[int]) -> dict[int, bytes]:
+        """Prefix-cache keys of the block boundaries ``token_ids`` reach (none without a prefix cache)."""
+        return {}
+
     @abc.abstractmethod
     def reserve(self, stop: int) -> None:
         """Make positions ``length..stop`` writable now, or raise
@@ -69,8 +102,12 @@ class SequenceCache(abc.ABC):
         """The positions from ``length`` on, just written, hold ``token_ids``."""
 
     @abc.abstractmethod
-    def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (e.g. rejected speculative tokens)."""
+    def truncate(self, length: int) -> int:
+        """Forget positions from ``length`` on (e.g. rejected speculative
+        tokens). Returns the positions kept: ``length``, or fewer when a
+        state cannot be cut there (a recurrent layer's newest checkpoint at
+        or before it; a sliding window's pages given back), and then the
+        engine replays the tokens between (:meth:`infer.engine.Engine.truncate`)."""
 
     @abc.abstractmethod
     def free(self) -> None:
@@ -107,11 +144,15 @@ class LayerStore:
     different key and value widths (multi-head latent attention) need no
     special case: the storage of a pool and of a contiguous cache."""
 
-    def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int) -> None:
+    def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int,
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None) -> None:
         self.backend = backend
         self.num_layers = num_layers
         self.rows = rows
         self.block_size = block_size
+        #: Per layer (storage layer, state group, writes); None: its own, group 0
+        #: (:func:`infer.kv.attention.state_groups`).
+        self.layer_kv = None if layer_kv is None else list(layer_kv)
         self._keys: list[Array | None] = [None] * num_layers
         self._values: list[Array | None] = [None] * num_layers
 
@@ -136,20 +177,29 @@ class LayerStore:
             raise IndexError(f"KV layer {layer} has not been written yet")
         return keys, values
 
+    def storage_layers(self, layers: int) -> list[int]:
+        """The layers below ``layers`` that have arrays of their own (not a
+        shared or recurrent layer, nor one whose pages another layer's arrays hold)."""
+        kv = self.layer_kv
+        return [i for i in range(layers) if kv is None or (kv[i][0] == i and kv[i][2])]
+
     def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
-        """The first ``layers`` layers' key and value arrays, as a captured
-        step takes them; None while one of them is not allocated yet (its
-        shapes are not known before its first write)."""
-        keys, values = self._keys[:layers], self._values[:layers]
+        """The key and value arrays of the storage layers below ``layers``
+        (:meth:`storage_layers`), as a captured step takes them; None while
+        one of them is not allocated yet (its shapes are not known before its
+        first write)."""
+        ids = self.storage_layers(layers)
+        keys, values = [self._keys[i] for i in ids], [self._values[i] for i in ids]
         if any(a is None for a in (*keys, *values)):
             return None
-        return list(keys), list(values)  # type: ignore[arg-type]
+        return keys, values  # type: ignore[return-value]
 
     def replace_layer_rows(self, keys: Sequence[Array], values: Sequence[Array]) -> None:
         """Adopt the arrays a captured step returned (new arrays on a
-        functional backend; the same ones where writes are in place)."""
-        self._keys[:len(keys)] = list(keys)
-        self._values[:len(values)] = list(values)
+        functional backend; the same ones where writes are in place), in
+        :meth:`layer_rows`' order."""
+        for i, k, v in zip(self.storage_layers(self.num_layers), keys, values):
+            self._keys[i], self._values[i] = k, v
 
     def clear(self) -> None:
         self._keys = [None] * self.num_layers
@@ -167,10 +217,15 @@ class ContiguousKVCache(SequenceCache, LayerStore):
     nothing per step. To the attention op it is a pool of one block of
     ``capacity`` positions: its block table is ``[0]`` and position ``p`` is row ``p``."""
 
-    def __init__(self, backend: Backend, num_layers: int, capacity: int) -> None:
-        LayerStore.__init__(self, backend, num_layers, capacity, capacity)
+    def __init__(self, backend: Backend, num_layers: int, capacity: int, *,
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None,
+                 states: SequenceStates | None = None) -> None:
+        # One group: a contiguous buffer holds every position already, so windows give nothing back.
+        layer_kv = None if layer_kv is None else [(src, 0, writes) for src, _, writes in layer_kv]
+        LayerStore.__init__(self, backend, num_layers, capacity, capacity, layer_kv)
         self.capacity = capacity
         self.store = self
+        self.states = states
         self._length = 0
 
     @property
@@ -187,18 +242,34 @@ class ContiguousKVCache(SequenceCache, LayerStore):
 
     def commit(self, token_ids: Sequence[int]) -> None:
         self._length += len(token_ids)
+        if self.states is not None:
+            self.states.commit()
 
-    def truncate(self, length: int) -> None:
-        """Only the length changes; the next write overwrites the rows."""
-        self._length = min(self._length, length)
+    def truncate(self, length: int) -> int:
+        """Only the length changes; the next write overwrites the rows (a
+        recurrent state goes back to its newest checkpoint at or before ``length``)."""
+        length = min(self._length, length)
+        if self.states is not None:
+            length = self.states.restore(length)
+        self._length = length
+        return length
 
     def free(self) -> None:
         self.clear()
         self._length = 0
+        if self.states is not None:
+            self.states.free()
 
     @property
     def nbytes_per_position(self) -> int:
         return LayerStore.nbytes_per_position.fget(self)  # type: ignore[attr-defined]
+
+    def layer_rows(self, layers: int) -> tuple[list[Array], list[Array]] | None:
+        """As the store's, but None where a layer has no arrays of its own
+        (the captured contiguous step indexes every layer's buffers)."""
+        if len(self.storage_layers(layers)) != layers:
+            return None
+        return LayerStore.layer_rows(self, layers)
 
 
 def row_nbytes(ops: Backend, arr: Array) -> int:

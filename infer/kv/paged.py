@@ -33,8 +33,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from infer.errors import CacheConfigError, CacheFullError
-from infer.kv.blocks import BlockAllocator, BlockTable, PoolStats
-from infer.kv.cache import LayerStore, SequenceCache
+from infer.kv.attention import LayerState, state_groups
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash
+from infer.kv.cache import LayerStore, SequenceCache, row_nbytes
+from infer.kv.state import SequenceStates, StateStore
 from infer.ops import Backend
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,10 @@ class PagedKVPool(LayerStore):
         num_blocks: int | None = None,
         memory_budget: int | None = None,
         bytes_per_token: int | None = None,
+        layer_states: Sequence[LayerState] | None = None,
+        state_store: StateStore | None = None,
+        window_margin: int | None = None,
+        shared_pages: bool = False,
     ) -> None:
         if (num_blocks is None) == (memory_budget is None):
             raise CacheConfigError("size the KV pool with exactly one of num_blocks and memory_budget")
@@ -79,16 +85,45 @@ class PagedKVPool(LayerStore):
                     "its scratch block); raise the budget or lower block_size"
                 )
         assert num_blocks is not None
-        super().__init__(backend, num_layers, (num_blocks + 1) * block_size, block_size)  # the scratch block last
+        layer_kv, windows = state_groups(layer_states) if layer_states is not None else (None, [None])
+        shared = None if layer_kv is None or not shared_pages else one_page_size(layer_kv, windows)
+        #: Whether every state group takes its pages from one allocator
+        #: (``shared_pages=True`` where :func:`one_page_size` applies): a page
+        #: given back by a window then serves any layer, and :meth:`stats`
+        #: counts the pages of every group.
+        self.shared_pages = shared is not None
+        if shared is not None:
+            # Same memory: a page now holds the keys of one group's layers, not of every layer.
+            layer_kv, windows, scale = shared
+            num_blocks = (num_blocks + 1) * scale - 1
+            bytes_per_block = None if bytes_per_block is None else bytes_per_block // scale
+        super().__init__(backend, num_layers, (num_blocks + 1) * block_size, block_size,  # the scratch block last
+                         layer_kv)
         self.num_blocks = num_blocks
         #: The block past the sequences' blocks: padding rows of a captured
         #: batched step write there (its contents are never keys of a sequence).
         self.scratch_block = num_blocks
-        self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
+        #: Per state group its window (None: full attention), its blocks'
+        #: allocator (group 0's is :attr:`allocator`; one for all with
+        #: :attr:`shared_pages`) and the salt of its prefix-cache keys.
+        self.windows = windows
+        if self.shared_pages:
+            self.allocators = [BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)] * len(windows)
+        else:
+            self.allocators = [BlockAllocator(num_blocks, block_size, bytes_per_block=bytes_per_block)
+                               for _ in windows]
+        self.salts = [b"" if g == 0 else b"group %d:" % g for g in range(len(windows))]
+        self.allocator = self.allocators[0]
+        #: A sliding window's pages are given back once wholly this many
+        #: positions before the window, so that rolling back that far
+        #: (rejected drafts) still finds its keys.
+        self.window_margin = max(16, block_size) if window_margin is None else window_margin
+        #: The recurrent layers' states (None: the model has none).
+        self.state_store = state_store
         self._bytes_known = bytes_per_token is not None
-        #: Called with every list of block copies :meth:`copy_blocks` makes
-        #: (a tensor-parallel driver repeats them on the other ranks' pools).
-        self.copy_listeners: list[Callable[[Sequence[tuple[int, int]]], None]] = []
+        #: Called with every list of block copies :meth:`copy_blocks` makes and
+        #: their state group (a tensor-parallel driver repeats them on the other ranks' pools).
+        self.copy_listeners: list[Callable[[Sequence[tuple[int, int]], int], None]] = []
         log.info("paged KV cache: %d blocks of %d positions on %s/%s", num_blocks, block_size, backend.name,
                  backend.device)
 
@@ -96,25 +131,45 @@ class PagedKVPool(LayerStore):
 
     def new_sequence(self, capacity: int) -> PagedSequenceCache:
         """An empty sequence of at most ``capacity`` positions."""
-        return PagedSequenceCache(self, BlockTable(), capacity)
+        states = None if self.state_store is None else self.state_store.new_sequence()
+        return PagedSequenceCache(self, BlockTable(), capacity, states=states)
 
     def stats(self) -> PoolStats:
-        """Block counts (see :class:`~infer.kv.blocks.PoolStats`)."""
+        """Block counts of group 0 (see :class:`~infer.kv.blocks.PoolStats`)."""
         return self.allocator.stats()
+
+    def bytes_per_block(self, group: int) -> int:
+        """Bytes one block of ``group`` holds across its layers allocated so far."""
+        kv = self.layer_kv or [(i, 0, True) for i in range(self.num_layers)]
+        layers = {storage for storage, g, _ in kv if g == group}
+        arrays = [a for i in layers for a in (self._keys[i], self._values[i]) if a is not None]
+        return sum(row_nbytes(self.backend, a) for a in arrays) * self.block_size
+
+    def bytes_held(self) -> int:
+        """Bytes of keys and values referenced by sequences now (used blocks of
+        every allocator, at its layers' bytes per block), plus the recurrent
+        state slots held: what the sequences hold, not what the pool preallocates."""
+        groups = range(1) if self.shared_pages else range(len(self.allocators))
+        kv = sum(self.allocators[g].stats().used * self.bytes_per_block(g) for g in groups)
+        store = self.state_store
+        return kv + (0 if store is None else store.slots_held() * store.nbytes_per_slot)
 
     # -- backend memory ---------------------------------------------------------------
 
-    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every allocated layer (copy-on-write)."""
+    def copy_blocks(self, copies: Sequence[tuple[int, int]], group: int = 0) -> None:
+        """Copy whole blocks ``src -> dst`` in every allocated layer of state
+        ``group`` (copy-on-write)."""
         for listener in self.copy_listeners:
-            listener(copies)
+            listener(copies, group)
         ops, bs = self.backend, self.block_size
         src = np.concatenate([np.arange(s * bs, s * bs + bs) for s, _ in copies]).astype(np.int32)
         dst = ops.from_numpy(np.concatenate([np.arange(d * bs, d * bs + bs) for _, d in copies]).astype(np.int32))
         ids = ops.from_numpy(src)
         for layer in range(self.num_layers):
             keys, values = self._keys[layer], self._values[layer]
-            if keys is None:
+            # Separate allocators number their blocks alike: copy in the group's own layers only.
+            if keys is None or (not self.shared_pages and self.layer_kv is not None
+                                and self.layer_kv[layer][1] != group):
                 continue
             self._keys[layer] = ops.scatter_rows(keys, dst, ops.take(keys, ids, axis=0))
             self._values[layer] = ops.scatter_rows(values, dst, ops.take(values, ids, axis=0))
@@ -130,22 +185,60 @@ class PagedKVPool(LayerStore):
         return (np.asarray(blocks, np.int64)[p // bs] * bs + p % bs).astype(np.int32)
 
 
+def one_page_size(layer_kv: list[tuple[int, int, bool]], windows: list[int | None],
+                 ) -> tuple[list[tuple[int, int, bool]], list[int | None], int] | None:
+    """One page size for every state group (vLLM's hybrid allocator): where
+    every window has a multiple of the full-attention layers' count ``n``,
+    the windowed layers are split into groups of ``n``, and layer ``j`` of
+    every group keeps its keys in full layer ``j``'s arrays, each group at
+    its own pages of one allocator. A page a window gives back then serves
+    any layer. Returns the new layout and how many pages of ``n`` layers one
+    block of every layer makes; None where the layers do not divide so (each
+    group then has its allocator)."""
+    if windows[0] is not None or len(windows) == 1:
+        return None
+    full = [i for i, (s, g, w) in enumerate(layer_kv) if g == 0 and w]
+    by_group = {g: [i for i, (s, gi, w) in enumerate(layer_kv) if gi == g and w] for g in range(1, len(windows))}
+    if not full or any(len(ls) % len(full) for ls in by_group.values()):
+        return None
+    n, new_windows = len(full), [None]
+    place: dict[int, tuple[int, int]] = {i: (i, 0) for i in full}
+    for g, layers in by_group.items():
+        for k, i in enumerate(layers):
+            place[i] = (full[k % n], len(new_windows) + k // n)
+        new_windows += [windows[g]] * (len(layers) // n)
+    out = []
+    for i, (storage, g, writes) in enumerate(layer_kv):
+        if g < 0:
+            out.append((storage, g, writes))
+        else:
+            out.append((*place[storage if not writes else i], writes))
+    return out, new_windows, len(new_windows)
+
+
 class PagedSequenceCache(SequenceCache):
-    """One sequence's keys and values in a :class:`PagedKVPool`.
+    """One sequence's keys and values in a :class:`PagedKVPool`: one block
+    table per state group (:attr:`table`, group 0's, and :attr:`tables`),
+    and its recurrent state, when the model has recurrent layers.
 
     The engine reserves a forward's pages, writes its new keys and values
     layer by layer, then :meth:`commit`\\ s the forward's token ids: full
-    blocks then join the pool's prefix cache. :meth:`free` returns the pages
-    at once.
+    blocks then join the pool's prefix cache, and a sliding window's group
+    gives back the pages wholly before its window. :meth:`free` returns the
+    pages at once.
     """
 
-    def __init__(self, pool: PagedKVPool, table: BlockTable, capacity: int, tokens: list[int] | None = None) -> None:
+    def __init__(self, pool: PagedKVPool, table: BlockTable, capacity: int, tokens: list[int] | None = None, *,
+                 tables: list[BlockTable] | None = None, states: SequenceStates | None = None) -> None:
         self.pool = pool
         self.table = table
+        #: Per state group its block table (``tables[0] is table``).
+        self.tables = [table] + [BlockTable() for _ in pool.windows[1:]] if tables is None else tables
         #: Most positions this sequence may hold (its context).
         self.capacity = capacity
         #: Token ids of the committed positions (the prefix-cache keys).
         self.tokens: list[int] = [] if tokens is None else tokens
+        self.states = states
 
     @property
     def length(self) -> int:
@@ -156,17 +249,37 @@ class PagedSequenceCache(SequenceCache):
     def store(self) -> PagedKVPool:  # type: ignore[override]
         return self.pool
 
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.pool.block_size
+
     def locate(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
         """Positions ``start..stop`` made writable (taking blocks from the pool
         as needed, copying a shared block first) and their pool rows, with
-        the block table up to ``stop``."""
+        the block table up to ``stop`` (group 0's)."""
+        return self.locate_groups(start, stop)[0]
+
+    def locate_groups(self, start: int, stop: int) -> list[tuple[np.ndarray, list[int]]]:
         self._check_capacity(start, stop - start)
         self.prepare_positions(start, stop)
-        blocks = self.table.blocks[:-(-stop // self.pool.block_size)]
-        return self.pool.rows_of(blocks, start, stop), list(blocks)
+        out, scratch = [], self.pool.scratch_block
+        for table in self.tables:
+            # A window's given-back blocks (-1) are never read: the scratch block stands in.
+            blocks = [b if b >= 0 else scratch for b in table.blocks[:-(-stop // self.pool.block_size)]]
+            out.append((self.pool.rows_of(blocks, start, stop), blocks))
+        return out
 
     def _rows(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
         return self.pool.rows_of(self.table.blocks, start, stop), list(self.table.blocks)
+
+    def _checkpoint_keys(self, token_ids: Sequence[int]) -> dict[int, bytes]:
+        bs, hashes = self.pool.block_size, self.table.hashes
+        tokens = self.tokens + [int(t) for t in token_ids]
+        keys, parent = {}, hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            keys[(i + 1) * bs] = parent
+        return keys
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -180,37 +293,101 @@ class PagedSequenceCache(SequenceCache):
     def commit(self, token_ids: Sequence[int]) -> None:
         """Record the ids of the positions just written (after a forward)."""
         self.tokens.extend(int(t) for t in token_ids)
-        self.pool.allocator.commit(self.table, self.tokens)
+        for table, alloc, window, salt in zip(self.tables, self.pool.allocators, self.pool.windows, self.pool.salts):
+            alloc.commit(table, self.tokens, salt)
+            if window is not None:
+                alloc.release_before(table, len(self.tokens) - window - self.pool.window_margin)
+        if self.states is not None:
+            self.states.commit()
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Start this (empty) sequence with the pool's cached blocks for the
-        longest full-block prefix of ``tokens``; returns how many positions
-        need no computing. Pass a prompt without its last token, so at least
-        one token is left to compute the next logits from."""
-        reused = self.pool.allocator.attach_prefix(self.table, tokens)
-        self.tokens = [int(t) for t in tokens[:reused]]
-        return reused
+        longest full-block prefix of ``tokens`` that every state group holds
+        (a sliding window's group: the blocks within its window before the
+        hit point; recurrent layers: the checkpoint at it); returns how many
+        positions need no computing. Pass a prompt without its last token,
+        so at least one token is left to compute the next logits from."""
+        pool, bs = self.pool, self.pool.block_size
+        found = pool.allocator._cached_prefix(tokens)
+        keys = [key for key, _ in found]
+        n = len(keys)
+        while n > 0 and not self._hit(keys, n):
+            n -= 1
+        for table, alloc, window, salt in zip(self.tables, pool.allocators, pool.windows, pool.salts):
+            first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
+            alloc.attach_blocks(table, keys[:n], first, salt)
+        if self.states is not None and n:
+            self.states.attach(n * bs, keys[n - 1])
+        self.tokens = [int(t) for t in tokens[:n * bs]]
+        return n * bs
+
+    def _hit(self, keys: list[bytes], n: int) -> bool:
+        """Whether every group and the recurrent state can start after block ``n``."""
+        pool, bs = self.pool, self.pool.block_size
+        for alloc, window, salt in zip(pool.allocators[1:], pool.windows[1:], pool.salts[1:]):
+            first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
+            if any(alloc.lookup(salt + k) is None for k in keys[first:n]):
+                return False
+        return self.states is None or self.states.store.allocator.lookup(keys[n - 1]) is not None
 
     def fork(self) -> PagedSequenceCache:
         """A sequence sharing this one's blocks (e.g. parallel samples of one
-        prompt); a block is copied only when one of them writes it."""
-        table = self.pool.allocator.fork(self.table)
-        return PagedSequenceCache(self.pool, table, self.capacity, list(self.tokens))
+        prompt); a block is copied only when one of them writes it. Its
+        recurrent state is a copy."""
+        tables = [alloc.fork(t) for alloc, t in zip(self.pool.allocators, self.tables)]
+        states = None if self.states is None else self.states.fork()
+        return PagedSequenceCache(self.pool, tables[0], self.capacity, list(self.tokens), tables=tables,
+                                  states=states)
 
-    def truncate(self, length: int) -> None:
+    def truncate(self, length: int) -> int:
         """Forget positions from ``length`` on (e.g. rejected speculative
-        tokens); their blocks go back to the pool."""
-        self.pool.allocator.truncate(self.table, length)
-        del self.tokens[self.table.num_tokens:]
+        tokens); their blocks go back to the pool. Returns the positions
+        kept (see :meth:`SequenceCache.truncate`)."""
+        length = max(0, min(length, self.length))
+        bs = self.pool.block_size
+        while True:
+            kept = length
+            if not self._window_intact(kept):
+                kept = 0
+            if self.states is not None:
+                keyed = [((i + 1) * bs, h) for i, h in enumerate(self.table.hashes[:kept // bs])]
+                kept = self.states.restore(kept, keyed)
+            if kept == length:
+                break
+            length = kept
+        for table, alloc in zip(self.tables, self.pool.allocators):
+            if length == 0:
+                alloc.free_table(table)
+            else:
+                alloc.truncate(table, length)
+        del self.tokens[length:]
+        return length
+
+    def _window_intact(self, length: int) -> bool:
+        """Whether every sliding window still holds the keys the position after ``length`` reads."""
+        bs = self.pool.block_size
+        for table, window in zip(self.tables, self.pool.windows):
+            if window is not None and length:
+                lo = max(0, length - window) // bs
+                if any(b < 0 for b in table.blocks[lo:-(-length // bs)]):
+                    return False
+        return True
 
     def free(self) -> None:
         """Return every page to the pool now; the cache is empty afterwards."""
-        self.pool.allocator.free_table(self.table)
+        for table, alloc in zip(self.tables, self.pool.allocators):
+            alloc.free_table(table)
         self.tokens.clear()
+        if self.states is not None:
+            self.states.free()
 
     @property
     def nbytes_per_position(self) -> int:
         return self.pool.nbytes_per_position
+
+    def blocks_needed(self, stop: int) -> list[int]:
+        """Per state group, the new blocks positions ``length..stop`` take."""
+        return [alloc.blocks_needed(t, self.length, stop) for t, alloc in zip(self.tables, self.pool.allocators)]
 
     def prepare_positions(self, start: int, stop: int) -> None:
         """Make positions ``start..stop`` writable as :meth:`write` does
@@ -220,6 +397,15 @@ class PagedSequenceCache(SequenceCache):
         self._prepare(min(start, self.length), stop)
 
     def _prepare(self, start: int, stop: int) -> None:
-        copies = self.pool.allocator.prepare_write(self.table, start, stop)
-        if copies:
-            self.pool.copy_blocks(copies)
+        allocs = self.pool.allocators
+        if len(allocs) > 1:  # all groups or none
+            needs: dict[int, int] = {}
+            for table, alloc in zip(self.tables, allocs):
+                needs[id(alloc)] = needs.get(id(alloc), 0) + alloc.blocks_needed(table, start, stop)
+            for alloc in {id(a): a for a in allocs}.values():
+                if needs[id(alloc)] > alloc.available():
+                    raise alloc._full(needs[id(alloc)])
+        for g, (table, alloc) in enumerate(zip(self.tables, allocs)):
+            copies = alloc.prepare_write(table, start, stop)
+            if copies:
+                self.pool.copy_blocks(copies, g)

@@ -39,6 +39,18 @@ class Metrics:
               registry=r).set_function(lambda: blocks("cached"))
         Gauge("infer_kv_blocks_total", "KV pool blocks (0 without a paged pool).", registry=r).set_function(
             lambda: blocks("total"))
+        Gauge("infer_kv_bytes_held", "Bytes of keys, values (every state group: sliding windows hold their "
+              "window only) and recurrent state slots referenced by requests (0 without a paged pool).",
+              registry=r).set_function(lambda: 0.0 if batch.pool is None else float(batch.pool.bytes_held()))
+
+        def slots(total: bool) -> float:
+            store = batch.engine.state_store
+            return 0.0 if store is None else float(store.num_slots if total else store.slots_held())
+
+        Gauge("infer_state_slots_used", "Recurrent state slots held: live states and checkpoints (0 without "
+              "recurrent layers).", registry=r).set_function(lambda: slots(False))
+        Gauge("infer_state_slots_total", "Recurrent state slots (0 without recurrent layers).",
+              registry=r).set_function(lambda: slots(True))
         self.prompt_tokens = Counter("infer_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generated_tokens = Counter("infer_generated_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("infer_requests", "Requests finished, by endpoint and finish reason.",
