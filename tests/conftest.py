@@ -12,8 +12,18 @@ A test parametrizing ``backend`` itself, or a module defining its own
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 from reference import backend_params, load_tiny
+
+# CI (CI=true) runs every property test on hypothesis' derandomized examples, the same on
+# every run, so that a submission's CI result is the code's and not a new example's; runs
+# elsewhere explore new examples (and keep the failing ones in .hypothesis/).
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def _parametrized_by_hand(metafunc: pytest.Metafunc, name: str) -> bool:
