@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, attention_mask
+from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, attention_mask, row_run
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -385,15 +385,12 @@ class MLXBackend(Backend):
         mx, s = self._mx, self._s
         host = batch.on_host(self)
         outputs = []
-        for b in range(host.num_seqs):
-            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
-            if q1 == q0:
-                continue
+        for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
-            lo, hi = host.visible(b, n, causal, window)
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
-            if np.all(np.diff(rows) == 1):  # one run of pool rows: a view
-                k, v = (self.slice(a, 0, int(rows[0]), int(rows[-1]) + 1) for a in (k_pool, v_pool))
+            run = row_run(rows)
+            if run:  # one run of pool rows: a view
+                k, v = (self.slice(a, 0, *run) for a in (k_pool, v_pool))
             else:
                 index = mx.array(rows)
                 k, v = (mx.take(a, index, axis=0, stream=s) for a in (k_pool, v_pool))

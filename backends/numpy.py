@@ -60,6 +60,7 @@ from infer.ops import (
     PackedWeight,
     QuantizedTensor,
     attention_mask,
+    row_run,
     rows_within,
 )
 from infer.plugins.hookspecs import hookimpl
@@ -636,21 +637,17 @@ class NumpyBackend(Backend):
         host = batch.on_host(self)
         out = np.empty((q.shape[0], q.shape[1], v_pool.shape[-1]), np.result_type(q.dtype, v_pool.dtype))
         sink = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
-        for b in range(host.num_seqs):
-            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
-            if q1 == q0:
-                continue
+        for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
-            lo, hi = host.visible(b, n, causal, window)
             qb = q[q0:q1]
             table = np.asarray(host.block_tables[b])[:-(-hi // host.block_size)]
             if self._kernel_attention(qb, k_pool, v_pool, hi, scale, causal, window, softcap, sink, table,
                                       host.block_size, out[q0:q1]):
                 continue
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
-            consecutive = bool(np.all(np.diff(rows) == 1))  # one run of pool rows: a view
-            k = k_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(k_pool, rows, axis=0)
-            v = v_pool[rows[0]:rows[-1] + 1] if consecutive else np.take(v_pool, rows, axis=0)
+            run = row_run(rows)  # one run of pool rows: a view
+            k = k_pool[run[0]:run[1]] if run else np.take(k_pool, rows, axis=0)
+            v = v_pool[run[0]:run[1]] if run else np.take(v_pool, rows, axis=0)
             out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
         return out
 

@@ -46,7 +46,16 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight, attention_mask
+from infer.ops import (
+    Array,
+    AttentionBatch,
+    Backend,
+    PackedWeight,
+    QuantizedTensor,
+    ShardedWeight,
+    attention_mask,
+    row_run,
+)
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -964,12 +973,8 @@ class TorchBackend(Backend):
             return self._static_attention(q, k_pool, v_pool, batch, scale, causal, window, softcap, sinks)
         host = batch.on_host(self)
         outputs = []
-        for b in range(host.num_seqs):
-            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
-            if q1 == q0:
-                continue
+        for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
-            lo, hi = host.visible(b, n, causal, window)
             qb = q[q0:q1]
             if (n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
                     and self._host(qb, k_pool, v_pool) and (sinks is None or self._host(sinks))):
@@ -984,8 +989,9 @@ class TorchBackend(Backend):
                 outputs.append(out)
                 continue
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
-            if np.all(np.diff(rows) == 1):  # one run of pool rows: a view
-                k, v = k_pool[int(rows[0]):int(rows[-1]) + 1], v_pool[int(rows[0]):int(rows[-1]) + 1]
+            run = row_run(rows)
+            if run:  # one run of pool rows: a view
+                k, v = k_pool[run[0]:run[1]], v_pool[run[0]:run[1]]
             else:
                 index = torch.from_numpy(rows.astype(np.int64)).to(k_pool.device)
                 k, v = k_pool.index_select(0, index), v_pool.index_select(0, index)

@@ -33,7 +33,7 @@ version adds optional ops only.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,6 +281,15 @@ class AttentionBatch:
         lo = max(0, length - queries - window + 1)
         return lo, length if causal else min(length, length + window - 1)
 
+    def sequences(self, causal: bool, window: int | None) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(b, q0, q1, lo, hi)`` for each sequence with query rows (a host
+        description only): its rows ``q0..q1`` of the forward's tokens and the
+        key positions ``lo..hi`` they see (:meth:`visible`, which checks them)."""
+        for b in range(self.num_seqs):
+            q0, q1 = int(self.query_start[b]), int(self.query_start[b + 1])
+            if q1 > q0:
+                yield (b, q0, q1, *self.visible(b, q1 - q0, causal, window))
+
     def key_rows(self, b: int, lo: int, hi: int, pool_rows: int | None = None) -> np.ndarray:
         """int32 pool rows of sequence ``b``'s key positions ``lo..hi`` (a host
         description only); ``IndexError`` when its table lists too few blocks,
@@ -296,6 +305,15 @@ class AttentionBatch:
             raise IndexError(f"attention: block table entry {bad} of sequence {b} is outside the pool of "
                              f"{pool_rows // bs} blocks")
         return rows.astype(np.int32)
+
+
+def row_run(rows: np.ndarray) -> tuple[int, int] | None:
+    """``(start, stop)`` where pool ``rows`` are one run of consecutive rows
+    (a contiguous cache's always are), so a backend can read them as a slice
+    of the pool instead of gathering them; None otherwise."""
+    if rows.size and bool(np.all(np.diff(rows) == 1)):
+        return int(rows[0]), int(rows[-1]) + 1
+    return None
 
 
 def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
@@ -696,15 +714,14 @@ class Backend(abc.ABC):
         """
         host = batch.on_host(self)
         outputs = []
-        for b in range(host.num_seqs):
-            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
-            if q1 > q0:
-                outputs.append(self._attend_one(self.slice(q, 0, q0, q1), k_pool, v_pool, host, b, scale=scale,
-                                                causal=causal, window=window, softcap=softcap, sinks=sinks))
+        for b, q0, q1, lo, hi in host.sequences(causal, window):
+            outputs.append(self._attend_one(self.slice(q, 0, q0, q1), k_pool, v_pool, host, b, lo, hi, scale=scale,
+                                            causal=causal, window=window, softcap=softcap, sinks=sinks))
         return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
 
-    def _attend_one(self, q: Array, k_pool: Array, v_pool: Array, host: AttentionBatch, b: int, *, scale: float,
-                    causal: bool, window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+    def _attend_one(self, q: Array, k_pool: Array, v_pool: Array, host: AttentionBatch, b: int, lo: int, hi: int, *,
+                    scale: float, causal: bool, window: int | None, softcap: float | None,
+                    sinks: Array | None) -> Array:
         """:meth:`attention`'s default for sequence ``b`` of a host batch: its
         visible keys gathered from the pool, two batched products around a
         masked float32 softmax, grouped-query heads without repeating keys."""
@@ -712,7 +729,6 @@ class Backend(abc.ABC):
         hkv, dv = self.shape(k_pool)[1], self.shape(v_pool)[2]
         group = hq // hkv
         length = int(host.seq_lens[b])
-        lo, hi = host.visible(b, n, causal, window)
         rows = self.from_numpy(host.key_rows(b, lo, hi, self.shape(k_pool)[0]))
         k = self.take(k_pool, rows, axis=0)  # [tk, hkv, dk]
         v = self.take(v_pool, rows, axis=0)
@@ -875,5 +891,5 @@ def is_float_dtype(dtype: str) -> bool:
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "ShardedWeight",
-    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "is_float_dtype", "rows_within",
+    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "is_float_dtype", "row_run", "rows_within",
 ]

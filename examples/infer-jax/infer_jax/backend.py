@@ -321,12 +321,7 @@ class JaxBackend(Backend):
         """
         host = batch.on_host(self)
         outputs = []
-        for b in range(host.num_seqs):
-            q0, q1 = int(host.query_start[b]), int(host.query_start[b + 1])
-            if q1 == q0:
-                continue
-            length = int(host.seq_lens[b])
-            host.visible(b, q1 - q0, causal, window)  # the contract's check of the description
+        for b, q0, q1, _, length in host.sequences(causal, window):  # length: every key of the sequence
             rows = host.key_rows(b, 0, length, k_pool.shape[0])
             rows = jnp.asarray(np.pad(rows, (0, key_bucket(length) - length)))  # padding reads row 0, masked
             outputs.append(kernels.attention(q[q0:q1], k_pool, v_pool, rows, length, scale, bool(causal), window,
