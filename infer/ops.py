@@ -61,6 +61,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
+    "causal_conv1d",
 )
 
 
@@ -830,6 +831,45 @@ class Backend(abc.ABC):
         values = np.take_along_axis(host, order, axis=-1)
         return self.from_numpy(values, self.dtype(x)), self.from_numpy(order.astype(np.int32))
 
+    # -- recurrent layers' ops (docs/backends.md, "Recurrent ops") ---------------------------
+    #
+    # Each takes a ragged batch as attention does: the forward's rows ``[T, ...]``, sequence
+    # ``b``'s being ``query_start[b]:query_start[b + 1]``, its state before them ``[B, ...]``,
+    # and ``checkpoint_rows`` ``[N]`` (rows after which the engine keeps the state: block
+    # boundaries and prompt ends, :attr:`~infer.kv.attention.AttentionContext.checkpoint_rows`);
+    # each returns its outputs, the states after each sequence's last row and the states
+    # after the checkpoint rows.
+
+    def causal_conv1d(self, x: Array, window: Array, weight: Array, bias: Array | None, query_start: Array,
+                      checkpoint_rows: Array | None = None, *,
+                      activation: str | None = None) -> tuple[Array, Array, Array]:
+        """Depthwise causal convolution over a ragged batch, carrying each
+        sequence's last inputs (Mamba2's, LFM2's and gated DeltaNet's short
+        convolution; a decode step is the one-row case).
+
+        x: ``[T, C]``; window: ``[B, K - 1, C]``, sequence ``b``'s ``K - 1``
+        inputs before its rows, oldest first (zeros for a new sequence);
+        weight: ``[C, K]``, tap ``K - 1`` multiplying the current row (a
+        PyTorch ``Conv1d(C, C, K, groups=C, padding=K - 1)``'s weight
+        ``[C, 1, K]`` reshaped); bias: ``[C]`` or None; query_start: int32
+        ``[B + 1]``; checkpoint_rows: int32 ``[N]`` or None (no rows);
+        activation: None or ``"silu"``, applied after the bias.
+
+        Returns ``(y [T, C], window after each sequence's last row [B, K - 1, C],
+        window after each checkpoint row [N, K - 1, C])``, in ``x``'s dtype.
+        ``query_start`` must rise from 0 to ``T``, and each checkpoint row must
+        be one of the rows (``ValueError`` otherwise). Default: on the host
+        in float32 (``to_numpy``, numpy, ``from_numpy``): :func:`conv1d_reference`.
+        """
+        dtype = self.dtype(x)
+        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
+        y, last, ckpt = conv1d_reference(
+            self.to_numpy(self.astype(x, "float32")), self.to_numpy(self.astype(window, "float32")),
+            self.to_numpy(self.astype(weight, "float32")),
+            None if bias is None else self.to_numpy(self.astype(bias, "float32")),
+            self.to_numpy(query_start), rows, activation)
+        return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
+
     #: Whether ``infer.load`` captures the greedy decode step
     #: (:mod:`infer.engine.capture`, through :meth:`compile` with ``static``)
     #: when its ``compile`` argument is not given: for backends whose capture
@@ -873,6 +913,54 @@ class Backend(abc.ABC):
         return fn
 
 
+def ragged_rows(query_start: Any, rows: Any, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check a ragged batch's ``query_start`` (host, ``[B + 1]``, rising from 0
+    to ``total``) and ``rows`` (host row indices or None) and return both as
+    int64 arrays, ``ValueError`` naming what is wrong: the recurrent ops' check."""
+    qs = np.asarray(query_start, np.int64).reshape(-1)
+    if qs.size < 1 or qs[0] != 0 or qs[-1] != total or np.any(np.diff(qs) < 0):
+        raise ValueError(f"query_start {qs.tolist()} must rise from 0 to the {total} rows")
+    r = np.zeros(0, np.int64) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+    if r.size and (r.min() < 0 or r.max() >= total):
+        raise ValueError(f"checkpoint row {int(r.min() if r.min() < 0 else r.max())} is outside the {total} rows")
+    return qs, r
+
+
+def conv1d_reference(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                     query_start: Any, checkpoint_rows: Any = None,
+                     activation: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`Backend.causal_conv1d` in numpy, as plainly as it reads: each
+    sequence's inputs after its carried window, and every output row the
+    weighted sum of the ``K`` rows ending at it."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not None or 'silu'")
+    total, channels = x.shape
+    k = weight.shape[-1]
+    if weight.shape != (channels, k) or window.shape[1:] != (k - 1, channels):
+        raise ValueError(f"causal_conv1d: weight {weight.shape} and window {window.shape} do not fit "
+                         f"x {x.shape} (want [C, K] and [B, K - 1, C])")
+    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
+    if len(qs) - 1 != window.shape[0]:
+        raise ValueError(f"causal_conv1d: {len(qs) - 1} sequences in query_start, {window.shape[0]} windows")
+    y = np.empty((total, channels), np.float32)
+    last = np.empty_like(window, dtype=np.float32)
+    ckpt = np.empty((len(rows), k - 1, channels), np.float32)
+    for b in range(len(qs) - 1):
+        start, stop = int(qs[b]), int(qs[b + 1])
+        padded = np.concatenate([window[b], x[start:stop]]).astype(np.float32)  # [K - 1 + L, C]
+        for t in range(stop - start):
+            y[start + t] = np.sum(padded[t:t + k] * weight.T, axis=0)
+        last[b] = padded[len(padded) - (k - 1):]
+        for i in np.flatnonzero((rows >= start) & (rows < stop)):
+            t = int(rows[i]) - start
+            ckpt[i] = padded[t + 1:t + k]
+    if bias is not None:
+        y += bias
+    if activation == "silu":
+        y = y / (1.0 + np.exp(-y))
+    return y, last, ckpt
+
+
 def rows_within(rows: Any, limit: int) -> np.ndarray:
     """``rows`` (host row indices, any shape) flattened, ``IndexError`` where
     one is outside ``0..limit``: :meth:`Backend.scatter_rows`' check."""
@@ -891,5 +979,6 @@ def is_float_dtype(dtype: str) -> bool:
 __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "ShardedWeight",
-    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "is_float_dtype", "row_run", "rows_within",
+    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "is_float_dtype",
+    "ragged_rows", "row_run", "rows_within",
 ]

@@ -28,6 +28,7 @@ from infer.testing.strategies import (
     astype_calls,
     attention_calls,
     binary_calls,
+    causal_conv1d_calls,
     compile_calls,
     concat_calls,
     embedding_calls,
@@ -251,6 +252,8 @@ CASES: tuple[Case, ...] = (
     _case("topk-values", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[0]),
     _case("topk-indices", "topk", topk_calls(), run=lambda ops, call, args, kwargs: ops.topk(*args)[1], out=INDEX),
     _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
+    # recurrent layers' ops: outputs, states after each sequence, states after the checkpoint rows
+    _case("causal_conv1d", "causal_conv1d", causal_conv1d_calls()),
     # collectives: in the kit's single process, a group of one (docs/distributed.md tests the rest)
     _case("all_reduce", "all_reduce", unary()),
     _case("all_gather", "all_gather", unary()),

@@ -432,3 +432,33 @@ def swiglu_calls(draw: Any) -> Call:
 @st.composite
 def softcap_calls(draw: Any) -> Call:
     return Call((draw(float_array(scale=st.sampled_from([1.0, 30.0, 100.0]))), draw(st.floats(5.0, 50.0))))
+
+
+# -- recurrent layers' ops -------------------------------------------------------------------
+
+
+@st.composite
+def ragged_batch(draw: Any, max_seqs: int = 4, max_len: int = 9) -> tuple[np.ndarray, np.ndarray]:
+    """A ragged batch's ``query_start`` (odd lengths, single rows, an empty
+    sequence now and then) and checkpoint rows drawn among its rows."""
+    lengths = draw(st.lists(st.integers(0, max_len), min_size=1, max_size=max_seqs))
+    if sum(lengths) == 0:
+        lengths[0] = 1
+    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(query_start[-1])
+    rows = draw(st.lists(st.integers(0, total - 1), max_size=4, unique=True).map(sorted))
+    return query_start, np.asarray(rows, np.int32)
+
+
+@st.composite
+def causal_conv1d_calls(draw: Any) -> Call:
+    """A convolution of width 1 to 4 over a ragged batch, each sequence with a
+    carried window, with or without a bias and the silu."""
+    query_start, rows = draw(ragged_batch())
+    seed, channels, width = draw(seeds), draw(st.integers(1, 6)), draw(st.integers(1, 4))
+    total, seqs = int(query_start[-1]), len(query_start) - 1
+    bias = normal(seed + 3, (channels,)) if draw(st.booleans()) else None
+    return Call((In(normal(seed, (total, channels))), In(normal(seed + 1, (seqs, width - 1, channels))),
+                 In(normal(seed + 2, (channels, width), 0.5)), None if bias is None else In(bias),
+                 In(query_start, "int32"), In(rows, "int32")),
+                {"activation": draw(st.sampled_from([None, "silu"]))})
