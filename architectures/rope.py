@@ -26,6 +26,12 @@ positions through ops. The scaling variants change only the frequencies:
   does, so keys cached before keep their rotation); cos and sin times
   ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` being
   ``max_position_embeddings / original`` unless given.
+* ``proportional`` (Gemma 4's global layers): the first
+  ``partial_rotary_factor * dim / 2`` frequencies are the default ones over
+  the *whole* head (exponents ``2i / dim``), the rest zero, so the rotation
+  pairs dimension ``i`` with ``i + dim / 2`` across the whole head and the
+  tail pairs stay unrotated (unlike a partial rotary over the first
+  dimensions only); all divided by ``factor`` (default 1).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from infer.ops import Array, Backend
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 def _f32(x: float) -> float:
@@ -147,7 +153,8 @@ class RotaryEmbedding:
             if not isinstance(params.get(key), (int, float)):
                 raise ConfigError(f"config.json: rope type {rope_type!r} needs a numeric {key!r}")
         self.ops = ops
-        self.dim = int(dim * float(params.get("partial_rotary_factor", 1.0)))
+        partial = float(params.get("partial_rotary_factor", 1.0))
+        self.dim = dim if rope_type == "proportional" else int(dim * partial)
         self.dim -= self.dim % 2
         if self.dim < (4 if rope_type == "dynamic" else 2):
             raise ConfigError(
@@ -162,6 +169,9 @@ class RotaryEmbedding:
         inv = inverse_frequencies(self.base, self.dim)
         if rope_type == "linear":
             inv = [_f32(f / float(params["factor"])) for f in inv]
+        elif rope_type == "proportional":
+            angles = int(partial * dim // 2)
+            inv = [_f32(f / float(params.get("factor", 1.0))) for f in inv[:angles]] + [0.0] * (self.dim // 2 - angles)
         elif rope_type == "llama3":
             inv = _llama3(inv, params)
         #: Multiplies cos and sin (YaRN's attention factor; 1 otherwise).

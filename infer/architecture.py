@@ -112,6 +112,19 @@ class WeightLoader:
         del tensors
         return self._prepare(stacked, name, names)
 
+    def get_unstacked(self, name: str, shape: tuple[int, ...]) -> list[Array]:
+        """The slices along the first axis of ``name`` (``shape`` ``[n, ...]``),
+        each prepared as a weight of its own: experts stored as one tensor
+        (Gemma 4's and gpt-oss's ``experts.gate_up_proj``) read as one weight
+        per expert, as :func:`~infer.architectures.moe.mix_experts` runs them."""
+        name = self._check(name, shape, None)
+        tensor = self.tensors.get(name)
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        host = np.array(tensor)  # a copy: the file's pages are released after the first slice
+        del tensor
+        return [self._prepare(np.ascontiguousarray(host[i]), name, [name]) for i in range(shape[0])]
+
     def _check(self, name: str, shape: tuple[int, ...], fallback: str | None) -> str:
         if name not in self._names:
             if fallback is not None and fallback in self._names:

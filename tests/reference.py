@@ -303,6 +303,29 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                        activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
                                        tie_word_embeddings=False)),
 }
+# Gemma 4: "gemma4" (E2B-like): 6 layers (sliding, sliding, full) x 2 with window 4, head sizes
+# 16 (sliding) and 32 (full, proportional rope), the last 2 layers reading layers 3's and 2's keys
+# and values (double-wide MLPs there), keys as values with one key/value head on the full layers,
+# per-layer inputs of 8, a final soft-cap. "gemma4_moe" (26B-A4B-like): the MoE block beside the
+# MLP (4 experts, top 2), no per-layer inputs, no sharing, attention biases, scaled proportional rope.
+_GEMMA4: dict[str, Any] = dict(
+    num_hidden_layers=6, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=4,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB_SIZE, attention_k_eq_v=True,
+    num_global_key_value_heads=1, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+    intermediate_size=96, tie_word_embeddings=True, pad_token_id=0,
+)
+_FAMILIES.update({
+    "gemma4": ("Gemma4TextConfig", _GEMMA4),
+    "gemma4_moe": ("Gemma4TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, global_head_dim=24, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, attention_bias=True,
+        intermediate_size=64, tie_word_embeddings=False, pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                            "rope_theta": 1_000_000.0, "factor": 2.0}})),
+})
 # Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
 # (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
 _GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
@@ -406,13 +429,15 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")) or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
                 if name in ("model.norm.weight", "transformer.ln_f.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (init 1)
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith(("wte.weight", "wpe.weight")):
@@ -483,6 +508,9 @@ def _build_tiny(variant: str, out: Path) -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)
+    for name, buffer in model.named_buffers():  # Gemma 4's per-layer output scale, saved with the weights
+        if name.endswith("layer_scalar"):
+            buffer.copy_(0.5 + torch.rand_like(buffer))
     if variant == "qwen2":  # Qwen lists two end tokens; exercises a list-valued eos_token_id.
         model.generation_config = transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, 0])
     else:

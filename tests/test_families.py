@@ -139,6 +139,17 @@ def _no_qk_norm(model: infer.Model) -> None:
         layer.block.attention.qk_norm = False
 
 
+def _gemma4_layers(change: Callable[[Any], None]) -> Callable[[infer.Model], None]:
+    def edit(model: infer.Model) -> None:
+        for layer in model.network.layers:
+            change(layer)
+    return edit
+
+
+def _gemma4_no_ple(model: infer.Model) -> None:
+    model.network.ple_dim = 0
+
+
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
 KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
@@ -159,6 +170,16 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                 ("embedding_multiplier", "residual_multiplier", "logits_scaling")]
     + [("softmax scale head_dim ** -0.5", {"attention_multiplier": 0.25})],
     "gpt2": [("exact gelu", {"activation_function": "gelu"})],
+    "gemma4": [("no per-layer inputs", _gemma4_no_ple),
+               ("no layer scalars", _gemma4_layers(lambda layer: layer.w.update(layer_scalar=None))),
+               ("sliding window 64", {"sliding_window": 64}),
+               ("no final soft-cap", {"final_logit_softcapping": None})],
+    "gemma4_moe": [("no MoE block", _gemma4_layers(lambda layer: layer.w.pop("experts"))),
+                   ("no per-expert scale", _gemma4_layers(
+                       lambda layer: layer.w.update({"router.per_expert_scale": layer.w["router.per_expert_scale"] * 0 + 1})
+                   )),
+                   ("unscaled proportional rope", {"rope_parameters": {"full_attention": {
+                       "rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1_000_000.0}}})],
     "gpt2_scaled": [("softmax scale not divided by layer + 1", {"scale_attn_by_inverse_layer_idx": False}),
                     ("unscaled softmax", {"scale_attn_weights": False})],
 }

@@ -72,6 +72,13 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v3": "its latent attention (kv_a_proj, kv_b_proj) has no roles in the sharding table yet",
     "gpt2": "its fused c_attn / c_fc weights have no roles in the sharding table yet",
     "phi3": "it stores q, k, v (and gate, up) stacked in one tensor each, which the role table does not split yet",
+    **dict.fromkeys(("gemma4_text", "gemma4"), "its layers have two head sizes and key/value head counts "
+                    "(per_layer_config) and stacked experts, and the plan has one of each"),
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"),
+                    "its recurrent layers (convolution windows, SSM or delta-rule states) have no roles in the "
+                    "sharding table yet"),
+    "gpt_oss": "its experts are stored stacked with interleaved gate/up columns, which the role table does not "
+               "split yet",
 }
 
 #: Config keys of intermediate sizes that are divided by the ranks.
