@@ -238,10 +238,19 @@ class Lfm2ForCausalLM(Decoder):
         return self.final_norm(h, residual)
 
 
+def read_config(config: dict[str, Any]) -> Lfm2Config:
+    """The config of a ``config.json`` dict, defaults as transformers' (rope theta 1e6)."""
+    cfg = from_dict(Lfm2Config, {**config, "rope": rope_parameters(config, default_theta=1e6)})
+    if "block_ffn_dim_multiplier" in config and config["block_ffn_dim_multiplier"] is None:
+        # An explicit null (from_dict reads null as the default): no multiplier, and no rounding.
+        cfg.block_ffn_dim_multiplier = None
+        cfg.validate()
+    return cfg
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Lfm2ForCausalLM:
     """Build an LFM2 model from a ``config.json`` dict."""
-    cfg = from_dict(Lfm2Config, {**config, "rope": rope_parameters(config, default_theta=1e6)})
-    return Lfm2ForCausalLM(cfg, weights, ops)
+    return Lfm2ForCausalLM(read_config(config), weights, ops)
 
 
 @hookimpl
