@@ -61,7 +61,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
-    "causal_conv1d",
+    "causal_conv1d", "ssd",
 )
 
 
@@ -870,6 +870,46 @@ class Backend(abc.ABC):
             self.to_numpy(query_start), rows, activation)
         return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
 
+    def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
+            state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
+            dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
+        """Mamba2's selective state space over a ragged batch, carrying each
+        sequence's state (the SSD layer of Dao & Gu 2024, "Transformers are
+        SSMs", section 7; a decode step is the one-row case).
+
+        For each sequence, row by row (heads ``h``, ``g = h // (H / G)`` the
+        group whose ``B``/``C`` head ``h`` reads)::
+
+            dt_t = clamp(softplus(dt_t + dt_bias), dt_min, dt_max)     # [H]
+            S    = exp(dt_t * A) * S + dt_t * x_t outer B_t[g]           # [H, P, N]
+            y_t  = S @ C_t[g] + D * x_t                                  # [H, P]
+
+        x: ``[T, H, P]``; dt: ``[T, H]`` (before the bias and softplus);
+        A: ``[H]``, the caller's negative decay rates (Mamba2 passes
+        ``-exp(A_log)``); B, C: ``[T, G, N]`` with ``H % G == 0``; D: ``[H]``
+        skip or None; dt_bias: ``[H]`` or None; state: ``[B, H, P, N]``
+        (zeros for a new sequence); query_start: int32 ``[B + 1]``;
+        checkpoint_rows: int32 ``[N]`` or None. ``dt_softplus`` False skips
+        the softplus (softplus as PyTorch's: ``x`` itself above 20); the clamp
+        is transformers' ``time_step_limit`` (``Mamba2Mixer.torch_forward``'s
+        chunked scan, which equals this recurrence in exact arithmetic).
+
+        Returns ``(y [T, H, P], state after each sequence's last row
+        [B, H, P, N], state after each checkpoint row [N, H, P, N])``, in
+        ``x``'s dtype. Bad shapes or batches: ``ValueError``. Default: on the
+        host (``to_numpy``, numpy, ``from_numpy``): :func:`ssd_reference`.
+        """
+        dtype = self.dtype(x)
+
+        def host(a: Array | None) -> np.ndarray | None:
+            return None if a is None else self.to_numpy(self.astype(a, "float32"))
+
+        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
+        y, last, ckpt = ssd_reference(host(x), host(dt), host(A), host(B), host(C), host(D), host(dt_bias),
+                                      host(state), self.to_numpy(query_start), rows, dt_softplus=dt_softplus,
+                                      dt_min=dt_min, dt_max=dt_max)
+        return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
+
     #: Whether ``infer.load`` captures the greedy decode step
     #: (:mod:`infer.engine.capture`, through :meth:`compile` with ``static``)
     #: when its ``compile`` argument is not given: for backends whose capture
@@ -961,6 +1001,49 @@ def conv1d_reference(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias
     return y, last, ckpt
 
 
+def ssd_reference(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+                  D: np.ndarray | None, dt_bias: np.ndarray | None, state: np.ndarray, query_start: Any,
+                  checkpoint_rows: Any = None, *, dt_softplus: bool = True, dt_min: float = 0.0,
+                  dt_max: float = float("inf")) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`Backend.ssd` in numpy, as the recurrence reads (in float64,
+    returned as float32): one state update and one read-out per row."""
+    total, heads, head_dim = x.shape
+    groups, size = B.shape[1], B.shape[2]
+    if (dt.shape != (total, heads) or A.shape != (heads,) or B.shape != (total, groups, size)
+            or C.shape != B.shape or groups == 0 or heads % groups
+            or state.shape[1:] != (heads, head_dim, size)
+            or (D is not None and D.shape != (heads,)) or (dt_bias is not None and dt_bias.shape != (heads,))):
+        raise ValueError(f"ssd: shapes do not fit x {x.shape} (want dt [T, H], A, D, dt_bias [H], B and C "
+                         f"[T, G, N] with H % G == 0, state [B, H, P, N]): dt {dt.shape}, A {A.shape}, "
+                         f"B {B.shape}, C {C.shape}, D {None if D is None else D.shape}, dt_bias "
+                         f"{None if dt_bias is None else dt_bias.shape}, state {state.shape}")
+    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
+    if len(qs) - 1 != state.shape[0]:
+        raise ValueError(f"ssd: {len(qs) - 1} sequences in query_start, {state.shape[0]} states")
+    f64 = np.float64
+    step = dt.astype(f64) + (0.0 if dt_bias is None else dt_bias.astype(f64))
+    if dt_softplus:  # PyTorch's softplus: linear above the threshold 20
+        step = np.where(step > 20.0, step, np.log1p(np.exp(np.minimum(step, 20.0))))
+    step = np.clip(step, dt_min, dt_max)  # [T, H]
+    per_group = heads // groups
+    Bh = np.repeat(B.astype(f64), per_group, axis=1)  # [T, H, N]
+    Ch = np.repeat(C.astype(f64), per_group, axis=1)
+    xs, decay = x.astype(f64), np.exp(step * A.astype(f64))  # [T, H, P], [T, H]
+    y = np.empty((total, heads, head_dim), f64)
+    last = np.empty(state.shape, np.float32)
+    ckpt = np.empty((len(rows), heads, head_dim, size), np.float32)
+    for b in range(len(qs) - 1):
+        s = state[b].astype(f64)  # [H, P, N]
+        for t in range(int(qs[b]), int(qs[b + 1])):
+            s = decay[t][:, None, None] * s + (step[t][:, None] * xs[t])[:, :, None] * Bh[t][:, None, :]
+            y[t] = np.einsum("hpn,hn->hp", s, Ch[t])
+            ckpt[rows == t] = s
+        last[b] = s
+    if D is not None:
+        y += D.astype(f64)[:, None] * xs
+    return y.astype(np.float32), last, ckpt
+
+
 def rows_within(rows: Any, limit: int) -> np.ndarray:
     """``rows`` (host row indices, any shape) flattened, ``IndexError`` where
     one is outside ``0..limit``: :meth:`Backend.scatter_rows`' check."""
@@ -980,5 +1063,5 @@ __all__ = [
     "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
     "ShardedWeight",
     "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "is_float_dtype",
-    "ragged_rows", "row_run", "rows_within",
+    "ragged_rows", "row_run", "rows_within", "ssd_reference",
 ]

@@ -302,6 +302,16 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2_scaled": ("GPT2Config", dict(num_hidden_layers=3, num_attention_heads=8, n_inner=96,
                                        activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
                                        tie_word_embeddings=False)),
+    # LFM2: conv, attention, conv, attention (full_attn_idxs), GQA 4:2, 3-tap convolutions, tied;
+    # the feed-forward exactly intermediate_size (block_auto_adjust_ff_dim off).
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, num_key_value_heads=2, full_attn_idxs=[1, 3],
+                                tie_word_embeddings=True, block_auto_adjust_ff_dim=False)),
+    # Attention first, then two conv layers of 4 taps with biases (in_proj, conv, out_proj); MQA,
+    # untied; the feed-forward width by the auto-adjust rule: int(1.3 * int(2 * 160 / 3)) = 137 -> 144.
+    "lfm2_conv_bias": ("Lfm2Config", dict(num_hidden_layers=3, num_key_value_heads=1,
+                                          layer_types=["full_attention", "conv", "conv"], conv_bias=True,
+                                          conv_L_cache=4, intermediate_size=160, block_ffn_dim_multiplier=1.3,
+                                          block_multiple_of=16)),
 }
 # Gemma 4: "gemma4" (E2B-like): 6 layers (sliding, sliding, full) x 2 with window 4, head sizes
 # 16 (sliding) and 32 (full, proportional rope), the last 2 layers reading layers 3's and 2's keys
@@ -431,7 +441,7 @@ def _randomize(model: Any) -> None:
         for name, param in sorted(model.named_parameters()):
             if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")) or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name in ("model.norm.weight", "transformer.ln_f.weight"):
+                if name in ("model.norm.weight", "transformer.ln_f.weight", "model.embedding_norm.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w

@@ -148,6 +148,17 @@ def _gemma4_layers(change: Callable[[Any], None]) -> Callable[[infer.Model], Non
 
 def _gemma4_no_ple(model: infer.Model) -> None:
     model.network.ple_dim = 0
+def _lfm2_no_qk_norm(model: infer.Model) -> None:
+    for layer in model.network.layers:
+        if hasattr(layer, "block"):  # an attention layer (conv layers have none)
+            layer.block.attention.qk_norm = False
+
+
+def _lfm2_no_conv_bias(model: infer.Model) -> None:
+    for layer in model.network.layers:
+        if not hasattr(layer, "block"):  # a conv layer
+            for name in ("in_proj.bias", "conv.bias", "out_proj.bias"):
+                del layer.weights[name]
 
 
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
@@ -182,6 +193,8 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                        "rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1_000_000.0}}})],
     "gpt2_scaled": [("softmax scale not divided by layer + 1", {"scale_attn_by_inverse_layer_idx": False}),
                     ("unscaled softmax", {"scale_attn_weights": False})],
+    "lfm2": [("rope theta 1e4", {"rope_parameters": {"rope_theta": 10000.0}}), ("q/k norms off", _lfm2_no_qk_norm)],
+    "lfm2_conv_bias": [("conv biases off", _lfm2_no_conv_bias)],
 }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.ops import conv1d_reference
+from infer.ops import conv1d_reference, ssd_reference
 from infer.backends.numpy import NumpyBackend
 
 RTOL = 1e-5
@@ -72,3 +72,104 @@ def test_causal_conv1d_names_a_bad_batch() -> None:
         conv1d_reference(x, window, np.zeros((2, 3), np.float32), None, [0, 3, 5])
     with pytest.raises(ValueError, match="activation"):
         conv1d_reference(x, window, weight, None, [0, 3, 5], activation="gelu")
+
+
+# -- ssd: Mamba2's scan ----------------------------------------------------------------------
+#
+# Against transformers' own torch path (``mamba2_chunk_scan``, the chunked segment-sum form
+# Mamba2Mixer runs on without the CUDA kernels): a different computation (block matrices of
+# exp(segsum), chunk states passed between chunks) that equals the recurrence in exact
+# arithmetic. Tolerance 1e-4 relative to the largest output: float32 on the torch side.
+
+SSD_RTOL = 1e-4
+
+
+def torch_chunk_scan(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, D: np.ndarray,
+                     dt_bias: np.ndarray, state: np.ndarray | None, chunk: int,
+                     limit: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence through transformers' chunked scan: ``(y [L, H, P], final state [H, P, N])``."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    t = torch.from_numpy
+    y, final = mamba2_chunk_scan(t(x)[None], t(dt)[None], t(A), t(B)[None], t(C)[None], chunk, D=t(D),
+                                 dt_bias=t(dt_bias), initial_states=None if state is None else t(state)[None],
+                                 dt_softplus=True, dt_limit=limit, return_final_states=True)
+    return y[0].numpy(), final[0].numpy()
+
+
+def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    np.testing.assert_allclose(got, want, rtol=0, atol=SSD_RTOL * max(1.0, float(np.abs(want).max())), err_msg=what)
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(4, 1), (4, 2), (2, 2)])
+@pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.6)])
+def test_ssd_equals_transformers_chunked_scan(heads: int, groups: int, limit: tuple[float, float]) -> None:
+    rng = np.random.default_rng(heads * 10 + groups)
+    head_dim, size, lengths = 3, 5, [11, 1, 6]
+
+    def draw(*shape: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    total = sum(lengths)
+    x, dt, B, C = draw(total, heads, head_dim), draw(total, heads), draw(total, groups, size), draw(total, groups, size)
+    A, D, dt_bias = -np.exp(draw(heads, scale=0.5)), draw(heads), draw(heads, scale=0.5)
+    initial = draw(3, heads, head_dim, size)
+    initial[0] = 0.0  # a new sequence next to two carrying state
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ops = NumpyBackend()
+    y, last, ckpt = ops.ssd(x, dt, A, B, C, D, dt_bias, initial, qs, np.asarray([4, 10, 17], np.int32),
+                            dt_min=limit[0], dt_max=limit[1])
+    for b in range(3):
+        rows = slice(int(qs[b]), int(qs[b + 1]))
+        want_y, want_state = torch_chunk_scan(x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, initial[b], 4, limit)
+        _close(y[rows], want_y, f"sequence {b} outputs")
+        _close(last[b], want_state, f"sequence {b} state")
+    # The checkpoint states are the chunked scan's final states of the prefixes ending there.
+    for i, (b, row) in enumerate([(0, 4), (0, 10), (2, 17)]):
+        start = int(qs[b])
+        _, want_state = torch_chunk_scan(x[start:row + 1], dt[start:row + 1], A, B[start:row + 1], C[start:row + 1],
+                                         D, dt_bias, initial[b], 3, limit)
+        _close(ckpt[i], want_state, f"checkpoint after row {row}")
+
+
+def test_ssd_in_chunks_carries_the_state() -> None:
+    # Sequence 0 of 11 rows split 5 + 1 + 5 (the state carried), and resumed from a checkpoint,
+    # equals one call; the torch scan with chunks of 4 splits it elsewhere.
+    rng = np.random.default_rng(7)
+    heads, groups, head_dim, size, n = 4, 2, 2, 3, 11
+
+    def draw(*shape: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    x, dt, B, C = draw(n, heads, head_dim), draw(n, heads), draw(n, groups, size), draw(n, groups, size)
+    A, D, dt_bias = -np.exp(draw(heads, scale=0.5)), draw(heads), draw(heads, scale=0.5)
+    ops = NumpyBackend()
+    state = np.zeros((1, heads, head_dim, size), np.float32)
+    whole, final, ckpt = ops.ssd(x, dt, A, B, C, D, dt_bias, state, np.asarray([0, n], np.int32),
+                                 np.asarray([4], np.int32))
+    parts, carried, at = [], state, 0
+    for length in (5, 1, 5):
+        rows = slice(at, at + length)
+        part, carried, _ = ops.ssd(x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, carried,
+                                   np.asarray([0, length], np.int32))
+        parts.append(part)
+        at += length
+    _close(np.concatenate(parts), whole, "chunked outputs")
+    _close(carried, final, "chunked final state")
+    resumed, _, _ = ops.ssd(x[5:], dt[5:], A, B[5:], C[5:], D, dt_bias, ckpt, np.asarray([0, n - 5], np.int32))
+    _close(resumed, whole[5:], "resumed from the checkpoint")
+    want_y, want_state = torch_chunk_scan(x, dt, A, B, C, D, dt_bias, None, 4, (0.0, float("inf")))
+    _close(whole, want_y, "against the torch scan")
+    _close(final[0], want_state, "final state against the torch scan")
+
+
+def test_ssd_names_bad_shapes() -> None:
+    x, dt, A = np.zeros((5, 4, 2), np.float32), np.zeros((5, 4), np.float32), np.zeros(4, np.float32)
+    B, state = np.zeros((5, 3, 2), np.float32), np.zeros((2, 4, 2, 2), np.float32)
+    with pytest.raises(ValueError, match="H % G"):
+        ssd_reference(x, dt, A, B, B, None, None, state, [0, 3, 5])
+    B = np.zeros((5, 2, 2), np.float32)
+    with pytest.raises(ValueError, match="2 sequences in query_start, 1 states"):
+        ssd_reference(x, dt, A, B, B, None, None, state[:1], [0, 3, 5])
+    with pytest.raises(ValueError, match="checkpoint row 5"):
+        ssd_reference(x, dt, A, B, B, None, None, state, [0, 3, 5], [5])

@@ -22,6 +22,8 @@ kernels in another order of rows; the parity tests' own tolerance).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import openai
 import pytest
@@ -35,7 +37,7 @@ from infer.engine.speculative import NGramDraft, Speculation
 from infer.errors import TensorParallelConfigError
 
 #: Tiny variants (tests/reference.py) whose layers keep sliding, shared or recurrent state.
-STATE_FAMILIES = ("gemma4", "gemma4_moe")
+STATE_FAMILIES = ("gemma4", "gemma4_moe", "lfm2", "lfm2_conv_bias")
 GREEDY = SamplingParams()
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 250, 70)]
 
@@ -152,7 +154,8 @@ def test_the_server_serves_n_choices(variant: str) -> None:
 
 
 def test_tensor_parallel_is_refused_with_the_reason(variant: str) -> None:
-    with pytest.raises(TensorParallelConfigError, match=variant.split("_moe")[0]):
+    model_type = json.loads((tiny_model_dir(variant) / "config.json").read_text())["model_type"]
+    with pytest.raises(TensorParallelConfigError, match=f"model_type '{model_type}' cannot be sharded: its "):
         infer.load(tiny_model_dir(variant), backend="torch:cpu", tensor_parallel=2)
 
 

@@ -48,6 +48,7 @@ from infer.testing.strategies import (
     softcap_calls,
     softmax_calls,
     sqrt_calls,
+    ssd_calls,
     swiglu_calls,
     take_calls,
     topk_calls,
@@ -254,6 +255,7 @@ CASES: tuple[Case, ...] = (
     _case("compile", "compile", compile_calls(), run=_run(_compiled_block)),
     # recurrent layers' ops: outputs, states after each sequence, states after the checkpoint rows
     _case("causal_conv1d", "causal_conv1d", causal_conv1d_calls()),
+    _case("ssd", "ssd", ssd_calls()),
     # collectives: in the kit's single process, a group of one (docs/distributed.md tests the rest)
     _case("all_reduce", "all_reduce", unary()),
     _case("all_gather", "all_gather", unary()),

@@ -462,3 +462,27 @@ def causal_conv1d_calls(draw: Any) -> Call:
                  In(normal(seed + 2, (channels, width), 0.5)), None if bias is None else In(bias),
                  In(query_start, "int32"), In(rows, "int32")),
                 {"activation": draw(st.sampled_from([None, "silu"]))})
+
+
+@st.composite
+def ssd_calls(draw: Any) -> Call:
+    """Mamba2's scan over a ragged batch with carried states: 1 to 4 heads in
+    1 or 2 groups, with or without the D skip and dt bias, softplus on or off,
+    and now and then a clamp on dt."""
+    query_start, rows = draw(ragged_batch())
+    seed = draw(seeds)
+    groups = draw(st.integers(1, 2))
+    heads, head_dim, size = groups * draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    total, seqs = int(query_start[-1]), len(query_start) - 1
+    skip = In(normal(seed + 6, (heads,))) if draw(st.booleans()) else None
+    bias = In(normal(seed + 7, (heads,), 0.5)) if draw(st.booleans()) else None
+    softplus = draw(st.booleans())
+    dt = normal(seed + 1, (total, heads), 0.5)
+    dt_min, dt_max = draw(st.sampled_from([(0.0, float("inf")), (0.1, 0.8)]))
+    if not softplus:
+        dt = np.abs(dt)  # a step size as the caller would pass it: not negative
+    return Call((In(normal(seed, (total, heads, head_dim))), In(dt),
+                 In(-np.exp(normal(seed + 2, (heads,), 0.5))), In(normal(seed + 3, (total, groups, size))),
+                 In(normal(seed + 4, (total, groups, size))), skip, bias,
+                 In(normal(seed + 5, (seqs, heads, head_dim, size))), In(query_start, "int32"), In(rows, "int32")),
+                {"dt_softplus": softplus, "dt_min": dt_min, "dt_max": dt_max})
