@@ -139,6 +139,11 @@ def _no_qk_norm(model: infer.Model) -> None:
         layer.block.attention.qk_norm = False
 
 
+def _no_sinks(model: infer.Model) -> None:
+    for layer in model.network.layers:
+        layer.sinks = None
+
+
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
 KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
@@ -161,6 +166,12 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     "gpt2": [("exact gelu", {"activation_function": "gelu"})],
     "gpt2_scaled": [("softmax scale not divided by layer + 1", {"scale_attn_by_inverse_layer_idx": False}),
                     ("unscaled softmax", {"scale_attn_weights": False})],
+    "gpt_oss": [("attention sinks off", _no_sinks), ("SwiGLU clamp at 7", {"swiglu_limit": 7.0}),
+                ("sliding window off", {"layer_types": ["full_attention"] * 4}), ("top-1 routing", {"num_experts_per_tok": 1}),
+                ("no yarn", {"rope_parameters": {"rope_type": "default"}}),
+                ("swiglu_alpha 1", {"swiglu_alpha": 1.0})],
+    "gpt_oss_top3": [("attention sinks off", _no_sinks), ("SwiGLU clamp at 7", {"swiglu_limit": 7.0}),
+                     ("sliding window 4", {"sliding_window": 4}), ("top-2 routing", {"num_experts_per_tok": 2})],
 }
 
 
