@@ -230,6 +230,9 @@ class DecoderLayer:
     window: int | None = None
     #: Key of the rotary table in :attr:`Decoder.rope`, or None for no rope.
     rope: str | None = "default"
+    #: Attention sinks ``[q_heads]`` (gpt-oss: one learned logit per head joins
+    #: each softmax, with no value), or None.
+    sinks: Array | None = None
 
 
 class Decoder(CausalLM):
@@ -276,7 +279,7 @@ class Decoder(CausalLM):
                 q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
             else:
                 q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window)
+            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, sinks=layer.sinks)
             h, residual = block.after(o, residual, layer.attn_out)
         assert residual is not None, "run_layers needs at least one layer"
         return h, residual

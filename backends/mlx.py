@@ -89,7 +89,7 @@ class MLXBackend(Backend):
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "attention"})
+                            "attention", "clip"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -319,6 +319,9 @@ class MLXBackend(Backend):
                                  mx.take(biases, ids, axis=0, stream=s), group_size=32, bits=bits, stream=s)
             return rows.astype(self._compute, stream=s)
         return self._mx.take(table, ids, axis=0, stream=self._s)
+
+    def clip(self, x: Array, lo: float | None, hi: float | None) -> Array:
+        return x if lo is None and hi is None else self._mx.clip(x, lo, hi, stream=self._s)
 
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
         return self._mx.take(x, indices, axis=axis, stream=self._s)

@@ -197,7 +197,7 @@ class NumpyBackend(Backend):
     device = "cpu"
     float_dtypes = ("float32",)
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "prepare_weight", "quantized_linear",
-                            "topk"}
+                            "topk", "clip"}
                            | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
@@ -583,6 +583,9 @@ class NumpyBackend(Backend):
 
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
         return np.take(x, indices, axis=axis)
+
+    def clip(self, x: Array, lo: float | None, hi: float | None) -> Array:
+        return x if lo is None and hi is None else np.clip(x, lo, hi)
 
     def swiglu(self, gate: Array, up: Array) -> Array:
         out = self.silu(gate)

@@ -73,7 +73,7 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
-              "quantized_linear",
+              "quantized_linear", "clip",
               "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
@@ -855,6 +855,9 @@ class TorchBackend(Backend):
 
     def swiglu(self, gate: Array, up: Array) -> Array:
         return F.silu(gate).mul_(up)  # one temporary instead of two
+
+    def clip(self, x: Array, lo: float | None, hi: float | None) -> Array:
+        return x if lo is None and hi is None else torch.clamp(x, min=lo, max=hi)
 
     def softcap(self, x: Array, cap: float) -> Array:
         """Computed in float32, rounded once to ``x``'s dtype."""

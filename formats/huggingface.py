@@ -51,6 +51,8 @@ from infer.package import GenerationDefaults, ModelPackage, TensorSource
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import FormatSpec
 
+from .mxfp4 import mxfp4_tensors
+
 log = logging.getLogger(__name__)
 
 #: Safetensors dtype -> (infer dtype name, little-endian numpy dtype it is read as).
@@ -424,6 +426,7 @@ def open_folder(path: Path) -> ModelPackage:
     tensors: TensorSource = SafetensorsSource(files, only=weight_map)
     try:
         config, tensors = normalize_mtp_names(config, tensors, config_path)
+        tensors = mxfp4_tensors(config, tensors, config_path)
         tokenizer = None
         if (folder / "tokenizer.json").is_file():
             from infer.tokenizer import Tokenizer  # lazily: listing formats stays cheap

@@ -62,6 +62,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
     "causal_conv1d", "ssd",
+    "clip",
 )
 
 
@@ -643,6 +644,25 @@ class Backend(abc.ABC):
         """``cap * tanh(x / cap)``. Default: from :meth:`div`, :meth:`tanh`,
         :meth:`mul`."""
         return self.mul(self.tanh(self.div(x, cap)), cap)
+
+    def clip(self, x: Array, lo: float | None, hi: float | None) -> Array:
+        """``numpy.clip(x, lo, hi)``: every entry limited to ``[lo, hi]``, a
+        None bound leaving that side open; ``x``'s shape and dtype. gpt-oss's
+        clamped SwiGLU uses it. Default: each bound as the larger of ``x``
+        and a constant array, from :meth:`concat` and :meth:`max` over a new
+        last axis (exact: it only selects values)."""
+        shape, dtype = self.shape(x), self.dtype(x)
+
+        def at_least(a: Array, bound: float) -> Array:
+            limit = self.add(self.zeros(shape, dtype), bound)
+            pair = self.concat([self.reshape(a, (*shape, 1)), self.reshape(limit, (*shape, 1))], -1)
+            return self.max(pair, axis=-1)
+
+        if lo is not None:
+            x = at_least(x, lo)
+        if hi is not None:  # min(x, hi) = -max(-x, -hi)
+            x = self.mul(at_least(self.mul(x, -1.0), -hi), -1.0)
+        return x
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
         """:meth:`linear` of a :class:`PackedWeight` kept quantized by

@@ -312,6 +312,23 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                           layer_types=["full_attention", "conv", "conv"], conv_bias=True,
                                           conv_L_cache=4, intermediate_size=160, block_ffn_dim_multiplier=1.3,
                                           block_multiple_of=16)),
+    # gpt-oss: 4 layers alternating sliding (window 6, inside the prompt) and full; attention sinks;
+    # 4 experts top-2 with the clamped SwiGLU at limit 1.5 (so the clamps bite on unit-scale
+    # activations); YaRN factor 4 over 64 positions, truncate false; q/k/v/o biases; head_dim 16, GQA 4:2.
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                     swiglu_limit=1.5,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 64})),
+    # Other options: layers full, sliding, sliding (window 10); top-3 of 5; default rope; no biases on
+    # attention; MQA, head_dim 24, tied head; alpha 1.0, limit 2.
+    "gpt_oss_top3": ("GptOssConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=24, intermediate_size=24,
+                                          num_local_experts=5, num_experts_per_tok=3, sliding_window=10,
+                                          layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                          attention_bias=False, tie_word_embeddings=True, swiglu_alpha=1.0,
+                                          swiglu_limit=2.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 # Gemma 4: "gemma4" (E2B-like): 6 layers (sliding, sliding, full) x 2 with window 4, head sizes
 # 16 (sliding) and 32 (full, proportional rope), the last 2 layers reading layers 3's and 2's keys
@@ -437,9 +454,16 @@ def _randomize(model: Any) -> None:
     import torch
 
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
+    gpt_oss = getattr(model.config, "model_type", None) == "gpt_oss"
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")) or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
+            if gpt_oss and name.endswith(".sinks"):  # one logit per head: about a score's size, so it matters
+                param.copy_(torch.randn_like(param))
+            elif gpt_oss and name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out]
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")) or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
                 if name in ("model.norm.weight", "transformer.ln_f.weight", "model.embedding_norm.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.

@@ -159,6 +159,9 @@ def _lfm2_no_conv_bias(model: infer.Model) -> None:
         if not hasattr(layer, "block"):  # a conv layer
             for name in ("in_proj.bias", "conv.bias", "out_proj.bias"):
                 del layer.weights[name]
+def _no_sinks(model: infer.Model) -> None:
+    for layer in model.network.layers:
+        layer.sinks = None
 
 
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
@@ -195,6 +198,12 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                     ("unscaled softmax", {"scale_attn_weights": False})],
     "lfm2": [("rope theta 1e4", {"rope_parameters": {"rope_theta": 10000.0}}), ("q/k norms off", _lfm2_no_qk_norm)],
     "lfm2_conv_bias": [("conv biases off", _lfm2_no_conv_bias)],
+    "gpt_oss": [("attention sinks off", _no_sinks), ("SwiGLU clamp at 7", {"swiglu_limit": 7.0}),
+                ("sliding window off", {"layer_types": ["full_attention"] * 4}), ("top-1 routing", {"num_experts_per_tok": 1}),
+                ("no yarn", {"rope_parameters": {"rope_type": "default"}}),
+                ("swiglu_alpha 1", {"swiglu_alpha": 1.0})],
+    "gpt_oss_top3": [("attention sinks off", _no_sinks), ("SwiGLU clamp at 7", {"swiglu_limit": 7.0}),
+                     ("sliding window 4", {"sliding_window": 4}), ("top-2 routing", {"num_experts_per_tok": 2})],
 }
 
 

@@ -434,6 +434,14 @@ def softcap_calls(draw: Any) -> Call:
     return Call((draw(float_array(scale=st.sampled_from([1.0, 30.0, 100.0]))), draw(st.floats(5.0, 50.0))))
 
 
+@st.composite
+def clip_calls(draw: Any) -> Call:
+    """Values around the bounds; either bound may be open (gpt-oss clamps its gate from above only)."""
+    lo = draw(st.one_of(st.none(), st.floats(-3.0, -0.25)))
+    hi = draw(st.one_of(st.none(), st.floats(0.25, 3.0))) if lo is not None else draw(st.floats(0.25, 3.0))
+    return Call((draw(float_array(scale=st.sampled_from([1.0, 5.0]))), lo, hi))
+
+
 # -- recurrent layers' ops -------------------------------------------------------------------
 
 

@@ -1,0 +1,98 @@
+"""gpt-oss beyond the shared parity runner (tests/test_families.py runs ``gpt_oss`` and
+``gpt_oss_top3`` against transformers float32): config.json as the released models write
+it, and their MXFP4 expert weights.
+
+* The released config.json is in the 4.x form (top-level ``rope_theta``, ``rope_scaling``
+  with ``truncate`` false) and may call the expert count ``num_experts`` (transformers'
+  ``attribute_map``); a folder rewritten so reads as the reference's logits.
+* MXFP4 (formats/mxfp4.py): the dequantization equals transformers' own
+  (``convert_moe_packed_tensors``, float32) code for code on random bytes, and a folder
+  whose experts are stored as ``_blocks`` / ``_scales`` loads to the logits of the same
+  folder with those weights stored dequantized.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
+from test_families import DECODE_TEXT, PROMPT
+
+import infer
+from infer.formats.mxfp4 import dequantize_mxfp4
+
+
+def _logits(path: Path, ids: list[int], backend: str = "numpy") -> np.ndarray:
+    model = infer.load(path, backend=backend)
+    return model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
+
+
+def _copy(path: Path, out: Path) -> Path:
+    shutil.copytree(path, out)
+    return out
+
+
+def test_the_released_config_form_reads_as_the_reference(tmp_path: Path) -> None:
+    path = tiny_model_dir("gpt_oss")
+    out = _copy(path, tmp_path / "legacy")
+    config = json.loads((out / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope  # yarn, truncate false, as openai/gpt-oss-20b
+    config["num_experts"] = config.pop("num_local_experts")
+    (out / "config.json").write_text(json.dumps(config))
+    ids = encode(path, PROMPT + DECODE_TEXT)
+    assert_logits_close(_logits(out, ids), reference_logits(path, ids, [])["prefill"], "gpt_oss, 4.x config form")
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 10, 4, 16), dtype=np.uint8)  # [experts, rows, groups, 16]
+    scales = rng.integers(120, 134, (3, 10, 4), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
+    got = np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2)  # as the parameters hold them
+    np.testing.assert_array_equal(got, want)
+
+
+def _mxfp4(w: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random MXFP4 blocks and scales for a parameter shaped like ``w`` ([experts, in, out]):
+    blocks [experts, out, in / 32, 16], scales near 2**-3 (values of ~0.1 to 0.75)."""
+    e, n_in, n_out = w.shape
+    blocks = rng.integers(0, 256, (e, n_out, n_in // 32, 16), dtype=np.uint8)
+    scales = rng.integers(122, 126, (e, n_out, n_in // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def test_an_mxfp4_folder_loads_as_its_dequantized_weights(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = tiny_model_dir("gpt_oss")  # hidden 64, intermediate 32: whole blocks of 32 both ways
+    state = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(1)
+    packed, dense = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(state[name], rng)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        dense[name] = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2))
+        assert dense[name].shape == state[name].shape
+    folders = {}
+    for kind, tensors in (("mxfp4", packed), ("dense", dense)):
+        out = _copy(path, tmp_path / kind)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        if kind == "mxfp4":
+            config = json.loads((out / "config.json").read_text())
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+            (out / "config.json").write_text(json.dumps(config))
+        folders[kind] = out
+    ids = encode(path, PROMPT)
+    want = _logits(folders["dense"], ids)
+    assert np.abs(want - _logits(path, ids)).max() > 1e-2  # the new expert weights matter
+    np.testing.assert_array_equal(_logits(folders["mxfp4"], ids), want)
