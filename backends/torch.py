@@ -60,6 +60,8 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
+from . import torch_recurrent
+
 log = logging.getLogger(__name__)
 
 # Bound by _import_torch() on first use, so importing this module stays cheap.
@@ -73,7 +75,7 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
-              "quantized_linear", "clip",
+              "quantized_linear", "clip", "causal_conv1d", "ssd",
               "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
@@ -855,6 +857,22 @@ class TorchBackend(Backend):
 
     def swiglu(self, gate: Array, up: Array) -> Array:
         return F.silu(gate).mul_(up)  # one temporary instead of two
+
+    # -- recurrent layers' ops (backends/torch_recurrent.py) --------------------
+
+    def causal_conv1d(self, x: Array, window: Array, weight: Array, bias: Array | None, query_start: Array,
+                      checkpoint_rows: Array | None = None, *,
+                      activation: str | None = None) -> tuple[Array, Array, Array]:
+        """One gather and one weighted sum over the whole ragged batch."""
+        return torch_recurrent.causal_conv1d(torch, x, window, weight, bias, query_start, checkpoint_rows,
+                                             activation)
+
+    def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
+            state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
+            dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
+        """A decode step updates every state at once; longer runs take the chunked scan."""
+        return torch_recurrent.ssd(torch, x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
+                                   dt_softplus, dt_min, dt_max)
 
     def clip(self, x: Array, lo: float | None, hi: float | None) -> Array:
         return x if lo is None and hi is None else torch.clamp(x, min=lo, max=hi)

@@ -173,3 +173,36 @@ def test_ssd_names_bad_shapes() -> None:
         ssd_reference(x, dt, A, B, B, None, None, state[:1], [0, 3, 5])
     with pytest.raises(ValueError, match="checkpoint row 5"):
         ssd_reference(x, dt, A, B, B, None, None, state, [0, 3, 5], [5])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_torch_native_recurrent_ops_equal_the_references_past_a_chunk(seed: int) -> None:
+    """torch's vectorized causal_conv1d and chunked ssd (backends/torch_recurrent.py) against the
+    numpy references, on ragged batches with sequences longer than one 64-row chunk, decode steps
+    (one row per sequence) and empty sequences. ssd at 2e-4: float32 chunk sums against the
+    reference's float64 recurrence over up to 150 rows."""
+    from infer.backends import torch_recurrent
+    from infer.ops import ssd_reference
+
+    rng = np.random.default_rng(seed)
+    lengths = np.ones(3, int) if seed % 3 == 0 else rng.integers(0, 150, 3)
+    lengths[0] = max(int(lengths[0]), 1)
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, seqs = int(qs[-1]), len(lengths)
+    rows = np.sort(rng.choice(total, min(total, 5), replace=False)).astype(np.int32)
+    channels, width = 6, 1 + seed % 4
+    conv = [rng.standard_normal(s).astype(np.float32)
+            for s in ((total, channels), (seqs, width - 1, channels), (channels, width), (channels,))]
+    want = conv1d_reference(*conv, qs, rows, "silu")
+    got = torch_recurrent.causal_conv1d(torch, *(torch.from_numpy(a) for a in (*conv, qs, rows)), "silu")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=RTOL, atol=RTOL)
+    heads, dim, size, groups = 4, 3, 5, 2
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((total, heads, dim), (total, heads), (heads,), (total, groups, size), (total, groups, size), (heads,),
+               (heads,), (seqs, heads, dim, size))]
+    arrays[2] = -np.exp(arrays[2])  # A: negative decay rates
+    want = ssd_reference(*arrays, qs, rows)
+    got = torch_recurrent.ssd(torch, *(torch.from_numpy(a) for a in (*arrays, qs, rows)), True, 0.0, float("inf"))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=2e-4)
