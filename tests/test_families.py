@@ -176,6 +176,13 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                     ("unscaled softmax", {"scale_attn_weights": False})],
     "lfm2": [("rope theta 1e4", {"rope_parameters": {"rope_theta": 10000.0}}), ("q/k norms off", _lfm2_no_qk_norm)],
     "lfm2_conv_bias": [("conv biases off", _lfm2_no_conv_bias)],
+    "falcon_h1": [(f"{knob} 1", {knob: 1.0}) for knob in
+                  ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+                   "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")]
+    + [(f"{knob} all 1", {knob: [1.0] * n}) for knob, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2))]
+    + [("time steps clamped to 0.05", {"time_step_limit": [0.0, 0.05]})],
+    "falcon_h1_norm": [("mamba norm after the gate", {"mamba_norm_before_gate": False}),
+                       ("2 groups of B/C and of the norm", {"mamba_n_groups": 2, "mamba_d_state": 4})],
 }
 
 
