@@ -329,6 +329,22 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                           attention_bias=False, tie_word_embeddings=True, swiglu_alpha=1.0,
                                           swiglu_limit=2.0,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Falcon-H1: 3 hybrid layers (Mamba2 of 8 heads of 8, 2 groups of B/C with state 8, chunks of 4,
+    # in parallel with GQA 4:2 attention of head_dim 32), every multiplier off 1 (the muP vector too),
+    # the plain silu(z) gate (no mamba norm), conv bias, untied.
+    "falcon_h1": ("FalconH1Config", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=32, mamba_d_ssm=64, mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4, embedding_multiplier=1.5, lm_head_multiplier=0.7,
+        key_multiplier=0.6, attention_in_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3], mlp_multipliers=[1.2, 0.8])),
+    # The gated RMSNorm (norm before the gate), one group, mixer width from mamba_expand (1 x 64) and
+    # head size "auto" (4 heads of 16); biases on both projections of the mixer (no conv bias), on
+    # attention and MLP; MQA; tied; default multipliers.
+    "falcon_h1_norm": ("FalconH1Config", dict(
+        num_key_value_heads=1, mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=4, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        mamba_proj_bias=True, projectors_bias=True, mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=True)),
 }
 # Gemma 4: "gemma4" (E2B-like): 6 layers (sliding, sliding, full) x 2 with window 4, head sizes
 # 16 (sliding) and 32 (full, proportional rope), the last 2 layers reading layers 3's and 2's keys
@@ -465,13 +481,18 @@ def _randomize(model: Any) -> None:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
             elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")) or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name in ("model.norm.weight", "transformer.ln_f.weight", "model.embedding_norm.weight"):
+                if name in ("model.norm.weight", "transformer.ln_f.weight", "model.embedding_norm.weight",
+                            "model.final_layernorm.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (init 1)
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith("mamba.A_log"):  # Falcon-H1's Mamba2: decay rates exp(A_log) around 0.4
+                param.copy_(-1.0 + 0.5 * torch.randn_like(param))
+            elif name.endswith(("mamba.D", "mamba.dt_bias")):  # its skip (init 1) and step bias (init 1)
+                param.copy_((1.0 if name.endswith("D") else 0.0) + 0.5 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith(("wte.weight", "wpe.weight")):

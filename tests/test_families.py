@@ -204,6 +204,13 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                 ("swiglu_alpha 1", {"swiglu_alpha": 1.0})],
     "gpt_oss_top3": [("attention sinks off", _no_sinks), ("SwiGLU clamp at 7", {"swiglu_limit": 7.0}),
                      ("sliding window 4", {"sliding_window": 4}), ("top-2 routing", {"num_experts_per_tok": 2})],
+    "falcon_h1": [(f"{knob} 1", {knob: 1.0}) for knob in
+                  ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+                   "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")]
+    + [(f"{knob} all 1", {knob: [1.0] * n}) for knob, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2))]
+    + [("time steps clamped to 0.05", {"time_step_limit": [0.0, 0.05]})],
+    "falcon_h1_norm": [("mamba norm after the gate", {"mamba_norm_before_gate": False}),
+                       ("2 groups of B/C and of the norm", {"mamba_n_groups": 2, "mamba_d_state": 4})],
 }
 
 

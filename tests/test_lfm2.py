@@ -9,6 +9,8 @@ feed-forward rule) or refused naming the key.
 
 from __future__ import annotations
 
+import gc
+
 import json
 import shutil
 from pathlib import Path
@@ -42,6 +44,7 @@ def test_a_batch_with_prefix_hits_and_speculation_equals_greedy_alone(variant: s
     prompt = encode(tiny_model_dir(variant), "The capital of France is Paris. Once upon a time")
     prompts = [prompt, prompt + [5, 6], prompt[:13] + [7], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     want = [list(model.generate_tokens(p, max_tokens=8, ignore_eos=True)) for p in prompts]
+    gc.collect()  # sequences earlier tests dropped give their state slots back (SequenceStates.__del__)
     batch = BatchEngine(engine, kv_pool=engine.new_kv_pool(block_size=4, num_blocks=64))
     stop = StopConditions(max_tokens=8, ignore_eos=True)
     first = batch.submit(prompts[0], GREEDY, stop)

@@ -218,6 +218,15 @@ class SequenceStates:
             other.checkpoints[p] = s
         return other
 
+    def __del__(self) -> None:
+        # A sequence dropped without free() (an engine.forward on a fresh sequence, never
+        # released) gives its slots back when it goes, so such sequences cannot use up the
+        # store one by one.
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the store may be gone already
+            pass
+
     def free(self) -> None:
         self.cancel()
         for s in self.checkpoints.values():

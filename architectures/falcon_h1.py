@@ -1,0 +1,349 @@
+"""Falcon-H1 (TII, "Falcon-H1: A Family of Hybrid-Head Language Models", 2025).
+
+``model_type`` ``falcon_h1`` as transformers' ``FalconH1ForCausalLM`` computes
+it. Against Llama (:mod:`.llama`):
+
+* Every layer is **hybrid**: a Mamba2 mixer (Dao & Gu 2024, "Transformers are
+  SSMs", section 7) and grouped-query attention read the same normed input
+  *in parallel*, and their outputs are summed into the residual stream
+  (report section 2.1: "parallel hybrid" heads):
+
+      x = input_layernorm(h)
+      h = h + ssm_out_multiplier * mamba(x) + attention_out_multiplier * attention(attention_in_multiplier * x)
+      h = h + feed_forward(pre_ff_layernorm(h))
+
+* The mixer: ``in_proj`` (bias when ``mamba_proj_bias``) to ``z`` (the gate,
+  ``mamba_d_ssm`` wide, default ``mamba_expand * hidden``), ``xBC`` and ``dt``
+  (one per head), each section scaled by its ``ssm_multipliers`` entry (the
+  muP vector; the input first by ``ssm_in_multiplier``); a depthwise causal
+  convolution of ``mamba_d_conv`` taps with silu over ``xBC``
+  (``mamba_conv_bias``); the selective scan ``ops.ssd`` over ``x`` with
+  ``A = -exp(A_log)``, ``D``, ``dt_bias`` and ``time_step_limit``; then either
+  ``y * silu(z)`` or, with ``mamba_rms_norm``, a gated RMSNorm over
+  ``mamba_n_groups`` groups (``mamba_norm_before_gate``: norm, then gate;
+  else gate, then norm); ``out_proj`` (bias when ``projectors_bias``).
+  ``mamba_chunk_size`` only tiles transformers' scan, which equals the
+  recurrence in exact arithmetic, so it is read and not needed.
+* Attention keys are multiplied by ``key_multiplier`` (folded into the
+  softmax scale: rope and the dot product are linear in ``k``).
+* The MLP multiplies the gate projection by ``mlp_multipliers[0]`` before
+  the activation and the output by ``mlp_multipliers[1]``; embeddings by
+  ``embedding_multiplier``, logits by ``lm_head_multiplier``.
+* A layer keeps keys and values *and* a recurrent state, so each has two
+  cache layers: ``i`` for attention and ``num_hidden_layers + i`` for the
+  mixer's ``{"conv": (d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)}``.
+
+transformers' single-token decode path skips the ``time_step_limit`` clamp
+(its prefill path clamps); with the default limits ``(0, inf)`` the two agree,
+and here every row is clamped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.architecture import WeightLoader, host_array
+from infer.config import from_dict, rope_parameters
+from infer.errors import ConfigError
+from infer.kv.attention import AttentionContext, FullAttention, LayerState, Recurrent
+from infer.ops import Array, Backend
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
+
+from .decoder import ACTIVATIONS, Attention, Decoder, Weights, activation
+from .mlp import GatedMLP
+from .rope import RotaryEmbedding, context_length
+
+
+@dataclass
+class FalconH1Config:
+    """``config.json`` fields read (transformers' ``FalconH1Config`` names and defaults)."""
+
+    vocab_size: int = 128000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = None  # not a field of FalconH1Config; read when config.json has it (the released ones do)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    mamba_d_ssm: int | None = 1024
+    mamba_n_heads: int = 128
+    mamba_d_head: int | str = "auto"
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 256
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_norm_before_gate: bool = True
+    mamba_rms_norm: bool = False
+    time_step_limit: list[float] | None = None  # None: no limit, as transformers' (0, inf)
+    projectors_bias: bool = False
+    lm_head_multiplier: float = 1.0
+    embedding_multiplier: float = 1.0
+    mlp_multipliers: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    key_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    ssm_multipliers: list[float] = field(default_factory=lambda: [1.0] * 5)
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    rope: dict[str, Any] = field(default_factory=dict)
+    #: Keys config.json sets to null where null means more than the default (:func:`read_config`).
+    explicit_nulls: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.num_key_value_heads is None or "num_key_value_heads" in self.explicit_nulls:
+            self.num_key_value_heads = self.num_attention_heads
+        if "mamba_d_ssm" in self.explicit_nulls:
+            self.mamba_d_ssm = None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "mamba_n_heads", "mamba_n_groups",
+                     "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, found {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if activation("hidden_act", self.hidden_act) != "silu":
+            # The mixer's convolution uses hidden_act too, and ops.causal_conv1d applies silu only.
+            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported by falcon_h1 "
+                              "(its Mamba2 convolution runs silu); supported: silu")
+        if self.mamba_d_ssm is None:
+            self.mamba_d_ssm = self.mamba_expand * self.hidden_size
+        inner, heads = self.mamba_d_ssm, self.mamba_n_heads
+        if self.mamba_d_head == "auto":
+            self.mamba_d_head = inner // heads
+        if not isinstance(self.mamba_d_head, int) or self.mamba_d_head * heads != inner:
+            raise ConfigError(f"config.json: mamba_d_head ({self.mamba_d_head!r}) times mamba_n_heads ({heads}) "
+                              f"must equal the mixer width mamba_d_ssm ({inner})")
+        if heads % self.mamba_n_groups or inner % self.mamba_n_groups:
+            raise ConfigError(f"config.json: mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads "
+                              f"({heads}) and mamba_d_ssm ({inner})")
+        for name, n in (("mlp_multipliers", 2), ("ssm_multipliers", 5)):
+            if len(getattr(self, name)) != n:
+                raise ConfigError(f"config.json: {name} must hold {n} numbers, found {getattr(self, name)}")
+        if self.time_step_limit is not None and len(self.time_step_limit) != 2:
+            raise ConfigError(f"config.json: time_step_limit must be [min, max], found {self.time_step_limit}")
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels of the mixer's convolution: ``x``, ``B`` and ``C``."""
+        assert self.mamba_d_ssm is not None  # set by validate()
+        return self.mamba_d_ssm + 2 * self.mamba_n_groups * self.mamba_d_state
+
+
+class FalconH1MLP(GatedMLP):
+    """:class:`~.mlp.GatedMLP` with Falcon-H1's multipliers:
+    ``down_mult * down_proj(act(gate_mult * gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, ops: Backend, hidden: int, intermediate: int, act: str, gate_multiplier: float,
+                 down_multiplier: float) -> None:
+        super().__init__(ops, hidden, intermediate, act)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+
+    def __call__(self, x: Array, w: dict[str, Any]) -> Array:
+        ops = self.ops
+        if "gate_up_proj" in w:
+            y = ops.linear(x, w["gate_up_proj"], w.get("gate_up_proj.bias"))
+            n = ops.shape(y)[-1] // 2
+            gate, up = ops.slice(y, -1, 0, n), ops.slice(y, -1, n, 2 * n)
+        else:
+            gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
+            up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
+        if self.gate_multiplier != 1.0:
+            gate = ops.mul(gate, self.gate_multiplier)
+        h = ops.swiglu(gate, up) if self.activation == "silu" else ops.mul(getattr(ops, self.activation)(gate), up)
+        out = ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
+        return out if self.down_multiplier == 1.0 else ops.mul(out, self.down_multiplier)
+
+
+class FalconH1Mixer:
+    """Falcon-H1's Mamba2 mixer (module docstring), over the flattened tokens
+    of a ragged batch, carrying each sequence's convolution window and SSM state."""
+
+    def __init__(self, ops: Backend, cfg: FalconH1Config) -> None:
+        assert cfg.mamba_d_ssm is not None and isinstance(cfg.mamba_d_head, int)  # set by validate()
+        self.ops, self.cfg = ops, cfg
+        self.hidden, self.inner, self.conv_dim = cfg.hidden_size, cfg.mamba_d_ssm, cfg.conv_dim
+        self.heads, self.head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
+        self.groups, self.d_state, self.kernel = cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
+        self.proj = self.inner + self.conv_dim + self.heads  # z, xBC, dt
+        limit = cfg.time_step_limit or [0.0, float("inf")]
+        self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
+        # The muP vector: one multiplier per section of in_proj's output (z, x, B, C, dt).
+        gn = self.groups * self.d_state
+        sizes = (self.inner, self.inner, gn, gn, self.heads)
+        m = cfg.ssm_multipliers
+        self.mup = None if all(v == 1.0 for v in m) else ops.from_numpy(
+            host_array([float(v) for v, n in zip(m, sizes) for _ in range(n)]))
+
+    def state(self) -> Recurrent:
+        """The convolution window and the SSM state, in the compute dtype (the ops' outputs')."""
+        return Recurrent({"conv": (self.kernel - 1, self.conv_dim), "ssm": (self.heads, self.head_dim, self.d_state)},
+                         self.ops.compute_dtype)
+
+    def load(self, w: WeightLoader, prefix: str) -> Weights:
+        """The mixer's weights under ``prefix`` (``...mamba.``); ``A`` is ``-exp(A_log)``."""
+        cfg, ops, d, k, h = self.cfg, self.ops, self.hidden, self.kernel, self.heads
+        out = {"in_proj": w.get(prefix + "in_proj.weight", (self.proj, d)),
+               "conv": w.get(prefix + "conv1d.weight", (self.conv_dim, 1, k),
+                             transform=lambda a: a.reshape(self.conv_dim, k)),
+               "A": ops.mul(ops.exp(w.get(prefix + "A_log", (h,))), -1.0),
+               "D": w.get(prefix + "D", (h,)), "dt_bias": w.get(prefix + "dt_bias", (h,)),
+               "out_proj": w.get(prefix + "out_proj.weight", (d, self.inner))}
+        for name, rows, on in (("in_proj", self.proj, cfg.mamba_proj_bias), ("conv1d", self.conv_dim, cfg.mamba_conv_bias),
+                               ("out_proj", d, cfg.projectors_bias)):
+            if on:
+                out[("conv" if name == "conv1d" else name) + ".bias"] = w.get(prefix + name + ".bias", (rows,))
+        if cfg.mamba_rms_norm:
+            out["norm"] = w.get(prefix + "norm.weight", (self.inner,))
+        return out
+
+    def __call__(self, x: Array, w: Weights, ctx: AttentionContext, layer: int) -> Array:
+        ops, cfg = self.ops, self.cfg
+        t, inner, gn = ops.shape(x)[0], self.inner, self.groups * self.d_state
+        if cfg.ssm_in_multiplier != 1.0:
+            x = ops.mul(x, cfg.ssm_in_multiplier)
+        zxbcdt = ops.linear(x, w["in_proj"], w.get("in_proj.bias"))  # [tokens, proj]
+        if self.mup is not None:
+            zxbcdt = ops.mul(zxbcdt, self.mup)
+        z = ops.slice(zxbcdt, 1, 0, inner)
+        xbc = ops.slice(zxbcdt, 1, inner, inner + self.conv_dim)
+        dt = ops.slice(zxbcdt, 1, inner + self.conv_dim, self.proj)  # [tokens, heads]
+        state = ctx.state(layer)
+        xbc, conv, conv_at = ops.causal_conv1d(xbc, state["conv"], w["conv"], w.get("conv.bias"), ctx.query_start,
+                                               ctx.checkpoint_rows, activation="silu")
+        xs = ops.reshape(ops.slice(xbc, 1, 0, inner), (t, self.heads, self.head_dim))
+        b = ops.reshape(ops.slice(xbc, 1, inner, inner + gn), (t, self.groups, self.d_state))
+        c = ops.reshape(ops.slice(xbc, 1, inner + gn, inner + 2 * gn), (t, self.groups, self.d_state))
+        y, ssm, ssm_at = ops.ssd(xs, dt, w["A"], b, c, w["D"], w["dt_bias"], state["ssm"], ctx.query_start,
+                                 ctx.checkpoint_rows, dt_softplus=True, dt_min=self.dt_min, dt_max=self.dt_max)
+        ctx.set_state(layer, {"conv": conv, "ssm": ssm}, {"conv": conv_at, "ssm": ssm_at})
+        y = ops.reshape(y, (t, inner))
+        gate = ops.silu(z)
+        if "norm" not in w:
+            y = ops.mul(y, gate)
+        else:  # RMSNorm over each of the groups' inner / groups channels, gated before or after
+            if not cfg.mamba_norm_before_gate:
+                y = ops.mul(y, gate)
+            y = ops.reshape(ops.rms_norm(ops.reshape(y, (t, self.groups, inner // self.groups)), None,
+                                         cfg.rms_norm_eps), (t, inner))
+            y = ops.mul(y, w["norm"])
+            if cfg.mamba_norm_before_gate:
+                y = ops.mul(y, gate)
+        return ops.linear(y, w["out_proj"], w.get("out_proj.bias"))
+
+
+class FalconH1ForCausalLM(Decoder):
+    """Scaled embedding, parallel hybrid layers, final norm, scaled output head."""
+
+    def __init__(self, config: FalconH1Config, weights: WeightLoader, ops: Backend) -> None:
+        super().__init__(config, weights, ops)
+        cfg, w, d = config, weights, config.hidden_size
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        assert hd is not None and nkv is not None  # set by validate()
+        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
+        self.max_context = context_length(cfg.rope, cfg.max_position_embeddings)
+        self.eps = cfg.rms_norm_eps
+        self.attention = Attention(ops, d, nh, nkv, hd)
+        self.scale = hd ** -0.5 * cfg.key_multiplier  # q . (m k) / sqrt(hd)
+        self.mixer = FalconH1Mixer(ops, cfg)
+        gate_m, down_m = cfg.mlp_multipliers
+        self.mlp = FalconH1MLP(ops, d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], gate_m, down_m)
+        self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
+        if cfg.embedding_multiplier != 1.0:
+            self.embed_scale = ops.from_numpy(host_array([cfg.embedding_multiplier]))
+        self.rope = {"default": RotaryEmbedding(ops, hd, cfg.rope, cfg.max_position_embeddings)}
+        self.hybrid: list[tuple[Weights, Weights, Weights]] = []  # per layer: attention in, attention out, the rest
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn_in, attn_out = self.attention.load(w, p + "self_attn.", bias=cfg.attention_bias)
+            rest = {"attn_norm": w.get(p + "input_layernorm.weight", (d,)),
+                    "mlp_norm": w.get(p + "pre_ff_layernorm.weight", (d,)),
+                    **self.mixer.load(w, p + "mamba."), **self.mlp.load(w, p + "feed_forward.")}
+            self.hybrid.append((attn_in, attn_out, rest))
+        self.layers = []
+        self.norm = w.get("model.final_layernorm.weight", (d,))
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Two per layer: its keys and values (``i``), its mixer's state (``num_layers + i``)."""
+        return 2 * self.num_layers
+
+    def layer_states(self) -> list[LayerState]:
+        return [FullAttention()] * self.num_layers + [self.mixer.state()] * self.num_layers
+
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        ops, cfg, eps, n = self.ops, self.config, self.eps, self.num_layers
+        h = self.embed(input_ids, ctx)
+        cos, sin = self.rope["default"](ctx)  # [tokens, head_dim / 2]
+        residual = None  # the residual stream; h is the last layer's output before its add
+        for i, (attn_in, attn_out, w) in enumerate(self.hybrid):
+            if residual is None:
+                x, residual = ops.rms_norm(h, w["attn_norm"], eps), h
+            else:
+                x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
+            m = self.mixer(x, w, ctx, n + i)
+            xa = x if cfg.attention_in_multiplier == 1.0 else ops.mul(x, cfg.attention_in_multiplier)
+            q, k, v = self.attention.qkv(xa, attn_in, cos, sin)
+            a = self.attention.out(ctx.attention(i, q, k, v, scale=self.scale), attn_out)
+            if cfg.ssm_out_multiplier != 1.0:
+                m = ops.mul(m, cfg.ssm_out_multiplier)
+            if cfg.attention_out_multiplier != 1.0:
+                a = ops.mul(a, cfg.attention_out_multiplier)
+            x, residual = ops.fused_add_rms_norm(ops.add(m, a), residual, w["mlp_norm"], eps)
+            h = self.mlp(x, w)
+        assert residual is not None  # validate() requires at least one layer
+        return self.final_norm(h, residual)
+
+    def compute_logits(self, hidden: Array) -> Array:
+        logits = super().compute_logits(hidden)  # [rows, vocab]
+        m = self.config.lm_head_multiplier
+        return logits if m == 1.0 else self.ops.mul(logits, m)
+
+
+#: How transformers 5 writes the floats JSON has no literal for (``PreTrainedConfig._encode_special_floats``).
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_float(value: Any) -> Any:
+    """``{"__float__": "Infinity"}`` (the default ``time_step_limit``'s upper end) as the float."""
+    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[value["__float__"]]
+    return value
+
+
+def read_config(config: dict[str, Any]) -> FalconH1Config:
+    """The config of a ``config.json`` dict, read as transformers reads it: an
+    explicit null ``num_key_value_heads`` means one per head, a null
+    ``mamba_d_ssm`` ``mamba_expand * hidden_size`` (``from_dict`` alone would
+    take the defaults, 8 and 1024)."""
+    data = {**config, "rope": rope_parameters(config)}
+    if isinstance(data.get("time_step_limit"), list):
+        data["time_step_limit"] = [_special_float(v) for v in data["time_step_limit"]]
+    nulls = [k for k in ("num_key_value_heads", "mamba_d_ssm") if k in config and config[k] is None]
+    return from_dict(FalconH1Config, {**data, "explicit_nulls": nulls})
+
+
+def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> FalconH1ForCausalLM:
+    """Build a Falcon-H1 model from a ``config.json`` dict."""
+    return FalconH1ForCausalLM(read_config(config), weights, ops)
+
+
+@hookimpl
+def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
+    """Register Falcon-H1."""
+    register(ArchitectureSpec(name="falcon_h1", model_types=("falcon_h1",), build=build,
+                              description="TII Falcon-H1 (parallel Mamba2 and attention heads; 0.5B-34B)"))
