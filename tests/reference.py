@@ -302,6 +302,16 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2_scaled": ("GPT2Config", dict(num_hidden_layers=3, num_attention_heads=8, n_inner=96,
                                        activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
                                        tie_word_embeddings=False)),
+    # Mamba2 (no attention): 8 heads of 16 over the inner 128 (expand 2), one group of B/C with
+    # state 16, width-4 convolution with bias; transformers' chunked scan in chunks of 8 (the
+    # prompt spans several).
+    "mamba2": ("Mamba2Config", dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, conv_kernel=4,
+                                    chunk_size=8, expand=2)),
+    # Two groups of B/C (4 heads each), state 8, width 3, biases on in_proj and out_proj, tied, 3
+    # layers, chunks of 5.
+    "mamba2_groups": ("Mamba2Config", dict(num_hidden_layers=3, num_heads=8, head_dim=16, state_size=8,
+                                           n_groups=2, conv_kernel=3, chunk_size=5, expand=2, use_bias=True,
+                                           tie_word_embeddings=True)),
 }
 # Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
 # (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
@@ -406,13 +416,18 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
+            if (name.endswith(("norm.weight", "norm_f.weight"))  # Mamba2's final norm: norm_f
+                    or name.split(".")[-2].startswith("ln_")):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name in ("model.norm.weight", "transformer.ln_f.weight"):
+                if name in ("model.norm.weight", "transformer.ln_f.weight", "backbone.norm_f.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
+            elif name.endswith("mixer.A_log"):  # Mamba2: decay rates exp(A_log) around 0.4, for a state that lasts
+                param.copy_(-1.0 + 0.5 * torch.randn_like(param))
+            elif name.endswith(("mixer.D", "mixer.dt_bias")):  # Mamba2's skip (init 1) and step bias (init ~ -4)
+                param.copy_((1.0 if name.endswith("D") else 0.0) + 0.5 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith(("wte.weight", "wpe.weight")):

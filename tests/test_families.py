@@ -139,6 +139,13 @@ def _no_qk_norm(model: infer.Model) -> None:
         layer.block.attention.qk_norm = False
 
 
+def _mamba2_norm(**change: Any) -> Callable[[infer.Model], None]:
+    def switch(model: infer.Model) -> None:
+        for name, value in change.items():
+            setattr(model.network.mixer, name, value)
+    return switch
+
+
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
 KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
@@ -161,6 +168,10 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     "gpt2": [("exact gelu", {"activation_function": "gelu"})],
     "gpt2_scaled": [("softmax scale not divided by layer + 1", {"scale_attn_by_inverse_layer_idx": False}),
                     ("unscaled softmax", {"scale_attn_weights": False})],
+    "mamba2": [("dt clamped to [0, 0.3]", {"time_step_limit": [0.0, 0.3]}),
+               ("gated norm: normed before the gate", _mamba2_norm(norm_before_gate=True))],
+    "mamba2_groups": [("gated norm over the whole inner width", _mamba2_norm(norm_groups=1)),
+                      ("dt at least 1", {"time_step_limit": [1.0, {"__float__": "Infinity"}]})],
 }
 
 
