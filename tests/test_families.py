@@ -172,6 +172,12 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
                ("gated norm: normed before the gate", _mamba2_norm(norm_before_gate=True))],
     "mamba2_groups": [("gated norm over the whole inner width", _mamba2_norm(norm_groups=1)),
                       ("dt at least 1", {"time_step_limit": [1.0, {"__float__": "Infinity"}]})],
+    "granitemoehybrid": [("top-1 routing", {"num_experts_per_tok": 1}), ("no rope", {"position_embedding_type": "nope"}),
+                         ("dt clamped to [0, 0.3]", {"time_step_limit": [0.0, 0.3]})]
+    + [(f"{knob} 1", {knob: 1.0}) for knob in ("embedding_multiplier", "residual_multiplier", "logits_scaling")]
+    + [("softmax scale head_dim ** -0.5", {"attention_multiplier": 0.25})],
+    "granitemoehybrid_dense": [("rope", {"position_embedding_type": "rope"}),
+                               ("residual_multiplier 1", {"residual_multiplier": 1.0})],
 }
 
 
