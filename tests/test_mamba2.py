@@ -107,3 +107,58 @@ def _edited(tmp_path: Path, **edit: object) -> Path:
 def test_a_bad_config_names_the_field(tmp_path: Path, edit: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         infer.load(_edited(tmp_path, **edit), backend="numpy")
+
+
+# -- Granite 4.0-H: Mamba2 and attention layers in one forward -------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Engine:
+    return load_tiny("granitemoehybrid").engine
+
+
+def test_the_hybrid_declares_each_layer_its_kind(hybrid: Engine) -> None:
+    from infer.kv.attention import FullAttention, Recurrent
+
+    kinds = [type(s) for s in hybrid.model.layer_states()]
+    assert kinds == [Recurrent, FullAttention, Recurrent, FullAttention]
+
+
+def test_the_hybrid_batches_prefix_caches_and_speculates(hybrid: Engine) -> None:
+    pool = hybrid.new_kv_pool(block_size=4, num_blocks=24)
+    want = full_logits(hybrid, PROMPT)
+    first = hybrid.new_sequence(64, kv_pool=pool)
+    hybrid.forward(first, PROMPT[:22])
+    hybrid.release(first)
+    hit = hybrid.new_sequence(64, kv_pool=pool)
+    reused = hit.cache.reuse_prefix(PROMPT[:-1])
+    assert reused == 20
+    hit.tokens = PROMPT[:reused]
+    close(hybrid.backend.to_numpy(hybrid.forward(hit, PROMPT[reused:], all_logits=True)), want[reused:])
+    hybrid.release(hit)
+    prompts = [PROMPT[:9], PROMPT[:9] + [3, 4], [5, 6, 7, 8, 5, 6, 7, 8, 5]]
+    expected = [greedy_alone(hybrid, p, 6) for p in prompts]
+    batch = BatchEngine(hybrid, kv_pool=pool)
+    stop = StopConditions(max_tokens=6, ignore_eos=True)
+    handles = [batch.submit(p, GREEDY, stop, Speculation(NGramDraft(), 3) if i == 2 else None)
+               for i, p in enumerate(prompts)]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == expected
+    assert batch.pool.stats().used == 0 and hybrid.state_store.slots_held() == 0
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"layer_types": ["mamba", "sliding_attention", "mamba", "attention"]}, "layer_types \\['sliding_attention'\\]"),
+    ({"layer_types": ["mamba", "attention"]}, "layer_types has 2 entries for 4 layers"),
+    ({"mamba_d_head": 12}, "mamba_n_heads \\(8\\) \\* mamba_d_head \\(12\\)"),
+    ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi'"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok \\(5\\)"),
+])
+def test_a_bad_hybrid_config_names_the_field(tmp_path: Path, edit: dict, match: str) -> None:
+    path = tiny_model_dir("granitemoehybrid")
+    out = tmp_path / "edited"
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ConfigError, match=match):
+        infer.load(out, backend="numpy")
