@@ -327,7 +327,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_hidden_layers=3, num_key_value_heads=1, layer_types=["full_attention", "linear_attention",
                                                                  "linear_attention"],
         num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
-        embedding_multiplier=12.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=0.5,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=0.5,
         mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=5,
         mamba_proj_bias=True, mamba_conv_bias=False, attention_bias=True, tie_word_embeddings=True)),
 }
