@@ -42,6 +42,10 @@ from infer.ops import Backend
 log = logging.getLogger(__name__)
 
 
+#: Blocks of a pool whose layers keep no keys and values (they cost no memory).
+BOOKKEEPING_BLOCKS = 1 << 16
+
+
 class PagedKVPool(LayerStore):
     """Keys and values of every sequence, in pages of ``block_size`` positions.
 
@@ -77,7 +81,13 @@ class PagedKVPool(LayerStore):
         if memory_budget is not None:
             if bytes_per_block is None:
                 raise CacheConfigError("a memory_budget needs bytes_per_token (Engine.new_kv_pool measures it)")
-            num_blocks = memory_budget // bytes_per_block - 1  # the scratch block's share
+            if bytes_per_block == 0:
+                # No layer keeps keys and values (a pure recurrent model, Mamba2): blocks are
+                # bookkeeping only (prefix hashes, checkpoints at their boundaries) and cost no
+                # memory; the state slots are what the budget buys (Engine.new_kv_pool).
+                num_blocks = BOOKKEEPING_BLOCKS
+            else:
+                num_blocks = memory_budget // bytes_per_block - 1  # the scratch block's share
             if num_blocks < 1:
                 raise CacheFullError(
                     f"a KV memory budget of {memory_budget:,} bytes holds no block: one block of "
