@@ -72,6 +72,8 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v3": "its latent attention (kv_a_proj, kv_b_proj) has no roles in the sharding table yet",
     "gpt2": "its fused c_attn / c_fc weights have no roles in the sharding table yet",
     "phi3": "it stores q, k, v (and gate, up) stacked in one tensor each, which the role table does not split yet",
+    "gpt_oss": "its attention sinks (one per query head) and stacked experts (gate_up_proj [experts, hidden, "
+               "2 * intermediate], gate and up interleaved) have no roles in the sharding table yet",
 }
 
 #: Config keys of intermediate sizes that are divided by the ranks.
