@@ -155,3 +155,20 @@ def test_harmony_replies_split_into_reasoning_content_and_calls(reply: str, want
         reader.finish()
         calls = [(c.name, c.arguments) for _, _, c in reader.calls]
         assert (reader.reasoning, reader.content, calls) == want, cut
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch:cpu", "mlx:cpu"])
+@pytest.mark.parametrize(("lo", "hi"), [(None, 1.5), (-1.5, 1.5), (-0.5, None)])
+def test_clip_native_and_default_equal_numpy_clip(backend: str, lo: float | None, hi: float | None) -> None:
+    """The clamped SwiGLU's op: each backend's own ``clip`` and the contract's default
+    (built from ``concat`` and ``max``) select exactly numpy.clip's values."""
+    from infer.ops import Backend
+    from infer.plugins.selection import select_backend
+
+    if backend != "numpy":
+        pytest.importorskip(backend.split(":")[0])
+    ops = select_backend(backend)
+    x = (np.random.default_rng(0).standard_normal((5, 7)) * 3).astype(np.float32)
+    want = np.clip(x, lo, hi)
+    for got in (ops.clip(ops.from_numpy(x), lo, hi), Backend.clip(ops, ops.from_numpy(x), lo, hi)):
+        np.testing.assert_array_equal(ops.to_numpy(got), want)
