@@ -107,7 +107,16 @@ def test_an_mxfp4_folder_loads_as_its_dequantized_weights(tmp_path: Path) -> Non
     ids = encode(path, PROMPT)
     want = _logits(folders["dense"], ids)
     assert np.abs(want - _logits(path, ids)).max() > 1e-2  # the new expert weights matter
-    np.testing.assert_array_equal(_logits(folders["mxfp4"], ids), want)
+    got = _logits(folders["mxfp4"], ids)
+    np.testing.assert_array_equal(got, want)
+    # transformers' own load of the MXFP4 folder (without triton it dequantizes, here to float32)
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["mxfp4"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(got, ref, "gpt_oss MXFP4 against transformers' dequantizing load")
 
 
 PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(50, 63)), list(range(30, 34)) * 3]
