@@ -3,7 +3,7 @@
 ``model_type`` ``gpt_oss`` as transformers' ``GptOssForCausalLM`` computes it.
 Against Llama (:mod:`.llama`):
 
-* **Attention sinks** (model card section 2.1; Xiao et al. 2023, "Efficient
+* **Attention sinks** (model card, section 2.1 "Architecture"; Xiao et al. 2023, "Efficient
   Streaming Language Models with Attention Sinks"): each head has one learned
   logit ``self_attn.sinks[h]`` that joins its softmax's denominator and
   carries no value, so a head may attend to "nothing". The contract's

@@ -5,6 +5,12 @@ it, and their MXFP4 expert weights.
 * The released config.json is in the 4.x form (top-level ``rope_theta``, ``rope_scaling``
   with ``truncate`` false) and may call the expert count ``num_experts`` (transformers'
   ``attribute_map``); a folder rewritten so reads as the reference's logits.
+* Continuous batching (ragged batches through the MoE, the sinks and the sliding layers'
+  pages) gives each request its tokens alone, paged and contiguous, on numpy and torch.
+* Harmony replies as gpt-oss writes them (infer.reasoning.HarmonyParser with the harmony
+  tool parser): the recipient in the role part of the header, a commentary preamble
+  before a call, a call without its closing ``<|call|>`` (a stop token), split the same
+  wherever the stream cuts them.
 * MXFP4 (formats/mxfp4.py): the dequantization equals transformers' own
   (``convert_moe_packed_tensors``, float32) code for code on random bytes, and a folder
   whose experts are stored as ``_blocks`` / ``_scales`` loads to the logits of the same
@@ -23,7 +29,13 @@ from reference import assert_logits_close, encode, reference_logits, tiny_model_
 from test_families import DECODE_TEXT, PROMPT
 
 import infer
+from infer.chat import ReplyParser
+from infer.engine.batch import BatchEngine
+from infer.engine.generate import StopConditions, generate
+from infer.engine.sampling import SamplingParams
 from infer.formats.mxfp4 import dequantize_mxfp4
+from infer.reasoning import get_reasoning_parser
+from infer.tool_parsers import get_tool_parser
 
 
 def _logits(path: Path, ids: list[int], backend: str = "numpy") -> np.ndarray:
@@ -95,4 +107,77 @@ def test_an_mxfp4_folder_loads_as_its_dequantized_weights(tmp_path: Path) -> Non
     ids = encode(path, PROMPT)
     want = _logits(folders["dense"], ids)
     assert np.abs(want - _logits(path, ids)).max() > 1e-2  # the new expert weights matter
-    np.testing.assert_array_equal(_logits(folders["mxfp4"], ids), want)
+    got = _logits(folders["mxfp4"], ids)
+    np.testing.assert_array_equal(got, want)
+    # transformers' own load of the MXFP4 folder (without triton it dequantizes, here to float32)
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["mxfp4"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(got, ref, "gpt_oss MXFP4 against transformers' dequantizing load")
+
+
+PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(50, 63)), list(range(30, 34)) * 3]
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("backend", ["numpy", "torch:cpu"])
+def test_batched_greedy_equals_single_requests(backend: str, layout: str) -> None:
+    if backend.startswith("torch"):
+        pytest.importorskip("torch")
+    engine = infer.load(tiny_model_dir("gpt_oss"), backend=backend).engine
+    stop = StopConditions(max_tokens=10, ignore_eos=True)
+    want = [list(generate(engine, p, SamplingParams(), stop)) for p in PROMPTS]
+    if layout == "paged":
+        batch = BatchEngine(engine, kv_pool=engine.new_kv_pool(block_size=4, num_blocks=64))
+    else:
+        batch = BatchEngine(engine, kv_layout="contiguous", kv_memory=256 * engine.kv_bytes_per_position())
+    handles = [batch.submit(p, SamplingParams(), stop) for p in PROMPTS]
+    batch.run_until_done()
+    assert [h.tokens for h in handles] == want
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+#: reply -> (reasoning, content, calls)
+HARMONY_REPLIES = [
+    ('<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary '
+     'json<|message|>{"city": "Paris"}<|call|>', ("Need it.", "", [("get_weather", '{"city": "Paris"}')])),
+    ('<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking the '
+     'weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city": "Rome"}<|call|>', ("Think.", "Checking the weather.", [("get_weather", '{"city": "Rome"}')])),
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}',
+     ("", "", [("get_weather", '{"city": "Oslo"}')])),
+    ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Four.<|return|>",
+     ("Hmm.", "Four.", [])),
+]
+
+
+@pytest.mark.parametrize(("reply", "want"), HARMONY_REPLIES)
+def test_harmony_replies_split_into_reasoning_content_and_calls(reply: str, want: tuple) -> None:
+    for cut in range(len(reply) + 1):
+        reader = ReplyParser(get_reasoning_parser("harmony"), False, get_tool_parser("harmony", TOOLS))
+        reader.feed(reply[:cut])
+        reader.feed(reply[cut:])
+        reader.finish()
+        calls = [(c.name, c.arguments) for _, _, c in reader.calls]
+        assert (reader.reasoning, reader.content, calls) == want, cut
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch:cpu", "mlx:cpu"])
+@pytest.mark.parametrize(("lo", "hi"), [(None, 1.5), (-1.5, 1.5), (-0.5, None)])
+def test_clip_native_and_default_equal_numpy_clip(backend: str, lo: float | None, hi: float | None) -> None:
+    """The clamped SwiGLU's op: each backend's own ``clip`` and the contract's default
+    (built from ``concat`` and ``max``) select exactly numpy.clip's values."""
+    from infer.ops import Backend
+    from infer.plugins.selection import select_backend
+
+    if backend != "numpy":
+        pytest.importorskip(backend.split(":")[0])
+    ops = select_backend(backend)
+    x = (np.random.default_rng(0).standard_normal((5, 7)) * 3).astype(np.float32)
+    want = np.clip(x, lo, hi)
+    for got in (ops.clip(ops.from_numpy(x), lo, hi), Backend.clip(ops, ops.from_numpy(x), lo, hi)):
+        np.testing.assert_array_equal(ops.to_numpy(got), want)

@@ -77,8 +77,8 @@ UNSUPPORTED: dict[str, str] = {
     **dict.fromkeys(("qwen3_5_text", "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"),
                     "its recurrent layers (convolution windows, SSM or delta-rule states) have no roles in the "
                     "sharding table yet"),
-    "gpt_oss": "its experts are stored stacked with interleaved gate/up columns, which the role table does not "
-               "split yet",
+    "gpt_oss": "its attention sinks (one per query head) and stacked experts (gate_up_proj [experts, hidden, "
+               "2 * intermediate], gate and up interleaved) have no roles in the sharding table yet",
 }
 
 #: Config keys of intermediate sizes that are divided by the ranks.
