@@ -181,7 +181,7 @@ _DEEPSEEK_V3_LITE: dict[str, Any] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 # model_types whose RMSNorm scales by (1 + w): their norm weights are stored minus 1.
-_ONE_PLUS_W_NORMS = ("gemma3_text",)
+_ONE_PLUS_W_NORMS = ("gemma3_text", "qwen3_5_text", "qwen3_next")
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2": ("LlamaConfig", dict(num_key_value_heads=4)),
     "llama3": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
@@ -302,6 +302,26 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2_scaled": ("GPT2Config", dict(num_hidden_layers=3, num_attention_heads=8, n_inner=96,
                                        activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
                                        tie_word_embeddings=False)),
+    # Qwen3.5: DeltaNet layers 0, 1, 3 and gated full attention in layer 2 (layer_types given); linear
+    # key heads 2 of 8 serving 4 value heads of 12 (the rule's grouped heads), conv width 3; attention
+    # GQA 4:2 of head_dim 16, a quarter rotating (the default partial_rotary_factor).
+    "qwen3_5": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])),
+    # The default pattern (full attention every 2nd layer: full_attention_interval), equal key and value
+    # heads, attention biases, MQA, half of each head rotating, tied head.
+    "qwen3_5_interval": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2, attention_bias=True,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # Qwen3-Next: 4 layers (full attention in layer 3), layer 0 dense (mlp_only_layers), the others a
+    # sparse MoE of 6 experts of 32, top-2 renormalised, with a gated shared expert of 48.
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])),
 }
 # Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
 # (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
@@ -406,7 +426,16 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
+            if name.endswith("linear_attn.norm.weight"):  # gated DeltaNet's output norm: plain w, even in (1 + w) models
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("linear_attn.A_log"):  # decays exp(-A * softplus(.)) of ~0.6 to ~0.99 per token
+                param.copy_(torch.empty_like(param).uniform_(0.02, 0.5).log())
+            elif name.endswith("linear_attn.dt_bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith("linear_attn.conv1d.weight"):  # depthwise [channels, 1, K]: unit taps
+                # (values of ~1, and a rule output far above the gated norm's eps)
+                param.copy_(torch.randn_like(param))
+            elif name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
                 if name in ("model.norm.weight", "transformer.ln_f.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
