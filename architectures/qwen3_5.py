@@ -221,6 +221,8 @@ class GatedAttention:
 
     def __init__(self, ops: Backend, cfg: Qwen3_5Config) -> None:
         self.ops, self.cfg = ops, cfg
+        #: False: Qwen3's ungated output (the gate logits unused), for comparisons.
+        self.gated = True
 
     def load(self, w: WeightLoader, prefix: str, norm: Any) -> Weights:
         cfg, d = self.cfg, self.cfg.hidden_size
@@ -243,7 +245,8 @@ class GatedAttention:
         q = ops.rope(ops.rms_norm(q, w["q_norm"], cfg.rms_norm_eps), cos, sin)
         k = ops.rope(ops.rms_norm(k, w["k_norm"], cfg.rms_norm_eps), cos, sin)
         o = ctx.attention(layer, q, k, v, scale=hd ** -0.5)  # [t, nh, hd]
-        o = ops.mul(o, sigmoid(ops, gate))
+        if self.gated:
+            o = ops.mul(o, sigmoid(ops, gate))
         return ops.linear(ops.reshape(o, (t, nh * hd)), w["o_proj"], w.get("o_proj.bias"))
 
 

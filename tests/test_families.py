@@ -139,6 +139,10 @@ def _no_qk_norm(model: infer.Model) -> None:
         layer.block.attention.qk_norm = False
 
 
+def _no_attention_gate(model: infer.Model) -> None:
+    model.network.attention.gated = False
+
+
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
 KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
@@ -161,6 +165,11 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     "gpt2": [("exact gelu", {"activation_function": "gelu"})],
     "gpt2_scaled": [("softmax scale not divided by layer + 1", {"scale_attn_by_inverse_layer_idx": False}),
                     ("unscaled softmax", {"scale_attn_weights": False})],
+    "qwen3_5": [("full rotary", {"rope_parameters": {"partial_rotary_factor": 1.0}}),
+                ("attention output ungated", _no_attention_gate)],
+    "qwen3_5_interval": [("a quarter rotary", {"rope_parameters": {"partial_rotary_factor": 0.25}})],
+    "qwen3_next": [("top-k weights not renormalised", {"norm_topk_prob": False}),
+                   ("attention output ungated", _no_attention_gate)],
 }
 
 
