@@ -15,7 +15,7 @@ Against Qwen3 (:mod:`.qwen3`):
   k, v (``linear_num_key_heads`` heads of ``linear_key_head_dim`` for q and k,
   ``linear_num_value_heads`` of ``linear_value_head_dim`` for v), which run
   through a depthwise causal convolution of width ``linear_conv_kernel_dim``
-  and a silu; ``in_proj_b`` gives ``beta = sigmoid(b)``, ``in_proj_a`` the
+  and ``hidden_act`` (silu); ``in_proj_b`` gives ``beta = sigmoid(b)``, ``in_proj_a`` the
   log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``; q and k are L2
   normalised and the gated delta rule (:meth:`~infer.ops.Backend.gated_delta_rule`)
   carries a ``[key_dim, value_dim]`` state per value head. Its output is
@@ -104,10 +104,7 @@ class Qwen3_5Config:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(f"config.json: linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                               f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
-        if activation("hidden_act", self.hidden_act) != "silu":
-            # the same activation follows the DeltaNet's convolution, which has only silu
-            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported for the linear "
-                              "attention layers' convolution; supported: silu")
+        activation("hidden_act", self.hidden_act)  # the MLPs' and the DeltaNet convolution's
         if self.layer_types is None:
             self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0
                                 else "linear_attention" for i in range(self.num_hidden_layers)]
@@ -199,8 +196,12 @@ class GatedDeltaNet:
         else:
             b, a = ops.linear(x, w["in_proj_b"]), ops.linear(x, w["in_proj_a"])
         state = ctx.state(layer)
+        act = ACTIVATIONS[cfg.hidden_act]  # transformers runs the convolution with hidden_act
         qkv, conv, conv_ckpt = ops.causal_conv1d(qkv, ops.astype(state["conv"], ops.dtype(qkv)), w["conv1d"], None,
-                                                 ctx.query_start, ctx.checkpoint_rows, activation="silu")
+                                                 ctx.query_start, ctx.checkpoint_rows,
+                                                 activation="silu" if act == "silu" else None)
+        if act != "silu":
+            qkv = getattr(ops, act)(qkv)
         q = ops.reshape(ops.slice(qkv, 1, 0, kd), (t, cfg.linear_num_key_heads, cfg.linear_key_head_dim))
         k = ops.reshape(ops.slice(qkv, 1, kd, 2 * kd), (t, cfg.linear_num_key_heads, cfg.linear_key_head_dim))
         v = ops.reshape(ops.slice(qkv, 1, 2 * kd, cd), (t, nv, cfg.linear_value_head_dim))

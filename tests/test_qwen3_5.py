@@ -89,7 +89,7 @@ def test_layer_types_and_rotary_factor_default_as_in_transformers(tmp_path: Path
     ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
      "sliding_attention"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 4 layers"),
-    ({"hidden_act": "gelu"}, "linear attention layers' convolution"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
 ])
 def test_unsupported_configs_are_named(tmp_path: Path, edit: dict[str, Any], message: str) -> None:
