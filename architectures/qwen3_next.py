@@ -1,7 +1,9 @@
 """Qwen3-Next (Qwen Team, 2025): Qwen3.5's hybrid layers with a sparse MoE.
 
 ``model_type`` ``qwen3_next`` as transformers' ``Qwen3NextForCausalLM``
-computes it (Qwen3-Next-80B-A3B). The gated DeltaNet and gated-attention
+computes it (Qwen3-Next-80B-A3B); also Qwen3.5-MoE (``qwen3_5_moe_text``, and
+the text half of a nested ``qwen3_5_moe`` checkpoint): Qwen3.5's projections
+with this MoE in every layer, always renormalised. The gated DeltaNet and gated-attention
 layers, the ``1 + w`` norms and the partial rope are Qwen3.5's
 (:mod:`.qwen3_5`); against it:
 
@@ -41,7 +43,7 @@ from infer.plugins.registry import ArchitectureSpec
 from .decoder import ACTIVATIONS, MLPPart, Weights
 from .mlp import GatedMLP
 from .moe import SparseMoE, sigmoid
-from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, model_config
+from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, model_config, text_config
 
 
 @dataclass
@@ -121,9 +123,32 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         return SharedExpertMoE(self.ops, routed, shared)
 
 
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE (``qwen3_5_moe_text``): Qwen3.5's four DeltaNet input
+    projections, and in every layer Qwen3-Next's MoE with the top-k weights
+    always renormalised (transformers' ``Qwen3_5MoeTopKRouter``)."""
+
+    load_deltanet = Qwen3_5ForCausalLM.load_deltanet
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3NextForCausalLM:
     """Build a Qwen3-Next model from a ``config.json`` dict."""
     return Qwen3NextForCausalLM(model_config(Qwen3NextConfig, config), weights, ops)
+
+
+def build_qwen3_5_moe(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5MoeForCausalLM:
+    """Build a Qwen3.5-MoE text model from a ``config.json`` dict (text-only or nested)."""
+    text, prefix = text_config(config)
+    if prefix != "model." and not weights.has(prefix + "embed_tokens.weight"):
+        prefix = "model."
+    # Every layer sparse, always renormalised; the config has no dense MLP width (never used).
+    fixed = {"intermediate_size": text.get("intermediate_size") or 1, "num_experts": text.get("num_experts", 256),
+             "num_experts_per_tok": text.get("num_experts_per_tok", 8), "norm_topk_prob": True,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "num_key_value_heads": text.get("num_key_value_heads", 2)}
+    cfg = model_config(Qwen3NextConfig, {**text, **fixed})
+    if not cfg.num_experts:
+        raise ConfigError("config.json: num_experts must be positive for qwen3_5_moe, found 0")
+    return Qwen3_5MoeForCausalLM(cfg, weights, ops, prefix=prefix)
 
 
 @hookimpl
@@ -131,3 +156,6 @@ def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-d
     """Register Qwen3-Next."""
     register(ArchitectureSpec(name="qwen3_next", model_types=("qwen3_next",), build=build,
                               description="Qwen3-Next (gated DeltaNet + gated attention, sparse MoE)"))
+    register(ArchitectureSpec(name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+                              build=build_qwen3_5_moe,
+                              description="Qwen3.5-MoE (Qwen3.5's layers, a sparse MoE in every layer)"))

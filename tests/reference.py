@@ -181,7 +181,7 @@ _DEEPSEEK_V3_LITE: dict[str, Any] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 # model_types whose RMSNorm scales by (1 + w): their norm weights are stored minus 1.
-_ONE_PLUS_W_NORMS = ("gemma3_text", "qwen3_5_text", "qwen3_next")
+_ONE_PLUS_W_NORMS = ("gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2": ("LlamaConfig", dict(num_key_value_heads=4)),
     "llama3": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
@@ -322,6 +322,12 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])),
+    # Qwen3.5-MoE: 3 layers (full attention in layer 1), every MLP 5 experts of 24, top-3, shared expert 40.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=12, num_experts=5, num_experts_per_tok=3,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
 }
 # Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
 # (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.

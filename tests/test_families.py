@@ -170,6 +170,7 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     "qwen3_5_interval": [("a quarter rotary", {"rope_parameters": {"partial_rotary_factor": 0.25}})],
     "qwen3_next": [("top-k weights not renormalised", {"norm_topk_prob": False}),
                    ("attention output ungated", _no_attention_gate)],
+    "qwen3_5_moe": [("attention output ungated", _no_attention_gate)],
 }
 
 

@@ -52,18 +52,19 @@ def _logits(folder: Path, ids: list[int]) -> np.ndarray:
     return model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
 
 
-def test_the_text_half_of_a_conditional_generation_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe"])
+def test_the_text_half_of_a_conditional_generation_checkpoint(tmp_path: Path, variant: str) -> None:
     # Qwen3_5ForConditionalGeneration's config.json nests the text model's under text_config and keeps
     # tie_word_embeddings at the top; its weights sit under model.language_model. beside model.visual.
-    path = tiny_model_dir("qwen3_5")
+    path = tiny_model_dir(variant)
     text = json.loads((path / "config.json").read_text())
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    config = {"model_type": variant, "architectures": ["Qwen3_5ForConditionalGeneration"],
               "text_config": {**text, "tie_word_embeddings": True}, "tie_word_embeddings": False,
-              "vision_config": {"model_type": "qwen3_5_vision", "depth": 1}}
+              "vision_config": {"model_type": variant + "_vision", "depth": 1}}
     folder = _copy(path, tmp_path / "vl", config, lambda n: n.replace("model.", "model.language_model.", 1),
                    {"model.visual.patch_embed.proj.weight": np.zeros((4, 3), np.float32)})
     ids = encode(path, PROMPT)
-    assert_logits_close(_logits(folder, ids), reference_logits(path, ids, [])["prefill"], "qwen3_5 nested")
+    assert_logits_close(_logits(folder, ids), reference_logits(path, ids, [])["prefill"], f"{variant} nested")
 
 
 def test_layer_types_and_rotary_factor_default_as_in_transformers(tmp_path: Path) -> None:
