@@ -118,7 +118,8 @@ def test_layer_states() -> None:
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def engine(request: pytest.FixtureRequest) -> Engine:
-    return load_tiny(request.param).engine
+    model = load_tiny(request.param)
+    return Engine(model.network, model.backend)  # its own state store: the slot counts below are this test's
 
 
 def full_logits(engine: Engine, tokens: list[int]) -> np.ndarray:

@@ -9,6 +9,8 @@ Tolerance 1e-5 relative: float32 sums of at most 4 products on both sides.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -106,9 +108,32 @@ def torch_gdr(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: 
     return o[0].numpy(), last[0].numpy()
 
 
+class _Host:
+    """A backend's gated_delta_rule taking and returning numpy arrays."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def gated_delta_rule(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        ops = self.ops
+        arrays = [ops.from_numpy(np.asarray(a)) if a is not None else None for a in args]
+        return tuple(ops.to_numpy(r) for r in ops.gated_delta_rule(*arrays, **kwargs))
+
+
+def _gdr_backend(name: str) -> Any:
+    if name == "numpy":
+        return NumpyBackend()
+    from infer.backends.torch import TorchBackend
+
+    return _Host(TorchBackend("cpu", "float32"))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize(("key_heads", "heads"), [(2, 2), (1, 3), (2, 4)])
-def test_gated_delta_rule_in_splits_equals_transformers(chunked: bool, key_heads: int, heads: int) -> None:
+def test_gated_delta_rule_in_splits_equals_transformers(chunked: bool, key_heads: int, heads: int,
+                                                        backend: str) -> None:
+    # torch's own op runs the 40-row sequence chunked and the rest step by step: both forms are checked.
     rng = np.random.default_rng(10 * key_heads + heads)
     lengths, dk, dv = [40, 1, 9], 8, 6
     seqs = [_gdr_inputs(rng, n, key_heads, heads, dk, dv) for n in lengths]
@@ -116,13 +141,15 @@ def test_gated_delta_rule_in_splits_equals_transformers(chunked: bool, key_heads
     given = rng.standard_normal((heads, dk, dv)).astype(np.float32)
     starts = [None, given, None]
     want = [torch_gdr(*s, st, chunked) for s, st in zip(seqs, starts)]
-    ops = NumpyBackend()
+    ops = _gdr_backend(backend)
     qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     state = np.stack([np.zeros_like(given), given, np.zeros_like(given)])
     flat = [np.concatenate([s[i] for s in seqs]) for i in range(5)]
     rows = np.asarray([4, 39, 40, 45], np.int32)
     o, last, ckpt = ops.gated_delta_rule(*flat, state, qs, rows)
+    o_whole, _, _ = ops.gated_delta_rule(*flat, state, qs)  # no checkpoint: sequence 0 in one run
     np.testing.assert_allclose(o, np.concatenate([w[0] for w in want]), rtol=GDR_RTOL, atol=GDR_RTOL)
+    np.testing.assert_allclose(o_whole, o, rtol=GDR_RTOL, atol=GDR_RTOL)
     for b in range(3):
         np.testing.assert_allclose(last[b], want[b][1], rtol=GDR_RTOL, atol=GDR_RTOL)
     np.testing.assert_allclose(ckpt[1], want[0][1], rtol=GDR_RTOL, atol=GDR_RTOL)  # row 39: sequence 0's end
