@@ -90,6 +90,7 @@ class Qwen3_5Config:
     rope: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        """Ranges, head divisibility, the activation and ``layer_types`` (filled in as transformers does)."""
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "vocab_size", "max_position_embeddings", "linear_conv_kernel_dim",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
@@ -118,10 +119,12 @@ class Qwen3_5Config:
 
     @property
     def key_dim(self) -> int:
+        """Width of q (and of k) over all key heads."""
         return self.linear_num_key_heads * self.linear_key_head_dim
 
     @property
     def value_dim(self) -> int:
+        """Width of v (and of z) over all value heads."""
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
@@ -182,6 +185,8 @@ class GatedDeltaNet:
                           "ssm": (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)})
 
     def __call__(self, x: Array, w: Weights, ctx: AttentionContext, layer: int) -> Array:
+        """The sublayer's output ``[t, hidden]`` for the normed input ``x`` ``[t, hidden]``,
+        reading and writing cache layer ``layer``'s recurrent state."""
         ops, cfg = self.ops, self.cfg
         t = ops.shape(x)[0]
         kd, cd, nv = cfg.key_dim, cfg.conv_dim, cfg.linear_num_value_heads
@@ -226,6 +231,9 @@ class GatedAttention:
         self.gated = True
 
     def load(self, w: WeightLoader, prefix: str, norm: Any) -> Weights:
+        """``q_proj`` (twice as wide: queries and gates), ``k_proj``, ``v_proj``,
+        ``o_proj`` (biases with ``attention_bias``) and the q/k norms (``norm``
+        reads a ``1 + w`` weight)."""
         cfg, d = self.cfg, self.cfg.hidden_size
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         out: Weights = {}
@@ -237,6 +245,7 @@ class GatedAttention:
         return out
 
     def __call__(self, x: Array, w: Weights, ctx: AttentionContext, layer: int, cos: Array, sin: Array) -> Array:
+        """The sublayer's output ``[t, hidden]``; ``cos``, ``sin``: the rotary tables ``[t, rot / 2]``."""
         ops, cfg = self.ops, self.cfg
         t, nh, nkv, hd = ops.shape(x)[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg = ops.reshape(ops.linear(x, w["q_proj"], w.get("q_proj.bias")), (t, nh, 2 * hd))
@@ -291,6 +300,7 @@ class Qwen3_5ForCausalLM(Decoder):
 
     @cached_property
     def dense_mlp(self) -> GatedMLP:
+        """The gated MLP of ``intermediate_size``."""
         cfg = self.config
         return GatedMLP(self.ops, cfg.hidden_size, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act])
 
@@ -299,6 +309,7 @@ class Qwen3_5ForCausalLM(Decoder):
         return [self.deltanet.state() if layer.linear else FullAttention() for layer in self.layers]
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        """The pre-norm blocks of :mod:`.decoder`, each layer's mixer by its kind."""
         ops, eps = self.ops, self.eps
         h = self.embed(input_ids, ctx)
         cos, sin = self.rope["default"](ctx)

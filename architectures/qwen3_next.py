@@ -61,6 +61,7 @@ class Qwen3NextConfig(Qwen3_5Config):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
+        """Qwen3.5's checks and the MoE's."""
         super().validate()
         if self.decoder_sparse_step <= 0:
             raise ConfigError(f"config.json: decoder_sparse_step must be positive, found {self.decoder_sparse_step}")
@@ -74,6 +75,7 @@ class Qwen3NextConfig(Qwen3_5Config):
                 raise ConfigError(f"config.json: {name} must be positive, found {getattr(self, name)}")
 
     def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the sparse MoE (transformers' ``Qwen3NextDecoderLayer`` rule)."""
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -86,10 +88,12 @@ class SharedExpertMoE:
         self.ops, self.routed, self.shared = ops, routed, shared
 
     def load(self, w: WeightLoader, prefix: str) -> Weights:
+        """The router and experts, ``shared_expert.*`` and ``shared_expert_gate`` under ``prefix`` (``...mlp.``)."""
         return {"routed": self.routed.load(w, prefix), "shared_expert": self.shared.load(w, prefix + "shared_expert."),
                 "shared_expert_gate": w.get(prefix + "shared_expert_gate.weight", (1, self.shared.hidden))}
 
     def __call__(self, x: Array, w: Weights) -> Array:
+        """``[tokens, hidden]`` from the normed input."""
         ops = self.ops
         gate = sigmoid(ops, ops.linear(x, w["shared_expert_gate"]))  # [tokens, 1]
         return ops.add(self.routed(x, w["routed"]), ops.mul(self.shared(x, w["shared_expert"]), gate))
@@ -99,6 +103,7 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5's layers with fused DeltaNet projections and sparse MoE MLPs."""
 
     def load_deltanet(self, w: WeightLoader, prefix: str) -> Weights:
+        """The fused projections, their rows reordered into Qwen3.5's layout (module docstring)."""
         cfg, d = self.config, self.config.hidden_size
         nk, hk, hv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         r = cfg.linear_num_value_heads // nk  # value heads per key head
@@ -112,10 +117,12 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         return out
 
     def mlp_part(self, layer: int) -> MLPPart:
+        """The MoE where :meth:`Qwen3NextConfig.is_moe`, else the dense MLP."""
         return self.moe if self.config.is_moe(layer) else self.dense_mlp
 
     @cached_property
     def moe(self) -> SharedExpertMoE:
+        """The sparse MoE with its gated shared expert (one part for every MoE layer)."""
         cfg, act = self.config, ACTIVATIONS[self.config.hidden_act]
         routed = SparseMoE(self.ops, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                            cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, activation=act)

@@ -5,6 +5,11 @@ padding ``K - 1``, the layer Mamba2, LFM2 and gated DeltaNet hold): the whole
 sequence in one call equals any split into chunks carrying the window, and the
 checkpoint windows are the inputs a fresh call would carry from there.
 Tolerance 1e-5 relative: float32 sums of at most 4 products on both sides.
+
+``gated_delta_rule`` (numpy's reference and torch's own) against transformers'
+``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule``, with
+states carried across splits and restarted from checkpoints; ``softplus``
+against torch's.
 """
 
 from __future__ import annotations
