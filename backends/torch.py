@@ -75,7 +75,7 @@ _HAS_ENABLE_GQA = False
 _CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
-              "quantized_linear", "clip", "causal_conv1d", "ssd",
+              "quantized_linear", "clip", "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
               "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
@@ -834,6 +834,37 @@ class TorchBackend(Backend):
         out = x.contiguous().clone()
         dist.broadcast(out, src)
         return out
+
+    # -- gated DeltaNet's ops (backends/torch_delta_rule.py) ------------------------------
+
+    def softplus(self, x: Array) -> Array:
+        """``torch.nn.functional.softplus`` in float32 (x itself past 20, where
+        ``log(1 + exp(x))`` rounds to x in float32 anyway)."""
+        return F.softplus(x.float()).to(x.dtype)
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
+                         query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
+                         l2norm_qk: bool = True) -> tuple[Array, Array, Array]:
+        """On the device in float32: a decode step's rows one batched step,
+        a prefill's long runs chunked (``torch_delta_rule``); the shapes are
+        checked as the reference checks them."""
+        from infer.backends import torch_delta_rule
+        from infer.ops import ragged_rows
+
+        total, key_heads, dk = self.shape(q)
+        heads, dv = self.shape(v)[1:]
+        if (self.shape(k) != (total, key_heads, dk) or self.shape(v)[0] != total or not key_heads
+                or heads % key_heads or self.shape(g) != (total, heads) or self.shape(beta) != (total, heads)):
+            return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
+                                            l2norm_qk=l2norm_qk)  # the reference names what is wrong
+        qs, rows = ragged_rows(self.to_numpy(query_start),
+                               None if checkpoint_rows is None else self.to_numpy(checkpoint_rows), total)
+        if self.shape(state) != (len(qs) - 1, heads, dk, dv):
+            return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
+                                            l2norm_qk=l2norm_qk)
+        o, last, ckpt = torch_delta_rule.gated_delta_rule(q, k, v, g, beta, state, qs, rows, scale=scale,
+                                                         l2norm_qk=l2norm_qk)
+        return o.to(v.dtype), last.to(state.dtype), ckpt.to(state.dtype)
 
     def sharded_linear(self, x: Array, weight: ShardedWeight, bias: Array | None = None) -> Array:
         """As the contract's, without the copy: the product is this op's own

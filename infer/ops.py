@@ -61,7 +61,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "prepare_weight", "fused_add_rms_norm", "swiglu", "softcap",
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
-    "causal_conv1d", "ssd",
+    "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
     "clip",
 )
 
@@ -929,6 +929,45 @@ class Backend(abc.ABC):
                                       host(state), self.to_numpy(query_start), rows, dt_softplus=dt_softplus,
                                       dt_min=dt_min, dt_max=dt_max)
         return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
+    def softplus(self, x: Array) -> Array:
+        """``log(1 + exp(x))``, elementwise, without overflow for large ``x``
+        (gated DeltaNet's and Mamba's step size). Default: on the host in
+        float32 (``numpy.logaddexp(0, x)``), in ``x``'s dtype."""
+        host = self.to_numpy(self.astype(x, "float32"))
+        return self.from_numpy(np.logaddexp(np.float32(0), host).astype(np.float32), self.dtype(x))
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
+                         query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
+                         l2norm_qk: bool = True) -> tuple[Array, Array, Array]:
+        """The gated delta rule over a ragged batch (Yang et al. 2024, "Gated
+        Delta Networks", eq. 10; Qwen3-Next's and Qwen3.5's linear attention),
+        carrying each sequence's state ``S`` ``[K, V]`` per value head. Per row
+        ``t`` and value head:
+
+            S = exp(g_t) * S;  S = S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T (scale * q_t)
+
+        with ``q_t``, ``k_t`` first divided by ``sqrt(|x|^2 + 1e-6)`` when
+        ``l2norm_qk`` (transformers' ``l2norm``, as FLA's kernels compute it).
+
+        q, k: ``[T, Hk, K]``; v: ``[T, H, V]`` with ``H`` a multiple of ``Hk``
+        (key head ``j`` serves value heads ``j * H / Hk`` up to ``(j + 1) * H / Hk``:
+        transformers' ``repeat_interleave``); g (the log of the decay, <= 0) and
+        beta: ``[T, H]``; state: ``[B, H, K, V]`` (zeros for a new sequence);
+        query_start: int32 ``[B + 1]``; checkpoint_rows: int32 ``[N]`` or None;
+        scale: multiplies q (None: ``K ** -0.5``, transformers' choice).
+
+        Returns ``(o [T, H, V], state after each sequence's last row [B, H, K, V],
+        state after each checkpoint row [N, H, K, V])``: ``o`` in ``v``'s dtype,
+        the states in ``state``'s. ``ValueError`` for a bad batch or shapes.
+        Default: on the host in float32 (``to_numpy``, numpy, ``from_numpy``):
+        :func:`gated_delta_rule_reference`.
+        """
+        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
+        host = [self.to_numpy(self.astype(a, "float32")) for a in (q, k, v, g, beta, state)]
+        o, last, ckpt = gated_delta_rule_reference(*host, self.to_numpy(query_start), rows, scale=scale,
+                                                   l2norm_qk=l2norm_qk)
+        dtype, state_dtype = self.dtype(v), self.dtype(state)
+        return self.from_numpy(o, dtype), self.from_numpy(last, state_dtype), self.from_numpy(ckpt, state_dtype)
 
     #: Whether ``infer.load`` captures the greedy decode step
     #: (:mod:`infer.engine.capture`, through :meth:`compile` with ``static``)
@@ -1062,6 +1101,42 @@ def ssd_reference(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C
     if D is not None:
         y += D.astype(f64)[:, None] * xs
     return y.astype(np.float32), last, ckpt
+def gated_delta_rule_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                               state: np.ndarray, query_start: Any, checkpoint_rows: Any = None, *,
+                               scale: float | None = None,
+                               l2norm_qk: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`Backend.gated_delta_rule` in numpy, one row at a time, as
+    transformers' ``torch_recurrent_gated_delta_rule`` computes it (float32)."""
+    total, key_heads, dk = q.shape
+    heads, dv = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != total or key_heads == 0 or heads % key_heads:
+        raise ValueError(f"gated_delta_rule: q {q.shape}, k {k.shape} and v {v.shape} do not fit "
+                         "(want [T, Hk, K], [T, Hk, K], [T, H, V] with H a multiple of Hk)")
+    if g.shape != (total, heads) or beta.shape != (total, heads):
+        raise ValueError(f"gated_delta_rule: g {g.shape} and beta {beta.shape} must be [T, H] = {(total, heads)}")
+    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
+    if state.shape != (len(qs) - 1, heads, dk, dv):
+        raise ValueError(f"gated_delta_rule: state {state.shape} must be [B, H, K, V] = "
+                         f"{(len(qs) - 1, heads, dk, dv)}")
+    q, k = (np.repeat(x.astype(np.float32), heads // key_heads, axis=1) for x in (q, k))  # [T, H, K]
+    if l2norm_qk:
+        q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6)) for x in (q, k))
+    q = q * np.float32(dk ** -0.5 if scale is None else scale)
+    decay = np.exp(g.astype(np.float32))
+    o = np.empty((total, heads, dv), np.float32)
+    last = np.empty(state.shape, np.float32)
+    ckpt = np.empty((len(rows), heads, dk, dv), np.float32)
+    for b in range(len(qs) - 1):
+        s = state[b].astype(np.float32)  # [H, K, V]
+        for t in range(int(qs[b]), int(qs[b + 1])):
+            s = s * decay[t, :, None, None]
+            memory = np.einsum("hkv,hk->hv", s, k[t])  # what the state recalls for key k_t
+            delta = (v[t] - memory) * beta[t, :, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            o[t] = np.einsum("hkv,hk->hv", s, q[t])
+            ckpt[rows == t] = s
+        last[b] = s
+    return o, last, ckpt
 
 
 def rows_within(rows: Any, limit: int) -> np.ndarray:
@@ -1084,4 +1159,7 @@ __all__ = [
     "ShardedWeight",
     "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "is_float_dtype",
     "ragged_rows", "row_run", "rows_within", "ssd_reference",
+    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "gated_delta_rule_reference",
+    "is_float_dtype",
+    "ragged_rows", "row_run", "rows_within",
 ]

@@ -181,7 +181,7 @@ _DEEPSEEK_V3_LITE: dict[str, Any] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 # model_types whose RMSNorm scales by (1 + w): their norm weights are stored minus 1.
-_ONE_PLUS_W_NORMS = ("gemma3_text",)
+_ONE_PLUS_W_NORMS = ("gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2": ("LlamaConfig", dict(num_key_value_heads=4)),
     "llama3": ("LlamaConfig", dict(num_hidden_layers=3, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE)),
@@ -373,6 +373,32 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=0.5,
         mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=5,
         mamba_proj_bias=True, mamba_conv_bias=False, attention_bias=True, tie_word_embeddings=True)),
+    # Qwen3.5: DeltaNet layers 0, 1, 3 and gated full attention in layer 2 (layer_types given); linear
+    # key heads 2 of 8 serving 4 value heads of 12 (the rule's grouped heads), conv width 3; attention
+    # GQA 4:2 of head_dim 16, a quarter rotating (the default partial_rotary_factor).
+    "qwen3_5": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])),
+    # The default pattern (full attention every 2nd layer: full_attention_interval), equal key and value
+    # heads, attention biases, MQA, half of each head rotating, tied head.
+    "qwen3_5_interval": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2, attention_bias=True,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # Qwen3-Next: 4 layers (full attention in layer 3), layer 0 dense (mlp_only_layers), the others a
+    # sparse MoE of 6 experts of 32, top-2 renormalised, with a gated shared expert of 48.
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])),
+    # Qwen3.5-MoE: 3 layers (full attention in layer 1), every MLP 5 experts of 24, top-3, shared expert 40.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=12, num_experts=5, num_experts_per_tok=3,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
 }
 # Gemma 4: "gemma4" (E2B-like): 6 layers (sliding, sliding, full) x 2 with window 4, head sizes
 # 16 (sliding) and 32 (full, proportional rope), the last 2 layers reading layers 3's and 2's keys
@@ -507,6 +533,15 @@ def _randomize(model: Any) -> None:
                 param.copy_(0.1 * torch.randn_like(param))
             elif gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out]
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif name.endswith("linear_attn.norm.weight"):  # gated DeltaNet's output norm: plain w, even in (1 + w) models
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("linear_attn.A_log"):  # decays exp(-A * softplus(.)) of ~0.6 to ~0.99 per token
+                param.copy_(torch.empty_like(param).uniform_(0.02, 0.5).log())
+            elif name.endswith("linear_attn.dt_bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith("linear_attn.conv1d.weight"):  # depthwise [channels, 1, K]: unit taps
+                # (values of ~1, and a rule output far above the gated norm's eps)
+                param.copy_(torch.randn_like(param))
             elif (name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "norm_f.weight"))  # Mamba2: norm_f
                     or name.split(".")[-2].startswith("ln_")):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))

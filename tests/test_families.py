@@ -167,6 +167,8 @@ def _mamba2_norm(**change: Any) -> Callable[[infer.Model], None]:
         for name, value in change.items():
             setattr(model.network.mixer, name, value)
     return switch
+def _no_attention_gate(model: infer.Model) -> None:
+    model.network.attention.gated = False
 
 
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
@@ -226,6 +228,12 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     + [("softmax scale head_dim ** -0.5", {"attention_multiplier": 0.25})],
     "granitemoehybrid_dense": [("rope", {"position_embedding_type": "rope"}),
                                ("residual_multiplier 1", {"residual_multiplier": 1.0})],
+    "qwen3_5": [("full rotary", {"rope_parameters": {"partial_rotary_factor": 1.0}}),
+                ("attention output ungated", _no_attention_gate)],
+    "qwen3_5_interval": [("a quarter rotary", {"rope_parameters": {"partial_rotary_factor": 0.25}})],
+    "qwen3_next": [("top-k weights not renormalised", {"norm_topk_prob": False}),
+                   ("attention output ungated", _no_attention_gate)],
+    "qwen3_5_moe": [("attention output ungated", _no_attention_gate)],
 }
 
 

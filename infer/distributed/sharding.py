@@ -74,7 +74,7 @@ UNSUPPORTED: dict[str, str] = {
     "phi3": "it stores q, k, v (and gate, up) stacked in one tensor each, which the role table does not split yet",
     **dict.fromkeys(("gemma4_text", "gemma4"), "its layers have two head sizes and key/value head counts "
                     "(per_layer_config) and stacked experts, and the plan has one of each"),
-    **dict.fromkeys(("qwen3_5_text", "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"),
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"),
                     "its recurrent layers (convolution windows, SSM or delta-rule states) have no roles in the "
                     "sharding table yet"),
     "gpt_oss": "its attention sinks (one per query head) and stacked experts (gate_up_proj [experts, hidden, "

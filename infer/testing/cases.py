@@ -35,6 +35,7 @@ from infer.testing.strategies import (
     embedding_calls,
     from_numpy_calls,
     fused_add_rms_norm_calls,
+    gated_delta_rule_calls,
     gguf_linear_calls,
     layer_norm_calls,
     linear_calls,
@@ -258,6 +259,8 @@ CASES: tuple[Case, ...] = (
     # recurrent layers' ops: outputs, states after each sequence, states after the checkpoint rows
     _case("causal_conv1d", "causal_conv1d", causal_conv1d_calls()),
     _case("ssd", "ssd", ssd_calls()),
+    _case("gated_delta_rule", "gated_delta_rule", gated_delta_rule_calls()),
+    _case("softplus", "softplus", unary(scale=st.sampled_from([0.1, 1.0, 3.0, 30.0]))),
     # collectives: in the kit's single process, a group of one (docs/distributed.md tests the rest)
     _case("all_reduce", "all_reduce", unary()),
     _case("all_gather", "all_gather", unary()),

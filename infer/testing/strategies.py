@@ -494,3 +494,26 @@ def ssd_calls(draw: Any) -> Call:
                  In(normal(seed + 4, (total, groups, size))), skip, bias,
                  In(normal(seed + 5, (seqs, heads, head_dim, size))), In(query_start, "int32"), In(rows, "int32")),
                 {"dt_softplus": softplus, "dt_min": dt_min, "dt_max": dt_max})
+
+
+@st.composite
+def gated_delta_rule_calls(draw: Any) -> Call:
+    """The gated delta rule over a ragged batch, each sequence with a carried
+    state, value heads a multiple (1 to 3) of the key heads, with or without
+    the q/k L2 norm and an explicit scale."""
+    query_start, rows = draw(ragged_batch())
+    seed, key_heads, group = draw(seeds), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    dk, dv = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    total, seqs, heads = int(query_start[-1]), len(query_start) - 1, key_heads * group
+    l2norm = draw(st.booleans())
+    qk_scale = 1.0 if l2norm else 0.5  # unnormalised keys: keep the rule's state bounded
+    g = -np.exp(normal(seed + 3, (total, heads), 0.5)) * 0.5  # log-decays <= 0
+    beta = 1 / (1 + np.exp(-normal(seed + 4, (total, heads))))
+    kwargs: dict[str, Any] = {"l2norm_qk": l2norm}
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.floats(0.1, 1.0))
+    return Call((In(normal(seed, (total, key_heads, dk), qk_scale)), In(normal(seed + 1, (total, key_heads, dk),
+                                                                               qk_scale)),
+                 In(normal(seed + 2, (total, heads, dv))), In(g.astype(np.float32)), In(beta.astype(np.float32)),
+                 In(normal(seed + 5, (seqs, heads, dk, dv), 0.5)), In(query_start, "int32"), In(rows, "int32")),
+                kwargs)
