@@ -72,6 +72,10 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v3": "its latent attention (kv_a_proj, kv_b_proj) has no roles in the sharding table yet",
     "gpt2": "its fused c_attn / c_fc weights have no roles in the sharding table yet",
     "phi3": "it stores q, k, v (and gate, up) stacked in one tensor each, which the role table does not split yet",
+    "mamba2": "its Mamba2 mixers (in_proj stacking z, x, B, C, dt; the recurrent state) have no roles in the "
+              "sharding table yet",
+    "granitemoehybrid": "its Mamba2 mixers (in_proj stacking z, x, B, C, dt; the recurrent state) and stacked "
+                        "experts have no roles in the sharding table yet",
 }
 
 #: Config keys of intermediate sizes that are divided by the ranks.
