@@ -162,3 +162,12 @@ def test_a_bad_hybrid_config_names_the_field(tmp_path: Path, edit: dict, match: 
     (out / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(ConfigError, match=match):
         infer.load(out, backend="numpy")
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "granitemoehybrid_dense"])
+def test_tensor_parallelism_refuses_the_mixers_by_name(variant: str) -> None:
+    pytest.importorskip("torch")
+    from infer.errors import TensorParallelConfigError
+
+    with pytest.raises(TensorParallelConfigError, match="Mamba2 mixers"):
+        infer.load(tiny_model_dir(variant), backend="torch:cpu", tensor_parallel=2)
