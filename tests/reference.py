@@ -350,11 +350,11 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # prompt spans several).
     "mamba2": ("Mamba2Config", dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, conv_kernel=4,
                                     chunk_size=8, expand=2)),
-    # Two groups of B/C (4 heads each), state 8, width 3, biases on in_proj and out_proj, tied, 3
-    # layers, chunks of 5.
+    # Two groups of B/C (4 heads each), state 8, width 3 without bias, biases on in_proj and
+    # out_proj, tied, 3 layers, chunks of 5.
     "mamba2_groups": ("Mamba2Config", dict(num_hidden_layers=3, num_heads=8, head_dim=16, state_size=8,
                                            n_groups=2, conv_kernel=3, chunk_size=5, expand=2, use_bias=True,
-                                           tie_word_embeddings=True)),
+                                           use_conv_bias=False, tie_word_embeddings=True)),
     # Granite 4.0-H: Mamba2, attention, Mamba2, attention (the released configs' older names); 4
     # experts of 32, top-2, beside a shared MLP of 48; rope; Granite's four multipliers; 2 groups of
     # B/C, 8 heads of 16 (mamba_d_head "auto"), state 16, chunks of 8; GQA 4:2.

@@ -30,7 +30,9 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 300, 29)]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return load_tiny("mamba2").engine
+    # An engine of its own: the shared tiny model's may hold other tests' sequences.
+    model = load_tiny("mamba2")
+    return Engine(model.network, model.backend)
 
 
 def full_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
@@ -114,7 +116,8 @@ def test_a_bad_config_names_the_field(tmp_path: Path, edit: dict, match: str) ->
 
 @pytest.fixture(scope="module")
 def hybrid() -> Engine:
-    return load_tiny("granitemoehybrid").engine
+    model = load_tiny("granitemoehybrid")
+    return Engine(model.network, model.backend)
 
 
 def test_the_hybrid_declares_each_layer_its_kind(hybrid: Engine) -> None:
@@ -162,3 +165,12 @@ def test_a_bad_hybrid_config_names_the_field(tmp_path: Path, edit: dict, match: 
     (out / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(ConfigError, match=match):
         infer.load(out, backend="numpy")
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "granitemoehybrid_dense"])
+def test_tensor_parallelism_refuses_the_mixers_by_name(variant: str) -> None:
+    pytest.importorskip("torch")
+    from infer.errors import TensorParallelConfigError
+
+    with pytest.raises(TensorParallelConfigError, match="Mamba2 mixers"):
+        infer.load(tiny_model_dir(variant), backend="torch:cpu", tensor_parallel=2)

@@ -79,6 +79,10 @@ UNSUPPORTED: dict[str, str] = {
                     "sharding table yet"),
     "gpt_oss": "its attention sinks (one per query head) and stacked experts (gate_up_proj [experts, hidden, "
                "2 * intermediate], gate and up interleaved) have no roles in the sharding table yet",
+    "mamba2": "its Mamba2 mixers (in_proj stacking z, x, B, C, dt; the recurrent state) have no roles in the "
+              "sharding table yet",
+    "granitemoehybrid": "its Mamba2 mixers (in_proj stacking z, x, B, C, dt; the recurrent state) and stacked "
+                        "experts have no roles in the sharding table yet",
 }
 
 #: Config keys of intermediate sizes that are divided by the ranks.
