@@ -116,9 +116,11 @@ def test_layer_states() -> None:
 # -- the recurrent state through the engine (as tests/test_recurrent_state.py, on the real layers)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=[("qwen3_5", "numpy"), ("qwen3_next", "numpy"), ("qwen3_5", "torch:cpu")],
+                ids=lambda p: "-".join(p))
 def engine(request: pytest.FixtureRequest) -> Engine:
-    model = load_tiny(request.param)
+    pytest.importorskip("torch") if request.param[1] != "numpy" else None
+    model = load_tiny(*request.param)
     return Engine(model.network, model.backend)  # its own state store: the slot counts below are this test's
 
 
@@ -179,3 +181,22 @@ def test_a_batch_preempts_prefix_caches_and_speculates(engine: Engine) -> None:
     assert [h.tokens for h in handles] == want
     assert batch.pool.stats().used == 0 and engine.state_store.slots_held() == 0
     assert list(generate(engine, prompts[3], GREEDY, stop, Speculation(NGramDraft(), 4))) == want[3]
+
+
+def test_long_runs_between_checkpoints_on_torch() -> None:
+    # Blocks of 16: torch's op runs the rows between checkpoints in the chunked form, and the
+    # checkpoint after row 32 restarts a prefix hit exactly.
+    pytest.importorskip("torch")
+    model = load_tiny("qwen3_5", "torch:cpu")
+    engine = Engine(model.network, model.backend)
+    tokens = TOKENS + TOKENS[:10]  # 47
+    want = full_logits(engine, tokens)
+    pool = engine.new_kv_pool(block_size=16, num_blocks=8)
+    first = engine.new_sequence(64, kv_pool=pool)
+    close(engine.backend.to_numpy(engine.forward(first, tokens[:40], all_logits=True)), want[:40], "chunked runs")
+    engine.release(first)
+    hit = engine.new_sequence(64, kv_pool=pool)
+    assert hit.cache.reuse_prefix(tokens[:-1]) == 32
+    hit.tokens = tokens[:32]
+    close(engine.backend.to_numpy(engine.forward(hit, tokens[32:], all_logits=True)), want[32:], "hit at 32")
+    engine.release(hit)
