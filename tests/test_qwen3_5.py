@@ -200,3 +200,26 @@ def test_long_runs_between_checkpoints_on_torch() -> None:
     hit.tokens = tokens[:32]
     close(engine.backend.to_numpy(engine.forward(hit, tokens[32:], all_logits=True)), want[32:], "hit at 32")
     engine.release(hit)
+
+
+def test_a_checkpoint_transformers_saves_as_conditional_generation(tmp_path: Path) -> None:
+    # What Qwen3_5ForConditionalGeneration.save_pretrained writes (a tiny vision tower beside the text
+    # model, transformers' own init): the text model's logits equal transformers' on text input.
+    import torch
+    import transformers
+
+    text = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=12, layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
+    reference.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir("qwen3_5") / f, tmp_path / f)
+    ids = [5, 6, 7, 8, 9, 10, 11, 200, 300]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(_logits(tmp_path, ids), want, "Qwen3_5ForConditionalGeneration")
