@@ -81,6 +81,8 @@ def test_layer_types_and_rotary_factor_default_as_in_transformers(tmp_path: Path
     path = tiny_model_dir("qwen3_5")
     config = json.loads((path / "config.json").read_text())
     assert config["rope_parameters"].pop("partial_rotary_factor") == 0.25
+    # The released configs' multimodal rope settings: text positions are equal on the three axes.
+    config["rope_parameters"].update(mrope_section=[11, 11, 10], mrope_interleaved=True)
     folder = _copy(path, tmp_path / "rotary", config)
     ids = encode(path, PROMPT)
     assert_logits_close(_logits(folder, ids), reference_logits(path, ids, [])["prefill"], "qwen3_5 rotary")
