@@ -380,8 +380,8 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])),
-    # The default pattern (full attention every 2nd layer: full_attention_interval), equal key and value
-    # heads, attention biases, MQA, half of each head rotating, tied head.
+    # Full attention every 2nd layer (full_attention_interval 2; transformers writes it out as layer_types),
+    # equal key and value heads, attention biases, MQA, half of each head rotating, tied head.
     "qwen3_5_interval": ("Qwen3_5TextConfig", dict(
         num_hidden_layers=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2, attention_bias=True,

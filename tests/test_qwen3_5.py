@@ -81,6 +81,8 @@ def test_layer_types_and_rotary_factor_default_as_in_transformers(tmp_path: Path
     path = tiny_model_dir("qwen3_5")
     config = json.loads((path / "config.json").read_text())
     assert config["rope_parameters"].pop("partial_rotary_factor") == 0.25
+    # The released configs' multimodal rope settings: text positions are equal on the three axes.
+    config["rope_parameters"].update(mrope_section=[11, 11, 10], mrope_interleaved=True)
     folder = _copy(path, tmp_path / "rotary", config)
     ids = encode(path, PROMPT)
     assert_logits_close(_logits(folder, ids), reference_logits(path, ids, [])["prefill"], "qwen3_5 rotary")
@@ -116,9 +118,11 @@ def test_layer_states() -> None:
 # -- the recurrent state through the engine (as tests/test_recurrent_state.py, on the real layers)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=[("qwen3_5", "numpy"), ("qwen3_next", "numpy"), ("qwen3_5", "torch:cpu")],
+                ids=lambda p: "-".join(p))
 def engine(request: pytest.FixtureRequest) -> Engine:
-    model = load_tiny(request.param)
+    pytest.importorskip("torch") if request.param[1] != "numpy" else None
+    model = load_tiny(*request.param)
     return Engine(model.network, model.backend)  # its own state store: the slot counts below are this test's
 
 
@@ -179,3 +183,45 @@ def test_a_batch_preempts_prefix_caches_and_speculates(engine: Engine) -> None:
     assert [h.tokens for h in handles] == want
     assert batch.pool.stats().used == 0 and engine.state_store.slots_held() == 0
     assert list(generate(engine, prompts[3], GREEDY, stop, Speculation(NGramDraft(), 4))) == want[3]
+
+
+def test_long_runs_between_checkpoints_on_torch() -> None:
+    # Blocks of 16: torch's op runs the rows between checkpoints in the chunked form, and the
+    # checkpoint after row 32 restarts a prefix hit exactly.
+    pytest.importorskip("torch")
+    model = load_tiny("qwen3_5", "torch:cpu")
+    engine = Engine(model.network, model.backend)
+    tokens = TOKENS + TOKENS[:10]  # 47
+    want = full_logits(engine, tokens)
+    pool = engine.new_kv_pool(block_size=16, num_blocks=8)
+    first = engine.new_sequence(64, kv_pool=pool)
+    close(engine.backend.to_numpy(engine.forward(first, tokens[:40], all_logits=True)), want[:40], "chunked runs")
+    engine.release(first)
+    hit = engine.new_sequence(64, kv_pool=pool)
+    assert hit.cache.reuse_prefix(tokens[:-1]) == 32
+    hit.tokens = tokens[:32]
+    close(engine.backend.to_numpy(engine.forward(hit, tokens[32:], all_logits=True)), want[32:], "hit at 32")
+    engine.release(hit)
+
+
+def test_a_checkpoint_transformers_saves_as_conditional_generation(tmp_path: Path) -> None:
+    # What Qwen3_5ForConditionalGeneration.save_pretrained writes (a tiny vision tower beside the text
+    # model, transformers' own init): the text model's logits equal transformers' on text input.
+    import torch
+    import transformers
+
+    text = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=12, layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
+    reference.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir("qwen3_5") / f, tmp_path / f)
+    ids = [5, 6, 7, 8, 9, 10, 11, 200, 300]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(_logits(tmp_path, ids), want, "Qwen3_5ForConditionalGeneration")
