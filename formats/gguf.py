@@ -306,7 +306,10 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
                 entries[hf.format(e=e)] = _Entry(info, info.shape[1:], heads, offset, expert=e)
             continue
         transpose = kind in arch.transposed and len(info.shape) == 2
-        entries[hf] = _Entry(info, info.shape[::-1] if transpose else info.shape, heads, offset, transpose=transpose)
+        shape = info.shape[::-1] if transpose else info.shape
+        if kind in arch.unsqueezed and len(shape) == 2:  # a float reshape; quantized data keeps its rows
+            shape = (shape[0], 1, shape[1])
+        entries[hf] = _Entry(info, shape, heads, offset, transpose=transpose)
     for layer, pair in halves.items():
         k, v = pair.get("k"), pair.get("v")
         if k is None or v is None or len(k.shape) != 3 or len(v.shape) != 3 or k.shape[0] != v.shape[0] \

@@ -69,6 +69,9 @@ class ArchitectureMap:
     transposed: frozenset[str] = frozenset()
     #: further Hugging Face model_types llama.cpp's converter writes as this architecture.
     also_from: tuple[str, ...] = ()
+    #: Block tensors llama.cpp stores with the unit axis 1 of the Hugging Face layout squeezed
+    #: out (LFM2's depthwise conv weights: ``[C, 1, K]`` stored ``[C, K]``); read back 3-D.
+    unsqueezed: frozenset[str] = frozenset()
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -340,6 +343,49 @@ def _finish_gpt2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
         config.pop(key, None)
 
 
+_LFM2_LAYER = {
+    "attn_norm": "operator_norm", **_ATTENTION, "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+_LFM2_HPARAMS = (
+    Hparam("embedding_length", "hidden_size", int, True),
+    Hparam("feed_forward_length", "intermediate_size", int, True),  # the width after Liquid's rule
+    Hparam("block_count", "num_hidden_layers", int, True),
+    Hparam("attention.head_count", "num_attention_heads", int, True),
+    Hparam("context_length", "max_position_embeddings", int),
+    Hparam("attention.layer_norm_rms_epsilon", "norm_eps", float),
+    Hparam("vocab_size", "vocab_size", int),
+    Hparam("rope.freq_base", "rope_theta", float),
+    Hparam("shortconv.l_cache", "conv_L_cache", int),
+)
+
+
+def _finish_lfm2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Which LFM2 blocks are short convolutions: llama.cpp's converter writes
+    ``attention.head_count_kv`` per block, 0 for a conv block (what llama.cpp tests
+    to tell a recurrent block); a single number means every block attends. The
+    file stores the feed-forward width after Liquid's rule (so no adjusting here),
+    and biases on the conv blocks where ``conv_bias`` was set."""
+    n, key = config["num_hidden_layers"], f"{arch.gguf_name}.attention.head_count_kv"
+    kv = file.metadata.get(key, config["num_attention_heads"])
+    if isinstance(kv, np.ndarray) and kv.ndim == 1 and kv.shape[0] == n and kv.dtype.kind in "iu":
+        per_block = [int(v) for v in kv]
+    elif isinstance(kv, int) and not isinstance(kv, bool):
+        per_block = [kv] * n
+    else:
+        raise ConfigError(f"{file.path}: metadata {key} must be a count or {n} counts (0 for a conv block), "
+                          f"found {kv!r}")
+    attending = sorted({v for v in per_block if v})
+    if len(attending) > 1 or any(v < 0 for v in per_block):
+        raise ConfigError(f"{file.path}: metadata {key} gives the attention blocks {attending} key/value heads; "
+                          f"LFM2 has one count for all of them (0 for conv blocks)")
+    config["num_key_value_heads"] = attending[0] if attending else config["num_attention_heads"]
+    config["layer_types"] = ["full_attention" if v else "conv" for v in per_block]
+    config["conv_bias"] = any(f"blk.{i}.shortconv.in_proj.bias" in file.tensors for i in range(n))
+
+
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     # Mixtral too: llama with expert tensors (_finish_mixtral).
     ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
@@ -373,6 +419,11 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
         Hparam("attn_logit_softcapping", "attn_logit_softcapping", float),
     ), _GEMMA3_LAYER, {"hidden_activation": "gelu_pytorch_tanh"}, norm_offset=1.0,
         default_rope_theta=1000000.0, finish=_finish_gemma3),
+    # LFM2's final norm is model.embedding_norm: llama.cpp's converter names it token_embd_norm.
+    ArchitectureMap("lfm2", "lfm2", _LFM2_HPARAMS, _LFM2_LAYER, {"block_auto_adjust_ff_dim": False},
+                    default_rope_theta=1000000.0, finish=_finish_lfm2, unsqueezed=frozenset({"shortconv.conv"}),
+                    global_tensors={"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
+                                    "output_norm": "model.embedding_norm", "output": "lm_head"}),
 )}
 
 
@@ -485,7 +536,7 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     return arch, config
 
 
-_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias)")  # shortconv.conv too
 _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
 
 

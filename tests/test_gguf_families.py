@@ -44,6 +44,8 @@ FILES = {
     "deepseek_v3_gguf": ("deepseek2", False),
     "deepseek_v3_lite": ("deepseek2", False),
     "deepseek_v3": ("deepseek2", False),
+    "lfm2": ("lfm2", False),
+    "lfm2_conv_bias": ("lfm2", False),
 }
 #: Variants whose logits are not compared, as no llama.cpp file can say what their config says:
 #: deepseek_v3_lite's rope is half-split (llama.cpp's deepseek2 always rotates interleaved pairs),
@@ -79,6 +81,17 @@ def _metadata(arch: str, cfg: dict[str, Any], split_kv_b: bool = False) -> dict[
         return {"block_count": cfg["n_layer"], "context_length": cfg["n_positions"], "embedding_length": cfg["n_embd"],
                 "feed_forward_length": cfg.get("n_inner") or 4 * cfg["n_embd"], "attention.head_count": cfg["n_head"],
                 "attention.layer_norm_epsilon": cfg["layer_norm_epsilon"]}
+    if arch == "lfm2":  # convert_hf_to_gguf.py's LFM2Model: kv heads per block (0: conv), the adjusted ff width
+        from infer.architectures.lfm2 import read_config
+
+        return {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+                "embedding_length": cfg["hidden_size"], "feed_forward_length": read_config(cfg).ff_dim(),
+                "attention.head_count": cfg["num_attention_heads"],
+                "attention.head_count_kv": [cfg["num_key_value_heads"] if t == "full_attention" else 0
+                                            for t in cfg["layer_types"]],
+                "attention.layer_norm_rms_epsilon": cfg["norm_eps"],
+                "rope.freq_base": cfg["rope_parameters"]["rope_theta"], "shortconv.l_cache": cfg["conv_L_cache"],
+                "vocab_size": cfg["vocab_size"]}
     rope = cfg["rope_parameters"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
@@ -116,7 +129,10 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in _metadata(arch, cfg, split_kv_b).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+        if isinstance(value, list):  # a per-block array (LFM2's kv heads)
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     if arch == "deepseek2":
         w.add_bool("deepseek2.expert_weights_norm", cfg["norm_topk_prob"])
     expected: dict[str, np.ndarray] = {}
@@ -151,12 +167,16 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
             stored = llama_permute(value, heads)
         if arch == "gpt2" and value.ndim == 2 and base.rsplit(".", 1)[-1].startswith("c_"):
             stored = value.T.copy()  # Conv1D [in, out] -> [out, in]
+        if arch == "lfm2" and base.endswith("conv.conv") and suffix == "weight":
+            stored = value.squeeze(1)  # the depthwise conv weight [C, 1, K] -> [C, K], as the converter does
         # (llama.cpp's qwen3moe has no dense blocks; the qwen3_moe variant's layer 0 is one, written
         # with the dense names, which infer reads where present.)
         gguf_name = names.get_name(base) or dense.get_name(base)
         back = add(f"{gguf_name}.{suffix}", stored)
         if arch == "gpt2" and stored is not value:
             back = back.T
+        elif arch == "lfm2" and stored is not value:
+            back = back.reshape(value.shape)
         elif stored is not value:  # permuted: the reader gives back the Hugging Face rows
             back = llama_unpermute(back, heads)
         expected[hf] = back
