@@ -328,6 +328,34 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
         mamba_proj_bias=True, projectors_bias=True, mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
         tie_word_embeddings=True)),
+    # Mamba2 (no attention): 8 heads of 16 over the inner 128 (expand 2), one group of B/C with
+    # state 16, width-4 convolution with bias; transformers' chunked scan in chunks of 8 (the
+    # prompt spans several).
+    "mamba2": ("Mamba2Config", dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, conv_kernel=4,
+                                    chunk_size=8, expand=2)),
+    # Two groups of B/C (4 heads each), state 8, width 3, biases on in_proj and out_proj, tied, 3
+    # layers, chunks of 5.
+    "mamba2_groups": ("Mamba2Config", dict(num_hidden_layers=3, num_heads=8, head_dim=16, state_size=8,
+                                           n_groups=2, conv_kernel=3, chunk_size=5, expand=2, use_bias=True,
+                                           tie_word_embeddings=True)),
+    # Granite 4.0-H: Mamba2, attention, Mamba2, attention (the released configs' older names); 4
+    # experts of 32, top-2, beside a shared MLP of 48; rope; Granite's four multipliers; 2 groups of
+    # B/C, 8 heads of 16 (mamba_d_head "auto"), state 16, chunks of 8; GQA 4:2.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"],
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        position_embedding_type="rope", embedding_multiplier=6.0, residual_multiplier=0.4,
+        attention_multiplier=0.3, logits_scaling=2.0, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+        mamba_d_conv=4, mamba_chunk_size=8)),
+    # Dense (num_local_experts 0: the shared MLP only), no positions ("nope"), attention first;
+    # one group, state 8, width 3, biases on in_proj/out_proj and attention, no conv bias, tied, MQA.
+    "granitemoehybrid_dense": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, layer_types=["full_attention", "linear_attention",
+                                                                 "linear_attention"],
+        num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=0.5,
+        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=5,
+        mamba_proj_bias=True, mamba_conv_bias=False, attention_bias=True, tie_word_embeddings=True)),
 }
 # Models only tests/test_gguf_families.py reads: DeepSeek-V3 as a llama.cpp file can hold it
 # (interleaved rope, YaRN with mscale == mscale_all_dim or none), with groups and low-rank queries.
@@ -432,17 +460,18 @@ def _randomize(model: Any) -> None:
     one_plus_w = getattr(model.config, "model_type", None) in _ONE_PLUS_W_NORMS
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or name.split(".")[-2].startswith("ln_"):  # GPT-2: ln_1, ln_2, ln_f
+            if (name.endswith(("norm.weight", "norm_f.weight"))  # Mamba2's final norm: norm_f
+                    or name.split(".")[-2].startswith("ln_")):  # GPT-2: ln_1, ln_2, ln_f
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-                if name in ("model.norm.weight", "transformer.ln_f.weight", "model.embedding_norm.weight",
-                            "model.final_layernorm.weight"):
+                if name in ("model.norm.weight", "transformer.ln_f.weight", "backbone.norm_f.weight",
+                            "model.embedding_norm.weight", "model.final_layernorm.weight"):
                     # The final norm sets the logit spread (~4), with tied or untied heads alike.
                     param.mul_(_LOGIT_GAIN)
                 if one_plus_w:  # same effective scale: the model multiplies by 1 + w
                     param.sub_(1.0)
-            elif name.endswith("mamba.A_log"):  # Falcon-H1's Mamba2: decay rates exp(A_log) around 0.4
+            elif name.endswith(("mixer.A_log", "mamba.A_log")):  # Mamba2: decay rates exp(A_log) around 0.4, for a state that lasts
                 param.copy_(-1.0 + 0.5 * torch.randn_like(param))
-            elif name.endswith(("mamba.D", "mamba.dt_bias")):  # its skip (init 1) and step bias (init 1)
+            elif name.endswith(("mixer.D", "mixer.dt_bias", "mamba.D", "mamba.dt_bias")):  # Mamba2's skip (init 1) and step bias (init ~ -4)
                 param.copy_((1.0 if name.endswith("D") else 0.0) + 0.5 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))

@@ -152,6 +152,13 @@ def _lfm2_no_conv_bias(model: infer.Model) -> None:
                 del layer.weights[name]
 
 
+def _mamba2_norm(**change: Any) -> Callable[[infer.Model], None]:
+    def switch(model: infer.Model) -> None:
+        for name, value in change.items():
+            setattr(model.network.mixer, name, value)
+    return switch
+
+
 #: variant -> (what is switched, a config.json edit or a change to the loaded model).
 KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]]] = {
     "qwen3": [("per-head q/k norms off", _no_qk_norm)],
@@ -183,6 +190,16 @@ KNOBS: dict[str, list[tuple[str, dict[str, Any] | Callable[[infer.Model], None]]
     + [("time steps clamped to 0.05", {"time_step_limit": [0.0, 0.05]})],
     "falcon_h1_norm": [("mamba norm after the gate", {"mamba_norm_before_gate": False}),
                        ("2 groups of B/C and of the norm", {"mamba_n_groups": 2, "mamba_d_state": 4})],
+    "mamba2": [("dt clamped to [0, 0.3]", {"time_step_limit": [0.0, 0.3]}),
+               ("gated norm: normed before the gate", _mamba2_norm(norm_before_gate=True))],
+    "mamba2_groups": [("gated norm over the whole inner width", _mamba2_norm(norm_groups=1)),
+                      ("dt at least 1", {"time_step_limit": [1.0, {"__float__": "Infinity"}]})],
+    "granitemoehybrid": [("top-1 routing", {"num_experts_per_tok": 1}), ("no rope", {"position_embedding_type": "nope"}),
+                         ("dt clamped to [0, 0.3]", {"time_step_limit": [0.0, 0.3]})]
+    + [(f"{knob} 1", {knob: 1.0}) for knob in ("embedding_multiplier", "residual_multiplier", "logits_scaling")]
+    + [("softmax scale head_dim ** -0.5", {"attention_multiplier": 0.25})],
+    "granitemoehybrid_dense": [("rope", {"position_embedding_type": "rope"}),
+                               ("residual_multiplier 1", {"residual_multiplier": 1.0})],
 }
 
 
