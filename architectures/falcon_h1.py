@@ -6,7 +6,7 @@ it. Against Llama (:mod:`.llama`):
 * Every layer is **hybrid**: a Mamba2 mixer (Dao & Gu 2024, "Transformers are
   SSMs", section 7) and grouped-query attention read the same normed input
   *in parallel*, and their outputs are summed into the residual stream
-  (report section 2.1: "parallel hybrid" heads):
+  (the report's "parallel hybrid" design):
 
       x = input_layernorm(h)
       h = h + ssm_out_multiplier * mamba(x) + attention_out_multiplier * attention(attention_in_multiplier * x)
