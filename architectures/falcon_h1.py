@@ -6,20 +6,21 @@ it. Against Llama (:mod:`.llama`):
 * Every layer is **hybrid**: a Mamba2 mixer (Dao & Gu 2024, "Transformers are
   SSMs", section 7) and grouped-query attention read the same normed input
   *in parallel*, and their outputs are summed into the residual stream
-  (report section 2.1: "parallel hybrid" heads):
+  (the report's "parallel hybrid" design):
 
       x = input_layernorm(h)
       h = h + ssm_out_multiplier * mamba(x) + attention_out_multiplier * attention(attention_in_multiplier * x)
       h = h + feed_forward(pre_ff_layernorm(h))
 
-* The mixer: ``in_proj`` (bias when ``mamba_proj_bias``) to ``z`` (the gate,
-  ``mamba_d_ssm`` wide, default ``mamba_expand * hidden``), ``xBC`` and ``dt``
-  (one per head), each section scaled by its ``ssm_multipliers`` entry (the
-  muP vector; the input first by ``ssm_in_multiplier``); a depthwise causal
-  convolution of ``mamba_d_conv`` taps with silu over ``xBC``
-  (``mamba_conv_bias``); the selective scan ``ops.ssd`` over ``x`` with
-  ``A = -exp(A_log)``, ``D``, ``dt_bias`` and ``time_step_limit``; then either
-  ``y * silu(z)`` or, with ``mamba_rms_norm``, a gated RMSNorm over
+* The mixer is :class:`~.mamba2.Mamba2Mixer` with two scalings of its
+  projection: ``in_proj`` (bias when ``mamba_proj_bias``) gives ``z`` (the
+  gate, ``mamba_d_ssm`` wide, default ``mamba_expand * hidden``), ``xBC`` and
+  ``dt`` (one per head), each section scaled by its ``ssm_multipliers`` entry
+  (the muP vector; the input first by ``ssm_in_multiplier``); a depthwise
+  causal convolution of ``mamba_d_conv`` taps with ``hidden_act`` (silu) over
+  ``xBC`` (``mamba_conv_bias``); the selective scan ``ops.ssd`` over ``x``
+  with ``A = -exp(A_log)``, ``D``, ``dt_bias`` and ``time_step_limit``; then
+  either ``y * silu(z)`` or, with ``mamba_rms_norm``, a gated RMSNorm over
   ``mamba_n_groups`` groups (``mamba_norm_before_gate``: norm, then gate;
   else gate, then norm); ``out_proj`` (bias when ``projectors_bias``).
   ``mamba_chunk_size`` only tiles transformers' scan, which equals the
@@ -46,12 +47,13 @@ from typing import Any
 from infer.architecture import WeightLoader, host_array
 from infer.config import from_dict, rope_parameters
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext, FullAttention, LayerState, Recurrent
+from infer.kv.attention import AttentionContext, FullAttention, LayerState
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import ACTIVATIONS, Attention, Decoder, Weights, activation
+from .mamba2 import Mamba2Mixer, time_step_limit
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding, context_length
 
@@ -85,7 +87,8 @@ class FalconH1Config:
     mamba_proj_bias: bool = False
     mamba_norm_before_gate: bool = True
     mamba_rms_norm: bool = False
-    time_step_limit: list[float] | None = None  # None: no limit, as transformers' (0, inf)
+    # transformers 5 writes float("inf") as {"__float__": "Infinity"} (JSON has no infinity).
+    time_step_limit: list[Any] = field(default_factory=lambda: [0.0, float("inf")])
     projectors_bias: bool = False
     lm_head_multiplier: float = 1.0
     embedding_multiplier: float = 1.0
@@ -115,10 +118,7 @@ class FalconH1Config:
                               f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if activation("hidden_act", self.hidden_act) != "silu":
-            # The mixer's convolution uses hidden_act too, and ops.causal_conv1d applies silu only.
-            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported by falcon_h1 "
-                              "(its Mamba2 convolution runs silu); supported: silu")
+        activation("hidden_act", self.hidden_act)  # the MLP's and the mixer's convolution's
         if self.mamba_d_ssm is None:
             self.mamba_d_ssm = self.mamba_expand * self.hidden_size
         inner, heads = self.mamba_d_ssm, self.mamba_n_heads
@@ -133,14 +133,7 @@ class FalconH1Config:
         for name, n in (("mlp_multipliers", 2), ("ssm_multipliers", 5)):
             if len(getattr(self, name)) != n:
                 raise ConfigError(f"config.json: {name} must hold {n} numbers, found {getattr(self, name)}")
-        if self.time_step_limit is not None and len(self.time_step_limit) != 2:
-            raise ConfigError(f"config.json: time_step_limit must be [min, max], found {self.time_step_limit}")
-
-    @property
-    def conv_dim(self) -> int:
-        """The channels of the mixer's convolution: ``x``, ``B`` and ``C``."""
-        assert self.mamba_d_ssm is not None  # set by validate()
-        return self.mamba_d_ssm + 2 * self.mamba_n_groups * self.mamba_d_state
+        self.time_step_limit = time_step_limit(self.time_step_limit)
 
 
 class FalconH1MLP(GatedMLP):
@@ -168,81 +161,31 @@ class FalconH1MLP(GatedMLP):
         return out if self.down_multiplier == 1.0 else ops.mul(out, self.down_multiplier)
 
 
-class FalconH1Mixer:
-    """Falcon-H1's Mamba2 mixer (module docstring), over the flattened tokens
-    of a ragged batch, carrying each sequence's convolution window and SSM state."""
+class FalconH1Mixer(Mamba2Mixer):
+    """:class:`~.mamba2.Mamba2Mixer` with Falcon-H1's two scalings of its
+    projection: the input by ``ssm_in_multiplier``, ``in_proj``'s output by the
+    muP vector (one ``ssm_multipliers`` entry per section: z, x, B, C, dt).
+    Without ``mamba_rms_norm`` the gated norm is ``y * silu(z)`` alone."""
 
     def __init__(self, ops: Backend, cfg: FalconH1Config) -> None:
         assert cfg.mamba_d_ssm is not None and isinstance(cfg.mamba_d_head, int)  # set by validate()
-        self.ops, self.cfg = ops, cfg
-        self.hidden, self.inner, self.conv_dim = cfg.hidden_size, cfg.mamba_d_ssm, cfg.conv_dim
-        self.heads, self.head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
-        self.groups, self.d_state, self.kernel = cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
-        self.proj = self.inner + self.conv_dim + self.heads  # z, xBC, dt
-        limit = cfg.time_step_limit or [0.0, float("inf")]
-        self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
-        # The muP vector: one multiplier per section of in_proj's output (z, x, B, C, dt).
-        gn = self.groups * self.d_state
+        super().__init__(ops, cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state,
+                         cfg.mamba_n_groups, cfg.mamba_d_conv, eps=cfg.rms_norm_eps, act=cfg.hidden_act,
+                         time_step_limit=tuple(cfg.time_step_limit),  # type: ignore[arg-type]
+                         norm_before_gate=cfg.mamba_norm_before_gate if cfg.mamba_rms_norm else None)
+        self.in_multiplier = cfg.ssm_in_multiplier
+        gn = self.groups * self.state_size
         sizes = (self.inner, self.inner, gn, gn, self.heads)
         m = cfg.ssm_multipliers
         self.mup = None if all(v == 1.0 for v in m) else ops.from_numpy(
-            host_array([float(v) for v, n in zip(m, sizes) for _ in range(n)]))
+            host_array([float(v) for v, n in zip(m, sizes) for _ in range(n)]))  # [I + conv_dim + H]
 
-    def state(self) -> Recurrent:
-        """The convolution window and the SSM state, in the compute dtype (the ops' outputs')."""
-        return Recurrent({"conv": (self.kernel - 1, self.conv_dim), "ssm": (self.heads, self.head_dim, self.d_state)},
-                         self.ops.compute_dtype)
-
-    def load(self, w: WeightLoader, prefix: str) -> Weights:
-        """The mixer's weights under ``prefix`` (``...mamba.``); ``A`` is ``-exp(A_log)``."""
-        cfg, ops, d, k, h = self.cfg, self.ops, self.hidden, self.kernel, self.heads
-        out = {"in_proj": w.get(prefix + "in_proj.weight", (self.proj, d)),
-               "conv": w.get(prefix + "conv1d.weight", (self.conv_dim, 1, k),
-                             transform=lambda a: a.reshape(self.conv_dim, k)),
-               "A": ops.mul(ops.exp(w.get(prefix + "A_log", (h,))), -1.0),
-               "D": w.get(prefix + "D", (h,)), "dt_bias": w.get(prefix + "dt_bias", (h,)),
-               "out_proj": w.get(prefix + "out_proj.weight", (d, self.inner))}
-        for name, rows, on in (("in_proj", self.proj, cfg.mamba_proj_bias), ("conv1d", self.conv_dim, cfg.mamba_conv_bias),
-                               ("out_proj", d, cfg.projectors_bias)):
-            if on:
-                out[("conv" if name == "conv1d" else name) + ".bias"] = w.get(prefix + name + ".bias", (rows,))
-        if cfg.mamba_rms_norm:
-            out["norm"] = w.get(prefix + "norm.weight", (self.inner,))
-        return out
-
-    def __call__(self, x: Array, w: Weights, ctx: AttentionContext, layer: int) -> Array:
-        ops, cfg = self.ops, self.cfg
-        t, inner, gn = ops.shape(x)[0], self.inner, self.groups * self.d_state
-        if cfg.ssm_in_multiplier != 1.0:
-            x = ops.mul(x, cfg.ssm_in_multiplier)
-        zxbcdt = ops.linear(x, w["in_proj"], w.get("in_proj.bias"))  # [tokens, proj]
-        if self.mup is not None:
-            zxbcdt = ops.mul(zxbcdt, self.mup)
-        z = ops.slice(zxbcdt, 1, 0, inner)
-        xbc = ops.slice(zxbcdt, 1, inner, inner + self.conv_dim)
-        dt = ops.slice(zxbcdt, 1, inner + self.conv_dim, self.proj)  # [tokens, heads]
-        state = ctx.state(layer)
-        xbc, conv, conv_at = ops.causal_conv1d(xbc, state["conv"], w["conv"], w.get("conv.bias"), ctx.query_start,
-                                               ctx.checkpoint_rows, activation="silu")
-        xs = ops.reshape(ops.slice(xbc, 1, 0, inner), (t, self.heads, self.head_dim))
-        b = ops.reshape(ops.slice(xbc, 1, inner, inner + gn), (t, self.groups, self.d_state))
-        c = ops.reshape(ops.slice(xbc, 1, inner + gn, inner + 2 * gn), (t, self.groups, self.d_state))
-        y, ssm, ssm_at = ops.ssd(xs, dt, w["A"], b, c, w["D"], w["dt_bias"], state["ssm"], ctx.query_start,
-                                 ctx.checkpoint_rows, dt_softplus=True, dt_min=self.dt_min, dt_max=self.dt_max)
-        ctx.set_state(layer, {"conv": conv, "ssm": ssm}, {"conv": conv_at, "ssm": ssm_at})
-        y = ops.reshape(y, (t, inner))
-        gate = ops.silu(z)
-        if "norm" not in w:
-            y = ops.mul(y, gate)
-        else:  # RMSNorm over each of the groups' inner / groups channels, gated before or after
-            if not cfg.mamba_norm_before_gate:
-                y = ops.mul(y, gate)
-            y = ops.reshape(ops.rms_norm(ops.reshape(y, (t, self.groups, inner // self.groups)), None,
-                                         cfg.rms_norm_eps), (t, inner))
-            y = ops.mul(y, w["norm"])
-            if cfg.mamba_norm_before_gate:
-                y = ops.mul(y, gate)
-        return ops.linear(y, w["out_proj"], w.get("out_proj.bias"))
+    def project(self, x: Array, w: Weights) -> Array:
+        ops = self.ops
+        if self.in_multiplier != 1.0:
+            x = ops.mul(x, self.in_multiplier)
+        proj = super().project(x, w)
+        return proj if self.mup is None else ops.mul(proj, self.mup)
 
 
 class FalconH1ForCausalLM(Decoder):
@@ -314,25 +257,12 @@ class FalconH1ForCausalLM(Decoder):
         return logits if m == 1.0 else self.ops.mul(logits, m)
 
 
-#: How transformers 5 writes the floats JSON has no literal for (``PreTrainedConfig._encode_special_floats``).
-_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def _special_float(value: Any) -> Any:
-    """``{"__float__": "Infinity"}`` (the default ``time_step_limit``'s upper end) as the float."""
-    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[value["__float__"]]
-    return value
-
-
 def read_config(config: dict[str, Any]) -> FalconH1Config:
     """The config of a ``config.json`` dict, read as transformers reads it: an
     explicit null ``num_key_value_heads`` means one per head, a null
     ``mamba_d_ssm`` ``mamba_expand * hidden_size`` (``from_dict`` alone would
     take the defaults, 8 and 1024)."""
     data = {**config, "rope": rope_parameters(config)}
-    if isinstance(data.get("time_step_limit"), list):
-        data["time_step_limit"] = [_special_float(v) for v in data["time_step_limit"]]
     nulls = [k for k in ("num_key_value_heads", "mamba_d_ssm") if k in config and config[k] is None]
     return from_dict(FalconH1Config, {**data, "explicit_nulls": nulls})
 

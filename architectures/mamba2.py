@@ -115,7 +115,7 @@ class Mamba2Mixer:
         reading and writing recurrent ``layer``'s state in ``ctx``."""
         ops, inner, conv, gn = self.ops, self.inner, self.conv_dim, self.groups * self.state_size
         t = ops.shape(x)[0]
-        proj = ops.linear(x, w["in_proj"], w.get("in_proj.bias"))  # [t, I + conv_dim + H]
+        proj = self.project(x, w)  # [t, I + conv_dim + H]
         z = ops.slice(proj, 1, 0, inner)
         xbc = ops.slice(proj, 1, inner, inner + conv)
         dt = ops.slice(proj, 1, inner + conv, inner + conv + self.heads)  # [t, H]
@@ -134,6 +134,11 @@ class Mamba2Mixer:
         ctx.set_state(layer, {"conv": window, "ssm": ssm}, {"conv": windows, "ssm": ssms})
         y = self.gated_norm(ops.reshape(y, (t, inner)), z, w)
         return ops.linear(y, w["out_proj"], w.get("out_proj.bias"))  # [t, hidden]
+
+    def project(self, x: Array, w: Weights) -> Array:
+        """``in_proj``'s output ``[tokens, I + conv_dim + H]`` (``z``, ``xBC``, ``dt``)
+        for the normed input; a hybrid may scale it (Falcon-H1's multipliers)."""
+        return self.ops.linear(x, w["in_proj"], w.get("in_proj.bias"))
 
     def gated_norm(self, y: Array, z: Array, w: Weights) -> Array:
         """transformers' ``MambaRMSNormGated`` (``norm_before_gate`` False:

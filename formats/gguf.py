@@ -131,6 +131,7 @@ class _Entry:
     expert: int | None = None  # one expert's rows of a stacked [experts, rows, cols] tensor
     transpose: bool = False  # Hugging Face stores the transpose (GPT-2's Conv1D)
     value_part: TensorInfo | None = None  # DeepSeek's kv_b_proj joined from attn_k_b (info) and attn_v_b
+    minus_exp: bool = False  # stored as -exp(x) (Mamba2's A): read back log(-value)
 
 
 class GGUFTensorSource(TensorSource):
@@ -220,6 +221,9 @@ class GGUFTensorSource(TensorSource):
         if e.norm_offset:
             with np.errstate(all="ignore"):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
+        if e.minus_exp:
+            with np.errstate(all="ignore"):  # a non-negative value: NaN, as log of a negative is
+                data = np.log(-data.astype(np.float32))
         return data
 
     def _floats(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
@@ -306,7 +310,17 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
                 entries[hf.format(e=e)] = _Entry(info, info.shape[1:], heads, offset, expert=e)
             continue
         transpose = kind in arch.transposed and len(info.shape) == 2
-        entries[hf] = _Entry(info, info.shape[::-1] if transpose else info.shape, heads, offset, transpose=transpose)
+        shape = info.shape[::-1] if transpose else info.shape
+        if kind in arch.unsqueezed and len(shape) == 2:  # a float reshape; quantized data keeps its rows
+            shape = (shape[0], 1, shape[1])
+        if kind in arch.flattened or kind in arch.from_minus_exp:
+            if info.type.quantized:
+                raise FormatError(f"{file.path}: tensor {info.name!r} is quantized ({info.type.name}); "
+                                  f"infer reads it only as a float vector")
+            if kind in arch.flattened:
+                shape = (int(np.prod(shape)),)
+        entries[hf] = _Entry(info, shape, heads, offset, transpose=transpose,
+                             minus_exp=kind in arch.from_minus_exp)
     for layer, pair in halves.items():
         k, v = pair.get("k"), pair.get("v")
         if k is None or v is None or len(k.shape) != 3 or len(v.shape) != 3 or k.shape[0] != v.shape[0] \

@@ -69,6 +69,18 @@ class ArchitectureMap:
     transposed: frozenset[str] = frozenset()
     #: further Hugging Face model_types llama.cpp's converter writes as this architecture.
     also_from: tuple[str, ...] = ()
+    #: Block tensors llama.cpp stores with the unit axis 1 of the Hugging Face layout squeezed
+    #: out (LFM2's depthwise conv weights: ``[C, 1, K]`` stored ``[C, K]``); read back 3-D.
+    unsqueezed: frozenset[str] = frozenset()
+    #: Block tensors stored without a ``.weight`` ending (llama.cpp's Mamba2 ``ssm_a``,
+    #: ``ssm_d``) -> the Hugging Face name in ``model.layers.N``.
+    bare_tensors: dict[str, str] = field(default_factory=dict)
+    #: Block tensors llama.cpp stored 2-D whose Hugging Face form is their values in a
+    #: vector (Mamba2's ``[H, 1]`` A and D, the ``[groups, I / groups]`` gated norm).
+    flattened: frozenset[str] = frozenset()
+    #: Block tensors llama.cpp stored as ``A = -exp(A_log)`` (Mamba2's ``ssm_a``): read back
+    #: as ``log(-A)``, the checkpoint's ``A_log``.
+    from_minus_exp: frozenset[str] = frozenset()
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -340,6 +352,79 @@ def _finish_gpt2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
         config.pop(key, None)
 
 
+_LFM2_LAYER = {
+    "attn_norm": "operator_norm", **_ATTENTION, "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+_LFM2_HPARAMS = (
+    Hparam("embedding_length", "hidden_size", int, True),
+    Hparam("feed_forward_length", "intermediate_size", int, True),  # the width after Liquid's rule
+    Hparam("block_count", "num_hidden_layers", int, True),
+    Hparam("attention.head_count", "num_attention_heads", int, True),
+    Hparam("context_length", "max_position_embeddings", int),
+    Hparam("attention.layer_norm_rms_epsilon", "norm_eps", float),
+    Hparam("vocab_size", "vocab_size", int),
+    Hparam("rope.freq_base", "rope_theta", float),
+    Hparam("shortconv.l_cache", "conv_L_cache", int),
+)
+
+
+def _finish_lfm2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Which LFM2 blocks are short convolutions: llama.cpp's converter writes
+    ``attention.head_count_kv`` per block, 0 for a conv block (what llama.cpp tests
+    to tell a recurrent block); a single number means every block attends. The
+    file stores the feed-forward width after Liquid's rule (so no adjusting here),
+    and biases on the conv blocks where ``conv_bias`` was set."""
+    n, key = config["num_hidden_layers"], f"{arch.gguf_name}.attention.head_count_kv"
+    kv = file.metadata.get(key, config["num_attention_heads"])
+    if isinstance(kv, np.ndarray) and kv.ndim == 1 and kv.shape[0] == n and kv.dtype.kind in "iu":
+        per_block = [int(v) for v in kv]
+    elif isinstance(kv, int) and not isinstance(kv, bool):
+        per_block = [kv] * n
+    else:
+        raise ConfigError(f"{file.path}: metadata {key} must be a count or {n} counts (0 for a conv block), "
+                          f"found {kv!r}")
+    attending = sorted({v for v in per_block if v})
+    if len(attending) > 1 or any(v < 0 for v in per_block):
+        raise ConfigError(f"{file.path}: metadata {key} gives the attention blocks {attending} key/value heads; "
+                          f"LFM2 has one count for all of them (0 for conv blocks)")
+    config["num_key_value_heads"] = attending[0] if attending else config["num_attention_heads"]
+    config["layer_types"] = ["full_attention" if v else "conv" for v in per_block]
+    config["conv_bias"] = any(f"blk.{i}.shortconv.in_proj.bias" in file.tensors for i in range(n))
+
+
+_FALCON_H1_LAYER = {
+    "attn_norm": "input_layernorm", **_ATTENTION, "ffn_norm": "pre_ff_layernorm",
+    "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
+    "ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_norm": "mamba.norm", "ssm_out": "mamba.out_proj",
+}
+_FALCON_H1_HPARAMS = _COMMON + (
+    Hparam("ssm.conv_kernel", "mamba_d_conv", int, True),
+    Hparam("ssm.inner_size", "mamba_d_ssm", int, True),
+    Hparam("ssm.state_size", "mamba_d_state", int, True),
+    Hparam("ssm.time_step_rank", "mamba_n_heads", int, True),
+    Hparam("ssm.group_count", "mamba_n_groups", int),
+)
+
+
+def _finish_falcon_h1(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Falcon-H1 files (convert_hf_to_gguf.py's ``FalconH1Model``): every multiplier is
+    folded into the weights there (``embedding_multiplier`` into ``token_embd``,
+    ``key_multiplier`` and ``attention_in_multiplier`` into ``attn_k``, the muP vector
+    and ``ssm_in_multiplier`` into ``ssm_in``...), so the config keeps transformers'
+    defaults, 1. The gated norm exists where ``ssm_norm`` does, and is applied after
+    the gate, as llama.cpp's Mamba2 layer computes it; biases where the file has them."""
+    config.update(mamba_d_head=config["mamba_d_ssm"] // config["mamba_n_heads"],
+                  mamba_rms_norm="blk.0.ssm_norm.weight" in file.tensors, mamba_norm_before_gate=False,
+                  mamba_conv_bias="blk.0.ssm_conv1d.bias" in file.tensors,
+                  mamba_proj_bias="blk.0.ssm_in.bias" in file.tensors,
+                  projectors_bias="blk.0.ssm_out.bias" in file.tensors)
+    config.setdefault("mamba_n_groups", 1)
+
+
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     # Mixtral too: llama with expert tensors (_finish_mixtral).
     ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
@@ -373,6 +458,17 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
         Hparam("attn_logit_softcapping", "attn_logit_softcapping", float),
     ), _GEMMA3_LAYER, {"hidden_activation": "gelu_pytorch_tanh"}, norm_offset=1.0,
         default_rope_theta=1000000.0, finish=_finish_gemma3),
+    # LFM2's final norm is model.embedding_norm: llama.cpp's converter names it token_embd_norm.
+    ArchitectureMap("lfm2", "lfm2", _LFM2_HPARAMS, _LFM2_LAYER, {"block_auto_adjust_ff_dim": False},
+                    default_rope_theta=1000000.0, finish=_finish_lfm2, unsqueezed=frozenset({"shortconv.conv"}),
+                    global_tensors={"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
+                                    "output_norm": "model.embedding_norm", "output": "lm_head"}),
+    ArchitectureMap("falcon-h1", "falcon_h1", _FALCON_H1_HPARAMS, _FALCON_H1_LAYER, {"hidden_act": "silu"},
+                    finish=_finish_falcon_h1, unsqueezed=frozenset({"ssm_conv1d"}),
+                    bare_tensors={"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
+                    flattened=frozenset({"ssm_a", "ssm_d", "ssm_norm"}), from_minus_exp=frozenset({"ssm_a"}),
+                    global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm",
+                                    "output": "lm_head"}),
 )}
 
 
@@ -485,8 +581,9 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     return arch, config
 
 
-_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias)")  # shortconv.conv too
 _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
+_BARE = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)")
 
 
 def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
@@ -502,6 +599,10 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
         if int(m[1]) >= layers or m[2] not in NEXTN_TENSORS:
             return None
         return f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}.weight"
+    m = _BARE.fullmatch(name)
+    if m is not None:
+        module = arch.bare_tensors.get(m[2])
+        return None if module is None or int(m[1]) >= layers else f"{arch.layer_prefix}.{m[1]}.{module}"
     m = _BLOCK.fullmatch(name)
     if m is None or int(m[1]) >= layers:
         return None
@@ -513,6 +614,7 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
 
 
 def block_kind(name: str) -> str | None:
-    """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``), or None."""
-    m = _BLOCK.fullmatch(name)
+    """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``, ``ssm_a`` of
+    ``blk.3.ssm_a``), or None."""
+    m = _BLOCK.fullmatch(name) or _BARE.fullmatch(name)
     return None if m is None else m[2]

@@ -44,6 +44,8 @@ FILES = {
     "deepseek_v3_gguf": ("deepseek2", False),
     "deepseek_v3_lite": ("deepseek2", False),
     "deepseek_v3": ("deepseek2", False),
+    "lfm2": ("lfm2", False),
+    "lfm2_conv_bias": ("lfm2", False),
 }
 #: Variants whose logits are not compared, as no llama.cpp file can say what their config says:
 #: deepseek_v3_lite's rope is half-split (llama.cpp's deepseek2 always rotates interleaved pairs),
@@ -79,6 +81,17 @@ def _metadata(arch: str, cfg: dict[str, Any], split_kv_b: bool = False) -> dict[
         return {"block_count": cfg["n_layer"], "context_length": cfg["n_positions"], "embedding_length": cfg["n_embd"],
                 "feed_forward_length": cfg.get("n_inner") or 4 * cfg["n_embd"], "attention.head_count": cfg["n_head"],
                 "attention.layer_norm_epsilon": cfg["layer_norm_epsilon"]}
+    if arch == "lfm2":  # convert_hf_to_gguf.py's LFM2Model: kv heads per block (0: conv), the adjusted ff width
+        from infer.architectures.lfm2 import read_config
+
+        return {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+                "embedding_length": cfg["hidden_size"], "feed_forward_length": read_config(cfg).ff_dim(),
+                "attention.head_count": cfg["num_attention_heads"],
+                "attention.head_count_kv": [cfg["num_key_value_heads"] if t == "full_attention" else 0
+                                            for t in cfg["layer_types"]],
+                "attention.layer_norm_rms_epsilon": cfg["norm_eps"],
+                "rope.freq_base": cfg["rope_parameters"]["rope_theta"], "shortconv.l_cache": cfg["conv_L_cache"],
+                "vocab_size": cfg["vocab_size"]}
     rope = cfg["rope_parameters"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
@@ -116,7 +129,10 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in _metadata(arch, cfg, split_kv_b).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+        if isinstance(value, list):  # a per-block array (LFM2's kv heads)
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     if arch == "deepseek2":
         w.add_bool("deepseek2.expert_weights_norm", cfg["norm_topk_prob"])
     expected: dict[str, np.ndarray] = {}
@@ -151,12 +167,16 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
             stored = llama_permute(value, heads)
         if arch == "gpt2" and value.ndim == 2 and base.rsplit(".", 1)[-1].startswith("c_"):
             stored = value.T.copy()  # Conv1D [in, out] -> [out, in]
+        if arch == "lfm2" and base.endswith("conv.conv") and suffix == "weight":
+            stored = value.squeeze(1)  # the depthwise conv weight [C, 1, K] -> [C, K], as the converter does
         # (llama.cpp's qwen3moe has no dense blocks; the qwen3_moe variant's layer 0 is one, written
         # with the dense names, which infer reads where present.)
         gguf_name = names.get_name(base) or dense.get_name(base)
         back = add(f"{gguf_name}.{suffix}", stored)
         if arch == "gpt2" and stored is not value:
             back = back.T
+        elif arch == "lfm2" and stored is not value:
+            back = back.reshape(value.shape)
         elif stored is not value:  # permuted: the reader gives back the Hugging Face rows
             back = llama_unpermute(back, heads)
         expected[hf] = back
@@ -253,3 +273,93 @@ def test_quantized_experts_are_each_experts_own_blocks(variant: str, gguf_dir: P
     model = infer.load(path, backend="numpy")  # runs on the quantized experts
     assert model.network.num_layers == json.loads((tiny_model_dir(variant) / "config.json").read_text())[
         "num_hidden_layers"]
+
+
+def convert_falcon_h1(variant: str, out: Path) -> dict[str, np.ndarray]:
+    """``variant`` as convert_hf_to_gguf.py's ``FalconH1Model`` (on its ``Mamba2Model``)
+    writes it: every multiplier folded into the weights (the muP vector into ``ssm_in``'s
+    row sections, ``key_multiplier`` and ``attention_in_multiplier`` into ``attn_k``...),
+    ``A_log`` stored as ``A = -exp(A_log)`` and ``D`` as ``[H, 1]``, the conv weights
+    squeezed, the gated norm ``[groups, I / groups]``, ``dt_bias`` as ``ssm_dt.bias``.
+    Returns what each Hugging Face tensor must read back as."""
+    from safetensors.numpy import load_file
+
+    folder = tiny_model_dir(variant)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "falcon-h1")
+    md = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
+          "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"],
+          "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+          "rope.freq_base": float(cfg["rope_parameters"]["rope_theta"]), "ssm.conv_kernel": cfg["mamba_d_conv"],
+          "ssm.inner_size": cfg["mamba_d_ssm"], "ssm.state_size": cfg["mamba_d_state"],
+          "ssm.time_step_rank": cfg["mamba_d_ssm"] // cfg["mamba_d_head"], "ssm.group_count": cfg["mamba_n_groups"],
+          "vocab_size": cfg["vocab_size"]}
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"falcon-h1.{key}", value)
+    inner, gn, mup = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"], cfg["ssm_multipliers"]
+    gate_m, down_m = cfg["mlp_multipliers"]
+    expected: dict[str, np.ndarray] = {}
+    for hf, value in sorted(state.items()):
+        v = value.astype(np.float32).copy()
+        if "down_proj" in hf:  # the converter's order of tests, on the Hugging Face name
+            v = v * down_m
+        elif "gate_proj" in hf:
+            v = v * gate_m
+        elif "k_proj" in hf:
+            v = v * cfg["key_multiplier"] * cfg["attention_in_multiplier"]
+        elif "q_proj" in hf or "v_proj" in hf:
+            v = v * cfg["attention_in_multiplier"]
+        elif "o_proj" in hf:
+            v = v * cfg["attention_out_multiplier"]
+        elif "out_proj" in hf:
+            v = v * cfg["ssm_out_multiplier"]
+        elif "in_proj" in hf:
+            v = v * cfg["ssm_in_multiplier"]
+            for m, (start, stop) in zip(mup, ((0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + gn),
+                                              (2 * inner + gn, 2 * inner + 2 * gn), (2 * inner + 2 * gn, len(v)))):
+                v[start:stop] *= m
+        elif "lm_head" in hf:
+            v = v * cfg["lm_head_multiplier"]
+        elif "embed_tokens" in hf:
+            v = v * cfg["embedding_multiplier"]
+        v = v.astype(np.float32)
+        back = v
+        if hf.endswith("conv1d.weight"):
+            v = v.squeeze(1)
+        elif hf.endswith((".A_log", ".D")):
+            v = (-np.exp(v) if hf.endswith(".A_log") else v).reshape(-1, 1)
+            back = np.log(-v.reshape(-1)) if hf.endswith(".A_log") else v.reshape(-1)
+        elif hf.endswith("mamba.norm.weight"):
+            v = v.reshape(cfg["mamba_n_groups"], -1)
+        gguf_name = names.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
+        if hf.endswith(".weight") and not gguf_name.endswith(".weight"):
+            gguf_name += ".weight"  # gguf-py lists pre_ff_layernorm with its ending; the files carry one
+        w.add_tensor(gguf_name, v)
+        expected[hf] = back
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def test_falcon_h1_from_llama_cpps_layout(gguf_dir: Path) -> None:
+    # Multipliers folded into the weights, A as -exp(A_log): the tensors read back in the Hugging
+    # Face layout (A_log as log(-A)), the multipliers left at 1, and transformers' logits.
+    path = gguf_dir / "falcon_h1.gguf"
+    expected = convert_falcon_h1("falcon_h1", path)
+    package = open_gguf(path, tokenizer=False)
+    assert package.model_type == "falcon_h1" and sorted(package.tensors.names()) == sorted(expected)
+    for name, want in expected.items():
+        got = np.asarray(package.tensors.get(name))
+        assert got.shape == want.shape and np.array_equal(got, want), name
+    hf = json.loads((tiny_model_dir("falcon_h1") / "config.json").read_text())
+    for key in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
+                "mamba_conv_bias", "mamba_rms_norm", "head_dim", "num_key_value_heads"):
+        assert package.config[key] == hf[key], key
+    assert not any(key.endswith("multiplier") for key in package.config)  # folded: transformers' defaults, 1
+    _check_logits("falcon_h1", path)

@@ -22,6 +22,7 @@ from reference import encode, load_tiny, reference_logits, tiny_model_dir
 
 import infer
 from infer.architectures.lfm2 import Lfm2Config, read_config
+from infer.engine import Engine
 from infer.engine.batch import BatchEngine
 from infer.engine.generate import StopConditions
 from infer.engine.sampling import SamplingParams
@@ -40,7 +41,7 @@ def _config(**edit: Any) -> Lfm2Config:
 @pytest.mark.parametrize("variant", ["lfm2", "lfm2_conv_bias"])
 def test_a_batch_with_prefix_hits_and_speculation_equals_greedy_alone(variant: str) -> None:
     model = load_tiny(variant)
-    engine = model.engine
+    engine = Engine(model.engine.model, model.backend)  # its own state slots: other tests leave theirs held
     prompt = encode(tiny_model_dir(variant), "The capital of France is Paris. Once upon a time")
     prompts = [prompt, prompt + [5, 6], prompt[:13] + [7], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     want = [list(model.generate_tokens(p, max_tokens=8, ignore_eos=True)) for p in prompts]
