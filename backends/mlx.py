@@ -61,6 +61,8 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
+from . import mlx_recurrent
+
 #: Contract dtype names handled by this backend (MLX has no float64 on the GPU).
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8", "uint32")
 
@@ -89,7 +91,7 @@ class MLXBackend(Backend):
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "attention", "clip"})
+                            "attention", "clip", "causal_conv1d", "ssd", "gated_delta_rule"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -325,6 +327,29 @@ class MLXBackend(Backend):
 
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
         return self._mx.take(x, indices, axis=axis, stream=self._s)
+
+    # -- recurrent layers' ops (backends/mlx_recurrent.py) -------------------------
+
+    def causal_conv1d(self, x: Array, window: Array, weight: Array, bias: Array | None, query_start: Array,
+                      checkpoint_rows: Array | None = None, *,
+                      activation: str | None = None) -> tuple[Array, Array, Array]:
+        """One gather and one weighted sum over the whole ragged batch."""
+        return mlx_recurrent.causal_conv1d(self._mx, self._s, x, window, weight, bias, query_start,
+                                           checkpoint_rows, activation)
+
+    def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
+            state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
+            dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
+        """A decode step updates every state at once; longer runs take the chunked scan."""
+        return mlx_recurrent.ssd(self._mx, self._s, x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
+                                 dt_softplus, dt_min, dt_max)
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
+                         query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
+                         l2norm_qk: bool = True) -> tuple[Array, Array, Array]:
+        """A decode step updates every state at once; longer runs go row by row over all heads."""
+        return mlx_recurrent.gated_delta_rule(self._mx, self._s, q, k, v, g, beta, state, query_start,
+                                              checkpoint_rows, scale, l2norm_qk)
 
     # -- shapes ------------------------------------------------------------------
 

@@ -332,3 +332,40 @@ def test_softplus_is_torchs() -> None:
     x = np.asarray([-100.0, -3.0, -0.5, 0.0, 0.5, 3.0, 19.0, 25.0, 100.0], np.float32)
     want = torch.nn.functional.softplus(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(NumpyBackend().softplus(x), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mlx_native_recurrent_ops_equal_the_references(seed: int) -> None:
+    """MLX's causal_conv1d, chunked ssd and row-by-row gated_delta_rule (backends/mlx_recurrent.py)
+    against the numpy references, on the same kind of ragged batches as torch's above (gated delta
+    rule at 1e-4: float32 on both sides, sums in another order)."""
+    pytest.importorskip("mlx.core")
+    from infer.backends.mlx import MLXBackend
+    from infer.ops import ssd_reference
+
+    ops, rng = MLXBackend(), np.random.default_rng(100 + seed)
+    lengths = np.ones(3, int) if seed % 2 == 0 else rng.integers(0, 150, 3)
+    lengths[0] = max(int(lengths[0]), 1)
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, seqs = int(qs[-1]), len(lengths)
+    rows = np.sort(rng.choice(total, min(total, 5), replace=False)).astype(np.int32)
+
+    def check(got: Any, want: Any, tol: float) -> None:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(ops.to_numpy(g), w, rtol=tol, atol=tol)
+
+    width = 1 + seed % 4
+    conv = [rng.standard_normal(s).astype(np.float32) for s in ((total, 6), (seqs, width - 1, 6), (6, width), (6,))]
+    check(ops.causal_conv1d(*(ops.from_numpy(a) for a in (*conv, qs, rows)), activation="silu"),
+          conv1d_reference(*conv, qs, rows, "silu"), RTOL)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((total, 4, 3), (total, 4), (4,), (total, 2, 5), (total, 2, 5), (4,), (4,), (seqs, 4, 3, 5))]
+    arrays[2] = -np.exp(arrays[2])
+    check(ops.ssd(*(ops.from_numpy(a) for a in (*arrays, qs, rows))), ssd_reference(*arrays, qs, rows), 2e-4)
+    q, k = (rng.standard_normal((total, 2, 4)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((total, 4, 3)).astype(np.float32)
+    g = (-np.exp(rng.standard_normal((total, 4))) * 0.5).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((total, 4))))).astype(np.float32)
+    state = rng.standard_normal((seqs, 4, 4, 3)).astype(np.float32)
+    check(ops.gated_delta_rule(*(ops.from_numpy(a) for a in (q, k, v, g, beta, state, qs, rows))),
+          gated_delta_rule_reference(q, k, v, g, beta, state, qs, rows), 1e-4)
