@@ -69,6 +69,11 @@ class ArchitectureMap:
     transposed: frozenset[str] = frozenset()
     #: further Hugging Face model_types llama.cpp's converter writes as this architecture.
     also_from: tuple[str, ...] = ()
+    #: the whole config, for rows the generic hparams do not fit (:mod:`.gguf_ssm`).
+    build: Callable[[GGUFFile, ArchitectureMap], dict[str, Any]] | None = None
+    #: (file, config, row) -> {Hugging Face name: (shape, GGUF tensors, function of their float32
+    #: values)}: tensors llama.cpp reshaped, split or transformed (:mod:`.gguf_ssm`).
+    rebuilt: Callable[[GGUFFile, dict[str, Any], ArchitectureMap], dict[str, Any]] | None = None
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -424,6 +429,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     if arch is None:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    if arch.build is not None:
+        return arch, arch.build(file, arch)
     config: dict[str, Any] = {"model_type": arch.model_type, **arch.defaults}
     for h in arch.hparams:
         key = f"{name}.{h.key}"
@@ -516,3 +523,9 @@ def block_kind(name: str) -> str | None:
     """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``), or None."""
     m = _BLOCK.fullmatch(name)
     return None if m is None else m[2]
+
+
+# The Mamba-2 families (mamba2, granitehybrid, falcon-h1): rows with their own config builders.
+from .gguf_ssm import ROWS as _SSM_ROWS  # noqa: E402  (gguf_ssm imports this module's names)
+
+ARCHITECTURES.update({a.gguf_name: a for a in _SSM_ROWS})
