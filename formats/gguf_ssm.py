@@ -153,7 +153,7 @@ def _build_granitehybrid(file: GGUFFile, arch: ArchitectureMap) -> dict[str, Any
         num_key_value_heads=int(kv[attn[0]]) if attn else config["num_attention_heads"],
         layer_types=["attention" if i in attn else "mamba" for i in range(n)],
         rms_norm_eps=_eps(file, p), hidden_act="silu", num_local_experts=experts,
-        num_experts_per_tok=_number(md, f"{p}.expert_used_count", int, file) or (2 if experts else 0),
+        num_experts_per_tok=_number(md, f"{p}.expert_used_count", int, file) or 2,
         shared_intermediate_size=shared,
         position_embedding_type="rope" if md.get(f"{p}.rope.scaling.finetuned", False) is True else "nope",
         embedding_multiplier=_number(md, f"{p}.embedding_scale", float, file) or 1.0,
@@ -231,6 +231,17 @@ def _rebuilt_mixers(prefix: str) -> Callable[[GGUFFile, dict[str, Any], Architec
     return rebuilt
 
 
+def _rebuilt_falcon_h1(file: GGUFFile, config: dict[str, Any], arch: ArchitectureMap) -> dict[str, Rebuilt]:
+    """The mixers, and ``blk.N.ffn_norm``: gguf-py maps ``pre_ff_layernorm.weight`` whole, so
+    llama.cpp's converter (and loader) name it without the ``.weight`` suffix."""
+    out = _rebuilt_mixers("mamba.")(file, config, arch)
+    for i in range(config["num_hidden_layers"]):
+        info = file.tensors.get(f"blk.{i}.ffn_norm")
+        if info is not None:
+            out[f"{arch.layer_prefix}.{i}.pre_ff_layernorm.weight"] = (tuple(info.shape), (info,), lambda v: v)
+    return out
+
+
 def _rebuilt_granite(file: GGUFFile, config: dict[str, Any], arch: ArchitectureMap) -> dict[str, Rebuilt]:
     """The mixers, and the merged gate/up projections joined back (experts and shared MLP)."""
     out = _rebuilt_mixers("mamba.")(file, config, arch)
@@ -275,7 +286,7 @@ ROWS = (
                     build=_build_granitehybrid, rebuilt=_rebuilt_granite),
     ArchitectureMap("falcon-h1", "falcon_h1", (), _FALCON_H1_LAYER,
                     global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm",
-                                    "output": "lm_head"}, build=_build_falcon_h1, rebuilt=_rebuilt_mixers("mamba.")),
+                                    "output": "lm_head"}, build=_build_falcon_h1, rebuilt=_rebuilt_falcon_h1),
 )
 
 
@@ -362,8 +373,6 @@ def metadata(arch: ArchitectureMap, config: dict[str, Any]) -> dict[str, Any]:
                    f"{p}.residual_scale": float(c.residual_multiplier), f"{p}.logit_scale": float(c.logits_scaling),
                    f"{p}.expert_shared_feed_forward_length": c.shared_intermediate_size,
                    f"{p}.rope.scaling.finetuned": c.position_embedding_type == "rope"})
-        if not c.num_local_experts:
-            del md[f"{p}.expert_used_count"]
         return md
     # falcon-h1
     tied = bool(c.tie_word_embeddings)
@@ -475,6 +484,8 @@ def tensors(arch: ArchitectureMap, package: ModelPackage) -> list[Written]:
                 raise FormatError(f"tensor {name!r} has no llama.cpp name in architecture {arch.gguf_name!r}; "
                                   f"it cannot be written as GGUF")
             make = scaled(name)
+            if falcon and gguf == "ffn_norm.weight":
+                gguf = "ffn_norm"  # see _rebuilt_falcon_h1
             if arch.permute_qk and re.fullmatch(r"self_attn\.[qk]_proj\.(weight|bias)", rest):
                 heads = c.num_attention_heads if ".q_proj." in rest else c.num_key_value_heads
                 make = _permuted(name, get, heads)

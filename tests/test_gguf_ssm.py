@@ -179,13 +179,13 @@ def _expected_metadata(variant: str, cfg: dict[str, Any]) -> dict[str, Any]:
                    "rope.scaling.finetuned": rope, "expert_count": cfg["num_local_experts"],
                    "expert_shared_feed_forward_length": cfg["shared_intermediate_size"],
                    "attention.scale": cfg["attention_multiplier"], "embedding_scale": cfg["embedding_multiplier"],
-                   "residual_scale": cfg["residual_multiplier"], "logit_scale": cfg["logits_scaling"]})
-        if cfg["num_local_experts"]:
-            md["expert_used_count"] = cfg["num_experts_per_tok"]
+                   "residual_scale": cfg["residual_multiplier"], "logit_scale": cfg["logits_scaling"],
+                   "expert_used_count": cfg["num_experts_per_tok"]})
         return md
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     md.update({"vocab_size": cfg["vocab_size"], "context_length": cfg["max_position_embeddings"],
-               "attention.head_count_kv": cfg["num_key_value_heads"], "attention.key_length": cfg["head_dim"],
-               "attention.value_length": cfg["head_dim"]})
+               "attention.head_count_kv": cfg["num_key_value_heads"], "attention.key_length": head_dim,
+               "attention.value_length": head_dim})
     return md
 
 
