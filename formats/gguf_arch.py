@@ -525,7 +525,6 @@ def block_kind(name: str) -> str | None:
     return None if m is None else m[2]
 
 
-# The Mamba-2 families (mamba2, granitehybrid, falcon-h1): rows with their own config builders.
-from .gguf_ssm import ROWS as _SSM_ROWS  # noqa: E402  (gguf_ssm imports this module's names)
-
-ARCHITECTURES.update({a.gguf_name: a for a in _SSM_ROWS})
+# The Mamba-2 families (mamba2, granitehybrid, falcon-h1): rows with their own config builders,
+# which gguf_ssm adds to ARCHITECTURES when it is imported (it imports this module's names).
+from . import gguf_ssm  # noqa: E402,F401

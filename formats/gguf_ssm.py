@@ -39,7 +39,7 @@ import numpy as np
 
 from infer.errors import ConfigError, FormatError
 
-from .gguf_arch import GLOBAL_TENSORS, ArchitectureMap, _number
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _number
 
 if TYPE_CHECKING:
     from infer.package import ModelPackage
@@ -288,6 +288,7 @@ ROWS = (
                     global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm",
                                     "output": "lm_head"}, build=_build_falcon_h1, rebuilt=_rebuilt_falcon_h1),
 )
+ARCHITECTURES.update({a.gguf_name: a for a in ROWS})
 
 
 # -- writing ---------------------------------------------------------------------------------
