@@ -26,7 +26,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from reference import assert_logits_close, cache_root, encode, reference_logits, tiny_model_dir
+from reference import assert_logits_close, backend_params, cache_root, encode, reference_logits, tiny_model_dir
 from safetensors.numpy import load_file, save_file
 from test_families import DECODE_TEXT, PROMPT
 from test_format_gguf import llama_permute
@@ -310,3 +310,53 @@ def test_quantized_file_keeps_the_ssm_vectors_float32(tmp_path: Path) -> None:
     assert types["blk.0.ssm_in.weight"] == "Q8_0"
     model = infer.load(path, backend="numpy")
     assert model.network.num_layers == 4
+
+
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "mlx:cpu"))
+@pytest.mark.parametrize("variant", ["mamba2", "granitemoehybrid", "falcon_h1"])
+def test_gguf_logits_on_other_backends(variant: str, backend: str, files: dict[str, Path]) -> None:
+    folder = _folder(variant)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    want = reference_logits(folder, prompt, decode)["full"]
+    model = infer.load(files[variant], backend=backend)
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
+    assert_logits_close(logits, want, f"{variant} from GGUF on {backend}")
+
+
+def test_falcon_h1_tied_head_needs_equal_multipliers(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(_folder("falcon_h1_norm"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["embedding_multiplier"] = 2.0  # the one tied tensor cannot carry both 2.0 and lm_head_multiplier 1.0
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="embedding_multiplier"):
+        infer.convert(src, tmp_path / "m.gguf", type="f32", progress=False)
+
+
+def test_granitehybrid_absent_scales_are_llama_cpps_defaults(files: dict[str, Path], tmp_path: Path) -> None:
+    # A file without attention.scale / embedding_scale / residual_scale / logit_scale and without
+    # rope.scaling.finetuned: llama.cpp then uses 1/sqrt(head_dim), 1, 1, 1 and no rope.
+    reader = gguf.GGUFReader(files["granitemoehybrid"])
+    out = tmp_path / "plain.gguf"
+    w = gguf.GGUFWriter(str(out), "granitehybrid")
+    skip = {f"granitehybrid.{k}" for k in ("attention.scale", "embedding_scale", "residual_scale", "logit_scale",
+                                           "rope.scaling.finetuned")}
+    for key, f in reader.fields.items():
+        if key.startswith("granitehybrid.") and key not in skip:
+            vtype = f.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, [int(v) for v in _field(reader, key)], vtype, sub_type=f.types[1])
+            else:
+                w.add_key_value(key, _field(reader, key), vtype)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = open_gguf(out, tokenizer=False).config
+    heads = config["num_attention_heads"]
+    assert config["attention_multiplier"] == pytest.approx((config["hidden_size"] // heads) ** -0.5)
+    assert (config["embedding_multiplier"], config["residual_multiplier"], config["logits_scaling"]) == (1.0, 1.0, 1.0)
+    assert config["position_embedding_type"] == "nope"
+    assert config["layer_types"] == ["mamba", "attention", "mamba", "attention"]
