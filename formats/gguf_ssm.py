@@ -210,13 +210,16 @@ def _mixer_rebuilt(file: GGUFFile, i: int, prefix: str, out: dict[str, Rebuilt])
     a, dd, conv, norm = (t.get(f"blk.{i}.{n}") for n in ("ssm_a", "ssm_d", "ssm_conv1d.weight", "ssm_norm.weight"))
     if a is None and dd is None and conv is None:
         return
-    if a is None or dd is None or conv is None or len(a.shape) != 2 or len(dd.shape) != 2 or len(conv.shape) != 2:
+    # llama.cpp's converter writes [heads, 1] and [channels, width]; [heads] and
+    # [channels, 1, width] (the Hugging Face shapes) are read too.
+    if a is None or dd is None or conv is None or a.shape[1:] not in ((), (1,)) or dd.shape != a.shape \
+            or not (len(conv.shape) == 2 or (len(conv.shape) == 3 and conv.shape[1] == 1)):
         raise FormatError(f"{file.path}: block {i} needs ssm_a and ssm_d [heads, 1] and ssm_conv1d.weight "
                           f"[channels, width]; found {a and list(a.shape)}, {dd and list(dd.shape)}, "
                           f"{conv and list(conv.shape)}")
     out[prefix + "A_log"] = ((a.shape[0],), (a,), _a_log)
     out[prefix + "D"] = ((dd.shape[0],), (dd,), lambda v: v.reshape(-1))
-    c, k = conv.shape
+    c, k = conv.shape[0], conv.shape[-1]
     out[prefix + "conv1d.weight"] = ((c, 1, k), (conv,), lambda v: v.reshape(c, 1, k))
     if norm is not None:
         out[prefix + "norm.weight"] = ((int(np.prod(norm.shape)),), (norm,), lambda v: v.reshape(-1))
@@ -362,7 +365,8 @@ def metadata(arch: ArchitectureMap, config: dict[str, Any]) -> dict[str, Any]:
                           **_ssm_metadata(p, m, c.rms_norm_eps)}
     if arch.model_type == "granitemoehybrid":
         _refuse(config, p, {"mamba_proj_bias": (c.mamba_proj_bias, False),
-                            "time_step_limit": (_limit(config), [0.0, float("inf")])})
+                            "time_step_limit": (_limit(config), [0.0, float("inf")]),
+                            "hidden_act": (config.get("hidden_act", "silu"), "silu")})
         types = [c.kind(i) for i in range(n)]
         attn = [t != "mamba" for t in types]
         md.update({f"{p}.context_length": c.max_position_embeddings if c.position_embedding_type == "rope" else 2**20,
