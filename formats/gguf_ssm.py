@@ -187,7 +187,7 @@ def _build_falcon_h1(file: GGUFFile, arch: ArchitectureMap) -> dict[str, Any]:
         mamba_d_state=s["ssm.state_size"], mamba_d_conv=s["ssm.conv_kernel"],
         mamba_conv_bias=_has(file, "ssm_conv1d.bias", range(n)), mamba_proj_bias=False, projectors_bias=False,
         mamba_rms_norm=_has(file, "ssm_norm.weight", range(n)), mamba_norm_before_gate=False,
-        attention_bias=False, mlp_bias=_has(file, "ffn_up.bias", range(n)), time_step_limit=None,
+        attention_bias=False, mlp_bias=_has(file, "ffn_up.bias", range(n)), time_step_limit=[0.0, float("inf")],
         tie_word_embeddings="output.weight" not in file.tensors,
         lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=[1.0, 1.0], key_multiplier=1.0,
         attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=[1.0] * 5,

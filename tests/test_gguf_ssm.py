@@ -360,3 +360,15 @@ def test_granitehybrid_absent_scales_are_llama_cpps_defaults(files: dict[str, Pa
     assert (config["embedding_multiplier"], config["residual_multiplier"], config["logits_scaling"]) == (1.0, 1.0, 1.0)
     assert config["position_embedding_type"] == "nope"
     assert config["layer_types"] == ["mamba", "attention", "mamba", "attention"]
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "granitemoehybrid", "falcon_h1_norm"])
+def test_gguf_to_hugging_face_folder_runs_in_transformers(variant: str, files: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    # GGUF -> folder: the config infer read from the file is one transformers builds the same model from
+    # (Falcon-H1's with every multiplier 1 over the rescaled weights).
+    folder = _folder(variant)
+    out = infer.convert(files[variant], tmp_path / "hf", type="f32", progress=False)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    want = reference_logits(folder, prompt, decode)["full"]
+    assert_logits_close(reference_logits(out, prompt, decode)["full"], want, f"{variant} GGUF -> folder")
