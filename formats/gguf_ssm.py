@@ -175,6 +175,12 @@ def _build_falcon_h1(file: GGUFFile, arch: ArchitectureMap) -> dict[str, Any]:
     p, md = arch.gguf_name, file.metadata
     s = _ssm_sizes(file, p)
     inner, heads, n = s["ssm.inner_size"], s["ssm.time_step_rank"], s["block_count"]
+    biased = [b for b in ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output") if _has(file, f"{b}.bias",
+                                                                                                   range(n))]
+    if biased:  # the converter scales a bias by the input multipliers too, or fails on it
+        raise FormatError(f"{file.path}: falcon-h1 tensors {', '.join(b + '.bias' for b in biased)} are not "
+                          f"supported: llama.cpp's falcon-h1 graph adds no such biases, and its converter "
+                          f"cannot store them faithfully")
     config: dict[str, Any] = {"model_type": "falcon_h1", "hidden_size": s["embedding_length"],
                               "num_hidden_layers": n, "vocab_size": _vocab(file)}
     _attention_sizes(file, p, config)

@@ -372,3 +372,21 @@ def test_gguf_to_hugging_face_folder_runs_in_transformers(variant: str, files: d
     prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
     want = reference_logits(folder, prompt, decode)["full"]
     assert_logits_close(reference_logits(out, prompt, decode)["full"], want, f"{variant} GGUF -> folder")
+
+
+def test_falcon_h1_file_with_projection_biases_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    reader = gguf.GGUFReader(files["falcon_h1"])
+    out = tmp_path / "biased.gguf"
+    w = gguf.GGUFWriter(str(out), "falcon-h1")
+    for key, f in reader.fields.items():
+        if key.startswith("falcon-h1.") and f.types[0] != gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, _field(reader, key), f.types[0])
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    w.add_tensor("blk.0.attn_q.bias", np.zeros(128, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(infer.errors.FormatError, match="attn_q.bias are not supported"):
+        open_gguf(out, tokenizer=False)
