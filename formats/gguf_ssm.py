@@ -362,7 +362,8 @@ def metadata(arch: ArchitectureMap, config: dict[str, Any]) -> dict[str, Any]:
 
     rope = rope_parameters(config)
     theta = rope.get("rope_theta", 10000.0)
-    if rope.get("rope_type", "default") != "default":
+    roped = arch.model_type == "falcon_h1" or getattr(c, "position_embedding_type", None) == "rope"
+    if roped and rope.get("rope_type", "default") != "default":
         raise ConfigError(f"config.json rope scaling {rope.get('rope_type')!r} has no GGUF form for {p}; "
                           f"supported: default")
     md: dict[str, Any] = {f"{p}.block_count": n, f"{p}.embedding_length": c.hidden_size,
