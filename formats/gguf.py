@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,9 @@ class _Entry:
     expert: int | None = None  # one expert's rows of a stacked [experts, rows, cols] tensor
     transpose: bool = False  # Hugging Face stores the transpose (GPT-2's Conv1D)
     value_part: TensorInfo | None = None  # DeepSeek's kv_b_proj joined from attn_k_b (info) and attn_v_b
-    minus_exp: bool = False  # stored as -exp(x) (Mamba2's A): read back log(-value)
+    #: (the GGUF tensors, the function of their float32 values that gives this tensor): Mamba-2's
+    #: ``A_log`` from ``ssm_a``, split projections joined (``ArchitectureMap.rebuilt``).
+    rebuild: tuple[tuple[TensorInfo, ...], Callable[..., np.ndarray]] | None = None
 
 
 class GGUFTensorSource(TensorSource):
@@ -166,7 +168,7 @@ class GGUFTensorSource(TensorSource):
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, or the GGML type name (``"Q4_K"``...)."""
         e = self._entry(name)
-        if e.transpose or e.value_part is not None:  # rebuilt in float32
+        if e.transpose or e.value_part is not None or e.rebuild is not None:  # rebuilt in float32
             return "float32"
         return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
@@ -175,6 +177,8 @@ class GGUFTensorSource(TensorSource):
         expert's share of a stacked tensor; both halves of a joined one."""
         e = self._entry(name)
         size = e.info.end - e.info.begin
+        if e.rebuild is not None:
+            return sum(i.end - i.begin for i in e.rebuild[0])
         if e.expert is not None:
             return size // e.info.shape[0]
         return size + (e.value_part.end - e.value_part.begin if e.value_part is not None else 0)
@@ -192,6 +196,13 @@ class GGUFTensorSource(TensorSource):
         """The tensor in canonical layout (see the class docstring)."""
         e = self._entry(name)
         t = e.info.type
+        if e.rebuild is not None:
+            infos, rebuild = e.rebuild
+            try:
+                parts = [self._floats(i, self.file.raw(i)) for i in infos]
+            except ValueError as exc:  # the map was closed
+                raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
+            return np.ascontiguousarray(rebuild(*parts), dtype=np.float32)
         try:
             raw = self.file.raw(e.info)
         except ValueError as exc:  # the map was closed
@@ -221,9 +232,6 @@ class GGUFTensorSource(TensorSource):
         if e.norm_offset:
             with np.errstate(all="ignore"):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
-        if e.minus_exp:
-            with np.errstate(all="ignore"):  # a non-negative value: NaN, as log of a negative is
-                data = np.log(-data.astype(np.float32))
         return data
 
     def _floats(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
@@ -241,6 +249,8 @@ class GGUFTensorSource(TensorSource):
             return
         if entry.value_part is not None:
             self.file.release(entry.value_part)
+        for info in entry.rebuild[0] if entry.rebuild is not None else ():
+            self.file.release(info)
         if entry.expert is None:
             self.file.release(entry.info)
         else:  # only this expert's bytes: the others may not be read yet
@@ -276,8 +286,16 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
     unknown = []
     halves: dict[str, dict[str, TensorInfo]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b}
     layers = config.get("num_hidden_layers", config.get("n_layer", 0)) + config.get("num_nextn_predict_layers", 0)
+    consumed: set[str] = set()
+    for hf, (shape, infos, rebuild) in (arch.rebuilt(file, config, arch) if arch.rebuilt else {}).items():
+        for info in infos:
+            if info.type.name not in gguf_quants.SUPPORTED:
+                raise UnsupportedDtypeError(f"{file.path}: tensor {info.name!r} is stored as {info.type.name}, "
+                                            f"which infer cannot dequantize")
+        entries[hf] = _Entry(infos[0], tuple(shape), None, 0.0, rebuild=(tuple(infos), rebuild))
+        consumed.update(info.name for info in infos)
     for info in file.tensors.values():
-        if info.name in arch.ignored_tensors:
+        if info.name in arch.ignored_tensors or info.name in consumed:
             continue
         hf = canonical_name(arch, info.name, layers)
         split = _KV_B.fullmatch(info.name) if "attn_kv_b" in arch.layer_tensors else None
@@ -313,14 +331,7 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
         shape = info.shape[::-1] if transpose else info.shape
         if kind in arch.unsqueezed and len(shape) == 2:  # a float reshape; quantized data keeps its rows
             shape = (shape[0], 1, shape[1])
-        if kind in arch.flattened or kind in arch.from_minus_exp:
-            if info.type.quantized:
-                raise FormatError(f"{file.path}: tensor {info.name!r} is quantized ({info.type.name}); "
-                                  f"infer reads it only as a float vector")
-            if kind in arch.flattened:
-                shape = (int(np.prod(shape)),)
-        entries[hf] = _Entry(info, shape, heads, offset, transpose=transpose,
-                             minus_exp=kind in arch.from_minus_exp)
+        entries[hf] = _Entry(info, shape, heads, offset, transpose=transpose)
     for layer, pair in halves.items():
         k, v = pair.get("k"), pair.get("v")
         if k is None or v is None or len(k.shape) != 3 or len(v.shape) != 3 or k.shape[0] != v.shape[0] \

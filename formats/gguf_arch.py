@@ -72,15 +72,11 @@ class ArchitectureMap:
     #: Block tensors llama.cpp stores with the unit axis 1 of the Hugging Face layout squeezed
     #: out (LFM2's depthwise conv weights: ``[C, 1, K]`` stored ``[C, K]``); read back 3-D.
     unsqueezed: frozenset[str] = frozenset()
-    #: Block tensors stored without a ``.weight`` ending (llama.cpp's Mamba2 ``ssm_a``,
-    #: ``ssm_d``) -> the Hugging Face name in ``model.layers.N``.
-    bare_tensors: dict[str, str] = field(default_factory=dict)
-    #: Block tensors llama.cpp stored 2-D whose Hugging Face form is their values in a
-    #: vector (Mamba2's ``[H, 1]`` A and D, the ``[groups, I / groups]`` gated norm).
-    flattened: frozenset[str] = frozenset()
-    #: Block tensors llama.cpp stored as ``A = -exp(A_log)`` (Mamba2's ``ssm_a``): read back
-    #: as ``log(-A)``, the checkpoint's ``A_log``.
-    from_minus_exp: frozenset[str] = frozenset()
+    #: the whole config, for rows the generic hparams do not fit (:mod:`.gguf_ssm`).
+    build: Callable[[GGUFFile, ArchitectureMap], dict[str, Any]] | None = None
+    #: (file, config, row) -> {Hugging Face name: (shape, GGUF tensors, function of their float32
+    #: values)}: tensors llama.cpp reshaped, split or transformed (:mod:`.gguf_ssm`).
+    rebuilt: Callable[[GGUFFile, dict[str, Any], ArchitectureMap], dict[str, Any]] | None = None
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -395,36 +391,6 @@ def _finish_lfm2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
     config["conv_bias"] = any(f"blk.{i}.shortconv.in_proj.bias" in file.tensors for i in range(n))
 
 
-_FALCON_H1_LAYER = {
-    "attn_norm": "input_layernorm", **_ATTENTION, "ffn_norm": "pre_ff_layernorm",
-    "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
-    "ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_dt.bias": "mamba.dt_bias",
-    "ssm_norm": "mamba.norm", "ssm_out": "mamba.out_proj",
-}
-_FALCON_H1_HPARAMS = _COMMON + (
-    Hparam("ssm.conv_kernel", "mamba_d_conv", int, True),
-    Hparam("ssm.inner_size", "mamba_d_ssm", int, True),
-    Hparam("ssm.state_size", "mamba_d_state", int, True),
-    Hparam("ssm.time_step_rank", "mamba_n_heads", int, True),
-    Hparam("ssm.group_count", "mamba_n_groups", int),
-)
-
-
-def _finish_falcon_h1(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
-    """Falcon-H1 files (convert_hf_to_gguf.py's ``FalconH1Model``): every multiplier is
-    folded into the weights there (``embedding_multiplier`` into ``token_embd``,
-    ``key_multiplier`` and ``attention_in_multiplier`` into ``attn_k``, the muP vector
-    and ``ssm_in_multiplier`` into ``ssm_in``...), so the config keeps transformers'
-    defaults, 1. The gated norm exists where ``ssm_norm`` does, and is applied after
-    the gate, as llama.cpp's Mamba2 layer computes it; biases where the file has them."""
-    config.update(mamba_d_head=config["mamba_d_ssm"] // config["mamba_n_heads"],
-                  mamba_rms_norm="blk.0.ssm_norm.weight" in file.tensors, mamba_norm_before_gate=False,
-                  mamba_conv_bias="blk.0.ssm_conv1d.bias" in file.tensors,
-                  mamba_proj_bias="blk.0.ssm_in.bias" in file.tensors,
-                  projectors_bias="blk.0.ssm_out.bias" in file.tensors)
-    config.setdefault("mamba_n_groups", 1)
-
-
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     # Mixtral too: llama with expert tensors (_finish_mixtral).
     ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
@@ -463,12 +429,6 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
                     default_rope_theta=1000000.0, finish=_finish_lfm2, unsqueezed=frozenset({"shortconv.conv"}),
                     global_tensors={"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
                                     "output_norm": "model.embedding_norm", "output": "lm_head"}),
-    ArchitectureMap("falcon-h1", "falcon_h1", _FALCON_H1_HPARAMS, _FALCON_H1_LAYER, {"hidden_act": "silu"},
-                    finish=_finish_falcon_h1, unsqueezed=frozenset({"ssm_conv1d"}),
-                    bare_tensors={"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
-                    flattened=frozenset({"ssm_a", "ssm_d", "ssm_norm"}), from_minus_exp=frozenset({"ssm_a"}),
-                    global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm",
-                                    "output": "lm_head"}),
 )}
 
 
@@ -520,6 +480,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     if arch is None:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    if arch.build is not None:
+        return arch, arch.build(file, arch)
     config: dict[str, Any] = {"model_type": arch.model_type, **arch.defaults}
     for h in arch.hparams:
         key = f"{name}.{h.key}"
@@ -583,7 +545,6 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
 
 _BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias)")  # shortconv.conv too
 _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
-_BARE = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)")
 
 
 def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
@@ -599,10 +560,6 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
         if int(m[1]) >= layers or m[2] not in NEXTN_TENSORS:
             return None
         return f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}.weight"
-    m = _BARE.fullmatch(name)
-    if m is not None:
-        module = arch.bare_tensors.get(m[2])
-        return None if module is None or int(m[1]) >= layers else f"{arch.layer_prefix}.{m[1]}.{module}"
     m = _BLOCK.fullmatch(name)
     if m is None or int(m[1]) >= layers:
         return None
@@ -614,7 +571,11 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
 
 
 def block_kind(name: str) -> str | None:
-    """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``, ``ssm_a`` of
-    ``blk.3.ssm_a``), or None."""
-    m = _BLOCK.fullmatch(name) or _BARE.fullmatch(name)
+    """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``), or None."""
+    m = _BLOCK.fullmatch(name)
     return None if m is None else m[2]
+
+
+# The Mamba-2 families (mamba2, granitehybrid, falcon-h1): rows with their own config builders,
+# which gguf_ssm adds to ARCHITECTURES when it is imported (it imports this module's names).
+from . import gguf_ssm  # noqa: E402,F401

@@ -31,6 +31,7 @@ from infer.errors import ConfigError, FormatError, MissingDependencyError, Unsup
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
+from . import gguf_ssm
 from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
@@ -103,7 +104,7 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3"})
+WRITTEN = frozenset({"llama", "qwen2", "gemma3"}) | {"mamba2", "granitehybrid", "falcon-h1"}  # + gguf_ssm's
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
@@ -250,6 +251,8 @@ class _Planned:
     qtype: str
     heads: int | None  # permute the rows for this many heads
     offset: float  # added to the values (gemma3 norms)
+    make: Callable[[], np.ndarray] | None = None  # the values, made in llama.cpp's layout (gguf_ssm)
+    sources: tuple[str, ...] = ()  # the Hugging Face tensors ``make`` reads (released after)
 
 
 def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
@@ -278,8 +281,28 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
     return plan
 
 
+#: Tensors of the Mamba-2 families llama.cpp keeps in float32 whatever the file type.
+_SSM_F32 = re.compile(r"blk\.\d+\.(ssm_a|ssm_d|ssm_conv1d\.weight|ssm_norm\.weight|ffn_gate_inp\.weight)")
+
+
+def _ssm_plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType) -> list[_Planned]:
+    """The plan of a Mamba-2 family's file: :func:`gguf_ssm.tensors` with their types."""
+    config = package.config
+    layers, tied = config["num_hidden_layers"], bool(config.get("tie_word_embeddings", False))
+    plan = []
+    for gguf_name, shape, sources, make in gguf_ssm.tensors(arch, package):
+        qtype = "F32" if _SSM_F32.fullmatch(gguf_name) else tensor_type(gguf_name, shape[-1], len(shape), out,
+                                                                        layers, tied)
+        plan.append(_Planned(sources[0], gguf_name, shape, qtype, None, 0.0, make=make, sources=sources))
+    if "token_embd.weight" not in {p.gguf for p in plan}:
+        raise FormatError(f"{package.path}: no token embedding; not a complete model")
+    return plan
+
+
 def _values(package: ModelPackage, p: _Planned, freqs: np.ndarray | None) -> np.ndarray:
     """The tensor's values in llama.cpp's layout, as a float array [rows, cols] or [n]."""
+    if p.make is not None:
+        return p.make()
     if p.hf is None:
         return freqs  # type: ignore[return-value]
     value = package.tensors.get(p.hf)
@@ -315,10 +338,11 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
     out = TYPES[type]
     arch = architecture_for(package.model_type)
     config = package.config
-    md, freqs = hyperparameters(arch, config)
+    ssm = arch.build is not None  # the Mamba-2 families (gguf_ssm)
+    md, freqs = (gguf_ssm.metadata(arch, config), None) if ssm else hyperparameters(arch, config)
     vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
     md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
-    plan = _plan(package, arch, out, freqs)
+    plan = _ssm_plan(package, arch, out) if ssm else _plan(package, arch, out, freqs)
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     name = config.get("_name_or_path") or config.get("_model_name_or_path")
@@ -334,7 +358,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
         if p.qtype in ("F32", "F16"):
             writer.add_tensor_info(p.gguf, p.shape, np.dtype(np.float32 if p.qtype == "F32" else np.float16), nbytes)
         else:
-            writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
+            writer.add_tensor_info(p.gguf, (*p.shape[:-1], t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
     total = sum(int(np.prod(p.shape)) for p in plan)
     bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
@@ -355,8 +379,8 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                     if p.qtype in ("F32", "F16"):
                         data = data.view("<f4" if p.qtype == "F32" else "<f2").reshape(p.shape)
                 writer.write_tensor_data(data)
-                if p.hf is not None:
-                    package.tensors.release(p.hf)
+                for source in p.sources or ((p.hf,) if p.hf is not None else ()):
+                    package.tensors.release(source)
     finally:
         writer.close()
 
