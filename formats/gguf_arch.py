@@ -340,6 +340,62 @@ def _finish_gpt2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
         config.pop(key, None)
 
 
+_GPT_OSS_LAYER = {
+    "attn_norm": "input_layernorm", **_ATTENTION, "attn_sinks.weight": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias", "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+#: gpt-oss's experts as llama.cpp stores them: gate and up split (not interleaved), every
+#: matrix ``[out, in]``; one expert's rows of each stay its own blocks (MXFP4 in the released files).
+_GPT_OSS_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                    "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+
+
+def _finish_gpt_oss(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """gpt-oss (llama.cpp's ``gpt-oss``, LLM_ARCH_OPENAI_MOE).
+
+    llama.cpp hard-codes what the files do not store: even layers slide and odd ones see
+    everything (its ``set_swa_pattern(2)``, transformers' default ``layer_types``), the
+    clamped SwiGLU's alpha 1.702 and limit 7 (``arch.defaults``), YaRN's ramp from
+    ``beta_fast`` 32 to ``beta_slow`` 1 unless ``rope.scaling.yarn_beta_*`` say otherwise.
+    ``truncate`` is false, as transformers' ``GptOssConfig``. The q/k/v/o biases are read
+    from the file (gpt-oss's default is to have them). A fused ``ffn_gate_up_exps``
+    (``--fuse-gate-up-exps``) is refused by name, as an unknown tensor."""
+    md, p, n = file.metadata, arch.gguf_name, config["num_hidden_layers"]
+    if "num_experts" in config:
+        config["num_local_experts"] = config.pop("num_experts")
+    if "moe_intermediate_size" in config:  # expert_feed_forward_length: the experts' width
+        config["intermediate_size"] = config.pop("moe_intermediate_size")
+    config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    key = f"{p}.attention.sliding_window_pattern"
+    pattern = md.get(key)
+    if pattern is None:
+        sliding = [i % 2 == 0 for i in range(n)]
+    elif isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (n,):
+        sliding = [bool(s) for s in pattern]
+    else:
+        raise ConfigError(f"{file.path}: {key} must be {n} booleans, found {pattern!r}")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    rope = config["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        rope["beta_fast"] = _number(md, f"{p}.rope.scaling.yarn_beta_fast", float, file) or 32.0
+        rope["beta_slow"] = _number(md, f"{p}.rope.scaling.yarn_beta_slow", float, file) or 1.0
+        rope["truncate"] = False
+    elif rope["rope_type"] != "default":
+        raise ConfigError(f"{file.path}: gpt-oss with rope scaling {rope['rope_type']!r} is not supported; "
+                          f"supported: yarn, none")
+
+
+#: GGUF architectures infer knows but refuses, and why (rather than "not supported").
+REFUSED: dict[str, str] = {
+    "gemma4": "Gemma 4's llama.cpp layout (per-layer head sizes and KV sharing, per-layer input "
+              "embeddings, keys-as-values, the fused MoE experts, the proportional rope's rope_freqs) has "
+              "not been verified against a llama.cpp file, so infer neither reads nor writes it; load Gemma 4 "
+              "from its Hugging Face folder",
+}
+
+
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     # Mixtral too: llama with expert tensors (_finish_mixtral).
     ArchitectureMap("llama", "llama", _COMMON + _MOE, {**_LLAMA_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"},
@@ -373,6 +429,9 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
         Hparam("attn_logit_softcapping", "attn_logit_softcapping", float),
     ), _GEMMA3_LAYER, {"hidden_activation": "gelu_pytorch_tanh"}, norm_offset=1.0,
         default_rope_theta=1000000.0, finish=_finish_gemma3),
+    ArchitectureMap("gpt-oss", "gpt_oss", _COMMON + _MOE, _GPT_OSS_LAYER,
+                    {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, default_rope_theta=150000.0,
+                    finish=_finish_gpt_oss, expert_tensors=_GPT_OSS_EXPERTS),
 )}
 
 
@@ -421,6 +480,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     if not isinstance(name, str):
         raise ConfigError(f"{path}: general.architecture is missing or not a string (found {name!r})")
     arch = ARCHITECTURES.get(name)
+    if name in REFUSED:
+        raise UnsupportedArchitectureError(f"{path}: GGUF architecture {name!r} is refused: {REFUSED[name]}")
     if arch is None:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")

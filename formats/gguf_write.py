@@ -31,7 +31,7 @@ from infer.errors import ConfigError, FormatError, MissingDependencyError, Unsup
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
-from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, REFUSED, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
 from .gguf_write_tokenizer import tokenizer_metadata
@@ -103,11 +103,16 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3"})
+WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss"})
+#: Hugging Face model_types refused with a reason (:data:`~infer.formats.gguf_arch.REFUSED`).
+REFUSED_MODEL_TYPES = {"gemma4": "gemma4", "gemma4_text": "gemma4"}
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
     """The :data:`ARCHITECTURES` row that writes Hugging Face ``model_type``."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} cannot be written as GGUF: "
+                                           f"{REFUSED[REFUSED_MODEL_TYPES[model_type]]}")
     rows = [arch for arch in ARCHITECTURES.values() if arch.gguf_name in WRITTEN]
     for arch in rows:
         if model_type == arch.model_type or model_type in arch.also_from:
@@ -118,6 +123,7 @@ def architecture_for(model_type: str) -> ArchitectureMap:
 
 
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(weight|bias)")
+_LAYER_PARAM = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
 
@@ -132,8 +138,13 @@ def gguf_tensor_name(arch: ArchitectureMap, name: str) -> str | None:
     m = _LAYER.fullmatch(name)
     if m is not None:
         for gguf_base, hf in arch.layer_tensors.items():
-            if hf == m[2]:
+            if hf == m[2] and "." not in gguf_base:
                 return f"blk.{m[1]}.{gguf_base}.{m[3]}"
+    m = _LAYER_PARAM.fullmatch(name)
+    if m is not None:  # a parameter without a .weight ending (gpt-oss's sinks)
+        for gguf_full, hf in arch.layer_tensors.items():
+            if hf == m[2] and "." in gguf_full:
+                return f"blk.{m[1]}.{gguf_full}"
     raise FormatError(f"tensor {name!r} has no llama.cpp name in architecture {arch.gguf_name!r}; "
                       f"it cannot be written as GGUF")
 
@@ -234,9 +245,35 @@ def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
             md.pop(f"gemma3.{key}", None)
 
 
+def _gpt_oss_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """gpt-oss as convert_hf_to_gguf.py writes it (the experts' width as
+    ``expert_feed_forward_length`` too), refusing what llama.cpp hard-codes otherwise: the
+    layer pattern (even layers sliding), YaRN without truncation's rounding, a window."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(layers)]
+    if list(types) != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]:
+        raise ConfigError(f"config.json layer_types {types!r} has no GGUF form: llama.cpp's gpt-oss makes "
+                          f"even layers sliding and odd ones full")
+    if not config.get("sliding_window"):
+        raise ConfigError("config.json sliding_window is null; llama.cpp's gpt-oss needs a window "
+                          "(attention.sliding_window)")
+    md["gpt-oss.expert_feed_forward_length"] = int(config["intermediate_size"])
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    md["gpt-oss.expert_count"] = int(experts)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        if rope.get("truncate", True) is not False:
+            raise ConfigError("config.json: gpt-oss YaRN with truncate true has no GGUF form infer reads back "
+                              "(its files mean the released models' truncate false)")
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            if float(rope.get(key, default)) != default:
+                md[f"gpt-oss.rope.scaling.yarn_{key}"] = float(rope[key])
+
+
 #: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
 _EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
-    "gemma3": _gemma3_metadata}
+    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -250,6 +287,34 @@ class _Planned:
     qtype: str
     heads: int | None  # permute the rows for this many heads
     offset: float  # added to the values (gemma3 norms)
+    #: llama.cpp's part of the Hugging Face tensor (gpt-oss's experts split and transposed).
+    pick: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _gpt_oss_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], Callable]] | None:
+    """How convert_hf_to_gguf.py's GptOssModel writes gpt-oss's stacked experts (its default,
+    unfused layout): ``gate_up_proj`` ``[experts, in, 2I]`` (gate and up interleaved) as
+    ``ffn_gate_exps`` and ``ffn_up_exps`` ``[experts, I, in]``, ``down_proj`` transposed to
+    ``ffn_down_exps`` ``[experts, hidden, I]``, the interleaved bias split likewise; None for
+    any other tensor. Each entry: (GGUF name, shape, the part of the Hugging Face array)."""
+    m = _GPT_OSS_EXPERTS.fullmatch(name)
+    if m is None:
+        return None
+    blk = f"blk.{m[1]}"
+    if m[2] == "down_proj":
+        if m[3]:
+            return [(f"{blk}.ffn_down_exps.bias", shape, lambda v: v)]
+        return [(f"{blk}.ffn_down_exps.weight", (shape[0], shape[2], shape[1]), lambda v: v.transpose(0, 2, 1))]
+    if m[3]:
+        half = (shape[0], shape[1] // 2)
+        return [(f"{blk}.ffn_gate_exps.bias", half, lambda v: v[:, 0::2]),
+                (f"{blk}.ffn_up_exps.bias", half, lambda v: v[:, 1::2])]
+    half = (shape[0], shape[2] // 2, shape[1])
+    return [(f"{blk}.ffn_gate_exps.weight", half, lambda v: v.transpose(0, 2, 1)[:, 0::2]),
+            (f"{blk}.ffn_up_exps.weight", half, lambda v: v.transpose(0, 2, 1)[:, 1::2])]
 
 
 def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
@@ -259,6 +324,12 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
     plan = []
     for name in src.names():
         if tied and name == "lm_head.weight":
+            continue
+        parts = _gpt_oss_parts(name, tuple(src.shape(name))) if arch.gguf_name == "gpt-oss" else None
+        if parts is not None:
+            for gguf_name, shape, pick in parts:
+                plan.append(_Planned(name, gguf_name, shape, tensor_type(gguf_name, shape[-1], len(shape), out,
+                                                                         layers, tied), None, 0.0, pick))
             continue
         gguf_name = gguf_tensor_name(arch, name)
         if gguf_name is None:
@@ -286,6 +357,8 @@ def _values(package: ModelPackage, p: _Planned, freqs: np.ndarray | None) -> np.
     if isinstance(value, QuantizedTensor):
         value = value.dequantize()
     value = np.asarray(value)
+    if p.pick is not None:
+        value = np.ascontiguousarray(p.pick(value))
     if p.heads:
         value = value[_permute_rows(value.shape[0], p.heads)]
     if p.offset:
@@ -337,6 +410,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
             writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
     total = sum(int(np.prod(p.shape)) for p in plan)
+    last = {p.hf: p for p in plan}  # a tensor split in parts is released after its last
     bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
                disable=None if progress is None else not progress)
     try:
@@ -355,7 +429,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                     if p.qtype in ("F32", "F16"):
                         data = data.view("<f4" if p.qtype == "F32" else "<f2").reshape(p.shape)
                 writer.write_tensor_data(data)
-                if p.hf is not None:
+                if p.hf is not None and last.get(p.hf) is p:
                     package.tensors.release(p.hf)
     finally:
         writer.close()

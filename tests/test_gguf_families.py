@@ -253,3 +253,158 @@ def test_quantized_experts_are_each_experts_own_blocks(variant: str, gguf_dir: P
     model = infer.load(path, backend="numpy")  # runs on the quantized experts
     assert model.network.num_layers == json.loads((tiny_model_dir(variant) / "config.json").read_text())[
         "num_hidden_layers"]
+
+
+# -- gpt-oss: llama.cpp's gpt-oss files, MXFP4 experts -------------------------------------------
+
+#: The variants llama.cpp's gpt-oss can hold (its clamped SwiGLU is hard-coded at alpha 1.702, limit 7).
+GPT_OSS = ["gpt_oss_gguf", "gpt_oss_gguf_tied"]
+
+
+def convert_gpt_oss(variant: str, out: Path, experts: str = "F32") -> dict[str, np.ndarray]:
+    """Write ``variant`` as convert_hf_to_gguf.py's GptOssModel does: ``gate_up_proj`` (``[experts,
+    in, 2 * out]``, gate and up interleaved) split into ``ffn_gate_exps`` and ``ffn_up_exps``
+    (``[experts, out, in]``), ``down_proj`` transposed, the sinks as ``attn_sinks.weight``, the
+    experts' matrices as ``experts`` (F32, or MXFP4 as the released files). Returns what each
+    tensor must read back as, under the reader's names (one expert's rows each)."""
+    from safetensors.numpy import load_file
+
+    folder = tiny_model_dir(variant)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    layers, arch = cfg["num_hidden_layers"], "gpt-oss"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    md = _metadata("gpt_oss", cfg)
+    md.update({"expert_count": cfg["num_local_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+               "expert_feed_forward_length": cfg["intermediate_size"], "attention.sliding_window": cfg["sliding_window"]})
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        md.update({"rope.scaling.factor": float(rope["factor"]),
+                   "rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    expected: dict[str, np.ndarray] = {}
+
+    def add(name: str, value: np.ndarray, qtype: str = "F32") -> np.ndarray:
+        value = np.ascontiguousarray(value, np.float32)
+        if qtype == "F32":
+            w.add_tensor(name, value)
+            return value
+        raw = gguf.quants.quantize(value, gguf.GGMLQuantizationType[qtype])
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(value.shape)
+
+    def stacked(hf_prefix: str, kind: str, value: np.ndarray) -> None:  # [experts, out, in]
+        back = add(names.get_name(f"{hf_prefix}.{kind}") + ".weight", value, experts)
+        for e in range(back.shape[0]):
+            expected[f"{hf_prefix}.{e}.{kind}.weight"] = back[e]
+
+    for hf, value in sorted(state.items()):
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?", hf)
+        if m and m[2] == "gate_up_proj" and m[3]:
+            for kind, part in (("gate_proj", value[..., 0::2]), ("up_proj", value[..., 1::2])):
+                expected[f"{m[1]}.{kind}_bias"] = add(names.get_name(f"{m[1]}.{kind}") + ".bias", part)
+        elif m and m[3]:
+            expected[hf] = add(names.get_name(f"{m[1]}.down_proj") + ".bias", value)
+        elif m and m[2] == "gate_up_proj":
+            t = value.transpose(0, 2, 1)
+            stacked(m[1], "gate_proj", t[:, 0::2])
+            stacked(m[1], "up_proj", t[:, 1::2])
+        elif m:
+            stacked(m[1], "down_proj", value.transpose(0, 2, 1))
+        elif hf.endswith(".sinks"):
+            expected[hf] = add(names.get_name(hf) + ".weight", value)
+        else:
+            base, _, suffix = hf.rpartition(".")
+            expected[hf] = add(f"{names.get_name(base)}.{suffix}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.mark.parametrize("variant", GPT_OSS)
+def test_gpt_oss_file_reads_back_and_gives_transformers_logits(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}.gguf"
+    expected = convert_gpt_oss(variant, path)
+    package = open_gguf(path, tokenizer=False)
+    hf = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    assert package.model_type == "gpt_oss"
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
+                "attention_bias", "tie_word_embeddings", "swiglu_limit", "swiglu_alpha", "rms_norm_eps"):
+        want = hf[key]
+        assert package.config[key] == (pytest.approx(want, rel=1e-7) if isinstance(want, float) else want), key
+    rope = {k: v for k, v in package.config["rope_parameters"].items()}
+    assert rope == hf["rope_parameters"]
+    src = package.tensors
+    assert sorted(src.names()) == sorted(expected)
+    for name, want in expected.items():
+        got = np.asarray(src.get(name))
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        assert np.array_equal(got, want), name  # bit for bit
+    _check_logits(variant, path)
+
+
+def test_gpt_oss_mxfp4_experts_stay_blocks_and_match_gguf_py(gguf_dir: Path) -> None:
+    # The released files' experts: MXFP4 (GGML type 39). Each expert's rows are its own blocks,
+    # dequantized exactly as gguf-py's reference; the numpy backend computes on the blocks.
+    path = gguf_dir / "gpt_oss_mxfp4.gguf"
+    expected = convert_gpt_oss("gpt_oss_gguf", path, experts="MXFP4")
+    src = open_gguf(path, tokenizer=False).tensors
+    experts = [n for n in expected if re.search(r"experts\.\d+\.", n)]
+    assert experts
+    for name in experts:
+        got = src.get(name)
+        assert isinstance(got, GGUFQuantizedTensor) and got.qtype == "MXFP4", name
+        assert np.array_equal(got.dequantize(), expected[name]), name
+    model = infer.load(path, backend="numpy")
+    assert "MXFP4" in model.weights_summary if hasattr(model, "weights_summary") else True
+    folder = tiny_model_dir("gpt_oss_gguf")
+    prompt = encode(folder, PROMPT)
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt, all_logits=True))
+    # The reference: the same model with the experts' dequantized values as float32 weights.
+    dense = gguf_dir / "gpt_oss_mxfp4_dense.gguf"
+    _dense_copy(path, dense)
+    want = infer.load(dense, backend="numpy")
+    ref = want.backend.to_numpy(want.engine.forward(want.engine.new_sequence(), prompt, all_logits=True))
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _dense_copy(path: Path, out: Path) -> None:
+    """``path`` rewritten with every tensor dequantized to F32 (gguf-py's reference dequantizer)."""
+    reader = gguf.GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    w = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith(arch + "."):
+            value = field.contents()
+            if field.types[0] == gguf.GGUFValueType.STRING:
+                w.add_string(field.name, value)
+            elif field.types[0] == gguf.GGUFValueType.FLOAT32:
+                w.add_float32(field.name, value)
+            else:
+                w.add_uint32(field.name, value)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        w.add_tensor(t.name, np.ascontiguousarray(values, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gemma4_gguf_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = tmp_path / "gemma4.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_uint32("gemma4.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(infer.errors.UnsupportedArchitectureError, match="gemma4.*refused.*not been verified"):
+        open_gguf(path, tokenizer=False)
