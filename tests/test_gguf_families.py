@@ -362,7 +362,8 @@ def test_gpt_oss_mxfp4_experts_stay_blocks_and_match_gguf_py(gguf_dir: Path) -> 
         assert isinstance(got, GGUFQuantizedTensor) and got.qtype == "MXFP4", name
         assert np.array_equal(got.dequantize(), expected[name]), name
     model = infer.load(path, backend="numpy")
-    assert "MXFP4" in model.weights_summary if hasattr(model, "weights_summary") else True
+    for expert in model.network.layers[0].attn_out["experts"]:  # gate and up rows stacked, as blocks still
+        assert {w.scheme for w in expert.values()} == {"MXFP4 blocks as stored, numpy kernel"}
     folder = tiny_model_dir("gpt_oss_gguf")
     prompt = encode(folder, PROMPT)
     logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt, all_logits=True))
@@ -408,3 +409,51 @@ def test_gemma4_gguf_is_refused_with_the_reason(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(infer.errors.UnsupportedArchitectureError, match="gemma4.*refused.*not been verified"):
         open_gguf(path, tokenizer=False)
+
+
+@pytest.mark.parametrize("variant", GPT_OSS)
+def test_infer_convert_writes_gpt_oss_as_llama_cpps_converter(variant: str, gguf_dir: Path) -> None:
+    # infer's writer gives the tensors (names, shapes, values) and metadata of convert_gpt_oss's file
+    # (convert_hf_to_gguf.py's layout), and the file gives transformers' logits.
+    ours = infer.convert(tiny_model_dir(variant), gguf_dir / f"{variant}_ours.gguf", type="f32", progress=False)
+    theirs = gguf_dir / f"{variant}_theirs.gguf"
+    convert_gpt_oss(variant, theirs)
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    assert {t.name: (list(t.shape), t.tensor_type) for t in a.tensors} == \
+        {t.name: (list(t.shape), t.tensor_type) for t in b.tensors}
+    mine = {t.name: np.asarray(t.data) for t in a.tensors}
+    for t in b.tensors:
+        assert np.array_equal(mine[t.name], np.asarray(t.data)), t.name
+    keys = {f.name for f in b.fields.values() if f.name.startswith("gpt-oss.")}
+    for key in keys:
+        assert a.fields[key].contents() == pytest.approx(b.fields[key].contents()), key
+    _check_logits(variant, ours)
+
+
+@pytest.mark.parametrize("variant,edit,what", [
+    ("gpt_oss", {}, "swiglu_limit is 1.5; GGUF's gpt-oss computes 7.0"),
+    ("gpt_oss_top3", {}, "swiglu_alpha is 1.0; GGUF's gpt-oss computes 1.702"),
+    ("gpt_oss_gguf_tied", {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     "layer_types .* no GGUF form: llama.cpp's gpt-oss makes even layers sliding"),
+    ("gpt_oss_gguf_tied", {"sliding_window": None}, "sliding_window is null"),
+    ("gpt_oss_gguf", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 64, "truncate": True}},
+     "truncate true has no GGUF form"),
+])
+def test_infer_convert_refuses_gpt_oss_that_llama_cpp_cannot_hold(variant: str, edit: dict[str, Any], what: str,
+                                                                   tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / variant
+    shutil.copytree(tiny_model_dir(variant), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(infer.errors.ConfigError, match=what):
+        infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
+
+
+def test_infer_convert_refuses_gemma4_and_names_what_it_writes(tmp_path: Path) -> None:
+    with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"gemma4_text.*not been verified"):
+        infer.convert(tiny_model_dir("gemma4"), tmp_path / "m.gguf", type="f32", progress=False)
+    with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"'mamba2'.*supported: .*gpt_oss"):
+        infer.convert(tiny_model_dir("mamba2"), tmp_path / "m.gguf", type="f32", progress=False)
