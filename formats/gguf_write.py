@@ -78,8 +78,8 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
     Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
     picks are Q6_K too.
     """
-    if ndim < 2 or out.ggml == "F32":
-        return "F32"
+    if ndim < 2 or out.ggml == "F32" or not gguf_name.endswith(".weight") or ".ffn_gate_inp." in gguf_name:
+        return "F32"  # as convert_hf_to_gguf.py: vectors, every non-weight (gpt-oss's [experts, out] biases), routers
     qtype = out.ggml
     block_type = TYPES_BY_NAME[qtype].quantized
     layer = re.match(r"blk\.(\d+)\.", gguf_name)
@@ -407,7 +407,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
         if p.qtype in ("F32", "F16"):
             writer.add_tensor_info(p.gguf, p.shape, np.dtype(np.float32 if p.qtype == "F32" else np.float16), nbytes)
         else:
-            writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
+            writer.add_tensor_info(p.gguf, (*p.shape[:-1], t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
     total = sum(int(np.prod(p.shape)) for p in plan)
     last = {p.hf: p for p in plan}  # a tensor split in parts is released after its last
