@@ -327,9 +327,12 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
             continue
         parts = _gpt_oss_parts(name, tuple(src.shape(name))) if arch.gguf_name == "gpt-oss" else None
         if parts is not None:
+            mxfp4 = src.storage_dtype(name) == "mxfp4"  # the released checkpoints' experts
             for gguf_name, shape, pick in parts:
-                plan.append(_Planned(name, gguf_name, shape, tensor_type(gguf_name, shape[-1], len(shape), out,
-                                                                         layers, tied), None, 0.0, pick))
+                qtype = tensor_type(gguf_name, shape[-1], len(shape), out, layers, tied)
+                if mxfp4 and gguf_name.endswith(".weight") and shape[-1] % 32 == 0:
+                    qtype = "MXFP4"  # kept, as convert_hf_to_gguf.py repacks them: the values are exact
+                plan.append(_Planned(name, gguf_name, shape, qtype, None, 0.0, pick))
             continue
         gguf_name = gguf_tensor_name(arch, name)
         if gguf_name is None:

@@ -457,3 +457,61 @@ def test_infer_convert_refuses_gemma4_and_names_what_it_writes(tmp_path: Path) -
         infer.convert(tiny_model_dir("gemma4"), tmp_path / "m.gguf", type="f32", progress=False)
     with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"'mamba2'.*supported: .*gpt_oss"):
         infer.convert(tiny_model_dir("mamba2"), tmp_path / "m.gguf", type="f32", progress=False)
+
+
+def _mxfp4_folder(variant: str, out: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``variant``'s folder with its experts replaced by random MXFP4 ones as the released
+    checkpoints store them (``X_blocks`` ``[experts, out, groups, 16]``, low nibble the even
+    value; ``X_scales`` the exponent + 127; ``quantization_config`` ``mxfp4``). Returns each
+    expert tensor's (codes ``[experts, out, in]``, exponents ``[experts, out, groups]``)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(tiny_model_dir(variant), out)
+    cfg = json.loads((out / "config.json").read_text())
+    state = load_file(out / "model.safetensors")
+    rng = np.random.default_rng(7)
+    packed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in [n for n in state if re.search(r"experts\.(gate_up_proj|down_proj)$", n)]:
+        e, cols, rows = state.pop(name).shape  # the parameter is [experts, in, out]
+        codes = rng.integers(0, 16, (e, rows, cols), dtype=np.uint8)
+        scales = rng.integers(127 - 6, 127 - 1, (e, rows, cols // 32), dtype=np.uint8)
+        pairs = codes.reshape(e, rows, cols // 32, 16, 2)
+        state[name + "_blocks"] = pairs[..., 0] | (pairs[..., 1] << np.uint8(4))
+        state[name + "_scales"] = scales
+        packed[name] = (codes, scales)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
+def test_infer_convert_keeps_mxfp4_experts_as_llama_cpp_repacks_them(tmp_path: Path) -> None:
+    # A released-style checkpoint's MXFP4 experts are written as GGML MXFP4 blocks whatever the
+    # output type (convert_hf_to_gguf.py's repack_mxfp4): the same codes and exponents, gate and up
+    # rows apart; read back and run, they give the folder's logits.
+    folder = tmp_path / "mxfp4"
+    packed = _mxfp4_folder("gpt_oss_gguf", folder)
+    path = infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    for name, (codes, scales) in packed.items():
+        layer = re.search(r"layers\.(\d+)\.", name)[1]
+        parts = ({"gate": (0, 2), "up": (1, 2)} if "gate_up" in name else {"down": (0, 1)})
+        for kind, (start, step) in parts.items():
+            t = tensors[f"blk.{layer}.ffn_{kind}_exps.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4, t.name
+            c, s = codes[:, start::step], scales[:, start::step]  # the rows of this part
+            e, rows, cols = c.shape
+            halves = c.reshape(e, rows, cols // 32, 2, 16)
+            want = np.concatenate([s[..., None], halves[..., 0, :] | (halves[..., 1, :] << np.uint8(4))], axis=-1)
+            assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), t.name
+    model = infer.load(path, backend="numpy")
+    assert {w.scheme for w in model.network.layers[0].attn_out["experts"][0].values()} == \
+        {"MXFP4 blocks as stored, numpy kernel"}
+    prompt = encode(folder, PROMPT)
+    want = infer.load(folder, backend="numpy")
+    ref = want.backend.to_numpy(want.engine.forward(want.engine.new_sequence(), prompt, all_logits=True))
+    got = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt, all_logits=True))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)  # the same values; sums in another order
