@@ -32,6 +32,11 @@ Against Llama (:mod:`.llama`):
   up projection on both sides at ``swiglu_limit`` (7), then
   ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` (alpha 1.702). ``hidden_act``
   is not read: transformers' experts compute this whatever it says.
+* From GGUF (llama.cpp's ``gpt-oss``), the experts come in llama.cpp's layout:
+  ``experts.{e}.gate_proj`` / ``up_proj`` ``[I, hidden]`` and ``down_proj`` ``[hidden, I]``
+  per expert, biases ``gate_proj_bias`` / ``up_proj_bias`` ``[experts, I]``
+  (``formats/gguf_arch.py``); each expert's gate and up rows are stacked into one weight
+  as stored, so MXFP4 or other blocks stay blocks.
 
 Per layer:
     h = h + o_proj(attention_sinks(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))   x = input_layernorm(h)

@@ -277,7 +277,8 @@ def convert_gpt_oss(variant: str, out: Path, experts: str = "F32") -> dict[str, 
     w = gguf.GGUFWriter(str(out), arch)
     md = _metadata("gpt_oss", cfg)
     md.update({"expert_count": cfg["num_local_experts"], "expert_used_count": cfg["num_experts_per_tok"],
-               "expert_feed_forward_length": cfg["intermediate_size"], "attention.sliding_window": cfg["sliding_window"]})
+               "expert_feed_forward_length": cfg["intermediate_size"],
+               "attention.sliding_window": cfg["sliding_window"]})
     rope = cfg["rope_parameters"]
     if rope["rope_type"] == "yarn":
         md.update({"rope.scaling.factor": float(rope["factor"]),
@@ -347,6 +348,11 @@ def test_gpt_oss_file_reads_back_and_gives_transformers_logits(variant: str, ggu
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), name  # bit for bit
     _check_logits(variant, path)
+    folder = tiny_model_dir(variant)  # torch too (mlx: test_mlx_backend's own checks)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    model = infer.load(path, backend="torch")
+    logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
+    assert_logits_close(logits, reference_logits(folder, prompt, decode)["full"], f"{variant} from GGUF on torch")
 
 
 def test_gpt_oss_mxfp4_experts_stay_blocks_and_match_gguf_py(gguf_dir: Path) -> None:
