@@ -31,7 +31,7 @@ from infer.errors import ConfigError, FormatError, MissingDependencyError, Unsup
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
-from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, REFUSED, ArchitectureMap, _llama3_divisors
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
 from .gguf_write_tokenizer import tokenizer_metadata
@@ -104,15 +104,17 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
 WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss"})
-#: Hugging Face model_types refused with a reason (:data:`~infer.formats.gguf_arch.REFUSED`).
-REFUSED_MODEL_TYPES = {"gemma4": "gemma4", "gemma4_text": "gemma4"}
+#: Hugging Face model_types read from GGUF but refused by the writer, and why.
+REFUSED_MODEL_TYPES = {m: "infer reads llama.cpp's gemma4 files but does not write them (the per-layer metadata "
+                          "arrays, rope_freqs and router-scale tensors of convert_hf_to_gguf.py's Gemma4Model have "
+                          "no writer path yet)" for m in ("gemma4", "gemma4_text")}
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
     """The :data:`ARCHITECTURES` row that writes Hugging Face ``model_type``."""
     if model_type in REFUSED_MODEL_TYPES:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} cannot be written as GGUF: "
-                                           f"{REFUSED[REFUSED_MODEL_TYPES[model_type]]}")
+                                           f"{REFUSED_MODEL_TYPES[model_type]}")
     rows = [arch for arch in ARCHITECTURES.values() if arch.gguf_name in WRITTEN]
     for arch in rows:
         if model_type == arch.model_type or model_type in arch.also_from:

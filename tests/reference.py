@@ -432,6 +432,13 @@ _GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 # gpt-oss as llama.cpp files hold it: the clamped SwiGLU at llama.cpp's hard-coded alpha 1.702 and
 # limit 7, even layers sliding (window 6). "gpt_oss_gguf": YaRN factor 4 over 64 positions, biases,
 # GQA 4:2; "gpt_oss_gguf_tied": default rope, no attention biases, MQA, tied head, top-3 of 5.
+# Gemma 4's MoE variant as llama.cpp's gemma4 holds it: no attention biases (llama.cpp loads none),
+# proportional rope without a scaling factor (no verified GGUF form).
+_GGUF_ONLY["gemma4_moe_gguf"] = ("Gemma4TextConfig", dict(
+    _FAMILIES["gemma4_moe"][1], attention_bias=False,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                        "rope_theta": 1_000_000.0}}))
 _GGUF_ONLY.update({
     "gpt_oss_gguf": ("GptOssConfig", dict(_FAMILIES["gpt_oss"][1], swiglu_limit=7.0)),
     "gpt_oss_gguf_tied": ("GptOssConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=24,

@@ -404,19 +404,6 @@ def _dense_copy(path: Path, out: Path) -> None:
     w.close()
 
 
-def test_gemma4_gguf_is_refused_with_the_reason(tmp_path: Path) -> None:
-    path = tmp_path / "gemma4.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma4")
-    w.add_uint32("gemma4.block_count", 1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(infer.errors.UnsupportedArchitectureError, match="gemma4.*refused.*not been verified"):
-        open_gguf(path, tokenizer=False)
-
-
 @pytest.mark.parametrize("variant", GPT_OSS)
 def test_infer_convert_writes_gpt_oss_as_llama_cpps_converter(variant: str, gguf_dir: Path) -> None:
     # infer's writer gives the tensors (names, shapes, values) and metadata of convert_gpt_oss's file
@@ -459,7 +446,7 @@ def test_infer_convert_refuses_gpt_oss_that_llama_cpp_cannot_hold(variant: str, 
 
 
 def test_infer_convert_refuses_gemma4_and_names_what_it_writes(tmp_path: Path) -> None:
-    with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"gemma4_text.*not been verified"):
+    with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"gemma4_text.*reads llama.cpp's gemma4 files but does not write"):
         infer.convert(tiny_model_dir("gemma4"), tmp_path / "m.gguf", type="f32", progress=False)
     with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"'mamba2'.*supported: .*gpt_oss"):
         infer.convert(tiny_model_dir("mamba2"), tmp_path / "m.gguf", type="f32", progress=False)
@@ -521,3 +508,117 @@ def test_infer_convert_keeps_mxfp4_experts_as_llama_cpp_repacks_them(tmp_path: P
     ref = want.backend.to_numpy(want.engine.forward(want.engine.new_sequence(), prompt, all_logits=True))
     got = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt, all_logits=True))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)  # the same values; sums in another order
+
+
+# -- Gemma 4: llama.cpp's gemma4 -------------------------------------------------------------
+
+GEMMA4 = ["gemma4", "gemma4_moe_gguf"]
+
+
+def _gemma4_layers(config: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """Each layer's head size and key/value heads, as infer's Gemma 4 reads the config (either
+    form: transformers 5.24's ``per_layer_config`` or the released ``global_head_dim``)."""
+    from infer.architectures.gemma4 import Gemma4Config, layer_rope
+    from infer.config import from_dict
+
+    c = from_dict(Gemma4Config, {**config, "rope": layer_rope(config)})
+    return ([c.layer_head_dim(i) for i in range(c.num_hidden_layers)],
+            [c.kv_heads(i) for i in range(c.num_hidden_layers)])
+
+
+def convert_gemma4(variant: str, out: Path) -> dict[str, np.ndarray]:
+    """Write ``variant`` as convert_hf_to_gguf.py's Gemma4Model does (no norm offset; per-layer
+    arrays for the layer pattern, key/value heads and double-wide MLPs; the full layers'
+    proportional rope as ``rope_freqs`` factors 1 / 1e30; the router's scales as
+    ``ffn_gate_inp.scale`` and ``ffn_down_exps.scale``; ``layer_scalar`` as
+    ``layer_output_scale.weight``). Returns what each Hugging Face tensor must read back as."""
+    from safetensors.numpy import load_file
+
+    folder = tiny_model_dir(variant)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    n, arch = cfg["num_hidden_layers"], "gemma4"
+    heads, kv_heads = _gemma4_layers(cfg)
+    cfg["global_head_dim"] = next(h for h, t in zip(heads, cfg["layer_types"]) if t == "full_attention")
+    full_kv = {k for k, t in zip(kv_heads, cfg["layer_types"]) if t == "full_attention"}
+    if full_kv != {cfg["num_key_value_heads"]}:  # the released configs' num_global_key_value_heads
+        cfg["num_global_key_value_heads"] = full_kv.pop()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    w = gguf.GGUFWriter(str(out), arch)
+    swa = [t == "sliding_attention" for t in cfg["layer_types"]]
+    shared = cfg.get("num_kv_shared_layers") or 0
+    rope = cfg["rope_parameters"]
+    md: dict[str, Any] = {
+        "context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"], "block_count": n,
+        "attention.head_count": cfg["num_attention_heads"], "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+        "attention.key_length": cfg["global_head_dim"], "attention.value_length": cfg["global_head_dim"],
+        "attention.key_length_swa": cfg["head_dim"], "attention.value_length_swa": cfg["head_dim"],
+        "rope.freq_base": float(rope["full_attention"]["rope_theta"]),
+        "rope.freq_base_swa": float(rope["sliding_attention"]["rope_theta"]),
+        "attention.sliding_window": cfg["sliding_window"], "attention.shared_kv_layers": shared,
+        "embedding_length_per_layer_input": cfg.get("hidden_size_per_layer_input") or 0,
+        "rope.dimension_count": cfg["global_head_dim"], "rope.dimension_count_swa": cfg["head_dim"],
+    }
+    if cfg.get("final_logit_softcapping"):
+        md["final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        md.update({"expert_count": cfg["num_experts"], "expert_used_count": cfg["top_k_experts"],
+                   "expert_feed_forward_length": cfg["moe_intermediate_size"]})
+    for key, value in md.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    ff = cfg["intermediate_size"]
+    if cfg.get("use_double_wide_mlp"):
+        w.add_array(f"{arch}.feed_forward_length", [ff if i < n - shared else 2 * ff for i in range(n)])
+    else:
+        w.add_uint32(f"{arch}.feed_forward_length", ff)
+    if cfg.get("num_global_key_value_heads") is not None:
+        w.add_array(f"{arch}.attention.head_count_kv",
+                    [cfg["num_key_value_heads"] if s else cfg["num_global_key_value_heads"] for s in swa])
+    else:
+        w.add_uint32(f"{arch}.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_array(f"{arch}.attention.sliding_window_pattern", swa)
+    rotated = int(cfg["global_head_dim"] * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (cfg["global_head_dim"] // 2 - rotated),
+                                               np.float32))
+    expected: dict[str, np.ndarray] = {}
+    for hf, value in sorted(state.items()):
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+        if m and m[2] == "router.scale":
+            gguf_name = f"blk.{m[1]}.ffn_gate_inp.scale"
+        elif m and m[2] == "router.per_expert_scale":
+            gguf_name = f"blk.{m[1]}.ffn_down_exps.scale"
+        elif m and m[2] in ("layer_scalar", "experts.gate_up_proj", "experts.down_proj"):
+            gguf_name = names.get_name(hf) + ".weight"
+        else:
+            base, _, suffix = hf.rpartition(".")
+            gguf_name = f"{names.get_name(base)}.{suffix}"
+        w.add_tensor(gguf_name, np.ascontiguousarray(value, np.float32))
+        expected[hf] = value
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.mark.parametrize("variant", GEMMA4)
+def test_gemma4_file_reads_back_and_gives_transformers_logits(variant: str, gguf_dir: Path) -> None:
+    path = gguf_dir / f"{variant}.gguf"
+    expected = convert_gemma4(variant, path)
+    package = open_gguf(path, tokenizer=False)
+    hf = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    assert package.model_type == "gemma4_text"
+    assert _gemma4_layers(package.config) == _gemma4_layers(hf)  # head sizes, key/value heads per layer
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "sliding_window", "layer_types", "num_kv_shared_layers",
+                "hidden_size_per_layer_input", "attention_k_eq_v", "use_double_wide_mlp", "enable_moe_block",
+                "tie_word_embeddings", "final_logit_softcapping", "rms_norm_eps"):
+        want = hf.get(key)
+        assert package.config.get(key) == (pytest.approx(want, rel=1e-7) if isinstance(want, float) else want), key
+    src = package.tensors
+    assert sorted(src.names()) == sorted(expected)
+    for name, want in expected.items():
+        got = np.asarray(src.get(name))
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        assert np.array_equal(got, want), name  # bit for bit
+    _check_logits(variant, path)
