@@ -103,11 +103,10 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss"})
+WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss", "gemma4"})
 #: Hugging Face model_types read from GGUF but refused by the writer, and why.
-REFUSED_MODEL_TYPES = {m: "infer reads llama.cpp's gemma4 files but does not write them (the per-layer metadata "
-                          "arrays, rope_freqs and router-scale tensors of convert_hf_to_gguf.py's Gemma4Model have "
-                          "no writer path yet)" for m in ("gemma4", "gemma4_text")}
+REFUSED_MODEL_TYPES = {"gemma4": "its vision and audio towers go to llama.cpp's separate mmproj file, which infer "
+                                  "does not write; write the text model (a gemma4_text folder)"}
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
@@ -134,7 +133,7 @@ def gguf_tensor_name(arch: ArchitectureMap, name: str) -> str | None:
     if _SKIPPED.fullmatch(name):
         return None
     base, _, kind = name.rpartition(".")
-    for gguf_base, hf in GLOBAL_TENSORS.items():
+    for gguf_base, hf in (GLOBAL_TENSORS if arch.global_tensors is None else arch.global_tensors).items():
         if base == hf and kind in ("weight", "bias"):
             return f"{gguf_base}.{kind}"
     m = _LAYER.fullmatch(name)
@@ -186,6 +185,8 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
     theta = rope.get("rope_theta")
     if theta is not None:
         c["rope_theta"] = theta
+    if arch.gguf_name == "gemma4":
+        _gemma4_config(c)
     if c.get("sliding_window") is None or (arch.model_type == "qwen2" and not c.get("use_sliding_window")):
         c.pop("sliding_window", None)  # Qwen2 keeps a window size it does not use
     md: dict[str, Any] = {}
@@ -212,6 +213,8 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
         freqs = _llama3_divisors(rope, c["head_dim"]).astype(np.float32)
         if rope["original_max_position_embeddings"] != 8192:  # llama.cpp reads only the divisors
             md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "proportional" and arch.gguf_name == "gemma4":
+        freqs = _gemma4_rope_freqs(c, rope)
     elif kind != "default":
         raise ConfigError(f"rope scaling {kind!r} has no GGUF form for {arch.gguf_name}; supported: linear, yarn"
                           f"{', llama3' if arch.gguf_name == 'llama' else ''}")
@@ -273,9 +276,90 @@ def _gpt_oss_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[st
                 md[f"gpt-oss.rope.scaling.yarn_{key}"] = float(rope[key])
 
 
+def _gemma4_config(c: dict[str, Any]) -> None:
+    """Gemma 4's per-layer head sizes and key/value heads, in place, in the released
+    configs' form (``global_head_dim``, ``num_global_key_value_heads``) that
+    convert_hf_to_gguf.py reads, from either that form or transformers 5.24's
+    ``per_layer_config``; what llama.cpp cannot hold is refused."""
+    n, types = c["num_hidden_layers"], c.get("layer_types")
+    if not types or len(types) != n:
+        raise ConfigError(f"config.json layer_types must list the {n} layers' kinds for GGUF's gemma4")
+    if c.get("attention_bias"):
+        raise ConfigError("config.json attention_bias is true; llama.cpp's gemma4 loads no attention biases")
+    overrides = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    heads, kv = [], []
+    for i, kind in enumerate(types):
+        o, full = overrides.get(i), kind == "full_attention"
+        heads.append(int(o.get("head_dim", c["head_dim"])) if o else
+                     int(c.get("global_head_dim") or c["head_dim"]) if full else int(c["head_dim"]))
+        global_kv = c.get("num_global_key_value_heads") if full and c.get("attention_k_eq_v") else None
+        kv.append(int(o.get("num_key_value_heads", c["num_key_value_heads"])) if o else
+                  int(global_kv or c["num_key_value_heads"]))
+    for kind in ("sliding_attention", "full_attention"):
+        seen = {(h, k) for h, k, t in zip(heads, kv, types) if t == kind}
+        if len(seen) > 1:
+            raise ConfigError(f"config.json gives {kind} layers different head sizes or key/value heads {sorted(seen)};"
+                              f" GGUF's gemma4 has one of each per layer kind")
+        if kind == "sliding_attention" and seen and seen != {(c["head_dim"], c["num_key_value_heads"])}:
+            raise ConfigError("config.json per_layer_config changes sliding layers' head_dim or "
+                              "num_key_value_heads; GGUF's gemma4 stores those once")
+    full = [(h, k) for h, k, t in zip(heads, kv, types) if t == "full_attention"]
+    c["global_head_dim"] = full[0][0] if full else c["head_dim"]
+    if full and full[0][1] != c["num_key_value_heads"]:
+        if not c.get("attention_k_eq_v"):
+            raise ConfigError("config.json gives full layers their own key/value heads without attention_k_eq_v; "
+                              "infer reads a GGUF's per-kind counts back only with keys as values")
+        c["num_global_key_value_heads"] = full[0][1]
+    else:
+        c.pop("num_global_key_value_heads", None)
+
+
+def _gemma4_rope_freqs(c: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """The full layers' proportional rope as Gemma4Model writes it: ``rope_freqs``, 1 for the
+    rotated frequency pairs and 1e30 (no rotation) for the rest."""
+    if float(rope.get("factor", 1.0)) != 1.0:
+        raise ConfigError(f"config.json: Gemma 4's proportional rope with factor {rope['factor']} has no GGUF form "
+                          f"infer has verified")
+    dim = c["global_head_dim"]
+    rotated = int(dim * rope.get("partial_rotary_factor", 1.0) / 2)
+    return np.array([1.0] * rotated + [1e30] * (dim // 2 - rotated), np.float32)
+
+
+def _gemma4_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """convert_hf_to_gguf.py's Gemma4Model keys: per-layer arrays where layers differ (the
+    sliding pattern always; key/value heads with ``num_global_key_value_heads``; the MLP
+    widths with ``use_double_wide_mlp``), both head sizes, both rope dimension counts and
+    bases, the shared-KV count, the per-layer input width."""
+    p, c, n = "gemma4", config, config["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    local = local or {"rope_type": "default", "rope_theta": 10000.0}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"config.json: Gemma 4 sliding layers' rope {local.get('rope_type')!r} has no GGUF form; "
+                          f"supported: default")
+    shared = int(c.get("num_kv_shared_layers") or 0)
+    ff = int(c["intermediate_size"])
+    md[f"{p}.feed_forward_length"] = (np.array([ff if i < n - shared else 2 * ff for i in range(n)], np.int32)
+                                      if c.get("use_double_wide_mlp") and shared else ff)
+    md[f"{p}.attention.head_count_kv"] = int(c["num_key_value_heads"])
+    if c.get("num_global_key_value_heads") is not None:
+        md[f"{p}.attention.head_count_kv"] = np.array(
+            [c["num_key_value_heads"] if s else c["num_global_key_value_heads"] for s in swa], np.int32)
+    md[f"{p}.attention.sliding_window_pattern"] = np.array(swa, dtype=bool)
+    head, full = int(c["head_dim"]), int(c["global_head_dim"])
+    md.update({f"{p}.attention.key_length": full, f"{p}.attention.value_length": full,
+               f"{p}.attention.key_length_swa": head, f"{p}.attention.value_length_swa": head,
+               f"{p}.rope.dimension_count": full,
+               f"{p}.rope.dimension_count_swa": int(head * local.get("partial_rotary_factor", 1.0)),
+               f"{p}.rope.freq_base_swa": float(local.get("rope_theta", 10000.0)),
+               f"{p}.attention.shared_kv_layers": shared,
+               f"{p}.embedding_length_per_layer_input": int(c.get("hidden_size_per_layer_input") or 0)})
+    if c.get("final_logit_softcapping") is None:
+        md.pop(f"{p}.final_logit_softcapping", None)
+
+
 #: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
 _EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
-    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata}
+    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata, "gemma4": _gemma4_metadata}
 
 
 # -- writing -----------------------------------------------------------------------------------

@@ -445,9 +445,7 @@ def test_infer_convert_refuses_gpt_oss_that_llama_cpp_cannot_hold(variant: str, 
         infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
 
 
-def test_infer_convert_refuses_gemma4_and_names_what_it_writes(tmp_path: Path) -> None:
-    with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"gemma4_text.*reads llama.cpp's gemma4 files but does not write"):
-        infer.convert(tiny_model_dir("gemma4"), tmp_path / "m.gguf", type="f32", progress=False)
+def test_infer_convert_refuses_unsupported_families_naming_what_it_writes(tmp_path: Path) -> None:
     with pytest.raises(infer.errors.UnsupportedArchitectureError, match=r"'mamba2'.*supported: .*gpt_oss"):
         infer.convert(tiny_model_dir("mamba2"), tmp_path / "m.gguf", type="f32", progress=False)
 
@@ -622,3 +620,42 @@ def test_gemma4_file_reads_back_and_gives_transformers_logits(variant: str, gguf
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), name  # bit for bit
     _check_logits(variant, path)
+
+
+def _same_file(ours: Path, theirs: Path, arch: str) -> None:
+    """The two GGUF files hold the same tensors (names, shapes, types, bytes) and ``{arch}.*`` keys."""
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    assert {t.name: (list(t.shape), t.tensor_type) for t in a.tensors} == \
+        {t.name: (list(t.shape), t.tensor_type) for t in b.tensors}
+    mine = {t.name: np.asarray(t.data) for t in a.tensors}
+    for t in b.tensors:
+        assert np.array_equal(mine[t.name], np.asarray(t.data)), t.name
+    keys = {f.name for f in b.fields.values() if f.name.startswith(arch + ".")}
+    assert keys <= {f.name for f in a.fields.values()}
+    for key in keys:
+        assert a.fields[key].contents() == pytest.approx(b.fields[key].contents()), key
+
+
+@pytest.mark.parametrize("variant", GEMMA4)
+def test_infer_convert_writes_gemma4_as_llama_cpps_converter(variant: str, gguf_dir: Path) -> None:
+    ours = infer.convert(tiny_model_dir(variant), gguf_dir / f"{variant}_ours.gguf", type="f32", progress=False)
+    theirs = gguf_dir / f"{variant}_theirs.gguf"
+    convert_gemma4(variant, theirs)
+    _same_file(ours, theirs, "gemma4")
+    _check_logits(variant, ours)
+
+
+@pytest.mark.parametrize("variant,what", [("gemma4_moe", "attention_bias is true"),
+                                          ("gemma4_moe_gguf", "proportional rope with factor 2.0")])
+def test_infer_convert_refuses_gemma4_that_llama_cpp_cannot_hold(variant: str, what: str, tmp_path: Path) -> None:
+    folder = tiny_model_dir(variant)
+    if variant == "gemma4_moe_gguf":  # the MoE variant's scaled rope, without its biases
+        import shutil
+
+        folder = tmp_path / "scaled"
+        shutil.copytree(tiny_model_dir(variant), folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["rope_parameters"]["full_attention"]["factor"] = 2.0
+        (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(infer.errors.ConfigError, match=what):
+        infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
