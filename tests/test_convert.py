@@ -399,7 +399,8 @@ def test_rope_scaling_without_a_gguf_form_is_refused(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    with pytest.raises(UnsupportedArchitectureError, match=r"'deepseek_v3'.*supported: gemma3_text, gemma4_text, gpt_oss, llama"):
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"'deepseek_v3'.*supported: gemma3_text, gemma4_text, gpt_oss, llama"):
         infer.convert(tiny_model_dir("deepseek_v3"), tmp_path / "m.gguf", progress=False)
     assert not any(tmp_path.iterdir())
 
