@@ -348,7 +348,11 @@ def test_gpt_oss_file_reads_back_and_gives_transformers_logits(variant: str, ggu
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), name  # bit for bit
     _check_logits(variant, path)
-    folder = tiny_model_dir(variant)  # torch too (mlx: test_mlx_backend's own checks)
+    _check_logits_on_torch(variant, path)
+
+
+def _check_logits_on_torch(variant: str, path: Path) -> None:
+    folder = tiny_model_dir(variant)  # numpy's check, on torch:cpu
     prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
     model = infer.load(path, backend="torch")
     logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
@@ -620,6 +624,7 @@ def test_gemma4_file_reads_back_and_gives_transformers_logits(variant: str, gguf
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), name  # bit for bit
     _check_logits(variant, path)
+    _check_logits_on_torch(variant, path)
 
 
 def _same_file(ours: Path, theirs: Path, arch: str) -> None:
