@@ -32,6 +32,11 @@ Against Llama (:mod:`.llama`):
   up projection on both sides at ``swiglu_limit`` (7), then
   ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` (alpha 1.702). ``hidden_act``
   is not read: transformers' experts compute this whatever it says.
+* From GGUF (llama.cpp's ``gpt-oss``), the experts come in llama.cpp's layout:
+  ``experts.{e}.gate_proj`` / ``up_proj`` ``[I, hidden]`` and ``down_proj`` ``[hidden, I]``
+  per expert, biases ``gate_proj_bias`` / ``up_proj_bias`` ``[experts, I]``
+  (``formats/gguf_arch.py``); each expert's gate and up rows are stacked into one weight
+  as stored, so MXFP4 or other blocks stay blocks.
 
 Per layer:
     h = h + o_proj(attention_sinks(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))   x = input_layernorm(h)
@@ -156,16 +161,37 @@ class GptOssMoE:
     def load(self, w: WeightLoader, prefix: str) -> Weights:
         e, d, n = self.num_experts, self.hidden, self.intermediate
         p = prefix + "experts."
-        return {
-            "router": w.get(prefix + "router.weight", (e, d)),
-            "router.bias": w.get(prefix + "router.bias", (e,)),
-            # Stored [in, out] with gate/up interleaved; kept as [experts, out, in] with gate rows
-            # first, so each expert's slice is a plain linear weight.
-            "gate_up_proj": w.get(p + "gate_up_proj", (e, d, 2 * n), transform=_interleaved_to_stacked),
-            "gate_up_proj.bias": w.get(p + "gate_up_proj_bias", (e, 2 * n), transform=_interleaved_bias),
-            "down_proj": w.get(p + "down_proj", (e, n, d), transform=_transposed),
-            "down_proj.bias": w.get(p + "down_proj_bias", (e, d)),
-        }
+        weights = {"router": w.get(prefix + "router.weight", (e, d)),
+                   "router.bias": w.get(prefix + "router.bias", (e,))}
+        if w.has(p + "0.gate_proj.weight"):  # llama.cpp's layout (GGUF): already [out, in], gate and up apart
+            return {**weights, **self._load_split(w, p)}
+        # Stored [in, out] with gate/up interleaved; kept as [experts, out, in] with gate rows
+        # first, so each expert's slice is a plain linear weight.
+        return {**weights,
+                "gate_up_proj": w.get(p + "gate_up_proj", (e, d, 2 * n), transform=_interleaved_to_stacked),
+                "gate_up_proj.bias": w.get(p + "gate_up_proj_bias", (e, 2 * n), transform=_interleaved_bias),
+                "down_proj": w.get(p + "down_proj", (e, n, d), transform=_transposed),
+                "down_proj.bias": w.get(p + "down_proj_bias", (e, d))}
+
+    def _load_split(self, w: WeightLoader, p: str) -> Weights:
+        """Experts as llama.cpp's converter writes them: ``{e}.gate_proj`` and ``{e}.up_proj``
+        ``[I, hidden]``, ``{e}.down_proj`` ``[hidden, I]``, biases ``[experts, out]``. Each
+        expert's gate and up rows are stacked into one weight where stored alike (quantized
+        blocks stay blocks, :meth:`~infer.architecture.WeightLoader.get_stacked`)."""
+        ops, e, d, n = self.ops, self.num_experts, self.hidden, self.intermediate
+        experts = []
+        for i in range(e):
+            q = f"{p}{i}."
+            gate_up = w.get_stacked(q + "gate_up_proj.weight", [(q + "gate_proj.weight", (n, d)),
+                                                                 (q + "up_proj.weight", (n, d))])
+            one = {"down_proj": w.get(q + "down_proj.weight", (d, n))}
+            if gate_up is None:
+                one.update(gate_proj=w.get(q + "gate_proj.weight", (n, d)), up_proj=w.get(q + "up_proj.weight", (n, d)))
+            else:
+                one["gate_up_proj"] = gate_up
+            experts.append(one)
+        bias = ops.concat([w.get(p + "gate_proj_bias", (e, n)), w.get(p + "up_proj_bias", (e, n))], axis=-1)
+        return {"experts": experts, "gate_up_proj.bias": bias, "down_proj.bias": w.get(p + "down_proj_bias", (e, d))}
 
     def route(self, x: Array, w: Weights) -> tuple[Array, list[list[int]]]:
         """Gate weights ``[tokens, top_k]`` (softmax of the chosen logits) and the chosen experts."""
@@ -177,11 +203,18 @@ class GptOssMoE:
     def expert(self, e: int, x: Array, w: Weights) -> Array:
         """Expert ``e`` on its rows ``x`` ``[rows, hidden]``."""
         ops, n = self.ops, self.intermediate
-        gate_up = ops.linear(x, _row(ops, w["gate_up_proj"], e), _row(ops, w["gate_up_proj.bias"], e))
-        gate = ops.clip(ops.slice(gate_up, -1, 0, n), None, self.limit)
-        up = ops.clip(ops.slice(gate_up, -1, n, 2 * n), -self.limit, self.limit)
+        one = w["experts"][e] if "experts" in w else {"gate_up_proj": _row(ops, w["gate_up_proj"], e),
+                                                      "down_proj": _row(ops, w["down_proj"], e)}
+        bias = _row(ops, w["gate_up_proj.bias"], e)
+        if "gate_up_proj" in one:
+            gate_up = ops.linear(x, one["gate_up_proj"], bias)
+            gate, up = ops.slice(gate_up, -1, 0, n), ops.slice(gate_up, -1, n, 2 * n)
+        else:  # gate and up stored differently (a GGUF mix of types)
+            gate = ops.linear(x, one["gate_proj"], ops.slice(bias, -1, 0, n))
+            up = ops.linear(x, one["up_proj"], ops.slice(bias, -1, n, 2 * n))
+        gate, up = ops.clip(gate, None, self.limit), ops.clip(up, -self.limit, self.limit)
         glu = ops.mul(gate, sigmoid(ops, ops.mul(gate, self.alpha)))
-        return ops.linear(ops.mul(ops.add(up, 1.0), glu), _row(ops, w["down_proj"], e), _row(ops, w["down_proj.bias"], e))
+        return ops.linear(ops.mul(ops.add(up, 1.0), glu), one["down_proj"], _row(ops, w["down_proj.bias"], e))
 
     def __call__(self, x: Array, w: Weights) -> Array:
         weights, ids = self.route(x, w)

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from infer.backends.numpy_mxfp4 import mxfp4_linear
 from infer.errors import ConfigError, UnsupportedOpError
 from infer.ops import (
     OPTIONAL_OPS,
@@ -243,6 +244,9 @@ class NumpyBackend(Backend):
         :class:`~infer.ops.PackedWeight`."""
         if isinstance(tensor, QuantizedTensor):
             if self.quantize != "off" and len(tensor.shape) == 2:
+                if tensor.qtype == "MXFP4" and tensor.ggml_blocks() is not None:  # gpt-oss's experts
+                    return PackedWeight(tensor.shape, "MXFP4", "MXFP4 blocks as stored, numpy kernel", tensor,
+                                        rows=tensor)
                 if block_form(tensor) is not None:  # computed on where it lies: nothing converted
                     how = f"{tensor.qtype} blocks as stored, C kernel"
                     return with_kernel_args(PackedWeight(tensor.shape, tensor.qtype, how, tensor, rows=tensor))
@@ -279,6 +283,9 @@ class NumpyBackend(Backend):
         :attr:`KERNEL_ROWS` rows, slabs dequantized for BLAS beyond. Other
         blocks: dequantize (or find in the cache), then the float32 BLAS path."""
         data = weight.data
+        if weight.qtype == "MXFP4" and isinstance(data, QuantizedTensor):  # on the blocks (numpy_mxfp4)
+            y = mxfp4_linear(np.asarray(x, np.float32), data.ggml_blocks()[1], weight.shape[1])
+            return y + bias if bias is not None else y
         if _affine is not None and ((isinstance(data, AffineTensor) and (data.group == 32 or (
                 data.group == 16 and data.bits > 4))) or block_form(data) is not None):
             y = self._affine_linear(np.asarray(x, np.float32), data)

@@ -389,6 +389,174 @@ def _finish_lfm2(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) 
     config["num_key_value_heads"] = attending[0] if attending else config["num_attention_heads"]
     config["layer_types"] = ["full_attention" if v else "conv" for v in per_block]
     config["conv_bias"] = any(f"blk.{i}.shortconv.in_proj.bias" in file.tensors for i in range(n))
+_GPT_OSS_LAYER = {
+    "attn_norm": "input_layernorm", **_ATTENTION, "attn_sinks.weight": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias", "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+#: gpt-oss's experts as llama.cpp stores them: gate and up split (not interleaved), every
+#: matrix ``[out, in]``; one expert's rows of each stay its own blocks (MXFP4 in the released files).
+_GPT_OSS_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                    "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+
+
+def _finish_gpt_oss(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """gpt-oss (llama.cpp's ``gpt-oss``, LLM_ARCH_OPENAI_MOE).
+
+    llama.cpp hard-codes what the files do not store: even layers slide and odd ones see
+    everything (its ``set_swa_pattern(2)``, transformers' default ``layer_types``), the
+    clamped SwiGLU's alpha 1.702 and limit 7 (``arch.defaults``), YaRN's ramp from
+    ``beta_fast`` 32 to ``beta_slow`` 1 unless ``rope.scaling.yarn_beta_*`` say otherwise.
+    ``truncate`` is false, as transformers' ``GptOssConfig``. The q/k/v/o biases are read
+    from the file (gpt-oss's default is to have them). A fused ``ffn_gate_up_exps``
+    (``--fuse-gate-up-exps``) is refused by name, as an unknown tensor."""
+    md, p, n = file.metadata, arch.gguf_name, config["num_hidden_layers"]
+    if "num_experts" in config:
+        config["num_local_experts"] = config.pop("num_experts")
+    if "moe_intermediate_size" in config:  # expert_feed_forward_length: the experts' width
+        config["intermediate_size"] = config.pop("moe_intermediate_size")
+    config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    key = f"{p}.attention.sliding_window_pattern"
+    pattern = md.get(key)
+    if pattern is None:
+        sliding = [i % 2 == 0 for i in range(n)]
+    elif isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (n,):
+        sliding = [bool(s) for s in pattern]
+    else:
+        raise ConfigError(f"{file.path}: {key} must be {n} booleans, found {pattern!r}")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    rope = config["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        rope["beta_fast"] = _number(md, f"{p}.rope.scaling.yarn_beta_fast", float, file) or 32.0
+        rope["beta_slow"] = _number(md, f"{p}.rope.scaling.yarn_beta_slow", float, file) or 1.0
+        rope["truncate"] = False
+    elif rope["rope_type"] != "default":
+        raise ConfigError(f"{file.path}: gpt-oss with rope scaling {rope['rope_type']!r} is not supported; "
+                          f"supported: yarn, none")
+
+
+_GEMMA4_LAYER = {
+    "attn_norm": "input_layernorm", **_ATTENTION, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm", **_MLP,
+    "layer_output_scale.weight": "layer_scalar", "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm", "ffn_gate_inp": "router.proj", "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1", "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
+}
+_GEMMA4_GLOBALS = {**GLOBAL_TENSORS, "per_layer_token_embd": "model.embed_tokens_per_layer",
+                   "per_layer_model_proj": "model.per_layer_model_projection",
+                   "per_layer_proj_norm": "model.per_layer_projection_norm"}
+_GEMMA4_HPARAMS = (
+    Hparam("embedding_length", "hidden_size", int, True),
+    Hparam("block_count", "num_hidden_layers", int, True),
+    Hparam("attention.head_count", "num_attention_heads", int, True),
+    Hparam("attention.key_length", "global_head_dim", int, True),
+    Hparam("attention.key_length_swa", "head_dim", int, True),
+    Hparam("context_length", "max_position_embeddings", int),
+    Hparam("attention.layer_norm_rms_epsilon", "rms_norm_eps", float),
+    Hparam("vocab_size", "vocab_size", int),
+    Hparam("rope.freq_base", "rope_theta", float),
+    Hparam("attention.sliding_window", "sliding_window", int, True),
+    Hparam("attention.shared_kv_layers", "num_kv_shared_layers", int, zero_ok=True),
+    Hparam("embedding_length_per_layer_input", "hidden_size_per_layer_input", int, zero_ok=True),
+    Hparam("final_logit_softcapping", "final_logit_softcapping", float),
+    Hparam("expert_count", "num_experts", int),
+    Hparam("expert_used_count", "top_k_experts", int),
+    Hparam("expert_feed_forward_length", "moe_intermediate_size", int),
+)
+
+
+def _per_layer(md: dict[str, Any], key: str, n: int, file: GGUFFile) -> list[int] | None:
+    """An integer key given once or per layer, as ``n`` values (None if absent)."""
+    value = md.get(key)
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" and value.shape == (n,):
+        return [int(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return [value] * n
+    raise ConfigError(f"{file.path}: metadata {key} must be a positive integer or {n} integers, found {value!r}")
+
+
+def _finish_gemma4(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Gemma 4's text model (llama.cpp's ``gemma4``: src/models/gemma4.cpp; the converter's
+    ``Gemma4Model``). Per layer: ``attention.sliding_window_pattern`` (booleans) gives
+    ``layer_types``; ``attention.head_count_kv`` the key/value heads (sliding layers'
+    ``num_key_value_heads``, full layers' ``num_global_key_value_heads``, which transformers
+    reads only with ``attention_k_eq_v``: full layers without ``attn_v``, whose values are
+    the keys, as llama.cpp's optional ``wv``); ``feed_forward_length`` the MLP widths
+    (doubled on the shared-KV layers: ``use_double_wide_mlp``). Rope: full layers'
+    proportional rope is ``rope_freqs`` factors, 1 for the rotated pairs and 1e30 for the
+    rest (``partial_rotary_factor`` = 2 x ones / ``global_head_dim``); sliding layers'
+    ``rope.freq_base_swa`` (10 000) over ``rope.dimension_count_swa`` dimensions. Refused:
+    rope scaling keys (the proportional rope's ``factor`` has no stored form that was
+    verified), and key/value head counts no Hugging Face config can state."""
+    md, p, n, path = file.metadata, arch.gguf_name, config["num_hidden_layers"], file.path
+    pattern = md.get(f"{p}.attention.sliding_window_pattern")
+    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (n,)):
+        raise ConfigError(f"{path}: {p}.attention.sliding_window_pattern must be {n} booleans, found {pattern!r}")
+    sliding = [bool(v) for v in pattern]
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    kv = _per_layer(md, f"{p}.attention.head_count_kv", n, file) or [config["num_attention_heads"]] * n
+    swa_kv = {kv[i] for i in range(n) if sliding[i]} or {kv[0]}
+    full_kv = {kv[i] for i in range(n) if not sliding[i]}
+    if len(swa_kv) != 1 or len(full_kv) > 1:
+        raise ConfigError(f"{path}: {p}.attention.head_count_kv {kv} varies within a layer kind; Gemma 4 configs "
+                          f"give one count for sliding layers and one for full ones")
+    config["num_key_value_heads"] = swa_kv.pop()
+    shared = config.get("num_kv_shared_layers", 0)
+    own = [i for i in range(n - shared) if not sliding[i]]  # full layers with their own projections
+    no_v = [f"blk.{i}.attn_v.weight" not in file.tensors for i in own]
+    config["attention_k_eq_v"] = bool(own) and all(no_v)
+    if any(no_v) and not all(no_v):
+        raise ConfigError(f"{path}: some full-attention blocks have attn_v and some do not; Gemma 4 uses keys as "
+                          f"values on every full layer or none")
+    if full_kv:
+        full = full_kv.pop()
+        if config["attention_k_eq_v"]:
+            config["num_global_key_value_heads"] = full
+        elif full != config["num_key_value_heads"]:
+            raise ConfigError(f"{path}: full layers have {full} key/value heads and sliding ones "
+                              f"{config['num_key_value_heads']}; transformers' Gemma 4 gives full layers their own "
+                              f"count only with keys as values (no attn_v)")
+    ff = _per_layer(md, f"{p}.feed_forward_length", n, file)
+    if ff is None:
+        raise ConfigError(f"{path}: metadata {p}.feed_forward_length is missing; it gives intermediate_size")
+    config["intermediate_size"] = ff[0]
+    if ff != [ff[0]] * n:
+        if not shared or ff != [ff[0] if i < n - shared else 2 * ff[0] for i in range(n)]:
+            raise ConfigError(f"{path}: {p}.feed_forward_length {ff} is neither one width nor twice it on the "
+                              f"{shared} shared-KV layers (use_double_wide_mlp)")
+        config["use_double_wide_mlp"] = True
+    config.setdefault("use_double_wide_mlp", False)
+    config["enable_moe_block"] = bool(config.get("num_experts"))
+    config.setdefault("num_kv_shared_layers", 0)
+    config.setdefault("hidden_size_per_layer_input", 0)
+    embed = file.tensors.get("per_layer_token_embd.weight")
+    if config.get("hidden_size_per_layer_input") and embed is not None:
+        config["vocab_size_per_layer_input"] = embed.shape[0]
+    if md.get(f"{p}.rope.scaling.type") not in (None, "none"):
+        raise ConfigError(f"{path}: {p}.rope.scaling.* is set; Gemma 4's proportional rope with a scaling factor has "
+                          f"no GGUF form infer has verified")
+    full_rope = {"rope_type": "proportional", "rope_theta": config["rope_parameters"]["rope_theta"]}
+    info = file.tensors.get("rope_freqs.weight")
+    if info is not None:
+        if info.type.name != "F32" or len(info.dims) != 1 or 2 * info.shape[0] != config["global_head_dim"]:
+            raise ConfigError(f"{path}: rope_freqs.weight must be global_head_dim / 2 F32 values, found "
+                              f"{info.type.name} {list(info.shape)}")
+        factors = file.raw(info).view("<f4").reshape(-1)
+        rotated = int(np.sum(factors == 1.0))
+        if not (np.all(factors[:rotated] == 1.0) and np.all(factors[rotated:] >= 1e29)):
+            raise ConfigError(f"{path}: rope_freqs.weight must be ones then 1e30 (proportional rope), found {factors}")
+        full_rope["partial_rotary_factor"] = 2 * rotated / config["global_head_dim"]
+    swa_rope = {"rope_type": "default",
+                "rope_theta": _number(md, f"{p}.rope.freq_base_swa", float, file) or 10000.0}
+    dims = _number(md, f"{p}.rope.dimension_count_swa", int, file)
+    if dims and dims != config["head_dim"]:
+        swa_rope["partial_rotary_factor"] = dims / config["head_dim"]
+    config["rope_parameters"] = {"full_attention": full_rope, "sliding_attention": swa_rope}
 
 
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
@@ -429,6 +597,12 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
                     default_rope_theta=1000000.0, finish=_finish_lfm2, unsqueezed=frozenset({"shortconv.conv"}),
                     global_tensors={"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
                                     "output_norm": "model.embedding_norm", "output": "lm_head"}),
+    ArchitectureMap("gemma4", "gemma4_text", _GEMMA4_HPARAMS, _GEMMA4_LAYER, {"hidden_activation": "gelu_pytorch_tanh"},
+                    default_rope_theta=1000000.0, finish=_finish_gemma4, global_tensors=_GEMMA4_GLOBALS,
+                    ignored_tensors=frozenset({"rope_freqs.weight"})),
+    ArchitectureMap("gpt-oss", "gpt_oss", _COMMON + _MOE, _GPT_OSS_LAYER,
+                    {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, default_rope_theta=150000.0,
+                    finish=_finish_gpt_oss, expert_tensors=_GPT_OSS_EXPERTS),
 )}
 
 
@@ -543,7 +717,8 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     return arch, config
 
 
-_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias)")  # shortconv.conv too
+# Dotted kinds (LFM2's shortconv.conv) too, and Gemma 4's router ``.scale`` tensors.
+_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias|scale)")
 _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
 
 
@@ -566,6 +741,8 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
     full = arch.layer_tensors.get(f"{m[2]}.{m[3]}")  # a Hugging Face name with another ending
     if full is not None:
         return f"{arch.layer_prefix}.{m[1]}.{full}"
+    if m[3] == "scale":  # only where named in full (Gemma 4's router scales)
+        return None
     module = arch.layer_tensors.get(m[2]) or (arch.expert_tensors.get(m[2]) if m[3] == "weight" else None)
     return None if module is None else f"{arch.layer_prefix}.{m[1]}.{module}.{m[3]}"
 

@@ -235,8 +235,9 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 
 _K_QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
-#: Types ``gguf.quants.quantize`` implements (gguf 0.19); the K types are done here.
-GGUF_QUANTIZED = ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+#: Types ``gguf.quants.quantize`` implements (gguf 0.19); the K types are done here. MXFP4 only
+#: re-stores values that are MXFP4 already (gpt-oss's experts), where it is exact.
+GGUF_QUANTIZED = ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
 #: Every type :func:`quantize_rows` writes.
 QUANTIZABLE = ("F32", "F16", *GGUF_QUANTIZED, *_K_QUANTIZERS)
 
@@ -251,7 +252,22 @@ def _quantize_slab(rows: np.ndarray, qtype: str) -> np.ndarray:
         return blocks.reshape(len(rows), -1)
     import gguf  # the reference quantizers
 
-    return gguf.quants.quantize(rows, gguf.GGMLQuantizationType[qtype])
+    blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[qtype])
+    return _mxfp4_negative_zeros(rows, blocks) if qtype == "MXFP4" else blocks
+
+
+def _mxfp4_negative_zeros(rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """gguf-py's MXFP4 quantizer codes -0.0 as +0 (code 0); a checkpoint's MXFP4 may hold
+    code 8 (-0), which convert_hf_to_gguf.py's repack keeps: so code them 8 too, and MXFP4
+    values re-stored come back byte for byte."""
+    negative = (rows == 0) & np.signbit(rows)
+    if not negative.any():
+        return blocks
+    b = blocks.reshape(-1, 17).copy()
+    n = negative.reshape(-1, 32)
+    b[:, 1:17] |= n[:, :16].astype(np.uint8) << np.uint8(3)  # code 0 -> 8: only its sign bit differs
+    b[:, 1:17] |= n[:, 16:].astype(np.uint8) << np.uint8(7)
+    return b.reshape(blocks.shape)
 
 
 def quantize_rows(matrix: np.ndarray, qtype: str, *, name: str = "a tensor",

@@ -233,6 +233,26 @@ def _iq4_xs(b: np.ndarray, out: np.ndarray) -> None:
     o *= (_f16(b, 0) * scales)[:, :, None]
 
 
+#: MXFP4's E2M1 values of codes 0..15, doubled (ggml's ``kvalues_mxfp4``): integers, exact in int8.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """``2 ** (e - 128)`` as float32 for E8M0 exponents ``e`` (uint8): half the block
+    scale, as ggml's ``GGML_E8M0_TO_FP32_HALF`` builds it from bits (0 and 1 are subnormal),
+    paired with the doubled :data:`MXFP4_VALUES`."""
+    e = np.asarray(e, np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(
+        np.uint32).view(np.float32)
+
+
+def _mxfp4(b: np.ndarray, out: np.ndarray) -> None:
+    # block_mxfp4 (ggml-common.h): one E8M0 exponent byte, then 16 bytes whose low nibbles are
+    # values 0..15 and high nibbles 16..31 (OCP MX v1.0: E2M1 codes sharing one scale).
+    np.copyto(out, MXFP4_VALUES[_nibbles(b[:, 1:17])], casting="unsafe")
+    out *= e8m0_half(b[:, :1])
+
+
 def _bf16(b: np.ndarray, out: np.ndarray) -> None:
     # bfloat16 is the top half of a float32: shift the bits into place (exact).
     out.view(np.uint32)[...] = b.view("<u2").astype(np.uint32) << 16
@@ -250,7 +270,7 @@ _DEQUANTIZE: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
     "F32": _f32_values, "F16": _f16_values, "BF16": _bf16,
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4,
 }
 #: Names of the types :func:`dequantize` reads.
 SUPPORTED: tuple[str, ...] = tuple(_DEQUANTIZE)
@@ -333,6 +353,8 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
         sign = 1.0 if i == 0 and qtype not in ("Q3_K", "Q6_K") else rng.choice([-1.0, 1.0], blocks.shape[0])
         factor = 1.0 if i == 0 else rng.uniform(0.5, 2.0, blocks.shape[0])
         blocks[:, at:at + 2] = (mag * factor * sign).astype("<f2").view(np.uint8).reshape(-1, 2)
+    if qtype == "MXFP4":  # exponents of real weights' block scales (2**-14 .. 2**-4)
+        blocks[:, 0] = rng.integers(127 - 14, 127 - 4, blocks.shape[0], dtype=np.uint8)
     return raw
 
 
@@ -489,3 +511,4 @@ def affine_groups(raw: np.ndarray, qtype: str, cols: int, *,
     return (np.ascontiguousarray(codes).reshape(rows, cols),
             np.ascontiguousarray(scales, np.float32).reshape(rows, cols // group),
             np.ascontiguousarray(biases, np.float32).reshape(rows, cols // group))
+

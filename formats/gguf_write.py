@@ -79,8 +79,8 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
     Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
     picks are Q6_K too.
     """
-    if ndim < 2 or out.ggml == "F32":
-        return "F32"
+    if ndim < 2 or out.ggml == "F32" or not gguf_name.endswith(".weight") or ".ffn_gate_inp." in gguf_name:
+        return "F32"  # as convert_hf_to_gguf.py: vectors, every non-weight (gpt-oss's [experts, out] biases), routers
     qtype = out.ggml
     block_type = TYPES_BY_NAME[qtype].quantized
     layer = re.match(r"blk\.(\d+)\.", gguf_name)
@@ -104,11 +104,17 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3"}) | {"mamba2", "granitehybrid", "falcon-h1"}  # + gguf_ssm's
+WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss", "gemma4"}) | {"mamba2", "granitehybrid", "falcon-h1"}  # + gguf_ssm's
+#: Hugging Face model_types read from GGUF but refused by the writer, and why.
+REFUSED_MODEL_TYPES = {"gemma4": "its vision and audio towers go to llama.cpp's separate mmproj file, which infer "
+                                  "does not write; write the text model (a gemma4_text folder)"}
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
     """The :data:`ARCHITECTURES` row that writes Hugging Face ``model_type``."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} cannot be written as GGUF: "
+                                           f"{REFUSED_MODEL_TYPES[model_type]}")
     rows = [arch for arch in ARCHITECTURES.values() if arch.gguf_name in WRITTEN]
     for arch in rows:
         if model_type == arch.model_type or model_type in arch.also_from:
@@ -119,6 +125,7 @@ def architecture_for(model_type: str) -> ArchitectureMap:
 
 
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(weight|bias)")
+_LAYER_PARAM = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
 
@@ -127,14 +134,19 @@ def gguf_tensor_name(arch: ArchitectureMap, name: str) -> str | None:
     if _SKIPPED.fullmatch(name):
         return None
     base, _, kind = name.rpartition(".")
-    for gguf_base, hf in GLOBAL_TENSORS.items():
+    for gguf_base, hf in (GLOBAL_TENSORS if arch.global_tensors is None else arch.global_tensors).items():
         if base == hf and kind in ("weight", "bias"):
             return f"{gguf_base}.{kind}"
     m = _LAYER.fullmatch(name)
     if m is not None:
         for gguf_base, hf in arch.layer_tensors.items():
-            if hf == m[2]:
+            if hf == m[2] and "." not in gguf_base:
                 return f"blk.{m[1]}.{gguf_base}.{m[3]}"
+    m = _LAYER_PARAM.fullmatch(name)
+    if m is not None:  # a parameter without a .weight ending (gpt-oss's sinks)
+        for gguf_full, hf in arch.layer_tensors.items():
+            if hf == m[2] and "." in gguf_full:
+                return f"blk.{m[1]}.{gguf_full}"
     raise FormatError(f"tensor {name!r} has no llama.cpp name in architecture {arch.gguf_name!r}; "
                       f"it cannot be written as GGUF")
 
@@ -174,6 +186,8 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
     theta = rope.get("rope_theta")
     if theta is not None:
         c["rope_theta"] = theta
+    if arch.gguf_name == "gemma4":
+        _gemma4_config(c)
     if c.get("sliding_window") is None or (arch.model_type == "qwen2" and not c.get("use_sliding_window")):
         c.pop("sliding_window", None)  # Qwen2 keeps a window size it does not use
     md: dict[str, Any] = {}
@@ -200,6 +214,8 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
         freqs = _llama3_divisors(rope, c["head_dim"]).astype(np.float32)
         if rope["original_max_position_embeddings"] != 8192:  # llama.cpp reads only the divisors
             md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "proportional" and arch.gguf_name == "gemma4":
+        freqs = _gemma4_rope_freqs(c, rope)
     elif kind != "default":
         raise ConfigError(f"rope scaling {kind!r} has no GGUF form for {arch.gguf_name}; supported: linear, yarn"
                           f"{', llama3' if arch.gguf_name == 'llama' else ''}")
@@ -235,9 +251,116 @@ def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
             md.pop(f"gemma3.{key}", None)
 
 
+def _gpt_oss_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """gpt-oss as convert_hf_to_gguf.py writes it (the experts' width as
+    ``expert_feed_forward_length`` too), refusing what llama.cpp hard-codes otherwise: the
+    layer pattern (even layers sliding), YaRN without truncation's rounding, a window."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(layers)]
+    if list(types) != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]:
+        raise ConfigError(f"config.json layer_types {types!r} has no GGUF form: llama.cpp's gpt-oss makes "
+                          f"even layers sliding and odd ones full")
+    if not config.get("sliding_window"):
+        raise ConfigError("config.json sliding_window is null; llama.cpp's gpt-oss needs a window "
+                          "(attention.sliding_window)")
+    md["gpt-oss.expert_feed_forward_length"] = int(config["intermediate_size"])
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    md["gpt-oss.expert_count"] = int(experts)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        if rope.get("truncate", True) is not False:
+            raise ConfigError("config.json: gpt-oss YaRN with truncate true has no GGUF form infer reads back "
+                              "(its files mean the released models' truncate false)")
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            if float(rope.get(key, default)) != default:
+                md[f"gpt-oss.rope.scaling.yarn_{key}"] = float(rope[key])
+
+
+def _gemma4_config(c: dict[str, Any]) -> None:
+    """Gemma 4's per-layer head sizes and key/value heads, in place, in the released
+    configs' form (``global_head_dim``, ``num_global_key_value_heads``) that
+    convert_hf_to_gguf.py reads, from either that form or transformers 5.24's
+    ``per_layer_config``; what llama.cpp cannot hold is refused."""
+    n, types = c["num_hidden_layers"], c.get("layer_types")
+    if not types or len(types) != n:
+        raise ConfigError(f"config.json layer_types must list the {n} layers' kinds for GGUF's gemma4")
+    if c.get("attention_bias"):
+        raise ConfigError("config.json attention_bias is true; llama.cpp's gemma4 loads no attention biases")
+    overrides = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    heads, kv = [], []
+    for i, kind in enumerate(types):
+        o, full = overrides.get(i), kind == "full_attention"
+        heads.append(int(o.get("head_dim", c["head_dim"])) if o else
+                     int(c.get("global_head_dim") or c["head_dim"]) if full else int(c["head_dim"]))
+        global_kv = c.get("num_global_key_value_heads") if full and c.get("attention_k_eq_v") else None
+        kv.append(int(o.get("num_key_value_heads", c["num_key_value_heads"])) if o else
+                  int(global_kv or c["num_key_value_heads"]))
+    for kind in ("sliding_attention", "full_attention"):
+        seen = {(h, k) for h, k, t in zip(heads, kv, types) if t == kind}
+        if len(seen) > 1:
+            raise ConfigError(f"config.json gives {kind} layers different head sizes or key/value heads {sorted(seen)};"
+                              f" GGUF's gemma4 has one of each per layer kind")
+        if kind == "sliding_attention" and seen and seen != {(c["head_dim"], c["num_key_value_heads"])}:
+            raise ConfigError("config.json per_layer_config changes sliding layers' head_dim or "
+                              "num_key_value_heads; GGUF's gemma4 stores those once")
+    full = [(h, k) for h, k, t in zip(heads, kv, types) if t == "full_attention"]
+    c["global_head_dim"] = full[0][0] if full else c["head_dim"]
+    if full and full[0][1] != c["num_key_value_heads"]:
+        if not c.get("attention_k_eq_v"):
+            raise ConfigError("config.json gives full layers their own key/value heads without attention_k_eq_v; "
+                              "infer reads a GGUF's per-kind counts back only with keys as values")
+        c["num_global_key_value_heads"] = full[0][1]
+    else:
+        c.pop("num_global_key_value_heads", None)
+
+
+def _gemma4_rope_freqs(c: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """The full layers' proportional rope as Gemma4Model writes it: ``rope_freqs``, 1 for the
+    rotated frequency pairs and 1e30 (no rotation) for the rest."""
+    if float(rope.get("factor", 1.0)) != 1.0:
+        raise ConfigError(f"config.json: Gemma 4's proportional rope with factor {rope['factor']} has no GGUF form "
+                          f"infer has verified")
+    dim = c["global_head_dim"]
+    rotated = int(dim * rope.get("partial_rotary_factor", 1.0) / 2)
+    return np.array([1.0] * rotated + [1e30] * (dim // 2 - rotated), np.float32)
+
+
+def _gemma4_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """convert_hf_to_gguf.py's Gemma4Model keys: per-layer arrays where layers differ (the
+    sliding pattern always; key/value heads with ``num_global_key_value_heads``; the MLP
+    widths with ``use_double_wide_mlp``), both head sizes, both rope dimension counts and
+    bases, the shared-KV count, the per-layer input width."""
+    p, c, n = "gemma4", config, config["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    local = local or {"rope_type": "default", "rope_theta": 10000.0}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"config.json: Gemma 4 sliding layers' rope {local.get('rope_type')!r} has no GGUF form; "
+                          f"supported: default")
+    shared = int(c.get("num_kv_shared_layers") or 0)
+    ff = int(c["intermediate_size"])
+    md[f"{p}.feed_forward_length"] = (np.array([ff if i < n - shared else 2 * ff for i in range(n)], np.int32)
+                                      if c.get("use_double_wide_mlp") and shared else ff)
+    md[f"{p}.attention.head_count_kv"] = int(c["num_key_value_heads"])
+    if c.get("num_global_key_value_heads") is not None:
+        md[f"{p}.attention.head_count_kv"] = np.array(
+            [c["num_key_value_heads"] if s else c["num_global_key_value_heads"] for s in swa], np.int32)
+    md[f"{p}.attention.sliding_window_pattern"] = np.array(swa, dtype=bool)
+    head, full = int(c["head_dim"]), int(c["global_head_dim"])
+    md.update({f"{p}.attention.key_length": full, f"{p}.attention.value_length": full,
+               f"{p}.attention.key_length_swa": head, f"{p}.attention.value_length_swa": head,
+               f"{p}.rope.dimension_count": full,
+               f"{p}.rope.dimension_count_swa": int(head * local.get("partial_rotary_factor", 1.0)),
+               f"{p}.rope.freq_base_swa": float(local.get("rope_theta", 10000.0)),
+               f"{p}.attention.shared_kv_layers": shared,
+               f"{p}.embedding_length_per_layer_input": int(c.get("hidden_size_per_layer_input") or 0)})
+    if c.get("final_logit_softcapping") is None:
+        md.pop(f"{p}.final_logit_softcapping", None)
+
+
 #: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
 _EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
-    "gemma3": _gemma3_metadata}
+    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata, "gemma4": _gemma4_metadata}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -253,6 +376,34 @@ class _Planned:
     offset: float  # added to the values (gemma3 norms)
     make: Callable[[], np.ndarray] | None = None  # the values, made in llama.cpp's layout (gguf_ssm)
     sources: tuple[str, ...] = ()  # the Hugging Face tensors ``make`` reads (released after)
+    #: llama.cpp's part of the Hugging Face tensor (gpt-oss's experts split and transposed).
+    pick: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _gpt_oss_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], Callable]] | None:
+    """How convert_hf_to_gguf.py's GptOssModel writes gpt-oss's stacked experts (its default,
+    unfused layout): ``gate_up_proj`` ``[experts, in, 2I]`` (gate and up interleaved) as
+    ``ffn_gate_exps`` and ``ffn_up_exps`` ``[experts, I, in]``, ``down_proj`` transposed to
+    ``ffn_down_exps`` ``[experts, hidden, I]``, the interleaved bias split likewise; None for
+    any other tensor. Each entry: (GGUF name, shape, the part of the Hugging Face array)."""
+    m = _GPT_OSS_EXPERTS.fullmatch(name)
+    if m is None:
+        return None
+    blk = f"blk.{m[1]}"
+    if m[2] == "down_proj":
+        if m[3]:
+            return [(f"{blk}.ffn_down_exps.bias", shape, lambda v: v)]
+        return [(f"{blk}.ffn_down_exps.weight", (shape[0], shape[2], shape[1]), lambda v: v.transpose(0, 2, 1))]
+    if m[3]:
+        half = (shape[0], shape[1] // 2)
+        return [(f"{blk}.ffn_gate_exps.bias", half, lambda v: v[:, 0::2]),
+                (f"{blk}.ffn_up_exps.bias", half, lambda v: v[:, 1::2])]
+    half = (shape[0], shape[2] // 2, shape[1])
+    return [(f"{blk}.ffn_gate_exps.weight", half, lambda v: v.transpose(0, 2, 1)[:, 0::2]),
+            (f"{blk}.ffn_up_exps.weight", half, lambda v: v.transpose(0, 2, 1)[:, 1::2])]
 
 
 def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
@@ -262,6 +413,15 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
     plan = []
     for name in src.names():
         if tied and name == "lm_head.weight":
+            continue
+        parts = _gpt_oss_parts(name, tuple(src.shape(name))) if arch.gguf_name == "gpt-oss" else None
+        if parts is not None:
+            mxfp4 = src.storage_dtype(name) == "mxfp4"  # the released checkpoints' experts
+            for gguf_name, shape, pick in parts:
+                qtype = tensor_type(gguf_name, shape[-1], len(shape), out, layers, tied)
+                if mxfp4 and gguf_name.endswith(".weight") and shape[-1] % 32 == 0:
+                    qtype = "MXFP4"  # kept, as convert_hf_to_gguf.py repacks them: the values are exact
+                plan.append(_Planned(name, gguf_name, shape, qtype, None, 0.0, pick=pick))
             continue
         gguf_name = gguf_tensor_name(arch, name)
         if gguf_name is None:
@@ -309,6 +469,8 @@ def _values(package: ModelPackage, p: _Planned, freqs: np.ndarray | None) -> np.
     if isinstance(value, QuantizedTensor):
         value = value.dequantize()
     value = np.asarray(value)
+    if p.pick is not None:
+        value = np.ascontiguousarray(p.pick(value))
     if p.heads:
         value = value[_permute_rows(value.shape[0], p.heads)]
     if p.offset:
@@ -361,6 +523,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
             writer.add_tensor_info(p.gguf, (*p.shape[:-1], t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
     total = sum(int(np.prod(p.shape)) for p in plan)
+    last = {p.hf: p for p in plan}  # a tensor split in parts is released after its last
     bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
                disable=None if progress is None else not progress)
     try:
@@ -379,8 +542,11 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                     if p.qtype in ("F32", "F16"):
                         data = data.view("<f4" if p.qtype == "F32" else "<f2").reshape(p.shape)
                 writer.write_tensor_data(data)
-                for source in p.sources or ((p.hf,) if p.hf is not None else ()):
-                    package.tensors.release(source)
+                if p.sources:  # made from several Hugging Face tensors (gguf_ssm)
+                    for source in p.sources:
+                        package.tensors.release(source)
+                elif p.hf is not None and last.get(p.hf) is p:  # the last part written of its tensor
+                    package.tensors.release(p.hf)
     finally:
         writer.close()
 

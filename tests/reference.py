@@ -429,6 +429,23 @@ _GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3_gguf": ("DeepseekV3Config", dict(_DEEPSEEK_V3, num_hidden_layers=2,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+# gpt-oss as llama.cpp files hold it: the clamped SwiGLU at llama.cpp's hard-coded alpha 1.702 and
+# limit 7, even layers sliding (window 6). "gpt_oss_gguf": YaRN factor 4 over 64 positions, biases,
+# GQA 4:2; "gpt_oss_gguf_tied": default rope, no attention biases, MQA, tied head, top-3 of 5.
+# Gemma 4's MoE variant as llama.cpp's gemma4 holds it: no attention biases (llama.cpp loads none),
+# proportional rope without a scaling factor (no verified GGUF form).
+_GGUF_ONLY["gemma4_moe_gguf"] = ("Gemma4TextConfig", dict(
+    _FAMILIES["gemma4_moe"][1], attention_bias=False,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                        "rope_theta": 1_000_000.0}}))
+_GGUF_ONLY.update({
+    "gpt_oss_gguf": ("GptOssConfig", dict(_FAMILIES["gpt_oss"][1], swiglu_limit=7.0)),
+    "gpt_oss_gguf_tied": ("GptOssConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=24,
+                                               intermediate_size=24, num_local_experts=5, num_experts_per_tok=3,
+                                               sliding_window=10, attention_bias=False, tie_word_embeddings=True,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+})
 _VARIANTS.update(_FAMILIES)
 _VARIANTS.update(_GGUF_ONLY)
 FAMILY_VARIANTS: tuple[str, ...] = tuple(_FAMILIES)

@@ -25,9 +25,9 @@ from infer.formats.gguf import GGUFQuantizedTensor, detect, open_gguf, read_gguf
 # Byte offsets of the float16 scale fields in each type's block (made finite in random blocks).
 F16_FIELDS = {"F16": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-              "IQ4_NL": [0], "IQ4_XS": [0], "BF16": [], "F32": []}
+              "IQ4_NL": [0], "IQ4_XS": [0], "BF16": [], "F32": [], "MXFP4": []}
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize supports these
-RAW_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+RAW_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def random_blocks(qtype: str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:

@@ -297,7 +297,7 @@ def test_mamba2_clamped_time_step_is_refused(tmp_path: Path) -> None:
 def test_unsupported_family_names_what_is_supported(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=r"cannot be written as GGUF; supported: .*falcon_h1.*"
                                                            r"granitemoehybrid.*mamba2"):
-        infer.convert(tiny_model_dir("gpt_oss"), tmp_path / "m.gguf", type="f32", progress=False)
+        infer.convert(tiny_model_dir("lfm2"), tmp_path / "m.gguf", type="f32", progress=False)
 
 
 def test_quantized_file_keeps_the_ssm_vectors_float32(tmp_path: Path) -> None:

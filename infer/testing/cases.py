@@ -247,7 +247,7 @@ CASES: tuple[Case, ...] = (
     _case("prepare_weight-quantized", "prepare_weight", quantized_weight_calls(),
           run=_run(lambda ops, call, x: ops.linear(x, ops.prepare_weight(_Stored(call.info["weight"]))))),
     *(_case(f"quantized_linear-{t}", "quantized_linear", gguf_linear_calls(t), run=_run(_quantized_linear))
-      for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")),
+      for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "MXFP4")),
     _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
     _case("swiglu", "swiglu", swiglu_calls()),
     _case("softcap", "softcap", softcap_calls()),
