@@ -131,6 +131,17 @@ class _Entry:
     expert: int | None = None  # one expert's rows of a stacked [experts, rows, cols] tensor
     transpose: bool = False  # Hugging Face stores the transpose (GPT-2's Conv1D)
     value_part: TensorInfo | None = None  # DeepSeek's kv_b_proj joined from attn_k_b (info) and attn_v_b
+    #: Rearranged tensors (:mod:`.gguf_delta_net`): further tensors whose rows follow ``info``'s,
+    #: the order to gather those rows in, the order of the columns, and a function of the float32
+    #: values (A_log from llama.cpp's A = -exp(A_log)); ``shape`` is then the Hugging Face shape.
+    parts: tuple[TensorInfo, ...] = ()
+    rows: np.ndarray | None = None
+    cols: np.ndarray | None = None
+    inverse: Any = None
+
+    @property
+    def rearranged(self) -> bool:
+        return bool(self.parts) or self.rows is not None or self.cols is not None or self.inverse is not None
 
 
 class GGUFTensorSource(TensorSource):
@@ -165,7 +176,7 @@ class GGUFTensorSource(TensorSource):
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, or the GGML type name (``"Q4_K"``...)."""
         e = self._entry(name)
-        if e.transpose or e.value_part is not None:  # rebuilt in float32
+        if e.transpose or e.value_part is not None or (e.rearranged and not self._rows_only(e)):  # rebuilt in float32
             return "float32"
         return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
@@ -176,6 +187,7 @@ class GGUFTensorSource(TensorSource):
         size = e.info.end - e.info.begin
         if e.expert is not None:
             return size // e.info.shape[0]
+        size += sum(p.end - p.begin for p in e.parts)
         return size + (e.value_part.end - e.value_part.begin if e.value_part is not None else 0)
 
     def gguf_name(self, name: str) -> str:
@@ -197,6 +209,8 @@ class GGUFTensorSource(TensorSource):
             raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
         if e.value_part is not None:
             return _join_kv_b(self._floats(e.info, raw), self._floats(e.value_part, self.file.raw(e.value_part)))
+        if e.rearranged:
+            return self._rearrange(e)
         begin = e.info.begin
         if e.expert is not None:  # the expert's rows: whole blocks, so quantized ones stay quantized
             rows = e.shape[0]
@@ -222,6 +236,34 @@ class GGUFTensorSource(TensorSource):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
         return data
 
+    @staticmethod
+    def _rows_only(e: _Entry) -> bool:
+        """Whether ``e`` only gathers whole rows of one quantized type (so it stays quantized)."""
+        infos = (e.info, *e.parts)
+        return (e.cols is None and e.inverse is None and len(e.shape) == 2 and e.info.type.quantized
+                and all(i.type.name == e.info.type.name and len(i.shape) == 2 for i in infos))
+
+    def _rearrange(self, e: _Entry) -> np.ndarray | GGUFQuantizedTensor:
+        """A joined / reordered tensor: quantized rows are gathered as they are stored (whole
+        blocks); anything else is rebuilt in float32."""
+        infos = (e.info, *e.parts)
+        if self._rows_only(e):
+            raw = np.concatenate([self.file.raw(i).reshape(i.shape[0], -1) for i in infos], axis=0)
+            if e.rows is not None:
+                raw = raw[e.rows]
+            return GGUFQuantizedTensor(e.info.type.name, e.shape, np.ascontiguousarray(raw),
+                                       "+".join(i.name for i in infos))
+        parts = [self._floats(i, self.file.raw(i)) for i in infos]
+        data = np.concatenate([p.reshape(p.shape[0], -1) if p.ndim > 1 else p for p in parts], axis=0)
+        if e.rows is not None:
+            data = data[e.rows]
+        if e.cols is not None:
+            data = data[:, e.cols]
+        if e.inverse is not None:
+            with np.errstate(all="ignore"):
+                data = e.inverse(data)
+        return np.ascontiguousarray(data, dtype=np.float32).reshape(e.shape)
+
     def _floats(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         """``raw`` (the stored bytes of ``info``) as float32, shaped as stored."""
         t = info.type
@@ -237,6 +279,8 @@ class GGUFTensorSource(TensorSource):
             return
         if entry.value_part is not None:
             self.file.release(entry.value_part)
+        for part in entry.parts:
+            self.file.release(part)
         if entry.expert is None:
             self.file.release(entry.info)
         else:  # only this expert's bytes: the others may not be read yet
@@ -296,8 +340,8 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
             if info.shape[0] % (2 * heads):
                 raise FormatError(f"{file.path}: tensor {info.name!r} has {info.shape[0]} rows, not a multiple "
                                   f"of 2 x {heads} heads: cannot undo the Q/K permutation")
-        offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) else 0.0
         kind = block_kind(info.name)
+        offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) and kind not in arch.plain_norms else 0.0
         if "{e}" in hf:
             if len(info.shape) != 3:
                 raise FormatError(f"{file.path}: expert tensor {info.name!r} has shape {list(info.shape)}; "
@@ -318,6 +362,8 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
     if unknown:
         raise FormatError(f"{file.path}: tensors unknown for architecture {arch.gguf_name!r}: "
                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    if arch.fix_entries is not None:
+        arch.fix_entries(entries, file, arch, config)
     return entries
 
 

@@ -69,6 +69,11 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+#: Matrices llama.cpp's converter keeps in float32 whatever the type (its ``tensor_force_quant``
+#: list): routers and convolution kernels.
+_ALWAYS_F32 = re.compile(r"\.(ffn_gate_inp|ssm_conv1d)\.weight$")
+
+
 def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: int, tied: bool) -> str:
     """The GGML type of tensor ``gguf_name`` (rows of ``cols`` values) in a file of type ``out``.
 
@@ -78,7 +83,7 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
     Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
     picks are Q6_K too.
     """
-    if ndim < 2 or out.ggml == "F32":
+    if ndim < 2 or out.ggml == "F32" or _ALWAYS_F32.search(gguf_name):
         return "F32"
     qtype = out.ggml
     block_type = TYPES_BY_NAME[qtype].quantized
@@ -103,7 +108,7 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3"})
+WRITTEN = frozenset({"llama", "qwen2", "gemma3", "qwen35", "qwen35moe", "qwen3next"})
 
 
 def architecture_for(model_type: str) -> ArchitectureMap:
@@ -118,6 +123,9 @@ def architecture_for(model_type: str) -> ArchitectureMap:
 
 
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(weight|bias)")
+#: A vision-language checkpoint's text model (Qwen3.5): its weights, and what is not written.
+_TEXT_PREFIX = "model.language_model."
+_NOT_TEXT = re.compile(r"(model\.visual|mtp)\..*")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
 
@@ -234,9 +242,35 @@ def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
             md.pop(f"gemma3.{key}", None)
 
 
+def _delta_net_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """Qwen3.5 / Qwen3-Next (convert_hf_to_gguf.py's ``Qwen3NextModel``): the DeltaNet's sizes, the
+    layer pattern as ``full_attention_interval``, the rotated share (transformers' default 0.25)
+    and, for Qwen3.5, the M-RoPE sections llama.cpp requires (text positions are equal on every
+    axis, so any split is plain rope; ``[rotated / 2, 0, 0, 0]`` when the config names none)."""
+    from .gguf_delta_net import check_config, full_attention_interval
+
+    arch = architecture_for(config["model_type"])
+    p = arch.gguf_name
+    md[f"{p}.full_attention_interval"] = full_attention_interval(check_config(arch, config))
+    md[f"{p}.ssm.inner_size"] = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    rope, _ = _rope(config)
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    rotated = int(config["head_dim"] * factor)
+    md[f"{p}.rope.dimension_count"] = rotated
+    if p in ("qwen35", "qwen35moe"):
+        sections = list(rope.get("mrope_section") or [rotated // 2])[:4]
+        md[f"{p}.rope.dimension_sections"] = np.array(sections + [0] * (4 - len(sections)), dtype=np.int32)
+    if p == "qwen35moe":  # transformers' Qwen3.5-MoE always renormalises; no dense layers
+        md.pop(f"{p}.feed_forward_length", None)
+    if config["linear_key_head_dim"] != config["linear_value_head_dim"]:
+        log.warning("linear_key_head_dim %s != linear_value_head_dim %s: llama.cpp's %s loader assumes them "
+                    "equal (infer reads the file)", config["linear_key_head_dim"], config["linear_value_head_dim"], p)
+
+
 #: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
 _EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
-    "gemma3": _gemma3_metadata}
+    "gemma3": _gemma3_metadata, "qwen35": _delta_net_metadata, "qwen35moe": _delta_net_metadata,
+    "qwen3next": _delta_net_metadata}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -250,17 +284,45 @@ class _Planned:
     qtype: str
     heads: int | None  # permute the rows for this many heads
     offset: float  # added to the values (gemma3 norms)
+    make: Callable[[], np.ndarray] | None = None  # values made from several tensors / a new layout
+    sources: tuple[str, ...] = ()  # the tensors ``make`` reads (released after writing)
 
 
-def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
-    config, src = package.config, package.tensors
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: a vision-language config.json's ``text_config`` (Qwen3.5), with
+    ``tie_word_embeddings`` from the top, where transformers reads it; else ``config``."""
+    nested = config.get("text_config")
+    if not isinstance(nested, dict):
+        return config
+    return {**nested, "tie_word_embeddings": config.get("tie_word_embeddings", False),
+            "model_type": nested.get("model_type") or config["model_type"]}
+
+
+def _text_name(name: str) -> str:
+    return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
+
+
+def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None,
+          config: dict[str, Any] | None = None) -> list[_Planned]:
+    config, src = config or package.config, package.tensors
     layers = config["num_hidden_layers"]
     tied = bool(config.get("tie_word_embeddings", False))
     plan = []
+    handled: set[str] = set()
+    if arch.fix_entries is not None:  # the DeltaNet families' own layouts
+        from .gguf_delta_net import plan as delta_net_plan
+
+        for w in delta_net_plan(package, arch, config, _text_name):
+            handled.update(w.sources)
+            qtype = tensor_type(w.gguf, w.shape[-1], len(w.shape), out, layers, tied)
+            plan.append(_Planned(w.sources[0], w.gguf, w.shape, qtype, None, 0.0, w.make, w.sources))
     for name in src.names():
-        if tied and name == "lm_head.weight":
+        if (tied and name == "lm_head.weight") or name in handled:
             continue
-        gguf_name = gguf_tensor_name(arch, name)
+        if _NOT_TEXT.fullmatch(name) and arch.fix_entries is not None:
+            log.info("not written: %s (not part of the text model llama.cpp's %s reads)", name, arch.gguf_name)
+            continue
+        gguf_name = gguf_tensor_name(arch, _text_name(name))
         if gguf_name is None:
             continue
         shape = tuple(src.shape(name))
@@ -268,7 +330,8 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
         if arch.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", gguf_name):
             heads = config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
             heads = heads or config["num_attention_heads"]
-        offset = arch.norm_offset if re.search(r"norm\.weight$", gguf_name) else 0.0
+        plain = re.sub(r"^blk\.\d+\.|\.weight$", "", gguf_name) in arch.plain_norms
+        offset = arch.norm_offset if re.search(r"norm\.weight$", gguf_name) and not plain else 0.0
         qtype = tensor_type(gguf_name, shape[-1], len(shape), out, layers, tied)
         plan.append(_Planned(name, gguf_name, shape, qtype, heads, offset))
     if "token_embd.weight" not in {p.gguf for p in plan}:
@@ -280,6 +343,8 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
 
 def _values(package: ModelPackage, p: _Planned, freqs: np.ndarray | None) -> np.ndarray:
     """The tensor's values in llama.cpp's layout, as a float array [rows, cols] or [n]."""
+    if p.make is not None:
+        return p.make()
     if p.hf is None:
         return freqs  # type: ignore[return-value]
     value = package.tensors.get(p.hf)
@@ -314,11 +379,11 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                                      "pip install 'infer-engine[convert]'") from exc
     out = TYPES[type]
     arch = architecture_for(package.model_type)
-    config = package.config
+    config = text_config(package.config)
     md, freqs = hyperparameters(arch, config)
     vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
     md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
-    plan = _plan(package, arch, out, freqs)
+    plan = _plan(package, arch, out, freqs, config)
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     name = config.get("_name_or_path") or config.get("_model_name_or_path")
@@ -334,7 +399,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
         if p.qtype in ("F32", "F16"):
             writer.add_tensor_info(p.gguf, p.shape, np.dtype(np.float32 if p.qtype == "F32" else np.float16), nbytes)
         else:
-            writer.add_tensor_info(p.gguf, (rows, t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
+            writer.add_tensor_info(p.gguf, (*p.shape[:-1], t.row_bytes(p.shape[-1])), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[p.qtype])
     total = sum(int(np.prod(p.shape)) for p in plan)
     bar = tqdm(total=total, unit="value", unit_scale=True, desc=f"{path.name} ({type})", leave=False,
@@ -355,8 +420,8 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                     if p.qtype in ("F32", "F16"):
                         data = data.view("<f4" if p.qtype == "F32" else "<f2").reshape(p.shape)
                 writer.write_tensor_data(data)
-                if p.hf is not None:
-                    package.tensors.release(p.hf)
+                for name in p.sources or ((p.hf,) if p.hf is not None else ()):
+                    package.tensors.release(name)
     finally:
         writer.close()
 
