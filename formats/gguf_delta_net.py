@@ -207,7 +207,7 @@ def plan(package: Any, arch: ArchitectureMap, config: dict[str, Any], name_of: C
         i, rest = m[1], m[2]
         shape = tuple(src.shape(by_name[hf]))
         if rest == "in_proj_qkvz.weight":  # Qwen3-Next: split into attn_qkv and attn_gate
-            rows = qkvz_rows(config)
+            rows = np.argsort(qkvz_rows(config))  # Hugging Face rows of [attn_qkv; attn_gate]
             conv = 2 * nk * hk + nv * hv
             for gguf, part in (("attn_qkv", slice(0, conv)), ("attn_gate", slice(conv, None))):
                 out.append(Written(f"blk.{i}.{gguf}.weight", (len(rows[part]), shape[1]),
