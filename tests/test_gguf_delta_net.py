@@ -159,11 +159,11 @@ def _check_tensors(path: Path, variant: str) -> None:
             assert np.array_equal(got, want), name  # bit for bit
 
 
-def _check_logits(path: Path, variant: str) -> None:
+def _check_logits(path: Path, variant: str, backend: str = "numpy") -> None:
     folder = tiny_model_dir(variant)
     prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
     want = reference_logits(folder, prompt, decode)["full"]
-    model = infer.load(path, backend="numpy")
+    model = infer.load(path, backend=backend)
     logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), prompt + decode, all_logits=True))
     assert_logits_close(logits, want, f"{variant} from GGUF")
 
@@ -174,6 +174,49 @@ def test_llama_cpp_file_reads_back_the_hugging_face_tensors_and_logits(variant: 
     llama_cpp_file(variant, path)
     _check_tensors(path, variant)
     _check_logits(path, variant)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next_gguf"])
+def test_gguf_logits_on_torch(variant: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    path = tmp_path / f"{variant}.gguf"
+    llama_cpp_file(variant, path)
+    _check_logits(path, variant, backend="torch:cpu")
+
+
+def test_vision_language_checkpoint_writes_its_text_model(tmp_path: Path) -> None:
+    # A Qwen3_5ForConditionalGeneration folder: text_config nested, weights under model.language_model.,
+    # a vision tower and MTP weights (not written): the same file as the text-only checkpoint's.
+    from safetensors.numpy import load_file, save_file
+
+    folder = tiny_model_dir("qwen3_5")
+    text = json.loads((folder / "config.json").read_text())
+    nested = tmp_path / "vl"
+    nested.mkdir()
+    for f in folder.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (nested / f.name).write_bytes(f.read_bytes())
+    (nested / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": text["tie_word_embeddings"], "text_config": {**text, "model_type": "qwen3_5_text"},
+        "vision_config": {"depth": 1}}))
+    state = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+             for k, v in load_file(folder / "model.safetensors").items()}
+    state["model.visual.patch_embed.proj.weight"] = np.ones((4, 4), np.float32)
+    state["mtp.fc.weight"] = np.ones((4, 4), np.float32)
+    save_file(state, nested / "model.safetensors")
+    a = read_gguf(infer.convert(folder, tmp_path / "text.gguf", type="f32", progress=False))
+    b = read_gguf(infer.convert(nested, tmp_path / "vl.gguf", type="f32", progress=False))
+    try:
+        assert sorted(a.tensors) == sorted(b.tensors)
+        for name, info in a.tensors.items():
+            assert a.raw(info).tobytes() == b.raw(b.tensors[name]).tobytes(), name
+        for key, value in a.metadata.items():
+            if key.startswith("qwen35."):
+                assert np.array_equal(b.metadata[key], value), key
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("variant", list(FILES))
