@@ -436,7 +436,7 @@ def _fix_delta_net_entries(*args: Any) -> None:
     fix_entries(*args)
 
 
-_DELTA_NET_ROW = dict(default_rope_theta=10000000.0, finish=_finish_delta_net, norm_offset=1.0,
+_DELTA_NET_ROW = dict(finish=_finish_delta_net, norm_offset=1.0,  # rope base: llama.cpp's 10 000 when absent
                       plain_norms=frozenset({"ssm_norm"}), fix_entries=_fix_delta_net_entries)
 
 

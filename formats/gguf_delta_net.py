@@ -197,6 +197,9 @@ def plan(package: Any, arch: ArchitectureMap, config: dict[str, Any], name_of: C
 
     experts: dict[tuple[int, str], dict[int, str]] = {}
     for hf in by_name:
+        m = re.match(r"model\.layers\.(\d+)\.", hf)
+        if m is not None and int(m[1]) >= config["num_hidden_layers"]:  # an MTP module: not written
+            continue
         m = _EXPERT.fullmatch(hf)
         if m is not None:
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = hf

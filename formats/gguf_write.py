@@ -322,6 +322,11 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
         if _NOT_TEXT.fullmatch(name) and arch.fix_entries is not None:
             log.info("not written: %s (not part of the text model llama.cpp's %s reads)", name, arch.gguf_name)
             continue
+        layer = _LAYER.fullmatch(_text_name(name))
+        if layer is not None and int(layer[1]) >= layers and arch.fix_entries is not None:
+            # MTP modules (model.layers.{num_hidden_layers + N}): llama.cpp's Qwen3-Next converter skips them
+            log.info("not written: %s (a multi-token prediction module)", name)
+            continue
         gguf_name = gguf_tensor_name(arch, _text_name(name))
         if gguf_name is None:
             continue
