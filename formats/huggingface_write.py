@@ -34,6 +34,8 @@ SHARD_BYTES = 2 * 1024**3
 #: transformers' model class for each model_type infer reads.
 CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+CLASS_NAMES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                    "qwen3_next": "Qwen3NextForCausalLM"})
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

@@ -286,3 +286,20 @@ def test_quantized_file_keeps_rows_quantized_and_runs(tmp_path: Path) -> None:
     ids = encode(tiny_model_dir("qwen3_next_gguf"), PROMPT)
     logits = model.backend.to_numpy(model.engine.forward(model.engine.new_sequence(), ids, all_logits=True))
     assert logits.shape == (len(ids), 384) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next_gguf"])
+def test_gguf_back_to_a_folder_transformers_loads(variant: str, tmp_path: Path) -> None:
+    # infer convert model.gguf folder: the config (layer_types, the DeltaNet sizes, rope share) and the
+    # tensors in Hugging Face layout again; transformers' logits from it are the original's.
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir(variant)
+    file = infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
+    back = infer.convert(file, tmp_path / "hf", progress=False)
+    prompt, decode = encode(folder, PROMPT), encode(folder, DECODE_TEXT)
+    model = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + decode])).logits[0].numpy()
+    assert_logits_close(logits, reference_logits(folder, prompt, decode)["full"], f"{variant} GGUF -> folder")
