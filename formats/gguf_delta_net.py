@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import ConfigError
+from infer.ops import QuantizedTensor
 
 from .gguf_arch import ArchitectureMap
 
@@ -56,7 +57,8 @@ def grouped_order(key_heads: int, value_heads: int, width: int) -> np.ndarray:
     return np.argsort(tiled_order(key_heads, value_heads, width))
 
 
-def _reorders(config: dict[str, Any], order: Callable[[int, int, int], np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
+def _reorders(config: dict[str, Any],
+              order: Callable[[int, int, int], np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
     """Hugging Face tensor (under ``linear_attn.``) -> (``"rows"`` or ``"cols"``, index order) of the
     value-head reorder of Qwen3.5 (empty when key and value heads are as many)."""
     nk, nv, hk, hv = _dims(config)
@@ -66,9 +68,10 @@ def _reorders(config: dict[str, Any], order: Callable[[int, int, int], np.ndarra
     qk = np.arange(kd)
     v = np.concatenate([qk, kd + order(nk, nv, hv)])
     one = order(nk, nv, 1)
-    return {"in_proj_qkv.weight": ("rows", v), "conv1d.weight": ("rows", v), "in_proj_z.weight": ("rows", order(nk, nv, hv)),
-            "in_proj_a.weight": ("rows", one), "in_proj_b.weight": ("rows", one), "A_log": ("rows", one),
-            "dt_bias": ("rows", one), "out_proj.weight": ("cols", order(nk, nv, hv))}
+    return {"in_proj_qkv.weight": ("rows", v), "conv1d.weight": ("rows", v),
+            "in_proj_z.weight": ("rows", order(nk, nv, hv)), "in_proj_a.weight": ("rows", one),
+            "in_proj_b.weight": ("rows", one), "A_log": ("rows", one), "dt_bias": ("rows", one),
+            "out_proj.weight": ("cols", order(nk, nv, hv))}
 
 
 def qkvz_rows(config: dict[str, Any]) -> np.ndarray:
@@ -177,7 +180,7 @@ def plan(package: Any, arch: ArchitectureMap, config: dict[str, Any], name_of: C
 
     def read(hf: str) -> np.ndarray:
         value = src.get(by_name[hf])
-        return np.asarray(value.dequantize() if hasattr(value, "dequantize") else value, dtype=np.float32)
+        return np.asarray(value.dequantize() if isinstance(value, QuantizedTensor) else value, dtype=np.float32)
 
     def layout(hf: str, rest: str) -> Callable[[], np.ndarray]:
         axis, order = reorder.get(rest, (None, None))
