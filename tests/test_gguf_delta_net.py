@@ -303,3 +303,26 @@ def test_gguf_back_to_a_folder_transformers_loads(variant: str, tmp_path: Path) 
     with torch.no_grad():
         logits = model(torch.tensor([prompt + decode])).logits[0].numpy()
     assert_logits_close(logits, reference_logits(folder, prompt, decode)["full"], f"{variant} GGUF -> folder")
+
+
+_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+           "vocab_size", "max_position_embeddings", "tie_word_embeddings", "linear_conv_kernel_dim",
+           "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+           "layer_types", "hidden_act")
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+@pytest.mark.parametrize("variant", list(FILES))
+def test_the_config_reads_back(variant: str, tmp_path: Path) -> None:
+    hf = json.loads((tiny_model_dir(variant) / "config.json").read_text())
+    got = open_gguf(infer.convert(tiny_model_dir(variant), tmp_path / "m.gguf", type="f32", progress=False),
+                    tokenizer=False).config
+    for key in _FIELDS + (_MOE_FIELDS if "num_experts" in hf else ()):
+        assert got[key] == hf[key], key
+    assert got["rms_norm_eps"] == np.float32(hf["rms_norm_eps"])  # stored as float32
+    assert got.get("attention_bias", False) == hf["attention_bias"]
+    rope = hf["rope_parameters"]
+    assert got["rope_parameters"]["rope_theta"] == rope["rope_theta"]
+    assert got["rope_parameters"]["partial_rotary_factor"] == rope.get("partial_rotary_factor", 0.25)
+    if variant == "qwen3_next_gguf":
+        assert (got["mlp_only_layers"], got["decoder_sparse_step"], got["norm_topk_prob"]) == ([], 1, True)
