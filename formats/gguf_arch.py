@@ -398,10 +398,11 @@ def _finish_delta_net(config: dict[str, Any], file: GGUFFile, arch: Architecture
                           f"{p}.ssm.group_count {config['linear_num_key_heads']} key heads")
     config["linear_value_head_dim"] = inner // heads
     recurrent = md.get(f"{p}.attention.recurrent_layers")
+    total = n + config.get("num_nextn_predict_layers", 0)  # the array covers the MTP blocks too
     if recurrent is not None:
-        if not (isinstance(recurrent, np.ndarray) and recurrent.shape[:1] == (n,) and recurrent.ndim == 1):
-            raise ConfigError(f"{path}: {p}.attention.recurrent_layers must hold {n} booleans, found {recurrent!r}")
-        linear = [bool(r) for r in recurrent]
+        if not (isinstance(recurrent, np.ndarray) and recurrent.dtype == bool and recurrent.shape in ((n,), (total,))):
+            raise ConfigError(f"{path}: {p}.attention.recurrent_layers must hold {total} booleans, found {recurrent!r}")
+        linear = [bool(r) for r in recurrent[:n]]
         where = f"{p}.attention.recurrent_layers"
     else:
         interval = config.get("full_attention_interval", 4)

@@ -139,8 +139,8 @@ _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 
 
 def check_config(arch: ArchitectureMap, config: dict[str, Any]) -> list[str]:
-    """The config's layer kinds, refusing what llama.cpp's files cannot say: a layer pattern that
-    is no ``full_attention_interval`` and, for Qwen3-Next, a dense MLP in any layer."""
+    """The config's layer kinds, refusing what llama.cpp's files cannot say: for Qwen3-Next, a
+    dense MLP in any layer."""
     n = config["num_hidden_layers"]
     types = config.get("layer_types")
     if types is None:
@@ -156,15 +156,14 @@ def check_config(arch: ArchitectureMap, config: dict[str, Any]) -> list[str]:
     return list(types)
 
 
-def full_attention_interval(types: list[str]) -> int:
+def full_attention_interval(types: list[str]) -> int | None:
     """The ``full_attention_interval`` that gives ``types`` (llama.cpp: layer ``i`` is full attention
-    when ``(i + 1) % interval == 0``), or ConfigError: the only layer pattern GGUF stores."""
+    when ``(i + 1) % interval == 0``), or None when no interval does."""
     n = len(types)
     for interval in range(1, n + 2):
         if types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]:
             return interval
-    raise ConfigError(f"config.json layer_types {types} is not every k-th layer full attention; llama.cpp's "
-                      f"files store the pattern only as full_attention_interval, so it has no GGUF form")
+    return None
 
 
 def plan(package: Any, arch: ArchitectureMap, config: dict[str, Any], name_of: Callable[[str], str]) -> list[Written]:

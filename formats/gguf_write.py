@@ -244,14 +244,22 @@ def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
 
 def _delta_net_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
     """Qwen3.5 / Qwen3-Next (convert_hf_to_gguf.py's ``Qwen3NextModel``): the DeltaNet's sizes, the
-    layer pattern as ``full_attention_interval``, the rotated share (transformers' default 0.25)
+    layer pattern as ``full_attention_interval`` (else ``attention.recurrent_layers``), the rotated share (transformers' default 0.25)
     and, for Qwen3.5, the M-RoPE sections llama.cpp requires (text positions are equal on every
     axis, so any split is plain rope; ``[rotated / 2, 0, 0, 0]`` when the config names none)."""
     from .gguf_delta_net import check_config, full_attention_interval
 
     arch = architecture_for(config["model_type"])
     p = arch.gguf_name
-    md[f"{p}.full_attention_interval"] = full_attention_interval(check_config(arch, config))
+    types = check_config(arch, config)
+    interval = full_attention_interval(types)
+    md.pop(f"{p}.full_attention_interval", None)
+    if interval is not None:  # what llama.cpp's converter writes
+        md[f"{p}.full_attention_interval"] = interval
+    else:  # no interval gives the pattern: one boolean per layer, which llama.cpp's loaders read first
+        md[f"{p}.attention.recurrent_layers"] = np.array([t == "linear_attention" for t in types], dtype=bool)
+        log.warning("layer_types is not every k-th layer full attention: written as %s.attention.recurrent_layers, "
+                    "which llama.cpp builds without it read as full_attention_interval 4", p)
     md[f"{p}.ssm.inner_size"] = config["linear_num_value_heads"] * config["linear_value_head_dim"]
     rope, _ = _rope(config)
     factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))

@@ -437,6 +437,12 @@ _GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[],
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # Qwen3.5 whose layer pattern no full_attention_interval gives (full, DeltaNet, full): GGUF's
+    # attention.recurrent_layers.
+    "qwen3_5_gguf_pattern": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["full_attention", "linear_attention", "full_attention"])),
 }
 _VARIANTS.update(_FAMILIES)
 _VARIANTS.update(_GGUF_ONLY)

@@ -248,10 +248,20 @@ def test_qwen3_next_with_dense_layers_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_a_layer_pattern_that_is_no_interval_is_refused() -> None:
+def test_a_layer_pattern_that_is_no_interval_is_written_per_layer(tmp_path: Path) -> None:
+    # llama.cpp's converter writes only full_attention_interval; its loaders read a boolean per layer,
+    # attention.recurrent_layers, first: infer writes that where no interval gives the pattern.
     assert full_attention_interval(["linear_attention", "linear_attention", "full_attention", "linear_attention"]) == 3
-    with pytest.raises(ConfigError, match="full_attention_interval"):
-        full_attention_interval(["linear_attention", "full_attention", "full_attention", "linear_attention"])
+    variant = "qwen3_5_gguf_pattern"
+    path = infer.convert(tiny_model_dir(variant), tmp_path / "m.gguf", type="f32", progress=False)
+    file = read_gguf(path)
+    try:
+        assert "qwen35.full_attention_interval" not in file.metadata
+        assert file.metadata["qwen35.attention.recurrent_layers"].tolist() == [False, True, False]
+    finally:
+        file.close()
+    _check_tensors(path, variant)
+    _check_logits(path, variant)
 
 
 def test_layer_kinds_that_disagree_with_the_tensors_are_refused(tmp_path: Path) -> None:
