@@ -68,9 +68,11 @@ def _tiled(value: np.ndarray, axis: int, nk: int, r: int, width: int) -> np.ndar
     return np.swapaxes(split, axis, axis + 1).reshape(shape)
 
 
-def llama_cpp_file(variant: str, out: Path, interval: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+def llama_cpp_file(variant: str, out: Path, interval: int | None = None,
+                   legacy: bool = False) -> tuple[dict[str, np.ndarray], dict]:
     """Write ``variant`` as llama.cpp's converter does; returns (the stored tensors by GGUF name,
-    the ``{arch}.*`` metadata). ``interval`` overrides full_attention_interval (a wrong file)."""
+    the ``{arch}.*`` metadata). ``interval`` overrides full_attention_interval (a wrong file);
+    ``legacy``: Qwen3-Next's in_proj_qkvz whole, as ``ssm_in`` (llama.cpp's first converter)."""
     from safetensors.numpy import load_file
 
     arch = FILES[variant]
@@ -108,7 +110,7 @@ def llama_cpp_file(variant: str, out: Path, interval: int | None = None) -> tupl
                 value = _tiled(value, 0, nk, r, 1)
             elif ".out_proj." in hf:
                 value = _tiled(value, 1, nk, r, hv)
-        if hf.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> all q, k, v | all z
+        if hf.endswith("in_proj_qkvz.weight") and not legacy:  # [q, k, v, z] per key head -> all q, k, v | all z
             t = value.T.reshape(cfg["hidden_size"], nk, -1)
             q, k, v, z = np.split(t, np.cumsum([hk, hk, r * hv]), axis=-1)
             flat = [p.reshape(cfg["hidden_size"], -1) for p in (q, k, v, z)]
@@ -174,6 +176,13 @@ def test_llama_cpp_file_reads_back_the_hugging_face_tensors_and_logits(variant: 
     llama_cpp_file(variant, path)
     _check_tensors(path, variant)
     _check_logits(path, variant)
+
+
+def test_qwen3_next_file_with_the_whole_in_proj_qkvz(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.gguf"
+    stored, _ = llama_cpp_file("qwen3_next_gguf", path, legacy=True)
+    assert "blk.0.ssm_in.weight" in stored and "blk.0.attn_qkv.weight" not in stored
+    _check_tensors(path, "qwen3_next_gguf")
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next_gguf"])
@@ -336,3 +345,23 @@ def test_the_config_reads_back(variant: str, tmp_path: Path) -> None:
     assert got["rope_parameters"]["partial_rotary_factor"] == rope.get("partial_rotary_factor", 0.25)
     if variant == "qwen3_next_gguf":
         assert (got["mlp_only_layers"], got["decoder_sparse_step"], got["norm_topk_prob"]) == ([], 1, True)
+
+
+def test_quantized_value_head_reorder(tmp_path: Path) -> None:
+    # Qwen3.5 with 2 key heads for 4 value heads, Q8_0: reordered rows stay quantized (whole blocks),
+    # out_proj's reordered columns come back in float32, each the stored blocks' values.
+    from infer.formats.gguf_delta_net import grouped_order
+
+    path = infer.convert(tiny_model_dir("qwen3_5"), tmp_path / "q8.gguf", type="q8_0", progress=False)
+    src = open_gguf(path, tokenizer=False).tensors
+    qkv = src.get("model.layers.0.linear_attn.in_proj_qkv.weight")
+    assert isinstance(qkv, GGUFQuantizedTensor) and qkv.qtype == "Q8_0"
+    out = src.get("model.layers.0.linear_attn.out_proj.weight")
+    assert isinstance(out, np.ndarray) and src.storage_dtype("model.layers.0.linear_attn.out_proj.weight") == "float32"
+    info = src.file.tensors["blk.0.ssm_out.weight"]  # 48 columns: F16, Q8_0's fallback for them
+    stored = src._floats(info, src.file.raw(info))
+    assert info.type.name in ("F16", "Q8_0") and np.array_equal(out, stored[:, grouped_order(2, 4, 12)])
+    gate = src.get("model.layers.0.linear_attn.in_proj_z.weight")  # rows reordered, still Q8_0
+    assert isinstance(gate, GGUFQuantizedTensor) and gate.qtype == "Q8_0"
+    info = src.file.tensors["blk.0.attn_gate.weight"]
+    assert np.array_equal(gate.dequantize(), src._floats(info, src.file.raw(info))[grouped_order(2, 4, 12)])
