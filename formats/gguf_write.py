@@ -244,8 +244,8 @@ def _gemma3_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
 
 def _delta_net_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
     """Qwen3.5 / Qwen3-Next (convert_hf_to_gguf.py's ``Qwen3NextModel``): the DeltaNet's sizes, the
-    layer pattern as ``full_attention_interval`` (else ``attention.recurrent_layers``), the rotated share (transformers' default 0.25)
-    and, for Qwen3.5, the M-RoPE sections llama.cpp requires (text positions are equal on every
+    layer pattern as ``full_attention_interval`` (else ``attention.recurrent_layers``), the rotated
+    share (transformers' default 0.25) and, for Qwen3.5, the M-RoPE sections llama.cpp requires (text positions are equal on every
     axis, so any split is plain rope; ``[rotated / 2, 0, 0, 0]`` when the config names none)."""
     from .gguf_delta_net import check_config, full_attention_interval
 
