@@ -24,7 +24,7 @@ from infer.errors import ConfigError, UnsupportedArchitectureError
 from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
 from infer.formats.gguf_delta_net import full_attention_interval
 from infer.formats.gguf_file import read_gguf
-from reference import assert_logits_close, encode, reference_logits, tiny_model_dir
+from reference import assert_logits_close, backend_params, encode, reference_logits, tiny_model_dir
 from test_families import DECODE_TEXT, PROMPT
 
 import infer
@@ -185,12 +185,12 @@ def test_qwen3_next_file_with_the_whole_in_proj_qkvz(tmp_path: Path) -> None:
     _check_tensors(path, "qwen3_next_gguf")
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next_gguf"])
-def test_gguf_logits_on_torch(variant: str, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("backend", backend_params("torch:cpu", "mlx:cpu"))
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next_gguf"])
+def test_gguf_logits_on_other_backends(variant: str, backend: str, tmp_path: Path) -> None:
     path = tmp_path / f"{variant}.gguf"
     llama_cpp_file(variant, path)
-    _check_logits(path, variant, backend="torch:cpu")
+    _check_logits(path, variant, backend=backend)
 
 
 def test_vision_language_checkpoint_writes_its_text_model(tmp_path: Path) -> None:
