@@ -134,6 +134,17 @@ class _Entry:
     #: (the GGUF tensors, the function of their float32 values that gives this tensor): Mamba-2's
     #: ``A_log`` from ``ssm_a``, split projections joined (``ArchitectureMap.rebuilt``).
     rebuild: tuple[tuple[TensorInfo, ...], Callable[..., np.ndarray]] | None = None
+    #: Rearranged tensors (:mod:`.gguf_delta_net`): further tensors whose rows follow ``info``'s,
+    #: the order to gather those rows in, the order of the columns, and a function of the float32
+    #: values (A_log from llama.cpp's A = -exp(A_log)); ``shape`` is then the Hugging Face shape.
+    parts: tuple[TensorInfo, ...] = ()
+    rows: np.ndarray | None = None
+    cols: np.ndarray | None = None
+    inverse: Any = None
+
+    @property
+    def rearranged(self) -> bool:
+        return bool(self.parts) or self.rows is not None or self.cols is not None or self.inverse is not None
 
 
 class GGUFTensorSource(TensorSource):
@@ -168,7 +179,8 @@ class GGUFTensorSource(TensorSource):
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, or the GGML type name (``"Q4_K"``...)."""
         e = self._entry(name)
-        if e.transpose or e.value_part is not None or e.rebuild is not None:  # rebuilt in float32
+        if (e.transpose or e.value_part is not None or e.rebuild is not None
+                or (e.rearranged and not self._rows_only(e))):  # rebuilt in float32
             return "float32"
         return _FLOAT_NAMES.get(e.info.type.name, e.info.type.name)
 
@@ -181,6 +193,7 @@ class GGUFTensorSource(TensorSource):
             return sum(i.end - i.begin for i in e.rebuild[0])
         if e.expert is not None:
             return size // e.info.shape[0]
+        size += sum(p.end - p.begin for p in e.parts)
         return size + (e.value_part.end - e.value_part.begin if e.value_part is not None else 0)
 
     def gguf_name(self, name: str) -> str:
@@ -209,6 +222,8 @@ class GGUFTensorSource(TensorSource):
             raise FormatError(f"{self.file.path}: cannot read tensor {e.info.name!r}: {exc}") from exc
         if e.value_part is not None:
             return _join_kv_b(self._floats(e.info, raw), self._floats(e.value_part, self.file.raw(e.value_part)))
+        if e.rearranged:
+            return self._rearrange(e)
         begin = e.info.begin
         if e.expert is not None:  # the expert's rows: whole blocks, so quantized ones stay quantized
             rows = e.shape[0]
@@ -234,6 +249,34 @@ class GGUFTensorSource(TensorSource):
                 data = data.astype(np.float32) - np.float32(e.norm_offset)
         return data
 
+    @staticmethod
+    def _rows_only(e: _Entry) -> bool:
+        """Whether ``e`` only gathers whole rows of one quantized type (so it stays quantized)."""
+        infos = (e.info, *e.parts)
+        return (e.cols is None and e.inverse is None and len(e.shape) == 2 and e.info.type.quantized
+                and all(i.type.name == e.info.type.name and len(i.shape) == 2 for i in infos))
+
+    def _rearrange(self, e: _Entry) -> np.ndarray | GGUFQuantizedTensor:
+        """A joined / reordered tensor: quantized rows are gathered as they are stored (whole
+        blocks); anything else is rebuilt in float32."""
+        infos = (e.info, *e.parts)
+        if self._rows_only(e):
+            raw = np.concatenate([self.file.raw(i).reshape(i.shape[0], -1) for i in infos], axis=0)
+            if e.rows is not None:
+                raw = raw[e.rows]
+            return GGUFQuantizedTensor(e.info.type.name, e.shape, np.ascontiguousarray(raw),
+                                       "+".join(i.name for i in infos))
+        parts = [self._floats(i, self.file.raw(i)) for i in infos]
+        data = np.concatenate([p.reshape(p.shape[0], -1) if p.ndim > 1 else p for p in parts], axis=0)
+        if e.rows is not None:
+            data = data[e.rows]
+        if e.cols is not None:
+            data = data[:, e.cols]
+        if e.inverse is not None:
+            with np.errstate(all="ignore"):
+                data = e.inverse(data)
+        return np.ascontiguousarray(data, dtype=np.float32).reshape(e.shape)
+
     def _floats(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         """``raw`` (the stored bytes of ``info``) as float32, shaped as stored."""
         t = info.type
@@ -251,6 +294,8 @@ class GGUFTensorSource(TensorSource):
             self.file.release(entry.value_part)
         for info in entry.rebuild[0] if entry.rebuild is not None else ():
             self.file.release(info)
+        for part in entry.parts:
+            self.file.release(part)
         if entry.expert is None:
             self.file.release(entry.info)
         else:  # only this expert's bytes: the others may not be read yet
@@ -318,8 +363,8 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
             if info.shape[0] % (2 * heads):
                 raise FormatError(f"{file.path}: tensor {info.name!r} has {info.shape[0]} rows, not a multiple "
                                   f"of 2 x {heads} heads: cannot undo the Q/K permutation")
-        offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) else 0.0
         kind = block_kind(info.name)
+        offset = arch.norm_offset if re.search(r"norm\.weight$", info.name) and kind not in arch.plain_norms else 0.0
         if "{e}" in hf:
             if len(info.shape) != 3:
                 raise FormatError(f"{file.path}: expert tensor {info.name!r} has shape {list(info.shape)}; "
@@ -343,6 +388,8 @@ def _entries(file: GGUFFile, arch: Any, config: dict[str, Any]) -> dict[str, _En
     if unknown:
         raise FormatError(f"{file.path}: tensors unknown for architecture {arch.gguf_name!r}: "
                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    if arch.fix_entries is not None:
+        arch.fix_entries(entries, file, arch, config)
     return entries
 
 

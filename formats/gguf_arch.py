@@ -77,6 +77,11 @@ class ArchitectureMap:
     #: (file, config, row) -> {Hugging Face name: (shape, GGUF tensors, function of their float32
     #: values)}: tensors llama.cpp reshaped, split or transformed (:mod:`.gguf_ssm`).
     rebuilt: Callable[[GGUFFile, dict[str, Any], ArchitectureMap], dict[str, Any]] | None = None
+    #: block kinds whose ``norm.weight`` is stored as is although :attr:`norm_offset` is set.
+    plain_norms: frozenset[str] = frozenset()
+    #: rearranges the reader's entries after they are made (joined, reordered tensors):
+    #: ``fix_entries(entries, file, arch, config)``, see :mod:`infer.formats.gguf_delta_net`.
+    fix_entries: Callable[..., None] | None = None
 
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -557,6 +562,100 @@ def _finish_gemma4(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap
     if dims and dims != config["head_dim"]:
         swa_rope["partial_rotary_factor"] = dims / config["head_dim"]
     config["rope_parameters"] = {"full_attention": full_rope, "sliding_attention": swa_rope}
+#: Qwen3.5 / Qwen3-Next (llama.cpp ``qwen35``, ``qwen35moe``, ``qwen3next``): gated DeltaNet
+#: blocks (``ssm_*``, ``attn_qkv`` = ``in_proj_qkv``, ``attn_gate`` = ``in_proj_z``) between
+#: gated full-attention blocks. ``ssm_a`` has no ``.weight`` suffix (the ``"ssm_a."`` key).
+_DELTA_NET_LAYER = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm", **_ATTENTION, **_QK_NORMS,
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a.": "linear_attn.A_log", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj", **_MLP,
+}
+_SHARED_EXPERT_MOE = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_QWEN35_LAYER = {**_DELTA_NET_LAYER, "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"}
+# Qwen3-Next's in_proj_ba is stored as is; its in_proj_qkvz split into attn_qkv and attn_gate (or,
+# in files of llama.cpp's first Qwen3-Next converter, whole as ssm_in).
+_QWEN3NEXT_LAYER = {**_DELTA_NET_LAYER, "ssm_ba": "linear_attn.in_proj_ba", "ssm_in": "linear_attn.in_proj_qkvz",
+                    **_SHARED_EXPERT_MOE}
+_DELTA_NET_HPARAMS = tuple(h for h in _COMMON if h.key != "feed_forward_length") + (
+    Hparam("feed_forward_length", "intermediate_size", int),  # absent for Qwen3.5-MoE
+    Hparam("ssm.conv_kernel", "linear_conv_kernel_dim", int, True),
+    Hparam("ssm.state_size", "linear_key_head_dim", int, True),
+    Hparam("ssm.group_count", "linear_num_key_heads", int, True),
+    Hparam("ssm.time_step_rank", "linear_num_value_heads", int, True),
+    Hparam("ssm.inner_size", "linear_value_dim", int),  # heads x value head width; required, see below
+    Hparam("full_attention_interval", "full_attention_interval", int),
+)
+_DELTA_NET_MOE_HPARAMS = _DELTA_NET_HPARAMS + _MOE + (
+    Hparam("expert_shared_feed_forward_length", "shared_expert_intermediate_size", int),)
+
+
+def _finish_delta_net(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
+    """Qwen3.5 / Qwen3-Next: the value head width, the layer kinds, the rope share, the MoE layout.
+
+    llama.cpp (src/models/qwen35.cpp, qwen3next.cpp) marks the DeltaNet layers from the
+    boolean array ``attention.recurrent_layers`` where present, else from
+    ``full_attention_interval`` (default 4: layer ``i`` is full attention when ``(i + 1) %
+    interval == 0``); which tensors each block holds must agree. ``ssm.inner_size`` is
+    ``linear_num_value_heads * linear_value_head_dim``. The rotated share of each head is
+    ``rope.dimension_count / key_length`` (all of it when absent, as llama.cpp reads it).
+    Blocks without a router are dense MLPs (``mlp_only_layers``); llama.cpp always
+    renormalises the top-k weights."""
+    md, p, path, n = file.metadata, arch.gguf_name, file.path, config["num_hidden_layers"]
+    inner, heads = config.pop("linear_value_dim", None), config["linear_num_value_heads"]
+    if inner is None:
+        raise ConfigError(f"{path}: metadata {p}.ssm.inner_size is missing; it gives the value heads' width")
+    if inner % heads or heads % config["linear_num_key_heads"]:
+        raise ConfigError(f"{path}: {p}.ssm.inner_size {inner} is not a whole number of value heads per "
+                          f"{p}.ssm.time_step_rank {heads} value heads, or those are not a multiple of "
+                          f"{p}.ssm.group_count {config['linear_num_key_heads']} key heads")
+    config["linear_value_head_dim"] = inner // heads
+    recurrent = md.get(f"{p}.attention.recurrent_layers")
+    total = n + config.get("num_nextn_predict_layers", 0)  # the array covers the MTP blocks too
+    if recurrent is not None:
+        if not (isinstance(recurrent, np.ndarray) and recurrent.dtype == bool and recurrent.shape in ((n,), (total,))):
+            raise ConfigError(f"{path}: {p}.attention.recurrent_layers must hold {total} booleans, found {recurrent!r}")
+        linear = [bool(r) for r in recurrent[:n]]
+        where = f"{p}.attention.recurrent_layers"
+    else:
+        interval = config.get("full_attention_interval", 4)
+        config["full_attention_interval"] = interval
+        linear = [(i + 1) % interval != 0 for i in range(n)]
+        where = f"{p}.full_attention_interval {interval}"
+    for i, lin in enumerate(linear):
+        if (f"blk.{i}.ssm_a" in file.tensors) != lin:
+            raise ConfigError(f"{path}: block {i} is {'full attention' if lin is False else 'a DeltaNet'} by "
+                              f"{where} but holds {'ssm_a' if not lin else 'no ssm_a'}; the file's layer kinds "
+                              f"disagree")
+    config["layer_types"] = ["linear_attention" if lin else "full_attention" for lin in linear]
+    if any(f"blk.{i}.attn_q.bias" in file.tensors for i in range(n)):  # block 0 may be a DeltaNet
+        config["attention_bias"] = True
+    dims = _number(md, f"{p}.rope.dimension_count", int, file) or config["head_dim"]
+    config["rope_parameters"]["partial_rotary_factor"] = dims / config["head_dim"]
+    if arch.expert_tensors:
+        sparse = set(_sparse_layers(config, file))
+        if not sparse:
+            raise ConfigError(f"{path}: no block of this {p} file has a router (ffn_gate_inp)")
+        config["mlp_only_layers"] = [i for i in range(n) if i not in sparse]
+        config["decoder_sparse_step"] = 1
+        config["norm_topk_prob"] = True
+        if arch.model_type == "qwen3_5_moe_text" and config["mlp_only_layers"]:
+            raise ConfigError(f"{path}: blocks {config['mlp_only_layers']} have no router; every Qwen3.5-MoE "
+                              f"layer is a mixture of experts")
+
+
+def _fix_delta_net_entries(*args: Any) -> None:
+    from .gguf_delta_net import fix_entries
+
+    fix_entries(*args)
+
+
+_DELTA_NET_ROW = dict(finish=_finish_delta_net, norm_offset=1.0,  # rope base: llama.cpp's 10 000 when absent
+                      plain_norms=frozenset({"ssm_norm"}), fix_entries=_fix_delta_net_entries)
 
 
 ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
@@ -603,6 +702,14 @@ ARCHITECTURES: dict[str, ArchitectureMap] = {a.gguf_name: a for a in (
     ArchitectureMap("gpt-oss", "gpt_oss", _COMMON + _MOE, _GPT_OSS_LAYER,
                     {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, default_rope_theta=150000.0,
                     finish=_finish_gpt_oss, expert_tensors=_GPT_OSS_EXPERTS),
+    # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: every norm but the DeltaNet's gated one stored as 1 + w.
+    ArchitectureMap("qwen35", "qwen3_5_text", _DELTA_NET_HPARAMS, _QWEN35_LAYER, {"hidden_act": "silu"},
+                    also_from=("qwen3_5",), **_DELTA_NET_ROW),
+    ArchitectureMap("qwen35moe", "qwen3_5_moe_text", _DELTA_NET_MOE_HPARAMS, {**_QWEN35_LAYER, **_SHARED_EXPERT_MOE},
+                    {"hidden_act": "silu"}, expert_tensors=_EXPERTS, also_from=("qwen3_5_moe",), **_DELTA_NET_ROW),
+    ArchitectureMap("qwen3next", "qwen3_next", _DELTA_NET_MOE_HPARAMS, _QWEN3NEXT_LAYER,
+                    {"hidden_act": "silu", "norm_topk_prob": True},
+                    expert_tensors=_EXPERTS, **_DELTA_NET_ROW),
 )}
 
 
@@ -719,6 +826,7 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
 
 # Dotted kinds (LFM2's shortconv.conv) too, and Gemma 4's router ``.scale`` tensors.
 _BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+(?:\.[a-z0-9_]+)*)\.(weight|bias|scale)")
+_BARE = re.compile(r"blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)")  # no suffix: llama.cpp's ssm_a
 _NEXTN = re.compile(r"blk\.(0|[1-9][0-9]*)\.nextn\.([a-z_]+)\.weight")
 
 
@@ -736,6 +844,9 @@ def canonical_name(arch: ArchitectureMap, name: str, layers: int) -> str | None:
             return None
         return f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}.weight"
     m = _BLOCK.fullmatch(name)
+    bare = _BARE.fullmatch(name) if m is None else None
+    if bare is not None and int(bare[1]) < layers and f"{bare[2]}." in arch.layer_tensors:
+        return f"{arch.layer_prefix}.{bare[1]}.{arch.layer_tensors[bare[2] + '.']}"
     if m is None or int(m[1]) >= layers:
         return None
     full = arch.layer_tensors.get(f"{m[2]}.{m[3]}")  # a Hugging Face name with another ending

@@ -70,6 +70,11 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+#: Matrices llama.cpp's converter keeps in float32 whatever the type (its ``tensor_force_quant``
+#: list): routers and convolution kernels.
+_ALWAYS_F32 = re.compile(r"\.(ffn_gate_inp|ssm_conv1d)\.weight$")
+
+
 def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: int, tied: bool) -> str:
     """The GGML type of tensor ``gguf_name`` (rows of ``cols`` values) in a file of type ``out``.
 
@@ -79,7 +84,8 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
     Q8_0; in the _M mixes ``attn_v`` and ``ffn_down`` of the layers :func:`_more_bits`
     picks are Q6_K too.
     """
-    if ndim < 2 or out.ggml == "F32" or not gguf_name.endswith(".weight") or ".ffn_gate_inp." in gguf_name:
+    if (ndim < 2 or out.ggml == "F32" or not gguf_name.endswith(".weight") or ".ffn_gate_inp." in gguf_name
+            or _ALWAYS_F32.search(gguf_name)):
         return "F32"  # as convert_hf_to_gguf.py: vectors, every non-weight (gpt-oss's [experts, out] biases), routers
     qtype = out.ggml
     block_type = TYPES_BY_NAME[qtype].quantized
@@ -104,7 +110,7 @@ def tensor_type(gguf_name: str, cols: int, ndim: int, out: OutputType, layers: i
 #: The rows of :data:`ARCHITECTURES` this writer is checked for (round trips,
 #: llama.cpp loading them). The others are read-only until writing them is
 #: tested: their expert tensors, GPT-2's transposed weights and the like.
-WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss", "gemma4"}) | {"mamba2", "granitehybrid", "falcon-h1"}  # + gguf_ssm's
+WRITTEN = frozenset({"llama", "qwen2", "gemma3", "gpt-oss", "gemma4", "qwen35", "qwen35moe", "qwen3next"}) | {"mamba2", "granitehybrid", "falcon-h1"}  # + gguf_ssm's
 #: Hugging Face model_types read from GGUF but refused by the writer, and why.
 REFUSED_MODEL_TYPES = {"gemma4": "its vision and audio towers go to llama.cpp's separate mmproj file, which infer "
                                   "does not write; write the text model (a gemma4_text folder)"}
@@ -126,6 +132,9 @@ def architecture_for(model_type: str) -> ArchitectureMap:
 
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(weight|bias)")
 _LAYER_PARAM = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
+#: A vision-language checkpoint's text model (Qwen3.5): its weights, and what is not written.
+_TEXT_PREFIX = "model.language_model."
+_NOT_TEXT = re.compile(r"(model\.visual|mtp)\..*")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
 
@@ -356,11 +365,43 @@ def _gemma4_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str
                f"{p}.embedding_length_per_layer_input": int(c.get("hidden_size_per_layer_input") or 0)})
     if c.get("final_logit_softcapping") is None:
         md.pop(f"{p}.final_logit_softcapping", None)
+def _delta_net_metadata(md: dict[str, Any], config: dict[str, Any], local: dict[str, Any] | None) -> None:
+    """Qwen3.5 / Qwen3-Next (convert_hf_to_gguf.py's ``Qwen3NextModel``): the DeltaNet's sizes, the
+    layer pattern as ``full_attention_interval`` (else ``attention.recurrent_layers``), the rotated
+    share (transformers' default 0.25) and, for Qwen3.5, the M-RoPE sections llama.cpp requires (text positions are equal on every
+    axis, so any split is plain rope; ``[rotated / 2, 0, 0, 0]`` when the config names none)."""
+    from .gguf_delta_net import check_config, full_attention_interval
+
+    arch = architecture_for(config["model_type"])
+    p = arch.gguf_name
+    types = check_config(arch, config)
+    interval = full_attention_interval(types)
+    md.pop(f"{p}.full_attention_interval", None)
+    if interval is not None:  # what llama.cpp's converter writes
+        md[f"{p}.full_attention_interval"] = interval
+    else:  # no interval gives the pattern: one boolean per layer, which llama.cpp's loaders read first
+        md[f"{p}.attention.recurrent_layers"] = np.array([t == "linear_attention" for t in types], dtype=bool)
+        log.warning("layer_types is not every k-th layer full attention: written as %s.attention.recurrent_layers, "
+                    "which llama.cpp builds without it read as full_attention_interval 4", p)
+    md[f"{p}.ssm.inner_size"] = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    rope, _ = _rope(config)
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    rotated = int(config["head_dim"] * factor)
+    md[f"{p}.rope.dimension_count"] = rotated
+    if p in ("qwen35", "qwen35moe"):
+        sections = list(rope.get("mrope_section") or [rotated // 2])[:4]
+        md[f"{p}.rope.dimension_sections"] = np.array(sections + [0] * (4 - len(sections)), dtype=np.int32)
+    if p == "qwen35moe":  # transformers' Qwen3.5-MoE always renormalises; no dense layers
+        md.pop(f"{p}.feed_forward_length", None)
+    if config["linear_key_head_dim"] != config["linear_value_head_dim"]:
+        log.warning("linear_key_head_dim %s != linear_value_head_dim %s: llama.cpp's %s loader assumes them "
+                    "equal (infer reads the file)", config["linear_key_head_dim"], config["linear_value_head_dim"], p)
 
 
 #: Family-specific metadata beyond the shared hyperparameters, by GGUF architecture.
 _EXTRAS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any] | None], None]] = {
-    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata, "gemma4": _gemma4_metadata}
+    "gemma3": _gemma3_metadata, "gpt-oss": _gpt_oss_metadata, "gemma4": _gemma4_metadata,
+    "qwen35": _delta_net_metadata, "qwen35moe": _delta_net_metadata, "qwen3next": _delta_net_metadata}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -406,13 +447,44 @@ def _gpt_oss_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[i
             (f"{blk}.ffn_up_exps.weight", half, lambda v: v.transpose(0, 2, 1)[:, 1::2])]
 
 
-def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None) -> list[_Planned]:
-    config, src = package.config, package.tensors
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: a vision-language config.json's ``text_config`` (Qwen3.5), with
+    ``tie_word_embeddings`` from the top, where transformers reads it; else ``config``."""
+    nested = config.get("text_config")
+    if not isinstance(nested, dict):
+        return config
+    return {**nested, "tie_word_embeddings": config.get("tie_word_embeddings", False),
+            "model_type": nested.get("model_type") or config["model_type"]}
+
+
+def _text_name(name: str) -> str:
+    return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
+
+
+def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: np.ndarray | None,
+          config: dict[str, Any] | None = None) -> list[_Planned]:
+    config, src = config or package.config, package.tensors
     layers = config["num_hidden_layers"]
     tied = bool(config.get("tie_word_embeddings", False))
     plan = []
+    handled: set[str] = set()
+    if arch.fix_entries is not None:  # the DeltaNet families' own layouts
+        from .gguf_delta_net import plan as delta_net_plan
+
+        for w in delta_net_plan(package, arch, config, _text_name):
+            handled.update(w.sources)
+            qtype = tensor_type(w.gguf, w.shape[-1], len(w.shape), out, layers, tied)
+            plan.append(_Planned(w.sources[0], w.gguf, w.shape, qtype, None, 0.0, w.make, w.sources))
     for name in src.names():
-        if tied and name == "lm_head.weight":
+        if (tied and name == "lm_head.weight") or name in handled:
+            continue
+        if _NOT_TEXT.fullmatch(name) and arch.fix_entries is not None:
+            log.info("not written: %s (not part of the text model llama.cpp's %s reads)", name, arch.gguf_name)
+            continue
+        layer = _LAYER.fullmatch(_text_name(name))
+        if layer is not None and int(layer[1]) >= layers and arch.fix_entries is not None:
+            # MTP modules (model.layers.{num_hidden_layers + N}): llama.cpp's Qwen3-Next converter skips them
+            log.info("not written: %s (a multi-token prediction module)", name)
             continue
         parts = _gpt_oss_parts(name, tuple(src.shape(name))) if arch.gguf_name == "gpt-oss" else None
         if parts is not None:
@@ -423,7 +495,7 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
                     qtype = "MXFP4"  # kept, as convert_hf_to_gguf.py repacks them: the values are exact
                 plan.append(_Planned(name, gguf_name, shape, qtype, None, 0.0, pick=pick))
             continue
-        gguf_name = gguf_tensor_name(arch, name)
+        gguf_name = gguf_tensor_name(arch, _text_name(name))
         if gguf_name is None:
             continue
         shape = tuple(src.shape(name))
@@ -431,7 +503,8 @@ def _plan(package: ModelPackage, arch: ArchitectureMap, out: OutputType, freqs: 
         if arch.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", gguf_name):
             heads = config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
             heads = heads or config["num_attention_heads"]
-        offset = arch.norm_offset if re.search(r"norm\.weight$", gguf_name) else 0.0
+        plain = re.sub(r"^blk\.\d+\.|\.weight$", "", gguf_name) in arch.plain_norms
+        offset = arch.norm_offset if re.search(r"norm\.weight$", gguf_name) and not plain else 0.0
         qtype = tensor_type(gguf_name, shape[-1], len(shape), out, layers, tied)
         plan.append(_Planned(name, gguf_name, shape, qtype, heads, offset))
     if "token_embd.weight" not in {p.gguf for p in plan}:
@@ -499,12 +572,12 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
                                      "pip install 'infer-engine[convert]'") from exc
     out = TYPES[type]
     arch = architecture_for(package.model_type)
-    config = package.config
+    config = text_config(package.config)
     ssm = arch.build is not None  # the Mamba-2 families (gguf_ssm)
     md, freqs = (gguf_ssm.metadata(arch, config), None) if ssm else hyperparameters(arch, config)
     vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
     md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
-    plan = _ssm_plan(package, arch, out) if ssm else _plan(package, arch, out, freqs)
+    plan = _ssm_plan(package, arch, out) if ssm else _plan(package, arch, out, freqs, config)
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     name = config.get("_name_or_path") or config.get("_model_name_or_path")

@@ -36,6 +36,8 @@ CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 CLASS_NAMES.update({"mamba2": "Mamba2ForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                     "falcon_h1": "FalconH1ForCausalLM"})  # from GGUF: formats/gguf_ssm.py
+CLASS_NAMES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                    "qwen3_next": "Qwen3NextForCausalLM"})
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

@@ -428,6 +428,21 @@ _FAMILIES.update({
 _GGUF_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3_gguf": ("DeepseekV3Config", dict(_DEEPSEEK_V3, num_hidden_layers=2,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Qwen3-Next as llama.cpp's qwen3next holds it: a MoE (4 experts of 32, top 2, shared expert 48) in every
+    # layer, full attention every 2nd layer, key and value heads of one width (llama.cpp's loader assumes it),
+    # 2 key heads for 4 value heads, half of each attention head rotating, tied head.
+    "qwen3_next_gguf": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[],
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # Qwen3.5 whose layer pattern no full_attention_interval gives (full, DeltaNet, full): GGUF's
+    # attention.recurrent_layers.
+    "qwen3_5_gguf_pattern": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["full_attention", "linear_attention", "full_attention"])),
 }
 # gpt-oss as llama.cpp files hold it: the clamped SwiGLU at llama.cpp's hard-coded alpha 1.702 and
 # limit 7, even layers sliding (window 6). "gpt_oss_gguf": YaRN factor 4 over 64 positions, biases,

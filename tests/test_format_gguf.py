@@ -344,6 +344,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
 
     supported = ", ".join(sorted(ARCHITECTURES))  # deepseek2, falcon-h1, gemma3, ... smollm3
     assert {"llama", "gemma3", "mamba2", "granitehybrid", "falcon-h1"} <= set(ARCHITECTURES)
+    assert "qwen3moe" in supported and "qwen3next" in supported
     with pytest.raises(UnsupportedArchitectureError, match=rf"'falcon'.*supported: {supported}"):
         open_gguf(tmp_path / "m.gguf")
 
