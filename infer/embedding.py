@@ -1,0 +1,475 @@
+"""Text embeddings: whole texts through a network, pooled into one vector each.
+
+What sentence-transformers computes for a folder it saved (``modules.json``:
+a Transformer, then Pooling, optional Dense layers and Normalize), and what a
+bare Hugging Face model (``BertModel``, ``Qwen3Model``) gives pooled the way
+its family is used:
+
+1. Each text (after the prompt, if one is asked for) is tokenized with the
+   model's special tokens and cut to ``max_seq_length``.
+2. The texts run through the network in ragged batches
+   (:class:`EncoderContext`): no cache, no padding, each text attending only
+   to its own tokens: bidirectionally for an encoder (BERT, EmbeddingGemma),
+   causally for a decoder embedder (Qwen3-Embedding). So a text embeds to the
+   same vector alone and in any batch, within float32 rounding.
+3. The last hidden states of each text are pooled
+   (:func:`pool`: the modes of sentence-transformers' ``Pooling``), then the
+   ``Dense`` layers apply, then ``Normalize``.
+
+``Model.embed``'s ``dimensions`` then keeps the first ``dimensions`` values
+(Matryoshka representation learning, Kusupati et al. 2022) and
+``normalize`` scales each row to unit L2 norm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infer.errors import ConfigError, EmbeddingError, UnsafeFormatError
+from infer.kv.attention import AttentionContext
+from infer.ops import AttentionBatch, Backend
+
+log = logging.getLogger(__name__)
+
+#: sentence-transformers' pooling modes (``Pooling.POOLING_MODES``), and the
+#: legacy ``pooling_mode_*`` keys of ``1_Pooling/config.json`` in the order
+#: sentence-transformers concatenates them.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
+}
+#: Short names ``Model.embed(pooling=...)`` also takes (llama.cpp's ``--pooling`` names).
+_POOLING_ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens", "weighted_mean": "weightedmean"}
+#: ``2_Dense/config.json``'s ``activation_function`` (a torch class path) -> numpy.
+_DENSE_ACTIVATIONS = {
+    "Identity": lambda x: x,
+    "Tanh": np.tanh,
+    "ReLU": lambda x: np.maximum(x, 0),
+    "Sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "GELU": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2.0))),
+    "SiLU": lambda x: x / (1 + np.exp(-x)),
+}
+#: Tokens one embedding forward feeds at most (all texts together).
+DEFAULT_EMBED_BATCH_TOKENS = 2048
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float64])(x).astype(x.dtype)
+
+
+class EncoderContext(AttentionContext):
+    """The attention context of one forward over whole new texts, no cache.
+
+    Text ``b`` is rows ``query_start[b]:query_start[b + 1]`` of the forward,
+    at positions ``0..length - 1``. Attention reads the keys and values of
+    this forward itself: the "pool" is the forward's own rows, in blocks of
+    one position, text ``b``'s block table the rows of its tokens. So no
+    padding exists, and no row sees another text. Causal or bidirectional is
+    the architecture's call (``ctx.attention(..., causal=False)``).
+
+    ``token_types`` (int32 ``[tokens]`` or None) carries BERT's segment ids
+    (a cross-encoder's query/document pair).
+    """
+
+    def __init__(self, ops: Backend, lengths: Sequence[int], token_types: np.ndarray | None = None) -> None:
+        lengths = [int(n) for n in lengths]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("an encoder forward needs at least one text of at least one token")
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
+        width = max(lengths)
+        tables = np.zeros((len(lengths), width), np.int32)
+        for b, n in enumerate(lengths):
+            tables[b, :n] = np.arange(starts[b], starts[b] + n, dtype=np.int32)
+        host = AttentionBatch(starts, np.asarray(lengths, np.int32), tables, 1, width)
+        self.batch = AttentionBatch(ops.from_numpy(starts), ops.from_numpy(host.seq_lens), ops.from_numpy(tables),
+                                    1, width, host)
+        self._setup(ops, ops.from_numpy(positions), int(starts[-1]), [], width)
+        self.sequences = []
+        self.query_start = self.batch.query_start
+        self.token_types = None if token_types is None else ops.from_numpy(np.asarray(token_types, np.int32))
+
+    def attention(self, layer: int, q: Any, k: Any, v: Any, *, scale: float, window: int | None = None,
+                  softcap: float | None = None, sinks: Any = None, causal: bool = True) -> Any:
+        """Attend over this forward's own keys (see the class docstring)."""
+        return self.ops.attention(q, k, v, self.batch, scale=scale, causal=causal, window=window, softcap=softcap,
+                                  sinks=sinks)
+
+
+# -- what a sentence-transformers folder says ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A sentence-transformers ``Dense`` module: ``activation(x @ weight.T + bias)``."""
+
+    weight: np.ndarray  # [out, in] float32
+    bias: np.ndarray | None
+    activation: str = "Identity"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias
+        return _DENSE_ACTIVATIONS[self.activation](y).astype(np.float32)
+
+
+@dataclass
+class EmbeddingConfig:
+    """How a model's token states become one vector per text."""
+
+    #: Pooling modes, concatenated in this order (usually one).
+    pooling: tuple[str, ...] = ("mean",)
+    #: False: tokens of the prompt are left out of the pooling (INSTRUCTOR-style models).
+    include_prompt: bool = True
+    #: The ``Dense`` modules after pooling, in order.
+    dense: list[Dense] = field(default_factory=list)
+    #: The pipeline ends in a ``Normalize`` module.
+    normalize: bool = False
+    #: Named prompts (``config_sentence_transformers.json``), e.g. ``{"query": "query: "}``.
+    prompts: dict[str, str] = field(default_factory=dict)
+    #: The prompt used when none is named.
+    default_prompt_name: str | None = None
+    #: Longest input in tokens (``sentence_bert_config.json``), or None: the model's context.
+    max_seq_length: int | None = None
+    #: Where the settings came from, for messages.
+    source: str = "the model's defaults"
+
+
+def pooling_modes(value: object, where: str) -> tuple[str, ...]:
+    """Pooling modes from a name, a list of names or sentence-transformers' legacy flags."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: pooling mode must be a name or a list of names, found {value!r}")
+    modes = tuple(_POOLING_ALIASES.get(n, n) for n in names)
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad:
+        raise ConfigError(f"{where}: pooling mode {bad[0]!r} is not supported; supported: "
+                          f"{', '.join(POOLING_MODES)}")
+    return modes
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(data, (dict, list)):
+        raise ConfigError(f"{path}: must hold a JSON object, found {type(data).__name__}")
+    return data  # type: ignore[return-value]
+
+
+def read_pooling(path: Path) -> tuple[tuple[str, ...], bool]:
+    """``1_Pooling/config.json``: the pooling modes and ``include_prompt``."""
+    cfg = _read_json(path)
+    if "pooling_mode" in cfg:
+        modes = pooling_modes(cfg["pooling_mode"], str(path))
+    else:
+        modes = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if cfg.get(key)) or ("mean",)
+    include = cfg.get("include_prompt", True)
+    if not isinstance(include, bool):
+        raise ConfigError(f"{path}: include_prompt must be true or false, found {include!r}")
+    return modes, include
+
+
+def read_dense(folder: Path) -> Dense:
+    """A ``Dense`` module's folder: ``config.json`` and its safetensors weights
+    (``linear.weight``, ``linear.bias``); pickle (``pytorch_model.bin``) is refused."""
+    from infer.formats.huggingface import SafetensorsSource  # lazily: formats import the tokenizer
+
+    cfg = _read_json(folder / "config.json")
+    try:
+        n_in, n_out = int(cfg["in_features"]), int(cfg["out_features"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{folder / 'config.json'}: in_features and out_features must be integers") from exc
+    act_path = cfg.get("activation_function") or "torch.nn.modules.activation.Tanh"  # sentence-transformers' default
+    act = str(act_path).rsplit(".", 1)[-1]
+    if act not in _DENSE_ACTIVATIONS:
+        raise ConfigError(f"{folder / 'config.json'}: activation_function {act_path!r} is not supported; "
+                          f"supported: {', '.join(_DENSE_ACTIVATIONS)}")
+    file = folder / "model.safetensors"
+    if not file.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        if pickles:
+            raise UnsafeFormatError(f"{folder} holds its Dense weights only as pickle ({', '.join(pickles)}); infer "
+                                    "never loads pickle. Re-save the sentence-transformers model with "
+                                    "safe_serialization=True (its default) in an environment you trust")
+        raise ConfigError(f"{folder} has no model.safetensors for its Dense layer")
+    source = SafetensorsSource([file])  # bfloat16 widened to float32, as the model's own weights
+    try:
+        arrays = {name: np.array(source.get(name), dtype=np.float32) for name in source.names()}
+    finally:
+        source.close()
+    weight = arrays.get("linear.weight")
+    if weight is None or weight.shape != (n_out, n_in):
+        raise ConfigError(f"{file}: linear.weight must be [{n_out}, {n_in}], found "
+                          f"{None if weight is None else list(weight.shape)}")
+    bias = arrays.get("linear.bias")
+    if cfg.get("bias", True) and (bias is None or bias.shape != (n_out,)):
+        raise ConfigError(f"{file}: linear.bias must be [{n_out}]")
+    return Dense(weight, bias if cfg.get("bias", True) else None, act)
+
+
+def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...]) -> EmbeddingConfig:
+    """The embedding pipeline of a model folder: its sentence-transformers
+    modules (``modules.json``) where it has them, else ``default_pooling``."""
+    cfg = EmbeddingConfig(pooling=default_pooling)
+    if folder is None or not folder.is_dir() or not (folder / "modules.json").is_file():
+        return cfg
+    modules = _read_json(folder / "modules.json")
+    cfg.source = str(folder / "modules.json")
+    if not isinstance(modules, list):
+        raise ConfigError(f"{folder / 'modules.json'}: must be a list of modules")
+    for module in sorted(modules, key=lambda m: m.get("idx", 0) if isinstance(m, dict) else 0):
+        if not isinstance(module, dict) or not isinstance(module.get("type"), str):
+            raise ConfigError(f"{folder / 'modules.json'}: every module needs a 'type', found {module!r}")
+        kind = module["type"].rsplit(".", 1)[-1]
+        path = folder / str(module.get("path", ""))
+        if kind == "Transformer":
+            bert_config = path / "sentence_bert_config.json"
+            if bert_config.is_file():
+                length = _read_json(bert_config).get("max_seq_length")
+                if isinstance(length, int) and length > 0:
+                    cfg.max_seq_length = length
+        elif kind == "Pooling":
+            cfg.pooling, cfg.include_prompt = read_pooling(path / "config.json")
+        elif kind == "Dense":
+            cfg.dense.append(read_dense(path))
+        elif kind == "Normalize":
+            cfg.normalize = True
+        else:
+            raise ConfigError(f"{folder / 'modules.json'}: module type {module['type']!r} is not supported; "
+                              "supported: Transformer, Pooling, Dense, Normalize")
+    st_config = folder / "config_sentence_transformers.json"
+    if st_config.is_file():
+        data = _read_json(st_config)
+        prompts = data.get("prompts") or {}
+        if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+            raise ConfigError(f"{st_config}: prompts must map names to strings")
+        cfg.prompts = dict(prompts)
+        name = data.get("default_prompt_name")
+        if name is not None and name not in cfg.prompts:
+            raise ConfigError(f"{st_config}: default_prompt_name {name!r} is not one of the prompts "
+                              f"({', '.join(cfg.prompts) or 'none'})")
+        cfg.default_prompt_name = name
+    return cfg
+
+
+# -- pooling ------------------------------------------------------------------------------------
+
+
+def pool(hidden: np.ndarray, modes: Sequence[str], skip: int = 0) -> np.ndarray:
+    """One text's token states ``[tokens, hidden]`` pooled as
+    sentence-transformers' ``Pooling`` does, the modes concatenated.
+
+    ``skip`` leading tokens (a prompt, with ``include_prompt`` false) are left
+    out; ``weightedmean`` weighs the kept token at position ``p`` by ``p + 1``
+    (its position in the whole text), ``cls`` takes the first kept token.
+    """
+    h = hidden[skip:] if skip < hidden.shape[0] else hidden[:0]
+    n = h.shape[0]
+    out = []
+    for mode in modes:
+        if mode == "cls":
+            out.append(h[0] if n else np.zeros(hidden.shape[1], np.float32))
+        elif mode == "max":
+            out.append(h.max(axis=0) if n else np.full(hidden.shape[1], -np.inf, np.float32))
+        elif mode == "mean":
+            out.append(h.sum(axis=0) / max(n, 1e-9))
+        elif mode == "mean_sqrt_len_tokens":
+            out.append(h.sum(axis=0) / np.sqrt(max(n, 1e-9)))
+        elif mode == "weightedmean":
+            w = np.arange(skip + 1, skip + n + 1, dtype=np.float32)[:, None]
+            out.append((h * w).sum(axis=0) / max(float(w.sum()), 1e-9))
+        elif mode == "lasttoken":
+            out.append(hidden[-1])
+        else:
+            raise EmbeddingError(f"pooling mode {mode!r} is not supported; supported: {', '.join(POOLING_MODES)}")
+    return np.concatenate(out).astype(np.float32)
+
+
+def finish(vectors: np.ndarray, config: EmbeddingConfig, *, normalize: bool, dimensions: int | None) -> np.ndarray:
+    """Pooled vectors ``[n, d]`` through the Dense and Normalize modules, cut
+    to ``dimensions`` and L2-normalized when ``normalize``."""
+    x = vectors.astype(np.float32)
+    for dense in config.dense:
+        x = dense(x)
+    if config.normalize:
+        x = _l2(x)
+    if dimensions is not None:
+        if not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= x.shape[1]:
+            raise EmbeddingError(f"dimensions must be an integer from 1 to the model's {x.shape[1]}, "
+                                 f"got {dimensions!r}")
+        x = x[:, :dimensions]
+    if normalize:
+        x = _l2(x)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _l2(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit norm, as ``torch.nn.functional.normalize`` (eps 1e-12)."""
+    norms = np.sqrt((x.astype(np.float64) ** 2).sum(axis=1, keepdims=True))
+    return (x / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of texts grouped into forwards of at most ``max_tokens`` tokens
+    (a longer text runs alone), in order."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if current and total + n > max_tokens:
+            out.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        out.append(current)
+    return out
+
+
+def encode_tokens(network: Any, ops: Backend, ids: Sequence[Sequence[int]], *,
+                  token_types: Sequence[Sequence[int]] | None = None,
+                  max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS) -> list[np.ndarray]:
+    """The last hidden states ``[tokens, hidden]`` of each token sequence,
+    in ragged batches through :class:`EncoderContext`."""
+    out: list[np.ndarray] = [np.zeros((0, 0), np.float32)] * len(ids)
+    for group in batches([len(t) for t in ids], max_batch_tokens):
+        flat = np.concatenate([np.asarray(ids[i], np.int32) for i in group])
+        types = None if token_types is None else np.concatenate([np.asarray(token_types[i], np.int32)
+                                                                 for i in group])
+        ctx = EncoderContext(ops, [len(ids[i]) for i in group], types)
+        hidden = ops.to_numpy(ops.astype(network.forward(ops.from_numpy(flat), ctx), "float32"))
+        start = 0
+        for i in group:
+            out[i] = hidden[start:start + len(ids[i])]
+            start += len(ids[i])
+    return out
+
+
+# -- the Model's side ---------------------------------------------------------------------------
+
+
+def default_pooling(network: Any) -> tuple[str, ...]:
+    """How a bare model folder (no ``modules.json``) pools: mean for an
+    encoder (what sentence-transformers gives a plain BERT), the last token
+    for a causal decoder (Qwen3-Embedding)."""
+    return ("mean",) if getattr(network, "is_encoder", False) else ("lasttoken",)
+
+
+def prompt_text(config: EmbeddingConfig, prompt: str | None, prompt_name: str | None) -> str:
+    """The prompt to put before each text: ``prompt`` itself, the named one
+    of ``config_sentence_transformers.json``, else its default (or none)."""
+    if prompt is not None and prompt_name is not None:
+        raise EmbeddingError("give prompt= or prompt_name=, not both")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise EmbeddingError(f"prompt must be a string, got {type(prompt).__name__}")
+        return prompt
+    name = prompt_name if prompt_name is not None else config.default_prompt_name
+    if name is None:
+        return ""
+    if name not in config.prompts:
+        raise EmbeddingError(f"prompt_name {name!r} is not one of the model's prompts "
+                             f"({', '.join(config.prompts) or 'none'}; from {config.source})")
+    return config.prompts[name]
+
+
+def as_inputs(texts: object) -> tuple[list[str | list[int]], bool]:
+    """``texts`` as a list of texts or token id lists, and whether one input was given alone."""
+    if isinstance(texts, str):
+        return [texts], True
+    if isinstance(texts, Sequence) and texts and all(isinstance(t, int) and not isinstance(t, bool) for t in texts):
+        return [list(texts)], True  # type: ignore[arg-type]
+    if not isinstance(texts, Sequence) or isinstance(texts, (bytes, bytearray)):
+        raise EmbeddingError(f"texts must be a string or a list of strings (or of token id lists), "
+                             f"got {type(texts).__name__}")
+    if not texts:
+        raise EmbeddingError("texts is empty: give at least one text")
+    out: list[str | list[int]] = []
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            out.append(t)
+        elif isinstance(t, Sequence) and not isinstance(t, (bytes, bytearray)) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in t):
+            out.append([int(x) for x in t])
+        else:
+            raise EmbeddingError(f"texts[{i}] must be a string or a list of token ids, got {type(t).__name__}")
+    return out, False
+
+
+class Truncator:
+    """Token ids of texts with the model's special tokens, cut to ``limit``
+    tokens the way transformers' tokenizers truncate (the content is cut,
+    the special tokens the post-processor adds are kept)."""
+
+    def __init__(self, tokenizer: Any, limit: int) -> None:
+        self.tokenizer, self.limit = tokenizer, limit
+        self._cutting: Any = None
+
+    def __call__(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+        """``(ids, token type ids)`` of ``text`` (and of the pair ``text``, ``pair``)."""
+        if pair is None:
+            ids = self.tokenizer.encode(text)
+            if len(ids) <= self.limit:
+                return ids, [0] * len(ids)
+        if self._cutting is None:
+            import tokenizers
+
+            self._cutting = tokenizers.Tokenizer.from_str(self.tokenizer.backend.to_str())
+            self._cutting.no_padding()
+            self._cutting.enable_truncation(self.limit)
+        enc = self._cutting.encode(text, pair) if pair is not None else self._cutting.encode(text)
+        return list(enc.ids), list(enc.type_ids)
+
+
+def _check_ids(ids: list[int], vocab: int, limit: int, i: int) -> None:
+    if not ids:
+        raise EmbeddingError(f"input {i} is empty: give at least one token")
+    if len(ids) > limit:
+        raise EmbeddingError(f"input {i} has {len(ids)} tokens; the model takes at most {limit}")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise EmbeddingError(f"input {i} holds token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
+
+
+def embed(model: Any, texts: object, *, normalize: bool = True, dimensions: int | None = None,
+          pooling: str | Sequence[str] | None = None, prompt: str | None = None, prompt_name: str | None = None,
+          max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS) -> tuple[np.ndarray, int]:
+    """:meth:`infer.Model.embed`, and the tokens it read (for ``usage``)."""
+    config = model.embedding_config
+    items, _ = as_inputs(texts)
+    modes = config.pooling if pooling is None else pooling_modes(pooling, "pooling")
+    network = model.network
+    limit = min(config.max_seq_length or network.max_context, network.max_context)
+    before = prompt_text(config, prompt, prompt_name)
+    skip = 0
+    ids: list[list[int]] = []
+    truncate = None
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if truncate is None:
+                truncate = Truncator(model.tokenizer, limit)
+            ids.append(truncate(before + item)[0])
+        else:
+            ids.append(item)
+        _check_ids(ids[-1], network.vocab_size, limit, i)
+    if before and not config.include_prompt:  # sentence-transformers' prompt_length
+        prompt_ids = model.tokenizer.encode(before)
+        skip = len(prompt_ids) - (1 if prompt_ids and model.tokenizer.is_special(prompt_ids[-1]) else 0)
+    with model._lock:
+        states = encode_tokens(network, model.backend, ids, max_batch_tokens=max_batch_tokens)
+    pooled = np.stack([pool(h, modes, skip if isinstance(items[i], str) else 0) for i, h in enumerate(states)])
+    return finish(pooled, config, normalize=normalize, dimensions=dimensions), sum(len(t) for t in ids)
