@@ -230,6 +230,9 @@ class DecoderLayer:
     window: int | None = None
     #: Key of the rotary table in :attr:`Decoder.rope`, or None for no rope.
     rope: str | None = "default"
+    #: False: bidirectional attention over the sequence (an embedding model's,
+    #: e.g. EmbeddingGemma's ``use_bidirectional_attention``).
+    causal: bool = True
 
 
 class Decoder(CausalLM):
@@ -276,7 +279,7 @@ class Decoder(CausalLM):
                 q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
             else:
                 q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window)
+            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, causal=layer.causal)
             h, residual = block.after(o, residual, layer.attn_out)
         assert residual is not None, "run_layers needs at least one layer"
         return h, residual

@@ -424,6 +424,7 @@ def open_folder(path: Path) -> ModelPackage:
     tensors: TensorSource = SafetensorsSource(files, only=weight_map)
     try:
         config, tensors = normalize_mtp_names(config, tensors, config_path)
+        tensors = normalize_bare_names(tensors)
         tokenizer = None
         if (folder / "tokenizer.json").is_file():
             from infer.tokenizer import Tokenizer  # lazily: listing formats stays cheap
@@ -480,6 +481,23 @@ class RenamedSource(TensorSource):
 
     def close(self) -> None:
         self.base.close()
+
+
+def normalize_bare_names(tensors: TensorSource) -> TensorSource:
+    """A decoder saved as its bare model class (``Qwen3Model``,
+    ``Gemma3TextModel``, ``LlamaModel``: an embedding model's usual form)
+    in the names of its ``...ForCausalLM``: transformers saves the bare class
+    without the ``model.`` prefix (``embed_tokens.weight``, ``layers.0...``)
+    and without an output head. Its tensors are seen under ``model.``; the
+    head reads the input embedding (what an embedding model never uses, but a
+    decoder network is built with). Other folders pass unchanged."""
+    names = tensors.names()
+    if "embed_tokens.weight" not in names or "model.embed_tokens.weight" in names:
+        return tensors
+    renamed = {("" if n.startswith("model.") else "model.") + n: n for n in names}
+    renamed.setdefault("lm_head.weight", "embed_tokens.weight")
+    log.info("%d tensors without the model. prefix (a bare model class): read as model.*", len(names))
+    return RenamedSource(tensors, renamed)
 
 
 #: Qwen3-Next's MTP names (after ``mtp.``) -> the DeepSeek-V3 names of each module's layer.

@@ -236,12 +236,13 @@ def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...])
             raise ConfigError(f"{folder / 'modules.json'}: every module needs a 'type', found {module!r}")
         kind = module["type"].rsplit(".", 1)[-1]
         path = folder / str(module.get("path", ""))
-        if kind == "Transformer":
-            bert_config = path / "sentence_bert_config.json"
-            if bert_config.is_file():
-                length = _read_json(bert_config).get("max_seq_length")
-                if isinstance(length, int) and length > 0:
+        if kind == "Transformer":  # sentence-transformers 2-4 name the limit here, 5+ in the tokenizer's config
+            for file, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json",
+                                                                                "model_max_length")):
+                length = _read_json(path / file).get(key) if (path / file).is_file() else None
+                if isinstance(length, int) and not isinstance(length, bool) and length > 0:
                     cfg.max_seq_length = length
+                    break
         elif kind == "Pooling":
             cfg.pooling, cfg.include_prompt = read_pooling(path / "config.json")
         elif kind == "Dense":

@@ -1,0 +1,187 @@
+"""Model.embed against sentence-transformers and transformers float32 on tiny random models
+(tests/embedding_models.py): pooled vectors, prompts, truncation, Dense and Normalize
+modules, and the same vector for a text alone and in any batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import infer
+from infer.errors import EmbeddingError
+
+from embedding_models import TEXTS, model_dir
+
+pytest.importorskip("sentence_transformers")
+BACKENDS = ["numpy", "torch:cpu", "mlx:cpu"]
+ATOL = 2e-5  # float32 rounding of unit vectors
+
+
+def _backend(name: str) -> str:
+    if name.startswith("mlx"):
+        pytest.importorskip("mlx.core")
+    return name
+
+
+@pytest.fixture(scope="module", params=["st_bert", "st_bert_cls", "st_qwen3", "st_gemma3"])
+def st_name(request):
+    return request.param
+
+
+def _st(name: str):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_dir(name)), device="cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_sentence_transformers(st_name, backend):
+    model = infer.load(model_dir(st_name), backend=_backend(backend))
+    want = _st(st_name).encode(TEXTS, convert_to_numpy=True, batch_size=2)
+    got = model.embed(TEXTS)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_prompts_match_sentence_transformers(st_name):
+    st = _st(st_name)
+    model = infer.load(model_dir(st_name), backend="numpy")
+    for name in st.prompts:
+        np.testing.assert_allclose(model.embed(TEXTS, prompt_name=name), st.encode(TEXTS, prompt_name=name),
+                                   atol=ATOL)
+    np.testing.assert_allclose(model.embed(TEXTS, prompt="zzz: "), st.encode(TEXTS, prompt="zzz: "), atol=ATOL)
+
+
+def test_alone_equals_batched(st_name):
+    model = infer.load(model_dir(st_name), backend="numpy")
+    batched = model.embed(TEXTS + TEXTS[::-1])
+    alone = np.concatenate([model.embed(t) for t in TEXTS])
+    np.testing.assert_allclose(batched[: len(TEXTS)], alone, atol=1e-6)
+    np.testing.assert_allclose(batched[len(TEXTS):], alone[::-1], atol=1e-6)
+    small = model.embed(TEXTS, max_batch_tokens=8)  # one text per forward, and long ones alone
+    np.testing.assert_allclose(small, alone, atol=1e-6)
+
+
+def test_truncates_like_sentence_transformers():
+    st = _st("st_bert")  # max_seq_length 24
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    long = " ".join(TEXTS * 3)
+    assert len(model.tokenizer.encode(long)) > 24
+    np.testing.assert_allclose(model.embed([long, "the sun"]), st.encode([long, "the sun"]), atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"])
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_pooling_modes(mode, include_prompt):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling
+
+    folder = model_dir("bert")
+    st = SentenceTransformer(modules=[Transformer(str(folder)), Pooling(64, mode, include_prompt=include_prompt)],
+                             device="cpu")
+    model = infer.load(folder, backend="numpy")
+    if include_prompt:
+        want = st.encode(TEXTS)
+        np.testing.assert_allclose(model.embed(TEXTS, pooling=mode, normalize=False), want, atol=ATOL, rtol=1e-5)
+    else:  # the Pooling module is the folder's: build it the way a saved one reads
+        st.save(str(folder.parent / ".pool-tmp"))
+        want = st.encode(TEXTS, prompt="query: ")
+        saved = infer.load(folder.parent / ".pool-tmp", backend="numpy")
+        np.testing.assert_allclose(saved.embed(TEXTS, prompt="query: ", normalize=False), want, atol=ATOL, rtol=1e-5)
+
+
+def test_multiple_pooling_modes_concatenate():
+    model = infer.load(model_dir("bert"), backend="numpy")
+    both = model.embed(TEXTS, pooling=["cls", "mean"], normalize=False)
+    np.testing.assert_allclose(both[:, :64], model.embed(TEXTS, pooling="cls", normalize=False), atol=1e-6)
+    np.testing.assert_allclose(both[:, 64:], model.embed(TEXTS, pooling="mean", normalize=False), atol=1e-6)
+
+
+def test_bare_bert_matches_transformers():
+    import torch
+    import transformers
+
+    folder = model_dir("bert")
+    hf = transformers.BertModel.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = infer.load(folder, backend="numpy")
+    got = model.embed(TEXTS, normalize=False)  # a bare BertModel: mean pooling
+    for i, text in enumerate(TEXTS):
+        enc = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            states = hf(**enc).last_hidden_state[0].numpy()
+        np.testing.assert_allclose(got[i], states.mean(axis=0), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(model.embed(text, pooling="cls", normalize=False)[0], states[0], atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_bare_qwen3_matches_transformers():
+    import torch
+    import transformers
+
+    folder = model_dir("st_qwen3")  # the folder holds the bare Qwen3Model's weights (no model. prefix)
+    hf = transformers.Qwen3Model.from_pretrained(folder, dtype=torch.float32).eval()
+    model = infer.load(folder, backend="numpy")
+    for text in TEXTS[:3]:
+        ids = model.tokenizer.encode(text)
+        with torch.no_grad():
+            states = hf(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
+        unit = lambda v: v / np.linalg.norm(v)  # noqa: E731  (the folder ends in a Normalize module)
+        np.testing.assert_allclose(model.embed(text)[0], unit(states[-1]), atol=ATOL)
+        np.testing.assert_allclose(model.embed([ids], pooling="mean")[0], unit(states.mean(axis=0)), atol=ATOL)
+
+
+def test_dimensions_truncate_then_normalize():
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    full = model.embed(TEXTS)
+    cut = model.embed(TEXTS, dimensions=8)
+    assert cut.shape == (len(TEXTS), 8)
+    np.testing.assert_allclose(np.linalg.norm(cut, axis=1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(cut, full[:, :8] / np.linalg.norm(full[:, :8], axis=1, keepdims=True), atol=1e-6)
+    raw = model.embed(TEXTS, dimensions=8, normalize=False)
+    np.testing.assert_allclose(raw, full[:, :8], atol=1e-6)
+
+
+def test_token_ids_equal_text():
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    ids = [model.tokenizer.encode(t) for t in TEXTS]
+    np.testing.assert_allclose(model.embed(ids), model.embed(TEXTS), atol=1e-6)
+    np.testing.assert_allclose(model.embed(ids[0]), model.embed(TEXTS[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "empty"), ([""], None), ("x", None), ([[]], "empty"), ([[10**6]], "vocabulary"), ([1.5], "must be"),
+])
+def test_bad_inputs(bad, message):
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    if bad == [""] or bad == "x":  # an empty text still has [CLS] [SEP]: it embeds
+        assert model.embed(bad).shape == (1, 32)
+        return
+    with pytest.raises(EmbeddingError, match=message):
+        model.embed(bad)
+
+
+def test_bad_options():
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    with pytest.raises(EmbeddingError, match="dimensions"):
+        model.embed(TEXTS, dimensions=33)
+    with pytest.raises(EmbeddingError, match="prompt_name"):
+        model.embed(TEXTS, prompt_name="nope")
+    with pytest.raises(infer.errors.ConfigError, match="pooling"):
+        model.embed(TEXTS, pooling="median")
+    with pytest.raises(EmbeddingError, match="at most"):
+        model.embed([[5] * 100])
+
+
+def test_dense_pickle_refused(tmp_path):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir("st_bert"), folder)
+    dense = folder / "2_Dense"
+    (dense / "model.safetensors").unlink()
+    (dense / "pytorch_model.bin").write_bytes(b"not loaded")
+    model = infer.load(folder, backend="numpy")
+    with pytest.raises(infer.errors.UnsafeFormatError, match="pickle"):
+        model.embed(TEXTS)
