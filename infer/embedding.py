@@ -474,3 +474,91 @@ def embed(model: Any, texts: object, *, normalize: bool = True, dimensions: int 
         states = encode_tokens(network, model.backend, ids, max_batch_tokens=max_batch_tokens)
     pooled = np.stack([pool(h, modes, skip if isinstance(items[i], str) else 0) for i, h in enumerate(states)])
     return finish(pooled, config, normalize=normalize, dimensions=dimensions), sum(len(t) for t in ids)
+
+
+# -- reranking ----------------------------------------------------------------------------------
+
+#: Qwen3-Reranker's prompt (its model card): a yes/no judgement, read at the last position.
+QWEN3_RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+                       "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                       "<|im_start|>user\n")
+QWEN3_RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+DEFAULT_RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def cross_encoder_activation(config: dict[str, Any], labels: int) -> str:
+    """The activation sentence-transformers' ``CrossEncoder.predict`` applies
+    to the logits: ``config.json``'s ``sentence_transformers.activation_fn``
+    (or the older ``sbert_ce_default_activation_function``), else Sigmoid
+    for one label and Identity for more."""
+    st = config.get("sentence_transformers")
+    path = (st.get("activation_fn") if isinstance(st, dict) else None) or config.get(
+        "sbert_ce_default_activation_function")
+    if isinstance(path, str):
+        name = path.rsplit(".", 1)[-1]
+        if name not in _DENSE_ACTIVATIONS:
+            raise ConfigError(f"config.json: the cross-encoder's activation {path!r} is not supported; "
+                              f"supported: {', '.join(_DENSE_ACTIVATIONS)}")
+        return name
+    return "Sigmoid" if labels == 1 else "Identity"
+
+
+def rerank(model: Any, query: str, documents: Sequence[str], *, instruction: str | None = None,
+           max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS) -> tuple[list[float], int]:
+    """:meth:`infer.Model.rerank`, and the tokens it read."""
+    if not isinstance(query, str):
+        raise EmbeddingError(f"query must be a string, got {type(query).__name__}")
+    if isinstance(documents, str) or not isinstance(documents, Sequence) or not documents or not all(
+            isinstance(d, str) for d in documents):
+        raise EmbeddingError("documents must be a non-empty list of strings")
+    network, ops = model.network, model.backend
+    limit = network.max_context
+    if getattr(network, "classify", None) is not None and getattr(network, "num_labels", 0):
+        cut = Truncator(model.tokenizer, min(model.embedding_config.max_seq_length or limit, limit))
+        pairs = [cut(query, doc) for doc in documents]
+        ids, types = [p[0] for p in pairs], [p[1] for p in pairs]
+        for i, t in enumerate(ids):
+            _check_ids(t, network.vocab_size, limit, i)
+        with model._lock:
+            states = encode_tokens(network, ops, ids, token_types=types, max_batch_tokens=max_batch_tokens)
+            first = ops.from_numpy(np.stack([h[0] for h in states]))
+            logits = ops.to_numpy(ops.astype(network.classify(first), "float32")).astype(np.float32)
+        act = cross_encoder_activation(model.config, network.num_labels)
+        if network.num_labels == 1:
+            scores = _DENSE_ACTIVATIONS[act](logits[:, 0])
+        else:  # several labels: the probability of the last one ("relevant")
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = e[:, -1] / e.sum(axis=1)
+        return [float(s) for s in scores], sum(len(t) for t in ids)
+    if getattr(network, "is_encoder", False):
+        raise EmbeddingError("this model embeds but does not rerank: reranking needs a cross-encoder "
+                             "(BertForSequenceClassification) or a yes/no reranker LM (Qwen3-Reranker)")
+    return _rerank_yes_no(model, query, documents, instruction or DEFAULT_RERANK_INSTRUCTION, max_batch_tokens)
+
+
+def _rerank_yes_no(model: Any, query: str, documents: Sequence[str], instruction: str,
+                   max_batch_tokens: int) -> tuple[list[float], int]:
+    """Qwen3-Reranker: ``sigmoid(logit[yes] - logit[no])`` at the last
+    position of its prompt (= the softmax over the two logits' ``yes``)."""
+    tok, network, ops = model.tokenizer, model.network, model.backend
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    if yes is None or no is None:
+        raise EmbeddingError("reranking with a language model reads its 'yes' and 'no' tokens, which this "
+                             "tokenizer lacks")
+    prefix = tok.encode(QWEN3_RERANK_PREFIX, add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANK_SUFFIX, add_special_tokens=False)
+    ids = []
+    for i, doc in enumerate(documents):
+        body = tok.encode(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", add_special_tokens=False)
+        room = network.max_context - len(prefix) - len(suffix)
+        ids.append(prefix + body[:max(room, 0)] + suffix)  # as the model card: the body is cut, not the prompt
+        _check_ids(ids[-1], network.vocab_size, network.max_context, i)
+    with model._lock:
+        states = encode_tokens(network, ops, ids, max_batch_tokens=max_batch_tokens)
+        last = ops.from_numpy(np.stack([h[-1] for h in states]))
+        logits = ops.to_numpy(ops.astype(network.compute_logits(last), "float32"))
+    return [float(s) for s in _sigmoid(logits[:, yes] - logits[:, no])], sum(len(t) for t in ids)

@@ -30,6 +30,7 @@ from infer.embedding import (
     default_pooling,
     embed,
     read_embedding_config,
+    rerank,
 )
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
 from infer.engine.speculative import (
@@ -579,6 +580,31 @@ class Model:
         """
         return embed(self, texts, normalize=normalize, dimensions=dimensions, pooling=pooling, prompt=prompt,
                      prompt_name=prompt_name, max_batch_tokens=max_batch_tokens)[0]
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS,
+        return_tokens: bool = False,
+    ) -> list[float] | tuple[list[float], int]:
+        """A relevance score per document for ``query``, in the documents' order
+        (higher is more relevant).
+
+        A cross-encoder (``BertForSequenceClassification``) reads each
+        ``(query, document)`` pair as one text with token types 0 and 1, and
+        scores it as sentence-transformers' ``CrossEncoder.predict``: the
+        logit through the configured activation (sigmoid for one label); with
+        several labels the softmax probability of the last. A language model
+        scores as Qwen3-Reranker: ``P(yes)`` against ``no`` at the last position
+        of its judging prompt, with ``instruction`` (default: web search).
+
+        ``return_tokens`` also returns the tokens read (the server's ``usage``).
+        """
+        scores, tokens = rerank(self, query, documents, instruction=instruction, max_batch_tokens=max_batch_tokens)
+        return (scores, tokens) if return_tokens else scores
 
     @property
     def batch_engine(self) -> BatchEngine:

@@ -20,7 +20,7 @@ from typing import Any
 
 from reference import SPECIAL_TOKENS, _TRAINING_TEXT, _build_dir, cache_root, tiny_tokenizer_json
 
-VERSION = "1"
+VERSION = "2"
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TEXTS = [
     "The capital of France is Paris.",
@@ -53,8 +53,9 @@ def _bert_tokenizer(out: Path) -> int:
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tok.decoder = decoders.WordPiece()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
-    fast.save_pretrained(out)
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                                model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    fast.save_pretrained(out)  # token types as BertTokenizerFast gives them: cross-encoders read them
     return len(vocab)
 
 

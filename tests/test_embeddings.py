@@ -185,3 +185,67 @@ def test_dense_pickle_refused(tmp_path):
     model = infer.load(folder, backend="numpy")
     with pytest.raises(infer.errors.UnsafeFormatError, match="pickle"):
         model.embed(TEXTS)
+
+
+# -- reranking -------------------------------------------------------------------------------
+
+QUERY = "What is the capital of France?"
+
+
+@pytest.mark.parametrize("name", ["bert_cross", "bert_cross2"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_encoder_matches_sentence_transformers(name, backend):
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    folder = model_dir(name)
+    ce = CrossEncoder(str(folder), device="cpu")
+    model = infer.load(folder, backend=_backend(backend))
+    got = np.asarray(model.rerank(QUERY, TEXTS))
+    want = ce.predict([(QUERY, d) for d in TEXTS], convert_to_numpy=True)
+    if want.ndim == 2:  # two labels: infer scores the softmax probability of the last
+        want = torch.softmax(torch.from_numpy(want), -1)[:, -1].numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    # alone as in a batch
+    np.testing.assert_allclose([model.rerank(QUERY, [d])[0] for d in TEXTS], got, atol=1e-6)
+
+
+def test_cross_encoder_uses_token_types():
+    model = infer.load(model_dir("bert_cross"), backend="numpy")
+    paired = model.rerank(QUERY, TEXTS[:1])[0]
+    joined = model.rerank(QUERY + " " + TEXTS[0], [""])[0]  # the same words, all in the first segment
+    assert abs(paired - joined) > 1e-4
+
+
+def test_qwen3_reranker_matches_transformers(monkeypatch):
+    import torch
+    import transformers
+
+    from infer.embedding import DEFAULT_RERANK_INSTRUCTION, QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX
+    from reference import tiny_model_dir
+
+    folder = tiny_model_dir("qwen3")  # a Qwen3ForCausalLM, scored as Qwen3-Reranker does
+    model = infer.load(folder, backend="numpy")
+    tok = model.tokenizer
+    real = tok.token_to_id  # the tiny vocabulary has no 'yes' and 'no': two other tokens stand in for them
+    monkeypatch.setattr(tok, "token_to_id", lambda t: {"yes": 100, "no": 200}.get(t) or real(t))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = []
+    for doc in TEXTS:
+        ids = (tok.encode(QWEN3_RERANK_PREFIX, add_special_tokens=False)
+               + tok.encode(f"<Instruct>: {DEFAULT_RERANK_INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {doc}",
+                            add_special_tokens=False)
+               + tok.encode(QWEN3_RERANK_SUFFIX, add_special_tokens=False))
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        pair = torch.stack([logits[tok.token_to_id("no")], logits[tok.token_to_id("yes")]])
+        want.append(torch.softmax(pair, 0)[1].item())
+    np.testing.assert_allclose(model.rerank(QUERY, TEXTS), want, atol=2e-5)
+
+
+def test_encoder_without_classifier_does_not_rerank():
+    model = infer.load(model_dir("st_bert"), backend="numpy")
+    with pytest.raises(EmbeddingError, match="rerank"):
+        model.rerank(QUERY, TEXTS)
+    with pytest.raises(EmbeddingError, match="documents"):
+        model.rerank(QUERY, [])
