@@ -31,7 +31,7 @@ from infer.errors import ConfigError, FormatError, MissingDependencyError, Unsup
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
-from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, POOLING_TYPES, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
 from .gguf_write_tokenizer import tokenizer_metadata
@@ -184,6 +184,9 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
             continue
         md[f"{arch.gguf_name}.{h.key}"] = h.kind(value)
     md[f"{arch.gguf_name}.attention.value_length"] = c["head_dim"]
+    pooling = {name: code for code, name in POOLING_TYPES.items()}.get(c.get("pooling_type"))
+    if pooling is not None:  # an embedding model's pooling, as llama.cpp reads it
+        md[f"{arch.gguf_name}.pooling_type"] = pooling
     md[f"{arch.gguf_name}.rope.dimension_count"] = int(c["head_dim"] * rope.get("partial_rotary_factor", 1.0))
     freqs = None
     kind = rope.get("rope_type", "default")

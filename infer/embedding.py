@@ -221,10 +221,19 @@ def read_dense(folder: Path) -> Dense:
     return Dense(weight, bias if cfg.get("bias", True) else None, act)
 
 
-def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...]) -> EmbeddingConfig:
+#: A GGUF file's ``pooling_type`` (formats/gguf_arch.py) -> the pooling modes it means.
+_GGUF_POOLING = {"mean": ("mean",), "cls": ("cls",), "last": ("lasttoken",)}
+
+
+def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...],
+                          config: dict[str, Any] | None = None) -> EmbeddingConfig:
     """The embedding pipeline of a model folder: its sentence-transformers
-    modules (``modules.json``) where it has them, else ``default_pooling``."""
-    cfg = EmbeddingConfig(pooling=default_pooling)
+    modules (``modules.json``) where it has them, else the pooling a GGUF
+    file names (``{arch}.pooling_type``, as ``config["pooling_type"]``), else
+    ``default_pooling``."""
+    gguf = (config or {}).get("pooling_type")
+    cfg = EmbeddingConfig(pooling=_GGUF_POOLING.get(gguf, default_pooling),
+                          source="the GGUF file's pooling_type" if gguf in _GGUF_POOLING else "the model's defaults")
     if folder is None or not folder.is_dir() or not (folder / "modules.json").is_file():
         return cfg
     modules = _read_json(folder / "modules.json")

@@ -543,7 +543,8 @@ class Model:
         (``modules.json``: pooling, dense layers, normalize, prompts), else the
         family's default (mean for an encoder, the last token for a decoder)."""
         if self._embedding_config is None:
-            self._embedding_config = read_embedding_config(self.package.path, default_pooling(self.network))
+            self._embedding_config = read_embedding_config(self.package.path, default_pooling(self.network),
+                                                           self.package.config)
         return self._embedding_config
 
     def embed(

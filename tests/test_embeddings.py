@@ -252,3 +252,38 @@ def test_encoder_without_classifier_does_not_rerank():
         model.rerank(QUERY, TEXTS)
     with pytest.raises(EmbeddingError, match="documents"):
         model.rerank(QUERY, [])
+
+
+def test_gguf_pooling_type(tmp_path):
+    """A GGUF file's ``{arch}.pooling_type`` chooses the pooling (written and read back)."""
+    from infer.formats.gguf_arch import POOLING_TYPES
+    from infer.formats.gguf_write import write_gguf
+    from infer.formats.huggingface import open_folder
+    from reference import tiny_model_dir
+
+    folder = tiny_model_dir("llama2")  # a llama decoder, which infer writes as GGUF
+    for pooling, mode in (("mean", "mean"), ("last", "lasttoken"), ("cls", "cls")):
+        package = open_folder(folder)
+        package.config["pooling_type"] = pooling
+        path = tmp_path / f"{pooling}.gguf"
+        write_gguf(package, path, type="f32")
+        package.tensors.close()
+        model = infer.load(path, backend="numpy")
+        assert model.config["pooling_type"] == pooling and pooling in POOLING_TYPES.values()
+        want = infer.load(folder, backend="numpy").embed(TEXTS, pooling=mode)
+        np.testing.assert_allclose(model.embed(TEXTS), want, atol=1e-5)
+
+
+def test_cli_embed(tmp_path, capsys):
+    import json
+
+    from infer.tools.cli import main
+
+    file = tmp_path / "in.txt"
+    file.write_text("\n".join(TEXTS[:3]) + "\n", encoding="utf-8")
+    assert main(["-q", "embed", str(model_dir("st_bert")), str(file), "--backend", "numpy", "--dimensions", "8"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = infer.load(model_dir("st_bert"), backend="numpy").embed(TEXTS[:3], dimensions=8)
+    np.testing.assert_allclose(rows, want, atol=1e-6)
+    assert main(["-q", "embed", str(model_dir("st_bert")), str(tmp_path / "missing.txt")]) == 1
+    assert "cannot read" in capsys.readouterr().err
