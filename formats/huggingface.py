@@ -425,6 +425,7 @@ def open_folder(path: Path) -> ModelPackage:
     try:
         config, tensors = normalize_mtp_names(config, tensors, config_path)
         tensors = normalize_bare_names(tensors)
+        modules = sentence_transformers_modules(folder)
         tokenizer = None
         if (folder / "tokenizer.json").is_file():
             from infer.tokenizer import Tokenizer  # lazily: listing formats stays cheap
@@ -438,7 +439,7 @@ def open_folder(path: Path) -> ModelPackage:
         tensors.close()
         raise
     return ModelPackage(model_type=model_type, config=config, tensors=tensors, tokenizer=tokenizer,
-                        generation=generation, path=folder, format="huggingface")
+                        generation=generation, path=folder, format="huggingface", module_tensors=modules)
 
 
 # -- multi-token prediction modules: one canonical naming ------------------------------
@@ -481,6 +482,41 @@ class RenamedSource(TensorSource):
 
     def close(self) -> None:
         self.base.close()
+
+
+def sentence_transformers_modules(folder: Path) -> dict[str, TensorSource]:
+    """The weights of a sentence-transformers folder's ``Dense`` modules (the
+    folders ``modules.json`` names with a ``Dense`` type), by folder name;
+    empty without ``modules.json``. Pickle-only weights are refused, as the
+    model's own."""
+    listing = folder / "modules.json"
+    if not listing.is_file():
+        return {}
+    try:
+        modules = json.loads(listing.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{listing}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(modules, list):
+        raise ConfigError(f"{listing}: must be a list of modules, found {type(modules).__name__}")
+    out: dict[str, TensorSource] = {}
+    for module in modules:
+        if not (isinstance(module, dict) and str(module.get("type", "")).rsplit(".", 1)[-1] == "Dense"):
+            continue
+        name = str(module.get("path", ""))
+        where = (folder / name).resolve()
+        if not name or Path(name).is_absolute() or ".." in Path(name).parts or not where.is_dir():
+            raise ConfigError(f"{listing}: Dense module path {name!r} is not a folder inside {folder}")
+        file = where / "model.safetensors"
+        if not file.is_file():
+            pickles = sorted(p.name for p in where.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+            if pickles:
+                raise UnsafeFormatError(
+                    f"{where} holds its Dense weights only as pickle ({', '.join(pickles)}); infer never loads "
+                    "pickle because unpickling can execute arbitrary code. Re-save the sentence-transformers "
+                    "model (safetensors is its default) in an environment you trust")
+            raise FormatError(f"{where} has no model.safetensors for its Dense module")
+        out[name] = SafetensorsSource([file])
+    return out
 
 
 def normalize_bare_names(tensors: TensorSource) -> TensorSource:

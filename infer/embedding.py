@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import ConfigError, EmbeddingError, UnsafeFormatError
+from infer.errors import ConfigError, EmbeddingError
 from infer.kv.attention import AttentionContext
 from infer.ops import AttentionBatch, Backend
 
@@ -183,11 +183,10 @@ def read_pooling(path: Path) -> tuple[tuple[str, ...], bool]:
     return modes, include
 
 
-def read_dense(folder: Path) -> Dense:
-    """A ``Dense`` module's folder: ``config.json`` and its safetensors weights
-    (``linear.weight``, ``linear.bias``); pickle (``pytorch_model.bin``) is refused."""
-    from infer.formats.huggingface import SafetensorsSource  # lazily: formats import the tokenizer
-
+def read_dense(folder: Path, tensors: Any) -> Dense:
+    """A ``Dense`` module: its folder's ``config.json`` and its weights
+    (``linear.weight``, ``linear.bias``) from ``tensors``, the
+    :class:`~infer.package.TensorSource` the format opened (safetensors only)."""
     cfg = _read_json(folder / "config.json")
     try:
         n_in, n_out = int(cfg["in_features"]), int(cfg["out_features"])
@@ -198,27 +197,19 @@ def read_dense(folder: Path) -> Dense:
     if act not in _DENSE_ACTIVATIONS:
         raise ConfigError(f"{folder / 'config.json'}: activation_function {act_path!r} is not supported; "
                           f"supported: {', '.join(_DENSE_ACTIVATIONS)}")
-    file = folder / "model.safetensors"
-    if not file.is_file():
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
-        if pickles:
-            raise UnsafeFormatError(f"{folder} holds its Dense weights only as pickle ({', '.join(pickles)}); infer "
-                                    "never loads pickle. Re-save the sentence-transformers model with "
-                                    "safe_serialization=True (its default) in an environment you trust")
-        raise ConfigError(f"{folder} has no model.safetensors for its Dense layer")
-    source = SafetensorsSource([file])  # bfloat16 widened to float32, as the model's own weights
-    try:
-        arrays = {name: np.array(source.get(name), dtype=np.float32) for name in source.names()}
-    finally:
-        source.close()
-    weight = arrays.get("linear.weight")
+    if tensors is None:
+        raise ConfigError(f"{folder}: the Dense module's weights were not opened with the model")
+    names = set(tensors.names())
+    weight = np.array(tensors.get("linear.weight"), np.float32) if "linear.weight" in names else None
     if weight is None or weight.shape != (n_out, n_in):
-        raise ConfigError(f"{file}: linear.weight must be [{n_out}, {n_in}], found "
+        raise ConfigError(f"{folder}: linear.weight must be [{n_out}, {n_in}], found "
                           f"{None if weight is None else list(weight.shape)}")
-    bias = arrays.get("linear.bias")
-    if cfg.get("bias", True) and (bias is None or bias.shape != (n_out,)):
-        raise ConfigError(f"{file}: linear.bias must be [{n_out}]")
-    return Dense(weight, bias if cfg.get("bias", True) else None, act)
+    bias = None
+    if cfg.get("bias", True):
+        bias = np.array(tensors.get("linear.bias"), np.float32) if "linear.bias" in names else None
+        if bias is None or bias.shape != (n_out,):
+            raise ConfigError(f"{folder}: linear.bias must be [{n_out}]")
+    return Dense(weight, bias, act)
 
 
 #: A GGUF file's ``pooling_type`` (formats/gguf_arch.py) -> the pooling modes it means.
@@ -226,7 +217,8 @@ _GGUF_POOLING = {"mean": ("mean",), "cls": ("cls",), "last": ("lasttoken",)}
 
 
 def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...],
-                          config: dict[str, Any] | None = None) -> EmbeddingConfig:
+                          config: dict[str, Any] | None = None,
+                          module_tensors: dict[str, Any] | None = None) -> EmbeddingConfig:
     """The embedding pipeline of a model folder: its sentence-transformers
     modules (``modules.json``) where it has them, else the pooling a GGUF
     file names (``{arch}.pooling_type``, as ``config["pooling_type"]``), else
@@ -255,7 +247,7 @@ def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...],
         elif kind == "Pooling":
             cfg.pooling, cfg.include_prompt = read_pooling(path / "config.json")
         elif kind == "Dense":
-            cfg.dense.append(read_dense(path))
+            cfg.dense.append(read_dense(path, (module_tensors or {}).get(str(module.get("path", "")))))
         elif kind == "Normalize":
             cfg.normalize = True
         else:

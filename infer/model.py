@@ -544,7 +544,7 @@ class Model:
         family's default (mean for an encoder, the last token for a decoder)."""
         if self._embedding_config is None:
             self._embedding_config = read_embedding_config(self.package.path, default_pooling(self.network),
-                                                           self.package.config)
+                                                           self.package.config, self.package.module_tensors)
         return self._embedding_config
 
     def embed(

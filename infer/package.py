@@ -111,3 +111,7 @@ class ModelPackage:
     path: Path | None = None
     #: Name of the format that produced this package.
     format: str = ""
+    #: Weights of modules beside the network, by folder: a sentence-transformers
+    #: folder's ``Dense`` layers (``{"2_Dense": <linear.weight, linear.bias>}``),
+    #: read by :mod:`infer.embedding`.
+    module_tensors: dict[str, TensorSource] = field(default_factory=dict)
