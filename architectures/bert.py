@@ -28,6 +28,14 @@ are (all-MiniLM, bge, e5, gte) and the classic cross-encoder rerankers
 Tensor names are a bare ``BertModel``'s (``embeddings.``, ``encoder.``), or
 under ``bert.`` (``BertForSequenceClassification``, ``BertForMaskedLM``);
 the masked-LM and next-sentence heads (``cls.``) are ignored.
+
+RoBERTa and XLM-RoBERTa (``roberta``, ``xlm-roberta``: multilingual-e5,
+bge-m3, most multilingual cross-encoders) are the same network with two
+differences, as transformers' ``RobertaModel``: positions start after the
+padding id (token ``p`` of a text sits at ``pad_token_id + 1 + p``; a text
+holds no padding token, so this is transformers' cumulative count exactly),
+and the sequence classifier is ``out_proj(tanh(dense(h[<s>])))`` under
+``classifier.`` with no pooler. Names sit under ``roberta.`` or at the top.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infer.architecture import CausalLM, WeightLoader
+from infer.architecture import CausalLM, WeightLoader, host_array
 from infer.config import from_dict
 from infer.errors import ConfigError, UnsupportedOpError
 from infer.kv.attention import AttentionContext
@@ -51,6 +59,7 @@ class BertConfig:
     """``config.json`` fields read (transformers names and defaults)."""
 
     vocab_size: int = 30522
+    model_type: str = "bert"
     hidden_size: int = 768
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
@@ -102,9 +111,13 @@ class BertModel(CausalLM):
     def __init__(self, config: BertConfig, weights: WeightLoader, ops: Backend) -> None:
         super().__init__(config, weights, ops)
         cfg, w, d = config, weights, config.hidden_size
-        p = "bert." if w.has("bert.embeddings.word_embeddings.weight") else ""
-        self.num_layers, self.vocab_size, self.max_context = cfg.num_hidden_layers, cfg.vocab_size, \
-            cfg.max_position_embeddings
+        roberta = cfg.model_type in ("roberta", "xlm-roberta")
+        p = next((q for q in ("bert.", "roberta.") if w.has(q + "embeddings.word_embeddings.weight")), "")
+        #: Added to every position (RoBERTa's start after the padding id).
+        self.position_offset = (cfg.pad_token_id or 0) + 1 if roberta else 0
+        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
+        self.max_context = cfg.max_position_embeddings - self.position_offset
+        self._offset = ops.from_numpy(host_array([self.position_offset], "int32")) if self.position_offset else None
         self.heads, self.head_dim, self.eps = cfg.num_attention_heads, d // cfg.num_attention_heads, cfg.layer_norm_eps
         self.act = ACTIVATIONS[cfg.hidden_act]
 
@@ -129,9 +142,13 @@ class BertModel(CausalLM):
                 "up": linear(a + "intermediate.dense", d, cfg.intermediate_size),
                 "down": linear(a + "output.dense", cfg.intermediate_size, d), "mlp_norm": norm(a + "output.LayerNorm"),
             })
-        #: ``tanh(dense(h[CLS]))`` and the classifier on it, where the checkpoint has them.
+        #: ``tanh(dense(h[CLS]))`` and the classifier on it, where the checkpoint has them
+        #: (RoBERTa's classification head: its own dense layer, then ``out_proj``).
         self.pooler = linear(p + "pooler.dense", d, d) if w.has(p + "pooler.dense.weight") else None
         self.classifier = linear("classifier", d, cfg.labels) if w.has("classifier.weight") else None
+        if w.has("classifier.dense.weight"):
+            self.pooler, self.classifier = linear("classifier.dense", d, d), linear("classifier.out_proj", d,
+                                                                                     cfg.labels)
         self.num_labels = cfg.labels if self.classifier is not None else 0
         self.lm_head = self.word_embeddings  # the tied MLM decoder's weight; an encoder has no next-token head
         self.ignored_tensors = tuple(n for n in w.tensors.names() if n.startswith("cls."))
@@ -143,10 +160,11 @@ class BertModel(CausalLM):
         (what sentence-transformers pools)."""
         ops = self.ops
         types = getattr(ctx, "token_types", None)
-        if types is None:  # transformers' default: every token of type 0
+        if types is None or self.config.type_vocab_size == 1:  # type 0 throughout (RoBERTa has no other)
             types = ops.zeros((ctx.num_tokens,), "int32")
         h = ops.add(ops.embedding(self.word_embeddings, input_ids), ops.embedding(self.token_type_embeddings, types))
-        h = ops.add(h, ops.embedding(self.position_embeddings, ctx.positions))
+        positions = ctx.positions if self._offset is None else ops.add(ctx.positions, self._offset)
+        h = ops.add(h, ops.embedding(self.position_embeddings, positions))
         h = ops.layer_norm(h, *self.embeddings_norm, self.eps)
         t, nh, hd = ops.shape(h)[0], self.heads, self.head_dim
         for i, w in enumerate(self.layers):
@@ -175,12 +193,13 @@ class BertModel(CausalLM):
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> BertModel:
-    """Build a BERT encoder from a ``config.json`` dict."""
+    """Build a BERT or (XLM-)RoBERTa encoder from a ``config.json`` dict."""
     return BertModel(from_dict(BertConfig, config), weights, ops)
 
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register BERT."""
-    register(ArchitectureSpec(name="bert", model_types=("bert",), build=build,
-                              description="BERT encoders for embeddings and reranking (all-MiniLM, bge, e5)"))
+    register(ArchitectureSpec(name="bert", model_types=("bert", "roberta", "xlm-roberta"), build=build,
+                              description="BERT and (XLM-)RoBERTa encoders for embeddings and reranking "
+                                          "(all-MiniLM, bge, e5, cross-encoders)"))

@@ -41,7 +41,7 @@ def bert_vocab() -> list[str]:
     return BERT_SPECIALS + words + letters + ["##" + c for c in letters] + punct
 
 
-def _bert_tokenizer(out: Path) -> int:
+def _bert_tokenizer(out: Path, token_types: bool = True) -> int:
     import transformers
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -54,7 +54,8 @@ def _bert_tokenizer(out: Path) -> int:
     tok.decoder = decoders.WordPiece()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                                 cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                                model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+                                                model_input_names=["input_ids", "token_type_ids", "attention_mask"]
+                                                if token_types else ["input_ids", "attention_mask"])
     fast.save_pretrained(out)  # token types as BertTokenizerFast gives them: cross-encoders read them
     return len(vocab)
 
@@ -107,18 +108,20 @@ def _transformer_module(folder: Path, max_seq_length: int | None = None) -> Any:
     return module
 
 
-def _build_bert(out: Path, classifier: int = 0) -> None:
+def _build_bert(out: Path, classifier: int = 0, kind: str = "Bert") -> None:
+    """A BERT (or ``kind`` "Roberta", "XLMRoberta": positions after the padding id 0) folder."""
     import torch
     import transformers
 
-    vocab = _bert_tokenizer(out)
-    config = transformers.BertConfig(vocab_size=vocab, **_BERT)
+    vocab = _bert_tokenizer(out, token_types=kind == "Bert")  # RoBERTa's tokenizers give no token types
+    extra = {} if kind == "Bert" else {"pad_token_id": 0, "max_position_embeddings": 66, "type_vocab_size": 1}
+    config = getattr(transformers, f"{kind}Config")(vocab_size=vocab, **{**_BERT, **extra})
     torch.manual_seed(0)
     if classifier:
         config.num_labels = classifier
-        model = transformers.BertForSequenceClassification(config)
+        model = getattr(transformers, f"{kind}ForSequenceClassification")(config)
     else:
-        model = transformers.BertModel(config, add_pooling_layer=False)
+        model = getattr(transformers, f"{kind}Model")(config, add_pooling_layer=False)
     randomize(model)
     model.save_pretrained(out)
 
@@ -145,6 +148,14 @@ def _build(name: str, out: Path) -> None:
         _build_bert(out, classifier=1)
     elif name == "bert_cross2":  # two labels
         _build_bert(out, classifier=2)
+    elif name == "roberta_cross":  # an XLM-RoBERTa cross-encoder (its classification head, no pooler)
+        _build_bert(out, classifier=1, kind="XLMRoberta")
+    elif name == "st_roberta":  # multilingual-e5-like: RoBERTa, mean pooling, Normalize
+        bare = out.parent / f".{out.name}.model"
+        bare.mkdir(exist_ok=True)
+        _build_bert(bare, kind="Roberta")
+        _st_save([_transformer_module(bare), Pooling(64, "mean"), Normalize()], out,
+                 prompts={"query": "query: ", "document": "passage: "})
     elif name == "st_bert":  # all-MiniLM-like: mean pooling, then a tanh Dense, then Normalize; prompts
         bare = out.parent / f".{out.name}.model"
         bare.mkdir(exist_ok=True)
@@ -190,7 +201,8 @@ def _build(name: str, out: Path) -> None:
     shutil.rmtree(out.parent / f".{out.name}.model", ignore_errors=True)  # sentence-transformers copied it into out
 
 
-MODELS = ("bert", "bert_cross", "bert_cross2", "st_bert", "st_bert_cls", "st_qwen3", "st_gemma3")
+MODELS = ("bert", "bert_cross", "bert_cross2", "roberta_cross", "st_bert", "st_bert_cls", "st_roberta", "st_qwen3",
+          "st_gemma3")
 
 
 def model_dir(name: str) -> Path:

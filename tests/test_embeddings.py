@@ -23,7 +23,7 @@ def _backend(name: str) -> str:
     return name
 
 
-@pytest.fixture(scope="module", params=["st_bert", "st_bert_cls", "st_qwen3", "st_gemma3"])
+@pytest.fixture(scope="module", params=["st_bert", "st_bert_cls", "st_roberta", "st_qwen3", "st_gemma3"])
 def st_name(request):
     return request.param
 
@@ -191,7 +191,7 @@ def test_dense_pickle_refused(tmp_path):
 QUERY = "What is the capital of France?"
 
 
-@pytest.mark.parametrize("name", ["bert_cross", "bert_cross2"])
+@pytest.mark.parametrize("name", ["bert_cross", "bert_cross2", "roberta_cross"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cross_encoder_matches_sentence_transformers(name, backend):
     import torch
