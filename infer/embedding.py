@@ -143,6 +143,8 @@ class EmbeddingConfig:
     default_prompt_name: str | None = None
     #: Longest input in tokens (``sentence_bert_config.json``), or None: the model's context.
     max_seq_length: int | None = None
+    #: Texts are lowercased before tokenizing (``sentence_bert_config.json``'s ``do_lower_case``).
+    lowercase: bool = False
     #: Where the settings came from, for messages.
     source: str = "the model's defaults"
 
@@ -238,6 +240,8 @@ def read_embedding_config(folder: Path | None, default_pooling: tuple[str, ...],
         kind = module["type"].rsplit(".", 1)[-1]
         path = folder / str(module.get("path", ""))
         if kind == "Transformer":  # sentence-transformers 2-4 name the limit here, 5+ in the tokenizer's config
+            if (path / "sentence_bert_config.json").is_file():
+                cfg.lowercase = _read_json(path / "sentence_bert_config.json").get("do_lower_case") is True
             for file, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json",
                                                                                 "model_max_length")):
                 length = _read_json(path / file).get(key) if (path / file).is_file() else None
@@ -464,7 +468,7 @@ def embed(model: Any, texts: object, *, normalize: bool = True, dimensions: int 
         if isinstance(item, str):
             if truncate is None:
                 truncate = Truncator(model.tokenizer, limit)
-            ids.append(truncate(before + item)[0])
+            ids.append(truncate((before + item).lower() if config.lowercase else before + item)[0])
         else:
             ids.append(item)
         _check_ids(ids[-1], network.vocab_size, limit, i)

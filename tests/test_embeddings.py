@@ -286,3 +286,31 @@ def test_cli_embed(tmp_path, capsys):
     np.testing.assert_allclose(rows, want, atol=1e-6)
     assert main(["-q", "embed", str(model_dir("st_bert")), str(tmp_path / "missing.txt")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "weightedmean"])
+def test_bare_llama_model_lowercased(tmp_path, mode):
+    """A bare LlamaModel folder (no model. prefix, no head) under sentence-transformers, with
+    sentence_bert_config.json's do_lower_case."""
+    import json
+
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.normalize import Normalize
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling
+
+    from embedding_models import _bpe_tokenizer, randomize
+
+    config = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    bare = transformers.LlamaModel(config)
+    randomize(bare)
+    bare.save_pretrained(tmp_path / "bare")
+    _bpe_tokenizer(tmp_path / "bare", eos_after=True)
+    SentenceTransformer(modules=[Transformer(str(tmp_path / "bare")), Pooling(64, mode), Normalize()],
+                        device="cpu").save(str(tmp_path / "st"))
+    path = tmp_path / "st" / "sentence_bert_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "do_lower_case": True}))
+    want = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(infer.load(tmp_path / "st", backend="numpy").embed(TEXTS), want, atol=ATOL)
