@@ -149,16 +149,17 @@ class EmbeddingConfig:
     source: str = "the model's defaults"
 
 
-def pooling_modes(value: object, where: str) -> tuple[str, ...]:
-    """Pooling modes from a name, a list of names or sentence-transformers' legacy flags."""
+def pooling_modes(value: object, where: str, error: type[Exception] = ConfigError) -> tuple[str, ...]:
+    """Pooling modes from a name or a list of names (``error`` for a bad one:
+    a :class:`ConfigError` in a file, an :class:`EmbeddingError` as an argument)."""
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise ConfigError(f"{where}: pooling mode must be a name or a list of names, found {value!r}")
+        raise error(f"{where}: pooling mode must be a name or a list of names, found {value!r}")
     modes = tuple(_POOLING_ALIASES.get(n, n) for n in names)
     bad = [m for m in modes if m not in POOLING_MODES]
     if bad:
-        raise ConfigError(f"{where}: pooling mode {bad[0]!r} is not supported; supported: "
-                          f"{', '.join(POOLING_MODES)}")
+        raise error(f"{where}: pooling mode {bad[0]!r} is not supported; supported: "
+                    f"{', '.join(POOLING_MODES)}")
     return modes
 
 
@@ -457,7 +458,7 @@ def embed(model: Any, texts: object, *, normalize: bool = True, dimensions: int 
     """:meth:`infer.Model.embed`, and the tokens it read (for ``usage``)."""
     config = model.embedding_config
     items, _ = as_inputs(texts)
-    modes = config.pooling if pooling is None else pooling_modes(pooling, "pooling")
+    modes = config.pooling if pooling is None else pooling_modes(pooling, "pooling", EmbeddingError)
     network = model.network
     limit = min(config.max_seq_length or network.max_context, network.max_context)
     before = prompt_text(config, prompt, prompt_name)
