@@ -123,3 +123,11 @@ def test_rerank_endpoint():
             body = {"model": "ce", "query": query, "documents": TEXTS, **bad}
             r = httpx.post(base + "/v1/rerank", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_generation_on_an_encoder_is_400(url, client):
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model=NAME, prompt="the sun", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):  # (this one has no chat template either)
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert httpx.get(url + "/health").status_code == 200

@@ -280,6 +280,9 @@ class Server:
                      skip_special_tokens: bool = True) -> list[Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
+        if getattr(self.model.network, "is_encoder", False):
+            raise RequestError(f"{self.name!r} is an embedding model (bidirectional, no next-token head): it "
+                               "answers /v1/embeddings and /v1/rerank, not generation", "model")
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
                 for prompt in prompts for j in range(n)]
         results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
