@@ -131,3 +131,14 @@ def test_generation_on_an_encoder_is_400(url, client):
     with pytest.raises(openai.BadRequestError):  # (this one has no chat template either)
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert httpx.get(url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("name", ["st_qwen3", "st_gemma3"])
+def test_decoder_embedders_through_the_client(name):
+    from sentence_transformers import SentenceTransformer
+
+    want = SentenceTransformer(str(model_dir(name)), device="cpu").encode(TEXTS, prompt_name="query")
+    with running(create_app(infer.load(model_dir(name), backend="numpy"), model_name=name)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        reply = client.embeddings.create(model=name, input=TEXTS, extra_body={"prompt_name": "query"})
+        np.testing.assert_allclose([d.embedding for d in reply.data], want, atol=2e-5)
