@@ -26,6 +26,12 @@ ones, as transformers' ``Gemma3ForCausalLM`` computes them. Against Llama:
   (no attention implementation there receives it: Gemma 3 replaced Gemma 2's
   attention soft-capping with the q/k norms, report section 2.1), so a config
   that sets it still computes what the reference computes.
+* ``use_bidirectional_attention`` ("EmbeddingGemma: Powerful and
+  Lightweight Text Representations", 2025): every layer attends both ways
+  (``causal=False``), a sliding layer to keys less than
+  ``sliding_window // 2 + 1`` positions away on either side, as transformers'
+  config halves the window; the model then embeds (:mod:`infer.embedding`)
+  and does not generate.
 
 Per layer (the block of :mod:`.decoder` with its post norms; ``kind`` = sliding or full attention):
     h = h + post_attention_layernorm(o_proj(attention(rope_kind(q_norm(q)), rope_kind(k_norm(k)), v)))
