@@ -314,3 +314,22 @@ def test_bare_llama_model_lowercased(tmp_path, mode):
     path.write_text(json.dumps({**json.loads(path.read_text()), "do_lower_case": True}))
     want = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(infer.load(tmp_path / "st", backend="numpy").embed(TEXTS), want, atol=ATOL)
+
+
+def test_any_batch_equals_alone():
+    """Property: any selection and order of texts, in forwards of any token budget, embeds each
+    text as it embeds alone (no padding or other text leaks into a row)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    models = {name: infer.load(model_dir(name), backend="numpy") for name in ("st_bert", "st_gemma3")}
+    alone = {name: np.concatenate([m.embed(t) for t in TEXTS]) for name, m in models.items()}
+
+    @settings(max_examples=20, deadline=None)
+    @given(st.sampled_from(sorted(models)), st.lists(st.integers(0, len(TEXTS) - 1), min_size=1, max_size=8),
+           st.integers(1, 200))
+    def check(name, picks, budget):
+        got = models[name].embed([TEXTS[i] for i in picks], max_batch_tokens=budget)
+        np.testing.assert_allclose(got, alone[name][picks], atol=1e-6)
+
+    check()
