@@ -546,12 +546,30 @@ def rerank(model: Any, query: str, documents: Sequence[str], *, instruction: str
     return _rerank_yes_no(model, query, documents, instruction or DEFAULT_RERANK_INSTRUCTION, max_batch_tokens)
 
 
+def logit_score_tokens(folder: Path | None) -> tuple[int, int] | None:
+    """The ``(true, false)`` token ids of a sentence-transformers ``CrossEncoder``
+    folder's ``LogitScore`` module (a reranker LM saved by sentence-transformers 5+),
+    or None without one."""
+    if folder is None or not folder.is_dir() or not (folder / "modules.json").is_file():
+        return None
+    modules = _read_json(folder / "modules.json")
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).rsplit(".", 1)[-1] == "LogitScore":
+            cfg = _read_json(folder / str(module.get("path", "")) / "config.json")
+            true, false = cfg.get("true_token_id"), cfg.get("false_token_id")
+            if not isinstance(true, int) or not isinstance(false, int):
+                raise ConfigError(f"{folder}: the LogitScore module needs integer true_token_id and false_token_id "
+                                  f"(a score of one token's logit alone is not supported), found {true!r}, {false!r}")
+            return true, false
+    return None
+
+
 def _rerank_yes_no(model: Any, query: str, documents: Sequence[str], instruction: str,
                    max_batch_tokens: int) -> tuple[list[float], int]:
     """Qwen3-Reranker: ``sigmoid(logit[yes] - logit[no])`` at the last
     position of its prompt (= the softmax over the two logits' ``yes``)."""
     tok, network, ops = model.tokenizer, model.network, model.backend
-    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    yes, no = logit_score_tokens(model.package.path) or (tok.token_to_id("yes"), tok.token_to_id("no"))
     if yes is None or no is None:
         raise EmbeddingError("reranking with a language model reads its 'yes' and 'no' tokens, which this "
                              "tokenizer lacks")
