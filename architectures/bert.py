@@ -29,6 +29,11 @@ Tensor names are a bare ``BertModel``'s (``embeddings.``, ``encoder.``), or
 under ``bert.`` (``BertForSequenceClassification``, ``BertForMaskedLM``);
 the masked-LM and next-sentence heads (``cls.``) are ignored.
 
+DistilBERT (``distilbert``: msmarco- and multi-qa-distilbert) is BERT with
+other names (``transformer.layer.N.attention.q_lin``, ``sa_layer_norm``,
+``ffn.lin1``, ``output_layer_norm``; ``dim``, ``n_layers``... in its config)
+and no token types; its classifier's ReLU layer is not read.
+
 RoBERTa and XLM-RoBERTa (``roberta``, ``xlm-roberta``: multilingual-e5,
 bge-m3, most multilingual cross-encoders) are the same network with two
 differences, as transformers' ``RobertaModel``: positions start after the
@@ -100,6 +105,19 @@ class BertConfig:
         return len(self.id2label) if self.id2label else 2
 
 
+#: Where each layer's tensors are, by role: the stack's prefix and the names in a layer.
+LAYER_NAMES = {
+    "bert": ("encoder.layer", {
+        "query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
+        "attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
+        "up": "intermediate.dense", "down": "output.dense", "mlp_norm": "output.LayerNorm"}),
+    "distilbert": ("transformer.layer", {
+        "query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin",
+        "attn_out": "attention.out_lin", "attn_norm": "sa_layer_norm",
+        "up": "ffn.lin1", "down": "ffn.lin2", "mlp_norm": "output_layer_norm"}),
+}
+
+
 class BertModel(CausalLM):
     """Embeddings, post-LayerNorm encoder layers; optionally the pooler and a
     sequence classifier on top (a cross-encoder)."""
@@ -111,8 +129,9 @@ class BertModel(CausalLM):
     def __init__(self, config: BertConfig, weights: WeightLoader, ops: Backend) -> None:
         super().__init__(config, weights, ops)
         cfg, w, d = config, weights, config.hidden_size
-        roberta = cfg.model_type in ("roberta", "xlm-roberta")
-        p = next((q for q in ("bert.", "roberta.") if w.has(q + "embeddings.word_embeddings.weight")), "")
+        roberta, distil = cfg.model_type in ("roberta", "xlm-roberta"), cfg.model_type == "distilbert"
+        p = next((q for q in ("bert.", "roberta.", "distilbert.") if w.has(q + "embeddings.word_embeddings.weight")),
+                 "")
         #: Added to every position (RoBERTa's start after the padding id).
         self.position_offset = (cfg.pad_token_id or 0) + 1 if roberta else 0
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
@@ -130,22 +149,21 @@ class BertModel(CausalLM):
         e = p + "embeddings."
         self.word_embeddings = w.get(e + "word_embeddings.weight", (cfg.vocab_size, d))
         self.position_embeddings = w.get(e + "position_embeddings.weight", (cfg.max_position_embeddings, d))
-        self.token_type_embeddings = w.get(e + "token_type_embeddings.weight", (cfg.type_vocab_size, d))
+        self.token_type_embeddings = None if distil else w.get(e + "token_type_embeddings.weight",
+                                                                (cfg.type_vocab_size, d))
         self.embeddings_norm = norm(e + "LayerNorm")
+        stack, names = LAYER_NAMES["distilbert" if distil else "bert"]
+        sizes = {"up": (d, cfg.intermediate_size), "down": (cfg.intermediate_size, d)}
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            a = f"{p}encoder.layer.{i}."
-            self.layers.append({
-                "query": linear(a + "attention.self.query", d, d), "key": linear(a + "attention.self.key", d, d),
-                "value": linear(a + "attention.self.value", d, d),
-                "attn_out": linear(a + "attention.output.dense", d, d), "attn_norm": norm(a + "attention.output.LayerNorm"),
-                "up": linear(a + "intermediate.dense", d, cfg.intermediate_size),
-                "down": linear(a + "output.dense", cfg.intermediate_size, d), "mlp_norm": norm(a + "output.LayerNorm"),
-            })
+            a = f"{p}{stack}.{i}."
+            self.layers.append({role: norm(a + name) if role.endswith("norm") else
+                                linear(a + name, *sizes.get(role, (d, d))) for role, name in names.items()})
         #: ``tanh(dense(h[CLS]))`` and the classifier on it, where the checkpoint has them
         #: (RoBERTa's classification head: its own dense layer, then ``out_proj``).
         self.pooler = linear(p + "pooler.dense", d, d) if w.has(p + "pooler.dense.weight") else None
-        self.classifier = linear("classifier", d, cfg.labels) if w.has("classifier.weight") else None
+        # DistilBERT's classifier sits on a ReLU layer (pre_classifier), which the op contract lacks: not read.
+        self.classifier = linear("classifier", d, cfg.labels) if w.has("classifier.weight") and not distil else None
         if w.has("classifier.dense.weight"):
             self.pooler, self.classifier = linear("classifier.dense", d, d), linear("classifier.out_proj", d,
                                                                                      cfg.labels)
@@ -160,9 +178,11 @@ class BertModel(CausalLM):
         (what sentence-transformers pools)."""
         ops = self.ops
         types = getattr(ctx, "token_types", None)
-        if types is None or self.config.type_vocab_size == 1:  # type 0 throughout (RoBERTa has no other)
-            types = ops.zeros((ctx.num_tokens,), "int32")
-        h = ops.add(ops.embedding(self.word_embeddings, input_ids), ops.embedding(self.token_type_embeddings, types))
+        h = ops.embedding(self.word_embeddings, input_ids)
+        if self.token_type_embeddings is not None:  # DistilBERT has none
+            if types is None or self.config.type_vocab_size == 1:  # type 0 throughout (RoBERTa has no other)
+                types = ops.zeros((ctx.num_tokens,), "int32")
+            h = ops.add(h, ops.embedding(self.token_type_embeddings, types))
         positions = ctx.positions if self._offset is None else ops.add(ctx.positions, self._offset)
         h = ops.add(h, ops.embedding(self.position_embeddings, positions))
         h = ops.layer_norm(h, *self.embeddings_norm, self.eps)
@@ -192,14 +212,25 @@ class BertModel(CausalLM):
                                  "Model.rerank()")
 
 
+def distilbert_config(config: dict[str, Any]) -> dict[str, Any]:
+    """DistilBERT's ``config.json`` (``dim``, ``n_layers``, ``n_heads``,
+    ``hidden_dim``, ``activation``; transformers' defaults) in BERT's names;
+    its LayerNorms' eps is transformers' fixed 1e-12."""
+    return {**config, "hidden_size": config.get("dim", 768), "num_hidden_layers": config.get("n_layers", 6),
+            "num_attention_heads": config.get("n_heads", 12), "intermediate_size": config.get("hidden_dim", 3072),
+            "hidden_act": config.get("activation", "gelu"), "layer_norm_eps": 1e-12, "type_vocab_size": 1}
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> BertModel:
-    """Build a BERT or (XLM-)RoBERTa encoder from a ``config.json`` dict."""
+    """Build a BERT, DistilBERT or (XLM-)RoBERTa encoder from a ``config.json`` dict."""
+    if config.get("model_type") == "distilbert":
+        config = distilbert_config(config)
     return BertModel(from_dict(BertConfig, config), weights, ops)
 
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register BERT."""
-    register(ArchitectureSpec(name="bert", model_types=("bert", "roberta", "xlm-roberta"), build=build,
+    register(ArchitectureSpec(name="bert", model_types=("bert", "distilbert", "roberta", "xlm-roberta"), build=build,
                               description="BERT and (XLM-)RoBERTa encoders for embeddings and reranking "
                                           "(all-MiniLM, bge, e5, cross-encoders)"))

@@ -115,13 +115,18 @@ def _build_bert(out: Path, classifier: int = 0, kind: str = "Bert") -> None:
 
     vocab = _bert_tokenizer(out, token_types=kind == "Bert")  # RoBERTa's tokenizers give no token types
     extra = {} if kind == "Bert" else {"pad_token_id": 0, "max_position_embeddings": 66, "type_vocab_size": 1}
-    config = getattr(transformers, f"{kind}Config")(vocab_size=vocab, **{**_BERT, **extra})
+    if kind == "DistilBert":
+        config = transformers.DistilBertConfig(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                               max_position_embeddings=64)
+    else:
+        config = getattr(transformers, f"{kind}Config")(vocab_size=vocab, **{**_BERT, **extra})
     torch.manual_seed(0)
     if classifier:
         config.num_labels = classifier
         model = getattr(transformers, f"{kind}ForSequenceClassification")(config)
     else:
-        model = getattr(transformers, f"{kind}Model")(config, add_pooling_layer=False)
+        model = getattr(transformers, f"{kind}Model")(config, **({} if kind == "DistilBert" else
+                                                                 {"add_pooling_layer": False}))
     randomize(model)
     model.save_pretrained(out)
 
@@ -156,6 +161,11 @@ def _build(name: str, out: Path) -> None:
         _build_bert(bare, kind="Roberta")
         _st_save([_transformer_module(bare), Pooling(64, "mean"), Normalize()], out,
                  prompts={"query": "query: ", "document": "passage: "})
+    elif name == "st_distilbert":  # msmarco-distilbert-like: DistilBERT, CLS pooling, Normalize
+        bare = out.parent / f".{out.name}.model"
+        bare.mkdir(exist_ok=True)
+        _build_bert(bare, kind="DistilBert")
+        _st_save([_transformer_module(bare), Pooling(64, "cls"), Normalize()], out)
     elif name == "st_bert":  # all-MiniLM-like: mean pooling, then a tanh Dense, then Normalize; prompts
         bare = out.parent / f".{out.name}.model"
         bare.mkdir(exist_ok=True)
@@ -201,8 +211,8 @@ def _build(name: str, out: Path) -> None:
     shutil.rmtree(out.parent / f".{out.name}.model", ignore_errors=True)  # sentence-transformers copied it into out
 
 
-MODELS = ("bert", "bert_cross", "bert_cross2", "roberta_cross", "st_bert", "st_bert_cls", "st_roberta", "st_qwen3",
-          "st_gemma3")
+MODELS = ("bert", "bert_cross", "bert_cross2", "roberta_cross", "st_bert", "st_bert_cls", "st_distilbert",
+          "st_roberta", "st_qwen3", "st_gemma3")
 
 
 def model_dir(name: str) -> Path:

@@ -23,7 +23,8 @@ def _backend(name: str) -> str:
     return name
 
 
-@pytest.fixture(scope="module", params=["st_bert", "st_bert_cls", "st_roberta", "st_qwen3", "st_gemma3"])
+@pytest.fixture(scope="module",
+                params=["st_bert", "st_bert_cls", "st_distilbert", "st_roberta", "st_qwen3", "st_gemma3"])
 def st_name(request):
     return request.param
 
