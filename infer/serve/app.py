@@ -63,7 +63,8 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's completions, chat
-    completions and Responses APIs and Anthropic's Messages API (docs/serving.md).
+    completions, Responses and embeddings APIs, Anthropic's Messages API and
+    ``/v1/rerank`` (docs/serving.md, docs/embeddings.md).
 
     Args:
         model: the loaded model; its :attr:`~infer.Model.batch_engine`
