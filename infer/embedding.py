@@ -394,12 +394,18 @@ def prompt_text(config: EmbeddingConfig, prompt: str | None, prompt_name: str | 
     return config.prompts[name]
 
 
+def _is_id(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def as_inputs(texts: object) -> tuple[list[str | list[int]], bool]:
     """``texts`` as a list of texts or token id lists, and whether one input was given alone."""
     if isinstance(texts, str):
         return [texts], True
-    if isinstance(texts, Sequence) and texts and all(isinstance(t, int) and not isinstance(t, bool) for t in texts):
-        return [list(texts)], True  # type: ignore[arg-type]
+    if isinstance(texts, np.ndarray):
+        texts = texts.tolist()
+    if isinstance(texts, Sequence) and texts and all(_is_id(t) for t in texts):
+        return [[int(t) for t in texts]], True  # type: ignore[union-attr]
     if not isinstance(texts, Sequence) or isinstance(texts, (bytes, bytearray)):
         raise EmbeddingError(f"texts must be a string or a list of strings (or of token id lists), "
                              f"got {type(texts).__name__}")
@@ -409,8 +415,8 @@ def as_inputs(texts: object) -> tuple[list[str | list[int]], bool]:
     for i, t in enumerate(texts):
         if isinstance(t, str):
             out.append(t)
-        elif isinstance(t, Sequence) and not isinstance(t, (bytes, bytearray)) and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in t):
+        elif isinstance(t, (Sequence, np.ndarray)) and not isinstance(t, (bytes, bytearray)) and all(
+                _is_id(x) for x in t):
             out.append([int(x) for x in t])
         else:
             raise EmbeddingError(f"texts[{i}] must be a string or a list of token ids, got {type(t).__name__}")
@@ -458,6 +464,8 @@ def embed(model: Any, texts: object, *, normalize: bool = True, dimensions: int 
     """:meth:`infer.Model.embed`, and the tokens it read (for ``usage``)."""
     config = model.embedding_config
     items, _ = as_inputs(texts)
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1):
+        raise EmbeddingError(f"dimensions must be a positive integer, got {dimensions!r}")
     modes = config.pooling if pooling is None else pooling_modes(pooling, "pooling", EmbeddingError)
     network = model.network
     limit = min(config.max_seq_length or network.max_context, network.max_context)
