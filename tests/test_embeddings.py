@@ -334,3 +334,22 @@ def test_any_batch_equals_alone():
         np.testing.assert_allclose(got, alone[name][picks], atol=1e-6)
 
     check()
+
+
+def test_cross_encoder_activation_from_config(tmp_path):
+    """config.json's sentence_transformers.activation_fn (what CrossEncoder.save writes) sets the score."""
+    import json
+    import shutil
+
+    from sentence_transformers import CrossEncoder
+
+    folder = tmp_path / "ce"
+    shutil.copytree(model_dir("bert_cross"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (folder / "config.json").write_text(json.dumps(config))
+    want = CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in TEXTS])
+    got = infer.load(folder, backend="numpy").rerank(QUERY, TEXTS)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    sigmoid = infer.load(model_dir("bert_cross"), backend="numpy").rerank(QUERY, TEXTS)
+    np.testing.assert_allclose(sigmoid, 1 / (1 + np.exp(-np.asarray(got))), atol=1e-6)  # the default on the logits
