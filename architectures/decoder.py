@@ -233,6 +233,9 @@ class DecoderLayer:
     #: Attention sinks ``[q_heads]`` (gpt-oss: one learned logit per head joins
     #: each softmax, with no value), or None.
     sinks: Array | None = None
+    #: False: bidirectional attention over the sequence (an embedding model's,
+    #: e.g. EmbeddingGemma's ``use_bidirectional_attention``).
+    causal: bool = True
 
 
 class Decoder(CausalLM):
@@ -279,7 +282,8 @@ class Decoder(CausalLM):
                 q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
             else:
                 q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, sinks=layer.sinks)
+            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, sinks=layer.sinks,
+                              causal=layer.causal)
             h, residual = block.after(o, residual, layer.attn_out)
         assert residual is not None, "run_layers needs at least one layer"
         return h, residual

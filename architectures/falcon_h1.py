@@ -275,5 +275,5 @@ def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Falcon
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register Falcon-H1."""
-    register(ArchitectureSpec(name="falcon_h1", model_types=("falcon_h1",), build=build,
+    register(ArchitectureSpec(name="falcon_h1", model_types=("falcon_h1",), build=build, read_config=read_config,
                               description="TII Falcon-H1 (parallel Mamba2 and attention heads; 0.5B-34B)"))

@@ -26,6 +26,12 @@ ones, as transformers' ``Gemma3ForCausalLM`` computes them. Against Llama:
   (no attention implementation there receives it: Gemma 3 replaced Gemma 2's
   attention soft-capping with the q/k norms, report section 2.1), so a config
   that sets it still computes what the reference computes.
+* ``use_bidirectional_attention`` ("EmbeddingGemma: Powerful and
+  Lightweight Text Representations", 2025): every layer attends both ways
+  (``causal=False``), a sliding layer to keys less than
+  ``sliding_window // 2 + 1`` positions away on either side, as transformers'
+  config halves the window; the model then embeds (:mod:`infer.embedding`)
+  and does not generate.
 
 Per layer (the block of :mod:`.decoder` with its post norms; ``kind`` = sliding or full attention):
     h = h + post_attention_layernorm(o_proj(attention(rope_kind(q_norm(q)), rope_kind(k_norm(k)), v)))
@@ -98,11 +104,10 @@ class Gemma3Config:
             if value is not None and not value > 0:
                 raise ConfigError(f"config.json: {name} must be positive, found {value}")
         activation("hidden_activation", self.hidden_activation)
-        if self.use_bidirectional_attention:
-            raise ConfigError(
-                "config.json: use_bidirectional_attention is true (an embedding model, e.g. "
-                "EmbeddingGemma); only causal gemma3_text language models are supported"
-            )
+        if self.use_bidirectional_attention and self.sliding_window:
+            # As transformers' Gemma3TextConfig: config.json's window w becomes w // 2 + 1, every key
+            # less than that away on either side (w // 2 tokens each way; 257 for EmbeddingGemma's 512).
+            self.sliding_window = self.sliding_window // 2 + 1
         if self.layer_types is None:
             self.layer_types = [
                 "full_attention" if (i + 1) % self.sliding_window_pattern == 0 else "sliding_attention"
@@ -162,6 +167,10 @@ class Gemma3ForCausalLM(Decoder):
         self.max_context = context_length(cfg.rope["full_attention"], cfg.max_position_embeddings)
         self.eps = cfg.rms_norm_eps
         self.final_softcap = cfg.final_logit_softcapping
+        #: EmbeddingGemma (``use_bidirectional_attention``): every layer attends both ways (the sliding ones
+        #: to keys less than a window away on either side, as transformers' bidirectional window overlay),
+        #: so it embeds whole texts (infer.embedding) and generates nothing.
+        self.is_encoder = cfg.use_bidirectional_attention
         if cfg.attn_logit_softcapping is not None:
             log.warning("gemma3: attn_logit_softcapping=%s is ignored, as in transformers' Gemma 3",
                         cfg.attn_logit_softcapping)
@@ -181,6 +190,7 @@ class Gemma3ForCausalLM(Decoder):
             attn_in, attn_out = attention.load(w, a, bias=cfg.attention_bias)  # qkv_proj where stored alike
             self.layers.append(DecoderLayer(
                 i, block, scale=cfg.query_pre_attn_scalar ** -0.5, window=cfg.window(i), rope=kind,
+                causal=not cfg.use_bidirectional_attention,
                 attn_in={"attn_norm": norm(p + "input_layernorm"), **attn_in,
                          "q_norm": norm(a + "q_norm", hd), "k_norm": norm(a + "k_norm", hd)},
                 attn_out={**attn_out, "attn_post_norm": norm(p + "post_attention_layernorm"),

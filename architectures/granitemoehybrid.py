@@ -221,15 +221,20 @@ class GraniteMoeHybridForCausalLM(Decoder):
         return self.ops.div(super().compute_logits(hidden), self.config.logits_scaling)  # [rows, vocab]
 
 
+def read_config(config: dict[str, Any]) -> GraniteMoeHybridConfig:
+    """The config of a ``config.json`` dict (rope settings in ``rope``)."""
+    return from_dict(GraniteMoeHybridConfig, {**config, "rope": rope_parameters(config)})
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> GraniteMoeHybridForCausalLM:
     """Build a Granite 4.0-H model from a ``config.json`` dict."""
-    cfg = from_dict(GraniteMoeHybridConfig, {**config, "rope": rope_parameters(config)})
-    return GraniteMoeHybridForCausalLM(cfg, weights, ops)
+    return GraniteMoeHybridForCausalLM(read_config(config), weights, ops)
 
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register Granite 4.0-H."""
     register(ArchitectureSpec(name="granitemoehybrid", model_types=("granitemoehybrid",), build=build,
+                              read_config=read_config,
                               description="IBM Granite 4.0-H (Mamba2 and attention layers, optional MoE, "
                                           "Granite's multipliers)"))

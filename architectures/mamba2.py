@@ -240,13 +240,18 @@ class Mamba2ForCausalLM(CausalLM):
         return ops.rms_norm(h, self.norm, self.eps)
 
 
+def read_config(config: dict[str, Any]) -> Mamba2Config:
+    """The config of a ``config.json`` dict, with transformers' defaults."""
+    return from_dict(Mamba2Config, config)
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Mamba2ForCausalLM:
     """Build a Mamba2 model from a ``config.json`` dict."""
-    return Mamba2ForCausalLM(from_dict(Mamba2Config, config), weights, ops)
+    return Mamba2ForCausalLM(read_config(config), weights, ops)
 
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
     """Register Mamba2."""
-    register(ArchitectureSpec(name="mamba2", model_types=("mamba2",), build=build,
+    register(ArchitectureSpec(name="mamba2", model_types=("mamba2",), build=build, read_config=read_config,
                               description="Mamba2 state space models (SSD mixers, no attention)"))

@@ -751,6 +751,10 @@ def _rope(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> dict
     return rope
 
 
+#: llama.cpp's ``{arch}.pooling_type`` values (``enum llama_pooling_type``) by name.
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
 def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     """The architecture map and the ``config.json``-style dict of a GGUF file."""
     md, path = file.metadata, file.path
@@ -808,6 +812,12 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
         value = md.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if isinstance(value, int) and not isinstance(value, bool):
             config[f"{key}_token_id"] = value
+    pooling = _number(md, f"{name}.pooling_type", int, file)
+    if pooling is not None:  # an embedding model's (llama.cpp's LLAMA_POOLING_TYPE_*), read by infer.embedding
+        if pooling not in POOLING_TYPES:
+            raise ConfigError(f"{path}: {name}.pooling_type {pooling} is not one of llama.cpp's "
+                              f"{', '.join(f'{k} ({v})' for k, v in POOLING_TYPES.items())}")
+        config["pooling_type"] = POOLING_TYPES[pooling]
     if arch.finish is not None:
         arch.finish(config, file, arch)
     rope = config.get("rope_parameters")
@@ -862,8 +872,3 @@ def block_kind(name: str) -> str | None:
     """The kind of a block tensor (``attn_qkv`` of ``blk.3.attn_qkv.weight``), or None."""
     m = _BLOCK.fullmatch(name)
     return None if m is None else m[2]
-
-
-# The Mamba-2 families (mamba2, granitehybrid, falcon-h1): rows with their own config builders,
-# which gguf_ssm adds to ARCHITECTURES when it is imported (it imports this module's names).
-from . import gguf_ssm  # noqa: E402,F401

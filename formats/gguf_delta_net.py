@@ -36,7 +36,8 @@ import numpy as np
 from infer.errors import ConfigError
 from infer.ops import QuantizedTensor
 
-from .gguf_arch import ArchitectureMap
+# ``arch`` arguments below are gguf_arch.ArchitectureMap rows, not imported here: gguf_arch
+# imports this module (for its rows' entry fixes), and the layering forbids the cycle.
 
 
 def _dims(config: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -88,7 +89,7 @@ def _a_log(a: np.ndarray) -> np.ndarray:
     return np.log(-a.astype(np.float64)).astype(np.float32)
 
 
-def fix_entries(entries: dict[str, Any], file: Any, arch: ArchitectureMap, config: dict[str, Any]) -> None:
+def fix_entries(entries: dict[str, Any], file: Any, arch: Any, config: dict[str, Any]) -> None:
     """Undo llama.cpp's layout changes (module docstring) on the reader's entries, in place."""
     nk, nv, hk, hv = _dims(config)
     conv = 2 * nk * hk + nv * hv
@@ -138,7 +139,7 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_
 _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
-def check_config(arch: ArchitectureMap, config: dict[str, Any]) -> list[str]:
+def check_config(arch: Any, config: dict[str, Any]) -> list[str]:
     """The config's layer kinds, refusing what llama.cpp's files cannot say: for Qwen3-Next, a
     dense MLP in any layer."""
     n = config["num_hidden_layers"]
@@ -166,7 +167,7 @@ def full_attention_interval(types: list[str]) -> int | None:
     return None
 
 
-def plan(package: Any, arch: ArchitectureMap, config: dict[str, Any], name_of: Callable[[str], str]) -> list[Written]:
+def plan(package: Any, arch: Any, config: dict[str, Any], name_of: Callable[[str], str]) -> list[Written]:
     """The tensors llama.cpp's converter changes (module docstring), as :class:`Written` rows;
     ``name_of`` gives a source tensor's text-model name (``model.layers...``). The rest are
     written as usual (names from the architecture row, norms plus one)."""

@@ -312,28 +312,40 @@ def _refuse(config: dict[str, Any], arch: str, checks: dict[str, tuple[Any, Any]
 
 
 def _limit(config: dict[str, Any]) -> list[float]:
-    from infer.architectures.mamba2 import time_step_limit
+    """``time_step_limit`` as two floats (transformers 5 writes infinity as ``{"__float__": "Infinity"}``)."""
+
+    def number(v: Any) -> float:
+        if isinstance(v, dict) and set(v) == {"__float__"}:
+            v = v["__float__"]
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config.json: time_step_limit {value!r} is not a pair of numbers") from None
 
     value = config.get("time_step_limit")
-    return [0.0, float("inf")] if value is None else time_step_limit(value)
+    if value is None:
+        return [0.0, float("inf")]
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"config.json: time_step_limit {value!r} is not [min, max]")
+    return [number(value[0]), number(value[1])]
 
 
-def _mixer_config(config: dict[str, Any], model_type: str) -> dict[str, int]:
-    """The mixer's sizes of a Hugging Face config, through infer's own config reader."""
-    from infer.architectures import falcon_h1, granitemoehybrid, mamba2
-    from infer.config import from_dict, rope_parameters
-
+def _mixer_config(config: dict[str, Any], model_type: str,
+                  read_config: Callable[[dict[str, Any]], Any] | None) -> dict[str, Any]:
+    """The mixer's sizes of a Hugging Face config, through the architecture's own config
+    reader (``ModelPackage.read_config``, which :func:`infer.convert` attaches from the
+    architecture's registration: transformers' defaults, nulls and ``"auto"`` resolved
+    as the architecture resolves them when it loads the model)."""
+    if read_config is None:
+        raise ConfigError(f"writing {model_type} as GGUF needs its architecture's config reader "
+                          "(ModelPackage.read_config; infer.convert attaches it)")
+    c = read_config(config)
     if model_type == "mamba2":
-        c = from_dict(mamba2.Mamba2Config, config)
         return {"hidden": c.hidden_size, "inner": c.num_heads * c.head_dim, "heads": c.num_heads,
-                "groups": c.n_groups, "state": c.state_size, "conv": c.conv_kernel}
-    if model_type == "falcon_h1":
-        c: Any = falcon_h1.read_config(config)
-    else:
-        c = from_dict(granitemoehybrid.GraniteMoeHybridConfig, {**config, "rope": rope_parameters(config)})
+                "groups": c.n_groups, "state": c.state_size, "conv": c.conv_kernel, "config": c}
     inner = c.mamba_n_heads * c.mamba_d_head
     return {"hidden": c.hidden_size, "inner": inner, "heads": c.mamba_n_heads, "groups": c.mamba_n_groups,
-            "state": c.mamba_d_state, "conv": c.mamba_d_conv, "config": c}  # type: ignore[dict-item]
+            "state": c.mamba_d_state, "conv": c.mamba_d_conv, "config": c}
 
 
 def _ssm_metadata(p: str, m: dict[str, int], eps: float) -> dict[str, Any]:
@@ -342,14 +354,16 @@ def _ssm_metadata(p: str, m: dict[str, int], eps: float) -> dict[str, Any]:
             f"{p}.attention.layer_norm_rms_epsilon": float(eps)}
 
 
-def metadata(arch: ArchitectureMap, config: dict[str, Any]) -> dict[str, Any]:
-    """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``.
+def metadata(arch: ArchitectureMap, config: dict[str, Any],
+             read_config: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for ``config`` (read through
+    ``read_config``, the architecture's reader).
 
     Raises:
         ConfigError: a field llama.cpp's graph for the architecture does not compute.
     """
     p, n = arch.gguf_name, config["num_hidden_layers"]
-    m = _mixer_config(config, arch.model_type)
+    m = _mixer_config(config, arch.model_type, read_config)
     if arch.model_type == "mamba2":
         _refuse(config, p, {"use_bias": (bool(config.get("use_bias", False)), False),
                             "time_step_limit": (_limit(config), [0.0, float("inf")]),
@@ -358,9 +372,7 @@ def metadata(arch: ArchitectureMap, config: dict[str, Any]) -> dict[str, Any]:
                 f"{p}.attention.head_count": 0, f"{p}.block_count": n,
                 **_ssm_metadata(p, m, config.get("layer_norm_epsilon", 1e-5))}
     c: Any = m["config"]
-    from infer.config import rope_parameters
-
-    rope = rope_parameters(config)
+    rope = c.rope  # the architectures' config readers keep the rope settings in ``rope``
     theta = rope.get("rope_theta", 10000.0)
     roped = arch.model_type == "falcon_h1" or getattr(c, "position_embedding_type", None) == "rope"
     if roped and rope.get("rope_type", "default") != "default":
@@ -422,7 +434,7 @@ def tensors(arch: ArchitectureMap, package: ModelPackage) -> list[Written]:
         FormatError: a tensor with no llama.cpp name in the architecture.
     """
     config, src = package.config, package.tensors
-    m = _mixer_config(config, arch.model_type)
+    m = _mixer_config(config, arch.model_type, package.read_config)
     c: Any = m.get("config")
     get = src.get
     out: list[Written] = []

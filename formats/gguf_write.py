@@ -32,7 +32,7 @@ from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
 from . import gguf_ssm
-from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, ArchitectureMap, _llama3_divisors
+from .gguf_arch import ARCHITECTURES, GLOBAL_TENSORS, POOLING_TYPES, ArchitectureMap, _llama3_divisors
 from .gguf_quantize import quantize_rows
 from .gguf_quants import TYPES_BY_NAME
 from .gguf_write_tokenizer import tokenizer_metadata
@@ -208,6 +208,9 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
             continue
         md[f"{arch.gguf_name}.{h.key}"] = h.kind(value)
     md[f"{arch.gguf_name}.attention.value_length"] = c["head_dim"]
+    pooling = {name: code for code, name in POOLING_TYPES.items()}.get(c.get("pooling_type"))
+    if pooling is not None:  # an embedding model's pooling, as llama.cpp reads it
+        md[f"{arch.gguf_name}.pooling_type"] = pooling
     md[f"{arch.gguf_name}.rope.dimension_count"] = int(c["head_dim"] * rope.get("partial_rotary_factor", 1.0))
     freqs = None
     kind = rope.get("rope_type", "default")
@@ -574,7 +577,7 @@ def write_gguf(package: ModelPackage, path: Path, *, type: str = "f16", progress
     arch = architecture_for(package.model_type)
     config = text_config(package.config)
     ssm = arch.build is not None  # the Mamba-2 families (gguf_ssm)
-    md, freqs = (gguf_ssm.metadata(arch, config), None) if ssm else hyperparameters(arch, config)
+    md, freqs = (gguf_ssm.metadata(arch, config, package.read_config), None) if ssm else hyperparameters(arch, config)
     vocab = int(config.get("vocab_size") or package.tensors.shape("model.embed_tokens.weight")[0])
     md.update(tokenizer_metadata(package, vocab, arch.gguf_name))
     plan = _ssm_plan(package, arch, out) if ssm else _plan(package, arch, out, freqs, config)

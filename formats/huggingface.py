@@ -427,6 +427,8 @@ def open_folder(path: Path) -> ModelPackage:
     try:
         config, tensors = normalize_mtp_names(config, tensors, config_path)
         tensors = mxfp4_tensors(config, tensors, config_path)
+        tensors = normalize_bare_names(tensors)
+        modules = sentence_transformers_modules(folder)
         tokenizer = None
         if (folder / "tokenizer.json").is_file():
             from infer.tokenizer import Tokenizer  # lazily: listing formats stays cheap
@@ -440,7 +442,7 @@ def open_folder(path: Path) -> ModelPackage:
         tensors.close()
         raise
     return ModelPackage(model_type=model_type, config=config, tensors=tensors, tokenizer=tokenizer,
-                        generation=generation, path=folder, format="huggingface")
+                        generation=generation, path=folder, format="huggingface", module_tensors=modules)
 
 
 # -- multi-token prediction modules: one canonical naming ------------------------------
@@ -483,6 +485,58 @@ class RenamedSource(TensorSource):
 
     def close(self) -> None:
         self.base.close()
+
+
+def sentence_transformers_modules(folder: Path) -> dict[str, TensorSource]:
+    """The weights of a sentence-transformers folder's ``Dense`` modules (the
+    folders ``modules.json`` names with a ``Dense`` type), by folder name;
+    empty without ``modules.json``. Pickle-only weights are refused, as the
+    model's own."""
+    listing = folder / "modules.json"
+    if not listing.is_file():
+        return {}
+    try:
+        modules = json.loads(listing.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{listing}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(modules, list):
+        raise ConfigError(f"{listing}: must be a list of modules, found {type(modules).__name__}")
+    out: dict[str, TensorSource] = {}
+    for module in modules:
+        if not (isinstance(module, dict) and str(module.get("type", "")).rsplit(".", 1)[-1] == "Dense"):
+            continue
+        name = str(module.get("path", ""))
+        where = (folder / name).resolve()
+        if not name or Path(name).is_absolute() or ".." in Path(name).parts or not where.is_dir():
+            raise ConfigError(f"{listing}: Dense module path {name!r} is not a folder inside {folder}")
+        file = where / "model.safetensors"
+        if not file.is_file():
+            pickles = sorted(p.name for p in where.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+            if pickles:
+                raise UnsafeFormatError(
+                    f"{where} holds its Dense weights only as pickle ({', '.join(pickles)}); infer never loads "
+                    "pickle because unpickling can execute arbitrary code. Re-save the sentence-transformers "
+                    "model (safetensors is its default) in an environment you trust")
+            raise FormatError(f"{where} has no model.safetensors for its Dense module")
+        out[name] = SafetensorsSource([file])
+    return out
+
+
+def normalize_bare_names(tensors: TensorSource) -> TensorSource:
+    """A decoder saved as its bare model class (``Qwen3Model``,
+    ``Gemma3TextModel``, ``LlamaModel``: an embedding model's usual form)
+    in the names of its ``...ForCausalLM``: transformers saves the bare class
+    without the ``model.`` prefix (``embed_tokens.weight``, ``layers.0...``)
+    and without an output head. Its tensors are seen under ``model.``; the
+    head reads the input embedding (what an embedding model never uses, but a
+    decoder network is built with). Other folders pass unchanged."""
+    names = tensors.names()
+    if "embed_tokens.weight" not in names or "model.embed_tokens.weight" in names:
+        return tensors
+    renamed = {("" if n.startswith("model.") else "model.") + n: n for n in names}
+    renamed.setdefault("lm_head.weight", "embed_tokens.weight")
+    log.info("%d tensors without the model. prefix (a bare model class): read as model.*", len(names))
+    return RenamedSource(tensors, renamed)
 
 
 #: Qwen3-Next's MTP names (after ``mtp.``) -> the DeepSeek-V3 names of each module's layer.

@@ -21,7 +21,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from infer.errors import ConversionError, InferError, OutputExistsError
+from infer.errors import ConversionError, InferError, OutputExistsError, UnsupportedArchitectureError
 from infer.loading import resolve
 from infer.plugins import get_registry
 
@@ -76,6 +76,10 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
     source = registry.format_for(path)
     log.info("converting %s (%s) to %s (%s, %s)", path, source.name, out, target.name, type)
     package = source.open(path)
+    try:
+        package.read_config = registry.architecture_for(package.model_type).read_config
+    except UnsupportedArchitectureError:  # the writer names what it supports
+        pass
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         target.write(package, partial, type=type, progress=progress)

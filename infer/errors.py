@@ -199,3 +199,8 @@ class ConversionError(InferError, ValueError):
 
 class OutputExistsError(ConversionError, FileExistsError):
     """The output path of a conversion exists; pass ``force=True`` (``--force``) to replace it."""
+
+
+class EmbeddingError(InferError, ValueError):
+    """An embedding or reranking call is malformed: no texts, an empty text,
+    ``dimensions`` out of range, an unknown pooling mode or prompt name."""

@@ -286,7 +286,7 @@ def load(
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
     model = Model(package, network, ops)
-    if capture and ops.supports("compile"):
+    if capture and ops.supports("compile") and not getattr(network, "is_encoder", False):
         model.engine.capture_decode()
     return model
 

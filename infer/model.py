@@ -15,6 +15,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from infer.architecture import CausalLM
 from infer.chat import ChatPlan, ChatReply, ReplyParser
 from infer.completion import Completion, CompletionChunk, Stream, collect, stream_chunks
@@ -22,6 +24,14 @@ from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, generate
 from infer.engine.sampling import SamplingParams, TokenLogprob
+from infer.embedding import (
+    DEFAULT_EMBED_BATCH_TOKENS,
+    EmbeddingConfig,
+    default_pooling,
+    embed,
+    read_embedding_config,
+    rerank,
+)
 from infer.engine.scoring import DEFAULT_SCORE_BATCH_TOKENS, Score, score_sequences
 from infer.engine.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -76,6 +86,7 @@ class Model:
         #: Speculative decoding figures of every request this model ran, per
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
+        self._embedding_config: EmbeddingConfig | None = None
 
     def close(self) -> None:
         """Release what the model holds beyond memory: a tensor-parallel
@@ -523,6 +534,78 @@ class Model:
         scores = score_sequences(self.engine, ids, context=context, stride=stride, max_batch_tokens=max_batch_tokens,
                                  top_logprobs=top_logprobs, progress=progress)
         return scores if many else scores[0]
+
+    # -- embeddings and reranking ------------------------------------------------
+
+    @property
+    def embedding_config(self) -> EmbeddingConfig:
+        """How :meth:`embed` pools: the folder's sentence-transformers modules
+        (``modules.json``: pooling, dense layers, normalize, prompts), else the
+        family's default (mean for an encoder, the last token for a decoder)."""
+        if self._embedding_config is None:
+            self._embedding_config = read_embedding_config(self.package.path, default_pooling(self.network),
+                                                           self.package.config, self.package.module_tensors)
+        return self._embedding_config
+
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        pooling: str | Sequence[str] | None = None,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS,
+    ) -> np.ndarray:
+        """One float32 embedding row per text: ``[n, dim]`` (``[1, dim]`` for one text).
+
+        The texts run through the network whole, many per forward with no
+        padding (a text embeds alike alone and in any batch), and are pooled
+        as the model's sentence-transformers modules say (docs/embeddings.md).
+
+        Args:
+            texts: a text or a list of texts, or token ids (a list, or a list of lists).
+            normalize: scale each row to unit L2 norm (after ``dimensions``).
+            dimensions: keep the first ``dimensions`` values (Matryoshka models), then normalize.
+            pooling: override the pooling: ``"cls"``, ``"mean"``, ``"max"``,
+                ``"lasttoken"`` (or ``"last"``), ``"mean_sqrt_len_tokens"``, ``"weightedmean"``.
+            prompt: text to put before each text (e.g. ``"query: "``).
+            prompt_name: a prompt of the model's ``config_sentence_transformers.json``
+                (e.g. ``"query"``); default: its ``default_prompt_name``, if any.
+            max_batch_tokens: most tokens one forward feeds.
+
+        Raises:
+            EmbeddingError: no texts, an empty one, one past the context given as
+                token ids, a bad ``dimensions``, pooling or prompt name.
+        """
+        return embed(self, texts, normalize=normalize, dimensions=dimensions, pooling=pooling, prompt=prompt,
+                     prompt_name=prompt_name, max_batch_tokens=max_batch_tokens)[0]
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        max_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS,
+        return_tokens: bool = False,
+    ) -> list[float] | tuple[list[float], int]:
+        """A relevance score per document for ``query``, in the documents' order
+        (higher is more relevant).
+
+        A cross-encoder (``BertForSequenceClassification``) reads each
+        ``(query, document)`` pair as one text with token types 0 and 1, and
+        scores it as sentence-transformers' ``CrossEncoder.predict``: the
+        logit through the configured activation (sigmoid for one label); with
+        several labels the softmax probability of the last. A language model
+        scores as Qwen3-Reranker: ``P(yes)`` against ``no`` at the last position
+        of its judging prompt, with ``instruction`` (default: web search).
+
+        ``return_tokens`` also returns the tokens read (the server's ``usage``).
+        """
+        scores, tokens = rerank(self, query, documents, instruction=instruction, max_batch_tokens=max_batch_tokens)
+        return (scores, tokens) if return_tokens else scores
 
     @property
     def batch_engine(self) -> BatchEngine:

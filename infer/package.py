@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,3 +112,11 @@ class ModelPackage:
     path: Path | None = None
     #: Name of the format that produced this package.
     format: str = ""
+    #: Weights of modules beside the network, by folder: a sentence-transformers
+    #: folder's ``Dense`` layers (``{"2_Dense": <linear.weight, linear.bias>}``),
+    #: read by :mod:`infer.embedding`.
+    module_tensors: dict[str, TensorSource] = field(default_factory=dict)
+    #: The architecture's reading of :attr:`config` (its ``ArchitectureSpec.read_config``),
+    #: attached by :func:`infer.convert` for writers that need resolved sizes (the GGUF
+    #: writer of the Mamba-2 families); None where no one attached it.
+    read_config: Callable[[dict[str, Any]], Any] | None = None

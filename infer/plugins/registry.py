@@ -79,6 +79,11 @@ class ArchitectureSpec:
     build: Callable[..., Any]
     description: str = ""
     plugin: str = ""
+    #: ``read_config(config_dict) -> config object``: the architecture's own reading of a
+    #: ``config.json`` (defaults, nulls and ``"auto"`` sizes resolved as transformers
+    #: resolves them), for converters that need the resolved sizes without importing
+    #: architecture code (:attr:`infer.package.ModelPackage.read_config`). None: not offered.
+    read_config: Callable[[dict[str, Any]], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """``infer serve``: an HTTP server over the batch engine, speaking OpenAI's
-completions, chat completions and Responses APIs and Anthropic's Messages API.
+completions, chat completions, Responses and embeddings APIs, Anthropic's
+Messages API, and the llama.cpp/Jina/Cohere rerank API.
 
 :func:`create_app` returns the ASGI app (Starlette) for a loaded model, to
 run under any ASGI server or mount in an application of one's own;

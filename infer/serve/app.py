@@ -10,7 +10,8 @@ stop strings; then reasoning and tool calls:
 that goes away cancels its requests. The endpoints themselves are one module
 per API: :mod:`infer.serve.completions` (OpenAI's completions and chat
 completions), :mod:`infer.serve.responses` (the Responses API) and
-:mod:`infer.serve.anthropic` (the Messages API).
+:mod:`infer.serve.anthropic` (the Messages API) and :mod:`infer.serve.embeddings`
+(``/v1/embeddings``, ``/v1/rerank``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from infer.errors import InferError, RequestError, SamplingParameterError, Struc
 from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
-from infer.serve import anthropic, completions, responses
+from infer.serve import anthropic, completions, embeddings, responses
 from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
@@ -62,7 +63,8 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's completions, chat
-    completions and Responses APIs and Anthropic's Messages API (docs/serving.md).
+    completions, Responses and embeddings APIs, Anthropic's Messages API and
+    ``/v1/rerank`` (docs/serving.md, docs/embeddings.md).
 
     Args:
         model: the loaded model; its :attr:`~infer.Model.batch_engine`
@@ -112,6 +114,10 @@ def create_app(
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+        Route("/v1/rerank", server.rerank, methods=["POST"]),
+        Route("/rerank", server.rerank, methods=["POST"]),
+        Route("/v1/reranking", server.rerank, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -275,6 +281,9 @@ class Server:
                      skip_special_tokens: bool = True) -> list[Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
+        if getattr(self.model.network, "is_encoder", False):
+            raise RequestError(f"{self.name!r} is an embedding model (bidirectional, no next-token head): it "
+                               "answers /v1/embeddings and /v1/rerank, not generation", "model")
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
                 for prompt in prompts for j in range(n)]
         results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
@@ -390,6 +399,14 @@ class Server:
 
     async def responses(self, request: Request) -> Response:
         return await responses.responses(self, request)
+
+    # -- /v1/embeddings, /v1/rerank ------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        return await embeddings.embeddings(self, request)
+
+    async def rerank(self, request: Request) -> Response:
+        return await embeddings.rerank(self, request)
 
     # -- streaming -------------------------------------------------------------------------------
 

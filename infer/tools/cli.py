@@ -3,6 +3,7 @@
     infer run MODEL PROMPT [sampling flags] [--backend NAME]
     infer chat MODEL [--system TEXT] [sampling flags]
     infer perplexity MODEL FILE [--context N] [--stride S]
+    infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
     infer backends
     infer doctor
     infer diff MODEL --backends A,B [--prompt TEXT]
@@ -143,6 +144,28 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     mean = score.logprob / max(len(score.logprobs), 1)
     print(f"perplexity {score.perplexity:.4f} over {len(score.logprobs)} tokens "
           f"(mean log-probability {mean:.4f} nats)")
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One JSON array per line of FILE (``-``: stdin), in order: the line's embedding."""
+    import json
+
+    try:
+        if args.file == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(args.file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InferError(f"cannot read the text file {args.file!r}: {exc}") from exc
+    if not lines:
+        raise InferError(f"{args.file!r} has no lines to embed")
+    model = _load(args)
+    vectors = model.embed(lines, normalize=args.normalize, dimensions=args.dimensions, pooling=args.pooling,
+                          prompt_name=args.prompt_name)
+    for row in vectors:
+        sys.stdout.write(json.dumps([round(float(x), 7) for x in row]) + "\n")
     return 0
 
 
@@ -327,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
+    emb = sub.add_parser("embed", help="embed each line of a text file: one JSON vector per line")
+    emb.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
+    emb.add_argument("file", help="UTF-8 text file, one text per line (- for stdin)")
+    emb.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka models)")
+    emb.add_argument("--pooling", default=None, help="cls, mean, max, lasttoken, ... (default: the model's)")
+    emb.add_argument("--prompt-name", default=None, help="a prompt of the model's config_sentence_transformers.json")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                     help="unit-length vectors (default; --no-normalize keeps the model's own)")
+    emb.add_argument("--backend", default=None, help="backend name, e.g. numpy or torch:cuda")
+    emb.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    emb.add_argument("--quantize", default=None, help="q8 or q4: quantize float weights on load; off: dequantize")
+    emb.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=argparse.SUPPRESS)
+    emb.set_defaults(func=cmd_embed)
     backends = sub.add_parser("backends", help="list backends, whether each is usable here, and why not")
     backends.set_defaults(func=cmd_backends)
     doctor = sub.add_parser("doctor", help="versions, backends, and which backend infer.load would pick and why")
