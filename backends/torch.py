@@ -60,7 +60,7 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-from . import torch_recurrent
+from . import kernels, torch_recurrent
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ def _import_torch() -> None:
 #
 # torch has no CPU kernel for GGUF's blocks that is both exact and fast: its
 # float32 int4pack path is a generic loop slower than float32 BLAS, and
-# dequantized float32 weights read several times the bytes per token. The numpy
-# backend's C kernels (backends/_affine.c) compute on the blocks' affine form
+# dequantized float32 weights read several times the bytes per token. The
+# package's C kernels (backends/kernels.py), the numpy backend's, compute on the blocks' affine form
 # exactly in float32, with run-time AVX2/AVX-512 paths; torch/cpu runs them on
 # its tensors' memory (no copy: a CPU tensor and its .numpy() share it).
 # Measured: docs/backends.md, "Quantized weights and speed".
@@ -165,10 +165,8 @@ def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
     """A GGUF matrix kept for the C kernels: as the file stores it where they
     read its blocks (the numpy backend's STORED_TYPES), else in its affine
     form; None where it has neither."""
-    from infer.backends import numpy as numpy_backend
-
-    if numpy_backend.block_form(tensor) is not None:
-        raw = numpy_backend.kernel_args(tensor)[1]
+    if kernels.block_form(tensor) is not None:
+        raw = kernels.kernel_args(tensor)[1]
         with warnings.catch_warnings():  # the map is read-only, and nothing writes to the view
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(raw)
@@ -196,9 +194,7 @@ def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturi
         if isinstance(affine, AffineTensor):
             factor = 0.0 if affine.bias_factor is None else affine.bias_factor
             return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
-        from infer.backends import numpy as numpy_backend  # blocks as stored: their form as the bits
-
-        bits, group = (numpy_backend.kernel_args(affine)[i] for i in (0, 6))
+        bits, group = (kernels.kernel_args(affine)[i] for i in (0, 6))  # blocks as stored: their form as the bits
         return torch.ops.infer.affine_linear(x, *views, bits, group, 0.0)
     return _affine_product(x, affine)
 
@@ -207,15 +203,13 @@ def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
     """The numpy backend's product on the tensors' memory: its C kernel for
     few rows, else its dequantized slabs through torch's GEMM (an affine
     weight, or GGML blocks as stored)."""
-    from infer.backends import numpy as numpy_backend
-
     n, k = affine.shape
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    if x.shape[0] <= numpy_backend.NumpyBackend.KERNEL_ROWS:
-        numpy_backend.affine_gemv(x.numpy(), affine, out.numpy())
+    if x.shape[0] <= kernels.KERNEL_ROWS:
+        kernels.affine_gemv(x.numpy(), affine, out.numpy())
         return out
-    buffer = torch.empty(numpy_backend.slab_rows(affine) * k, dtype=torch.float32)
-    for r0, r1, slab in numpy_backend.affine_slabs(affine, buffer.numpy()):
+    buffer = torch.empty(kernels.slab_rows(affine) * k, dtype=torch.float32)
+    for r0, r1, slab in kernels.affine_slabs(affine, buffer.numpy()):
         out[:, r0:r1] = x @ torch.from_numpy(slab).T
     return out
 
@@ -296,8 +290,6 @@ class _CpuTensors:
 
     def weight(self, w: PackedWeight) -> Any:
         """A GGUF weight kept for the C kernels (``_cpu_affine``) as the numpy backend holds it."""
-        from infer.backends import numpy as numpy_backend
-
         hit = self._weights.get(id(w))
         if hit is not None and hit[0] is w:
             return hit[1]
@@ -305,7 +297,7 @@ class _CpuTensors:
         if not (isinstance(data, tuple) and len(data) == 3 and data[0] == "affine"):
             return w  # int4pack and the like: the recorder refuses it by name
         affine = data[1]
-        host = numpy_backend.with_kernel_args(PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine))
+        host = kernels.with_kernel_args(PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine))
         self._weights[id(w)] = (w, host)  # w kept alive: its id stays its own
         return host
 
@@ -325,9 +317,7 @@ def _register_affine_op() -> None:
                       bits: int, group: int, bias_factor: float) -> torch.Tensor:
         n = codes.shape[0]
         k = x.shape[1]
-        from infer.backends import numpy as numpy_backend
-
-        named = {form: name for name, form in numpy_backend.BLOCK_FORMS.items()}
+        named = {form: name for name, form in kernels.BLOCK_FORMS.items()}
         if bits in named:  # GGML blocks as stored: codes are the blocks, no scales or biases
             return _affine_product(x, _OpBlocks(named[bits], (n, k), codes.numpy()))
         held = biases.numpy() if biases.numel() else None  # empty: bias_factor * scales
@@ -362,16 +352,14 @@ class TorchBackend(Backend):
                 torch.zeros(1, dtype=torch.bfloat16, device=self._device)
             except (RuntimeError, TypeError) as exc:
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
-        #: numpy's C kernels (backends/_affine.c) for float32 CPU tensors: norms,
+        #: The C kernels (:mod:`infer.backends.kernels`) for float32 CPU tensors: norms,
         #: rope, decoding's attention and GGUF products, run on the tensors'
         #: memory; None off the CPU or where they are not built.
         self._kernels: Any = None
         if device == "cpu":
             self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
             _register_affine_op()
-            from infer.backends import numpy as numpy_backend
-
-            self._kernels = numpy_backend._affine
+            self._kernels = kernels.native
             if self._kernels is not None:
                 self.native_ops = self.native_ops | {"fused_add_rms_norm"}
         elif device == "cuda" and self.compute_dtype == "bfloat16" and _cuda_int4_layout() is not None:
@@ -660,8 +648,8 @@ class TorchBackend(Backend):
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
         if x.numel() and (self._host(x) if weight is None else self._host(x, weight) and weight.shape == x.shape[-1:]):
             out = torch.empty_like(x)
-            self._kernels.rms_norm(x.numpy(), None if weight is None else weight.numpy(), out.numpy(),
-                                   x.numel() // x.shape[-1], x.shape[-1], eps)
+            kernels.rms_norm(x.numpy(), None if weight is None else weight.numpy(), out.numpy(),
+                             x.numel() // x.shape[-1], x.shape[-1], eps)
             return out
         x32 = x.float()
         y = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -672,8 +660,8 @@ class TorchBackend(Backend):
         if (x.numel() and weight is not None and residual.shape == x.shape and self._host(x, residual, weight)
                 and weight.shape == x.shape[-1:]):
             h, out = torch.empty_like(x), torch.empty_like(x)
-            self._kernels.rms_norm(x.numpy(), weight.numpy(), out.numpy(), x.numel() // x.shape[-1], x.shape[-1],
-                                   eps, residual.numpy(), h.numpy())
+            kernels.rms_norm(x.numpy(), weight.numpy(), out.numpy(), x.numel() // x.shape[-1], x.shape[-1],
+                             eps, residual.numpy(), h.numpy())
             return out, h
         h = self.add(x, residual)
         return self.rms_norm(h, weight, eps), h
@@ -692,7 +680,7 @@ class TorchBackend(Backend):
         if (not interleaved and x.dim() == 3 and x.numel() and cos.shape == sin.shape == (x.shape[0], half)
                 and 2 * half <= x.shape[-1] and self._host(x, cos, sin)):
             out = torch.empty_like(x)
-            self._kernels.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), *x.shape, half)
+            kernels.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), *x.shape, half)
             return out  # the same formula, bit for bit
         rot = 2 * half
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -923,9 +911,7 @@ class TorchBackend(Backend):
         """numpy's programs (the CPU's default capture) take its kernel rows at a
         time; torch.compile's graphs take any batch."""
         if self._records_programs() and not self.graph_capture:
-            from infer.backends import numpy as numpy_backend
-
-            return numpy_backend.NumpyBackend.KERNEL_ROWS
+            return kernels.KERNEL_ROWS
         return None
 
     def _records_programs(self) -> bool:
@@ -958,7 +944,7 @@ class TorchBackend(Backend):
             from infer.backends import numpy as numpy_backend
             from infer.backends.numpy_plan import PlannedStep
 
-            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=numpy_backend.GOVERNOR,
+            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=kernels.GOVERNOR,
                                target=self, arrays=_CpuTensors())
         _import_inductor_helpers()
         _separate_inductor_cache()
@@ -1035,9 +1021,9 @@ class TorchBackend(Backend):
                 hq, dk, hkv, dv = qb.shape[1], qb.shape[2], k_pool.shape[1], v_pool.shape[2]
                 table = np.ascontiguousarray(np.asarray(host.block_tables[b])[:-(-hi // host.block_size)], np.int64)
                 out = torch.empty((n, hq, dv), dtype=torch.float32)
-                self._kernels.attention(qb.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), out.numpy(), n, hi,
-                                        hq, hkv, dk, dv, scale, causal, window or 0, softcap or 0.0, table,
-                                        host.block_size, True, None if sinks is None else sinks.float().numpy())
+                kernels.attention(qb.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), out.numpy(), n, hi,
+                                  hq, hkv, dk, dv, scale, causal, window or 0, softcap or 0.0, table,
+                                  host.block_size, True, None if sinks is None else sinks.float().numpy())
                 outputs.append(out)
                 continue
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
