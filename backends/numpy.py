@@ -304,7 +304,8 @@ class NumpyBackend(Backend):
             gemv = weight.kernel
             if gemv is not None and bias is None and type(x) is np.ndarray and x.dtype == np.float32:
                 # Decoding's products, with what the kernel takes worked out once
-                # per weight (with_kernel_args): a product costs ~1 us of Python, not ~3.
+                # per weight (with_kernel_args), which cuts the Python around each product
+                # (docs/performance.md, "Figures behind the code").
                 bits, codes, scales, biases, k, n = gemv[:6]
                 m = x.size // k
                 if 0 < m <= self.KERNEL_ROWS and x.shape[-1] == k:

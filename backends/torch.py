@@ -694,10 +694,10 @@ class TorchBackend(Backend):
         ``infer.load(..., compile=True)`` asked for torch.compile: recorded
         as one program of numpy's C kernels on the tensors' memory
         (:mod:`infer.backends.numpy_plan`), the kernels this backend's eager
-        CPU ops call. Measured on SmolLM2 (GGUF, 2 cores, median of 5
-        alternating runs): 97 tokens/s, where ``compile=True`` decoded 38
-        (torch.compile stops at a data-dependent branch of the step and keeps
-        only the layers' compiled pieces) and the eager step 70.
+        CPU ops call: faster than ``compile=True`` and the eager step
+        (docs/performance.md, "Figures behind the code"; torch.compile stops
+        at a data-dependent branch of the step and keeps only the layers'
+        compiled pieces).
 
         Otherwise ``torch.compile`` (Inductor): the ops of ``fn`` traced into one
         graph with fused kernels, recompiled once with dynamic shapes when a
@@ -962,7 +962,8 @@ def _like(a: Array, b: Any) -> Any:
 
 def _no_device_without_import(device: str) -> str | None:
     """Why torch cannot have ``device`` here, found without importing torch
-    (about 2 s and 200 MB), or None when only torch can tell: a CPU-only
+    (seconds and hundreds of MB: docs/performance.md, "Figures behind the
+    code"), or None when only torch can tell: a CPU-only
     wheel says so in its version (``2.13.0+cpu``), CUDA and ROCm need a
     driver (:func:`~infer.plugins.registry.gpu_driver_absent`), MPS macOS."""
     import sys
