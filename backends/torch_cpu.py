@@ -76,7 +76,7 @@ def separate_inductor_cache() -> None:
 
 def kept_for_kernels(tensor: QuantizedTensor) -> PackedWeight | None:
     """A GGUF matrix kept for the C kernels: as the file stores it where they
-    read its blocks (the numpy backend's STORED_TYPES), else in its affine
+    read its blocks (:data:`~infer.backends.kernels.STORED_TYPES`), else in its affine
     form; None where it has neither."""
     if kernels.block_form(tensor) is not None:
         raw = kernels.kernel_args(tensor)[1]
@@ -113,8 +113,8 @@ def affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturin
 
 
 def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
-    """The numpy backend's product on the tensors' memory: its C kernel for
-    few rows, else its dequantized slabs through torch's GEMM (an affine
+    """The kernels' product on the tensors' memory: the C kernel for few
+    rows, else dequantized slabs through torch's GEMM (an affine
     weight, or GGML blocks as stored)."""
     n, k = affine.shape
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -129,7 +129,7 @@ def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
 
 class _OpBlocks(QuantizedTensor):
     """GGML blocks handed to ``infer::affine_linear`` as a uint8 tensor, for the
-    numpy kernels (which need only :meth:`ggml_blocks` and the shape)."""
+    C kernels (which need only :meth:`ggml_blocks` and the shape)."""
 
     def __init__(self, qtype: str, shape: tuple[int, int], raw: np.ndarray) -> None:
         self.qtype, self.shape, self.raw = qtype, shape, raw
@@ -226,8 +226,8 @@ def register_affine_op() -> None:
         return
 
     @torch.library.custom_op("infer::affine_linear", mutates_args=())
-    def affine_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
-                      bits: int, group: int, bias_factor: float) -> torch.Tensor:
+    def op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+           bits: int, group: int, bias_factor: float) -> torch.Tensor:
         n = codes.shape[0]
         k = x.shape[1]
         named = {form: name for name, form in kernels.BLOCK_FORMS.items()}
@@ -238,7 +238,7 @@ def register_affine_op() -> None:
                               None if held is not None else bias_factor)
         return _affine_product(x, affine)
 
-    @affine_linear.register_fake
+    @op.register_fake
     def _(x, codes, scales, biases, bits, group, bias_factor):  # type: ignore[no-untyped-def]
         return x.new_empty((x.shape[0], codes.shape[0]))
 
