@@ -6,7 +6,7 @@ widened, see :meth:`infer.package.TensorSource.get`). It is also the default
 when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
-(``infer.backends._affine``, built at install where a C compiler exists),
+(:mod:`infer.backends.kernels`, built at install where a C compiler exists),
 GGUF's K types (Q4_K, Q5_K, Q6_K) are computed on as the file stores them, a
 view of the memory-mapped file (:data:`STORED_TYPES`), and the other GGUF
 matrices whose type has an exact affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in
@@ -43,15 +43,13 @@ on by the kernels where they exist.
 from __future__ import annotations
 
 import math
-import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from infer.backends.numpy_mxfp4 import mxfp4_linear
-from infer.errors import ConfigError, UnsupportedOpError
+from infer.errors import UnsupportedOpError
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
@@ -68,115 +66,28 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-#: Which C kernel path the numpy backend uses: ``auto`` (the best the CPU
-#: has), ``avx2`` (AVX2+FMA, as on a CPU without AVX-512), ``portable`` (the
-#: plain C loops, as on a CPU without AVX2) or ``off`` (no C kernels: pure
-#: numpy, GGUF weights dequantized to float32). Read once at import; it lets a
-#: user, and the test suite, run every path on one machine.
-KERNELS_ENV = "INFER_NUMPY_KERNELS"
-_KERNEL_CHOICES = {"auto": None, "avx512": "avx512", "avx2": "avx2+fma", "portable": "portable", "off": None}
+from . import kernels
+# The kernels' names the numpy backend has always offered, from their module
+# (backends/kernels.py), which torch/cpu imports too.
+from .kernels import (  # noqa: F401 - re-exported
+    BLOCK_COLS,
+    BLOCK_FORMS,
+    GOVERNOR,
+    KERNELS,
+    KERNELS_ENV,
+    STORED_TYPES,
+    ThreadGovernor,
+    affine_gemv,
+    affine_slabs,
+    block_form,
+    kernel_args,
+    slab_rows,
+    with_kernel_args,
+)
 
-
-def _kernel_choice() -> str:
-    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if choice not in _KERNEL_CHOICES:
-        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(_KERNEL_CHOICES)}")
-    return choice
-
-
-def _load_kernels(choice: str) -> object | None:
-    if choice == "off":
-        return None
-    try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
-        from infer.backends import _affine as kernels
-    except ImportError:  # pragma: no cover - exercised where the extension is not built
-        return None
-    path = _KERNEL_CHOICES[choice]
-    if path is not None:
-        if path not in kernels.paths():
-            raise ConfigError(f"{KERNELS_ENV}={choice}: this CPU runs only {', '.join(kernels.paths())}")
-        kernels.use_simd(path)
-    return kernels
-
-
-#: The path chosen at import (``auto`` unless the variable says otherwise).
-KERNELS = _kernel_choice()
-_affine = _load_kernels(KERNELS)
-#: GGML block types the kernels read as a GGUF file stores them, and the form
-#: (the kernels' ``bits`` argument) naming each.
-BLOCK_FORMS: dict[str, int] = _affine.block_forms() if hasattr(_affine, "block_forms") else {}
-#: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
-BLOCK_COLS = 32768
-#: The GGML types the numpy backend keeps as the file stores them: the K types,
-#: whose converted form reads more bytes per token (a float32 scale and bias
-#: per group; Q5_K's and Q6_K's codes a byte each) and whose decoding products
-#: measured at least as fast on the blocks. Q4_0, Q4_1 and Q8_0 convert to
-#: the file's bytes (codes copied), and decode faster converted; Q5_0 and
-#: Q5_1 read a third fewer bytes as stored, but decoded no faster on the
-#: blocks, whose fifth bits cost more instructions than the bytes saved
-#: (docs/performance.md). The kernels read all eight (BLOCK_FORMS).
-STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
-
-
-class ThreadGovernor:
-    """Runs the kernels on fewer threads while other work keeps the cores busy.
-
-    OpenMP's workers spin between the few hundred short products of a decode
-    step; when another process holds a core, a descheduled worker stalls
-    every product behind it (measured: docs/performance.md, "A busy
-    machine"). So every ``interval``
-    seconds this reads how much CPU the machine spent busy (``/proc/stat``)
-    beyond this process's own (``os.times``), in cores, and allows the
-    kernels the cores that are left (at least one). Where ``/proc/stat`` is
-    missing, or ``OMP_NUM_THREADS`` sets the threads, it does nothing.
-    """
-
-    def __init__(self, kernels: object, interval: float = 0.5, stat: str = "/proc/stat") -> None:
-        self.kernels, self.interval, self.stat = kernels, interval, stat
-        self.most = kernels.threads()  # type: ignore[attr-defined]
-        self.threads = self.most
-        self.enabled = self.most > 1 and "OMP_NUM_THREADS" not in os.environ and os.path.exists(stat)
-        self._last: tuple[float, float, float] | None = None
-        self._next = 0.0
-
-    def _sample(self) -> tuple[float, float, float] | None:
-        """(wall seconds, machine busy CPU seconds, this process's CPU seconds)."""
-        try:
-            with open(self.stat, encoding="ascii") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        if len(fields) < 4:
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        mine = os.times()
-        return time.monotonic(), (sum(fields[:8]) - idle) / hz, mine.user + mine.system
-
-    def check(self) -> int:
-        """The threads the next products may use (re-decided at most every ``interval``)."""
-        if not self.enabled:
-            return self.threads
-        now = time.monotonic()
-        if now < self._next:
-            return self.threads
-        self._next = now + self.interval
-        sample = self._sample()
-        if sample is None:
-            return self.threads
-        if self._last is not None and sample[0] > self._last[0]:
-            wall = sample[0] - self._last[0]
-            others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall  # in cores
-            threads = max(1, min(self.most, (os.cpu_count() or self.most) - int(others + 0.5)))
-            if threads != self.threads:
-                self.kernels.set_threads(threads)  # type: ignore[attr-defined]
-                self.threads = threads
-        self._last = sample
-        return self.threads
-
-
-#: The kernels' thread governor (None without the kernels).
-GOVERNOR = ThreadGovernor(_affine) if _affine is not None and hasattr(_affine, "set_threads") else None
+#: The C kernels this backend computes on (None: pure numpy, GGUF weights
+#: dequantized to float32): :data:`infer.backends.kernels.native`.
+_affine = kernels.native
 
 _DTYPES = {
     "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,
@@ -214,13 +125,13 @@ class NumpyBackend(Backend):
     #: more rows (prefill) dequantize slabs of the weight for BLAS, which is
     #: faster once the weight's rows are reused that many times (where the two
     #: cross: docs/performance.md, "The numpy backend's constants").
-    KERNEL_ROWS = 16
+    KERNEL_ROWS = kernels.KERNEL_ROWS
     #: Fewest query rows per chunk of a causal attention with many rows (see :meth:`attention`).
     ATTENTION_CHUNK = 64
     #: Float32 bytes of weight rows dequantized at a time for BLAS: the
     #: smallest scratch buffer (it counts in the peak memory) with which
     #: prefill still runs at full speed (docs/performance.md).
-    SLAB_BYTES = 2 << 20
+    SLAB_BYTES = kernels.SLAB_BYTES
 
     def __init__(self, dtype: str | None = None) -> None:
         super().__init__(dtype)
@@ -312,7 +223,7 @@ class NumpyBackend(Backend):
         if m <= self.KERNEL_ROWS:
             affine_gemv(x2, w, out)
         else:
-            need = slab_rows(w) * k
+            need = slab_rows(w, self.SLAB_BYTES) * k
             if self._slab.size < need:
                 self._slab = np.empty(need, np.float32)
             for r0, r1, slab in affine_slabs(w, self._slab[:need]):
@@ -400,7 +311,8 @@ class NumpyBackend(Backend):
             gemv = weight.kernel
             if gemv is not None and bias is None and type(x) is np.ndarray and x.dtype == np.float32:
                 # Decoding's products, with what the kernel takes worked out once
-                # per weight (with_kernel_args): a product costs ~1 us of Python, not ~3.
+                # per weight (with_kernel_args), which cuts the Python around each product
+                # (docs/performance.md, "Figures behind the code").
                 bits, codes, scales, biases, k, n = gemv[:6]
                 m = x.size // k
                 if 0 < m <= self.KERNEL_ROWS and x.shape[-1] == k:
@@ -408,7 +320,7 @@ class NumpyBackend(Backend):
                         GOVERNOR.check()
                     self._after_blas = False
                     out = np.empty((m, n), np.float32)
-                    _affine.gemv(bits, np.ascontiguousarray(x), codes, scales, biases, out, m, *gemv[4:])
+                    kernels.gemv(bits, np.ascontiguousarray(x), codes, scales, biases, out, m, *gemv[4:])
                     return out if x.ndim == 2 else out.reshape(*x.shape[:-1], n)
             return self.quantized_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
@@ -424,7 +336,7 @@ class NumpyBackend(Backend):
             # and BLAS's GEMM path for 2-8 rows is slower than its matrix-vector one.
             x2 = np.ascontiguousarray(x.reshape(rows, -1), np.float32)
             y = np.empty((rows, weight.shape[0]), np.float32)
-            _affine.gemv_f32(x2, weight, y, rows, weight.shape[1], weight.shape[0])
+            kernels.gemv_f32(x2, weight, y, rows, weight.shape[1], weight.shape[0])
             y = y.reshape(*x.shape[:-1], weight.shape[0])
         elif x.ndim == 2 and x.shape[0] == 1:
             # One row (decoding): numpy sends [1, k] @ [k, n] (an F-ordered
@@ -519,7 +431,7 @@ class NumpyBackend(Backend):
         if _rowwise(x, weight):  # one C pass instead of five numpy ones (decode is per-op overhead)
             x = np.ascontiguousarray(x)
             out = np.empty_like(x)
-            _affine.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps)
+            kernels.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps)
             return out
         x32 = x.astype(np.float32, copy=False)
         scale = 1.0 / np.sqrt(np.mean(np.square(x32), axis=-1, keepdims=True) + np.float32(eps))
@@ -535,7 +447,7 @@ class NumpyBackend(Backend):
             if not residual.flags.c_contiguous:
                 residual = np.ascontiguousarray(residual)
             h, out = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
-            _affine.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps, residual, h)
+            kernels.rms_norm(x, weight, out, x.size // x.shape[-1], x.shape[-1], eps, residual, h)
             return out, h
         h = x + residual
         return self.rms_norm(h, weight, eps), h
@@ -544,7 +456,7 @@ class NumpyBackend(Backend):
         if _rowwise(x, weight) and _rowwise(x, bias) and hasattr(_affine, "layer_norm"):  # one C pass, not seven
             x = np.ascontiguousarray(x)
             out = np.empty_like(x)
-            _affine.layer_norm(x, weight, bias, out, x.size // x.shape[-1], x.shape[-1], eps)
+            kernels.layer_norm(x, weight, bias, out, x.size // x.shape[-1], x.shape[-1], eps)
             return out
         x32 = x.astype(np.float32, copy=False)
         mu = np.mean(x32, axis=-1, keepdims=True)
@@ -562,7 +474,7 @@ class NumpyBackend(Backend):
                 and cos.shape == sin.shape == (x.shape[0], cos.shape[-1])):
             x = np.ascontiguousarray(x)
             out = np.empty_like(x)
-            _affine.rope(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out, *x.shape, cos.shape[-1])
+            kernels.rope(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out, *x.shape, cos.shape[-1])
             return out  # bit-identical to the numpy formula below
         half = cos.shape[-1]
         rot = 2 * half
@@ -694,7 +606,7 @@ class NumpyBackend(Backend):
                 and out.flags.c_contiguous and (softcap is None or softcap > 0) and (window is None or window > 0)):
             return False
         hkv, dv = k.shape[-2], v.shape[-1]
-        _affine.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
+        kernels.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
                           window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64), block,
                           not self._after_blas, sinks)
         return True
@@ -776,86 +688,6 @@ def records_programs(cls: type, base: type | None = None) -> bool:
 
 
 _OWN_OPS: dict[tuple[type, type], bool] = {}
-
-
-def block_form(tensor: Any) -> int | None:
-    """The kernels' form for a matrix they read in its stored GGML blocks
-    (:data:`BLOCK_FORMS`: Q4_K, Q5_K, Q6_K rows of whole super-blocks, at
-    most :data:`BLOCK_COLS` wide), or None: the kernels are not built, or the
-    tensor is not such blocks."""
-    if not BLOCK_FORMS or not isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 \
-            or tensor.qtype not in STORED_TYPES:
-        return None
-    form = BLOCK_FORMS.get(tensor.qtype)
-    k, values = tensor.shape[1], 256 if tensor.qtype.endswith("_K") else 32
-    if form is None or not (0 < k <= BLOCK_COLS and k % values == 0) or tensor.shape[0] < 1:
-        return None
-    blocks = tensor.ggml_blocks()
-    return form if blocks is not None and blocks[0] == tensor.qtype else None
-
-
-#: The scales argument of a block form (its scales are in its blocks).
-_IN_BLOCKS = np.empty(0, np.float32)
-
-
-def kernel_args(w: AffineTensor | QuantizedTensor) -> tuple[Any, ...]:
-    """The C kernels' arguments for ``w``: bits (5- and 6-bit codes are
-    stored one per byte, so 8), codes, scales, biases (None where they are
-    the bias factor times the scales), then k, n, group, whether the scales
-    are float16, and the bias factor (0.0 where biases are held). For GGML
-    blocks read as stored (:func:`block_form`): the form in place of bits,
-    the stored bytes ``[n, bytes_per_row]`` as codes, no scales or biases,
-    and the super-block's 256 as group."""
-    n, k = w.shape
-    if not isinstance(w, AffineTensor):
-        form, raw = block_form(w), w.ggml_blocks()
-        if form is None or raw is None:
-            raise ValueError(f"{w!r} is not a weight the C kernels compute on")
-        return (form, np.ascontiguousarray(raw[1]), _IN_BLOCKS, None, k, n, 256 if w.qtype.endswith("_K") else 32,
-                False, 0.0)
-    return (4 if w.bits == 4 else 8, w.packed, w.scales, w.stored_biases, k, n, w.group, w.scales.dtype == np.float16,
-            0.0 if w.bias_factor is None else w.bias_factor)
-
-
-def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray) -> None:
-    """``out = x2 @ W.T`` for up to :attr:`NumpyBackend.KERNEL_ROWS` rows of
-    float32 ``x2`` (contiguous), in the C kernel on the codes."""
-    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
-    if GOVERNOR is not None:
-        GOVERNOR.check()
-    _affine.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
-
-
-def slab_rows(w: AffineTensor | QuantizedTensor) -> int:
-    """Rows of ``w`` dequantized at a time for a many-row product (:attr:`NumpyBackend.SLAB_BYTES` of float32)."""
-    n, k = w.shape
-    return max(1, min(n, NumpyBackend.SLAB_BYTES // (4 * k)))
-
-
-def affine_slabs(w: AffineTensor | QuantizedTensor, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
-    """``(r0, r1, rows r0..r1 of W as float32)``, one slab after another, each
-    dequantized into ``buffer`` (float32, a multiple of k values: its size
-    decides the slab), for the caller's GEMM. On this thread: OpenMP workers
-    woken here would fight BLAS's spinning threads for the cores."""
-    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
-    rows = buffer.size // k
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        slab = buffer[: (r1 - r0) * k].reshape(r1 - r0, k)
-        _affine.dequantize(bits, codes[r0:r1], scales[r0:r1], None if biases is None else biases[r0:r1], slab, r1 - r0,
-                           k, False, group, half, factor)
-        yield r0, r1, slab
-
-
-def with_kernel_args(weight: PackedWeight) -> PackedWeight:
-    """``weight`` with :func:`kernel_args` kept on it (as
-    :attr:`~infer.ops.PackedWeight.kernel`) where the kernel computes it, for
-    :meth:`NumpyBackend.linear`'s decode path."""
-    w = weight.data
-    if (isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0
-            or block_form(w) is not None):
-        weight.kernel = kernel_args(w)
-    return weight
 
 
 def _rowwise(x: Array, weight: Array | None) -> bool:

@@ -19,14 +19,13 @@ from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AttentionBatch, Backend, Packe
 
 log = logging.getLogger(__name__)
 
-try:  # only for its opcode table: whether programs run is the numpy backend's choice (INFER_NUMPY_KERNELS)
-    from infer.backends import _affine
-except ImportError:  # no C compiler at install: no programs
-    _affine = None
+from infer.backends.kernels import BUILT
 
 #: The opcodes by name, from the C runner's own table (backends/_plan.c), so
-#: the two never disagree; without the extension there are no programs.
-OPCODES: dict[str, int] = _affine.opcodes() if _affine is not None and hasattr(_affine, "opcodes") else {}
+#: the two never disagree (tests/test_plan_table.py checks the kinds below
+#: too); without the extension there are no programs. The extension as built:
+#: whether programs run is the numpy backend's choice (INFER_NUMPY_KERNELS).
+OPCODES: dict[str, int] = BUILT.opcodes() if BUILT is not None and hasattr(BUILT, "opcodes") else {}
 GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LAYERNORM, SCATTER_ROWS, ATTENTION = (
     OPCODES.get(name, -1) for name in ("GEMV", "GEMV_F32", "RMS", "ROPE", "GATHER", "DEQUANT_ROWS", "COPY", "UNARY",
                                        "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))

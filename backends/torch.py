@@ -16,7 +16,7 @@ decoding is bound by the bytes of weights read per token.
 
 Quantized weights (docs/quantization.md): on the CPU, GGUF matrices with an
 affine form stay in it and are computed by the numpy backend's C kernels on
-the tensors' memory (exact; see ``_cpu_affine`` below), which also serve
+the tensors' memory (exact; :mod:`infer.backends.torch_cpu`), which also serve
 float32 norms, rope and decoding's attention. Without those kernels, GGUF
 Q4_0/Q4_1/Q4_K matrices can be kept as int4pack with float32 scales (exact),
 and float checkpoints quantized on load (``q4``: int4pack; ``q8``: int8 per
@@ -29,12 +29,19 @@ int8 one; on MPS nothing is kept quantized.
 Where the contract leaves precision open, this backend widens: norms,
 softmax, rope and the soft-capped attention path compute in float32 and
 round once at the end.
+
+This module holds what every device shares: :class:`TorchBackend`, torch's
+lazy import and the plugin hook. What one device does alone lives beside it:
+:mod:`infer.backends.torch_cpu` (the C kernels on CPU tensors, CPU int4pack,
+the tensors numpy's recorder borrows, Inductor's cache per CPU capability)
+and :mod:`infer.backends.torch_cuda` (SDPA's kernel choice, the probed int4
+and int8 kernels); the recurrent ops are in :mod:`infer.backends.torch_recurrent`
+and :mod:`infer.backends.torch_delta_rule`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
 import os
@@ -60,7 +67,13 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-from . import torch_recurrent
+from . import kernels, torch_cpu, torch_cuda, torch_recurrent
+
+# The CUDA kernel probes by the names TorchBackend's constructor calls them
+# (tests replace them here), and the nibble packing.
+from .torch_cuda import int4_layout as _cuda_int4_layout
+from .torch_cuda import int8_works as _cuda_int8_works
+from .torch_cuda import nibbles as _nibbles  # noqa: F401 - tests import it from here
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +83,6 @@ F: Any = None
 _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
-#: On CUDA, a context in which SDPA may pick every attention kernel but cuDNN's
-#: (see ``attention``); a null context where this torch cannot choose.
-_CUDA_SDPA: Callable[[], Any] = contextlib.nullcontext
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
               "quantized_linear", "clip", "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
@@ -100,32 +110,8 @@ def _import_inductor_helpers() -> None:
         importlib.import_module("torch.utils.mkldnn")
 
 
-def _separate_inductor_cache() -> None:
-    """Keep Inductor's on-disk kernel cache apart per forced CPU capability.
-
-    torch 2.13 keys the CPU kernels it caches on their generated source, which
-    does not change with ``ATEN_CPU_CAPABILITY``; so a kernel compiled under
-    one capability (say ``avx2``) is loaded under another and computes garbage
-    (NaN logits, values hundreds off, heap corruption: tests/README.md). Where
-    the capability is forced and no cache folder is chosen, each capability
-    gets its own folder beside Inductor's default. Inductor reads the variable
-    whenever it looks for its cache, so setting it before the first compile
-    suffices.
-    """
-    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if not forced or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-        return
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # another torch layout: leave Inductor's choice alone
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{forced}"
-    log.debug("ATEN_CPU_CAPABILITY=%s: Inductor caches its kernels in %s", forced,
-              os.environ["TORCHINDUCTOR_CACHE_DIR"])
-
-
 def _import_torch() -> None:
-    global torch, F, _HAS_ENABLE_GQA, _CUDA_SDPA
+    global torch, F, _HAS_ENABLE_GQA
     if torch is not None:
         return
     import torch as _torch
@@ -140,206 +126,9 @@ def _import_torch() -> None:
     # scaled_dot_product_attention grew grouped-query support in torch 2.5.
     major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in _torch.__version__.split(".")[:2])
     _HAS_ENABLE_GQA = (major, minor) >= (2, 5)
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # torch < 2.3: no way to choose, and no cuDNN attention either
-        pass
-    else:
-        kept = [b for b in SDPBackend.__members__.values() if b.name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")]
-        _CUDA_SDPA = functools.partial(sdpa_kernel, kept)
+    torch_cpu.bind(_torch)
+    torch_cuda.bind(_torch)
     torch, F = _torch, _F
-
-
-# -- GGUF weights on the CPU: numpy's C kernels through torch tensors ---------------------
-#
-# torch has no CPU kernel for GGUF's blocks that is both exact and fast: its
-# float32 int4pack path is a generic loop slower than float32 BLAS, and
-# dequantized float32 weights read several times the bytes per token. The numpy
-# backend's C kernels (backends/_affine.c) compute on the blocks' affine form
-# exactly in float32, with run-time AVX2/AVX-512 paths; torch/cpu runs them on
-# its tensors' memory (no copy: a CPU tensor and its .numpy() share it).
-# Measured: docs/backends.md, "Quantized weights and speed".
-
-
-def _cpu_affine(tensor: QuantizedTensor) -> PackedWeight | None:
-    """A GGUF matrix kept for the C kernels: as the file stores it where they
-    read its blocks (the numpy backend's STORED_TYPES), else in its affine
-    form; None where it has neither."""
-    from infer.backends import numpy as numpy_backend
-
-    if numpy_backend.block_form(tensor) is not None:
-        raw = numpy_backend.kernel_args(tensor)[1]
-        with warnings.catch_warnings():  # the map is read-only, and nothing writes to the view
-            warnings.simplefilter("ignore", UserWarning)
-            blocks = torch.from_numpy(raw)
-        empty = torch.empty(0, dtype=torch.float32)
-        return PackedWeight(tensor.shape, tensor.qtype, f"{tensor.qtype} blocks as stored, C kernel",
-                            ("affine", tensor, (blocks, empty, empty)), rows=tensor)
-    affine = from_gguf(tensor, groups=(16, 32), half=True)
-    if affine is None or not (affine.group == 32 or affine.bits > 4):
-        return None
-    # A symmetric type holds no biases (affine.bias_factor): an empty tensor stands for them.
-    held = affine.stored_biases if affine.stored_biases is not None else np.empty((0, 0), affine.scales.dtype)
-    views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, held))
-    how = f"{affine.bits}-bit affine group {affine.group}, {affine.scales.dtype} scales, C kernel"
-    return PackedWeight(affine.shape, affine.qtype, how, ("affine", affine, views), rows=affine)
-
-
-def _affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturing: bool) -> Any:
-    """``x @ W.T`` in float32 for the affine weight ``W``: the C kernel for up
-    to 16 rows, slabs of ``W`` dequantized for torch's GEMM beyond. Under
-    torch.compile, as the custom op ``infer::affine_linear`` (opaque to it)."""
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    x = x.contiguous()
-    if capturing and torch.compiler.is_compiling():
-        if isinstance(affine, AffineTensor):
-            factor = 0.0 if affine.bias_factor is None else affine.bias_factor
-            return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
-        from infer.backends import numpy as numpy_backend  # blocks as stored: their form as the bits
-
-        bits, group = (numpy_backend.kernel_args(affine)[i] for i in (0, 6))
-        return torch.ops.infer.affine_linear(x, *views, bits, group, 0.0)
-    return _affine_product(x, affine)
-
-
-def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
-    """The numpy backend's product on the tensors' memory: its C kernel for
-    few rows, else its dequantized slabs through torch's GEMM (an affine
-    weight, or GGML blocks as stored)."""
-    from infer.backends import numpy as numpy_backend
-
-    n, k = affine.shape
-    out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    if x.shape[0] <= numpy_backend.NumpyBackend.KERNEL_ROWS:
-        numpy_backend.affine_gemv(x.numpy(), affine, out.numpy())
-        return out
-    buffer = torch.empty(numpy_backend.slab_rows(affine) * k, dtype=torch.float32)
-    for r0, r1, slab in numpy_backend.affine_slabs(affine, buffer.numpy()):
-        out[:, r0:r1] = x @ torch.from_numpy(slab).T
-    return out
-
-
-class _OpBlocks(QuantizedTensor):
-    """GGML blocks handed to ``infer::affine_linear`` as a uint8 tensor, for the
-    numpy kernels (which need only :meth:`ggml_blocks` and the shape)."""
-
-    def __init__(self, qtype: str, shape: tuple[int, int], raw: np.ndarray) -> None:
-        self.qtype, self.shape, self.raw = qtype, shape, raw
-
-    def ggml_blocks(self) -> tuple[str, np.ndarray]:
-        return self.qtype, self.raw
-
-    def dequantize(self) -> np.ndarray:
-        raise NotImplementedError("blocks handed to a compiled op are only multiplied")
-
-
-def _metadata() -> frozenset[Any]:
-    """What a traced tensor may be asked outside the ops: its shape, dtype and layout."""
-    t = torch.Tensor
-    return frozenset({t.shape.__get__, t.dtype.__get__, t.device.__get__, t.ndim.__get__, t.is_cuda.__get__,
-                      t.requires_grad.__get__, t.size, t.dim, t.numel, t.__len__, t.stride, t.is_contiguous,
-                      t.element_size, t.data_ptr})
-
-
-_TRACED_TENSOR: Any = None
-
-
-def _traced_tensor() -> Any:
-    """The tensor subclass the traced function sees while numpy's recorder
-    records a torch/cpu step (made once, after torch's import): a tensor
-    whose values depend on the step's inputs. torch computing on it outside
-    the backend's ops would not be recorded (its trace-time result would be
-    frozen into the program), so that raises instead; its shape, dtype and
-    layout can be read."""
-    global _TRACED_TENSOR
-    if _TRACED_TENSOR is None:
-        allowed = _metadata()
-
-        class TracedTensor(torch.Tensor):
-            @classmethod
-            def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if func not in allowed:
-                    from infer.backends.numpy_plan import NotCapturable
-
-                    raise NotCapturable(f"torch's {getattr(func, '__name__', func)} on a traced tensor, "
-                                        "outside the backend's ops")
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **(kwargs or {}))
-
-        _TRACED_TENSOR = TracedTensor
-    return _TRACED_TENSOR
-
-
-class _CpuTensors:
-    """CPU tensors lent to the numpy backend's recorder (``numpy_plan.HostArrays``):
-    ``Tensor.numpy()`` and ``torch.from_numpy`` share the memory both ways."""
-
-    def __init__(self) -> None:
-        self._weights: dict[int, tuple[Any, PackedWeight]] = {}
-
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, torch.Tensor)
-
-    def to_host(self, x: Any) -> np.ndarray:
-        with torch._C.DisableTorchFunctionSubclass():
-            return x.detach().numpy()
-
-    def from_host(self, a: np.ndarray) -> Any:
-        return torch.from_numpy(a)
-
-    def guard(self, x: Any) -> Any:
-        return x.as_subclass(_traced_tensor())
-
-    def traced(self, x: Any) -> bool:
-        return isinstance(x, _traced_tensor())
-
-    def weight(self, w: PackedWeight) -> Any:
-        """A GGUF weight kept for the C kernels (``_cpu_affine``) as the numpy backend holds it."""
-        from infer.backends import numpy as numpy_backend
-
-        hit = self._weights.get(id(w))
-        if hit is not None and hit[0] is w:
-            return hit[1]
-        data = w.data
-        if not (isinstance(data, tuple) and len(data) == 3 and data[0] == "affine"):
-            return w  # int4pack and the like: the recorder refuses it by name
-        affine = data[1]
-        host = numpy_backend.with_kernel_args(PackedWeight(w.shape, w.qtype, w.scheme, affine, rows=affine))
-        self._weights[id(w)] = (w, host)  # w kept alive: its id stays its own
-        return host
-
-
-_AFFINE_OP_REGISTERED = False
-
-
-def _register_affine_op() -> None:
-    """``infer::affine_linear`` for torch.compile: a captured step calls the
-    C kernel as one opaque op (its fake shows Inductor the output's shape)."""
-    global _AFFINE_OP_REGISTERED
-    if _AFFINE_OP_REGISTERED or not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
-        return
-
-    @torch.library.custom_op("infer::affine_linear", mutates_args=())
-    def affine_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
-                      bits: int, group: int, bias_factor: float) -> torch.Tensor:
-        n = codes.shape[0]
-        k = x.shape[1]
-        from infer.backends import numpy as numpy_backend
-
-        named = {form: name for name, form in numpy_backend.BLOCK_FORMS.items()}
-        if bits in named:  # GGML blocks as stored: codes are the blocks, no scales or biases
-            return _affine_product(x, _OpBlocks(named[bits], (n, k), codes.numpy()))
-        held = biases.numpy() if biases.numel() else None  # empty: bias_factor * scales
-        affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), held, group,
-                              None if held is not None else bias_factor)
-        return _affine_product(x, affine)
-
-    @affine_linear.register_fake
-    def _(x, codes, scales, biases, bits, group, bias_factor):  # type: ignore[no-untyped-def]
-        return x.new_empty((x.shape[0], codes.shape[0]))
-
-    _AFFINE_OP_REGISTERED = True
 
 
 class TorchBackend(Backend):
@@ -362,16 +151,14 @@ class TorchBackend(Backend):
                 torch.zeros(1, dtype=torch.bfloat16, device=self._device)
             except (RuntimeError, TypeError) as exc:
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
-        #: numpy's C kernels (backends/_affine.c) for float32 CPU tensors: norms,
+        #: The C kernels (:mod:`infer.backends.kernels`) for float32 CPU tensors: norms,
         #: rope, decoding's attention and GGUF products, run on the tensors'
         #: memory; None off the CPU or where they are not built.
         self._kernels: Any = None
         if device == "cpu":
             self.native_ops = frozenset(NATIVE_OPS) - {"synchronize"}
-            _register_affine_op()
-            from infer.backends import numpy as numpy_backend
-
-            self._kernels = numpy_backend._affine
+            torch_cpu.register_affine_op()
+            self._kernels = kernels.native
             if self._kernels is not None:
                 self.native_ops = self.native_ops | {"fused_add_rms_norm"}
         elif device == "cuda" and self.compute_dtype == "bfloat16" and _cuda_int4_layout() is not None:
@@ -401,7 +188,7 @@ class TorchBackend(Backend):
         int8 per output channel; everything else in the compute dtype."""
         if isinstance(tensor, QuantizedTensor):
             if self._kernels is not None and self.quantize != "off" and len(tensor.shape) == 2:
-                kept = _cpu_affine(tensor)
+                kept = torch_cpu.kept_for_kernels(tensor)
                 if kept is not None:
                     return kept
             if self.keeps_gguf() and tensor.qtype in self.INT4_TYPES:
@@ -434,42 +221,12 @@ class TorchBackend(Backend):
         return self.quantize in self.quantize_schemes
 
     def _int4pack(self, affine: AffineTensor, name: str) -> PackedWeight | None:
-        """``affine`` as int4pack with float32 scales and zero points, or None
-        when not exact. The kernel computes ``(code - 8) * scale + zero`` fused
-        (checked in tests); with ``zero = bias + 8 * scale`` exact in float32
-        that is ``scale * code + bias`` rounded once, as in the affine form."""
+        """``affine`` as int4 on this device, or None where that is not exact
+        or does not fit: tinygemm's layout on CUDA (:func:`.torch_cuda.int4pack`),
+        int4pack with float32 scales on the CPU (:func:`.torch_cpu.int4pack`)."""
         if self._device.type == "cuda":
-            return self._int4pack_cuda(affine, name)
-        if affine.bits != 4 or affine.group != 32 or affine.shape[0] % 16:
-            return None  # the CPU packing takes N (output rows) in multiples of 16
-        scale = affine.scales.astype(np.float64)
-        zero = affine.biases.astype(np.float64) + 8.0 * scale
-        if not np.array_equal(zero.astype(np.float32).astype(np.float64), zero):
-            log.debug("%s: int4pack zero points not exact in float32; dequantized instead", name)
-            return None
-        codes = torch.from_numpy(affine.codes().astype(np.int32))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        sz = torch.from_numpy(np.stack([affine.scales.T, zero.astype(np.float32).T], axis=-1).copy())
-        rows = affine if is_embedding(name) else None
-        return PackedWeight(affine.shape, affine.qtype, "int4pack g32 f32", ("int4", packed, sz), rows)
-
-    def _int4pack_cuda(self, affine: AffineTensor, name: str) -> PackedWeight | None:
-        """``affine`` in tinygemm's layout: codes packed by
-        ``_convert_weight_to_int4pack`` and ``[K/32, N, 2]`` bfloat16 scales and
-        zero points (``zero = bias + 8 * scale``, rounded to bfloat16)."""
-        n, k = affine.shape
-        tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
-        n_tile = 16 if torch.version.hip else 8  # the packed layout's output-row tile
-        if affine.bits != 4 or affine.group != 32 or n % n_tile or tiles is None:
-            log.debug("%s: %s does not fit tinygemm's int4 layout; kept in %s", name, affine.shape, self.compute_dtype)
-            return None
-        codes = torch.from_numpy(_nibbles(affine.codes(), _cuda_int4_layout())).to(self._device)
-        packed = torch.ops.aten._convert_weight_to_int4pack(codes, tiles)
-        zero = affine.biases.astype(np.float64) + 8.0 * affine.scales.astype(np.float64)
-        sz = np.stack([affine.scales.T, zero.astype(np.float32).T], axis=-1)
-        sz = torch.from_numpy(np.ascontiguousarray(sz)).to(self._device, torch.bfloat16)
-        rows = affine if is_embedding(name) else None
-        return PackedWeight(affine.shape, affine.qtype, "int4 tinygemm g32 bf16", ("int4", packed, sz), rows)
+            return torch_cuda.int4pack(affine, name, self._device, self.compute_dtype)
+        return torch_cpu.int4pack(affine, name)
 
     def _quantize_on_load(self, host: np.ndarray, name: str) -> PackedWeight | None:
         if self.quantize == "q4":
@@ -497,7 +254,7 @@ class TorchBackend(Backend):
         kernels' only activation dtype there)."""
         kind, w, s = weight.data
         if kind == "affine":
-            y = _affine_linear(x.reshape(-1, x.shape[-1]), w, s, self.graph_capture)
+            y = torch_cpu.affine_linear(x.reshape(-1, x.shape[-1]), w, s, self.graph_capture)
             if bias is not None:
                 y = y + bias.float()
             y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -660,8 +417,8 @@ class TorchBackend(Backend):
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
         if x.numel() and (self._host(x) if weight is None else self._host(x, weight) and weight.shape == x.shape[-1:]):
             out = torch.empty_like(x)
-            self._kernels.rms_norm(x.numpy(), None if weight is None else weight.numpy(), out.numpy(),
-                                   x.numel() // x.shape[-1], x.shape[-1], eps)
+            kernels.rms_norm(x.numpy(), None if weight is None else weight.numpy(), out.numpy(),
+                             x.numel() // x.shape[-1], x.shape[-1], eps)
             return out
         x32 = x.float()
         y = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -672,8 +429,8 @@ class TorchBackend(Backend):
         if (x.numel() and weight is not None and residual.shape == x.shape and self._host(x, residual, weight)
                 and weight.shape == x.shape[-1:]):
             h, out = torch.empty_like(x), torch.empty_like(x)
-            self._kernels.rms_norm(x.numpy(), weight.numpy(), out.numpy(), x.numel() // x.shape[-1], x.shape[-1],
-                                   eps, residual.numpy(), h.numpy())
+            kernels.rms_norm(x.numpy(), weight.numpy(), out.numpy(), x.numel() // x.shape[-1], x.shape[-1],
+                             eps, residual.numpy(), h.numpy())
             return out, h
         h = self.add(x, residual)
         return self.rms_norm(h, weight, eps), h
@@ -692,7 +449,7 @@ class TorchBackend(Backend):
         if (not interleaved and x.dim() == 3 and x.numel() and cos.shape == sin.shape == (x.shape[0], half)
                 and 2 * half <= x.shape[-1] and self._host(x, cos, sin)):
             out = torch.empty_like(x)
-            self._kernels.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), *x.shape, half)
+            kernels.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), *x.shape, half)
             return out  # the same formula, bit for bit
         rot = 2 * half
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -883,7 +640,7 @@ class TorchBackend(Backend):
         if hkv != hq:  # with a mask, native GQA misses the fused kernels: repeat the kv heads
             k = k.repeat_interleave(hq // hkv, dim=1)
             v = v.repeat_interleave(hq // hkv, dim=1)
-        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
+        with torch_cuda.sdpa_kernels() if self._device.type == "cuda" else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def swiglu(self, gate: Array, up: Array) -> Array:
@@ -923,9 +680,7 @@ class TorchBackend(Backend):
         """numpy's programs (the CPU's default capture) take its kernel rows at a
         time; torch.compile's graphs take any batch."""
         if self._records_programs() and not self.graph_capture:
-            from infer.backends import numpy as numpy_backend
-
-            return numpy_backend.NumpyBackend.KERNEL_ROWS
+            return kernels.KERNEL_ROWS
         return None
 
     def _records_programs(self) -> bool:
@@ -939,10 +694,10 @@ class TorchBackend(Backend):
         ``infer.load(..., compile=True)`` asked for torch.compile: recorded
         as one program of numpy's C kernels on the tensors' memory
         (:mod:`infer.backends.numpy_plan`), the kernels this backend's eager
-        CPU ops call. Measured on SmolLM2 (GGUF, 2 cores, median of 5
-        alternating runs): 97 tokens/s, where ``compile=True`` decoded 38
-        (torch.compile stops at a data-dependent branch of the step and keeps
-        only the layers' compiled pieces) and the eager step 70.
+        CPU ops call: faster than ``compile=True`` and the eager step
+        (docs/performance.md, "Figures behind the code"; torch.compile stops
+        at a data-dependent branch of the step and keeps only the layers'
+        compiled pieces).
 
         Otherwise ``torch.compile`` (Inductor): the ops of ``fn`` traced into one
         graph with fused kernels, recompiled once with dynamic shapes when a
@@ -958,10 +713,10 @@ class TorchBackend(Backend):
             from infer.backends import numpy as numpy_backend
             from infer.backends.numpy_plan import PlannedStep
 
-            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=numpy_backend.GOVERNOR,
-                               target=self, arrays=_CpuTensors())
+            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=kernels.GOVERNOR,
+                               target=self, arrays=torch_cpu.CpuTensors())
         _import_inductor_helpers()
-        _separate_inductor_cache()
+        torch_cpu.separate_inductor_cache()
         inductor = torch._dynamo.lookup_backend("inductor")
         graphs = [0]
 
@@ -1030,15 +785,10 @@ class TorchBackend(Backend):
             qb = q[q0:q1]
             if (n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
                     and self._host(qb, k_pool, v_pool) and (sinks is None or self._host(sinks))):
-                # Decoding on the CPU: numpy's one-pass C kernel (SDPA's CPU path
-                # costs more in dispatch than the attention of a few rows does).
-                hq, dk, hkv, dv = qb.shape[1], qb.shape[2], k_pool.shape[1], v_pool.shape[2]
+                # Decoding on the CPU: the kernels' one-pass attention (torch_cpu).
                 table = np.ascontiguousarray(np.asarray(host.block_tables[b])[:-(-hi // host.block_size)], np.int64)
-                out = torch.empty((n, hq, dv), dtype=torch.float32)
-                self._kernels.attention(qb.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), out.numpy(), n, hi,
-                                        hq, hkv, dk, dv, scale, causal, window or 0, softcap or 0.0, table,
-                                        host.block_size, True, None if sinks is None else sinks.float().numpy())
-                outputs.append(out)
+                outputs.append(torch_cpu.decode_attention(qb, k_pool, v_pool, table, host.block_size, hi, scale=scale,
+                                                          causal=causal, window=window, softcap=softcap, sinks=sinks))
                 continue
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             run = row_run(rows)
@@ -1086,7 +836,7 @@ class TorchBackend(Backend):
             else:
                 kt = kt.repeat_interleave(hq // hkv, dim=1)
                 vt = vt.repeat_interleave(hq // hkv, dim=1)
-        with _CUDA_SDPA() if self._device.type == "cuda" else contextlib.nullcontext():
+        with torch_cuda.sdpa_kernels() if self._device.type == "cuda" else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa)
         return out[0].transpose(0, 1)  # [tq, hq, dv]
 
@@ -1189,78 +939,6 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return own if owner is None else types.MethodType(own, owner)
 
 
-# -- CUDA quantized kernels -------------------------------------------------------------
-#
-# torch's CUDA int4 kernel (tinygemm) is a private op whose input packing has
-# changed between releases (int32 codes before 2.5, two codes per uint8 since).
-# Rather than trust a version table, each process checks once, on a small
-# random matrix, which packing reproduces ``(code - 8) * scale + zero``; if
-# none does, int4 is not offered on CUDA and the load says so.
-
-#: Nibble orders tried: the even column in the high nibble (torch >= 2.5, as
-#: torchao packs), or in the low one.
-_INT4_LAYOUTS = ("even-high", "even-low")
-
-
-def _nibbles(codes: np.ndarray, layout: str | None) -> np.ndarray:
-    """uint8 codes ``[N, K]`` (0..15) as ``[N, K/2]`` bytes, two per byte."""
-    even, odd = codes[:, 0::2].astype(np.uint8), codes[:, 1::2].astype(np.uint8)
-    return (even << 4 | odd) if layout == "even-high" else (odd << 4 | even)
-
-
-_CUDA_INT4: list[str | None] = []
-
-
-def _cuda_int4_layout() -> str | None:
-    """The packing under which this torch's CUDA int4 kernel computes
-    ``(code - 8) * scale + zero`` (None: no working kernel). Probed once."""
-    if not _CUDA_INT4:
-        _CUDA_INT4.append(_probe_cuda_int4())
-    return _CUDA_INT4[0]
-
-
-def _probe_cuda_int4() -> str | None:
-    rng = np.random.default_rng(0)
-    n, k = 64, 256
-    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    sz = torch.randn(k // 32, n, 2, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    scale, zero = sz[..., 0].float().repeat_interleave(32, 0), sz[..., 1].float().repeat_interleave(32, 0)
-    want = (torch.from_numpy(codes.T.astype(np.float32)) - 8) * scale + zero  # [K, N] = W^T
-    eye = torch.eye(k, dtype=torch.bfloat16, device="cuda")
-    for layout in _INT4_LAYOUTS:
-        try:
-            packed = torch.ops.aten._convert_weight_to_int4pack(torch.from_numpy(_nibbles(codes, layout)).cuda(), 2)
-            got = torch.ops.aten._weight_int4pack_mm(eye, packed, 32, sz.cuda()).float().cpu()
-        except Exception as exc:  # a missing or changed private op: not offered, never a crash
-            log.info("torch/cuda: no int4 kernel (%s: %s); int4 weights not offered", type(exc).__name__, exc)
-            return None
-        if torch.allclose(got, want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2):
-            log.debug("torch/cuda int4 kernel: codes packed %s", layout)
-            return layout
-    log.info("torch/cuda: the int4 kernel matched no known packing; int4 weights not offered")
-    return None
-
-
-_CUDA_INT8: list[bool] = []
-
-
-def _cuda_int8_works() -> bool:
-    """Whether ``_weight_int8pack_mm`` runs on CUDA with bfloat16 and computes
-    ``x @ (codes * scale).T`` (probed once)."""
-    if not _CUDA_INT8:
-        ok = False
-        try:
-            w = torch.randint(-127, 128, (16, 64), dtype=torch.int8, device="cuda")
-            s = torch.rand(16, device="cuda").to(torch.bfloat16)
-            x = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
-            got = torch.ops.aten._weight_int8pack_mm(x, w, s).float()
-            ok = bool(torch.allclose(got, x.float() @ (w.float() * s.float()[:, None]).T, rtol=2e-2, atol=1e-1))
-        except Exception as exc:
-            log.info("torch/cuda: no int8 kernel (%s: %s); q8 not offered", type(exc).__name__, exc)
-        _CUDA_INT8.append(ok)
-    return _CUDA_INT8[0]
-
-
 def _bf16_up(x: np.ndarray) -> np.ndarray:
     """float32 -> a bfloat16 value >= x (rounded up), kept as float32: a scale
     that never lets a code overflow its range."""
@@ -1284,7 +962,8 @@ def _like(a: Array, b: Any) -> Any:
 
 def _no_device_without_import(device: str) -> str | None:
     """Why torch cannot have ``device`` here, found without importing torch
-    (about 2 s and 200 MB), or None when only torch can tell: a CPU-only
+    (seconds and hundreds of MB: docs/performance.md, "Figures behind the
+    code"), or None when only torch can tell: a CPU-only
     wheel says so in its version (``2.13.0+cpu``), CUDA and ROCm need a
     driver (:func:`~infer.plugins.registry.gpu_driver_absent`), MPS macOS."""
     import sys

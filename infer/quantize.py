@@ -237,9 +237,9 @@ def pack4(codes: np.ndarray) -> np.ndarray:
 
 #: Stored bytes of a quantized matrix converted at a time by :func:`from_gguf`.
 #: Small, because glibc keeps freed temporaries of about a slab's size in its
-#: heap (its mmap threshold rises to the largest chunk freed): with 8 MiB slabs
-#: a 34 MiB matrix peaked at 66-70 MiB above the start, with 2 MiB at 40 MiB,
-#: its result's size; the load takes as long.
+#: heap (its mmap threshold rises to the largest chunk freed), which larger
+#: slabs showed in the peak memory and not in the load's time
+#: (docs/performance.md, "Figures behind the code").
 CONVERT_BYTES = 2 << 20
 
 

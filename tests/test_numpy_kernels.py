@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import infer
+from infer.backends import kernels as kernels_module
 from infer.backends import numpy as numpy_backend
 from infer.backends.numpy import kernel_args
 from infer.formats import gguf_quants
@@ -638,10 +639,10 @@ def test_the_governor_gives_the_kernels_the_cores_other_work_leaves(tmp_path, mo
     written below, of which this process spent ``mine``: the rest is other work."""
     stat = tmp_path / "stat"
     clock, mine = [100.0], [0.0]
-    monkeypatch.setattr(numpy_backend.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(numpy_backend.os, "times", lambda: os.times_result((mine[0], 0.0, 0.0, 0.0, 0.0)))
-    monkeypatch.setattr(numpy_backend.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(numpy_backend.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(kernels_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(kernels_module.os, "times", lambda: os.times_result((mine[0], 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(kernels_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels_module.os, "sysconf", lambda name: 100)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
     def machine(busy_ticks: int, idle_ticks: int) -> None:  # cumulative, as /proc/stat counts

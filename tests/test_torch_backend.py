@@ -447,7 +447,7 @@ def test_compile_warns_nothing_about_torch_jit():
 def test_a_forced_cpu_capability_gets_its_own_inductor_cache(forced: str | None) -> None:
     # torch's kernel cache ignores ATEN_CPU_CAPABILITY, so a kernel compiled
     # under one is loaded under another and computes garbage: compile keeps
-    # them apart (backends/torch.py, _separate_inductor_cache).
+    # them apart (backends/torch_cpu.py, separate_inductor_cache).
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     if forced:
         env["ATEN_CPU_CAPABILITY"] = forced

@@ -246,8 +246,9 @@ def parse_backend_name(text: str) -> tuple[str, str | None]:
 
 def gpu_driver_absent() -> str | None:
     """Why no CUDA or ROCm GPU can be here, found without importing a
-    framework (torch takes ~2 s and ~200 MB to import only to report no
-    device), or None when only the framework can tell.
+    framework (importing torch only to report no device costs seconds and
+    hundreds of MB: docs/performance.md, "Figures behind the code"), or None
+    when only the framework can tell.
 
     On Linux a GPU needs its kernel driver's device node: ``/dev/nvidia*``
     (NVIDIA), ``/dev/kfd`` (ROCm) or ``/dev/dxg`` (WSL). Elsewhere: None.

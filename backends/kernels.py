@@ -1,0 +1,311 @@
+"""The package's C kernels (backends/_affine.c), as the backends call them.
+
+The numpy backend computes on them, and torch/cpu runs the same kernels on
+its float32 tensors' memory (a CPU tensor and its ``.numpy()`` share it).
+This module is what both import: which kernel path runs (``INFER_NUMPY_KERNELS``),
+the thread governor, how an affine or GGML-block weight is handed to them,
+and one documented function per kernel. Nothing here imports a framework.
+
+Every array argument is a C-contiguous numpy array (or anything exposing
+such a buffer) of the dtype named; ``out`` arguments are written in place.
+The kernels check sizes against the buffers and raise ``ValueError`` on a
+mismatch, never writing outside them. :data:`native` is None where the
+extension is not built or ``INFER_NUMPY_KERNELS=off``: callers check it
+before calling any function below.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from infer.errors import ConfigError
+from infer.ops import PackedWeight, QuantizedTensor
+from infer.quantize import AffineTensor
+
+#: Which C kernel path the backends use: ``auto`` (the best the CPU has),
+#: ``avx2`` (AVX2+FMA, as on a CPU without AVX-512), ``portable`` (the plain
+#: C loops, as on a CPU without AVX2) or ``off`` (no C kernels: pure numpy,
+#: GGUF weights dequantized to float32). Read once at import; it lets a user,
+#: and the test suite, run every path on one machine.
+KERNELS_ENV = "INFER_NUMPY_KERNELS"
+_KERNEL_CHOICES = {"auto": None, "avx512": "avx512", "avx2": "avx2+fma", "portable": "portable", "off": None}
+
+#: The extension as built, whatever ``INFER_NUMPY_KERNELS`` chose (None: not built).
+BUILT: Any
+try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
+    from infer.backends import _affine as BUILT
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    BUILT = None
+
+
+def _kernel_choice() -> str:
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in _KERNEL_CHOICES:
+        raise ConfigError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(_KERNEL_CHOICES)}")
+    return choice
+
+
+def _load_kernels(choice: str) -> Any:
+    if choice == "off" or BUILT is None:
+        return None
+    path = _KERNEL_CHOICES[choice]
+    if path is not None:
+        if path not in BUILT.paths():
+            raise ConfigError(f"{KERNELS_ENV}={choice}: this CPU runs only {', '.join(BUILT.paths())}")
+        BUILT.use_simd(path)
+    return BUILT
+
+
+#: The path chosen at import (``auto`` unless the variable says otherwise).
+KERNELS = _kernel_choice()
+#: The extension module the backends compute on, or None (not built, or ``off``).
+native: Any = _load_kernels(KERNELS)
+
+#: Products with at most this many rows run in the C kernel on the codes;
+#: more rows (prefill) dequantize slabs of the weight for BLAS, which is
+#: faster once the weight's rows are reused that many times (where the two
+#: cross: docs/performance.md, "The numpy backend's constants").
+KERNEL_ROWS = 16
+#: Float32 bytes of weight rows dequantized at a time for BLAS: the smallest
+#: scratch buffer (it counts in the peak memory) with which prefill still runs
+#: at full speed (docs/performance.md).
+SLAB_BYTES = 2 << 20
+#: GGML block types the kernels read as a GGUF file stores them, and the form
+#: (the kernels' ``bits`` argument) naming each.
+BLOCK_FORMS: dict[str, int] = native.block_forms() if hasattr(native, "block_forms") else {}
+#: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
+BLOCK_COLS = 32768
+#: The GGML types kept as the file stores them: the K types, whose converted
+#: form reads more bytes per token (a float32 scale and bias per group;
+#: Q5_K's and Q6_K's codes a byte each) and whose decoding products measured
+#: at least as fast on the blocks. Q4_0, Q4_1 and Q8_0 convert to the file's
+#: bytes (codes copied), and decode faster converted; Q5_0 and Q5_1 read a
+#: third fewer bytes as stored, but decoded no faster on the blocks, whose
+#: fifth bits cost more instructions than the bytes saved
+#: (docs/performance.md). The kernels read all eight (BLOCK_FORMS).
+STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
+
+class ThreadGovernor:
+    """Runs the kernels on fewer threads while other work keeps the cores busy.
+
+    OpenMP's workers spin between the few hundred short products of a decode
+    step; when another process holds a core, a descheduled worker stalls
+    every product behind it (measured: docs/performance.md, "A busy
+    machine"). So every ``interval``
+    seconds this reads how much CPU the machine spent busy (``/proc/stat``)
+    beyond this process's own (``os.times``), in cores, and allows the
+    kernels the cores that are left (at least one). Where ``/proc/stat`` is
+    missing, or ``OMP_NUM_THREADS`` sets the threads, it does nothing.
+    """
+
+    def __init__(self, kernels: object, interval: float = 0.5, stat: str = "/proc/stat") -> None:
+        self.kernels, self.interval, self.stat = kernels, interval, stat
+        self.most = kernels.threads()  # type: ignore[attr-defined]
+        self.threads = self.most
+        self.enabled = self.most > 1 and "OMP_NUM_THREADS" not in os.environ and os.path.exists(stat)
+        self._last: tuple[float, float, float] | None = None
+        self._next = 0.0
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall seconds, machine busy CPU seconds, this process's CPU seconds)."""
+        try:
+            with open(self.stat, encoding="ascii") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        if len(fields) < 4:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        mine = os.times()
+        return time.monotonic(), (sum(fields[:8]) - idle) / hz, mine.user + mine.system
+
+    def check(self) -> int:
+        """The threads the next products may use (re-decided at most every ``interval``)."""
+        if not self.enabled:
+            return self.threads
+        now = time.monotonic()
+        if now < self._next:
+            return self.threads
+        self._next = now + self.interval
+        sample = self._sample()
+        if sample is None:
+            return self.threads
+        if self._last is not None and sample[0] > self._last[0]:
+            wall = sample[0] - self._last[0]
+            others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall  # in cores
+            threads = max(1, min(self.most, (os.cpu_count() or self.most) - int(others + 0.5)))
+            if threads != self.threads:
+                self.kernels.set_threads(threads)  # type: ignore[attr-defined]
+                self.threads = threads
+        self._last = sample
+        return self.threads
+
+
+#: The kernels' thread governor (None without the kernels).
+GOVERNOR = ThreadGovernor(native) if native is not None and hasattr(native, "set_threads") else None
+
+
+# -- the kernels, one function each ---------------------------------------------------------
+
+
+def gemv(bits: int, x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray | None,
+         out: np.ndarray, m: int, k: int, n: int, group: int = 32, half: bool = False, factor: float = 0.0) -> None:
+    """``out = x @ W.T`` for an affine-quantized ``W`` and up to
+    :data:`KERNEL_ROWS` rows: ``x`` float32 ``[m, k]``; ``codes`` uint8
+    ``[n, k/2]`` (``bits`` 4) or ``[n, k]`` (8); ``scales`` and ``biases``
+    ``[n, k/group]``, float32 (float16 with ``half``), ``biases`` None for
+    ``factor * scales``; ``out`` float32 ``[m, n]``. ``group`` 32, or 16 for
+    8-bit codes. For GGML blocks as stored, ``bits`` is the form
+    (:data:`BLOCK_FORMS`) and ``codes`` the stored bytes (:func:`kernel_args`)."""
+    native.gemv(bits, x, codes, scales, biases, out, m, k, n, group, half, factor)
+
+
+def gemv_f32(x: np.ndarray, w: np.ndarray, out: np.ndarray, m: int, k: int, n: int) -> None:
+    """``out = x @ w.T`` for float32 ``x`` ``[m, k]`` (few rows: decoding) and
+    float32 ``w`` ``[n, k]``, on the kernels' OpenMP threads (not BLAS's)."""
+    native.gemv_f32(x, w, out, m, k, n)
+
+
+def dequantize(bits: int, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray | None, out: np.ndarray,
+               n: int, k: int, parallel: bool = True, group: int = 32, half: bool = False,
+               factor: float = 0.0) -> None:
+    """``out`` float32 ``[n, k] = scale * code + bias`` (arguments as
+    :func:`gemv`'s), the same float32 values as ``AffineTensor.dequantize``.
+    ``parallel=False`` keeps it on the calling thread: before a BLAS call,
+    OpenMP workers would compete with BLAS's spinning ones."""
+    native.dequantize(bits, codes, scales, biases, out, n, k, parallel, group, half, factor)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, out: np.ndarray, rows: int, n: int, eps: float,
+             residual: np.ndarray | None = None, h: np.ndarray | None = None) -> None:
+    """RMS norm of float32 ``x`` ``[rows, n]`` into ``out``, times ``weight``
+    ``[n]`` unless None. With ``residual`` and ``h``: ``h = x + residual``
+    first (written), and ``out = rms_norm(h)``. Differs from the numpy
+    formula only in the order of its sum of squares."""
+    if residual is None:
+        native.rms_norm(x, weight, out, rows, n, eps)
+    else:
+        native.rms_norm(x, weight, out, rows, n, eps, residual, h)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, out: np.ndarray, rows: int,
+               n: int, eps: float) -> None:
+    """LayerNorm of float32 ``x`` ``[rows, n]`` into ``out``, with optional
+    ``weight`` and ``bias`` ``[n]``, in one pass."""
+    native.layer_norm(x, weight, bias, out, rows, n, eps)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, tokens: int, heads: int, d: int,
+         half: int) -> None:
+    """Rotary embedding, rotate-half form, of float32 ``x`` ``[tokens, heads,
+    d]`` into ``out``: the first ``2 * half`` dims rotated by ``cos``/``sin``
+    ``[tokens, half]``, the rest copied. Bit-identical to the numpy formula."""
+    native.rope(x, cos, sin, out, tokens, heads, d, half)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, tq: int, tk: int, hq: int, hkv: int,
+              dk: int, dv: int, scale: float, causal: bool, window: int, softcap: float,
+              table: np.ndarray | None = None, block: int = 0, parallel: bool = True,
+              sinks: np.ndarray | None = None) -> None:
+    """Attention for the few query rows of decoding, float32: ``q`` ``[tq,
+    hq, dk]``, ``k`` ``[tk, hkv, dk]``, ``v`` ``[tk, hkv, dv]``, ``out``
+    ``[tq, hq, dv]``. Per query row and head: scores over the visible keys
+    (bottom-right aligned causal mask, the sliding window when ``window > 0``),
+    tanh soft-capping when ``softcap > 0``, softmax (with each head's sink
+    logit from ``sinks`` ``[hq]`` in the denominator), weighted sum of values.
+    With an int64 block ``table``, ``k`` and ``v`` are paged pools ``[blocks,
+    block, hkv, d]`` read in place. ``parallel=False`` keeps it on the calling
+    thread (after BLAS products, whose spinning threads OpenMP's would fight)."""
+    native.attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap, table, block,
+                     parallel, sinks)
+
+
+# -- weights handed to the kernels ---------------------------------------------------------
+
+
+def block_form(tensor: Any) -> int | None:
+    """The kernels' form for a matrix they read in its stored GGML blocks
+    (:data:`BLOCK_FORMS`: Q4_K, Q5_K, Q6_K rows of whole super-blocks, at
+    most :data:`BLOCK_COLS` wide), or None: the kernels are not built, or the
+    tensor is not such blocks."""
+    if not BLOCK_FORMS or not isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 \
+            or tensor.qtype not in STORED_TYPES:
+        return None
+    form = BLOCK_FORMS.get(tensor.qtype)
+    k, values = tensor.shape[1], 256 if tensor.qtype.endswith("_K") else 32
+    if form is None or not (0 < k <= BLOCK_COLS and k % values == 0) or tensor.shape[0] < 1:
+        return None
+    blocks = tensor.ggml_blocks()
+    return form if blocks is not None and blocks[0] == tensor.qtype else None
+
+
+#: The scales argument of a block form (its scales are in its blocks).
+_IN_BLOCKS = np.empty(0, np.float32)
+
+
+def kernel_args(w: AffineTensor | QuantizedTensor) -> tuple[Any, ...]:
+    """The C kernels' arguments for ``w``: bits (5- and 6-bit codes are
+    stored one per byte, so 8), codes, scales, biases (None where they are
+    the bias factor times the scales), then k, n, group, whether the scales
+    are float16, and the bias factor (0.0 where biases are held). For GGML
+    blocks read as stored (:func:`block_form`): the form in place of bits,
+    the stored bytes ``[n, bytes_per_row]`` as codes, no scales or biases,
+    and the super-block's 256 as group."""
+    n, k = w.shape
+    if not isinstance(w, AffineTensor):
+        form, raw = block_form(w), w.ggml_blocks()
+        if form is None or raw is None:
+            raise ValueError(f"{w!r} is not a weight the C kernels compute on")
+        return (form, np.ascontiguousarray(raw[1]), _IN_BLOCKS, None, k, n, 256 if w.qtype.endswith("_K") else 32,
+                False, 0.0)
+    return (4 if w.bits == 4 else 8, w.packed, w.scales, w.stored_biases, k, n, w.group, w.scales.dtype == np.float16,
+            0.0 if w.bias_factor is None else w.bias_factor)
+
+
+def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray) -> None:
+    """``out = x2 @ W.T`` for up to :data:`KERNEL_ROWS` rows of float32
+    ``x2`` (contiguous), in the C kernel on the codes."""
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    native.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
+
+
+def slab_rows(w: AffineTensor | QuantizedTensor, slab_bytes: int = SLAB_BYTES) -> int:
+    """Rows of ``w`` dequantized at a time for a many-row product (``slab_bytes`` of float32)."""
+    n, k = w.shape
+    return max(1, min(n, slab_bytes // (4 * k)))
+
+
+def affine_slabs(w: AffineTensor | QuantizedTensor, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(r0, r1, rows r0..r1 of W as float32)``, one slab after another, each
+    dequantized into ``buffer`` (float32, a multiple of k values: its size
+    decides the slab), for the caller's GEMM. On this thread: OpenMP workers
+    woken here would fight BLAS's spinning threads for the cores."""
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
+    rows = buffer.size // k
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        slab = buffer[: (r1 - r0) * k].reshape(r1 - r0, k)
+        native.dequantize(bits, codes[r0:r1], scales[r0:r1], None if biases is None else biases[r0:r1], slab, r1 - r0,
+                          k, False, group, half, factor)
+        yield r0, r1, slab
+
+
+def with_kernel_args(weight: PackedWeight) -> PackedWeight:
+    """``weight`` with :func:`kernel_args` kept on it (as
+    :attr:`~infer.ops.PackedWeight.kernel`) where the kernel computes it, for
+    the decode path's products."""
+    w = weight.data
+    if (isinstance(w, AffineTensor) and (w.group == 32 or (w.group == 16 and w.bits > 4)) and w.shape[1] > 0
+            or block_form(w) is not None):
+        weight.kernel = kernel_args(w)
+    return weight
+
