@@ -37,7 +37,12 @@ from infer.engine.speculative import NGramDraft, Speculation
 from infer.errors import TensorParallelConfigError
 
 #: Tiny variants (tests/reference.py) whose layers keep sliding, shared or recurrent state.
-STATE_FAMILIES = ("gemma4", "gemma4_moe", "lfm2", "lfm2_conv_bias", "gpt_oss", "gpt_oss_top3", "falcon_h1", "falcon_h1_norm", "mamba2", "mamba2_groups", "granitemoehybrid", "granitemoehybrid_dense", "qwen3_5", "qwen3_5_interval", "qwen3_next", "qwen3_5_moe")
+STATE_FAMILIES = (
+    "gemma4", "gemma4_moe", "gpt_oss", "gpt_oss_top3",  # sliding windows, shared KV, sinks
+    "lfm2", "lfm2_conv_bias",  # short convolutions
+    "mamba2", "mamba2_groups", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1", "falcon_h1_norm",  # Mamba2
+    "qwen3_5", "qwen3_5_interval", "qwen3_next", "qwen3_5_moe",  # gated DeltaNet
+)
 GREEDY = SamplingParams()
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 250, 70)]
 
