@@ -66,7 +66,7 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-from . import kernels
+from . import kernels, numpy_recurrent
 # The kernels' names the numpy backend has always offered, from their module
 # (backends/kernels.py), which torch/cpu imports too.
 from .kernels import (  # noqa: F401 - re-exported
@@ -109,7 +109,7 @@ class NumpyBackend(Backend):
     device = "cpu"
     float_dtypes = ("float32",)
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "prepare_weight", "quantized_linear",
-                            "topk", "clip"}
+                            "topk", "clip", "ssd"}
                            | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: Bytes of float32 weights to hold in total before quantized weights stay
@@ -415,6 +415,13 @@ class NumpyBackend(Backend):
 
     def argmax(self, x: Array, axis: int = -1) -> Array:
         return np.argmax(x, axis=axis)
+
+    def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
+            state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
+            dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
+        """The chunked scan in float32, every state at once for a decode step (backends/numpy_recurrent.py)."""
+        return numpy_recurrent.ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
+                                   dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
 
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         order = np.argsort(-x, axis=-1, kind="stable")[..., :k]  # stable: lower index first among ties

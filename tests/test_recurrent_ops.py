@@ -369,3 +369,23 @@ def test_mlx_native_recurrent_ops_equal_the_references(seed: int) -> None:
     state = rng.standard_normal((seqs, 4, 4, 3)).astype(np.float32)
     check(ops.gated_delta_rule(*(ops.from_numpy(a) for a in (q, k, v, g, beta, state, qs, rows))),
           gated_delta_rule_reference(q, k, v, g, beta, state, qs, rows), 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_numpy_chunked_ssd_equals_the_reference(seed: int) -> None:
+    """The numpy backend's native ssd (backends/numpy_recurrent.py: the chunked scan in float32,
+    one update for a decode step) against the float64 row-by-row reference, past a 64-row chunk
+    (2e-4: float32 chunk sums over up to 150 rows)."""
+    from infer.ops import ssd_reference
+
+    rng = np.random.default_rng(200 + seed)
+    lengths = np.ones(3, int) if seed % 2 == 0 else rng.integers(0, 150, 3)
+    lengths[0] = max(int(lengths[0]), 1)
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, seqs = int(qs[-1]), len(lengths)
+    rows = np.sort(rng.choice(total, min(total, 5), replace=False)).astype(np.int32)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((total, 4, 3), (total, 4), (4,), (total, 2, 5), (total, 2, 5), (4,), (4,), (seqs, 4, 3, 5))]
+    arrays[2] = -np.exp(arrays[2])
+    for got, want in zip(NumpyBackend().ssd(*arrays, qs, rows), ssd_reference(*arrays, qs, rows)):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
