@@ -35,7 +35,7 @@
  * Also: dequantization into a caller's float32 buffer (for products with many
  * rows, where BLAS on the dequantized matrix is faster).
  *
- * The code path is chosen at run time (__builtin_cpu_supports): AVX-512F where
+ * The code path is chosen at run time (__builtin_cpu_supports): AVX-512 (F, BW, VL) where
  * the CPU has it (the products only), else AVX2+FMA+F16C, else the portable
  * loops; use_simd() forces a lesser one (INFER_NUMPY_KERNELS, the tests). Rows
  * of W are split across OpenMP threads when built with OpenMP. The GIL is
@@ -64,6 +64,13 @@
 #define TILE_ROWS 32
 #ifndef PREFETCH
 #define PREFETCH 4096
+#endif
+/* The weights' bytes are asked for into every cache level (prefetcht0): with
+ * the non-temporal hint (locality 0) a decoding product over the memory-mapped
+ * blocks took a third longer, measured over a 1B-class model's 113 products
+ * against the same kernels (docs/performance.md, "Prefetching"). */
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3
 #endif
 
 static void group_sums(const float *x, float *xs, Py_ssize_t m, Py_ssize_t k, Py_ssize_t group) {
@@ -392,7 +399,7 @@ AVX2 static void rowf_avx2(const float *w, const float *x, float *out, Py_ssize_
  * Per block the scale multiplies the block's sum once and the bias term is
  * sum_g bias[g] * sum(x in g) (bias_dot), as everywhere else. */
 
-#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define WROWS 4 /* short 4-bit weight rows per step when decoding */
 #define WIDE_ROW_BYTES 384 /* 4-bit rows up to 768 columns */
 
@@ -489,7 +496,7 @@ AVX512 static void tile_512(int bits, Py_ssize_t group, int wr, const uint8_t *c
     for (; r < n; r += wr) {
         Py_ssize_t here = (n - r < wr ? n - r : wr) * row_bytes, at = r * row_bytes;
         for (Py_ssize_t b = 0; b < here && at + PREFETCH + b < left; b += 64)
-            __builtin_prefetch((const char *)codes + at + PREFETCH + b, 0, 0);
+            __builtin_prefetch((const char *)codes + at + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *c = codes + at;
         const float *sr = s + r * groups, *br = bi + r * groups;
         if (bits == 4) {
@@ -950,32 +957,113 @@ AVX2 static void decode_row_avx2(int type, const uint8_t *raw, Py_ssize_t blocks
  * table, the 8-bit ones widened alike), even blocks into one accumulator and
  * odd ones into the other; then bias_dot's sum, 8 groups at a time in order
  * and the last ones one by one. So the bits are wrows_512's. */
-/* The 32-value types with 8-bit decoded codes (Q5_0, Q5_1, Q8_0): bytes a block,
- * a block's codes as the converted weight holds them, and the scales and
- * biases of 8 consecutive blocks (decode_scales' values: float16 widened, a
- * symmetric bias its factor times the scale). */
-static inline Py_ssize_t small_bytes(int type) { return type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34; }
+/* The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): bytes a block, a block's
+ * 32 codes a byte each in column order (a 4-bit block's low nibbles are its
+ * columns 0..15, the high ones 16..31: as floats, the values the 4-bit
+ * kernels' table gives), and the scales and biases of 8 consecutive blocks
+ * (decode_scales' values: float16 widened, a symmetric bias its factor times
+ * the scale). */
+static inline Py_ssize_t small_bytes(int type) {
+    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
+}
 
 AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
     if (type == GGML_Q8_0) /* int8 q -> q + 128 */
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    if (type == GGML_Q4_0 || type == GGML_Q4_1) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_0 ? 2 : 4))), m4 = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    }
     return type == GGML_Q5_0 ? q5_vector(b + 2, b + 6) : q5_vector(b + 4, b + 8);
 }
 
 AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
-    uint16_t d[8], m[8];
-    for (int j = 0; j < 8; j++) {
-        memcpy(d + j, b + j * bytes, 2);
-        if (type == GGML_Q5_1) memcpy(m + j, b + j * bytes + 2, 2);
-    }
-    __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
-    *biases = type == GGML_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m))
-                                : _mm256_mul_ps(_mm256_set1_ps(type == GGML_Q5_0 ? -16.0f : -128.0f), sv);
+    /* The eight blocks' float16 words inserted one by one into a register: a
+     * gather measured slower (AMD Zen 4), and eight two-byte stores read back as
+     * one vector stall on store forwarding (docs/performance.md, "All eight types
+     * as stored"). */
+    const int pair = type == GGML_Q4_1 || type == GGML_Q5_1;
+    uint16_t h;
+    __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
+#define SMALL_WORD(J) \
+    memcpy(&h, b + (J) * bytes, 2), d = _mm_insert_epi16(d, h, J); \
+    if (pair) memcpy(&h, b + (J) * bytes + 2, 2), m = _mm_insert_epi16(m, h, J);
+    SMALL_WORD(0) SMALL_WORD(1) SMALL_WORD(2) SMALL_WORD(3) SMALL_WORD(4) SMALL_WORD(5) SMALL_WORD(6) SMALL_WORD(7)
+#undef SMALL_WORD
+    __m256 sv = _mm256_cvtph_ps(d);
+    const float factor = type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f;
+    *biases = pair ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(factor), sv);
     return sv;
+}
+
+/* decode_scales for one 32-value block with F16C (exact, as half_to_float is). */
+AVX2 INLINE void small_scale(int type, const uint8_t *b, float *s, float *bi) {
+    uint16_t d, m;
+    memcpy(&d, b, 2);
+    s[0] = _cvtsh_ss(d);
+    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
+        memcpy(&m, b + 2, 2);
+        bi[0] = _cvtsh_ss(m);
+    } else {
+        bi[0] = (type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f) * s[0];
+    }
+}
+
+/* small_scales with AVX512-BW, without a gather: the eight blocks' float16
+ * words picked out of their bytes (two loads and a masked third, which reads
+ * nothing past the eighth block's scales) by two word permutes. The gather's
+ * loads cost more than the rest of a block's decoding here (AMD Zen 4: Q4_1
+ * rows 1.36x the converted form's time with it, 0.81x with the scales
+ * replaced by constants; docs/performance.md, "All eight types as stored").
+ * The same float32 values. Not Q8_0, whose 34-byte blocks span four lines. */
+AVX512 INLINE __m256 small_scales_512(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
+    if (type == GGML_Q8_0) return small_scales(type, b, bytes, biases);
+    const int pair = type == GGML_Q4_1 || type == GGML_Q5_1; /* d and m */
+    const Py_ssize_t half = bytes / 2, need = 7 * bytes + (pair ? 4 : 2);  /* words a block; bytes read */
+    /* lanes 0..7: d_j, the word j * half; lanes 8..15: m_j, the next one (or d_j again) */
+    const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i idx32 = _mm512_add_epi32(_mm512_mullo_epi32(j, _mm512_set1_epi32((int)half)),
+                                     _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, pair, pair, pair, pair, pair, pair, pair, pair));
+    const __m256i idx = _mm512_cvtepi32_epi16(idx32); /* 16 word indices, all < 96 */
+    const __m512i a = _mm512_loadu_si512((const void *)b), c = _mm512_loadu_si512((const void *)(b + 64));
+    const __m512i e = _mm512_maskz_loadu_epi8(need > 128 ? (__mmask64)(~0ULL >> (64 - (need - 128))) : 0, b + 128);
+    const __m512i wide = _mm512_castsi256_si512(idx);
+    const __m512i lo = _mm512_permutex2var_epi16(a, wide, c);
+    const __m512i hi = _mm512_permutexvar_epi16(_mm512_sub_epi16(wide, _mm512_set1_epi16(64)), e);
+    const __mmask32 past = _mm512_cmpge_epu16_mask(wide, _mm512_set1_epi16(64));
+    const __m256i dm = _mm512_castsi512_si256(_mm512_mask_blend_epi16(past, lo, hi));
+    __m256 sv = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    const float factor = type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f;
+    *biases = pair ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)) : _mm256_mul_ps(_mm256_set1_ps(factor), sv);
+    return sv;
+}
+
+/* A Q5 block's fifth bits (qh, 4 bytes: bit i is column i's) added to its
+ * columns' nibble values (w0: columns 0..15, w1: 16..31) as 16.0: exact. */
+AVX512 INLINE void fifth_512(const uint8_t *qh, __m512 *w0, __m512 *w1) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    *w0 = _mm512_mask_add_ps(*w0, (__mmask16)(bits & 0xffff), *w0, sixteen);
+    *w1 = _mm512_mask_add_ps(*w1, (__mmask16)(bits >> 16), *w1, sixteen);
 }
 
 AVX512 INLINE __m512 widen_lo(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v))); }
 AVX512 INLINE __m512 widen_hi(__m256i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1))); }
+
+/* A 32-value block's codes as floats (w0: columns 0..15, w1: 16..31): the
+ * 4-bit nibbles through the table as the converted 4-bit rows (Q5's fifth bits
+ * added as 16), Q8_0's bytes widened as the 8-bit rows'. The same values. */
+AVX512 INLINE void small_block_512(int type, const uint8_t *b, __m512 table, __m512 *w0, __m512 *w1) {
+    if (type == GGML_Q8_0) {
+        const __m256i c = small_codes(type, b);
+        *w0 = widen_lo(c), *w1 = widen_hi(c);
+        return;
+    }
+    const Py_ssize_t off = type == GGML_Q4_0 ? 2 : type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 8;
+    decode_512(b + off, table, w0, w1, 4);
+    if (type == GGML_Q5_0 || type == GGML_Q5_1) fifth_512(b + off - 4, w0, w1);
+}
 
 AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -1043,38 +1131,102 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
                 }
             }
         }
-    } else { /* Q5_0, Q5_1, Q8_0: blocks of 32; eight at a time, their scales widened together */
+    } else { /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32; eight at a time, their scales widened together */
         const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
         Py_ssize_t g = 0;
         for (; g + 8 <= blocks; g += 8) {
             const uint8_t *b = raw + g * bytes;
-            __m256 bv, sv = small_scales(type, b, bytes, &bv);
+            __m256 bv, sv = small_scales_512(type, b, bytes, &bv);
             _mm256_storeu_ps(s, sv);
             bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
             for (int j = 0; j < 8; j += 2) {
                 const float *w = x + (g + j) * GROUP;
-                __m256i c0 = small_codes(type, b + j * bytes), c1 = small_codes(type, b + (j + 1) * bytes);
-                even = fold_512(widen_lo(c0), widen_hi(c0), s + j, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
-                odd = fold_512(widen_lo(c1), widen_hi(c1), s + j + 1, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48),
-                               odd, 0);
+                __m512 w0, w1, w2, w3;
+                small_block_512(type, b + j * bytes, table, &w0, &w1);
+                small_block_512(type, b + (j + 1) * bytes, table, &w2, &w3);
+                even = fold_512(w0, w1, s + j, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+                odd = fold_512(w2, w3, s + j + 1, _mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48), odd, 0);
             }
         }
         gb = g;
         for (; g < blocks; g++) { /* the last blocks' biases are bias_dot's tail, one by one */
             const uint8_t *b = raw + g * bytes;
             float sc;
-            decode_scales(type, b, &sc, pending + np_++);
-            __m256i c = small_codes(type, b);
+            small_scale(type, b, &sc, pending + np_++);
+            __m512 w0, w1;
+            small_block_512(type, b, table, &w0, &w1);
             const float *w = x + g * GROUP;
             if (g & 1)
-                odd = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), odd, 0);
+                odd = fold_512(w0, w1, &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), odd, 0);
             else
-                even = fold_512(widen_lo(c), widen_hi(c), &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
+                even = fold_512(w0, w1, &sc, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), even, 0);
         }
     }
     float t = hsum(bacc);
     for (Py_ssize_t i = 0; i < np_; i++) t += pending[i] * xs[gb + i];
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + t;
+}
+
+/* Q4_0 or Q4_1 rows against one activation row, R (1..WROWS) rows of W at a
+ * time sharing each load of x, as wrows_512 does for the converted 4-bit rows
+ * up to WIDE_ROW_BYTES: one row at a time such short rows measured 1.25x
+ * slower than converted (docs/performance.md, "All eight types as stored").
+ * Each row's arithmetic is blocks_row_512's, step for step, so its bits are. */
+AVX512 INLINE void small4_rows_512(const int type, const uint8_t *raw, Py_ssize_t raw_row, const float *x,
+                                   const float *xs, float *out, Py_ssize_t k, const int R) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
+    __m512 even[WROWS], odd[WROWS];
+    __m256 bacc[WROWS];
+    float s[WROWS][8], pending[WROWS][8];
+    Py_ssize_t g = 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps(), bacc[r] = _mm256_setzero_ps();
+    for (; g + 8 <= blocks; g += 8) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 bv, sv = small_scales_512(type, raw + r * raw_row + g * bytes, bytes, &bv);
+            _mm256_storeu_ps(s[r], sv);
+            bacc[r] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc[r]);
+        }
+        for (int j = 0; j < 8; j += 2) {
+            const float *w = x + (g + j) * GROUP;
+            __m512 x0 = _mm512_loadu_ps(w), x1 = _mm512_loadu_ps(w + 16), x2 = _mm512_loadu_ps(w + 32),
+                   x3 = _mm512_loadu_ps(w + 48);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = raw + r * raw_row + (g + j) * bytes;
+                __m512 w0, w1, w2, w3;
+                small_block_512(type, b, table, &w0, &w1);
+                small_block_512(type, b + bytes, table, &w2, &w3);
+                even[r] = fold_512(w0, w1, s[r] + j, x0, x1, even[r], 0);
+                odd[r] = fold_512(w2, w3, s[r] + j + 1, x2, x3, odd[r], 0);
+            }
+        }
+    }
+    const Py_ssize_t gb = g;
+    for (; g < blocks; g++) { /* the last blocks' biases are bias_dot's tail, one by one */
+        const float *w = x + g * GROUP;
+        __m512 x0 = _mm512_loadu_ps(w), x1 = _mm512_loadu_ps(w + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = raw + r * raw_row + g * bytes;
+            float sc;
+            __m512 w0, w1;
+            small_scale(type, b, &sc, pending[r] + (g - gb));
+            small_block_512(type, b, table, &w0, &w1);
+            if (g & 1)
+                odd[r] = fold_512(w0, w1, &sc, x0, x1, odd[r], 0);
+            else
+                even[r] = fold_512(w0, w1, &sc, x0, x1, even[r], 0);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float t = hsum(bacc[r]);
+        for (Py_ssize_t i = 0; i < g - gb; i++) t += pending[r][i] * xs[gb + i];
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + t;
+    }
 }
 
 /* One row of a K type's blocks against one activation row on AVX2, decoding
@@ -1102,7 +1254,7 @@ AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
 AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
     float s[16], bi[16];
-    if (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0) { /* one_row's 8-bit blocks, dot8 each */
+    if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) { /* one_row's blocks of 32, dot8 (= dot4) each */
         const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
         Py_ssize_t g = 0;
         for (; g + 8 <= blocks; g += 8) {
@@ -1120,7 +1272,7 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
         const Py_ssize_t from = g;
         for (; g < blocks; g++) { /* one_row's last blocks (into a0, as even ones), bias_dot's tail */
             const uint8_t *b = raw + g * bytes;
-            decode_scales(type, b, s + (g - from), bi + (g - from));
+            small_scale(type, b, s + (g - from), bi + (g - from));
             __m256 d = dot32_avx2(small_codes(type, b), x + g * GROUP, NULL);
             if ((g - from) & 1)
                 a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a1);
@@ -1194,10 +1346,10 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
     return hsum(_mm256_add_ps(a0, a1)) + hsum(bacc);
 }
 
-/* Whether blocks_row_512 and blocks_row_avx2 compute this type (every one but Q4_0 and Q4_1). */
+/* Whether blocks_row_512 and blocks_row_avx2 compute this type (all eight block forms). */
 static int direct_512(int type) {
-    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_Q5_0 || type == GGML_Q5_1 ||
-           type == GGML_Q8_0;
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ||
+           type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
 }
 static int direct_avx2(int type) { return direct_512(type); }
 
@@ -1208,6 +1360,8 @@ static int direct_avx2(int type) { return direct_512(type); }
     case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k); break; \
     case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k); break; \
     case GGML_Q5_1: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
+    case GGML_Q4_0: v = fn(GGML_Q4_0, row, xi, xsi, k); break; \
+    case GGML_Q4_1: v = fn(GGML_Q4_1, row, xi, xsi, k); break; \
     default: v = fn(GGML_Q8_0, row, xi, xsi, k); break; \
     }
 
@@ -1219,10 +1373,35 @@ static int direct_avx2(int type) { return direct_512(type); }
 AVX512 static void blocks_rows_512(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                                    Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
                                    Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
+    if (m == 1 && type != GGML_Q8_0 && type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K &&
+        k / 2 <= WIDE_ROW_BYTES) {
+        for (Py_ssize_t r = r0; r < r1; r += WROWS) {
+            const int R = r1 - r < WROWS ? (int)(r1 - r) : WROWS;
+            const char *at = (const char *)raw + r * raw_row;
+            for (Py_ssize_t b = 0; b < R * raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+                __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
+            const uint8_t *c = raw + r * raw_row;
+#define SMALL4(T) \
+            switch (R) { \
+            case 1: small4_rows_512(T, c, raw_row, x, xs, y + r, k, 1); break; \
+            case 2: small4_rows_512(T, c, raw_row, x, xs, y + r, k, 2); break; \
+            case 3: small4_rows_512(T, c, raw_row, x, xs, y + r, k, 3); break; \
+            default: small4_rows_512(T, c, raw_row, x, xs, y + r, k, WROWS); break; \
+            }
+            switch (type) {
+            case GGML_Q4_0: SMALL4(GGML_Q4_0) break;
+            case GGML_Q4_1: SMALL4(GGML_Q4_1) break;
+            case GGML_Q5_0: SMALL4(GGML_Q5_0) break;
+            default: SMALL4(GGML_Q5_1) break;
+            }
+#undef SMALL4
+        }
+        return;
+    }
     for (Py_ssize_t r = r0; r < r1; r++) {
         const char *at = (const char *)raw + r * raw_row;
         for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
-            __builtin_prefetch(at + PREFETCH + b, 0, 0);
+            __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *row = raw + r * raw_row;
         for (Py_ssize_t i = 0; i < m; i++) {
             const float *xi = x + i * k, *xsi = xs + i * groups;
@@ -1239,7 +1418,7 @@ AVX2 static void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_r
     for (Py_ssize_t r = r0; r < r1; r++) {
         const char *at = (const char *)raw + r * raw_row;
         for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
-            __builtin_prefetch(at + PREFETCH + b, 0, 0);
+            __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *row = raw + r * raw_row;
         for (Py_ssize_t i = 0; i < m; i++) {
             const float *xi = x + i * k, *xsi = xs + i * groups;
@@ -1271,7 +1450,7 @@ static void decode_tile(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssi
     const Py_ssize_t blocks = k / values, code_bytes = bits == 4 ? values / 2 : values, per = values / group;
     for (Py_ssize_t r = 0; r < rows; r++) {
         for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
-            __builtin_prefetch((const char *)raw + r * raw_row + PREFETCH + b, 0, 0);
+            __builtin_prefetch((const char *)raw + r * raw_row + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *row = raw + r * raw_row;
         uint8_t *c = codes + r * blocks * code_bytes;
         float *sr = s + r * blocks * per, *br = bi + r * blocks * per;
@@ -1440,7 +1619,7 @@ static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scal
                 /* The hardware prefetchers stop at 4 KiB pages: ask for the codes PREFETCH bytes ahead. */
                 const char *ahead = (const char *)(ct + (r - r0) * row_bytes) + PREFETCH;
                 for (Py_ssize_t b = 0; b < row_bytes && (r - r0) * row_bytes + PREFETCH + b < left; b += 64)
-                    __builtin_prefetch(ahead + b, 0, 0);
+                    __builtin_prefetch(ahead + b, 0, PREFETCH_LOCALITY);
                 fn(ct + (r - r0) * row_bytes, s + (r - r0) * groups, bi + (r - r0) * groups, x + i0 * k,
                    xs + i0 * groups, y + i0 * n + r, rows, k, n, group);
             }
@@ -1973,7 +2152,10 @@ done:
 static int cpu_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-static int cpu_avx512(void) { return cpu_avx2() && __builtin_cpu_supports("avx512f"); }
+static int cpu_avx512(void) {
+    return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
 #endif
 
 /* paths() -> list: the code paths this CPU can run, best last. */

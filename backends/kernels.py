@@ -80,15 +80,24 @@ SLAB_BYTES = 2 << 20
 BLOCK_FORMS: dict[str, int] = native.block_forms() if hasattr(native, "block_forms") else {}
 #: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
 BLOCK_COLS = 32768
-#: The GGML types kept as the file stores them: the K types, whose converted
-#: form reads more bytes per token (a float32 scale and bias per group;
-#: Q5_K's and Q6_K's codes a byte each) and whose decoding products measured
-#: at least as fast on the blocks. Q4_0, Q4_1 and Q8_0 convert to the file's
-#: bytes (codes copied), and decode faster converted; Q5_0 and Q5_1 read a
-#: third fewer bytes as stored, but decoded no faster on the blocks, whose
-#: fifth bits cost more instructions than the bytes saved
-#: (docs/performance.md). The kernels read all eight (BLOCK_FORMS).
-STORED_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+#: The GGML types kept as the file stores them, by kernel path: those whose
+#: decoding products measured at least as fast on the blocks as on the converted
+#: form (a float16 scale and bias per group of 32, the codes a nibble or a byte
+#: each), which the others get at load (docs/performance.md, "All eight types as
+#: stored"). As stored a weight reads fewer bytes (the K types, Q5_0, Q5_1) or
+#: the same (Q4_0, Q4_1, Q8_0), costs nothing at load and stays the file's pages.
+#: AVX-512 decodes all eight in registers; on AVX2, Q5_0's and Q5_1's fifth bits
+#: cost more than their bytes save (1.25x the converted time); the portable path
+#: decodes the 32-value types through a buffer, 1.1x to 2x slower than converted.
+STORED_BY_PATH: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}),
+    "avx2+fma": frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}),
+    "portable": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
+}
+#: The types kept as stored on the path in use (empty without the kernels).
+#: ``block_form`` reads it at load: setting it here (not on a module that
+#: imported it) changes what the next load keeps (``benchmarks/stored_blocks.py``).
+STORED_TYPES: frozenset[str] = STORED_BY_PATH.get(native.simd(), frozenset()) if native is not None else frozenset()
 
 
 class ThreadGovernor:

@@ -7,10 +7,10 @@ when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
 (:mod:`infer.backends.kernels`, built at install where a C compiler exists),
-GGUF's K types (Q4_K, Q5_K, Q6_K) are computed on as the file stores them, a
-view of the memory-mapped file (:data:`STORED_TYPES`), and the other GGUF
-matrices whose type has an exact affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in
-groups of 32) stay in that form,
+the GGUF matrices of :data:`STORED_TYPES` (all eight block types the kernels
+read on AVX-512; fewer on the other paths) are computed on as the file stores
+them, a view of the memory-mapped file, and the others whose type has an exact
+affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in groups of 32) are converted to it,
 4 or 8 bits per value plus a scale and bias per group, float16 where the
 type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel

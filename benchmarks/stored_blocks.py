@@ -1,8 +1,8 @@
 """Decode speed of GGUF weights as the file stores them against converted, in one process.
 
-The numpy backend computes on the types of ``NumpyBackend``'s ``STORED_TYPES``
-(Q4_K, Q5_K, Q6_K) as the file stores them; emptying that set gives the
-conversion at load that came before. This loads the model both ways and times
+The C kernels' backends compute on the types of ``infer.backends.kernels.STORED_TYPES``
+as the file stores them (``--types`` names another set); emptying that set
+gives the conversion at load that came before. This loads the model both ways and times
 greedy decoding of each, alternating round by round (the order swapped every
 round), so that a machine whose speed drifts moves both alike. For every round
 it also prints the CPU other processes took meanwhile (``/proc/stat`` less this
@@ -16,13 +16,16 @@ under ``--quiet`` cores.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
+from collections import Counter
 
 import infer
-from infer.backends import numpy as numpy_backend
+from infer.backends import kernels
+from infer.ops import PackedWeight
 
 
 def cpu_sample() -> tuple[float, float, float]:
@@ -34,19 +37,30 @@ def cpu_sample() -> tuple[float, float, float]:
     return time.monotonic(), busy, mine.user + mine.system
 
 
+def kernel_weights() -> Counter[str]:
+    """How the live weights the C kernels take are held (``PackedWeight.scheme``), counted."""
+    return Counter(w.scheme for w in gc.get_objects() if isinstance(w, PackedWeight) and w.scheme.endswith("C kernel"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=16, help="tokens timed per round")
     parser.add_argument("--quiet", type=float, default=0.1, help="most cores other work may take in a counted round")
+    parser.add_argument("--types", help="comma-separated GGML types to keep as stored (default: STORED_TYPES)")
+    parser.add_argument("--baseline", default="", help="comma-separated types the other side keeps as stored (default: none)")
     args = parser.parse_args(argv)
 
-    stored = numpy_backend.STORED_TYPES
-    numpy_backend.STORED_TYPES = frozenset()
-    models = {"converted": infer.load(args.model, backend="numpy")}
-    numpy_backend.STORED_TYPES = stored
-    models["stored"] = infer.load(args.model, backend="numpy")
+    stored = frozenset(args.types.split(",")) if args.types else kernels.STORED_TYPES
+    models: dict[str, infer.Model] = {}
+    baseline = frozenset(t for t in args.baseline.split(",") if t)
+    for name, types in (("converted", baseline), ("stored", stored)):
+        # block_form reads the kernels module's set at load: it is set there.
+        kernels.STORED_TYPES = types
+        before = kernel_weights()
+        models[name] = infer.load(args.model, backend="numpy")
+        print(name, dict(kernel_weights() - before), flush=True)  # what each side computes on
     ids = models["stored"].tokenizer.encode("The capital of France is a city that")
     for m in models.values():  # records each one's decode program
         list(m.generate_tokens(ids, max_tokens=8, ignore_eos=True))

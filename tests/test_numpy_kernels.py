@@ -688,9 +688,10 @@ def test_set_threads_changes_the_threads_a_product_may_use() -> None:
 
 #: Every block type the kernels read as stored (the backend keeps STORED_TYPES so).
 BLOCK_TYPES = sorted(numpy_backend.BLOCK_FORMS)
-#: Shapes with odd row counts, one-block rows and widths that are no power of two.
+#: Shapes with odd row counts, one-block rows and widths that are no power of two; the
+#: short rows (up to 768 columns) decode 4 at a time, so 6 and 7 rows leave 2 and 3.
 K_SHAPES = [(1, 256), (5, 768), (37, 2048), (3, 8192)]
-SMALL_SHAPES = [(1, 32), (5, 96), (37, 640), (3, 2080)]
+SMALL_SHAPES = [(1, 32), (5, 96), (37, 640), (3, 2080), (6, 256), (7, 768)]
 
 
 def block_args(qtype: str, n: int, k: int, seed: int) -> tuple[tuple, AffineTensor, np.ndarray]:
@@ -706,7 +707,13 @@ def block_args(qtype: str, n: int, k: int, seed: int) -> tuple[tuple, AffineTens
 
 @needs_kernels
 def test_the_kernels_read_every_type_the_backend_keeps_as_stored() -> None:
-    assert numpy_backend.STORED_TYPES <= set(numpy_backend.BLOCK_FORMS)
+    from infer.backends import kernels
+
+    # Which types stay as stored follows the kernel path in use (INFER_NUMPY_KERNELS).
+    assert numpy_backend.STORED_TYPES == kernels.STORED_BY_PATH[kernels.native.simd()]
+    assert set(kernels.native.paths()) <= set(kernels.STORED_BY_PATH)
+    for types in kernels.STORED_BY_PATH.values():
+        assert {"Q4_K", "Q5_K", "Q6_K"} <= types <= set(numpy_backend.BLOCK_FORMS)
     assert set(numpy_backend.BLOCK_FORMS) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -760,7 +767,7 @@ def test_bad_blocks_are_value_errors() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", sorted(numpy_backend.STORED_TYPES))
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_a_stored_weights_rows_do_not_depend_on_the_tile(path: str, qtype: str) -> None:
     # Tiles of rows go to different threads (and, decoded, to a buffer sized by
     # the row's width): each row of a weight gives what it gives alone.
