@@ -1984,6 +1984,32 @@ done:
 /* Eight floats as one value: GCC and clang compile it to one AVX register, or two
  * SSE ones, with the same per-lane arithmetic. */
 typedef float v8f __attribute__((vector_size(32)));
+/* The same, at any float's alignment: loads and stores through it keep the
+ * accumulators in registers (a memcpy of their array made GCC keep it on the stack). */
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* dot_f32 of one row against four (its lanes, their order, its final sum), the
+ * four interleaved: four dependency chains instead of one, the same bits. */
+static inline __attribute__((always_inline)) void dot4_f32(const float *q, const float *k0, const float *k1,
+                                                            const float *k2, const float *k3, Py_ssize_t n, float *out) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    Py_ssize_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const v8f x = *(const v8f_u *)(q + c);
+        a0 += x * *(const v8f_u *)(k0 + c);
+        a1 += x * *(const v8f_u *)(k1 + c);
+        a2 += x * *(const v8f_u *)(k2 + c);
+        a3 += x * *(const v8f_u *)(k3 + c);
+    }
+    const v8f *acc[4] = {&a0, &a1, &a2, &a3};
+    const float *ks[4] = {k0, k1, k2, k3};
+    for (int r = 0; r < 4; r++) {
+        const v8f v = *acc[r];
+        float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+        for (Py_ssize_t d = c; d < n; d++) t += q[d] * ks[r][d];
+        out[r] = t;
+    }
+}
 
 struct attend_args {
     const float *Q, *K, *V;
@@ -2011,7 +2037,19 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     for (Py_ssize_t c = 0; c < dv; c++) o[c] = 0.0f;
     if (hi <= lo) return; /* nothing visible: numpy gives NaN rows; never the case in decoding */
     float top = -INFINITY;
-    for (Py_ssize_t j = lo; j < hi; j++) {
+    Py_ssize_t j = lo;
+    for (; j + 4 <= hi; j += 4) {
+        float d4[4];
+        dot4_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, a->K + (ROW(a, j + 1) * hkv + kvh) * dk,
+                 a->K + (ROW(a, j + 2) * hkv + kvh) * dk, a->K + (ROW(a, j + 3) * hkv + kvh) * dk, dk, d4);
+        for (int r = 0; r < 4; r++) {
+            float sc = d4[r] * a->scale;
+            if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
+            scores[j + r] = sc;
+            if (sc > top) top = sc;
+        }
+    }
+    for (; j < hi; j++) {
         float sc = dot_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, dk) * a->scale;
         if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
         scores[j] = sc;
@@ -2020,29 +2058,30 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     const float sink = a->sinks ? a->sinks[h] : -INFINITY;
     if (sink > top) top = sink;
     float total = a->sinks ? expf(sink - top) : 0.0f;
-    for (Py_ssize_t j = lo; j < hi; j++) {
+    for (j = lo; j < hi; j++) {
         scores[j] = expf(scores[j] - top);
         total += scores[j];
     }
-    for (Py_ssize_t j = lo; j < hi; j++) scores[j] /= total;
+    for (j = lo; j < hi; j++) scores[j] /= total;
     /* o = sum_j p_j v_j, 64 columns at a time held in registers across the keys
      * (adding into o in memory made every key wait on the previous one's store);
      * each column's sum is still over j in order. */
     Py_ssize_t c0 = 0;
     for (; c0 + 64 <= dv; c0 += 64) {
-        v8f acc[8] = {{0}};
+        v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0}, acc6 = {0}, acc7 = {0};
         for (Py_ssize_t j = lo; j < hi; j++) {
             const float *vj = a->V + (ROW(a, j) * hkv + kvh) * dv + c0;
             const v8f p = (v8f){0} + scores[j];
-            for (int u = 0; u < 8; u++) {
-                v8f vv;
-                memcpy(&vv, vj + 8 * u, sizeof vv);
-                acc[u] += p * vv;
-            }
+            acc0 += p * *(const v8f_u *)vj, acc1 += p * *(const v8f_u *)(vj + 8);
+            acc2 += p * *(const v8f_u *)(vj + 16), acc3 += p * *(const v8f_u *)(vj + 24);
+            acc4 += p * *(const v8f_u *)(vj + 32), acc5 += p * *(const v8f_u *)(vj + 40);
+            acc6 += p * *(const v8f_u *)(vj + 48), acc7 += p * *(const v8f_u *)(vj + 56);
         }
-        memcpy(o + c0, acc, sizeof acc);
+        *(v8f_u *)(o + c0) = acc0, *(v8f_u *)(o + c0 + 8) = acc1, *(v8f_u *)(o + c0 + 16) = acc2;
+        *(v8f_u *)(o + c0 + 24) = acc3, *(v8f_u *)(o + c0 + 32) = acc4, *(v8f_u *)(o + c0 + 40) = acc5;
+        *(v8f_u *)(o + c0 + 48) = acc6, *(v8f_u *)(o + c0 + 56) = acc7;
     }
-    for (Py_ssize_t j = lo; j < hi; j++) {
+    for (j = lo; j < hi; j++) {
         const float p = scores[j], *vj = a->V + (ROW(a, j) * hkv + kvh) * dv;
         for (Py_ssize_t c = c0; c < dv; c++) o[c] += p * vj[c];
     }

@@ -488,7 +488,7 @@ def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: in
 
 @needs_kernels
 @pytest.mark.parametrize("tq,tk", [(1, 1), (1, 37), (3, 20), (8, 8), (5, 300)])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 1), (10, 2)])  # query heads per KV head: 1, 3, 8 (two fours), 5
 @pytest.mark.parametrize("causal,window,softcap,sinks", [
     (True, None, None, False), (True, 7, None, False), (False, None, None, False), (True, None, 20.0, False),
     (False, 5, 30.0, False), (True, None, None, True), (False, 5, 20.0, True)])
@@ -529,6 +529,26 @@ def test_attention_head_sizes_and_code_paths_agree(pure_numpy, d: int, tq: int, 
         _affine.use_simd(chosen)
     assert all(np.array_equal(o.view(np.uint32), outputs[0].view(np.uint32)) for o in outputs)
     assert np.abs(outputs[0] - want).max() <= 2e-6 * np.abs(v).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [16, 64, 80])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 2), (16, 2), (8, 1)])
+def test_grouped_query_heads_give_the_bits_of_each_head_alone(d: int, hq: int, hkv: int) -> None:
+    # Query heads that share a KV head (GQA) each get the bits they get with the
+    # KV head repeated for them alone (MHA): a head's sums do not depend on the others.
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(hq * 100 + d)
+    tq, tk = 2, 70
+    q = rng.standard_normal((tq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((tk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((tk, hkv, d)).astype(np.float32)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    batch = one_sequence(tq, tk, tk)
+    kw = dict(scale=d ** -0.5, causal=True, window=None, softcap=30.0, sinks=sinks)
+    grouped = ops.attention(q, k, v, batch, **kw)
+    alone = ops.attention(q, np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1), batch, **kw)
+    assert np.array_equal(grouped.view(np.uint32), alone.view(np.uint32))
 
 
 def paged(table: list[int], context: int, tq: int, block: int) -> AttentionBatch:
