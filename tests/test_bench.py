@@ -433,3 +433,13 @@ def test_the_llama_cpp_worker_reads_no_file_to_count_weights(tiny: Path, monkeyp
     assert jobs[0]["stored_weight_bytes"] == bench.stored_weight_bytes(tiny)
     source = inspect.getsource(bench_worker._llama_cpp)
     assert "stored_weight_bytes" in source and "GGUFReader" not in inspect.getsource(bench_worker)
+
+
+def test_the_machine_line_names_the_cpu_flags_the_kernels_choose_by() -> None:
+    # Figures from machines that differ only in AVX-512 (or VNNI) are not comparable:
+    # every results line says which the CPU had.
+    report = {"date": "2026-12-03", "settings": {"prompt_tokens": 128, "new_tokens": 128, "threads": 2, "repeats": 3},
+              "machine": {"cpu": "AMD EPYC", "cores": 2, "cpu_flags": ["avx2", "avx512bw", "avx512f"],
+                          "platform": "Linux", "versions": {"numpy": "2.4"}}}
+    line = bench_report.machine_line(report)
+    assert "AMD EPYC (2 logical cores, avx2 avx512bw avx512f)" in line

@@ -43,7 +43,8 @@ def _cpu_model() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    wanted = {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "neon", "asimd"}
+    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16",
+              "amx_int8", "neon", "asimd"}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:

@@ -50,7 +50,8 @@ def machine_line(report: dict[str, Any]) -> str:
         gbw = m.get("gpu_read_bandwidth_bytes_s")
         bandwidth += (f"; GPU {gpu['name']} ({gpu['memory_bytes'] / 2**30:.0f} GiB"
                       + (f", memory read {gbw / 1e9:.0f} GB/s" if gbw else "") + ")")
-    return (f"{report['date']} on {m['cpu']} ({m['cores']} logical cores{ram}{bandwidth}), {m['platform']}; "
+    flags = f", {' '.join(m['cpu_flags'])}" if m.get("cpu_flags") else ""
+    return (f"{report['date']} on {m['cpu']} ({m['cores']} logical cores{flags}{ram}{bandwidth}), {m['platform']}; "
             f"{versions}. Prompt {s['prompt_tokens']} tokens, {s['new_tokens']} new tokens greedy, "
             f"{s['threads']} threads, median of {s['repeats']} repeats.")
 
