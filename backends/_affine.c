@@ -1987,6 +1987,9 @@ typedef float v8f __attribute__((vector_size(32)));
 /* The same, at any float's alignment: loads and stores through it keep the
  * accumulators in registers (a memcpy of their array made GCC keep it on the stack). */
 typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+#ifndef KV_AHEAD
+#define KV_AHEAD 16 /* keys ahead whose rows are asked for */
+#endif
 
 /* dot_f32 of one row against four (its lanes, their order, its final sum), the
  * four interleaved: four dependency chains instead of one, the same bits. */
@@ -2040,6 +2043,11 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     Py_ssize_t j = lo;
     for (; j + 4 <= hi; j += 4) {
         float d4[4];
+        if (j + KV_AHEAD + 4 <= hi) /* rows hkv * dk floats apart: the hardware prefetchers stop at each page */
+            for (int r = 0; r < 4; r++) {
+                const char *row = (const char *)(a->K + (ROW(a, j + KV_AHEAD + r) * hkv + kvh) * dk);
+                for (Py_ssize_t b = 0; b < dk * 4; b += 64) __builtin_prefetch(row + b, 0, 3);
+            }
         dot4_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, a->K + (ROW(a, j + 1) * hkv + kvh) * dk,
                  a->K + (ROW(a, j + 2) * hkv + kvh) * dk, a->K + (ROW(a, j + 3) * hkv + kvh) * dk, dk, d4);
         for (int r = 0; r < 4; r++) {
@@ -2071,6 +2079,10 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
         v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0}, acc6 = {0}, acc7 = {0};
         for (Py_ssize_t j = lo; j < hi; j++) {
             const float *vj = a->V + (ROW(a, j) * hkv + kvh) * dv + c0;
+            if (j + KV_AHEAD < hi) {
+                const char *ahead = (const char *)(a->V + (ROW(a, j + KV_AHEAD) * hkv + kvh) * dv + c0);
+                for (int b = 0; b < 256; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+            }
             const v8f p = (v8f){0} + scores[j];
             acc0 += p * *(const v8f_u *)vj, acc1 += p * *(const v8f_u *)(vj + 8);
             acc2 += p * *(const v8f_u *)(vj + 16), acc3 += p * *(const v8f_u *)(vj + 24);
