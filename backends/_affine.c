@@ -66,9 +66,9 @@
 #define PREFETCH 4096
 #endif
 /* The weights' bytes are asked for into every cache level (prefetcht0): with
- * the non-temporal hint (locality 0) a decoding product over the memory-mapped
- * blocks took a third longer, measured over a 1B-class model's 113 products
- * against the same kernels (docs/performance.md, "Prefetching"). */
+ * the non-temporal hint (locality 0) a 1B-class model's 113 decoding products
+ * took a third longer while other work contended for the memory, and the same
+ * time on a quiet machine (docs/performance.md, "Prefetching"). */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 3
 #endif
