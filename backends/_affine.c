@@ -624,7 +624,7 @@ AVX512 static void halves_512(const uint16_t *h, float *f, Py_ssize_t n) {
 }
 #endif
 
-/* The code path: portable C loops, AVX2+FMA+F16C, or AVX-512F (on top of AVX2,
+/* The code path: portable C loops, AVX2+FMA+F16C, or AVX-512 F+BW+VL (on top of AVX2,
  * which its elementwise ops, attention and dequantization keep using). */
 static int use_avx2 = 0, use_avx512 = 0;
 
@@ -2228,7 +2228,7 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
         int wide = name[3] == '5';
 #ifdef HAVE_X86
         if (!(wide ? cpu_avx512() : cpu_avx2())) {
-            PyErr_Format(PyExc_ValueError, "this CPU has no %s", wide ? "AVX-512F" : "AVX2+FMA+F16C");
+            PyErr_Format(PyExc_ValueError, "this CPU has no %s", wide ? "AVX-512 F+BW+VL" : "AVX2+FMA+F16C");
             return NULL;
         }
         use_avx2 = 1;
