@@ -966,6 +966,8 @@ AVX2 static void decode_row_avx2(int type, const uint8_t *raw, Py_ssize_t blocks
 static inline Py_ssize_t small_bytes(int type) {
     return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
 }
+/* A symmetric 32-value type's bias over its scale (Q4_0, Q5_0, Q8_0: decode_scales' factors). */
+static inline float small_factor(int type) { return type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f; }
 
 AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
     if (type == GGML_Q8_0) /* int8 q -> q + 128 */
@@ -991,8 +993,7 @@ AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __
     SMALL_WORD(0) SMALL_WORD(1) SMALL_WORD(2) SMALL_WORD(3) SMALL_WORD(4) SMALL_WORD(5) SMALL_WORD(6) SMALL_WORD(7)
 #undef SMALL_WORD
     __m256 sv = _mm256_cvtph_ps(d);
-    const float factor = type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f;
-    *biases = pair ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(factor), sv);
+    *biases = pair ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(small_factor(type)), sv);
     return sv;
 }
 
@@ -1005,7 +1006,7 @@ AVX2 INLINE void small_scale(int type, const uint8_t *b, float *s, float *bi) {
         memcpy(&m, b + 2, 2);
         bi[0] = _cvtsh_ss(m);
     } else {
-        bi[0] = (type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f) * s[0];
+        bi[0] = small_factor(type) * s[0];
     }
 }
 
@@ -1033,8 +1034,8 @@ AVX512 INLINE __m256 small_scales_512(int type, const uint8_t *b, Py_ssize_t byt
     const __mmask32 past = _mm512_cmpge_epu16_mask(wide, _mm512_set1_epi16(64));
     const __m256i dm = _mm512_castsi512_si256(_mm512_mask_blend_epi16(past, lo, hi));
     __m256 sv = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-    const float factor = type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f;
-    *biases = pair ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)) : _mm256_mul_ps(_mm256_set1_ps(factor), sv);
+    *biases = pair ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1))
+                   : _mm256_mul_ps(_mm256_set1_ps(small_factor(type)), sv);
     return sv;
 }
 
@@ -1167,9 +1168,9 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + t;
 }
 
-/* Q4_0 or Q4_1 rows against one activation row, R (1..WROWS) rows of W at a
- * time sharing each load of x, as wrows_512 does for the converted 4-bit rows
- * up to WIDE_ROW_BYTES: one row at a time such short rows measured 1.25x
+/* Q4_0, Q4_1, Q5_0 or Q5_1 rows against one activation row, R (1..WROWS) rows
+ * of W at a time sharing each load of x, as wrows_512 does for the converted
+ * 4-bit rows up to WIDE_ROW_BYTES: one at a time, short Q4_1 rows measured 1.25x
  * slower than converted (docs/performance.md, "All eight types as stored").
  * Each row's arithmetic is blocks_row_512's, step for step, so its bits are. */
 AVX512 INLINE void small4_rows_512(const int type, const uint8_t *raw, Py_ssize_t raw_row, const float *x,
