@@ -105,6 +105,35 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
+/* Float to IEEE half, rounded to nearest, ties to even, as numpy's
+ * astype(float16): beyond the largest half an infinity, below half the
+ * smallest subnormal a zero, subnormals rounded alike, a NaN kept a NaN. */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { /* infinity, or NaN with its top mantissa bits (never all zero) */
+        const uint32_t m = (ax & 0x7fffffu) >> 13;
+        return (uint16_t)(sign | 0x7c00u | (ax == 0x7f800000u ? 0 : (m ? m : 1)));
+    }
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up round past 65504 */
+    uint32_t h, rest, halfway;
+    if (ax >= 0x38800000u) { /* a normal half: drop 13 mantissa bits */
+        h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
+        rest = ax & 0x1fffu;
+        halfway = 0x1000u;
+    } else if (ax > 0x33000000u) { /* a subnormal half: units of 2^-24 */
+        const uint32_t shift = 126 - (ax >> 23), m = (ax & 0x7fffffu) | 0x800000u;
+        h = m >> shift;
+        rest = m & ((1u << shift) - 1);
+        halfway = 1u << (shift - 1);
+    } else {
+        return (uint16_t)sign; /* at most 2^-25: ties to the even zero */
+    }
+    if (rest > halfway || (rest == halfway && (h & 1))) h++; /* a carry moves into the exponent, as it should */
+    return (uint16_t)(sign | h);
+}
+
 /* -- portable ----------------------------------------------------------------- */
 
 static void row4_portable(const uint8_t *codes, const float *scales, const float *biases, const float *x,
@@ -1992,65 +2021,108 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
 #define KV_AHEAD 16 /* keys ahead whose rows are asked for */
 #endif
 
-/* dot_f32 of one row against four (its lanes, their order, its final sum), the
- * four interleaved: four dependency chains instead of one, the same bits. */
-static inline __attribute__((always_inline)) void dot4_f32(const float *q, const float *k0, const float *k1,
-                                                            const float *k2, const float *k3, Py_ssize_t n, float *out) {
+/* Keys and values stored as IEEE float16 (a pool of kv_dtype="float16") are read
+ * as the float32 values they hold: the conversion is exact, so attention over a
+ * float16 pool gives the bits of the same pool widened to float32 first. With
+ * _Float16 (GCC >= 12, clang) the AVX2 path converts eight at a time (F16C's
+ * vcvtph2ps) and the portable one through the compiler's own exact routine. */
+#ifdef __FLT16_MAX__
+typedef _Float16 v8h_u __attribute__((vector_size(16), aligned(2), may_alias));
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* kv8 is always inlined: no call passes a v8f */
+#endif
+static inline __attribute__((always_inline)) v8f kv8(const void *p, Py_ssize_t i, int half) {
+    if (!half) return *(const v8f_u *)((const float *)p + i);
+#ifdef __FLT16_MAX__
+    return __builtin_convertvector(*(const v8h_u *)((const uint16_t *)p + i), v8f);
+#else
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = half_to_float(((const uint16_t *)p)[i + l]);
+    return r;
+#endif
+}
+
+static inline __attribute__((always_inline)) float kv1(const void *p, Py_ssize_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* dot_f32 of q against the stored row at element i of K (its lanes, their
+ * order, its final sum), whatever the row's storage. */
+static inline __attribute__((always_inline)) float dot_kv(const float *q, const void *K, Py_ssize_t i, Py_ssize_t n,
+                                                          int half) {
+    v8f acc = {0};
+    Py_ssize_t c = 0;
+    for (; c + 8 <= n; c += 8) acc += *(const v8f_u *)(q + c) * kv8(K, i + c, half);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; c < n; c++) s += q[c] * kv1(K, i + c, half);
+    return s;
+}
+
+/* dot_kv of one row against four (at elements i0..i3 of K), the four
+ * interleaved: four dependency chains instead of one, the same bits. */
+static inline __attribute__((always_inline)) void dot4_kv(const float *q, const void *K, Py_ssize_t i0, Py_ssize_t i1,
+                                                          Py_ssize_t i2, Py_ssize_t i3, Py_ssize_t n, int half,
+                                                          float *out) {
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     Py_ssize_t c = 0;
     for (; c + 8 <= n; c += 8) {
         const v8f x = *(const v8f_u *)(q + c);
-        a0 += x * *(const v8f_u *)(k0 + c);
-        a1 += x * *(const v8f_u *)(k1 + c);
-        a2 += x * *(const v8f_u *)(k2 + c);
-        a3 += x * *(const v8f_u *)(k3 + c);
+        a0 += x * kv8(K, i0 + c, half);
+        a1 += x * kv8(K, i1 + c, half);
+        a2 += x * kv8(K, i2 + c, half);
+        a3 += x * kv8(K, i3 + c, half);
     }
     const v8f *acc[4] = {&a0, &a1, &a2, &a3};
-    const float *ks[4] = {k0, k1, k2, k3};
+    const Py_ssize_t at[4] = {i0, i1, i2, i3};
     for (int r = 0; r < 4; r++) {
         const v8f v = *acc[r];
         float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-        for (Py_ssize_t d = c; d < n; d++) t += q[d] * ks[r][d];
+        for (Py_ssize_t d = c; d < n; d++) t += q[d] * kv1(K, at[r] + d, half);
         out[r] = t;
     }
 }
 
 struct attend_args {
-    const float *Q, *K, *V;
+    const float *Q;
+    const void *K, *V; /* float32, or IEEE float16 where half */
     float *O;
     const Py_ssize_t *rows; /* pool row of each key position; NULL: position j is row j */
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
     float scale, softcap;
-    int causal;
+    int causal, half;
     const float *sinks; /* [hq]: one more logit per head in each softmax, with no value; NULL: none */
 };
 
 #define ROW(a, j) ((a)->rows ? (a)->rows[j] : (j))
 
 static inline __attribute__((always_inline)) void attend(const struct attend_args *a, Py_ssize_t task,
-                                                         float *scores) {
+                                                         float *scores, int half) {
     Py_ssize_t i = task / a->hq, h = task % a->hq;
     Py_ssize_t pos = a->tk - a->tq + i, lo = 0, hi = a->tk; /* visible keys: [lo, hi) */
     if (a->causal) hi = pos + 1 < a->tk ? pos + 1 : a->tk;
     if (a->window > 0 && pos - a->window + 1 > lo) lo = pos - a->window + 1;
     if (a->window > 0 && !a->causal && pos + a->window < hi) hi = pos + a->window;
-    const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv;
+    const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv, size = half ? 2 : 4;
     const float *qh = a->Q + (i * a->hq + h) * dk;
     Py_ssize_t kvh = h / (a->hq / hkv);
     float *o = a->O + (i * a->hq + h) * dv;
+    const char *K = a->K, *V = a->V;
+#define KEY(j) ((ROW(a, j) * hkv + kvh) * dk) /* element index of key j's row */
+#define VALUE(j) ((ROW(a, j) * hkv + kvh) * dv)
     for (Py_ssize_t c = 0; c < dv; c++) o[c] = 0.0f;
     if (hi <= lo) return; /* nothing visible: numpy gives NaN rows; never the case in decoding */
     float top = -INFINITY;
     Py_ssize_t j = lo;
     for (; j + 4 <= hi; j += 4) {
         float d4[4];
-        if (j + KV_AHEAD + 4 <= hi) /* rows hkv * dk floats apart: the hardware prefetchers stop at each page */
+        if (j + KV_AHEAD + 4 <= hi) /* rows hkv * dk apart: the hardware prefetchers stop at each page */
             for (int r = 0; r < 4; r++) {
-                const char *row = (const char *)(a->K + (ROW(a, j + KV_AHEAD + r) * hkv + kvh) * dk);
-                for (Py_ssize_t b = 0; b < dk * 4; b += 64) __builtin_prefetch(row + b, 0, 3);
+                const char *row = K + KEY(j + KV_AHEAD + r) * size;
+                for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(row + b, 0, 3);
             }
-        dot4_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, a->K + (ROW(a, j + 1) * hkv + kvh) * dk,
-                 a->K + (ROW(a, j + 2) * hkv + kvh) * dk, a->K + (ROW(a, j + 3) * hkv + kvh) * dk, dk, d4);
+        dot4_kv(qh, K, KEY(j), KEY(j + 1), KEY(j + 2), KEY(j + 3), dk, half, d4);
         for (int r = 0; r < 4; r++) {
             float sc = d4[r] * a->scale;
             if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
@@ -2059,7 +2131,7 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
         }
     }
     for (; j < hi; j++) {
-        float sc = dot_f32(qh, a->K + (ROW(a, j) * hkv + kvh) * dk, dk) * a->scale;
+        float sc = dot_kv(qh, K, KEY(j), dk, half) * a->scale;
         if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
         scores[j] = sc;
         if (sc > top) top = sc;
@@ -2079,38 +2151,48 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     for (; c0 + 64 <= dv; c0 += 64) {
         v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0}, acc6 = {0}, acc7 = {0};
         for (Py_ssize_t j = lo; j < hi; j++) {
-            const float *vj = a->V + (ROW(a, j) * hkv + kvh) * dv + c0;
+            const Py_ssize_t vj = VALUE(j) + c0;
             if (j + KV_AHEAD < hi) {
-                const char *ahead = (const char *)(a->V + (ROW(a, j + KV_AHEAD) * hkv + kvh) * dv + c0);
-                for (int b = 0; b < 256; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+                const char *ahead = V + (VALUE(j + KV_AHEAD) + c0) * size;
+                for (int b = 0; b < 64 * size; b += 64) __builtin_prefetch(ahead + b, 0, 3);
             }
             const v8f p = (v8f){0} + scores[j];
-            acc0 += p * *(const v8f_u *)vj, acc1 += p * *(const v8f_u *)(vj + 8);
-            acc2 += p * *(const v8f_u *)(vj + 16), acc3 += p * *(const v8f_u *)(vj + 24);
-            acc4 += p * *(const v8f_u *)(vj + 32), acc5 += p * *(const v8f_u *)(vj + 40);
-            acc6 += p * *(const v8f_u *)(vj + 48), acc7 += p * *(const v8f_u *)(vj + 56);
+            acc0 += p * kv8(V, vj, half), acc1 += p * kv8(V, vj + 8, half);
+            acc2 += p * kv8(V, vj + 16, half), acc3 += p * kv8(V, vj + 24, half);
+            acc4 += p * kv8(V, vj + 32, half), acc5 += p * kv8(V, vj + 40, half);
+            acc6 += p * kv8(V, vj + 48, half), acc7 += p * kv8(V, vj + 56, half);
         }
         *(v8f_u *)(o + c0) = acc0, *(v8f_u *)(o + c0 + 8) = acc1, *(v8f_u *)(o + c0 + 16) = acc2;
         *(v8f_u *)(o + c0 + 24) = acc3, *(v8f_u *)(o + c0 + 32) = acc4, *(v8f_u *)(o + c0 + 40) = acc5;
         *(v8f_u *)(o + c0 + 48) = acc6, *(v8f_u *)(o + c0 + 56) = acc7;
     }
     for (j = lo; j < hi; j++) {
-        const float p = scores[j], *vj = a->V + (ROW(a, j) * hkv + kvh) * dv;
-        for (Py_ssize_t c = c0; c < dv; c++) o[c] += p * vj[c];
+        const float p = scores[j];
+        const Py_ssize_t vj = VALUE(j);
+        for (Py_ssize_t c = c0; c < dv; c++) o[c] += p * kv1(V, vj + c, half);
     }
+#undef KEY
+#undef VALUE
 }
 
-static void attend_portable(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores); }
+/* Compiled per path and per storage, so that each loop knows its loads. */
+static void attend_portable(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores, 0); }
+static void attend_portable_f16(const struct attend_args *a, Py_ssize_t task, float *scores) {
+    attend(a, task, scores, 1);
+}
 #ifdef HAVE_X86
-AVX2 static void attend_avx2(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores); }
+AVX2 static void attend_avx2(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores, 0); }
+AVX2 static void attend_avx2_f16(const struct attend_args *a, Py_ssize_t task, float *scores) {
+    attend(a, task, scores, 1);
+}
 #endif
 
 /* Every (query row, head) of a, across the OpenMP threads where parallel and
  * the work is worth it; scores holds a->tk floats per thread. */
 static void attention_run(const struct attend_args *a, float *scores, int parallel) {
-    void (*fn)(const struct attend_args *, Py_ssize_t, float *) = attend_portable;
+    void (*fn)(const struct attend_args *, Py_ssize_t, float *) = a->half ? attend_portable_f16 : attend_portable;
 #ifdef HAVE_X86
-    if (use_avx2) fn = attend_avx2;
+    if (use_avx2) fn = a->half ? attend_avx2_f16 : attend_avx2;
 #endif
     const Py_ssize_t tasks = a->tq * a->hq, tk = a->tk;
     #pragma omp parallel for schedule(static) if (parallel && tasks > 1 && tk * a->dk >= 4096)
@@ -2124,7 +2206,8 @@ static void attention_run(const struct attend_args *a, float *scores, int parall
     }
 }
 
-/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block, parallel]) -> None
+/* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block, parallel, sinks,
+ *           half]) -> None
  * for the few query rows of decoding (q [tq, hq, dk], k [tk, hkv, dk], v [tk,
  * hkv, dv], out [tq, hq, dv], all float32 and contiguous): per query row and
  * head, scores over the visible keys (bottom-right aligned causal mask, and
@@ -2133,16 +2216,17 @@ static void attention_run(const struct attend_args *a, float *scores, int parall
  * their -inf scores give. The numpy path does the same with two GEMMs.
  * With a block table, keys and values are read in place from paged pools.
  * parallel=0 keeps it on the calling thread (after BLAS products, whose
- * spinning threads OpenMP's would fight for the cores).
+ * spinning threads OpenMP's would fight for the cores). half: k and v hold
+ * IEEE float16 (read exactly as the float32 values they are).
  */
 static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, out, table = {0}, sinks = {0};
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window, block = 0;
     float scale, softcap;
-    int causal, parallel = 1;
+    int causal, parallel = 1, half = 0;
     PyObject *tobj = Py_None, *sobj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpO", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
-                          &causal, &window, &softcap, &tobj, &block, &parallel, &sobj))
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpOp", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+                          &causal, &window, &softcap, &tobj, &block, &parallel, &sobj, &half))
         return NULL;
     PyObject *result = NULL;
     float *scores = NULL;
@@ -2154,10 +2238,11 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     }
     /* Contiguous: k [tk, hkv, dk]. Paged: k and v are pools [blocks, block, hkv, d]
      * and the int64 table maps logical block b to its physical block. */
-    Py_ssize_t pool_rows = paged ? k.len / (hkv * dk * 4) : tk;
+    const Py_ssize_t size = half ? 2 : 4; /* bytes of a stored key or value */
+    Py_ssize_t pool_rows = paged ? k.len / (hkv * dk * size) : tk;
     if (!optional_buffer(tobj, &table, PyBUF_SIMPLE) || !optional_buffer(sobj, &sinks, PyBUF_SIMPLE)) goto done;
-    if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, pool_rows * hkv * dk * 4, "k") ||
-        !check(&v, pool_rows * hkv * dv * 4, "v") || !check(&out, tq * hq * dv * 4, "out") ||
+    if (!check(&q, tq * hq * dk * 4, "q") || !check(&k, pool_rows * hkv * dk * size, "k") ||
+        !check(&v, pool_rows * hkv * dv * size, "v") || !check(&out, tq * hq * dv * 4, "out") ||
         !optional_check(&table, ((tk + block - 1) / block) * 8, "block table") ||
         !optional_check(&sinks, hq * 4, "sinks"))
         goto done;
@@ -2181,8 +2266,8 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         rows[j] = r;
     }
     Py_BEGIN_ALLOW_THREADS
-    struct attend_args a = {(const float *)q.buf, (const float *)k.buf, (const float *)v.buf, (float *)out.buf, rows,
-                            tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal,
+    struct attend_args a = {(const float *)q.buf, k.buf, v.buf, (float *)out.buf, rows,
+                            tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal, half,
                             sinks.buf ? (const float *)sinks.buf : NULL};
     attention_run(&a, scores, parallel);
     Py_END_ALLOW_THREADS
@@ -2254,6 +2339,24 @@ static PyObject *block_forms(PyObject *self, PyObject *noargs) {
 }
 
 /* The captured decode step's program runner (run_plan), in its own file. */
+/* to_half(src, out, n) -> None: n float32 values of src rounded to IEEE float16
+ * into out, by float_to_half: what a captured step's write into a float16 pool
+ * computes (tests hold it to numpy's astype). */
+static PyObject *to_half(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y*w*n", &src, &out, &n)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || !check(&src, n * 4, "src") || !check(&out, n * 2, "out")) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) ((uint16_t *)out.buf)[i] = float_to_half(((const float *)src.buf)[i]);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 #include "_plan.c"
 
 static PyMethodDef methods[] = {
@@ -2264,6 +2367,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"layer_norm", layer_norm, METH_VARARGS, "LayerNorm of float32 rows (optional weight and bias)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
+    {"to_half", to_half, METH_VARARGS, "Float32 to IEEE float16, rounded to nearest even (as a captured write)."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},

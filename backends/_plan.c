@@ -32,10 +32,12 @@ enum {
     OP_BINARY,       /* P a, b, out; I kind, int32?, ndim, shape[ndim], a strides[ndim], b strides[ndim] */
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
     OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
-    OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes, capacity */
+    OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes (dst's), capacity, to_half (float32 src
+                        rows rounded into a float16 dst: a kv_dtype="float16" pool) */
     OP_ATTENTION,    /* P q, k rows, v rows, out, query_start (int32 [batch + 1]), lengths (int32 [batch]),
                         tables (int32 [batch, width]), sinks|0 (float32 [hq]);
-                        I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal; F scale, softcap */
+                        I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal, half (k and v
+                        rows float16); F scale, softcap */
 };
 
 /* The opcodes by name, for the recorder (backends/numpy_record.py reads them
@@ -308,6 +310,7 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
     a.dv = next_int(vm);
     a.window = next_int(vm);
     a.causal = (int)next_int(vm);
+    a.half = (int)next_int(vm);
     a.scale = (float)next_float(vm);
     a.softcap = (float)next_float(vm);
     if (vm->error) return;
@@ -420,6 +423,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         const int32_t *rows = next_ptr(vm);
         const char *src = next_ptr(vm);
         Py_ssize_t n = next_int(vm), row_bytes = next_int(vm), capacity = next_int(vm);
+        int to_half = (int)next_int(vm);
         if (vm->error) return;
         for (Py_ssize_t i = 0; i < n; i++) /* every row checked before any is written */
             if (rows[i] < 0 || rows[i] >= capacity) {
@@ -428,6 +432,15 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
                 vm->limit = capacity;
                 return;
             }
+        if (to_half) { /* row_bytes / 2 halves a row, from as many floats */
+            const Py_ssize_t width = row_bytes / 2;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint16_t *d = (uint16_t *)(dst + (Py_ssize_t)rows[i] * row_bytes);
+                const float *f = (const float *)src + i * width;
+                for (Py_ssize_t c = 0; c < width; c++) d[c] = float_to_half(f[c]);
+            }
+            return;
+        }
         for (Py_ssize_t i = 0; i < n; i++)
             memcpy(dst + (Py_ssize_t)rows[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
         return;

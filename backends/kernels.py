@@ -230,10 +230,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, tq: 
     tanh soft-capping when ``softcap > 0``, softmax (with each head's sink
     logit from ``sinks`` ``[hq]`` in the denominator), weighted sum of values.
     With an int64 block ``table``, ``k`` and ``v`` are paged pools ``[blocks,
-    block, hkv, d]`` read in place. ``parallel=False`` keeps it on the calling
-    thread (after BLAS products, whose spinning threads OpenMP's would fight)."""
+    block, hkv, d]`` read in place. ``k`` and ``v`` may both be float16 (a
+    ``kv_dtype="float16"`` pool): they are read as the float32 values they
+    hold, so the result has the bits of the same pool widened first.
+    ``parallel=False`` keeps it on the calling thread (after BLAS products,
+    whose spinning threads OpenMP's would fight)."""
     native.attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap, table, block,
-                     parallel, sinks)
+                     parallel, sinks, k.dtype == np.float16)
 
 
 # -- weights handed to the kernels ---------------------------------------------------------

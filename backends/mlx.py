@@ -90,6 +90,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     float_dtypes = ("float32", "bfloat16", "float16")
+    kv_dtypes = frozenset({"float16", "bfloat16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
                             "attention", "clip", "causal_conv1d", "ssd", "gated_delta_rule"})
     quantize_schemes = frozenset(SCHEME_BITS)
@@ -422,6 +423,8 @@ class MLXBackend(Backend):
             else:
                 index = mx.array(rows)
                 k, v = (mx.take(a, index, axis=0, stream=s) for a in (k_pool, v_pool))
+            if k.dtype != q.dtype:  # a pool stored narrower (kv_dtype): its values, widened
+                k, v = k.astype(q.dtype, stream=s), v.astype(q.dtype, stream=s)
             outputs.append(self._dense(self.slice(q, 0, q0, q1), k, v, hi - n, lo, scale, causal, window, softcap,
                                        sinks))
         return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
@@ -472,6 +475,7 @@ class MLXBackend(Backend):
             index = mx.reshape(mx.take(rows, seq, axis=0), (-1,))
             k = mx.reshape(mx.take(k_pool, index, axis=0), (tokens, width * bs) + tuple(k_pool.shape[1:]))
             v = mx.reshape(mx.take(v_pool, index, axis=0), (tokens, width * bs) + tuple(v_pool.shape[1:]))
+            k, v = k.astype(q.dtype), v.astype(q.dtype)  # widened from a narrower pool (kv_dtype); else no-ops
             if softcap is not None or sinks is not None:
                 return mx.concatenate([self._softcap_attention(q[i:i + 1], k[i], v[i], scale, softcap, mask[i:i + 1],
                                                                sinks) for i in range(tokens)], axis=0)

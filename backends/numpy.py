@@ -108,6 +108,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
     float_dtypes = ("float32",)
+    kv_dtypes = frozenset({"float16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "prepare_weight", "quantized_linear",
                             "topk", "clip", "ssd"}
                            | ({"compile"} if hasattr(_affine, "run_plan") else set()))
@@ -577,6 +578,8 @@ class NumpyBackend(Backend):
             run = row_run(rows)  # one run of pool rows: a view
             k = k_pool[run[0]:run[1]] if run else np.take(k_pool, rows, axis=0)
             v = v_pool[run[0]:run[1]] if run else np.take(v_pool, rows, axis=0)
+            if k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
+                k, v = k.astype(qb.dtype), v.astype(qb.dtype)
             out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
         return out
 
@@ -609,7 +612,8 @@ class NumpyBackend(Backend):
         (``[rows, hkv, d]``) through ``table``; False where the kernel does not apply."""
         tq, hq, dk = q.shape
         if not (_affine is not None and tq <= self.KERNEL_ROWS and tq <= tk  # tq <= tk: every row sees a key
-                and q.dtype == k.dtype == v.dtype == np.float32 and k.flags.c_contiguous and v.flags.c_contiguous
+                and q.dtype == np.float32 and k.dtype == v.dtype and k.dtype in (np.float32, np.float16)
+                and k.flags.c_contiguous and v.flags.c_contiguous
                 and out.flags.c_contiguous and (softcap is None or softcap > 0) and (window is None or window > 0)):
             return False
         hkv, dv = k.shape[-2], v.shape[-1]

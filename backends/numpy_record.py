@@ -401,10 +401,12 @@ class Recorder:
     def scatter_rows(self, dst: Any, rows: Any, src: Any) -> Any:
         d, s, at = _plain(dst), _plain(src), _plain(rows)
         if not (type(dst) is Traced and d.flags.c_contiguous and s.ndim == d.ndim and s.shape[1:] == d.shape[1:]
-                and s.dtype == d.dtype and at.dtype == np.int32 and at.ndim == 1 and at.size == s.shape[0]):
+                and (s.dtype == d.dtype or (s.dtype == np.float32 and d.dtype == np.float16))
+                and at.dtype == np.int32 and at.ndim == 1 and at.size == s.shape[0]):
             raise NotCapturable(f"scatter_rows of {s.dtype}{list(s.shape)} into {d.dtype}{list(d.shape)}")
         s = self.contiguous(s)
-        self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0]])
+        # Float32 rows into a float16 pool (kv_dtype) are rounded as numpy's assignment rounds them.
+        self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0], int(s.dtype != d.dtype)])
         return dst
 
     def to_numpy(self, x: Any) -> Any:
@@ -531,7 +533,8 @@ class Recorder:
         qs, lp, tp = (_plain(a) for a in (batch.query_start, batch.seq_lens, batch.block_tables))
         sp = None if sinks is None else _plain(sinks)
         n = tp.shape[0] if tp.ndim == 2 else 0
-        if not (n and qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and _f32(kp) and _f32(vp)
+        half = kp.dtype == vp.dtype == np.float16  # a kv_dtype="float16" pool, read widened
+        if not (n and qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and (half or (_f32(kp) and _f32(vp)))
                 and kp.shape[:2] == vp.shape[:2] and kp.flags.c_contiguous and vp.flags.c_contiguous
                 and kp.shape[0] % batch.block_size == 0
                 and qp.shape[2] == kp.shape[2] and qp.shape[1] % kp.shape[1] == 0
@@ -546,7 +549,7 @@ class Recorder:
         block = batch.block_size
         self.emit(ATTENTION, [qc, kp, vp, out, qsc, lc, tp, sc],
                   [qp.shape[0], n, tp.shape[1], block, kp.shape[0] // block, qp.shape[1], kp.shape[1], qp.shape[2],
-                   vp.shape[2], window or 0, int(causal)], [scale, softcap or 0.0])
+                   vp.shape[2], window or 0, int(causal), int(half)], [scale, softcap or 0.0])
         want = self.eager("attention", qp, kp, vp, AttentionBatch(qs, lp, tp, block, batch.max_query), scale=scale,
                           causal=causal, window=window, softcap=softcap, sinks=sp)
         self.check("attention", out, want)

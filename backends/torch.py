@@ -136,6 +136,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     float_dtypes = ("float32", "bfloat16", "float16")
+    kv_dtypes = frozenset({"float16", "bfloat16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset(NATIVE_OPS)
 
     def __init__(self, device: str = "cpu", dtype: str | None = None) -> None:
@@ -413,6 +414,12 @@ class TorchBackend(Backend):
         CPU backend, not inside torch.compile's trace)."""
         return (self._kernels is not None and all(x.dtype == torch.float32 and x.is_contiguous() for x in xs)
                 and not torch.compiler.is_compiling())
+
+    def _host_pool(self, k: Any, v: Any) -> bool:
+        """Whether the C attention reads these pools in place: both float32,
+        or both float16 (a ``kv_dtype="float16"`` pool), contiguous, on the CPU."""
+        return (self._kernels is not None and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
+                and k.is_contiguous() and v.is_contiguous() and not torch.compiler.is_compiling())
 
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
         if x.numel() and (self._host(x) if weight is None else self._host(x, weight) and weight.shape == x.shape[-1:]):
@@ -784,7 +791,7 @@ class TorchBackend(Backend):
             n = q1 - q0
             qb = q[q0:q1]
             if (n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
-                    and self._host(qb, k_pool, v_pool) and (sinks is None or self._host(sinks))):
+                    and self._host(qb) and self._host_pool(k_pool, v_pool) and (sinks is None or self._host(sinks))):
                 # Decoding on the CPU: the kernels' one-pass attention (torch_cpu).
                 table = np.ascontiguousarray(np.asarray(host.block_tables[b])[:-(-hi // host.block_size)], np.int64)
                 outputs.append(torch_cpu.decode_attention(qb, k_pool, v_pool, table, host.block_size, hi, scale=scale,
@@ -797,6 +804,7 @@ class TorchBackend(Backend):
             else:
                 index = torch.from_numpy(rows.astype(np.int64)).to(k_pool.device)
                 k, v = k_pool.index_select(0, index), v_pool.index_select(0, index)
+            k, v = k.to(qb.dtype), v.to(qb.dtype)  # a pool stored narrower (kv_dtype): its values, widened
             outputs.append(self._dense(qb, k, v, hi - n, lo, scale, causal, window, softcap, sinks))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -862,8 +870,8 @@ class TorchBackend(Backend):
         if window is not None:
             mask = mask & ((pos[:, None] - j).abs() < window)
         index = rows[seq]  # [tokens, keys]
-        k = k_pool[index]  # [tokens, keys, hkv, dk]
-        v = v_pool[index]
+        k = k_pool[index].to(q.dtype)  # [tokens, keys, hkv, dk], widened from a narrower pool (kv_dtype)
+        v = v_pool[index].to(q.dtype)
         if softcap is not None or sinks is not None:
             return torch.cat([self._attention_float32(q[i:i + 1], k[i], v[i], scale, softcap, sinks, mask[i:i + 1],
                                                       False) for i in range(tokens)])

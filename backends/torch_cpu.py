@@ -267,7 +267,7 @@ def int4pack(affine: AffineTensor, name: str) -> PackedWeight | None:
 def decode_attention(q: Any, k_pool: Any, v_pool: Any, table: np.ndarray, block_size: int, hi: int, *,
                      scale: float, causal: bool, window: int | None, softcap: float | None, sinks: Any) -> Any:
     """A few query rows ``q`` ``[n, hq, dk]`` of one sequence over its first
-    ``hi`` keys, read in place from the float32 pools through its block
+    ``hi`` keys, read in place from the float32 (or float16) pools through its block
     ``table`` (int64), in the kernels' one-pass attention: SDPA's CPU path
     costs more in dispatch than the attention of a few rows does."""
     n, hq, dk = q.shape

@@ -619,6 +619,52 @@ def test_a_ragged_batch_gives_each_sequence_what_it_gets_alone(pure_numpy, causa
 
 
 @needs_kernels
+@pytest.mark.parametrize("tq,context", [(1, 1), (1, 37), (3, 20), (2, 48), (20, 48)])  # the last: the GEMM path
+@pytest.mark.parametrize("d,dv", [(64, 64), (20, 72), (8, 136)])  # 8 columns at a time, 64 at a time, and tails
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (6, 25.0, True)])
+def test_a_float16_pool_gives_the_bits_of_the_same_pool_widened(path, tq, context, d, dv, window, softcap, sinks):  # type: ignore[no-untyped-def]
+    # kv_dtype="float16": keys and values are rounded once, when written; reading
+    # them widens each exactly (every float16 is a float32), so on every path the
+    # attention over the float16 pool is, bit for bit, the attention over the pool
+    # widened to float32 first: no rounding but the one at the write.
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(context * 10 + tq + d)
+    block, hq, hkv = 16, 6, 2
+    k16 = (rng.standard_normal((9 * block, hkv, d)) * 3).astype(np.float16)
+    v16 = rng.standard_normal((9 * block, hkv, dv)).astype(np.float16)
+    batch = paged([7, 2, 5, 0], context, tq, block)
+    q = rng.standard_normal((tq, hq, d)).astype(np.float32)
+    kw = dict(scale=d ** -0.5, causal=True, window=window, softcap=softcap,
+              sinks=rng.standard_normal(hq).astype(np.float32) if sinks else None)
+    got = ops.attention(q, k16, v16, batch, **kw)
+    want = ops.attention(q, k16.astype(np.float32), v16.astype(np.float32), batch, **kw)
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_captured_steps_float16_rounding_is_numpys() -> None:
+    # A captured step writes float32 keys into a float16 pool in C (_plan.c's
+    # SCATTER_ROWS): it must round as numpy's assignment does, on every value:
+    # ties to even, subnormals, overflow to infinity, NaN kept a NaN.
+    if _affine is None:
+        pytest.skip("the C kernels are not built")
+    rng = np.random.default_rng(0)
+    scaled = [rng.standard_normal(20000).astype(np.float32) * s for s in (1e-8, 1e-6, 1e-4, 1.0, 1e3, 7e4)]
+    any_bits = rng.integers(0, 2 ** 32, 200000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([0.0, -0.0, 65504, 65519.996, 65520, 1e6, np.inf, -np.inf, 2 ** -24, 2 ** -25, 2 ** -25 * 1.0000001,
+                      3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -12), 1 + 2 ** -11, 1 + 3 * 2 ** -11, np.nan],
+                     np.float32)
+    x = np.concatenate([*scaled, any_bits, edges, -edges])
+    got = np.empty(x.size, np.uint16)
+    _affine.to_half(x, got, x.size)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
+
+
+@needs_kernels
 def test_paged_attention_rejects_a_table_outside_the_pool() -> None:
     ops = numpy_backend.NumpyBackend()
     k_pool = np.zeros((2 * 4, 1, 8), np.float32)
