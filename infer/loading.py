@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
+from infer.engine.runner import check_kv_dtype
 from infer.errors import ConfigError, InvalidQuantizationError, ModelNotFoundError
 from infer.model import Model
 from infer.ops import Backend
@@ -199,6 +200,7 @@ def load(
     quantize: str | None = None,
     compile: bool | None = None,
     tensor_parallel: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Model:
     """Load a model.
 
@@ -238,10 +240,19 @@ def load(
             process is rank 0 and starts the others, or joins the group
             ``torchrun`` started (see :mod:`infer.distributed` and
             docs/distributed.md). ``None`` or 1: one process.
+        kv_dtype: the dtype the KV cache stores keys and values in.
+            ``None`` (default): as computed, exact. ``"float16"`` (every
+            backend here) or ``"bfloat16"`` (torch, MLX): half the cache's
+            memory and half the bytes each decode step's attention reads,
+            for keys and values rounded once as they are written (the
+            measured effect on perplexity and speed: docs/kv-cache.md,
+            "Storing keys and values narrower"). Recurrent state is not
+            affected.
 
     Raises:
         InvalidQuantizationError: ``quantize`` is not one of those, or the
             backend has no such scheme.
+        CacheConfigError: the backend cannot store keys and values in ``kv_dtype``.
         TensorParallelConfigError: ``tensor_parallel`` below 1, a backend
             without collectives, or a model it cannot split.
         WorkerError: the ranks did not meet, or one failed while loading.
@@ -266,9 +277,10 @@ def load(
             f"quantize={quantize!r}: backend {ops.name}/{ops.device} has no on-load quantization "
             f"{quantize!r}; it has {', '.join(sorted(ops.quantize_schemes)) or 'none'}")
     ops.quantize = quantize
+    check_kv_dtype(ops, kv_dtype)  # before the weights, which take the time
     if tensor_parallel is not None and (tensor_parallel != 1 or isinstance(tensor_parallel, bool)):
         return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, quantize, tensor_parallel,
-                              compile, progress, started)
+                              compile, progress, started, kv_dtype)
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
@@ -285,7 +297,7 @@ def load(
         log.info("%d tensors not used by %s: %s", len(unused), arch.name, ", ".join(unused[:8]))
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
-    model = Model(package, network, ops)
+    model = Model(package, network, ops, kv_dtype=kv_dtype)
     if capture and ops.supports("compile") and not getattr(network, "is_encoder", False):
         model.engine.capture_decode()
     return model
@@ -293,7 +305,7 @@ def load(
 
 def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backend, backend: str | Backend | None,
                    dtype: str | None, quantize: str | None, ranks: int, compile: bool, progress: bool,
-                   started: float) -> Model:
+                   started: float, kv_dtype: str | None = None) -> Model:
     """``load`` over ``ranks`` ranks (:mod:`infer.distributed`)."""
     from infer import distributed
 
@@ -307,7 +319,7 @@ def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backen
     release_free_heap()
     log.info("loaded %s (%s, %s) over %d ranks of %r in %.2f s", path, package.model_type, format, ranks, ops,
              time.perf_counter() - started)
-    return Model(package, network, ops)
+    return Model(package, network, ops, kv_dtype=kv_dtype)
 
 
 _malloc_trim: object = None

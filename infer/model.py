@@ -70,7 +70,8 @@ Message = dict[str, Any]
 class Model:
     """A loaded model. Build it with :func:`infer.load`."""
 
-    def __init__(self, package: ModelPackage, network: CausalLM, backend: Backend) -> None:
+    def __init__(self, package: ModelPackage, network: CausalLM, backend: Backend, *,
+                 kv_dtype: str | None = None) -> None:
         #: The normalized model package (config, tensors, generation defaults).
         self.package = package
         #: The architecture instance holding the weights.
@@ -78,7 +79,7 @@ class Model:
         #: The compute backend.
         self.backend = backend
         #: The engine that runs the network and owns the KV cache.
-        self.engine = Engine(network, backend)
+        self.engine = Engine(network, backend, kv_dtype=kv_dtype)
         self._batch_engine: BatchEngine | None = None
         self._grammar_tokenizer: GrammarTokenizer | None = None
         # Held by each step of a Stream and by the async methods, so those never run two forwards at once.

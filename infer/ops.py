@@ -352,6 +352,11 @@ class Backend(abc.ABC):
     native_ops: frozenset[str] = frozenset()
     #: Float dtypes the backend computes in; the first is its default.
     float_dtypes: tuple[str, ...] = ("float32",)
+    #: Dtypes other than :attr:`compute_dtype` that KV pools may be stored in
+    #: (the engine's ``kv_dtype``: ``"float16"``, ``"bfloat16"``): the
+    #: backend's :meth:`scatter_rows` rounds rows into them and its
+    #: :meth:`attention` reads them widened. Empty: pools in the compute dtype only.
+    kv_dtypes: frozenset[str] = frozenset()
     #: On-load quantization schemes :meth:`prepare_weight` honours
     #: (``"q8"``, ``"q4"``); empty for a backend that has none.
     quantize_schemes: frozenset[str] = frozenset()
@@ -716,7 +721,11 @@ class Backend(abc.ABC):
         ``[rows, hkv, dv]``, the pool rows the forward's keys and values were
         written to (:meth:`scatter_rows`), ``hq`` a multiple of ``hkv``
         (grouped-query attention: query head ``h`` reads key/value head
-        ``h // (hq // hkv)``). Returns ``[tokens, hq, dv]``.
+        ``h // (hq // hkv)``). Returns ``[tokens, hq, dv]``. The pools may be
+        stored in a narrower float dtype than ``q`` (the engine's
+        ``kv_dtype``, e.g. float16 keys for float32 queries): the op reads
+        their values widened to ``q``'s dtype, exactly (every float16 is a
+        float32), so the result is the attention over the widened pool.
 
         Sequence ``b``'s ``n`` query rows are the *last* ``n`` of its
         ``batch.seq_lens[b]`` positions (query ``i`` sits at position
@@ -753,6 +762,8 @@ class Backend(abc.ABC):
         rows = self.from_numpy(host.key_rows(b, lo, hi, self.shape(k_pool)[0]))
         k = self.take(k_pool, rows, axis=0)  # [tk, hkv, dk]
         v = self.take(v_pool, rows, axis=0)
+        if self.dtype(k) != self.dtype(q):  # a pool stored narrower (kv_dtype): its values, widened
+            k, v = self.astype(k, self.dtype(q)), self.astype(v, self.dtype(q))
         qg = self.reshape(self.transpose(self.reshape(q, (n, hkv, group, dk)), (1, 2, 0, 3)), (hkv, group * n, dk))
         scores = self.astype(self.matmul(qg, self.transpose(k, (1, 2, 0))), "float32")  # [hkv, group * n, tk]
         scores = self.mul(scores, float(scale))

@@ -119,10 +119,11 @@ class DriverGroup:
                 cache.prepare_positions(s.start, s.start + s.length)  # copies now, sent with this command
                 pool = cache.pool
                 out.append(("paged", self._pool_id(pool), pool.num_layers, pool.block_size, pool.num_blocks,
-                            [list(t.blocks) for t in cache.tables], cache.capacity, s.start, s.length))
+                            [list(t.blocks) for t in cache.tables], cache.capacity, s.start, s.length, pool.dtype))
             else:
                 layers = getattr(cache, "num_layers", None)
-                out.append(("contiguous", self._cache_id(cache), layers, cache.capacity, s.start, s.length))
+                out.append(("contiguous", self._cache_id(cache), layers, cache.capacity, s.start, s.length,
+                            getattr(cache, "dtype", None)))
         return out
 
     def _cache_id(self, cache: Any) -> int:
@@ -364,18 +365,18 @@ class Worker:
         seqs = []
         for d in slices:
             if d[0] == "paged":
-                _, key, layers, block_size, num_blocks, blocks, capacity, start, length = d
+                _, key, layers, block_size, num_blocks, blocks, capacity, start, length, dtype = d
                 pool = self.pools.get(key)
-                if pool is None:
+                if pool is None:  # this rank's share of the heads, stored as rank 0's (kv_dtype)
                     pool = self.pools[key] = PagedKVPool(self.ops, layers, block_size=block_size,
                                                          num_blocks=num_blocks,
-                                                         layer_states=self.network.layer_states())
+                                                         layer_states=self.network.layer_states(), dtype=dtype)
                 seqs.append(SequenceSlice(_MirroredPagedCache(pool, blocks, capacity), start, length))
             else:
-                _, key, layers, capacity, start, length = d
+                _, key, layers, capacity, start, length, dtype = d
                 cache = self.caches.get(key)
                 if cache is None:
                     cache = self.caches[key] = ContiguousKVCache(self.ops, layers or self.network.num_cache_layers,
-                                                                 capacity)
+                                                                 capacity, dtype=dtype)
                 seqs.append(SequenceSlice(cache, start, length))
         return AttentionContext(self.ops, seqs)

@@ -166,13 +166,37 @@ def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
     return hidden if rows is None else ops.take(hidden, ops.from_numpy(np.asarray(rows, dtype=np.int32)), axis=0)
 
 
+def check_kv_dtype(backend: Backend, kv_dtype: str | None) -> str | None:
+    """``kv_dtype`` if ``backend`` stores KV pools in it, None for the compute
+    dtype (``None``, or the compute dtype named): keys and values exactly as
+    computed. A narrower dtype (``"float16"``, ``"bfloat16"``, where the
+    backend lists it in :attr:`~infer.ops.Backend.kv_dtypes`) halves the
+    cache's memory and the bytes attention reads per position; the keys and
+    values are rounded once, when written (docs/kv-cache.md, "Storing keys
+    and values narrower").
+
+    Raises:
+        CacheConfigError: the backend has no such KV dtype.
+    """
+    if kv_dtype is None or kv_dtype == backend.compute_dtype:
+        return None
+    if kv_dtype not in backend.kv_dtypes:
+        options = sorted({backend.compute_dtype, *backend.kv_dtypes})
+        raise CacheConfigError(f"kv_dtype={kv_dtype!r}: backend {backend.name}/{backend.device} stores keys and "
+                               f"values in {', '.join(map(repr, options))}")
+    return kv_dtype
+
+
 class Engine:
     """Runs a :class:`~infer.architecture.CausalLM` on a backend."""
 
     def __init__(self, model: CausalLM, backend: Backend, kv_pool: PagedKVPool | None = None, *,
-                 state_slots: int = DEFAULT_STATE_SLOTS) -> None:
+                 state_slots: int = DEFAULT_STATE_SLOTS, kv_dtype: str | None = None) -> None:
         self.model = model
         self.backend = backend
+        #: The dtype the caches this engine makes store keys and values in
+        #: (:func:`check_kv_dtype`); None: the dtype they are computed in (exact).
+        self.kv_dtype = check_kv_dtype(backend, kv_dtype)
         self.max_context = model.max_context
         #: What each cache layer keeps (:meth:`~infer.architecture.CausalLM.layer_states`).
         self.layer_states = list(model.layer_states())
@@ -226,7 +250,7 @@ class Engine:
         recurrent state in a slot of :attr:`state_store`)."""
         states = None if self.state_store is None else self.state_store.new_sequence()
         return ContiguousKVCache(self.backend, self.model.num_cache_layers, capacity, layer_kv=self._layer_kv,
-                                 states=states)
+                                 states=states, dtype=self.kv_dtype)
 
     def truncate(self, seq: SequenceState, length: int) -> None:
         """Forget ``seq``'s positions from ``length`` on (rejected speculative
@@ -262,7 +286,8 @@ class Engine:
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
         return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                            memory_budget=memory_budget, bytes_per_token=per_token,
-                           layer_states=self.layer_states, state_store=store, shared_pages=shared_pages)
+                           layer_states=self.layer_states, state_store=store, shared_pages=shared_pages,
+                           dtype=self.kv_dtype)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes one position takes in every KV cache layer (the main model's
@@ -274,7 +299,8 @@ class Engine:
             ops, model = self.backend, self.model
             states = None if self.state_store is None else StateStore(
                 ops, self.state_store.specs, 1).new_sequence()
-            cache = ContiguousKVCache(ops, model.num_cache_layers, 1, layer_kv=self._layer_kv, states=states)
+            cache = ContiguousKVCache(ops, model.num_cache_layers, 1, layer_kv=self._layer_kv, states=states,
+                                      dtype=self.kv_dtype)
             ids = ops.from_numpy(np.zeros(1, dtype=np.int32))
             hidden = model.forward(ids, AttentionContext(ops, [SequenceSlice(cache, 0, 1)]))
             for depth in range(model.num_mtp_modules):

@@ -142,11 +142,17 @@ class LayerStore:
     """Per layer one key and one value array of ``rows`` rows, created at
     the layer's first write from the shapes written, so layers with
     different key and value widths (multi-head latent attention) need no
-    special case: the storage of a pool and of a contiguous cache."""
+    special case: the storage of a pool and of a contiguous cache. ``dtype``
+    stores them narrower than they are computed (``"float16"``; default: as
+    written)."""
 
     def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int,
-                 layer_kv: Sequence[tuple[int, int, bool]] | None = None) -> None:
+                 layer_kv: Sequence[tuple[int, int, bool]] | None = None, dtype: str | None = None) -> None:
         self.backend = backend
+        #: The dtype keys and values are stored in (the engine's ``kv_dtype``,
+        #: e.g. ``"float16"``: written rows are rounded to it, the attention op
+        #: reads them widened); None: the dtype of the keys written.
+        self.dtype = dtype
         self.num_layers = num_layers
         self.rows = rows
         self.block_size = block_size
@@ -159,8 +165,8 @@ class LayerStore:
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
         if self._keys[layer] is None:
             ops = self.backend
-            self._keys[layer] = ops.zeros((self.rows,) + ops.shape(k)[1:], ops.dtype(k))
-            self._values[layer] = ops.zeros((self.rows,) + ops.shape(v)[1:], ops.dtype(v))
+            self._keys[layer] = ops.zeros((self.rows,) + ops.shape(k)[1:], self.dtype or ops.dtype(k))
+            self._values[layer] = ops.zeros((self.rows,) + ops.shape(v)[1:], self.dtype or ops.dtype(v))
             self._allocated(layer)
         return self._keys[layer], self._values[layer]  # type: ignore[return-value]
 
@@ -219,10 +225,10 @@ class ContiguousKVCache(SequenceCache, LayerStore):
 
     def __init__(self, backend: Backend, num_layers: int, capacity: int, *,
                  layer_kv: Sequence[tuple[int, int, bool]] | None = None,
-                 states: SequenceStates | None = None) -> None:
+                 states: SequenceStates | None = None, dtype: str | None = None) -> None:
         # One group: a contiguous buffer holds every position already, so windows give nothing back.
         layer_kv = None if layer_kv is None else [(src, 0, writes) for src, _, writes in layer_kv]
-        LayerStore.__init__(self, backend, num_layers, capacity, capacity, layer_kv)
+        LayerStore.__init__(self, backend, num_layers, capacity, capacity, layer_kv, dtype)
         self.capacity = capacity
         self.store = self
         self.states = states

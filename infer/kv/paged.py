@@ -58,7 +58,9 @@ class PagedKVPool(LayerStore):
     block (:attr:`scratch_block`), never handed to a sequence, where the
     padding rows of a captured batched decode step write and read
     (:mod:`infer.engine.capture`; a batch of 5 runs the graph made for 8).
-    A ``memory_budget`` counts it.
+    A ``memory_budget`` counts it. ``dtype`` stores keys and values
+    narrower than they are computed (the engine's ``kv_dtype``; see
+    :class:`~infer.kv.cache.LayerStore`).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class PagedKVPool(LayerStore):
         state_store: StateStore | None = None,
         window_margin: int | None = None,
         shared_pages: bool = False,
+        dtype: str | None = None,
     ) -> None:
         if (num_blocks is None) == (memory_budget is None):
             raise CacheConfigError("size the KV pool with exactly one of num_blocks and memory_budget")
@@ -108,7 +111,7 @@ class PagedKVPool(LayerStore):
             num_blocks = (num_blocks + 1) * scale - 1
             bytes_per_block = None if bytes_per_block is None else bytes_per_block // scale
         super().__init__(backend, num_layers, (num_blocks + 1) * block_size, block_size,  # the scratch block last
-                         layer_kv)
+                         layer_kv, dtype)
         self.num_blocks = num_blocks
         #: The block past the sequences' blocks: padding rows of a captured
         #: batched step write there (its contents are never keys of a sequence).
