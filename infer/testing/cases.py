@@ -19,6 +19,7 @@ try:
 except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
+from infer.errors import UnsupportedOpError
 from infer.ops import AttentionBatch, QuantizedTensor
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
@@ -60,10 +61,15 @@ from infer.testing.strategies import (
 )
 
 
-def _attention(with_host: bool) -> Any:
+def _attention(with_host: bool, pool_dtype: str | None = None) -> Any:
     """``run`` hook of the attention cases: the description built on the
-    backend from the uploaded arrays, with or without its host copy."""
+    backend from the uploaded arrays, with or without its host copy.
+    ``pool_dtype``: the pools are stored in that narrower ``kv_dtype``, which
+    a backend that does not list it in :attr:`~infer.ops.Backend.kv_dtypes`
+    need not take."""
     def run(ops: Any, call: Call, args: Any, kwargs: Any) -> Any:
+        if pool_dtype is not None and pool_dtype not in ops.kv_dtypes:
+            raise UnsupportedOpError(f"{ops.name} stores no keys and values in {pool_dtype} (kv_dtypes)")
         q, k_pool, v_pool, query_start, seq_lens, tables = args
         i = call.info
         host = AttentionBatch(i["host"]["query_start"], i["host"]["seq_lens"], i["host"]["block_tables"],
@@ -242,6 +248,10 @@ CASES: tuple[Case, ...] = (
           ("non-causal", attention_calls(causal=st.just(False), window=st.none(), softcap=st.none())),
           ("all", attention_calls(sinks=st.booleans())),
       )
+      for host, suffix in ((True, ""), (False, "-static"))),
+    # float16 pools under any compute dtype (kv_dtype="float16"), where the backend lists them
+    *(_case(f"attention-float16-pool{suffix}", "attention", attention_calls(sinks=st.booleans(), pool_dtype="float16"),
+            run=_attention(host, "float16"))
       for host, suffix in ((True, ""), (False, "-static"))),
     # optional ops (native or default)
     _case("prepare_weight-quantized", "prepare_weight", quantized_weight_calls(),

@@ -344,13 +344,16 @@ def scatter_rows_calls(draw: Any) -> Call:
 def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.integers(0, 8),
                     seqs: Any = st.integers(1, 3), group: Any = st.integers(1, 4), causal: Any = st.booleans(),
                     window: Any = st.none() | st.integers(1, 12), softcap: Any = st.none() | st.floats(5.0, 50.0),
-                    sinks: Any = st.just(False), block: Any = st.sampled_from([1, 2, 4, 8, None])) -> Call:
+                    sinks: Any = st.just(False), block: Any = st.sampled_from([1, 2, 4, 8, None]),
+                    pool_dtype: str = "float") -> Call:
     """A forward's attention over a pool: ``seqs`` sequences, each with its
     own number of query rows (the last of its positions) and of cached keys,
     their keys in pool rows that their block tables locate, the tables padded
     to one width with blocks they never read and the pool full of noise
     elsewhere. ``block`` None lays them out as contiguous caches (each one
-    block of its capacity). ``queries`` of 0 makes padding sequences."""
+    block of its capacity). ``queries`` of 0 makes padding sequences.
+    ``pool_dtype``: the key and value pools' dtype ("float": the one under
+    test; ``"float16"``: a narrower ``kv_dtype``)."""
     n, group_, hkv = draw(seqs), draw(group), draw(st.integers(1, 3))
     dk = draw(st.sampled_from([4, 8, 16, 32]))
     dv = draw(st.sampled_from([dk, dk, 8]))
@@ -378,8 +381,9 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
         kwargs["sinks"] = In(normal(seed + 3, (hkv * group_,)) * 2)
     query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     host = {"query_start": query_start, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables}
-    return Call((In(normal(seed, (int(query_start[-1]), hkv * group_, dk))), In(normal(seed + 1, (rows, hkv, dk))),
-                 In(normal(seed + 2, (rows, hkv, dv))), In(host["query_start"], "int32"), In(host["seq_lens"], "int32"),
+    return Call((In(normal(seed, (int(query_start[-1]), hkv * group_, dk))),
+                 In(normal(seed + 1, (rows, hkv, dk)), pool_dtype), In(normal(seed + 2, (rows, hkv, dv)), pool_dtype),
+                 In(host["query_start"], "int32"), In(host["seq_lens"], "int32"),
                  In(host["block_tables"], "int32")), kwargs,
                 info={"block_size": bs, "max_query": max(counts), "host": host})
 
