@@ -582,3 +582,14 @@ def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None
                         log_level="warning")
     with pytest.raises(SystemExit):
         main(["serve", path, "--kv-memory", "lots"])
+    # float16 keys and values: the same budget holds twice the positions
+    assert main(["-q", "serve", path, "--kv-memory", "1MiB", "--kv-dtype", "float16"]) == 0
+    half = seen.pop("model").batch_engine.pool
+    assert half.dtype == "float16" and half.allocator.bytes_per_block * 2 == pool.allocator.bytes_per_block
+    assert half.num_blocks >= 2 * pool.num_blocks
+
+
+def test_load_app_takes_kv_dtype() -> None:
+    app = load_app(tiny_model_dir("smollm2_like"), backend="numpy", kv_dtype="float16")
+    batch = app.state.server.loop.batch
+    assert batch.engine.kv_dtype == "float16" and batch.pool.dtype == "float16"

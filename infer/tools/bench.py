@@ -103,9 +103,10 @@ class EngineSpec:
 
 
 def infer_engine(backend: str | None = None, dtype: str | None = None, quantize: str | None = None,
-                 label: str | None = None, compile: bool = False) -> EngineSpec:
-    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=][, compile=True])``
-    (``quantize`` and ``compile`` are passed only when given)."""
+                 label: str | None = None, compile: bool = False, kv_dtype: str | None = None) -> EngineSpec:
+    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=][, compile=True][, kv_dtype=])``
+    (``quantize``, ``compile`` and ``kv_dtype`` are passed only when given). A
+    narrower ``kv_dtype`` is approximate and the label says so."""
     parts = ["infer", backend or "default"]
     if dtype:
         parts.append(dtype)
@@ -113,8 +114,11 @@ def infer_engine(backend: str | None = None, dtype: str | None = None, quantize:
         parts.append(f"quantize={quantize}")
     if compile:
         parts.append("compiled")
+    if kv_dtype:
+        parts.append(f"kv_dtype={kv_dtype} (approximate)")
     return EngineSpec("infer", label or " ".join(parts),
-                      {"backend": backend, "dtype": dtype, "quantize": quantize, "compile": compile})
+                      {"backend": backend, "dtype": dtype, "quantize": quantize, "compile": compile,
+                       "kv_dtype": kv_dtype})
 
 
 def peer_engine(kind: str, dtype: str | None = None, label: str | None = None,
@@ -297,7 +301,7 @@ def _check_infer(spec: EngineSpec) -> str | None:
     import infer
     from infer import loading
 
-    for option in ("quantize", "compile"):
+    for option in ("quantize", "compile", "kv_dtype"):
         if spec.options.get(option) and option not in inspect.signature(infer.load).parameters:
             raise BenchmarkError(f"this infer's load() has no {option} option (asked for "
                                  f"{option}={spec.options[option]!r} for {spec.label!r})")
@@ -314,13 +318,20 @@ def _check_infer(spec: EngineSpec) -> str | None:
             raise BenchmarkError(f"unknown backend {backend!r} for {spec.label!r}; registered: "
                                  f"{', '.join(b.key for b in known)}")
     try:
-        select_backend(backend, dtype)  # bad dtypes raise here, before any process starts
+        chosen = select_backend(backend, dtype)  # bad dtypes raise here, before any process starts
     except InferError as exc:
         from infer.errors import BackendUnavailableError
 
         if isinstance(exc, BackendUnavailableError):
             return str(exc)
         raise BenchmarkError(f"{spec.label}: {exc}") from exc
+    if spec.options.get("kv_dtype"):
+        from infer.engine.runner import check_kv_dtype
+
+        try:
+            check_kv_dtype(chosen, spec.options["kv_dtype"])
+        except InferError as exc:
+            raise BenchmarkError(f"{spec.label}: {exc}") from exc
     return None
 
 

@@ -2,7 +2,7 @@
 
     infer run MODEL PROMPT [sampling flags] [--backend NAME]
     infer chat MODEL [--system TEXT] [sampling flags]
-    infer perplexity MODEL FILE [--context N] [--stride S]
+    infer perplexity MODEL FILE [--context N] [--stride S] [--kv-dtype float16]
     infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
     infer backends
     infer doctor
@@ -39,6 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the decode step and each layer's pieces as compiled graphs (torch, MLX); "
                         "--no-compile: all eager (default: the backend's choice, numpy captures its decode step)")
+    _add_kv_dtype(p)
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     g = p.add_argument_group("sampling")
@@ -56,6 +57,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft tokens per step")
 
 
+def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default=None, metavar="DTYPE",
+                   help="store keys and values as float16 (or bfloat16 on torch, MLX): half the cache's bytes, "
+                        "slightly approximate (default: the compute dtype; see docs/kv-cache.md)")
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -69,7 +76,8 @@ def _load(args: argparse.Namespace) -> Any:
     import infer
 
     model = infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
-                      quantize=args.quantize, compile=args.compile, tensor_parallel=getattr(args, "tensor_parallel", None))
+                      quantize=args.quantize, compile=args.compile, kv_dtype=getattr(args, "kv_dtype", None),
+                      tensor_parallel=getattr(args, "tensor_parallel", None))
     _LOADED.append(model)
     return model
 
@@ -258,7 +266,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from infer.tools import bench, bench_report
 
     backends = [b.strip() for item in args.backend or [] for b in item.split(",") if b.strip()] or [None]
-    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile) for b in backends]
+    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile, kv_dtype=args.kv_dtype)
+               for b in backends]
     engines += bench.parse_peers(args.peers)
     config = bench.BenchConfig(repeats=args.repeats, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                warmup_tokens=args.warmup_tokens, threads=args.threads,
@@ -347,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--quantize", default=None, help="q8 or q4: quantize float weights on load; off: dequantize")
     ppl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
+    _add_kv_dtype(ppl)
     ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
@@ -383,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--quantize", default=None, help="q8, q4 or off (see docs/quantization.md)")
     srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
+    _add_kv_dtype(srv)
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -414,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=None, help="compute dtype of infer's backends (default: each backend's)")
     b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...): q8, q4 or off")
     b.add_argument("--compile", action="store_true", help="passed to infer.load(compile=True): graph capture")
+    b.add_argument("--kv-dtype", default=None, help="passed to infer.load(kv_dtype=...): float16 keys and values "
+                   "(reported as approximate)")
     b.add_argument("--peers", default="all", help="peers to measure too: all (default), none, or a comma-separated "
                    "list of llama.cpp, transformers[:DTYPE], mlx-lm; those not installed are skipped")
     b.add_argument("--baseline", default="llama.cpp", help="engine label or kind the ratios are against, or none "
