@@ -135,6 +135,27 @@ def test_each_rank_holds_its_share_of_the_weights(alone: None) -> None:
         assert r["total"] < 0.75 * whole
 
 
+def test_float16_keys_and_values_on_every_rank_equal_one_process(alone: None) -> None:
+    # Each worker makes its pools and caches in the driver's kv_dtype (its slice
+    # descriptions carry the store's dtype): the same rounded rows as one process.
+    path = tiny_model_dir("llama3")
+    single = infer.load(path, backend="torch:cpu", kv_dtype="float16")
+    ids = encode(path, PROMPT)
+    with infer.load(path, backend="torch:cpu", tensor_parallel=2, kv_dtype="float16") as parallel:
+        assert 4 * parallel.engine.kv_bytes_per_position() == infer.load(
+            path, backend="torch:cpu").engine.kv_bytes_per_position()  # half the heads, half the width
+        assert (list(parallel.generate_tokens(ids, max_tokens=STEPS, ignore_eos=True))
+                == list(single.generate_tokens(ids, max_tokens=STEPS, ignore_eos=True)))
+        # Rounding moves logits by ~1e-3 of the largest, far past LOGIT_RTOL: a rank storing float32 would show.
+        a, b = _prefill_logits(single, ids), _prefill_logits(parallel, ids)
+        assert np.max(np.abs(a - b)) <= LOGIT_RTOL * np.max(np.abs(a))
+        kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+        parallel.configure_batching(kv_memory=4 << 20)
+        single.configure_batching(kv_memory=4 << 20)
+        prompts = ["Once upon a time", "The capital of France is"]
+        assert parallel.generate(prompts, **kw) == single.generate(prompts, **kw)
+
+
 def test_bad_tensor_parallel_arguments_are_typed_errors(alone: None) -> None:
     path = tiny_model_dir("llama3")  # 4 heads, 2 KV heads
     for bad in (0, -1, "2", 1.5):
