@@ -21,6 +21,10 @@ setup(
             depends=["backends/_plan.c"],  # included by _affine.c
             extra_compile_args=["-O3", "-ffp-contract=off", *openmp],  # dequantize: multiply, then add, as numpy does
             extra_link_args=openmp,
+            # libm by name, so expf and tanhf bind to their current versions: an unversioned
+            # reference binds to glibc's oldest, whose wrapper takes a slow SVID error path on
+            # every underflow (a softmax's far-below-the-maximum scores; docs/performance.md).
+            libraries=["m"] if sys.platform.startswith("linux") else [],
             optional=True,
         )
     ]

@@ -2103,6 +2103,12 @@ static inline __attribute__((always_inline)) void dot4_kv(const float *q, const 
     }
 }
 
+/* expf of x <= 0 (a score less the row's maximum). Below -104 expf's result is
+ * 0 (exp(-103.97) is half the smallest subnormal), and glibc reaches it through
+ * its underflow path, which sets errno: the 0 here directly, the same bits, at a
+ * fraction of the time in rows whose scores spread far below their maximum. */
+static inline float exp_below(float x) { return x < -104.0f ? 0.0f : expf(x); }
+
 struct attend_args {
     const float *Q;
     const void *K, *V; /* float32, or IEEE float16 where half */
@@ -2157,9 +2163,9 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     }
     const float sink = a->sinks ? a->sinks[h] : -INFINITY;
     if (sink > top) top = sink;
-    float total = a->sinks ? expf(sink - top) : 0.0f;
+    float total = a->sinks ? exp_below(sink - top) : 0.0f;
     for (j = lo; j < hi; j++) {
-        scores[j] = expf(scores[j] - top);
+        scores[j] = exp_below(scores[j] - top);
         total += scores[j];
     }
     for (j = lo; j < hi; j++) scores[j] /= total;
