@@ -2103,11 +2103,35 @@ static inline __attribute__((always_inline)) void dot4_kv(const float *q, const 
     }
 }
 
-/* expf of x <= 0 (a score less the row's maximum). Below -104 expf's result is
- * 0 (exp(-103.97) is half the smallest subnormal), and glibc reaches it through
- * its underflow path, which sets errno: the 0 here directly, the same bits, at a
- * fraction of the time in rows whose scores spread far below their maximum. */
-static inline float exp_below(float x) { return x < -104.0f ? 0.0f : expf(x); }
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp of eight x <= 0 (scores less their row's maximum), within 2 ulp of expf:
+ * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, 2^n
+ * put in the exponent's bits. Plain vector arithmetic (no multiply-adds: the
+ * file is built with -ffp-contract=off), so every path, and the one-lane tail
+ * (exp1_below), gives the same bits. Below -87 (exp < 1.7e-38, where 2^n would
+ * leave the normal floats) the result is 0: such a probability is lost beside
+ * the maximum's 1 in any float32 sum. NaN stays NaN. */
+static inline __attribute__((always_inline)) v8f exp8_below(v8f x) {
+    const v8i keep = ~(v8i)(x < -87.0f); /* -1 in the lanes kept (NaN included) */
+    const v8f xc = (v8f)(((v8i)x & keep) | ((v8i)((v8f){0} - 87.0f) & ~keep));
+    const v8f f = xc * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(f, v8i); /* toward zero, then down: floor(f) */
+    n += (v8i)(__builtin_convertvector(n, v8f) > f);
+    const v8f nf = __builtin_convertvector(n, v8f);
+    v8f r = xc - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v8f y = (p * (r * r) + r) + 1.0f;
+    const v8f scaled = y * (v8f)((n + 127) << 23);
+    return (v8f)((v8i)scaled & keep);
+}
+
+static inline __attribute__((always_inline)) float exp1_below(float x) { return exp8_below((v8f){0} + x)[0]; }
 
 struct attend_args {
     const float *Q;
@@ -2163,11 +2187,10 @@ static inline __attribute__((always_inline)) void attend(const struct attend_arg
     }
     const float sink = a->sinks ? a->sinks[h] : -INFINITY;
     if (sink > top) top = sink;
-    float total = a->sinks ? exp_below(sink - top) : 0.0f;
-    for (j = lo; j < hi; j++) {
-        scores[j] = exp_below(scores[j] - top);
-        total += scores[j];
-    }
+    float total = a->sinks ? exp1_below(sink - top) : 0.0f;
+    for (j = lo; j + 8 <= hi; j += 8) *(v8f_u *)(scores + j) = exp8_below(*(v8f_u *)(scores + j) - top);
+    for (; j < hi; j++) scores[j] = exp1_below(scores[j] - top);
+    for (j = lo; j < hi; j++) total += scores[j];
     for (j = lo; j < hi; j++) scores[j] /= total;
     /* o = sum_j p_j v_j, 64 columns at a time held in registers across the keys
      * (adding into o in memory made every key wait on the previous one's store);
