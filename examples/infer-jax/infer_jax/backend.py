@@ -100,6 +100,10 @@ class JaxBackend(Backend):
     name = "jax"
     float_dtypes = ("float32", "bfloat16")
     native_ops = frozenset(NATIVE_OPS)
+    # KV pools it takes besides the compute dtype (infer.load(kv_dtype=...)): the
+    # attention kernel widens their keys and values to the scores' dtype, and
+    # scatter_rows rounds what it writes to the pool's.
+    kv_dtypes = frozenset({"float16"})
 
     def __init__(self, device: str = "cpu", dtype: str | None = None) -> None:
         if device not in ("cpu", "gpu"):
