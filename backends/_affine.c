@@ -2023,9 +2023,10 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
 
 /* Keys and values stored as IEEE float16 (a pool of kv_dtype="float16") are read
  * as the float32 values they hold: the conversion is exact, so attention over a
- * float16 pool gives the bits of the same pool widened to float32 first. With
- * _Float16 (GCC >= 12, clang) the AVX2 path converts eight at a time (F16C's
- * vcvtph2ps) and the portable one through the compiler's own exact routine. */
+ * float16 pool gives the bits of the same pool widened to float32 first. The
+ * AVX2 path converts eight at a time with F16C (kv8_f16c); the portable one
+ * through the compiler's _Float16 conversion (GCC >= 12, clang), else
+ * half_to_float. */
 #ifdef __FLT16_MAX__
 typedef _Float16 v8h_u __attribute__((vector_size(16), aligned(2), may_alias));
 #endif
@@ -2386,7 +2387,6 @@ static PyObject *block_forms(PyObject *self, PyObject *noargs) {
                          "Q4_K", FORM_BLOCKS + GGML_Q4_K, "Q5_K", FORM_BLOCKS + GGML_Q5_K, "Q6_K", FORM_BLOCKS + GGML_Q6_K);
 }
 
-/* The captured decode step's program runner (run_plan), in its own file. */
 /* to_half(src, out, n) -> None: n float32 values of src rounded to IEEE float16
  * into out, by float_to_half: what a captured step's write into a float16 pool
  * computes (tests hold it to numpy's astype). */
@@ -2405,6 +2405,7 @@ done:
     return result;
 }
 
+/* The captured decode step's program runner (run_plan), in its own file. */
 #include "_plan.c"
 
 static PyMethodDef methods[] = {

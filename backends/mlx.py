@@ -475,7 +475,8 @@ class MLXBackend(Backend):
             index = mx.reshape(mx.take(rows, seq, axis=0), (-1,))
             k = mx.reshape(mx.take(k_pool, index, axis=0), (tokens, width * bs) + tuple(k_pool.shape[1:]))
             v = mx.reshape(mx.take(v_pool, index, axis=0), (tokens, width * bs) + tuple(v_pool.shape[1:]))
-            k, v = k.astype(q.dtype), v.astype(q.dtype)  # widened from a narrower pool (kv_dtype); else no-ops
+            if k.dtype != q.dtype:  # a pool stored narrower (kv_dtype): its values, widened
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             if softcap is not None or sinks is not None:
                 return mx.concatenate([self._softcap_attention(q[i:i + 1], k[i], v[i], scale, softcap, mask[i:i + 1],
                                                                sinks) for i in range(tokens)], axis=0)

@@ -409,17 +409,18 @@ class TorchBackend(Backend):
 
     # -- normalisation, position, gather ---------------------------------------
 
-    def _host(self, *xs: Any) -> bool:
-        """Whether the C kernels take these tensors (float32, contiguous, on the
-        CPU backend, not inside torch.compile's trace)."""
-        return (self._kernels is not None and all(x.dtype == torch.float32 and x.is_contiguous() for x in xs)
+    def _host(self, *xs: Any, dtype: Any = None) -> bool:
+        """Whether the C kernels take these tensors (all of ``dtype``, None:
+        float32, contiguous, on the CPU backend, not inside torch.compile's
+        trace)."""
+        dtype = torch.float32 if dtype is None else dtype
+        return (self._kernels is not None and all(x.dtype == dtype and x.is_contiguous() for x in xs)
                 and not torch.compiler.is_compiling())
 
     def _host_pool(self, k: Any, v: Any) -> bool:
         """Whether the C attention reads these pools in place: both float32,
-        or both float16 (a ``kv_dtype="float16"`` pool), contiguous, on the CPU."""
-        return (self._kernels is not None and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
-                and k.is_contiguous() and v.is_contiguous() and not torch.compiler.is_compiling())
+        or both float16 (a ``kv_dtype="float16"`` pool), as :meth:`_host` takes them."""
+        return k.dtype in (torch.float32, torch.float16) and self._host(k, v, dtype=k.dtype)
 
     def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
         if x.numel() and (self._host(x) if weight is None else self._host(x, weight) and weight.shape == x.shape[-1:]):
