@@ -18,7 +18,7 @@ setup(
         Extension(
             "infer.backends._affine",
             sources=["backends/_affine.c"],
-            depends=["backends/_plan.c"],  # included by _affine.c
+            depends=["backends/_plan.c", "backends/_q8.c"],  # included by _affine.c
             extra_compile_args=["-O3", "-ffp-contract=off", *openmp],  # dequantize: multiply, then add, as numpy does
             extra_link_args=openmp,
             # libm by name, so expf and tanhf bind to their current versions: an unversioned

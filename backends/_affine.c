@@ -1581,11 +1581,19 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
     }
 }
 
+/* Quantized activations (Q8_FLAG in gemv's bits), in their own file. */
+#include "_q8.c"
+
 /* y [m, n] = x [m, k] @ W.T for an affine W (codes, scales and biases as gemv
  * below takes them; or bits a block form, c its blocks), rows of W across the
- * OpenMP threads; called without the GIL. Returns -1 when out of memory. */
+ * OpenMP threads; called without the GIL. With Q8_FLAG in bits, from
+ * Q8_MIN_ROWS rows on, x is quantized (q8_run). Returns -1 when out of memory. */
 static int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
                     int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+    if (bits & Q8_FLAG) {
+        bits &= ~Q8_FLAG;
+        if (m >= Q8_MIN_ROWS) return q8_run(bits, x, c, scales, biases, factor, half, y, m, k, n, group);
+    }
     const int type = bits - FORM_BLOCKS;
     Py_ssize_t values = 1, block_bytes = 0;
     const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
@@ -1709,7 +1717,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "bad shape: m=%zd", m);
         goto done;
     }
-    if (!check_codes(bits, group, half, n, k, &codes, &scales, &biases) || !check(&x, m * k * 4, "x") ||
+    if (!check_codes(bits & ~Q8_FLAG, group, half, n, k, &codes, &scales, &biases) || !check(&x, m * k * 4, "x") ||
         !check(&out, m * n * 4, "out"))
         goto done;
     Py_BEGIN_ALLOW_THREADS
@@ -2342,6 +2350,7 @@ static int cpu_avx512(void) {
     return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
 }
+static int cpu_vnni(void) { return cpu_avx512() && __builtin_cpu_supports("avx512vnni"); }
 #endif
 
 /* paths() -> list: the code paths this CPU can run, best last. */
@@ -2358,7 +2367,7 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     if (strcmp(name, "portable") == 0) {
-        use_avx2 = use_avx512 = 0;
+        use_avx2 = use_avx512 = use_vnni = 0;
     } else if (strcmp(name, "avx2+fma") == 0 || strcmp(name, "avx512") == 0) {
         int wide = name[3] == '5';
 #ifdef HAVE_X86
@@ -2368,6 +2377,7 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
         }
         use_avx2 = 1;
         use_avx512 = wide;
+        use_vnni = wide && cpu_vnni();
 #else
         PyErr_SetString(PyExc_ValueError, "built without the x86 paths");
         return NULL;
@@ -2435,6 +2445,9 @@ PyMODINIT_FUNC PyInit__affine(void) {
     __builtin_cpu_init();
     use_avx2 = cpu_avx2();
     use_avx512 = cpu_avx512();
+    use_vnni = use_avx512 && cpu_vnni();
 #endif
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod && PyModule_AddIntConstant(mod, "Q8_FLAG", Q8_FLAG) < 0) Py_CLEAR(mod);
+    return mod;
 }

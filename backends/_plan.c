@@ -381,7 +381,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
         Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm), group = next_int(vm);
         int half = (int)next_int(vm);
         float factor = (float)next_float(vm);
-        if (!codes_ok(vm, bits, group, k, half, biases) || m < 1 || n < 1) return;
+        if (!codes_ok(vm, bits & ~Q8_FLAG, group, k, half, biases) || m < 1 || n < 1) return;
         if (gemv_run(bits, x, codes, scales, biases, factor, half, out, m, k, n, group)) vm->error = E_MEMORY;
         return;
     }

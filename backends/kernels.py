@@ -78,6 +78,11 @@ SLAB_BYTES = 2 << 20
 #: GGML block types the kernels read as a GGUF file stores them, and the form
 #: (the kernels' ``bits`` argument) naming each.
 BLOCK_FORMS: dict[str, int] = native.block_forms() if hasattr(native, "block_forms") else {}
+#: Or'ed into a product's ``bits`` (:func:`gemv`): with two or more rows of x,
+#: round them to int8 per 32 values and multiply in integer dot products
+#: (``activations="q8"``; backends/_q8.c, docs/quantization.md "Quantized
+#: activations"). 0 where the kernels are not built.
+Q8_FLAG: int = getattr(native, "Q8_FLAG", 0)
 #: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
 BLOCK_COLS = 32768
 #: The GGML types kept as the file stores them, by kernel path: those whose
@@ -281,13 +286,15 @@ def kernel_args(w: AffineTensor | QuantizedTensor) -> tuple[Any, ...]:
             0.0 if w.bias_factor is None else w.bias_factor)
 
 
-def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray) -> None:
-    """``out = x2 @ W.T`` for up to :data:`KERNEL_ROWS` rows of float32
-    ``x2`` (contiguous), in the C kernel on the codes."""
+def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray, q8: bool = False) -> None:
+    """``out = x2 @ W.T`` for rows of float32 ``x2`` (contiguous), in the C
+    kernel on the codes: exact for up to :data:`KERNEL_ROWS` rows; with
+    ``q8``, any number of rows, two or more of them quantized to int8 (:data:`Q8_FLAG`)."""
     bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
     if GOVERNOR is not None:
         GOVERNOR.check()
-    native.gemv(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
+    native.gemv(bits | Q8_FLAG if q8 else bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half,
+                factor)
 
 
 def slab_rows(w: AffineTensor | QuantizedTensor, slab_bytes: int = SLAB_BYTES) -> int:

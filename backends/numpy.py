@@ -42,6 +42,8 @@ on by the kernels where they exist.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +77,7 @@ from .kernels import (  # noqa: F401 - re-exported
     GOVERNOR,
     KERNELS,
     KERNELS_ENV,
+    Q8_FLAG,
     STORED_TYPES,
     ThreadGovernor,
     affine_gemv,
@@ -113,6 +116,11 @@ class NumpyBackend(Backend):
                             "topk", "clip", "ssd"}
                            | ({"compile"} if hasattr(_affine, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
+    #: ``activations="q8"``: the products of two or more rows on quantized
+    #: weights round x to int8 per 32 values for integer dot products on the
+    #: codes (backends/_q8.c; docs/quantization.md, "Quantized activations").
+    #: Needs the C kernels.
+    activation_schemes = frozenset({"q8"}) if Q8_FLAG else frozenset()
     #: Bytes of float32 weights to hold in total before quantized weights stay
     #: quantized; None: decide per tensor from the memory available.
     float_budget: int | None = None
@@ -220,9 +228,10 @@ class NumpyBackend(Backend):
         x2 = np.ascontiguousarray(x.reshape(-1, k))
         m = x2.shape[0]
         out = np.empty((m, n), np.float32)
-        self._after_blas = m > self.KERNEL_ROWS
-        if m <= self.KERNEL_ROWS:
-            affine_gemv(x2, w, out)
+        q8 = self.activations == "q8"
+        self._after_blas = m > self.KERNEL_ROWS and not q8
+        if m <= self.KERNEL_ROWS or q8:
+            affine_gemv(x2, w, out, q8)
         else:
             need = slab_rows(w, self.SLAB_BYTES) * k
             if self._slab.size < need:
@@ -321,6 +330,8 @@ class NumpyBackend(Backend):
                         GOVERNOR.check()
                     self._after_blas = False
                     out = np.empty((m, n), np.float32)
+                    if self.activations == "q8":
+                        bits |= Q8_FLAG
                     kernels.gemv(bits, np.ascontiguousarray(x), codes, scales, biases, out, m, *gemv[4:])
                     return out if x.ndim == 2 else out.reshape(*x.shape[:-1], n)
             return self.quantized_linear(x, weight, bias)
@@ -580,8 +591,20 @@ class NumpyBackend(Backend):
             v = v_pool[run[0]:run[1]] if run else np.take(v_pool, rows, axis=0)
             if k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
                 k, v = k.astype(qb.dtype), v.astype(qb.dtype)
-            out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
+            with self._blas_beside_kernels():
+                out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
         return out
+
+    def _blas_beside_kernels(self) -> contextlib.AbstractContextManager[Any]:
+        """With ``activations="q8"`` a prompt's products run on the kernels'
+        OpenMP threads, not BLAS's, and BLAS threads woken by the attention's
+        GEMMs between them spin on the cores those products need (a 1B
+        model's 128-token prefill took 2.2x as long: docs/quantization.md,
+        "Quantized activations"): so the GEMMs run on one BLAS thread, through
+        threadpoolctl. Otherwise nothing changes."""
+        if self.activations != "q8" or _blas_threads() is None:
+            return contextlib.nullcontext()
+        return _blas_threads().limit(limits=1)  # type: ignore[union-attr]
 
     def _dense_attention(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
                          window: int | None, softcap: float | None, sinks: np.ndarray | None) -> Array:
@@ -621,6 +644,16 @@ class NumpyBackend(Backend):
                           window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64), block,
                           not self._after_blas, sinks)
         return True
+
+
+@functools.cache
+def _blas_threads() -> Any:
+    """threadpoolctl's handle on numpy's BLAS, or None (not installed)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    return ThreadpoolController().select(user_api="blas")
 
 
 def _attention_rows(q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,

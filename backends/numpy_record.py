@@ -430,6 +430,8 @@ class Recorder:
             if wk != k:
                 raise NotCapturable(f"linear: x has {k} columns, the weight {wk}")
             out = self.buffer((m, n), np.float32)
+            if getattr(self.ops, "activations", None) == "q8":  # the eager product's own (kernels.Q8_FLAG)
+                bits |= self.kernels.Q8_FLAG
             self.emit(GEMV, [x2, codes, scales, biases, out], [bits, m, k, n, group, int(half)], [factor])
         elif type(weight) is np.ndarray and _f32(weight) and weight.ndim == 2 and weight.flags.c_contiguous:
             n = weight.shape[0]

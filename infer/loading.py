@@ -125,6 +125,26 @@ def _check_quantize(quantize: object) -> None:
             f"{', '.join(repr(s) for s in SCHEME_BITS)}")
 
 
+#: The activation quantization schemes ``load(activations=...)`` knows; a
+#: backend honours those it lists in :attr:`~infer.ops.Backend.activation_schemes`.
+ACTIVATION_SCHEMES = ("q8",)
+
+
+def _check_activations(activations: object, ops: Backend | None = None) -> None:
+    """Raise InvalidQuantizationError unless ``activations`` is None or a
+    known scheme that ``ops`` (when given) lists in its ``activation_schemes``."""
+    if activations is None:
+        return
+    if not isinstance(activations, str) or activations not in ACTIVATION_SCHEMES:
+        raise InvalidQuantizationError(
+            f"activations={activations!r}: expected None (exact float activations) or one of "
+            f"{', '.join(repr(s) for s in ACTIVATION_SCHEMES)}")
+    if ops is not None and activations not in ops.activation_schemes:
+        raise InvalidQuantizationError(
+            f"activations={activations!r}: backend {ops.name}/{ops.device} has no activation quantization "
+            f"{activations!r}; it has {', '.join(sorted(ops.activation_schemes)) or 'none'}")
+
+
 def _looks_like_repo_id(text: str) -> bool:
     parts = text.split("/")
     return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not {"\\", ":"} & set(text)
@@ -201,6 +221,7 @@ def load(
     compile: bool | None = None,
     tensor_parallel: int | None = None,
     kv_dtype: str | None = None,
+    activations: str | None = None,
 ) -> Model:
     """Load a model.
 
@@ -248,16 +269,26 @@ def load(
             measured effect on perplexity and speed: docs/kv-cache.md,
             "Storing keys and values narrower"). Recurrent state is not
             affected.
+        activations: ``None`` (default): the products compute on exact
+            float activations. ``"q8"``: the activations (inputs) of the
+            products with quantized weights are rounded to int8 per 32
+            values, one float scale each, for integer dot products on the
+            weights' codes: faster prefill and batched decoding,
+            approximate, off by default (the measured effect:
+            docs/quantization.md, "Quantized activations"). Weights that
+            are float are not affected; a backend without the scheme
+            (:attr:`~infer.ops.Backend.activation_schemes`) is an error.
 
     Raises:
-        InvalidQuantizationError: ``quantize`` is not one of those, or the
-            backend has no such scheme.
+        InvalidQuantizationError: ``quantize`` or ``activations`` is not
+            one of those, or the backend has no such scheme.
         CacheConfigError: the backend cannot store keys and values in ``kv_dtype``.
         TensorParallelConfigError: ``tensor_parallel`` below 1, a backend
             without collectives, or a model it cannot split.
         WorkerError: the ranks did not meet, or one failed while loading.
     """
     _check_quantize(quantize)
+    _check_activations(activations)
     started = time.perf_counter()
     path = resolve(reference, progress=progress)
     registry = get_registry()
@@ -276,11 +307,13 @@ def load(
         raise InvalidQuantizationError(
             f"quantize={quantize!r}: backend {ops.name}/{ops.device} has no on-load quantization "
             f"{quantize!r}; it has {', '.join(sorted(ops.quantize_schemes)) or 'none'}")
+    _check_activations(activations, ops)
     ops.quantize = quantize
+    ops.activations = activations  # before any weight is prepared: the backend may record it in them
     check_kv_dtype(ops, kv_dtype)  # before the weights, which take the time
     if tensor_parallel is not None and (tensor_parallel != 1 or isinstance(tensor_parallel, bool)):
         return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, quantize, tensor_parallel,
-                              compile, progress, started, kv_dtype)
+                              compile, progress, started, kv_dtype, activations)
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
@@ -305,7 +338,7 @@ def load(
 
 def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backend, backend: str | Backend | None,
                    dtype: str | None, quantize: str | None, ranks: int, compile: bool, progress: bool,
-                   started: float, kv_dtype: str | None = None) -> Model:
+                   started: float, kv_dtype: str | None = None, activations: str | None = None) -> Model:
     """``load`` over ``ranks`` ranks (:mod:`infer.distributed`)."""
     from infer import distributed
 
@@ -315,7 +348,8 @@ def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backen
     with tqdm(total=total, desc=f"Loading {path.name} (rank 0 of {ranks})", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         network = distributed.driver(package, arch, ops, ranks, format=format, backend=name,
-                                     dtype=dtype or ops.compute_dtype, quantize=quantize, progress=bar.update)
+                                     dtype=dtype or ops.compute_dtype, quantize=quantize, activations=activations,
+                                     progress=bar.update)
     release_free_heap()
     log.info("loaded %s (%s, %s) over %d ranks of %r in %.2f s", path, package.model_type, format, ranks, ops,
              time.perf_counter() - started)

@@ -366,6 +366,16 @@ class Backend(abc.ABC):
     #: where the backend computes on them exactly). Set by
     #: :func:`infer.load` before the weights are prepared.
     quantize: str | None = None
+    #: Activation quantization schemes the backend's products honour
+    #: (``"q8"``: the inputs of the products with quantized weights rounded
+    #: to int8 per 32 values, one float scale each, multiplied with the
+    #: weights' codes in integer dot products); empty: activations always exact.
+    activation_schemes: frozenset[str] = frozenset()
+    #: The activation quantization asked for (one of
+    #: :attr:`activation_schemes`), or None (default: exact float
+    #: activations). Set by :func:`infer.load` before the weights are
+    #: prepared, so the backend may record it in the weights it prepares.
+    activations: str | None = None
 
     def __init__(self, dtype: str | None = None) -> None:
         from infer.errors import UnsupportedOpError

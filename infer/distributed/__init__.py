@@ -112,12 +112,13 @@ def _free_port() -> int:
 
 
 def start(path: Path, format: str, backend: str, dtype: str | None, quantize: str | None,
-          ranks: int) -> tuple[list[subprocess.Popen[bytes]], str]:
+          ranks: int, activations: str | None = None) -> tuple[list[subprocess.Popen[bytes]], str]:
     """Start ranks ``1 .. ranks-1`` as fresh interpreters; returns them and
     the rendezvous address rank 0 joins too."""
     init = f"tcp://127.0.0.1:{_free_port()}"
     spec = {"path": str(path), "format": format, "backend": backend, "dtype": dtype, "quantize": quantize,
-            "ranks": ranks, "init_method": init, "timeout": timeout(), "parent": os.getpid()}
+            "activations": activations, "ranks": ranks, "init_method": init, "timeout": timeout(),
+            "parent": os.getpid()}
     env = dict(os.environ)
     threads = max(1, (os.cpu_count() or 1) // ranks)
     env.setdefault("OMP_NUM_THREADS", str(threads))  # the ranks share the cores
@@ -131,7 +132,8 @@ def start(path: Path, format: str, backend: str, dtype: str | None, quantize: st
 
 
 def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format: str, backend: str,
-           dtype: str | None, quantize: str | None, progress: Any = None) -> TensorParallelLM:
+           dtype: str | None, quantize: str | None, activations: str | None = None,
+           progress: Any = None) -> TensorParallelLM:
     """Rank 0's network over ``ranks`` ranks: joins (or first starts) the
     group, builds its shard and wraps it in a :class:`TensorParallelLM`."""
     limit = timeout()
@@ -144,7 +146,7 @@ def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format
         ops.join_group(int(os.environ["RANK"]), ranks, init_method=None, timeout=limit)
     else:
         assert package.path is not None
-        processes, init = start(package.path, format, backend, dtype, quantize, ranks)
+        processes, init = start(package.path, format, backend, dtype, quantize, ranks, activations)
         try:
             ops.join_group(0, ranks, init_method=init, timeout=limit)
         except Exception as exc:

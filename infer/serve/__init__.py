@@ -50,15 +50,16 @@ def create_app(model: Model, **options: Any) -> Any:
 def load_app(
     reference: str | os.PathLike[str], *, backend: str | None = None, dtype: str | None = None,
     quantize: str | None = None, compile: bool | None = None, kv_dtype: str | None = None,
-    kv_memory: int | None = None, max_batch_tokens: int | None = None, progress: bool = False, **options: Any,
+    activations: str | None = None, kv_memory: int | None = None, max_batch_tokens: int | None = None,
+    progress: bool = False, **options: Any,
 ) -> Any:
     """Load a model and return the ASGI app serving it, as ``infer serve`` does.
 
     Args:
         reference: a catalog alias, model folder, ``.gguf`` file or
             ``org/name`` (as for :func:`infer.load`).
-        backend, dtype, quantize, compile, kv_dtype, progress: as for
-            :func:`infer.load`.
+        backend, dtype, quantize, compile, kv_dtype, activations, progress:
+            as for :func:`infer.load`.
         kv_memory: bytes of keys and values of all requests together
             (default 256 MiB), as ``--kv-memory``.
         max_batch_tokens: most tokens one forward processes (default 512),
@@ -74,7 +75,7 @@ def load_app(
     import infer
 
     model = infer.load(reference, backend=backend, dtype=dtype, quantize=quantize, compile=compile,
-                       kv_dtype=kv_dtype, progress=progress)
+                       kv_dtype=kv_dtype, activations=activations, progress=progress)
     batching: dict[str, Any] = {"kv_memory": kv_memory}
     if max_batch_tokens is not None:
         batching["max_batch_tokens"] = max_batch_tokens

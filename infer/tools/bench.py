@@ -103,10 +103,11 @@ class EngineSpec:
 
 
 def infer_engine(backend: str | None = None, dtype: str | None = None, quantize: str | None = None,
-                 label: str | None = None, compile: bool = False, kv_dtype: str | None = None) -> EngineSpec:
-    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=][, compile=True][, kv_dtype=])``
-    (``quantize``, ``compile`` and ``kv_dtype`` are passed only when given). A
-    narrower ``kv_dtype`` is approximate and the label says so."""
+                 label: str | None = None, compile: bool = False, kv_dtype: str | None = None,
+                 activations: str | None = None) -> EngineSpec:
+    """infer itself, through ``infer.load(path, backend=, dtype=[, quantize=][, compile=True][, kv_dtype=]
+    [, activations=])`` (``quantize``, ``compile``, ``kv_dtype`` and ``activations`` are passed only when
+    given). A narrower ``kv_dtype`` and quantized ``activations`` are approximate and the label says so."""
     parts = ["infer", backend or "default"]
     if dtype:
         parts.append(dtype)
@@ -116,9 +117,11 @@ def infer_engine(backend: str | None = None, dtype: str | None = None, quantize:
         parts.append("compiled")
     if kv_dtype:
         parts.append(f"kv_dtype={kv_dtype} (approximate)")
+    if activations:
+        parts.append(f"activations={activations} (approximate)")
     return EngineSpec("infer", label or " ".join(parts),
                       {"backend": backend, "dtype": dtype, "quantize": quantize, "compile": compile,
-                       "kv_dtype": kv_dtype})
+                       "kv_dtype": kv_dtype, "activations": activations})
 
 
 def peer_engine(kind: str, dtype: str | None = None, label: str | None = None,
@@ -301,7 +304,7 @@ def _check_infer(spec: EngineSpec) -> str | None:
     import infer
     from infer import loading
 
-    for option in ("quantize", "compile", "kv_dtype"):
+    for option in ("quantize", "compile", "kv_dtype", "activations"):
         if spec.options.get(option) and option not in inspect.signature(infer.load).parameters:
             raise BenchmarkError(f"this infer's load() has no {option} option (asked for "
                                  f"{option}={spec.options[option]!r} for {spec.label!r})")
@@ -330,6 +333,12 @@ def _check_infer(spec: EngineSpec) -> str | None:
 
         try:
             check_kv_dtype(chosen, spec.options["kv_dtype"])
+        except InferError as exc:
+            raise BenchmarkError(f"{spec.label}: {exc}") from exc
+    check_activations = getattr(loading, "_check_activations", None)
+    if spec.options.get("activations") and check_activations is not None:
+        try:  # the value, then the chosen backend's activation_schemes
+            check_activations(spec.options["activations"], chosen)
         except InferError as exc:
             raise BenchmarkError(f"{spec.label}: {exc}") from exc
     return None

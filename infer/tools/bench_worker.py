@@ -210,6 +210,8 @@ def _infer(spec: dict[str, Any]) -> Loaded:
             kwargs["compile"] = True
         if options.get("kv_dtype"):
             kwargs["kv_dtype"] = options["kv_dtype"]
+        if options.get("activations"):
+            kwargs["activations"] = options["activations"]
         model = infer.load(spec["model_path"], **kwargs)
         backend.prepare_weight = original  # type: ignore[method-assign]
         # An untied input embedding is read one row per token; a tied one is the output head.

@@ -40,6 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="capture the decode step and each layer's pieces as compiled graphs (torch, MLX); "
                         "--no-compile: all eager (default: the backend's choice, numpy captures its decode step)")
     _add_kv_dtype(p)
+    _add_activations(p)
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     g = p.add_argument_group("sampling")
@@ -63,6 +64,15 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
                         "slightly approximate (default: the compute dtype; see docs/kv-cache.md)")
 
 
+#: ``infer.loading.ACTIVATION_SCHEMES``, spelt out: the command line imports no model code until a command runs.
+_ACTIVATION_SCHEMES = ("q8",)
+
+
+def _add_activations(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", default=None, choices=_ACTIVATION_SCHEMES,
+                   help="q8: int8 activations in the quantized products (faster prefill, approximate)")
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -77,6 +87,7 @@ def _load(args: argparse.Namespace) -> Any:
 
     model = infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
                       quantize=args.quantize, compile=args.compile, kv_dtype=getattr(args, "kv_dtype", None),
+                      activations=getattr(args, "activations", None),
                       tensor_parallel=getattr(args, "tensor_parallel", None))
     _LOADED.append(model)
     return model
@@ -266,7 +277,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from infer.tools import bench, bench_report
 
     backends = [b.strip() for item in args.backend or [] for b in item.split(",") if b.strip()] or [None]
-    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile, kv_dtype=args.kv_dtype)
+    engines = [bench.infer_engine(b, args.dtype, args.quantize, compile=args.compile, kv_dtype=args.kv_dtype,
+                                  activations=args.activations)
                for b in backends]
     engines += bench.parse_peers(args.peers)
     config = bench.BenchConfig(repeats=args.repeats, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
@@ -357,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
     _add_kv_dtype(ppl)
+    _add_activations(ppl)
     ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
@@ -394,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
     _add_kv_dtype(srv)
+    _add_activations(srv)
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -426,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...): q8, q4 or off")
     b.add_argument("--compile", action="store_true", help="passed to infer.load(compile=True): graph capture")
     b.add_argument("--kv-dtype", default=None, help="passed to infer.load(kv_dtype=...): float16 keys and values "
+                   "(reported as approximate)")
+    b.add_argument("--activations", default=None, choices=_ACTIVATION_SCHEMES,
+                   help="passed to infer.load(activations=...): q8: int8 activations in the quantized products "
                    "(reported as approximate)")
     b.add_argument("--peers", default="all", help="peers to measure too: all (default), none, or a comma-separated "
                    "list of llama.cpp, transformers[:DTYPE], mlx-lm; those not installed are skipped")
