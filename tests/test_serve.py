@@ -514,6 +514,59 @@ def test_chat_tool_calls_reach_the_client_streamed_and_not() -> None:
         assert client.chat.completions.create(model=NAME, messages=follow, tools=tools).choices
 
 
+class FailingBatch(BatchEngine):
+    """A batch engine whose forward fails after ``steps`` good steps, then
+    again ``steps`` later: a device error in the middle of a stream."""
+
+    def __init__(self, model: Any, steps: int) -> None:
+        super().__init__(model.engine)
+        self.steps = self.left = steps
+
+    def step(self) -> None:
+        if self.left == 0:
+            self.left = self.steps
+            raise RuntimeError("the device fell over")
+        self.left -= 1
+        super().step()
+
+
+def sse_events(response: Any) -> list[tuple[str | None, str]]:
+    """A server-sent event stream's ``(event name, data)`` pairs."""
+    out, name = [], None
+    for line in response.text.splitlines():
+        if line.startswith("event:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            out.append((name, line.split(":", 1)[1].strip()))
+            name = None
+    return out
+
+
+def test_a_failure_mid_stream_ends_each_apis_stream_with_its_error_event() -> None:
+    model = serve_model()
+    with running(create_app(model, model_name=NAME, batch_engine=FailingBatch(model, 3))) as base:
+        def stream(path: str, **body: Any) -> list[tuple[str | None, str]]:
+            reply = httpx.post(base + path, json={"model": NAME, "stream": True, "temperature": 0, **body}, timeout=60)
+            assert reply.status_code == 200
+            return sse_events(reply)
+
+        openai_error = {"error": {"message": "the device fell over", "type": "server_error", "param": None,
+                                  "code": None}}
+        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 20}),
+                           ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 20})):
+            events = stream(path, **body)
+            assert len(events) > 3 and events[-1] == (None, "[DONE]"), path  # some chunks came first
+            assert json.loads(events[-2][1]) == openai_error, path
+        events = stream("/v1/messages", messages=MESSAGES, max_tokens=20)
+        assert events[0][0] == "message_start" and events[-1][0] == "error"
+        assert json.loads(events[-1][1]) == {"type": "error", "error": {"type": "api_error",
+                                                                         "message": "the device fell over"}}
+        events = stream("/v1/responses", input=MESSAGES[0]["content"], max_output_tokens=20)
+        assert events[0][0] == "response.created" and events[-1][0] == "error"
+        assert json.loads(events[-1][1]) == {"type": "error", "code": "server_error", "message": "the device fell over",
+                                             "param": None, "sequence_number": 0}
+
+
 #: A Hermes/Qwen-style tool-use template: the tools' JSON in a system block.
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"

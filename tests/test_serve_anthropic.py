@@ -66,6 +66,12 @@ def test_greedy_messages_equal_model_chat_streamed_and_not(client: Any, referenc
                                                     stream=True)]
     assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    # Nothing said (max_tokens 0): one empty text block still, as Anthropic streams it.
+    with client.messages.stream(model=NAME, messages=MESSAGES, max_tokens=0, extra_body=GREEDY) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds == ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    assert [(b.type, b.text) for b in final.content] == [("text", "")] and final.stop_reason == "max_tokens"
 
 
 def test_models_are_listed_in_anthropics_shape(client: Any) -> None:

@@ -67,6 +67,14 @@ def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
     reply = client.responses.create(model=NAME, input=QUESTION, max_output_tokens=1, temperature=0)
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
     assert reply.usage.output_tokens == 1
+    # Nothing said (max_output_tokens 0): an empty message still, streamed as any other.
+    events = list(client.responses.create(model=NAME, input=QUESTION, max_output_tokens=0, temperature=0, stream=True))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    final = events[-1].response
+    assert final.status == "incomplete" and [(item.type, item.content[0].text) for item in final.output] == [
+        ("message", "")]
 
 
 def test_text_format_json_schema_validates_at_temperature_1(client: openai.OpenAI) -> None:

@@ -10,7 +10,8 @@ template reads, and the request runs as a chat completion does
 :meth:`infer.Model.chat`'s. Replies are content blocks (``thinking``,
 ``text``, ``tool_use``) with a ``stop_reason``; a stream is Anthropic's named
 events (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``,
-``message_delta``, ``message_stop``). Errors have Anthropic's shape
+``message_delta``, ``message_stop``). :class:`MessageStream` makes both, one
+method per event of the reply. Errors have Anthropic's shape
 (:func:`infer.serve.http.error_response`).
 """
 
@@ -18,20 +19,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.chat import Delta
+from infer.chat import ReplyParser
 from infer.errors import RequestError
-from infer.serve.protocol import MAX_STOP_SEQUENCES, _Body, check_stops, parse
-
-# The server and its choices (infer.serve.app.Server, .Choice) are typed Any here: app imports this module.
-Server = Any
-Choice = Any
+from infer.serve.choice import Choice, Events, ReplyEvents
+from infer.serve.protocol import MAX_STOP_SEQUENCES, ServerLike, _Body, check_stops, joined_text, parse
+from infer.tool_parsers import Call
 
 
 class _Counted(_Body):
@@ -85,17 +83,8 @@ class MessagesRequest(_Counted):
 
 def _text(content: Any, where: str) -> str:
     """A block list's (or a string's) text; any block but text is a 400 naming it."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of content blocks", where)
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise RequestError(f"{where}[{j}] is a {kind!r} block; only text blocks are supported here", where)
-        texts.append(block["text"])
-    return "".join(texts)
+    return joined_text(content, where, "content blocks", ("text",), lambda j, kind: RequestError(
+        f"{where}[{j}] is a {kind!r} block; only text blocks are supported here", where))
 
 
 def conversation(body: _Counted) -> list[dict[str, Any]]:
@@ -192,8 +181,16 @@ def chat_options(body: _Counted) -> dict[str, Any]:
     return out
 
 
-def _stop_reason(c: Choice) -> tuple[str, str | None]:
-    if c.reader is not None and c.reader.calls:
+def request_options(body: MessagesRequest) -> dict[str, Any]:
+    """Every :class:`~infer.request.GenerationRequest` option of ``body``."""
+    stops = check_stops(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES)
+    return dict(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                stop=stops, **chat_options(body), **body.output_options())
+
+
+def stop_reason(c: Choice) -> tuple[str, str | None]:
+    """The message's ``stop_reason`` and ``stop_sequence``."""
+    if c.reply.calls:
         return "tool_use", None
     if c.text.stop_string is not None:
         return "stop_sequence", c.text.stop_string
@@ -204,89 +201,102 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-async def messages(server: Server, request: Request) -> Response:
+def tool_use_block(call_id: str, call: Call, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": _tool_id(call_id), "name": call.name, "input": arguments}
+
+
+def content_blocks(reader: ReplyParser) -> list[dict[str, Any]]:
+    """A whole reply's content: its thinking, its text (also an empty one
+    when it made no call), its tool calls."""
+    blocks: list[dict[str, Any]] = []
+    if reader.reasoning:
+        blocks.append({"type": "thinking", "thinking": reader.reasoning, "signature": ""})
+    if reader.content or not reader.calls:
+        blocks.append({"type": "text", "text": reader.content})
+    return blocks + [tool_use_block(cid, call, json.loads(call.arguments)) for _, cid, call in reader.calls]
+
+
+class MessageStream(ReplyEvents):
+    """One reply of the Messages API on the wire: its events as it streams
+    (one method per event, as :class:`~infer.serve.choice.ReplyEvents`), or
+    the whole message (:meth:`whole`). Its fields: the kind of the content
+    block being streamed (None when none is open) and that block's index."""
+
+    def __init__(self, choice: Choice, model: str, prompt_tokens: int) -> None:
+        super().__init__(choice)
+        self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex[:24]}", model, prompt_tokens
+        self.kind: str | None = None
+        self.index = -1
+
+    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                output: int) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output}}
+
+    def _close(self) -> Events:
+        out: Events = []
+        if self.kind == "reasoning":  # a thinking block ends with its signature (empty: nothing signs it here)
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "signature_delta", "signature": ""}})
+        if self.kind is not None:
+            out.append({"type": "content_block_stop", "index": self.index})
+            self.kind = None
+        return out
+
+    def _open(self, kind: str, block: dict[str, Any]) -> Events:
+        out = self._close()
+        self.kind, self.index = kind, self.index + 1
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _delta(self, kind: str, empty: dict[str, Any], delta: dict[str, Any]) -> Events:
+        out = self._open(kind, empty) if self.kind != kind else []
+        return [*out, {"type": "content_block_delta", "index": self.index, "delta": delta}]
+
+    def start(self) -> Events:
+        return [{"type": "message_start", "message": self.message([], (None, None), 0)}]
+
+    def text(self, text: str) -> Events:
+        return self._delta("content", {"type": "text", "text": ""}, {"type": "text_delta", "text": text})
+
+    def reasoning(self, text: str) -> Events:
+        return self._delta("reasoning", {"type": "thinking", "thinking": "", "signature": ""},
+                           {"type": "thinking_delta", "thinking": text})
+
+    def tool_call(self, index: int, call_id: str, call: Call) -> Events:
+        out = self._open("tool_call", tool_use_block(call_id, call, {}))
+        out.append({"type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+        return out + self._close()
+
+    def finish(self) -> Events:
+        # Nothing was said: an empty text block, as Anthropic sends.
+        out = self._open("content", {"type": "text", "text": ""}) if self.index < 0 else []
+        out += self._close()
+        reason, sequence = stop_reason(self.choice)
+        return [*out, {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": {"output_tokens": self.choice.tokens}}, {"type": "message_stop"}]
+
+    def error(self, err: BaseException) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": "api_error", "message": str(err)}}
+
+    def whole(self) -> dict[str, Any]:
+        """The message of a reply that is not streamed (its reader has read all of it)."""
+        return self.message(content_blocks(self.choice.reply), stop_reason(self.choice), self.choice.tokens)
+
+
+async def messages(server: ServerLike, request: Request) -> Response:
     """``POST /v1/messages``."""
     body: MessagesRequest = parse(MessagesRequest, await server.read_body(request))
     server.check_model(body.model)
-    stops = check_stops(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES)
-    generation = server.build_request(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                      top_k=body.top_k, stop=stops, **chat_options(body), **body.output_options())
+    generation = server.build_request(**request_options(body))
     plan = await server.chat_plan(conversation(body), generation, param="output_config")
     (choice,) = await server.start_chat(plan)
-    prompt = len(plan.prompt_ids)
-    mid = f"msg_{uuid.uuid4().hex[:24]}"
-
-    def message(content: list[dict[str, Any]], stop: tuple[str | None, str | None], output: int) -> dict[str, Any]:
-        return {"id": mid, "type": "message", "role": "assistant", "model": server.name, "content": content,
-                "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": prompt, "output_tokens": output}}
-
-    if not body.stream:
-        await server.run_all(request, [choice], "messages")
-        reader = choice.reader
-        assert reader is not None
-        reader.feed(choice.output)
-        reader.finish()
-        blocks: list[dict[str, Any]] = []
-        if reader.reasoning:
-            blocks.append({"type": "thinking", "thinking": reader.reasoning, "signature": ""})
-        text = reader.content
-        if text or not reader.calls:
-            blocks.append({"type": "text", "text": text})
-        blocks += [{"type": "tool_use", "id": _tool_id(cid), "name": call.name, "input": json.loads(call.arguments)}
-                   for _, cid, call in reader.calls]
-        return JSONResponse(message(blocks, _stop_reason(choice), choice.tokens))
-
-    async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        await emit({"type": "message_start", "message": message([], (None, None), 0)})
-        open_block: list[Any] = [None, -1]  # the kind of the block being streamed, and its index
-
-        async def close() -> None:
-            if open_block[0] == "reasoning":
-                await emit({"type": "content_block_delta", "index": open_block[1],
-                            "delta": {"type": "signature_delta", "signature": ""}})
-            if open_block[0] is not None:
-                await emit({"type": "content_block_stop", "index": open_block[1]})
-                open_block[0] = None
-
-        async def start(kind: str, block: dict[str, Any]) -> None:
-            await close()
-            open_block[0], open_block[1] = kind, open_block[1] + 1
-            await emit({"type": "content_block_start", "index": open_block[1], "content_block": block})
-
-        async def delta(c: Choice, d: Delta) -> None:
-            if d.kind == "tool_call":
-                assert d.call is not None
-                await start("tool_call", {"type": "tool_use", "id": _tool_id(d.call_id), "name": d.call.name,
-                                          "input": {}})
-                await emit({"type": "content_block_delta", "index": open_block[1],
-                            "delta": {"type": "input_json_delta", "partial_json": d.call.arguments}})
-                await close()
-                return
-            if open_block[0] != d.kind:
-                first = {"type": "thinking", "thinking": "", "signature": ""} if d.kind == "reasoning" else \
-                    {"type": "text", "text": ""}
-                await start(d.kind, first)
-            item = {"type": "thinking_delta", "thinking": d.text} if d.kind == "reasoning" else \
-                {"type": "text_delta", "text": d.text}
-            await emit({"type": "content_block_delta", "index": open_block[1], "delta": item})
-
-        await server.run_deltas(choice, delta)
-        if open_block[1] < 0:  # nothing was said: an empty text block, as Anthropic sends
-            await start("content", {"type": "text", "text": ""})
-        await close()
-        reason, sequence = _stop_reason(choice)
-        await emit({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"output_tokens": choice.tokens}})
-        await emit({"type": "message_stop"})
-
-    def failure(err: BaseException) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": "api_error", "message": str(err)}}
-
-    return server.sse(events, [choice], "messages", named=True, failure=failure)
+    stream = MessageStream(choice, server.name, len(plan.prompt_ids))
+    return await server.respond(request, stream, "messages", body.stream)
 
 
-async def count_tokens(server: Server, request: Request) -> Response:
+async def count_tokens(server: ServerLike, request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens, as the template renders it."""
     body: _Counted = parse(_Counted, await server.read_body(request))
     server.check_model(body.model)

@@ -1,15 +1,17 @@
 """The ASGI app: every endpoint over one batch engine.
 
-:class:`Server` is what the endpoints share: it checks the model id, reads a
+:class:`Server` is what the endpoints share (what they use of it is
+:class:`~infer.serve.protocol.ServerLike`): it checks the model id, reads a
 body within its limits, makes the :class:`~infer.request.GenerationRequest`
 and the chat plan (:meth:`infer.Model.plan_chat`), submits one request per
 choice to the :class:`~infer.serve.loop.EngineLoop`, runs each
-:class:`Choice` (its tokens into text: :class:`~infer.completion.TextStream`,
-stop strings; then reasoning and tool calls:
-:class:`~infer.chat.ReplyParser`) and streams server-sent events. A client
-that goes away cancels its requests. The endpoints themselves are one module
-per API: :mod:`infer.serve.completions` (OpenAI's completions and chat
-completions), :mod:`infer.serve.responses` (the Responses API) and
+:class:`~infer.serve.choice.Choice` (its tokens into text:
+:class:`~infer.completion.TextStream`, stop strings; then reasoning and tool
+calls: :class:`~infer.chat.ReplyParser`), drives an endpoint's stream state
+(:class:`~infer.serve.choice.ReplyEvents`) and streams server-sent events. A
+client that goes away cancels its requests. The endpoints themselves are one
+module per API: :mod:`infer.serve.completions` (OpenAI's completions and chat
+completions), :mod:`infer.serve.responses` (the Responses API),
 :mod:`infer.serve.anthropic` (the Messages API) and :mod:`infer.serve.embeddings`
 (``/v1/embeddings``, ``/v1/rerank``).
 """
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -33,15 +35,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from infer.chat import ChatPlan, Delta, ReplyParser
+from infer.chat import ChatPlan
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
-from infer.engine.sampling import TokenLogprob
 from infer.errors import InferError, RequestError, SamplingParameterError, StructuredOutputError
 from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
 from infer.serve import anthropic, completions, embeddings, responses
+from infer.serve.choice import Choice, Emit, ReplyEvents
 from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.loop import EngineLoop, TokenStream
 from infer.serve.metrics import Metrics
@@ -142,60 +144,6 @@ def _param_of(err: Exception) -> str | None:
 def _default_name(model: Model) -> str:
     path = model.package.path
     return path.name if path is not None else model.model_type
-
-
-# -- one choice ------------------------------------------------------------------------------
-
-
-@dataclass
-class Choice:
-    """One generated choice: its request's stream and what became of it."""
-
-    index: int
-    stream: TokenStream
-    text: TextStream
-    tokens: int = 0
-    finish_reason: str | None = None
-    pieces: list[str] = field(default_factory=list)
-    #: Log-probabilities handed out so far (:meth:`new_logprobs`).
-    _logprobs_taken: int = 0
-    #: A chat choice's reader of its reply (reasoning, content, tool calls).
-    reader: ReplyParser | None = None
-    #: Token ids kept out of the text (end-of-sequence ones, when special tokens are decoded).
-    hidden: frozenset[int] = frozenset()
-
-    def new_logprobs(self) -> list[TokenLogprob]:
-        """The log-probabilities of the tokens consumed since the last call
-        (empty without ``logprobs``)."""
-        entries = self.stream.logprobs[self._logprobs_taken:self.tokens]
-        self._logprobs_taken += len(entries)
-        return entries
-
-    async def run(self, loop: EngineLoop, emit: Callable[[Choice, str], Awaitable[None]] | None = None) -> None:
-        """Consume the stream: text pieces (to ``emit`` as they are final), until EOS, the length or a stop string."""
-        async for ids in self.stream:
-            for token in ids:
-                self.tokens += 1
-                piece = "" if token in self.hidden else self.text.push(token)
-                if piece:
-                    await self._piece(piece, emit)
-                if self.text.stopped:
-                    loop.cancel(self.stream)  # its pages go back before the next step
-                    self.finish_reason = "stop"
-                    return
-        piece = self.text.finish()
-        if piece:
-            await self._piece(piece, emit)
-        self.finish_reason = "stop" if self.stream.finish_reason == "stop" or self.text.stopped else "length"
-
-    async def _piece(self, piece: str, emit: Callable[[Choice, str], Awaitable[None]] | None) -> None:
-        self.pieces.append(piece)
-        if emit is not None:
-            await emit(self, piece)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.pieces)
 
 
 # -- the server -----------------------------------------------------------------------------
@@ -371,18 +319,41 @@ class Server:
             c.reader = plan.reply_parser()
         return choices
 
-    async def run_deltas(self, c: Choice, emit: Callable[[Choice, Delta], Awaitable[None]]) -> None:
-        """Run ``c`` to its end, each settled piece of its reply to ``emit``."""
-        reader = c.reader
-        assert reader is not None
+    async def run_replies(self, request: Request, choices: list[Choice], endpoint: str) -> None:
+        """Run every chat choice to its end (:meth:`run_all`), then have its
+        reader read its whole reply."""
+        await self.run_all(request, choices, endpoint)
+        for c in choices:
+            c.reply.feed(c.output)
+            c.reply.finish()
+
+    async def respond(self, request: Request, events: ReplyEvents, endpoint: str, stream: bool) -> Response:
+        """A one-choice reply of the Messages or Responses API: whole, or
+        streamed as named events."""
+        if not stream:
+            await self.run_replies(request, [events.choice], endpoint)
+            return JSONResponse(events.whole())
+        return self.sse(functools.partial(self.stream_reply, events), [events.choice], endpoint, named=True,
+                        failure=events.error)
+
+    async def stream_reply(self, events: ReplyEvents, emit: Emit) -> None:
+        """Run ``events``' choice to its end, its reply's events to ``emit`` as
+        they settle: its start, those of each piece of the reply, its finish."""
+        c, reader = events.choice, events.choice.reply
+
+        async def send(items: list[dict[str, Any]]) -> None:
+            for item in items:
+                await emit(item)
 
         async def piece(c: Choice, text: str) -> None:
             for d in reader.feed(text):
-                await emit(c, d)
+                await send(events.delta(d))
 
+        await send(events.start())
         await c.run(self.loop, piece)
         for d in reader.finish():
-            await emit(c, d)
+            await send(events.delta(d))
+        await send(events.finish())
 
     async def chat_completions(self, request: Request) -> Response:
         return await completions.chat_completions(self, request)
@@ -410,20 +381,14 @@ class Server:
 
     # -- streaming -------------------------------------------------------------------------------
 
-    def sse(self, produce: Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]],
-             choices: list[Choice], endpoint: str, *, named: bool = False,
-             failure: Callable[[BaseException], dict[str, Any]] | None = None) -> Response:
+    def sse(self, produce: Callable[[Emit], Awaitable[None]], choices: list[Choice], endpoint: str, *,
+            failure: Callable[[BaseException], dict[str, Any]], named: bool = False) -> Response:
         """Server-sent events of ``produce``'s chunks, then ``data: [DONE]``
         (OpenAI's chat and completions); with ``named``, each event named by
         its chunk's ``type`` and no ``[DONE]`` (the Anthropic Messages and
-        Responses APIs). A failure mid-stream sends ``failure(error)`` (by
-        default OpenAI's error body) and ends the stream. A client that goes
-        away cancels every choice's request."""
-        def openai_failure(err: BaseException) -> dict[str, Any]:
-            return {"error": {"message": str(err), "type": "server_error", "param": None, "code": None}}
-
-        failed = failure or openai_failure
-
+        Responses APIs). A failure mid-stream sends ``failure(error)`` (the
+        API's error event) and ends the stream. A client that goes away
+        cancels every choice's request."""
         def event(item: dict[str, Any]) -> Any:
             data = json.dumps(item, ensure_ascii=False)
             return {"event": item.get("type", "message"), "data": data} if named else data
@@ -446,7 +411,7 @@ class Server:
                         break
                     if isinstance(item, BaseException):
                         log.warning("a streamed request failed: %s", item)
-                        yield event(failed(item))
+                        yield event(failure(item))
                         break
                     yield event(item)
                 if not named:

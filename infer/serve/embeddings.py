@@ -18,8 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from infer.errors import EmbeddingError, RequestError
-
-Server = Any  # infer.serve.app.Server (which imports this module)
+from infer.serve.protocol import ServerLike
 
 
 def _int_list(value: object) -> bool:
@@ -40,6 +39,15 @@ def embedding_inputs(value: object) -> list[str | list[int]]:
                        "token id lists", "input")
 
 
+async def _body(server: ServerLike, request: Request) -> dict[str, Any]:
+    """The request's body: a JSON object naming the served model."""
+    body = await server.read_body(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    server.check_model(_field(body, "model", (str,), "a string") or "")
+    return body
+
+
 def _field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
     value = body.get(key)
     if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
@@ -47,12 +55,9 @@ def _field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -
     return value
 
 
-async def embeddings(server: Server, request: Request) -> Response:
+async def embeddings(server: ServerLike, request: Request) -> Response:
     """``POST /v1/embeddings``."""
-    body = await server.read_body(request)
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", None)
-    server.check_model(_field(body, "model", (str,), "a string") or "")
+    body = await _body(server, request)
     if "input" not in body:
         raise RequestError("input is required", "input")
     inputs = embedding_inputs(body["input"])
@@ -101,14 +106,11 @@ def rerank_documents(value: object) -> list[str]:
     return out
 
 
-async def rerank(server: Server, request: Request) -> Response:
+async def rerank(server: ServerLike, request: Request) -> Response:
     """``POST /v1/rerank`` (also ``/rerank`` and ``/v1/reranking``): ``{model,
     query, documents, top_n, return_documents}`` -> ``{results: [{index,
     relevance_score, document}]}``, most relevant first."""
-    body = await server.read_body(request)
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", None)
-    server.check_model(_field(body, "model", (str,), "a string") or "")
+    body = await _body(server, request)
     query = body.get("query")
     if not isinstance(query, str):
         raise RequestError("query must be a string", "query")

@@ -8,18 +8,34 @@ what it asked for. Beyond OpenAI's: ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos``, as vLLM and llama.cpp's server
 accept them, and vLLM's ``chat_template_kwargs``, ``thinking_budget`` and
 (on completions) ``response_format``. The helpers here (``response_schema``,
-``check_tools``, ``tool_choice``, ``check_stops``) are shared with the
-Responses and Anthropic Messages endpoints.
+``check_tools``, ``tool_choice``, ``check_stops``, ``joined_text``) are
+shared with the Responses and Anthropic Messages endpoints.
+
+:class:`ServerLike` is what every endpoint module uses of the server: the
+endpoints take it, the app's :class:`~infer.serve.app.Server` is it (the app
+imports the endpoint modules, so they cannot import it back).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infer.errors import RequestError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from infer.chat import ChatPlan
+    from infer.model import Model
+    from infer.request import GenerationRequest, PreparedRequest
+    from infer.serve.choice import Choice, Emit, ReplyEvents
+    from infer.serve.loop import EngineLoop
+
 
 #: Most choices one request may ask for (``n``).
 MAX_N = 16
@@ -99,6 +115,25 @@ class ChatTemplateKwargs(_Body):
     """What a request may pass to the chat template (vLLM's ``chat_template_kwargs``)."""
 
     enable_thinking: bool | None = None
+
+
+def joined_text(content: Any, where: str, noun: str, kinds: Collection[str],
+                refuse: Callable[[int, str], RequestError]) -> str:
+    """The text of a message's ``content``: a string, or a list of parts
+    (``noun``: the API's word for them) whose ``type`` is one of ``kinds``,
+    each with a ``text``. Another shape is a 400 naming ``where``; a part of
+    another type is ``refuse(index, type)``, in the API's own words."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of {noun}", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind: Any = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise refuse(j, kind)
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def response_schema(fmt: Any, param: str) -> dict[str, Any] | bool | None:
@@ -209,22 +244,11 @@ class ChatRequest(_Sampling):
             if not isinstance(message.get("role"), str):
                 raise RequestError(f"messages[{i}] has no role", f"messages[{i}].role")
             message = dict(message)
+            where = f"messages[{i}].content"
             content = message.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    is_text = isinstance(part, dict) and part.get("type") == "text"
-                    if not is_text or not isinstance(part.get("text"), str):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise RequestError(f"messages[{i}].content[{j}] is of type {kind!r}; this server takes text "
-                                           "only", f"messages[{i}].content")
-                    texts.append(part["text"])
-                message["content"] = "".join(texts)
-            elif content is None:
-                message["content"] = ""
-            elif not isinstance(content, str):
-                raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
-                                   f"messages[{i}].content")
+            message["content"] = "" if content is None else joined_text(
+                content, where, "text parts", ("text",),
+                lambda j, kind: RequestError(f"{where}[{j}] is of type {kind!r}; this server takes text only", where))
             calls = message.get("tool_calls")
             if calls:
                 message["tool_calls"] = [_template_call(call) for call in calls]
@@ -246,7 +270,7 @@ def _template_call(call: Any) -> Any:
     return {**call, "function": function}
 
 
-def parse(model: type[_Sampling], body: Any) -> Any:
+def parse(model: type[_Body], body: Any) -> Any:
     """``body`` (decoded JSON) as ``model``, or a :class:`~infer.errors.RequestError`
     naming the first parameter at fault."""
     if not isinstance(body, dict):
@@ -261,3 +285,33 @@ def parse(model: type[_Sampling], body: Any) -> Any:
             raise RequestError(f"unsupported parameter {'.'.join(loc)!r}: infer's server does not implement it",
                                param, code="unsupported_parameter") from None
         raise RequestError(f"invalid {'.'.join(loc)}: {first['msg']}", param) from None
+
+
+class ServerLike(Protocol):
+    """What the endpoint modules use of :class:`infer.serve.app.Server`
+    (see its methods for what each does)."""
+
+    #: The served model, its id as clients name it, and the thread that steps its batch engine.
+    model: Model
+    name: str
+    loop: EngineLoop
+
+    async def read_body(self, request: Request) -> Any: ...
+    def check_model(self, name: str) -> None: ...
+    def unsupported(self, param: str, why: str) -> RequestError: ...
+    def sampling_request(self, body: _Sampling, *, max_tokens: int | None, logprobs: int | None = None,
+                         **options: Any) -> GenerationRequest: ...
+    def build_request(self, **fields: Any) -> GenerationRequest: ...
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest: ...
+    async def chat_plan(self, conversation: list[dict[str, Any]], request: GenerationRequest,
+                        param: str = "response_format") -> ChatPlan: ...
+    async def start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
+                    skip_special_tokens: bool = True) -> list[Choice]: ...
+    async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]: ...
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]: ...
+    async def run_all(self, request: Request, choices: list[Choice], endpoint: str) -> None: ...
+    async def run_replies(self, request: Request, choices: list[Choice], endpoint: str) -> None: ...
+    async def respond(self, request: Request, events: ReplyEvents, endpoint: str, stream: bool) -> Response: ...
+    async def stream_reply(self, events: ReplyEvents, emit: Emit) -> None: ...
+    def sse(self, produce: Callable[[Emit], Awaitable[None]], choices: list[Choice], endpoint: str, *,
+            failure: Callable[[BaseException], dict[str, Any]], named: bool = False) -> Response: ...

@@ -12,7 +12,9 @@ item (a reasoning model's thinking), a ``message`` with ``output_text`` and
 reads (``response.created``, ``response.output_item.added``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``,
 ..., ``response.completed``, whose response's ``status`` may be
-``"incomplete"``), each with its ``sequence_number``.
+``"incomplete"``), each with its ``sequence_number``. :class:`ResponseStream`
+makes both, one method per event of the reply; the items are pure builders
+(:func:`message_item`, :func:`call_item`, :func:`reasoning_item`).
 
 Nothing is stored (``store`` is false; ``store: true`` and
 ``previous_response_id`` are refused by name), and anything else the server
@@ -23,20 +25,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.chat import Delta
+from infer.chat import ReplyParser
 from infer.errors import RequestError
-from infer.serve.protocol import _Body, check_tools, parse, response_schema, tool_choice
-
-# The server and its choices (infer.serve.app.Server, .Choice) are typed Any here: app imports this module.
-Server = Any
-Choice = Any
+from infer.serve.choice import Choice, Events, ReplyEvents
+from infer.serve.protocol import ServerLike, _Body, check_tools, joined_text, parse, response_schema, tool_choice
+from infer.tokenizer import Tokenizer
+from infer.tool_parsers import Call
 
 
 class ResponsesRequest(_Body):
@@ -64,18 +64,11 @@ class ResponsesRequest(_Body):
     thinking_budget: int | None = Field(None, ge=0)
 
 
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of content parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}] is of type {kind!r}; this server takes text only", f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+def _text(content: Any, where: str) -> str:
+    """A content part list's (or a string's) text; any part but text is a 400 naming it."""
+    return joined_text(content, where, "content parts", ("input_text", "output_text", "text"),
+                       lambda j, kind: RequestError(f"{where}[{j}] is of type {kind!r}; this server takes text only",
+                                                    f"{where}[{j}]"))
 
 
 def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -95,7 +88,7 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role must be user, assistant, system or developer", where)
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content", ""), f"{where}.content")})
+                        "content": _text(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise RequestError(f"{where} (a function_call) needs a name and its arguments as JSON text", where)
@@ -107,7 +100,7 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                        "content": _text_of(output if output is not None else "", f"{where}.output")})
+                        "content": _text(output if output is not None else "", f"{where}.output")})
         elif kind == "reasoning":
             continue  # an earlier turn's thinking: templates drop it from the history anyway
         else:
@@ -157,148 +150,183 @@ def chat_options(body: ResponsesRequest) -> dict[str, Any]:
     return out
 
 
-async def responses(server: Server, request: Request) -> Response:
-    """``POST /v1/responses``."""
-    body: ResponsesRequest = parse(ResponsesRequest, await server.read_body(request))
-    server.check_model(body.model)
-    generation = server.build_request(max_tokens=body.max_output_tokens, temperature=body.temperature,
-                                      top_p=body.top_p, top_k=body.top_k, **chat_options(body))
-    plan = await server.chat_plan(conversation(body), generation, param="text.format")
-    (choice,) = await server.start_chat(plan)
-    prompt = len(plan.prompt_ids)
-    rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
-    fmt = (body.text or {}).get("format") or {"type": "text"}
+def request_options(body: ResponsesRequest) -> dict[str, Any]:
+    """Every :class:`~infer.request.GenerationRequest` option of ``body``."""
+    return dict(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                **chat_options(body))
 
-    def response(status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
-        done = status != "in_progress"
-        reasoning = choice.reader.reasoning if choice.reader is not None else ""
-        usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": choice.tokens,
-                 "output_tokens_details": {"reasoning_tokens": len(server.model.tokenizer.encode(
-                     reasoning, add_special_tokens=False)) if reasoning else 0},
-                 "total_tokens": prompt + choice.tokens}
-        return {"id": rid, "object": "response", "created_at": created, "status": status, "model": server.name,
-                "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+
+def new_id(prefix: str) -> str:
+    """An output item's id: ``rs_`` (reasoning), ``msg_`` (message), ``fc_`` (function call)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(reader: ReplyParser, status: str) -> list[dict[str, Any]]:
+    """A whole reply's output: its reasoning, its message (also an empty one
+    when it made no call), its function calls."""
+    output: list[dict[str, Any]] = []
+    if reader.reasoning:
+        output.append(reasoning_item(new_id("rs"), reader.reasoning, "completed"))
+    if reader.content or not reader.calls:
+        output.append(message_item(new_id("msg"), reader.content, status))
+    return output + [call_item(new_id("fc"), cid, call.name, call.arguments, "completed")
+                     for _, cid, call in reader.calls]
+
+
+class ResponseStream(ReplyEvents):
+    """One reply of the Responses API on the wire: its events as it streams
+    (one method per event, as :class:`~infer.serve.choice.ReplyEvents`), or
+    the whole response (:meth:`whole`). Its fields: the next event's
+    ``sequence_number``, the output items finished so far, and the item
+    being streamed (its kind, None when none is open; its id and text)."""
+
+    def __init__(self, choice: Choice, body: ResponsesRequest, model: str, prompt_tokens: int,
+                 tokenizer: Tokenizer) -> None:
+        super().__init__(choice)
+        self.body, self.model, self.prompt_tokens, self.tokenizer = body, model, prompt_tokens, tokenizer
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.sequence = 0
+        self.done: list[dict[str, Any]] = []
+        self.kind: str | None = None
+        self.item_id = ""
+        self.item_text = ""
+
+    def usage(self) -> dict[str, Any]:
+        reasoning = self.choice.reply.reasoning
+        tokens = self.choice.tokens
+        thought = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": thought},
+                "total_tokens": self.prompt_tokens + tokens}
+
+    def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The response object, ``status`` ``"in_progress"``, ``"completed"`` or ``"incomplete"``."""
+        body = self.body
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "temperature": body.temperature, "top_p": body.top_p, "text": {"format": fmt}, "store": False,
+                "temperature": body.temperature, "top_p": body.top_p,
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "store": False,
                 "metadata": body.metadata or {}, "error": None, "truncation": "disabled",
                 "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "usage": usage if done else None}
+                "usage": self.usage() if status != "in_progress" else None}
 
-    def status() -> str:
-        calls = choice.reader is not None and choice.reader.calls
-        return "incomplete" if choice.finish_reason == "length" and not calls else "completed"
+    def status(self) -> str:
+        """``"incomplete"`` when the length cut the reply short (a reply that made its calls is complete)."""
+        return "incomplete" if self.choice.finish_reason == "length" and not self.choice.reply.calls else "completed"
 
-    def reasoning_item(item_id: str, text: str, state: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": item_id, "summary": [], "status": state,
-                "content": [{"type": "reasoning_text", "text": text}] if text or state == "completed" else []}
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
-    def message_item(item_id: str, text: str | None, state: str) -> dict[str, Any]:
-        parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-        return {"type": "message", "id": item_id, "status": state, "role": "assistant", "content": parts}
+    def _close(self) -> Events:
+        """The events that finish the item being streamed, if any."""
+        if self.kind is None:
+            return []
+        index, item_id, text = len(self.done), self.item_id, self.item_text
+        at = {"item_id": item_id, "output_index": index, "content_index": 0}
+        part: dict[str, Any]
+        if self.kind == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            out = [self._event("response.reasoning_text.done", **at, text=text)]
+            item = reasoning_item(item_id, text, "completed")
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out = [self._event("response.output_text.done", **at, text=text, logprobs=[])]
+            item = message_item(item_id, text, "completed")
+        out.append(self._event("response.content_part.done", **at, part=part))
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self.done.append(item)
+        self.kind = None
+        return out
 
-    def call_item(item_id: str, call_id: str, name: str, arguments: str, state: str) -> dict[str, Any]:
-        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-                "status": state}
+    def _open(self, kind: str) -> Events:
+        """The events that open a reasoning item or a message (``kind`` ``"content"``)."""
+        out = self._close()
+        self.kind, self.item_id, self.item_text = kind, new_id("rs" if kind == "reasoning" else "msg"), ""
+        index = len(self.done)
+        if kind == "reasoning":
+            item = reasoning_item(self.item_id, "", "in_progress")
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = message_item(self.item_id, None, "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        out.append(self._event("response.content_part.added", item_id=self.item_id, output_index=index,
+                               content_index=0, part=part))
+        return out
 
-    def new_id(prefix: str) -> str:
-        return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    def _delta(self, kind: str, text: str, event: str, **extra: Any) -> Events:
+        out = self._open(kind) if self.kind != kind else []
+        self.item_text += text
+        out.append(self._event(event, item_id=self.item_id, output_index=len(self.done), content_index=0,
+                               delta=text, **extra))
+        return out
 
-    if not body.stream:
-        await server.run_all(request, [choice], "responses")
-        reader = choice.reader
-        assert reader is not None
-        reader.feed(choice.output)
-        reader.finish()
-        state = status()
-        output: list[dict[str, Any]] = []
-        if reader.reasoning:
-            output.append(reasoning_item(new_id("rs"), reader.reasoning, "completed"))
-        text = reader.content
-        if text or not reader.calls:
-            output.append(message_item(new_id("msg"), text, state))
-        output += [call_item(new_id("fc"), cid, call.name, call.arguments, "completed")
-                   for _, cid, call in reader.calls]
-        return JSONResponse(response(state, output))
+    def start(self) -> Events:
+        return [self._event("response.created", response=self.response("in_progress", [])),
+                self._event("response.in_progress", response=self.response("in_progress", []))]
 
-    async def events(emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        sequence = [0]
-        done: list[dict[str, Any]] = []  # the output items finished so far
-        current: dict[str, Any] = {}  # the item being streamed: kind, id, text
+    def text(self, text: str) -> Events:
+        return self._delta("content", text, "response.output_text.delta", logprobs=[])
 
-        async def send(kind: str, **fields: Any) -> None:
-            await emit({"type": kind, "sequence_number": sequence[0], **fields})
-            sequence[0] += 1
+    def reasoning(self, text: str) -> Events:
+        return self._delta("reasoning", text, "response.reasoning_text.delta")
 
-        async def close() -> None:
-            if not current:
-                return
-            index, item_id, text = len(done), current["id"], current["text"]
-            if current["kind"] == "reasoning":
-                part = {"type": "reasoning_text", "text": text}
-                await send("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
-                           text=text)
-                item = reasoning_item(item_id, text, "completed")
-            else:
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                await send("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                           text=text, logprobs=[])
-                item = message_item(item_id, text, "completed")
-            await send("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
-            await send("response.output_item.done", output_index=index, item=item)
-            done.append(item)
-            current.clear()
+    def tool_call(self, index: int, call_id: str, call: Call) -> Events:
+        out = self._close()
+        item_id, at = new_id("fc"), len(self.done)
+        item = call_item(item_id, call_id, call.name, call.arguments, "completed")
+        out += [self._event("response.output_item.added", output_index=at,
+                            item=call_item(item_id, call_id, call.name, "", "in_progress")),
+                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=at,
+                            delta=call.arguments),
+                self._event("response.function_call_arguments.done", item_id=item_id, output_index=at,
+                            name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=at, item=item)]
+        self.done.append(item)
+        return out
 
-        async def open_item(kind: str) -> None:
-            await close()
-            item_id = new_id("rs" if kind == "reasoning" else "msg")
-            current.update(kind=kind, id=item_id, text="")
-            index = len(done)
-            if kind == "reasoning":
-                await send("response.output_item.added", output_index=index, item=reasoning_item(item_id, "",
-                                                                                                  "in_progress"))
-                part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-            else:
-                await send("response.output_item.added", output_index=index, item=message_item(item_id, None,
-                                                                                                "in_progress"))
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            await send("response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part)
-
-        async def delta(c: Choice, d: Delta) -> None:
-            if d.kind == "tool_call":
-                assert d.call is not None
-                await close()
-                item_id, index = new_id("fc"), len(done)
-                await send("response.output_item.added", output_index=index,
-                           item=call_item(item_id, d.call_id, d.call.name, "", "in_progress"))
-                await send("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                           delta=d.call.arguments)
-                await send("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                           name=d.call.name, arguments=d.call.arguments)
-                item = call_item(item_id, d.call_id, d.call.name, d.call.arguments, "completed")
-                await send("response.output_item.done", output_index=index, item=item)
-                done.append(item)
-                return
-            if current.get("kind") != d.kind:
-                await open_item(d.kind)
-            current["text"] += d.text
-            kind = "response.reasoning_text.delta" if d.kind == "reasoning" else "response.output_text.delta"
-            extra = {} if d.kind == "reasoning" else {"logprobs": []}
-            await send(kind, item_id=current["id"], output_index=len(done), content_index=0, delta=d.text, **extra)
-
-        await send("response.created", response=response("in_progress", []))
-        await send("response.in_progress", response=response("in_progress", []))
-        await server.run_deltas(choice, delta)
-        if not done and not current:  # nothing was said: an empty message, as OpenAI sends
-            await open_item("content")
-        await close()
+    def finish(self) -> Events:
+        # Nothing was said: an empty message, as OpenAI sends.
+        out = self._open("content") if not self.done and self.kind is None else []
+        out += self._close()
         # Always response.completed, its response's status saying "incomplete" where it is: the
         # openai client's stream helper ends on that event alone (as vLLM sends it).
-        await send("response.completed", response=response(status(), done))
+        return [*out, self._event("response.completed", response=self.response(self.status(), self.done))]
 
-    def failure(err: BaseException) -> dict[str, Any]:
+    def error(self, err: BaseException) -> dict[str, Any]:
         return {"type": "error", "code": "server_error", "message": str(err), "param": None, "sequence_number": 0}
 
-    return server.sse(events, [choice], "responses", named=True, failure=failure)
+    def whole(self) -> dict[str, Any]:
+        """The response of a reply that is not streamed (its reader has read all of it)."""
+        status = self.status()
+        return self.response(status, output_items(self.choice.reply, status))
+
+
+async def responses(server: ServerLike, request: Request) -> Response:
+    """``POST /v1/responses``."""
+    body: ResponsesRequest = parse(ResponsesRequest, await server.read_body(request))
+    server.check_model(body.model)
+    generation = server.build_request(**request_options(body))
+    plan = await server.chat_plan(conversation(body), generation, param="text.format")
+    (choice,) = await server.start_chat(plan)
+    stream = ResponseStream(choice, body, server.name, len(plan.prompt_ids), server.model.tokenizer)
+    return await server.respond(request, stream, "responses", body.stream)
