@@ -1,4 +1,5 @@
-"""The numpy backend: the reference every other backend is checked against.
+"""The numpy backend: the fast CPU default (the plain reference every backend,
+this one included, is checked against is :mod:`infer.backends.reference`).
 
 It computes in float32 on any CPU through numpy's BLAS. Weights given in
 float16 or bfloat16 are widened to float32 at load (bfloat16 arrives already
@@ -294,6 +295,8 @@ class NumpyBackend(Backend):
         return np.array(x, copy=True)
 
     def astype(self, x: Array, dtype: str) -> Array:
+        if dtype == "bfloat16":  # a float32 array is not the bfloat16 array the contract asks for
+            raise UnsupportedOpError("numpy backend has no bfloat16 arrays to cast to")
         return x.astype(self._np_dtype(dtype), copy=False)
 
     def shape(self, x: Array) -> tuple[int, ...]:
@@ -774,7 +777,7 @@ def infer_register_backends(register) -> None:  # type: ignore[no-untyped-def]
             device="cpu",
             factory=lambda dtype: NumpyBackend(dtype),
             probe=lambda: Probe(10, None, tuple(sorted(NumpyBackend.native_ops))),
-            description=f"numpy {np.__version__} float32 on the CPU (reference backend)",
+            description=f"numpy {np.__version__} float32 on the CPU",
             details=kernel_details,
             score_ceiling=10,
         )

@@ -54,9 +54,19 @@ def test_identical_backends_show_no_divergence(model_and_ids) -> None:  # type: 
     assert report.tokens_a == report.tokens_b
 
 
+def test_one_backend_is_compared_with_the_reference(model_and_ids) -> None:  # type: ignore[no-untyped-def]
+    path, ids = model_and_ids
+    report = diff(path, ["numpy"], ids, steps=3)
+    assert (report.a, report.b) == ("reference/cpu", "numpy/cpu")
+    assert report.first is None and report.tokens_a == report.tokens_b
+    # Two codes, float32 rounding apart: within LOGIT_RTOL of the largest logit (about 15 here).
+    assert 0.0 < max(report.logits) < LOGIT_RTOL * 15
+
+
 def test_first_divergence_names_the_op_and_layer(model_and_ids, wrong_backend: str) -> None:  # type: ignore[no-untyped-def]
     path, ids = model_and_ids
-    report = diff(path, ["numpy", wrong_backend], ids, steps=2, tolerance=1e-4)
+    report = diff(path, [wrong_backend], ids, steps=2, tolerance=1e-4)
+    assert report.a == "reference/cpu"
     assert report.first is not None
     index, op, layer, err = report.first
     # The MLP of layer 0 runs after layer 0's attention.
@@ -77,4 +87,6 @@ def test_cli_diff(model_and_ids, capsys: pytest.CaptureFixture[str]) -> None:  #
     assert main(["-q", "diff", str(path), "--backends", "numpy,numpy", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "no op output exceeds the tolerance" in out and "greedy tokens identical" in out
-    assert main(["diff", str(path), "--backends", "numpy"]) == 1
+    assert main(["-q", "diff", str(path), "--backends", "numpy", "--steps", "1"]) == 0
+    assert capsys.readouterr().out.startswith("reference/cpu vs numpy/cpu")
+    assert main(["diff", str(path), "--backends", "numpy,numpy,numpy"]) == 1

@@ -37,13 +37,14 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_contains_mapped_packages(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("infer/ops.py", "infer/backends/numpy.py", "infer/formats/huggingface.py",
-                   "infer/architectures/llama.py", "infer/distributed/worker.py",
+    for module in ("infer/ops.py", "infer/backends/numpy.py", "infer/backends/reference.py",
+                   "infer/formats/huggingface.py", "infer/architectures/llama.py", "infer/distributed/worker.py",
                    "infer/py.typed"):  # py.typed: type checkers read the hints
         assert module in names, f"{module} missing from {wheel.name}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[infer]" in text and "numpy = infer.backends.numpy" in text
+    assert "reference = infer.backends.reference" in text
     assert "infer = infer.tools.cli:main" in text
 
 
@@ -55,7 +56,7 @@ def test_wheel_works_in_clean_venv(wheel: Path, tmp_path: Path) -> None:
     probe = (
         "import infer, infer.backends.numpy as nb, pathlib;"
         "assert 'site-packages' in nb.__file__, nb.__file__;"
-        "assert [b.key for b in infer.list_backends() if b.available] == ['numpy/cpu'];"
+        "assert [b.key for b in infer.list_backends() if b.available] == ['numpy/cpu', 'reference/cpu'];"
         "assert 'llama' in [a.name for a in infer.list_architectures()];"
         "assert 'huggingface' in [f.name for f in infer.list_formats()];"
         "print('ok')"

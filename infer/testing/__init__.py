@@ -1,4 +1,4 @@
-"""infer's conformance kit: checks a backend op by op against the numpy backend.
+"""infer's conformance kit: checks a backend op by op against the reference backend.
 
 Run it on an installed backend with one command (pytest and hypothesis needed:
 ``pip install 'infer-engine[conformance]'``)::

@@ -57,6 +57,7 @@ class Host:
 
 
 Run = Callable[[Backend, Call, tuple, dict], Any]
+Expect = Callable[..., np.ndarray]
 OutDtype = Callable[[Call, str], "str | tuple[str, ...]"]
 
 
@@ -84,7 +85,10 @@ class Case:
     op (default: ``getattr(backend, op)(*args, **kwargs)``); ``out`` gives
     the dtype(s) the candidate's float or integer results must have;
     ``mutates`` lists positional arguments the op may modify; ``raises``
-    marks a call that must raise (any exception but UnsupportedOpError).
+    marks a call that must raise (any exception but UnsupportedOpError);
+    ``expect``, where given, computes the expected result on the host,
+    ``expect(call, *args)`` with the inputs' values, instead of the reference
+    backend (for a result it cannot hold: numpy has no bfloat16).
     """
 
     name: str
@@ -95,10 +99,11 @@ class Case:
     mutates: tuple[int, ...] = ()
     raises: bool = False
     doc: str = ""
+    expect: Expect | None = None
 
 
 class Mismatch(AssertionError):
-    """The candidate's result differs from numpy's beyond tolerance."""
+    """The candidate's result differs from the reference backend's beyond tolerance."""
 
 
 def leaves(args: Sequence[Any]) -> list[Any]:
@@ -109,4 +114,4 @@ def leaves(args: Sequence[Any]) -> list[Any]:
     return out
 
 
-__all__ = ["In", "Call", "Host", "Run", "OutDtype", "FLOAT", "SAME", "INDEX", "Case", "Mismatch", "leaves"]
+__all__ = ["In", "Call", "Host", "Run", "Expect", "OutDtype", "FLOAT", "SAME", "INDEX", "Case", "Mismatch", "leaves"]

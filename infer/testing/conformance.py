@@ -1,4 +1,4 @@
-"""The conformance kit's runner: one op case, on a candidate and on numpy.
+"""The conformance kit's runner: one op case, on a candidate and on the reference backend.
 
 Modelled on ggml's ``test-backend-ops``. Each :class:`Case` (the table is
 :mod:`infer.testing.cases`) draws op calls with a hypothesis strategy
@@ -7,7 +7,8 @@ from which numpy draws the values. For every drawn call, :func:`check_case`
 
 1. uploads the inputs to the candidate in the dtype under test (the
    candidate's ``compute_dtype``) and reads back what it really holds;
-2. gives those exact values to the numpy backend in float32, so both sides
+2. gives those exact values to the reference backend (:data:`REFERENCE`,
+   ``backends/reference.py``: the contract in plain numpy) in float32, so both sides
    start from the same (already rounded) inputs;
 3. runs the op on both, and compares: output dtype and shape exactly,
    integer results exactly, float results by NMSE (below), with NaN and
@@ -32,7 +33,7 @@ op rounds a few times (the inputs are shared, but intermediates, e.g.
 attention probabilities or a norm before its weight, may be rounded in the
 dtype), and library functions (exp, tanh, erf) differ by an ulp or two. So
 the 16-bit bounds are ``(8 u)**2``: an rms error of 8 roundings. float32
-is looser in units of ``u`` because the reference itself is float32:
+is looser in units of ``u`` because the reference itself computes in float32:
 libraries legitimately reorder long sums (BLAS blocking, pairwise vs
 sequential reductions), and e.g. ``layer_norm`` of values offset by -50
 loses ~6 bits to cancellation on both sides.
@@ -45,7 +46,8 @@ float16    1.5e-5     k ~ 8
 bfloat16   1e-3       k ~ 8
 =========  =========  ==========
 
-(The worst NMSE torch and MLX reach, well inside these: docs/conformance.md.)
+(The worst NMSE numpy, torch and MLX reach, well inside these, and the
+argument at length: docs/conformance.md.)
 
 Real mistakes give NMSE from 1e-3 to 1 (a wrong rope pair, a mask off by
 one, a dropped bias, eps outside the square root on small inputs), far
@@ -75,7 +77,7 @@ DEFAULT_EXAMPLES = 25
 
 #: The reference backend, by its registry name: the kit reaches it through the
 #: plugin registry, as any caller would, and imports no backend module.
-REFERENCE = "numpy/cpu"
+REFERENCE = "reference/cpu"
 
 
 def reference_backend() -> Backend:
@@ -126,6 +128,15 @@ def _upload(ops: Backend, value: Any, dtype: str, source: Callable[[In], np.ndar
         return [_upload(ops, v, dtype, source, uploaded) for v in value]
     if isinstance(value, tuple):
         return tuple(_upload(ops, v, dtype, source, uploaded) for v in value)
+    return value
+
+
+def _held(value: Any, held: dict[int, np.ndarray]) -> Any:
+    """The call's arguments with each :class:`In` replaced by the values the candidate holds."""
+    if isinstance(value, In):
+        return held[id(value)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_held(v, held) for v in value)
     return value
 
 
@@ -239,7 +250,10 @@ def run_call(case: Case, candidate: Backend, reference: Backend, call: Call) -> 
         got_host = _to_host(candidate, got)
     except Exception as exc:
         raise Mismatch(f"reading back the result of {case.op} raised {type(exc).__name__}: {exc}") from exc
-    want = _to_host(reference, _invoke(case, reference, call, ref_args, ref_kwargs))
+    if case.expect is not None:
+        want = _to_host(reference, Host(case.expect(call, *_held(call.args, held))))
+    else:
+        want = _to_host(reference, _invoke(case, reference, call, ref_args, ref_kwargs))
     err = _compare(got_host, want, case.out(call, dtype), TOLERANCES[dtype], case.op)
     mutable = {id(a) for i, a in enumerate(call.args) if i in case.mutates and isinstance(a, In)}
     for n, (spec, arr) in enumerate(uploaded):
@@ -260,7 +274,8 @@ def check_case(
     max_examples: int = DEFAULT_EXAMPLES,
     reference: Backend | None = None,
 ) -> CaseResult:
-    """Run ``case`` on ``candidate`` (in its compute dtype) against numpy.
+    """Run ``case`` on ``candidate`` (in its compute dtype) against the
+    reference backend (:func:`reference_backend`, unless ``reference`` is given).
 
     Deterministic (hypothesis derandomized, no example database), so a CI
     run repeats exactly. ``unsupported`` means every drawn call raised

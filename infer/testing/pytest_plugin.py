@@ -9,7 +9,8 @@ harmless in test sessions that do not use it (disable it with
     ``mlx``, ``mybackend/gpu``. A family name alone means each of its
     registered devices. A named backend that is not registered or not
     available here *fails* (in CI a missing backend must not pass
-    silently). Without the option: every available backend except numpy.
+    silently). Without the option: every available backend except the
+    reference the kit compares against (``reference/cpu``).
 ``--infer-dtype DTYPE[,DTYPE...]`` (or ``$INFER_CONFORMANCE_DTYPES``)
     float dtypes to check; default: each dtype the backend declares in
     ``float_dtypes``.
@@ -41,8 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("infer", "infer backend conformance kit")
     group.addoption(
         "--infer-backend", action="append", default=[], metavar="NAME[,NAME...]",
-        help=f"backend(s) the conformance kit checks against numpy (env {BACKENDS_ENV}; "
-             "default: every available backend except numpy)",
+        help=f"backend(s) the conformance kit checks against the reference backend (env {BACKENDS_ENV}; "
+             "default: every available backend except the reference)",
     )
     group.addoption(
         "--infer-dtype", action="append", default=[], metavar="DTYPE[,DTYPE...]",
@@ -100,6 +101,7 @@ def _targets(config: pytest.Config) -> list[Target]:
     from infer.plugins import get_registry
     from infer.plugins.registry import parse_backend_name
     from infer.plugins.selection import list_backends
+    from infer.testing.conformance import REFERENCE
 
     infos = {i.key: i for i in list_backends()}
     requested = _split(config.getoption("--infer-backend"), BACKENDS_ENV)
@@ -122,7 +124,7 @@ def _targets(config: pytest.Config) -> list[Target]:
                 found = usable
             keys += [k for k in found if k not in keys]
     else:
-        keys = [k for k, i in infos.items() if i.available and i.name != "numpy"]
+        keys = [k for k, i in infos.items() if i.available and k != REFERENCE]
     targets: list[Target] = []
     for key in keys:
         if not infos[key].available:

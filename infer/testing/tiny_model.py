@@ -15,10 +15,12 @@ by 4 so logits spread to ~4 and the best token usually leads the second by
 far more than float32 rounding (the smallest lead on the float32 path is
 checked by infer's tests).
 
-* float32: the candidate must produce the same greedy tokens as numpy.
+* float32: the candidate must produce the same greedy tokens as the
+  reference backend (:data:`~infer.testing.conformance.REFERENCE`).
 * float16 / bfloat16: tokens cannot be expected to match; the candidate is
-  fed the numpy greedy sequence (teacher forcing) and its top-1 token at
-  each step must agree with numpy's at least :data:`AGREEMENT` of the time.
+  fed the reference's greedy sequence (teacher forcing) and its top-1 token
+  at each step must agree with the reference's at least :data:`AGREEMENT`
+  of the time.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from infer.package import TensorSource
 from infer.plugins import get_registry
 from infer.testing.conformance import reference_backend
 
-#: Least top-1 agreement with numpy float32 over the teacher-forced steps,
+#: Least top-1 agreement with the reference (float32) over the teacher-forced steps,
 #: per variant (32 steps each; what torch and MLX reach: docs/conformance.md).
 #: A bfloat16 logit is off by ~1% rms, ~0.04 at logits of ~4, while the best
 #: two tokens are usually 0.1-1 apart, so a few near-ties may flip; a real
@@ -155,11 +157,11 @@ class EndToEndResult:
     dtype: str
     reference_tokens: list[int]
     candidate_tokens: list[int]
-    #: Fraction of steps whose top-1 token agrees with numpy's.
+    #: Fraction of steps whose top-1 token agrees with the reference's.
     agreement: float
     #: What it had to reach: 1.0 (identical tokens) for float32.
     required: float
-    #: Smallest gap between numpy's best and second-best logit on the path.
+    #: Smallest gap between the reference's best and second-best logit on the path.
     reference_margin: float
     logits_nmse: float
     #: What the candidate raised instead of decoding (a wrong shape, NaN logits), or "".
@@ -176,13 +178,15 @@ class EndToEndResult:
         where = "" if first is None else f"; first difference at step {first}"
         return (f"{self.variant} in {self.dtype}: top-1 agreement {self.agreement:.3f} "
                 f"(required {self.required}){where}; logits NMSE {self.logits_nmse:.2e}; "
-                f"numpy's smallest top-2 margin {self.reference_margin:.3g}\n"
-                f"  numpy:     {self.reference_tokens}\n  candidate: {self.candidate_tokens}")
+                f"the reference's smallest top-2 margin {self.reference_margin:.3g}\n"
+                f"  reference: {self.reference_tokens}\n  candidate: {self.candidate_tokens}")
 
 
 def check_end_to_end(candidate: Backend, variants: Sequence[str] = tuple(VARIANTS),
                      reference: Backend | None = None) -> list[EndToEndResult]:
-    """Decode each tiny model on ``candidate`` and on numpy (float32) and compare.
+    """Decode each tiny model on ``candidate`` and on the reference backend
+    (float32, :func:`~infer.testing.conformance.reference_backend` unless
+    ``reference`` is given) and compare.
 
     float32: greedy tokens, generated independently on both, must be
     identical. Other dtypes: teacher-forced top-1 agreement must reach

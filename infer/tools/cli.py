@@ -6,7 +6,7 @@
     infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
     infer backends
     infer doctor
-    infer diff MODEL --backends A,B [--prompt TEXT]
+    infer diff MODEL --backends [A,]B [--prompt TEXT]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
     infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB] [--tool-parser NAME]
     infer convert SRC OUT [--type TYPE] [--force]
@@ -392,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     d = sub.add_parser("diff", help="run one prompt on two backends and report where they diverge")
     d.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
-    d.add_argument("--backends", required=True, help="two backends, comma-separated; 'transformers' for the "
-                   "float32 reference, e.g. numpy,torch:cpu or numpy,transformers")
+    d.add_argument("--backends", required=True, help="a backend to compare with the reference backend, or two, "
+                   "comma-separated; 'transformers' for transformers float32, e.g. torch:cpu, numpy,torch:cpu or "
+                   "numpy,transformers")
     d.add_argument("--prompt", default="The capital of France is", help="the prompt")
     d.add_argument("--steps", type=int, default=4, help="greedy decode steps after the prompt")
     d.add_argument("--tolerance", type=float, default=1e-3, help="relative error that counts as divergence")

@@ -1,6 +1,9 @@
 """Divergence tracing: where do two backends start to disagree?
 
-Each backend runs the same prompt through the same architecture code behind a
+One backend alone is compared with the reference backend (:data:`REFERENCE`,
+``backends/reference.py``: the op contract in plain numpy, what the
+conformance kit checks every backend against); two are compared with each
+other, the first as the reference side. Each backend runs the same prompt through the same architecture code behind a
 :class:`TracingBackend`, which records the output of every op call. Because
 the code path is identical, the two op sequences line up one to one; the
 report gives, per layer and per token, the largest difference of that layer's
@@ -25,6 +28,9 @@ from infer.errors import InferError, UnsafeFormatError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend
 
 log = logging.getLogger(__name__)
+
+#: What a backend alone is compared with: the conformance kit's reference backend.
+REFERENCE = "reference"
 
 _NOT_TRACED = {"from_numpy", "to_numpy", "shape", "dtype", "synchronize", "prepare_weight", "zeros", "arange"}
 
@@ -262,10 +268,15 @@ def compare_hidden(ours: tuple[str, Trace, list[int]], theirs: tuple[str, Trace,
 
 def diff(reference: Any, backends: Sequence[str], prompt_ids: Sequence[int], *, steps: int = 4,
          tolerance: float = 1e-3, dtype: str | None = None) -> Divergence:
-    """Run ``prompt_ids`` on two backends (or a backend and ``"transformers"``)
-    and compare them layer by layer and token by token."""
+    """Run ``prompt_ids`` of the model ``reference`` (a path or alias) on two
+    backends (or a backend and ``"transformers"``) and compare them layer by
+    layer and token by token; one backend alone is compared with the
+    reference backend (:data:`REFERENCE`), which runs first."""
+    if len(backends) == 1:
+        backends = [REFERENCE, backends[0]]
     if len(backends) != 2:
-        raise InferError(f"diff compares exactly two backends, got {len(backends)}: {', '.join(backends)}")
+        raise InferError(f"diff compares one backend with the reference backend, or two backends; got "
+                         f"{len(backends)}: {', '.join(backends) or 'none'}")
     runs = []
     for name in backends:
         if name == "transformers":
@@ -278,4 +289,4 @@ def diff(reference: Any, backends: Sequence[str], prompt_ids: Sequence[int], *, 
     return compare(runs[0], runs[1], tolerance)
 
 
-__all__ = ["Divergence", "TracingBackend", "compare", "diff", "run_trace", "Array"]
+__all__ = ["REFERENCE", "Divergence", "TracingBackend", "compare", "diff", "run_trace", "Array"]

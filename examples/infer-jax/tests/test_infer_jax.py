@@ -1,7 +1,7 @@
 """infer-jax's own tests: what the conformance kit cannot see.
 
 The kit (``pytest --pyargs infer.testing --infer-backend jax:cpu``) checks
-every op against infer's numpy backend. These check the JAX-specific
+every op against infer's reference backend. These check the JAX-specific
 promises: how many programs decoding compiles, that the KV cache write is
 functional and in place, that 64-bit integers do not switch JAX's global
 x64 mode on, and that the probes give reasons.
