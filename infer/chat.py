@@ -11,15 +11,17 @@ endpoints — so they give the same tokens and read them the same way.
 
 A :class:`ReplyParser` reads one choice's text as it comes: reasoning, then
 content and tool calls, each as deltas (:class:`Delta`) that join into the
-whole reply (:class:`ChatReply`).
+whole reply (:class:`ChatReply`); :meth:`ChatPlan.answer` and
+:meth:`ChatPlan.reply` read a generated reply's chunks with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from infer.completion import CompletionChunk, texts
 from infer.errors import ChatTemplateError, SamplingParameterError, StructuredOutputError
 from infer.reasoning import (
     ReasoningConstraint,
@@ -144,6 +146,37 @@ class ChatPlan:
     def reply_parser(self) -> ReplyParser:
         """A fresh parser for one choice's reply."""
         return ReplyParser(self.reasoning, self.in_reasoning, self.tools)
+
+    def answer(self, chunks: Iterable[CompletionChunk]) -> Iterator[str]:
+        """The answer's text pieces of a streamed reply (the reasoning and
+        the tool calls left out)."""
+        reader = self.reply_parser()
+        for piece in texts(chunks):
+            yield from (d.text for d in reader.feed(piece) if d.kind == "content")
+        yield from (d.text for d in reader.finish() if d.kind == "content")
+
+    def reply(self, chunks: Iterable[CompletionChunk]) -> ChatReply:
+        """The whole reply read from ``chunks``: the answer, the reasoning,
+        the tool calls and why generation ended. Raises
+        :class:`~infer.errors.IncompleteOutputError` when a constrained
+        answer does not match in full."""
+        reader = self.reply_parser()
+        for _ in texts(_fed(chunks, reader)):
+            pass
+        reader.finish()
+        calls = reader.openai_calls()
+        return ChatReply(reader.content, reader.reasoning or None, calls,
+                         "tool_calls" if calls else reader.finish_reason)
+
+
+def _fed(chunks: Iterable[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
+    """``chunks``, each one's text fed to ``reader``; the last one's finish
+    reason kept as ``reader.finish_reason``."""
+    for c in chunks:
+        reader.feed(c.text)
+        if c.finish_reason is not None:
+            reader.finish_reason = c.finish_reason
+        yield c
 
 
 class ChatModel(Protocol):

@@ -24,8 +24,8 @@ else:  # typing has Unpack from 3.11 on
 import numpy as np
 
 from infer.architecture import CausalLM
-from infer.chat import ChatPlan, ChatReply, ReplyParser, plan_chat
-from infer.completion import Completion, CompletionChunk, Stream, collect, stream_chunks
+from infer.chat import ChatPlan, ChatReply, plan_chat
+from infer.completion import Completion, CompletionChunk, Stream, collect, incomplete, stream_chunks, texts
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, generate
@@ -308,6 +308,7 @@ class Model:
                 :class:`~infer.request.GenerationRequest` (then give none of
                 them as keywords).
 
+        The keyword options are typed as :class:`~infer.request.GenerateOptions`.
         :meth:`complete` takes the same arguments and returns the tokens,
         their log-probabilities and why generation ended as well.
         """
@@ -321,11 +322,11 @@ class Model:
             completions = self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens)
             for i, c in enumerate(completions):
                 if c.valid is False:
-                    raise IncompleteOutputError(_incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
+                    raise IncompleteOutputError(incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
             return [c.text for c in completions]
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        texts = _texts(self._chunks(ids, prepared))
-        return Stream(texts, self._lock) if stream else "".join(texts)
+        pieces = texts(self._chunks(ids, prepared))
+        return Stream(pieces, self._lock) if stream else "".join(pieces)
 
     async def agenerate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str] | Stream[str]:
         """:meth:`generate` for ``asyncio``: the same arguments and result,
@@ -647,15 +648,7 @@ class Model:
         """
         plan = self.plan_chat(messages, _request_of(request, options), template=template)
         chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens)
-        if stream:
-            return Stream(_answer(plan, chunks), self._lock)
-        reader = plan.reply_parser()
-        for _ in _texts(_finished(chunks, reader)):
-            pass
-        reader.finish()
-        calls = reader.openai_calls()
-        return ChatReply(reader.content, reader.reasoning or None, calls,
-                         "tool_calls" if calls else reader.finish_reason)
+        return Stream(plan.answer(chunks), self._lock) if stream else plan.reply(chunks)
 
     async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:
         """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
@@ -713,43 +706,6 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
             f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
             f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
         )
-
-
-def _finished(chunks: Iterator[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
-    """``chunks``, each one's text fed to ``reader``; the last one's finish
-    reason kept as ``reader.finish_reason``."""
-    for c in chunks:
-        reader.feed(c.text)
-        if c.finish_reason is not None:
-            reader.finish_reason = c.finish_reason
-        yield c
-
-
-def _answer(plan: ChatPlan, chunks: Iterator[CompletionChunk]) -> Iterator[str]:
-    """The answer's text pieces of a streamed chat (reasoning and tool calls left out)."""
-    reader = plan.reply_parser()
-    for piece in _texts(chunks):
-        yield from (d.text for d in reader.feed(piece) if d.kind == "content")
-    yield from (d.text for d in reader.finish() if d.kind == "content")
-
-
-def _texts(chunks: Iterator[CompletionChunk]) -> Iterator[str]:
-    """The text of each chunk; raises :class:`~infer.errors.IncompleteOutputError`
-    at the end when a constrained output does not match in full."""
-    text = []
-    for c in chunks:
-        if c.text:
-            text.append(c.text)
-            yield c.text
-        if c.valid is False:
-            raise IncompleteOutputError(_incomplete(c.finish_reason, "the output"), "".join(text))
-
-
-def _incomplete(reason: str | None, what: str) -> str:
-    why = {"length": "max_tokens (or the model's context) ran out", "stop": "a stop string cut it"}.get(
-        reason or "", f"generation ended ({reason})")
-    return (f"{what} does not match its constraint in full: {why} first; raise max_tokens, or use "
-            "complete(), whose Completion has valid=False and the text")
 
 
 def _as_generation(handle: RequestHandle) -> Generation:
