@@ -28,7 +28,7 @@ import numpy as np
 
 from infer.errors import FormatError, UnsupportedDtypeError
 from infer.ops import QuantizedTensor
-from infer.package import GenerationDefaults, ModelPackage, TensorSource
+from infer.package import GenerationDefaults, IndexedTensorSource, ModelPackage
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import FormatSpec
 
@@ -147,7 +147,7 @@ class _Entry:
         return bool(self.parts) or self.rows is not None or self.cols is not None or self.inverse is not None
 
 
-class GGUFTensorSource(TensorSource):
+class GGUFTensorSource(IndexedTensorSource[_Entry]):
     """The tensors of a GGUF file under their Hugging Face names and layouts.
 
     ``get`` returns float32 tensors as read-only views of the file, float16 as
@@ -157,24 +157,8 @@ class GGUFTensorSource(TensorSource):
     """
 
     def __init__(self, file: GGUFFile, entries: dict[str, _Entry]) -> None:
+        # The table is in the order of the file's tensor infos; each shape is the GGUF dims reversed.
         self.file, self._entries = file, entries
-
-    def _entry(self, name: str) -> _Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise self._missing(name) from None
-
-    def names(self) -> list[str]:
-        """Canonical names, in the order of the file's tensor infos."""
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Canonical (Hugging Face) shape: the GGUF dims reversed."""
-        return self._entry(name).shape
 
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, or the GGML type name (``"Q4_K"``...)."""

@@ -47,7 +47,7 @@ from infer.errors import (
     UnsafeFormatError,
     UnsupportedDtypeError,
 )
-from infer.package import GenerationDefaults, ModelPackage, TensorSource
+from infer.package import GenerationDefaults, IndexedTensorSource, ModelPackage, TensorSource
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import FormatSpec
 
@@ -184,7 +184,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class SafetensorsSource(TensorSource):
+class SafetensorsSource(IndexedTensorSource[_Entry]):
     """Tensors from one or more memory-mapped safetensors files.
 
     ``get`` returns float32/float16 (and integer) tensors as zero-copy,
@@ -196,7 +196,7 @@ class SafetensorsSource(TensorSource):
         """Open ``files``; with ``only`` (a sharded index's ``weight_map``),
         expose exactly those names and check each is in the shard it names."""
         self._files: dict[Path, _SafetensorsFile] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # file by file, each in the order of its data
         try:
             for path in files:
                 st = _SafetensorsFile(path)
@@ -217,23 +217,6 @@ class SafetensorsSource(TensorSource):
     def _missing_in(self, name: str, shard: str) -> MissingTensorError:
         return MissingTensorError(f"tensor {name!r} is listed in the index under shard {shard!r}, "
                                   f"but that shard does not contain it")
-
-    def _entry(self, name: str) -> _Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise self._missing(name) from None
-
-    def names(self) -> list[str]:
-        """All tensor names, file by file in the order of their data."""
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape, from the header."""
-        return self._entry(name).shape
 
     def storage_dtype(self, name: str) -> str:
         """``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int64"``..."""

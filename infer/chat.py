@@ -1,6 +1,6 @@
 """A chat request from messages to a reply: its plan, and its reply read back.
 
-:meth:`infer.Model.plan_chat` renders the conversation with the chat
+:func:`plan_chat` (:meth:`infer.Model.plan_chat`) renders the conversation with the chat
 template (tools, ``enable_thinking``, ``reasoning_effort``), chooses the
 reasoning parser and tool-call format, turns a forced tool call into the
 format's grammar, and applies the request's constraint to the answer after
@@ -11,17 +11,29 @@ endpoints — so they give the same tokens and read them the same way.
 
 A :class:`ReplyParser` reads one choice's text as it comes: reasoning, then
 content and tool calls, each as deltas (:class:`Delta`) that join into the
-whole reply (:class:`ChatReply`).
+whole reply (:class:`ChatReply`); :meth:`ChatPlan.answer` and
+:meth:`ChatPlan.reply` read a generated reply's chunks with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from infer.reasoning import ReasoningParser, ReasoningStream
-from infer.request import PreparedRequest
-from infer.tool_parsers import Call, ToolCallStream, ToolParser, openai_call
+from infer.completion import CompletionChunk, texts
+from infer.errors import ChatTemplateError, SamplingParameterError, StructuredOutputError
+from infer.reasoning import (
+    ReasoningConstraint,
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+    reasoning_parser_for,
+)
+from infer.request import GenerationRequest, PreparedRequest, tool_names
+from infer.tokenizer import Tokenizer
+from infer.tool_parsers import Call, ToolCallStream, ToolParser, get_tool_parser, openai_call, tool_parser_for
+from infer.tool_parsers.base import MAX_FORCED_CALLS
 
 
 @dataclass(frozen=True)
@@ -134,3 +146,110 @@ class ChatPlan:
     def reply_parser(self) -> ReplyParser:
         """A fresh parser for one choice's reply."""
         return ReplyParser(self.reasoning, self.in_reasoning, self.tools)
+
+    def answer(self, chunks: Iterable[CompletionChunk]) -> Iterator[str]:
+        """The answer's text pieces of a streamed reply (the reasoning and
+        the tool calls left out)."""
+        reader = self.reply_parser()
+        for piece in texts(chunks):
+            yield from (d.text for d in reader.feed(piece) if d.kind == "content")
+        yield from (d.text for d in reader.finish() if d.kind == "content")
+
+    def reply(self, chunks: Iterable[CompletionChunk]) -> ChatReply:
+        """The whole reply read from ``chunks``: the answer, the reasoning,
+        the tool calls and why generation ended. Raises
+        :class:`~infer.errors.IncompleteOutputError` when a constrained
+        answer does not match in full."""
+        reader = self.reply_parser()
+        for _ in texts(_fed(chunks, reader)):
+            pass
+        reader.finish()
+        calls = reader.openai_calls()
+        return ChatReply(reader.content, reader.reasoning or None, calls,
+                         "tool_calls" if calls else reader.finish_reason)
+
+
+def _fed(chunks: Iterable[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
+    """``chunks``, each one's text fed to ``reader``; the last one's finish
+    reason kept as ``reader.finish_reason``."""
+    for c in chunks:
+        reader.feed(c.text)
+        if c.finish_reason is not None:
+            reader.finish_reason = c.finish_reason
+        yield c
+
+
+class ChatModel(Protocol):
+    """What planning a chat needs of a model (:class:`infer.Model` is one)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def model_type(self) -> str: ...
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest: ...
+
+
+def plan_chat(model: ChatModel, messages: Sequence[dict[str, Any]], request: GenerationRequest, *,
+              template: str | None = None) -> ChatPlan:
+    """What a chat request runs on ``model``: ``messages`` rendered with the
+    chat template (or ``template``) and the request's tools and thinking
+    options; the reasoning parser and tool-call format (the request's, else
+    chosen from the template); a forced tool call (``tool_choice``
+    ``"required"`` or a name) as the format's grammar; and the answer's
+    constraint and thinking budget applied after the reasoning. Raises
+    :class:`~infer.errors.ChatTemplateError`,
+    :class:`~infer.errors.SamplingParameterError` or
+    :class:`~infer.errors.StructuredOutputError` before any token."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
+    tokenizer = model.tokenizer
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
+                                         **request.template_options())
+    # The template already holds every special token the model expects.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    named = tokenizer.chat_templates
+    tools = request.tools_offered
+    source = named.get(template, template) if template else named.get(
+        "tool_use" if tools and "tool_use" in named else "default")
+    if request.reasoning_parser == "none":
+        reasoning = None
+    elif request.reasoning_parser is not None:
+        reasoning = get_reasoning_parser(request.reasoning_parser)
+    else:
+        reasoning = reasoning_parser_for(model.model_type, source)
+    if request.thinking_budget is not None and reasoning is None:
+        raise SamplingParameterError(
+            "thinking_budget needs a reasoning model: no reasoning parser is chosen for this model's template "
+            "(name one with reasoning_parser=)")
+    in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(text)
+    fmt = parser = None
+    if tools is not None:
+        fmt = request.tool_parser or tool_parser_for(model.model_type, source)
+        parser = get_tool_parser(fmt, tools)
+        # A marker that is a special token is named by its id in a forced call's grammar.
+        parser.special = {m: i for m in parser.special_markers
+                          if (i := tokenizer.token_to_id(m)) is not None and i in tokenizer.special_ids}
+    if request.forces_tool_call:
+        assert parser is not None  # the request checked that tools come with a forced choice
+        if request.json_schema is not None or request.regex is not None or request.grammar is not None:
+            raise StructuredOutputError("a forced tool call (tool_choice) and a constraint on the output "
+                                        "(json_schema, regex, grammar) exclude each other")
+        required = request.tool_choice == "required"
+        chosen = list(tools or ()) if required else [t for t in tools or () if tool_names([t]) ==
+                                                       [request.tool_choice]]
+        most = MAX_FORCED_CALLS if required and request.parallel_tool_calls else 1
+        request = request.replace(grammar=parser.grammar(chosen, most))
+    prepared = model.prepare(request)
+    if reasoning is not None and (prepared.grammar is not None or request.thinking_budget is not None):
+        def after_reasoning(inner: Any, parser: ReasoningParser = reasoning) -> ReasoningConstraint:
+            return ReasoningConstraint(tokenizer, parser, in_reasoning, budget=request.thinking_budget,
+                                       inner=inner)
+        prepared.wrap = after_reasoning
+    markers = ((reasoning.starts + reasoning.ends) if reasoning is not None else ()) + (
+        parser.markers if parser is not None else ())
+    specials = tokenizer.special_ids
+    special = any(p is not None and p.needs_special_tokens for p in (reasoning, parser)) or any(
+        tokenizer.token_to_id(m) in specials for m in markers)
+    return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special)

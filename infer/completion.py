@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from infer.engine.generate import Generation
 from infer.engine.sampling import TokenLogprob
-from infer.errors import SamplingParameterError
+from infer.errors import IncompleteOutputError, SamplingParameterError
 from infer.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -267,3 +267,24 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def texts(chunks: Iterable[CompletionChunk]) -> Iterator[str]:
+    """The text of each chunk; raises :class:`~infer.errors.IncompleteOutputError`
+    at the end when a constrained output does not match in full."""
+    text = []
+    for c in chunks:
+        if c.text:
+            text.append(c.text)
+            yield c.text
+        if c.valid is False:
+            raise IncompleteOutputError(incomplete(c.finish_reason, "the output"), "".join(text))
+
+
+def incomplete(reason: str | None, what: str) -> str:
+    """The message of :class:`~infer.errors.IncompleteOutputError` for ``what``
+    (an output), which generation ended for ``reason`` before it matched its constraint."""
+    why = {"length": "max_tokens (or the model's context) ran out", "stop": "a stop string cut it"}.get(
+        reason or "", f"generation ended ({reason})")
+    return (f"{what} does not match its constraint in full: {why} first; raise max_tokens, or use "
+            "complete(), whose Completion has valid=False and the text")

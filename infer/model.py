@@ -11,15 +11,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # typing has Unpack from 3.11 on
+    from typing_extensions import Unpack
+
 import numpy as np
 
 from infer.architecture import CausalLM
-from infer.chat import ChatPlan, ChatReply, ReplyParser
-from infer.completion import Completion, CompletionChunk, Stream, collect, stream_chunks
+from infer.chat import ChatPlan, ChatReply, plan_chat
+from infer.completion import Completion, CompletionChunk, Stream, collect, incomplete, stream_chunks, texts
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, generate
@@ -45,7 +51,6 @@ from infer.engine.speculative import (
 from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.errors import (
     CacheFullError,
-    ChatTemplateError,
     GenerationError,
     IncompleteOutputError,
     SamplingParameterError,
@@ -54,11 +59,15 @@ from infer.errors import (
 )
 from infer.ops import Backend
 from infer.package import ModelPackage
-from infer.reasoning import ReasoningConstraint, ReasoningParser, get_reasoning_parser, reasoning_parser_for
-from infer.request import GenerationRequest, PreparedRequest, tool_names
+from infer.request import (
+    GenerateOptions,
+    GenerationOptions,
+    GenerationRequest,
+    PreparedRequest,
+    SamplingOptions,
+    sampling_params,
+)
 from infer.tokenizer import Tokenizer
-from infer.tool_parsers import get_tool_parser, tool_parser_for
-from infer.tool_parsers.base import MAX_FORCED_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -143,27 +152,15 @@ class Model:
 
     # -- generation ---------------------------------------------------------------
 
-    def sampling_params(
-        self,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-    ) -> SamplingParams:
-        """Sampling parameters: the ones given, else the model's generation
+    def sampling_params(self, **options: Unpack[SamplingOptions]) -> SamplingParams:
+        """Sampling parameters: the ones given (the sampling arguments of
+        :meth:`generate`: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``seed``, ``presence_penalty``,
+        ``frequency_penalty``, ``logit_bias``), else the model's generation
         defaults, else greedy decoding. A ``logit_bias`` id past the
         vocabulary is a :class:`~infer.errors.SamplingParameterError`."""
-        values = self.package.generation.sampling_overrides()
-        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     repetition_penalty=repetition_penalty)
-        values.update({k: v for k, v in given.items() if v is not None})
-        params = SamplingParams(seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                logit_bias=logit_bias or (), **values)
+        _check_keywords("sampling_params", options, SamplingOptions)
+        params = sampling_params(options, self.package.generation.sampling_overrides())
         vocab = self.network.vocab_size
         beyond = [t for t, _ in params.logit_bias if t >= vocab]  # type: ignore[misc]
         if beyond:
@@ -176,7 +173,7 @@ class Model:
         prompt_ids: Sequence[int],
         *,
         request: GenerationRequest | None = None,
-        **options: Any,
+        **options: Unpack[GenerationOptions],
     ) -> Generation:
         """Generate from token ids; iterate the result for new token ids
         (its ``stats`` holds the speculative decoding figures, if any).
@@ -201,10 +198,7 @@ class Model:
         runs a request through. Raises the typed errors of
         :meth:`sampling_params`, :meth:`grammar` and :meth:`speculation`."""
         r = request
-        params = self.sampling_params(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
-                                      repetition_penalty=r.repetition_penalty, seed=r.seed,
-                                      presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-                                      logit_bias=r.logit_bias)
+        params = self.sampling_params(**r.sampling_options())
         compiled = self.grammar(json_schema=r.json_schema, regex=r.regex, grammar=r.grammar,
                                 speculative=r.speculative, ignore_eos=r.ignore_eos)
         self.speculation(r.speculative, r.num_speculative_tokens)  # checks the arguments before anything runs
@@ -274,29 +268,8 @@ class Model:
         return Speculation(source, k, totals=[totals])
 
     def generate(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        stop: str | Sequence[str] | None = None,
-        ignore_eos: bool = False,
-        stream: bool = False,
-        add_special_tokens: bool = True,
-        speculative: str | Model | DraftSource | None = None,
-        num_speculative_tokens: int | None = None,
-        json_schema: dict[str, Any] | str | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
-        request: GenerationRequest | None = None,
+        self, prompt: str | Sequence[str], *, stream: bool = False, add_special_tokens: bool = True,
+        request: GenerationRequest | None = None, **options: Unpack[GenerateOptions],
     ) -> str | Iterator[str] | list[str]:
         """Continue ``prompt`` and return the new text.
 
@@ -335,14 +308,11 @@ class Model:
                 :class:`~infer.request.GenerationRequest` (then give none of
                 them as keywords).
 
+        The keyword options are typed as :class:`~infer.request.GenerateOptions`.
         :meth:`complete` takes the same arguments and returns the tokens,
         their log-probabilities and why generation ended as well.
         """
-        options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                       ignore_eos=ignore_eos, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                       json_schema=json_schema, regex=regex, grammar=grammar)
+        _check_keywords("generate", options, GenerateOptions)
         prepared = self.prepare(_request_of(request, options))
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
@@ -352,11 +322,11 @@ class Model:
             completions = self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens)
             for i, c in enumerate(completions):
                 if c.valid is False:
-                    raise IncompleteOutputError(_incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
+                    raise IncompleteOutputError(incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
             return [c.text for c in completions]
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        texts = _texts(self._chunks(ids, prepared))
-        return Stream(texts, self._lock) if stream else "".join(texts)
+        pieces = texts(self._chunks(ids, prepared))
+        return Stream(pieces, self._lock) if stream else "".join(pieces)
 
     async def agenerate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str] | Stream[str]:
         """:meth:`generate` for ``asyncio``: the same arguments and result,
@@ -383,10 +353,11 @@ class Model:
         self,
         prompt: str | Sequence[int] | Sequence[str],
         *,
-        logprobs: int | None = None,
         echo: bool = False,
         stream: bool = False,
-        **kwargs: Any,
+        add_special_tokens: bool = True,
+        request: GenerationRequest | None = None,
+        **options: Unpack[GenerationOptions],
     ) -> Completion | Stream[CompletionChunk] | list[Completion]:
         """Continue ``prompt`` like :meth:`generate`, with the details: a
         :class:`~infer.completion.Completion` with the text, the new token ids,
@@ -405,7 +376,8 @@ class Model:
             stream: return an :class:`~infer.completion.Stream` of
                 :class:`~infer.completion.CompletionChunk` objects as the text
                 comes; the last one has ``finish_reason`` and ``usage``.
-            kwargs: every other argument of :meth:`generate`.
+            options: every other argument of :meth:`generate`
+                (:class:`~infer.request.GenerationOptions`).
 
         With ``json_schema``, ``regex`` or ``grammar``, the completion's
         ``valid`` says whether its text matches in full (False when generation
@@ -413,11 +385,9 @@ class Model:
         """
         if stream and echo:
             raise GenerationError("echo=True takes stream=False; with a stream, score the prompt with Model.score")
-        add_special_tokens = kwargs.pop("add_special_tokens", True)
-        request = kwargs.pop("request", None)
-        if request is not None and logprobs is not None:
-            request = request.replace(logprobs=logprobs)
-        prepared = self.prepare(_request_of(request, {**kwargs, "logprobs": logprobs} if request is None else kwargs))
+        if request is not None and options.get("logprobs") is not None:
+            request = request.replace(logprobs=options.pop("logprobs"))
+        prepared = self.prepare(_request_of(request, options))
         k = prepared.request.logprobs
         if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
                 isinstance(p, str) for p in prompt):
@@ -648,66 +618,11 @@ class Model:
     def plan_chat(
         self, messages: Sequence[Message], request: GenerationRequest, *, template: str | None = None,
     ) -> ChatPlan:
-        """What a chat request runs (:mod:`infer.chat`): ``messages`` rendered
-        with the chat template (or ``template``) and the request's tools and
-        thinking options; the reasoning parser and tool-call format (the
-        request's, else chosen from the template); a forced tool call
-        (``tool_choice`` ``"required"`` or a name) as the format's grammar;
-        and the answer's constraint and thinking budget applied after the
-        reasoning. Raises :class:`~infer.errors.ChatTemplateError`,
+        """What a chat request runs: :func:`infer.chat.plan_chat` for this
+        model. Raises :class:`~infer.errors.ChatTemplateError`,
         :class:`~infer.errors.SamplingParameterError` or
         :class:`~infer.errors.StructuredOutputError` before any token."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
-        tokenizer = self.tokenizer
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
-                                             **request.template_options())
-        # The template already holds every special token the model expects.
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        named = tokenizer.chat_templates
-        tools = request.tools_offered
-        source = named.get(template, template) if template else named.get(
-            "tool_use" if tools and "tool_use" in named else "default")
-        if request.reasoning_parser == "none":
-            reasoning = None
-        elif request.reasoning_parser is not None:
-            reasoning = get_reasoning_parser(request.reasoning_parser)
-        else:
-            reasoning = reasoning_parser_for(self.model_type, source)
-        if request.thinking_budget is not None and reasoning is None:
-            raise SamplingParameterError(
-                "thinking_budget needs a reasoning model: no reasoning parser is chosen for this model's template "
-                "(name one with reasoning_parser=)")
-        in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(text)
-        fmt = parser = None
-        if tools is not None:
-            fmt = request.tool_parser or tool_parser_for(self.model_type, source)
-            parser = get_tool_parser(fmt, tools)
-            # A marker that is a special token is named by its id in a forced call's grammar.
-            parser.special = {m: i for m in parser.special_markers
-                              if (i := tokenizer.token_to_id(m)) is not None and i in tokenizer.special_ids}
-        if request.forces_tool_call:
-            assert parser is not None  # the request checked that tools come with a forced choice
-            if request.json_schema is not None or request.regex is not None or request.grammar is not None:
-                raise StructuredOutputError("a forced tool call (tool_choice) and a constraint on the output "
-                                            "(json_schema, regex, grammar) exclude each other")
-            required = request.tool_choice == "required"
-            chosen = list(tools or ()) if required else [t for t in tools or () if tool_names([t]) ==
-                                                           [request.tool_choice]]
-            most = MAX_FORCED_CALLS if required and request.parallel_tool_calls else 1
-            request = request.replace(grammar=parser.grammar(chosen, most))
-        prepared = self.prepare(request)
-        if reasoning is not None and (prepared.grammar is not None or request.thinking_budget is not None):
-            def after_reasoning(inner: Any, parser: ReasoningParser = reasoning) -> ReasoningConstraint:
-                return ReasoningConstraint(tokenizer, parser, in_reasoning, budget=request.thinking_budget,
-                                           inner=inner)
-            prepared.wrap = after_reasoning
-        markers = ((reasoning.starts + reasoning.ends) if reasoning is not None else ()) + (
-            parser.markers if parser is not None else ())
-        specials = tokenizer.special_ids
-        special = any(p is not None and p.needs_special_tokens for p in (reasoning, parser)) or any(
-            tokenizer.token_to_id(m) in specials for m in markers)
-        return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special)
+        return plan_chat(self, messages, request, template=template)
 
     def chat(
         self,
@@ -715,9 +630,8 @@ class Model:
         *,
         template: str | None = None,
         stream: bool = False,
-        stop: str | Sequence[str] | None = None,
         request: GenerationRequest | None = None,
-        **kwargs: Any,
+        **options: Unpack[GenerationOptions],
     ) -> ChatReply | Iterator[str]:
         """Reply to a conversation, rendered with the model's chat template
         (or ``template``). ``messages`` are ``{"role", "content"}`` dicts; the
@@ -732,17 +646,9 @@ class Model:
         calls in ``tool_calls``. With ``stream=True``, an iterator of the
         answer's text pieces (the reasoning and the tool calls are not in it).
         """
-        plan = self.plan_chat(messages, _request_of(request, {"stop": stop, **kwargs}), template=template)
+        plan = self.plan_chat(messages, _request_of(request, options), template=template)
         chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens)
-        if stream:
-            return Stream(_answer(plan, chunks), self._lock)
-        reader = plan.reply_parser()
-        for _ in _texts(_finished(chunks, reader)):
-            pass
-        reader.finish()
-        calls = reader.openai_calls()
-        return ChatReply(reader.content, reader.reasoning or None, calls,
-                         "tool_calls" if calls else reader.finish_reason)
+        return Stream(plan.answer(chunks), self._lock) if stream else plan.reply(chunks)
 
     async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:
         """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
@@ -760,7 +666,15 @@ class Model:
         return max_tokens
 
 
-def _request_of(request: GenerationRequest | None, options: dict[str, Any]) -> GenerationRequest:
+def _check_keywords(method: str, options: Mapping[str, Any], accepted: type) -> None:
+    """Python's own error for a keyword that ``method`` does not take: its
+    options are the keys of ``accepted`` (a TypedDict), not spelled out in its signature."""
+    unknown = [k for k in options if k not in accepted.__annotations__]
+    if unknown:
+        raise TypeError(f"Model.{method}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def _request_of(request: GenerationRequest | None, options: Mapping[str, Any]) -> GenerationRequest:
     """``request``, or one made of keyword ``options``; both at once is a
     :class:`~infer.errors.GenerationError` (an option left at its default is no conflict)."""
     if request is None:
@@ -792,43 +706,6 @@ def _check_same_vocabulary(target: Model, draft: Model) -> None:
             f"the draft model {draft!r} does not share the target's tokenizer: vocabularies of {len(theirs)} "
             f"and {len(mine)} tokens, differing e.g. at {differ}; a draft model must use the same token ids"
         )
-
-
-def _finished(chunks: Iterator[CompletionChunk], reader: ReplyParser) -> Iterator[CompletionChunk]:
-    """``chunks``, each one's text fed to ``reader``; the last one's finish
-    reason kept as ``reader.finish_reason``."""
-    for c in chunks:
-        reader.feed(c.text)
-        if c.finish_reason is not None:
-            reader.finish_reason = c.finish_reason
-        yield c
-
-
-def _answer(plan: ChatPlan, chunks: Iterator[CompletionChunk]) -> Iterator[str]:
-    """The answer's text pieces of a streamed chat (reasoning and tool calls left out)."""
-    reader = plan.reply_parser()
-    for piece in _texts(chunks):
-        yield from (d.text for d in reader.feed(piece) if d.kind == "content")
-    yield from (d.text for d in reader.finish() if d.kind == "content")
-
-
-def _texts(chunks: Iterator[CompletionChunk]) -> Iterator[str]:
-    """The text of each chunk; raises :class:`~infer.errors.IncompleteOutputError`
-    at the end when a constrained output does not match in full."""
-    text = []
-    for c in chunks:
-        if c.text:
-            text.append(c.text)
-            yield c.text
-        if c.valid is False:
-            raise IncompleteOutputError(_incomplete(c.finish_reason, "the output"), "".join(text))
-
-
-def _incomplete(reason: str | None, what: str) -> str:
-    why = {"length": "max_tokens (or the model's context) ran out", "stop": "a stop string cut it"}.get(
-        reason or "", f"generation ended ({reason})")
-    return (f"{what} does not match its constraint in full: {why} first; raise max_tokens, or use "
-            "complete(), whose Completion has valid=False and the text")
 
 
 def _as_generation(handle: RequestHandle) -> Generation:

@@ -13,7 +13,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -73,6 +73,46 @@ class TensorSource(abc.ABC):
 
     def close(self) -> None:
         """Release open files and memory maps."""
+
+
+
+class _Shaped(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+EntryT = TypeVar("EntryT", bound=_Shaped)
+
+
+class IndexedTensorSource(TensorSource, Generic[EntryT]):
+    """A source that reads its files' headers once, at open, into a table:
+    one entry per canonical name, in storage order, holding the tensor's
+    canonical ``shape`` and whatever the format needs to read it.
+
+    Names, membership and shapes are answered from that table without
+    reading any data; a name it lacks is a
+    :class:`~infer.errors.MissingTensorError` naming :meth:`location`.
+    Subclasses fill ``_entries`` and read tensors through :meth:`_entry`.
+    """
+
+    _entries: dict[str, EntryT]
+
+    def _entry(self, name: str) -> EntryT:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise self._missing(name) from None
+
+    def names(self) -> list[str]:
+        """Canonical names, in the order of the table (the files' order)."""
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The canonical (Hugging Face) shape, from the table (nothing read)."""
+        return self._entry(name).shape
 
 
 @dataclass

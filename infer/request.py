@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypedDict, Union
 
 from infer.completion import stop_strings
 from infer.engine.generate import StopConditions
@@ -36,7 +36,74 @@ ToolChoice = Union[Literal["auto", "none", "required"], str]
 #: OpenAI's and vLLM's ``reasoning_effort`` values (passed to chat templates).
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
+#: The sampling rules a model's generation config may set: None takes the model's value.
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+# The keyword options of the Python API, typed once: each is a field of GenerationRequest
+# (tests/test_request.py checks that the two lists agree) and the methods of infer.Model take
+# them as ``**options: Unpack[...]``, so a type checker and an editor see every name and type.
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The sampling rules as keyword arguments (:meth:`infer.Model.sampling_params`):
+    :class:`~infer.engine.sampling.SamplingParams`' fields, where None in
+    ``temperature``, ``top_k``, ``top_p``, ``min_p`` or ``repetition_penalty``
+    means the model's default."""
+
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float] | None
+
+
+class GenerateOptions(SamplingOptions, total=False):
+    """The keyword options of :meth:`infer.Model.generate` (documented there):
+    the sampling rules, stop rules, speculative decoding and a constraint."""
+
+    max_tokens: int | None
+    stop: str | Sequence[str] | None
+    ignore_eos: bool
+    #: ``"ngram"``, ``"mtp"``, a draft :class:`infer.Model` or a
+    #: :class:`~infer.engine.speculative.DraftSource`.
+    speculative: Any
+    num_speculative_tokens: int | None
+    json_schema: dict[str, Any] | bool | str | None
+    regex: str | None
+    grammar: str | None
+
+
+class GenerationOptions(GenerateOptions, total=False):
+    """Every field of :class:`GenerationRequest` as a keyword argument: what
+    :meth:`infer.Model.complete`, ``chat`` and ``generate_tokens`` take
+    (log-probabilities, tools and reasoning options besides
+    :class:`GenerateOptions`)."""
+
+    logprobs: int | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: ToolChoice | None
+    parallel_tool_calls: bool
+    enable_thinking: bool | None
+    reasoning_effort: str | None
+    thinking_budget: int | None
+    reasoning_parser: str | None
+    tool_parser: str | None
+
+
+def sampling_params(options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The :class:`~infer.engine.sampling.SamplingParams` of ``options`` (keys
+    of :class:`SamplingOptions`): a rule left out or None takes its value from
+    ``defaults`` (a model's generation config), else greedy decoding's; a
+    ``logit_bias`` of None is none. Raises
+    :class:`~infer.errors.SamplingParameterError` for a value out of range."""
+    rules = {**(defaults or {}), **{k: options[k] for k in _SAMPLING if options.get(k) is not None}}
+    rest = {k: options[k] for k in ("seed", "presence_penalty", "frequency_penalty") if k in options}
+    return SamplingParams(**rules, **rest, logit_bias=options.get("logit_bias") or ())
 
 
 @dataclass(frozen=True)
@@ -104,10 +171,7 @@ class GenerationRequest:
         object.__setattr__(self, "stop", stop_strings(self.stop) if self.stop else ())
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise SamplingParameterError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
-        # The ranges of the sampling rules are SamplingParams' to check.
-        given = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
-        SamplingParams(seed=self.seed, presence_penalty=self.presence_penalty,
-                       frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or (), **given)
+        sampling_params(self.sampling_options())  # the ranges of the sampling rules are SamplingParams' to check
         constraints = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise StructuredOutputError(f"give one of json_schema=, regex=, grammar=; got {constraints}")
@@ -148,6 +212,10 @@ class GenerationRequest:
         else:
             options.pop("stop", None)
         return cls(**options)
+
+    def sampling_options(self) -> SamplingOptions:
+        """The request's sampling rules (None where it leaves one to the model)."""
+        return {k: getattr(self, k) for k in SamplingOptions.__annotations__}  # type: ignore[return-value]
 
     def replace(self, **changes: Any) -> GenerationRequest:
         """A copy with ``changes`` (checked again)."""

@@ -7,13 +7,18 @@ defaults in one place; a bad option is a typed error before any token.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from reference import load_tiny
 
-from infer import ChatReply, GenerationRequest
+from infer import ChatReply, GenerationRequest, Model, SamplingParams
 from infer.errors import GenerationError, SamplingParameterError, StructuredOutputError
+from infer.request import GenerateOptions, GenerationOptions, SamplingOptions
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
 
@@ -112,3 +117,31 @@ def test_markers_that_are_special_tokens_are_decoded(model: Any) -> None:
     finally:
         unregister_reasoning_parser("chatml-test")
     assert "chatml-test" not in reasoning_parsers()
+
+
+def test_the_keyword_options_are_the_requests_fields() -> None:
+    """The options are typed once (``infer.request``'s TypedDicts); a field
+    added to GenerationRequest without its option, or the reverse, fails here."""
+    fields = [f.name for f in dataclasses.fields(GenerationRequest)]
+    assert sorted(GenerationOptions.__annotations__) == sorted(fields)
+    assert set(SamplingOptions.__annotations__) < set(GenerateOptions.__annotations__) < set(fields)
+    assert list(SamplingOptions.__annotations__) == [f.name for f in dataclasses.fields(SamplingParams)]
+    # What is not an option of generate() is what only completions and chats take.
+    assert set(fields) - set(GenerateOptions.__annotations__) == {
+        "logprobs", "tools", "tool_choice", "parallel_tool_calls", "enable_thinking", "reasoning_effort",
+        "thinking_budget", "reasoning_parser", "tool_parser"}
+
+
+def test_generate_documents_its_options_and_refuses_others(model: Any) -> None:
+    doc = inspect.getdoc(Model.generate) or ""
+    table = Path(__file__).resolve().parents[1].joinpath("docs", "api.md").read_text(encoding="utf-8")
+    for name in GenerateOptions.__annotations__:
+        assert re.search(rf"\b{name}\b", doc), f"Model.generate's docstring does not document {name}"
+        assert f"| `{name}` |" in table, f"docs/api.md's table of generate's arguments lacks {name}"
+    # The options are not spelled out in the signature, so a stray keyword is Python's own error.
+    with pytest.raises(TypeError, match="'logprobs'"):
+        model.generate("Hi", logprobs=2)
+    with pytest.raises(TypeError, match="'mirostat'"):
+        model.sampling_params(mirostat=2)
+    with pytest.raises(TypeError, match="'max_tokens'"):
+        model.sampling_params(max_tokens=2)
