@@ -3,11 +3,14 @@
 Embedding (optionally scaled), a stack of residual blocks, final norm; the
 output head is :meth:`~infer.architecture.CausalLM.compute_logits`. Each
 block is pre-norm (Xiong et al. 2020, "On Layer Normalization in the
-Transformer Architecture"), optionally with norms after attention and MLP
-too (Gemma 2/3's "sandwich"; without them ``post_*_norm`` is the identity):
+Transformer Architecture"), optionally with norms after its sublayers too
+(Gemma 2/3's "sandwich"; without them ``post_*_norm`` is the identity):
 
-    h = h + post_attn_norm(attention.out(attend(attention.qkv(attn_norm(h)))))
+    h = h + post_attn_norm(mix(attn_norm(h)))       mix: attention, or the layer kind's mixer
     h = h + post_mlp_norm(mlp(mlp_norm(h)))
+
+:meth:`Decoder.forward` is one loop over the layers, each through its
+block's :meth:`Block.forward`; the rotary tables are computed once per forward.
 
 What an architecture chooses, and where:
 
@@ -15,23 +18,26 @@ What an architecture chooses, and where:
   context's attention call and ``out(o, w) -> [tokens, hidden]`` after it.
   :class:`Attention` (grouped-query, optional biases and per-head q/k norm)
   here; deepseek_v3's latent attention is another;
+* the **mixers** of a hybrid's other layer kinds (:class:`Mixer`: LFM2's short
+  convolution, Granite 4.0-H's Mamba2), by the layer's ``kind``;
 * the **MLP part**: ``mlp(x, w) -> [tokens, hidden]``, e.g.
   :class:`~.mlp.GatedMLP` or :class:`~.moe.DeepseekMoE`; a layer may use its
   own (DeepSeek's first layers are dense);
-* per layer (:class:`DecoderLayer`): its weights, attention scale and
+* per layer (:class:`DecoderLayer`): its kind, weights, attention scale and
   window, and which rotary table it uses (None: no rope in that layer);
 * the embedding scale, and anything else by overriding :meth:`Decoder.embed`
   or :meth:`~infer.architecture.CausalLM.compute_logits`.
 
-The parts are stateless settings; weights travel in per-layer dicts whose keys
-name roles (``attn_norm``, ``attn_post_norm``, ``mlp_norm``,
+The parts are stateless settings; weights travel in one dict per layer whose
+keys name roles (``attn_norm``, ``attn_post_norm``, ``mlp_norm``,
 ``mlp_post_norm``) or Hugging Face projections (``q_proj`` or the stacked
 ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ...). So the math of a block is
 pure functions of arrays (:class:`Block`), shared by every layer built with the
 same parts.
 
 The residual stream: a block returns its output *before* the residual add,
-and the next norm adds it (``fused_add_rms_norm``: one op for both).
+and the next norm adds it (:func:`add_rms_norm`: ``fused_add_rms_norm``, one
+op for both, which backends fuse).
 
 How the families fit (docs/architectures.md has the table): per-head q/k norms
 (Qwen3) are ``Attention(qk_norm="head")``, norms over the whole q and k projections
@@ -46,7 +52,6 @@ learned positions (GPT-2) an :meth:`Decoder.embed` override.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,8 +80,8 @@ def activation(key: str, name: str) -> str:
 class AttentionPart(Protocol):
     """The two halves of an attention sublayer around ``ctx.attention``."""
 
-    def load(self, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
-        """Its weights under ``prefix``: those ``qkv`` reads, and those ``out`` reads."""
+    def load(self, w: WeightLoader, prefix: str) -> Weights:
+        """Its weights under ``prefix`` (``...self_attn.``), those ``qkv`` and ``out`` read."""
         ...
 
     def qkv(self, x: Array, w: Weights, cos: Array | None, sin: Array | None) -> tuple[Array, Array, Array]:
@@ -100,6 +105,15 @@ class MLPPart(Protocol):
         ...
 
 
+class Mixer(Protocol):
+    """A first sublayer other than attention (a short convolution, a Mamba2
+    mixer), keeping its state in the context's recurrent layer."""
+
+    def __call__(self, x: Array, w: Weights, ctx: AttentionContext, layer: int) -> Array:
+        """``[tokens, hidden]`` from the normed input, reading and writing cache layer ``layer``'s state."""
+        ...
+
+
 class Attention:
     """Multi-head attention with grouped keys and values (Ainslie et al. 2023,
     "GQA"), as Llama computes it: ``q_proj``, ``k_proj``, ``v_proj`` (stacked
@@ -115,16 +129,16 @@ class Attention:
         #: "full" (over the whole q and k projections, before the heads split: OLMo 2).
         self.qk_norm, self.eps = ("head" if qk_norm is True else qk_norm), eps
 
-    def load(self, w: WeightLoader, prefix: str, *, bias: bool | None = None) -> tuple[Weights, Weights]:
-        """The projections under ``prefix`` (``...self_attn.``): those read
-        before attention, and ``o_proj`` (and its bias) read after. ``bias``
-        None: biases where the checkpoint has them. The q/k norm weights are
-        the architecture's to add (``q_norm``, ``k_norm``: ``[head_dim]``)."""
+    def load(self, w: WeightLoader, prefix: str, *, bias: bool | None = None) -> Weights:
+        """The projections under ``prefix`` (``...self_attn.``): q, k and v
+        (stacked where stored alike) and ``o_proj``. ``bias`` None: biases
+        where the checkpoint has them. The q/k norm weights are the
+        architecture's to add (``q_norm``, ``k_norm``: ``[head_dim]``)."""
         nh, nkv, hd, d = self.heads, self.kv_heads, self.head_dim, self.hidden
         out = {"o_proj": w.get(prefix + "o_proj.weight", (d, nh * hd))}
         if w.has(prefix + "o_proj.bias") if bias is None else bias:
             out["o_proj.bias"] = w.get(prefix + "o_proj.bias", (d,))
-        return load_qkv(w, prefix, nh, nkv, hd, d, bias=bias), out
+        return load_qkv(w, prefix, nh, nkv, hd, d, bias=bias) | out
 
     def qkv(self, x: Array, w: Weights, cos: Array | None, sin: Array | None) -> tuple[Array, Array, Array]:
         ops = self.ops
@@ -145,21 +159,40 @@ class Attention:
         return self.ops.linear(o, w["o_proj"], w.get("o_proj.bias"))
 
 
+def add_rms_norm(ops: Backend, y: Array, residual: Array | None, weight: Array | None,
+                 eps: float) -> tuple[Array, Array]:
+    """One step of the residual stream: adds ``y`` (a sublayer's output) to
+    ``residual`` and norms the sum, ``(rms_norm(residual + y), residual + y)``,
+    in one ``fused_add_rms_norm`` (backends fuse it: one pass over the rows).
+    ``residual`` None: ``y`` starts the stream (the embedding); nothing to add."""
+    if residual is None:
+        return ops.rms_norm(y, weight, eps), y
+    return ops.fused_add_rms_norm(y, residual, weight, eps)
+
+
+#: The rotary tables of one forward, ``(cos, sin)`` ``[tokens, rope_dim / 2]`` by
+#: :attr:`DecoderLayer.rope` key; ``None`` maps to ``(None, None)`` (no rope).
+Tables = dict[str | None, tuple[Any, Any]]
+
+
 class Block:
-    """A residual block's math around its attention call, for one choice of
-    attention and MLP parts, as three pure pieces:
+    """One residual block, read straight down:
 
-    * ``first(h, w, cos, sin) -> (q, k, v, residual)`` for the first layer run;
-    * ``before(h, residual, w, cos, sin) -> (q, k, v, residual)``, which also
-      adds the previous block's output to the residual stream (fused with
-      the input norm);
-    * ``after(o, residual, w) -> (out, residual)``, ``out`` being the
-      block's output before its residual add.
+        x = norm(h)              the stream, normed
+        h = h + mix(x)           attention, or the layer kind's own mixer
+        x = norm(h)
+        h = h + mlp(x)
 
-    ``before`` and ``first`` read the layer's :attr:`DecoderLayer.attn_in`,
-    ``after`` its :attr:`DecoderLayer.attn_out`. Graph capture is the
-    engine's (:mod:`infer.engine.capture`: the whole step, attention
-    included), so these are plain functions.
+    :meth:`forward` keeps the stream's last add pending: it takes the previous
+    block's output before its residual add and returns its own, so the next
+    norm does the add (:func:`add_rms_norm`: one fused op for both).
+
+    The first sublayer (:meth:`mix`) goes by the layer's :attr:`~DecoderLayer.kind`:
+    ``"attention"`` is the attention part around the context's attention call;
+    another kind is the mixer ``mixers`` names for it, a callable
+    ``(x, weights, ctx, cache_layer) -> [tokens, hidden]`` (LFM2's short
+    convolution, Mamba2's mixer). A hybrid whose mixer is neither overrides
+    :meth:`mix` (Falcon-H1's parallel heads) or :meth:`attend` (Qwen3.5's gate).
 
     The variants, each a keyword: ``post_norms`` adds a norm after each
     sublayer (Gemma's sandwich: ``attn_post_norm``, ``mlp_post_norm``);
@@ -170,62 +203,80 @@ class Block:
     ``residual_multiplier``).
     """
 
-    def __init__(self, ops: Backend, attention: AttentionPart, mlp: MLPPart, eps: float, *,
-                 post_norms: bool = False, pre_norms: bool = True, layer_norm: bool = False,
-                 residual_scale: float | None = None) -> None:
-        self.attention, self.mlp = attention, mlp
+    def __init__(self, ops: Backend, attention: AttentionPart | None, mlp: MLPPart, eps: float, *,
+                 mixers: dict[str, Mixer] | None = None, post_norms: bool = False, pre_norms: bool = True,
+                 layer_norm: bool = False, residual_scale: float | None = None) -> None:
+        self.ops, self.attention, self.mlp, self.eps = ops, attention, mlp, eps
+        self.mixers = dict(mixers or {})
+        self.post_norms, self.pre_norms, self.layer_norm = post_norms, pre_norms, layer_norm
+        self.residual_scale = residual_scale
 
-        def norm(x: Array, w: Weights, name: str) -> Array:
-            if layer_norm:
-                return ops.layer_norm(x, w[name], w.get(name + ".bias"), eps)
-            return ops.rms_norm(x, w[name], eps)
+    def forward(self, h: Array, residual: Array | None, layer: DecoderLayer, ctx: AttentionContext,
+                tables: Tables) -> tuple[Array, Array]:
+        """The block on the stream: ``h`` is the previous block's output before
+        its residual add (``residual`` None: ``h`` is the embedding). Returns
+        this block's output before its add, and the residual stream."""
+        w = layer.weights
+        x, residual = self.add_norm(h, residual, w, "attn_norm")
+        y = self.sublayer_out(self.mix(x, layer, ctx, tables), w, "attn_post_norm")
+        x, residual = self.add_norm(y, residual, w, "mlp_norm")
+        return self.sublayer_out(self.mlp(x, w), w, "mlp_post_norm"), residual
 
-        def add_norm(x: Array, residual: Array, w: Weights, name: str) -> tuple[Array, Array]:
-            """(the input of the next sublayer, the residual stream ``x + residual``)."""
-            if not pre_norms:
-                residual = ops.add(x, residual)
-                return residual, residual
-            if layer_norm:
-                residual = ops.add(x, residual)
-                return norm(residual, w, name), residual
-            return ops.fused_add_rms_norm(x, residual, w[name], eps)
+    def mix(self, x: Array, layer: DecoderLayer, ctx: AttentionContext, tables: Tables) -> Array:
+        """The first sublayer's output ``[tokens, hidden]``, by the layer's kind."""
+        mixer = self.mixers.get(layer.kind)
+        if mixer is not None:
+            return mixer(x, layer.weights, ctx, layer.index)
+        return self.attend(x, layer, ctx, tables)
 
-        def sublayer_out(y: Array, w: Weights, name: str) -> Array:
-            if post_norms:
-                y = norm(y, w, name)
-            return y if residual_scale is None else ops.mul(y, residual_scale)
+    def attend(self, x: Array, layer: DecoderLayer, ctx: AttentionContext, tables: Tables) -> Array:
+        """The attention sublayer: the part's projections around ``ctx.attention``."""
+        assert self.attention is not None, f"layer {layer.index} is an attention layer of a block without attention"
+        cos, sin = tables[layer.rope]
+        q, k, v = self.attention.qkv(x, layer.weights, cos, sin)
+        o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, sinks=layer.sinks,
+                          causal=layer.causal)
+        return self.attention.out(o, layer.weights)
 
-        def first(h: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
-            return (*attention.qkv(norm(h, w, "attn_norm") if pre_norms else h, w, cos, sin), h)
+    def add_norm(self, y: Array, residual: Array | None, w: Weights, name: str) -> tuple[Array, Array]:
+        """(the input of the next sublayer, the residual stream ``residual + y``);
+        ``residual`` None: ``y`` is the stream."""
+        ops = self.ops
+        if self.pre_norms and not self.layer_norm:
+            return add_rms_norm(ops, y, residual, w[name], self.eps)
+        stream = y if residual is None else ops.add(y, residual)
+        if not self.pre_norms:
+            return stream, stream
+        return self.norm(stream, w, name), stream
 
-        def before(h: Array, residual: Array, w: Weights, cos: Array, sin: Array) -> tuple[Array, ...]:
-            x, residual = add_norm(h, residual, w, "attn_norm")
-            return (*attention.qkv(x, w, cos, sin), residual)
+    def norm(self, x: Array, w: Weights, name: str) -> Array:
+        """Norm ``name`` of the layer's weights: RMSNorm, or LayerNorm with its bias."""
+        if self.layer_norm:
+            return self.ops.layer_norm(x, w[name], w.get(name + ".bias"), self.eps)
+        return self.ops.rms_norm(x, w[name], self.eps)
 
-        def after(o: Array, residual: Array, w: Weights) -> tuple[Array, Array]:
-            a = sublayer_out(attention.out(o, w), w, "attn_post_norm")
-            x, residual = add_norm(a, residual, w, "mlp_norm")
-            return sublayer_out(mlp(x, w), w, "mlp_post_norm"), residual
-
-        self.first: Callable[..., Any] = first
-        self.before: Callable[..., Any] = before
-        self.after: Callable[..., Any] = after
+    def sublayer_out(self, y: Array, w: Weights, name: str) -> Array:
+        """A sublayer's output as it joins the stream: post-normed and scaled where the variant says."""
+        if self.post_norms:
+            y = self.norm(y, w, name)
+        return y if self.residual_scale is None else self.ops.mul(y, self.residual_scale)
 
 
 @dataclass
 class DecoderLayer:
-    """One layer: where its keys and values go, the block that computes it,
-    its weights and its attention settings."""
+    """One layer: its cache layer, kind, block, weights and attention settings."""
 
-    #: Cache layer ``ctx.attention`` stores this layer's keys and values in.
+    #: Cache layer the layer's keys and values (or its recurrent state) live in.
     index: int
     block: Block
-    #: Weights read before attention: ``attn_norm`` and the attention part's.
-    attn_in: Weights
-    #: Weights read after: the attention part's output, the other norms, the MLP's.
-    attn_out: Weights
-    #: Softmax scale.
-    scale: float
+    #: Its weights by role: the norms (``attn_norm``, ``mlp_norm``, ...), the
+    #: mixer's or attention part's, the MLP part's.
+    weights: Weights
+    #: Softmax scale (None in a layer without attention).
+    scale: float | None = None
+    #: The layer's kind: a key of :attr:`Block.mixers` (that mixer mixes it), else
+    #: attention (a family may keep its config's name, e.g. ``"full_attention"``).
+    kind: str = "attention"
     #: Sliding window, or None for full attention.
     window: int | None = None
     #: Key of the rotary table in :attr:`Decoder.rope`, or None for no rope.
@@ -262,28 +313,18 @@ class Decoder(CausalLM):
         return h if self.embed_scale is None else self.ops.mul(h, self.embed_scale)
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        h, residual = self.run_layers(self.embed(input_ids, ctx), self.layers, ctx)
+        h, residual = self.embed(input_ids, ctx), None
+        tables = self.rope_tables(ctx)
+        for layer in self.layers:
+            h, residual = layer.block.forward(h, residual, layer, ctx, tables)
         return self.final_norm(h, residual)  # [tokens, hidden]
 
-    def final_norm(self, h: Array, residual: Array) -> Array:
-        """The final norm of the last block's output added to the residual stream."""
-        return self.ops.fused_add_rms_norm(h, residual, self.norm, self.eps)[0]
-
-    def run_layers(self, h: Array, layers: list[DecoderLayer], ctx: AttentionContext) -> tuple[Array, Array]:
-        """Run ``layers`` on the stream ``h`` ``[tokens, hidden]``: returns the
-        last block's output before its residual add, and the residual stream."""
-        tables: dict[str | None, tuple[Any, Any]] = {None: (None, None)}
+    def rope_tables(self, ctx: AttentionContext) -> Tables:
+        """Every rotary table of this forward, computed once (:data:`Tables`)."""
+        tables: Tables = {None: (None, None)}
         tables.update((kind, rope(ctx)) for kind, rope in self.rope.items())  # cos, sin [tokens, rope_dim/2]
-        residual = None
-        for layer in layers:
-            block = layer.block
-            cos, sin = tables[layer.rope]
-            if residual is None:
-                q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
-            else:
-                q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.index, q, k, v, scale=layer.scale, window=layer.window, sinks=layer.sinks,
-                              causal=layer.causal)
-            h, residual = block.after(o, residual, layer.attn_out)
-        assert residual is not None, "run_layers needs at least one layer"
-        return h, residual
+        return tables
+
+    def final_norm(self, h: Array, residual: Array | None) -> Array:
+        """The final norm of the last block's output added to the residual stream."""
+        return add_rms_norm(self.ops, h, residual, self.norm, self.eps)[0]

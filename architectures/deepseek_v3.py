@@ -153,8 +153,8 @@ class LatentAttention:
         if cfg.rope.get("rope_type", "default") != "default" and cfg.rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(cfg.rope["factor"]), float(cfg.rope["mscale_all_dim"])) ** 2
 
-    def load(self, w: WeightLoader, p: str) -> tuple[dict[str, Array], dict[str, Array]]:
-        """The weights under ``p`` (``...self_attn.``) read before attention, and after."""
+    def load(self, w: WeightLoader, p: str) -> dict[str, Array]:
+        """The weights under ``p`` (``...self_attn.``)."""
         cfg, d, nh, r, rd = self.cfg, self.cfg.hidden_size, self.heads, self.kv_lora_rank, self.rope_dim
         qk = self.nope + rd
 
@@ -169,7 +169,7 @@ class LatentAttention:
             **get("q_b_proj", (nh * qk, self.q_lora))}
         before = {**q, **get("kv_a_proj_with_mqa", (r + rd, d), bias=True), **get("kv_a_layernorm", (r,)),
                   **get("kv_b_proj", (nh * (self.nope + self.v_dim), r))}
-        return before, get("o_proj", (d, nh * self.v_dim), bias=True)
+        return {**before, **get("o_proj", (d, nh * self.v_dim), bias=True)}
 
     def qkv(self, x: Array, w: dict[str, Array], cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         ops = self.ops
@@ -233,13 +233,9 @@ class DeepseekV3ForCausalLM(Decoder):
 
         def layer(i: int) -> DecoderLayer:  # also the block of an MTP module
             p, block = f"model.layers.{i}.", moe if cfg.is_moe(i) else dense
-            attn_in, attn_out = attention.load(w, p + "self_attn.")
-            return DecoderLayer(
-                i, block, scale=attention.scale,
-                attn_in={"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attn_in},
-                attn_out={**attn_out, "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)),
-                          **block.mlp.load(w, p + "mlp.")},
-            )
+            weights = {"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attention.load(w, p + "self_attn."),
+                       "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)), **block.mlp.load(w, p + "mlp.")}
+            return DecoderLayer(i, block, weights, scale=attention.scale)
 
         self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         self.rope = {"default": RotaryEmbedding(ops, cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)}
@@ -271,7 +267,7 @@ class DeepseekV3ForCausalLM(Decoder):
         e = ops.rms_norm(ops.embedding(m.embed_tokens, input_ids), m.enorm, self.eps)
         h = ops.rms_norm(hidden, m.hnorm, self.eps)
         x = ops.linear(ops.concat([e, h], 1), m.eh_proj)  # [embedding ; hidden], as eh_proj was trained
-        out, residual = self.run_layers(x, [m.layer], ctx)
+        out, residual = m.layer.block.forward(x, None, m.layer, ctx, self.rope_tables(ctx))
         return ops.add(out, residual)  # [tokens, hidden], before the shared-head norm
 
     def mtp_compute_logits(self, depth: int, hidden: Array) -> Array:

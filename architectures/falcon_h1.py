@@ -52,7 +52,7 @@ from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
-from .decoder import ACTIVATIONS, Attention, Decoder, Weights, activation
+from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, Tables, Weights, activation
 from .mamba2 import Mamba2Mixer, time_step_limit
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding, context_length
@@ -136,31 +136,6 @@ class FalconH1Config:
         self.time_step_limit = time_step_limit(self.time_step_limit)
 
 
-class FalconH1MLP(GatedMLP):
-    """:class:`~.mlp.GatedMLP` with Falcon-H1's multipliers:
-    ``down_mult * down_proj(act(gate_mult * gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, ops: Backend, hidden: int, intermediate: int, act: str, gate_multiplier: float,
-                 down_multiplier: float) -> None:
-        super().__init__(ops, hidden, intermediate, act)
-        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
-
-    def __call__(self, x: Array, w: dict[str, Any]) -> Array:
-        ops = self.ops
-        if "gate_up_proj" in w:
-            y = ops.linear(x, w["gate_up_proj"], w.get("gate_up_proj.bias"))
-            n = ops.shape(y)[-1] // 2
-            gate, up = ops.slice(y, -1, 0, n), ops.slice(y, -1, n, 2 * n)
-        else:
-            gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
-            up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
-        if self.gate_multiplier != 1.0:
-            gate = ops.mul(gate, self.gate_multiplier)
-        h = ops.swiglu(gate, up) if self.activation == "silu" else ops.mul(getattr(ops, self.activation)(gate), up)
-        out = ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
-        return out if self.down_multiplier == 1.0 else ops.mul(out, self.down_multiplier)
-
-
 class FalconH1Mixer(Mamba2Mixer):
     """:class:`~.mamba2.Mamba2Mixer` with Falcon-H1's two scalings of its
     projection: the input by ``ssm_in_multiplier``, ``in_proj``'s output by the
@@ -188,6 +163,29 @@ class FalconH1Mixer(Mamba2Mixer):
         return proj if self.mup is None else ops.mul(proj, self.mup)
 
 
+class FalconH1Block(Block):
+    """The decoder's block whose first sublayer is Falcon-H1's parallel hybrid:
+    the Mamba2 mixer (its state in cache layer ``state_offset + i``) and attention
+    read the same normed input, each scaled by its multipliers, and are summed."""
+
+    def __init__(self, ops: Backend, cfg: FalconH1Config, attention: Attention, mixer: FalconH1Mixer,
+                 mlp: GatedMLP) -> None:
+        super().__init__(ops, attention, mlp, cfg.rms_norm_eps)
+        self.mixer, self.state_offset = mixer, cfg.num_hidden_layers
+        self.in_multiplier, self.attention_out = cfg.attention_in_multiplier, cfg.attention_out_multiplier
+        self.ssm_out = cfg.ssm_out_multiplier
+
+    def mix(self, x: Array, layer: DecoderLayer, ctx: AttentionContext, tables: Tables) -> Array:
+        ops = self.ops
+        m = self.mixer(x, layer.weights, ctx, self.state_offset + layer.index)
+        a = self.attend(x if self.in_multiplier == 1.0 else ops.mul(x, self.in_multiplier), layer, ctx, tables)
+        if self.ssm_out != 1.0:
+            m = ops.mul(m, self.ssm_out)
+        if self.attention_out != 1.0:
+            a = ops.mul(a, self.attention_out)
+        return ops.add(m, a)
+
+
 class FalconH1ForCausalLM(Decoder):
     """Scaled embedding, parallel hybrid layers, final norm, scaled output head."""
 
@@ -199,24 +197,25 @@ class FalconH1ForCausalLM(Decoder):
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
         self.max_context = context_length(cfg.rope, cfg.max_position_embeddings)
         self.eps = cfg.rms_norm_eps
-        self.attention = Attention(ops, d, nh, nkv, hd)
-        self.scale = hd ** -0.5 * cfg.key_multiplier  # q . (m k) / sqrt(hd)
+        attention = Attention(ops, d, nh, nkv, hd)
         self.mixer = FalconH1Mixer(ops, cfg)
         gate_m, down_m = cfg.mlp_multipliers
-        self.mlp = FalconH1MLP(ops, d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], gate_m, down_m)
+        mlp = GatedMLP(ops, d, cfg.intermediate_size, ACTIVATIONS[cfg.hidden_act], gate_multiplier=gate_m,
+                       down_multiplier=down_m)
+        block = FalconH1Block(ops, cfg, attention, self.mixer, mlp)
         self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         if cfg.embedding_multiplier != 1.0:
             self.embed_scale = ops.from_numpy(host_array([cfg.embedding_multiplier]))
         self.rope = {"default": RotaryEmbedding(ops, hd, cfg.rope, cfg.max_position_embeddings)}
-        self.hybrid: list[tuple[Weights, Weights, Weights]] = []  # per layer: attention in, attention out, the rest
+        self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn_in, attn_out = self.attention.load(w, p + "self_attn.", bias=cfg.attention_bias)
-            rest = {"attn_norm": w.get(p + "input_layernorm.weight", (d,)),
-                    "mlp_norm": w.get(p + "pre_ff_layernorm.weight", (d,)),
-                    **self.mixer.load(w, p + "mamba."), **self.mlp.load(w, p + "feed_forward.")}
-            self.hybrid.append((attn_in, attn_out, rest))
-        self.layers = []
+            weights = {**attention.load(w, p + "self_attn.", bias=cfg.attention_bias),
+                       "attn_norm": w.get(p + "input_layernorm.weight", (d,)),
+                       "mlp_norm": w.get(p + "pre_ff_layernorm.weight", (d,)),
+                       **self.mixer.load(w, p + "mamba."), **mlp.load(w, p + "feed_forward.")}
+            # q . (m k) / sqrt(hd): key_multiplier folded into the softmax scale.
+            self.layers.append(DecoderLayer(i, block, weights, scale=hd ** -0.5 * cfg.key_multiplier))
         self.norm = w.get("model.final_layernorm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
@@ -227,29 +226,6 @@ class FalconH1ForCausalLM(Decoder):
 
     def layer_states(self) -> list[LayerState]:
         return [FullAttention()] * self.num_layers + [self.mixer.state()] * self.num_layers
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        ops, cfg, eps, n = self.ops, self.config, self.eps, self.num_layers
-        h = self.embed(input_ids, ctx)
-        cos, sin = self.rope["default"](ctx)  # [tokens, head_dim / 2]
-        residual = None  # the residual stream; h is the last layer's output before its add
-        for i, (attn_in, attn_out, w) in enumerate(self.hybrid):
-            if residual is None:
-                x, residual = ops.rms_norm(h, w["attn_norm"], eps), h
-            else:
-                x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
-            m = self.mixer(x, w, ctx, n + i)
-            xa = x if cfg.attention_in_multiplier == 1.0 else ops.mul(x, cfg.attention_in_multiplier)
-            q, k, v = self.attention.qkv(xa, attn_in, cos, sin)
-            a = self.attention.out(ctx.attention(i, q, k, v, scale=self.scale), attn_out)
-            if cfg.ssm_out_multiplier != 1.0:
-                m = ops.mul(m, cfg.ssm_out_multiplier)
-            if cfg.attention_out_multiplier != 1.0:
-                a = ops.mul(a, cfg.attention_out_multiplier)
-            x, residual = ops.fused_add_rms_norm(ops.add(m, a), residual, w["mlp_norm"], eps)
-            h = self.mlp(x, w)
-        assert residual is not None  # validate() requires at least one layer
-        return self.final_norm(h, residual)
 
     def compute_logits(self, hidden: Array) -> Array:
         logits = super().compute_logits(hidden)  # [rows, vocab]

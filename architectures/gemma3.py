@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader, host_array
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.kv.attention import FullAttention, LayerState, SlidingWindow
 from infer.ops import Array, Backend
@@ -113,17 +113,7 @@ class Gemma3Config:
                 "full_attention" if (i + 1) % self.sliding_window_pattern == 0 else "sliding_attention"
                 for i in range(self.num_hidden_layers)
             ]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"config.json: layer_types has {len(self.layer_types)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(
-                f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
-                f"supported: {', '.join(LAYER_TYPES)}"
-            )
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, or None for full attention."""
@@ -187,16 +177,15 @@ class Gemma3ForCausalLM(Decoder):
         self.layers = []
         for i, kind in enumerate(cfg.layer_types):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            attn_in, attn_out = attention.load(w, a, bias=cfg.attention_bias)  # qkv_proj where stored alike
-            self.layers.append(DecoderLayer(
-                i, block, scale=cfg.query_pre_attn_scalar ** -0.5, window=cfg.window(i), rope=kind,
-                causal=not cfg.use_bidirectional_attention,
-                attn_in={"attn_norm": norm(p + "input_layernorm"), **attn_in,
-                         "q_norm": norm(a + "q_norm", hd), "k_norm": norm(a + "k_norm", hd)},
-                attn_out={**attn_out, "attn_post_norm": norm(p + "post_attention_layernorm"),
-                          "mlp_norm": norm(p + "pre_feedforward_layernorm"), **mlp.load(w, p + "mlp."),
-                          "mlp_post_norm": norm(p + "post_feedforward_layernorm")},
-            ))
+            attn = attention.load(w, a, bias=cfg.attention_bias)  # qkv_proj where stored alike
+            weights = {"attn_norm": norm(p + "input_layernorm"), **attn,
+                       "q_norm": norm(a + "q_norm", hd), "k_norm": norm(a + "k_norm", hd),
+                       "attn_post_norm": norm(p + "post_attention_layernorm"),
+                       "mlp_norm": norm(p + "pre_feedforward_layernorm"), **mlp.load(w, p + "mlp."),
+                       "mlp_post_norm": norm(p + "post_feedforward_layernorm")}
+            self.layers.append(DecoderLayer(i, block, weights, scale=cfg.query_pre_attn_scalar ** -0.5,
+                                            window=cfg.window(i), rope=kind,
+                                            causal=not cfg.use_bidirectional_attention))
         self.norm = norm("model.norm")
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 

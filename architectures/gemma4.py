@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader, host_array
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext, FullAttention, LayerState, SharedKV, SlidingWindow
 from infer.ops import Array, Backend
@@ -114,12 +114,7 @@ class Gemma4Config:
         n = self.num_hidden_layers
         if self.layer_types is None:  # transformers' default: 5 sliding layers to 1 full one
             self.layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-        if len(self.layer_types) != n:
-            raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for {n} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
-                              f"supported: {', '.join(LAYER_TYPES)}")
+        check_layer_types(self.layer_types, n, LAYER_TYPES)
         self.layer_types = [*self.layer_types[:-1], "full_attention"]  # transformers forces the last one full
         if not 0 <= self.num_kv_shared_layers < n:
             raise ConfigError(f"config.json: num_kv_shared_layers {self.num_kv_shared_layers} must be at least 0 "

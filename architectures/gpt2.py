@@ -110,13 +110,11 @@ class GPT2LMHeadModel(Decoder):
             scale = hd ** -0.5 if cfg.scale_attn_weights else 1.0
             if cfg.scale_attn_by_inverse_layer_idx:
                 scale /= i + 1
-            self.layers.append(DecoderLayer(
-                i, block, scale=scale, rope=None,
-                attn_in={**norm("attn_norm", h + "ln_1"), **named("qkv_proj", linear(h + "attn.c_attn", d, 3 * d))},
-                attn_out={**named("o_proj", linear(h + "attn.c_proj", d, d)), **norm("mlp_norm", h + "ln_2"),
-                          **named("up_proj", linear(h + "mlp.c_fc", d, inner)),
-                          **named("down_proj", linear(h + "mlp.c_proj", inner, d))},
-            ))
+            weights = {**norm("attn_norm", h + "ln_1"), **named("qkv_proj", linear(h + "attn.c_attn", d, 3 * d)),
+                       **named("o_proj", linear(h + "attn.c_proj", d, d)), **norm("mlp_norm", h + "ln_2"),
+                       **named("up_proj", linear(h + "mlp.c_fc", d, inner)),
+                       **named("down_proj", linear(h + "mlp.c_proj", inner, d))}
+            self.layers.append(DecoderLayer(i, block, weights, scale=scale, rope=None))
         self.norm, self.norm_bias = w.get(p + "ln_f.weight", (d,)), w.get(p + "ln_f.bias", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
@@ -124,7 +122,7 @@ class GPT2LMHeadModel(Decoder):
         ops = self.ops
         return ops.add(ops.embedding(self.embed_tokens, input_ids), ops.embedding(self.embed_positions, ctx.positions))
 
-    def final_norm(self, h: Array, residual: Array) -> Array:
+    def final_norm(self, h: Array, residual: Array | None) -> Array:
         return self.ops.layer_norm(self.ops.add(h, residual), self.norm, self.norm_bias, self.eps)
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.kv.attention import FullAttention, LayerState, SlidingWindow
 from infer.ops import Array, Backend
@@ -116,13 +116,7 @@ class GptOssConfig:
             raise ConfigError(f"config.json: sliding_window must be positive or null, found {self.sliding_window}")
         if self.layer_types is None:  # transformers' default: even layers slide, odd ones see everything
             self.layer_types = [LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
-                              f"supported: {', '.join(LAYER_TYPES)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, or None for full attention (a null
@@ -248,13 +242,11 @@ class GptOssForCausalLM(Decoder):
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            attn_in, attn_out = attention.load(w, a, bias=cfg.attention_bias)
-            self.layers.append(DecoderLayer(
-                i, block, scale=hd ** -0.5, window=cfg.window(i), sinks=w.get(a + "sinks", (nh,)),
-                attn_in={"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attn_in},
-                attn_out={**attn_out, "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)),
-                          **moe.load(w, p + "mlp.")},
-            ))
+            attn = attention.load(w, a, bias=cfg.attention_bias)
+            weights = {"attn_norm": w.get(p + "input_layernorm.weight", (d,)), **attn,
+                       "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)), **moe.load(w, p + "mlp.")}
+            self.layers.append(DecoderLayer(i, block, weights, scale=hd ** -0.5, window=cfg.window(i),
+                                            sinks=w.get(a + "sinks", (nh,))))
         self.norm = w.get("model.norm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader, host_array
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext, FullAttention, LayerState
+from infer.kv.attention import FullAttention, LayerState
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
@@ -82,10 +82,7 @@ class GraniteMoeHybridConfig(LlamaConfig):
         if self.layer_types is None:
             self.layer_types = self.layers_block_type or ["mamba"] * self.num_hidden_layers
         super().validate()
-        unknown = sorted({t for t in self.layer_types if t not in LAYER_KINDS})
-        if unknown:
-            raise ConfigError(f"config.json: layer_types {unknown} are not supported; supported: "
-                              f"{', '.join(LAYER_KINDS)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_KINDS)
         if self.position_embedding_type not in (None, "rope", "nope"):
             raise ConfigError(f"config.json: position_embedding_type {self.position_embedding_type!r} is not "
                               "supported; supported: 'rope', 'nope' or null")
@@ -151,17 +148,6 @@ class HybridMLP:
         return self.ops.add(routed, y)
 
 
-@dataclass
-class MambaLayer:
-    """A Mamba2 layer: its recurrent cache layer, norms, mixer and MLP weights."""
-
-    index: int
-    attn_norm: Array
-    mlp_norm: Array
-    mixer: Weights
-    mlp: Weights
-
-
 class GraniteMoeHybridForCausalLM(Decoder):
     """Embedding, Mamba2 and attention layers (module docstring), final norm, scaled head."""
 
@@ -170,7 +156,7 @@ class GraniteMoeHybridForCausalLM(Decoder):
         cfg, w, d, hd = config, weights, config.hidden_size, config.head_dim
         assert hd is not None  # set by validate()
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
-        self.eps, self.residual = cfg.rms_norm_eps, cfg.residual_multiplier
+        self.eps = cfg.rms_norm_eps
         rotary = cfg.position_embedding_type == "rope"
         self.max_context = context_length(cfg.rope, cfg.max_position_embeddings) if rotary \
             else cfg.max_position_embeddings
@@ -182,40 +168,24 @@ class GraniteMoeHybridForCausalLM(Decoder):
                                  time_step_limit=tuple(cfg.time_step_limit))
         self.mlp = HybridMLP(ops, cfg)
         attention = Attention(ops, d, cfg.num_attention_heads, cfg.num_key_value_heads, hd)
-        block = Block(ops, attention, self.mlp, cfg.rms_norm_eps, residual_scale=cfg.residual_multiplier)
-        self.hybrid: list[DecoderLayer | MambaLayer] = []
+        block = Block(ops, attention, self.mlp, cfg.rms_norm_eps, mixers={"mamba": self.mixer},
+                      residual_scale=cfg.residual_multiplier)
+        self.layers = []
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            norms = (w.get(p + "input_layernorm.weight", (d,)), w.get(p + "post_attention_layernorm.weight", (d,)))
-            mlp = self.mlp.load(w, p)
-            if cfg.kind(i) == "mamba":
-                self.hybrid.append(MambaLayer(i, *norms, self.mixer.load(w, p + "mamba."), mlp))
+            p, kind = f"model.layers.{i}.", cfg.kind(i)
+            weights = {"attn_norm": w.get(p + "input_layernorm.weight", (d,)),
+                       "mlp_norm": w.get(p + "post_attention_layernorm.weight", (d,)), **self.mlp.load(w, p)}
+            if kind == "mamba":
+                self.layers.append(DecoderLayer(i, block, weights | self.mixer.load(w, p + "mamba."), kind="mamba"))
             else:
-                attn_in, attn_out = attention.load(w, p + "self_attn.", bias=cfg.attention_bias)
-                self.hybrid.append(DecoderLayer(
-                    i, block, attn_in={"attn_norm": norms[0], **attn_in},
-                    attn_out={**attn_out, "mlp_norm": norms[1], **mlp}, scale=cfg.attention_multiplier,
-                    rope="default" if rotary else None))
-        self.layers = [layer for layer in self.hybrid if isinstance(layer, DecoderLayer)]
+                weights |= attention.load(w, p + "self_attn.", bias=cfg.attention_bias)
+                self.layers.append(DecoderLayer(i, block, weights, scale=cfg.attention_multiplier,
+                                                rope="default" if rotary else None))
         self.norm = w.get("model.norm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
     def layer_states(self) -> list[LayerState]:
-        return [self.mixer.state() if isinstance(layer, MambaLayer) else FullAttention() for layer in self.hybrid]
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        ops = self.ops
-        h = self.embed(input_ids, ctx)  # [tokens, hidden], the residual stream
-        for layer in self.hybrid:
-            if isinstance(layer, MambaLayer):
-                y = self.mixer(ops.rms_norm(h, layer.attn_norm, self.eps), layer.mixer, ctx, layer.index)
-                h = ops.add(h, ops.mul(y, self.residual))
-                y = self.mlp(ops.rms_norm(h, layer.mlp_norm, self.eps), layer.mlp)
-                h = ops.add(h, ops.mul(y, self.residual))
-            else:  # the decoder's block: its output comes back scaled, before the residual add
-                y, residual = self.run_layers(h, [layer], ctx)
-                h = ops.add(y, residual)
-        return ops.rms_norm(h, self.norm, self.eps)
+        return [self.mixer.state() if layer.kind == "mamba" else FullAttention() for layer in self.layers]
 
     def compute_logits(self, hidden: Array) -> Array:
         return self.ops.div(super().compute_logits(hidden), self.config.logits_scaling)  # [rows, vocab]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.architecture import WeightLoader
-from infer.config import check_range, from_dict, rope_parameters
+from infer.config import check_layer_types, check_range, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext, FullAttention, LayerState, Recurrent
 from infer.ops import Array, Backend
@@ -100,13 +100,7 @@ class Lfm2Config:
             n = self.num_hidden_layers
             attn = self.full_attn_idxs if self.full_attn_idxs is not None else list(range(n))
             self.layer_types = ["full_attention" if i in attn else "conv" for i in range(n)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
-                              f"supported: {', '.join(LAYER_TYPES)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
         if self.block_ffn_dim_multiplier is not None and not self.block_ffn_dim_multiplier > 0:
             raise ConfigError(f"config.json: block_ffn_dim_multiplier must be positive, "
                               f"found {self.block_ffn_dim_multiplier}")
@@ -160,15 +154,6 @@ class ShortConv:
         return ops.linear(ops.mul(c, y), w["out_proj"], w.get("out_proj.bias"))
 
 
-@dataclass
-class ConvLayer:
-    """A conv layer: its cache layer (the state's), and its weights (``attn_norm``
-    being ``operator_norm``, ``mlp_norm`` ``ffn_norm``, the conv's and the MLP's)."""
-
-    index: int
-    weights: Weights
-
-
 class Lfm2ForCausalLM(Decoder):
     """Embedding, conv and attention layers, final norm, (tied) output head."""
 
@@ -183,59 +168,31 @@ class Lfm2ForCausalLM(Decoder):
         self.mlp = GatedMLP(ops, d, cfg.ff_dim(), "silu", names=("w1", "w3", "w2"))
         self.conv = ShortConv(ops, d, cfg.conv_L_cache)
         attention = Attention(ops, d, nh, nkv, hd, qk_norm="head", eps=cfg.norm_eps)
-        block = Block(ops, attention, self.mlp, cfg.norm_eps)
+        block = Block(ops, attention, self.mlp, cfg.norm_eps, mixers={"conv": self.conv})
         self.embed_tokens = w.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         self.rope = {"default": RotaryEmbedding(ops, hd, cfg.rope, cfg.max_position_embeddings)}
-        self.layers: list[DecoderLayer | ConvLayer] = []  # type: ignore[assignment]
+        self.layers = []
         for i, kind in enumerate(cfg.layer_types):
             p = f"model.layers.{i}."
             norms = {"attn_norm": w.get(p + "operator_norm.weight", (d,)),
                      "mlp_norm": w.get(p + "ffn_norm.weight", (d,))}
             mlp = self.mlp.load(w, p + "feed_forward.")
             if kind == "conv":
-                self.layers.append(ConvLayer(i, norms | self.conv.load(w, p + "conv.", bias=cfg.conv_bias) | mlp))
+                weights = norms | self.conv.load(w, p + "conv.", bias=cfg.conv_bias) | mlp
+                self.layers.append(DecoderLayer(i, block, weights, kind="conv"))
                 continue
             a = p + "self_attn."
-            self.layers.append(DecoderLayer(
-                i, block, scale=hd ** -0.5,
-                attn_in={"attn_norm": norms["attn_norm"], **load_qkv(w, a, nh, nkv, hd, d, bias=False),
-                         "q_norm": w.get(a + "q_layernorm.weight", (hd,)),
-                         "k_norm": w.get(a + "k_layernorm.weight", (hd,))},
-                attn_out={"o_proj": w.get(a + "out_proj.weight", (d, nh * hd)), "mlp_norm": norms["mlp_norm"],
-                          **mlp},
-            ))
+            weights = {**norms, **load_qkv(w, a, nh, nkv, hd, d, bias=False),
+                       "q_norm": w.get(a + "q_layernorm.weight", (hd,)),
+                       "k_norm": w.get(a + "k_layernorm.weight", (hd,)),
+                       "o_proj": w.get(a + "out_proj.weight", (d, nh * hd)), **mlp}
+            self.layers.append(DecoderLayer(i, block, weights, scale=hd ** -0.5))
         self.norm = w.get("model.embedding_norm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
     def layer_states(self) -> list[LayerState]:
         """Conv layers keep their window of inputs; attention layers their keys and values."""
-        return [self.conv.state() if isinstance(layer, ConvLayer) else FullAttention() for layer in self.layers]
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        ops, eps = self.ops, self.eps
-        h = self.embed(input_ids, ctx)
-        cos, sin = self.rope["default"](ctx)  # [tokens, head_dim / 2]
-        residual = None  # the residual stream; h is the last block's output before its add
-        for layer in self.layers:
-            if isinstance(layer, ConvLayer):
-                w = layer.weights
-                if residual is None:
-                    x, residual = ops.rms_norm(h, w["attn_norm"], eps), h
-                else:
-                    x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
-                x, residual = ops.fused_add_rms_norm(self.conv(x, w, ctx, layer.index), residual,
-                                                     w["mlp_norm"], eps)
-                h = self.mlp(x, w)
-                continue
-            block = layer.block
-            if residual is None:
-                q, k, v, residual = block.first(h, layer.attn_in, cos, sin)
-            else:
-                q, k, v, residual = block.before(h, residual, layer.attn_in, cos, sin)
-            o = ctx.attention(layer.index, q, k, v, scale=layer.scale)
-            h, residual = block.after(o, residual, layer.attn_out)
-        assert residual is not None  # validate() requires at least one layer
-        return self.final_norm(h, residual)
+        return [self.conv.state() if layer.kind == "conv" else FullAttention() for layer in self.layers]
 
 
 def read_config(config: dict[str, Any]) -> Lfm2Config:

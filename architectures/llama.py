@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from infer.architecture import WeightLoader
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.ops import Backend
 from infer.plugins.hookspecs import hookimpl
@@ -81,11 +81,8 @@ class LlamaConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         activation("hidden_act", self.hidden_act)
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"config.json: layer_types has {len(self.layer_types)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
+        if self.layer_types is not None:
+            check_layer_types(self.layer_types, self.num_hidden_layers)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, or None for full attention."""
@@ -129,13 +126,10 @@ class LlamaForCausalLM(Decoder):
             if id(mlp) not in blocks:
                 blocks[id(mlp)] = Block(ops, attention, mlp, cfg.rms_norm_eps, **self.block_options())
             block = blocks[id(mlp)]
-            attn_in, attn_out = self.load_attention(attention, w, p + "self_attn.")
-            norms = self.load_norms(w, p)
-            self.layers.append(DecoderLayer(
-                i, block, scale=self.attention_scale(), window=cfg.window(i), rope=self.layer_rope(i),
-                attn_in={k: v for k, v in norms.items() if k == "attn_norm"} | attn_in,
-                attn_out=attn_out | {k: v for k, v in norms.items() if k != "attn_norm"} | mlp.load(w, p + mlp_prefix),
-            ))
+            attn = self.load_attention(attention, w, p + "self_attn.")
+            weights = self.load_norms(w, p) | attn | mlp.load(w, p + mlp_prefix)
+            self.layers.append(DecoderLayer(i, block, weights, scale=self.attention_scale(), window=cfg.window(i),
+                                            rope=self.layer_rope(i)))
         self.norm = w.get("model.norm.weight", (d,))
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
@@ -146,13 +140,13 @@ class LlamaForCausalLM(Decoder):
         cfg = self.config
         return Attention(self.ops, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
-    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
+    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> Weights:
         """Its weights under ``prefix`` (``...self_attn.``): biases where present (Qwen2: q, k, v)."""
         return attention.load(w, prefix)
 
     def mlp_part(self, layer: int) -> tuple[MLPPart, str]:
         """The MLP part of ``layer`` and the prefix of its weights after ``model.layers.N.``;
-        layers that share a part (the same object) share their compiled block."""
+        layers that share a part (the same object) share their block."""
         return self.dense_mlp, "mlp."
 
     @cached_property

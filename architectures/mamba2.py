@@ -42,7 +42,7 @@ from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
-from .decoder import Weights, activation
+from .decoder import Weights, activation, add_rms_norm
 
 
 class Mamba2Mixer:
@@ -234,10 +234,11 @@ class Mamba2ForCausalLM(CausalLM):
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
         ops = self.ops
-        h = ops.embedding(self.embed_tokens, input_ids)  # [tokens, hidden]
-        for i, (norm, mixer) in enumerate(self.layers):
-            h = ops.add(h, self.mixer(ops.rms_norm(h, norm, self.eps), mixer, ctx, i))
-        return ops.rms_norm(h, self.norm, self.eps)
+        h, residual = ops.embedding(self.embed_tokens, input_ids), None  # [tokens, hidden]
+        for i, (norm, mixer) in enumerate(self.layers):  # h = h + mixer(norm(h)), the add kept pending
+            x, residual = add_rms_norm(ops, h, residual, norm, self.eps)
+            h = self.mixer(x, mixer, ctx, i)
+        return add_rms_norm(ops, h, residual, self.norm, self.eps)[0]
 
 
 def read_config(config: dict[str, Any]) -> Mamba2Config:

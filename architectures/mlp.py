@@ -22,13 +22,17 @@ class GatedMLP:
     stored alike (see :mod:`.projections`); a checkpoint that stores them
     stacked already (Phi-3's ``gate_up_proj``, gate rows first) is read as it
     is. ``names`` renames the three for checkpoints that call them otherwise
-    (Mixtral's experts: ``w1``, ``w3``, ``w2``)."""
-
+    (Mixtral's experts: ``w1``, ``w3``, ``w2``). ``gate_multiplier`` and
+    ``down_multiplier`` scale the gate projection before the activation and
+    the output (Falcon-H1's ``mlp_multipliers``):
+    ``down_mult * down_proj(act(gate_mult * gate_proj(x)) * up_proj(x))``."""
 
     def __init__(self, ops: Backend, hidden: int, intermediate: int, activation: str, *,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
         self.ops, self.hidden, self.intermediate, self.activation = ops, hidden, intermediate, activation
         self.names = names
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
 
     def load(self, w: WeightLoader, prefix: str) -> dict[str, Array]:
         """``{"gate_up_proj" or "gate_proj", "up_proj", "down_proj"}``, and their ``.bias``."""
@@ -64,11 +68,14 @@ class GatedMLP:
         else:
             gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
             up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
+        if self.gate_multiplier != 1.0:
+            gate = ops.mul(gate, self.gate_multiplier)
         if self.activation == "silu":
             h = ops.swiglu(gate, up)
         else:
             h = ops.mul(getattr(ops, self.activation)(gate), up)
-        return ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
+        out = ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
+        return out if self.down_multiplier == 1.0 else ops.mul(out, self.down_multiplier)
 
 
 class MLP:

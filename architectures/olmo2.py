@@ -48,12 +48,11 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         return Attention(self.ops, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          qk_norm="full", eps=cfg.rms_norm_eps)
 
-    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
+    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> Weights:
         cfg = self.config
-        attn_in, attn_out = attention.load(w, prefix, bias=cfg.attention_bias)
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        return {**attn_in, "q_norm": w.get(prefix + "q_norm.weight", (q,)),
-                "k_norm": w.get(prefix + "k_norm.weight", (kv,))}, attn_out
+        return {**attention.load(w, prefix, bias=cfg.attention_bias), "q_norm": w.get(prefix + "q_norm.weight", (q,)),
+                "k_norm": w.get(prefix + "k_norm.weight", (kv,))}
 
     def block_options(self) -> dict[str, Any]:
         return {"pre_norms": False, "post_norms": True}

@@ -48,11 +48,11 @@ class Phi3Config(LlamaConfig):
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Llama with stacked projections as stored, and partial rotary embeddings."""
 
-    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
+    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> Weights:
         cfg = self.config
         nh, nkv, hd, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        qkv = {"qkv_proj": w.get(prefix + "qkv_proj.weight", ((nh + 2 * nkv) * hd, d))}
-        return qkv, {"o_proj": w.get(prefix + "o_proj.weight", (d, nh * hd))}
+        return {"qkv_proj": w.get(prefix + "qkv_proj.weight", ((nh + 2 * nkv) * hd, d)),
+                "o_proj": w.get(prefix + "o_proj.weight", (d, nh * hd))}
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Phi3ForCausalLM:

@@ -53,11 +53,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return Attention(self.ops, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          qk_norm="head", eps=cfg.rms_norm_eps)
 
-    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> tuple[Weights, Weights]:
-        attn_in, attn_out = attention.load(w, prefix, bias=self.config.attention_bias)
+    def load_attention(self, attention: Attention, w: WeightLoader, prefix: str) -> Weights:
         hd = self.config.head_dim
-        return {**attn_in, "q_norm": w.get(prefix + "q_norm.weight", (hd,)),
-                "k_norm": w.get(prefix + "k_norm.weight", (hd,))}, attn_out
+        return {**attention.load(w, prefix, bias=self.config.attention_bias),
+                "q_norm": w.get(prefix + "q_norm.weight", (hd,)), "k_norm": w.get(prefix + "k_norm.weight", (hd,))}
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3ForCausalLM:

@@ -48,14 +48,14 @@ from functools import cached_property
 from typing import Any
 
 from infer.architecture import WeightLoader
-from infer.config import from_dict, rope_parameters
+from infer.config import check_layer_types, from_dict, rope_parameters
 from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext, FullAttention, LayerState, Recurrent
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
-from .decoder import ACTIVATIONS, Decoder, MLPPart, Weights, activation
+from .decoder import ACTIVATIONS, Block, Decoder, DecoderLayer, MLPPart, Tables, Weights, activation
 from .mlp import GatedMLP
 from .moe import sigmoid
 from .rope import RotaryEmbedding, context_length
@@ -109,13 +109,7 @@ class Qwen3_5Config:
         if self.layer_types is None:
             self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0
                                 else "linear_attention" for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"config.json: layer_types holds {', '.join(map(repr, unknown))}; "
-                              f"supported: {', '.join(LAYER_TYPES)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
 
     @property
     def key_dim(self) -> int:
@@ -131,16 +125,6 @@ class Qwen3_5Config:
     def conv_dim(self) -> int:
         """Channels of the convolution: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
-
-
-@dataclass
-class HybridLayer:
-    """One layer: its cache layer, whether it is a DeltaNet, its weights and MLP part."""
-
-    index: int
-    linear: bool
-    weights: Weights
-    mlp: MLPPart
 
 
 class GatedDeltaNet:
@@ -260,6 +244,19 @@ class GatedAttention:
         return ops.linear(ops.reshape(o, (t, nh * hd)), w["o_proj"], w.get("o_proj.bias"))
 
 
+class GatedBlock(Block):
+    """The decoder's block with Qwen3.5's mixers: the gated DeltaNet in
+    ``linear_attention`` layers, gated attention in the others."""
+
+    def __init__(self, ops: Backend, cfg: Qwen3_5Config, deltanet: GatedDeltaNet, attention: GatedAttention,
+                 mlp: MLPPart) -> None:
+        super().__init__(ops, None, mlp, cfg.rms_norm_eps, mixers={"linear_attention": deltanet})
+        self.gated_attention = attention
+
+    def attend(self, x: Array, layer: DecoderLayer, ctx: AttentionContext, tables: Tables) -> Array:
+        return self.gated_attention(x, layer.weights, ctx, layer.index, *tables[layer.rope])
+
+
 class Qwen3_5ForCausalLM(Decoder):
     """Embedding, DeltaNet and gated-attention layers, final norm, output head."""
 
@@ -275,18 +272,19 @@ class Qwen3_5ForCausalLM(Decoder):
             return w.get(name + ".weight", (dim,), transform=lambda a: a + 1.0)
 
         self.deltanet, self.attention = GatedDeltaNet(ops, cfg), GatedAttention(ops, cfg)
+        blocks: dict[int, GatedBlock] = {}  # one block per distinct MLP part
         self.embed_tokens = w.get(prefix + "embed_tokens.weight", (cfg.vocab_size, d))
         self.rope = {"default": RotaryEmbedding(ops, cfg.head_dim, cfg.rope, cfg.max_position_embeddings)}
-        self.layers: list[HybridLayer] = []  # type: ignore[assignment]
+        self.layers = []
         for i, kind in enumerate(cfg.layer_types):
             p = f"{prefix}layers.{i}."
-            linear = kind == "linear_attention"
-            mixer = (self.load_deltanet(w, p + "linear_attn.") if linear
+            mixer = (self.load_deltanet(w, p + "linear_attn.") if kind == "linear_attention"
                      else self.attention.load(w, p + "self_attn.", norm))
             mlp = self.mlp_part(i)
-            self.layers.append(HybridLayer(i, linear, {
-                **mixer, "attn_norm": norm(p + "input_layernorm"), "mlp_norm": norm(p + "post_attention_layernorm"),
-                "mlp": mlp.load(w, p + "mlp.")}, mlp))
+            block = blocks.setdefault(id(mlp), GatedBlock(ops, cfg, self.deltanet, self.attention, mlp))
+            weights = {**mixer, "attn_norm": norm(p + "input_layernorm"),
+                       "mlp_norm": norm(p + "post_attention_layernorm"), **mlp.load(w, p + "mlp.")}
+            self.layers.append(DecoderLayer(i, block, weights, kind=kind))
         self.norm = norm(prefix + "norm")
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w.get("lm_head.weight", (cfg.vocab_size, d))
 
@@ -306,28 +304,8 @@ class Qwen3_5ForCausalLM(Decoder):
 
     def layer_states(self) -> list[LayerState]:
         """DeltaNet layers keep a convolution window and the rule's state; the others keys and values."""
-        return [self.deltanet.state() if layer.linear else FullAttention() for layer in self.layers]
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        """The pre-norm blocks of :mod:`.decoder`, each layer's mixer by its kind."""
-        ops, eps = self.ops, self.eps
-        h = self.embed(input_ids, ctx)
-        cos, sin = self.rope["default"](ctx)
-        residual = None
-        for layer in self.layers:
-            w = layer.weights
-            if residual is None:
-                x, residual = ops.rms_norm(h, w["attn_norm"], eps), h
-            else:
-                x, residual = ops.fused_add_rms_norm(h, residual, w["attn_norm"], eps)
-            if layer.linear:
-                a = self.deltanet(x, w, ctx, layer.index)
-            else:
-                a = self.attention(x, w, ctx, layer.index, cos, sin)
-            x, residual = ops.fused_add_rms_norm(a, residual, w["mlp_norm"], eps)
-            h = layer.mlp(x, w["mlp"])
-        assert residual is not None, "config.json has at least one layer (validated)"
-        return self.final_norm(h, residual)  # [tokens, hidden]
+        return [self.deltanet.state() if layer.kind == "linear_attention" else FullAttention()
+                for layer in self.layers]
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 from infer.errors import ConfigError
@@ -125,6 +126,18 @@ def check_range(name: str, value: Any, low: float, high: float, where: str = "co
         raise ConfigError(f"{where}: {name!r} must be a number in {allowed}, found {value!r}")
     if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
         raise ConfigError(f"{where}: {name!r} = {_number(value)} is out of range; allowed: {allowed}")
+
+
+def check_layer_types(layer_types: list[str], num_layers: int, supported: Collection[str] | None = None,
+                      where: str = "config.json") -> None:
+    """Raise :class:`ConfigError` unless ``layer_types`` has one entry per
+    layer, each one of ``supported`` (None: any name)."""
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - set(supported)) if supported is not None else []
+    if unknown:
+        raise ConfigError(f"{where}: layer_types holds {', '.join(map(repr, unknown))}; "
+                          f"supported: {', '.join(supported or ())}")
 
 
 def _number(value: float) -> str:

@@ -150,13 +150,13 @@ def _gemma4_no_ple(model: infer.Model) -> None:
     model.network.ple_dim = 0
 def _lfm2_no_qk_norm(model: infer.Model) -> None:
     for layer in model.network.layers:
-        if hasattr(layer, "block"):  # an attention layer (conv layers have none)
+        if layer.kind == "attention":
             layer.block.attention.qk_norm = False
 
 
 def _lfm2_no_conv_bias(model: infer.Model) -> None:
     for layer in model.network.layers:
-        if not hasattr(layer, "block"):  # a conv layer
+        if layer.kind == "conv":
             for name in ("in_proj.bias", "conv.bias", "out_proj.bias"):
                 del layer.weights[name]
 def _no_sinks(model: infer.Model) -> None:

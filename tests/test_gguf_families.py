@@ -392,7 +392,7 @@ def test_gpt_oss_mxfp4_experts_stay_blocks_and_match_gguf_py(gguf_dir: Path) -> 
         assert isinstance(got, GGUFQuantizedTensor) and got.qtype == "MXFP4", name
         assert np.array_equal(got.dequantize(), expected[name]), name
     model = infer.load(path, backend="numpy")
-    for expert in model.network.layers[0].attn_out["experts"]:  # gate and up rows stacked, as blocks still
+    for expert in model.network.layers[0].weights["experts"]:  # gate and up rows stacked, as blocks still
         assert {w.scheme for w in expert.values()} == {"MXFP4 blocks as stored, numpy kernel"}
     folder = tiny_model_dir("gpt_oss_gguf")
     prompt = encode(folder, PROMPT)
@@ -523,7 +523,7 @@ def test_infer_convert_keeps_mxfp4_experts_as_llama_cpp_repacks_them(tmp_path: P
             want = np.concatenate([s[..., None], halves[..., 0, :] | (halves[..., 1, :] << np.uint8(4))], axis=-1)
             assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), t.name
     model = infer.load(path, backend="numpy")
-    assert {w.scheme for w in model.network.layers[0].attn_out["experts"][0].values()} == \
+    assert {w.scheme for w in model.network.layers[0].weights["experts"][0].values()} == \
         {"MXFP4 blocks as stored, numpy kernel"}
     prompt = encode(folder, PROMPT)
     want = infer.load(folder, backend="numpy")

@@ -151,7 +151,7 @@ def test_the_hybrid_batches_prefix_caches_and_speculates(hybrid: Engine) -> None
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({"layer_types": ["mamba", "sliding_attention", "mamba", "attention"]}, "layer_types \\['sliding_attention'\\]"),
+    ({"layer_types": ["mamba", "sliding_attention", "mamba", "attention"]}, "layer_types holds 'sliding_attention'; supported: mamba"),
     ({"layer_types": ["mamba", "attention"]}, "layer_types has 2 entries for 4 layers"),
     ({"mamba_d_head": 12}, "mamba_n_heads \\(8\\) \\* mamba_d_head \\(12\\)"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi'"),

@@ -357,8 +357,8 @@ def test_real_model_default_is_quantized_and_off_is_float() -> None:
     quantized = infer.load("smollm2-135m", backend="numpy")
     dense = infer.load("smollm2-135m", backend="numpy", quantize="off")
     layer = quantized.network.layers[0]
-    assert isinstance(layer.attn_out["gate_up_proj"], PackedWeight)
-    assert not isinstance(dense.network.layers[0].attn_out["gate_up_proj"], PackedWeight)
+    assert isinstance(layer.weights["gate_up_proj"], PackedWeight)
+    assert not isinstance(dense.network.layers[0].weights["gate_up_proj"], PackedWeight)
     prompt = quantized.tokenizer.encode("The capital of France is")
     assert list(quantized.generate_tokens(prompt, max_tokens=24, ignore_eos=True)) == \
         list(dense.generate_tokens(prompt, max_tokens=24, ignore_eos=True))

@@ -77,12 +77,12 @@ def test_stacked_and_separate_projections_give_the_same_logits(variant: str, mon
     prompt = encode(path, PROMPT)
     stacked = infer.load(path, backend="numpy")
     layer = stacked.network.layers[0]
-    assert "qkv_proj" in layer.attn_in and "gate_up_proj" in layer.attn_out
+    assert "qkv_proj" in layer.weights and "gate_up_proj" in layer.weights
     monkeypatch.setattr(WeightLoader, "get_stacked", lambda self, name, parts: None)
     separate = infer.load(path, backend="numpy")
-    assert "q_proj" in separate.network.layers[0].attn_in and "gate_proj" in separate.network.layers[0].attn_out
+    assert "q_proj" in separate.network.layers[0].weights and "gate_proj" in separate.network.layers[0].weights
     a, b = (m.backend.to_numpy(m.engine.forward(m.engine.new_sequence(), prompt, all_logits=True))
             for m in (stacked, separate))
     assert_logits_close(a, b, "stacked vs separate projections")  # two BLAS shapes: other summation orders
     if variant == "qwen2":
-        assert "qkv_proj.bias" in layer.attn_in
+        assert "qkv_proj.bias" in layer.weights

@@ -344,7 +344,7 @@ def test_cuda_on_load_quantization_stays_close_to_the_cpu_path(scheme: str) -> N
         except InvalidQuantizationError:
             pytest.skip("this torch has no CUDA int8 kernel (the probe said so)")
     cpu = infer.load(path, backend="torch:cpu", quantize=scheme)
-    assert isinstance(gpu.network.layers[0].attn_out["gate_up_proj"], PackedWeight)
+    assert isinstance(gpu.network.layers[0].weights["gate_up_proj"], PackedWeight)
     prompt = encode(path, PROMPT)
     got = gpu.backend.to_numpy(gpu.engine.forward(gpu.engine.new_sequence(), prompt, all_logits=True))
     want = cpu.backend.to_numpy(cpu.engine.forward(cpu.engine.new_sequence(), prompt, all_logits=True))

@@ -76,15 +76,16 @@ class EMAModel(CausalLM):
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
         ops, base = self.ops, self.base
         h = base.embed(input_ids, ctx)
+        tables = base.rope_tables(ctx)
         for layer in base.layers:
             if layer.index in EMA_LAYERS:
-                x = ops.rms_norm(h, layer.attn_in["attn_norm"], base.eps)
+                x = ops.rms_norm(h, layer.weights["attn_norm"], base.eps)
                 y, state, checkpoints = ema(ops, x, ctx.state(layer.index)["h"], ctx.query_start,
                                             ctx.checkpoint_rows, DECAY)
                 ctx.set_state(layer.index, {"h": state}, {"h": checkpoints})
                 h = ops.add(h, y)
             else:
-                out, residual = base.run_layers(h, [layer], ctx)
+                out, residual = layer.block.forward(h, None, layer, ctx, tables)
                 h = ops.add(out, residual)
         return ops.rms_norm(h, base.norm, base.eps)
 

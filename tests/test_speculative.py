@@ -83,8 +83,10 @@ class ShadowMTP(CausalLM):
         return (1 + self.num_mtp_modules) * self.num_layers
 
     def _stack(self, h: Array, layers: list, ctx: AttentionContext) -> Array:
-        base = self.base
-        h, residual = base.run_layers(h, layers, ctx)  # type: ignore[attr-defined]
+        base, residual = self.base, None
+        tables = base.rope_tables(ctx)  # type: ignore[attr-defined]
+        for layer in layers:
+            h, residual = layer.block.forward(h, residual, layer, ctx, tables)
         h, _ = self.ops.fused_add_rms_norm(h, residual, base.norm, base.eps)  # type: ignore[attr-defined]
         return h
 
