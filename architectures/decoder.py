@@ -52,6 +52,7 @@ learned positions (GPT-2) an :meth:`Decoder.embed` override.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -287,6 +288,21 @@ class DecoderLayer:
     #: False: bidirectional attention over the sequence (an embedding model's,
     #: e.g. EmbeddingGemma's ``use_bidirectional_attention``).
     causal: bool = True
+
+    @property
+    def attn_in(self) -> Weights:
+        """Deprecated: the weights read before attention were a split for the
+        capture pieces that are gone; every weight is in :attr:`weights`."""
+        warnings.warn("DecoderLayer.attn_in is deprecated; read DecoderLayer.weights", DeprecationWarning,
+                      stacklevel=2)
+        return self.weights
+
+    @property
+    def attn_out(self) -> Weights:
+        """Deprecated: as :attr:`attn_in`."""
+        warnings.warn("DecoderLayer.attn_out is deprecated; read DecoderLayer.weights", DeprecationWarning,
+                      stacklevel=2)
+        return self.weights
 
 
 class Decoder(CausalLM):

@@ -70,3 +70,12 @@ def test_layers_and_blocks_carry_no_capture_pieces(variant: str) -> None:
         assert isinstance(layer, DecoderLayer) and isinstance(layer.block, Block)
         for obj in (layer, layer.block):
             assert not [p for p in CAPTURE_PIECES if hasattr(obj, p)], f"{variant}: {type(obj).__name__}"
+
+
+def test_old_weight_split_names_still_read_with_a_warning() -> None:
+    """A plugin written against 0.1 read ``layer.attn_in`` / ``attn_out``; they
+    now name the one weights dict, with a DeprecationWarning."""
+    layer = load_tiny(FAMILIES[0]).network.layers[0]
+    for name in ("attn_in", "attn_out"):
+        with pytest.warns(DeprecationWarning, match=f"DecoderLayer.{name}"):
+            assert getattr(layer, name) is layer.weights
