@@ -33,6 +33,8 @@ version adds optional ops only.
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -297,6 +299,110 @@ class AttentionBatch:
         return oplib.key_rows(np.asarray(self.block_tables[b]), self.block_size, b, lo, hi, pool_rows)
 
 
+#: The on-load quantization schemes ``infer.load(quantize=...)`` knows (their
+#: bits: :data:`infer.quantize.SCHEME_BITS`); a backend honours those it lists
+#: in :attr:`Backend.quantize_schemes`.
+QUANTIZE_SCHEMES: tuple[str, ...] = ("q8", "q4")
+#: The activation quantization schemes ``infer.load(activations=...)`` knows;
+#: a backend honours those it lists in :attr:`Backend.activation_schemes`.
+ACTIVATION_SCHEMES: tuple[str, ...] = ("q8",)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a loaded model asks its backend to compute: the options of
+    :func:`infer.load` that reach the backend, made once per load from its
+    arguments. Their values are checked here when the object is made, and
+    against what a backend can do in :meth:`check`.
+
+    A load hands them to the backend with :meth:`Backend.configure`, which
+    returns the backend the model runs on; backend code reads
+    ``self.settings``. They are passed in rather than written onto the
+    backend because one backend instance may serve several models
+    (``infer.load(path, backend=ops)`` twice, a draft model beside its
+    target), each with its own settings: an attribute the second load wrote
+    would change how the first model computes. As one value they also reach
+    the tensor-parallel ranks whole (``dataclasses.asdict`` and back), and a
+    recorded step reads the backend it records, so it sees the settings the
+    eager ops do.
+
+    A new load option that changes how the backend computes (an adapter, a
+    KV storage format) is a new field here, with its check.
+    """
+
+    #: None (default): float weights stay float, quantized (GGUF) ones stay
+    #: quantized where the backend computes on them exactly; one of
+    #: :data:`QUANTIZE_SCHEMES` (which the backend must list in
+    #: :attr:`Backend.quantize_schemes`): float linear weights are also
+    #: quantized on load; ``"off"``: every weight is dequantized.
+    quantize: str | None = None
+    #: None (default): the products compute on exact float activations; one of
+    #: :data:`ACTIVATION_SCHEMES` (which the backend must list in
+    #: :attr:`Backend.activation_schemes`): ``"q8"`` rounds the inputs of the
+    #: products with quantized weights to int8 per 32 values, one float scale
+    #: each, for integer dot products on the weights' codes.
+    activations: str | None = None
+    #: The dtype KV pools store keys and values in: None (default) or the
+    #: compute dtype, exact; otherwise one the backend lists in
+    #: :attr:`Backend.kv_dtypes` (the engine makes the pools).
+    kv_dtype: str | None = None
+    #: ``infer.load``'s ``compile``: True asks for graph capture with the
+    #: backend's compiler (:attr:`Backend.graph_capture`); False for none;
+    #: None (default) for the backend's default
+    #: (:attr:`Backend.capture_by_default`).
+    compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        from infer.errors import InvalidQuantizationError
+
+        if self.quantize is not None and self.quantize != "off" and self.quantize not in QUANTIZE_SCHEMES:
+            raise InvalidQuantizationError(
+                f"quantize={self.quantize!r}: expected None, 'off' or one of "
+                f"{', '.join(repr(s) for s in QUANTIZE_SCHEMES)}")
+        if self.activations is not None and (not isinstance(self.activations, str)
+                                             or self.activations not in ACTIVATION_SCHEMES):
+            raise InvalidQuantizationError(
+                f"activations={self.activations!r}: expected None (exact float activations) or one of "
+                f"{', '.join(repr(s) for s in ACTIVATION_SCHEMES)}")
+
+    def check(self, backend: Backend) -> None:
+        """Raise unless ``backend`` can honour these settings:
+        ``InvalidQuantizationError`` for a ``quantize`` or ``activations``
+        scheme it does not list, ``CacheConfigError`` for a ``kv_dtype`` it
+        cannot store pools in (:meth:`kv_pool_dtype`)."""
+        from infer.errors import InvalidQuantizationError
+
+        if self.quantize in QUANTIZE_SCHEMES and self.quantize not in backend.quantize_schemes:
+            raise InvalidQuantizationError(
+                f"quantize={self.quantize!r}: backend {backend.name}/{backend.device} has no on-load quantization "
+                f"{self.quantize!r}; it has {', '.join(sorted(backend.quantize_schemes)) or 'none'}")
+        if self.activations is not None and self.activations not in backend.activation_schemes:
+            raise InvalidQuantizationError(
+                f"activations={self.activations!r}: backend {backend.name}/{backend.device} has no activation "
+                f"quantization {self.activations!r}; it has {', '.join(sorted(backend.activation_schemes)) or 'none'}")
+        self.kv_pool_dtype(backend)
+
+    def kv_pool_dtype(self, backend: Backend) -> str | None:
+        """:attr:`kv_dtype` where ``backend`` stores KV pools in it, None for
+        its compute dtype (``None``, or the compute dtype named): keys and
+        values exactly as computed. A narrower dtype (``"float16"``,
+        ``"bfloat16"``, where the backend lists it in
+        :attr:`Backend.kv_dtypes`) halves the cache's memory and the bytes
+        attention reads per position; the keys and values are rounded once,
+        when written (docs/kv-cache.md, "Storing keys and values narrower").
+        ``CacheConfigError`` where the backend has no such KV dtype."""
+        from infer.errors import CacheConfigError
+
+        kv_dtype = self.kv_dtype
+        if kv_dtype is None or kv_dtype == backend.compute_dtype:
+            return None
+        if kv_dtype not in backend.kv_dtypes:
+            options = sorted({backend.compute_dtype, *backend.kv_dtypes})
+            raise CacheConfigError(f"kv_dtype={kv_dtype!r}: backend {backend.name}/{backend.device} stores keys "
+                                   f"and values in {', '.join(map(repr, options))}")
+        return kv_dtype
+
+
 class Backend(abc.ABC):
     """A compute backend: the ops an architecture may call.
 
@@ -322,22 +428,15 @@ class Backend(abc.ABC):
     #: On-load quantization schemes :meth:`prepare_weight` honours
     #: (``"q8"``, ``"q4"``); empty for a backend that has none.
     quantize_schemes: frozenset[str] = frozenset()
-    #: The on-load quantization asked for (one of :attr:`quantize_schemes`),
-    #: ``"off"`` (dequantize every weight, keep nothing quantized) or None
-    #: (default: float weights stay float, quantized ones stay quantized
-    #: where the backend computes on them exactly). Set by
-    #: :func:`infer.load` before the weights are prepared.
-    quantize: str | None = None
     #: Activation quantization schemes the backend's products honour
     #: (``"q8"``: the inputs of the products with quantized weights rounded
     #: to int8 per 32 values, one float scale each, multiplied with the
     #: weights' codes in integer dot products); empty: activations always exact.
     activation_schemes: frozenset[str] = frozenset()
-    #: The activation quantization asked for (one of
-    #: :attr:`activation_schemes`), or None (default: exact float
-    #: activations). Set by :func:`infer.load` before the weights are
-    #: prepared, so the backend may record it in the weights it prepares.
-    activations: str | None = None
+    #: The settings of the load this backend serves (:class:`LoadSettings`;
+    #: the defaults where no load configured it). :meth:`configure` gives a
+    #: backend with other settings; nothing writes them onto an instance.
+    settings: LoadSettings = LoadSettings()
 
     def __init__(self, dtype: str | None = None) -> None:
         from infer.errors import UnsupportedOpError
@@ -359,6 +458,62 @@ class Backend(abc.ABC):
         ops listed in :attr:`native_ops`. Optional ops still work when this is
         False, through their default."""
         return op in REQUIRED_OPS or op in self.native_ops
+
+    def configure(self, settings: LoadSettings) -> Backend:
+        """The backend a model loaded with ``settings`` runs on, before any of
+        its weights is prepared: ``settings.check(self)``, then this very
+        instance where :attr:`settings` already are those, otherwise a shallow
+        copy of it (``copy.copy``) holding them. This instance is never
+        changed, so models loaded on it with different settings do not
+        interfere (:class:`LoadSettings` says why). The copies share what the
+        instance holds (its caches, kernels, a process group it joined);
+        a backend whose state must not be shared overrides this."""
+        settings.check(self)
+        if settings == self.settings:
+            return self
+        configured = copy.copy(self)
+        configured.settings = settings  # the copy's own: ``self`` keeps its settings
+        return configured
+
+    # The settings backends read as attributes before LoadSettings existed: read
+    # on, for backends written against them; assigning one is deprecated.
+
+    @property
+    def quantize(self) -> str | None:
+        """``settings.quantize`` (:attr:`LoadSettings.quantize`)."""
+        return self.settings.quantize
+
+    @quantize.setter
+    def quantize(self, value: str | None) -> None:
+        self._set_deprecated(quantize=value)
+
+    @property
+    def activations(self) -> str | None:
+        """``settings.activations`` (:attr:`LoadSettings.activations`)."""
+        return self.settings.activations
+
+    @activations.setter
+    def activations(self, value: str | None) -> None:
+        self._set_deprecated(activations=value)
+
+    @property
+    def graph_capture(self) -> bool:
+        """Whether ``infer.load(..., compile=True)`` asked for graph capture
+        (``settings.compile``): the engine's captured steps then use the
+        backend's compiler (torch.compile) even where a cheaper capture is the
+        default (numpy's recorded program on torch/cpu). Off by default:
+        compiling costs time at each new shape."""
+        return bool(self.settings.compile)
+
+    @graph_capture.setter
+    def graph_capture(self, value: bool) -> None:
+        self._set_deprecated(compile=bool(value))
+
+    def _set_deprecated(self, **change: Any) -> None:
+        name = next(iter(change))
+        warnings.warn(f"setting backend.{'graph_capture' if name == 'compile' else name} is deprecated: pass it to "
+                      "infer.load, or use backend.configure(LoadSettings(...))", DeprecationWarning, stacklevel=3)
+        self.settings = dataclasses.replace(self.settings, **change)
 
     # ------------------------------------------------------------------
     # Transfer, creation, casting
@@ -598,7 +753,7 @@ class Backend(abc.ABC):
         Default: dequantize a :class:`QuantizedTensor` and copy to the
         backend in :attr:`compute_dtype`. A backend with native quantized
         kernels returns a :class:`PackedWeight` for the types it computes on
-        exactly, and honours :attr:`quantize` (on-load quantization of float
+        exactly, and honours ``settings.quantize`` (on-load quantization of float
         weights) when it lists the scheme in :attr:`quantize_schemes`.
         """
         if isinstance(tensor, QuantizedTensor):
@@ -871,12 +1026,6 @@ class Backend(abc.ABC):
     #: many rows (numpy's programs: its kernel rows).
     max_capture_tokens: int | None = None
 
-    #: Whether ``infer.load(..., compile=True)`` asked for graph capture: the
-    #: engine's captured steps then use the backend's compiler (torch.compile)
-    #: even where a cheaper capture is the default (numpy's recorded program
-    #: on torch/cpu). Off by default: compiling costs time at each new shape.
-    graph_capture: bool = False
-
     def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """A graph-captured (compiled) version of ``fn``.
 
@@ -921,6 +1070,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "API_VERSION", "Array", "AttentionBatch", "Backend", "FLOAT_DTYPES", "INT_DTYPES", "OPTIONAL_OPS",
-    "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "ShardedWeight", "is_float_dtype",
+    "ACTIVATION_SCHEMES", "API_VERSION", "Array", "AttentionBatch", "Backend", "FLOAT_DTYPES", "INT_DTYPES",
+    "LoadSettings", "OPTIONAL_OPS", "PackedWeight", "QUANTIZE_SCHEMES", "QuantizedTensor", "REQUIRED_OPS",
+    "ShardedWeight", "is_float_dtype",
 ]
