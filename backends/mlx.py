@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, attention_mask, row_run
+from infer.oplib import attention_mask, row_run
+from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine

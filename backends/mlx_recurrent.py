@@ -1,7 +1,7 @@
 """The recurrent layers' ops in MLX, for :class:`~infer.backends.mlx.MLXBackend`.
 
-The same computations as ``infer.ops``' numpy references (``conv1d_reference``,
-``ssd_reference``, ``gated_delta_rule_reference``), on the backend's device
+The same computations as :mod:`infer.oplib`'s numpy references (``conv1d_reference``,
+``ssd_reference``, ``gated_delta_rule_reference``), with their argument checks, on the backend's device
 in float32 and in the forms :mod:`.torch_recurrent` explains:
 
 * ``causal_conv1d``: one gather of every output row's ``K`` taps (row indices
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.ops import ragged_rows
+from infer.oplib import check_causal_conv1d, check_gated_delta_rule, check_ssd
 
 from .torch_recurrent import CHUNK, _source_index
 
@@ -36,17 +36,10 @@ def _host(mx: Any, a: Any) -> np.ndarray | None:
 def causal_conv1d(mx: Any, stream: Any, x: Any, window: Any, weight: Any, bias: Any, query_start: Any,
                   checkpoint_rows: Any, activation: str | None) -> tuple[Any, Any, Any]:
     """:meth:`~infer.ops.Backend.causal_conv1d` (module docstring)."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_conv1d: activation {activation!r} is not None or 'silu'")
+    qs, rows = check_causal_conv1d(x, window, weight, _host(mx, query_start), _host(mx, checkpoint_rows), activation)
     total, channels = x.shape
     k = weight.shape[-1]
-    if tuple(weight.shape) != (channels, k) or tuple(window.shape[1:]) != (k - 1, channels):
-        raise ValueError(f"causal_conv1d: weight {tuple(weight.shape)} and window {tuple(window.shape)} do not "
-                         f"fit x {tuple(x.shape)} (want [C, K] and [B, K - 1, C])")
-    qs, rows = ragged_rows(_host(mx, query_start), _host(mx, checkpoint_rows), total)
     nseq, width = len(qs) - 1, k - 1
-    if window.shape[0] != nseq:
-        raise ValueError(f"causal_conv1d: {nseq} sequences in query_start, {window.shape[0]} windows")
     with mx.stream(stream):
         dtype, f = x.dtype, mx.float32
         source = mx.concatenate([window.reshape(nseq * width, channels), x]).astype(f)
@@ -76,17 +69,10 @@ def ssd(mx: Any, stream: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any, d
         query_start: Any, checkpoint_rows: Any, dt_softplus: bool, dt_min: float,
         dt_max: float) -> tuple[Any, Any, Any]:
     """:meth:`~infer.ops.Backend.ssd` (module docstring)."""
+    qs, rows = check_ssd(x, dt, A, B, C, D, dt_bias, state, _host(mx, query_start), _host(mx, checkpoint_rows))
     total, heads, head_dim = x.shape
     groups, size = B.shape[1], B.shape[2]
-    if (tuple(dt.shape) != (total, heads) or tuple(A.shape) != (heads,) or tuple(B.shape) != (total, groups, size)
-            or tuple(C.shape) != tuple(B.shape) or groups == 0 or heads % groups
-            or tuple(state.shape[1:]) != (heads, head_dim, size)):
-        raise ValueError(f"ssd: shapes do not fit x {tuple(x.shape)}: dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}, state {tuple(state.shape)}")
-    qs, rows = ragged_rows(_host(mx, query_start), _host(mx, checkpoint_rows), total)
     nseq = len(qs) - 1
-    if state.shape[0] != nseq:
-        raise ValueError(f"ssd: {nseq} sequences in query_start, {state.shape[0]} states")
     with mx.stream(stream):
         dtype, f = x.dtype, mx.float32
         step = dt.astype(f) + (0.0 if dt_bias is None else dt_bias.astype(f))
@@ -149,17 +135,10 @@ def _chunk(mx: Any, S: Any, x: Any, dt: Any, a: Any, B: Any, C: Any, first: int,
 def gated_delta_rule(mx: Any, stream: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, query_start: Any,
                      checkpoint_rows: Any, scale: float | None, l2norm_qk: bool) -> tuple[Any, Any, Any]:
     """:meth:`~infer.ops.Backend.gated_delta_rule` (module docstring)."""
+    qs, rows = check_gated_delta_rule(q, k, v, g, beta, state, _host(mx, query_start), _host(mx, checkpoint_rows))
     total, key_heads, dk = q.shape
     heads, dv = v.shape[1:]
-    if (tuple(k.shape) != tuple(q.shape) or v.shape[0] != total or key_heads == 0 or heads % key_heads
-            or tuple(g.shape) != (total, heads) or tuple(beta.shape) != (total, heads)):
-        raise ValueError(f"gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"g {tuple(g.shape)} and beta {tuple(beta.shape)} do not fit")
-    qs, rows = ragged_rows(_host(mx, query_start), _host(mx, checkpoint_rows), total)
     nseq = len(qs) - 1
-    if tuple(state.shape) != (nseq, heads, dk, dv):
-        raise ValueError(f"gated_delta_rule: state {tuple(state.shape)} must be [B, H, K, V] = "
-                         f"{(nseq, heads, dk, dv)}")
     with mx.stream(stream):
         f = mx.float32
         qf, kf = (mx.repeat(m.astype(f), heads // key_heads, axis=1) for m in (q, k))  # [T, H, K]

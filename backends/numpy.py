@@ -53,6 +53,7 @@ import numpy as np
 
 from infer.backends.numpy_mxfp4 import mxfp4_linear
 from infer.errors import UnsupportedOpError
+from infer.oplib import attention_mask, row_run, rows_within
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
@@ -61,9 +62,6 @@ from infer.ops import (
     Backend,
     PackedWeight,
     QuantizedTensor,
-    attention_mask,
-    row_run,
-    rows_within,
 )
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe

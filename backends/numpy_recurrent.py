@@ -1,6 +1,6 @@
 """Mamba2's scan on the numpy backend in its chunked form (``ssd`` for :mod:`.numpy`).
 
-The contract's default (``infer.ops.ssd_reference``) walks the rows one by one in
+The contract's default (``infer.oplib.ssd_reference``) walks the rows one by one in
 float64: plain to read, and a Python step per row and head group. Here a decode
 step (one row per sequence) updates every sequence's state at once, and longer runs
 go 64 rows a chunk through the chunked form of the scan (Dao & Gu 2024, "Transformers
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.ops import ragged_rows
+from infer.oplib import check_ssd
 
 #: Rows per chunk: the intra-chunk product is ``[Q, Q, heads]``.
 CHUNK = 64
@@ -26,17 +26,10 @@ def ssd(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarr
         dt_bias: np.ndarray | None, state: np.ndarray, query_start: Any, checkpoint_rows: Any, *,
         dt_softplus: bool, dt_min: float, dt_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:meth:`~infer.ops.Backend.ssd` (module docstring); float32 arrays in and out."""
+    qs, rows = check_ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows)
     total, heads, head_dim = x.shape
     groups, size = B.shape[1], B.shape[2]
-    if (dt.shape != (total, heads) or A.shape != (heads,) or B.shape != (total, groups, size)
-            or C.shape != B.shape or groups == 0 or heads % groups or state.shape[1:] != (heads, head_dim, size)
-            or (D is not None and D.shape != (heads,)) or (dt_bias is not None and dt_bias.shape != (heads,))):
-        raise ValueError(f"ssd: shapes do not fit x {x.shape}: dt {dt.shape}, A {A.shape}, B {B.shape}, "
-                         f"C {C.shape}, state {state.shape}")
-    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
     nseq = len(qs) - 1
-    if state.shape[0] != nseq:
-        raise ValueError(f"ssd: {nseq} sequences in query_start, {state.shape[0]} states")
     f = np.float32
     step = dt.astype(f) + (f(0) if dt_bias is None else dt_bias.astype(f))
     if dt_softplus:  # PyTorch's softplus: x itself above 20

@@ -53,16 +53,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import (
-    Array,
-    AttentionBatch,
-    Backend,
-    PackedWeight,
-    QuantizedTensor,
-    ShardedWeight,
-    attention_mask,
-    row_run,
-)
+from infer.oplib import attention_mask, check_gated_delta_rule, row_run
+from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -611,22 +603,12 @@ class TorchBackend(Backend):
                          query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
                          l2norm_qk: bool = True) -> tuple[Array, Array, Array]:
         """On the device in float32: a decode step's rows one batched step,
-        a prefill's long runs chunked (``torch_delta_rule``); the shapes are
-        checked as the reference checks them."""
+        a prefill's long runs chunked (``torch_delta_rule``), after the
+        reference's own argument check."""
         from infer.backends import torch_delta_rule
-        from infer.ops import ragged_rows
 
-        total, key_heads, dk = self.shape(q)
-        heads, dv = self.shape(v)[1:]
-        if (self.shape(k) != (total, key_heads, dk) or self.shape(v)[0] != total or not key_heads
-                or heads % key_heads or self.shape(g) != (total, heads) or self.shape(beta) != (total, heads)):
-            return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
-                                            l2norm_qk=l2norm_qk)  # the reference names what is wrong
-        qs, rows = ragged_rows(self.to_numpy(query_start),
-                               None if checkpoint_rows is None else self.to_numpy(checkpoint_rows), total)
-        if self.shape(state) != (len(qs) - 1, heads, dk, dv):
-            return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
-                                            l2norm_qk=l2norm_qk)
+        qs, rows = check_gated_delta_rule(q, k, v, g, beta, state, self.to_numpy(query_start),
+                                          None if checkpoint_rows is None else self.to_numpy(checkpoint_rows))
         o, last, ckpt = torch_delta_rule.gated_delta_rule(q, k, v, g, beta, state, qs, rows, scale=scale,
                                                          l2norm_qk=l2norm_qk)
         return o.to(v.dtype), last.to(state.dtype), ckpt.to(state.dtype)

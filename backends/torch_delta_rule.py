@@ -1,6 +1,6 @@
 """The gated delta rule on a torch device: :meth:`~infer.ops.Backend.gated_delta_rule` for :mod:`.torch`.
 
-The same recurrence as :func:`infer.ops.gated_delta_rule_reference`, in float32
+The same recurrence as :func:`infer.oplib.gated_delta_rule_reference`, in float32
 on the tensors' device, in two forms:
 
 * **step by step** over rows, every sequence of the batch at once while each

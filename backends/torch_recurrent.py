@@ -1,7 +1,7 @@
 """The recurrent layers' ops in torch, for :class:`~infer.backends.torch.TorchBackend`.
 
-Each computes what the contract's numpy reference computes (``infer.ops``:
-``conv1d_reference``, ``ssd_reference``), vectorized so that a step costs a
+Each computes what the contract's numpy reference computes (:mod:`infer.oplib`:
+``conv1d_reference``, ``ssd_reference``), after the same argument checks, vectorized so that a step costs a
 few kernels instead of a Python loop per token:
 
 * ``causal_conv1d``: every output row is a ``K``-tap window over its sequence's
@@ -26,10 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from infer.ops import ragged_rows
+from infer.oplib import check_causal_conv1d, check_ssd
 
 #: Rows per chunk of the chunked scan: the intra-chunk product is ``[Q, Q, heads]``.
 CHUNK = 64
+
+
+def _host(rows: Any) -> np.ndarray | None:
+    return None if rows is None else rows.cpu().numpy()
 
 
 def _source_index(qs: np.ndarray, seqs: np.ndarray, padded: np.ndarray, width: int) -> np.ndarray:
@@ -45,18 +49,10 @@ def _source_index(qs: np.ndarray, seqs: np.ndarray, padded: np.ndarray, width: i
 def causal_conv1d(torch: Any, x: Any, window: Any, weight: Any, bias: Any, query_start: Any,
                   checkpoint_rows: Any, activation: str | None) -> tuple[Any, Any, Any]:
     """:meth:`~infer.ops.Backend.causal_conv1d` (module docstring)."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_conv1d: activation {activation!r} is not None or 'silu'")
+    qs, rows = check_causal_conv1d(x, window, weight, query_start.cpu().numpy(), _host(checkpoint_rows), activation)
     total, channels = x.shape
     k = weight.shape[-1]
-    if tuple(weight.shape) != (channels, k) or tuple(window.shape[1:]) != (k - 1, channels):
-        raise ValueError(f"causal_conv1d: weight {tuple(weight.shape)} and window {tuple(window.shape)} do not "
-                         f"fit x {tuple(x.shape)} (want [C, K] and [B, K - 1, C])")
-    rows = None if checkpoint_rows is None else checkpoint_rows.cpu().numpy()
-    qs, rows = ragged_rows(query_start.cpu().numpy(), rows, total)
     nseq, width = len(qs) - 1, k - 1
-    if window.shape[0] != nseq:
-        raise ValueError(f"causal_conv1d: {nseq} sequences in query_start, {window.shape[0]} windows")
     dtype, dev = x.dtype, x.device
     source = torch.cat([window.reshape(nseq * width, channels), x]).float()
     seq_of_row = np.repeat(np.arange(nseq), np.diff(qs))  # [T]
@@ -83,18 +79,10 @@ def causal_conv1d(torch: Any, x: Any, window: Any, weight: Any, bias: Any, query
 def ssd(torch: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any, dt_bias: Any, state: Any, query_start: Any,
         checkpoint_rows: Any, dt_softplus: bool, dt_min: float, dt_max: float) -> tuple[Any, Any, Any]:
     """:meth:`~infer.ops.Backend.ssd` (module docstring)."""
+    qs, rows = check_ssd(x, dt, A, B, C, D, dt_bias, state, query_start.cpu().numpy(), _host(checkpoint_rows))
     total, heads, head_dim = x.shape
     groups, size = B.shape[1], B.shape[2]
-    if (tuple(dt.shape) != (total, heads) or tuple(A.shape) != (heads,) or tuple(B.shape) != (total, groups, size)
-            or tuple(C.shape) != tuple(B.shape) or groups == 0 or heads % groups
-            or tuple(state.shape[1:]) != (heads, head_dim, size)):
-        raise ValueError(f"ssd: shapes do not fit x {tuple(x.shape)}: dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}, state {tuple(state.shape)}")
-    rows_host = None if checkpoint_rows is None else checkpoint_rows.cpu().numpy()
-    qs, rows = ragged_rows(query_start.cpu().numpy(), rows_host, total)
     nseq = len(qs) - 1
-    if state.shape[0] != nseq:
-        raise ValueError(f"ssd: {nseq} sequences in query_start, {state.shape[0]} states")
     dtype = x.dtype
     f = torch.float32
     step = dt.to(f) + (0.0 if dt_bias is None else dt_bias.to(f))

@@ -22,13 +22,11 @@ from tqdm.auto import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
-from infer.engine.runner import check_kv_dtype
-from infer.errors import ConfigError, InvalidQuantizationError, ModelNotFoundError
+from infer.errors import ConfigError, ModelNotFoundError
 from infer.model import Model
-from infer.ops import Backend
+from infer.ops import ACTIVATION_SCHEMES, Backend, LoadSettings  # ACTIVATION_SCHEMES: its older home was here
 from infer.plugins import get_registry
 from infer.plugins.selection import select_backend
-from infer.quantize import SCHEME_BITS
 
 log = logging.getLogger(__name__)
 
@@ -116,33 +114,6 @@ def _local_model(path: Path, text: str) -> Path:
         raise ModelNotFoundError(f"{text!r} is a folder without a model: expected a Hugging Face folder "
                                  "(config.json) or a .gguf file")
     return path
-
-
-def _check_quantize(quantize: object) -> None:
-    if quantize is not None and quantize != "off" and quantize not in SCHEME_BITS:
-        raise InvalidQuantizationError(
-            f"quantize={quantize!r}: expected None, 'off' or one of "
-            f"{', '.join(repr(s) for s in SCHEME_BITS)}")
-
-
-#: The activation quantization schemes ``load(activations=...)`` knows; a
-#: backend honours those it lists in :attr:`~infer.ops.Backend.activation_schemes`.
-ACTIVATION_SCHEMES = ("q8",)
-
-
-def _check_activations(activations: object, ops: Backend | None = None) -> None:
-    """Raise InvalidQuantizationError unless ``activations`` is None or a
-    known scheme that ``ops`` (when given) lists in its ``activation_schemes``."""
-    if activations is None:
-        return
-    if not isinstance(activations, str) or activations not in ACTIVATION_SCHEMES:
-        raise InvalidQuantizationError(
-            f"activations={activations!r}: expected None (exact float activations) or one of "
-            f"{', '.join(repr(s) for s in ACTIVATION_SCHEMES)}")
-    if ops is not None and activations not in ops.activation_schemes:
-        raise InvalidQuantizationError(
-            f"activations={activations!r}: backend {ops.name}/{ops.device} has no activation quantization "
-            f"{activations!r}; it has {', '.join(sorted(ops.activation_schemes)) or 'none'}")
 
 
 def _looks_like_repo_id(text: str) -> bool:
@@ -279,6 +250,12 @@ def load(
             are float are not affected; a backend without the scheme
             (:attr:`~infer.ops.Backend.activation_schemes`) is an error.
 
+    ``quantize``, ``activations``, ``kv_dtype`` and ``compile`` become the
+    model's :class:`~infer.ops.LoadSettings` (``model.backend.settings``),
+    handed to the backend with :meth:`~infer.ops.Backend.configure`: a
+    backend instance passed as ``backend`` is never changed, so several
+    models loaded on it keep their own settings.
+
     Raises:
         InvalidQuantizationError: ``quantize`` or ``activations`` is not
             one of those, or the backend has no such scheme.
@@ -287,8 +264,7 @@ def load(
             without collectives, or a model it cannot split.
         WorkerError: the ranks did not meet, or one failed while loading.
     """
-    _check_quantize(quantize)
-    _check_activations(activations)
+    settings = LoadSettings(quantize=quantize, activations=activations, kv_dtype=kv_dtype, compile=compile)
     started = time.perf_counter()
     path = resolve(reference, progress=progress)
     registry = get_registry()
@@ -297,23 +273,15 @@ def load(
     package = fmt.open(path)
     release_free_heap()  # the tokenizer's parse left its temporaries in the heap
     arch = registry.architecture_for(package.model_type)
-    ops = select_backend(backend, dtype)
+    # The backend with this load's settings, before any weight is prepared (prepare_weight
+    # reads them); a backend instance given here is never changed (LoadSettings says why).
+    ops = select_backend(backend, dtype).configure(settings)
     capture = ops.capture_by_default if compile is None else compile
-    if compile:
-        if not ops.supports("compile"):
-            log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
-        ops.graph_capture = True
-    if quantize in SCHEME_BITS and quantize not in ops.quantize_schemes:
-        raise InvalidQuantizationError(
-            f"quantize={quantize!r}: backend {ops.name}/{ops.device} has no on-load quantization "
-            f"{quantize!r}; it has {', '.join(sorted(ops.quantize_schemes)) or 'none'}")
-    _check_activations(activations, ops)
-    ops.quantize = quantize
-    ops.activations = activations  # before any weight is prepared: the backend may record it in them
-    check_kv_dtype(ops, kv_dtype)  # before the weights, which take the time
+    if compile and not ops.supports("compile"):
+        log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
     if tensor_parallel is not None and (tensor_parallel != 1 or isinstance(tensor_parallel, bool)):
-        return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, quantize, tensor_parallel,
-                              compile, progress, started, kv_dtype, activations)
+        return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, tensor_parallel, progress,
+                              started, settings)
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
@@ -330,30 +298,29 @@ def load(
         log.info("%d tensors not used by %s: %s", len(unused), arch.name, ", ".join(unused[:8]))
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
-    model = Model(package, network, ops, kv_dtype=kv_dtype)
+    model = Model(package, network, ops, kv_dtype=settings.kv_dtype)
     if capture and ops.supports("compile") and not getattr(network, "is_encoder", False):
         model.engine.capture_decode()
     return model
 
 
 def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backend, backend: str | Backend | None,
-                   dtype: str | None, quantize: str | None, ranks: int, compile: bool, progress: bool,
-                   started: float, kv_dtype: str | None = None, activations: str | None = None) -> Model:
-    """``load`` over ``ranks`` ranks (:mod:`infer.distributed`)."""
+                   dtype: str | None, ranks: int, progress: bool, started: float, settings: LoadSettings) -> Model:
+    """``load`` over ``ranks`` ranks (:mod:`infer.distributed`), each rank's
+    backend configured with ``settings``."""
     from infer import distributed
 
-    distributed.check(ops, package, ranks, compile=compile)
+    distributed.check(ops, package, ranks, compile=bool(settings.compile))
     name = f"{ops.name}:{ops.device}"  # what the other ranks select
     total = len(package.tensors.names())
     with tqdm(total=total, desc=f"Loading {path.name} (rank 0 of {ranks})", unit="tensor", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         network = distributed.driver(package, arch, ops, ranks, format=format, backend=name,
-                                     dtype=dtype or ops.compute_dtype, quantize=quantize, activations=activations,
-                                     progress=bar.update)
+                                     dtype=dtype or ops.compute_dtype, settings=settings, progress=bar.update)
     release_free_heap()
     log.info("loaded %s (%s, %s) over %d ranks of %r in %.2f s", path, package.model_type, format, ranks, ops,
              time.perf_counter() - started)
-    return Model(package, network, ops, kv_dtype=kv_dtype)
+    return Model(package, network, ops, kv_dtype=settings.kv_dtype)
 
 
 _malloc_trim: object = None

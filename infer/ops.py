@@ -33,11 +33,16 @@ version adds optional ops only.
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from infer import oplib
 
 API_VERSION: tuple[int, int] = (2, 0)
 
@@ -274,14 +279,8 @@ class AttentionBatch:
 
     def visible(self, b: int, queries: int, causal: bool, window: int | None) -> tuple[int, int]:
         """``(lo, hi)``: the key positions any of sequence ``b``'s ``queries``
-        last positions sees (a host description only)."""
-        length = int(self.seq_lens[b])
-        if length < queries or queries < 1:
-            raise ValueError(f"attention: sequence {b} has {length} positions for its {queries} query rows")
-        if window is None:
-            return 0, length
-        lo = max(0, length - queries - window + 1)
-        return lo, length if causal else min(length, length + window - 1)
+        last positions sees (a host description only): :func:`infer.oplib.visible_keys`."""
+        return oplib.visible_keys(b, int(self.seq_lens[b]), queries, causal, window)
 
     def sequences(self, causal: bool, window: int | None) -> Iterator[tuple[int, int, int, int, int]]:
         """``(b, q0, q1, lo, hi)`` for each sequence with query rows (a host
@@ -295,44 +294,113 @@ class AttentionBatch:
     def key_rows(self, b: int, lo: int, hi: int, pool_rows: int | None = None) -> np.ndarray:
         """int32 pool rows of sequence ``b``'s key positions ``lo..hi`` (a host
         description only); ``IndexError`` when its table lists too few blocks,
-        or (given the pool's ``pool_rows``) a block outside the pool."""
-        bs, table = self.block_size, np.asarray(self.block_tables[b])
-        if hi > 0 and (hi - 1) // bs >= table.shape[0]:
-            raise IndexError(f"attention: {hi} keys need {-(-hi // bs)} blocks; sequence {b}'s table has "
-                             f"{table.shape[0]}")
-        j = np.arange(lo, hi)
-        rows = table[j // bs].astype(np.int64) * bs + j % bs
-        if pool_rows is not None and rows.size and (rows.min() < 0 or rows.max() >= pool_rows):
-            bad = int(table[j[np.argmax((rows < 0) | (rows >= pool_rows))] // bs])
-            raise IndexError(f"attention: block table entry {bad} of sequence {b} is outside the pool of "
-                             f"{pool_rows // bs} blocks")
-        return rows.astype(np.int32)
+        or (given the pool's ``pool_rows``) a block outside the pool:
+        :func:`infer.oplib.key_rows`."""
+        return oplib.key_rows(np.asarray(self.block_tables[b]), self.block_size, b, lo, hi, pool_rows)
 
 
-def row_run(rows: np.ndarray) -> tuple[int, int] | None:
-    """``(start, stop)`` where pool ``rows`` are one run of consecutive rows
-    (a contiguous cache's always are), so a backend can read them as a slice
-    of the pool instead of gathering them; None otherwise."""
-    if rows.size and bool(np.all(np.diff(rows) == 1)):
-        return int(rows[0]), int(rows[-1]) + 1
-    return None
+#: The on-load quantization schemes ``infer.load(quantize=...)`` knows (their
+#: bits: :data:`infer.quantize.SCHEME_BITS`); a backend honours those it lists
+#: in :attr:`Backend.quantize_schemes`.
+QUANTIZE_SCHEMES: tuple[str, ...] = ("q8", "q4")
+#: The activation quantization schemes ``infer.load(activations=...)`` knows;
+#: a backend honours those it lists in :attr:`Backend.activation_schemes`.
+ACTIVATION_SCHEMES: tuple[str, ...] = ("q8",)
 
 
-def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
-                   window: int | None) -> np.ndarray | None:
-    """Additive float32 mask ``[queries, hi - lo]`` (0 or -inf) of queries at
-    positions ``first..first + queries`` over keys ``lo..hi``, as
-    :meth:`Backend.attention` defines visibility; None where every key is seen."""
-    p = np.arange(first, first + queries)[:, None]
-    j = np.arange(lo, hi)[None, :]
-    seen = np.ones((queries, hi - lo), bool)
-    if causal:
-        seen &= j <= p
-    if window is not None:
-        seen &= np.abs(p - j) < window
-    if seen.all():
-        return None
-    return np.where(seen, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a loaded model asks its backend to compute: the options of
+    :func:`infer.load` that reach the backend, made once per load from its
+    arguments. Their values are checked here when the object is made, and
+    against what a backend can do in :meth:`check`.
+
+    A load hands them to the backend with :meth:`Backend.configure`, which
+    returns the backend the model runs on; backend code reads
+    ``self.settings``. They are passed in rather than written onto the
+    backend because one backend instance may serve several models
+    (``infer.load(path, backend=ops)`` twice, a draft model beside its
+    target), each with its own settings: an attribute the second load wrote
+    would change how the first model computes. As one value they also reach
+    the tensor-parallel ranks whole (``dataclasses.asdict`` and back), and a
+    recorded step reads the backend it records, so it sees the settings the
+    eager ops do.
+
+    A new load option that changes how the backend computes (an adapter, a
+    KV storage format) is a new field here, with its check.
+    """
+
+    #: None (default): float weights stay float, quantized (GGUF) ones stay
+    #: quantized where the backend computes on them exactly; one of
+    #: :data:`QUANTIZE_SCHEMES` (which the backend must list in
+    #: :attr:`Backend.quantize_schemes`): float linear weights are also
+    #: quantized on load; ``"off"``: every weight is dequantized.
+    quantize: str | None = None
+    #: None (default): the products compute on exact float activations; one of
+    #: :data:`ACTIVATION_SCHEMES` (which the backend must list in
+    #: :attr:`Backend.activation_schemes`): ``"q8"`` rounds the inputs of the
+    #: products with quantized weights to int8 per 32 values, one float scale
+    #: each, for integer dot products on the weights' codes.
+    activations: str | None = None
+    #: The dtype KV pools store keys and values in: None (default) or the
+    #: compute dtype, exact; otherwise one the backend lists in
+    #: :attr:`Backend.kv_dtypes` (the engine makes the pools).
+    kv_dtype: str | None = None
+    #: ``infer.load``'s ``compile``: True asks for graph capture with the
+    #: backend's compiler (:attr:`Backend.graph_capture`); False for none;
+    #: None (default) for the backend's default
+    #: (:attr:`Backend.capture_by_default`).
+    compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        from infer.errors import InvalidQuantizationError
+
+        if self.quantize is not None and self.quantize != "off" and self.quantize not in QUANTIZE_SCHEMES:
+            raise InvalidQuantizationError(
+                f"quantize={self.quantize!r}: expected None, 'off' or one of "
+                f"{', '.join(repr(s) for s in QUANTIZE_SCHEMES)}")
+        if self.activations is not None and (not isinstance(self.activations, str)
+                                             or self.activations not in ACTIVATION_SCHEMES):
+            raise InvalidQuantizationError(
+                f"activations={self.activations!r}: expected None (exact float activations) or one of "
+                f"{', '.join(repr(s) for s in ACTIVATION_SCHEMES)}")
+
+    def check(self, backend: Backend) -> None:
+        """Raise unless ``backend`` can honour these settings:
+        ``InvalidQuantizationError`` for a ``quantize`` or ``activations``
+        scheme it does not list, ``CacheConfigError`` for a ``kv_dtype`` it
+        cannot store pools in (:meth:`kv_pool_dtype`)."""
+        from infer.errors import InvalidQuantizationError
+
+        if self.quantize in QUANTIZE_SCHEMES and self.quantize not in backend.quantize_schemes:
+            raise InvalidQuantizationError(
+                f"quantize={self.quantize!r}: backend {backend.name}/{backend.device} has no on-load quantization "
+                f"{self.quantize!r}; it has {', '.join(sorted(backend.quantize_schemes)) or 'none'}")
+        if self.activations is not None and self.activations not in backend.activation_schemes:
+            raise InvalidQuantizationError(
+                f"activations={self.activations!r}: backend {backend.name}/{backend.device} has no activation "
+                f"quantization {self.activations!r}; it has {', '.join(sorted(backend.activation_schemes)) or 'none'}")
+        self.kv_pool_dtype(backend)
+
+    def kv_pool_dtype(self, backend: Backend) -> str | None:
+        """:attr:`kv_dtype` where ``backend`` stores KV pools in it, None for
+        its compute dtype (``None``, or the compute dtype named): keys and
+        values exactly as computed. A narrower dtype (``"float16"``,
+        ``"bfloat16"``, where the backend lists it in
+        :attr:`Backend.kv_dtypes`) halves the cache's memory and the bytes
+        attention reads per position; the keys and values are rounded once,
+        when written (docs/kv-cache.md, "Storing keys and values narrower").
+        ``CacheConfigError`` where the backend has no such KV dtype."""
+        from infer.errors import CacheConfigError
+
+        kv_dtype = self.kv_dtype
+        if kv_dtype is None or kv_dtype == backend.compute_dtype:
+            return None
+        if kv_dtype not in backend.kv_dtypes:
+            options = sorted({backend.compute_dtype, *backend.kv_dtypes})
+            raise CacheConfigError(f"kv_dtype={kv_dtype!r}: backend {backend.name}/{backend.device} stores keys "
+                                   f"and values in {', '.join(map(repr, options))}")
+        return kv_dtype
 
 
 class Backend(abc.ABC):
@@ -360,22 +428,15 @@ class Backend(abc.ABC):
     #: On-load quantization schemes :meth:`prepare_weight` honours
     #: (``"q8"``, ``"q4"``); empty for a backend that has none.
     quantize_schemes: frozenset[str] = frozenset()
-    #: The on-load quantization asked for (one of :attr:`quantize_schemes`),
-    #: ``"off"`` (dequantize every weight, keep nothing quantized) or None
-    #: (default: float weights stay float, quantized ones stay quantized
-    #: where the backend computes on them exactly). Set by
-    #: :func:`infer.load` before the weights are prepared.
-    quantize: str | None = None
     #: Activation quantization schemes the backend's products honour
     #: (``"q8"``: the inputs of the products with quantized weights rounded
     #: to int8 per 32 values, one float scale each, multiplied with the
     #: weights' codes in integer dot products); empty: activations always exact.
     activation_schemes: frozenset[str] = frozenset()
-    #: The activation quantization asked for (one of
-    #: :attr:`activation_schemes`), or None (default: exact float
-    #: activations). Set by :func:`infer.load` before the weights are
-    #: prepared, so the backend may record it in the weights it prepares.
-    activations: str | None = None
+    #: The settings of the load this backend serves (:class:`LoadSettings`;
+    #: the defaults where no load configured it). :meth:`configure` gives a
+    #: backend with other settings; nothing writes them onto an instance.
+    settings: LoadSettings = LoadSettings()
 
     def __init__(self, dtype: str | None = None) -> None:
         from infer.errors import UnsupportedOpError
@@ -397,6 +458,62 @@ class Backend(abc.ABC):
         ops listed in :attr:`native_ops`. Optional ops still work when this is
         False, through their default."""
         return op in REQUIRED_OPS or op in self.native_ops
+
+    def configure(self, settings: LoadSettings) -> Backend:
+        """The backend a model loaded with ``settings`` runs on, before any of
+        its weights is prepared: ``settings.check(self)``, then this very
+        instance where :attr:`settings` already are those, otherwise a shallow
+        copy of it (``copy.copy``) holding them. This instance is never
+        changed, so models loaded on it with different settings do not
+        interfere (:class:`LoadSettings` says why). The copies share what the
+        instance holds (its caches, kernels, a process group it joined);
+        a backend whose state must not be shared overrides this."""
+        settings.check(self)
+        if settings == self.settings:
+            return self
+        configured = copy.copy(self)
+        configured.settings = settings  # the copy's own: ``self`` keeps its settings
+        return configured
+
+    # The settings backends read as attributes before LoadSettings existed: read
+    # on, for backends written against them; assigning one is deprecated.
+
+    @property
+    def quantize(self) -> str | None:
+        """``settings.quantize`` (:attr:`LoadSettings.quantize`)."""
+        return self.settings.quantize
+
+    @quantize.setter
+    def quantize(self, value: str | None) -> None:
+        self._set_deprecated(quantize=value)
+
+    @property
+    def activations(self) -> str | None:
+        """``settings.activations`` (:attr:`LoadSettings.activations`)."""
+        return self.settings.activations
+
+    @activations.setter
+    def activations(self, value: str | None) -> None:
+        self._set_deprecated(activations=value)
+
+    @property
+    def graph_capture(self) -> bool:
+        """Whether ``infer.load(..., compile=True)`` asked for graph capture
+        (``settings.compile``): the engine's captured steps then use the
+        backend's compiler (torch.compile) even where a cheaper capture is the
+        default (numpy's recorded program on torch/cpu). Off by default:
+        compiling costs time at each new shape."""
+        return bool(self.settings.compile)
+
+    @graph_capture.setter
+    def graph_capture(self, value: bool) -> None:
+        self._set_deprecated(compile=bool(value))
+
+    def _set_deprecated(self, **change: Any) -> None:
+        name = next(iter(change))
+        warnings.warn(f"setting backend.{'graph_capture' if name == 'compile' else name} is deprecated: pass it to "
+                      "infer.load, or use backend.configure(LoadSettings(...))", DeprecationWarning, stacklevel=3)
+        self.settings = dataclasses.replace(self.settings, **change)
 
     # ------------------------------------------------------------------
     # Transfer, creation, casting
@@ -636,7 +753,7 @@ class Backend(abc.ABC):
         Default: dequantize a :class:`QuantizedTensor` and copy to the
         backend in :attr:`compute_dtype`. A backend with native quantized
         kernels returns a :class:`PackedWeight` for the types it computes on
-        exactly, and honours :attr:`quantize` (on-load quantization of float
+        exactly, and honours ``settings.quantize`` (on-load quantization of float
         weights) when it lists the scheme in :attr:`quantize_schemes`.
         """
         if isinstance(tensor, QuantizedTensor):
@@ -666,18 +783,7 @@ class Backend(abc.ABC):
         clamped SwiGLU uses it. Default: each bound as the larger of ``x``
         and a constant array, from :meth:`concat` and :meth:`max` over a new
         last axis (exact: it only selects values)."""
-        shape, dtype = self.shape(x), self.dtype(x)
-
-        def at_least(a: Array, bound: float) -> Array:
-            limit = self.add(self.zeros(shape, dtype), bound)
-            pair = self.concat([self.reshape(a, (*shape, 1)), self.reshape(limit, (*shape, 1))], -1)
-            return self.max(pair, axis=-1)
-
-        if lo is not None:
-            x = at_least(x, lo)
-        if hi is not None:  # min(x, hi) = -max(-x, -hi)
-            x = self.mul(at_least(self.mul(x, -1.0), -hi), -1.0)
-        return x
+        return oplib.clip(self, x, lo, hi)
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
         """:meth:`linear` of a :class:`PackedWeight` kept quantized by
@@ -689,26 +795,13 @@ class Backend(abc.ABC):
         Default: dequantize ``weight.rows`` on the host and call
         :meth:`linear` (a backend whose :meth:`prepare_weight` never packs
         never gets here)."""
-        from infer.errors import UnsupportedOpError
-
-        if weight.rows is None:
-            raise UnsupportedOpError(
-                f"backend {self.name}/{self.device}: {weight!r} has no host form to dequantize")
-        return self.linear(x, self.from_numpy(weight.rows.dequantize()), bias)
+        return oplib.quantized_linear(self, x, weight, bias)
 
     def packed_rows(self, table: PackedWeight, ids: Array) -> Array:
         """:meth:`embedding` of a :class:`PackedWeight`: the rows at ``ids``
         dequantized on the host from ``table.rows`` (only those rows), then
         copied to the backend. A helper for backends, not an op."""
-        from infer.errors import UnsupportedOpError
-
-        if table.rows is None:
-            raise UnsupportedOpError(f"backend {self.name}/{self.device}: {table!r} has no rows for embedding")
-        host = np.asarray(self.to_numpy(ids)).reshape(-1)
-        vocab = table.shape[0]
-        if host.size and (host.min() < 0 or host.max() >= vocab):
-            raise IndexError(f"token id out of range [0, {vocab}): found {host.min() if host.min() < 0 else host.max()}")
-        return self.from_numpy(table.rows.dequantize_rows(host.astype(np.int64)))
+        return oplib.packed_rows(self, table, ids)
 
     def attention(
         self,
@@ -750,48 +843,11 @@ class Backend(abc.ABC):
 
         Default: built from required ops, one sequence at a time, reading
         the batch description back to the host (:meth:`AttentionBatch.on_host`);
-        it is also the contract's plainly readable reference.
+        it is also the contract's plainly readable reference
+        (:func:`infer.oplib.attention`).
         """
-        host = batch.on_host(self)
-        outputs = []
-        for b, q0, q1, lo, hi in host.sequences(causal, window):
-            outputs.append(self._attend_one(self.slice(q, 0, q0, q1), k_pool, v_pool, host, b, lo, hi, scale=scale,
-                                            causal=causal, window=window, softcap=softcap, sinks=sinks))
-        return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
-
-    def _attend_one(self, q: Array, k_pool: Array, v_pool: Array, host: AttentionBatch, b: int, lo: int, hi: int, *,
-                    scale: float, causal: bool, window: int | None, softcap: float | None,
-                    sinks: Array | None) -> Array:
-        """:meth:`attention`'s default for sequence ``b`` of a host batch: its
-        visible keys gathered from the pool, two batched products around a
-        masked float32 softmax, grouped-query heads without repeating keys."""
-        n, hq, dk = self.shape(q)
-        hkv, dv = self.shape(k_pool)[1], self.shape(v_pool)[2]
-        group = hq // hkv
-        length = int(host.seq_lens[b])
-        rows = self.from_numpy(host.key_rows(b, lo, hi, self.shape(k_pool)[0]))
-        k = self.take(k_pool, rows, axis=0)  # [tk, hkv, dk]
-        v = self.take(v_pool, rows, axis=0)
-        if self.dtype(k) != self.dtype(q):  # a pool stored narrower (kv_dtype): its values, widened
-            k, v = self.astype(k, self.dtype(q)), self.astype(v, self.dtype(q))
-        qg = self.reshape(self.transpose(self.reshape(q, (n, hkv, group, dk)), (1, 2, 0, 3)), (hkv, group * n, dk))
-        scores = self.astype(self.matmul(qg, self.transpose(k, (1, 2, 0))), "float32")  # [hkv, group * n, tk]
-        scores = self.mul(scores, float(scale))
-        if softcap is not None:
-            scores = self.softcap(scores, softcap)
-        scores = self.reshape(scores, (hkv, group, n, hi - lo))
-        mask = attention_mask(length - n, n, lo, hi, causal, window)
-        if mask is not None:
-            scores = self.add(scores, self.from_numpy(mask, "float32"))
-        if sinks is not None:
-            sink = self.add(self.zeros((hkv, group, n, 1), "float32"),
-                            self.reshape(self.astype(sinks, "float32"), (hkv, group, 1, 1)))
-            probs = self.slice(self.softmax(self.concat([scores, sink], -1), -1), -1, 0, hi - lo)
-        else:
-            probs = self.softmax(scores, -1)
-        probs = self.astype(self.reshape(probs, (hkv, group * n, hi - lo)), self.dtype(v))
-        out = self.matmul(probs, self.transpose(v, (1, 0, 2)))  # [hkv, group * n, dv]
-        return self.reshape(self.transpose(self.reshape(out, (hkv, group, n, dv)), (2, 0, 1, 3)), (n, hq, dv))
+        return oplib.attention(self, q, k_pool, v_pool, batch, scale=scale, causal=causal, window=window,
+                               softcap=softcap, sinks=sinks)
 
     def synchronize(self) -> None:
         """Wait for queued work to finish (for timing). Default: nothing to
@@ -815,12 +871,7 @@ class Backend(abc.ABC):
         ``torchrun`` sets (``MASTER_ADDR``, ``MASTER_PORT``); a collective
         that waits longer than ``timeout`` seconds for a peer raises.
         Default: only a group of one (no collectives needed) is possible."""
-        from infer.errors import UnsupportedOpError
-
-        if world_size != 1:
-            raise UnsupportedOpError(
-                f"backend {self.name}/{self.device} has no collectives (all_reduce), so it cannot join a "
-                f"process group of {world_size} ranks; use a backend that has them (torch:cpu, torch:cuda)")
+        oplib.join_group(self, world_size)
 
     def leave_group(self) -> None:
         """Leave the process group :meth:`join_group` joined (nothing when
@@ -850,14 +901,7 @@ class Backend(abc.ABC):
         :meth:`all_reduce` (``"sum"``, the bias added after it, once) or
         :meth:`all_gather` cut to the whole output (``"concat"``, the bias
         added to the whole output). Backends call it from :meth:`linear`."""
-        y = self.linear(x, weight.local)
-        if weight.combine == "sum":
-            y = self.all_reduce(y)
-        else:
-            y = self.all_gather(y, axis=-1)
-            if self.shape(y)[-1] != weight.shape[0]:
-                y = self.slice(y, -1, 0, weight.shape[0])
-        return y if bias is None else self.add(y, bias)
+        return oplib.sharded_linear(self, x, weight, bias)
 
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         """The ``k`` largest entries along the last axis: ``(values, indices)``,
@@ -867,10 +911,7 @@ class Backend(abc.ABC):
         mixture-of-experts routing. Default: sorted on the host (``to_numpy``,
         a stable sort, ``from_numpy``), one device round trip per call.
         """
-        host = self.to_numpy(x)
-        order = np.argsort(-host, axis=-1, kind="stable")[..., :k]
-        values = np.take_along_axis(host, order, axis=-1)
-        return self.from_numpy(values, self.dtype(x)), self.from_numpy(order.astype(np.int32))
+        return oplib.topk(self, x, k)
 
     # -- recurrent layers' ops (docs/backends.md, "Recurrent ops") ---------------------------
     #
@@ -900,16 +941,10 @@ class Backend(abc.ABC):
         window after each checkpoint row [N, K - 1, C])``, in ``x``'s dtype.
         ``query_start`` must rise from 0 to ``T``, and each checkpoint row must
         be one of the rows (``ValueError`` otherwise). Default: on the host
-        in float32 (``to_numpy``, numpy, ``from_numpy``): :func:`conv1d_reference`.
+        in float32 (``to_numpy``, numpy, ``from_numpy``): :func:`infer.oplib.conv1d_reference`.
         """
-        dtype = self.dtype(x)
-        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
-        y, last, ckpt = conv1d_reference(
-            self.to_numpy(self.astype(x, "float32")), self.to_numpy(self.astype(window, "float32")),
-            self.to_numpy(self.astype(weight, "float32")),
-            None if bias is None else self.to_numpy(self.astype(bias, "float32")),
-            self.to_numpy(query_start), rows, activation)
-        return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
+        return oplib.causal_conv1d(self, x, window, weight, bias, query_start, checkpoint_rows,
+                                   activation=activation)
 
     def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
             state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
@@ -938,24 +973,16 @@ class Backend(abc.ABC):
         Returns ``(y [T, H, P], state after each sequence's last row
         [B, H, P, N], state after each checkpoint row [N, H, P, N])``, in
         ``x``'s dtype. Bad shapes or batches: ``ValueError``. Default: on the
-        host (``to_numpy``, numpy, ``from_numpy``): :func:`ssd_reference`.
+        host (``to_numpy``, numpy, ``from_numpy``): :func:`infer.oplib.ssd_reference`.
         """
-        dtype = self.dtype(x)
+        return oplib.ssd(self, x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
+                         dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
 
-        def host(a: Array | None) -> np.ndarray | None:
-            return None if a is None else self.to_numpy(self.astype(a, "float32"))
-
-        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
-        y, last, ckpt = ssd_reference(host(x), host(dt), host(A), host(B), host(C), host(D), host(dt_bias),
-                                      host(state), self.to_numpy(query_start), rows, dt_softplus=dt_softplus,
-                                      dt_min=dt_min, dt_max=dt_max)
-        return self.from_numpy(y, dtype), self.from_numpy(last, dtype), self.from_numpy(ckpt, dtype)
     def softplus(self, x: Array) -> Array:
         """``log(1 + exp(x))``, elementwise, without overflow for large ``x``
         (gated DeltaNet's and Mamba's step size). Default: on the host in
         float32 (``numpy.logaddexp(0, x)``), in ``x``'s dtype."""
-        host = self.to_numpy(self.astype(x, "float32"))
-        return self.from_numpy(np.logaddexp(np.float32(0), host).astype(np.float32), self.dtype(x))
+        return oplib.softplus(self, x)
 
     def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
                          query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
@@ -981,14 +1008,10 @@ class Backend(abc.ABC):
         state after each checkpoint row [N, H, K, V])``: ``o`` in ``v``'s dtype,
         the states in ``state``'s. ``ValueError`` for a bad batch or shapes.
         Default: on the host in float32 (``to_numpy``, numpy, ``from_numpy``):
-        :func:`gated_delta_rule_reference`.
+        :func:`infer.oplib.gated_delta_rule_reference`.
         """
-        rows = None if checkpoint_rows is None else self.to_numpy(checkpoint_rows)
-        host = [self.to_numpy(self.astype(a, "float32")) for a in (q, k, v, g, beta, state)]
-        o, last, ckpt = gated_delta_rule_reference(*host, self.to_numpy(query_start), rows, scale=scale,
-                                                   l2norm_qk=l2norm_qk)
-        dtype, state_dtype = self.dtype(v), self.dtype(state)
-        return self.from_numpy(o, dtype), self.from_numpy(last, state_dtype), self.from_numpy(ckpt, state_dtype)
+        return oplib.gated_delta_rule(self, q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
+                                      l2norm_qk=l2norm_qk)
 
     #: Whether ``infer.load`` captures the greedy decode step
     #: (:mod:`infer.engine.capture`, through :meth:`compile` with ``static``)
@@ -1002,12 +1025,6 @@ class Backend(abc.ABC):
     #: alone has more. For a backend whose captured products take only so
     #: many rows (numpy's programs: its kernel rows).
     max_capture_tokens: int | None = None
-
-    #: Whether ``infer.load(..., compile=True)`` asked for graph capture: the
-    #: engine's captured steps then use the backend's compiler (torch.compile)
-    #: even where a cheaper capture is the default (numpy's recorded program
-    #: on torch/cpu). Off by default: compiling costs time at each new shape.
-    graph_capture: bool = False
 
     def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """A graph-captured (compiled) version of ``fn``.
@@ -1033,154 +1050,27 @@ class Backend(abc.ABC):
         return fn
 
 
-def ragged_rows(query_start: Any, rows: Any, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check a ragged batch's ``query_start`` (host, ``[B + 1]``, rising from 0
-    to ``total``) and ``rows`` (host row indices or None) and return both as
-    int64 arrays, ``ValueError`` naming what is wrong: the recurrent ops' check."""
-    qs = np.asarray(query_start, np.int64).reshape(-1)
-    if qs.size < 1 or qs[0] != 0 or qs[-1] != total or np.any(np.diff(qs) < 0):
-        raise ValueError(f"query_start {qs.tolist()} must rise from 0 to the {total} rows")
-    r = np.zeros(0, np.int64) if rows is None else np.asarray(rows, np.int64).reshape(-1)
-    if r.size and (r.min() < 0 or r.max() >= total):
-        raise ValueError(f"checkpoint row {int(r.min() if r.min() < 0 else r.max())} is outside the {total} rows")
-    return qs, r
-
-
-def conv1d_reference(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
-                     query_start: Any, checkpoint_rows: Any = None,
-                     activation: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:meth:`Backend.causal_conv1d` in numpy, as plainly as it reads: each
-    sequence's inputs after its carried window, and every output row the
-    weighted sum of the ``K`` rows ending at it."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_conv1d: activation {activation!r} is not None or 'silu'")
-    total, channels = x.shape
-    k = weight.shape[-1]
-    if weight.shape != (channels, k) or window.shape[1:] != (k - 1, channels):
-        raise ValueError(f"causal_conv1d: weight {weight.shape} and window {window.shape} do not fit "
-                         f"x {x.shape} (want [C, K] and [B, K - 1, C])")
-    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
-    if len(qs) - 1 != window.shape[0]:
-        raise ValueError(f"causal_conv1d: {len(qs) - 1} sequences in query_start, {window.shape[0]} windows")
-    y = np.empty((total, channels), np.float32)
-    last = np.empty_like(window, dtype=np.float32)
-    ckpt = np.empty((len(rows), k - 1, channels), np.float32)
-    for b in range(len(qs) - 1):
-        start, stop = int(qs[b]), int(qs[b + 1])
-        padded = np.concatenate([window[b], x[start:stop]]).astype(np.float32)  # [K - 1 + L, C]
-        for t in range(stop - start):
-            y[start + t] = np.sum(padded[t:t + k] * weight.T, axis=0)
-        last[b] = padded[len(padded) - (k - 1):]
-        for i in np.flatnonzero((rows >= start) & (rows < stop)):
-            t = int(rows[i]) - start
-            ckpt[i] = padded[t + 1:t + k]
-    if bias is not None:
-        y += bias
-    if activation == "silu":
-        y = y / (1.0 + np.exp(-y))
-    return y, last, ckpt
-
-
-def ssd_reference(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
-                  D: np.ndarray | None, dt_bias: np.ndarray | None, state: np.ndarray, query_start: Any,
-                  checkpoint_rows: Any = None, *, dt_softplus: bool = True, dt_min: float = 0.0,
-                  dt_max: float = float("inf")) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:meth:`Backend.ssd` in numpy, as the recurrence reads (in float64,
-    returned as float32): one state update and one read-out per row."""
-    total, heads, head_dim = x.shape
-    groups, size = B.shape[1], B.shape[2]
-    if (dt.shape != (total, heads) or A.shape != (heads,) or B.shape != (total, groups, size)
-            or C.shape != B.shape or groups == 0 or heads % groups
-            or state.shape[1:] != (heads, head_dim, size)
-            or (D is not None and D.shape != (heads,)) or (dt_bias is not None and dt_bias.shape != (heads,))):
-        raise ValueError(f"ssd: shapes do not fit x {x.shape} (want dt [T, H], A, D, dt_bias [H], B and C "
-                         f"[T, G, N] with H % G == 0, state [B, H, P, N]): dt {dt.shape}, A {A.shape}, "
-                         f"B {B.shape}, C {C.shape}, D {None if D is None else D.shape}, dt_bias "
-                         f"{None if dt_bias is None else dt_bias.shape}, state {state.shape}")
-    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
-    if len(qs) - 1 != state.shape[0]:
-        raise ValueError(f"ssd: {len(qs) - 1} sequences in query_start, {state.shape[0]} states")
-    f64 = np.float64
-    step = dt.astype(f64) + (0.0 if dt_bias is None else dt_bias.astype(f64))
-    if dt_softplus:  # PyTorch's softplus: linear above the threshold 20
-        step = np.where(step > 20.0, step, np.log1p(np.exp(np.minimum(step, 20.0))))
-    step = np.clip(step, dt_min, dt_max)  # [T, H]
-    per_group = heads // groups
-    Bh = np.repeat(B.astype(f64), per_group, axis=1)  # [T, H, N]
-    Ch = np.repeat(C.astype(f64), per_group, axis=1)
-    xs, decay = x.astype(f64), np.exp(step * A.astype(f64))  # [T, H, P], [T, H]
-    y = np.empty((total, heads, head_dim), f64)
-    last = np.empty(state.shape, np.float32)
-    ckpt = np.empty((len(rows), heads, head_dim, size), np.float32)
-    for b in range(len(qs) - 1):
-        s = state[b].astype(f64)  # [H, P, N]
-        for t in range(int(qs[b]), int(qs[b + 1])):
-            s = decay[t][:, None, None] * s + (step[t][:, None] * xs[t])[:, :, None] * Bh[t][:, None, :]
-            y[t] = np.einsum("hpn,hn->hp", s, Ch[t])
-            ckpt[rows == t] = s
-        last[b] = s
-    if D is not None:
-        y += D.astype(f64)[:, None] * xs
-    return y.astype(np.float32), last, ckpt
-def gated_delta_rule_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                               state: np.ndarray, query_start: Any, checkpoint_rows: Any = None, *,
-                               scale: float | None = None,
-                               l2norm_qk: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:meth:`Backend.gated_delta_rule` in numpy, one row at a time, as
-    transformers' ``torch_recurrent_gated_delta_rule`` computes it (float32)."""
-    total, key_heads, dk = q.shape
-    heads, dv = v.shape[1:]
-    if k.shape != q.shape or v.shape[0] != total or key_heads == 0 or heads % key_heads:
-        raise ValueError(f"gated_delta_rule: q {q.shape}, k {k.shape} and v {v.shape} do not fit "
-                         "(want [T, Hk, K], [T, Hk, K], [T, H, V] with H a multiple of Hk)")
-    if g.shape != (total, heads) or beta.shape != (total, heads):
-        raise ValueError(f"gated_delta_rule: g {g.shape} and beta {beta.shape} must be [T, H] = {(total, heads)}")
-    qs, rows = ragged_rows(query_start, checkpoint_rows, total)
-    if state.shape != (len(qs) - 1, heads, dk, dv):
-        raise ValueError(f"gated_delta_rule: state {state.shape} must be [B, H, K, V] = "
-                         f"{(len(qs) - 1, heads, dk, dv)}")
-    q, k = (np.repeat(x.astype(np.float32), heads // key_heads, axis=1) for x in (q, k))  # [T, H, K]
-    if l2norm_qk:
-        q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6)) for x in (q, k))
-    q = q * np.float32(dk ** -0.5 if scale is None else scale)
-    decay = np.exp(g.astype(np.float32))
-    o = np.empty((total, heads, dv), np.float32)
-    last = np.empty(state.shape, np.float32)
-    ckpt = np.empty((len(rows), heads, dk, dv), np.float32)
-    for b in range(len(qs) - 1):
-        s = state[b].astype(np.float32)  # [H, K, V]
-        for t in range(int(qs[b]), int(qs[b + 1])):
-            s = s * decay[t, :, None, None]
-            memory = np.einsum("hkv,hk->hv", s, k[t])  # what the state recalls for key k_t
-            delta = (v[t] - memory) * beta[t, :, None]
-            s = s + k[t][:, :, None] * delta[:, None, :]
-            o[t] = np.einsum("hkv,hk->hv", s, q[t])
-            ckpt[rows == t] = s
-        last[b] = s
-    return o, last, ckpt
-
-
-def rows_within(rows: Any, limit: int) -> np.ndarray:
-    """``rows`` (host row indices, any shape) flattened, ``IndexError`` where
-    one is outside ``0..limit``: :meth:`Backend.scatter_rows`' check."""
-    host = np.asarray(rows).reshape(-1)
-    if host.size and (host.min() < 0 or host.max() >= limit):
-        bad = host.min() if host.min() < 0 else host.max()
-        raise IndexError(f"scatter_rows: row {int(bad)} is outside the {limit} rows of dst")
-    return host
-
-
 def is_float_dtype(dtype: str) -> bool:
     """True for the contract's float dtype names."""
     return dtype in FLOAT_DTYPES
 
 
+#: Names :mod:`infer.oplib` took over from this module, still importable from
+#: here (with a DeprecationWarning) for code written before it existed.
+_MOVED_TO_OPLIB = frozenset({"attention_mask", "conv1d_reference", "gated_delta_rule_reference", "ragged_rows",
+                             "row_run", "rows_within", "ssd_reference"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_OPLIB:
+        warnings.warn(f"infer.ops.{name} moved to infer.oplib.{name}; import it from there", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(oplib, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "API_VERSION", "Array", "Backend", "PackedWeight", "QuantizedTensor", "REQUIRED_OPS", "OPTIONAL_OPS",
-    "ShardedWeight",
-    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "is_float_dtype",
-    "ragged_rows", "row_run", "rows_within", "ssd_reference",
-    "AttentionBatch", "FLOAT_DTYPES", "INT_DTYPES", "attention_mask", "conv1d_reference", "gated_delta_rule_reference",
-    "is_float_dtype",
-    "ragged_rows", "row_run", "rows_within",
+    "ACTIVATION_SCHEMES", "API_VERSION", "Array", "AttentionBatch", "Backend", "FLOAT_DTYPES", "INT_DTYPES",
+    "LoadSettings", "OPTIONAL_OPS", "PackedWeight", "QUANTIZE_SCHEMES", "QuantizedTensor", "REQUIRED_OPS",
+    "ShardedWeight", "is_float_dtype",
 ]

@@ -15,6 +15,8 @@ differently), and the graphs are one per batch bucket, not one per step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from infer.backends import numpy as numpy_backend
@@ -48,7 +50,9 @@ NEW_TOKENS = [20, 26, 32, 40]
 
 def _model(variant: str, backend: str, compiled: bool) -> infer.Model:
     model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
-    model.backend.graph_capture = compiled and backend.startswith("torch")  # torch.compile, as compile=True sets it
+    # torch.compile for the captured steps, as compile=True asks, on this model's own backend instance
+    compiler = compiled and backend.startswith("torch")
+    model.backend.settings = dataclasses.replace(model.backend.settings, compile=compiler)
     return model
 
 

@@ -15,6 +15,7 @@ and says why where it is the step's own limit.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -67,7 +68,8 @@ NUMPY_PROGRAM = pytest.param("numpy", marks=pytest.mark.skipif(not hasattr(numpy
 @pytest.mark.parametrize("variant", ["llama3", "gemma3"])
 def test_the_captured_step_decodes_the_eager_tokens_in_one_graph(backend: str, variant: str) -> None:
     model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=False)
-    model.backend.graph_capture = True  # as compile=True sets it: torch.compile, not torch/cpu's default program
+    # torch.compile, as compile=True asks, not torch/cpu's default program (this model's own backend instance)
+    model.backend.settings = dataclasses.replace(model.backend.settings, compile=True)
     prompt = _ids(variant)
     want_long = list(model.generate_tokens(prompt, max_tokens=64, ignore_eos=True))
     want_short = list(model.generate_tokens(prompt[:5], max_tokens=30, ignore_eos=True))

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from infer.backends.numpy import NumpyBackend, reference_attention
-from infer.ops import AttentionBatch, attention_mask
+from infer.oplib import attention_mask
+from infer.ops import AttentionBatch
 
 from infer.errors import InferError, MissingDependencyError, UnsupportedOpError
 from infer.ops import OPTIONAL_OPS, REQUIRED_OPS

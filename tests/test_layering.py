@@ -48,7 +48,7 @@ CONTRACT: tuple[str, ...] = ("infer.ops", "infer.errors", "infer.plugins.hookspe
 #: modules (or subpackages) by prefix.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "core": ("core",),
-    "backend": ("backend", *CONTRACT, "infer.quantize"),
+    "backend": ("backend", *CONTRACT, "infer.oplib", "infer.quantize"),
     "format": ("format", *CONTRACT, "infer.package", "infer.tokenizer", "infer.paths"),
     "architecture": ("architecture", *CONTRACT, "infer.config", "infer.architecture", "infer.kv.attention"),
 }

@@ -24,7 +24,7 @@ from infer.backends import numpy as numpy_backend
 from infer.backends.numpy import kernel_args
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
-from infer.ops import AttentionBatch, PackedWeight
+from infer.ops import AttentionBatch, LoadSettings, PackedWeight
 from infer.quantize import AffineTensor, from_gguf, quantize_affine
 
 _affine = numpy_backend._affine
@@ -301,8 +301,8 @@ def test_gguf_affine_types_stay_quantized_by_default(qtype: str) -> None:
 def test_off_and_unmapped_types_are_float32() -> None:
     ops = numpy_backend.NumpyBackend()
     assert not isinstance(ops.prepare_weight(gguf_tensor("Q3_K", 16, 256, 0), name=LINEAR), PackedWeight)
-    ops.quantize = "off"
-    assert not isinstance(ops.prepare_weight(gguf_tensor("Q4_1", 16, 256, 0), name=LINEAR), PackedWeight)
+    off = ops.configure(LoadSettings(quantize="off"))
+    assert not isinstance(off.prepare_weight(gguf_tensor("Q4_1", 16, 256, 0), name=LINEAR), PackedWeight)
 
 
 @needs_kernels
@@ -341,8 +341,7 @@ def test_attention_after_a_blas_product_stays_on_one_thread(monkeypatch) -> None
 
 @needs_kernels
 def test_on_load_quantization_runs_on_the_kernel() -> None:
-    ops = numpy_backend.NumpyBackend()
-    ops.quantize = "q4"
+    ops = numpy_backend.NumpyBackend().configure(LoadSettings(quantize="q4"))
     w = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32)
     p = ops.prepare_weight(w, name=LINEAR)
     assert isinstance(p, PackedWeight) and p.scheme == "q4 group 32, C kernel"

@@ -18,7 +18,7 @@ from infer.backends.numpy import NumpyBackend
 from infer.errors import ShapeMismatchError
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
-from infer.ops import QuantizedTensor
+from infer.ops import LoadSettings, QuantizedTensor
 from infer.package import TensorSource
 from reference import assert_logits_close, encode, tiny_model_dir
 from test_parity import PROMPT
@@ -48,8 +48,7 @@ def q(qtype: str, rows: int, seed: int) -> GGUFQuantizedTensor:
 
 def test_stacks_alike_parts_and_refuses_mixed_ones() -> None:
     parts = [("a", (32, 256)), ("b", (16, 256))]
-    ops = NumpyBackend()
-    ops.quantize = "off"
+    ops = NumpyBackend().configure(LoadSettings(quantize="off"))
     floats = DictSource({"a": np.ones((32, 256), np.float32), "b": np.zeros((16, 256), np.float32)})
     stacked = WeightLoader(floats, ops).get_stacked("ab", parts)
     assert stacked.shape == (48, 256) and stacked[:32].all() and not stacked[32:].any()

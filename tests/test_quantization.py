@@ -16,7 +16,7 @@ import pytest
 from infer.errors import InvalidQuantizationError
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
-from infer.ops import PackedWeight
+from infer.ops import LoadSettings, PackedWeight
 from infer.quantize import AffineTensor, from_gguf, quantize_affine
 
 LINEAR = "model.layers.0.mlp.up_proj.weight"
@@ -154,8 +154,8 @@ def torch_q() -> object:
     pytest.importorskip("torch")
     from infer.backends.torch import TorchBackend
 
-    ops = TorchBackend("cpu")
-    ops.quantize = "q4"  # int4pack is used when quantized compute is asked for (see keeps_gguf)
+    # int4pack is used when quantized compute is asked for (see keeps_gguf)
+    ops = TorchBackend("cpu").configure(LoadSettings(quantize="q4"))
     ops._kernels = None  # and numpy's C kernels are not built (with them, the affine form: below)
     return ops
 
@@ -212,8 +212,7 @@ def test_torch_cpu_computes_gguf_blocks_with_the_c_kernels_exactly(qtype: str) -
     np.testing.assert_allclose(got, x @ want.T, rtol=2e-5, atol=2e-5)  # the kernel's own summation order
     ids = np.array([rows - 1, 0, 3], np.int32)
     assert same_values(ops.to_numpy(ops.embedding(w, ops.from_numpy(ids))), want[ids])
-    off = TorchBackend("cpu")
-    off.quantize = "off"
+    off = TorchBackend("cpu").configure(LoadSettings(quantize="off"))
     assert not isinstance(off.prepare_weight(t, name=LINEAR), PackedWeight)
 
 
@@ -257,7 +256,7 @@ def test_torch_cuda_quantizes_only_where_the_kernel_probe_passes(monkeypatch) ->
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch_backend, "_cuda_int4_layout", lambda: None)
     ops = TorchBackend("cuda")  # no tensor is made on the device here
-    ops.quantize = "q4"
+    ops.settings = LoadSettings(quantize="q4")  # asked for where it has no scheme, which configure() refuses
     assert ops.quantize_schemes == frozenset() and not ops.keeps_gguf()
     assert not ops.supports("quantized_linear")
 
@@ -304,8 +303,7 @@ def test_cuda_int4_probe_finds_the_packing() -> None:
 def test_cuda_int4_matches_gguf_within_bfloat16_scales(qtype: str) -> None:
     from infer.backends.torch import TorchBackend
 
-    ops = TorchBackend("cuda")
-    ops.quantize = "q4"
+    ops = TorchBackend("cuda").configure(LoadSettings(quantize="q4"))
     block = gguf_quants.TYPES_BY_NAME[qtype].block_size
     for seed, (rows, cols) in enumerate([(64, 256), (48, 576), (128, 1536)]):
         cols = -(-cols // block) * block  # Q4_K's 256-wide blocks: 576 -> 768
@@ -358,8 +356,7 @@ def test_cuda_on_load_quantization_stays_close_to_the_cpu_path(scheme: str) -> N
 def test_torch_on_load_quantization(torch_q, scheme: str) -> None:  # type: ignore[no-untyped-def]
     from infer.backends.torch import TorchBackend
 
-    ops = TorchBackend("cpu")
-    ops.quantize = scheme
+    ops = TorchBackend("cpu").configure(LoadSettings(quantize=scheme))
     w = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32) * 0.05
     packed = ops.prepare_weight(w, name=EMBED)
     assert isinstance(packed, PackedWeight)
@@ -383,9 +380,8 @@ def mlx_ops() -> object:
     pytest.importorskip("mlx.core")
     from infer.backends.mlx import MLXBackend
 
-    ops = MLXBackend("float32", "cpu")
-    ops.quantize = "q4"  # mlx/cpu keeps GGUF weights quantized when quantized compute is asked for
-    return ops
+    # mlx/cpu keeps GGUF weights quantized when quantized compute is asked for
+    return MLXBackend("float32", "cpu").configure(LoadSettings(quantize="q4"))
 
 
 def test_mlx_cpu_dequantizes_gguf_by_default() -> None:
@@ -420,8 +416,7 @@ def test_mlx_on_load_quantization_is_infers_affine_scheme(scheme: str) -> None:
     pytest.importorskip("mlx.core")
     from infer.backends.mlx import MLXBackend
 
-    ops = MLXBackend("float32", "cpu")
-    ops.quantize = scheme
+    ops = MLXBackend("float32", "cpu").configure(LoadSettings(quantize=scheme))
     w = np.random.default_rng(2).standard_normal((24, 128)).astype(np.float32) * 0.05
     packed = ops.prepare_weight(w, name=LINEAR)
     assert isinstance(packed, PackedWeight) and packed.qtype == scheme
@@ -441,8 +436,7 @@ def test_mlx_bfloat16_compute_keeps_float32_scales() -> None:
     pytest.importorskip("mlx.core")
     from infer.backends.mlx import MLXBackend
 
-    ops = MLXBackend("bfloat16", "cpu")
-    ops.quantize = "q4"
+    ops = MLXBackend("bfloat16", "cpu").configure(LoadSettings(quantize="q4"))
     t = gguf_tensor("Q4_1", 8, 256, 5)
     w = ops.prepare_weight(t, name=LINEAR)
     x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
@@ -483,10 +477,9 @@ def test_numpy_decides_from_available_memory(monkeypatch) -> None:  # type: igno
     assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)  # just fits
     monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4 - 1)
     assert isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
-    ops.quantize = "off"  # never keeps anything quantized
-    assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
+    off = ops.configure(LoadSettings(quantize="off"))  # never keeps anything quantized
+    assert not isinstance(off.prepare_weight(t, name=LINEAR), PackedWeight)
     monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: dequantize
-    ops.quantize = None
     assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from infer.backends.numpy import NumpyBackend
-from infer.ops import conv1d_reference, gated_delta_rule_reference, ssd_reference
+from infer.oplib import conv1d_reference, gated_delta_rule_reference, ssd_reference
 
 RTOL = 1e-5
 
@@ -189,7 +189,7 @@ def test_torch_native_recurrent_ops_equal_the_references_past_a_chunk(seed: int)
     (one row per sequence) and empty sequences. ssd at 2e-4: float32 chunk sums against the
     reference's float64 recurrence over up to 150 rows."""
     from infer.backends import torch_recurrent
-    from infer.ops import ssd_reference
+    from infer.oplib import ssd_reference
 
     rng = np.random.default_rng(seed)
     lengths = np.ones(3, int) if seed % 3 == 0 else rng.integers(0, 150, 3)
@@ -341,7 +341,7 @@ def test_mlx_native_recurrent_ops_equal_the_references(seed: int) -> None:
     rule at 1e-4: float32 on both sides, sums in another order)."""
     pytest.importorskip("mlx.core")
     from infer.backends.mlx import MLXBackend
-    from infer.ops import ssd_reference
+    from infer.oplib import ssd_reference
 
     ops, rng = MLXBackend(), np.random.default_rng(100 + seed)
     lengths = np.ones(3, int) if seed % 2 == 0 else rng.integers(0, 150, 3)
@@ -376,7 +376,7 @@ def test_numpy_chunked_ssd_equals_the_reference(seed: int) -> None:
     """The numpy backend's native ssd (backends/numpy_recurrent.py: the chunked scan in float32,
     one update for a decode step) against the float64 row-by-row reference, past a 64-row chunk
     (2e-4: float32 chunk sums over up to 150 rows)."""
-    from infer.ops import ssd_reference
+    from infer.oplib import ssd_reference
 
     rng = np.random.default_rng(200 + seed)
     lengths = np.ones(3, int) if seed % 2 == 0 else rng.integers(0, 150, 3)

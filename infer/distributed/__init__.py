@@ -27,6 +27,7 @@ in the driver, not a hang. docs/distributed.md has the whole story.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ from infer.architecture import CausalLM
 from infer.distributed.group import DriverGroup, TensorParallelLM, Worker
 from infer.distributed.sharding import ShardedWeightLoader, plan
 from infer.errors import ConfigError, TensorParallelConfigError, WorkerError
-from infer.ops import Backend
+from infer.ops import Backend, LoadSettings
 from infer.package import ModelPackage
 
 log = logging.getLogger(__name__)
@@ -111,13 +112,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(path: Path, format: str, backend: str, dtype: str | None, quantize: str | None,
-          ranks: int, activations: str | None = None) -> tuple[list[subprocess.Popen[bytes]], str]:
-    """Start ranks ``1 .. ranks-1`` as fresh interpreters; returns them and
-    the rendezvous address rank 0 joins too."""
+def start(path: Path, format: str, backend: str, dtype: str | None, settings: LoadSettings,
+          ranks: int) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """Start ranks ``1 .. ranks-1`` as fresh interpreters, each to configure
+    its backend with rank 0's ``settings``; returns them and the rendezvous
+    address rank 0 joins too."""
     init = f"tcp://127.0.0.1:{_free_port()}"
-    spec = {"path": str(path), "format": format, "backend": backend, "dtype": dtype, "quantize": quantize,
-            "activations": activations, "ranks": ranks, "init_method": init, "timeout": timeout(),
+    spec = {"path": str(path), "format": format, "backend": backend, "dtype": dtype,
+            "settings": dataclasses.asdict(settings), "ranks": ranks, "init_method": init, "timeout": timeout(),
             "parent": os.getpid()}
     env = dict(os.environ)
     threads = max(1, (os.cpu_count() or 1) // ranks)
@@ -132,10 +134,11 @@ def start(path: Path, format: str, backend: str, dtype: str | None, quantize: st
 
 
 def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format: str, backend: str,
-           dtype: str | None, quantize: str | None, activations: str | None = None,
-           progress: Any = None) -> TensorParallelLM:
+           dtype: str | None, settings: LoadSettings, progress: Any = None) -> TensorParallelLM:
     """Rank 0's network over ``ranks`` ranks: joins (or first starts) the
-    group, builds its shard and wraps it in a :class:`TensorParallelLM`."""
+    group, builds its shard and wraps it in a :class:`TensorParallelLM`.
+    ``ops`` is already configured with ``settings``; the ranks this starts
+    configure theirs with the same."""
     limit = timeout()
     processes: list[subprocess.Popen[bytes]] = []
     if launched_by_torchrun():
@@ -146,7 +149,7 @@ def driver(package: ModelPackage, arch: Any, ops: Backend, ranks: int, *, format
         ops.join_group(int(os.environ["RANK"]), ranks, init_method=None, timeout=limit)
     else:
         assert package.path is not None
-        processes, init = start(package.path, format, backend, dtype, quantize, ranks, activations)
+        processes, init = start(package.path, format, backend, dtype, settings, ranks)
         try:
             ops.join_group(0, ranks, init_method=init, timeout=limit)
         except Exception as exc:

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
 def run(spec: dict) -> None:
     """Open the model, join the group, serve rank 0 until it closes the model."""
     from infer.distributed import serve
-    from infer.loading import _check_activations
+    from infer.ops import LoadSettings
     from infer.plugins import get_registry
     from infer.plugins.selection import select_backend
 
@@ -57,11 +57,10 @@ def run(spec: dict) -> None:
     package = registry.format_for(path, spec["format"]).open(path)
     arch = registry.architecture_for(package.model_type)
     ops = select_backend(spec["backend"], spec["dtype"])
-    ops.quantize = spec["quantize"]
-    ops.activations = spec.get("activations")  # as rank 0's, before this rank prepares its weights
     ops.join_group(spec["rank"], spec["ranks"], init_method=spec["init_method"], timeout=spec["timeout"])
-    # After joining, so that rank 0 hears of a failure as a rank that failed to load, not a timeout.
-    _check_activations(ops.activations, ops)  # this rank's backend must have rank 0's scheme too
+    # Rank 0's settings, before this rank prepares its weights; configured after joining, so
+    # that rank 0 hears of a backend without them as a rank that failed to load, not a timeout.
+    ops = ops.configure(LoadSettings(**spec["settings"]))
     serve(package, arch, ops, spec["ranks"])
 
 

@@ -38,7 +38,7 @@ from infer.kv.attention import AttentionContext, Recurrent, SequenceSlice, state
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.kv.state import StateStore
-from infer.ops import Array, Backend
+from infer.ops import Array, Backend, LoadSettings
 
 
 #: Recurrent state slots an engine keeps (live states and checkpoints) by default.
@@ -168,23 +168,13 @@ def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
 
 def check_kv_dtype(backend: Backend, kv_dtype: str | None) -> str | None:
     """``kv_dtype`` if ``backend`` stores KV pools in it, None for the compute
-    dtype (``None``, or the compute dtype named): keys and values exactly as
-    computed. A narrower dtype (``"float16"``, ``"bfloat16"``, where the
-    backend lists it in :attr:`~infer.ops.Backend.kv_dtypes`) halves the
-    cache's memory and the bytes attention reads per position; the keys and
-    values are rounded once, when written (docs/kv-cache.md, "Storing keys
-    and values narrower").
+    dtype: :meth:`~infer.ops.LoadSettings.kv_pool_dtype`, the one place it is
+    checked.
 
     Raises:
         CacheConfigError: the backend has no such KV dtype.
     """
-    if kv_dtype is None or kv_dtype == backend.compute_dtype:
-        return None
-    if kv_dtype not in backend.kv_dtypes:
-        options = sorted({backend.compute_dtype, *backend.kv_dtypes})
-        raise CacheConfigError(f"kv_dtype={kv_dtype!r}: backend {backend.name}/{backend.device} stores keys and "
-                               f"values in {', '.join(map(repr, options))}")
-    return kv_dtype
+    return LoadSettings(kv_dtype=kv_dtype).kv_pool_dtype(backend)
 
 
 class Engine:

@@ -8,6 +8,7 @@ dtype its result must have.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -149,12 +150,9 @@ def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
     dequantize-then-BLAS, so the ordinary per-dtype tolerances apply."""
     i = call.info
     tensor = _quantized_format().random_tensor(i["qtype"], i["shape"], i["seed"])
-    before = ops.quantize
-    ops.quantize = min(ops.quantize_schemes) if ops.quantize_schemes else None
-    try:
-        weight = ops.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
-    finally:
-        ops.quantize = before
+    scheme = min(ops.quantize_schemes) if ops.quantize_schemes else None
+    quantizing = ops.configure(dataclasses.replace(ops.settings, quantize=scheme))  # ``ops`` itself unchanged
+    weight = quantizing.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
     return ops.linear(x, weight, bias)
 
 

@@ -302,18 +302,17 @@ def _check_infer(spec: EngineSpec) -> str | None:
     import inspect
 
     import infer
-    from infer import loading
+    from infer.ops import LoadSettings
 
     for option in ("quantize", "compile", "kv_dtype", "activations"):
         if spec.options.get(option) and option not in inspect.signature(infer.load).parameters:
             raise BenchmarkError(f"this infer's load() has no {option} option (asked for "
                                  f"{option}={spec.options[option]!r} for {spec.label!r})")
-    check_quantize = getattr(loading, "_check_quantize", None)
-    if spec.options.get("quantize") is not None and check_quantize is not None:
-        try:
-            check_quantize(spec.options["quantize"])
-        except InferError as exc:
-            raise BenchmarkError(f"{spec.label}: {exc}") from exc
+    try:  # the values first, before any backend is probed
+        settings = LoadSettings(quantize=spec.options.get("quantize"), activations=spec.options.get("activations"),
+                                kv_dtype=spec.options.get("kv_dtype"))
+    except InferError as exc:
+        raise BenchmarkError(f"{spec.label}: {exc}") from exc
     if backend is not None:
         name, _, device = backend.partition(":")
         known = list_backends()
@@ -328,19 +327,10 @@ def _check_infer(spec: EngineSpec) -> str | None:
         if isinstance(exc, BackendUnavailableError):
             return str(exc)
         raise BenchmarkError(f"{spec.label}: {exc}") from exc
-    if spec.options.get("kv_dtype"):
-        from infer.engine.runner import check_kv_dtype
-
-        try:
-            check_kv_dtype(chosen, spec.options["kv_dtype"])
-        except InferError as exc:
-            raise BenchmarkError(f"{spec.label}: {exc}") from exc
-    check_activations = getattr(loading, "_check_activations", None)
-    if spec.options.get("activations") and check_activations is not None:
-        try:  # the value, then the chosen backend's activation_schemes
-            check_activations(spec.options["activations"], chosen)
-        except InferError as exc:
-            raise BenchmarkError(f"{spec.label}: {exc}") from exc
+    try:  # then what the chosen backend can do
+        settings.check(chosen)
+    except InferError as exc:
+        raise BenchmarkError(f"{spec.label}: {exc}") from exc
     return None
 
 

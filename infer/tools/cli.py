@@ -64,7 +64,7 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
                         "slightly approximate (default: the compute dtype; see docs/kv-cache.md)")
 
 
-#: ``infer.loading.ACTIVATION_SCHEMES``, spelt out: the command line imports no model code until a command runs.
+#: ``infer.ops.ACTIVATION_SCHEMES``, spelt out: the command line imports no model code until a command runs.
 _ACTIVATION_SCHEMES = ("q8",)
 
 
