@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, Backend, rows_within
+from infer.ops import Array, Backend
+from infer.oplib import rows_within
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 
