@@ -203,12 +203,29 @@ def typical(c: Candidates, p: float) -> None:
     with np.errstate(divide="ignore"):
         surprise = -np.log(qk)
     entropy = float(-(qk[qk > 0] * np.log(qk[qk > 0])).sum())
-    order = ids[np.argsort(np.abs(surprise - entropy), kind="stable")]
-    passed = np.flatnonzero(np.cumsum(q[order]) > p)
+    distance = np.abs(surprise - entropy)
+    # The prefix is usually short: sort the nearest `count` only, growing it until the mass passes p.
+    count = 256
+    while True:
+        nearest = _smallest(distance, count)
+        passed = np.flatnonzero(np.cumsum(qk[nearest]) > p)
+        if passed.size or nearest.size == ids.size:
+            break
+        count *= 4
     if passed.size:
         keep = np.zeros_like(c.keep)
-        keep[order[: int(passed[0]) + 1]] = True
+        keep[ids[nearest[: int(passed[0]) + 1]]] = True
         c.keep &= keep
+
+
+def _smallest(values: np.ndarray, count: int) -> np.ndarray:
+    """The indices of the ``count`` smallest ``values``, in order (ties by
+    index, as a stable sort): a partition first, so only those are sorted."""
+    index = np.arange(values.size)
+    if count < values.size:
+        kth = np.partition(values, count - 1)[count - 1]
+        index = np.concatenate([np.flatnonzero(values < kth), np.flatnonzero(values == kth)])
+    return index[np.argsort(values[index], kind="stable")][:count]
 
 
 def xtc_removes(c: Candidates, threshold: float) -> np.ndarray | None:
@@ -229,10 +246,16 @@ def xtc_removes(c: Candidates, threshold: float) -> np.ndarray | None:
 # -- mirostat ----------------------------------------------------------------------------------
 
 
-def _sorted_kept(probs: np.ndarray) -> np.ndarray:
-    """The ids of the tokens of nonzero probability, most likely first (ties by id)."""
+def _most_likely(probs: np.ndarray, count: int) -> np.ndarray:
+    """The ids of the ``count`` most likely tokens of nonzero probability, most
+    likely first (ties by id); a partition first, so only those are sorted."""
     ids = np.flatnonzero(probs > 0)
-    return ids[np.argsort(-probs[ids], kind="stable")]
+    if count < ids.size:
+        # Everything strictly above the count-th value, then the ties at it by id.
+        kth = np.partition(probs[ids], ids.size - count)[ids.size - count]
+        ids = np.concatenate([ids[probs[ids] > kth], ids[probs[ids] == kth]])
+    ids = ids[np.argsort(-probs[ids], kind="stable")]
+    return ids[:count]
 
 
 def _only(probs: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -246,10 +269,10 @@ def mirostat_v1(probs: np.ndarray, mu: float, vocab_size: int) -> np.ndarray:
     ``s`` from the :data:`MIROSTAT_M` most likely tokens, keep the top
     ``k = (e * 2**mu / (1 - N**-e)) ** (1/s)`` tokens (``e = s - 1``, ``N``
     the vocabulary size; at least 1; all when ``k`` is not finite), renormalised."""
-    order = _sorted_kept(probs)
-    if order.size <= 1:
-        return _only(probs, order)
-    p = probs[order[:MIROSTAT_M]]
+    top = _most_likely(probs, MIROSTAT_M)
+    if top.size <= 1:
+        return _only(probs, top)
+    p = probs[top]
     i = np.arange(p.size - 1, dtype=np.float64)
     t = np.log((i + 2) / (i + 1))
     b = np.log(p[:-1] / p[1:])
@@ -257,18 +280,19 @@ def mirostat_v1(probs: np.ndarray, mu: float, vocab_size: int) -> np.ndarray:
     epsilon = s_hat - 1
     with np.errstate(all="ignore"):
         k = (epsilon * 2.0 ** mu / (1 - float(vocab_size) ** -epsilon)) ** (1 / s_hat)
-    count = order.size if not np.isfinite(k) else min(max(int(k), 1), order.size)
-    return _only(probs, order[:count])
+    live = int(np.count_nonzero(probs))
+    count = live if not np.isfinite(k) else min(max(int(k), 1), live)
+    return _only(probs, top[:count] if count <= top.size else _most_likely(probs, count))
 
 
 def mirostat_v2(probs: np.ndarray, mu: float) -> np.ndarray:
     """Mirostat 2: keep the most likely tokens up to the first whose surprise
-    ``-log2 p`` exceeds ``mu`` (at least the most likely one), renormalised."""
-    order = _sorted_kept(probs)
+    ``-log2 p`` exceeds ``mu`` (at least the most likely one), renormalised.
+    In probability order the surprise only grows, so that prefix is every
+    token of surprise at most ``mu``: no sort is needed."""
     with np.errstate(divide="ignore"):
-        over = np.flatnonzero(-np.log2(probs[order]) > mu)
-    count = int(over[0]) if over.size else order.size
-    return _only(probs, order[: max(count, 1)])
+        keep = np.flatnonzero((probs > 0) & (-np.log2(probs) <= mu))
+    return _only(probs, keep if keep.size else np.array([int(np.argmax(probs))]))
 
 
 def mirostat_mu(mu: float, probs: np.ndarray, token: int, tau: float, eta: float) -> float:
