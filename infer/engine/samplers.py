@@ -39,14 +39,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from infer.errors import SamplingParameterError
-
-if TYPE_CHECKING:
-    from infer.engine.sampling import SamplingParams
 
 #: llama.cpp's sampler names (``common_sampler_type_from_name``), in llama.cpp's default order.
 SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -65,6 +62,24 @@ DRY_MAX_BREAKER_CHARS = 40
 DRY_MAX_TAIL_TOKENS = 20
 #: Mirostat 1 estimates the Zipf exponent from this many most likely tokens (llama.cpp's ``m``).
 MIROSTAT_M = 100
+
+class ChainParams(Protocol):
+    """What the chain reads of :class:`~infer.engine.sampling.SamplingParams`
+    (named here so that this module does not import that one, which imports it)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    typical_p: float
+    top_n_sigma: float
+    xtc_probability: float
+    xtc_threshold: float
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+
 
 #: DRY's breakers resolved against a vocabulary: head token id -> the token tails that complete a
 #: breaker after it (an empty tail: the head alone holds a whole breaker).
@@ -391,7 +406,7 @@ def dry_breakers(strings: Sequence[str], texts: Sequence[str], encode: Callable[
     return {token: tuple(tails) for token, tails in found.items()}
 
 
-def apply_dry(logits: np.ndarray, history: Sequence[int], params: SamplingParams, breakers: Breakers) -> np.ndarray:
+def apply_dry(logits: np.ndarray, history: Sequence[int], params: ChainParams, breakers: Breakers) -> np.ndarray:
     """``logits`` less DRY's penalties over ``history``'s last ``dry_penalty_last_n`` tokens."""
     tokens = np.asarray(window(history, params.dry_penalty_last_n), dtype=np.int64)
     ids, penalties = dry_penalties(tokens, params.dry_multiplier, params.dry_base, params.dry_allowed_length,
@@ -417,7 +432,7 @@ FILTERS: dict[str, Callable[[Candidates, Any], None]] = {
 
 
 def run_chain(
-    c: Candidates, steps: Sequence[str], params: SamplingParams, shift: Callable[[str, np.ndarray], np.ndarray],
+    c: Candidates, steps: Sequence[str], params: ChainParams, shift: Callable[[str, np.ndarray], np.ndarray],
 ) -> np.ndarray:
     """The distribution the chain ``steps`` gives from ``c`` (float64
     ``[vocab]``, summing to 1). ``shift(name, logits)`` applies a logit rule
