@@ -82,6 +82,7 @@ def main() -> None:
     logits = model.engine.backend.to_numpy(model.engine.forward(seq, ids))[-1].astype(np.float32)
     model.engine.release(seq)
     prompts = [model.tokenizer.encode(f"Story {i}: once upon a time") for i in range(8)]
+    step_ms(model, prompts, {}, args.tokens)  # a warm-up: the first steps of a process are slower
     rows = []
     for name, options in SETTINGS.items():
         rows.append((name, sample_ms(model, logits, ids, options, args.tokens),
