@@ -78,6 +78,38 @@ def test_each_sampler_keeps_the_set_llama_cpp_defines(options: dict, kept: set[i
     np.testing.assert_allclose(probs, softmax_over(L, kept), rtol=1e-12, atol=0)
 
 
+def _llama_cpp_kept(make, logits: np.ndarray) -> set[int]:
+    """The token ids llama.cpp's sampler ``make()`` leaves of ``logits`` (llama-cpp-python's C API)."""
+    import ctypes
+
+    import llama_cpp
+
+    data = (llama_cpp.llama_token_data * logits.size)(
+        *[llama_cpp.llama_token_data(id=i, logit=float(x), p=0.0) for i, x in enumerate(logits)])
+    array = llama_cpp.llama_token_data_array(data=data, size=logits.size, selected=-1, sorted=False)
+    sampler = make()
+    try:
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+    return {array.data[i].id for i in range(array.size) if array.data[i].logit != -math.inf}
+
+
+def test_llama_cpp_pythons_samplers_keep_the_same_sets() -> None:
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed: the sets above are llama.cpp's definition worked "
+                            "by hand; where it is installed its own samplers are compared too")
+    made = {
+        "top_n_sigma": lambda o: llama_cpp.llama_sampler_init_top_n_sigma(o["top_n_sigma"]),
+        "typical_p": lambda o: llama_cpp.llama_sampler_init_typical(o["typical_p"], 0),
+        "xtc_probability": lambda o: llama_cpp.llama_sampler_init_xtc(o["xtc_probability"], o["xtc_threshold"], 0, 1),
+    }
+    for options, kept in CASES:
+        name = next((n for n in made if n in options and "samplers" not in options), None)
+        if name is not None and options.get("xtc_probability", 1.0) == 1.0:
+            assert _llama_cpp_kept(lambda: made[name](options), L) == kept, options
+
+
 def test_xtc_below_certainty_is_the_mixture_its_coin_gives() -> None:
     probs = Sampler(SamplingParams(temperature=1.0, xtc_probability=0.25, xtc_threshold=0.1)).distribution(L)
     want = 0.25 * softmax_over(L, {2, 3, 4, 5}) + 0.75 * softmax_over(L, ALL)
