@@ -29,6 +29,7 @@ from infer.completion import Completion, CompletionChunk, Stream, collect, incom
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, generate
+from infer.engine.samplers import Breakers, dry_breakers
 from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.embedding import (
     DEFAULT_EMBED_BATCH_TOKENS,
@@ -91,6 +92,8 @@ class Model:
         self.engine = Engine(network, backend, kv_dtype=kv_dtype)
         self._batch_engine: BatchEngine | None = None
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        #: DRY's breakers resolved against the vocabulary, per breaker list (a pass over every token).
+        self._breakers: dict[tuple[str, ...], Breakers] = {}
         # Held by each step of a Stream and by the async methods, so those never run two forwards at once.
         self._lock = threading.RLock()
         #: Speculative decoding figures of every request this model ran, per
@@ -156,7 +159,7 @@ class Model:
         """Sampling parameters: the ones given (the sampling arguments of
         :meth:`generate`: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``, ``seed``, ``presence_penalty``,
-        ``frequency_penalty``, ``logit_bias``), else the model's generation
+        ``frequency_penalty``, ``logit_bias`` and llama.cpp's samplers), else the model's generation
         defaults, else greedy decoding. A ``logit_bias`` id past the
         vocabulary is a :class:`~infer.errors.SamplingParameterError`."""
         _check_keywords("sampling_params", options, SamplingOptions)
@@ -203,7 +206,23 @@ class Model:
                                 speculative=r.speculative, ignore_eos=r.ignore_eos)
         self.speculation(r.speculative, r.num_speculative_tokens)  # checks the arguments before anything runs
         return PreparedRequest(r, params, self._max_tokens(r.max_tokens), self.eos_token_ids, self.context_length,
-                               compiled)
+                               compiled, breakers=self.dry_breakers(params.dry_sequence_breakers) if params.dry_on
+                               else None)
+
+    def dry_breakers(self, strings: Sequence[str]) -> Breakers:
+        """DRY's sequence breakers ``strings`` as this vocabulary's token ids
+        (:func:`~infer.engine.samplers.dry_breakers`), computed once per list;
+        none without a tokenizer."""
+        key = tuple(strings)
+        if key not in self._breakers:
+            tokenizer = self.package.tokenizer
+            if tokenizer is None:
+                return {}
+            ids = [[i] for i in range(tokenizer.vocab_size)]
+            texts = tokenizer.backend.decode_batch(ids, skip_special_tokens=False)
+            self._breakers[key] = dry_breakers(
+                key, texts, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return self._breakers[key]
 
     @property
     def default_max_tokens(self) -> int:
@@ -286,6 +305,11 @@ class Model:
                 ``c * frequency_penalty + presence_penalty`` from its logit.
             logit_bias: token id -> number in [-100, 100] added to its logit
                 (OpenAI's ``logit_bias``; -100 bans a token).
+            penalty_last_n, dry_multiplier, dry_base, dry_allowed_length,
+                dry_penalty_last_n, dry_sequence_breakers, xtc_probability,
+                xtc_threshold, top_n_sigma, typical_p, mirostat, mirostat_tau,
+                mirostat_eta, samplers: llama.cpp's samplers and their order,
+                each off by default (docs/sampling.md).
             seed: makes sampling repeatable.
             stop: text(s) that end generation; not included in the output.
             ignore_eos: keep going past end-of-sequence tokens (benchmarks).

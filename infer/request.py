@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, TypedDict, Union
 
 from infer.completion import stop_strings
 from infer.engine.generate import StopConditions
+from infer.engine.samplers import Breakers
 from infer.engine.sampling import Constraint, Sampler, SamplingParams
 from infer.errors import ContextLengthError, SamplingParameterError, StructuredOutputError
 
@@ -38,6 +39,10 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
 #: The sampling rules a model's generation config may set: None takes the model's value.
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+#: llama.cpp's samplers (SamplingParams' defaults are theirs; None in a list option: the default).
+_LLAMA_CPP = ("penalty_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+              "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "top_n_sigma", "typical_p", "mirostat",
+              "mirostat_tau", "mirostat_eta", "samplers")
 
 
 # The keyword options of the Python API, typed once: each is a field of GenerationRequest
@@ -60,6 +65,20 @@ class SamplingOptions(TypedDict, total=False):
     presence_penalty: float
     frequency_penalty: float
     logit_bias: Mapping[int, float] | None
+    penalty_last_n: int
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+    dry_sequence_breakers: Sequence[str] | None
+    xtc_probability: float
+    xtc_threshold: float
+    top_n_sigma: float
+    typical_p: float
+    mirostat: int
+    mirostat_tau: float
+    mirostat_eta: float
+    samplers: Sequence[str] | None
 
 
 class GenerateOptions(SamplingOptions, total=False):
@@ -103,6 +122,7 @@ def sampling_params(options: Mapping[str, Any], defaults: Mapping[str, Any] | No
     :class:`~infer.errors.SamplingParameterError` for a value out of range."""
     rules = {**(defaults or {}), **{k: options[k] for k in _SAMPLING if options.get(k) is not None}}
     rest = {k: options[k] for k in ("seed", "presence_penalty", "frequency_penalty") if k in options}
+    rest.update({k: options[k] for k in _LLAMA_CPP if options.get(k) is not None})
     return SamplingParams(**rules, **rest, logit_bias=options.get("logit_bias") or ())
 
 
@@ -130,6 +150,23 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     #: Token id -> bias in [-100, 100].
     logit_bias: Mapping[int, float] | None = None
+    #: llama.cpp's samplers (see :class:`~infer.engine.sampling.SamplingParams`; each default is off).
+    penalty_last_n: int = -1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    #: None: llama.cpp's (``"\n"``, ``":"``, ``'"'``, ``"*"``).
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    top_n_sigma: float = -1.0
+    typical_p: float = 1.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    #: The sampler chain's order, llama.cpp's names; None: the default order.
+    samplers: tuple[str, ...] | None = None
     #: Texts that end generation (not included in the output).
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -169,6 +206,10 @@ class GenerationRequest:
         count("thinking_budget", self.thinking_budget)
         count("num_speculative_tokens", self.num_speculative_tokens, 1)
         object.__setattr__(self, "stop", stop_strings(self.stop) if self.stop else ())
+        for name in ("dry_sequence_breakers", "samplers"):  # lists as tuples (the request stays hashable)
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise SamplingParameterError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         sampling_params(self.sampling_options())  # the ranges of the sampling rules are SamplingParams' to check
@@ -273,6 +314,8 @@ class PreparedRequest:
     #: Wraps each choice's constraint (e.g. to apply it after the reasoning,
     #: or to force the end of thinking); set by whoever knows the prompt.
     wrap: Callable[[Constraint | None], Constraint | None] | None = field(default=None, repr=False)
+    #: DRY's sequence breakers as token ids (None: DRY is off, or no tokenizer resolved them).
+    breakers: Breakers | None = field(default=None, repr=False)
 
     def sampler(self, index: int = 0) -> Sampler:
         """Choice ``index``'s sampler: its own matcher of the constraint, and
@@ -283,7 +326,7 @@ class PreparedRequest:
         constraint: Constraint | None = None if self.grammar is None else self.grammar.matcher()
         if self.wrap is not None:
             constraint = self.wrap(constraint)
-        return Sampler(params, logprobs=self.request.logprobs, constraint=constraint)
+        return Sampler(params, logprobs=self.request.logprobs, constraint=constraint, breakers=self.breakers)
 
     def stop_conditions(self, prompt_tokens: int | None = None) -> StopConditions:
         """The stop rules; with ``prompt_tokens``, ``max_tokens`` is capped

@@ -278,9 +278,23 @@ def test_chat_logprobs_match_transformers(client: openai.OpenAI, reference: Any)
 # -- refusals -------------------------------------------------------------------------------------
 
 
+def test_llama_cpp_samplers_are_extra_body_fields(client: openai.OpenAI) -> None:
+    extra = dict(seed=4, dry_multiplier=0.8, dry_sequence_breakers=["\n"], xtc_probability=0.5, typical_p=0.9,
+                 penalty_last_n=8, samplers=["penalties", "dry", "typ_p", "xtc", "temperature"])
+    for create in (lambda: client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0.9,
+                                                     extra_body=extra).choices[0].text,
+                   lambda: client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0.9,
+                                                          extra_body=extra).choices[0].message.content):
+        assert create() == create()
+
+
 def test_bad_and_unsupported_parameters_are_400s_naming_the_parameter(client: openai.OpenAI) -> None:
     cases = [
-        (dict(extra_body={"mirostat": 2}), "mirostat"),
+        (dict(extra_body={"mirostat": 3}), "mirostat"),
+        (dict(extra_body={"dry_base": -1}), "dry_base"),
+        (dict(extra_body={"xtc_probability": 2}), "xtc_probability"),
+        (dict(extra_body={"samplers": ["top_k", "nope"]}), "samplers"),
+        (dict(extra_body={"tfs_z": 0.9}), "tfs_z"),
         (dict(temperature=5), "temperature"),
         (dict(best_of=3), "best_of"),
         (dict(suffix="!"), "suffix"),

@@ -66,12 +66,24 @@ def test_greedy_messages_equal_model_chat_streamed_and_not(client: Any, referenc
                                                     stream=True)]
     assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    # Nothing said (max_tokens 0): one empty text block still, as Anthropic streams it.
-    with client.messages.stream(model=NAME, messages=MESSAGES, max_tokens=0, extra_body=GREEDY) as s:
-        kinds = [e.type for e in s]
-        final = s.get_final_message()
-    assert kinds == ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
-    assert [(b.type, b.text) for b in final.content] == [("text", "")] and final.stop_reason == "max_tokens"
+    # max_tokens 0: Anthropic's API requires at least 1, so it is a 400 with an error body, streamed or not.
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(model=NAME, messages=MESSAGES, max_tokens=0, extra_body=GREEDY, stream=stream)
+        assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in info.value.body["error"]["message"]
+
+
+def test_llama_cpp_samplers_are_extra_fields_checked_by_name(client: Any) -> None:
+    # (the Messages API has no seed: sampled replies differ, so this checks they are taken and bounded)
+    extra = dict(top_k=40, dry_multiplier=0.8, xtc_probability=0.5, typical_p=0.9, mirostat=2,
+                 samplers=["penalties", "dry", "top_k", "temperature"])
+    reply = client.messages.create(model=NAME, messages=MESSAGES, max_tokens=6, extra_body={"temperature": 0.9, **extra})
+    assert reply.usage.output_tokens <= 6
+    for field, value in (("dry_base", -1), ("xtc_probability", 2), ("samplers", ["top_k", "nope"])):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(model=NAME, messages=MESSAGES, max_tokens=4, extra_body={field: value})
+        assert info.value.body["error"]["message"].startswith(field), info.value.body
 
 
 def test_models_are_listed_in_anthropics_shape(client: Any) -> None:

@@ -82,7 +82,11 @@ def hostile(endpoint: str) -> list[tuple[str, bytes | str]]:
         ("wrong model type", dumps({**base, "model": 5})),
         ("huge max_tokens as a string", dumps({**base, "max_tokens": "1e999"})),
         ("negative max_tokens", dumps({**base, "max_tokens": -1, "max_output_tokens": -1})),
-        ("unknown field", dumps({**base, "mirostat": 2})),
+        ("unknown field", dumps({**base, "tfs_z": 2})),
+        ("mirostat 3", dumps({**base, "mirostat": 3})),
+        ("negative dry_base", dumps({**base, "dry_base": -1})),
+        ("xtc_probability 2", dumps({**base, "xtc_probability": 2})),
+        ("an unknown sampler", dumps({**base, "samplers": ["top_k", "nope"]})),
     ]
     if endpoint == "/v1/completions":
         out += [("out-of-vocabulary ids", dumps({**base, "prompt": [1, 2, 10**9]})),
@@ -111,6 +115,7 @@ def hostile(endpoint: str) -> list[tuple[str, bytes | str]]:
                 ("logit_bias out of vocabulary", dumps({**base, "logit_bias": {"99999999": 1}}))]
     if endpoint == "/v1/messages":
         out += [("no max_tokens", dumps({"model": NAME, "messages": base["messages"]})),
+                ("max_tokens 0", dumps({**base, "max_tokens": 0})),  # Anthropic requires at least 1
                 ("10,000 stop sequences", dumps({**base, "stop_sequences": ["x"] * 10_000})),
                 ("role system in messages", dumps({**base, "messages": [{"role": "system", "content": "x"}]})),
                 ("image block", dumps({**base, "messages": [{"role": "user", "content": [{"type": "image"}]}]})),

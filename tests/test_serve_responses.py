@@ -138,3 +138,14 @@ def test_reasoning_is_a_reasoning_item(thinking_dir: Any) -> None:  # noqa: F811
         events = list(client.responses.create(model=NAME, input=QUESTION, max_output_tokens=12, temperature=0,
                                               stream=True))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == want.reasoning_content
+
+
+def test_llama_cpp_samplers_are_extra_fields_checked_by_name(client: openai.OpenAI) -> None:
+    # (the Responses API has no seed: sampled replies differ, so this checks they are taken and bounded)
+    extra = dict(top_k=40, dry_multiplier=0.8, xtc_probability=0.5, top_n_sigma=1.5, mirostat=1)
+    reply = client.responses.create(model=NAME, input=QUESTION, max_output_tokens=6, temperature=0.9, extra_body=extra)
+    assert reply.usage.output_tokens <= 6
+    for field, value in (("dry_base", -1), ("xtc_probability", 2), ("samplers", ["nope"])):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=NAME, input=QUESTION, max_output_tokens=4, extra_body={field: value})
+        assert info.value.body["param"] == field, info.value.body

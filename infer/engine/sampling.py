@@ -19,6 +19,17 @@ The rules, applied in the order transformers applies them:
    likely one's;
 6. a token is drawn from what remains, renormalised.
 
+llama.cpp's samplers join these (:mod:`infer.engine.samplers`): DRY after
+the penalties, top-nσ, locally typical sampling and XTC among the filters,
+mirostat instead of them, a window (``penalty_last_n``) for the penalties,
+and a ``samplers`` list that orders the chain. Each is off by default, and
+the order above stays unless ``samplers`` is given, so an output that used
+none of them is what it was before them.
+
+Temperature 0 is greedy decoding: the argmax of the logits after the bias,
+the penalties and DRY (those the chain has); the filters (which all keep the
+most likely token but XTC) and mirostat do not apply.
+
 Sampling runs on the host in float64 over a ``[vocab]`` array, with a
 per-request :class:`numpy.random.Generator`, so a seed repeats a run exactly.
 
@@ -36,6 +47,7 @@ from typing import Protocol
 
 import numpy as np
 
+from infer.engine import samplers as chain
 from infer.errors import SamplingParameterError
 
 
@@ -55,6 +67,30 @@ class SamplingParams:
     #: Token id -> bias added to its logit, each in [-100, 100]; a mapping
     #: given here is kept as sorted ``(id, bias)`` pairs (the params stay hashable).
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    #: The penalties' window: the last this many tokens (-1: the whole sequence; 0: no penalties).
+    penalty_last_n: int = -1
+    #: DRY (0 = off): a repeat ``n >= dry_allowed_length`` tokens long costs the token that would
+    #: extend it ``dry_multiplier * dry_base ** (n - dry_allowed_length)``, over the last
+    #: ``dry_penalty_last_n`` tokens (-1: all; 0: off); ``dry_sequence_breakers`` end a repeat.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = chain.DRY_SEQUENCE_BREAKERS
+    #: XTC (0 = off): with this probability, remove the tokens at least ``xtc_threshold`` likely but the least.
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    #: Top-nσ (<= 0 = off): keep logits within this many standard deviations of the largest.
+    top_n_sigma: float = -1.0
+    #: Locally typical sampling (1 = off).
+    typical_p: float = 1.0
+    #: Mirostat 1 or 2 (0 = off) with target surprise ``mirostat_tau`` and learning rate ``mirostat_eta``.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    #: The chain's order, llama.cpp's names (:data:`~infer.engine.samplers.SAMPLERS`); None: the
+    #: default order (:data:`~infer.engine.samplers.DEFAULT_ORDER`). A sampler left out does not run.
+    samplers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         def number(name: str, value: object, integer: bool = False) -> float:
@@ -88,12 +124,60 @@ class SamplingParams:
                 raise SamplingParameterError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias, number))
 
+        def window(name: str) -> None:
+            if number(name, getattr(self, name), integer=True) < -1:
+                raise SamplingParameterError(f"{name} must be an integer >= -1 (-1 = the whole sequence, "
+                                             f"0 = off), got {getattr(self, name)}")
+
+        window("penalty_last_n")
+        window("dry_penalty_last_n")
+        if number("dry_multiplier", self.dry_multiplier) < 0:
+            raise SamplingParameterError(f"dry_multiplier must be >= 0 (0 = off), got {self.dry_multiplier}")
+        if number("dry_base", self.dry_base) < 1:
+            raise SamplingParameterError(f"dry_base must be >= 1, got {self.dry_base}")
+        if number("dry_allowed_length", self.dry_allowed_length, integer=True) < 0:
+            raise SamplingParameterError(f"dry_allowed_length must be an integer >= 0, got {self.dry_allowed_length}")
+        breakers = self.dry_sequence_breakers
+        if (isinstance(breakers, (str, bytes)) or not isinstance(breakers, Iterable)
+                or not (breakers := tuple(breakers)) or not all(isinstance(s, str) and s for s in breakers)):
+            raise SamplingParameterError(
+                f"dry_sequence_breakers must be a non-empty list of non-empty strings, got {self.dry_sequence_breakers!r}")
+        object.__setattr__(self, "dry_sequence_breakers", breakers)
+        for name in ("xtc_probability", "xtc_threshold"):
+            if not 0 <= number(name, getattr(self, name)) <= 1:
+                raise SamplingParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        number("top_n_sigma", self.top_n_sigma)
+        if not 0 <= number("typical_p", self.typical_p) <= 1:
+            raise SamplingParameterError(f"typical_p must be in [0, 1] (1 = off), got {self.typical_p}")
+        if not isinstance(self.mirostat, int) or isinstance(self.mirostat, bool) or self.mirostat not in (0, 1, 2):
+            raise SamplingParameterError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            if number(name, getattr(self, name)) < 0:
+                raise SamplingParameterError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.samplers is not None:
+            object.__setattr__(self, "samplers", chain.sampler_order(self.samplers))
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The chain's steps: :attr:`samplers`, else the default order."""
+        return chain.DEFAULT_ORDER if self.samplers is None else self.samplers
+
+    @property
+    def penalties_on(self) -> bool:
+        """Whether the ``penalties`` step changes anything."""
+        return bool("penalties" in self.order and self.penalty_last_n != 0 and (
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty))
+
+    @property
+    def dry_on(self) -> bool:
+        """Whether the ``dry`` step changes anything."""
+        return bool("dry" in self.order and self.dry_multiplier and self.dry_penalty_last_n != 0)
+
     @property
     def penalized(self) -> bool:
         """Whether any rule reads the history or shifts logits (so greedy
         decoding needs the logits on the host, not just their argmax)."""
-        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias)
+        return bool(self.penalties_on or self.dry_on or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -169,28 +253,11 @@ def filter_probabilities(
     (default ``probs``) are what top-k ranks: the sampler passes the logits,
     because logits that differ by less than float64 resolves after ``exp``
     (e.g. 0 and 1e-45) give equal probabilities but must still rank apart."""
-    keep = np.ones(probs.shape, dtype=bool)
-    if params.top_k and params.top_k < probs.size:
-        rank = probs if scores is None else scores
-        kth = np.partition(rank, -params.top_k)[-params.top_k]
-        # Ties at the k-th value: keep the first k by index, as a stable sort would.
-        above = rank > kth
-        ties = np.flatnonzero(rank == kth)[: params.top_k - int(above.sum())]
-        keep = above
-        keep[ties] = True
-    if params.top_p < 1.0:
-        order = np.argsort(-np.where(keep, probs, 0.0), kind="stable")
-        sorted_probs = np.where(keep, probs, 0.0)[order]
-        cumulative = np.cumsum(sorted_probs) / sorted_probs.sum()
-        # Smallest prefix whose mass reaches top_p; the first token always stays.
-        cutoff = int(np.searchsorted(cumulative, params.top_p - 1e-12)) + 1
-        nucleus = np.zeros_like(keep)
-        nucleus[order[:cutoff]] = True
-        keep &= nucleus
-    if params.min_p > 0.0:
-        keep &= probs >= params.min_p * probs[keep].max()
-    filtered = np.where(keep, probs, 0.0)
-    return filtered / filtered.sum()
+    c = chain.Candidates(probs if scores is None else scores, probs)
+    chain.top_k(c, params.top_k)
+    chain.top_p(c, params.top_p)
+    chain.min_p(c, params.min_p)
+    return c.kept()
 
 
 @dataclass(frozen=True)
@@ -236,7 +303,8 @@ class Constraint(Protocol):
 
 
 class Sampler:
-    """Samples one request's tokens; owns its random generator.
+    """Samples one request's tokens; owns its random generator and, with
+    mirostat, its running target surprise :attr:`mu`.
 
     ``history``, wherever a method takes it, is the request's whole token
     sequence before the position sampled: its first :attr:`prompt_tokens` are
@@ -254,10 +322,14 @@ class Sampler:
         constraint: only tokens it allows are chosen: its mask applies
             before every rule above (forbidden logits are ``-inf``), greedy
             or sampled, and it learns each chosen token.
+        breakers: DRY's sequence breakers as token ids
+            (:func:`~infer.engine.samplers.dry_breakers`; what
+            :meth:`infer.Model.prepare` resolves from
+            ``params.dry_sequence_breakers``); None: no breakers.
     """
 
     def __init__(self, params: SamplingParams, prompt_tokens: int = 0, *, logprobs: int | None = None,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None, breakers: chain.Breakers | None = None) -> None:
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise SamplingParameterError(f"logprobs must be a non-negative integer or None, got {logprobs!r}")
         self.params = params
@@ -265,6 +337,9 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self.logprobs = logprobs
         self.constraint = constraint
+        self.breakers: chain.Breakers = breakers or {}
+        #: Mirostat's target surprise, in bits; starts at ``2 * tau`` (llama.cpp's start).
+        self.mu = 2.0 * params.mirostat_tau
         #: One :class:`TokenLogprob` per token chosen so far (with ``logprobs``).
         self.recorded: list[TokenLogprob] = []
 
@@ -276,12 +351,19 @@ class Sampler:
         return not (self.params.greedy and not self.params.penalized and self.logprobs is None
                     and self.constraint is None)
 
+    @property
+    def mirostat(self) -> bool:
+        """Whether tokens are sampled by mirostat (whose state each token moves)."""
+        return bool(self.params.mirostat) and not self.params.greedy
+
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """The next token id from ``[vocab]`` logits (recorded, see :meth:`chose`)."""
         if self.params.greedy:
             token = int(np.argmax(self.adjust(logits, history)))
         else:
-            token = self.draw(self.distribution(logits, history))
+            probs = self.distribution(logits, history)
+            token = self.draw(probs)
+            self.observe(probs, token)
         self.chose(logits, token)
         return token
 
@@ -294,38 +376,78 @@ class Sampler:
         if self.constraint is not None:
             self.constraint.advance(token)
 
+    def observe(self, probs: np.ndarray, token: int) -> None:
+        """``token`` was drawn from ``probs`` (what :meth:`distribution`
+        gave): mirostat moves :attr:`mu` by the token's surprise."""
+        if self.mirostat:
+            self.mu = self.next_mu(self.mu, probs, token)
+
+    def next_mu(self, mu: float, probs: np.ndarray, token: int) -> float:
+        """Mirostat's ``mu`` after ``token`` was drawn from ``probs``."""
+        return chain.mirostat_mu(mu, probs, token, self.params.mirostat_tau, self.params.mirostat_eta)
+
     def _masked(self, logits: np.ndarray) -> np.ndarray:
         x = np.asarray(logits, dtype=np.float64)
         return x if self.constraint is None else self.constraint.mask(x)
 
-    def adjust(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
-        """``logits`` in float64 after the constraint's mask, the logit bias
-        and the penalties (rule 1 of the module docs), before temperature."""
+    def _shift(self, name: str, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The logit rule ``name`` (``penalties`` or ``dry``) applied to ``logits``."""
         p = self.params
-        out = apply_logit_bias(self._masked(logits), p.logit_bias)
-        out = apply_repetition_penalty(out, history, p.repetition_penalty)
-        generated = list(history)[self.prompt_tokens:] if (p.presence_penalty or p.frequency_penalty) else ()
+        if name == "dry":
+            return chain.apply_dry(logits, history, p, self.breakers) if p.dry_on else logits
+        if not p.penalties_on:
+            return logits
+        start = max(len(history) - p.penalty_last_n, 0) if p.penalty_last_n > 0 else 0
+        out = apply_repetition_penalty(logits, history[start:], p.repetition_penalty)
+        generated = list(history)[max(start, self.prompt_tokens):] if (
+            p.presence_penalty or p.frequency_penalty) else ()
         return apply_presence_frequency_penalties(out, generated, p.presence_penalty, p.frequency_penalty)
 
-    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+    def adjust(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """``logits`` in float64 after the constraint's mask, the logit bias,
+        the penalties and DRY (those the chain has, in its order), before
+        temperature: what greedy decoding takes the argmax of."""
+        out = apply_logit_bias(self._masked(logits), self.params.logit_bias)
+        for name in self.params.order:
+            if name in ("penalties", "dry"):
+                out = self._shift(name, out, history)
+        return out
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (), *, mu: float | None = None) -> np.ndarray:
         """The float64 ``[vocab]`` distribution :meth:`sample` draws from:
         every rule above applied to ``logits``, renormalised. Greedy gives
         the one-hot vector of the argmax. Speculative decoding compares
-        these distributions of target and draft."""
+        these distributions of target and draft. ``mu``: mirostat's state to
+        use (default :attr:`mu`)."""
         p = self.params
-        logits = self.adjust(logits, history)
         if p.greedy:
             probs = np.zeros(logits.shape, dtype=np.float64)
-            probs[int(np.argmax(logits))] = 1.0
+            probs[int(np.argmax(self.adjust(logits, history)))] = 1.0
             return probs
-        # Shifted before scaling, so a tiny temperature gives -inf, never inf - inf;
-        # clipped, so a penalty that overflowed a logit keeps its order, not NaN.
-        finite = np.clip(logits, -np.finfo(np.float64).max, np.finfo(np.float64).max)
-        with np.errstate(over="ignore"):
-            scaled = (finite - finite.max()) / p.temperature
-        probs = np.exp(scaled)
-        probs /= probs.sum()
-        return filter_probabilities(probs, p, scores=logits)
+        biased = apply_logit_bias(self._masked(logits), p.logit_bias)
+        c = chain.Candidates(biased)
+        if self.mirostat:  # llama.cpp's mirostat chain: temperature, then the truncation (the logit rules first)
+            c.logits = self.adjust(logits, history)
+            c.temperature = p.temperature
+            mu = self.mu if mu is None else mu
+            if p.mirostat == 1:
+                return chain.mirostat_v1(c.probs, mu, c.logits.size)
+            return chain.mirostat_v2(c.probs, mu)
+        return chain.run_chain(c, p.order, p, lambda name, x: self._shift(name, x, history))
+
+    def distributions(self, rows: np.ndarray, history: Sequence[int], drafts: Sequence[int]) -> np.ndarray:
+        """``[len(drafts) + 1, vocab]``: row ``i``'s :meth:`distribution`
+        after ``history`` and ``drafts[:i]`` (speculative verification), with
+        mirostat's ``mu`` carried through the drafts as if each were drawn;
+        :attr:`mu` itself moves only with :meth:`observe`."""
+        mu = self.mu
+        out = []
+        for i in range(len(drafts) + 1):
+            probs = self.distribution(rows[i], [*history, *drafts[:i]], mu=mu)
+            if self.mirostat and i < len(drafts):
+                mu = self.next_mu(mu, probs, int(drafts[i])) if probs[int(drafts[i])] > 0 else mu
+            out.append(probs)
+        return np.stack(out)
 
     def draw(self, probs: np.ndarray) -> int:
         """A token id drawn from ``probs`` with this request's random generator."""

@@ -65,15 +65,22 @@ def verify(
     pending token and drafts ``0..i-1``; ``history`` is the request's tokens
     up to and including the pending one; ``q`` the draft distributions (None:
     one-hot). Each row's distribution follows the request's own sampling
-    rules, its repetition penalty over every token up to that row."""
+    rules, its penalties and DRY over every token up to that row; XTC's is
+    its mixture (drawing its coin and then a token gives exactly it), and
+    mirostat's uses the ``mu`` the drafts before it would leave, so the
+    accept/reject rule keeps the filtered distribution exactly."""
     count = len(drafts) + 1
     if not sampler.needs_logits:  # greedy: only the argmax of each row leaves the device
         return verify_greedy([int(t) for t in out.argmax()[first:first + count]], drafts)
-    rows = out.host_logits()
-    p = np.stack([sampler.distribution(rows[first + i], [*history, *drafts[:i]]) for i in range(count)])
+    p = sampler.distributions(out.host_logits()[first:first + count], history, drafts)
     if sampler.params.greedy:  # a repetition penalty: p is one-hot at each row's penalised argmax
         return verify_greedy([int(np.argmax(r)) for r in p], drafts)
-    return verify_sampled(p, drafts, q, sampler.rng)
+    emitted = verify_sampled(p, drafts, q, sampler.rng)
+    # Row i's distribution is the target's after emitted[:i] (mirostat's mu included: distributions()
+    # carried it through the drafts), so emitted[i] moves the sampler's state as a plain draw from it would.
+    for i, token in enumerate(emitted):
+        sampler.observe(p[i], token)
+    return emitted
 
 
 def verify_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:

@@ -28,7 +28,9 @@ from starlette.responses import JSONResponse, Response
 from infer.chat import ReplyParser
 from infer.errors import RequestError
 from infer.serve.choice import Choice, Events, ReplyEvents
-from infer.serve.protocol import MAX_STOP_SEQUENCES, ServerLike, _Body, check_stops, joined_text, parse
+from infer.serve.protocol import (
+    MAX_STOP_SEQUENCES, LlamaSamplers, ServerLike, _Body, check_stops, joined_text, parse,
+)
 from infer.tool_parsers import Call
 
 
@@ -43,10 +45,11 @@ class _Counted(_Body):
     thinking: dict[str, Any] | None = None
 
 
-class MessagesRequest(_Counted):
-    """The body of ``POST /v1/messages``."""
+class MessagesRequest(_Counted, LlamaSamplers):
+    """The body of ``POST /v1/messages`` (llama.cpp's samplers as extra fields)."""
 
-    max_tokens: int = Field(ge=0)
+    #: Anthropic's API requires at least 1.
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
@@ -185,7 +188,7 @@ def request_options(body: MessagesRequest) -> dict[str, Any]:
     """Every :class:`~infer.request.GenerationRequest` option of ``body``."""
     stops = check_stops(body.stop_sequences, "stop_sequences", MAX_STOP_SEQUENCES)
     return dict(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                stop=stops, **chat_options(body), **body.output_options())
+                stop=stops, **body.sampler_options(), **chat_options(body), **body.output_options())
 
 
 def stop_reason(c: Choice) -> tuple[str, str | None]:

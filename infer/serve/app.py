@@ -215,7 +215,7 @@ class Server:
             min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logit_bias=body.bias(self.model.network.vocab_size), stop=body.stops(), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, **options)
+            logprobs=logprobs, **body.sampler_options(), **options)
 
     def build_request(self, **fields: Any) -> GenerationRequest:
         """A :class:`~infer.request.GenerationRequest` of ``fields``; a bad

@@ -6,7 +6,8 @@ refused with a 400 naming it (:class:`~infer.errors.RequestError`): an
 unknown field too, so a client never gets silently different behaviour from
 what it asked for. Beyond OpenAI's: ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos``, as vLLM and llama.cpp's server
-accept them, and vLLM's ``chat_template_kwargs``, ``thinking_budget`` and
+accept them, llama.cpp's samplers (:class:`LlamaSamplers`: DRY, XTC,
+top-nσ, typical, mirostat, ``penalty_last_n``, ``samplers``), and vLLM's ``chat_template_kwargs``, ``thinking_budget`` and
 (on completions) ``response_format``. The helpers here (``response_schema``,
 ``check_tools``, ``tool_choice``, ``check_stops``, ``joined_text``) are
 shared with the Responses and Anthropic Messages endpoints.
@@ -66,7 +67,35 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class LlamaSamplers(_Body):
+    """llama.cpp's samplers, as llama-server's ``/completion`` names them:
+    extra body fields of every generation endpoint. Unset fields keep the
+    defaults (each sampler off); their ranges are
+    :class:`~infer.request.GenerationRequest`'s to check (a 400 naming the field)."""
+
+    penalty_last_n: int | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    top_n_sigma: float | None = None
+    #: llama-server's ``typical_p``.
+    typical_p: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    samplers: list[str] | None = None
+
+    def sampler_options(self) -> dict[str, Any]:
+        """The fields given, as :class:`~infer.request.GenerationRequest` options."""
+        return {name: value for name in LlamaSamplers.model_fields
+                if (value := getattr(self, name)) is not None}
+
+
+class _Sampling(LlamaSamplers):
     """What both endpoints share."""
 
     model: str

@@ -34,13 +34,15 @@ from starlette.responses import JSONResponse, Response
 from infer.chat import ReplyParser
 from infer.errors import RequestError
 from infer.serve.choice import Choice, Events, ReplyEvents
-from infer.serve.protocol import ServerLike, _Body, check_tools, joined_text, parse, response_schema, tool_choice
+from infer.serve.protocol import (
+    LlamaSamplers, ServerLike, _Body, check_tools, joined_text, parse, response_schema, tool_choice,
+)
 from infer.tokenizer import Tokenizer
 from infer.tool_parsers import Call
 
 
-class ResponsesRequest(_Body):
-    """The body of ``POST /v1/responses``."""
+class ResponsesRequest(LlamaSamplers):
+    """The body of ``POST /v1/responses`` (llama.cpp's samplers as extra fields)."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -153,7 +155,7 @@ def chat_options(body: ResponsesRequest) -> dict[str, Any]:
 def request_options(body: ResponsesRequest) -> dict[str, Any]:
     """Every :class:`~infer.request.GenerationRequest` option of ``body``."""
     return dict(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                **chat_options(body))
+                **body.sampler_options(), **chat_options(body))
 
 
 def new_id(prefix: str) -> str:

@@ -51,6 +51,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
+    # llama.cpp's samplers (docs/sampling.md); unset: off, and the order is infer's.
+    g.add_argument("--penalty-last-n", type=int, default=None,
+                   help="the penalties' window in tokens (-1: all, the default; 0: off; llama.cpp's --repeat-last-n)")
+    g.add_argument("--dry-multiplier", type=float, default=None, help="DRY's strength (0 = off)")
+    g.add_argument("--dry-base", type=float, default=None, help="DRY's growth per repeated token (default 1.75)")
+    g.add_argument("--dry-allowed-length", type=int, default=None, help="repeats this long go unpenalised (2)")
+    g.add_argument("--dry-penalty-last-n", type=int, default=None, help="DRY's window (-1: all; 0: off)")
+    g.add_argument("--dry-sequence-breaker", action="append", default=None, dest="dry_sequence_breakers",
+                   help="a string that ends DRY's repeats (repeatable; default \\n : \" *)")
+    g.add_argument("--xtc-probability", type=float, default=None, help="XTC's chance per token (0 = off)")
+    g.add_argument("--xtc-threshold", type=float, default=None, help="XTC's threshold (0.1)")
+    g.add_argument("--top-n-sigma", type=float, default=None, help="top-nσ (<= 0 = off)")
+    g.add_argument("--typical-p", type=float, default=None, help="locally typical sampling (1 = off)")
+    g.add_argument("--mirostat", type=int, default=None, choices=(0, 1, 2), help="mirostat version (0 = off)")
+    g.add_argument("--mirostat-tau", type=float, default=None, help="mirostat's target surprise (5.0)")
+    g.add_argument("--mirostat-eta", type=float, default=None, help="mirostat's learning rate (0.1)")
+    g.add_argument("--samplers", default=None, metavar="NAMES",
+                   help="the sampler chain's order, llama.cpp's names separated by ';' or ',' "
+                        "(e.g. 'penalties;dry;top_k;typ_p;top_p;min_p;xtc;temperature')")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--speculative", default=None, choices=("ngram", "mtp"),
@@ -73,11 +92,21 @@ def _add_activations(p: argparse.ArgumentParser) -> None:
                    help="q8: int8 activations in the quantized products (faster prefill, approximate)")
 
 
+#: The sampling flags passed on only when given (their defaults are GenerationRequest's).
+_LLAMA_CPP_SAMPLING = ("penalty_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                       "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "top_n_sigma", "typical_p",
+                       "mirostat", "mirostat_tau", "mirostat_eta")
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                   speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    options.update({name: getattr(args, name) for name in _LLAMA_CPP_SAMPLING if getattr(args, name) is not None})
+    if args.samplers is not None:
+        options["samplers"] = [name for name in args.samplers.replace(",", ";").split(";") if name]
+    return options
 
 
 def _load(args: argparse.Namespace) -> Any:
