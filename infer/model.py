@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -58,6 +59,7 @@ from infer.errors import (
     TokenizerError,
 )
 from infer.ops import Backend
+from infer.kv.snapshot import RestoredState
 from infer.package import ModelPackage
 from infer.request import (
     GenerateOptions,
@@ -67,6 +69,7 @@ from infer.request import (
     SamplingOptions,
     sampling_params,
 )
+from infer.saved_state import SavedState, StateSource, load_state, save_state
 from infer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class Model:
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
         self._embedding_config: EmbeddingConfig | None = None
+        # Set by load_state: single requests then run in the batch engine's pool and reuse its prefixes.
+        self._reuse_prefixes = False
 
     def close(self) -> None:
         """Release what the model holds beyond memory: a tensor-parallel
@@ -422,7 +427,8 @@ class Model:
         :meth:`complete` and :meth:`chat`)."""
         request = prepared.request
         spec = self.speculation(request.speculative, request.num_speculative_tokens)
-        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec)
+        pool = self.batch_engine.pool if self._reuse_prefixes else None
+        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec, kv_pool=pool)
         return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
                              skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
@@ -615,6 +621,40 @@ class Model:
                                          block_size=block_size, max_batch_tokens=max_batch_tokens)
         return self._batch_engine
 
+    # -- saved states --------------------------------------------------------------
+
+    def save_state(self, path: str | os.PathLike[str], conversation_or_tokens: StateSource) -> SavedState:
+        """Compute the state of a prompt and write it to ``path`` (atomically):
+        token ids, a prompt text, or a conversation (a list of messages,
+        rendered with the chat template without a generation prompt, so the
+        next turn's prompt starts with it). What the prefix cache holds of it
+        already is not computed again. A later process loads it with
+        :meth:`load_state`; the file format is in docs/kv-cache.md.
+
+        Raises :class:`~infer.errors.StateUnsupportedError` under tensor
+        parallelism or for a model loaded from no file."""
+        with self._lock:
+            return save_state(self, path, conversation_or_tokens)
+
+    def load_state(self, path: str | os.PathLike[str]) -> RestoredState:
+        """Enter the state saved at ``path`` (by :meth:`save_state`, here or
+        in another process) in this model's prefix cache: from now on a
+        request whose prompt starts with the saved tokens computes only the
+        rest (``usage.cached_tokens`` counts what it found). Single requests
+        (``generate``, ``complete``, ``chat``) run in the batch engine's
+        pool from then on, so they find it.
+
+        Raises :class:`~infer.errors.StateMismatchError` when the file was
+        saved by another model (weights, architecture, tokenizer) or cache
+        setting (``kv_dtype``, block size), naming what differs;
+        :class:`~infer.errors.StateFileError` for a truncated or altered
+        file; :class:`~infer.errors.StateUnsupportedError` under tensor
+        parallelism."""
+        with self._lock:
+            restored = load_state(self, path)
+            self._reuse_prefixes = True
+            return restored
+
     def plan_chat(
         self, messages: Sequence[Message], request: GenerationRequest, *, template: str | None = None,
     ) -> ChatPlan:
@@ -715,7 +755,9 @@ def _as_generation(handle: RequestHandle) -> Generation:
 
     def tokens() -> Iterator[int]:
         try:
-            yield from handle
+            for token in handle:
+                gen.cached_tokens = handle.cached_tokens or 0
+                yield token
         finally:
             handle.cancel()
             if gen.finish_reason is None:

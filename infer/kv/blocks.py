@@ -50,6 +50,14 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
+def tail_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a *partial* last block (fewer than
+    ``block_size`` tokens after the full blocks keyed ``parent``): a restored
+    state's tail (:mod:`infer.kv.snapshot`). Apart from :func:`chain_hash`'s
+    keys by a prefix, so a tail never stands for a full block."""
+    return hashlib.sha256(b"tail:" + parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
 @dataclass
 class BlockTable:
     """One sequence's blocks: physical block ids in logical order.
