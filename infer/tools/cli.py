@@ -331,7 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
-          tool_parser=args.tool_parser, body_timeout=args.body_timeout,
+          tool_parser=args.tool_parser, body_timeout=args.body_timeout, slot_save_path=args.slot_save_path,
           log_level="warning" if args.quiet else "info")
     return 0
 
@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-parser", default=None, metavar="NAME",
                      help="the tool-call format: hermes, llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3 or "
                      "harmony (default: chosen from the chat template)")
+    srv.add_argument("--slot-save-path", default=None, metavar="DIR",
+                     help="folder of the saved states POST /slots/NAME?action=save|restore|erase names "
+                     "(default: slots are off)")
     srv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="measure speed and memory against llama.cpp, transformers and mlx-lm")
     b.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
