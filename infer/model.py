@@ -69,7 +69,14 @@ from infer.request import (
     SamplingOptions,
     sampling_params,
 )
-from infer.saved_state import SavedState, StateSource, load_state, save_state
+from infer.saved_state import (
+    DEFAULT_PROMPT_CACHE_BYTES,
+    SavedState,
+    StateSource,
+    attach_prompt_cache,
+    load_state,
+    save_state,
+)
 from infer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -601,6 +608,8 @@ class Model:
         kv_layout: KVLayout = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        prompt_cache_dir: str | os.PathLike[str] | None = None,
+        prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     ) -> BatchEngine:
         """Replace :attr:`batch_engine` with one of these settings and return it.
 
@@ -611,15 +620,26 @@ class Model:
                 the backend has native paged attention).
             block_size: positions per page (paged layout).
             max_batch_tokens: most tokens one forward processes.
+            prompt_cache_dir: a folder where prefix blocks are kept on disk
+                as they leave use, and read back by a later request whose
+                prompt starts with them, in this process or a later one
+                (docs/kv-cache.md, "The disk tier"); single requests then run
+                in the batch engine's pool too, so they find them.
+            prompt_cache_bytes: the most that folder holds (least recently
+                used blocks go first).
 
         Raises :class:`~infer.errors.GenerationError` while the current batch
         engine still has requests.
         """
         if self._batch_engine is not None and self._batch_engine.has_work():
             raise GenerationError("the batch engine still has requests; finish or cancel them first")
-        self._batch_engine = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory,
-                                         block_size=block_size, max_batch_tokens=max_batch_tokens)
-        return self._batch_engine
+        batch = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory, block_size=block_size,
+                            max_batch_tokens=max_batch_tokens)
+        if prompt_cache_dir is not None:
+            attach_prompt_cache(self, batch, prompt_cache_dir, prompt_cache_bytes)
+        self._batch_engine = batch
+        self._reuse_prefixes = prompt_cache_dir is not None
+        return batch
 
     # -- saved states --------------------------------------------------------------
 

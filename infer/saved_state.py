@@ -25,6 +25,7 @@ from typing import Any, Protocol, Union
 from infer.engine import Engine
 from infer.engine.batch import BatchEngine
 from infer.errors import GenerationError, StateUnsupportedError
+from infer.kv.disk import DiskTier
 from infer.kv.fingerprint import Fingerprint, tokenizer_hash, weights_hash
 from infer.kv.paged import PagedKVPool
 from infer.kv.snapshot import RestoredState, capture, restore
@@ -46,6 +47,9 @@ class Model(Protocol):
 
     @property
     def batch_engine(self) -> BatchEngine: ...
+
+#: The prompt cache's default bound on disk.
+DEFAULT_PROMPT_CACHE_BYTES = 4 * 2**30
 
 #: What a state is saved of: token ids, a text prompt, or a conversation (messages).
 StateSource = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
@@ -150,3 +154,16 @@ def load_state(model: Model, path: str | os.PathLike[str], batch: BatchEngine | 
     pool = prefix_pool(batch or model.batch_engine)
     fp = fingerprint(model, pool)
     return restore(pool, read_state_file(path), fp)
+
+
+def attach_prompt_cache(model: Model, batch: BatchEngine, folder: str | os.PathLike[str],
+                        max_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> DiskTier:
+    """Give ``batch``'s prefix cache a disk tier in ``folder`` of at most
+    ``max_bytes`` (:mod:`infer.kv.disk`): prefix blocks are written there as
+    they become cached and read back by a later request, in this process or
+    the next."""
+    check_supported(model)
+    pool = prefix_pool(batch)
+    tier = DiskTier(folder, max_bytes, fingerprint(model, pool))
+    tier.attach(pool)
+    return tier

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +45,14 @@ log = logging.getLogger(__name__)
 
 #: Blocks of a pool whose layers keep no keys and values (they cost no memory).
 BOOKKEEPING_BLOCKS = 1 << 16
+
+
+class PrefixTier(Protocol):
+    """A slower tier of a pool's prefix cache (:class:`infer.kv.disk.DiskTier`)."""
+
+    def fill(self, tokens: Sequence[int]) -> int:
+        """Enter in the pool's prefix cache the blocks of ``tokens`` this tier
+        holds and memory lacks; returns how many it read."""
 
 
 class PagedKVPool(LayerStore):
@@ -133,6 +142,8 @@ class PagedKVPool(LayerStore):
         self.window_margin = max(16, block_size) if window_margin is None else window_margin
         #: The recurrent layers' states (None: the model has none).
         self.state_store = state_store
+        #: The prefix cache's disk tier (:class:`infer.kv.disk.DiskTier`; None: memory only).
+        self.disk: PrefixTier | None = None
         self._bytes_known = bytes_per_token is not None
         #: Called with every list of block copies :meth:`copy_blocks` makes and
         #: their state group (a tensor-parallel driver repeats them on the other ranks' pools).
@@ -323,6 +334,8 @@ class PagedSequenceCache(SequenceCache):
         Pass a prompt without its last token, so at least one token is left
         to compute the next logits from."""
         pool, bs = self.pool, self.pool.block_size
+        if pool.disk is not None:  # what memory lacks of the prompt's blocks, read back from disk
+            pool.disk.fill(tokens)
         keys = [key for key, _ in pool.allocator._cached_prefix(tokens)]
         n = len(keys)
         tail = self._find_tail(keys[n - 1] if n else ROOT_HASH, tokens, n * bs)

@@ -39,7 +39,7 @@ from infer.kv.state_file import StateFile, Tensor
 from infer.ops import Array, Backend
 
 #: Backend dtype name -> safetensors dtype name.
-_TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 @dataclass(frozen=True)
@@ -53,20 +53,23 @@ class RestoredState:
     cached: int
 
 
-def _to_host(ops: Backend, x: Array, tag: str) -> np.ndarray:
+def to_host(ops: Backend, x: Array, tag: str) -> np.ndarray:
+    """``x`` on the host as a state file stores it (``tag``: its safetensors dtype)."""
     if tag == "BF16":  # numpy has no bfloat16: float32 holds it exactly, its top half is the value
         return (ops.to_numpy(ops.astype(x, "float32")).astype("<f4").view("<u4") >> 16).astype("<u2")
     return ops.to_numpy(x)
 
 
-def _to_device(ops: Backend, t: Tensor, dtype: str) -> Array:
+def to_device(ops: Backend, t: Tensor, dtype: str) -> Array:
+    """A state file's tensor as a backend array of ``dtype``."""
     data = t.data
     if t.dtype == "BF16":
         data = (data.astype("<u4") << 16).view("<f4")
     return ops.from_numpy(np.ascontiguousarray(data), dtype=dtype)
 
 
-def _layer_kv(pool: PagedKVPool) -> list[tuple[int, int, bool]]:
+def kv_layers(pool: PagedKVPool) -> list[tuple[int, int, bool]]:
+    """Per cache layer of ``pool`` its (storage layer, state group, writes)."""
     return pool.layer_kv or [(i, 0, True) for i in range(pool.num_layers)]
 
 
@@ -80,10 +83,10 @@ def capture(cache: PagedSequenceCache, fingerprint: Fingerprint) -> tuple[dict[s
         raise StateFileError(f"only a computed sequence can be saved (it holds {cache.length} positions, "
                              f"{n} token ids)")
     blocks = -(-n // bs)
-    tag = _TAGS.get(fingerprint.kv_dtype)
+    tag = TAGS.get(fingerprint.kv_dtype)
     tensors: dict[str, Tensor] = {"tokens": Tensor("I64", np.asarray(tokens, np.int64))}
     layers: dict[str, list[int]] = {}
-    for layer, (storage, group, writes) in enumerate(_layer_kv(pool)):
+    for layer, (storage, group, writes) in enumerate(kv_layers(pool)):
         if group < 0 or not writes or pool._keys[storage] is None:
             continue
         table = cache.tables[group].blocks
@@ -92,8 +95,8 @@ def capture(cache: PagedSequenceCache, fingerprint: Fingerprint) -> tuple[dict[s
         keys, values = pool.stored(storage)
         if tag is None:
             raise StateFileError(f"keys and values stored as {fingerprint.kv_dtype!r} cannot be saved")
-        tensors[f"kv.{layer}.keys"] = Tensor(tag, _to_host(ops, ops.take(keys, rows, axis=0), tag))
-        tensors[f"kv.{layer}.values"] = Tensor(tag, _to_host(ops, ops.take(values, rows, axis=0), tag))
+        tensors[f"kv.{layer}.keys"] = Tensor(tag, to_host(ops, ops.take(keys, rows, axis=0), tag))
+        tensors[f"kv.{layer}.values"] = Tensor(tag, to_host(ops, ops.take(values, rows, axis=0), tag))
         layers[str(layer)] = present
     checkpoints = []
     states = cache.states
@@ -115,9 +118,9 @@ def _save_slot(store: Any, slot: int, position: int, tensors: dict[str, Tensor])
     ops = store.backend
     idx = ops.from_numpy(np.asarray([slot], np.int32))
     for layer, arrays in store.arrays.items():
-        tag = _TAGS.get(store.specs[layer].dtype, "F32")
+        tag = TAGS.get(store.specs[layer].dtype, "F32")
         for name, a in arrays.items():
-            tensors[f"state.{position}.{layer}.{name}"] = Tensor(tag, _to_host(ops, ops.take(a, idx, axis=0), tag)[0])
+            tensors[f"state.{position}.{layer}.{name}"] = Tensor(tag, to_host(ops, ops.take(a, idx, axis=0), tag)[0])
 
 
 def read_fingerprint(state: StateFile) -> Fingerprint:
@@ -145,7 +148,7 @@ def restore(pool: PagedKVPool, state: StateFile, fingerprint: Fingerprint) -> Re
     held: list[tuple[BlockAllocator, int]] = []  # let go once everything is written: then cached, evictable
     try:
         cached = full * bs + (n % bs)
-        kv = _layer_kv(pool)
+        kv = kv_layers(pool)
         for g, (alloc, salt) in enumerate(zip(pool.allocators, pool.salts)):
             mine = [i for i, (_, gi, w) in enumerate(kv) if gi == g and w and str(i) in layers]
             if not mine:
@@ -183,7 +186,7 @@ def restore(pool: PagedKVPool, state: StateFile, fingerprint: Fingerprint) -> Re
                 for layer, arrays in store.arrays.items():
                     for name, a in arrays.items():
                         t = state.tensors[f"state.{p}.{layer}.{name}"]
-                        row = _to_device(ops, Tensor(t.dtype, t.data[None]), store.specs[layer].dtype)
+                        row = to_device(ops, Tensor(t.dtype, t.data[None]), store.specs[layer].dtype)
                         arrays[name] = ops.scatter_rows(a, idx, row)
                 store.allocator.register(slot, key)
     finally:
@@ -196,14 +199,14 @@ def _write_blocks(pool: PagedKVPool, state: StateFile, layers_of_group: Sequence
                   placed: Sequence[tuple[int, int]]) -> None:
     ops, bs = pool.backend, pool.block_size
     dst = ops.from_numpy(pool.rows_of([block for _, block in placed], 0, len(placed) * bs))
-    kv = _layer_kv(pool)
+    kv = kv_layers(pool)
     for i in layers_of_group:
         order = {b: j for j, b in enumerate(layers[str(i)])}
         src = np.concatenate([np.arange(order[b] * bs, order[b] * bs + bs) for b, _ in placed])
         keys_t, values_t = state.tensors[f"kv.{i}.keys"], state.tensors[f"kv.{i}.values"]
         dtype = pool.dtype or pool.backend.compute_dtype
-        k = _to_device(ops, Tensor(keys_t.dtype, keys_t.data[src]), dtype)
-        v = _to_device(ops, Tensor(values_t.dtype, values_t.data[src]), dtype)
+        k = to_device(ops, Tensor(keys_t.dtype, keys_t.data[src]), dtype)
+        v = to_device(ops, Tensor(values_t.dtype, values_t.data[src]), dtype)
         storage = kv[i][0]
         keys, values = pool.layer_arrays(storage, k, v)
         if ops.shape(keys)[1:] != ops.shape(k)[1:] or ops.shape(values)[1:] != ops.shape(v)[1:]:
@@ -233,7 +236,7 @@ def _layout(pool: PagedKVPool, state: StateFile) -> tuple[list[int], dict[str, l
     checkpoints = info.get("checkpoints")
     if not isinstance(layers, dict) or not isinstance(checkpoints, list):
         raise bad("the description has no layers / checkpoints")
-    kv = _layer_kv(pool)
+    kv = kv_layers(pool)
     for key, present in layers.items():
         if not key.isdigit() or int(key) >= len(kv) or kv[int(key)][1] < 0 or not kv[int(key)][2]:
             raise bad(f"keys and values of cache layer {key}, which keeps none in this model")
@@ -242,7 +245,7 @@ def _layout(pool: PagedKVPool, state: StateFile) -> tuple[list[int], dict[str, l
             raise bad(f"layer {key}'s block list {present!r} is not within the {blocks} blocks of {n} tokens")
         for part in ("keys", "values"):
             arr = tensors.get(f"kv.{key}.{part}")
-            if arr is None or arr.dtype not in _TAGS.values() or arr.data.ndim < 1 \
+            if arr is None or arr.dtype not in TAGS.values() or arr.data.ndim < 1 \
                     or arr.data.shape[0] != len(present) * bs:
                 raise bad(f"kv.{key}.{part} does not hold {len(present)} blocks of {bs} positions")
     store = pool.state_store

@@ -69,10 +69,13 @@ def _canonical(header: Mapping[str, Any]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces
 
 
-def write_state_file(path: str | os.PathLike[str], info: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> int:
+def write_state_file(path: str | os.PathLike[str], info: Mapping[str, Any], tensors: Mapping[str, Tensor], *,
+                     durable: bool = True) -> int:
     """Write ``tensors`` and the description ``info`` (JSON-serializable; the
     ``format`` and ``version`` fields are added) to ``path`` atomically.
-    Returns the bytes written."""
+    ``durable`` flushes the file to the disk before the rename (a saved
+    state); a cache entry skips it, since a file a power cut leaves
+    incomplete fails its checksum and is a miss. Returns the bytes written."""
     path = Path(path)
     entries: dict[str, Any] = {}
     offset = 0
@@ -99,7 +102,8 @@ def write_state_file(path: str | os.PathLike[str], info: Mapping[str, Any], tens
             for data in arrays:
                 f.write(memoryview(data).cast("B"))
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
