@@ -29,7 +29,7 @@ from infer.kv.disk import DiskTier
 from infer.kv.fingerprint import Fingerprint, tokenizer_hash, weights_hash
 from infer.kv.paged import PagedKVPool
 from infer.kv.snapshot import RestoredState, capture, restore
-from infer.kv.state_file import read_state_file, write_state_file
+from infer.kv.state_file import StateFile, read_state_file, write_state_file
 from infer.ops import Backend
 from infer.package import ModelPackage
 from infer.tokenizer import Tokenizer
@@ -142,6 +142,9 @@ def save_state(model: Model, path: str | os.PathLike[str], source: StateSource,
             engine.run(engine.prepare([seq], [ids[start:start + step]]))
         info, tensors = capture(seq.cache, fp)  # type: ignore[arg-type]
         nbytes = write_state_file(path, info, tensors)
+        # Its tail and final state enter this pool's prefix cache too (the full blocks are there
+        # already), so a request here that goes on from the saved prompt starts at its very end.
+        restore(pool, StateFile(Path(path), dict(info), tensors), fp)
     finally:
         engine.release(seq)
     return SavedState(Path(path), ids, cached, nbytes)

@@ -24,6 +24,7 @@ import pytest
 from reference import backend_params, load_tiny, tiny_model_dir
 
 import infer
+from infer.engine.generate import StopConditions
 from infer.errors import StateFileError, StateMismatchError, StateUnsupportedError
 
 FAMILIES = ("llama3", "gemma3", "gemma4", "qwen3_5", "granitemoehybrid")
@@ -129,6 +130,16 @@ def test_a_saved_state_is_found_in_the_same_process_too(tmp_path: Path) -> None:
     assert batch.stats.tokens_processed == before  # single requests run beside the batch engine, in its pool
     again = model.save_state(tmp_path / "b.state", PROMPT[:45])
     assert again.cached_tokens == 45  # nothing computed: the restored state is what is saved
+
+
+def test_a_saved_prompt_is_found_whole_where_it_was_saved(tmp_path: Path) -> None:
+    model = infer.load(tiny_model_dir("gemma3"))
+    model.save_state(tmp_path / "a.state", PROMPT[:45])
+    assert model.save_state(tmp_path / "b.state", PROMPT[:45]).cached_tokens == 45
+    batch = model.batch_engine
+    handle = batch.submit(PROMPT[:50], model.sampling_params(), StopConditions(max_tokens=1))
+    batch.run_until_done()
+    assert handle.cached_tokens == 45
 
 
 def test_a_conversation_is_saved_as_the_next_turns_prefix(tmp_path: Path) -> None:
