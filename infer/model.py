@@ -200,7 +200,9 @@ class Model:
             raise GenerationError("generate_tokens gives token ids, which stop strings cannot cut; use generate() "
                                   "or complete() for stop=")
         spec = self.speculation(prepared.request.speculative, prepared.request.num_speculative_tokens)
-        return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec)
+        pool = self.batch_engine.pool if self._reuse_prefixes else None
+        return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec,
+                        kv_pool=pool)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """``request`` with this model's defaults filled in (sampling rules and

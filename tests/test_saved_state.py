@@ -222,3 +222,36 @@ def test_tensor_parallelism_is_refused(saved_llama: Path, tmp_path: Path) -> Non
         model.save_state(tmp_path / "x.state", PROMPT[:20])
     with pytest.raises(StateUnsupportedError, match="tensor parallel"):
         model.load_state(saved_llama)
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gemma3"])
+def test_a_fresh_model_continues_from_a_loaded_state(variant: str, tmp_path: Path) -> None:
+    """A pure recurrent model (its blocks are bookkeeping only) and windows, through generate_tokens."""
+    path = tmp_path / "a.state"
+    infer.load(tiny_model_dir(variant)).save_state(path, PROMPT[:45])
+    model = infer.load(tiny_model_dir(variant))
+    assert model.load_state(path).cached == 45
+    gen = model.generate_tokens(PROMPT[:50], max_tokens=4, ignore_eos=True)
+    tokens = list(gen)
+    assert gen.cached_tokens == 45
+    assert tokens == list(infer.load(tiny_model_dir(variant)).generate_tokens(PROMPT[:50], max_tokens=4,
+                                                                               ignore_eos=True))
+
+
+def test_a_state_saved_with_separate_pages_loads_into_shared_pages(tmp_path: Path) -> None:
+    from infer.engine.batch import BatchEngine
+    from infer.saved_state import load_state
+
+    path = tmp_path / "a.state"
+    infer.load(tiny_model_dir("gemma3")).save_state(path, PROMPT[:45])
+    model = infer.load(tiny_model_dir("gemma3"))
+    pool = model.engine.new_kv_pool(block_size=16, num_blocks=64, shared_pages=True)
+    assert pool.shared_pages
+    assert load_state(model, path, BatchEngine(model.engine, kv_pool=pool)).cached == 45
+    engine = model.engine
+    seq = engine.new_sequence(60, kv_pool=pool)
+    assert seq.cache.reuse_prefix(PROMPT[:59]) == 45
+    seq.tokens = PROMPT[:45]
+    got = model.backend.to_numpy(engine.forward(seq, PROMPT[45:60], all_logits=True))
+    want = full_logits(model, PROMPT[:60])[45:]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

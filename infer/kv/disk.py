@@ -164,8 +164,9 @@ class DiskTier:
             tag = TAGS[ops.dtype(keys)]
             tensors[f"kv.{layer}.keys"] = Tensor(tag, to_host(ops, ops.take(keys, rows, axis=0), tag))
             tensors[f"kv.{layer}.values"] = Tensor(tag, to_host(ops, ops.take(values, rows, axis=0), tag))
-        if tensors:
-            self._write(self._path(key, "kv"), tensors, "kv")
+        # An empty entry for a group without keys and values (a pure recurrent model): the block's
+        # key is what a hit follows, and its checkpoint hangs on it.
+        self._write(self._path(key, "kv"), tensors, "kv")
 
     def _spill_checkpoint(self, alloc: BlockAllocator, slot: int, key: bytes) -> None:
         pool = self.pool

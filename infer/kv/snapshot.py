@@ -151,9 +151,9 @@ def restore(pool: PagedKVPool, state: StateFile, fingerprint: Fingerprint) -> Re
         kv = kv_layers(pool)
         for g, (alloc, salt) in enumerate(zip(pool.allocators, pool.salts)):
             mine = [i for i, (_, gi, w) in enumerate(kv) if gi == g and w and str(i) in layers]
-            if not mine:
-                continue
-            present = set.intersection(*(set(layers[str(i)]) for i in mine))
+            # A group whose layers keep no keys and values (a pure recurrent model's) still keys its
+            # blocks: they are the prefix cache's bookkeeping, which the checkpoints hang on.
+            present = set.intersection(*(set(layers[str(i)]) for i in mine)) if mine else set(range(full + 1))
             wanted = [(b, salt + hashes[b]) for b in range(full) if b in present]
             if tail is not None and full in present:
                 wanted.append((full, salt + tail))
