@@ -184,7 +184,7 @@ class DiskTier:
     def _layers(self, group: int) -> list[int]:
         pool = self.pool
         assert pool is not None
-        return [i for i, (s, g, w) in enumerate(kv_layers(pool)) if g == group and w and pool._keys[s] is not None]
+        return [i for i, (s, g, w) in enumerate(kv_layers(pool)) if g == group and w and pool.allocated(s)]
 
     # -- reading: what a prompt goes on with ---------------------------------------------
 

@@ -87,7 +87,7 @@ def capture(cache: PagedSequenceCache, fingerprint: Fingerprint) -> tuple[dict[s
     tensors: dict[str, Tensor] = {"tokens": Tensor("I64", np.asarray(tokens, np.int64))}
     layers: dict[str, list[int]] = {}
     for layer, (storage, group, writes) in enumerate(kv_layers(pool)):
-        if group < 0 or not writes or pool._keys[storage] is None:
+        if group < 0 or not writes or not pool.allocated(storage):
             continue
         table = cache.tables[group].blocks
         present = [i for i in range(blocks) if table[i] >= 0]
