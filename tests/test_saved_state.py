@@ -11,6 +11,7 @@ and tensor parallelism are refused with typed errors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -215,9 +216,9 @@ def test_a_damaged_file_is_refused(saved_llama: Path, tmp_path: Path) -> None:
     assert model.batch_engine.pool.stats().prefix_blocks == 0  # nothing of it entered the cache
 
 
-def test_tensor_parallelism_is_refused(saved_llama: Path, tmp_path: Path) -> None:
+def test_tensor_parallelism_is_refused(saved_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = infer.load(tiny_model_dir("llama3"))
-    model.backend.world_size = 2  # what a tensor-parallel model's backend reports
+    monkeypatch.setattr(model.backend, "world_size", 2)  # what a tensor-parallel model's backend reports
     with pytest.raises(StateUnsupportedError, match="tensor parallel"):
         model.save_state(tmp_path / "x.state", PROMPT[:20])
     with pytest.raises(StateUnsupportedError, match="tensor parallel"):
@@ -255,3 +256,14 @@ def test_a_state_saved_with_separate_pages_loads_into_shared_pages(tmp_path: Pat
     got = model.backend.to_numpy(engine.forward(seq, PROMPT[45:60], all_logits=True))
     want = full_logits(model, PROMPT[:60])[45:]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
+def test_a_real_tensor_parallel_model_refuses(saved_llama: Path, tmp_path: Path) -> None:
+    with infer.load(tiny_model_dir("llama3"), backend="torch:cpu", tensor_parallel=2) as parallel:
+        with pytest.raises(StateUnsupportedError, match="tensor parallel"):
+            parallel.save_state(tmp_path / "x.state", PROMPT[:20])
+        with pytest.raises(StateUnsupportedError, match="tensor parallel"):
+            parallel.load_state(saved_llama)
+        with pytest.raises(StateUnsupportedError, match="tensor parallel"):
+            parallel.configure_batching(prompt_cache_dir=tmp_path / "cache")
