@@ -36,6 +36,9 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens found in the prefix cache (a restored state, an earlier
+    #: request's blocks) instead of computed; part of :attr:`prompt_tokens`.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -160,7 +163,7 @@ def stream_chunks(
         if last:
             reason = generation.finish_reason or "length"
             piece.finish_reason = _REASONS.get(reason, reason)
-            piece.usage = Usage(generation.prompt_tokens, len(tokens))
+            piece.usage = Usage(generation.prompt_tokens, len(tokens), generation.cached_tokens)
             constraint = None if generation.sampler is None else generation.sampler.constraint
             # A constraint whose `complete` is None constrains no output (it only forces the end of thinking).
             if constraint is not None and getattr(constraint, "complete", None) is not None:

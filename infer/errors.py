@@ -138,6 +138,29 @@ class CacheFullError(GenerationError):
     """The KV cache cannot hold what a request needs."""
 
 
+class StateFileError(InferError):
+    """A saved sequence state (``Model.save_state``, a server slot, the disk
+    prompt cache) is unreadable: truncated, altered (its checksum does not
+    match), not a state file, or of another format version."""
+
+
+class StateMismatchError(StateFileError):
+    """A saved state was computed by another model or cache setting than the
+    one loading it: :attr:`field` (``"weights"``, ``"kv_dtype"``,
+    ``"block_size"``, ``"tokenizer"``, ...) was :attr:`found` in the file and
+    :attr:`expected` here. Loading it would give wrong keys and values."""
+
+    def __init__(self, message: str, field: str = "", expected: object = None, found: object = None) -> None:
+        super().__init__(message)
+        self.field, self.expected, self.found = field, expected, found
+
+
+class StateUnsupportedError(InferError):
+    """Saving or restoring a sequence state is not possible for this model
+    (tensor parallelism; a model loaded from no file, whose weights cannot be
+    fingerprinted)."""
+
+
 # -- tensor parallelism ----------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,6 +60,7 @@ from infer.errors import (
     TokenizerError,
 )
 from infer.ops import Backend
+from infer.kv.snapshot import RestoredState
 from infer.package import ModelPackage
 from infer.request import (
     GenerateOptions,
@@ -67,6 +69,14 @@ from infer.request import (
     PreparedRequest,
     SamplingOptions,
     sampling_params,
+)
+from infer.saved_state import (
+    DEFAULT_PROMPT_CACHE_BYTES,
+    SavedState,
+    StateSource,
+    attach_prompt_cache,
+    load_state,
+    save_state,
 )
 from infer.tokenizer import Tokenizer
 
@@ -100,6 +110,8 @@ class Model:
         #: draft source name (cumulative; see :class:`~infer.engine.speculative.SpeculativeStats`).
         self.speculative_stats: dict[str, SpeculativeStats] = {}
         self._embedding_config: EmbeddingConfig | None = None
+        # Set by load_state: single requests then run in the batch engine's pool and reuse its prefixes.
+        self._reuse_prefixes = False
 
     def close(self) -> None:
         """Release what the model holds beyond memory: a tensor-parallel
@@ -191,7 +203,9 @@ class Model:
             raise GenerationError("generate_tokens gives token ids, which stop strings cannot cut; use generate() "
                                   "or complete() for stop=")
         spec = self.speculation(prepared.request.speculative, prepared.request.num_speculative_tokens)
-        return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec)
+        pool = self.batch_engine.pool if self._reuse_prefixes else None
+        return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec,
+                        kv_pool=pool)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """``request`` with this model's defaults filled in (sampling rules and
@@ -446,7 +460,8 @@ class Model:
         :meth:`complete` and :meth:`chat`)."""
         request = prepared.request
         spec = self.speculation(request.speculative, request.num_speculative_tokens)
-        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec)
+        pool = self.batch_engine.pool if self._reuse_prefixes else None
+        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec, kv_pool=pool)
         return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
                              skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
@@ -619,6 +634,8 @@ class Model:
         kv_layout: KVLayout = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        prompt_cache_dir: str | os.PathLike[str] | None = None,
+        prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     ) -> BatchEngine:
         """Replace :attr:`batch_engine` with one of these settings and return it.
 
@@ -629,15 +646,60 @@ class Model:
                 the backend has native paged attention).
             block_size: positions per page (paged layout).
             max_batch_tokens: most tokens one forward processes.
+            prompt_cache_dir: a folder where prefix blocks are kept on disk
+                as they leave use, and read back by a later request whose
+                prompt starts with them, in this process or a later one
+                (docs/kv-cache.md, "The disk tier"); single requests then run
+                in the batch engine's pool too, so they find them.
+            prompt_cache_bytes: the most that folder holds (least recently
+                used blocks go first).
 
         Raises :class:`~infer.errors.GenerationError` while the current batch
         engine still has requests.
         """
         if self._batch_engine is not None and self._batch_engine.has_work():
             raise GenerationError("the batch engine still has requests; finish or cancel them first")
-        self._batch_engine = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory,
-                                         block_size=block_size, max_batch_tokens=max_batch_tokens)
-        return self._batch_engine
+        batch = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory, block_size=block_size,
+                            max_batch_tokens=max_batch_tokens)
+        if prompt_cache_dir is not None:
+            attach_prompt_cache(self, batch, prompt_cache_dir, prompt_cache_bytes)
+        self._batch_engine = batch
+        self._reuse_prefixes = prompt_cache_dir is not None
+        return batch
+
+    # -- saved states --------------------------------------------------------------
+
+    def save_state(self, path: str | os.PathLike[str], conversation_or_tokens: StateSource) -> SavedState:
+        """Compute the state of a prompt and write it to ``path`` (atomically):
+        token ids, a prompt text, or a conversation (a list of messages,
+        rendered with the chat template without a generation prompt, so the
+        next turn's prompt starts with it). What the prefix cache holds of it
+        already is not computed again. A later process loads it with
+        :meth:`load_state`; the file format is in docs/kv-cache.md.
+
+        Raises :class:`~infer.errors.StateUnsupportedError` under tensor
+        parallelism or for a model loaded from no file."""
+        with self._lock:
+            return save_state(self, path, conversation_or_tokens)
+
+    def load_state(self, path: str | os.PathLike[str]) -> RestoredState:
+        """Enter the state saved at ``path`` (by :meth:`save_state`, here or
+        in another process) in this model's prefix cache: from now on a
+        request whose prompt starts with the saved tokens computes only the
+        rest (``usage.cached_tokens`` counts what it found). Single requests
+        (``generate``, ``complete``, ``chat``) run in the batch engine's
+        pool from then on, so they find it.
+
+        Raises :class:`~infer.errors.StateMismatchError` when the file was
+        saved by another model (weights, architecture, tokenizer) or cache
+        setting (``kv_dtype``, block size), naming what differs;
+        :class:`~infer.errors.StateFileError` for a truncated or altered
+        file; :class:`~infer.errors.StateUnsupportedError` under tensor
+        parallelism."""
+        with self._lock:
+            restored = load_state(self, path)
+            self._reuse_prefixes = True
+            return restored
 
     def plan_chat(
         self, messages: Sequence[Message], request: GenerationRequest, *, template: str | None = None,
@@ -739,7 +801,9 @@ def _as_generation(handle: RequestHandle) -> Generation:
 
     def tokens() -> Iterator[int]:
         try:
-            yield from handle
+            for token in handle:
+                gen.cached_tokens = handle.cached_tokens or 0
+                yield token
         finally:
             handle.cancel()
             if gen.finish_reason is None:

@@ -30,7 +30,7 @@ DELTAS = [Delta("reasoning", "Hm"), Delta("reasoning", "m."), Delta("content", "
 def finished_choice() -> Any:
     """What the stream states read of a choice that said :data:`DELTAS` and stopped."""
     reply = SimpleNamespace(reasoning="Hmm.", content="Let me see.Done.", calls=[(0, "call_1", CALL)])
-    return SimpleNamespace(index=0, tokens=9, finish_reason="stop", reply=reply,
+    return SimpleNamespace(index=0, tokens=9, cached_tokens=0, finish_reason="stop", reply=reply,
                            text=SimpleNamespace(stop_string=None))
 
 
@@ -94,5 +94,5 @@ def test_the_server_has_every_member_the_endpoints_use_with_its_signature() -> N
         assert inspect.iscoroutinefunction(getattr(Server, name)) == inspect.iscoroutinefunction(
             getattr(ServerLike, name)), name
     source = inspect.getsource(Server.__init__)  # the attributes, which the server sets as it starts
-    assert set(ServerLike.__annotations__) == {"model", "name", "loop"}
+    assert set(ServerLike.__annotations__) == {"model", "name", "loop", "slot_save_path"}
     assert all(f"self.{name} = " in source for name in ServerLike.__annotations__)

@@ -127,6 +127,8 @@ class RequestHandle:
         self.speculation = speculation
         #: Token ids generated so far.
         self.tokens: list[int] = []
+        #: Prompt positions its first admission found in the prefix cache (None before it).
+        self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self._seq: SequenceState | None = None
         self._admitted_at = -1
@@ -333,6 +335,8 @@ class BatchEngine:
             self._admissions += 1
             self.running.append(handle)
             self.stats.tokens_reused += seq.cached
+            if handle.cached_tokens is None:
+                handle.cached_tokens = seq.cached
 
     def _schedule(self) -> list[tuple[RequestHandle, int]]:
         """Tokens to feed each running request this step, with their cache

@@ -29,6 +29,7 @@ from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import DraftJob, Speculation, SpeculativeStats, verify
 from infer.errors import SamplingParameterError
+from infer.kv.paged import PagedKVPool
 from infer.ops import Array
 
 
@@ -74,6 +75,9 @@ class Generation:
     #: The request's sampler (its :attr:`~infer.engine.sampling.Sampler.recorded`
     #: log-probabilities, when it was asked for them).
     sampler: Sampler | None = None
+    #: Prompt positions taken from the prefix cache instead of computed
+    #: (known once the first token is out).
+    cached_tokens: int = 0
 
     def __iter__(self) -> Iterator[int]:
         for token in self.tokens_iter:
@@ -83,35 +87,40 @@ class Generation:
 
 def generate(
     engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
-    speculation: Speculation | None = None,
+    speculation: Speculation | None = None, *, kv_pool: PagedKVPool | None = None,
 ) -> Generation:
     """Start a request; iterate the result for its new token ids. ``sampling``
     is its rules, or a :class:`~infer.engine.sampling.Sampler` made for it
     (one that records log-probabilities). With a
     :class:`~infer.engine.speculative.Speculation`, each forward after the prefill
     is a :func:`speculative_decode` round (the same tokens for greedy
-    decoding)."""
+    decoding). With a ``kv_pool`` the request keeps its keys and values in
+    pages of it and starts from the longest prefix of its prompt that the
+    pool's prefix cache holds (:attr:`Generation.cached_tokens`)."""
     engine.check_prompt(prompt_ids)
     prompt = [int(t) for t in prompt_ids]
     sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
     sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats, sampler=sampler)
-    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen)
+    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool)
     return gen
 
 
 def _tokens(
     engine: Engine, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation | None,
-    gen: Generation,
+    gen: Generation, kv_pool: PagedKVPool | None,
 ) -> Iterator[int]:
     if stop.max_tokens == 0:
         gen.finish_reason = "length"
         return
-    seq = engine.new_sequence(len(prompt) + stop.max_tokens)
+    seq = engine.new_sequence(len(prompt) + stop.max_tokens, kv_pool=kv_pool)
     drafting = None if spec is None else Drafting(spec)
     try:
-        token = prefill(engine, seq, prompt, sampler, drafting)
+        if kv_pool is not None:  # the last token is left to compute: its logits give the first new one
+            gen.cached_tokens = seq.cache.reuse_prefix(prompt[:-1])  # type: ignore[attr-defined]
+            seq.tokens = prompt[:gen.cached_tokens]
+        token = prefill(engine, seq, prompt[gen.cached_tokens:], sampler, drafting)
         yield from decode_n_tokens(engine, seq, token, sampler, stop, gen, drafting)
     finally:  # also when the consumer stops early and the generator is closed
         if drafting is not None:

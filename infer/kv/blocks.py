@@ -36,7 +36,7 @@ import hashlib
 import heapq
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from infer.errors import CacheConfigError, CacheFullError
@@ -48,6 +48,14 @@ ROOT_HASH = b""
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The prefix-cache key of a full block: its parent's key and its own tokens."""
     return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
+def tail_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a *partial* last block (fewer than
+    ``block_size`` tokens after the full blocks keyed ``parent``): a restored
+    state's tail (:mod:`infer.kv.snapshot`). Apart from :func:`chain_hash`'s
+    keys by a prefix, so a tail never stands for a full block."""
+    return hashlib.sha256(b"tail:" + parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
 @dataclass
@@ -106,6 +114,10 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}
         #: Unreferenced cached blocks, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: Called ``(allocator, block, key)`` when a registered block becomes
+        #: cached (its last holder let it go; its contents are still there):
+        #: the disk tier of the prefix cache writes it out (:mod:`infer.kv.disk`).
+        self.on_cached: Callable[[BlockAllocator, int, bytes], None] | None = None
 
     # -- single blocks --------------------------------------------------------------
 
@@ -148,6 +160,8 @@ class BlockAllocator:
         if count == 1:
             if block in self._hash_of:
                 self._evictable[block] = None
+                if self.on_cached is not None:
+                    self.on_cached(self, block, self._hash_of[block])
             else:
                 heapq.heappush(self._free, block)
 

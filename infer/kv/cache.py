@@ -176,6 +176,10 @@ class LayerStore:
     def set_layer_arrays(self, layer: int, keys: Array, values: Array) -> None:
         self._keys[layer], self._values[layer] = keys, values
 
+    def allocated(self, layer: int) -> bool:
+        """Whether ``layer``'s arrays exist (they are made at its first write)."""
+        return self._keys[layer] is not None
+
     def stored(self, layer: int) -> tuple[Array, Array]:
         """``layer``'s arrays as they are (``IndexError`` before its first write)."""
         keys, values = self._keys[layer], self._values[layer]

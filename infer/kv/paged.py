@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from infer.errors import CacheConfigError, CacheFullError
 from infer.kv.attention import LayerState, state_groups
-from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, tail_hash
 from infer.kv.cache import LayerStore, SequenceCache, row_nbytes
 from infer.kv.state import SequenceStates, StateStore
 from infer.ops import Backend
@@ -44,6 +45,14 @@ log = logging.getLogger(__name__)
 
 #: Blocks of a pool whose layers keep no keys and values (they cost no memory).
 BOOKKEEPING_BLOCKS = 1 << 16
+
+
+class PrefixTier(Protocol):
+    """A slower tier of a pool's prefix cache (:class:`infer.kv.disk.DiskTier`)."""
+
+    def fill(self, tokens: Sequence[int]) -> int:
+        """Enter in the pool's prefix cache the blocks of ``tokens`` this tier
+        holds and memory lacks; returns how many it read."""
 
 
 class PagedKVPool(LayerStore):
@@ -133,6 +142,8 @@ class PagedKVPool(LayerStore):
         self.window_margin = max(16, block_size) if window_margin is None else window_margin
         #: The recurrent layers' states (None: the model has none).
         self.state_store = state_store
+        #: The prefix cache's disk tier (:class:`infer.kv.disk.DiskTier`; None: memory only).
+        self.disk: PrefixTier | None = None
         self._bytes_known = bytes_per_token is not None
         #: Called with every list of block copies :meth:`copy_blocks` makes and
         #: their state group (a tensor-parallel driver repeats them on the other ranks' pools).
@@ -317,31 +328,90 @@ class PagedSequenceCache(SequenceCache):
         """Start this (empty) sequence with the pool's cached blocks for the
         longest full-block prefix of ``tokens`` that every state group holds
         (a sliding window's group: the blocks within its window before the
-        hit point; recurrent layers: the checkpoint at it); returns how many
-        positions need no computing. Pass a prompt without its last token,
-        so at least one token is left to compute the next logits from."""
+        hit point; recurrent layers: the checkpoint at it), and a restored
+        state's partial last block after them where ``tokens`` go on with it
+        (:meth:`_find_tail`); returns how many positions need no computing.
+        Pass a prompt without its last token, so at least one token is left
+        to compute the next logits from."""
         pool, bs = self.pool, self.pool.block_size
-        found = pool.allocator._cached_prefix(tokens)
-        keys = [key for key, _ in found]
+        if pool.disk is not None:  # what memory lacks of the prompt's blocks, read back from disk
+            pool.disk.fill(tokens)
+        keys = [key for key, _ in pool.allocator._cached_prefix(tokens)]
         n = len(keys)
-        while n > 0 and not self._hit(keys, n):
+        tail = self._find_tail(keys[n - 1] if n else ROOT_HASH, tokens, n * bs)
+        if tail is not None and self._hit(keys, n, n * bs + tail[1], recurrent=False):
+            self._attach(keys, n, n * bs + tail[1])
+            if self._attach_tail(tail[0], n * bs + tail[1]):
+                self.tokens = [int(t) for t in tokens[:n * bs + tail[1]]]
+                return n * bs + tail[1]
+            for table, alloc in zip(self.tables, pool.allocators):  # no page for its copy: whole blocks only
+                alloc.free_table(table)
+        while n > 0 and not self._hit(keys, n, n * bs):
             n -= 1
-        for table, alloc, window, salt in zip(self.tables, pool.allocators, pool.windows, pool.salts):
-            first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
-            alloc.attach_blocks(table, keys[:n], first, salt)
+        self._attach(keys, n, n * bs)
         if self.states is not None and n:
             self.states.attach(n * bs, keys[n - 1])
         self.tokens = [int(t) for t in tokens[:n * bs]]
         return n * bs
 
-    def _hit(self, keys: list[bytes], n: int) -> bool:
-        """Whether every group and the recurrent state can start after block ``n``."""
+    def _attach(self, keys: list[bytes], n: int, stop: int) -> None:
+        """Every group's table starts with the cached blocks ``keys[:n]`` that
+        a sequence of ``stop`` positions reads (a window's: those within it)."""
+        pool, bs = self.pool, self.pool.block_size
+        for table, alloc, window, salt in zip(self.tables, pool.allocators, pool.windows, pool.salts):
+            first = 0 if window is None else max(0, stop - window - pool.window_margin) // bs
+            alloc.attach_blocks(table, keys[:n], first, salt)
+
+    def _find_tail(self, parent: bytes, tokens: Sequence[int], start: int) -> tuple[bytes, int] | None:
+        """The longest cached *tail* that ``tokens`` continue with after
+        ``start`` positions of full blocks keyed up to ``parent``: a restored
+        state's partial last block in every group and, with recurrent
+        layers, its final state (:func:`~infer.kv.blocks.tail_hash`).
+        Returns its key and length."""
+        pool = self.pool
+        for j in range(min(pool.block_size - 1, len(tokens) - start), 0, -1):
+            key = tail_hash(parent, tokens[start:start + j])
+            if all(alloc.lookup(salt + key) is not None for alloc, salt in zip(pool.allocators, pool.salts)) and (
+                    self.states is None or self.states.store.allocator.lookup(key) is not None):
+                return key, j
+        return None
+
+    def _attach_tail(self, key: bytes, stop: int) -> bool:
+        """Append to every group's table a private copy of the tail block
+        cached under ``key`` (the cached one stays for the next hit), and
+        start the recurrent state from the tail's; False, changing nothing,
+        when the pool has no page left for the copies."""
+        pool = self.pool
+        allocs = pool.allocators
+        sources = [alloc.lookup(salt + key) for alloc, salt in zip(allocs, pool.salts)]
+        for alloc, src in zip(allocs, sources):  # held while copying, so no allocation evicts them
+            alloc.incref(src)  # type: ignore[arg-type]
+        try:
+            unique = {id(a): a for a in allocs}
+            if any(a.available() < sum(1 for b in allocs if b is a) for a in unique.values()):
+                return False
+            for g, (table, alloc, src) in enumerate(zip(self.tables, allocs, sources)):
+                block = alloc.allocate()
+                pool.copy_blocks([(src, block)], g)  # type: ignore[list-item]
+                table.blocks.append(block)
+                table.num_tokens = stop
+        finally:
+            for alloc, src in zip(allocs, sources):
+                alloc.free(src)  # type: ignore[arg-type]
+        if self.states is not None:
+            self.states.attach(stop, key)
+        return True
+
+    def _hit(self, keys: list[bytes], n: int, stop: int, recurrent: bool = True) -> bool:
+        """Whether every group can start a sequence of ``stop`` positions with
+        blocks ``keys[:n]`` (a window's group: those within its window), and
+        (``recurrent``) the recurrent state after block ``n``."""
         pool, bs = self.pool, self.pool.block_size
         for alloc, window, salt in zip(pool.allocators[1:], pool.windows[1:], pool.salts[1:]):
-            first = 0 if window is None else max(0, n * bs - window - pool.window_margin) // bs
+            first = 0 if window is None else max(0, stop - window - pool.window_margin) // bs
             if any(alloc.lookup(salt + k) is None for k in keys[first:n]):
                 return False
-        return self.states is None or self.states.store.allocator.lookup(keys[n - 1]) is not None
+        return not recurrent or self.states is None or self.states.store.allocator.lookup(keys[n - 1]) is not None
 
     def fork(self) -> PagedSequenceCache:
         """A sequence sharing this one's blocks (e.g. parallel samples of one

@@ -235,7 +235,15 @@ class MessageStream(ReplyEvents):
                 output: int) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output}}
+                "usage": self.usage(output)}
+
+    def usage(self, output: int) -> dict[str, int]:
+        """Anthropic's usage: ``input_tokens`` are the prompt tokens computed,
+        ``cache_read_input_tokens`` those the prefix cache held (their sum is
+        the prompt; before admission nothing is known to be cached)."""
+        cached = self.choice.cached_tokens
+        return {"input_tokens": self.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached, "output_tokens": output}
 
     def _close(self) -> Events:
         out: Events = []
@@ -277,8 +285,11 @@ class MessageStream(ReplyEvents):
         out = self._open("content", {"type": "text", "text": ""}) if self.index < 0 else []
         out += self._close()
         reason, sequence = stop_reason(self.choice)
+        usage = self.usage(self.choice.tokens)
+        # message_start went out before admission: a cache hit is told here, with the input it changes.
+        delta = {"output_tokens": usage["output_tokens"]} if not usage["cache_read_input_tokens"] else usage
         return [*out, {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": {"output_tokens": self.choice.tokens}}, {"type": "message_stop"}]
+                       "usage": delta}, {"type": "message_stop"}]
 
     def error(self, err: BaseException) -> dict[str, Any]:
         return {"type": "error", "error": {"type": "api_error", "message": str(err)}}

@@ -23,8 +23,10 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,7 +44,7 @@ from infer.errors import InferError, RequestError, SamplingParameterError, Struc
 from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
-from infer.serve import anthropic, completions, embeddings, responses
+from infer.serve import anthropic, completions, embeddings, responses, slots
 from infer.serve.choice import Choice, Emit, ReplyEvents
 from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.loop import EngineLoop, TokenStream
@@ -62,7 +64,7 @@ def create_app(
     model: Model, *, model_name: str | None = None, api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: str | os.PathLike[str] | None = None,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's completions, chat
     completions, Responses and embeddings APIs, Anthropic's Messages API and
@@ -89,6 +91,8 @@ def create_app(
         body_timeout: seconds a client may take to send its request body
             (408 beyond: a client that sends half a request and goes silent
             holds nothing).
+        slot_save_path: the folder of ``POST /slots/{name}``'s saved states
+            (:mod:`infer.serve.slots`); None: slots are off (501).
     """
     if reasoning_parser not in (None, "none"):
         get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
@@ -96,7 +100,8 @@ def create_app(
         get_tool_parser(tool_parser)
     server = Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
                      max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
-                     tool_parser=tool_parser, body_timeout=body_timeout)
+                     tool_parser=tool_parser, body_timeout=body_timeout,
+                     slot_save_path=None if slot_save_path is None else Path(slot_save_path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -120,6 +125,7 @@ def create_app(
         Route("/v1/rerank", server.rerank, methods=["POST"]),
         Route("/rerank", server.rerank, methods=["POST"]),
         Route("/v1/reranking", server.rerank, methods=["POST"]),
+        Route("/slots/{name:path}", server.slots, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -141,6 +147,17 @@ def _param_of(err: Exception) -> str | None:
     return head if head.isidentifier() else None
 
 
+def cached_tokens(prompts: list[list[int]], choices: list[Choice]) -> int:
+    """Prompt tokens the prefix cache held for ``choices``' requests, each
+    prompt counted once (as in ``prompt_tokens``): the least any of its
+    choices found (choice ``i`` is of prompt ``i // n``)."""
+    n = max(1, len(choices) // max(1, len(prompts)))
+    found: dict[int, int] = {}
+    for c in choices:
+        found[c.index // n] = min(found.get(c.index // n, c.cached_tokens), c.cached_tokens)
+    return sum(found.values())
+
+
 def _default_name(model: Model) -> str:
     path = model.package.path
     return path.name if path is not None else model.model_type
@@ -154,8 +171,12 @@ class Server:
 
     def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
                  reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: Path | None = None) -> None:
         self.model = model
+        #: The folder of the saved states ``/slots/{name}`` names (None: slots are off).
+        self.slot_save_path = slot_save_path
+        if slot_save_path is not None:
+            slot_save_path.mkdir(parents=True, exist_ok=True)
         self.body_timeout = body_timeout
         #: The server's choice of reasoning parser and tool-call format (None: from the template).
         self.reasoning_parser = reasoning_parser
@@ -249,10 +270,13 @@ class Server:
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return choices
 
-    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> dict[str, Any]:
+        """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt
+        tokens the prefix cache held (a restored slot, an earlier request)."""
         prompt = sum(len(p) for p in prompts)
         completion = sum(c.tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens(prompts, choices)}}
 
     async def run_all(self, request: Request, choices: list[Choice], endpoint: str) -> None:
         """Run every choice to its end; a client that goes away first cancels them."""
@@ -378,6 +402,11 @@ class Server:
 
     async def rerank(self, request: Request) -> Response:
         return await embeddings.rerank(self, request)
+
+    # -- /slots/{name} (infer.serve.slots) -------------------------------------------------------
+
+    async def slots(self, request: Request) -> Response:
+        return await slots.slots(self, request)
 
     # -- streaming -------------------------------------------------------------------------------
 

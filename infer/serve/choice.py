@@ -83,6 +83,12 @@ class Choice:
             await emit(self, piece)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens its request found in the prefix cache (0 before admission)."""
+        handle = self.stream.handle
+        return 0 if handle is None else handle.cached_tokens or 0
+
+    @property
     def output(self) -> str:
         return "".join(self.pieces)
 

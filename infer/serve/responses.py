@@ -212,7 +212,8 @@ class ResponseStream(ReplyEvents):
         reasoning = self.choice.reply.reasoning
         tokens = self.choice.tokens
         thought = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        cached = self.choice.cached_tokens
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": thought},
                 "total_tokens": self.prompt_tokens + tokens}
 

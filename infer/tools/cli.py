@@ -357,10 +357,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                     "(set --api-key or INFER_API_KEY)", args.host)
     model = _load(args)
-    model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
+    model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
+                             prompt_cache_dir=args.prompt_cache_dir, prompt_cache_bytes=args.prompt_cache_bytes)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
-          tool_parser=args.tool_parser, body_timeout=args.body_timeout,
+          tool_parser=args.tool_parser, body_timeout=args.body_timeout, slot_save_path=args.slot_save_path,
           log_level="warning" if args.quiet else "info")
     return 0
 
@@ -461,6 +462,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-parser", default=None, metavar="NAME",
                      help="the tool-call format: hermes, llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3 or "
                      "harmony (default: chosen from the chat template)")
+    srv.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                     help="keep prefix blocks on disk as they leave use, and read them back for a later request "
+                     "that starts with them, across restarts (default: memory only)")
+    srv.add_argument("--prompt-cache-bytes", type=_bytes, default=4 * 2**30, metavar="BYTES",
+                     help="the most the prompt cache folder holds, e.g. 20GiB (default 4GiB)")
+    srv.add_argument("--slot-save-path", default=None, metavar="DIR",
+                     help="folder of the saved states POST /slots/NAME?action=save|restore|erase names "
+                     "(default: slots are off)")
     srv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="measure speed and memory against llama.cpp, transformers and mlx-lm")
     b.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")
