@@ -15,7 +15,7 @@ int use_avx2 = 0, use_avx512 = 0, use_vnni = 0;
 
 /* `obj` as a buffer in *b (PyBUF_SIMPLE, or PyBUF_WRITABLE), or b->obj NULL for
  * None; 0 (an exception set) when neither. */
-static int optional(PyObject *obj, Py_buffer *b, int flags) {
+INLINE int optional(PyObject *obj, Py_buffer *b, int flags) {
     b->obj = NULL;
     b->buf = NULL;
     return obj == Py_None || PyObject_GetBuffer(obj, b, flags) == 0;
@@ -31,7 +31,7 @@ struct size {
 #define ABSENT_OK 1
 
 /* Whether each buffer holds its bytes; else 0, with a ValueError naming the first that does not. */
-static int sizes_ok(const struct size *s, size_t count) {
+INLINE int sizes_ok(const struct size *s, size_t count) {
     for (size_t i = 0; i < count; i++) {
         if (s[i].absent_ok && !s[i].b->obj) continue;
         if (s[i].b->len != s[i].want) {
@@ -44,11 +44,12 @@ static int sizes_ok(const struct size *s, size_t count) {
 #define SIZES_OK(...) sizes_ok((const struct size[]){__VA_ARGS__}, \
                                sizeof((const struct size[]){__VA_ARGS__}) / sizeof(struct size))
 
-/* The entry point's end: its buffers released (absent ones, obj NULL, are
- * skipped by PyBuffer_Release), then None, or NULL where it failed (its
+/* The entry point's end: its buffers released (absent ones, obj NULL, skipped
+ * here rather than by a call each), then None, or NULL where it failed (its
  * exception set). */
-static PyObject *finish(int ok, Py_buffer *const *views, size_t count) {
-    for (size_t i = 0; i < count; i++) PyBuffer_Release(views[i]);
+INLINE PyObject *finish(int ok, Py_buffer *const *views, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        if (views[i]->obj) PyBuffer_Release(views[i]);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
@@ -67,7 +68,8 @@ static int codes_fit(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ssiz
         return REFUSE("bad shape, bits or group: bits=%d group=%zd n=%zd k=%zd", bits, group, n, k);
     int db;
     Py_ssize_t dg, values, block_bytes;
-    if (block_form(bits, &db, &dg, &values, &block_bytes)) return SIZES_OK({codes, n * (k / values) * block_bytes, "blocks"});
+    if (block_form(bits, &db, &dg, &values, &block_bytes))
+        return SIZES_OK({codes, n * (k / values) * block_bytes, "blocks"});
     Py_ssize_t size = half ? 2 : 4, groups = k / group;
     return SIZES_OK({codes, n * (bits == 4 ? k / 2 : k), "codes"}, {scales, n * groups * size, "scales"},
                     {biases, n * groups * size, "biases", ABSENT_OK});
