@@ -1,5 +1,6 @@
-"""Build configuration beyond pyproject.toml: the numpy backend's optional C
-kernels (backends/_affine.c). Everything else is declared in pyproject.toml.
+"""Build configuration beyond pyproject.toml: the CPU kernels (backends/cpu/,
+one extension module, ``infer.backends.cpu._kernels``). Everything else is
+declared in pyproject.toml.
 
 The extension is optional: where it does not compile (no C compiler, no
 Python headers) the install still succeeds and the numpy backend uses its
@@ -12,13 +13,20 @@ import sys
 
 from setuptools import Extension, setup
 
+CPU = "backends/cpu/"
 openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
 setup(
     ext_modules=[
         Extension(
-            "infer.backends._affine",
-            sources=["backends/_affine.c"],
-            depends=["backends/_plan.c", "backends/_q8.c"],  # included by _affine.c
+            "infer.backends.cpu._kernels",
+            # One file per concern (kernels.h lists them); the x86 forms apart, each
+            # function compiled for its instructions by a target attribute, so one set
+            # of flags builds every file and the module still runs on any x86-64 CPU.
+            sources=[CPU + name for name in (
+                "module.c", "gemv.c", "blocks.c", "q8.c", "rows.c", "attention.c", "plan.c",
+                "x86/gemv_avx2.c", "x86/gemv_avx512.c", "x86/blocks_x86.c", "x86/q8_x86.c",
+            )],
+            depends=[CPU + "kernels.h", CPU + "x86/simd.h"],
             extra_compile_args=["-O3", "-ffp-contract=off", *openmp],  # dequantize: multiply, then add, as numpy does
             extra_link_args=openmp,
             # libm by name, so expf and tanhf bind to their current versions: an unversioned

@@ -15,7 +15,7 @@ default is float32, except on CUDA where it is bfloat16 when supported:
 decoding is bound by the bytes of weights read per token.
 
 Quantized weights (docs/quantization.md): on the CPU, GGUF matrices with an
-affine form stay in it and are computed by the numpy backend's C kernels on
+affine form stay in it and are computed by the CPU package's C kernels on
 the tensors' memory (exact; :mod:`infer.backends.torch_cpu`), which also serve
 float32 norms, rope and decoding's attention. Without those kernels, GGUF
 Q4_0/Q4_1/Q4_K matrices can be kept as int4pack with float32 scales (exact),
@@ -33,7 +33,7 @@ round once at the end.
 This module holds what every device shares: :class:`TorchBackend`, torch's
 lazy import and the plugin hook. What one device does alone lives beside it:
 :mod:`infer.backends.torch_cpu` (the C kernels on CPU tensors, CPU int4pack,
-the tensors numpy's recorder borrows, Inductor's cache per CPU capability)
+the tensors the CPU package's recorder borrows, Inductor's cache per CPU capability)
 and :mod:`infer.backends.torch_cuda` (SDPA's kernel choice, the probed int4
 and int8 kernels); the recurrent ops are in :mod:`infer.backends.torch_recurrent`
 and :mod:`infer.backends.torch_delta_rule`.
@@ -59,7 +59,8 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
-from . import kernels, torch_cpu, torch_cuda, torch_recurrent
+from . import torch_cpu, torch_cuda, torch_recurrent
+from .cpu import kernels
 
 # The CUDA kernel probes by the names TorchBackend's constructor calls them
 # (tests replace them here), and the nibble packing.
@@ -144,7 +145,7 @@ class TorchBackend(Backend):
                 torch.zeros(1, dtype=torch.bfloat16, device=self._device)
             except (RuntimeError, TypeError) as exc:
                 raise UnsupportedOpError(f"torch/mps cannot compute in bfloat16 here: {exc}") from None
-        #: The C kernels (:mod:`infer.backends.kernels`) for float32 CPU tensors: norms,
+        #: The C kernels (:mod:`infer.backends.cpu.kernels`) for float32 CPU tensors: norms,
         #: rope, decoding's attention and GGUF products, run on the tensors'
         #: memory; None off the CPU or where they are not built.
         self._kernels: Any = None
@@ -674,16 +675,16 @@ class TorchBackend(Backend):
         return None
 
     def _records_programs(self) -> bool:
-        from infer.backends import numpy as numpy_backend
+        from infer.backends.cpu.backend import records_programs
 
         return (self._kernels is not None and self.device == "cpu" and self.compute_dtype == "float32"
-                and numpy_backend.records_programs(type(self), TorchBackend))
+                and records_programs(type(self), TorchBackend))
 
     def compile(self, fn: Callable[..., Any], *, static: bool = False) -> Callable[..., Any]:
         """A captured decode step (``static``) on the CPU in float32, unless
         ``infer.load(..., compile=True)`` asked for torch.compile: recorded
         as one program of numpy's C kernels on the tensors' memory
-        (:mod:`infer.backends.numpy_plan`), the kernels this backend's eager
+        (:mod:`infer.backends.cpu.plan`), the kernels this backend's eager
         CPU ops call: faster than ``compile=True`` and the eager step
         (docs/performance.md, "Figures behind the code"; torch.compile stops
         at a data-dependent branch of the step and keeps only the layers'
@@ -700,10 +701,10 @@ class TorchBackend(Backend):
         one another around the engine's KV-cache writes, which stay outside
         the graphs (untested on a GPU here)."""
         if static and not self.graph_capture and self._records_programs():
-            from infer.backends import numpy as numpy_backend
-            from infer.backends.numpy_plan import PlannedStep
+            from infer.backends.cpu.backend import CpuBackend
+            from infer.backends.cpu.plan import PlannedStep
 
-            return PlannedStep(numpy_backend.NumpyBackend(), fn, kernels=self._kernels, governor=kernels.GOVERNOR,
+            return PlannedStep(CpuBackend(), fn, kernels=self._kernels, governor=kernels.GOVERNOR,
                                target=self, arrays=torch_cpu.CpuTensors())
         _import_inductor_helpers()
         torch_cpu.separate_inductor_cache()

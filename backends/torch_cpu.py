@@ -2,11 +2,11 @@
 does on ``torch:cpu`` only.
 
 * GGUF weights and float32 decoding on the package's C kernels
-  (:mod:`infer.backends.kernels`), run on the tensors' memory, and the custom
+  (:mod:`infer.backends.cpu.kernels`), run on the tensors' memory, and the custom
   op ``infer::affine_linear`` that lets torch.compile call them;
 * CPU int4pack (``_weight_int4pack_mm_for_cpu``) for on-load ``q4``;
-* the tensors lent to numpy's recorder, when a decode step is recorded as a
-  program of those kernels (:mod:`infer.backends.numpy_plan`);
+* the tensors lent to the CPU package's recorder, when a decode step is recorded as a
+  program of those kernels (:mod:`infer.backends.cpu.plan`);
 * Inductor's kernel cache kept apart per forced CPU capability.
 
 torch is bound by :func:`bind` (from ``infer.backends.torch``'s first import
@@ -25,7 +25,7 @@ import numpy as np
 from infer.ops import PackedWeight, QuantizedTensor
 from infer.quantize import AffineTensor, from_gguf, is_embedding
 
-from . import kernels
+from .cpu import kernels
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def separate_inductor_cache() -> None:
 # torch has no CPU kernel for GGUF's blocks that is both exact and fast: its
 # float32 int4pack path is a generic loop slower than float32 BLAS, and
 # dequantized float32 weights read several times the bytes per token. The
-# package's C kernels (backends/kernels.py, the numpy backend's) compute on the
+# package's C kernels (backends/cpu/kernels.py, the numpy backend's) compute on the
 # blocks' affine form exactly in float32, with run-time AVX2/AVX-512 paths;
 # torch/cpu runs them on its tensors' memory (no copy: a CPU tensor and its
 # .numpy() share it). Measured: docs/backends.md, "Quantized weights and speed".
@@ -76,7 +76,7 @@ def separate_inductor_cache() -> None:
 
 def kept_for_kernels(tensor: QuantizedTensor) -> PackedWeight | None:
     """A GGUF matrix kept for the C kernels: as the file stores it where they
-    read its blocks (:data:`~infer.backends.kernels.STORED_TYPES`), else in its affine
+    read its blocks (:data:`~infer.backends.cpu.kernels.STORED_TYPES`), else in its affine
     form; None where it has neither."""
     if kernels.block_form(tensor) is not None:
         raw = kernels.kernel_args(tensor)[1]
@@ -167,7 +167,7 @@ def _traced_tensor() -> Any:
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 if func not in allowed:
-                    from infer.backends.numpy_plan import NotCapturable
+                    from infer.backends.cpu.plan import NotCapturable
 
                     raise NotCapturable(f"torch's {getattr(func, '__name__', func)} on a traced tensor, "
                                         "outside the backend's ops")
@@ -179,7 +179,7 @@ def _traced_tensor() -> Any:
 
 
 class CpuTensors:
-    """CPU tensors lent to the numpy backend's recorder (``numpy_plan.HostArrays``):
+    """CPU tensors lent to the numpy backend's recorder (``cpu.plan.HostArrays``):
     ``Tensor.numpy()`` and ``torch.from_numpy`` share the memory both ways."""
 
     def __init__(self) -> None:

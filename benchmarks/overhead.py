@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--model smollm2-135m] [--tokens 128] [--repeats 3] [--eager]
 
 Decodes greedily on the numpy backend and times every call into the C kernels
-(``backends/_affine.c``: the quantized and few-row products, attention, norms,
+(``backends/cpu/``: the quantized and few-row products, attention, norms,
 rope, and the recorded decode step's whole program, ``run_plan``) with a
 wrapper around each; the rest of each token's time is "outside the kernels":
 Python, the engine, numpy's small ops, sampling. ``--eager`` decodes without

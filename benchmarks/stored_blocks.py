@@ -1,6 +1,6 @@
 """Decode speed of GGUF weights as the file stores them against converted, in one process.
 
-The C kernels' backends compute on the types of ``infer.backends.kernels.STORED_TYPES``
+The C kernels' backends compute on the types of ``infer.backends.cpu.kernels.STORED_TYPES``
 as the file stores them (``--types`` names another set); emptying that set
 gives the conversion at load that came before. This loads the model both ways and times
 greedy decoding of each, alternating round by round (the order swapped every
@@ -24,7 +24,7 @@ import time
 from collections import Counter
 
 import infer
-from infer.backends import kernels
+from infer.backends.cpu import kernels
 from infer.ops import PackedWeight
 
 

@@ -1,6 +1,6 @@
 """Import paths from before the core was grouped into ``infer.kv``,
 ``infer.engine``, ``infer.plugins`` and ``infer.tools`` (docs/design.md,
-"Layout").
+"Layout"), and before the CPU kernels got their package, ``infer.backends.cpu``.
 
 Plugins and scripts written against 0.1 import ``infer.hookspecs``,
 ``infer.registry``, ``infer.attention`` and the like. Those names still
@@ -39,6 +39,14 @@ MOVED: dict[str, str] = {
     "infer.bench_machine": "infer.tools.bench_machine",
     "infer.bench_report": "infer.tools.bench_report",
     "infer.bench_worker": "infer.tools.bench_worker",
+    # The CPU kernels and what drives them, gathered into infer.backends.cpu
+    # (docs/design.md, "The CPU package").
+    "infer.backends.kernels": "infer.backends.cpu.kernels",
+    "infer.backends.numpy_record": "infer.backends.cpu.record",
+    "infer.backends.numpy_plan": "infer.backends.cpu.plan",
+    "infer.backends.numpy_recurrent": "infer.backends.cpu.recurrent",
+    "infer.backends.numpy_mxfp4": "infer.backends.cpu.mxfp4",
+    "infer.backends._affine": "infer.backends.cpu._kernels",
 }
 
 

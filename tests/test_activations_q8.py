@@ -1,4 +1,4 @@
-"""Quantized activations (``activations="q8"``, backends/_q8.c): each row of x
+"""Quantized activations (``activations="q8"``, backends/cpu/q8.c): each row of x
 rounded to int8 per 32 values, multiplied with the weights' codes in integer
 dot products.
 
@@ -22,7 +22,7 @@ import pytest
 
 import infer
 from infer.backends import numpy as numpy_backend
-from infer.backends.kernels import Q8_FLAG
+from infer.backends.cpu.kernels import Q8_FLAG
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
 from infer.quantize import AffineTensor, from_gguf, quantize_affine

@@ -30,7 +30,7 @@ from infer.kv.attention import AttentionContext
 PROMPT = "The capital of France is Paris. Once upon a time"
 COMPILED_RTOL = 2 * LOGIT_RTOL
 #: (backend, compiled): numpy's static step uncompiled, and recorded as one
-#: program of its C kernels (backends/numpy_plan.py, which has its own tests).
+#: program of its C kernels (backends/cpu/plan.py, which has its own tests).
 STEPS = [pytest.param("numpy", False, id="numpy-static"),
          pytest.param("numpy", True, id="numpy-program",
                       marks=pytest.mark.skipif(not hasattr(numpy_backend._affine, "run_plan"), reason="no C kernels")),
@@ -116,7 +116,7 @@ def test_load_with_compile_captures_the_decode_step_where_the_backend_compiles()
     if hasattr(numpy_backend._affine, "run_plan"):
         assert infer.load(tiny_model_dir("llama3"), backend="numpy").engine.decode_step is not None
     if importlib.util.find_spec("torch"):  # on the CPU in float32 the same program; compile=True: torch.compile
-        from infer.backends.numpy_plan import PlannedStep
+        from infer.backends.cpu.plan import PlannedStep
 
         model = infer.load(tiny_model_dir("llama3"), backend="torch:cpu")
         step = model.engine.decode_step

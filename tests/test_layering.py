@@ -297,6 +297,29 @@ def test_every_rule_names_a_layer_or_an_existing_module(graph: Graph) -> None:
     assert not stale, f"rules naming no module: {stale}"
 
 
+def imports_of_the_numpy_backend(graph: Graph) -> list[str]:
+    """The edges from torch's modules, or from the CPU package, to the numpy backend."""
+    importers = [m for m in graph if _matches(m, "infer.backends.cpu")
+                 or (_matches(m, "infer.backends") and m.rpartition(".")[2].startswith("torch"))]
+    return [str(e) for m in importers for e in graph[m] if _matches(e.imported, "infer.backends.numpy")]
+
+
+def test_torch_and_the_cpu_package_never_import_the_numpy_backend(graph: Graph) -> None:
+    """torch/cpu runs the CPU package's kernels and records its step through the
+    package's backend class (``infer.backends.cpu``), as the numpy backend does: the
+    registered numpy backend is a composition of that package, no library for
+    another backend (docs/design.md, "The CPU package")."""
+    assert "infer.backends.torch" in graph and "infer.backends.cpu.backend" in graph
+    found = imports_of_the_numpy_backend(graph)
+    assert not found, "import infer.backends.cpu instead:\n" + "\n".join(found)
+
+
+def test_an_import_of_the_numpy_backend_inside_torch_is_found(tmp_path: Path) -> None:
+    g = tiny_graph(tmp_path, {"infer/backends/torch_cpu.py": "def f():\n    from infer.backends import numpy\n"})
+    assert imports_of_the_numpy_backend(g) == [
+        f"{tmp_path / 'infer/backends/torch_cpu.py'}:2: infer.backends.torch_cpu imports infer.backends.numpy"]
+
+
 # -- the checker itself ------------------------------------------------------------------------------
 
 TINY = {  # a package shaped like infer, every import allowed

@@ -5,6 +5,7 @@ keeps working, told where the module went."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 import pytest
@@ -14,6 +15,8 @@ from infer import _moved
 
 @pytest.mark.parametrize("old", sorted(_moved.MOVED))
 def test_an_old_path_is_the_module_at_its_new_place(old: str) -> None:
+    if importlib.util.find_spec(_moved.MOVED[old]) is None:  # the C kernels, where no compiler built them
+        pytest.skip(f"{_moved.MOVED[old]} is not built here")
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {_moved.MOVED[old]}"):
         module = importlib.import_module(old)

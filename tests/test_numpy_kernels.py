@@ -1,4 +1,4 @@
-"""The numpy backend's C kernels (backends/_affine.c): products on affine-quantized
+"""The CPU kernels (backends/cpu/*.c) the numpy backend computes on: products on affine-quantized
 codes and few-row float32 products, on both code paths (AVX2+FMA and portable).
 
 Tolerance: the kernels sum in float32 in another order than float64, so each
@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import infer
-from infer.backends import kernels as kernels_module
 from infer.backends import numpy as numpy_backend
+from infer.backends.cpu import backend as cpu_backend
+from infer.backends.cpu import kernels as kernels_module
 from infer.backends.numpy import kernel_args
 from infer.formats import gguf_quants
 from infer.formats.gguf import GGUFQuantizedTensor
@@ -57,7 +58,7 @@ def test_kernels_are_built_on_linux_x86() -> None:
     # the slow float32 path, so it must fail a test instead.
     if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
         pytest.skip("the build is only required on Linux x86-64")
-    from infer.backends import _affine as built  # built, whatever INFER_NUMPY_KERNELS chose
+    from infer.backends.cpu import _kernels as built  # built, whatever INFER_NUMPY_KERNELS chose
 
     assert built.simd() in ("avx512", "avx2+fma", "portable") and built.threads() >= 1
 
@@ -84,7 +85,7 @@ def test_the_kernel_path_can_be_forced(choice: str) -> None:
     # INFER_NUMPY_KERNELS runs every path on one machine (the suite runs under each,
     # tests/README.md); it is read at import, so each choice in a fresh process.
     try:
-        from infer.backends import _affine as built  # noqa: F401
+        from infer.backends.cpu import _kernels as built  # noqa: F401
     except ImportError:
         pytest.skip("the C kernels are not built here")
     probe = "from infer.backends import numpy as n; k = n._affine; print(k.simd() if k else None)"
@@ -421,7 +422,7 @@ def pure_numpy(monkeypatch):  # type: ignore[no-untyped-def]
 
     def call(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
         with monkeypatch.context() as m:
-            m.setattr(numpy_backend, "_affine", None)
+            m.setattr(cpu_backend, "_native", None)  # where the numpy backend's ops look the kernels up
             return getattr(ops, name)(*args, **kwargs)
     return call
 
@@ -772,7 +773,7 @@ def block_args(qtype: str, n: int, k: int, seed: int) -> tuple[tuple, AffineTens
 
 @needs_kernels
 def test_the_kernels_read_every_type_the_backend_keeps_as_stored() -> None:
-    from infer.backends import kernels
+    from infer.backends.cpu import kernels
 
     # Which types stay as stored follows the kernel path in use (INFER_NUMPY_KERNELS).
     assert numpy_backend.STORED_TYPES == kernels.STORED_BY_PATH[kernels.native.simd()]

@@ -1,4 +1,4 @@
-"""The numpy backend's captured decode step (backends/numpy_plan.py, backends/_plan.c).
+"""The numpy backend's captured decode step (backends/cpu/plan.py, backends/cpu/plan.c).
 
 ``infer.load`` on numpy records the greedy decode step once as a program of
 C kernel calls and runs it as one C call per token. What a user relies on:
@@ -34,7 +34,7 @@ from infer.kv.attention import AttentionContext
 
 _affine = numpy_backend._affine
 pytestmark = pytest.mark.skipif(not hasattr(_affine, "run_plan"), reason="the C kernels are not built here")
-from infer.backends import numpy_plan  # noqa: E402
+from infer.backends.cpu import plan  # noqa: E402
 
 PROMPT = "The capital of France is Paris. Once upon a time"
 #: libm's transcendentals against numpy's SIMD ones: a few ulp in the MLP's
@@ -157,7 +157,7 @@ def test_the_programs_logits_are_the_eager_forwards(variant: str) -> None:
         return net.compute_logits(net.forward(ids, ctx)), ctx.keys, ctx.values
 
     fn = ops.compile(static_logits, static=True)
-    assert isinstance(fn, numpy_plan.PlannedStep)
+    assert isinstance(fn, plan.PlannedStep)
     eager, static = engine.new_sequence(MIN_CAPACITY), engine.new_sequence(MIN_CAPACITY)
     engine.forward(eager, prompt)
     engine.forward(static, prompt)
@@ -223,7 +223,7 @@ def test_bad_data_inside_the_program_is_a_typed_error_not_a_stray_write() -> Non
         fn(np.array([3], np.int32), np.array([-4], np.int32), keys, values)
     assert all(np.array_equal(a, b) for a, b in zip(keys + values, before))
     # Inputs unlike the recorded ones get their own program, or a clear refusal.
-    with pytest.raises(numpy_plan.NotCapturable, match="C-contiguous"):
+    with pytest.raises(plan.NotCapturable, match="C-contiguous"):
         fn(np.array([3], np.int32), at, [k[:, :, ::2] for k in keys], values)
 
 
@@ -231,13 +231,13 @@ def test_arithmetic_outside_the_ops_or_host_reads_refuse_to_record() -> None:
     model = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False)
     ops = model.backend
     x = np.ones((1, 8), np.float32)
-    with pytest.raises(numpy_plan.NotCapturable, match="outside the backend's ops"):
+    with pytest.raises(plan.NotCapturable, match="outside the backend's ops"):
         ops.compile(lambda a: ops.add(a * 2, 1.0), static=True)(x)
-    with pytest.raises(numpy_plan.NotCapturable, match="host"):
+    with pytest.raises(plan.NotCapturable, match="host"):
         ops.compile(lambda a: ops.mul(a, float(a[0, 0])), static=True)(x)
-    with pytest.raises(numpy_plan.NotCapturable, match="to_numpy"):
+    with pytest.raises(plan.NotCapturable, match="to_numpy"):
         ops.compile(lambda a: ops.from_numpy(ops.to_numpy(a)), static=True)(x)
-    with pytest.raises(numpy_plan.NotCapturable, match="outside the backend's ops"):
+    with pytest.raises(plan.NotCapturable, match="outside the backend's ops"):
         ops.compile(lambda a: np.concatenate([a, a]), static=True)(x)
     # The backend's own ops are restored after a failed trace.
     assert "add" not in vars(ops) and np.array_equal(ops.add(x, 1.0), x + 1)
@@ -257,13 +257,13 @@ def test_copies_writes_and_shared_inputs_outside_the_ops_refuse_to_record() -> N
         "all-reduced": lambda a: ops.all_reduce(ops.add(a, 1.0)),
     }
     for what, fn in refused.items():
-        with pytest.raises(numpy_plan.NotCapturable):
+        with pytest.raises(plan.NotCapturable):
             ops.compile(fn, static=True)(x.copy())
         assert not any(name in vars(ops) for name in ("add", "mul")), what  # the ops are the backend's again
-    with pytest.raises(numpy_plan.NotCapturable, match="share memory"):
+    with pytest.raises(plan.NotCapturable, match="share memory"):
         ops.compile(lambda p, q: ops.sub(p, q), static=True)(x, x)
     # What is refused is a CaptureError, which the engine answers by decoding eagerly.
-    assert issubclass(numpy_plan.NotCapturable, infer.errors.CaptureError)
+    assert issubclass(plan.NotCapturable, infer.errors.CaptureError)
 
 
 def test_a_capture_refused_for_a_later_capacity_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,8 +275,8 @@ def test_a_capture_refused_for_a_later_capacity_decodes_eagerly(monkeypatch: pyt
         engine.forward(seq, prompt)
     step = engine.capture_decode()
     assert step(short.cache, 5) is not None and step.reason is None
-    monkeypatch.setattr(numpy_plan.Recorder, "rope", lambda self, *a, **k: (_ for _ in ()).throw(
-        numpy_plan.NotCapturable("rope: refused for the test")))
+    monkeypatch.setattr(plan.Recorder, "rope", lambda self, *a, **k: (_ for _ in ()).throw(
+        plan.NotCapturable("rope: refused for the test")))
     assert step(long.cache, 5) is None  # the caller's eager forward serves it
     assert step.reason is not None and "refused for the test" in step.reason
     assert engine.greedy_step(short, 6) is None  # and every step after
@@ -287,8 +287,8 @@ def test_the_trace_checks_each_step_against_the_eager_op(monkeypatch: pytest.Mon
     ops = model.backend
     x = np.linspace(-3, 3, 16, dtype=np.float32).reshape(2, 8)
     assert np.allclose(ops.compile(lambda a: ops.silu(a), static=True)(x), ops.silu(x), rtol=1e-6)
-    monkeypatch.setitem(numpy_plan.UNARY_KINDS, "silu", numpy_plan.UNARY_KINDS["exp"])  # a wrongly wired step
-    with pytest.raises(numpy_plan.NotCapturable, match="silu: the step's values differ"):
+    monkeypatch.setitem(plan.UNARY_KINDS, "silu", plan.UNARY_KINDS["exp"])  # a wrongly wired step
+    with pytest.raises(plan.NotCapturable, match="silu: the step's values differ"):
         ops.compile(lambda a: ops.silu(a), static=True)(x)
 
 
@@ -321,7 +321,7 @@ def test_torch_cpu_records_the_same_program_on_its_tensors_by_default(variant: s
     eager = infer.load(tiny_model_dir(variant), backend="torch:cpu", compile=False)
     model = infer.load(tiny_model_dir(variant), backend="torch:cpu")
     step = model.engine.decode_step
-    assert isinstance(step._fn, numpy_plan.PlannedStep)
+    assert isinstance(step._fn, plan.PlannedStep)
     assert _generate(model, variant) == _generate(eager, variant)
     assert step.reason is None and step.steps == 23 and step.graphs == 1
     # The cache stays torch's: the program wrote its tensors in place.
@@ -340,7 +340,7 @@ def test_torch_arithmetic_outside_the_ops_refuses_to_record() -> None:
     x = torch.ones(4)
     for fn in (lambda a: ops.add(a * 2, 1.0), lambda a: ops.add(ops.add(a, 0.0).clone(), 1.0),
                lambda a: ops.mul(a, float(a[0]))):
-        with pytest.raises(numpy_plan.NotCapturable, match="traced tensor"):
+        with pytest.raises(plan.NotCapturable, match="traced tensor"):
             ops.compile(fn, static=True)(x.clone())
     # Through the ops it records, and replays on new values.
     fn = ops.compile(lambda a: ops.add(ops.mul(a, 2.0), 1.0), static=True)

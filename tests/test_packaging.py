@@ -10,6 +10,7 @@ is what every other test runs against.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -37,10 +38,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_contains_mapped_packages(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("infer/ops.py", "infer/backends/numpy.py", "infer/backends/reference.py",
-                   "infer/formats/huggingface.py", "infer/architectures/llama.py", "infer/distributed/worker.py",
+    for module in ("infer/ops.py", "infer/backends/numpy.py", "infer/backends/reference.py", "infer/backends/cpu/kernels.py",
+                   "infer/backends/cpu/backend.py", "infer/formats/huggingface.py",
+                   "infer/architectures/llama.py", "infer/distributed/worker.py",
                    "infer/py.typed"):  # py.typed: type checkers read the hints
         assert module in names, f"{module} missing from {wheel.name}"
+    if sys.platform.startswith("linux") and platform.machine() == "x86_64":  # the C kernels, one module of many files
+        assert any(re.fullmatch(r"infer/backends/cpu/_kernels\..*\.so", n) for n in names), sorted(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[infer]" in text and "numpy = infer.backends.numpy" in text

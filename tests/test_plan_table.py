@@ -1,7 +1,7 @@
 """The program format has two halves that must agree: the C runner
-(backends/_plan.c) decodes opcodes, kinds and dimension limits, and the
-Python recorder (backends/numpy_record.py) encodes them. The recorder reads
-the opcodes from the runner (``_affine.opcodes()``), but the kinds and limits
+(backends/cpu/plan.c) decodes opcodes, kinds and dimension limits, and the
+Python recorder (backends/cpu/record.py) encodes them. The recorder reads
+the opcodes from the runner (``_kernels.opcodes()``), but the kinds and limits
 are written out on both sides; so this test parses the C source (no build
 needed) and checks every number the two share:
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from infer.backends import numpy_record
+from infer.backends.cpu import record
 
-PLAN_C = Path(__file__).resolve().parent.parent / "backends" / "_plan.c"
+PLAN_C = Path(__file__).resolve().parent.parent / "backends" / "cpu" / "plan.c"
 _COMMENTS = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 
 
@@ -62,17 +62,17 @@ def test_the_parser_counts_as_c_does() -> None:
 def test_the_name_table_lists_every_opcode_under_its_own_name() -> None:
     ops = c_enum("OP_")
     table = re.search(r"OPCODES\[\]\s*=\s*\{(.*?)\};", _source(), re.S)
-    assert table is not None, "backends/_plan.c has no OPCODES name table"
+    assert table is not None, "backends/cpu/plan.c has no OPCODES name table"
     pairs = re.findall(r'\{\s*"(\w+)"\s*,\s*(\w+)\s*\}', table.group(1))
     assert [(name, f"OP_{name}") for name in ops] == pairs  # every opcode, once, in the enum's order
 
 
 def test_the_recorder_binds_every_opcode_the_runner_decodes() -> None:
     ops = c_enum("OP_")
-    bound = {name: getattr(numpy_record, name) for name in ops}
+    bound = {name: getattr(record, name) for name in ops}
     assert len(ops) == 13 and set(bound) == set(ops)
-    if numpy_record.OPCODES:  # the extension is built: its table is the source's
-        assert numpy_record.OPCODES == ops
+    if record.OPCODES:  # the extension is built: its table is the source's
+        assert record.OPCODES == ops
         assert bound == ops
     else:
         assert set(bound.values()) == {-1}  # no extension: no programs
@@ -80,14 +80,14 @@ def test_the_recorder_binds_every_opcode_the_runner_decodes() -> None:
 
 def test_the_kinds_agree() -> None:
     unary = {"CAST_I32": "cast", "GELU_ERF": "gelu"}  # the recorder names ops as the contract does
-    assert {unary.get(n, n.lower()): v for n, v in c_enum("U_").items()} == numpy_record.UNARY_KINDS
-    assert {n.lower(): v for n, v in c_enum("B_").items()} == numpy_record.BINARY_KINDS
-    assert c_enum("R_") == {"MAX": numpy_record.MAX, "ARGMAX": numpy_record.ARGMAX}
+    assert {unary.get(n, n.lower()): v for n, v in c_enum("U_").items()} == record.UNARY_KINDS
+    assert {n.lower(): v for n, v in c_enum("B_").items()} == record.BINARY_KINDS
+    assert c_enum("R_") == {"MAX": record.MAX, "ARGMAX": record.ARGMAX}
 
 
 def test_the_dimension_limit_agrees() -> None:
     found = re.search(r"#define\s+MAX_DIMS\s+(\d+)", _source())
-    assert found is not None and int(found.group(1)) == numpy_record.MAX_DIMS
+    assert found is not None and int(found.group(1)) == record.MAX_DIMS
 
 
 @pytest.mark.parametrize("prefix", ["OP_", "U_", "B_", "R_"])

@@ -470,16 +470,17 @@ def test_numpy_keeps_blocks_when_over_budget_and_results_are_identical() -> None
 
 def test_numpy_decides_from_available_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from infer.backends import numpy as numpy_backend
+    from infer.backends.cpu import backend as cpu_backend  # where the numpy backend's ops look it up
 
     ops = numpy_backend.NumpyBackend()
     t = gguf_tensor("Q3_K", 16, 256, 0)  # no affine form: the memory rule decides
-    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4)
+    monkeypatch.setattr(cpu_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4)
     assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)  # just fits
-    monkeypatch.setattr(numpy_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4 - 1)
+    monkeypatch.setattr(cpu_backend, "available_memory", lambda: ops.HEADROOM + 16 * 256 * 4 - 1)
     assert isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
     off = ops.configure(LoadSettings(quantize="off"))  # never keeps anything quantized
     assert not isinstance(off.prepare_weight(t, name=LINEAR), PackedWeight)
-    monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: dequantize
+    monkeypatch.setattr(cpu_backend, "available_memory", lambda: None)  # unknown: dequantize
     assert not isinstance(ops.prepare_weight(t, name=LINEAR), PackedWeight)
 
 

@@ -373,7 +373,7 @@ def test_mlx_native_recurrent_ops_equal_the_references(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_numpy_chunked_ssd_equals_the_reference(seed: int) -> None:
-    """The numpy backend's native ssd (backends/numpy_recurrent.py: the chunked scan in float32,
+    """The numpy backend's native ssd (backends/cpu/recurrent.py: the chunked scan in float32,
     one update for a decode step) against the float64 row-by-row reference, past a 64-row chunk
     (2e-4: float32 chunk sums over up to 150 rows)."""
     from infer.oplib import ssd_reference

@@ -1,4 +1,4 @@
-"""The numpy backend's captured decode step: the step's ops recorded once as a
+"""The CPU backend's captured decode step (numpy's and torch/cpu's): the step's ops recorded once as a
 program of C kernel calls, then run by one C call per token.
 
 numpy has no compiler, and a decode step is some 800 op calls from Python,
@@ -10,7 +10,7 @@ static shapes (:mod:`infer.engine.capture`), :meth:`NumpyBackend.compile
 * **Trace.** On the first call for an input signature (shapes and dtypes) the
   function runs once through the backend's ops while a :class:`Recorder`
   stands in for them on the backend instance. Each op whose inputs depend on
-  the step's inputs becomes a step of the program (``backends/_plan.c``): the
+  the step's inputs becomes a step of the program (``backends/cpu/plan.c``): the
   same C functions the eager op calls (the quantized and float32 products,
   the norms, rope, attention), or a strided elementwise loop, writing into a
   buffer the plan owns. The step runs at once, so the trace computes the real
@@ -59,7 +59,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from infer.backends.numpy_record import (  # noqa: F401 - the recorder's names, re-exported for callers and tests
+from infer.backends.cpu.record import (  # noqa: F401 - the recorder's names, re-exported for callers and tests
     BINARY_KINDS,
     UNARY_KINDS,
     HostArrays,

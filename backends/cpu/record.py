@@ -1,8 +1,8 @@
-"""Recording the numpy backend's captured decode step: the recorder that
+"""Recording the CPU backend's captured decode step: the recorder that
 stands in for the backend's ops while the step runs once, and turns each op
 on values that depend on the step's inputs into a step of a program for
-``backends/_plan.c`` (run and checked as it is recorded). What a program is,
-how it is replayed and what it cannot hold: :mod:`infer.backends.numpy_plan`.
+``backends/cpu/plan.c`` (run and checked as it is recorded). What a program is,
+how it is replayed and what it cannot hold: :mod:`infer.backends.cpu.plan`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AttentionBatch, Backend, Packe
 
 log = logging.getLogger(__name__)
 
-from infer.backends.kernels import BUILT
+from infer.backends.cpu.kernels import BUILT
 
-#: The opcodes by name, from the C runner's own table (backends/_plan.c), so
+#: The opcodes by name, from the C runner's own table (backends/cpu/plan.c), so
 #: the two never disagree (tests/test_plan_table.py checks the kinds below
 #: too); without the extension there are no programs. The extension as built:
 #: whether programs run is the numpy backend's choice (INFER_NUMPY_KERNELS).
@@ -29,7 +29,7 @@ OPCODES: dict[str, int] = BUILT.opcodes() if BUILT is not None and hasattr(BUILT
 GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LAYERNORM, SCATTER_ROWS, ATTENTION = (
     OPCODES.get(name, -1) for name in ("GEMV", "GEMV_F32", "RMS", "ROPE", "GATHER", "DEQUANT_ROWS", "COPY", "UNARY",
                                        "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))
-# Kinds: the enums below the opcodes in backends/_plan.c, in order.
+# Kinds: the enums below the opcodes in backends/cpu/plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}

@@ -1,4 +1,4 @@
-"""The package's C kernels (backends/_affine.c), as the backends call them.
+"""The CPU kernels (the C sources beside this file, one extension module), as the backends call them.
 
 The numpy backend computes on them, and torch/cpu runs the same kernels on
 its float32 tensors' memory (a CPU tensor and its ``.numpy()`` share it).
@@ -37,8 +37,8 @@ _KERNEL_CHOICES = {"auto": None, "avx512": "avx512", "avx2": "avx2+fma", "portab
 
 #: The extension as built, whatever ``INFER_NUMPY_KERNELS`` chose (None: not built).
 BUILT: Any
-try:  # the C kernels (backends/_affine.c): optional, built at install where a compiler exists
-    from infer.backends import _affine as BUILT
+try:  # the C kernels (backends/cpu/*.c): optional, built at install where a compiler exists
+    from infer.backends.cpu import _kernels as BUILT
 except ImportError:  # pragma: no cover - exercised where the extension is not built
     BUILT = None
 
@@ -80,7 +80,7 @@ SLAB_BYTES = 2 << 20
 BLOCK_FORMS: dict[str, int] = native.block_forms() if hasattr(native, "block_forms") else {}
 #: Or'ed into a product's ``bits`` (:func:`gemv`): with two or more rows of x,
 #: round them to int8 per 32 values and multiply in integer dot products
-#: (``activations="q8"``; backends/_q8.c, docs/quantization.md "Quantized
+#: (``activations="q8"``; backends/cpu/q8.c, docs/quantization.md "Quantized
 #: activations"). 0 where the kernels are not built.
 Q8_FLAG: int = getattr(native, "Q8_FLAG", 0)
 #: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).

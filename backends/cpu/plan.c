@@ -1,12 +1,11 @@
 /* The numpy backend's captured decode step: a program of kernel calls, run in
  * one call from Python.
  *
- * Included at the end of _affine.c (one translation unit), so that the
- * program calls the very functions the per-op Python entry points call
- * (gemv_run, gemvf_run, rms_rows, rope_rows, attention_run, dequant_row):
- * a step run here computes what the same op computes eagerly.
+ * The program calls the very functions the per-op Python entry points call
+ * (gemv_run, gemvf_run, rms_rows, rope_rows, attention_run, dequant_rows:
+ * kernels.h), so a step run here computes what the same op computes eagerly.
  *
- * backends/numpy_plan.py records the program while the step runs once through
+ * backends/cpu/plan.py records the program while the step runs once through
  * the backend's ops (the trace); the program is then a flat list of int64:
  * per step an opcode and its operands, pointers as two values (base, offset):
  * base -1 is an absolute address (a weight, a constant, a buffer the plan owns
@@ -18,6 +17,8 @@
  * bounds-checked here, at run time, and a bad one stops the program with an
  * error rather than touching memory outside its buffers.
  */
+
+#include "kernels.h"
 
 enum {
     OP_GEMV = 1,     /* P x, codes, scales, biases|0, out; I bits, m, k, n, group, half; F bias factor */
@@ -40,8 +41,8 @@ enum {
                         rows float16); F scale, softcap */
 };
 
-/* The opcodes by name, for the recorder (backends/numpy_record.py reads them
- * through _affine.opcodes(), so the two never disagree). */
+/* The opcodes by name, for the recorder (backends/cpu/record.py reads them
+ * through _kernels.opcodes(), so the two never disagree). */
 static const struct { const char *name; int code; } OPCODES[] = {
     {"GEMV", OP_GEMV}, {"GEMV_F32", OP_GEMV_F32}, {"RMS", OP_RMS}, {"ROPE", OP_ROPE}, {"GATHER", OP_GATHER},
     {"DEQUANT_ROWS", OP_DEQUANT_ROWS}, {"COPY", OP_COPY}, {"UNARY", OP_UNARY}, {"BINARY", OP_BINARY},
@@ -360,7 +361,7 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
 }
 
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). GEMV's and
- * DEQUANT_ROWS's bits may be a block form (_affine.c, FORM_BLOCKS): codes are then the file's blocks. */
+ * DEQUANT_ROWS's bits may be a block form (kernels.h, FORM_BLOCKS): codes are then the file's blocks. */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
     if (vm->error || !shape_ok(bits, group, half, k, biases != NULL)) {
         vm->error = vm->error ? vm->error : E_PROGRAM;
@@ -488,7 +489,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
 /* run_plan(code, floats, inputs, sizes) -> None: run the program `code`
  * (int64) with its float operands `floats` (float64) on `inputs` (a tuple of
  * C-contiguous writable arrays; sizes (int64): the bytes each must have). */
-static PyObject *run_plan(PyObject *self, PyObject *args) {
+PyObject *run_plan(PyObject *self, PyObject *args) {
     Py_buffer code, floats, sizes;
     PyObject *inputs;
     if (!PyArg_ParseTuple(args, "y*y*O!y*", &code, &floats, &PyTuple_Type, &inputs, &sizes)) return NULL;
@@ -558,7 +559,7 @@ done:
 }
 
 /* opcodes() -> {name: code}: the recorder's opcodes, from the table above. */
-static PyObject *opcodes(PyObject *self, PyObject *noargs) {
+PyObject *opcodes(PyObject *self, PyObject *noargs) {
     PyObject *table = PyDict_New();
     if (!table) return NULL;
     for (size_t i = 0; i < sizeof OPCODES / sizeof OPCODES[0]; i++) {

@@ -1,0 +1,214 @@
+/* Quantized activations (infer.load(..., activations="q8")): gemv_run hands a
+ * product whose bits carry Q8_FLAG to q8_run.
+ *
+ * A product y = x @ W.T with x's rows rounded to int8 and W's codes as they
+ * are (the affine form of gemv.c: W[r, c] = scale[r, g] * code[r, c] +
+ * bias[r, g]), multiplied in integer dot products:
+ *
+ *     y[i, r] = sum_g scale[r, g] * dx[i, g] * sum_{c in g} code[r, c] * q[i, c]
+ *             + sum_g bias[r, g] * sum_{c in g} x[i, c]
+ *
+ * Each 32 consecutive values of a row of x get one scale, dx = max|x| / 127,
+ * and codes q = rint(x * 127 / max|x|) in [-127, 127] (ggml's Q8_0 rounding of
+ * activations). Only the first term is approximate: the bias term sums x
+ * itself, as the exact kernels do. The integer sums are exact (a group's is
+ * below 2^24, so exact as a float too), and the float arithmetic after them is
+ * one fixed sequence on every path, so every path gives the same bits
+ * (tests/test_activations_q8.py):
+ *
+ * Lanes. The groups of a row are taken sixteen at a time (a span; the last
+ * padded with empty groups), group l of a span in lane l of a 16-lane
+ * accumulator: per span, lane l adds (float)isum_l * (scale_l * dx_l), then
+ * bias_l * xsum_l, multiplied and added separately (no fused multiply-add);
+ * the sixteen lanes are summed at the end as lane l + lane l+8, then +4, +2,
+ * +1. So that one integer dot product instruction (AVX-512 VNNI's vpdpbusd:
+ * four bytes of codes times four of q into one int32 lane) sums one group in
+ * each lane, both operands are stored interleaved: four bytes of each of the
+ * sixteen groups, then the next four of each, ...; x once per call, each tile
+ * of W's rows after decoding it.
+ *
+ * Paths: AVX-512 with VNNI (vpdpbusd); AVX2 (vpmaddubsw then vpmaddwd: codes
+ * above 127, Q8_0's and 8-bit affine's, are taken as code - 128 with
+ * vpsignb, and 128 * sum(q) added back); the portable loops (the x86 ones: x86/q8_x86.c). One activation
+ * row stays on the exact kernels (decoding reads the weights at the memory's
+ * speed either way); from Q8_MIN_ROWS rows on, a product takes this path. */
+
+#include "kernels.h"
+
+/* Where value v of a row lies in the interleaved order (group size `group`). */
+static inline Py_ssize_t q8_at(Py_ssize_t v, Py_ssize_t group) {
+    Py_ssize_t g = v / group, p = v % group;
+    return (g / Q8_LANES) * Q8_LANES * group + (p / 4) * (4 * Q8_LANES) + (g % Q8_LANES) * 4 + p % 4;
+}
+
+/* Row i of x [.., k] quantized into X's row j. */
+static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j) {
+    int8_t *q = X->q + j * X->kp;
+    float *dx = X->dx + j * X->lanes, *xs = X->xs + j * X->lanes;
+    int32_t *qs = X->qs + j * X->lanes;
+    memset(q, 0, (size_t)X->kp);
+    memset(dx, 0, (size_t)X->lanes * sizeof(float));
+    memset(xs, 0, (size_t)X->lanes * sizeof(float));
+    memset(qs, 0, (size_t)X->lanes * sizeof(int32_t));
+    const Py_ssize_t group = X->group;
+    for (Py_ssize_t b = 0; b < k; b += 32) {
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            float a = fabsf(x[b + t]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int t = 0; t < 32; t++) {
+            int v = (int)rintf(x[b + t] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            q[q8_at(b + t, group)] = (int8_t)v;
+            qs[(b + t) / group] += v;
+        }
+        for (Py_ssize_t g = b / group; g < (b + 32) / group; g++) dx[g] = d;
+    }
+    for (Py_ssize_t g = 0; g < k / group; g++) { /* in order, as group_sums */
+        float s = 0.0f;
+        for (Py_ssize_t t = 0; t < group; t++) s += x[g * group + t];
+        xs[g] = s;
+    }
+}
+
+/* One row of decoded codes (4 bits two a byte, or 8) into the interleaved order; the padding is zeros. */
+static void q8_pack_row(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp, uint8_t *out) {
+    if (kp > k) memset(out + (k / (group * Q8_LANES)) * group * Q8_LANES, 0, (size_t)(kp - (k / (group * Q8_LANES)) * group * Q8_LANES));
+    if (bits == 4) {
+        for (Py_ssize_t g = 0; g < k / 32; g++) {
+            const uint8_t *b = cr + g * 16;
+            for (int p = 0; p < 16; p++) {
+                out[q8_at(g * 32 + p, 32)] = b[p] & 15;
+                out[q8_at(g * 32 + p + 16, 32)] = b[p] >> 4;
+            }
+        }
+        return;
+    }
+    for (Py_ssize_t v = 0; v < k; v++) out[q8_at(v, group)] = cr[v];
+}
+
+/* The sixteen lanes summed: l + l+8, then +4, +2, +1. */
+static inline float q8_fold(float *a) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) a[l] = a[l] + a[l + w];
+    return a[0];
+}
+
+/* Portable: rows [0, R) of a tile (packed codes wq, lane scales ws and biases wb, X's lanes apart) against
+ * activation rows [j0, j1) of X, into y (y[j * n + r]). */
+static void q8_block_portable(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t R, const struct q8x *X,
+                              Py_ssize_t j0, Py_ssize_t j1, float *y, Py_ssize_t n) {
+    const Py_ssize_t chunks = X->group / 4, span = X->group * Q8_LANES;
+    for (Py_ssize_t r = 0; r < R; r++)
+        for (Py_ssize_t j = j0; j < j1; j++) {
+            float acc[Q8_LANES] = {0};
+            const uint8_t *w = wq + r * X->kp;
+            const int8_t *q = X->q + j * X->kp;
+            for (Py_ssize_t s = 0; s < X->spans; s++)
+                for (int l = 0; l < Q8_LANES; l++) {
+                    int32_t isum = 0;
+                    for (Py_ssize_t c = 0; c < chunks; c++)
+                        for (int b = 0; b < 4; b++) {
+                            Py_ssize_t o = s * span + c * 4 * Q8_LANES + l * 4 + b;
+                            isum += (int32_t)w[o] * (int32_t)q[o];
+                        }
+                    Py_ssize_t g = s * Q8_LANES + l;
+                    float t = ws[r * X->lanes + g] * X->dx[j * X->lanes + g];
+                    acc[l] = acc[l] + (float)isum * t;
+                    acc[l] = acc[l] + wb[r * X->lanes + g] * X->xs[j * X->lanes + g];
+                }
+            y[j * n + r] = q8_fold(acc);
+        }
+}
+
+/* y [m, n] = x @ W.T with x quantized (see the top of this file); W as gemv_run takes it (bits without Q8_FLAG).
+ * Returns -1 when out of memory. */
+int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
+           int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+    const int type = bits - FORM_BLOCKS;
+    Py_ssize_t values = 1, block_bytes = 0;
+    const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
+    const Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group,
+                     raw_row = blocks ? k / values * block_bytes : row_bytes;
+    /* codes that may pass 127: Q8_0's (q + 128) and 8-bit affine codes */
+    const int wide = bits == 8 && (blocks ? type == GGML_Q8_0 : 1);
+    struct q8x X;
+    X.group = group;
+    X.spans = (groups + Q8_LANES - 1) / Q8_LANES;
+    X.lanes = X.spans * Q8_LANES;
+    X.kp = X.lanes * group;
+    const Py_ssize_t chunk = m < Q8_CHUNK ? m : Q8_CHUNK;
+    X.q = malloc((size_t)(chunk * X.kp));
+    X.dx = malloc((size_t)(chunk * X.lanes) * sizeof(float));
+    X.xs = malloc((size_t)(chunk * X.lanes) * sizeof(float));
+    X.qs = malloc((size_t)(chunk * X.lanes) * sizeof(int32_t));
+    Py_ssize_t tile = tile_rows(groups);
+    if (blocks && tile * row_bytes > DECODED_BYTES) tile = DECODED_BYTES / row_bytes;
+    const Py_ssize_t tiles = (n + tile - 1) / tile;
+    int failed = !X.q || !X.dx || !X.xs || !X.qs;
+    for (Py_ssize_t i0 = 0; i0 < m && !failed; i0 += chunk) {
+        const Py_ssize_t rows = m - i0 < chunk ? m - i0 : chunk;
+        #pragma omp parallel
+        {
+            #pragma omp for schedule(static)
+            for (Py_ssize_t j = 0; j < rows; j++) q8_quantize_row(x + (i0 + j) * k, k, &X, j);
+            uint8_t *wq = malloc((size_t)(tile * X.kp)), *decoded = blocks ? malloc(DECODED_BYTES) : NULL;
+            float *wide_s = malloc(2 * TILE_GROUPS * sizeof(float)), *ws = malloc((size_t)(2 * tile * X.lanes) * sizeof(float));
+            const int ok = wq && wide_s && ws && (!blocks || decoded);
+            float *wb = ok ? ws + tile * X.lanes : NULL;
+            #pragma omp for schedule(static)
+            for (Py_ssize_t t = 0; t < tiles; t++) {
+                if (!ok) { /* every thread still takes its share of the loop (a worksharing construct) */
+                    #pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                const Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+                const float *s, *bi;
+                const uint8_t *ct;
+                if (blocks) {
+                    decode_tile(type, c + r0 * raw_row, raw_row, r1 - r0, k, (n - r0) * raw_row, decoded, wide_s,
+                                wide_s + TILE_GROUPS);
+                    s = wide_s, bi = wide_s + TILE_GROUPS, ct = decoded;
+                } else {
+                    tile_scales(scales, biases, factor, half, r0, r1, groups, wide_s, &s, &bi);
+                    ct = c + r0 * row_bytes;
+                }
+                for (Py_ssize_t r = 0; r < r1 - r0; r++) {
+#ifdef HAVE_X86
+                    if (use_avx512)
+                        q8_pack_row_512(bits, ct + r * row_bytes, k, group, X.kp, wq + r * X.kp);
+                    else
+#endif
+                        q8_pack_row(bits, ct + r * row_bytes, k, group, X.kp, wq + r * X.kp);
+                    memcpy(ws + r * X.lanes, s + r * groups, (size_t)groups * sizeof(float));
+                    memcpy(wb + r * X.lanes, bi + r * groups, (size_t)groups * sizeof(float));
+                    for (Py_ssize_t g = groups; g < X.lanes; g++) ws[r * X.lanes + g] = wb[r * X.lanes + g] = 0.0f;
+                }
+                float *yt = y + i0 * n + r0;
+#ifdef HAVE_X86
+                if (use_vnni) {
+                    q8_tile_vnni(wq, ws, wb, r1 - r0, &X, rows, yt, n);
+                    continue;
+                }
+                if (use_avx2) {
+                    q8_tile_avx2(wq, ws, wb, r1 - r0, &X, rows, yt, n, wide);
+                    continue;
+                }
+#endif
+                q8_block_portable(wq, ws, wb, r1 - r0, &X, 0, rows, yt, n);
+            }
+            free(wq);
+            free(decoded);
+            free(wide_s);
+            free(ws);
+        }
+    }
+    free(X.q);
+    free(X.dx);
+    free(X.xs);
+    free(X.qs);
+    return failed ? -1 : 0;
+}

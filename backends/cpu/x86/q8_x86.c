@@ -1,0 +1,175 @@
+/* q8.c's integer products on x86: AVX-512 VNNI (vpdpbusd) and AVX2 (vpmaddubsw,
+ * vpmaddwd), and the packing of a tile's codes into the interleaved order,
+ * sixteen groups at a time. The same lanes and sums as q8.c's portable loops. */
+
+#include "simd.h"
+
+#ifdef HAVE_X86
+/* The same sixteen groups at a time: a gather of four bytes from each group per chunk. */
+AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp,
+                            uint8_t *out) {
+    const Py_ssize_t groups = k / group, spans = kp / (group * Q8_LANES);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low = _mm512_set1_epi8(15);
+    for (Py_ssize_t s = 0; s < spans; s++) {
+        Py_ssize_t left = groups - s * Q8_LANES;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        uint8_t *o = out + s * Q8_LANES * group;
+        if (bits == 4) { /* a group: 16 bytes, chunk c < 4 the low nibbles of dword c, c >= 4 the high */
+            const uint8_t *base = cr + s * Q8_LANES * 16;
+            const __m512i idx = _mm512_slli_epi32(lane, 2);
+            for (int c = 0; c < 4; c++) {
+                __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                        _mm512_add_epi32(idx, _mm512_set1_epi32(c)), base, 4);
+                _mm512_storeu_si512(o + c * 64, _mm512_and_si512(v, low));
+                _mm512_storeu_si512(o + (c + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        } else {
+            const uint8_t *base = cr + s * Q8_LANES * group;
+            const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(group / 4)));
+            for (int c = 0; c < group / 4; c++)
+                _mm512_storeu_si512(o + c * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                            _mm512_add_epi32(idx, _mm512_set1_epi32(c)),
+                                                                            base, 4));
+        }
+    }
+}
+
+AVX512VNNI static inline float q8_fold_512(__m512 a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    f = _mm_add_ps(f, _mm_movehl_ps(f, f));
+    f = _mm_add_ss(f, _mm_movehdup_ps(f));
+    return _mm_cvtss_f32(f);
+}
+
+/* R weight rows against J activation rows, C chunks a group (8: groups of 32, 4: of 16); constants where called. */
+AVX512VNNI INLINE void q8_block_vnni(const uint8_t *wq, const float *ws, const float *wb, const struct q8x *X, Py_ssize_t j,
+                          float *y, Py_ssize_t n, const int R, const int J, const int C) {
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < J; i++) acc[r][i] = _mm512_setzero_ps();
+    const Py_ssize_t kp = X->kp, lanes = X->lanes;
+    for (Py_ssize_t s = 0; s < X->spans; s++) {
+        __m512i isum[4][2];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < J; i++) isum[r][i] = _mm512_setzero_si512();
+        const Py_ssize_t o = s * C * 64;
+        for (int c = 0; c < C; c++) {
+            __m512i w[4], q[2];
+            for (int r = 0; r < R; r++) w[r] = _mm512_loadu_si512(wq + r * kp + o + c * 64);
+            for (int i = 0; i < J; i++) q[i] = _mm512_loadu_si512(X->q + (j + i) * kp + o + c * 64);
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < J; i++) isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], w[r], q[i]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 sw = _mm512_loadu_ps(ws + r * lanes + s * 16), bw = _mm512_loadu_ps(wb + r * lanes + s * 16);
+            for (int i = 0; i < J; i++) {
+                const __m512 t = _mm512_mul_ps(sw, _mm512_loadu_ps(X->dx + (j + i) * lanes + s * 16));
+                acc[r][i] = _mm512_add_ps(acc[r][i], _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][i]), t));
+                acc[r][i] = _mm512_add_ps(acc[r][i],
+                                          _mm512_mul_ps(bw, _mm512_loadu_ps(X->xs + (j + i) * lanes + s * 16)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < J; i++) y[(j + i) * n + r] = q8_fold_512(acc[r][i]);
+}
+
+#define Q8_VNNI_CASE(R_, J_)                                                                                         \
+    case R_ * 4 + J_:                                                                                                \
+        if (C == 8) q8_block_vnni(w, s, b, X, j, y + r0, n, R_, J_, 8);                                              \
+        else q8_block_vnni(w, s, b, X, j, y + r0, n, R_, J_, 4);                                                     \
+        break;
+
+AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
+                             const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n) {
+    const int C = (int)(X->group / 4);
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += 4) {
+        const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const uint8_t *w = wq + r0 * X->kp;
+        const float *s = ws + r0 * X->lanes, *b = wb + r0 * X->lanes;
+        for (Py_ssize_t j = 0; j < m; j += 2) {
+            const int J = m - j < 2 ? 1 : 2;
+            switch (R * 4 + J) {
+                Q8_VNNI_CASE(1, 1) Q8_VNNI_CASE(1, 2) Q8_VNNI_CASE(2, 1) Q8_VNNI_CASE(2, 2)
+                Q8_VNNI_CASE(3, 1) Q8_VNNI_CASE(3, 2) Q8_VNNI_CASE(4, 1) Q8_VNNI_CASE(4, 2)
+            }
+        }
+    }
+}
+#undef Q8_VNNI_CASE
+
+/* AVX2: the same lanes as two halves of eight; wide (codes above 127): signed codes and 128 * sum(q) added. */
+AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *wb, const struct q8x *X, Py_ssize_t j,
+                          float *y, Py_ssize_t n, const int R, const int J, const int C, const int wide) {
+    __m256 acc[2][2][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < J; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    const Py_ssize_t kp = X->kp, lanes = X->lanes;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (Py_ssize_t s = 0; s < X->spans; s++) {
+        __m256i isum[2][2][2];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < J; i++) isum[r][i][0] = isum[r][i][1] = _mm256_setzero_si256();
+        const Py_ssize_t o = s * C * 64;
+        for (int c = 0; c < C; c++)
+            for (int h = 0; h < 2; h++) {
+                __m256i w[2], q[2];
+                for (int r = 0; r < R; r++) {
+                    w[r] = _mm256_loadu_si256((const __m256i *)(wq + r * kp + o + c * 64 + h * 32));
+                    if (wide) w[r] = _mm256_xor_si256(w[r], flip);
+                }
+                for (int i = 0; i < J; i++) q[i] = _mm256_loadu_si256((const __m256i *)(X->q + (j + i) * kp + o + c * 64 + h * 32));
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < J; i++) {
+                        __m256i p = wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[r]), _mm256_sign_epi8(q[i], w[r]))
+                                         : _mm256_maddubs_epi16(w[r], q[i]);
+                        isum[r][i][h] = _mm256_add_epi32(isum[r][i][h], _mm256_madd_epi16(p, ones));
+                    }
+            }
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t g = s * 16 + h * 8;
+                const __m256 sw = _mm256_loadu_ps(ws + r * lanes + g), bw = _mm256_loadu_ps(wb + r * lanes + g);
+                for (int i = 0; i < J; i++) {
+                    __m256i is = isum[r][i][h];
+                    if (wide)
+                        is = _mm256_add_epi32(is, _mm256_slli_epi32(
+                                                      _mm256_loadu_si256((const __m256i *)(X->qs + (j + i) * lanes + g)), 7));
+                    const __m256 t = _mm256_mul_ps(sw, _mm256_loadu_ps(X->dx + (j + i) * lanes + g));
+                    acc[r][i][h] = _mm256_add_ps(acc[r][i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
+                    acc[r][i][h] = _mm256_add_ps(acc[r][i][h], _mm256_mul_ps(bw, _mm256_loadu_ps(X->xs + (j + i) * lanes + g)));
+                }
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < J; i++) {
+            __m128 f = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(acc[r][i][0], acc[r][i][1])),
+                                  _mm256_extractf128_ps(_mm256_add_ps(acc[r][i][0], acc[r][i][1]), 1));
+            f = _mm_add_ps(f, _mm_movehl_ps(f, f));
+            f = _mm_add_ss(f, _mm_movehdup_ps(f));
+            y[(j + i) * n + r] = _mm_cvtss_f32(f);
+        }
+}
+
+AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
+                       const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n, int wide) {
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += 2) {
+        const int R = rows - r0 < 2 ? 1 : 2;
+        const uint8_t *w = wq + r0 * X->kp;
+        const float *s = ws + r0 * X->lanes, *b = wb + r0 * X->lanes;
+        for (Py_ssize_t j = 0; j < m; j += 2) {
+            const int J = m - j < 2 ? 1 : 2, key = (R * 2 + J) * 4 + (X->group == 32) * 2 + wide;
+            switch (key) {
+#define Q8_AVX2_CASE(R_, J_, C8, W)                                                                                  \
+    case ((R_ * 2 + J_) * 4 + C8 * 2 + W): q8_block_avx2(w, s, b, X, j, y + r0, n, R_, J_, C8 ? 8 : 4, W); break;
+#define Q8_AVX2_RJ(R_, J_) Q8_AVX2_CASE(R_, J_, 0, 0) Q8_AVX2_CASE(R_, J_, 0, 1) Q8_AVX2_CASE(R_, J_, 1, 0) Q8_AVX2_CASE(R_, J_, 1, 1)
+                Q8_AVX2_RJ(1, 1) Q8_AVX2_RJ(1, 2) Q8_AVX2_RJ(2, 1) Q8_AVX2_RJ(2, 2)
+#undef Q8_AVX2_RJ
+#undef Q8_AVX2_CASE
+            }
+        }
+    }
+}
+#endif
