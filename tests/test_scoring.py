@@ -219,6 +219,8 @@ def test_kl_against_int8_activations_is_positive_and_equals_numpy() -> None:
     want = (np.exp(rows[0]) * (rows[0] - rows[1])).sum(axis=-1)
     np.testing.assert_allclose(d.kl, want, rtol=1e-12, atol=1e-15)
     assert d.mean > 0 and all(k >= -1e-12 for k in d.kl)
+    same_top = np.mean(rows[0].argmax(axis=-1) == rows[1].argmax(axis=-1))
+    assert d.top_agreement == pytest.approx(same_top) and d.top_agreement > 0.5
     np.testing.assert_allclose(d.q.logprobs, rows[1][np.arange(len(ids) - 1), ids[1:]], rtol=1e-12)
 
 

@@ -232,7 +232,7 @@ class Divergence:
     @property
     def top_agreement(self) -> float:
         """The fraction of positions where P and Q have the same most likely token."""
-        same = [a == b for a, b in zip(self.p.top, self.q.top)]
+        same = [a[0][0] == b[0][0] for a, b in zip(self.p.top, self.q.top)]  # the ids, not their logprobs
         return sum(same) / len(same) if same else math.nan
 
 
