@@ -302,3 +302,35 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 def is_embedding(name: str) -> bool:
     """True for the token embedding table (the output head too when tied)."""
     return "embed_tokens" in name
+
+
+# -- int8 activations (activations="q8"): how far a product may move ----------------------------
+
+#: Values of an activation row that share one int8 scale under ``activations="q8"``.
+Q8_ACTIVATION_GROUP = 32
+
+
+def q8_weight_sums(weight: np.ndarray) -> np.ndarray:
+    """``sum |W[r, c]|`` over each group of :data:`Q8_ACTIVATION_GROUP`
+    columns of a ``[out, in]`` weight (``in`` a multiple of it): ``[out, groups]``,
+    what :func:`q8_error_bound` needs of the weight."""
+    w = np.abs(np.asarray(weight, np.float64))
+    return w.reshape(w.shape[0], -1, Q8_ACTIVATION_GROUP).sum(axis=-1)
+
+
+def q8_error_bound(x: np.ndarray, weight_sums: np.ndarray) -> np.ndarray:
+    """How far ``x @ W.T`` computed on int8 activations may be from the exact
+    product, per element ``[rows, out]`` (docs/conformance.md, "Approximate modes").
+
+    Group ``g`` of a row of ``x`` is stored as ``q = rint(x / d_g)`` with
+    ``d_g = max|x_g| / 127``, so each value moves by at most ``d_g / 2`` and
+    the product by at most ``sum_g (d_g / 2) * sum_{c in g} |W[r, c]|``.
+    The float32 sums on both sides (the exact one's too) add at most
+    ``2 k u sum_c |x_c W[r, c]|`` (``u = 2**-24``, a dot product of length
+    ``k``), and since ``|x_c| <= 127 d_g`` that is at most ``4 * 127 * k * u``
+    times the first term: a factor ``1 + 508 k u`` on it."""
+    x = np.abs(np.asarray(x, np.float64))
+    k = x.shape[-1]
+    half_step = x.reshape(-1, k // Q8_ACTIVATION_GROUP, Q8_ACTIVATION_GROUP).max(axis=-1) / (2 * 127)
+    bound = (1 + 4 * 127 * k * 2.0 ** -24) * (half_step @ weight_sums.T)
+    return bound.reshape(*x.shape[:-1], weight_sums.shape[0])

@@ -90,3 +90,16 @@ def test_cli_diff(model_and_ids, capsys: pytest.CaptureFixture[str]) -> None:  #
     assert main(["-q", "diff", str(path), "--backends", "numpy", "--steps", "1"]) == 0
     assert capsys.readouterr().out.startswith("reference/cpu vs numpy/cpu")
     assert main(["diff", str(path), "--backends", "numpy,numpy,numpy"]) == 1
+
+
+def test_int8_activations_are_labelled_approximate_and_held_to_their_bound(model_and_ids) -> None:  # type: ignore[no-untyped-def]
+    if "q8" not in NumpyBackend().activation_schemes:
+        pytest.skip("the numpy backend's C kernels are not built: no activations='q8'")
+    path, ids = model_and_ids
+    report = diff(path, ["numpy", "numpy"], ids, steps=2, quantize="q8", activations="q8")
+    assert report.activations == "q8" and report.b.endswith("activations=q8")
+    # A prompt's products on quantized weights (two or more rows) took the int8 path and stayed in bound.
+    assert len(report.bound_checks) > 0 and report.within_bound
+    assert max(r for _, _, r in report.bound_checks) > 0  # int8 rounding moved them
+    text = report.format()
+    assert "approximate: " in text and "beyond it" in text

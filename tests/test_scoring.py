@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from reference import (
 
 import infer
 from infer.engine.sampling import log_softmax
-from infer.engine.scoring import windows
+from infer.engine.scoring import kl_divergence, windows
 from infer.errors import GenerationError
 from infer.tools.cli import main
 
@@ -177,3 +178,67 @@ def test_score_equals_transformers_on_gemma3(source: str) -> None:
     logits = reference_teacher_forced(hf, ids[:1], ids[1:])
     assert_logprobs_close(model.score(ids).logprobs, reference_logprobs(logits, ids), logits, float32_rtol(hf),
                           f"gemma3 {source}")
+
+
+# -- KL(P ‖ Q) between two loads of one model (infer.engine.scoring.kl_divergence) ------------------
+
+LONG = [(11 * i * i + 5 * i + 3) % 250 + 3 for i in range(60)]
+
+
+def _q8_pair() -> tuple[infer.Model, infer.Model]:
+    """The tiny model quantized on load, with exact activations and with int8 ones."""
+    path = tiny_model_dir("llama3")
+    exact = infer.load(path, backend="numpy", quantize="q8", compile=False)
+    if "q8" not in exact.backend.activation_schemes:
+        pytest.skip("the numpy backend's C kernels are not built: no activations='q8'")
+    return exact, infer.load(path, backend="numpy", quantize="q8", compile=False, activations="q8")
+
+
+def test_kl_of_a_model_against_itself_is_zero() -> None:
+    path = tiny_model_dir("llama3")
+    a, b = infer.load(path, backend="numpy"), infer.load(path, backend="numpy")
+    d = kl_divergence(a, b, LONG, window=16, stride=8)
+    assert d.token_ids == LONG and len(d.kl) == len(LONG) - 1
+    assert d.kl == [0.0] * (len(LONG) - 1) and d.mean == 0.0 and d.top_agreement == 1.0
+    # Both sides' scores are Model.score's in the same windows, up to float32 rounding:
+    # score batches windows into other forwards, so its sums run in another order.
+    want = a.score(LONG, context=16, stride=8)
+    np.testing.assert_allclose(d.p.logprobs, want.logprobs, rtol=1e-5, atol=1e-4)
+    assert d.p.logprobs == d.q.logprobs
+
+
+def test_kl_against_int8_activations_is_positive_and_equals_numpy() -> None:
+    exact, q8 = _q8_pair()
+    ids = LONG[:40]  # one window: the rows are those of one forward of ids[:-1] on each side
+    d = kl_divergence(exact, q8, ids, window=64)
+    rows = []
+    for m in (exact, q8):
+        seq = m.engine.new_sequence(len(ids))
+        rows.append(log_softmax(m.backend.to_numpy(m.engine.forward(seq, ids[:-1], all_logits=True))))
+        m.engine.release(seq)
+    want = (np.exp(rows[0]) * (rows[0] - rows[1])).sum(axis=-1)
+    np.testing.assert_allclose(d.kl, want, rtol=1e-12, atol=1e-15)
+    assert d.mean > 0 and all(k >= -1e-12 for k in d.kl)
+    same_top = np.mean(rows[0].argmax(axis=-1) == rows[1].argmax(axis=-1))
+    assert d.top_agreement == pytest.approx(same_top) and d.top_agreement > 0.5
+    np.testing.assert_allclose(d.q.logprobs, rows[1][np.arange(len(ids) - 1), ids[1:]], rtol=1e-12)
+
+
+def test_kl_rejects_a_window_below_two_tokens() -> None:
+    a = infer.load(tiny_model_dir("llama3"), backend="numpy")
+    with pytest.raises(GenerationError, match="at least 2 tokens"):
+        kl_divergence(a, a, LONG, window=1)
+
+
+def test_cli_perplexity_kl_against_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    exact, _ = _q8_pair()
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a tiny model that read very long texts. " * 6)
+    path = str(tiny_model_dir("llama3"))
+    assert main(["-q", "perplexity", path, str(text), "--backend", "numpy", "--quantize", "q8", "--activations", "q8",
+                 "--kl-against", "exact", "--context", "32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("exact: perplexity ") and out[1].startswith("activations=q8: perplexity ")
+    assert re.match(r"KL\(exact \|\| activations=q8\): mean \d\.\d+ nats over \d+ tokens, same top token", out[2])
+    # Without an approximate mode there is nothing to compare.
+    assert main(["-q", "perplexity", path, str(text), "--kl-against", "exact"]) == 1

@@ -23,11 +23,13 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from infer.engine.runner import Engine, SequenceState
-from infer.engine.sampling import token_logprob
+from infer.engine.sampling import log_softmax, token_logprob
 from infer.errors import GenerationError
 
 #: Tokens one scoring forward feeds at most (all sequences together).
@@ -198,3 +200,148 @@ def _release(engine: Engine, job: _Window) -> None:
     if job.seq is not None:
         engine.release(job.seq)
         job.seq = None
+
+
+# -- how far one model's predictions are from another's ----------------------------------------
+
+
+@dataclass
+class Divergence:
+    """KL(P ‖ Q) between two models' next-token distributions over one text,
+    with each model's :class:`Score` of it (the same windows for both).
+
+    ``kl[i]`` is ``sum_v p(v) * (log p(v) - log q(v))`` over the whole
+    vocabulary at the position that predicts ``token_ids[i + 1]``, in nats,
+    from float64 log-softmax rows of both models' logits.
+    """
+
+    #: The scored token ids.
+    token_ids: list[int]
+    #: One KL value per token after the first.
+    kl: list[float]
+    #: How P scores the text.
+    p: Score
+    #: How Q scores the text.
+    q: Score
+
+    @property
+    def mean(self) -> float:
+        """The mean over tokens of :attr:`kl` (llama.cpp's "Mean KLD")."""
+        return float(math.fsum(self.kl) / len(self.kl)) if self.kl else math.nan
+
+    @property
+    def top_agreement(self) -> float:
+        """The fraction of positions where P and Q have the same most likely token."""
+        same = [a[0][0] == b[0][0] for a, b in zip(self.p.top, self.q.top)]  # the ids, not their logprobs
+        return sum(same) / len(same) if same else math.nan
+
+
+#: Floats of logits a divergence forward brings to the host per model: both
+#: models' rows are taken to float64 at once, so a quarter of scoring's budget.
+_MAX_DIVERGENCE_FLOATS = _MAX_LOGIT_FLOATS // 4
+
+
+def divergence(
+    engine_p: Engine, engine_q: Engine, ids: Sequence[int], *, context: int = 512, stride: int | None = None,
+    max_batch_tokens: int = DEFAULT_SCORE_BATCH_TOKENS, progress: bool = False,
+) -> Divergence:
+    """KL(P ‖ Q) per token of ``ids`` between the models of two engines (see
+    :class:`Divergence`), in the sliding windows of :func:`windows`.
+
+    Both engines are fed the same chunks in lockstep, so only one chunk's rows
+    of each model's logits are on the host at a time: a vocabulary of 262k
+    (Gemma 3) makes a window's rows hundreds of megabytes. The tokens of a
+    window before its first scored one are fed without logits.
+
+    Args:
+        engine_p, engine_q: the runners of P (the reference) and Q; their
+            vocabularies must be the same size.
+        ids: the text's token ids (at least one).
+        context: window length in tokens (llama.cpp's ``--kl-divergence``
+            with ``-c 512`` is the usual comparison).
+        stride: how far consecutive windows start apart (default half a window).
+        max_batch_tokens: most tokens one forward feeds.
+        progress: a progress bar of the tokens scored (stderr).
+    """
+    vocab = engine_p.model.vocab_size
+    if engine_q.model.vocab_size != vocab:
+        raise GenerationError(f"cannot compare models with different vocabularies: {vocab} and "
+                              f"{engine_q.model.vocab_size} tokens")
+    window = context
+    limit = min(engine_p.max_context, engine_q.max_context)
+    if not isinstance(window, int) or window > limit:
+        raise GenerationError(f"context must be an integer of at most both models' {limit} positions, got {context!r}")
+    step = max(window // 2, 1) if stride is None else stride
+    if max_batch_tokens < 1:
+        raise GenerationError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise GenerationError("cannot score an empty text: give at least one token")
+    engine_p.check_tokens(ids)
+    engine_q.check_tokens(ids)
+    n = len(ids) - 1
+    out = Divergence(ids, [math.nan] * n, Score(ids, [math.nan] * n, [False] * n, [()] * n),
+                     Score(ids, [math.nan] * n, [False] * n, [()] * n))
+    budget = max(1, min(max_batch_tokens, _MAX_DIVERGENCE_FLOATS // max(vocab, 1)))
+    spans = windows(len(ids), window, step)
+    with tqdm(total=n, desc="Comparing", unit="tok", file=sys.stderr, disable=not progress) as bar:
+        for begin, end, first in spans:
+            _compare_window(engine_p, engine_q, out, begin, end, first, max_batch_tokens, budget)
+            bar.update(end - first)
+    return out
+
+
+def _compare_window(engine_p: Engine, engine_q: Engine, out: Divergence, begin: int, end: int, first: int,
+                    max_batch_tokens: int, budget: int) -> None:
+    """Feed tokens ``[begin, end - 1)`` to both engines; the row of token
+    ``t`` predicts ``t + 1``, so rows from token ``first - 1`` on are compared."""
+    engines = (engine_p, engine_q)
+    seqs = [e.new_sequence(end - begin) for e in engines]
+    ids = out.token_ids
+    try:
+        for start in range(begin, first - 1, max_batch_tokens):  # context only: no logits needed
+            chunk = ids[start:min(start + max_batch_tokens, first - 1)]
+            for e, s in zip(engines, seqs):
+                e.run(e.prepare([s], [chunk]))
+        for start in range(first - 1, end - 1, budget):
+            chunk = ids[start:min(start + budget, end - 1)]
+            targets = np.asarray(ids[start + 1:start + 1 + len(chunk)])
+            logp = [log_softmax(e.run(e.prepare([s], [chunk], all_logits=True)).host_logits())
+                    for e, s in zip(engines, seqs)]
+            kl = (np.exp(logp[0]) * (logp[0] - logp[1])).sum(axis=-1)
+            rows = np.arange(len(chunk))
+            for score, lp in zip((out.p, out.q), logp):
+                got = lp[rows, targets]
+                best = lp.argmax(axis=-1)
+                for r in range(len(chunk)):
+                    score.logprobs[start + r] = float(got[r])
+                    score.greedy[start + r] = bool(lp[r, targets[r]] == lp[r, best[r]])
+                    score.top[start + r] = ((int(best[r]), float(lp[r, best[r]])),)
+            for r in range(len(chunk)):
+                out.kl[start + r] = float(kl[r])
+    finally:
+        for e, s in zip(engines, seqs):
+            e.release(s)
+
+
+class _Loaded(Protocol):
+    """What :func:`kl_divergence` needs of a model (an :class:`infer.Model`)."""
+
+    engine: Engine
+    tokenizer: Any
+
+
+def kl_divergence(
+    model_p: _Loaded, model_q: _Loaded, text: str | Sequence[int], *, window: int = 512, stride: int | None = None,
+    add_special_tokens: bool = True, max_batch_tokens: int = DEFAULT_SCORE_BATCH_TOKENS, progress: bool = False,
+) -> Divergence:
+    """KL(P ‖ Q) per token of ``text`` between two loaded models, e.g. one
+    model loaded exact (P) and with ``activations="q8"`` (Q): see
+    :func:`divergence`. A text is tokenized by P's tokenizer; token ids are
+    used as they are."""
+    if isinstance(text, str):
+        ids = model_p.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    else:
+        ids = [int(t) for t in text]
+    return divergence(model_p.engine, model_q.engine, ids, context=window, stride=stride,
+                      max_batch_tokens=max_batch_tokens, progress=progress)

@@ -58,6 +58,7 @@ class Host:
 
 Run = Callable[[Backend, Call, tuple, dict], Any]
 Expect = Callable[..., np.ndarray]
+Bound = Callable[..., np.ndarray]
 OutDtype = Callable[[Call, str], "str | tuple[str, ...]"]
 
 
@@ -89,6 +90,13 @@ class Case:
     ``expect``, where given, computes the expected result on the host,
     ``expect(call, *args)`` with the inputs' values, instead of the reference
     backend (for a result it cannot hold: numpy has no bfloat16).
+
+    An approximate mode's case (e.g. ``activations="q8"``) sets ``bound``:
+    ``bound(call, *args)`` gives, per element of the result, how far the
+    candidate may be from the reference's exact result, and that replaces the
+    dtype's NMSE bound; ``reference_run`` is how the reference computes the
+    exact result (default: ``run``), ``run`` how the candidate runs the mode,
+    raising :class:`~infer.errors.UnsupportedOpError` where it has none.
     """
 
     name: str
@@ -100,6 +108,8 @@ class Case:
     raises: bool = False
     doc: str = ""
     expect: Expect | None = None
+    bound: Bound | None = None
+    reference_run: Run | None = None
 
 
 class Mismatch(AssertionError):
@@ -114,4 +124,4 @@ def leaves(args: Sequence[Any]) -> list[Any]:
     return out
 
 
-__all__ = ["In", "Call", "Host", "Run", "Expect", "OutDtype", "FLOAT", "SAME", "INDEX", "Case", "Mismatch", "leaves"]
+__all__ = ["In", "Call", "Host", "Run", "Expect", "Bound", "OutDtype", "FLOAT", "SAME", "INDEX", "Case", "Mismatch", "leaves"]

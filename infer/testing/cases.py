@@ -22,8 +22,10 @@ except ImportError as exc:  # not a dependency of infer
 
 from infer.errors import UnsupportedOpError
 from infer.ops import AttentionBatch, QuantizedTensor
+from infer.quantize import q8_error_bound, q8_weight_sums
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
+    GGUF_LINEAR_TYPES,
     QUANTIZED_FORMAT,
     arange_calls,
     array_of_kind,
@@ -156,6 +158,26 @@ def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
     return ops.linear(x, weight, bias)
 
 
+def _quantized_linear_q8act(ops: Any, call: Call, x: Any, bias: Any) -> Any:
+    """``linear`` of a random GGUF matrix with ``activations="q8"``, where the
+    backend lists it in :attr:`~infer.ops.Backend.activation_schemes`."""
+    if "q8" not in ops.activation_schemes:
+        raise UnsupportedOpError(f"{ops.name}/{ops.device} has no int8 activations (activation_schemes: "
+                                 f"{', '.join(sorted(ops.activation_schemes)) or 'none'})")
+    i = call.info
+    tensor = _quantized_format().random_tensor(i["qtype"], i["shape"], i["seed"])
+    scheme = min(ops.quantize_schemes) if ops.quantize_schemes else None
+    q8 = ops.configure(dataclasses.replace(ops.settings, quantize=scheme, activations="q8"))
+    return q8.linear(x, q8.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight"), bias)
+
+
+def _q8_bound(call: Call, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """:func:`infer.quantize.q8_error_bound` of the call's x and weight."""
+    i = call.info
+    w = _quantized_format().random_tensor(i["qtype"], i["shape"], i["seed"]).dequantize()
+    return q8_error_bound(x, q8_weight_sums(w))
+
+
 def _quantized_format() -> Any:
     """The format whose quantized types the ``quantized_linear`` cases draw
     (:data:`~infer.testing.strategies.QUANTIZED_FORMAT`), from the registry."""
@@ -265,6 +287,10 @@ CASES: tuple[Case, ...] = (
           run=_run(lambda ops, call, x: ops.linear(x, ops.prepare_weight(_Stored(call.info["weight"]))))),
     *(_case(f"quantized_linear-{t}", "quantized_linear", gguf_linear_calls(t), run=_run(_quantized_linear))
       for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "MXFP4")),
+    # the same products with int8 activations: a separate mode with its own bound
+    *(_case(f"quantized_linear-q8act-{t}", "quantized_linear", gguf_linear_calls(t, rows=(1, 12)),
+            run=_run(_quantized_linear_q8act), reference_run=_run(_quantized_linear), bound=_q8_bound)
+      for t in GGUF_LINEAR_TYPES),
     _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
     _case("swiglu", "swiglu", swiglu_calls()),
     _case("softcap", "softcap", softcap_calls()),

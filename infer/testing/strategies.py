@@ -405,11 +405,12 @@ GGUF_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6
 
 
 @st.composite
-def gguf_linear_calls(draw: Any, qtype: str | None = None) -> Call:
+def gguf_linear_calls(draw: Any, qtype: str | None = None, rows: tuple[int, int] = (1, 5)) -> Call:
     """x ``[rows, in]`` and, in ``info``, a random GGUF matrix ``[out, in]`` of
-    ``qtype`` (``out`` a multiple of 16, ``in`` of 256: every block type fits)."""
+    ``qtype`` (``out`` a multiple of 16, ``in`` of 256: every block type fits);
+    ``rows`` between the two bounds given."""
     qtype = qtype or draw(st.sampled_from(GGUF_LINEAR_TYPES))
-    rows, d_out, d_in, seed = (draw(st.integers(1, 5)), 16 * draw(st.integers(1, 3)),
+    rows, d_out, d_in, seed = (draw(st.integers(*rows)), 16 * draw(st.integers(1, 3)),
                                256 * draw(st.integers(1, 2)), draw(seeds))
     bias = draw(st.booleans())
     x = In(normal(seed, (rows, d_in)))

@@ -2,11 +2,11 @@
 
     infer run MODEL PROMPT [sampling flags] [--backend NAME]
     infer chat MODEL [--system TEXT] [sampling flags]
-    infer perplexity MODEL FILE [--context N] [--stride S] [--kv-dtype float16]
+    infer perplexity MODEL FILE [--context N] [--stride S] [--kv-dtype float16] [--activations q8 --kl-against exact]
     infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
     infer backends
     infer doctor
-    infer diff MODEL --backends [A,]B [--prompt TEXT]
+    infer diff MODEL --backends [A,]B [--prompt TEXT] [--activations q8]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
     infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB] [--tool-parser NAME]
     infer convert SRC OUT [--type TYPE] [--force]
@@ -188,10 +188,36 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise InferError(f"cannot read the text file {args.file!r}: {exc}") from exc
     model = _load(args)
-    score = model.score(text, context=args.context, stride=args.stride, progress=not args.quiet)
+    if args.kl_against is None:
+        score = model.score(text, context=args.context, stride=args.stride, progress=not args.quiet)
+        print(_perplexity_line(score))
+        return 0
+    return _perplexity_against_exact(args, model, text)
+
+
+def _perplexity_line(score: Any, label: str = "") -> str:
     mean = score.logprob / max(len(score.logprobs), 1)
-    print(f"perplexity {score.perplexity:.4f} over {len(score.logprobs)} tokens "
-          f"(mean log-probability {mean:.4f} nats)")
+    return (f"{label}perplexity {score.perplexity:.4f} over {len(score.logprobs)} tokens "
+            f"(mean log-probability {mean:.4f} nats)")
+
+
+def _perplexity_against_exact(args: argparse.Namespace, model: Any, text: str) -> int:
+    """``--kl-against exact``: the same model loaded again with exact
+    activations is P, the one the flags load is Q; both are scored in the same
+    windows and KL(P ‖ Q) is averaged over the tokens."""
+    from infer.engine.scoring import kl_divergence
+
+    if args.activations is None:
+        raise InferError("--kl-against exact compares an approximate load with the exact one: "
+                         "give the approximate mode too, e.g. --activations q8")
+    exact = _load(argparse.Namespace(**{**vars(args), "activations": None}))
+    result = kl_divergence(exact, model, text, window=512 if args.context is None else args.context,
+                           stride=args.stride, progress=not args.quiet)
+    mode = f"activations={args.activations}"
+    print(_perplexity_line(result.p, "exact: "))
+    print(_perplexity_line(result.q, f"{mode}: "))
+    print(f"KL(exact || {mode}): mean {result.mean:.6f} nats over {len(result.kl)} tokens, "
+          f"same top token {100 * result.top_agreement:.2f}%")
     return 0
 
 
@@ -297,7 +323,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         raise InferError(f"{args.model} has no tokenizer to encode --prompt with")
     ids = package.tokenizer.encode(args.prompt)
     package.tensors.close()
-    report = diff(args.model, backends, ids, steps=args.steps, tolerance=args.tolerance, dtype=args.dtype)
+    report = diff(args.model, backends, ids, steps=args.steps, tolerance=args.tolerance, dtype=args.dtype,
+                  activations=args.activations)
     print(report.format())
     return 0
 
@@ -400,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="capture each layer's pieces as compiled graphs (--no-compile: all eager)")
     _add_kv_dtype(ppl)
     _add_activations(ppl)
+    ppl.add_argument("--kl-against", default=None, choices=("exact",),
+                     help="also load the model exact and report its perplexity and the mean KL(exact || this load) "
+                          "per token (--context defaults to 512 here; see docs/quantization.md)")
     ppl.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     ppl.set_defaults(func=cmd_perplexity)
@@ -429,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=4, help="greedy decode steps after the prompt")
     d.add_argument("--tolerance", type=float, default=1e-3, help="relative error that counts as divergence")
     d.add_argument("--dtype", default=None, help="compute dtype of the backends")
+    d.add_argument("--activations", default=None, choices=_ACTIVATION_SCHEMES,
+                   help="run the second backend with q8 activations (approximate): each of its products is held "
+                        "to the mode's bound (docs/conformance.md)")
     d.set_defaults(func=cmd_diff)
     srv = sub.add_parser("serve", help="serve the model over HTTP with OpenAI's API (needs infer-engine[serve])")
     srv.add_argument("model", help="catalog alias, model folder, .gguf file, or org/name")

@@ -13,10 +13,19 @@ differs by more than a tolerance (normalised to the reference's magnitude).
 Against transformers (float32), only what transformers exposes can be
 compared: the hidden state after each layer (ours: the residual stream the
 next norm receives) and the logits.
+
+With ``activations="q8"`` the second side runs on int8 activations, an
+approximate mode, and the report says so: its differences from the exact
+first side are expected. What must hold is the mode's bound
+(:func:`infer.quantize.q8_error_bound`, docs/conformance.md): every product
+on a quantized weight is checked, on its own input, against the exact
+product of that same input, so the check does not mix in what earlier
+layers' rounding moved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import InferError, UnsafeFormatError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, Backend, PackedWeight
+from infer.quantize import q8_error_bound, q8_weight_sums
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,9 @@ class Trace:
     attention_outputs: dict[int, list[np.ndarray]] = field(default_factory=dict)
     hidden_states: list[np.ndarray] = field(default_factory=list)  # residual stream entering each norm
     logits: np.ndarray | None = None
+    #: With ``activations="q8"``: per product on a quantized weight, ``(index,
+    #: layer, max |y - exact| / bound)`` (:func:`infer.quantize.q8_error_bound`).
+    bound_checks: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 class TracingBackend(Backend):
@@ -67,8 +80,38 @@ class TracingBackend(Backend):
         self.float_dtypes = inner.float_dtypes
         self.compute_dtype = inner.compute_dtype
         self.api_version = inner.api_version
+        self.quantize_schemes, self.activation_schemes = inner.quantize_schemes, inner.activation_schemes
+        self.kv_dtypes = inner.kv_dtypes
         self.trace = Trace()
         self._attentions = 0
+        #: With int8 activations: the same backend with exact ones, for the bound checks.
+        self.exact: Backend | None = None
+        self._sums: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def configure(self, settings: Any) -> Backend:
+        """Configure the wrapped backend and keep tracing it; with
+        ``activations`` set, keep an exact twin to check each product's bound."""
+        inner = self.inner.configure(settings)
+        if inner is not self.inner:
+            self.inner = inner
+            self.settings = settings
+        if settings.activations is not None:
+            self.exact = inner.configure(dataclasses.replace(settings, activations=None))
+        return self
+
+    def _check_bound(self, x: Any, weight: Any, bias: Any, out: Any) -> None:
+        """One product on int8 activations against the exact product of the same input."""
+        if self.exact is None or not isinstance(weight, PackedWeight) or weight.rows is None:
+            return
+        known = self._sums.get(id(weight))
+        if known is None or known[0] is not weight:
+            known = self._sums[id(weight)] = (weight, q8_weight_sums(weight.rows.dequantize()))
+        x_host = self.inner.to_numpy(x).astype(np.float64)
+        exact = self.exact.to_numpy(self.exact.linear(x, weight, bias)).astype(np.float64)
+        got = self.inner.to_numpy(out).astype(np.float64)
+        bound = q8_error_bound(x_host, known[1])
+        ratio = float((np.abs(got - exact) / np.maximum(bound, 1e-300)).max(initial=0.0))
+        self.trace.bound_checks.append((len(self.trace.records) - 1, self._attentions, ratio))
 
     def start_forward(self) -> None:
         self._attentions = 0
@@ -87,6 +130,8 @@ class TracingBackend(Backend):
                 self._attentions += 1
             elif op == "fused_add_rms_norm":
                 self.trace.hidden_states.append(host[1])
+            elif op == "linear":
+                self._check_bound(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), out)
         return out
 
 
@@ -122,10 +167,29 @@ class Divergence:
     what: str = "attention output"
     #: The side whose magnitude scales the relative errors.
     reference: str = ""
+    #: The approximate mode of side b (``"q8"``: int8 activations), or None.
+    activations: str | None = None
+    #: With :attr:`activations`: per product on a quantized weight ``(index,
+    #: layer, max |Δ| / bound)`` against the exact product of its own input.
+    bound_checks: list[tuple[int, int, float]] = field(default_factory=list)
+
+    @property
+    def within_bound(self) -> bool:
+        """Every checked product within its bound (True without checks)."""
+        return all(ratio <= 1.0 for _, _, ratio in self.bound_checks)
 
     def format(self) -> str:
         """A plain-text report."""
         lines = [f"{self.a} vs {self.b} (tolerance {self.tolerance:g}, relative to max |{self.reference or self.a}|)"]
+        if self.activations is not None:
+            lines.append(f"approximate: {self.b} runs with activations={self.activations}, so differences from the "
+                         f"exact side are expected; each product is held to the mode's bound instead "
+                         f"(docs/conformance.md, \"Approximate modes\")")
+            worst = max((c[2] for c in self.bound_checks), default=0.0)
+            over = [c for c in self.bound_checks if c[2] > 1.0]
+            lines.append(f"products on int8 activations: {len(self.bound_checks)} checked, worst |Δ| / bound "
+                         f"{worst:.3g}, {len(over)} beyond it"
+                         + (f" (first: op #{over[0][0]} after {over[0][1]} attention calls)" if over else ""))
         if self.per_layer:
             lines.append(f"layer  max |Δ| of the {self.what} per token")
             for i, row in enumerate(self.per_layer):
@@ -198,15 +262,17 @@ def compare(a: tuple[str, Trace, list[int]], b: tuple[str, Trace, list[int]], to
 
 
 def trace_backend(reference: Any, backend: str, prompt_ids: Sequence[int], steps: int,
-                  dtype: str | None = None) -> tuple[str, Trace, list[int]]:
+                  dtype: str | None = None, activations: str | None = None,
+                  quantize: str | None = None) -> tuple[str, Trace, list[int]]:
     """Load ``reference`` on ``backend`` behind a tracer and run it."""
     import infer
     from infer.plugins.selection import select_backend
 
     tracer = TracingBackend(select_backend(backend, dtype))
-    model = infer.load(reference, backend=tracer)
+    model = infer.load(reference, backend=tracer, activations=activations, quantize=quantize)
     trace, tokens = run_trace(model, prompt_ids, steps)
-    return f"{tracer.name}/{tracer.device}", trace, tokens
+    label = f"{tracer.name}/{tracer.device}" + (f" activations={activations}" if activations else "")
+    return label, trace, tokens
 
 
 def trace_transformers(path: Any, prompt_ids: Sequence[int], steps: int) -> tuple[str, Trace, list[int]]:
@@ -267,26 +333,37 @@ def compare_hidden(ours: tuple[str, Trace, list[int]], theirs: tuple[str, Trace,
 
 
 def diff(reference: Any, backends: Sequence[str], prompt_ids: Sequence[int], *, steps: int = 4,
-         tolerance: float = 1e-3, dtype: str | None = None) -> Divergence:
+         tolerance: float = 1e-3, dtype: str | None = None, activations: str | None = None,
+         quantize: str | None = None) -> Divergence:
     """Run ``prompt_ids`` of the model ``reference`` (a path or alias) on two
     backends (or a backend and ``"transformers"``) and compare them layer by
     layer and token by token; one backend alone is compared with the
-    reference backend (:data:`REFERENCE`), which runs first."""
+    reference backend (:data:`REFERENCE`), which runs first. ``activations``
+    (``"q8"``) runs the second side in that approximate mode, the first
+    exact, and checks each of its products against the mode's bound;
+    ``quantize`` quantizes float weights on load, on both sides."""
     if len(backends) == 1:
         backends = [REFERENCE, backends[0]]
     if len(backends) != 2:
         raise InferError(f"diff compares one backend with the reference backend, or two backends; got "
                          f"{len(backends)}: {', '.join(backends) or 'none'}")
+    if activations is not None and "transformers" in backends:
+        raise InferError("diff --activations compares infer's exact run with its approximate one: name infer "
+                         "backends only, not transformers")
     runs = []
-    for name in backends:
+    for side, name in enumerate(backends):
         if name == "transformers":
             runs.append(trace_transformers(reference, prompt_ids, steps))
         else:
-            runs.append(trace_backend(reference, name, prompt_ids, steps, dtype))
+            runs.append(trace_backend(reference, name, prompt_ids, steps, dtype, activations if side else None,
+                                      quantize))
     if backends[1] == "transformers" or backends[0] == "transformers":
         ours, theirs = (runs[0], runs[1]) if backends[1] == "transformers" else (runs[1], runs[0])
         return compare_hidden(ours, theirs, tolerance, len(prompt_ids))
-    return compare(runs[0], runs[1], tolerance)
+    result = compare(runs[0], runs[1], tolerance)
+    if activations is not None:
+        result.activations, result.bound_checks = activations, runs[1][1].bound_checks
+    return result
 
 
 __all__ = ["REFERENCE", "Divergence", "TracingBackend", "compare", "diff", "run_trace", "Array"]
