@@ -179,7 +179,7 @@ static inline int direct_avx2(int type) { return direct_512(type); }
 struct q8x {
     Py_ssize_t group, spans, lanes, kp; /* lanes = spans * 16 groups; kp = lanes * group bytes a row */
     int8_t *q;                          /* [rows][kp] interleaved */
-    float *dx, *xs;                     /* [rows][lanes]: each group's scale (its 32 values'), exact sum of x */
+    float *dx, *xs;                     /* [rows][lanes]: each group's scale (its 32 values'), dx * sum of q */
     int32_t *qs;                        /* [rows][lanes]: each group's sum of q (AVX2's signed codes) */
 };
 

@@ -6,12 +6,17 @@
  * bias[r, g]), multiplied in integer dot products:
  *
  *     y[i, r] = sum_g scale[r, g] * dx[i, g] * sum_{c in g} code[r, c] * q[i, c]
- *             + sum_g bias[r, g] * sum_{c in g} x[i, c]
+ *             + sum_g bias[r, g] * (dx[i, g] * sum_{c in g} q[i, c])
  *
  * Each 32 consecutive values of a row of x get one scale, dx = max|x| / 127,
  * and codes q = rint(x * 127 / max|x|) in [-127, 127] (ggml's Q8_0 rounding of
- * activations). Only the first term is approximate: the bias term sums x
- * itself, as the exact kernels do. The integer sums are exact (a group's is
+ * activations). Both terms read the rounded x, so y is W times the rounded x:
+ * the bias term sums the rounded values (as ggml's Q8_1 keeps d * sum(q) for
+ * its min term), not x itself. Summing x exactly there leaves the code term's
+ * rounding errors weighted by codes that are all >= 0 (scale * code ranges
+ * over [0, 15 scale] for Q4_1, where W is centred), which do not cancel: on
+ * SmolLM2 that doubled each product's error and made KL(exact || q8) 6x
+ * larger (docs/quantization.md). The integer sums are exact (a group's is
  * below 2^24, so exact as a float too), and the float arithmetic after them is
  * one fixed sequence on every path, so every path gives the same bits
  * (tests/test_activations_q8.py):
@@ -66,11 +71,7 @@ static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssiz
         }
         for (Py_ssize_t g = b / group; g < (b + 32) / group; g++) dx[g] = d;
     }
-    for (Py_ssize_t g = 0; g < k / group; g++) { /* in order, as group_sums */
-        float s = 0.0f;
-        for (Py_ssize_t t = 0; t < group; t++) s += x[g * group + t];
-        xs[g] = s;
-    }
+    for (Py_ssize_t g = 0; g < k / group; g++) xs[g] = dx[g] * (float)qs[g]; /* the rounded group's sum */
 }
 
 /* One row of decoded codes (4 bits two a byte, or 8) into the interleaved order; the padding is zeros. */
