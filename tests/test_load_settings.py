@@ -152,3 +152,13 @@ def test_the_ranks_configure_their_backend_with_rank_0s_settings(monkeypatch: py
     worker.run(dict(spec, rank=0, ranks=1))  # a group of one: numpy has no collectives
     (ops,) = served
     assert ops.settings == settings and ops.quantize == "q8"
+
+
+def test_configured_copies_keep_their_dequantization_caches_apart() -> None:
+    # Each copy counts the bytes it caches against cache_bytes; a dict shared
+    # between copies would hold that bound once per copy.
+    ops = NumpyBackend()
+    a, b = ops.configure(LoadSettings(quantize="q8")), ops.configure(LoadSettings(quantize="q4"))
+    assert a._cache is not b._cache and a._cache is not ops._cache
+    assert a._cached_bytes == b._cached_bytes == 0
+    assert ops.configure(LoadSettings()) is ops  # the same settings: the instance itself, cache and all

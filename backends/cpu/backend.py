@@ -63,6 +63,7 @@ from infer.ops import (
     Array,
     AttentionBatch,
     Backend,
+    LoadSettings,
     PackedWeight,
     QuantizedTensor,
 )
@@ -137,6 +138,15 @@ class CpuBackend(Backend):
         #: after it then stays on one thread rather than wake the other pool,
         #: whose threads would fight BLAS's for the cores.
         self._after_blas = False
+
+    def configure(self, settings: LoadSettings) -> CpuBackend:
+        """:meth:`Backend.configure`, and a copy gets a dequantization cache
+        of its own: a shared dict filled against each copy's own byte count
+        would hold up to :attr:`cache_bytes` per copy."""
+        configured = super().configure(settings)
+        if configured is not self:
+            configured._cache, configured._cached_bytes = {}, 0
+        return configured  # type: ignore[return-value]
 
     # -- weights -------------------------------------------------------------
 
