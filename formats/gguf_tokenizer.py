@@ -322,11 +322,10 @@ class _Vocab:
                 # A plain token spelled in UTF-8 rather than the byte alphabet (transformers respells it too).
                 token = "".join(_BYTE_TO_UNICODE[b] for b in token.encode("utf-8"))
             vocab[token] = index
-        merges = _file_merges(_as_list(self.merges or []), vocab, self.where)
         pre = _PRE_TOKENIZERS.get(self.pre or "", _PRE_TOKENIZERS["gpt-2"])
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                                                  continuing_subword_prefix="", end_of_word_suffix="",
-                                                  fuse_unk=False, ignore_merges=pre.ignore_merges))
+        backend = tokenizers.Tokenizer(_bpe_with_file_merges(
+            vocab, _as_list(self.merges or []), self.where, dropout=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False, ignore_merges=pre.ignore_merges))
         if pre.regexes == (_GPT2,):  # what transformers builds for GPT-2 (the same split)
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         elif pre.regexes == (_DIGITS, _GPT2):  # as in SmolLM2's and StarCoder's own tokenizer.json
@@ -347,13 +346,14 @@ class _Vocab:
             # Gemma files store the multi-space tokens with real spaces; the text they match has ▁.
             tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = dict(zip(tokens, range(len(tokens))))
+        unk = tokens[self.unk_id] if self.unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
+        options = dict(dropout=None, unk_token=unk, fuse_unk=True, byte_fallback=True)
         if self.merges is not None:
-            merges = _file_merges(_as_list(self.merges), vocab, self.where)
+            model = _bpe_with_file_merges(vocab, _as_list(self.merges), self.where, **options)
         else:
             merges = self._derived_merges(tokens, vocab, gemma, cache / f"{self.fingerprint()}.merges.npy")
-        unk = tokens[self.unk_id] if self.unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk,
-                                                  fuse_unk=True, byte_fallback=True))
+            model = models.BPE(vocab=vocab, merges=merges, **options)
+        backend = tokenizers.Tokenizer(model)
         decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         if gemma:
             # transformers' GemmaTokenizer: spaces become ▁ in the normalizer, and no prefix.
@@ -391,12 +391,15 @@ class _Vocab:
     def _add_special_tokens(self, backend: tokenizers.Tokenizer, vocab: dict[str, int], tokens: list[str]) -> None:
         """Control tokens as special added tokens, user-defined ones as plain added tokens,
         so that text never splits them; the named special tokens are special too."""
-        types = self.types.tolist()
-        control = [t for t, k in zip(tokens, types) if k == CONTROL and t and t in vocab]
+        def of_type(kind: int) -> list[str]:  # in id order; indices first, as 10^5 tokens are mostly NORMAL
+            return [tokens[i] for i in np.flatnonzero(self.types == kind).tolist()]
+
+        control = [t for t in of_type(CONTROL) if t and t in vocab]
         named = [tokens[i] for i in (self.bos_id, self.eos_id, self.unk_id, self.pad_id) if i is not None]
         special = list(dict.fromkeys(control + [t for t in named if t and t in vocab]))
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        user = [t for t, k in zip(tokens, types) if k == USER_DEFINED and t and t in vocab and t not in special]
+        taken = set(special)
+        user = [t for t in of_type(USER_DEFINED) if t and t in vocab and t not in taken]
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
     def _post_processor(self, backend: tokenizers.Tokenizer) -> processors.TemplateProcessing:
@@ -445,6 +448,20 @@ def _derive_merges(vocab: dict[str, int], ranking: dict[str, float]) -> list[tup
     # Best first; the position keeps ties in order, as a stable sorted(..., reverse=True) does.
     candidates.sort()
     return [(c[4], c[5]) for c in candidates]
+
+
+def _bpe_with_file_merges(vocab: dict[str, int], merges: list[str], where: str, **options: Any) -> models.BPE:
+    """The BPE model of ``tokenizer.ggml.merges``: split as llama.cpp splits them and left
+    to ``tokenizers`` to check (in Rust, a third of the time checking them here takes);
+    where it refuses them, :func:`_file_merges` names the bad merge."""
+    cuts = [merge.find(" ", 1) for merge in merges]
+    if -1 not in cuts:
+        try:
+            return models.BPE(vocab=vocab, merges=[(m[:c], m[c + 1:]) for m, c in zip(merges, cuts)], **options)
+        except BaseException as exc:  # the Rust side raises plain Exception, or panics
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise  # KeyboardInterrupt and the like
+    return models.BPE(vocab=vocab, merges=_file_merges(merges, vocab, where), **options)
 
 
 def _file_merges(merges: list[str], vocab: Mapping[str, int], where: str) -> list[tuple[str, str]]:
