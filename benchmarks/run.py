@@ -195,7 +195,7 @@ def long_targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
         peer = _row(report, "llama.cpp")
         if peer is None or not peer["median"]["decode_tok_s"]:
             continue
-        where = f"{name} @ {context // 1024}k"
+        where = f"{name} @ {context // 1024}k" if context % 1024 == 0 else f"{name} @ {context} tokens"
         for label, goal in ((F16_POOL, 1.0), (Q8_POOL, 1.15 if context <= 4096 else 1.0)):
             row = _row(report, label)
             if row is None or not row["median"]["decode_tok_s"]:
