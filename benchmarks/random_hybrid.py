@@ -128,9 +128,11 @@ def _lfm2(config: Any) -> tuple[str, dict[str, Any], list[tuple[str, tuple[int, 
             continue
         base, _, suffix = hf.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
-        if hf.endswith("conv.conv.weight"):
-            shape = (shape[0], shape[2])  # [channels, 1, K] -> [channels, K], as the converter squeezes it
         qtype = tensor_type(name, shape[-1], len(shape), TYPES["q4_k_m"], layers, tied=True)
+        if hf.endswith("conv.conv.weight"):
+            # [channels, 1, K] -> [channels, K], as the converter squeezes it; float32, as llama.cpp's
+            # ssm_conv reads it (it aborts on float16)
+            shape, qtype = (shape[0], shape[2]), "F32"
         tensors.append((name, shape, qtype))
     return "lfm2", {f"lfm2.{k}": v for k, v in md.items()}, tensors
 
