@@ -32,6 +32,12 @@ positions through ops. The scaling variants change only the frequencies:
   pairs dimension ``i`` with ``i + dim / 2`` across the whole head and the
   tail pairs stay unrotated (unlike a partial rotary over the first
   dimensions only); all divided by ``factor`` (default 1).
+
+Any of them but ``dynamic`` and ``longrope`` (whose frequencies change per
+forward) may also carry ``freq_factors``: one divisor per frequency, applied
+last, as llama.cpp applies a GGUF file's ``rope_freqs`` tensor whatever rule
+produced it (:mod:`infer.formats.gguf_arch` reads such a tensor into it when
+it follows no rule a config can name).
 """
 
 from __future__ import annotations
@@ -180,6 +186,8 @@ class RotaryEmbedding:
             inv, self.attention_factor = _yarn(self.dim, params, max_position_embeddings)
         if rope_type == "longrope":
             inv, self._long_inv_freq, self.attention_factor = self._longrope(params, max_position_embeddings)
+        if params.get("freq_factors") is not None:
+            inv = self._divide(inv, params["freq_factors"], rope_type)
         self._inv_freq = self._upload(inv)
         self._dynamic_len = 0
         self._warned = False
@@ -203,6 +211,18 @@ class RotaryEmbedding:
                     for i, f in enumerate(factors)]
 
         return frequencies(params["short_factor"]), self._upload(frequencies(params["long_factor"])), float(attention)
+
+    def _divide(self, inv: list[float], factors: Any, rope_type: str) -> list[float]:
+        """``inv`` divided by ``freq_factors`` one to one (the module docstring)."""
+        if rope_type in ("dynamic", "longrope"):
+            raise ConfigError(f"config.json: rope freq_factors cannot be combined with rope type {rope_type!r}, "
+                              "whose frequencies change with the sequence length")
+        ok = isinstance(factors, (list, tuple)) and len(factors) == len(inv) and all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in factors)
+        if not ok:
+            raise ConfigError(f"config.json: rope freq_factors must be {len(inv)} positive finite numbers "
+                              f"(rotary dimensions / 2), found {factors!r}")
+        return [_f32(f / _f32(float(d))) for f, d in zip(inv, factors)]
 
     def _upload(self, values: list[float]) -> Array:
         return self.ops.reshape(self.ops.from_numpy(host_array(values), "float32"), (1, -1))

@@ -50,7 +50,7 @@ def write(path: Path, seed: int = 0) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("random Llama 1B shape")
     w.add_block_count(layers)
-    w.add_context_length(8192)
+    w.add_context_length(131072)  # Llama 3.2's: room for benchmarks/run.py's long-context mode
     w.add_embedding_length(h)
     w.add_feed_forward_length(mlp)
     w.add_head_count(heads)

@@ -11,6 +11,7 @@ another architecture, add a row to :data:`ARCHITECTURES`.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from infer.errors import ConfigError, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
@@ -120,29 +123,33 @@ _GEMMA3_LAYER = {
 
 def _finish_llama(config: dict[str, Any], file: GGUFFile, arch: ArchitectureMap) -> None:
     """Llama 3.1+ files carry their rope scaling only as a ``rope_freqs`` tensor of
-    per-frequency divisors (transformers' loader ignores it). Recognise Llama 3's rule
-    (factor, low/high frequency factors 1 and 4, 8192 original positions: every Llama 3.x
-    release, unless ``rope.scaling.original_context_length`` says otherwise, as infer's own
-    converter writes for other models) and express it as ``rope_type: llama3``; anything
-    else is refused."""
+    per-frequency divisors (transformers' loader ignores it), which llama.cpp applies as
+    stored. Where they follow Llama 3's rule (factor, low/high frequency factors 1 and 4,
+    8192 original positions: every Llama 3.x release, unless
+    ``rope.scaling.original_context_length`` says otherwise, as infer's own converter
+    writes for other models) the config says ``rope_type: llama3``, as the model's own
+    config.json does; any other divisors (llama.cpp's converter on a model trained with
+    other original positions or frequency factors, which it does not record) are used
+    as stored, as ``freq_factors`` (:mod:`architectures.rope`)."""
     info = file.tensors.get("rope_freqs.weight")
     if info is None:
         return
     where = f"{file.path}: tensor 'rope_freqs.weight'"
     if info.type.name != "F32" or len(info.dims) != 1:
         raise ConfigError(f"{where}: expected a 1-D F32 tensor, found {info.type.name} {list(info.dims)}")
-    factors = file.raw(info).view("<f4").reshape(-1).astype(np.float64)
+    stored = file.raw(info).view("<f4").reshape(-1)
+    factors = stored.astype(np.float64)
     dim = len(factors) * 2
-    if dim != config["head_dim"] or not np.all(np.isfinite(factors)) or factors[-1] <= 0:
-        raise ConfigError(f"{where}: expected head_dim / 2 = {config['head_dim'] // 2} finite factors, "
-                          f"found {len(factors)}")
+    if dim != config["head_dim"] or not (np.all(np.isfinite(factors)) and np.all(factors > 0)):
+        raise ConfigError(f"{where}: expected head_dim / 2 = {config['head_dim'] // 2} positive finite factors, "
+                          f"found {len(factors)}: {stored.tolist()}")
     theta = config["rope_parameters"]["rope_theta"]
     original = _number(file.metadata, f"{arch.gguf_name}.rope.scaling.original_context_length", int, file) or 8192
     rope = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factors[-1]), "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": original}
     if not np.allclose(_llama3_divisors(rope, dim), factors, rtol=1e-5, atol=0):
-        raise ConfigError(f"{where}: per-frequency rope factors that do not follow Llama 3's rule "
-                          f"(factor {rope['factor']}, low/high 1/4, 8192 positions) are not supported")
+        log.info("%s: rope factors follow no Llama 3 rule infer can name; used as stored", where)
+        rope = {**config["rope_parameters"], "freq_factors": stored.tolist()}
     config["rope_parameters"] = rope
 
 
@@ -826,7 +833,7 @@ def build_config(file: GGUFFile) -> tuple[ArchitectureMap, dict[str, Any]]:
     elif "full_attention" not in rope:  # the transformers 4 form too, for readers that know only it
         config["rope_theta"] = rope["rope_theta"]
         scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        config["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
+        config["rope_scaling"] = scaling if scaling["rope_type"] != "default" or "freq_factors" in scaling else None
     else:
         config["rope_theta"] = rope["full_attention"]["rope_theta"]
         full = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}

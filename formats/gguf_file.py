@@ -150,25 +150,48 @@ class _Cursor:
         return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
 
     def strings(self, count: int, what: str) -> StringArray:
-        """``count`` strings (the fast path for vocabularies of 10^5 tokens)."""
-        buf, size, pos, pieces = self.buf, self.size, self.pos, []
-        ends = np.empty(count, np.int64)
-        unpack, append, total = _U64.unpack_from, pieces.append, 0
-        for i in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                raise self.fail(f"length of {what}[{i}] needs 8 bytes but only {size - pos} remain")
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if n > size - pos:
-                self.pos = pos
-                raise self.fail(f"{what}[{i}] ({n} bytes) needs {n} bytes but only {size - pos} remain")
-            append(buf[pos:pos + n])
-            pos += n
-            total += n
-            ends[i] = total
+        """``count`` strings (the fast path for vocabularies of 10^5 tokens).
+
+        The loop only walks the length prefixes (each string's place depends on
+        the one before); the bytes are then gathered in one numpy step, so no
+        string is decoded or sliced here."""
+        buf, size, start = self.buf, self.size, self.pos
+        found: list[int] = []
+        unpack, append, pos = _U64.unpack_from, found.append, start
+        try:
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8 + n
+                append(n)
+        except struct.error:  # the next length prefix is cut off by the end of the file
+            pos = size + 1
+        if pos > size:  # checked once: a length past the end only makes the walk overshoot
+            self._fail_strings(count, start, what)
+        lengths = np.array(found, np.int64)
+        ends = np.cumsum(lengths)
+        total = pos - start
+        raw = np.frombuffer(buf, np.uint8, total, start)
+        # Drop the 8-byte prefix in front of each string: prefix i starts at 8 * i + ends[i - 1].
+        prefixes = (8 * np.arange(count) + ends - lengths)[:, None] + np.arange(8)
+        keep = np.ones(total, bool)
+        keep[prefixes.reshape(-1)] = False
         self.pos = pos
-        return StringArray(b"".join(pieces), ends)
+        return StringArray(raw[keep].tobytes(), ends)
+
+    def _fail_strings(self, count: int, start: int, what: str) -> None:
+        """Fail naming the first string of an array that runs past the end of the file."""
+        pos = start
+        for i in range(count):
+            if pos + 8 > self.size:
+                self.pos = pos
+                raise self.fail(f"length of {what}[{i}] needs 8 bytes but only {self.size - pos} remain")
+            (n,) = _U64.unpack_from(self.buf, pos)
+            pos += 8
+            if n > self.size - pos:
+                self.pos = pos
+                raise self.fail(f"{what}[{i}] ({n} bytes) needs {n} bytes but only {self.size - pos} remain")
+            pos += n
+        raise AssertionError("unreachable: the walk found the array past the end of the file")
 
 
 class StringArray(Sequence[str]):
@@ -207,10 +230,33 @@ class StringArray(Sequence[str]):
         return self._item(i)
 
     def __iter__(self) -> Any:
-        data, start = self._data, 0
-        for end in self._ends.tolist():
-            yield data[start:end].decode("utf-8", errors="replace")
-            start = end
+        return iter(self.tolist())
+
+    def tolist(self) -> list[str]:
+        """Every string, decoded. Valid UTF-8 whose strings each start on a
+        character (every vocabulary seen) is decoded in one call and cut at
+        character offsets; anything else string by string, invalid bytes replaced."""
+        data, ends = self._data, self._ends.astype(np.int64)
+        if not len(ends):
+            return []
+        raw = np.frombuffer(data, np.uint8)
+        continuation = (raw & 0xC0) == 0x80
+        starts = np.concatenate(([0], ends[:-1]))
+        inside = starts[starts < len(raw)]
+        try:
+            text = data.decode("utf-8") if not continuation[inside].any() else None
+        except UnicodeDecodeError:
+            text = None
+        if text is None:
+            out, start = [], 0
+            for end in ends.tolist():
+                out.append(data[start:end].decode("utf-8", errors="replace"))
+                start = end
+            return out
+        # Characters before each byte offset: the bytes that are not continuation bytes.
+        chars = np.concatenate(([0], np.cumsum(~continuation)))
+        char_ends = chars[ends].tolist()
+        return [text[a:b] for a, b in zip([0] + char_ends[:-1], char_ends)]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StringArray):

@@ -28,9 +28,13 @@ tokens and the user-defined ones (4) plain added tokens, so text never splits
 them; BOS/EOS are added by the post-processor per ``add_bos_token`` /
 ``add_eos_token``; ``eot_token_id`` and ``eom_token_id`` end generation too.
 
-Building the 262k-token Gemma 3 vocabulary takes seconds (its merges are
-derived in Python), so the finished ``tokenizer.json`` is cached under a hash of
-the metadata it came from (see :func:`default_cache_dir`).
+The tokenizer is built from the metadata on every load, straight into
+``tokenizers``' model objects (a vocabulary dict and a list of merge pairs):
+for Gemma 3's 262k tokens that takes about half the time that parsing the
+same tokenizer as ``tokenizer.json`` does. Only merges derived from scores
+(seconds of Python for 262k tokens) are cached, as token id pairs in a
+``.npy`` file named by a hash of the metadata they came from (see
+:func:`default_cache_dir`).
 
 Differences from transformers (each only where the file asks for it):
 
@@ -78,7 +82,7 @@ log = logging.getLogger(__name__)
 __all__ = ["default_cache_dir", "tokenizer_from_gguf"]
 
 #: Bump when the builders change what they produce: cached files are keyed by it.
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 
 #: llama.cpp's token types (``gguf.TokenType``).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -141,7 +145,7 @@ _PHI3_ARCHITECTURES = ("phi3",)
 
 
 def default_cache_dir() -> Path:
-    """Where built tokenizers are cached: ``tokenizers/`` in infer's cache
+    """Where derived merges are cached: ``tokenizers/`` in infer's cache
     (:func:`infer.paths.cache_dir`)."""
     return cache_dir() / "tokenizers"
 
@@ -153,9 +157,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, cache_dir: Path | None =
         metadata: the file's key/value pairs, keys as stored
             (``tokenizer.ggml.tokens``...); string arrays as lists of str,
             numeric arrays as lists or numpy arrays.
-        cache_dir: folder for built ``tokenizer.json`` files, named by the
-            SHA-256 of the metadata they came from; default
-            :func:`default_cache_dir`. An unwritable folder only costs a rebuild.
+        cache_dir: folder for merges derived from scores (``.merges.npy``
+            files, named by the SHA-256 of the metadata they came from); default
+            :func:`default_cache_dir`. An unwritable folder only costs deriving
+            them again.
         source: the file name, for messages.
 
     Raises:
@@ -165,12 +170,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, cache_dir: Path | None =
     """
     vocab = _Vocab.read(metadata, source or "GGUF metadata")
     folder = default_cache_dir() if cache_dir is None else Path(cache_dir)
-    cached = folder / f"{vocab.fingerprint()}.json"
-    backend = _load_cached(cached)
-    if backend is None:
-        with tokenizer_errors(f"{vocab.where}: building the tokenizer"):
-            backend = vocab.build()
-        _store(cached, backend)
+    with tokenizer_errors(f"{vocab.where}: building the tokenizer"):
+        backend = vocab.build(folder)
     return Tokenizer(
         backend,
         bos_token=vocab.token_name(backend, vocab.bos_id, "tokenizer.ggml.bos_token_id"),
@@ -256,12 +257,8 @@ class _Vocab:
         )
 
     def fingerprint(self) -> str:
-        """SHA-256 of everything the built tokenizer.json depends on.
-
-        Checks that need every token decoded (:meth:`check_unique`) run only
-        when the tokenizer is built: a cached one was built from metadata
-        with this fingerprint, so it passed them. A file's string arrays are
-        hashed as their stored bytes, without decoding 10^5 strings."""
+        """SHA-256 of everything the built tokenizer depends on, naming the
+        cached merges. A file's string arrays are hashed as their stored bytes."""
         digest = hashlib.sha256()
         header = [BUILD_VERSION, self.model, self.pre, self.architecture, self.add_space_prefix, self.bos_id,
                   self.eos_id, self.unk_id, self.pad_id, self.add_bos, self.add_eos, len(self.tokens)]
@@ -288,20 +285,25 @@ class _Vocab:
 
     # -- building --------------------------------------------------------------
 
-    def check_unique(self) -> None:
+    def check_unique(self, tokens: list[str]) -> None:
         """llama.cpp refuses a vocabulary listing a token twice (a token must name one id); so does infer."""
-        if len(set(self.tokens)) != len(self.tokens):
+        if len(set(tokens)) != len(tokens):
             first: dict[str, int] = {}
-            for index, token in enumerate(self.tokens):
+            for index, token in enumerate(tokens):
                 if first.setdefault(token, index) != index:
                     raise TokenizerError(f"{self.where}: tokenizer.ggml.tokens lists {token!r} twice "
                                          f"(ids {first[token]} and {index})")
 
-    def build(self) -> tokenizers.Tokenizer:
-        self.check_unique()
+    def build(self, cache: Path) -> tokenizers.Tokenizer:
+        """The tokenizer; merges derived from scores are read from (or written to) the folder ``cache``."""
+        tokens = self.tokens.tolist() if isinstance(self.tokens, StringArray) else list(self.tokens)
+        self.check_unique(tokens)
         try:
-            backend = self._byte_level_bpe() if self.model == "gpt2" else self._sentencepiece_bpe()
-            self._add_special_tokens(backend)
+            if self.model == "gpt2":
+                backend, vocab = self._byte_level_bpe(tokens)
+            else:
+                backend, vocab = self._sentencepiece_bpe(tokens, cache)
+            self._add_special_tokens(backend, vocab, tokens)
         except TokenizerError:
             raise
         except BaseException as exc:  # the Rust side raises plain Exception, or panics
@@ -312,19 +314,18 @@ class _Vocab:
         backend.post_processor = self._post_processor(backend)
         return backend
 
-    def _byte_level_bpe(self) -> tokenizers.Tokenizer:
+    def _byte_level_bpe(self, tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
         alphabet = frozenset(_BYTE_TO_UNICODE.values())
         vocab: dict[str, int] = {}
-        for index, (token, kind) in enumerate(zip(self.tokens, self.types.tolist())):
+        for index, (token, kind) in enumerate(zip(tokens, self.types.tolist())):
             if not alphabet.issuperset(token) and kind not in (CONTROL, USER_DEFINED):
                 # A plain token spelled in UTF-8 rather than the byte alphabet (transformers respells it too).
                 token = "".join(_BYTE_TO_UNICODE[b] for b in token.encode("utf-8"))
             vocab[token] = index
-        merges = _file_merges(self.merges or [], vocab, self.where)
         pre = _PRE_TOKENIZERS.get(self.pre or "", _PRE_TOKENIZERS["gpt-2"])
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                                                  continuing_subword_prefix="", end_of_word_suffix="",
-                                                  fuse_unk=False, ignore_merges=pre.ignore_merges))
+        backend = tokenizers.Tokenizer(_bpe_with_file_merges(
+            vocab, _as_list(self.merges or []), self.where, dropout=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False, ignore_merges=pre.ignore_merges))
         if pre.regexes == (_GPT2,):  # what transformers builds for GPT-2 (the same split)
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         elif pre.regexes == (_DIGITS, _GPT2):  # as in SmolLM2's and StarCoder's own tokenizer.json
@@ -337,24 +338,22 @@ class _Vocab:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         backend.decoder = decoders.ByteLevel()
-        return backend
+        return backend, vocab
 
-    def _sentencepiece_bpe(self) -> tokenizers.Tokenizer:
+    def _sentencepiece_bpe(self, tokens: list[str], cache: Path) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
         gemma = self.architecture in _GEMMA_ARCHITECTURES
-        tokens = self.tokens
         if gemma:
             # Gemma files store the multi-space tokens with real spaces; the text they match has ▁.
             tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
-        vocab = {token: index for index, token in enumerate(tokens)}
-        if self.merges is not None:
-            merges = _file_merges(self.merges, vocab, self.where)
-        elif gemma:  # Gemma's scores do not follow its merge order; the file order does
-            merges = _derive_merges(vocab, {token: -index for index, token in enumerate(tokens)})
-        else:
-            merges = _derive_merges(vocab, dict(zip(tokens, self.scores.tolist())))
+        vocab = dict(zip(tokens, range(len(tokens))))
         unk = tokens[self.unk_id] if self.unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk,
-                                                  fuse_unk=True, byte_fallback=True))
+        options = dict(dropout=None, unk_token=unk, fuse_unk=True, byte_fallback=True)
+        if self.merges is not None:
+            model = _bpe_with_file_merges(vocab, _as_list(self.merges), self.where, **options)
+        else:
+            merges = self._derived_merges(tokens, vocab, gemma, cache / f"{self.fingerprint()}.merges.npy")
+            model = models.BPE(vocab=vocab, merges=merges, **options)
+        backend = tokenizers.Tokenizer(model)
         decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         if gemma:
             # transformers' GemmaTokenizer: spaces become ▁ in the normalizer, and no prefix.
@@ -372,18 +371,35 @@ class _Vocab:
         if prefix:
             decode.append(decoders.Strip(" ", 1, 0))
         backend.decoder = decoders.Sequence(decode)
-        return backend
+        return backend, vocab
 
-    def _add_special_tokens(self, backend: tokenizers.Tokenizer) -> None:
+    def _derived_merges(self, tokens: list[str], vocab: dict[str, int], gemma: bool,
+                        cached: Path) -> list[tuple[str, str]]:
+        """SentencePiece merges from the scores (Gemma: from the file order, as its
+        scores do not follow its merge order), read from ``cached`` when it holds them."""
+        pairs = _load_pairs(cached, len(tokens))
+        if pairs is None:
+            if gemma:
+                merges = _derive_merges(vocab, {token: -index for index, token in enumerate(tokens)})
+            else:
+                merges = _derive_merges(vocab, dict(zip(tokens, self.scores.tolist())))
+            _store_pairs(cached, np.array([(vocab[a], vocab[b]) for a, b in merges], np.int32).reshape(-1, 2))
+            return merges
+        get = tokens.__getitem__
+        return list(zip(map(get, pairs[:, 0].tolist()), map(get, pairs[:, 1].tolist())))
+
+    def _add_special_tokens(self, backend: tokenizers.Tokenizer, vocab: dict[str, int], tokens: list[str]) -> None:
         """Control tokens as special added tokens, user-defined ones as plain added tokens,
         so that text never splits them; the named special tokens are special too."""
-        vocab = backend.get_vocab()
-        types = self.types.tolist()
-        control = [t for t, k in zip(self.tokens, types) if k == CONTROL and t and t in vocab]
-        named = [self.tokens[i] for i in (self.bos_id, self.eos_id, self.unk_id, self.pad_id) if i is not None]
+        def of_type(kind: int) -> list[str]:  # in id order; indices first, as 10^5 tokens are mostly NORMAL
+            return [tokens[i] for i in np.flatnonzero(self.types == kind).tolist()]
+
+        control = [t for t in of_type(CONTROL) if t and t in vocab]
+        named = [tokens[i] for i in (self.bos_id, self.eos_id, self.unk_id, self.pad_id) if i is not None]
         special = list(dict.fromkeys(control + [t for t in named if t and t in vocab]))
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        user = [t for t, k in zip(self.tokens, types) if k == USER_DEFINED and t and t in vocab and t not in special]
+        taken = set(special)
+        user = [t for t in of_type(USER_DEFINED) if t and t in vocab and t not in taken]
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
     def _post_processor(self, backend: tokenizers.Tokenizer) -> processors.TemplateProcessing:
@@ -434,6 +450,20 @@ def _derive_merges(vocab: dict[str, int], ranking: dict[str, float]) -> list[tup
     return [(c[4], c[5]) for c in candidates]
 
 
+def _bpe_with_file_merges(vocab: dict[str, int], merges: list[str], where: str, **options: Any) -> models.BPE:
+    """The BPE model of ``tokenizer.ggml.merges``: split as llama.cpp splits them and left
+    to ``tokenizers`` to check (in Rust, a third of the time checking them here takes);
+    where it refuses them, :func:`_file_merges` names the bad merge."""
+    cuts = [merge.find(" ", 1) for merge in merges]
+    if -1 not in cuts:
+        try:
+            return models.BPE(vocab=vocab, merges=[(m[:c], m[c + 1:]) for m, c in zip(merges, cuts)], **options)
+        except BaseException as exc:  # the Rust side raises plain Exception, or panics
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise  # KeyboardInterrupt and the like
+    return models.BPE(vocab=vocab, merges=_file_merges(merges, vocab, where), **options)
+
+
 def _file_merges(merges: list[str], vocab: Mapping[str, int], where: str) -> list[tuple[str, str]]:
     """``tokenizer.ggml.merges`` as pairs, each of tokens whose join is a token too.
 
@@ -451,6 +481,10 @@ def _file_merges(merges: list[str], vocab: Mapping[str, int], where: str) -> lis
                                  "is not in tokenizer.ggml.tokens")
         pairs.append((left, right))
     return pairs
+
+
+def _as_list(strings: Sequence[str]) -> list[str]:
+    return strings.tolist() if isinstance(strings, StringArray) else list(strings)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -560,26 +594,32 @@ def _chat_templates(metadata: Mapping[str, Any], where: str) -> str | dict[str, 
 # -- the cache ------------------------------------------------------------------------
 
 
-def _load_cached(path: Path) -> tokenizers.Tokenizer | None:
+def _load_pairs(path: Path, n_tokens: int) -> np.ndarray | None:
+    """Cached merges as ``[m, 2]`` token ids, or None where there are none or they are unreadable."""
     if not path.is_file():
         return None
     try:
-        with tokenizer_errors(str(path)):
-            return tokenizers.Tokenizer.from_file(str(path))
-    except TokenizerError as exc:  # rebuild instead
-        log.warning("cached tokenizer %s is unreadable (%s); rebuilding it", path, exc)
+        pairs = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        log.warning("cached merges %s are unreadable (%s); deriving them again", path, exc)
         return None
+    if pairs.dtype != np.int32 or pairs.ndim != 2 or pairs.shape[1] != 2 or (
+            pairs.size and not (pairs.min() >= 0 and pairs.max() < n_tokens)):
+        log.warning("cached merges %s are not token id pairs below %d; deriving them again", path, n_tokens)
+        return None
+    return pairs
 
 
-def _store(path: Path, backend: tokenizers.Tokenizer) -> None:
-    """Write the tokenizer.json to a temporary sibling, then rename it into place."""
+def _store_pairs(path: Path, pairs: np.ndarray) -> None:
+    """Write the ``.npy`` to a temporary sibling, then rename it into place."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(backend.to_str(), encoding="utf-8")
+        with open(tmp, "wb") as f:
+            np.save(f, pairs, allow_pickle=False)
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("could not cache the tokenizer in %s (%s); it will be rebuilt next time", path, exc)
+        log.warning("could not cache the merges in %s (%s); they will be derived again next time", path, exc)
         try:
             tmp.unlink(missing_ok=True)
         except OSError:

@@ -185,8 +185,8 @@ def _rope(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None
 
 
 def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The ``{arch}.*`` metadata for ``config`` and, for Llama 3 rope scaling, the
-    ``rope_freqs`` tensor llama.cpp stores it as."""
+    """The ``{arch}.*`` metadata for ``config`` and, for Llama 3 rope scaling or
+    per-frequency ``freq_factors``, the ``rope_freqs`` tensor llama.cpp stores them as."""
     c = dict(config)
     heads = c["num_attention_heads"]
     c.setdefault("num_key_value_heads", heads)
@@ -220,17 +220,22 @@ def hyperparameters(arch: ArchitectureMap, config: dict[str, Any]) -> tuple[dict
         if rope.get("original_max_position_embeddings"):
             md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
     elif kind == "llama3" and arch.gguf_name == "llama":
-        if (rope.get("low_freq_factor"), rope.get("high_freq_factor")) != (1.0, 4.0):
-            raise ConfigError(f"Llama 3 rope scaling with low/high frequency factors {rope.get('low_freq_factor')}"
-                              f"/{rope.get('high_freq_factor')} has no GGUF form infer reads back; supported: 1/4")
-        freqs = _llama3_divisors(rope, c["head_dim"]).astype(np.float32)
-        if rope["original_max_position_embeddings"] != 8192:  # llama.cpp reads only the divisors
+        # llama.cpp reads only the divisors; infer reads them back as llama3 where they follow
+        # its rule with these original positions, else as freq_factors (the same frequencies).
+        freqs = _llama3_divisors({"low_freq_factor": 1.0, "high_freq_factor": 4.0, **rope},
+                                 c["head_dim"]).astype(np.float32)
+        if rope["original_max_position_embeddings"] != 8192:
             md[f"{p}.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "default" and rope.get("freq_factors") is not None and arch.gguf_name == "llama":
+        freqs = np.asarray(rope["freq_factors"], np.float32)
     elif kind == "proportional" and arch.gguf_name == "gemma4":
         freqs = _gemma4_rope_freqs(c, rope)
     elif kind != "default":
         raise ConfigError(f"rope scaling {kind!r} has no GGUF form for {arch.gguf_name}; supported: linear, yarn"
                           f"{', llama3' if arch.gguf_name == 'llama' else ''}")
+    if rope.get("freq_factors") is not None and not (kind == "default" and arch.gguf_name == "llama"):
+        raise ConfigError(f"rope freq_factors with rope type {kind!r} have no GGUF form for {arch.gguf_name}; "
+                          "supported: llama with the default rope type")
     for key, value in arch.defaults.items():  # what llama.cpp assumes for the family
         if c.get(key, value) != value:
             raise ConfigError(f"config.json {key} is {c[key]!r}; GGUF's {arch.gguf_name} computes {value!r}")

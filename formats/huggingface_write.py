@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import MissingDependencyError, UnsupportedArchitectureError
+from infer.errors import ConfigError, MissingDependencyError, UnsupportedArchitectureError
 from infer.ops import QuantizedTensor
 from infer.package import ModelPackage
 
@@ -85,6 +85,10 @@ def _config(package: ModelPackage, dtype: str) -> dict[str, Any]:
     if model_type not in CLASS_NAMES:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} has no transformers class known here; "
                                            f"supported: {', '.join(sorted(CLASS_NAMES))}")
+    rope = config.get("rope_parameters") or {}
+    if any(isinstance(r, dict) and r.get("freq_factors") is not None for r in [rope, *rope.values()]):
+        raise ConfigError(f"{package.path}: the rope's per-frequency divisors (a GGUF rope_freqs tensor that "
+                          "follows no rule a config.json names) have no form transformers reads")
     # GGUF stores floats as float32: write the shortest decimal of that float32 (1e-06, not
     # 9.99999997e-07), which is what the model's own config.json said.
     config = {k: _short(v) for k, v in config.items()}
@@ -146,6 +150,7 @@ def write_folder(package: ModelPackage, path: Path, *, type: str = "f32", progre
 
     Raises:
         UnsupportedArchitectureError: no transformers class is known for the model type.
+        ConfigError: a setting with no config.json form (a rope's ``freq_factors``).
         MissingDependencyError: ``bf16`` without torch installed.
     """
     from tqdm.auto import tqdm

@@ -392,6 +392,31 @@ def test_run_script_checks_the_issue_targets() -> None:
     assert found[("llama-1b-shape", "load ≤ 1.0× llama.cpp's")]["met"] is True
     assert "| smollm2-135m | load ≤ 1.0× llama.cpp's | 5.00 | no |" in run.format_targets(list(found.values()))
 
+    # Issue 51: the hybrids against llama.cpp in exact mode (decode and prefill), not the 1.25× of issue 36.
+    qwen = {"model": {"reference": "/cache/bench/qwen35-0.8b-q4_k_m.gguf", "bytes": 500}, "engines": [
+        row("infer (default)", 12, 45, 0.5, 700, ratios={"decode_tok_s": 0.48, "prefill_tok_s": 0.36}),
+        row("llama.cpp", 25, 125, 1.0, 600)]}
+    found = {(t["model"], t["target"]): t for t in run.targets({"reports": [qwen]})}
+    assert found[("qwen35-0.8b-shape", "decode (exact) ≥ 1.0× llama.cpp")]["measured"] == pytest.approx(0.48)
+    assert found[("qwen35-0.8b-shape", "prefill (exact) ≥ 1.0× llama.cpp")]["met"] is False
+    assert ("qwen35-0.8b-shape", "decode ≥ 1.25× llama.cpp") not in found
+
+    # The long-context mode: decode against llama.cpp's float16 cache per context, RSS at 4k only.
+    def long(context: int, q8: float | None) -> dict[str, Any]:
+        engines = [row("infer kv float16", 10, 40, 0.5, 1100), row("llama.cpp", 12.5, 60, 0.5, 1000)]
+        if q8 is not None:
+            engines.append(row("infer kv q8_0", q8, 40, 0.5, 900))
+        return {"model": {"reference": "/cache/bench/llama-1b-ctx128k-q4_k_m.gguf", "bytes": 669},
+                "context": context, "settings": {"prompt_tokens": context}, "engines": engines}
+
+    found = {(t["model"], t["target"]): t for t in run.long_targets({"reports": [long(4096, 15.0), long(16384, None)]})}
+    assert found[("llama-1b-shape @ 4k", "decode, infer kv float16 ≥ 1× llama.cpp (float16 cache)")]["measured"] == \
+        pytest.approx(0.8)
+    assert found[("llama-1b-shape @ 4k", "decode, infer kv q8_0 ≥ 1.15× llama.cpp (float16 cache)")]["met"] is True
+    assert found[("llama-1b-shape @ 4k", "peak RSS ≤ 1.1× llama.cpp's (ratio)")]["measured"] == pytest.approx(1.1)
+    assert ("llama-1b-shape @ 16k", "peak RSS ≤ 1.1× llama.cpp's (ratio)") not in found
+    assert found[("llama-1b-shape @ 16k", "decode, infer kv float16 ≥ 1× llama.cpp (float16 cache)")]["met"] is False
+
 
 # -- what each engine is charged for -----------------------------------------------------
 

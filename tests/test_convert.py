@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -388,6 +389,25 @@ def test_gguf_to_folder_dequantizes_to_the_chosen_float_type(tmp_path):
         want = torch.from_numpy(np.array(value.dequantize() if hasattr(value, "dequantize") else value))
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want.to(torch.bfloat16)), name
     package.tensors.close()
+
+
+def test_llama3_rope_with_other_frequency_factors_round_trips_through_gguf(tmp_path):
+    # low/high frequency factors 2/8: stored as rope_freqs divisors, read back as freq_factors
+    # (the same frequencies), which have no config.json form to convert back to.
+    from infer.errors import ConfigError
+
+    folder = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("llama3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"].update(low_freq_factor=2.0, high_freq_factor=8.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    file = infer.convert(folder, tmp_path / "m.gguf", type="f32", progress=False)
+    rope = open_gguf(file, tokenizer=False).config["rope_parameters"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    want = gguf_write._llama3_divisors(config["rope_parameters"], head_dim).astype(np.float32)
+    assert rope["rope_type"] == "default" and np.array_equal(np.float32(rope["freq_factors"]), want)
+    with pytest.raises(ConfigError, match="rope_freqs tensor that follows no rule"):
+        infer.convert(file, tmp_path / "hf", type="f32", progress=False)
 
 
 def test_rope_scaling_without_a_gguf_form_is_refused(tmp_path):

@@ -297,11 +297,18 @@ def test_llama3_rope_freqs_become_rope_parameters(tmp_path):
     assert package.config["rope_parameters"] == {"rope_type": "llama3", **rope}
     assert package.config["rope_scaling"]["rope_type"] == "llama3"
     assert "rope_freqs.weight" not in package.tensors.names()
+    # Divisors that follow no rule are used as stored (llama.cpp applies the tensor whatever made it).
     odd = factors.copy()
     odd[mid[0]] *= 1.5
     write_model(tmp_path / "b.gguf", layers=1, tensors_extra={"rope_freqs.weight": (odd, None)})
-    with pytest.raises(ConfigError, match="Llama 3's rule"):
-        open_gguf(tmp_path / "b.gguf")
+    package = open_gguf(tmp_path / "b.gguf")
+    assert package.config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0,
+                                                 "freq_factors": odd.tolist()}
+    assert package.config["rope_scaling"] == {"rope_type": "default", "freq_factors": odd.tolist()}
+    for bad in (np.zeros_like(odd), np.full_like(odd, np.nan), odd[:-1]):
+        write_model(tmp_path / "c.gguf", layers=1, tensors_extra={"rope_freqs.weight": (bad, None)})
+        with pytest.raises(ConfigError, match="positive finite factors"):
+            open_gguf(tmp_path / "c.gguf")
 
 
 def test_eos_includes_end_of_turn(tmp_path):

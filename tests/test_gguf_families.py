@@ -46,6 +46,9 @@ FILES = {
     "deepseek_v3": ("deepseek2", False),
     "lfm2": ("lfm2", False),
     "lfm2_conv_bias": ("lfm2", False),
+    # Llama 3 rope over 64 original positions: llama.cpp's converter stores only the divisors
+    # (rope_freqs), which follow no rule infer can name without the 64, so they are used as stored.
+    "llama3": ("llama", True),
 }
 #: Variants whose logits are not compared, as no llama.cpp file can say what their config says:
 #: deepseek_v3_lite's rope is half-split (llama.cpp's deepseek2 always rotates interleaved pairs),
@@ -186,6 +189,8 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
         for e in sorted(by_expert):
             expected[f"{stacked.rsplit('.', 1)[0]}.{e}.{stacked.rsplit('.', 1)[1]}.weight"] = back[e]
     rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg))
     if rope.get("rope_type") == "longrope":
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
@@ -194,6 +199,60 @@ def convert(variant: str, out: Path, qtype: str = "F32", split_kv_b: bool = Fals
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+def llama_cpp_rope_freqs(cfg: dict[str, Any]) -> np.ndarray:
+    """The divisors convert_hf_to_gguf.py's LlamaModel writes for Llama 3 rope (its
+    generate_extra_tensors): frequencies in float32 torch, the rule in Python floats."""
+    import math
+
+    import torch
+
+    rope = cfg["rope_parameters"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def test_rope_freqs_that_follow_no_known_rule_are_used_as_stored(gguf_dir: Path) -> None:
+    # The llama3 variant's divisors (64 original positions, not recorded in the file) are
+    # neither 1 nor the factor in between: the interpolated band is what makes them unusual.
+    cfg = json.loads((tiny_model_dir("llama3") / "config.json").read_text())
+    factors = llama_cpp_rope_freqs(cfg)
+    assert np.any((factors > 1) & (factors < cfg["rope_parameters"]["factor"]))
+    path = gguf_dir / "llama3.gguf"
+    convert("llama3", path)
+    rope = open_gguf(path, tokenizer=False).config["rope_parameters"]
+    assert rope["rope_type"] == "default" and rope["freq_factors"] == factors.tolist()
+
+
+def test_freq_factors_divide_the_frequencies_and_are_checked() -> None:
+    from architectures.rope import RotaryEmbedding, inverse_frequencies
+    from infer.backends.numpy import NumpyBackend
+    from infer.errors import ConfigError
+
+    ops = NumpyBackend()
+    factors = [1.0, 2.0, 8.0, 0.5]
+    rope = RotaryEmbedding(ops, 8, {"rope_theta": 100.0, "freq_factors": factors}, 64)
+    want = np.float32(inverse_frequencies(100.0, 8)) / np.float32(factors)
+    assert np.array_equal(ops.to_numpy(rope._inv_freq).reshape(-1), want)
+    for params, what in (({"freq_factors": factors[:3]}, "4 positive finite numbers"),
+                         ({"freq_factors": [1.0, 0.0, 1.0, 1.0]}, "4 positive finite numbers"),
+                         ({"rope_type": "dynamic", "factor": 2.0, "freq_factors": factors}, "'dynamic'")):
+        with pytest.raises(ConfigError, match=what):
+            RotaryEmbedding(ops, 8, {"rope_theta": 100.0, **params}, 64)
 
 
 @pytest.fixture(scope="module")

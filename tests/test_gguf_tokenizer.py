@@ -474,28 +474,39 @@ def test_small_vocabularies_build() -> None:
     assert llama.decode(llama.encode("ab ab!")) == "ab ab!"
 
 
-def test_cache_is_reused_and_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    metadata = _small_gpt2()
+def test_derived_merges_are_cached_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Merges derived from scores are the slow part of a SentencePiece vocabulary: they are
+    # cached as token id pairs; merges a file stores (gpt2) need no cache.
+    tokenizer_from_gguf(_small_gpt2(), cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    metadata = _small_llama()
     first = tokenizer_from_gguf(metadata, cache_dir=tmp_path)
-    (cached,) = tmp_path.glob("*.json")
-    assert len(cached.stem) == 64  # a sha256
+    (cached,) = tmp_path.iterdir()  # nothing else left behind by the atomic write
+    assert cached.name.endswith(".merges.npy") and len(cached.name.split(".")[0]) == 64  # a sha256
+    pairs = np.load(cached)
+    assert pairs.dtype == np.int32 and pairs.shape[1] == 2 and len(pairs)
 
-    def no_build(self: Any) -> None:
-        raise AssertionError("built again although the cache holds it")
+    def no_derive(*args: Any) -> None:
+        raise AssertionError("derived again although the cache holds them")
 
-    monkeypatch.setattr(gguf_tokenizer._Vocab, "build", no_build)
+    monkeypatch.setattr(gguf_tokenizer, "_derive_merges", no_derive)
     second = tokenizer_from_gguf(dict(metadata), cache_dir=tmp_path)
     assert second.backend.to_str() == first.backend.to_str()
-    assert second.encode("abc a") == first.encode("abc a")
-    assert list(tmp_path.iterdir()) == [cached]  # nothing left behind by the atomic write
+    text = "ab ab!"
+    assert second.encode(text) == first.encode(text)
     monkeypatch.undo()
 
-    # Metadata that changes the tokenizer changes the file; a corrupt file is rebuilt.
-    tokenizer_from_gguf({**metadata, "tokenizer.ggml.add_bos_token": False}, cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("*.json"))) == 2
-    cached.write_text("{not json")
-    assert tokenizer_from_gguf(metadata, cache_dir=tmp_path).encode("abc a") == first.encode("abc a")
-    assert json.loads(cached.read_text())["model"]["type"] == "BPE"
+    # Metadata that changes the merges changes the file; a corrupt or out-of-range file is derived again.
+    tokenizer_from_gguf({**metadata, "tokenizer.ggml.scores": [0.0] * 259 + [-6.0, -5.0, -4.0, -3.0, -2.0, -1.0]},
+                        cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.merges.npy"))) == 2
+    for bad in (b"not a numpy file", None):
+        if bad is None:
+            np.save(cached, np.array([[0, 10**6]], np.int32))
+        else:
+            cached.write_bytes(bad)
+        assert tokenizer_from_gguf(metadata, cache_dir=tmp_path).encode(text) == first.encode(text)
+        assert np.array_equal(np.load(cached), pairs)
 
 
 def _stored(strings: list[str]) -> StringArray:
@@ -503,21 +514,14 @@ def _stored(strings: list[str]) -> StringArray:
     return StringArray(b"".join(data), np.cumsum([len(d) for d in data]))
 
 
-def test_a_cached_tokenizer_loads_without_decoding_the_vocabulary(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # A file's vocabulary (10^5 strings) is hashed as stored bytes: a cache hit decodes none of it.
+def test_a_file_vocabulary_builds_the_same_tokenizer_as_lists(tmp_path: Path) -> None:
+    # A file's string arrays arrive as StringArray (decoded in one go when built).
     metadata = _small_gpt2()
     stored = {**metadata, "tokenizer.ggml.tokens": _stored(metadata["tokenizer.ggml.tokens"]),
               "tokenizer.ggml.merges": _stored(metadata["tokenizer.ggml.merges"])}
     first = tokenizer_from_gguf(stored, cache_dir=tmp_path)
-    assert first.encode("abc a") == tokenizer_from_gguf(metadata, cache_dir=tmp_path / "lists").encode("abc a")
-
-    def no_decoding(self: Any, *args: Any) -> Any:
-        raise AssertionError("a stored string was decoded")
-
-    monkeypatch.setattr(StringArray, "__iter__", no_decoding)
-    monkeypatch.setattr(StringArray, "_item", no_decoding)
-    assert tokenizer_from_gguf(dict(stored), cache_dir=tmp_path).encode("abc a") == first.encode("abc a")
+    assert first.backend.to_str() == tokenizer_from_gguf(metadata, cache_dir=tmp_path).backend.to_str()
+    assert first.encode("abc a") == [0, 7, 8]
 
 
 def test_a_duplicate_token_is_refused_when_the_tokenizer_is_built(tmp_path: Path) -> None:
@@ -526,15 +530,15 @@ def test_a_duplicate_token_is_refused_when_the_tokenizer_is_built(tmp_path: Path
     tokens[-1] = tokens[0]
     with pytest.raises(TokenizerError, match="lists .* twice"):
         tokenizer_from_gguf({**metadata, "tokenizer.ggml.tokens": _stored(tokens)}, cache_dir=tmp_path)
-    assert not list(tmp_path.glob("*.json"))
+    assert not list(tmp_path.iterdir())
 
 
 def test_unwritable_cache_only_costs_a_rebuild(tmp_path: Path, caplog) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with caplog.at_level(logging.WARNING, logger="infer.formats.gguf_tokenizer"):
-        tokenizer = tokenizer_from_gguf(_small_gpt2(), cache_dir=blocker / "sub")
-    assert tokenizer.encode("abc") == [0, 7]
+        tokenizer = tokenizer_from_gguf(_small_llama(), cache_dir=blocker / "sub")
+    assert [tokenizer.id_to_token(i) for i in tokenizer.encode("ab")] == ["<s>", "▁ab"]
     assert "could not cache" in caplog.text
 
 
@@ -550,11 +554,11 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_gemma3_cache_reused(gemma3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 262k-token build is what the cache is for: the second call reads the file."""
+    """The 262k-token vocabulary's derived merges are what the cache is for: the second call reads them."""
     tokenizer, _ = gemma3
     path = cache_root() / "gguf-tokenizers"
-    assert any(p.stat().st_size > 10_000_000 for p in path.glob("*.json"))
-    monkeypatch.setattr(gguf_tokenizer._Vocab, "build", lambda self: pytest.fail("rebuilt"))
+    assert any(p.stat().st_size > 1_000_000 for p in path.glob("*.merges.npy"))
+    monkeypatch.setattr(gguf_tokenizer, "_derive_merges", lambda *args: pytest.fail("derived again"))
     again = ours(cached_metadata(pytest.importorskip("real_models").gemma3_gguf_path()))
     assert again.encode(FIXED_TEXTS[4]) == tokenizer.encode(FIXED_TEXTS[4])
 
