@@ -41,6 +41,7 @@ RESTORE = textwrap.dedent("""
     import json, sys
     import numpy as np
     import infer
+    from infer.engine.generate import StopConditions
     job = json.loads(sys.argv[1])
     out = {}
     for variant, case in job["cases"]:
@@ -58,8 +59,25 @@ RESTORE = textwrap.dedent("""
         done = other.complete(prompt, max_tokens=4, ignore_eos=True)
         path = job["out"] + "/" + variant + "-" + case + ".npy"
         np.save(path, logits)
+        # A request of exactly the saved tokens: every position and the logits after them come back.
+        saved = job["prompt"][:job["saved"][case]]
+        exact = infer.load(job["dirs"][variant], backend=job["backend"])
+        exact.load_state(job["files"][variant + "/" + case])
+        seq = exact.engine.new_sequence(len(saved) + 1, kv_pool=exact.batch_engine.pool)
+        exact_reused, kept = seq.cache.reuse_prompt(saved)
+        exact.engine.release(seq)
+        np.save(path + ".exact.npy", kept)
+        batch = exact.batch_engine
+        handle = batch.submit(saved, exact.sampling_params(), StopConditions(max_tokens=3, ignore_eos=True))
+        batch.run_until_done()
+        single = exact.complete(saved, max_tokens=3, ignore_eos=True)
         out[variant + "/" + case] = {"restored": restored.cached, "reused": reused, "logits": path,
-                                     "tokens": done.token_ids, "cached_tokens": done.usage.cached_tokens}
+                                     "tokens": done.token_ids, "cached_tokens": done.usage.cached_tokens,
+                                     "exact_reused": exact_reused, "exact_tokens": list(handle.tokens),
+                                     "exact_cached": handle.cached_tokens,
+                                     "exact_processed": batch.stats.tokens_processed,
+                                     "single_tokens": single.token_ids,
+                                     "single_cached": single.usage.cached_tokens}
     print(json.dumps(out))
 """)
 
@@ -87,9 +105,11 @@ def restored(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             files[f"{variant}/{case}"] = str(path)
         prompt = PROMPT[:CONTINUE]
         greedy = list(model.generate_tokens(prompt, max_tokens=4, ignore_eos=True))
-        want[variant] = (full_logits(model, prompt), greedy)
+        exact = {case: list(model.generate_tokens(PROMPT[:n], max_tokens=3, ignore_eos=True))
+                 for case, n in SAVED.items()}
+        want[variant] = (full_logits(model, prompt), greedy, exact)
     job = {"backend": backend, "dirs": {v: str(tiny_model_dir(v)) for v in FAMILIES}, "files": files,
-           "prompt": PROMPT, "continue": CONTINUE, "out": str(tmp),
+           "prompt": PROMPT, "continue": CONTINUE, "out": str(tmp), "saved": SAVED,
            "cases": [[v, c] for v in FAMILIES for c in SAVED]}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run([sys.executable, "-c", RESTORE, json.dumps(job)], capture_output=True, text=True, env=env,
@@ -102,7 +122,7 @@ def restored(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_a_state_restored_in_a_new_process_continues_as_one_run(restored: dict, variant: str, case: str) -> None:
     got = restored["got"][f"{variant}/{case}"]
-    want_logits, want_tokens = restored["want"][variant]
+    want_logits, want_tokens, _ = restored["want"][variant]
     n = SAVED[case]
     # Only the tokens after the saved ones are computed: the whole saved prefix is found.
     assert got["restored"] == n
@@ -115,6 +135,27 @@ def test_a_state_restored_in_a_new_process_continues_as_one_run(restored: dict, 
     # Through the public API: the same greedy tokens, and the cached prompt tokens reported.
     assert got["tokens"] == want_tokens
     assert got["cached_tokens"] == n
+
+
+@pytest.mark.parametrize("case", SAVED)
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_a_request_of_exactly_the_saved_tokens_computes_nothing(restored: dict, variant: str, case: str) -> None:
+    """The logits after the last saved token are in the file: a request repeating exactly the saved
+    prefix draws its first token from them, in a new process, and feeds only what it generates."""
+    got = restored["got"][f"{variant}/{case}"]
+    want_logits, _, want_exact = restored["want"][variant]
+    n = SAVED[case]
+    assert got["exact_reused"] == n
+    kept = np.load(got["logits"] + ".exact.npy")
+    want = want_logits[n - 1]  # the uninterrupted forward's row after token n
+    np.testing.assert_allclose(kept, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Batched: the whole prompt found, no prompt token fed; only the 2 tokens after the first are.
+    assert got["exact_cached"] == n
+    assert got["exact_processed"] == 2
+    assert got["exact_tokens"] == want_exact[case]
+    # A single request (beside the batch engine, in its pool) likewise.
+    assert got["single_cached"] == n
+    assert got["single_tokens"] == want_exact[case]
 
 
 def test_a_saved_state_is_found_in_the_same_process_too(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
-from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
+from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample, sample_host
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
@@ -337,6 +337,28 @@ class BatchEngine:
             self.stats.tokens_reused += seq.cached
             if handle.cached_tokens is None:
                 handle.cached_tokens = seq.cached
+            if seq.cache.kept_logits is not None:
+                self._first_from_kept(handle, seq)
+
+    def _first_from_kept(self, r: RequestHandle, seq: SequenceState) -> None:
+        """A request admitted with every known position cached and the logits
+        after them kept (a restored state): its next token is drawn from those
+        logits now, with no forward. A request whose draft source needs the
+        last token's hidden state (MTP) gives back the last position instead
+        and computes it."""
+        logits, seq.cache.kept_logits = seq.cache.kept_logits, None
+        assert logits is not None
+        if r.speculation is not None and r.speculation.source.needs_hidden:
+            kept = seq.cache.truncate(seq.cached - 1)
+            del seq.tokens[kept:]
+            return
+        token = sample_host(r.sampler, logits, seq.tokens)
+        r.tokens.append(token)
+        if r.speculation is not None:
+            r.speculation.record(tokens=1)
+        reason = r.stop.finish_reason(token, len(r.tokens), len(r.prompt), self.engine.max_context)
+        if reason is not None:
+            self._finish(r, reason)
 
     def _schedule(self) -> list[tuple[RequestHandle, int]]:
         """Tokens to feed each running request this step, with their cache
