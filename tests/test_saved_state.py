@@ -257,6 +257,26 @@ def test_a_damaged_file_is_refused(saved_llama: Path, tmp_path: Path) -> None:
     assert model.batch_engine.pool.stats().prefix_blocks == 0  # nothing of it entered the cache
 
 
+def test_a_file_without_the_final_logits(saved_llama: Path, tmp_path: Path) -> None:
+    """One that says it has them and lacks them is refused; one written before they were kept loads,
+    and a request of exactly its tokens then computes its last block (the rest stays cached)."""
+    from infer.kv.state_file import read_state_file, write_state_file
+
+    state = read_state_file(saved_llama)
+    assert state.info["logits"] is True and state.tensors["logits"].data.shape == (load_tiny("llama3").network.vocab_size,)
+    tensors = {k: v for k, v in state.tensors.items() if k != "logits"}
+    lying = tmp_path / "lying.state"
+    write_state_file(lying, dict(state.info), tensors)
+    with pytest.raises(StateFileError, match="logits"):
+        infer.load(tiny_model_dir("llama3")).load_state(lying)
+    older = tmp_path / "older.state"
+    write_state_file(older, {k: v for k, v in state.info.items() if k != "logits"}, tensors)
+    model = infer.load(tiny_model_dir("llama3"))
+    restored = model.load_state(older)
+    assert restored.cached == 40 and not restored.logits
+    assert model.complete(PROMPT[:40], max_tokens=1).usage.cached_tokens == 32
+
+
 def test_tensor_parallelism_is_refused(saved_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = infer.load(tiny_model_dir("llama3"))
     monkeypatch.setattr(model.backend, "world_size", 2)  # what a tensor-parallel model's backend reports

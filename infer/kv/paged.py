@@ -414,7 +414,7 @@ class PagedSequenceCache(SequenceCache):
         is left to compute. Otherwise the prompt without its last token, which
         is left to compute the logits from, and None."""
         pool = self.pool
-        if len(prompt) > 1:
+        if len(prompt) > 1 and (len(pool.final_logits) or pool.disk is not None):  # else no hashing: none kept
             key = sequence_key(prompt, pool.block_size)
             logits = pool.final_logits.get(key)
             if logits is None and pool.disk is not None:
