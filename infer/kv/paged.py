@@ -85,7 +85,8 @@ class FinalLogits:
         self._bytes = 0
 
     def put(self, key: bytes, logits: np.ndarray) -> None:
-        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+        # A copy: a row read from a state file is a view of the whole file's bytes, which it would keep alive.
+        row = np.array(logits, dtype=np.float32).reshape(-1)
         old = self._rows.pop(key, None)
         if old is not None:
             self._bytes -= old.nbytes
