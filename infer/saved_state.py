@@ -135,12 +135,15 @@ def save_state(model: Model, path: str | os.PathLike[str], source: StateSource,
     engine = model.engine
     seq = engine.new_sequence(len(ids), kv_pool=pool)
     try:
-        cached = seq.cache.reuse_prefix(ids)  # type: ignore[attr-defined]
+        # What the prefix cache holds of it is not computed again; the last token is, for the logits
+        # after it, unless they were kept with it (a state restored or saved before).
+        cached, logits = seq.cache.reuse_prompt(ids)  # type: ignore[attr-defined]
         seq.tokens = ids[:cached]
         step = batch.max_batch_tokens
         for start in range(cached, len(ids), step):  # in the batch engine's chunks: bounded activations
-            engine.run(engine.prepare([seq], [ids[start:start + step]]))
-        info, tensors = capture(seq.cache, fp)  # type: ignore[arg-type]
+            out = engine.run(engine.prepare([seq], [ids[start:start + step]]))
+            logits = out.host_logits()[0]
+        info, tensors = capture(seq.cache, fp, logits)  # type: ignore[arg-type]
         nbytes = write_state_file(path, info, tensors)
         # Its tail and final state enter this pool's prefix cache too (the full blocks are there
         # already), so a request here that goes on from the saved prompt starts at its very end.

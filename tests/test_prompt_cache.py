@@ -72,6 +72,22 @@ def test_a_later_process_reads_the_prompt_back(variant: str, tmp_path: Path) -> 
     assert got["tokens"] == greedy(variant, prompt)
 
 
+@pytest.mark.parametrize("variant", ["qwen3_5", "gemma3"])
+def test_a_saved_state_is_read_back_whole_by_a_later_process(variant: str, tmp_path: Path) -> None:
+    """A saved state's tail (its partial last block and final recurrent state) and the logits
+    after it go to the folder too: a later process that loads no state finds all of it there."""
+    model = infer.load(tiny_model_dir(variant))
+    model.configure_batching(prompt_cache_dir=tmp_path)
+    model.save_state(tmp_path / "saved.state", PROMPT[:45])
+    assert any(tmp_path.rglob("*.logits"))
+    exact, longer = PROMPT[:45], PROMPT[:45] + PROMPT[60:66]
+    got = result(later(variant, tmp_path, [longer, exact]))
+    assert got[0]["cached"] == 45  # the tail read back too, not just the 2 full blocks
+    assert got[0]["tokens"] == greedy(variant, longer)
+    assert got[1]["cached"] == 45  # every saved position, and the logits after them from disk: nothing computed
+    assert got[1]["tokens"] == greedy(variant, exact)
+
+
 def test_the_folder_stays_under_its_bound(tmp_path: Path) -> None:
     model = infer.load(tiny_model_dir("llama3"))
     model.configure_batching(prompt_cache_dir=tmp_path, prompt_cache_bytes=40_000)

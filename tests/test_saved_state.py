@@ -41,6 +41,7 @@ RESTORE = textwrap.dedent("""
     import json, sys
     import numpy as np
     import infer
+    from infer.engine.generate import StopConditions
     job = json.loads(sys.argv[1])
     out = {}
     for variant, case in job["cases"]:
@@ -58,8 +59,25 @@ RESTORE = textwrap.dedent("""
         done = other.complete(prompt, max_tokens=4, ignore_eos=True)
         path = job["out"] + "/" + variant + "-" + case + ".npy"
         np.save(path, logits)
+        # A request of exactly the saved tokens: every position and the logits after them come back.
+        saved = job["prompt"][:job["saved"][case]]
+        exact = infer.load(job["dirs"][variant], backend=job["backend"])
+        exact.load_state(job["files"][variant + "/" + case])
+        seq = exact.engine.new_sequence(len(saved) + 1, kv_pool=exact.batch_engine.pool)
+        exact_reused, kept = seq.cache.reuse_prompt(saved)
+        exact.engine.release(seq)
+        np.save(path + ".exact.npy", kept)
+        batch = exact.batch_engine
+        handle = batch.submit(saved, exact.sampling_params(), StopConditions(max_tokens=3, ignore_eos=True))
+        batch.run_until_done()
+        single = exact.complete(saved, max_tokens=3, ignore_eos=True)
         out[variant + "/" + case] = {"restored": restored.cached, "reused": reused, "logits": path,
-                                     "tokens": done.token_ids, "cached_tokens": done.usage.cached_tokens}
+                                     "tokens": done.token_ids, "cached_tokens": done.usage.cached_tokens,
+                                     "exact_reused": exact_reused, "exact_tokens": list(handle.tokens),
+                                     "exact_cached": handle.cached_tokens,
+                                     "exact_processed": batch.stats.tokens_processed,
+                                     "single_tokens": single.token_ids,
+                                     "single_cached": single.usage.cached_tokens}
     print(json.dumps(out))
 """)
 
@@ -87,9 +105,11 @@ def restored(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             files[f"{variant}/{case}"] = str(path)
         prompt = PROMPT[:CONTINUE]
         greedy = list(model.generate_tokens(prompt, max_tokens=4, ignore_eos=True))
-        want[variant] = (full_logits(model, prompt), greedy)
+        exact = {case: list(model.generate_tokens(PROMPT[:n], max_tokens=3, ignore_eos=True))
+                 for case, n in SAVED.items()}
+        want[variant] = (full_logits(model, prompt), greedy, exact)
     job = {"backend": backend, "dirs": {v: str(tiny_model_dir(v)) for v in FAMILIES}, "files": files,
-           "prompt": PROMPT, "continue": CONTINUE, "out": str(tmp),
+           "prompt": PROMPT, "continue": CONTINUE, "out": str(tmp), "saved": SAVED,
            "cases": [[v, c] for v in FAMILIES for c in SAVED]}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run([sys.executable, "-c", RESTORE, json.dumps(job)], capture_output=True, text=True, env=env,
@@ -102,7 +122,7 @@ def restored(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_a_state_restored_in_a_new_process_continues_as_one_run(restored: dict, variant: str, case: str) -> None:
     got = restored["got"][f"{variant}/{case}"]
-    want_logits, want_tokens = restored["want"][variant]
+    want_logits, want_tokens, _ = restored["want"][variant]
     n = SAVED[case]
     # Only the tokens after the saved ones are computed: the whole saved prefix is found.
     assert got["restored"] == n
@@ -115,6 +135,27 @@ def test_a_state_restored_in_a_new_process_continues_as_one_run(restored: dict, 
     # Through the public API: the same greedy tokens, and the cached prompt tokens reported.
     assert got["tokens"] == want_tokens
     assert got["cached_tokens"] == n
+
+
+@pytest.mark.parametrize("case", SAVED)
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_a_request_of_exactly_the_saved_tokens_computes_nothing(restored: dict, variant: str, case: str) -> None:
+    """The logits after the last saved token are in the file: a request repeating exactly the saved
+    prefix draws its first token from them, in a new process, and feeds only what it generates."""
+    got = restored["got"][f"{variant}/{case}"]
+    want_logits, _, want_exact = restored["want"][variant]
+    n = SAVED[case]
+    assert got["exact_reused"] == n
+    kept = np.load(got["logits"] + ".exact.npy")
+    want = want_logits[n - 1]  # the uninterrupted forward's row after token n
+    np.testing.assert_allclose(kept, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Batched: the whole prompt found, no prompt token fed; only the 2 tokens after the first are.
+    assert got["exact_cached"] == n
+    assert got["exact_processed"] == 2
+    assert got["exact_tokens"] == want_exact[case]
+    # A single request (beside the batch engine, in its pool) likewise.
+    assert got["single_cached"] == n
+    assert got["single_tokens"] == want_exact[case]
 
 
 def test_a_saved_state_is_found_in_the_same_process_too(tmp_path: Path) -> None:
@@ -214,6 +255,26 @@ def test_a_damaged_file_is_refused(saved_llama: Path, tmp_path: Path) -> None:
     with pytest.raises(StateFileError, match="checksum"):
         model.load_state(flipped)
     assert model.batch_engine.pool.stats().prefix_blocks == 0  # nothing of it entered the cache
+
+
+def test_a_file_without_the_final_logits(saved_llama: Path, tmp_path: Path) -> None:
+    """One that says it has them and lacks them is refused; one written before they were kept loads,
+    and a request of exactly its tokens then computes its last block (the rest stays cached)."""
+    from infer.kv.state_file import read_state_file, write_state_file
+
+    state = read_state_file(saved_llama)
+    assert state.info["logits"] is True and state.tensors["logits"].data.shape == (load_tiny("llama3").network.vocab_size,)
+    tensors = {k: v for k, v in state.tensors.items() if k != "logits"}
+    lying = tmp_path / "lying.state"
+    write_state_file(lying, dict(state.info), tensors)
+    with pytest.raises(StateFileError, match="logits"):
+        infer.load(tiny_model_dir("llama3")).load_state(lying)
+    older = tmp_path / "older.state"
+    write_state_file(older, {k: v for k, v in state.info.items() if k != "logits"}, tensors)
+    model = infer.load(tiny_model_dir("llama3"))
+    restored = model.load_state(older)
+    assert restored.cached == 40 and not restored.logits
+    assert model.complete(PROMPT[:40], max_tokens=1).usage.cached_tokens == 32
 
 
 def test_tensor_parallelism_is_refused(saved_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,7 @@ from infer.engine.speculative import (
 )
 from infer.errors import GenerationError, SamplingParameterError
 from infer.kv.attention import AttentionContext
+from infer.kv.blocks import sequence_key
 from infer.kv.paged import PagedKVPool
 from infer.ops import Array
 
@@ -324,6 +325,34 @@ def test_batched_speculation_survives_preemption(name: str) -> None:
     batch.run_until_done()
     assert batch.stats.preemptions > 0
     assert [h.tokens for h in handles] == want
+    assert pool.stats().used == 0
+
+
+def keep_prompt(engine: Engine, pool: PagedKVPool, prompt: list[int]) -> None:
+    """``prompt``'s blocks cached in ``pool`` and the logits after it kept, as a restored state leaves them."""
+    seq = engine.new_sequence(len(prompt) + 1, kv_pool=pool)
+    logits = engine.backend.to_numpy(engine.forward(seq, prompt))[-1]
+    engine.release(seq)
+    pool.final_logits.put(sequence_key(prompt, pool.block_size), logits)
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_speculation_from_kept_logits_equals_plain_greedy(name: str) -> None:
+    """A prompt whose state and final logits are kept: the first token comes from the logits (an
+    MTP source, drafting from the last hidden state, computes the last position instead)."""
+    target, src = source(name)
+    prompt = PROMPTS[0][:8]  # two whole blocks of 4
+    want = plain(target, prompt, 12)
+    pool = PagedKVPool(target.backend, target.model.num_cache_layers, block_size=4, num_blocks=64)
+    keep_prompt(target, pool, prompt)
+    batch = BatchEngine(target, kv_pool=pool, max_batch_tokens=16)
+    handle = batch.submit(prompt, GREEDY, StopConditions(max_tokens=12), speculation=Speculation(src, 3))  # type: ignore[arg-type]
+    batch.run_until_done()
+    assert handle.tokens == want
+    assert handle.cached_tokens == (7 if src.needs_hidden else 8)  # type: ignore[attr-defined]
+    gen = generate(target, prompt, GREEDY, StopConditions(max_tokens=12), Speculation(src, 3), kv_pool=pool)  # type: ignore[arg-type]
+    assert list(gen) == want
+    assert gen.cached_tokens == (4 if src.needs_hidden else 8)  # type: ignore[attr-defined]
     assert pool.stats().used == 0
 
 

@@ -73,8 +73,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
-from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
+from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample, sample_host
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
@@ -334,9 +336,28 @@ class BatchEngine:
             handle._admitted_at = self._admissions
             self._admissions += 1
             self.running.append(handle)
+            logits, seq.cache.kept_logits = seq.cache.kept_logits, None
+            if logits is not None and handle.speculation is not None and handle.speculation.source.needs_hidden:
+                # An MTP source drafts from the last token's hidden state, which is not kept: compute it.
+                del seq.tokens[seq.cache.truncate(seq.cached - 1):]
+                logits = None
             self.stats.tokens_reused += seq.cached
             if handle.cached_tokens is None:
                 handle.cached_tokens = seq.cached
+            if logits is not None:
+                self._first_from_kept(handle, seq, logits)
+
+    def _first_from_kept(self, r: RequestHandle, seq: SequenceState, logits: np.ndarray) -> None:
+        """A request admitted with every known position cached and the logits
+        after them kept (a restored state): its next token is drawn from those
+        logits now, with no forward."""
+        token = sample_host(r.sampler, logits, seq.tokens)
+        r.tokens.append(token)
+        if r.speculation is not None:
+            r.speculation.record(tokens=1)
+        reason = r.stop.finish_reason(token, len(r.tokens), len(r.prompt), self.engine.max_context)
+        if reason is not None:
+            self._finish(r, reason)
 
     def _schedule(self) -> list[tuple[RequestHandle, int]]:
         """Tokens to feed each running request this step, with their cache

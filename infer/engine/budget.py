@@ -110,8 +110,9 @@ class PagedBudget(KVBudget):
             cache = pool.new_sequence(positions)
         except CacheFullError:  # no recurrent state slot free
             return None
-        # The last known token is left to compute: its logits give the next token.
-        reused = cache.reuse_prefix(known[:-1])
+        # The last known token is left to compute, its logits giving the next token, unless the prefix
+        # cache kept them with every known position (a restored state: cache.kept_logits).
+        reused, _ = cache.reuse_prompt(known)
         # Per state group: blocks the running requests still need for tokens they already know,
         # and what this one needs (a sliding window's group: its window and margin at most).
         # Groups of one allocator (shared pages) add up.

@@ -117,10 +117,18 @@ def _tokens(
     seq = engine.new_sequence(len(prompt) + stop.max_tokens, kv_pool=kv_pool)
     drafting = None if spec is None else Drafting(spec)
     try:
-        if kv_pool is not None:  # the last token is left to compute: its logits give the first new one
-            gen.cached_tokens = seq.cache.reuse_prefix(prompt[:-1])  # type: ignore[attr-defined]
+        found = None
+        if kv_pool is not None:  # the last token is left to compute, unless its logits were kept
+            if drafting is not None and drafting.spec.source.needs_hidden:
+                # An MTP source drafts from the last token's hidden state, which is not kept with its logits.
+                gen.cached_tokens = seq.cache.reuse_prefix(prompt[:-1])  # type: ignore[attr-defined]
+            else:
+                gen.cached_tokens, found = seq.cache.reuse_prompt(prompt)  # type: ignore[attr-defined]
             seq.tokens = prompt[:gen.cached_tokens]
-        token = prefill(engine, seq, prompt[gen.cached_tokens:], sampler, drafting)
+        if found is not None:  # the whole prompt was restored with its logits: nothing to compute
+            token = sample_host(sampler, found, seq.tokens)
+        else:
+            token = prefill(engine, seq, prompt[gen.cached_tokens:], sampler, drafting)
         yield from decode_n_tokens(engine, seq, token, sampler, stop, gen, drafting)
     finally:  # also when the consumer stops early and the generator is closed
         if drafting is not None:
@@ -163,6 +171,15 @@ def sample(sampler: Sampler, out: ForwardOutput, row: int, history: Sequence[int
     if not sampler.needs_logits:
         return int(out.argmax()[row])
     return sampler.sample(out.host_logits()[row], history)
+
+
+def sample_host(sampler: Sampler, logits: np.ndarray, history: Sequence[int]) -> int:
+    """The next token from one logits row already on the host (a restored
+    state's, :meth:`~infer.kv.paged.PagedSequenceCache.reuse_prompt`), by
+    the same rules as :func:`sample`."""
+    if not sampler.needs_logits:
+        return int(np.argmax(logits))  # the lowest id among ties, as the device's argmax
+    return sampler.sample(logits.copy(), history)  # the rules may work in place; the kept row stays
 
 
 def prefill(

@@ -58,6 +58,19 @@ def tail_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(b"tail:" + parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
+def sequence_key(tokens: Sequence[int], block_size: int) -> bytes:
+    """The prefix-cache key of the last block of ``tokens``, full or not
+    (:func:`chain_hash` over the full blocks, then :func:`tail_hash` of the
+    rest): a key of the whole sequence, under which a restored state's final
+    logits are kept (:class:`~infer.kv.paged.FinalLogits`)."""
+    parent = ROOT_HASH
+    full = len(tokens) // block_size
+    for b in range(full):
+        parent = chain_hash(parent, tokens[b * block_size:(b + 1) * block_size])
+    rest = tokens[full * block_size:]
+    return tail_hash(parent, rest) if len(rest) else parent
+
+
 @dataclass
 class BlockTable:
     """One sequence's blocks: physical block ids in logical order.

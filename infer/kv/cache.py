@@ -52,6 +52,11 @@ class SequenceCache(abc.ABC):
     store: KVLayers
     #: Its recurrent layers' state (None: the model has none).
     states: SequenceStates | None = None
+    #: The logits after the last prompt token where the prefix cache kept them
+    #: with every prompt position (a restored state; see
+    #: :meth:`infer.kv.paged.PagedSequenceCache.reuse_prompt`): the first token
+    #: is drawn from them and nothing is computed. None otherwise.
+    kept_logits: np.ndarray | None = None
 
     @property
     @abc.abstractmethod

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from infer.errors import CacheFullError, StateFileError
-from infer.kv.blocks import ROOT_HASH, BlockAllocator, chain_hash
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, chain_hash, tail_hash
 from infer.kv.fingerprint import Fingerprint
 from infer.kv.paged import PagedKVPool
 from infer.kv.snapshot import TAGS, kv_layers, to_device, to_host
@@ -191,26 +191,58 @@ class DiskTier:
     def fill(self, tokens: Sequence[int]) -> int:
         """Enter in the pool's prefix cache the blocks of ``tokens`` (full
         blocks, in order) that memory lacks and disk holds, up to the first
-        one neither holds, with the recurrent checkpoints at their ends.
-        Returns the blocks read back."""
+        one neither holds, with the recurrent checkpoints at their ends, and
+        then a saved state's tail that ``tokens`` go on with. Returns the
+        blocks read back."""
         pool = self.pool
         assert pool is not None
         bs = pool.block_size
         held: list[tuple[BlockAllocator, int]] = []  # held while filling, so no allocation evicts them
         read = 0
         try:
-            parent = ROOT_HASH
-            for i in range(len(tokens) // bs):
-                parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
-                got = self._fill_block(parent, held)
+            parent, done = ROOT_HASH, 0
+            while done < len(tokens) // bs:
+                key = chain_hash(parent, tokens[done * bs:(done + 1) * bs])
+                got = self._fill_block(key, held)
                 if got is None:
                     break
-                read += got
+                read, parent, done = read + got, key, done + 1
+            # Where the full blocks end, a saved state's partial last block may go on (as reuse_prefix looks).
+            read += self._fill_tail(parent, tokens[done * bs:], held)
         finally:
             for alloc, block in reversed(held):
                 alloc.free(block)
         self.hits += read
         return read
+
+    def _fill_tail(self, parent: bytes, rest: Sequence[int], held: list[tuple[BlockAllocator, int]]) -> int:
+        """Where the full blocks found end: the longest restored tail (a saved state's
+        partial last block with its final recurrent state, keyed by
+        :func:`~infer.kv.blocks.tail_hash`) that ``rest`` starts with, read
+        back where memory lacks it. Returns the blocks read."""
+        pool = self.pool
+        assert pool is not None
+        for j in range(min(pool.block_size - 1, len(rest)), 0, -1):
+            key = tail_hash(parent, rest[:j])
+            if pool.allocator.lookup(key) is not None or self._path(key, "kv").exists():
+                return self._fill_block(key, held) or 0  # what memory lacks of it (a group, the final state)
+        return 0
+
+    def write_logits(self, key: bytes, logits: np.ndarray) -> None:
+        """Keep the logits row after a restored state's last token (its
+        :func:`~infer.kv.blocks.sequence_key`), so that a later process
+        finds the whole state and computes nothing for exactly its tokens."""
+        self._write(self._path(key, "logits"), {"logits": Tensor("F32", np.ascontiguousarray(logits, "<f4"))},
+                    "logits")
+
+    def read_logits(self, key: bytes) -> np.ndarray | None:
+        """The logits row :meth:`write_logits` kept under ``key``, or None."""
+        path = self._path(key, "logits")
+        state = self._read(path) if path.exists() else None
+        t = None if state is None else state.tensors.get("logits")
+        if t is None or t.dtype != "F32" or t.data.ndim != 1 or not np.isfinite(t.data).all():
+            return None
+        return t.data
 
     def _fill_block(self, key: bytes, held: list[tuple[BlockAllocator, int]]) -> int | None:
         """Block ``key`` in every group and its checkpoint in memory (read from

@@ -28,6 +28,7 @@ give pages back. Padding rows of a captured step use the scratch block.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from infer.errors import CacheConfigError, CacheFullError
 from infer.kv.attention import LayerState, state_groups
-from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, tail_hash
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, sequence_key, tail_hash
 from infer.kv.cache import LayerStore, SequenceCache, row_nbytes
 from infer.kv.state import SequenceStates, StateStore
 from infer.ops import Backend
@@ -53,6 +54,56 @@ class PrefixTier(Protocol):
     def fill(self, tokens: Sequence[int]) -> int:
         """Enter in the pool's prefix cache the blocks of ``tokens`` this tier
         holds and memory lacks; returns how many it read."""
+
+    def write_logits(self, key: bytes, logits: np.ndarray) -> None:
+        """Keep a sequence's final logits row under ``key`` (:func:`~infer.kv.blocks.sequence_key`)."""
+
+    def read_logits(self, key: bytes) -> np.ndarray | None:
+        """The final logits row kept under ``key``, or None."""
+
+
+#: Bytes of final logits rows a pool keeps in memory (:class:`FinalLogits`).
+FINAL_LOGITS_BYTES = 64 * 2**20
+
+
+class FinalLogits:
+    """The logits row after the last token of restored states, by
+    :func:`~infer.kv.blocks.sequence_key` of their tokens, least recently
+    used first out past ``max_bytes``.
+
+    A restored state's blocks, tail and final recurrent state give a request
+    every position of the saved tokens, but the next token is drawn from the
+    logits after the last one: with them kept, a request whose prompt is
+    exactly the saved tokens computes nothing
+    (:meth:`PagedSequenceCache.reuse_prompt`). A row is only ever used
+    together with a cache hit on every one of those tokens, so a row whose
+    blocks were evicted is harmless, and it ages out here."""
+
+    def __init__(self, max_bytes: int = FINAL_LOGITS_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, key: bytes, logits: np.ndarray) -> None:
+        # A copy: a row read from a state file is a view of the whole file's bytes, which it would keep alive.
+        row = np.array(logits, dtype=np.float32).reshape(-1)
+        old = self._rows.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._rows[key] = row
+        self._bytes += row.nbytes
+        while self._bytes > self.max_bytes and len(self._rows) > 1:
+            _, dropped = self._rows.popitem(last=False)
+            self._bytes -= dropped.nbytes
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        row = self._rows.get(key)
+        if row is not None:
+            self._rows.move_to_end(key)
+        return row
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 class PagedKVPool(LayerStore):
@@ -144,6 +195,8 @@ class PagedKVPool(LayerStore):
         self.state_store = state_store
         #: The prefix cache's disk tier (:class:`infer.kv.disk.DiskTier`; None: memory only).
         self.disk: PrefixTier | None = None
+        #: Restored states' logits after their last token (:class:`FinalLogits`).
+        self.final_logits = FinalLogits()
         self._bytes_known = bytes_per_token is not None
         #: Called with every list of block copies :meth:`copy_blocks` makes and
         #: their state group (a tensor-parallel driver repeats them on the other ranks' pools).
@@ -353,6 +406,28 @@ class PagedSequenceCache(SequenceCache):
             self.states.attach(n * bs, keys[n - 1])
         self.tokens = [int(t) for t in tokens[:n * bs]]
         return n * bs
+
+    def reuse_prompt(self, prompt: Sequence[int]) -> tuple[int, np.ndarray | None]:
+        """:meth:`reuse_prefix` for a request about to draw its first token
+        after ``prompt``: where the prefix cache holds every one of its tokens
+        and the logits after the last (a restored state of exactly this
+        prompt, :class:`FinalLogits`), all of it, and those logits: nothing
+        is left to compute. Otherwise the prompt without its last token, which
+        is left to compute the logits from, and None."""
+        pool = self.pool
+        if len(prompt) > 1 and (len(pool.final_logits) or pool.disk is not None):  # else no hashing: none kept
+            key = sequence_key(prompt, pool.block_size)
+            logits = pool.final_logits.get(key)
+            if logits is None and pool.disk is not None:
+                logits = pool.disk.read_logits(key)
+                if logits is not None:
+                    pool.final_logits.put(key, logits)
+            if logits is not None:
+                found = self.reuse_prefix(prompt)
+                # Fewer positions (blocks evicted since) still leave the rest to compute, as below.
+                self.kept_logits = logits if found == len(prompt) else None
+                return found, self.kept_logits
+        return self.reuse_prefix(prompt[:-1]), None
 
     def _attach(self, keys: list[bytes], n: int, stop: int) -> None:
         """Every group's table starts with the cached blocks ``keys[:n]`` that

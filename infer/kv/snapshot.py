@@ -20,7 +20,12 @@ from a pool with separate allocators restores into one with shared pages:
 * ``kv.{layer}.keys`` / ``kv.{layer}.values`` — ``[blocks × block_size, *row]``,
   the layer's blocks listed in the description's ``layers[layer]``;
 * ``state.{position}.{layer}.{name}`` — a recurrent array after ``position``
-  tokens (a block boundary, or ``N``: the final state).
+  tokens (a block boundary, or ``N``: the final state);
+* ``logits`` — float32 ``[vocab]``, the logits after the last token (where
+  the saver had them; the description's ``logits`` is true): restored into
+  the pool's :class:`~infer.kv.paged.FinalLogits`, they let a request whose
+  prompt is exactly the saved tokens draw its first token without computing
+  anything.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class RestoredState:
     #: Leading positions a request starting with :attr:`tokens` finds cached
     #: (all of them unless the pool had too little room).
     cached: int
+    #: Whether the logits after the last token came back too, so that a
+    #: request of exactly :attr:`tokens` computes nothing (files saved
+    #: before they were kept lack them: such a request computes its last block).
+    logits: bool = False
 
 
 def to_host(ops: Backend, x: Array, tag: str) -> np.ndarray:
@@ -73,8 +82,10 @@ def kv_layers(pool: PagedKVPool) -> list[tuple[int, int, bool]]:
     return pool.layer_kv or [(i, 0, True) for i in range(pool.num_layers)]
 
 
-def capture(cache: PagedSequenceCache, fingerprint: Fingerprint) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The description and tensors of a state file holding ``cache``'s state."""
+def capture(cache: PagedSequenceCache, fingerprint: Fingerprint,
+            logits: np.ndarray | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The description and tensors of a state file holding ``cache``'s state
+    (and ``logits``, the row after its last token, where given)."""
     pool, bs = cache.pool, cache.pool.block_size
     ops = pool.backend
     tokens = list(cache.tokens)
@@ -110,7 +121,10 @@ def capture(cache: PagedSequenceCache, fingerprint: Fingerprint) -> tuple[dict[s
                 checkpoints.append((b + 1) * bs)
         _save_slot(store, states.slot, n, tensors)
         checkpoints.append(n)
-    info = {"fingerprint": fingerprint.to_json(), "tokens": n, "layers": layers, "checkpoints": checkpoints}
+    if logits is not None:
+        tensors["logits"] = Tensor("F32", np.ascontiguousarray(logits, dtype="<f4").reshape(-1))
+    info = {"fingerprint": fingerprint.to_json(), "tokens": n, "layers": layers, "checkpoints": checkpoints,
+            "logits": logits is not None}
     return info, tensors
 
 
@@ -192,7 +206,13 @@ def restore(pool: PagedKVPool, state: StateFile, fingerprint: Fingerprint) -> Re
     finally:
         for alloc, block in reversed(held):  # the head freed last: evicted last
             alloc.free(block)
-    return RestoredState(tokens, cached)
+    logits = state.tensors.get("logits") if state.info.get("logits") else None
+    if logits is not None and cached == n:  # with every position in: the next token needs no forward
+        key = tail if tail is not None else hashes[-1]
+        pool.final_logits.put(key, logits.data)
+        if pool.disk is not None:
+            pool.disk.write_logits(key, logits.data)
+    return RestoredState(tokens, cached, logits is not None and cached == n)
 
 
 def _write_blocks(pool: PagedKVPool, state: StateFile, layers_of_group: Sequence[int], layers: dict[str, list[int]],
@@ -248,6 +268,11 @@ def _layout(pool: PagedKVPool, state: StateFile) -> tuple[list[int], dict[str, l
             if arr is None or arr.dtype not in TAGS.values() or arr.data.ndim < 1 \
                     or arr.data.shape[0] != len(present) * bs:
                 raise bad(f"kv.{key}.{part} does not hold {len(present)} blocks of {bs} positions")
+    if info.get("logits", False) is not False:
+        logits = tensors.get("logits")
+        if info.get("logits") is not True or logits is None or logits.dtype != "F32" or logits.data.ndim != 1 \
+                or not logits.data.size or not np.isfinite(logits.data).all():
+            raise bad("the logits after the last token are not one finite float32 row")
     store = pool.state_store
     if store is not None and n not in checkpoints:
         raise bad("a model with recurrent layers needs the final state, which the file lacks")
