@@ -6,7 +6,7 @@ defaults call and the helpers backends share:
 
 * **batch helpers**, for a backend that reads an
   :class:`~infer.ops.AttentionBatch` or a ragged batch on the host:
-  :func:`row_run`, :func:`attention_mask`, :func:`visible_keys`,
+  :func:`row_run`, :func:`attention_mask`, :func:`span_rows`, :func:`visible_keys`,
   :func:`key_rows`, :func:`rows_within`, :func:`ragged_rows`;
 * **the recurrent ops' argument checks**, one per op, which every backend's
   version runs so that each names a bad shape or batch the same way:
@@ -72,6 +72,17 @@ def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
     if seen.all():
         return None
     return np.where(seen, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+
+def span_rows(host: Batch, q0: int, q1: int, causal: bool) -> np.ndarray | None:
+    """Rows ``q0..q1`` of a host batch's bidirectional spans
+    (:attr:`~infer.ops.AttentionBatch.spans`, ``[n, 2]``), or None where they
+    change nothing (no spans, none among these rows, or a non-causal call)."""
+    spans = getattr(host, "spans", None)
+    if spans is None or not causal:
+        return None
+    rows = np.asarray(spans[q0:q1])
+    return rows if (rows[:, 1] > rows[:, 0]).any() else None
 
 
 def visible_keys(b: int, length: int, queries: int, causal: bool, window: int | None) -> tuple[int, int]:
@@ -375,8 +386,7 @@ def attend_one(ops: Ops, q: Array, k_pool: Array, v_pool: Array, host: Batch, b:
         scores = ops.softcap(scores, softcap)
     scores = ops.reshape(scores, (hkv, group, n, hi - lo))
     q0 = int(host.query_start[b])
-    spans = None if getattr(host, "spans", None) is None else np.asarray(host.spans[q0:q0 + n])
-    mask = attention_mask(length - n, n, lo, hi, causal, window, spans)
+    mask = attention_mask(length - n, n, lo, hi, causal, window, span_rows(host, q0, q0 + n, causal))
     if mask is not None:
         scores = ops.add(scores, ops.from_numpy(mask, "float32"))
     if sinks is not None:

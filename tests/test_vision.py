@@ -173,6 +173,34 @@ def test_chunked_prefill_over_an_image_span_equals_one_chunk() -> None:
             assert all(not (lo < end < hi) for end in np.cumsum(batch.stats.tokens_per_forward))
 
 
+def test_speculative_decoding_after_an_image_gives_the_greedy_tokens() -> None:
+    # Verification rows and the rollback of rejected drafts run after the image span, through the
+    # same per-sequence description: a source whose drafts are one right token then wrong ones
+    # makes every round roll back (over Gemma 3's sliding window of 8, too).
+    from infer.engine.speculative import Draft, DraftSource
+
+    model = load("gemma3")
+    text, pics = _prompts("gemma3")["two"]
+    whole = model.complete(text, images=pics, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+
+    class HalfRight(DraftSource):
+        name = "half-right"
+
+        def propose(self, jobs):  # noqa: ANN001, ANN201
+            out = []
+            for job in jobs:
+                done = len(job.tokens) - len(ids) - 1  # generated tokens before the pending one
+                right = whole[done + 1:done + 2]
+                out.append(Draft((right + [0, 1, 2])[:job.k]))
+            return out
+
+    ids, _ = model.image_prompt(text, pics)
+    drafted = model.complete(text, images=pics, max_tokens=8, temperature=0, ignore_eos=True,
+                             speculative=HalfRight(), num_speculative_tokens=3).token_ids
+    stats = model.speculative_stats["half-right"]
+    assert drafted == whole and 0 < stats.accepted < stats.drafted
+
+
 def test_prefix_cache_hits_for_the_same_image_and_never_for_another() -> None:
     model = load("llava_clip")
     one, two = images()
