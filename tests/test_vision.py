@@ -272,6 +272,19 @@ def test_image_sources_and_bad_images() -> None:
         load_tiny("llama3").generate("hi", images=[one], max_tokens=1)
 
 
+def test_infer_run_takes_images(tmp_path, capsys) -> None:  # noqa: ANN001
+    from infer.tools.cli import main
+
+    one = images()[0]
+    path = tmp_path / "picture.png"
+    one.save(path)
+    text = "<image> The capital of France is"
+    want = load("llava_clip").generate(text, images=[one], max_tokens=4, temperature=0)
+    assert main(["-q", "run", str(vlm_dir("llava_clip")), text, "--image", str(path), "--max-tokens", "4",
+                 "--temperature", "0", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+
+
 def _encoded(image) -> bytes:  # noqa: ANN001
     buf = io.BytesIO()
     image.save(buf, format="PNG")

@@ -136,7 +136,8 @@ def _write_stream(chunks: Iterator[str]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     model = _load(args)
-    _write_stream(model.generate(args.prompt, stream=True, **_sampling(args)))
+    images = {"images": args.image} if args.image else {}
+    _write_stream(model.generate(args.prompt, stream=True, **images, **_sampling(args)))
     sys.stdout.write("\n")
     return 0
 
@@ -409,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate a continuation of PROMPT (streamed)")
     _add_model_args(run)
     run.add_argument("prompt", help="the text to continue")
+    run.add_argument("--image", action="append", default=[], metavar="FILE",
+                     help="an image the prompt shows (repeat for several; a model that reads images: docs/vision.md)")
     run.set_defaults(func=cmd_run)
     chat = sub.add_parser("chat", help="chat interactively through the model's chat template")
     _add_model_args(chat)
