@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, row_run
+from infer.oplib import attention_mask, row_run, span_rows
 from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
@@ -93,7 +93,7 @@ class MLXBackend(Backend):
     float_dtypes = ("float32", "bfloat16", "float16")
     kv_dtypes = frozenset({"float16", "bfloat16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "attention", "clip", "causal_conv1d", "ssd", "gated_delta_rule"})
+                            "attention", "attention_spans", "clip", "causal_conv1d", "ssd", "gated_delta_rule"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -417,6 +417,7 @@ class MLXBackend(Backend):
         outputs = []
         for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
+            spans = span_rows(host, q0, q1, causal)  # bidirectional spans: an explicit mask
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             run = row_run(rows)
             if run:  # one run of pool rows: a view
@@ -427,20 +428,22 @@ class MLXBackend(Backend):
             if k.dtype != q.dtype:  # a pool stored narrower (kv_dtype): its values, widened
                 k, v = k.astype(q.dtype, stream=s), v.astype(q.dtype, stream=s)
             outputs.append(self._dense(self.slice(q, 0, q0, q1), k, v, hi - n, lo, scale, causal, window, softcap,
-                                       sinks))
+                                       sinks, spans))
         return outputs[0] if len(outputs) == 1 else self.concat(outputs, 0)
 
     def _dense(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
-               window: int | None, softcap: float | None, sinks: Array | None) -> Array:
-        """Queries at positions ``first..`` over keys at positions ``lo..``."""
+               window: int | None, softcap: float | None, sinks: Array | None,
+               spans: np.ndarray | None = None) -> Array:
+        """Queries at positions ``first..`` over keys at positions ``lo..``
+        (``spans``: the rows' bidirectional spans, or None)."""
         mx, s = self._mx, self._s
         tq, hq, _ = q.shape
         tk, hkv, dv = v.shape
         mask: Any = None
-        if window is None and causal and tq > 1 and first + tq == lo + tk:
+        if spans is None and window is None and causal and tq > 1 and first + tq == lo + tk:
             mask = "causal"  # bottom-right aligned: the last query sees every key
         else:
-            host = attention_mask(first - lo, tq, 0, tk, causal, window)
+            host = attention_mask(first - lo, tq, 0, tk, causal, window, None if spans is None else spans - lo)
             mask = None if host is None else mx.array(host == 0)
         if softcap is not None or sinks is not None:
             return self._softcap_attention(q, k, v, scale, softcap, mask, sinks)
@@ -470,9 +473,14 @@ class MLXBackend(Backend):
             j = mx.expand_dims(mx.arange(width * bs, dtype=mx.int32), 0)
             mask = j < mx.expand_dims(mx.take(lengths, seq), 1)
             if causal:
-                mask = mx.logical_and(mask, j <= mx.expand_dims(pos, 1))
+                seen = j <= mx.expand_dims(pos, 1)
+                if batch.spans is not None:  # a bidirectional span's keys ahead too
+                    span = mx.reshape(batch.spans, (-1, 2)).astype(mx.int32)
+                    seen = mx.logical_or(seen, mx.logical_and(j >= span[:, :1], j < span[:, 1:]))
+                mask = mx.logical_and(mask, seen)
             if window is not None:
-                mask = mx.logical_and(mask, mx.abs(mx.expand_dims(pos, 1) - j) < window)
+                ahead = mx.expand_dims(pos, 1) - j
+                mask = mx.logical_and(mask, (ahead < window) if causal else (mx.abs(ahead) < window))
             index = mx.reshape(mx.take(rows, seq, axis=0), (-1,))
             k = mx.reshape(mx.take(k_pool, index, axis=0), (tokens, width * bs) + tuple(k_pool.shape[1:]))
             v = mx.reshape(mx.take(v_pool, index, axis=0), (tokens, width * bs) + tuple(v_pool.shape[1:]))

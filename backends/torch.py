@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, check_gated_delta_rule, row_run
+from infer.oplib import attention_mask, check_gated_delta_rule, row_run, span_rows
 from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
@@ -77,7 +77,7 @@ _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
 _HAS_ENABLE_GQA = False
 
-NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "topk", "compile", "prepare_weight",
+NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "attention_spans", "topk", "compile", "prepare_weight",
               "quantized_linear", "clip", "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
               "all_reduce", "all_gather", "broadcast")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
@@ -774,7 +774,8 @@ class TorchBackend(Backend):
         for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
             qb = q[q0:q1]
-            if (n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
+            spans = span_rows(host, q0, q1, causal)  # bidirectional spans: an explicit mask
+            if (spans is None and n <= 16 and (softcap is None or softcap > 0) and (window is None or window > 0)
                     and self._host(qb) and self._host_pool(k_pool, v_pool) and (sinks is None or self._host(sinks))):
                 # Decoding on the CPU: the kernels' one-pass attention (torch_cpu).
                 table = np.ascontiguousarray(np.asarray(host.block_tables[b])[:-(-hi // host.block_size)], np.int64)
@@ -789,11 +790,12 @@ class TorchBackend(Backend):
                 index = torch.from_numpy(rows.astype(np.int64)).to(k_pool.device)
                 k, v = k_pool.index_select(0, index), v_pool.index_select(0, index)
             k, v = k.to(qb.dtype), v.to(qb.dtype)  # a pool stored narrower (kv_dtype): its values, widened
-            outputs.append(self._dense(qb, k, v, hi - n, lo, scale, causal, window, softcap, sinks))
+            outputs.append(self._dense(qb, k, v, hi - n, lo, scale, causal, window, softcap, sinks, spans))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _dense(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
-               window: int | None, softcap: float | None, sinks: Array | None) -> Array:
+               window: int | None, softcap: float | None, sinks: Array | None,
+               spans: np.ndarray | None = None) -> Array:
         """Queries at positions ``first..`` over keys at positions ``lo..``,
         through ``scaled_dot_product_attention``, except with ``softcap`` or
         ``sinks`` (neither of which SDPA has: then the scores are formed,
@@ -815,6 +817,9 @@ class TorchBackend(Backend):
         tq, hq, dk = q.shape
         tk, hkv, dv = v.shape
         mask, is_causal = self._mask(first, tq, lo, tk, causal, window)
+        if spans is not None:  # the rows' bidirectional spans (key positions relative to lo)
+            hm = attention_mask(first - lo, tq, 0, tk, causal, window, spans - lo)
+            mask, is_causal = None if hm is None else torch.from_numpy(hm == 0).to(self._device), False
         if softcap is not None or sinks is not None:
             return self._attention_float32(q, k, v, scale, softcap, sinks, mask, is_causal)
         # [1, heads, tokens, dim]: the fused kernels take only 4-D inputs.
@@ -850,9 +855,13 @@ class TorchBackend(Backend):
         j = torch.arange(width * bs, device=q.device)[None, :]
         mask = j < lengths[seq][:, None]
         if causal:
-            mask = mask & (j <= pos[:, None])
+            seen = j <= pos[:, None]
+            if batch.spans is not None:  # a bidirectional span's keys ahead too
+                span = batch.spans.reshape(-1, 2).to(torch.int64)
+                seen = seen | ((j >= span[:, :1]) & (j < span[:, 1:]))
+            mask = mask & seen
         if window is not None:
-            mask = mask & ((pos[:, None] - j).abs() < window)
+            mask = mask & ((pos[:, None] - j < window) if causal else ((pos[:, None] - j).abs() < window))
         index = rows[seq]  # [tokens, keys]
         k = k_pool[index].to(q.dtype)  # [tokens, keys, hkv, dk], widened from a narrower pool (kv_dtype)
         v = v_pool[index].to(q.dtype)

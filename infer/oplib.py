@@ -6,7 +6,7 @@ defaults call and the helpers backends share:
 
 * **batch helpers**, for a backend that reads an
   :class:`~infer.ops.AttentionBatch` or a ragged batch on the host:
-  :func:`row_run`, :func:`attention_mask`, :func:`visible_keys`,
+  :func:`row_run`, :func:`attention_mask`, :func:`span_rows`, :func:`visible_keys`,
   :func:`key_rows`, :func:`rows_within`, :func:`ragged_rows`;
 * **the recurrent ops' argument checks**, one per op, which every backend's
   version runs so that each names a bad shape or batch the same way:
@@ -55,21 +55,34 @@ def row_run(rows: np.ndarray) -> tuple[int, int] | None:
 
 
 def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
-                   window: int | None) -> np.ndarray | None:
+                   window: int | None, spans: np.ndarray | None = None) -> np.ndarray | None:
     """Additive float32 mask ``[queries, hi - lo]`` (0 or -inf) of queries at
     positions ``first..first + queries`` over keys ``lo..hi``, as
-    :meth:`~infer.ops.Backend.attention` defines visibility; None where every
+    :meth:`~infer.ops.Backend.attention` defines visibility (``spans``: the
+    queries' rows of :attr:`~infer.ops.AttentionBatch.spans`); None where every
     key is seen."""
     p = np.arange(first, first + queries)[:, None]
     j = np.arange(lo, hi)[None, :]
     seen = np.ones((queries, hi - lo), bool)
     if causal:
-        seen &= j <= p
-    if window is not None:
-        seen &= np.abs(p - j) < window
+        both = False if spans is None else (j >= spans[:, :1]) & (j < spans[:, 1:])
+        seen &= (j <= p) | both
+    if window is not None:  # causal: the window bounds the keys behind (a span's keys ahead stay seen)
+        seen &= (p - j < window) if causal else (np.abs(p - j) < window)
     if seen.all():
         return None
     return np.where(seen, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+
+def span_rows(host: Batch, q0: int, q1: int, causal: bool) -> np.ndarray | None:
+    """Rows ``q0..q1`` of a host batch's bidirectional spans
+    (:attr:`~infer.ops.AttentionBatch.spans`, ``[n, 2]``), or None where they
+    change nothing (no spans, none among these rows, or a non-causal call)."""
+    spans = getattr(host, "spans", None)
+    if spans is None or not causal:
+        return None
+    rows = np.asarray(spans[q0:q1])
+    return rows if (rows[:, 1] > rows[:, 0]).any() else None
 
 
 def visible_keys(b: int, length: int, queries: int, causal: bool, window: int | None) -> tuple[int, int]:
@@ -372,7 +385,8 @@ def attend_one(ops: Ops, q: Array, k_pool: Array, v_pool: Array, host: Batch, b:
     if softcap is not None:
         scores = ops.softcap(scores, softcap)
     scores = ops.reshape(scores, (hkv, group, n, hi - lo))
-    mask = attention_mask(length - n, n, lo, hi, causal, window)
+    q0 = int(host.query_start[b])
+    mask = attention_mask(length - n, n, lo, hi, causal, window, span_rows(host, q0, q0 + n, causal))
     if mask is not None:
         scores = ops.add(scores, ops.from_numpy(mask, "float32"))
     if sinks is not None:

@@ -56,7 +56,7 @@ import numpy as np
 
 from infer.backends.cpu.mxfp4 import mxfp4_linear
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, row_run, rows_within
+from infer.oplib import attention_mask, row_run, rows_within, span_rows
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
@@ -97,8 +97,8 @@ class CpuBackend(Backend):
     device = "cpu"
     float_dtypes = ("float32",)
     kv_dtypes = frozenset({"float16"})  # KV pools stored narrower: attention reads them widened
-    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "prepare_weight", "quantized_linear",
-                            "topk", "clip", "ssd"}
+    native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "attention_spans", "prepare_weight",
+                            "quantized_linear", "topk", "clip", "ssd"}
                            | ({"compile"} if hasattr(_native, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: ``activations="q8"``: the products of two or more rows on quantized
@@ -578,8 +578,9 @@ class CpuBackend(Backend):
             n = q1 - q0
             qb = q[q0:q1]
             table = np.asarray(host.block_tables[b])[:-(-hi // host.block_size)]
-            if self._kernel_attention(qb, k_pool, v_pool, hi, scale, causal, window, softcap, sink, table,
-                                      host.block_size, out[q0:q1]):
+            spans = span_rows(host, q0, q1, causal)  # bidirectional spans: the masked GEMM path
+            if spans is None and self._kernel_attention(qb, k_pool, v_pool, hi, scale, causal, window, softcap, sink,
+                                                        table, host.block_size, out[q0:q1]):
                 continue
             rows = host.key_rows(b, lo, hi, k_pool.shape[0])
             run = row_run(rows)  # one run of pool rows: a view
@@ -588,7 +589,10 @@ class CpuBackend(Backend):
             if k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
                 k, v = k.astype(qb.dtype), v.astype(qb.dtype)
             with self._blas_beside_kernels():
-                out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
+                if spans is None:
+                    out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
+                else:
+                    out[q0:q1] = _attention_rows(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink, spans)
         return out
 
     def _blas_beside_kernels(self) -> contextlib.AbstractContextManager[Any]:
@@ -653,7 +657,8 @@ def _blas_threads() -> Any:
 
 
 def _attention_rows(q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
-                    window: int | None, softcap: float | None, sinks: np.ndarray | None) -> Array:
+                    window: int | None, softcap: float | None, sinks: np.ndarray | None,
+                    spans: np.ndarray | None = None) -> Array:
     """Attention of queries at positions ``first..`` over keys at positions
     ``lo..``: two batched GEMMs around a masked softmax, one per kv head,
     without materialising repeated keys for grouped-query attention."""
@@ -666,7 +671,7 @@ def _attention_rows(q: Array, k: Array, v: Array, first: int, lo: int, scale: fl
     if softcap is not None:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
     scores = scores.reshape(hkv, group, tq, tk)
-    mask = attention_mask(first, tq, lo, lo + tk, causal, window)
+    mask = attention_mask(first, tq, lo, lo + tk, causal, window, spans)
     if mask is not None:
         scores += mask
     top = scores.max(axis=-1, keepdims=True)

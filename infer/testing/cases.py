@@ -64,20 +64,27 @@ from infer.testing.strategies import (
 )
 
 
-def _attention(with_host: bool, pool_dtype: str | None = None) -> Any:
+def _attention(with_host: bool, pool_dtype: str | None = None, spans: bool = False) -> Any:
     """``run`` hook of the attention cases: the description built on the
     backend from the uploaded arrays, with or without its host copy.
     ``pool_dtype``: the pools are stored in that narrower ``kv_dtype``, which
     a backend that does not list it in :attr:`~infer.ops.Backend.kv_dtypes`
-    need not take."""
+    need not take. ``spans``: the batch carries bidirectional spans
+    (:attr:`~infer.ops.AttentionBatch.spans`), which a backend with a native
+    ``attention`` must list as ``attention_spans`` to be given them (the
+    attention context gives the others' span batches to the contract's default)."""
     def run(ops: Any, call: Call, args: Any, kwargs: Any) -> Any:
         if pool_dtype is not None and pool_dtype not in ops.kv_dtypes:
             raise UnsupportedOpError(f"{ops.name} stores no keys and values in {pool_dtype} (kv_dtypes)")
+        if spans and ops.supports("attention") and not ops.supports("attention_spans"):
+            raise UnsupportedOpError(f"{ops.name}'s attention reads no bidirectional spans (attention_spans)")
         q, k_pool, v_pool, query_start, seq_lens, tables = args
         i = call.info
+        rows = i.get("spans") if spans else None
         host = AttentionBatch(i["host"]["query_start"], i["host"]["seq_lens"], i["host"]["block_tables"],
-                              i["block_size"], i["max_query"]) if with_host else None
-        batch = AttentionBatch(query_start, seq_lens, tables, i["block_size"], i["max_query"], host)
+                              i["block_size"], i["max_query"], spans=rows) if with_host else None
+        batch = AttentionBatch(query_start, seq_lens, tables, i["block_size"], i["max_query"], host,
+                               spans=None if rows is None else ops.from_numpy(rows))
         return ops.attention(q, k_pool, v_pool, batch, **kwargs)
     return run
 
@@ -277,6 +284,11 @@ CASES: tuple[Case, ...] = (
           ("non-causal", attention_calls(causal=st.just(False), window=st.none(), softcap=st.none())),
           ("all", attention_calls(sinks=st.booleans())),
       )
+      for host, suffix in ((True, ""), (False, "-static"))),
+    # bidirectional spans inside causal sequences (Gemma 3's image tokens), with windows and soft-caps
+    *(_case(f"attention-spans{suffix}", "attention",
+            attention_calls(causal=st.just(True), past=st.integers(0, 6), queries=st.integers(1, 8), spans=True),
+            run=_attention(host, spans=True))
       for host, suffix in ((True, ""), (False, "-static"))),
     # float16 pools under any compute dtype (kv_dtype="float16"), where the backend lists them
     *(_case(f"attention-float16-pool{suffix}", "attention", attention_calls(sinks=st.booleans(), pool_dtype="float16"),

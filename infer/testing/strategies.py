@@ -345,7 +345,7 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
                     seqs: Any = st.integers(1, 3), group: Any = st.integers(1, 4), causal: Any = st.booleans(),
                     window: Any = st.none() | st.integers(1, 12), softcap: Any = st.none() | st.floats(5.0, 50.0),
                     sinks: Any = st.just(False), block: Any = st.sampled_from([1, 2, 4, 8, None]),
-                    pool_dtype: str = "float") -> Call:
+                    pool_dtype: str = "float", spans: bool = False) -> Call:
     """A forward's attention over a pool: ``seqs`` sequences, each with its
     own number of query rows (the last of its positions) and of cached keys,
     their keys in pool rows that their block tables locate, the tables padded
@@ -353,7 +353,10 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
     elsewhere. ``block`` None lays them out as contiguous caches (each one
     block of its capacity). ``queries`` of 0 makes padding sequences.
     ``pool_dtype``: the key and value pools' dtype ("float": the one under
-    test; ``"float16"``: a narrower ``kv_dtype``)."""
+    test; ``"float16"``: a narrower ``kv_dtype``). ``spans``: each sequence
+    may hold a bidirectional span (Gemma 3's image tokens) that ends at or
+    before its last position and covers some of its query rows, possibly
+    starting among its cached keys (``info["spans"]``, ``[tokens, 2]``)."""
     n, group_, hkv = draw(seqs), draw(group), draw(st.integers(1, 3))
     dk = draw(st.sampled_from([4, 8, 16, 32]))
     dv = draw(st.sampled_from([dk, dk, 8]))
@@ -381,11 +384,23 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
         kwargs["sinks"] = In(normal(seed + 3, (hkv * group_,)) * 2)
     query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     host = {"query_start": query_start, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables}
+    span_rows = None
+    if spans:
+        span_rows = np.zeros((int(query_start[-1]), 2), np.int32)
+        for b, (c, length) in enumerate(zip(counts, lengths)):
+            if c == 0 or not draw(st.booleans()):
+                continue
+            first = length - c  # the first query row's position
+            hi = draw(st.integers(first + 1, length))
+            lo = draw(st.integers(0, hi - 1))
+            for i in range(c):
+                if lo <= first + i < hi:
+                    span_rows[query_start[b] + i] = (lo, hi)
     return Call((In(normal(seed, (int(query_start[-1]), hkv * group_, dk))),
                  In(normal(seed + 1, (rows, hkv, dk)), pool_dtype), In(normal(seed + 2, (rows, hkv, dv)), pool_dtype),
                  In(host["query_start"], "int32"), In(host["seq_lens"], "int32"),
                  In(host["block_tables"], "int32")), kwargs,
-                info={"block_size": bs, "max_query": max(counts), "host": host})
+                info={"block_size": bs, "max_query": max(counts), "host": host, "spans": span_rows})
 
 
 # -- optional ops ---------------------------------------------------------------------------------

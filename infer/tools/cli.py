@@ -136,7 +136,8 @@ def _write_stream(chunks: Iterator[str]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     model = _load(args)
-    _write_stream(model.generate(args.prompt, stream=True, **_sampling(args)))
+    images = {"images": args.image} if args.image else {}
+    _write_stream(model.generate(args.prompt, stream=True, **images, **_sampling(args)))
     sys.stdout.write("\n")
     return 0
 
@@ -389,7 +390,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
           tool_parser=args.tool_parser, body_timeout=args.body_timeout, slot_save_path=args.slot_save_path,
-          log_level="warning" if args.quiet else "info")
+          allowed_media_domains=args.allowed_media_domains, log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -409,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate a continuation of PROMPT (streamed)")
     _add_model_args(run)
     run.add_argument("prompt", help="the text to continue")
+    run.add_argument("--image", action="append", default=[], metavar="FILE",
+                     help="an image the prompt shows (repeat for several; a model that reads images: docs/vision.md)")
     run.set_defaults(func=cmd_run)
     chat = sub.add_parser("chat", help="chat interactively through the model's chat template")
     _add_model_args(chat)
@@ -486,7 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default 512)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
                      "(default 256)")
-    srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB)")
+    srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB; "
+                     "raise it for images sent as data: URLs)")
+    srv.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                     help="hosts (and their subdomains) whose http(s) image URLs the server fetches; other remote "
+                     "images are refused (default: none; data: URLs always work)")
     srv.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="seconds a client may take to send its request body; 408 beyond (default 10)")
     srv.add_argument("--reasoning-parser", default=None, metavar="NAME",
