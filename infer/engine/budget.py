@@ -31,6 +31,7 @@ import abc
 import logging
 from collections.abc import Sequence
 
+from infer.adapters.slots import AdapterUse
 from infer.engine.runner import Engine, SequenceState
 from infer.errors import CacheFullError
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -56,12 +57,15 @@ class KVBudget(abc.ABC):
     @abc.abstractmethod
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         """A sequence for a request of at most ``positions``, whose ``known``
         tokens are its prompt and what it generated before a preemption;
         None while the ``running`` requests (each its sequence and number of
         known tokens) leave too little. The sequence's tokens are those its
-        cache starts with (a reused prefix)."""
+        cache starts with (a reused prefix). ``adapter``: the request's LoRA
+        adapter, which the sequence carries (its prefix is looked up under
+        the adapter's keys)."""
 
     @abc.abstractmethod
     def blocked(self, request: int, positions: int) -> CacheFullError:
@@ -102,12 +106,13 @@ class PagedBudget(KVBudget):
 
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         pool = self.pool
         if _slots_short(self.engine, running):
             return None
         try:
-            cache = pool.new_sequence(positions)
+            cache = pool.new_sequence(positions, extra_key=b"" if adapter is None else adapter.extra_key)
         except CacheFullError:  # no recurrent state slot free
             return None
         # The last known token is left to compute: its logits give the next token.
@@ -126,7 +131,7 @@ class PagedBudget(KVBudget):
         if any(v > 0 for v in short.values()):
             cache.free()
             return None
-        return SequenceState(tokens=list(known[:reused]), cache=cache)
+        return SequenceState(tokens=list(known[:reused]), cache=cache, adapter=adapter)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
         alloc = self.pool.allocator
@@ -168,6 +173,7 @@ class ContiguousBudget(KVBudget):
 
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions or _slots_short(
                 self.engine, running):
@@ -177,7 +183,7 @@ class ContiguousBudget(KVBudget):
             cache = engine.contiguous_cache(positions)
         except CacheFullError:  # no recurrent state slot free
             return None
-        return SequenceState(tokens=[], cache=cache)
+        return SequenceState(tokens=[], cache=cache, adapter=adapter)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
         # Not reached: with nothing running the whole budget is free, and

@@ -35,7 +35,7 @@ import numpy as np
 
 from infer.errors import CacheConfigError, CacheFullError
 from infer.kv.attention import LayerState, state_groups
-from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, tail_hash
+from infer.kv.blocks import BlockAllocator, BlockTable, PoolStats, chain_hash, root_hash, tail_hash
 from infer.kv.cache import LayerStore, SequenceCache, row_nbytes
 from infer.kv.state import SequenceStates, StateStore
 from infer.ops import Backend
@@ -153,10 +153,16 @@ class PagedKVPool(LayerStore):
 
     # -- sequences --------------------------------------------------------------------
 
-    def new_sequence(self, capacity: int) -> PagedSequenceCache:
-        """An empty sequence of at most ``capacity`` positions."""
+    def new_sequence(self, capacity: int, *, extra_key: bytes = b"") -> PagedSequenceCache:
+        """An empty sequence of at most ``capacity`` positions. ``extra_key``:
+        what its keys and values depend on besides its tokens (a LoRA
+        adapter's content, images), folded into the root of its prefix-cache
+        keys (:func:`~infer.kv.blocks.root_hash`): it shares blocks only with
+        sequences of the same extra key."""
         states = None if self.state_store is None else self.state_store.new_sequence()
-        return PagedSequenceCache(self, BlockTable(), capacity, states=states)
+        root = root_hash(extra_key)
+        tables = [BlockTable(root=root) for _ in self.windows]
+        return PagedSequenceCache(self, tables[0], capacity, tables=tables, states=states)
 
     def stats(self) -> PoolStats:
         """Block counts of group 0 (see :class:`~infer.kv.blocks.PoolStats`)."""
@@ -257,7 +263,7 @@ class PagedSequenceCache(SequenceCache):
         self.pool = pool
         self.table = table
         #: Per state group its block table (``tables[0] is table``).
-        self.tables = [table] + [BlockTable() for _ in pool.windows[1:]] if tables is None else tables
+        self.tables = [table] + [BlockTable(root=table.root) for _ in pool.windows[1:]] if tables is None else tables
         #: Most positions this sequence may hold (its context).
         self.capacity = capacity
         #: Token ids of the committed positions (the prefix-cache keys).
@@ -299,7 +305,7 @@ class PagedSequenceCache(SequenceCache):
     def _checkpoint_keys(self, token_ids: Sequence[int]) -> dict[int, bytes]:
         bs, hashes = self.pool.block_size, self.table.hashes
         tokens = self.tokens + [int(t) for t in token_ids]
-        keys, parent = {}, hashes[-1] if hashes else ROOT_HASH
+        keys, parent = {}, hashes[-1] if hashes else self.table.root
         for i in range(len(hashes), len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             keys[(i + 1) * bs] = parent
@@ -336,9 +342,9 @@ class PagedSequenceCache(SequenceCache):
         pool, bs = self.pool, self.pool.block_size
         if pool.disk is not None:  # what memory lacks of the prompt's blocks, read back from disk
             pool.disk.fill(tokens)
-        keys = [key for key, _ in pool.allocator._cached_prefix(tokens)]
+        keys = [key for key, _ in pool.allocator._cached_prefix(tokens, self.table.root)]
         n = len(keys)
-        tail = self._find_tail(keys[n - 1] if n else ROOT_HASH, tokens, n * bs)
+        tail = self._find_tail(keys[n - 1] if n else self.table.root, tokens, n * bs)
         if tail is not None and self._hit(keys, n, n * bs + tail[1], recurrent=False):
             self._attach(keys, n, n * bs + tail[1])
             if self._attach_tail(tail[0], n * bs + tail[1]):
