@@ -56,6 +56,10 @@ class SequenceState:
     #: every forward of the sequence uses it (docs/adapters.md).
     adapter: AdapterUse | None = None
 
+    def __post_init__(self) -> None:
+        if self.adapter is not None:  # held again (a preempted request readmitted)
+            self.adapter.done = False
+
     @property
     def cached(self) -> int:
         """Positions already in the KV cache."""
@@ -281,8 +285,11 @@ class Engine:
             self.run(self.prepare([seq], [replay]))
 
     def release(self, seq: SequenceState) -> None:
-        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back now."""
+        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back
+        now, and it no longer holds its adapter."""
         seq.cache.free()
+        if seq.adapter is not None:
+            seq.adapter.done = True
 
     def new_kv_pool(
         self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
