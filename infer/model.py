@@ -763,7 +763,7 @@ class Model:
         engine = self.engine
         if engine.adapters is None:
             engine.adapters = Adapters(self.network, self.backend, self.weight_sources,
-                                       architecture=self.model_type)
+                                       config=self.config)
         return engine.adapters
 
     def configure_adapters(self, *, max_loras: int = MAX_LORAS, max_cpu_loras: int = MAX_CPU_LORAS,
@@ -776,7 +776,7 @@ class Model:
             raise AdapterError("configure_adapters before loading adapters (unload them first)")
         self.engine.adapters = Adapters(self.network, self.backend, self.weight_sources, max_loras=max_loras,
                                         max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-                                        architecture=self.model_type)
+                                        config=self.config)
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, merge: bool = False) -> None:
         """Load the LoRA adapter at ``path`` (a PEFT folder, or a GGUF adapter

@@ -273,3 +273,39 @@ def test_refusals_name_the_problem(adapter_dirs: dict, tmp_path: Path) -> None:
         engine.release(seq)
     del seqs
     model.adapters.get("a")  # still loaded
+
+
+@pytest.mark.parametrize("variant", ["llama3", "gemma3"])
+def test_peft_to_gguf_adapter_gives_the_same_logits(variant: str, tmp_path: Path) -> None:
+    """llama3: Q/K rows in llama.cpp's permuted order; rsLoRA and patterns folded into lora_b."""
+    path = tiny_model_dir(variant)
+    folder = build_peft_adapter(path, tmp_path / "a", r=8, lora_alpha=8, use_rslora=True, seed=7,
+                                rank_pattern={"q_proj": 4}, alpha_pattern={"down_proj": 3})
+    gguf_path = infer.convert(folder, tmp_path / "a.gguf")
+    from infer.formats.gguf_file import read_gguf
+
+    file = read_gguf(gguf_path)
+    assert (file.metadata["general.type"], file.metadata["adapter.type"]) == ("adapter", "lora")
+    assert file.metadata["adapter.lora.alpha"] == 8.0
+    file.close()
+    ids = encode(path, PROMPT)
+    want = peft_logits(path, {"a": folder}, [ids])[0]
+    model = infer.load(path, backend="numpy", adapters={"g": gguf_path})
+    assert_logits_close(infer_logits(model, ids, "g"), want, f"{variant} through GGUF")
+    other = infer.load(tiny_model_dir("qwen3"), backend="numpy")
+    with pytest.raises(AdapterMismatchError, match="another base model"):
+        other.load_adapter("g", gguf_path)
+
+
+def test_llama_cpp_loads_a_converted_adapter(tmp_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")  # an optional peer, not a CI requirement
+    path = tiny_model_dir("llama3")
+    folder = build_peft_adapter(path, tmp_path / "a", use_rslora=True, seed=8)
+    adapter = infer.convert(folder, tmp_path / "a.gguf")
+    base = infer.convert(path, tmp_path / "base.gguf", type="f32")
+    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(adapter), n_ctx=64, logits_all=True, verbose=False)
+    ids = encode(path, PROMPT)
+    llm.eval(ids)
+    got = np.asarray(llm.scores[:len(ids)], np.float32)
+    want = peft_logits(path, {"a": folder}, [ids])[0]
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()

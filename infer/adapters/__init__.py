@@ -11,14 +11,16 @@ loaded model where its weights are read, several in one batch
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from infer.adapters.lora import LoraAdapter, LoraModule
 from infer.adapters.peft import is_peft_folder, read_peft
 from infer.errors import AdapterFormatError
 
 
-def read_adapter(path: str | Path) -> LoraAdapter:
-    """The adapter at ``path``: a PEFT folder, or a GGUF adapter file.
+def read_adapter(path: str | Path, config: dict[str, Any] | None = None) -> LoraAdapter:
+    """The adapter at ``path``: a PEFT folder, or a GGUF adapter file
+    (``config``: the base model's config.json, which a GGUF adapter is checked against).
 
     Raises:
         AdapterFormatError: ``path`` is neither, or is malformed.
@@ -30,7 +32,7 @@ def read_adapter(path: str | Path) -> LoraAdapter:
     if p.is_file() and p.suffix == ".gguf":
         from infer.adapters.gguf import read_gguf_adapter
 
-        return read_gguf_adapter(p)
+        return read_gguf_adapter(p, config)
     if not p.exists():
         raise AdapterFormatError(f"adapter {p}: no such file or folder")
     raise AdapterFormatError(f"adapter {p}: neither a PEFT folder (with adapter_config.json) nor a .gguf adapter")

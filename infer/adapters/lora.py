@@ -57,6 +57,8 @@ class LoraAdapter:
     architecture: str | None = None
     #: The base model the adapter was trained on, as the file names it (informational).
     base_model: str | None = None
+    #: PEFT's ``lora_alpha`` (a GGUF adapter's ``adapter.lora.alpha``); the scales above are resolved already.
+    alpha: float | None = None
 
     @property
     def rank(self) -> int:

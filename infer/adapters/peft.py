@@ -132,4 +132,5 @@ def _adapter(folder: Path, config: dict[str, Any], tensors: dict[str, np.ndarray
         modules[module] = LoraModule(a, b, float(scale))
     if not modules and not saved:
         raise AdapterFormatError(f"{folder / WEIGHTS}: no LoRA factors (lora_A / lora_B) in it")
-    return LoraAdapter(str(folder), modules, saved, base_model=config.get("base_model_name_or_path"))
+    return LoraAdapter(str(folder), modules, saved, base_model=config.get("base_model_name_or_path"),
+                       alpha=float(alpha))

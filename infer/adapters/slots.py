@@ -101,15 +101,15 @@ class Adapters:
 
     def __init__(self, network: Any, backend: Backend, sources: dict[str, tuple[Any, int]], *,
                  max_loras: int = MAX_LORAS, max_cpu_loras: int = MAX_CPU_LORAS,
-                 max_lora_rank: int = MAX_LORA_RANK, architecture: str | None = None) -> None:
+                 max_lora_rank: int = MAX_LORA_RANK, config: dict[str, Any] | None = None) -> None:
         for key, value in (("max_loras", max_loras), ("max_cpu_loras", max_cpu_loras),
                            ("max_lora_rank", max_lora_rank)):
             if not isinstance(value, int) or value < 1:
                 raise AdapterLimitError(f"{key} must be a positive integer, got {value!r}")
         self.network, self.backend, self.sources = network, backend, sources
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
-        #: The base model's architecture (``model_type``), checked against a GGUF adapter's.
-        self.architecture = architecture
+        #: The base model's config.json (``model_type``, heads), which a GGUF adapter is checked against.
+        self.config = config
         #: What every adapted weight reads for the current forward.
         self.rows = AdapterRows()
         #: Loaded adapters by name, in slot order (merged ones hold no slot).
@@ -137,14 +137,10 @@ class Adapters:
 
         if not isinstance(name, str) or not name:
             raise AdapterError(f"an adapter's name must be a non-empty string, got {name!r}")
-        adapter = source if isinstance(source, LoraAdapter) else read_adapter(source)
+        adapter = source if isinstance(source, LoraAdapter) else read_adapter(source, self.config)
         if adapter.rank > self.max_lora_rank:
             raise AdapterLimitError(f"adapter {name!r} ({adapter.path}) has rank {adapter.rank}, over "
                                     f"max_lora_rank={self.max_lora_rank}; load the model with a larger max_lora_rank")
-        if adapter.architecture is not None and self.architecture is not None and \
-                adapter.architecture != _gguf_arch(self.architecture):
-            raise AdapterMismatchError(f"adapter {name!r} ({adapter.path}) is for architecture "
-                                       f"{adapter.architecture!r}; the model is {self.architecture!r}")
         if name in self.loaded:
             self.unload(name)
         elif len(self.loaded) >= self.max_cpu_loras:
@@ -388,8 +384,3 @@ class Adapters:
             return
         for weights, key in self._holders(old):
             weights[key] = new
-
-
-def _gguf_arch(model_type: str) -> str:
-    """llama.cpp's architecture name for a Hugging Face ``model_type`` (a GGUF adapter says the former)."""
-    return {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(model_type, model_type)

@@ -396,7 +396,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from infer.convert import convert
 
-    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet)
+    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet, base=args.base)
     print(out)
     return 0
 
@@ -539,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--type", default=None, help="storage type. GGUF: f32, f16 (default), bf16, q8_0, q4_0, q4_1, "
                    "q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m; folder: f32 (default), f16, bf16")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--base", default=None, help="for a PEFT LoRA folder SRC (written as a GGUF adapter): the base "
+                   "model it adapts (default: its adapter_config.json's base_model_name_or_path)")
     c.set_defaults(func=cmd_convert)
     return parser
 
