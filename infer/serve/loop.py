@@ -87,6 +87,8 @@ class _Submit:
     sampler: Sampler
     stop: StopConditions
     admitted: asyncio.Future[None]
+    adapter: str | None = None
+    adapter_scale: float = 1.0
 
 
 @dataclass
@@ -163,10 +165,12 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.batch.running)
 
-    async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions) -> TokenStream:
+    async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions, *,
+                     adapter: str | None = None, adapter_scale: float = 1.0) -> TokenStream:
         """Queue a request; returns its stream once the engine has accepted it.
         ``sampler`` is the request's own (one made with ``logprobs=k``
-        records what :attr:`TokenStream.logprobs` gives).
+        records what :attr:`TokenStream.logprobs` gives); ``adapter`` a
+        loaded LoRA adapter's name it runs with.
 
         Raises :class:`~infer.errors.ServerBusyError` when ``max_queue``
         requests wait already, and what
@@ -183,7 +187,7 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted))
+        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted, adapter, adapter_scale))
         self._wake.set()
         await accepted
         return stream
@@ -279,7 +283,8 @@ class EngineLoop:
                 item.admitted.set_exception(error)
 
         try:
-            handle = self.batch.submit(item.prompt, item.sampler, item.stop)
+            handle = self.batch.submit(item.prompt, item.sampler, item.stop, adapter=item.adapter,
+                                       adapter_scale=item.adapter_scale)
         except Exception as err:
             self._call(stream, resolve, err)
             return
