@@ -62,12 +62,25 @@ def build_peft_adapter(base_dir: Path | str, out: Path | str, *, r: int = 4, lor
     return out
 
 
+_PEFT_LOGITS: dict[Any, np.ndarray] = {}
+
+
 def peft_logits(base_dir: Path | str, adapters: dict[str, Path], ids: list[list[int]],
                 names: list[str] | None = None, *, merged: bool = False) -> np.ndarray:
     """PEFT's float32 logits ``[rows, len, vocab]`` for equal-length rows ``ids``,
     row ``i`` under adapter ``names[i]`` (``"__base__"``: none; ``names``
     None: the first adapter for every row). ``merged``: one adapter merged
-    into the weights (``merge_and_unload``)."""
+    into the weights (``merge_and_unload``). Kept per process (the backends'
+    tests compare with the same reference)."""
+    key = (str(base_dir), tuple((k, str(v)) for k, v in adapters.items()), tuple(map(tuple, ids)),
+           None if names is None else tuple(names), merged)
+    if key not in _PEFT_LOGITS:
+        _PEFT_LOGITS[key] = _peft_logits(base_dir, adapters, ids, names, merged=merged)
+    return _PEFT_LOGITS[key]
+
+
+def _peft_logits(base_dir: Path | str, adapters: dict[str, Path], ids: list[list[int]],
+                 names: list[str] | None = None, *, merged: bool = False) -> np.ndarray:
     import peft
     import torch
     from reference import load_reference_model

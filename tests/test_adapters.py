@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from adapters_reference import ALL_SEVEN, build_peft_adapter, peft_greedy, peft_logits
-from reference import LOGIT_RTOL, assert_greedy_equal, assert_logits_close, encode, reference_logits, tiny_model_dir
+from reference import LOGIT_RTOL, assert_greedy_equal, backend_params, assert_logits_close, encode, reference_logits, tiny_model_dir
 
 import infer
 from infer.ops import PackedWeight
@@ -85,7 +85,14 @@ def test_logits_match_peft(variant: str, kind: str, backend: str, adapter_dirs: 
     assert np.abs(want[:len(ids)] - base).max() > 0.1 * np.abs(base).max()  # the adapter matters
 
 
-@pytest.mark.parametrize("variant", VARIANTS_UNDER_TEST)
+#: The mixed batch on every family on numpy, and on one family on torch and MLX: which
+#: rows use which adapter is the engine's bookkeeping, the same on every backend (each
+#: backend's lora_linear is checked by the conformance kit).
+MIXED = [pytest.param(v, "numpy") for v in VARIANTS_UNDER_TEST] + [
+    pytest.param("qwen3", b.values[0], marks=b.marks) for b in backend_params("torch:cpu", "mlx:cpu")]
+
+
+@pytest.mark.parametrize("variant,backend", MIXED)
 def test_one_batch_of_two_adapters_and_the_base_equals_peft(variant: str, backend: str, adapter_dirs: dict) -> None:
     path = tiny_model_dir(variant)
     ids = encode(path, PROMPT)
@@ -309,3 +316,17 @@ def test_llama_cpp_loads_a_converted_adapter(tmp_path: Path) -> None:
     got = np.asarray(llm.scores[:len(ids)], np.float32)
     want = peft_logits(path, {"a": folder}, [ids])[0]
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_base_requests_keep_the_captured_step_and_speculation_keeps_the_adapter(adapter_dirs: dict) -> None:
+    path = tiny_model_dir("llama3")
+    model = adapted_model("llama3", "numpy", adapter_dirs["llama3"])
+    plain = infer.load(path, backend="numpy")
+    step = model.engine.decode_step
+    assert step is not None  # numpy captures its decode step by default
+    before = step.steps
+    assert model.generate(PROMPT, max_tokens=8, ignore_eos=True) == plain.generate(PROMPT, max_tokens=8,
+                                                                                   ignore_eos=True)
+    assert step.steps > before  # the base request's steps replayed the recorded program
+    with_adapter = model.generate(PROMPT, adapter="lora", max_tokens=12, ignore_eos=True)
+    assert model.generate(PROMPT, adapter="lora", max_tokens=12, ignore_eos=True, speculative="ngram") == with_adapter
