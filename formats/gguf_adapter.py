@@ -29,7 +29,6 @@ import numpy as np
 
 from infer.errors import AdapterFormatError, AdapterMismatchError, FormatError, MissingDependencyError, UnsupportedArchitectureError
 
-from .gguf import _unpermute_rows
 from .gguf_arch import ARCHITECTURES, canonical_name
 from .gguf_file import read_gguf
 from .gguf_write import _permute_rows, architecture_for, gguf_tensor_name
@@ -96,7 +95,7 @@ def read_adapter(path: Path, config: dict[str, Any] | None = None) -> tuple[str,
                 raise AdapterFormatError(f"{path}: {base} names no weight of architecture {gguf_arch!r}")
             if arch.permute_qk and base.endswith((".attn_q.weight", ".attn_k.weight")):
                 heads = _heads(md, gguf_arch, config or {}, q=base.endswith("attn_q.weight"))
-                b = b[_unpermute_rows(b.shape[0], heads)]
+                b = b[np.argsort(_permute_rows(b.shape[0], heads))]  # the inverse of llama.cpp's permute
             rank = a.shape[0]
             modules[hf[:-len(".weight")]] = (a, b, alpha / rank if alpha else 1.0)
         return gguf_arch, modules

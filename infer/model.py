@@ -348,6 +348,11 @@ class Model:
                 expression, or a Lark or GBNF grammar; see docs/structured.md.
                 Raises :class:`~infer.errors.IncompleteOutputError` when
                 generation ends before the output matches in full.
+            adapter: a loaded LoRA adapter's name (:meth:`load_adapter`) to
+                generate with; for a list of prompts, also a list with one name
+                (or None: the base model) per prompt, run in one batch
+                (docs/adapters.md). Default None: the base model.
+            adapter_scale: multiplies the adapter's term (1.0: as trained).
             request: all of the above as one
                 :class:`~infer.request.GenerationRequest` (then give none of
                 them as keywords).
