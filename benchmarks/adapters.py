@@ -6,9 +6,9 @@ Llama), built in memory. Measured, per backend, in one process and interleaved
 (each round runs every case once; the figure is the median over rounds), so the
 ratios hold on a loaded machine:
 
-* decode: one sequence, greedy, ``--tokens`` new tokens, base vs one adapter;
-* batched decode: ``--batch`` sequences in one continuous batch (the batch
-  engine), all base, then 1, 4 and 8 distinct adapters spread over them.
+* decode: one decode step of one sequence, base vs one adapter;
+* batched decode: one step of ``--batch`` sequences, all base, then 1, 4 and 8
+  distinct adapters spread over them (one forward: the mixed batch).
 
     python benchmarks/adapters.py MODEL --backends numpy,torch:cpu
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,17 +42,25 @@ def random_adapter(model: infer.Model, rank: int, seed: int) -> LoraAdapter:
     return LoraAdapter(f"random-{seed}", modules)
 
 
-def decode_rate(model: infer.Model, adapter: str | None, tokens: int) -> float:
-    start = time.perf_counter()
-    model.generate("Once upon a time", adapter=adapter, max_tokens=tokens, ignore_eos=True, temperature=0)
-    return tokens / (time.perf_counter() - start)
+def step_timer(model: infer.Model, adapters: list[str | None]) -> Callable[[], float]:
+    """Seconds of one decode step of ``len(adapters)`` sequences (one token each, sequence
+    ``i`` with ``adapters[i]``) after an 8-token prompt; each call rolls the caches back, so
+    every step sees the same lengths. Eager steps for the base too (the engine's forward),
+    so the figures compare the products, not capture."""
+    engine, ops = model.engine, model.backend
+    prompt = model.tokenizer.encode("Once upon a time there was a", add_special_tokens=False)[:8]
+    seqs = [engine.new_sequence(64, adapter=a) for a in adapters]
+    engine.run(engine.prepare(seqs, [prompt] * len(seqs)))
 
+    def step() -> float:
+        start = time.perf_counter()
+        ops.to_numpy(engine.run(engine.prepare(seqs, [[5]] * len(seqs))).logits)
+        elapsed = time.perf_counter() - start
+        for seq in seqs:
+            engine.truncate(seq, len(prompt))
+        return elapsed
 
-def batched_rate(model: infer.Model, adapters: list[str | None], tokens: int) -> float:
-    prompts = [f"Story {i}: once upon a time" for i in range(len(adapters))]
-    start = time.perf_counter()
-    model.generate(prompts, adapter=adapters, max_tokens=tokens, ignore_eos=True, temperature=0)
-    return len(prompts) * tokens / (time.perf_counter() - start)
+    return step
 
 
 def main() -> None:
@@ -59,9 +68,8 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--backends", default="numpy,torch:cpu")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     for backend in args.backends.split(","):
         model = infer.load(args.model, backend=backend)
@@ -69,27 +77,25 @@ def main() -> None:
             model.load_adapter(f"a{i}", random_adapter(model, args.rank, i))
         n = args.batch
         cases = {
-            "decode, base": lambda: decode_rate(model, None, args.tokens),
-            "decode, 1 adapter": lambda: decode_rate(model, "a0", args.tokens),
-            f"batch {n}, base": lambda: batched_rate(model, [None] * n, args.tokens),
-            f"batch {n}, 1 adapter": lambda: batched_rate(model, ["a0"] * n, args.tokens),
-            f"batch {n}, 4 adapters": lambda: batched_rate(model, [f"a{i % 4}" for i in range(n)], args.tokens),
-            f"batch {n}, 8 adapters": lambda: batched_rate(model, [f"a{i % 8}" for i in range(n)], args.tokens),
+            "decode, base": step_timer(model, [None]),
+            "decode, 1 adapter": step_timer(model, ["a0"]),
+            f"batch {n}, base": step_timer(model, [None] * n),
+            f"batch {n}, 1 adapter": step_timer(model, ["a0"] * n),
+            f"batch {n}, 4 adapters": step_timer(model, [f"a{i % 4}" for i in range(n)]),
+            f"batch {n}, 8 adapters": step_timer(model, [f"a{i % 8}" for i in range(n)]),
         }
-        for fn in cases.values():  # warm up (captured steps, caches)
-            fn()
-        rates: dict[str, list[float]] = {k: [] for k in cases}
-        for _ in range(args.rounds):
-            for name, fn in cases.items():
-                rates[name].append(fn())
-        print(f"## {backend} ({args.model}, rank {args.rank}, {args.tokens} tokens, {args.rounds} rounds)")
-        base = {"decode": statistics.median(rates["decode, base"]),
-                "batch": statistics.median(rates[f"batch {n}, base"])}
-        for name, values in rates.items():
-            med = statistics.median(values)
-            ref = base["decode" if name.startswith("decode") else "batch"]
-            print(f"| {name} | {med:.1f} tok/s | {med / ref:.2f}x |", flush=True)
-
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(args.rounds):  # interleaved: each round runs every case once
+            for name, step in cases.items():
+                times[name].append(step())
+        print(f"## {backend} ({args.model}, rank {args.rank}, median of {args.rounds} interleaved steps)")
+        print("| case | tokens/s | vs the base |")
+        print("|------|---------:|------------:|")
+        for name, values in times.items():
+            rows = 1 if name.startswith("decode") else n
+            rate = rows / statistics.median(values)
+            base = rows / statistics.median(times["decode, base" if rows == 1 else f"batch {n}, base"])
+            print(f"| {name} | {rate:.1f} | {rate / base:.2f}x |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,8 @@ redrawn as the base recipe draws it.
 :func:`peft_logits` runs PEFT: every row's logits of ``ids`` with the named
 adapters loaded onto the base model (``PeftModel.from_pretrained`` +
 ``load_adapter``), one ``adapter_names`` entry per row of a batch
-(``"__base__"``: the base model), as PEFT's mixed-batch inference does.
+(``"__base__"``: the base model), as PEFT's mixed-batch inference does. The
+base model is loaded once per process and unwrapped (``unload()``) after each use.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ import numpy as np
 #: The seven projections of a Llama-style decoder layer.
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+_BASES: dict[str, Any] = {}
+
+
+def _base(base_dir: Path | str) -> Any:
+    """The transformers model of ``base_dir``, loaded once per process: PEFT wraps it in
+    place, and each user hands it back unwrapped (``unload()``), so it stays the base."""
+    from reference import load_reference_model
+
+    key = str(base_dir)
+    if key not in _BASES:
+        _BASES[key] = load_reference_model(base_dir)
+    return _BASES.pop(key)
+
+
+def _give_back(base_dir: Path | str, model: Any) -> None:
+    """Keep ``model``'s base for the next use, unwrapped; not one whose modules an adapter
+    replaced (``modules_to_save``): unwrapping might leave the adapter's copies in place."""
+    if not any(getattr(c, "modules_to_save", None) for c in model.peft_config.values()):
+        _BASES[str(base_dir)] = model.unload()
+
 
 def build_peft_adapter(base_dir: Path | str, out: Path | str, *, r: int = 4, lora_alpha: float = 8,
                        target_modules: Any = ALL_SEVEN, seed: int = 0, **config: Any) -> Path:
@@ -41,10 +62,9 @@ def build_peft_adapter(base_dir: Path | str, out: Path | str, *, r: int = 4, lor
     module docstring); ``config``: any other ``LoraConfig`` field."""
     import peft
     import torch
-    from reference import load_reference_model
 
     out = Path(out)
-    base = load_reference_model(base_dir)
+    base = _base(base_dir)
     lora = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules)
                            if isinstance(target_modules, (list, tuple)) else target_modules,
                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **config)
@@ -59,6 +79,7 @@ def build_peft_adapter(base_dir: Path | str, out: Path | str, *, r: int = 4, lor
             elif ".modules_to_save." in name:  # a whole embedding or head, redrawn like the base's
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
     model.save_pretrained(str(out), safe_serialization=True)
+    _give_back(base_dir, model)
     return out
 
 
@@ -66,48 +87,48 @@ _PEFT_LOGITS: dict[Any, np.ndarray] = {}
 
 
 def peft_logits(base_dir: Path | str, adapters: dict[str, Path], ids: list[list[int]],
-                names: list[str] | None = None, *, merged: bool = False) -> np.ndarray:
+                names: list[str] | None = None) -> np.ndarray:
     """PEFT's float32 logits ``[rows, len, vocab]`` for equal-length rows ``ids``,
     row ``i`` under adapter ``names[i]`` (``"__base__"``: none; ``names``
-    None: the first adapter for every row). ``merged``: one adapter merged
-    into the weights (``merge_and_unload``). Kept per process (the backends'
+    None: the first adapter for every row). Kept per process (the backends'
     tests compare with the same reference)."""
     key = (str(base_dir), tuple((k, str(v)) for k, v in adapters.items()), tuple(map(tuple, ids)),
-           None if names is None else tuple(names), merged)
+           None if names is None else tuple(names))
     if key not in _PEFT_LOGITS:
-        _PEFT_LOGITS[key] = _peft_logits(base_dir, adapters, ids, names, merged=merged)
+        _PEFT_LOGITS[key] = _peft_logits(base_dir, adapters, ids, names)
     return _PEFT_LOGITS[key]
 
 
 def _peft_logits(base_dir: Path | str, adapters: dict[str, Path], ids: list[list[int]],
-                 names: list[str] | None = None, *, merged: bool = False) -> np.ndarray:
+                 names: list[str] | None = None) -> np.ndarray:
     import peft
     import torch
-    from reference import load_reference_model
 
-    base = load_reference_model(base_dir)
     items = list(adapters.items())
-    model = peft.PeftModel.from_pretrained(base, str(items[0][1]), adapter_name=items[0][0])
-    for name, path in items[1:]:
-        model.load_adapter(str(path), adapter_name=name)
-    model.eval()
-    x = torch.tensor(ids)
-    with torch.no_grad():
-        if merged:
-            return model.merge_and_unload().forward(input_ids=x).logits.numpy()
-        if names is None:
-            return model(input_ids=x).logits.numpy()
-        return model(input_ids=x, adapter_names=list(names)).logits.numpy()
+    model = peft.PeftModel.from_pretrained(_base(base_dir), str(items[0][1]), adapter_name=items[0][0])
+    try:
+        for name, path in items[1:]:
+            model.load_adapter(str(path), adapter_name=name)
+        model.eval()
+        x = torch.tensor(ids)
+        with torch.no_grad():
+            if names is None:
+                return model(input_ids=x).logits.numpy()
+            return model(input_ids=x, adapter_names=list(names)).logits.numpy()
+    finally:
+        _give_back(base_dir, model)
 
 
 def peft_greedy(base_dir: Path | str, adapter: Path, ids: list[int], max_new_tokens: int) -> list[int]:
     """PEFT's greedy continuation of ``ids`` under ``adapter``."""
     import peft
     import torch
-    from reference import load_reference_model
 
-    model = peft.PeftModel.from_pretrained(load_reference_model(base_dir), str(adapter)).eval()
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    model = peft.PeftModel.from_pretrained(_base(base_dir), str(adapter)).eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+    finally:
+        _give_back(base_dir, model)
