@@ -330,3 +330,21 @@ def test_base_requests_keep_the_captured_step_and_speculation_keeps_the_adapter(
     assert step.steps > before  # the base request's steps replayed the recorded program
     with_adapter = model.generate(PROMPT, adapter="lora", max_tokens=12, ignore_eos=True)
     assert model.generate(PROMPT, adapter="lora", max_tokens=12, ignore_eos=True, speculative="ngram") == with_adapter
+
+
+@pytest.mark.parametrize("variant", ["phi3", "gpt2", "gemma4"])
+def test_other_families_alone_and_mixed_match_peft(variant: str, tmp_path: Path) -> None:
+    """Adapters attach where each family reads its weights: Phi-3's stored qkv_proj and gate_up_proj,
+    GPT-2's Conv1D (PEFT's fan_in_fan_out), Gemma 4's own layer objects; "all-linear" as PEFT picks."""
+    path = tiny_model_dir(variant)
+    a = build_peft_adapter(path, tmp_path / "a", target_modules="all-linear", seed=21)
+    b = build_peft_adapter(path, tmp_path / "b", r=2, lora_alpha=4, use_rslora=True, target_modules="all-linear",
+                           seed=22)
+    ids = encode(path, PROMPT)
+    rows = [ids, ids[::-1], ids]
+    want = peft_logits(path, {"a": a, "b": b}, rows, ["a", "b", "__base__"])
+    model = infer.load(path, backend="numpy", adapters={"a": a, "b": b})
+    engine, ops = model.engine, model.backend
+    seqs = [engine.new_sequence(adapter=x) for x in ("a", "b", None)]
+    got = ops.to_numpy(engine.run(engine.prepare(seqs, rows, all_logits=True)).logits).reshape(want.shape)
+    assert_logits_close(got, want, f"{variant} mixed batch")

@@ -39,6 +39,7 @@ from infer.errors import (
     AdapterMismatchError,
     AdapterNotFoundError,
     AdapterResizesEmbeddingsError,
+    UnsupportedAdapterError,
 )
 from infer.ops import AdaptedWeight, AdapterRows, Backend, PackedWeight, QuantizedTensor, ShardedWeight
 
@@ -255,6 +256,9 @@ class Adapters:
         out = {}
         for module, m in adapter.modules.items():
             tensor = module + ".weight"
+            if module.endswith(".experts") or ".experts." in module:
+                raise UnsupportedAdapterError(f"adapter {name!r} ({adapter.path}) adapts {module}: LoRA on "
+                                              f"mixture-of-experts experts is not supported")
             if tensor not in self.sources:
                 raise AdapterMismatchError(f"adapter {name!r} ({adapter.path}) adapts {module}, which the model "
                                            f"does not have (no weight {tensor}): it was made for another base model")
@@ -281,20 +285,50 @@ class Adapters:
     def _stacked(self, tensor: str, base: Any) -> bool:
         return sum(1 for b, _ in self.sources.values() if b is base) > 1
 
-    def _holders(self, base: Any) -> list[tuple[dict[str, Any], str]]:
-        """The weights dicts (and keys) of the network's layers that hold ``base``."""
-        found = []
-        for layer in getattr(self.network, "layers", ()):
-            weights = getattr(layer, "weights", None)
-            if isinstance(weights, dict):
-                found.extend((weights, k) for k, v in weights.items() if v is base or (
-                    isinstance(v, AdaptedWeight) and v.base is base))
+    def _holders(self, base: Any) -> list[tuple[Any, Any]]:
+        """Where the network holds ``base`` (or an adapted weight around it):
+        ``(container, key)`` pairs, a container being a weights dict, a list, or
+        one of the architecture's objects (its attribute: the network, a
+        layer). Searched through dicts, lists and the architecture's own
+        objects, a few levels deep."""
+        found: list[tuple[Any, Any]] = []
+
+        def holds(value: Any) -> bool:
+            return value is base or (isinstance(value, AdaptedWeight) and value.base is base)
+
+        def walk(obj: Any, depth: int) -> None:
+            if depth > 6:
+                return
+            if isinstance(obj, dict):
+                items: Any = obj.items()
+            elif isinstance(obj, list):
+                items = enumerate(obj)
+            elif type(obj).__module__.startswith("infer.architectures"):
+                names = vars(obj) if hasattr(obj, "__dict__") else [
+                    n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+                items = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
+            else:
+                return
+            for key, value in list(items):
+                if holds(value):
+                    found.append((obj, key))
+                elif isinstance(value, (dict, list)) or type(value).__module__.startswith("infer.architectures"):
+                    walk(value, depth + 1)
+
+        walk(self.network, 0)
         return found
+
+    @staticmethod
+    def _put(container: Any, key: Any, value: Any) -> None:
+        if isinstance(container, (dict, list)):
+            container[key] = value
+        else:
+            setattr(container, key, value)
 
     def _install(self, base: Any) -> None:
         adapted = AdaptedWeight(base, tuple(int(d) for d in base.shape), self.rows)
-        for weights, key in self._holders(base):
-            weights[key] = adapted
+        for container, key in self._holders(base):
+            self._put(container, key, adapted)
         self.adapted[id(base)] = adapted
 
     def _rebuild(self) -> None:
@@ -382,5 +416,5 @@ class Adapters:
             adapted.base = new
             self.adapted[id(new)] = adapted
             return
-        for weights, key in self._holders(old):
-            weights[key] = new
+        for container, key in self._holders(old):
+            self._put(container, key, new)
