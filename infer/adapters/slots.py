@@ -268,22 +268,18 @@ class Adapters:
                     len(base.shape) != 2:
                 raise AdapterMismatchError(f"adapter {name!r}: {tensor} is not a linear weight infer can adapt")
             out_rows, in_cols = int(base.shape[0]), int(base.shape[1])
-            if m.a.shape[1] != in_cols or first + m.b.shape[0] > out_rows:
+            # A weight stacked from several tensors (q, k and v as qkv_proj) holds this one's rows from `first` on.
+            stacked = sum(1 for b, _ in self.sources.values() if b is base) > 1
+            fits = first + m.b.shape[0] <= out_rows if stacked else m.b.shape[0] == out_rows
+            if m.a.shape[1] != in_cols or not fits:
                 raise AdapterMismatchError(
-                    f"adapter {name!r} ({adapter.path}): {module} takes [{m.b.shape[0]} out, {m.a.shape[1]} in] "
-                    f"but the model's {tensor} is [{out_rows - first if first == 0 else '...'}, {in_cols}]: "
-                    f"the adapter was made for another base model")
-            if m.b.shape[0] != out_rows and first == 0 and not self._stacked(tensor, base):
-                raise AdapterMismatchError(
-                    f"adapter {name!r} ({adapter.path}): {module} has {m.b.shape[0]} outputs, the model's {tensor} "
-                    f"{out_rows}: the adapter was made for another base model")
+                    f"adapter {name!r} ({adapter.path}): {module} maps {m.a.shape[1]} inputs to {m.b.shape[0]} "
+                    f"outputs, but the model's {tensor} takes {in_cols} inputs to "
+                    f"{'part of ' if stacked else ''}{out_rows} outputs: the adapter was made for another base model")
             if not self._holders(base):
                 raise AdapterMismatchError(f"adapter {name!r}: {tensor} is not read as a layer's linear weight here")
             out[module] = (base, first)
         return out
-
-    def _stacked(self, tensor: str, base: Any) -> bool:
-        return sum(1 for b, _ in self.sources.values() if b is base) > 1
 
     def _holders(self, base: Any) -> list[tuple[Any, Any]]:
         """Where the network holds ``base`` (or an adapted weight around it):
