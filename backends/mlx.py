@@ -56,8 +56,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, row_run, span_rows
-from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor
+from infer.oplib import attention_mask, lora_segments, row_run, span_rows
+from infer.ops import AdaptedWeight, Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -93,7 +93,8 @@ class MLXBackend(Backend):
     float_dtypes = ("float32", "bfloat16", "float16")
     kv_dtypes = frozenset({"float16", "bfloat16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset({"fused_add_rms_norm", "prepare_weight", "synchronize", "quantized_linear", "compile",
-                            "attention", "attention_spans", "clip", "causal_conv1d", "ssd", "gated_delta_rule"})
+                            "attention", "attention_spans", "clip", "causal_conv1d", "ssd", "gated_delta_rule",
+                            "lora_linear"})
     quantize_schemes = frozenset(SCHEME_BITS)
 
     def __init__(self, dtype: str | None = None, device: str = "cpu") -> None:
@@ -175,6 +176,8 @@ class MLXBackend(Backend):
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         if isinstance(weight, PackedWeight):
             return self.quantized_linear(x, weight, bias)
+        if type(weight) is AdaptedWeight:
+            return self.adapted_linear(x, weight, bias)
         mx = self._mx
         # weight.T is a strided view; the GEMM reads it without a copy.
         wt = mx.transpose(weight, stream=self._s)
@@ -183,6 +186,24 @@ class MLXBackend(Backend):
         if x.dtype == mx.float32:  # (mlx 0.26's CPU addmm is float32-only)
             return mx.addmm(bias, x, wt, stream=self._s)
         return mx.add(mx.matmul(x, wt, stream=self._s), bias, stream=self._s)
+
+    def lora_linear(self, x: Array, weight: Array, bias: Array | None, a: Array, b: Array, slots: Array,
+                    scales: Array) -> Array:
+        """By segments (Punica's SGMV): the base product, then per adapter
+        slot one pair of small products over its rows, scattered in with
+        ``.at[].add`` (MLX arrays are immutable). The segments are read on
+        the host: slots and scales are inputs, not results, so this
+        evaluates nothing pending."""
+        mx, s = self._mx, self._s
+        y = self.linear(x, weight, bias)
+        host_scales = np.asarray(scales.astype(mx.float32))
+        for rows, slot in lora_segments(np.asarray(slots), host_scales):
+            index = mx.array(np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)
+            xs = mx.take(x, index, axis=0, stream=s)
+            u = mx.matmul(xs, mx.transpose(a[slot], stream=s), stream=s)
+            u = mx.multiply(u, mx.take(scales, index, stream=s)[:, None].astype(x.dtype), stream=s)
+            y = y.at[index].add(mx.matmul(u, mx.transpose(b[slot], stream=s), stream=s).astype(y.dtype))
+        return y
 
     # -- elementwise ---------------------------------------------------------
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import Array, Backend
+from infer.ops import AdaptedWeight, Array, Backend
 from infer.oplib import rows_within
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
@@ -97,6 +97,8 @@ class ReferenceBackend(Backend):
         return np.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if type(weight) is AdaptedWeight:
+            return self.adapted_linear(x, weight, bias)
         y = x @ weight.T  # prepare_weight's default: every weight is a float32 array
         return y if bias is None else y + bias
 

@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, check_gated_delta_rule, row_run, span_rows
-from infer.ops import Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
+from infer.oplib import attention_mask, check_gated_delta_rule, lora_segments, row_run, span_rows
+from infer.ops import AdaptedWeight, Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -79,7 +79,7 @@ _HAS_ENABLE_GQA = False
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "attention_spans", "topk", "compile", "prepare_weight",
               "quantized_linear", "clip", "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
-              "all_reduce", "all_gather", "broadcast")
+              "all_reduce", "all_gather", "broadcast", "lora_linear")
 # On the CPU, torch's float32 matrix-vector products are slower than numpy's
 # BLAS (docs/backends.md, "Why these scores"), so torch/cpu ranks just below
 # numpy: the default picks the faster path, and torch/cpu stays one
@@ -333,7 +333,26 @@ class TorchBackend(Backend):
             return self.quantized_linear(x, weight, bias)
         if isinstance(weight, ShardedWeight):
             return self.sharded_linear(x, weight, bias)
+        if type(weight) is AdaptedWeight:
+            return self.adapted_linear(x, weight, bias)
         return F.linear(x, _like(x, weight), None if bias is None else _like(x, bias))
+
+    def lora_linear(self, x: Array, weight: Array, bias: Array | None, a: Array, b: Array, slots: Array,
+                    scales: Array) -> Array:
+        """By segments (Punica's SGMV): the base product, then per adapter
+        slot one pair of small products over its rows, added in place. The
+        segments are read on the host (slots are few, and a captured step
+        never gets here: the engine runs steps with adapters eagerly)."""
+        y = self.linear(x, weight, bias)
+        segments = lora_segments(slots.cpu().numpy(), scales.float().cpu().numpy())
+        if not segments:
+            return y
+        sc = _like(x, scales)
+        for rows, slot in segments:
+            index = rows if isinstance(rows, slice) else torch.as_tensor(rows, device=x.device)
+            u = torch.mul(x[index] @ _like(x, a[slot]).T, sc[index, None])  # [n, rank]
+            y[index] += u @ _like(x, b[slot]).T
+        return y
 
     # -- elementwise ---------------------------------------------------------
 

@@ -444,7 +444,20 @@ def infer_register_formats(register: Any) -> None:
     """Register the GGUF format."""
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
-                        random_tensor=random_tensor, write=_write, write_types=tuple(_write_types())))
+                        random_tensor=random_tensor, write=_write, write_types=tuple(_write_types()),
+                        read_adapter=_read_adapter, write_adapter=_write_adapter))
+
+
+def _read_adapter(path: Path, config: dict[str, Any] | None = None) -> Any:
+    from .gguf_adapter import read_adapter
+
+    return read_adapter(path, config)
+
+
+def _write_adapter(path: Path, model_type: str, modules: Any, config: dict[str, Any], **options: Any) -> None:
+    from .gguf_adapter import write_adapter
+
+    write_adapter(path, model_type, modules, config, **options)
 
 
 def _write_types() -> list[str]:

@@ -56,6 +56,10 @@ class WeightLoader:
         self._names = set(tensors.names())
         self._used: set[str] = set()
         self._progress = progress
+        #: Where each tensor went: its name -> (the prepared weight holding it,
+        #: its first row there), a stacked weight holding several (q, k and v
+        #: at their row offsets). What adapters attach by (:mod:`infer.adapters`).
+        self.sources: dict[str, tuple[Any, int]] = {}
         #: How many tensors went from which stored type to which backend form,
         #: e.g. ``("Q4_1", "int4pack g32 f32")`` or ``("Q6_K", "float32")``.
         self.placements: Counter[tuple[str, str]] = Counter()
@@ -147,7 +151,11 @@ class WeightLoader:
         prepared = self.backend.prepare_weight(tensor, name=name)
         self.placements[(_stored_type(tensor), self._form(prepared))] += len(sources)
         del tensor
+        first = 0
         for source in sources:
+            self.sources[source] = (prepared, first)
+            if len(sources) > 1:  # stacked by rows (get_stacked): the next part starts after this one
+                first += int(self.tensors.shape(source)[0])
             self.tensors.release(source)  # the file's pages need not stay resident beside the backend's copy
             if source not in self._used:
                 self._used.add(source)

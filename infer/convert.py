@@ -34,7 +34,7 @@ def target_format(out: str | os.PathLike[str]) -> str:
 
 
 def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: str | None = None,
-            force: bool = False, progress: bool | None = None) -> Path:
+            force: bool = False, progress: bool | None = None, base: str | os.PathLike[str] | None = None) -> Path:
     """Convert the model ``src`` into ``out``.
 
     Args:
@@ -45,6 +45,9 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
             folder: ``f32 f16 bf16`` (default ``f32``). See docs/convert.md.
         force: replace ``out`` if it exists.
         progress: a progress bar on stderr; None shows one only on a terminal.
+        base: for a PEFT LoRA folder ``src`` (written to ``OUT.gguf`` as a GGUF
+            adapter, docs/adapters.md), the base model it adapts (default: the
+            folder's ``base_model_name_or_path``): its architecture and heads.
 
     Returns:
         ``out``, complete.
@@ -58,6 +61,10 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         InferError: the source cannot be read (as :func:`infer.load` raises).
     """
     out = Path(out).expanduser()
+    from infer.adapters.peft import is_peft_folder
+
+    if is_peft_folder(Path(src).expanduser()):
+        return convert_adapter(src, out, base=base, force=force)
     registry = get_registry()
     target = registry.format_for(out, target_format(out))
     if target.write is None or not target.write_types:
@@ -91,6 +98,49 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         raise
     finally:
         package.tensors.close()
+    return out
+
+
+def convert_adapter(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                    base: str | os.PathLike[str] | None = None, force: bool = False) -> Path:
+    """Write the PEFT LoRA folder ``src`` as the GGUF adapter ``out`` (float32
+    factors; rsLoRA, ``rank_pattern`` and ``alpha_pattern`` folded into
+    ``lora_b`` so that llama.cpp's one ``alpha / r`` gives each module's scale)
+    for the model ``base`` (default: the folder's ``base_model_name_or_path``).
+
+    Raises:
+        ConversionError: ``out`` is not ``*.gguf``, or no base model is known.
+        OutputExistsError: ``out`` exists and ``force`` is false.
+        AdapterError: the adapter cannot be read, or has no GGUF form.
+    """
+    from infer.adapters.gguf import write_gguf_adapter
+    from infer.adapters.peft import read_peft
+
+    out = Path(out).expanduser()
+    if target_format(out) != "gguf":
+        raise ConversionError(f"a LoRA adapter converts to a GGUF adapter: name the output *.gguf, not {out}")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExistsError(f"{out} exists; pass force=True (--force) to replace it")
+    adapter = read_peft(src)
+    base = base if base is not None else adapter.base_model
+    if not base:
+        raise ConversionError(f"{src}: adapter_config.json names no base model; pass base= (--base) to say which "
+                              f"model it adapts")
+    registry = get_registry()
+    path = resolve(base)
+    package = registry.format_for(path).open(path)
+    try:
+        config = dict(package.config)
+    finally:
+        package.tensors.close()
+    config.setdefault("model_type", package.model_type)
+    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        write_gguf_adapter(adapter, partial, package.model_type, config)
+        _replace(partial, out)
+    except BaseException:
+        _remove(partial)
+        raise
     return out
 
 

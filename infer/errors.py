@@ -233,3 +233,50 @@ class OutputExistsError(ConversionError, FileExistsError):
 class EmbeddingError(InferError, ValueError):
     """An embedding or reranking call is malformed: no texts, an empty text,
     ``dimensions`` out of range, an unknown pooling mode or prompt name."""
+
+
+# -- adapters ------------------------------------------------------------------
+
+
+class AdapterError(InferError, ValueError):
+    """A LoRA adapter cannot be read, attached or used (docs/adapters.md)."""
+
+
+class AdapterFormatError(AdapterError, FormatError):
+    """An adapter folder or file is missing a part, or holds what it should not."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """The adapter uses something infer does not run (DoRA, LoRA on
+    embeddings, trained biases, another PEFT method); the message names it."""
+
+
+class AdapterMismatchError(AdapterError):
+    """The adapter was trained for another base model: an architecture, a
+    module or a shape differs from the loaded model's."""
+
+
+class AdapterResizesEmbeddingsError(UnsupportedAdapterError):
+    """The adapter adds tokens (its embedding or output head has another
+    vocabulary size than the base model's)."""
+
+
+class AdapterLimitError(AdapterError):
+    """A limit was exceeded: ``max_lora_rank``, ``max_cpu_loras`` (adapters
+    loaded) or ``max_loras`` (adapters in one batch)."""
+
+
+class AdapterNotFoundError(AdapterError, KeyError):
+    """No adapter of that name is loaded."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterInUseError(AdapterError):
+    """The adapter is used by a running sequence (a stream still reading):
+    it cannot be unloaded or replaced now."""
+
+
+class AdapterMergeError(AdapterError):
+    """``merge=True`` is refused: a quantized base, or other adapters loaded."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
 import re
 import sys
 import time
@@ -193,6 +194,10 @@ def load(
     tensor_parallel: int | None = None,
     kv_dtype: str | None = None,
     activations: str | None = None,
+    adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+    max_loras: int | None = None,
+    max_cpu_loras: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> Model:
     """Load a model.
 
@@ -250,6 +255,13 @@ def load(
             are float are not affected; a backend without the scheme
             (:attr:`~infer.ops.Backend.activation_schemes`) is an error.
 
+        adapters: LoRA adapters to load, by name: ``{"name": path}`` (a
+            PEFT folder or a GGUF adapter file); requests ask for one with
+            ``adapter="name"`` (docs/adapters.md). More load later with
+            :meth:`Model.load_adapter`.
+        max_loras, max_cpu_loras, max_lora_rank: the adapter limits
+            (:meth:`Model.configure_adapters`; None: its defaults).
+
     ``quantize``, ``activations``, ``kv_dtype`` and ``compile`` become the
     model's :class:`~infer.ops.LoadSettings` (``model.backend.settings``),
     handed to the backend with :meth:`~infer.ops.Backend.configure`: a
@@ -299,8 +311,15 @@ def load(
     log.info("loaded %s (%s, %s) on %r in %.2f s", path, package.model_type, fmt.name, ops,
              time.perf_counter() - started)
     model = Model(package, network, ops, kv_dtype=settings.kv_dtype)
+    model.weight_sources = weights.sources  # where adapters attach (model.load_adapter)
     if capture and ops.supports("compile") and not getattr(network, "is_encoder", False):
         model.engine.capture_decode()
+    limits = {k: v for k, v in (("max_loras", max_loras), ("max_cpu_loras", max_cpu_loras),
+                                ("max_lora_rank", max_lora_rank)) if v is not None}
+    if limits:
+        model.configure_adapters(**limits)
+    for name, adapter in (adapters or {}).items():
+        model.load_adapter(name, adapter)
     return model
 
 

@@ -29,6 +29,7 @@ from infer.architecture import CausalLM
 from infer.multimodal import ImagePrompts, PromptMedia
 from infer.chat import ChatPlan, ChatReply, plan_chat
 from infer.completion import Completion, CompletionChunk, Stream, collect, incomplete, stream_chunks, texts
+from infer.adapters.slots import MAX_CPU_LORAS, MAX_LORA_RANK, MAX_LORAS, Adapters
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
 from infer.engine.generate import Generation, generate
@@ -54,6 +55,7 @@ from infer.engine.speculative import (
 )
 from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.errors import (
+    AdapterError,
     CacheFullError,
     GenerationError,
     ImageError,
@@ -116,6 +118,9 @@ class Model:
         # Set by load_state: single requests then run in the batch engine's pool and reuse its prefixes.
         self._reuse_prefixes = False
         self._image_prompts: ImagePrompts | None = None
+        #: Where each tensor of the package went (the loader's record,
+        #: :attr:`~infer.architecture.WeightLoader.sources`): what adapters attach by.
+        self.weight_sources: dict[str, tuple[Any, int]] = {}
 
     def close(self) -> None:
         """Release what the model holds beyond memory: a tensor-parallel
@@ -241,7 +246,8 @@ class Model:
         spec = self.speculation(prepared.request.speculative, prepared.request.num_speculative_tokens)
         pool = self.batch_engine.pool if self._reuse_prefixes else None
         return generate(self.engine, list(prompt_ids), prepared.sampler(), prepared.stop_conditions(), spec,
-                        kv_pool=pool)
+                        kv_pool=pool, adapter=self._adapter_of(prepared.request)[0],
+                        adapter_scale=prepared.request.adapter_scale)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """``request`` with this model's defaults filled in (sampling rules and
@@ -384,6 +390,11 @@ class Model:
                 expression, or a Lark or GBNF grammar; see docs/structured.md.
                 Raises :class:`~infer.errors.IncompleteOutputError` when
                 generation ends before the output matches in full.
+            adapter: a loaded LoRA adapter's name (:meth:`load_adapter`) to
+                generate with; for a list of prompts, also a list with one name
+                (or None: the base model) per prompt, run in one batch
+                (docs/adapters.md). Default None: the base model.
+            adapter_scale: multiplies the adapter's term (1.0: as trained).
             request: all of the above as one
                 :class:`~infer.request.GenerationRequest` (then give none of
                 them as keywords).
@@ -518,7 +529,8 @@ class Model:
         spec = self.speculation(request.speculative, request.num_speculative_tokens)
         pool = self.batch_engine.pool if self._reuse_prefixes else None
         generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec, kv_pool=pool,
-                              media=media)
+                              media=media, adapter=self._adapter_of(request)[0],
+                              adapter_scale=request.adapter_scale)
         return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
                              skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
@@ -530,6 +542,7 @@ class Model:
         request = prepared.request
         logprobs = request.logprobs
         ids = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
+        adapters = self._adapter_of(request, len(prompts))
         batch = self.batch_engine
         handles = []
         alone: list[int] = []
@@ -538,7 +551,8 @@ class Model:
                 spec = self.speculation(request.speculative, request.num_speculative_tokens)
                 try:
                     handles.append(batch.submit(prompt_ids, prepared.sampler(), prepared.stop_conditions(),
-                                                speculation=spec))
+                                                speculation=spec, adapter=adapters[i],
+                                                adapter_scale=request.adapter_scale))
                 except CacheFullError as exc:
                     # More than the batch engine's KV memory holds even alone: generated on
                     # its own afterwards, as complete(prompt) would, so the limits are the same.
@@ -557,7 +571,8 @@ class Model:
                     else:
                         chunks[batched[j]].append(chunk)
             for i in alone:
-                chunks[i] = list(self._chunks(ids[i], prepared))
+                alone_request = dataclasses.replace(prepared, request=request.replace(adapter=adapters[i]))
+                chunks[i] = list(self._chunks(ids[i], alone_request))
         finally:
             for h in handles:
                 batch.cancel(h)
@@ -801,6 +816,86 @@ class Model:
         return await asyncio.to_thread(self._locked, self.chat, messages, **kwargs)
 
     # -- helpers ---------------------------------------------------------------------
+
+    # -- LoRA adapters (docs/adapters.md) -------------------------------------------------
+
+    @property
+    def adapters(self) -> Adapters:
+        """The model's LoRA adapters (:class:`~infer.adapters.slots.Adapters`:
+        ``.loaded`` by name, the limits), made on first use with the default limits."""
+        engine = self.engine
+        if engine.adapters is None:
+            engine.adapters = Adapters(self.network, self.backend, self.weight_sources,
+                                       config=self.config)
+        return engine.adapters
+
+    def configure_adapters(self, *, max_loras: int = MAX_LORAS, max_cpu_loras: int = MAX_CPU_LORAS,
+                           max_lora_rank: int = MAX_LORA_RANK) -> None:
+        """Set the adapter limits (vLLM's names): ``max_loras`` adapters in one
+        batch, ``max_cpu_loras`` adapters loaded, ``max_lora_rank`` the
+        largest rank loaded. Exceeding one is an
+        :class:`~infer.errors.AdapterLimitError`. Refused while adapters are loaded."""
+        if self.engine.adapters is not None and self.engine.adapters.loaded:
+            raise AdapterError("configure_adapters before loading adapters (unload them first)")
+        self.engine.adapters = Adapters(self.network, self.backend, self.weight_sources, max_loras=max_loras,
+                                        max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+                                        config=self.config)
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str], *, merge: bool = False) -> None:
+        """Load the LoRA adapter at ``path`` (a PEFT folder, or a GGUF adapter
+        file) under ``name``; requests then ask for it with ``adapter=name``.
+        Loading under a name already loaded replaces that adapter (its cached
+        prefixes are never reused: the prefix cache keys by the adapter's content).
+
+        ``merge=True`` adds the adapter into the weights instead: every
+        request then runs it, at the speed of the base model; only on a
+        float base (a quantized one is refused, it would become float) and
+        with no other adapter loaded. :meth:`unload_adapter` subtracts it again.
+
+        Raises:
+            AdapterFormatError, UnsupportedAdapterError, AdapterResizesEmbeddingsError:
+                the adapter cannot be read or is not supported (DoRA, added tokens, ...).
+            AdapterMismatchError: it was made for another base model.
+            AdapterLimitError: over ``max_lora_rank`` or ``max_cpu_loras``.
+            AdapterInUseError: replacing an adapter a running request uses.
+            AdapterMergeError: ``merge`` refused (quantized base, other adapters).
+        """
+        with self._lock:
+            self.adapters.load(name, path, merge=merge)
+            if merge:
+                self._recapture()
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name``.
+
+        Raises:
+            AdapterNotFoundError: none is loaded under ``name``.
+            AdapterInUseError: a running request (a stream not yet finished) uses it;
+                its output is never changed.
+        """
+        with self._lock:
+            merged = self.adapters.get(name).merged
+            self.adapters.unload(name)
+            if merged:
+                self._recapture()
+
+    def _recapture(self) -> None:
+        """Captured steps hold the weights they were recorded with: after a
+        merge changed them, record anew."""
+        engine = self.engine
+        if engine.decode_step is not None:
+            engine.capture_decode(compile=engine.decode_step.compiled)
+
+    def _adapter_of(self, request: GenerationRequest, prompts: int | None = None) -> list[str | None]:
+        """The request's adapter per prompt (``prompts`` None: one prompt)."""
+        adapter = request.adapter
+        if isinstance(adapter, tuple):
+            if prompts is None or len(adapter) != prompts:
+                raise GenerationError(f"adapter lists {len(adapter)} names for "
+                                      f"{'one prompt' if prompts is None else f'{prompts} prompts'}; give one name, "
+                                      f"or one per prompt")
+            return list(adapter)
+        return [adapter] * (prompts or 1)
 
     def _max_tokens(self, max_tokens: int | None) -> int:
         if max_tokens is None:

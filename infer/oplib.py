@@ -425,6 +425,31 @@ def sharded_linear(ops: Ops, x: Array, weight: Any, bias: Array | None = None) -
     return y if bias is None else ops.add(y, bias)
 
 
+def lora_segments(slots: np.ndarray, scales: np.ndarray) -> list[tuple[slice | np.ndarray, int]]:
+    """The rows of a forward that use each adapter slot (scale not 0), as
+    ``(rows, slot)``: a slice where they are contiguous (a sequence's rows:
+    Punica's segments), else their indices. What the native
+    :meth:`~infer.ops.Backend.lora_linear` bodies loop over."""
+    slots, active = np.asarray(slots).reshape(-1), np.asarray(scales).reshape(-1) != 0
+    out: list[tuple[slice | np.ndarray, int]] = []
+    for slot in np.unique(slots[active]):
+        idx = np.flatnonzero(active & (slots == slot))
+        out.append((slice(int(idx[0]), int(idx[-1]) + 1) if idx[-1] - idx[0] + 1 == len(idx) else idx, int(slot)))
+    return out
+
+
+def lora_linear(ops: Ops, x: Array, weight: Any, bias: Array | None, a: Array, b: Array, slots: Array,
+                scales: Array) -> Array:
+    """:meth:`~infer.ops.Backend.lora_linear`'s default: every row's factors
+    gathered (``take``), then two batched products, Punica's BGMV form."""
+    t, d_in = ops.shape(x)
+    d_out = ops.shape(b)[1]
+    y = ops.linear(x, weight, bias)
+    u = ops.matmul(ops.take(a, slots, axis=0), ops.reshape(x, (t, d_in, 1)))  # [t, rank, 1]
+    d = ops.reshape(ops.matmul(ops.take(b, slots, axis=0), u), (t, d_out))  # [t, out]
+    return ops.add(y, ops.mul(d, ops.reshape(ops.astype(scales, ops.dtype(d)), (t, 1))))
+
+
 def topk(ops: Ops, x: Array, k: int) -> tuple[Array, Array]:
     """:meth:`~infer.ops.Backend.topk`'s default: sorted on the host
     (``to_numpy``, a stable sort, ``from_numpy``), one round trip per call."""

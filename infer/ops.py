@@ -67,7 +67,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
     "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
-    "clip",
+    "clip", "lora_linear",
 )
 
 
@@ -226,6 +226,53 @@ class ShardedWeight:
 
     def __repr__(self) -> str:
         return f"ShardedWeight({self.combine}, shape={list(self.shape)})"
+
+
+class AdapterRows:
+    """Which adapter each row of the current forward uses: what every
+    :class:`AdaptedWeight` of a model reads (one instance per model, set by
+    the engine before each forward, cleared after).
+
+    ``slots`` ``[tokens]`` int32 and ``scales`` ``[tokens]`` float, backend
+    arrays: row ``i`` adds ``scales[i]`` times the low-rank product of pool
+    slot ``slots[i]`` (a row of the base model has scale 0). ``slots`` None:
+    no row uses an adapter, and an adapted weight is its base weight."""
+
+    __slots__ = ("slots", "scales")
+
+    def __init__(self) -> None:
+        self.slots: Any = None
+        self.scales: Any = None
+
+
+class AdaptedWeight:
+    """A linear weight with low-rank adapters beside it (LoRA: Hu et al.
+    2021, "LoRA: Low-Rank Adaptation of Large Language Models").
+
+    ``linear`` of it is :meth:`Backend.adapted_linear`: the base product, on
+    :attr:`base` as :meth:`Backend.prepare_weight` returned it (quantized
+    stays quantized), plus each row's adapter term through
+    :meth:`Backend.lora_linear`. :attr:`a` ``[slots, rank, in]`` and
+    :attr:`b` ``[slots, out, rank]`` stack every loaded adapter's factors
+    (zero-padded to one rank; the adapter's scale folded into ``b``), and
+    :attr:`rows` says which slot each row of the forward reads. Backends
+    dispatch on it in ``linear`` as on :class:`PackedWeight`; architectures
+    never see the difference (docs/adapters.md)."""
+
+    __slots__ = ("base", "a", "b", "rows", "shape")
+
+    def __init__(self, base: Any, shape: tuple[int, ...], rows: AdapterRows) -> None:
+        #: The weight the model was loaded with.
+        self.base = base
+        #: Logical shape ``[out, in]``.
+        self.shape = tuple(int(d) for d in shape)
+        #: ``[slots, rank, in]`` and ``[slots, out, rank]``, or None (no adapter adapts this weight).
+        self.a: Any = None
+        self.b: Any = None
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"AdaptedWeight({self.base!r:.60}, shape={list(self.shape)})"
 
 
 @dataclass(frozen=True)
@@ -917,6 +964,38 @@ class Backend(abc.ABC):
         added to the whole output). Backends call it from :meth:`linear`."""
         return oplib.sharded_linear(self, x, weight, bias)
 
+    def lora_linear(self, x: Array, weight: Array, bias: Array | None, a: Array, b: Array, slots: Array,
+                    scales: Array) -> Array:
+        """:meth:`linear` plus each row's low-rank adapter term, rows using
+        different adapters or none in one call (Punica's segmented/gathered
+        products, Chen et al. 2023):
+
+            y[i] = x[i] @ weight.T + bias + scales[i] * (x[i] @ a[slots[i]].T) @ b[slots[i]].T
+
+        x: ``[tokens, in]``; weight and bias as for :meth:`linear` (any form
+        :meth:`prepare_weight` returns: the base product is :meth:`linear`'s);
+        a: ``[slots, rank, in]``; b: ``[slots, out, rank]``; slots:
+        ``[tokens]`` int32 in ``[0, slots)``; scales: ``[tokens]`` float (a
+        row with scale 0 is the base model's). Returns ``[tokens, out]``.
+
+        Default: the gathered form from required ops (:meth:`take` of each
+        row's factors, two batched :meth:`matmul`); a backend may compute it
+        by segments of rows sharing a slot instead."""
+        return oplib.lora_linear(self, x, weight, bias, a, b, slots, scales)
+
+    def adapted_linear(self, x: Array, weight: AdaptedWeight, bias: Array | None = None) -> Array:
+        """``linear`` of an :class:`AdaptedWeight`: :meth:`lora_linear` over
+        its pools where a row of this forward uses an adapter, else
+        :meth:`linear` of its base. Backends call it from :meth:`linear`; a
+        helper, not an op."""
+        rows = weight.rows
+        if rows.slots is None or weight.a is None:
+            return self.linear(x, weight.base, bias)
+        shape = self.shape(x)
+        x2 = self.reshape(x, (-1, shape[-1])) if len(shape) != 2 else x
+        y = self.lora_linear(x2, weight.base, bias, weight.a, weight.b, rows.slots, rows.scales)
+        return self.reshape(y, (*shape[:-1], weight.shape[0])) if len(shape) != 2 else y
+
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         """The ``k`` largest entries along the last axis: ``(values, indices)``,
         each ``[..., k]``, largest first; among equal values the lower index
@@ -1084,7 +1163,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ACTIVATION_SCHEMES", "API_VERSION", "Array", "AttentionBatch", "Backend", "FLOAT_DTYPES", "INT_DTYPES",
+    "ACTIVATION_SCHEMES", "API_VERSION", "AdaptedWeight", "AdapterRows", "Array", "AttentionBatch", "Backend", "FLOAT_DTYPES", "INT_DTYPES",
     "LoadSettings", "OPTIONAL_OPS", "PackedWeight", "QUANTIZE_SCHEMES", "QuantizedTensor", "REQUIRED_OPS",
     "ShardedWeight", "is_float_dtype",
 ]

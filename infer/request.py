@@ -17,6 +17,7 @@ model's generation config, nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, TypedDict, Union
@@ -95,6 +96,10 @@ class GenerateOptions(SamplingOptions, total=False):
     json_schema: dict[str, Any] | bool | str | None
     regex: str | None
     grammar: str | None
+    #: A loaded LoRA adapter's name (for a list of prompts: one name, or a
+    #: list with one name or None per prompt); None: the base model.
+    adapter: str | Sequence[str | None] | None
+    adapter_scale: float
 
 
 class GenerationOptions(GenerateOptions, total=False):
@@ -195,6 +200,12 @@ class GenerationRequest:
     reasoning_parser: str | None = None
     #: The tool-call format's name (:mod:`infer.tool_parsers`); None: chosen from the template.
     tool_parser: str | None = None
+    #: The LoRA adapter (a loaded adapter's name) the request runs with; None:
+    #: the base model. For a list of prompts, also a tuple with one name (or
+    #: None) per prompt (docs/adapters.md).
+    adapter: str | tuple[str | None, ...] | None = None
+    #: Multiplies the adapter's term (1.0: as trained; 0: the base model).
+    adapter_scale: float = 1.0
 
     def __post_init__(self) -> None:
         def count(name: str, value: object, low: int = 0) -> None:
@@ -233,6 +244,15 @@ class GenerationRequest:
                         f"({sorted(names) or 'none given'})")
             if self.tool_choice == "required" and not self.tools:
                 raise SamplingParameterError("tool_choice 'required' needs tools")
+        if isinstance(self.adapter, list):
+            object.__setattr__(self, "adapter", tuple(self.adapter))
+        names = self.adapter if isinstance(self.adapter, tuple) else (self.adapter,)
+        if not all(a is None or (isinstance(a, str) and a) for a in names):
+            raise SamplingParameterError(f"adapter must be an adapter's name (or a list of names for a list of "
+                                         f"prompts), got {self.adapter!r}")
+        if not isinstance(self.adapter_scale, (int, float)) or isinstance(self.adapter_scale, bool) or \
+                not math.isfinite(self.adapter_scale):
+            raise SamplingParameterError(f"adapter_scale must be a finite number, got {self.adapter_scale!r}")
         if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
             raise SamplingParameterError(f"enable_thinking must be true or false, got {self.enable_thinking!r}")
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:

@@ -56,10 +56,11 @@ import numpy as np
 
 from infer.backends.cpu.mxfp4 import mxfp4_linear
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, row_run, rows_within, span_rows
+from infer.oplib import attention_mask, lora_segments, row_run, rows_within, span_rows
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
+    AdaptedWeight,
     Array,
     AttentionBatch,
     Backend,
@@ -98,7 +99,7 @@ class CpuBackend(Backend):
     float_dtypes = ("float32",)
     kv_dtypes = frozenset({"float16"})  # KV pools stored narrower: attention reads them widened
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "attention_spans", "prepare_weight",
-                            "quantized_linear", "topk", "clip", "ssd"}
+                            "quantized_linear", "topk", "clip", "ssd", "lora_linear"}
                            | ({"compile"} if hasattr(_native, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: ``activations="q8"``: the products of two or more rows on quantized
@@ -313,6 +314,8 @@ class CpuBackend(Backend):
         return np.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if type(weight) is AdaptedWeight:
+            return self.adapted_linear(x, weight, bias)
         if type(weight) is PackedWeight:
             gemv = weight.kernel
             if gemv is not None and bias is None and type(x) is np.ndarray and x.dtype == np.float32:
@@ -355,6 +358,18 @@ class CpuBackend(Backend):
             y = x @ weight.T  # BLAS reads the transposed view without a copy
         if bias is not None:
             y += bias
+        return y
+
+    def lora_linear(self, x: Array, weight: Array, bias: Array | None, a: Array, b: Array, slots: Array,
+                    scales: Array) -> Array:
+        """By segments (Punica's SGMV): the base product once, then per adapter
+        slot one pair of small products over its rows, added in place."""
+        y = np.require(self.linear(x, weight, bias), np.float32, ["C", "W"])
+        sc = np.asarray(scales, np.float32)
+        for rows, slot in lora_segments(slots, sc):
+            u = x[rows] @ a[slot].T  # [n, rank]
+            u *= sc[rows, None]
+            y[rows] += u @ b[slot].T
         return y
 
     # -- elementwise ---------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from infer.errors import CaptureError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AttentionBatch, Backend, PackedWeight
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, AttentionBatch, Backend, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -417,6 +417,10 @@ class Recorder:
     # -- the layer's kernels -------------------------------------------------------
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        if type(weight) is AdaptedWeight:
+            if weight.rows.slots is not None:
+                raise NotCapturable("linear with LoRA adapter rows: such steps run eagerly")
+            weight = weight.base  # a base-only step: the engine runs steps with adapter rows eagerly
         xp = _plain(x)
         if self.dynamic(weight) or not _f32(xp):
             raise NotCapturable(f"linear of {getattr(xp, 'dtype', type(xp))} with a traced weight")

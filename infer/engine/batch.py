@@ -75,6 +75,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from infer.adapters.slots import AdapterUse
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample, sample_host
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
@@ -119,8 +120,10 @@ class RequestHandle:
     (``"stop"``, ``"length"`` or ``"cancelled"``)."""
 
     def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions,
-                 speculation: Speculation | None = None, media: Any = None):
+                 speculation: Speculation | None = None, media: Any = None, adapter: AdapterUse | None = None):
         self.engine = engine
+        #: The request's LoRA adapter (None: the base model); kept across preemptions.
+        self.adapter = adapter
         self.id = rid
         self.prompt = prompt
         self.sampler = sampler
@@ -243,13 +246,17 @@ class BatchEngine:
 
     def submit(
         self, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
-        speculation: Speculation | None = None, media: Any = None,
+        speculation: Speculation | None = None, media: Any = None, *, adapter: str | AdapterUse | None = None,
+        adapter_scale: float = 1.0,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
         ``sampling`` is its rules, or a :class:`~infer.engine.sampling.Sampler`
         made for it (one that records log-probabilities; one per request).
         With a :class:`~infer.engine.speculative.Speculation`, each of its forwards
         verifies draft tokens (see :mod:`infer.engine.speculative`).
+        ``adapter``: a loaded LoRA adapter's name (or a hold on one) the
+        request runs with, its term times ``adapter_scale``; requests of
+        different adapters and of the base model share each step.
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
         ``max_tokens`` could not fit even in an empty pool. ``media``: the
@@ -259,6 +266,7 @@ class BatchEngine:
         """
         self.engine.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
+        use = self.engine.adapter_use(adapter, adapter_scale)
         if speculation is not None:
             name = speculation.source.name
             totals = self.stats.speculative.setdefault(name, SpeculativeStats(name))
@@ -267,10 +275,12 @@ class BatchEngine:
         with self._lock:
             sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
             sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
-            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation, media)
+            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation, media, use)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
+                if use is not None:
+                    use.done = True
                 return handle
             self.budget.check(len(prompt), stop.max_tokens, handle._total())
             self.waiting.append(handle)
@@ -332,7 +342,7 @@ class BatchEngine:
             handle = self.waiting[0]
             running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]
             extra = b"" if handle.media is None else handle.media.extra_key
-            seq = self.budget.admit(handle._total(), handle._known(), running, extra)  # type: ignore[arg-type]
+            seq = self.budget.admit(handle._total(), handle._known(), running, extra, handle.adapter)  # type: ignore[arg-type]
             if seq is None:
                 return
             seq.media = handle.media
@@ -468,6 +478,8 @@ class BatchEngine:
     def _finish(self, r: RequestHandle, reason: str) -> None:
         self._release(r)
         r.finish_reason = reason
+        if r.adapter is not None:  # it no longer holds its adapter (a preempted request keeps it)
+            r.adapter.done = True
 
     def _release(self, r: RequestHandle) -> None:
         if r._seq is not None:

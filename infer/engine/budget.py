@@ -31,6 +31,7 @@ import abc
 import logging
 from collections.abc import Sequence
 
+from infer.adapters.slots import AdapterUse
 from infer.engine.runner import Engine, SequenceState
 from infer.errors import CacheFullError
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -56,13 +57,17 @@ class KVBudget(abc.ABC):
     @abc.abstractmethod
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         """A sequence for a request of at most ``positions``, whose ``known``
         tokens are its prompt and what it generated before a preemption;
         None while the ``running`` requests (each its sequence and number of
         known tokens) leave too little. The sequence's tokens are those its
-        cache starts with (a reused prefix); ``extra_key`` keys its cached
-        blocks beside its tokens (:func:`infer.kv.blocks.root_hash`)."""
+        cache starts with (a reused prefix). ``extra_key`` keys its cached
+        blocks beside its tokens (:func:`infer.kv.blocks.root_hash`: a prompt's
+        images); ``adapter``: the request's LoRA adapter, which the sequence
+        carries (its prefix is looked up under the adapter's keys and
+        ``extra_key`` together)."""
 
     @abc.abstractmethod
     def blocked(self, request: int, positions: int) -> CacheFullError:
@@ -103,15 +108,16 @@ class PagedBudget(KVBudget):
 
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         pool = self.pool
         if _slots_short(self.engine, running):
             return None
         try:
-            cache = pool.new_sequence(positions)
+            # The adapter's key and the images' together: a block is shared only under both.
+            cache = pool.new_sequence(positions, extra_key=(b"" if adapter is None else adapter.extra_key) + extra_key)
         except CacheFullError:  # no recurrent state slot free
             return None
-        cache.extra_key = extra_key
         # The last known token is left to compute, its logits giving the next token, unless the prefix
         # cache kept them with every known position (a restored state: cache.kept_logits).
         reused, _ = cache.reuse_prompt(known)
@@ -129,7 +135,7 @@ class PagedBudget(KVBudget):
         if any(v > 0 for v in short.values()):
             cache.free()
             return None
-        return SequenceState(tokens=list(known[:reused]), cache=cache)
+        return SequenceState(tokens=list(known[:reused]), cache=cache, adapter=adapter)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
         alloc = self.pool.allocator
@@ -171,6 +177,7 @@ class ContiguousBudget(KVBudget):
 
     def admit(
         self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
+        adapter: AdapterUse | None = None,
     ) -> SequenceState | None:
         if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions or _slots_short(
                 self.engine, running):
@@ -180,7 +187,7 @@ class ContiguousBudget(KVBudget):
             cache = engine.contiguous_cache(positions)
         except CacheFullError:  # no recurrent state slot free
             return None
-        return SequenceState(tokens=[], cache=cache)
+        return SequenceState(tokens=[], cache=cache, adapter=adapter)
 
     def blocked(self, request: int, positions: int) -> CacheFullError:
         # Not reached: with nothing running the whole budget is free, and

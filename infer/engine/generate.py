@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from infer.adapters.slots import AdapterUse
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import DraftJob, Speculation, SpeculativeStats, verify
@@ -89,6 +90,7 @@ class Generation:
 def generate(
     engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
     speculation: Speculation | None = None, *, kv_pool: PagedKVPool | None = None, media: Any = None,
+    adapter: str | AdapterUse | None = None, adapter_scale: float = 1.0,
 ) -> Generation:
     """Start a request; iterate the result for its new token ids. ``sampling``
     is its rules, or a :class:`~infer.engine.sampling.Sampler` made for it
@@ -99,32 +101,45 @@ def generate(
     pages of it and starts from the longest prefix of its prompt that the
     pool's prefix cache holds (:attr:`Generation.cached_tokens`). ``media``:
     the prompt's images (:class:`infer.multimodal.PromptMedia`), which key
-    its cached blocks too."""
+    its cached blocks too. ``adapter``: a loaded LoRA adapter's name (or a
+    hold on one) every forward runs with, its term times ``adapter_scale``."""
     engine.check_prompt(prompt_ids)
+    use = engine.adapter_use(adapter, adapter_scale)
     prompt = [int(t) for t in prompt_ids]
     sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
     sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats, sampler=sampler)
-    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool, media)
+    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool, media, use)
     return gen
 
 
 def _tokens(
     engine: Engine, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation | None,
-    gen: Generation, kv_pool: PagedKVPool | None, media: Any = None,
+    gen: Generation, kv_pool: PagedKVPool | None, media: Any = None, adapter: AdapterUse | None = None,
+) -> Iterator[int]:
+    try:
+        yield from _run_tokens(engine, prompt, sampler, stop, spec, gen, kv_pool, media, adapter)
+    finally:  # the request no longer holds its adapter, however it ended
+        if adapter is not None:
+            adapter.done = True
+
+
+def _run_tokens(
+    engine: Engine, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation | None,
+    gen: Generation, kv_pool: PagedKVPool | None, media: Any, adapter: AdapterUse | None,
 ) -> Iterator[int]:
     if stop.max_tokens == 0:
         gen.finish_reason = "length"
         return
-    seq = engine.new_sequence(len(prompt) + stop.max_tokens, kv_pool=kv_pool)
+    seq = engine.new_sequence(len(prompt) + stop.max_tokens, kv_pool=kv_pool, adapter=adapter)
     seq.media = media
     drafting = None if spec is None else Drafting(spec)
     try:
         found = None
         if kv_pool is not None:  # the last token is left to compute, unless its logits were kept
-            if media is not None:
-                seq.cache.extra_key = media.extra_key  # type: ignore[attr-defined]
+            if media is not None:  # after the adapter's key (engine.new_sequence): shared only under both
+                seq.cache.extra_key += media.extra_key  # type: ignore[attr-defined]
             if drafting is not None and drafting.spec.source.needs_hidden:
                 # An MTP source drafts from the last token's hidden state, which is not kept with its logits.
                 gen.cached_tokens = seq.cache.reuse_prefix(prompt[:-1])  # type: ignore[attr-defined]

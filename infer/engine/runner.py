@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from infer.adapters.slots import Adapters, AdapterUse
 from infer.architecture import CausalLM
 from infer.engine.capture import CapturedBatchDecode, CapturedDecode, capacity_bucket
-from infer.errors import BackendOutputError, CacheConfigError, ContextLengthError, GenerationError
+from infer.errors import AdapterNotFoundError, BackendOutputError, CacheConfigError, ContextLengthError, GenerationError
 from infer.kv.attention import AttentionContext, Recurrent, SequenceSlice, state_groups
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -55,6 +56,13 @@ class SequenceState:
     #: Its prompt's images (:class:`infer.multimodal.PromptMedia`), or None:
     #: every forward over it carries what they say of its positions.
     media: Any = None
+    #: The LoRA adapter the sequence runs with (None: the base model);
+    #: every forward of the sequence uses it (docs/adapters.md).
+    adapter: AdapterUse | None = None
+
+    def __post_init__(self) -> None:
+        if self.adapter is not None:  # held again (a preempted request readmitted)
+            self.adapter.done = False
 
     @property
     def cached(self) -> int:
@@ -217,6 +225,8 @@ class Engine:
         self.decode_step: CapturedDecode | None = None
         #: The captured decode forward of paged sequences, one token each, when on.
         self.batch_step: CapturedBatchDecode | None = None
+        #: The model's LoRA adapters (None until one is loaded: ``Model.load_adapter``).
+        self.adapters: Adapters | None = None
 
     def capture_decode(self, *, compile: bool = True) -> CapturedDecode:
         """Run decode steps through captured graphs from now on
@@ -233,17 +243,36 @@ class Engine:
 
     # -- sequences ----------------------------------------------------------
 
-    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None) -> SequenceState:
+    def new_sequence(self, capacity: int | None = None, *, kv_pool: PagedKVPool | None = None,
+                     adapter: str | AdapterUse | None = None, adapter_scale: float = 1.0) -> SequenceState:
         """A fresh sequence whose cache holds ``capacity`` positions (default:
         the model's context): pages of ``kv_pool`` (default: the engine's
-        :attr:`kv_pool`), or a contiguous cache when there is no pool."""
+        :attr:`kv_pool`), or a contiguous cache when there is no pool.
+        ``adapter``: the name of a loaded LoRA adapter (or a hold on one,
+        :meth:`adapter_use`) every forward of the sequence runs with, its term
+        times ``adapter_scale``; its prefix-cache keys are the adapter's own."""
+        use = self.adapter_use(adapter, adapter_scale)
         capacity = self.max_context if capacity is None else min(capacity, self.max_context)
         pool = kv_pool if kv_pool is not None else self.kv_pool
         if pool is not None:
-            return SequenceState(tokens=[], cache=pool.new_sequence(capacity))
+            cache = pool.new_sequence(capacity, extra_key=b"" if use is None else use.extra_key)
+            return SequenceState(tokens=[], cache=cache, adapter=use)
         if self.decode_step is not None:
             capacity = capacity_bucket(capacity, self.max_context)
-        return SequenceState(tokens=[], cache=self.contiguous_cache(capacity))
+        return SequenceState(tokens=[], cache=self.contiguous_cache(capacity), adapter=use)
+
+    def adapter_use(self, adapter: str | AdapterUse | None, scale: float = 1.0) -> AdapterUse | None:
+        """A sequence's hold on adapter ``adapter`` (a name; a hold is returned
+        as it is; None: the base model).
+
+        Raises:
+            AdapterNotFoundError: no adapter of that name is loaded.
+        """
+        if adapter is None or isinstance(adapter, AdapterUse):
+            return adapter
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"no adapter named {adapter!r} is loaded (loaded: none)")
+        return self.adapters.use(adapter, scale)
 
     def contiguous_cache(self, capacity: int) -> ContiguousKVCache:
         """A contiguous cache of ``capacity`` positions for this model (its
@@ -266,8 +295,11 @@ class Engine:
             self.run(self.prepare([seq], [replay]))
 
     def release(self, seq: SequenceState) -> None:
-        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back now."""
+        """Done with ``seq``: its cache's memory (a paged cache's pages) goes back
+        now, and it no longer holds its adapter."""
         seq.cache.free()
+        if seq.adapter is not None:
+            seq.adapter.done = True
 
     def new_kv_pool(
         self, *, block_size: int = 16, num_blocks: int | None = None, memory_budget: int | None = None,
@@ -374,6 +406,14 @@ class Engine:
     def _forward(self, batch: Batch) -> tuple[Array, Array | None]:
         """The network over ``batch``: the logits of the rows it asks for,
         and every new token's hidden states when it asks for them."""
+        adapters = self.adapters
+        if adapters is not None and any(seq.adapter is not None for seq in batch.seqs) and adapters.bind(
+                [seq.adapter for seq in batch.seqs], [len(ids) for ids in batch.token_ids]):
+            # Rows with adapters run eagerly: a captured step holds the base products only.
+            try:
+                return self._eager_forward(batch)
+            finally:
+                adapters.unbind()
         ops = self.backend
         if (self.batch_step is not None and not batch.capture_hidden
                 and all(isinstance(s.cache, PagedSequenceCache) and s.cache.states is None and _plain(s)
@@ -382,6 +422,10 @@ class Engine:
             logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens)  # type: ignore[arg-type]
             if logits is not None:
                 return logits, None
+        return self._eager_forward(batch)
+
+    def _eager_forward(self, batch: Batch) -> tuple[Array, Array | None]:
+        ops = self.backend
         ctx = AttentionContext(ops, batch.slices)
         hidden = self.model.forward(ops.from_numpy(batch.ids), ctx)
         logits = self.model.compute_logits(_rows(ops, hidden, batch.logit_tokens))
@@ -393,7 +437,8 @@ class Engine:
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
         if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None
-                or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))):
+                or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))
+                or (seq.adapter is not None and not seq.adapter.loaded.merged)):
             return None
         self.check_tokens([token])
         nxt = self.decode_step(seq.cache, token)

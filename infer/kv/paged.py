@@ -206,10 +206,17 @@ class PagedKVPool(LayerStore):
 
     # -- sequences --------------------------------------------------------------------
 
-    def new_sequence(self, capacity: int) -> PagedSequenceCache:
-        """An empty sequence of at most ``capacity`` positions."""
+    def new_sequence(self, capacity: int, *, extra_key: bytes = b"") -> PagedSequenceCache:
+        """An empty sequence of at most ``capacity`` positions. ``extra_key``:
+        what its keys and values depend on besides its tokens (a LoRA
+        adapter's content, images), folded into the root of its prefix-cache
+        keys (:func:`~infer.kv.blocks.root_hash`): it shares blocks only with
+        sequences of the same extra key."""
         states = None if self.state_store is None else self.state_store.new_sequence()
-        return PagedSequenceCache(self, BlockTable(), capacity, states=states)
+        tables = [BlockTable() for _ in self.windows]
+        cache = PagedSequenceCache(self, tables[0], capacity, tables=tables, states=states)
+        cache.extra_key = extra_key  # sets every table's root
+        return cache
 
     def stats(self) -> PoolStats:
         """Block counts of group 0 (see :class:`~infer.kv.blocks.PoolStats`)."""
@@ -310,7 +317,7 @@ class PagedSequenceCache(SequenceCache):
         self.pool = pool
         self.table = table
         #: Per state group its block table (``tables[0] is table``).
-        self.tables = [table] + [BlockTable() for _ in pool.windows[1:]] if tables is None else tables
+        self.tables = [table] + [BlockTable(root=table.root) for _ in pool.windows[1:]] if tables is None else tables
         #: Most positions this sequence may hold (its context).
         self.capacity = capacity
         #: Token ids of the committed positions (the prefix-cache keys).

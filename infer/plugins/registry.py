@@ -106,6 +106,12 @@ class FormatSpec:
     #: types ``type`` accepts, the default first.
     write: Callable[..., None] | None = None
     write_types: tuple[str, ...] = ()
+    #: Optional, for LoRA adapters stored in this format (docs/adapters.md):
+    #: ``read_adapter(path, config)`` -> ``(model_type, {hf module: (a [r, in], b [out, r],
+    #: scale)})`` (``config``: the base model's config.json, for layouts that need it), and
+    #: ``write_adapter(path, model_type, modules, config, *, alpha=None)`` writes them.
+    read_adapter: Callable[..., Any] | None = None
+    write_adapter: Callable[..., None] | None = None
 
 
 @dataclass(frozen=True)

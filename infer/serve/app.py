@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -59,6 +60,10 @@ DEFAULT_MAX_BODY_BYTES = 2**20
 #: Requests that may wait for admission before new ones get 429.
 DEFAULT_MAX_QUEUE = 256
 
+#: The LoRA adapter the current request names as its ``model`` (set by
+#: :meth:`Server.check_model`; None: the base model).
+_ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("infer_serve_adapter", default=None)
+
 
 def create_app(
     model: Model, *, model_name: str | None = None, api_key: str | None = None,
@@ -66,6 +71,7 @@ def create_app(
     batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: str | os.PathLike[str] | None = None,
     allowed_media_domains: Sequence[str] = (),
+    enable_adapter_updates: bool = False, adapter_scales: dict[str, float] | None = None,
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's completions, chat
     completions, Responses and embeddings APIs, Anthropic's Messages API and
@@ -97,6 +103,12 @@ def create_app(
         allowed_media_domains: hosts (and their subdomains) whose ``http(s)``
             image URLs the server fetches; every other remote image is a 400
             (:mod:`infer.serve.media`; images as ``data:`` URLs always work).
+        enable_adapter_updates: the operator's switch for loading and
+            unloading LoRA adapters at run time (``POST /v1/load_lora_adapter``,
+            ``/v1/unload_lora_adapter``; off: those routes do not exist).
+            Loaded adapters are served either way, each as a ``model`` id of
+            its own (docs/adapters.md).
+        adapter_scales: per adapter name, the ``adapter_scale`` its requests run with (default 1.0).
     """
     if reasoning_parser not in (None, "none"):
         get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
@@ -132,6 +144,10 @@ def create_app(
         Route("/v1/reranking", server.rerank, methods=["POST"]),
         Route("/slots/{name:path}", server.slots, methods=["POST"]),
     ]
+    if enable_adapter_updates:
+        routes += [Route("/v1/load_lora_adapter", server.load_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", server.unload_adapter, methods=["POST"])]
+    server.adapter_scales.update(adapter_scales or {})
     handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, InferError: infer_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
@@ -190,6 +206,8 @@ class Server:
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self.name = name
+        #: The ``adapter_scale`` requests to each adapter run with (``--lora PATH:SCALE``).
+        self.adapter_scales: dict[str, float] = {}
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
         self.loop = EngineLoop(batch, max_queue=max_queue, on_tokens=lambda *args: self.metrics.on_tokens(*args))
@@ -206,31 +224,82 @@ class Server:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    def _card(self, request: Request) -> dict[str, Any]:
+    def _card(self, request: Request, adapter: str | None = None) -> dict[str, Any]:
+        name = adapter or self.name
         if "anthropic-version" in request.headers:  # Anthropic's client lists models in its own shape
             created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
-            return {"type": "model", "id": self.name, "display_name": self.name, "created_at": created}
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+            return {"type": "model", "id": name, "display_name": name, "created_at": created}
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "infer",
                 "max_model_len": self.model.context_length}
+        if adapter is not None:  # vLLM's card of an adapter: its base is the parent
+            card.update(root=self.model.engine.adapters.get(adapter).adapter.path, parent=self.name)
+        return card
 
     async def models(self, request: Request) -> Response:
+        cards = [self._card(request), *(self._card(request, name) for name in self.adapter_names())]
         if "anthropic-version" in request.headers:
-            return JSONResponse({"data": [self._card(request)], "has_more": False, "first_id": self.name,
-                                 "last_id": self.name})
-        return JSONResponse({"object": "list", "data": [self._card(request)]})
+            return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"],
+                                 "last_id": cards[-1]["id"]})
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model_card(self, request: Request) -> Response:
-        self.check_model(request.path_params["name"])
-        return JSONResponse(self._card(request))
+        name = request.path_params["name"]
+        self.check_model(name)
+        return JSONResponse(self._card(request, None if name == self.name else name))
+
+    # -- LoRA adapters at run time (an operator's switch: enable_adapter_updates) --------------
+
+    async def load_adapter(self, request: Request) -> Response:
+        """``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (vLLM's
+        endpoint): load, or replace while unused, an adapter; run on the
+        engine thread between two steps."""
+        body = await self.read_body(request)
+        name, path = self._adapter_field(body, "lora_name"), self._adapter_field(body, "lora_path")
+        if name == self.name:
+            raise RequestError(f"lora_name {name!r} is the served model's own name", "lora_name")
+        await self.loop.call(lambda: self.model.load_adapter(name, path))
+        scale = body.get("lora_scale", 1.0)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise RequestError(f"lora_scale must be a number, got {scale!r}", "lora_scale")
+        self.adapter_scales[name] = float(scale)
+        return JSONResponse({"object": "lora_adapter", "id": name, "status": "loaded"})
+
+    async def unload_adapter(self, request: Request) -> Response:
+        """``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: 409 while a running stream uses it."""
+        body = await self.read_body(request)
+        name = self._adapter_field(body, "lora_name")
+        await self.loop.call(lambda: self.model.unload_adapter(name))
+        self.adapter_scales.pop(name, None)
+        return JSONResponse({"object": "lora_adapter", "id": name, "status": "unloaded"})
+
+    @staticmethod
+    def _adapter_field(body: Any, key: str) -> str:
+        value = body.get(key) if isinstance(body, dict) else None
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"{key} must be a non-empty string", key)
+        return value
 
     async def read_body(self, request: Request) -> Any:
         """The request's JSON body, within the server's size and time limits."""
         return await read_json(request, self.max_body_bytes, self.body_timeout)
 
     def check_model(self, name: str) -> None:
-        if name != self.name:
-            raise RequestError(f"the model {name!r} does not exist; this server serves {self.name!r}", "model",
-                               status=404, code="model_not_found")
+        """404 unless ``name`` is the served model or one of its loaded
+        adapters (vLLM's convention: an adapter is addressed as the request's
+        ``model``). The adapter it names is what this request's
+        :meth:`build_request` runs with (a context variable: each request
+        handler runs in its own context)."""
+        adapters = self.model.engine.adapters
+        if name != self.name and (adapters is None or name not in adapters.loaded):
+            served = [self.name, *self.adapter_names()]
+            raise RequestError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                               "model", status=404, code="model_not_found")
+        _ADAPTER.set(None if name == self.name else name)
+
+    def adapter_names(self) -> list[str]:
+        """The loaded LoRA adapters, each a model id of its own."""
+        adapters = self.model.engine.adapters
+        return [] if adapters is None else [n for n, a in adapters.loaded.items() if not a.merged]
 
     # -- what both generation endpoints share ----------------------------------------------
 
@@ -249,6 +318,9 @@ class Server:
     def build_request(self, **fields: Any) -> GenerationRequest:
         """A :class:`~infer.request.GenerationRequest` of ``fields``; a bad
         value is a 400 naming the parameter."""
+        adapter = _ADAPTER.get()
+        if adapter is not None and "adapter" not in fields:
+            fields.update(adapter=adapter, adapter_scale=self.adapter_scales.get(adapter, 1.0))
         try:
             return GenerationRequest(**fields)
         except (SamplingParameterError, StructuredOutputError) as err:
@@ -263,7 +335,12 @@ class Server:
                                "answers /v1/embeddings and /v1/rerank, not generation", "model")
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
                 for prompt in prompts for j in range(n)]
-        results = await asyncio.gather(*(self.loop.submit(*job, media=media) for job in jobs), return_exceptions=True)
+        adapter = prepared.request.adapter
+        if isinstance(adapter, tuple):
+            raise RequestError("one adapter per request", "model")
+        results = await asyncio.gather(*(self.loop.submit(*job, media=media, adapter=adapter,
+                                                          adapter_scale=prepared.request.adapter_scale)
+                                         for job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, TokenStream)]
         refused = [r for r in results if not isinstance(r, TokenStream)]
         if refused:

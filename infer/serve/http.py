@@ -13,7 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from infer.errors import CacheFullError, ContextLengthError, RequestError, ServerBusyError
+from infer.errors import (
+    AdapterInUseError,
+    AdapterNotFoundError,
+    CacheFullError,
+    ContextLengthError,
+    RequestError,
+    ServerBusyError,
+)
 
 #: Anthropic's error types by status (its API reference, "Errors").
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -57,6 +64,10 @@ async def infer_error(request: Request, exc: Exception) -> Response:
                               headers={"Retry-After": str(exc.retry_after)}, path=path)
     if isinstance(exc, CacheFullError):
         return error_response(400, str(exc), param="max_tokens", code="kv_cache_too_small", path=path)
+    if isinstance(exc, AdapterInUseError):  # a running stream uses it: refused, never changed under it
+        return error_response(409, str(exc), code="adapter_in_use", path=path)
+    if isinstance(exc, AdapterNotFoundError):
+        return error_response(404, str(exc), param="lora_name", code="adapter_not_found", path=path)
     if isinstance(exc, ContextLengthError):
         param = "prompt" if path.endswith("/completions") and "chat" not in path else (
             "input" if path.endswith("/responses") else "messages")

@@ -89,6 +89,8 @@ class _Submit:
     admitted: asyncio.Future[None]
     #: The prompt's images (:class:`infer.multimodal.PromptMedia`), or None.
     media: Any = None
+    adapter: str | None = None
+    adapter_scale: float = 1.0
 
 
 @dataclass
@@ -166,11 +168,12 @@ class EngineLoop:
         return len(self.batch.running)
 
     async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions,
-                     media: Any = None) -> TokenStream:
+                     media: Any = None, *, adapter: str | None = None, adapter_scale: float = 1.0) -> TokenStream:
         """Queue a request; returns its stream once the engine has accepted it.
         ``sampler`` is the request's own (one made with ``logprobs=k``
         records what :attr:`TokenStream.logprobs` gives); ``media``: the
-        prompt's images (:class:`infer.multimodal.PromptMedia`).
+        prompt's images (:class:`infer.multimodal.PromptMedia`); ``adapter`` a
+        loaded LoRA adapter's name it runs with.
 
         Raises :class:`~infer.errors.ServerBusyError` when ``max_queue``
         requests wait already, and what
@@ -187,7 +190,7 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted, media))
+        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted, media, adapter, adapter_scale))
         self._wake.set()
         await accepted
         return stream
@@ -283,7 +286,8 @@ class EngineLoop:
                 item.admitted.set_exception(error)
 
         try:
-            handle = self.batch.submit(item.prompt, item.sampler, item.stop, media=item.media)
+            handle = self.batch.submit(item.prompt, item.sampler, item.stop, media=item.media, adapter=item.adapter,
+                                       adapter_scale=item.adapter_scale)
         except Exception as err:
             self._call(stream, resolve, err)
             return

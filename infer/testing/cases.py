@@ -21,7 +21,7 @@ except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
 from infer.errors import UnsupportedOpError
-from infer.ops import AttentionBatch, QuantizedTensor
+from infer.ops import AdaptedWeight, AdapterRows, AttentionBatch, QuantizedTensor
 from infer.quantize import q8_error_bound, q8_weight_sums
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
@@ -43,6 +43,7 @@ from infer.testing.strategies import (
     gguf_linear_calls,
     layer_norm_calls,
     linear_calls,
+    lora_linear_calls,
     matmul_calls,
     quantized_weight_calls,
     reduce_calls,
@@ -163,6 +164,31 @@ def _quantized_linear(ops: Any, call: Call, x: Any, bias: Any) -> Any:
     quantizing = ops.configure(dataclasses.replace(ops.settings, quantize=scheme))  # ``ops`` itself unchanged
     weight = quantizing.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
     return ops.linear(x, weight, bias)
+
+
+def _adapted_linear(ops: Any, call: Call, x: Any, w: Any, bias: Any, a: Any, b: Any, slots: Any,
+                    scales: Any) -> Any:
+    """``linear`` of an :class:`~infer.ops.AdaptedWeight`: the backend's
+    ``linear`` must hand it to ``adapted_linear`` (as a ``PackedWeight`` to
+    ``quantized_linear``)."""
+    rows = AdapterRows()
+    weight = AdaptedWeight(w, call.args[1].value.shape, rows)
+    weight.a, weight.b = a, b
+    rows.slots, rows.scales = slots, scales
+    return ops.linear(x, weight, bias)
+
+
+def _lora_linear_quantized(ops: Any, call: Call, x: Any, w: Any, bias: Any, a: Any, b: Any, slots: Any,
+                           scales: Any) -> Any:
+    """``lora_linear`` on a random GGUF base matrix as the backend prepares it
+    (kept quantized where the backend can: the base product is
+    ``quantized_linear``'s)."""
+    i = call.info
+    tensor = _quantized_format().random_tensor(i["qtype"], i["shape"], i["seed"])
+    scheme = min(ops.quantize_schemes) if ops.quantize_schemes else None
+    quantizing = ops.configure(dataclasses.replace(ops.settings, quantize=scheme))
+    weight = quantizing.prepare_weight(tensor, name="model.layers.0.mlp.up_proj.weight")
+    return ops.lora_linear(x, weight, bias, a, b, slots, scales)
 
 
 def _quantized_linear_q8act(ops: Any, call: Call, x: Any, bias: Any) -> Any:
@@ -303,6 +329,11 @@ CASES: tuple[Case, ...] = (
     *(_case(f"quantized_linear-q8act-{t}", "quantized_linear", gguf_linear_calls(t, rows=(1, 12)),
             run=_run(_quantized_linear_q8act), reference_run=_run(_quantized_linear), bound=_q8_bound)
       for t in GGUF_LINEAR_TYPES),
+    _case("lora_linear", "lora_linear", lora_linear_calls(bias=False)),
+    _case("lora_linear-bias", "lora_linear", lora_linear_calls(bias=True)),
+    _case("lora_linear-Q4_0", "lora_linear", lora_linear_calls(bias=False, qtype="Q4_0"),
+          run=_run(_lora_linear_quantized)),
+    _case("linear-adapted", "lora_linear", lora_linear_calls(bias=True), run=_run(_adapted_linear)),
     _case("fused_add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm_calls()),
     _case("swiglu", "swiglu", swiglu_calls()),
     _case("softcap", "softcap", softcap_calls()),

@@ -121,6 +121,28 @@ def linear_calls(draw: Any, bias: bool) -> Call:
     return Call((x, w, bias_arg))
 
 
+@st.composite
+def lora_linear_calls(draw: Any, bias: bool, qtype: str | None = None) -> Call:
+    """``lora_linear``'s calls: rows of several adapter slots, in runs and
+    interleaved, some at scale 0 (the base model's rows). ``qtype``: the base
+    weight is a random GGUF matrix of that type (``info`` says which), not an
+    argument."""
+    t, rank, n_slots, seed = draw(st.integers(1, 9)), draw(st.integers(1, 8)), draw(st.integers(1, 4)), draw(seeds)
+    d_in = draw(st.sampled_from([32, 64])) if qtype else draw(st.integers(1, 40))
+    d_out = draw(st.integers(4, 40))
+    rng = np.random.default_rng(seed)
+    x = In(normal(seed, (t, d_in)))
+    w = None if qtype else In(normal(seed + 1, (d_out, d_in), 1 / math.sqrt(d_in)), weight=True)
+    b = In(normal(seed + 2, (d_out,), 0.1), weight=True) if bias else None
+    a_pool = In(normal(seed + 3, (n_slots, rank, d_in), 1 / math.sqrt(d_in)))
+    b_pool = In(normal(seed + 4, (n_slots, d_out, rank), 1 / math.sqrt(rank)))
+    slots = np.sort(rng.integers(0, n_slots, t)) if draw(st.booleans()) else rng.integers(0, n_slots, t)
+    scales = rng.choice([0.0, 0.5, 1.0, 2.0], t).astype(np.float32)
+    args = (x, w, b, a_pool, b_pool, In(slots.astype(np.int32), "int32"), In(scales))
+    info = {"qtype": qtype, "shape": (d_out, d_in), "seed": seed} if qtype else {}
+    return Call(args, info=info)
+
+
 # -- elementwise -------------------------------------------------------------------------------
 
 

@@ -22,10 +22,11 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from infer.errors import ChatTemplateError, InferError
+from infer.errors import ChatTemplateError, GenerationError, InferError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_activations(p)
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
+    _add_lora(p)
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=None, help="most new tokens")
     g.add_argument("-t", "--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
@@ -109,6 +111,29 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="a LoRA adapter (PEFT folder or GGUF adapter) and its scale (default 1.0); run and chat "
+                   "generate with it; serve serves each one as a model named after its file or folder "
+                   "(docs/adapters.md)")
+
+
+def lora_option(value: str) -> tuple[str, str, float]:
+    """``PATH[:SCALE]`` -> (name, path, scale); the name is the folder's or
+    file's name without its suffix. A colon not followed by a number is part of the path."""
+    path, sep, scale = value.rpartition(":")
+    if sep and path:
+        try:
+            return Path(path).stem, path, float(scale)
+        except ValueError:
+            pass
+    return Path(value).stem, value, 1.0
+
+
+def _loras(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    return [lora_option(v) for v in getattr(args, "lora", None) or []]
+
+
 def _load(args: argparse.Namespace) -> Any:
     """``infer.load`` with the command's flags; :func:`main` closes the model
     when the command ends (a tensor-parallel model's workers then exit)."""
@@ -119,7 +144,17 @@ def _load(args: argparse.Namespace) -> Any:
                       activations=getattr(args, "activations", None),
                       tensor_parallel=getattr(args, "tensor_parallel", None))
     _LOADED.append(model)
+    for name, path, _ in _loras(args):
+        model.load_adapter(name, path)
     return model
+
+
+def _adapter_options(args: argparse.Namespace) -> dict[str, Any]:
+    """run's and chat's: the one ``--lora`` they generate with."""
+    loras = _loras(args)
+    if len(loras) > 1:
+        raise GenerationError("run and chat take one --lora (a sequence runs one adapter); serve takes several")
+    return {} if not loras else {"adapter": loras[0][0], "adapter_scale": loras[0][2]}
 
 
 _LOADED: list[Any] = []
@@ -137,7 +172,7 @@ def _write_stream(chunks: Iterator[str]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     model = _load(args)
     images = {"images": args.image} if args.image else {}
-    _write_stream(model.generate(args.prompt, stream=True, **images, **_sampling(args)))
+    _write_stream(model.generate(args.prompt, stream=True, **images, **_sampling(args), **_adapter_options(args)))
     sys.stdout.write("\n")
     return 0
 
@@ -175,7 +210,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": line})
-        reply = _write_stream(model.chat(messages, template=template, stream=True, **_sampling(args)))
+        reply = _write_stream(model.chat(messages, template=template, stream=True, **_sampling(args),
+                                            **_adapter_options(args)))
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})
@@ -388,6 +424,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_bytes=args.prompt_cache_bytes)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
+          enable_adapter_updates=args.enable_lora_updates, adapter_scales={n: s for n, _, s in _loras(args)},
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
           tool_parser=args.tool_parser, body_timeout=args.body_timeout, slot_save_path=args.slot_save_path,
           allowed_media_domains=args.allowed_media_domains, log_level="warning" if args.quiet else "info")
@@ -397,7 +434,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from infer.convert import convert
 
-    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet)
+    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet, base=args.base)
     print(out)
     return 0
 
@@ -477,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_activations(srv)
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
+    _add_lora(srv)
+    srv.add_argument("--enable-lora-updates", action="store_true",
+                     help="let clients load and unload adapters at run time (POST /v1/load_lora_adapter, "
+                     "/v1/unload_lora_adapter); off by default")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--model-name", default=None, help="the id clients pass as model (default: the folder or "
@@ -546,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--type", default=None, help="storage type. GGUF: f32, f16 (default), bf16, q8_0, q4_0, q4_1, "
                    "q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m; folder: f32 (default), f16, bf16")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--base", default=None, help="for a PEFT LoRA folder SRC (written as a GGUF adapter): the base "
+                   "model it adapts (default: its adapter_config.json's base_model_name_or_path)")
     c.set_defaults(func=cmd_convert)
     return parser
 

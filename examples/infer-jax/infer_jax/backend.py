@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, Array, AttentionBatch, Backend
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, Array, AttentionBatch, Backend
 
 from infer_jax import NATIVE_OPS, kernels
 
@@ -177,6 +177,8 @@ class JaxBackend(Backend):
         return kernels.matmul(a, b)
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        if type(weight) is AdaptedWeight:  # LoRA adapters beside the weight: the contract's lora_linear
+            return self.adapted_linear(x, weight, bias)
         return kernels.linear(x, weight, bias)
 
     # -- elementwise ---------------------------------------------------------
