@@ -126,3 +126,66 @@ def test_vision_tower_equals_transformers(backend: str) -> None:
     # per product (and the backends' own reduction orders) stay below 1e-5 of the output's scale.
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# -- M-RoPE ------------------------------------------------------------------------------------------
+
+
+def hf_rope_index(ids: list[int], image_token: int, grids: list[tuple[int, int, int]], merge: int) -> tuple[Any, int]:
+    """transformers' ``Qwen3_5Model.get_rope_index`` for one prompt (it reads only the merge size of ``self``)."""
+    import functools
+    import types
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+    owner = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=merge)),
+        get_vision_position_ids=functools.partial(Qwen3_5Model.get_vision_position_ids, None))
+    input_ids = torch.tensor([ids])
+    positions, delta = Qwen3_5Model.get_rope_index(owner, input_ids, (input_ids == image_token).int(),
+                                                   image_grid_thw=torch.tensor(grids))
+    return positions[:, 0].numpy(), int(delta)
+
+
+@pytest.mark.parametrize("layout", [
+    [(3, (1, 4, 6))],                       # one image between text
+    [(0, (1, 2, 2))],                       # an image first
+    [(2, (1, 6, 2)), (11, (1, 2, 8))],      # two images, tall then wide
+    [(5, (1, 4, 4))],                       # an image last: no text after it
+], ids=["one", "first", "two", "last"])
+def test_mrope_positions_equal_get_rope_index(layout: list[tuple[int, tuple[int, int, int]]]) -> None:
+    from infer.architectures.mrope import mrope_positions
+
+    image, text, merge = 9, 1, 2
+    ids: list[int] = []
+    for start, (t, h, w) in layout:
+        ids += [text] * (start - len(ids)) + [image] * (t * h * w // merge ** 2)
+    ids += [text] * (3 if layout[-1][0] != 5 else 0)
+    want, want_delta = hf_rope_index(ids, image, [g for _, g in layout], merge)
+    got, delta = mrope_positions(len(ids), layout, merge)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert delta == want_delta
+
+
+def test_mrope_tables_equal_transformers(backend: str) -> None:
+    import types
+
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from infer.architectures.mrope import MRotaryEmbedding
+    from infer.plugins.selection import select_backend
+
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+              "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    config = Qwen3_5TextConfig(head_dim=32, rope_parameters=params)
+    streams = np.random.default_rng(0).integers(0, 500, (3, 7)).astype(np.int32)
+    cos, sin = Qwen3_5TextRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32),
+                                                  torch.from_numpy(streams).long()[:, None])
+    ops = select_backend(backend, "float32")
+    rope = MRotaryEmbedding(ops, 32, params, 4096)
+    ctx = types.SimpleNamespace(position_ids=ops.from_numpy(streams), positions=None)
+    got_cos, got_sin = (ops.to_numpy(a) for a in rope(ctx))
+    # transformers' tables repeat the rot/2 angles twice (half-split pairs); infer keeps one half.
+    np.testing.assert_allclose(got_cos, cos[0, :, :8].numpy(), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(got_sin, sin[0, :, :8].numpy(), rtol=0, atol=2e-6)
