@@ -62,3 +62,49 @@ def test_prompt_equals_transformers(rows: int, cols: int) -> None:
     want = get_image_prompt_string(rows, cols, 4, fake_token_around_image="<fake_token_around_image>",
                                    image_token="<image>", global_image_token="<global-img>")
     assert Idefics3ImageProcessor().prompt(rows, cols, 4) == want
+
+
+# -- the tile encoder and connector --------------------------------------------------------------
+
+BACKENDS = ("numpy", "torch:cpu", "mlx:cpu")
+
+#: Tiny sizes: 16-pixel tiles of 4-pixel patches, shuffled by 2: 4 image tokens per tile.
+TINY_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                   patch_size=4)
+TINY_TEXT = dict(model_type="llama", hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 vocab_size=64)
+
+
+def test_tile_encoder_and_connector_equal_transformers(backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    from transformers import Idefics3Config
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
+
+    from infer.architecture import WeightLoader
+    from infer.architectures.idefics3 import Idefics3VisionModel, vision_config
+    from infer.embedding import EncoderContext
+    from infer.plugins.selection import select_backend
+    from infer.testing.tiny_model import ArrayTensorSource
+
+    torch.manual_seed(0)
+    config = Idefics3Config(vision_config=TINY_VISION, text_config=TINY_TEXT, scale_factor=2)
+    encoder = Idefics3VisionTransformer._from_config(config.vision_config, dtype=torch.float32).eval()
+    connector = Idefics3Connector(config).eval()
+    with torch.no_grad():  # every weight re-randomized
+        for p in [*encoder.parameters(), *connector.parameters()]:
+            p.copy_(torch.randn_like(p) * 0.2)
+    weights = {"model.vision_model." + k: v.numpy() for k, v in encoder.state_dict().items()}
+    weights.update({"model.connector." + k: v.numpy() for k, v in connector.state_dict().items()})
+    tiles = Idefics3ImageProcessorPil(**TINY)(images=[images()[0]], return_tensors="pt")["pixel_values"][0]
+    with torch.no_grad():
+        want = connector(encoder(tiles).last_hidden_state).reshape(-1, TINY_TEXT["hidden_size"]).numpy()
+
+    ops = select_backend(backend, "float32")
+    model = Idefics3VisionModel(vision_config(config.to_dict()), 2, TINY_TEXT["hidden_size"],
+                                WeightLoader(ArrayTensorSource(weights), ops), ops)
+    assert model.tokens_per_tile == 4 and tiles.shape[0] == 10  # 3 x 3 tiles and the global image
+    got = ops.to_numpy(model(ops.from_numpy(tiles.numpy()), EncoderContext(ops, model.sequence_lengths(10))))
+    # Two blocks of width 32 and a projection from 128 over values of order 1 (see test_vision_qwen.py).
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
