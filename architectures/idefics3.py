@@ -31,10 +31,10 @@ from typing import Any
 from infer.architecture import WeightLoader
 from infer.config import from_dict
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext
 from infer.ops import Array, Backend
 
 from .decoder import activation
+from .qwen3_5_vision import bidirectional_batch
 
 
 @dataclass
@@ -117,13 +117,13 @@ class Idefics3VisionModel:
         """Patches per attention sequence: one tile each."""
         return [self.config.side ** 2] * tiles
 
-    def __call__(self, pixel_values: Array, ctx: AttentionContext) -> Array:
+    def __call__(self, pixel_values: Array) -> Array:
         """Image embeddings ``[tiles * tokens_per_tile, text hidden]`` of tiles
-        ``[tiles, channels, image_size, image_size]``, tile after tile.
-        ``ctx``: bidirectional attention over sequences of
-        :meth:`sequence_lengths` patches (e.g. ``infer.embedding.EncoderContext``)."""
+        ``[tiles, channels, image_size, image_size]``, tile after tile (each
+        attending within itself)."""
         ops, cfg = self.ops, self.config
         tiles, c = ops.shape(pixel_values)[:2]
+        batch = bidirectional_batch(ops, self.sequence_lengths(tiles))
         n, p, d, s = cfg.side, cfg.patch_size, cfg.hidden_size, self.scale
         heads = cfg.num_attention_heads
         hd = d // heads
@@ -132,11 +132,11 @@ class Idefics3VisionModel:
         x = ops.add(ops.reshape(x, (tiles, n * n, d)), self.position_embedding)
         x = ops.reshape(x, (tiles * n * n, d))
         rows = tiles * n * n
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             y = ops.layer_norm(x, *layer["norm1"], cfg.layer_norm_eps)
             q, k, v = (ops.reshape(ops.linear(y, *layer[name]), (rows, heads, hd))
                        for name in ("q_proj", "k_proj", "v_proj"))
-            o = ctx.attention(i, q, k, v, scale=hd ** -0.5, causal=False)  # [patches, heads, head_dim]
+            o = ops.attention(q, k, v, batch, scale=hd ** -0.5, causal=False)  # [patches, heads, head_dim]
             x = ops.add(x, ops.linear(ops.reshape(o, (rows, d)), *layer["out_proj"]))
             y = ops.layer_norm(x, *layer["norm2"], cfg.layer_norm_eps)
             x = ops.add(x, ops.linear(getattr(ops, self.act)(ops.linear(y, *layer["fc1"])), *layer["fc2"]))

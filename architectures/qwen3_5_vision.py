@@ -19,9 +19,10 @@ order and the image's ``grid_thw``. Against a plain ViT:
   ``theta ** (-2i / (head_dim / 2))`` (``rope_parameters.rope_theta``,
   default 10000), so the table per patch is ``[row * f, col * f]``
   (``head_dim / 2`` angles, half-split pairs over the whole head).
-* **Attention** is bidirectional within one frame of one image (each image a
-  sequence of the context the caller gives, ``causal=False``); every block
-  attends fully (Qwen2.5-VL's windowed blocks are gone in Qwen3-VL / 3.5).
+* **Attention** is bidirectional within one frame of one image: each frame a
+  sequence of the contract's attention op whose keys are the layer's own
+  rows (:func:`bidirectional_batch`), ``causal=False``; every block attends
+  fully (Qwen2.5-VL's windowed blocks are gone in Qwen3-VL / 3.5).
 * Pre-norm blocks: LayerNorm (eps 1e-6), ``attn.qkv`` (one biased product
   for q, k, v), ``attn.proj``; LayerNorm, ``mlp.linear_fc1``,
   ``hidden_act`` (``gelu_pytorch_tanh``), ``mlp.linear_fc2``.
@@ -39,8 +40,7 @@ from typing import Any
 from infer.architecture import WeightLoader, host_array
 from infer.config import from_dict
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext
-from infer.ops import Array, Backend
+from infer.ops import Array, AttentionBatch, Backend
 
 from .decoder import activation
 from .rope import _f32
@@ -129,6 +129,20 @@ def interpolation_taps(grid: Grid, merge: int, side: int) -> tuple[list[int], li
     return indices * t, weights * t
 
 
+def bidirectional_batch(ops: Backend, lengths: list[int]) -> AttentionBatch:
+    """The attention description of a forward of sequences of ``lengths``
+    rows whose keys are the forward's own rows (no cache): each sequence's
+    "pool" its rows, in blocks of one row, so sequences of any lengths share
+    one call and none sees another."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    width = max(lengths)
+    tables = [list(range(s, s + n)) + [0] * (width - n) for s, n in zip(starts, lengths)]
+    i32 = lambda values: ops.from_numpy(host_array(values, "int32"))  # noqa: E731
+    return AttentionBatch(i32(starts), i32(lengths), i32(tables), 1, width)
+
+
 class Qwen3_5VisionModel:
     """Patch embedding, position embeddings, ViT blocks and the merger (module docstring)."""
 
@@ -202,23 +216,23 @@ class Qwen3_5VisionModel:
         rows = ops.mul(rows, ops.reshape(ops.from_numpy(host_array(weights)), (-1, 1)))
         return ops.sum(ops.reshape(rows, (-1, 4, cfg.hidden_size)), axis=1)
 
-    def __call__(self, pixel_values: Array, grids: list[Grid], ctx: AttentionContext) -> Array:
+    def __call__(self, pixel_values: Array, grids: list[Grid]) -> Array:
         """Image embeddings ``[tokens, out_hidden_size]`` of ``pixel_values``
         ``[patches, patch_dim]`` (the images of ``grids``, in order), one row per
-        image token. ``ctx``: bidirectional attention over sequences of
-        :meth:`sequence_lengths` patches (e.g. ``infer.embedding.EncoderContext``)."""
+        image token."""
         ops, cfg = self.ops, self.config
+        batch = bidirectional_batch(ops, self.sequence_lengths(grids))
         d, nh, hd = cfg.hidden_size, cfg.num_heads, self.head_dim
         x = ops.linear(pixel_values, *self.patch_embed)  # [patches, hidden]
         x = ops.add(x, self.position_embeddings(grids))
         cos, sin = self.rotary(grids)
         n = ops.shape(x)[0]
-        for i, blk in enumerate(self.blocks):
+        for blk in self.blocks:
             y = ops.layer_norm(x, *blk["norm1"], 1e-6)
             qkv = ops.reshape(ops.linear(y, *blk["qkv"]), (n, 3, nh, hd))
             q, k, v = (ops.reshape(ops.slice(qkv, 1, j, j + 1), (n, nh, hd)) for j in range(3))
             q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-            o = ctx.attention(i, q, k, v, scale=hd ** -0.5, causal=False)  # [patches, heads, head_dim]
+            o = ops.attention(q, k, v, batch, scale=hd ** -0.5, causal=False)  # [patches, heads, head_dim]
             x = ops.add(x, ops.linear(ops.reshape(o, (n, d)), *blk["proj"]))
             y = ops.layer_norm(x, *blk["norm2"], 1e-6)
             y = ops.linear(getattr(ops, self.act)(ops.linear(y, *blk["fc1"])), *blk["fc2"])

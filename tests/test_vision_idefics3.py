@@ -83,7 +83,6 @@ def test_tile_encoder_and_connector_equal_transformers(backend: str) -> None:
 
     from infer.architecture import WeightLoader
     from infer.architectures.idefics3 import Idefics3VisionModel, vision_config
-    from infer.embedding import EncoderContext
     from infer.plugins.selection import select_backend
     from infer.testing.tiny_model import ArrayTensorSource
 
@@ -104,7 +103,7 @@ def test_tile_encoder_and_connector_equal_transformers(backend: str) -> None:
     model = Idefics3VisionModel(vision_config(config.to_dict()), 2, TINY_TEXT["hidden_size"],
                                 WeightLoader(ArrayTensorSource(weights), ops), ops)
     assert model.tokens_per_tile == 4 and tiles.shape[0] == 10  # 3 x 3 tiles and the global image
-    got = ops.to_numpy(model(ops.from_numpy(tiles.numpy()), EncoderContext(ops, model.sequence_lengths(10))))
+    got = ops.to_numpy(model(ops.from_numpy(tiles.numpy())))
     # Two blocks of width 32 and a projection from 128 over values of order 1 (see test_vision_qwen.py).
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

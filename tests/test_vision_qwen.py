@@ -106,7 +106,6 @@ def test_vision_tower_equals_transformers(backend: str) -> None:
 
     from infer.architecture import WeightLoader
     from infer.architectures.qwen3_5_vision import Qwen3_5VisionModel, vision_config
-    from infer.embedding import EncoderContext
     from infer.plugins.selection import select_backend
     from infer.testing.tiny_model import ArrayTensorSource
 
@@ -121,7 +120,7 @@ def test_vision_tower_equals_transformers(backend: str) -> None:
     model = Qwen3_5VisionModel(vision_config(config), WeightLoader(ArrayTensorSource(weights), ops), ops)
     pixel_values, grids = Qwen2VLImageProcessor.from_config(hf_processor.to_dict()).batch(pictures)
     assert grids == [(1, 6, 8), (1, 4, 12)] and [model.num_tokens(g) for g in grids] == [12, 12]
-    got = ops.to_numpy(model(ops.from_numpy(pixel_values), grids, EncoderContext(ops, model.sequence_lengths(grids))))
+    got = ops.to_numpy(model(ops.from_numpy(pixel_values), grids))
     # Two blocks of width 32 and a merger of width 128 over values of order 1: a few float32 roundings
     # per product (and the backends' own reduction orders) stay below 1e-5 of the output's scale.
     assert got.shape == want.shape
