@@ -324,9 +324,11 @@ class Decoder(CausalLM):
     eps: float
 
     def embed(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        """Token embeddings ``[tokens, hidden]`` (``ctx`` holds their positions)."""
+        """Token embeddings ``[tokens, hidden]`` (``ctx`` holds their positions),
+        scaled, with the forward's image rows put in (unscaled, as
+        transformers places image features after the scale: ``ctx.inject``)."""
         h = self.ops.embedding(self.embed_tokens, input_ids)
-        return h if self.embed_scale is None else self.ops.mul(h, self.embed_scale)
+        return ctx.inject(h if self.embed_scale is None else self.ops.mul(h, self.embed_scale))
 
     def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
         h, residual = self.embed(input_ids, ctx), None

@@ -13,7 +13,8 @@ import abc
 import logging
 import types
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -173,10 +174,57 @@ class WeightLoader:
         return sorted(n for n in self._names - self._used if n not in skip)
 
 
+class RenamedWeights:
+    """A :class:`WeightLoader` seen through a renaming: every name that
+    starts with ``old`` is read as ``new`` + the rest (a vision-language
+    checkpoint keeps its language model's ``model.layers.0...`` under
+    ``model.language_model.layers.0...``), so a text architecture loads
+    unchanged from inside it."""
+
+    def __init__(self, weights: WeightLoader, old: str, new: str) -> None:
+        self.weights, self.old, self.new = weights, old, new
+        self.backend = weights.backend
+
+    def _name(self, name: str) -> str:
+        return self.new + name[len(self.old):] if name.startswith(self.old) else name
+
+    def has(self, name: str) -> bool:
+        return self.weights.has(self._name(name))
+
+    def get(self, name: str, shape: tuple[int, ...], *, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+            fallback: str | None = None) -> Array:
+        return self.weights.get(self._name(name), shape, transform=transform,
+                                fallback=None if fallback is None else self._name(fallback))
+
+    def get_stacked(self, name: str, parts: Sequence[tuple[str, tuple[int, ...]]]) -> Array | None:
+        return self.weights.get_stacked(self._name(name), [(self._name(n), s) for n, s in parts])
+
+    def get_unstacked(self, name: str, shape: tuple[int, ...]) -> list[Array]:
+        return self.weights.get_unstacked(self._name(name), shape)
+
+
 def _stored_type(tensor: Any) -> str:
     if isinstance(tensor, QuantizedTensor):
         return tensor.qtype
     return str(getattr(tensor, "dtype", type(tensor).__name__)).upper().replace("FLOAT", "F")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the prompt builder and the engine need of a vision-language
+    network (:attr:`CausalLM.vision`; docs/vision.md, "A family's hooks")."""
+
+    #: The image processor's name in :data:`infer.image_processing.PROCESSORS`
+    #: (preprocessing and the placeholder's expansion).
+    processor: str
+    #: The token whose embedding rows an image's embeddings replace.
+    image_token_id: int
+    #: True: each run of image tokens attends to itself both ways inside the
+    #: causal sequence (Gemma 3); the engine then keeps such a run in one
+    #: prompt chunk and gives the attention op its span.
+    bidirectional: bool = False
+    #: The model's whole ``config.json`` (what the processor reads: sizes, token ids).
+    config: Mapping[str, Any] | None = None
 
 
 class CausalLM(abc.ABC):
@@ -285,6 +333,27 @@ class CausalLM(abc.ABC):
         """Logits ``[rows, vocab]`` of MTP module ``depth`` for rows of its
         :meth:`mtp_forward` output: the module's head norm, then its head."""
         raise UnsupportedOpError(f"{type(self).__name__} has no multi-token prediction modules")
+
+    #: The network's image side (None: it reads text only).
+    vision: VisionSpec | None = None
+
+    def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
+        """One preprocessed image's embeddings ``[tokens, hidden_size]``, the
+        rows that replace its image tokens' embeddings: the vision tower and
+        projector. ``pixel_values`` is what the family's image processor
+        made (:class:`~infer.image_processing.ProcessedImage`), on the
+        backend; ``meta`` the processor's other facts about it (a patch grid).
+        Default: the network reads no images."""
+        raise UnsupportedOpError(f"{type(self).__name__} reads text only; it has no vision tower")
+
+    def prompt_positions(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[np.ndarray, int] | None:
+        """Rope positions of a prompt holding images, where they are not the
+        token indices: ``([streams, len(token_ids)] int32, delta)``, ``delta``
+        added to the index of every later token (Qwen's M-RoPE: three streams,
+        and text after an image continues at its largest position + 1).
+        ``images`` are the prompt's :class:`~infer.multimodal.ImageSpan` s.
+        Default None: positions are token indices."""
+        return None
 
     def close(self) -> None:
         """Release what the network holds beyond its arrays (a

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 from infer.completion import CompletionChunk, texts
 from infer.errors import ChatTemplateError, SamplingParameterError, StructuredOutputError
+from infer.multimodal import image_parts
 from infer.reasoning import (
     ReasoningConstraint,
     ReasoningParser,
@@ -142,6 +143,8 @@ class ChatPlan:
     #: Whether the reply is decoded without special tokens: not where the
     #: reasoning's or the calls' markers are special tokens of this model.
     skip_special_tokens: bool = True
+    #: The messages' images (:class:`infer.multimodal.PromptMedia`), or None.
+    media: Any = None
 
     def reply_parser(self) -> ReplyParser:
         """A fresh parser for one choice's reply."""
@@ -205,10 +208,15 @@ def plan_chat(model: ChatModel, messages: Sequence[dict[str, Any]], request: Gen
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of dicts with a 'role', got {type(messages).__name__}")
     tokenizer = model.tokenizer
+    messages, images, names = image_parts(messages)
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, template=template,
                                          **request.template_options())
     # The template already holds every special token the model expects.
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    media = None
+    if images:  # each image part rendered as the family's placeholder, expanded to its tokens
+        ids, media = model.image_prompt(text, images, add_special_tokens=False, names=names)  # type: ignore[attr-defined]
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
     named = tokenizer.chat_templates
     tools = request.tools_offered
     source = named.get(template, template) if template else named.get(
@@ -252,4 +260,5 @@ def plan_chat(model: ChatModel, messages: Sequence[dict[str, Any]], request: Gen
     specials = tokenizer.special_ids
     special = any(p is not None and p.needs_special_tokens for p in (reasoning, parser)) or any(
         tokenizer.token_to_id(m) in specials for m in markers)
-    return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special)
+    return ChatPlan(text, ids, prepared, reasoning, in_reasoning, parser, fmt, skip_special_tokens=not special,
+                    media=media)

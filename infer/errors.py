@@ -62,6 +62,12 @@ class TokenizerError(InferError):
     """The tokenizer is missing, malformed or was given unusable input."""
 
 
+class ImageError(InferError, ValueError):
+    """An image input cannot be used: unreadable, not an image, truncated, beyond
+    the size or pixel limits, or given to a model without a vision part; the
+    message names the input (a path, ``images[i]``, a message's content part)."""
+
+
 class ChatTemplateError(InferError):
     """A chat template is missing, failed to render, or raised an exception."""
 

@@ -24,7 +24,9 @@ else:  # typing has Unpack from 3.11 on
 
 import numpy as np
 
+from infer import multimodal
 from infer.architecture import CausalLM
+from infer.multimodal import ImagePrompts, PromptMedia
 from infer.chat import ChatPlan, ChatReply, plan_chat
 from infer.completion import Completion, CompletionChunk, Stream, collect, incomplete, stream_chunks, texts
 from infer.engine import Engine
@@ -54,6 +56,7 @@ from infer.engine.structured import Grammar, GrammarTokenizer
 from infer.errors import (
     CacheFullError,
     GenerationError,
+    ImageError,
     IncompleteOutputError,
     SamplingParameterError,
     StructuredOutputError,
@@ -112,6 +115,7 @@ class Model:
         self._embedding_config: EmbeddingConfig | None = None
         # Set by load_state: single requests then run in the batch engine's pool and reuse its prefixes.
         self._reuse_prefixes = False
+        self._image_prompts: ImagePrompts | None = None
 
     def close(self) -> None:
         """Release what the model holds beyond memory: a tensor-parallel
@@ -132,6 +136,38 @@ class Model:
         return f"<infer.Model {self.package.model_type} {where!r} on {self.backend.name}/{self.backend.device}>"
 
     # -- properties -------------------------------------------------------------
+
+    @property
+    def reads_images(self) -> bool:
+        """True when the model takes images (a vision-language family; docs/vision.md)."""
+        return self.network.vision is not None
+
+    @property
+    def image_prompts(self) -> ImagePrompts:
+        """The model's image side (:class:`infer.multimodal.ImagePrompts`):
+        its processor, and the rules that turn text and images into a prompt.
+
+        Raises:
+            ImageError: the model reads text only.
+        """
+        if self._image_prompts is None:
+            prompts = multimodal.for_model(self.package, self.network, self.backend, self.tokenizer)
+            if prompts is None:
+                raise ImageError(f"{self.model_type} reads text only: it takes no images (docs/vision.md lists the "
+                                 "families that do)")
+            self._image_prompts = prompts
+        return self._image_prompts
+
+    def image_prompt(self, text: str, images: Sequence[Any], *, add_special_tokens: bool = True,
+                     names: Sequence[str] | None = None) -> tuple[list[int], PromptMedia]:
+        """``text`` with ``images`` as token ids and their
+        :class:`~infer.multimodal.PromptMedia` (what :meth:`generate` runs
+        with ``images=``): each placeholder expanded to the image's tokens,
+        the vision tower run once per image. Raises
+        :class:`~infer.errors.ImageError` or
+        :class:`~infer.errors.ContextLengthError`."""
+        return self.image_prompts.build(text, images, add_special_tokens=add_special_tokens, names=names,
+                                        context=self.context_length)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -302,7 +338,8 @@ class Model:
 
     def generate(
         self, prompt: str | Sequence[str], *, stream: bool = False, add_special_tokens: bool = True,
-        request: GenerationRequest | None = None, **options: Unpack[GenerateOptions],
+        images: Sequence[Any] | None = None, request: GenerationRequest | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> str | Iterator[str] | list[str]:
         """Continue ``prompt`` and return the new text.
 
@@ -329,6 +366,11 @@ class Model:
             ignore_eos: keep going past end-of-sequence tokens (benchmarks).
             stream: return an iterator of text chunks instead of a string.
             add_special_tokens: let the tokenizer add BOS etc. to the prompt.
+            images: pictures the prompt shows (a path, bytes, a PIL image or
+                a ``data:`` URL each), for a model that reads images: each
+                of the family's placeholders in the prompt (``<image>``,
+                ``<start_of_image>``) takes the next image; a prompt without
+                one gets them in front (docs/vision.md).
             speculative: speculative decoding with draft tokens from
                 ``"ngram"`` (prompt lookup), ``"mtp"`` (the model's
                 multi-token-prediction modules), a draft :class:`Model`
@@ -355,6 +397,8 @@ class Model:
         if not isinstance(prompt, str):
             if not isinstance(prompt, Sequence) or not all(isinstance(p, str) for p in prompt):
                 raise GenerationError("prompt must be a string or a list of strings")
+            if images:
+                raise GenerationError("images= goes with one prompt, not a list")
             if stream:
                 raise GenerationError("stream=True takes one prompt, not a list")
             completions = self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens)
@@ -362,8 +406,11 @@ class Model:
                 if c.valid is False:
                     raise IncompleteOutputError(incomplete(c.finish_reason, f"prompt {i}'s output"), c.text)
             return [c.text for c in completions]
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        pieces = texts(self._chunks(ids, prepared))
+        if images:
+            ids, media = self.image_prompt(prompt, images, add_special_tokens=add_special_tokens)
+        else:
+            ids, media = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), None
+        pieces = texts(self._chunks(ids, prepared, media=media))
         return Stream(pieces, self._lock) if stream else "".join(pieces)
 
     async def agenerate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str] | Stream[str]:
@@ -394,6 +441,7 @@ class Model:
         echo: bool = False,
         stream: bool = False,
         add_special_tokens: bool = True,
+        images: Sequence[Any] | None = None,
         request: GenerationRequest | None = None,
         **options: Unpack[GenerationOptions],
     ) -> Completion | Stream[CompletionChunk] | list[Completion]:
@@ -414,6 +462,8 @@ class Model:
             stream: return an :class:`~infer.completion.Stream` of
                 :class:`~infer.completion.CompletionChunk` objects as the text
                 comes; the last one has ``finish_reason`` and ``usage``.
+            images: pictures for a text prompt, as :meth:`generate` takes
+                them (the usage's prompt tokens count the image tokens).
             options: every other argument of :meth:`generate`
                 (:class:`~infer.request.GenerationOptions`).
 
@@ -433,8 +483,14 @@ class Model:
                 raise GenerationError("stream=True takes one prompt, not a list")
             return self._complete_batch(list(prompt), prepared, add_special_tokens=add_special_tokens,  # type: ignore[arg-type]
                                         echo=echo)
-        ids = self._prompt_ids(prompt, add_special_tokens)
-        chunks = self._chunks(ids, prepared)
+        media = None
+        if images:
+            if not isinstance(prompt, str) or echo:
+                raise GenerationError("images= goes with one text prompt, without echo")
+            ids, media = self.image_prompt(prompt, images, add_special_tokens=add_special_tokens)
+        else:
+            ids = self._prompt_ids(prompt, add_special_tokens)
+        chunks = self._chunks(ids, prepared, media=media)
         if stream:
             return Stream(chunks, self._lock)
         return collect(chunks, ids, logprobs=k is not None,
@@ -455,13 +511,14 @@ class Model:
         return [None, *(TokenLogprob(t, lp, top) for t, lp, top in zip(ids[1:], score.logprobs, tops))]
 
     def _chunks(self, ids: list[int], prepared: PreparedRequest,
-                skip_special_tokens: bool = True) -> Iterator[CompletionChunk]:
+                skip_special_tokens: bool = True, media: PromptMedia | None = None) -> Iterator[CompletionChunk]:
         """One request, streamed as chunks (the engine of :meth:`generate`,
         :meth:`complete` and :meth:`chat`)."""
         request = prepared.request
         spec = self.speculation(request.speculative, request.num_speculative_tokens)
         pool = self.batch_engine.pool if self._reuse_prefixes else None
-        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec, kv_pool=pool)
+        generation = generate(self.engine, ids, prepared.sampler(), prepared.stop_conditions(), spec, kv_pool=pool,
+                              media=media)
         return stream_chunks(self.tokenizer, generation, request.stop, logprobs=request.logprobs is not None,
                              skip_special_tokens=skip_special_tokens, eos_token_ids=self.eos_token_ids)
 
@@ -733,7 +790,8 @@ class Model:
         answer's text pieces (the reasoning and the tool calls are not in it).
         """
         plan = self.plan_chat(messages, _request_of(request, options), template=template)
-        chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens)
+        chunks = self._chunks(plan.prompt_ids, plan.prepared, skip_special_tokens=plan.skip_special_tokens,
+                              media=plan.media)
         return Stream(plan.answer(chunks), self._lock) if stream else plan.reply(chunks)
 
     async def achat(self, messages: Sequence[Message], **kwargs: Any) -> str | Stream[str]:

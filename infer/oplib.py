@@ -55,18 +55,20 @@ def row_run(rows: np.ndarray) -> tuple[int, int] | None:
 
 
 def attention_mask(first: int, queries: int, lo: int, hi: int, causal: bool,
-                   window: int | None) -> np.ndarray | None:
+                   window: int | None, spans: np.ndarray | None = None) -> np.ndarray | None:
     """Additive float32 mask ``[queries, hi - lo]`` (0 or -inf) of queries at
     positions ``first..first + queries`` over keys ``lo..hi``, as
-    :meth:`~infer.ops.Backend.attention` defines visibility; None where every
+    :meth:`~infer.ops.Backend.attention` defines visibility (``spans``: the
+    queries' rows of :attr:`~infer.ops.AttentionBatch.spans`); None where every
     key is seen."""
     p = np.arange(first, first + queries)[:, None]
     j = np.arange(lo, hi)[None, :]
     seen = np.ones((queries, hi - lo), bool)
     if causal:
-        seen &= j <= p
-    if window is not None:
-        seen &= np.abs(p - j) < window
+        both = False if spans is None else (j >= spans[:, :1]) & (j < spans[:, 1:])
+        seen &= (j <= p) | both
+    if window is not None:  # causal: the window bounds the keys behind (a span's keys ahead stay seen)
+        seen &= (p - j < window) if causal else (np.abs(p - j) < window)
     if seen.all():
         return None
     return np.where(seen, np.float32(0), np.float32(-np.inf)).astype(np.float32)
@@ -372,7 +374,9 @@ def attend_one(ops: Ops, q: Array, k_pool: Array, v_pool: Array, host: Batch, b:
     if softcap is not None:
         scores = ops.softcap(scores, softcap)
     scores = ops.reshape(scores, (hkv, group, n, hi - lo))
-    mask = attention_mask(length - n, n, lo, hi, causal, window)
+    q0 = int(host.query_start[b])
+    spans = None if getattr(host, "spans", None) is None else np.asarray(host.spans[q0:q0 + n])
+    mask = attention_mask(length - n, n, lo, hi, causal, window, spans)
     if mask is not None:
         scores = ops.add(scores, ops.from_numpy(mask, "float32"))
     if sinks is not None:

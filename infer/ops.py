@@ -258,6 +258,16 @@ class AttentionBatch:
     max_query: int
     #: The same description as numpy arrays, or None.
     host: AttentionBatch | None = None
+    #: int32 ``[tokens, 2]`` or None: bidirectional spans inside the causal
+    #: sequences (Gemma 3's image tokens). With ``causal``, query row ``t``
+    #: also sees the keys at positions ``spans[t, 0] <= j < spans[t, 1]`` of
+    #: its sequence, those ahead of it whatever a ``window`` (which bounds the
+    #: keys behind, as transformers' sliding overlay on Gemma 3's image
+    #: blocks); ``(0, 0)``: no span. A span
+    #: lies wholly within its sequence's positions of this forward and before.
+    #: Backends that read it list ``"attention_spans"`` in :attr:`Backend.native_ops`;
+    #: for the others the attention context calls the contract's default.
+    spans: Array | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -274,8 +284,9 @@ class AttentionBatch:
             return self
         read = [np.asarray(ops.to_numpy(a), dtype=np.int32) for a in
                 (self.query_start, self.seq_lens, self.block_tables)]
+        spans = None if self.spans is None else np.asarray(ops.to_numpy(self.spans), np.int32).reshape(-1, 2)
         return AttentionBatch(read[0].reshape(-1), read[1].reshape(-1), read[2].reshape(len(read[1].reshape(-1)), -1),
-                              self.block_size, self.max_query)
+                              self.block_size, self.max_query, spans=spans)
 
     def visible(self, b: int, queries: int, causal: bool, window: int | None) -> tuple[int, int]:
         """``(lo, hi)``: the key positions any of sequence ``b``'s ``queries``
@@ -834,8 +845,11 @@ class Backend(abc.ABC):
         ``batch.seq_lens[b]`` positions (query ``i`` sits at position
         ``p = seq_lens[b] - n + i``); its key at position ``j`` is pool row
         ``block_tables[b, j // block_size] * block_size + j % block_size``.
-        With ``causal``, a query sees keys ``j <= p``, else every key of its
-        sequence; with a ``window`` only keys with ``|p - j| < window``.
+        With ``causal``, a query sees keys ``j <= p``, and those of its
+        bidirectional span where ``batch.spans`` gives one
+        (:attr:`AttentionBatch.spans`), else every key of its sequence; with
+        a ``window`` only keys with ``|p - j| < window`` (causal: ``p - j <
+        window``, so a span's keys ahead stay seen).
         Scores are ``q·k * scale``, then, with ``softcap``,
         ``softcap * tanh(s / softcap)``, then masking and a softmax computed in
         float32. ``sinks`` (``[hq]``, gpt-oss's attention sinks) adds one

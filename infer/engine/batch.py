@@ -71,7 +71,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
 from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample
@@ -117,7 +117,7 @@ class RequestHandle:
     (``"stop"``, ``"length"`` or ``"cancelled"``)."""
 
     def __init__(self, engine: BatchEngine, rid: int, prompt: list[int], sampler: Sampler, stop: StopConditions,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, media: Any = None):
         self.engine = engine
         self.id = rid
         self.prompt = prompt
@@ -125,6 +125,8 @@ class RequestHandle:
         self.stop = stop
         #: Speculative decoding of this request (None: one token per forward).
         self.speculation = speculation
+        #: Its prompt's images (:class:`infer.multimodal.PromptMedia`), or None.
+        self.media = media
         #: Token ids generated so far.
         self.tokens: list[int] = []
         #: Prompt positions its first admission found in the prefix cache (None before it).
@@ -239,7 +241,7 @@ class BatchEngine:
 
     def submit(
         self, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
-        speculation: Speculation | None = None,
+        speculation: Speculation | None = None, media: Any = None,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch at a later :meth:`step`.
         ``sampling`` is its rules, or a :class:`~infer.engine.sampling.Sampler`
@@ -248,7 +250,8 @@ class BatchEngine:
         verifies draft tokens (see :mod:`infer.engine.speculative`).
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
-        ``max_tokens`` could not fit even in an empty pool. (Speculation
+        ``max_tokens`` could not fit even in an empty pool. ``media``: the
+        prompt's images (:class:`infer.multimodal.PromptMedia`). (Speculation
         needs no more: drafts are capped to the tokens still allowed, so a
         request never occupies more than prompt + ``max_tokens`` positions.)
         """
@@ -262,7 +265,7 @@ class BatchEngine:
         with self._lock:
             sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
             sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
-            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation)
+            handle = RequestHandle(self, self._next_id, prompt, sampler, stop, speculation, media)
             self._next_id += 1
             if stop.max_tokens == 0:
                 handle.finish_reason = "length"
@@ -326,9 +329,11 @@ class BatchEngine:
         while self.waiting:
             handle = self.waiting[0]
             running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]
-            seq = self.budget.admit(handle._total(), handle._known(), running)  # type: ignore[arg-type]
+            extra = b"" if handle.media is None else handle.media.extra_key
+            seq = self.budget.admit(handle._total(), handle._known(), running, extra)  # type: ignore[arg-type]
             if seq is None:
                 return
+            seq.media = handle.media
             self.waiting.popleft()
             handle._seq = seq
             handle._admitted_at = self._admissions
@@ -354,8 +359,12 @@ class BatchEngine:
             for r in self.running:
                 todo = self._to_feed(r)
                 if budget and todo > 1:
-                    plan[r.id] = n = min(todo, budget)
-                    budget -= n
+                    n = min(todo, budget)
+                    if r.media is not None:  # a chunk never splits a bidirectional image span
+                        cached = r._seq.cached  # type: ignore[union-attr]
+                        n = r.media.chunk_end(cached, cached + n) - cached
+                    plan[r.id] = n
+                    budget = max(0, budget - n)
             batch = [(r, plan[r.id]) for r in self.running if r.id in plan]
             try:
                 for r, n in batch:

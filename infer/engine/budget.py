@@ -55,13 +55,14 @@ class KVBudget(abc.ABC):
 
     @abc.abstractmethod
     def admit(
-        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
     ) -> SequenceState | None:
         """A sequence for a request of at most ``positions``, whose ``known``
         tokens are its prompt and what it generated before a preemption;
         None while the ``running`` requests (each its sequence and number of
         known tokens) leave too little. The sequence's tokens are those its
-        cache starts with (a reused prefix)."""
+        cache starts with (a reused prefix); ``extra_key`` keys its cached
+        blocks beside its tokens (:func:`infer.kv.blocks.root_hash`)."""
 
     @abc.abstractmethod
     def blocked(self, request: int, positions: int) -> CacheFullError:
@@ -101,7 +102,7 @@ class PagedBudget(KVBudget):
         raise err
 
     def admit(
-        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
     ) -> SequenceState | None:
         pool = self.pool
         if _slots_short(self.engine, running):
@@ -110,6 +111,7 @@ class PagedBudget(KVBudget):
             cache = pool.new_sequence(positions)
         except CacheFullError:  # no recurrent state slot free
             return None
+        cache.extra_key = extra_key
         # The last known token is left to compute: its logits give the next token.
         reused = cache.reuse_prefix(known[:-1])
         # Per state group: blocks the running requests still need for tokens they already know,
@@ -167,7 +169,7 @@ class ContiguousBudget(KVBudget):
         raise err
 
     def admit(
-        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]],
+        self, positions: int, known: list[int], running: Sequence[tuple[SequenceState, int]], extra_key: bytes = b"",
     ) -> SequenceState | None:
         if sum(seq.cache.capacity for seq, _ in running) + positions > self.positions or _slots_short(
                 self.engine, running):

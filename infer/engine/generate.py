@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class Generation:
 
 def generate(
     engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
-    speculation: Speculation | None = None, *, kv_pool: PagedKVPool | None = None,
+    speculation: Speculation | None = None, *, kv_pool: PagedKVPool | None = None, media: Any = None,
 ) -> Generation:
     """Start a request; iterate the result for its new token ids. ``sampling``
     is its rules, or a :class:`~infer.engine.sampling.Sampler` made for it
@@ -96,28 +97,33 @@ def generate(
     is a :func:`speculative_decode` round (the same tokens for greedy
     decoding). With a ``kv_pool`` the request keeps its keys and values in
     pages of it and starts from the longest prefix of its prompt that the
-    pool's prefix cache holds (:attr:`Generation.cached_tokens`)."""
+    pool's prefix cache holds (:attr:`Generation.cached_tokens`). ``media``:
+    the prompt's images (:class:`infer.multimodal.PromptMedia`), which key
+    its cached blocks too."""
     engine.check_prompt(prompt_ids)
     prompt = [int(t) for t in prompt_ids]
     sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
     sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats, sampler=sampler)
-    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool)
+    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool, media)
     return gen
 
 
 def _tokens(
     engine: Engine, prompt: list[int], sampler: Sampler, stop: StopConditions, spec: Speculation | None,
-    gen: Generation, kv_pool: PagedKVPool | None,
+    gen: Generation, kv_pool: PagedKVPool | None, media: Any = None,
 ) -> Iterator[int]:
     if stop.max_tokens == 0:
         gen.finish_reason = "length"
         return
     seq = engine.new_sequence(len(prompt) + stop.max_tokens, kv_pool=kv_pool)
+    seq.media = media
     drafting = None if spec is None else Drafting(spec)
     try:
         if kv_pool is not None:  # the last token is left to compute: its logits give the first new one
+            if media is not None:
+                seq.cache.extra_key = media.extra_key  # type: ignore[attr-defined]
             gen.cached_tokens = seq.cache.reuse_prefix(prompt[:-1])  # type: ignore[attr-defined]
             seq.tokens = prompt[:gen.cached_tokens]
         token = prefill(engine, seq, prompt[gen.cached_tokens:], sampler, drafting)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class SequenceState:
 
     tokens: list[int]
     cache: SequenceCache
+    #: Its prompt's images (:class:`infer.multimodal.PromptMedia`), or None:
+    #: every forward over it carries what they say of its positions.
+    media: Any = None
 
     @property
     def cached(self) -> int:
@@ -159,6 +163,12 @@ class ForwardOutput:
         """Sequence ``i``'s rows of :attr:`hidden` (``[new tokens, hidden_size]``)."""
         first = self.batch.first_token(i)
         return self.backend.slice(self.hidden, 0, first, first + self.batch.slices[i].length)
+
+
+def _plain(s: SequenceSlice) -> bool:
+    """Whether a slice needs nothing but its token ids (a captured step's
+    inputs): no image rows, spans or rope positions of its own."""
+    return s.media is None or s.media.plain(s.start, s.start + s.length)
 
 
 def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
@@ -343,7 +353,7 @@ class Engine:
                     f"sequence would reach {start + len(ids)} positions; its cache holds "
                     f"{seq.cache.capacity} (model context {self.max_context})"
                 )
-            slices.append(SequenceSlice(seq.cache, start, len(ids)))
+            slices.append(SequenceSlice(seq.cache, start, len(ids), media=seq.media))
         for s in slices:
             s.cache.reserve(s.start + s.length)
         for s, ids, whole in zip(slices, token_ids, every):  # recurrent state checkpoints (infer.kv.state)
@@ -366,7 +376,8 @@ class Engine:
         and every new token's hidden states when it asks for them."""
         ops = self.backend
         if (self.batch_step is not None and not batch.capture_hidden
-                and all(isinstance(s.cache, PagedSequenceCache) and s.cache.states is None for s in batch.slices)):
+                and all(isinstance(s.cache, PagedSequenceCache) and s.cache.states is None and _plain(s)
+                        for s in batch.slices)):
             caches = [s.cache for s in batch.slices]
             logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens)  # type: ignore[arg-type]
             if logits is not None:
@@ -381,7 +392,8 @@ class Engine:
         greedy token after it, or None where that step does not serve (not
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
-        if self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None:
+        if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None
+                or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))):
             return None
         self.check_tokens([token])
         nxt = self.decode_step(seq.cache, token)

@@ -30,12 +30,14 @@ their path per sequence.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 import numpy as np
 
+from infer import oplib
 from infer.errors import CaptureError
 from infer.ops import Array, AttentionBatch, Backend
 
@@ -160,6 +162,10 @@ class SequenceSlice:
     #: Recurrent state checkpoints to write: ``(position, slot)``, the state
     #: after ``position`` tokens (``start < position <= start + length``).
     checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    #: The sequence's images (:class:`infer.multimodal.PromptMedia`), or None:
+    #: what it says of positions ``start..start + length`` (rows to inject,
+    #: bidirectional spans, rope positions) joins the forward's description.
+    media: Any = None
 
 
 @dataclass
@@ -228,10 +234,31 @@ class AttentionContext:
                 group = []
             group.append(s)
         close()
-        positions = np.concatenate([np.arange(s.start, s.start + s.length, dtype=np.int32) for s in sequences])
+        placed = [None if s.media is None else s.media.position_rows(s.start, s.start + s.length)
+                  for s in sequences]
+        streams = max((p.shape[0] for p in placed if p is not None), default=0)
+        rows = [np.arange(s.start, s.start + s.length, dtype=np.int32) if p is None else p
+                for s, p in zip(sequences, placed)]
+        if streams:  # positions given per stream (M-RoPE): a plain sequence repeats its indices
+            grid = np.concatenate([np.broadcast_to(r, (streams, r.shape[-1])) for r in rows], axis=1)
+            positions = np.ascontiguousarray(grid[0])
+        else:
+            positions = np.concatenate(rows)
         self._setup(ops, ops.from_numpy(positions), int(positions.shape[0]), runs,
                     max(s.start + s.length for s in sequences))
         self.sequences = list(sequences)
+        if streams > 1:
+            self.position_ids = ops.from_numpy(np.ascontiguousarray(grid, dtype=np.int32))
+        injected, first = [], 0
+        for s in sequences:
+            got = None if s.media is None else s.media.injected(ops, s.start, s.start + s.length)
+            if got is not None:
+                injected.append((got[0] + first, got[1]))
+            first += s.length
+        if injected:
+            where = np.concatenate([r for r, _ in injected]).astype(np.int32)
+            values = [v for _, v in injected]
+            self.embedded = (ops.from_numpy(where), values[0] if len(values) == 1 else ops.concat(values, 0))
         states = [s.cache.states for s in sequences]
         if any(st is not None for st in states):
             if any(st is None or st.store is not states[0].store for st in states):
@@ -308,6 +335,22 @@ class AttentionContext:
         #: returns the state (see :meth:`set_state`).
         self.checkpoint_rows: Array | None = None
         self._checkpoint_slots: Array | None = None
+        #: int32 ``[streams, tokens]`` rope positions where a sequence's are
+        #: several streams (Qwen's M-RoPE: time, height, width), else None:
+        #: :attr:`positions` (stream 0, or the token indices) is all there is.
+        self.position_ids: Array | None = None
+        #: ``(rows, values)``: embedding rows that replace the token embeddings
+        #: at those rows of the forward (an image's), or None (:meth:`inject`).
+        self.embedded: tuple[Array, Array] | None = None
+
+    def inject(self, h: Array) -> Array:
+        """The token embeddings ``h`` ``[tokens, hidden]`` with the forward's
+        image rows put in (:attr:`embedded`): what an architecture's
+        embedding step returns (:meth:`~infer.architectures.decoder.Decoder.embed`)."""
+        if self.embedded is None:
+            return h
+        rows, values = self.embedded
+        return self.ops.scatter_rows(h, rows, values)
 
     @property
     def max_position(self) -> int:
@@ -350,8 +393,11 @@ class AttentionContext:
                 keys = ops.scatter_rows(keys, slots, ks)
                 values = ops.scatter_rows(values, slots, vs)
                 run.store.set_layer_arrays(storage, keys, values)
-            outputs.append(ops.attention(qs, keys, values, batch, scale=scale, causal=causal, window=window,
-                                         softcap=softcap, sinks=sinks))
+            # A backend that does not read bidirectional spans gets the contract's default for such a batch.
+            attend = ops.attention if batch.spans is None or not causal or ops.supports("attention_spans") else \
+                functools.partial(oplib.attention, ops)
+            outputs.append(attend(qs, keys, values, batch, scale=scale, causal=causal, window=window,
+                                  softcap=softcap, sinks=sinks))
         return outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
 
     def state(self, layer: int) -> dict[str, Array]:
@@ -390,6 +436,11 @@ def describe(ops: Backend, sequences: Sequence[SequenceSlice], first: int = 0) -
     for s in sequences:
         query_start.append(query_start[-1] + s.length)
         lengths.append(s.start + s.length)
+    spans = [None if s.media is None else s.media.span_rows(s.start, s.start + s.length) for s in sequences]
+    span_rows = None
+    if any(sp is not None for sp in spans):  # bidirectional spans (ops.AttentionBatch.spans)
+        span_rows = np.concatenate([np.zeros((s.length, 2), np.int32) if sp is None else sp
+                                    for s, sp in zip(sequences, spans)])
     groups = []
     for g in range(len(located[0])):
         tables = [loc[g][1] for loc in located]
@@ -398,10 +449,11 @@ def describe(ops: Backend, sequences: Sequence[SequenceSlice], first: int = 0) -
         for i, t in enumerate(tables):
             table_array[i, :len(t)] = t
         host = AttentionBatch(np.asarray(query_start, np.int32), np.asarray(lengths, np.int32), table_array,
-                              store.block_size, max(s.length for s in sequences))
+                              store.block_size, max(s.length for s in sequences), spans=span_rows)
         slot_array = np.concatenate([loc[g][0] for loc in located]).astype(np.int32, copy=False)
         batch = AttentionBatch(*(ops.from_numpy(a) for a in (host.query_start, host.seq_lens, host.block_tables)),
-                               host.block_size, host.max_query, host)
+                               host.block_size, host.max_query, host,
+                               spans=None if span_rows is None else ops.from_numpy(span_rows))
         groups.append((ops.from_numpy(slot_array), batch))
     return StoreRun(store, first, first + query_start[-1], *groups[0], groups[1:])
 

@@ -45,6 +45,14 @@ from infer.errors import CacheConfigError, CacheFullError
 ROOT_HASH = b""
 
 
+def root_hash(extra_key: bytes = b"") -> bytes:
+    """The parent of block 0 for a sequence with ``extra_key``: what its
+    tokens do not say but its keys and values depend on (its images'
+    content, a LoRA adapter), folded into the root of the chain so that every
+    block key depends on it. ``b""`` (none) keeps :data:`ROOT_HASH`."""
+    return ROOT_HASH if not extra_key else hashlib.sha256(b"extra:" + extra_key).digest()
+
+
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The prefix-cache key of a full block: its parent's key and its own tokens."""
     return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
@@ -72,6 +80,8 @@ class BlockTable:
     num_tokens: int = 0
     #: Chain hashes of the committed full blocks, in order.
     hashes: list[bytes] = field(default_factory=list)
+    #: The parent of block 0 (:func:`root_hash` of the sequence's extra key).
+    root: bytes = ROOT_HASH
 
 
 @dataclass(frozen=True)
@@ -227,7 +237,7 @@ class BlockAllocator:
             raise CacheConfigError(f"{len(tokens)} tokens committed to a table of {len(table.blocks)} blocks of {bs}")
         table.num_tokens = len(tokens)
         for i in range(len(table.hashes), len(tokens) // bs):
-            parent = table.hashes[-1] if table.hashes else ROOT_HASH
+            parent = table.hashes[-1] if table.hashes else table.root
             key = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             table.hashes.append(key)
             # A salt (the state group) keeps apart the blocks of groups that share one allocator.
@@ -239,7 +249,7 @@ class BlockAllocator:
         for block in table.blocks:
             if block >= 0:  # a sliding window's given-back blocks are -1
                 self.incref(block)
-        return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
+        return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes), table.root)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Forget positions from ``num_tokens`` on, freeing the blocks past them."""
@@ -291,27 +301,27 @@ class BlockAllocator:
         table.hashes = list(keys)
         table.num_tokens = len(keys) * self.block_size
 
-    def lookup_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def lookup_prefix(self, tokens: Sequence[int], root: bytes = ROOT_HASH) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``tokens``
         (a query: nothing is referenced or reordered)."""
-        return [block for _, block in self._cached_prefix(tokens)]
+        return [block for _, block in self._cached_prefix(tokens, root)]
 
     def attach_prefix(self, table: BlockTable, tokens: Sequence[int]) -> int:
         """Start an empty ``table`` with the cached blocks of the longest
         full-block prefix of ``tokens``; returns the positions reused."""
         if table.blocks:
             raise CacheConfigError("a cached prefix can only start an empty block table")
-        for key, block in self._cached_prefix(tokens):
+        for key, block in self._cached_prefix(tokens, table.root):
             self.incref(block)
             table.blocks.append(block)
             table.hashes.append(key)
         table.num_tokens = len(table.blocks) * self.block_size
         return table.num_tokens
 
-    def _cached_prefix(self, tokens: Sequence[int]) -> list[tuple[bytes, int]]:
+    def _cached_prefix(self, tokens: Sequence[int], root: bytes = ROOT_HASH) -> list[tuple[bytes, int]]:
         """``(chain hash, block)`` of each cached block of the longest
-        full-block prefix of ``tokens``, in order."""
-        found, parent, bs = [], ROOT_HASH, self.block_size
+        full-block prefix of ``tokens`` (chained from ``root``), in order."""
+        found, parent, bs = [], root, self.block_size
         for i in range(len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             block = self._cached.get(parent)

@@ -35,7 +35,7 @@ import numpy as np
 
 from infer.errors import CacheConfigError, CacheFullError
 from infer.kv.attention import LayerState, state_groups
-from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, tail_hash
+from infer.kv.blocks import ROOT_HASH, BlockAllocator, BlockTable, PoolStats, chain_hash, root_hash, tail_hash
 from infer.kv.cache import LayerStore, SequenceCache, row_nbytes
 from infer.kv.state import SequenceStates, StateStore
 from infer.ops import Backend
@@ -263,11 +263,26 @@ class PagedSequenceCache(SequenceCache):
         #: Token ids of the committed positions (the prefix-cache keys).
         self.tokens: list[int] = [] if tokens is None else tokens
         self.states = states
+        self._extra_key = b""
 
     @property
     def length(self) -> int:
         """Positions written and committed."""
         return self.table.num_tokens
+
+    @property
+    def extra_key(self) -> bytes:
+        """What keys this sequence's blocks beside its tokens (:func:`~infer.kv.blocks.root_hash`)."""
+        return self._extra_key
+
+    @extra_key.setter
+    def extra_key(self, key: bytes) -> None:
+        """Set before anything is cached or attached: the images of a prompt, a LoRA adapter."""
+        if self.length or any(t.blocks for t in self.tables):
+            raise CacheConfigError("a sequence's extra key is set before its first block")
+        self._extra_key = bytes(key)
+        for table in self.tables:
+            table.root = root_hash(self._extra_key)
 
     @property
     def store(self) -> PagedKVPool:  # type: ignore[override]
@@ -299,7 +314,7 @@ class PagedSequenceCache(SequenceCache):
     def _checkpoint_keys(self, token_ids: Sequence[int]) -> dict[int, bytes]:
         bs, hashes = self.pool.block_size, self.table.hashes
         tokens = self.tokens + [int(t) for t in token_ids]
-        keys, parent = {}, hashes[-1] if hashes else ROOT_HASH
+        keys, parent = {}, hashes[-1] if hashes else self.table.root
         for i in range(len(hashes), len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             keys[(i + 1) * bs] = parent
@@ -334,11 +349,14 @@ class PagedSequenceCache(SequenceCache):
         Pass a prompt without its last token, so at least one token is left
         to compute the next logits from."""
         pool, bs = self.pool, self.pool.block_size
-        if pool.disk is not None:  # what memory lacks of the prompt's blocks, read back from disk
+        root = self.table.root
+        # What memory lacks of the prompt's blocks, read back from disk (which keys blocks by
+        # their tokens alone, so it holds none of a sequence with an extra key).
+        if pool.disk is not None and root == ROOT_HASH:
             pool.disk.fill(tokens)
-        keys = [key for key, _ in pool.allocator._cached_prefix(tokens)]
+        keys = [key for key, _ in pool.allocator._cached_prefix(tokens, root)]
         n = len(keys)
-        tail = self._find_tail(keys[n - 1] if n else ROOT_HASH, tokens, n * bs)
+        tail = self._find_tail(keys[n - 1] if n else root, tokens, n * bs)
         if tail is not None and self._hit(keys, n, n * bs + tail[1], recurrent=False):
             self._attach(keys, n, n * bs + tail[1])
             if self._attach_tail(tail[0], n * bs + tail[1]):
