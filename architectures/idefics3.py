@@ -25,15 +25,21 @@ and ``model.connector.``), as transformers' ``Idefics3VisionTransformer`` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infer.architecture import WeightLoader
+from infer.architecture import CausalLM, VisionSpec, WeightLoader
 from infer.config import from_dict
 from infer.errors import ConfigError
+from infer.kv.attention import AttentionContext, LayerState
 from infer.ops import Array, Backend
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
 
+from . import llama
 from .decoder import activation
+from .gemma3_vl import LanguageModelWeights
 from .qwen3_5_vision import bidirectional_batch
 
 
@@ -153,3 +159,58 @@ def vision_config(config: dict[str, Any]) -> Idefics3VisionConfig:
     if not isinstance(nested, dict):
         raise ConfigError("config.json: an idefics3 / smolvlm model needs a vision_config")
     return from_dict(Idefics3VisionConfig, nested)
+
+
+class Idefics3ForConditionalGeneration(CausalLM):
+    """A Llama-family language model (``text_config``, weights under
+    ``model.text_model.``) reading images through the tile encoder and
+    connector above: each ``<image>`` token (``image_token_id``) takes one
+    connector row, tile after tile; attention stays causal (transformers'
+    ``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``)."""
+
+    def __init__(self, config: dict[str, Any], weights: WeightLoader, ops: Backend) -> None:
+        super().__init__(config, weights, ops)
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("config.json: an idefics3 / smolvlm config needs a text_config object")
+        kind = text.get("model_type", "llama")
+        if kind not in ("llama", "mistral", "qwen2"):
+            raise ConfigError(f"config.json: text_config.model_type {kind!r} is not a language model Idefics3 "
+                              "runs here; supported: llama, mistral, qwen2")
+        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+        #: The language model, built by its own architecture.
+        self.language_model: CausalLM = llama.build(text, LanguageModelWeights(weights, "model.text_model.",
+                                                                             "lm_head.weight"), ops)  # type: ignore[arg-type]
+        self.visual = Idefics3VisionModel(vision_config(config), int(config.get("scale_factor", 2)),
+                                          int(text["hidden_size"]), weights, ops)
+        lm = self.language_model
+        self.num_layers, self.max_context, self.vocab_size = lm.num_layers, lm.max_context, lm.vocab_size
+        self.lm_head = lm.lm_head
+        self.vision = VisionSpec("idefics3", int(config.get("image_token_id", 128257)), config=config)
+
+    def layer_states(self) -> list[LayerState]:
+        return self.language_model.layer_states()
+
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        return self.language_model.forward(input_ids, ctx)
+
+    def compute_logits(self, hidden: Array) -> Array:
+        return self.language_model.compute_logits(hidden)
+
+    def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
+        """One image's rows ``[tiles * tokens_per_tile, text hidden]`` from its tiles ``[tiles, 3, size, size]``."""
+        return self.visual(pixel_values)
+
+
+def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Idefics3ForConditionalGeneration:
+    """Build Idefics3 / SmolVLM from an ``idefics3`` or ``smolvlm`` config.json dict."""
+    return Idefics3ForConditionalGeneration(config, weights, ops)
+
+
+@hookimpl
+def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
+    """Register Idefics3 and SmolVLM."""
+    register(ArchitectureSpec(
+        name="idefics3", model_types=("idefics3", "smolvlm"), build=build,
+        description="Idefics3 / SmolVLM: image tiles through a SigLIP-style encoder, pixel shuffle and a projection, "
+                    "into a Llama-family language model"))

@@ -34,15 +34,21 @@ order and the image's ``grid_thw``. Against a plain ViT:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.architecture import WeightLoader, host_array
+from infer.architecture import VisionSpec, WeightLoader, host_array
 from infer.config import from_dict
 from infer.errors import ConfigError
 from infer.ops import Array, AttentionBatch, Backend
+from infer.plugins.hookspecs import hookimpl
+from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import activation
+from .mrope import MRotaryEmbedding, mrope_positions
+from . import qwen3_5
+from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, model_config, text_config
 from .rope import _f32
 
 Grid = tuple[int, int, int]
@@ -248,3 +254,48 @@ def vision_config(config: dict[str, Any]) -> Qwen3_5VisionConfig:
     if not isinstance(nested, dict):
         raise ConfigError("config.json: a qwen3_5 vision model needs a vision_config")
     return from_dict(Qwen3_5VisionConfig, nested)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """Qwen3.5's language model reading images: the tower above puts one row
+    per ``<|image_pad|>`` token (``image_token_id``), attention stays causal,
+    and the rotary positions are M-RoPE's (:mod:`.mrope`): a prompt with
+    images carries three position streams, a text-only one plain indices."""
+
+    def __init__(self, config: dict[str, Any], weights: WeightLoader, ops: Backend) -> None:
+        text, prefix = text_config(config)
+        cfg = model_config(Qwen3_5Config, text)
+        super().__init__(cfg, weights, ops, prefix=prefix)
+        self.rope = {"default": MRotaryEmbedding(ops, cfg.head_dim, cfg.rope, cfg.max_position_embeddings)}
+        vision = vision_config(config)
+        if vision.out_hidden_size != cfg.hidden_size:
+            raise ConfigError(f"config.json: vision_config.out_hidden_size ({vision.out_hidden_size}) must be the "
+                              f"language model's hidden_size ({cfg.hidden_size})")
+        self.visual = Qwen3_5VisionModel(vision, weights, ops, prefix="model.visual.")
+        self.vision = VisionSpec("qwen2_vl", int(config.get("image_token_id", 248056)), config=config)
+
+    def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
+        """One image's rows ``[t * h * w / merge**2, hidden]`` from its patches and ``meta["grid_thw"]``."""
+        return self.visual(pixel_values, [tuple(int(x) for x in meta["grid_thw"])])  # type: ignore[list-item]
+
+    def prompt_positions(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[Any, int]:
+        """M-RoPE's three streams of the prompt and the delta after it (:func:`.mrope.mrope_positions`)."""
+        layout = [(image.start, tuple(int(x) for x in image.processed.meta["grid_thw"])) for image in images]
+        streams, delta = mrope_positions(len(token_ids), layout, self.visual.config.spatial_merge_size)
+        return host_array(streams, "int32"), delta
+
+
+def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5ForCausalLM:
+    """A ``qwen3_5`` checkpoint: with its vision tower where it holds one
+    (``model.visual.``), else its language model alone."""
+    if isinstance(config.get("vision_config"), dict) and weights.has("model.visual.patch_embed.proj.weight"):
+        return Qwen3_5ForConditionalGeneration(config, weights, ops)
+    return qwen3_5.build(config, weights, ops)
+
+
+@hookimpl
+def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
+    """Register Qwen3.5's vision-language checkpoints."""
+    register(ArchitectureSpec(name="qwen3_5_vl", model_types=("qwen3_5",), build=build,
+                              description="Qwen3.5 (Qwen3_5ForConditionalGeneration): its vision tower with 2D rope "
+                                          "and 2x2 merger, M-RoPE positions; the language model alone without it"))

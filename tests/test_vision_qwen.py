@@ -76,12 +76,12 @@ def test_pixel_values_equal_transformers_pil_processor(settings: dict[str, Any])
 
 
 def test_smart_resize_bounds_and_aspect_limit() -> None:
-    from infer.errors import RequestError
+    from infer.errors import ImageError
 
     assert smart_resize(5, 7, 28, 56 * 56, 28 * 28 * 1280) == (56, 84)  # grown by one factor, then rounded up
     h, w = smart_resize(3000, 4000, 28, 56 * 56, 28 * 28 * 1280)
     assert h % 28 == 0 and w % 28 == 0 and h * w <= 28 * 28 * 1280
-    with pytest.raises(RequestError, match="aspect ratio"):
+    with pytest.raises(ImageError, match="aspect ratio"):
         smart_resize(1, 201, 28, 56 * 56, 28 * 28 * 1280)
 
 

@@ -1,21 +1,20 @@
-"""Images to ``pixel_values`` as Hugging Face's PIL image processors compute them.
+"""Image processors of the families whose preprocessing is more than a resize.
 
-One module per processor family, named after transformers' (``qwen2_vl``:
-``Qwen2VLImageProcessorPil``, which Qwen2-VL, Qwen3-VL and Qwen3.5 use;
-``idefics3``: ``Idefics3ImageProcessorPil``, Idefics3 and SmolVLM). This module
-holds the steps they share, each the same arithmetic as transformers' so that
-the arrays are equal, not merely close:
+:mod:`infer.image_processing` holds the registry, the common resize /
+rescale / normalize pipeline and the families it covers (Gemma 3, LLaVA);
+each module here is one more of transformers' PIL image processors, named
+after it (``qwen2_vl``: ``Qwen2VLImageProcessorPil``, which Qwen2-VL, Qwen3-VL
+and Qwen3.5 use; ``idefics3``: ``Idefics3ImageProcessorPil``, Idefics3 and
+SmolVLM), registered with :func:`~infer.image_processing.register_image_processor`
+when :mod:`infer.multimodal` is imported. The steps they share, each the
+same arithmetic as transformers' so that the arrays are equal, not merely close:
 
-* :func:`rgb_array`: any PIL image to RGB ``uint8`` ``[height, width, 3]``;
-  an alpha channel (or a palette's transparency) is composited on white, as
-  ``transformers.image_transforms.convert_to_rgb`` does.
+* :func:`rgb_array`: any PIL image to RGB ``uint8`` ``[height, width, 3]``
+  (transparency composited on white: :func:`infer.image_processing.to_rgb`).
 * :func:`resize`: Pillow's ``Image.resize`` of the ``uint8`` image (the PIL
   processors resize before rescaling, so every resize sees bytes).
 * :func:`rescale_normalize`: ``x * scale`` in float64 rounded to float32, then
   ``(x - mean) / std`` in float32, channels first.
-
-Pillow is an optional dependency (the ``vision`` extra); it is imported when
-an image is first read.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import MissingDependencyError
+from infer.image_processing import to_rgb
+from infer.images import pil
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD`` (Qwen2-VL's defaults).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -38,24 +38,10 @@ STANDARD_STD = (0.5, 0.5, 0.5)
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
 
-def pil() -> Any:
-    """The ``PIL.Image`` module, or a :class:`~infer.errors.MissingDependencyError` saying how to get it."""
-    try:
-        from PIL import Image
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise MissingDependencyError("images need Pillow: pip install 'infer-engine[vision]'") from e
-    return Image
-
-
 def rgb_array(image: Any) -> np.ndarray:
     """A PIL image as RGB ``uint8`` ``[height, width, 3]``: transparent
     pixels blended onto white (transformers' ``convert_to_rgb``)."""
-    Image = pil()
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, rgba)
-    return np.asarray(image.convert("RGB"))
+    return np.asarray(to_rgb(image))
 
 
 def resize(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:

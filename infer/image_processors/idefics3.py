@@ -30,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from infer.errors import ConfigError
+from infer.image_processing import ProcessedImage, register_image_processor
+
 from . import RESAMPLE, STANDARD_MEAN, STANDARD_STD, resize, rescale_normalize, rgb_array
 
 #: transformers' absolute bound on a resized side.
@@ -132,3 +135,43 @@ class Idefics3ImageProcessor:
         grid = "".join("".join(f"{fake_token}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
                        for r in range(rows))
         return grid + "\n" + whole
+
+
+@dataclass
+class Idefics3Images:
+    """Idefics3's image side of a prompt (:class:`infer.image_processing.ImageProcessor`):
+    the tiles, ``meta["rows"]`` / ``meta["cols"]``, and the prompt text of
+    :meth:`Idefics3ImageProcessor.prompt` for each ``<image>``."""
+
+    pixels: Idefics3ImageProcessor
+    tokens_per_tile: int
+    placeholder: str = "<image>"
+    fake_token: str = "<fake_token_around_image>"
+    global_token: str = "<global-img>"
+
+    def preprocess(self, image: Any) -> ProcessedImage:
+        tiles, rows, cols = self.pixels(image)
+        return ProcessedImage(tiles, tiles.shape[0] * self.tokens_per_tile, {"rows": rows, "cols": cols})
+
+    def expand(self, image: ProcessedImage) -> str:
+        return self.pixels.prompt(image.meta["rows"], image.meta["cols"], self.tokens_per_tile, self.placeholder,
+                                  self.fake_token, self.global_token)
+
+
+def idefics3_processor(config: dict[str, Any], preprocessor: dict[str, Any], tokenizer: Any) -> Idefics3Images:
+    """The image processor of an Idefics3 / SmolVLM folder: its
+    ``preprocessor_config.json`` over transformers' defaults; a tile must be
+    the vision encoder's ``image_size`` (the encoder reads whole tiles)."""
+    pixels = Idefics3ImageProcessor.from_config(preprocessor)
+    vision = config.get("vision_config") or {}
+    size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
+    if pixels.max_image_size != size:
+        raise ConfigError(f"preprocessor_config.json: max_image_size {pixels.max_image_size} differs from the vision "
+                          f"encoder's image_size {size} (config.json); tiles must be whole encoder inputs")
+    scale = int(config.get("scale_factor", 2))
+    token = config.get("image_token_id")
+    placeholder = tokenizer.id_to_token(int(token)) if tokenizer is not None and token is not None else None
+    return Idefics3Images(pixels, (size // patch) ** 2 // scale ** 2, placeholder or "<image>")
+
+
+register_image_processor("idefics3", idefics3_processor)

@@ -15,7 +15,9 @@ pixels per channel, in the order the vision tower's 2x2 merger reads them:
    ``grid_thw = (1, grid_h, grid_w)``.
 
 The language model sees ``grid_h * grid_w / merge_size**2`` image tokens per
-image.
+image: the prompt's ``<|image_pad|>`` (inside the chat template's
+``<|vision_start|>...<|vision_end|>``) repeated that many times, as
+transformers' ``Qwen3VLProcessor`` expands it (:class:`QwenImages`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from infer.errors import RequestError
+from infer.errors import ConfigError, ImageError
+
+from infer.image_processing import ProcessedImage, register_image_processor
 
 from . import CLIP_MEAN, CLIP_STD, RESAMPLE, resize, rescale_normalize, rgb_array
 
@@ -37,7 +41,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     ``factor`` with ``min_pixels <= h * w <= max_pixels``, aspect kept as
     nearly as the rounding allows (transformers' ``smart_resize``)."""
     if max(height, width) / min(height, width) > 200:
-        raise RequestError(f"image of {width}x{height} pixels: the aspect ratio must be at most 200 "
+        raise ImageError(f"image of {width}x{height} pixels: the aspect ratio must be at most 200 "
                            f"(found {max(height, width) / min(height, width):.1f})")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -105,7 +109,7 @@ class Qwen2VLImageProcessor:
         if self.do_resize:
             x = resize(x, gh * p, gw * p, self.resample)
         elif height % (p * m) or width % (p * m):
-            raise RequestError(f"image of {width}x{height} pixels: without resizing, both sides must be "
+            raise ImageError(f"image of {width}x{height} pixels: without resizing, both sides must be "
                                f"multiples of {p * m}")
         x = rescale_normalize(x, self.rescale_factor if self.do_rescale else None,
                               self.image_mean if self.do_normalize else None, self.image_std)
@@ -118,3 +122,39 @@ class Qwen2VLImageProcessor:
         """Several images' patches concatenated, and their grids, in order."""
         out = [self(im) for im in images]
         return np.concatenate([pv for pv, _ in out]), [g for _, g in out]
+
+
+@dataclass
+class QwenImages:
+    """Qwen's image side of a prompt (:class:`infer.image_processing.ImageProcessor`):
+    the patches, ``meta["grid_thw"]``, and ``<|image_pad|>`` once per image token."""
+
+    pixels: Qwen2VLImageProcessor
+    placeholder: str = "<|image_pad|>"
+
+    def preprocess(self, image: Any) -> ProcessedImage:
+        pixel_values, grid = self.pixels(image)
+        t, h, w = grid
+        return ProcessedImage(pixel_values, t * h * w // self.pixels.merge_size ** 2, {"grid_thw": grid})
+
+    def expand(self, image: ProcessedImage) -> str:
+        return self.placeholder * image.num_tokens
+
+
+def qwen2_vl_processor(config: dict[str, Any], preprocessor: dict[str, Any], tokenizer: Any) -> QwenImages:
+    """The image processor of a Qwen3.5 (Qwen2-VL style) folder: its
+    ``preprocessor_config.json`` over transformers' defaults, checked against
+    the vision tower's patch, merge and temporal sizes."""
+    pixels = Qwen2VLImageProcessor.from_config(preprocessor)
+    vision = config.get("vision_config") or {}
+    for name, mine in (("patch_size", "patch_size"), ("spatial_merge_size", "merge_size"),
+                       ("temporal_patch_size", "temporal_patch_size")):
+        if name in vision and int(vision[name]) != int(getattr(pixels, mine)):
+            raise ConfigError(f"preprocessor_config.json: {mine} {getattr(pixels, mine)} differs from the vision "
+                              f"tower's {name} {vision[name]} (config.json)")
+    token = config.get("image_token_id")
+    placeholder = tokenizer.id_to_token(int(token)) if tokenizer is not None and token is not None else None
+    return QwenImages(pixels, placeholder or "<|image_pad|>")
+
+
+register_image_processor("qwen2_vl", qwen2_vl_processor)
