@@ -11,12 +11,15 @@ and ``model.connector.``), as transformers' ``Idefics3VisionTransformer`` and
 * **Patch embedding**: a ``Conv2d`` whose kernel equals its stride, on
   patches cut out row by row: ``patches @ patch_embedding.weight.reshape(hidden, -1).T + b``.
 * **Positions**: a learned vector per patch of the ``image_size / patch_size``
-  square (NaViT-style buckets for smaller tiles, which the processor never
-  makes: a tile is always the full square, so patch ``i`` takes vector ``i``).
-* **Encoder**: SigLIP's pre-norm blocks (LayerNorm ``layer_norm_eps``;
-  ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` with biases, bidirectional
-  over one tile's patches; LayerNorm, ``fc1``, ``hidden_act``, ``fc2``), then
-  ``post_layernorm``.
+  square. transformers buckets the positions of tiles smaller than the square
+  (NaViT-style); the processor never makes one (a tile is always the encoder's
+  ``image_size``, checked when the processor is built), so patch ``i`` takes
+  vector ``i`` and the encoder is SigLIP's (:class:`.vision.VisionTower`:
+  pre-norm blocks bidirectional over one tile's patches, ``post_layernorm``).
+  (transformers computes those buckets in float32 even for a whole tile:
+  they are the indices for the released sides, 26, 27 and 32 patches, and
+  for the tests' 4; for some sides, e.g. 19 or 25, a patch lands in the
+  neighbouring bucket, which this does not copy.)
 * **Connector**: pixel shuffle by ``scale_factor`` (each ``s x s`` block of
   patches side by side into one vector of ``s**2 * hidden``, Shi et al. 2016's
   space-to-depth), then ``modality_projection.proj`` (no bias) to the text
@@ -26,7 +29,6 @@ and ``model.connector.``), as transformers' ``Idefics3VisionTransformer`` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from infer.architecture import CausalLM, VisionSpec, WeightLoader
@@ -38,127 +40,50 @@ from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
 from . import llama
-from .decoder import activation
 from .gemma3_vl import LanguageModelWeights
-from .qwen3_5_vision import bidirectional_batch
-
-
-@dataclass
-class Idefics3VisionConfig:
-    """``vision_config`` fields read (transformers names and defaults)."""
-
-    hidden_size: int = 1152
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 16
-    num_channels: int = 3
-    image_size: int = 224
-    patch_size: int = 32
-    hidden_act: str = "gelu_pytorch_tanh"
-    layer_norm_eps: float = 1e-6
-
-    def validate(self) -> None:
-        """Positive sizes, heads dividing the width, patches tiling the image."""
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-                     "image_size", "patch_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"config.json: vision_config.{name} must be positive, found {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"config.json: vision_config.hidden_size ({self.hidden_size}) must be a multiple of "
-                              f"num_attention_heads ({self.num_attention_heads})")
-        if self.image_size % self.patch_size:
-            raise ConfigError(f"config.json: vision_config.image_size ({self.image_size}) must be a multiple of "
-                              f"patch_size ({self.patch_size})")
-        activation("vision_config.hidden_act", self.hidden_act)
-
-    @property
-    def side(self) -> int:
-        """Patches along a tile's side."""
-        return self.image_size // self.patch_size
+from .vision import VisionConfig, VisionTower
 
 
 class Idefics3VisionModel:
-    """SigLIP-style tile encoder and the pixel-shuffle connector (module docstring)."""
+    """The SigLIP tile encoder (:class:`.vision.VisionTower`) and the pixel-shuffle connector (module docstring)."""
 
-    def __init__(self, config: Idefics3VisionConfig, scale_factor: int, text_hidden: int, weights: WeightLoader,
+    def __init__(self, config: VisionConfig, scale_factor: int, text_hidden: int, weights: WeightLoader,
                  ops: Backend, *, prefix: str = "model.") -> None:
-        if scale_factor <= 0 or config.side % scale_factor:
-            raise ConfigError(f"config.json: scale_factor ({scale_factor}) must divide the {config.side} patches "
-                              "along a tile's side")
+        if scale_factor <= 0 or config.patches_per_side % scale_factor:
+            raise ConfigError(f"config.json: scale_factor ({scale_factor}) must divide the {config.patches_per_side} "
+                              "patches along a tile's side")
         self.config, self.ops, self.scale = config, ops, scale_factor
-        cfg, w, d = config, weights, config.hidden_size
-        self.act = activation("vision_config.hidden_act", cfg.hidden_act)
-        v = prefix + "vision_model."
-
-        def linear(name: str, rows: int, cols: int) -> tuple[Array, Array]:
-            return w.get(name + ".weight", (rows, cols)), w.get(name + ".bias", (rows,))
-
-        def norm(name: str) -> tuple[Array, Array]:
-            return w.get(name + ".weight", (d,)), w.get(name + ".bias", (d,))
-
-        p = cfg.patch_size
-        self.patch_embedding = (
-            w.get(v + "embeddings.patch_embedding.weight", (d, cfg.num_channels, p, p),
-                  transform=lambda a: a.reshape(d, -1)),
-            w.get(v + "embeddings.patch_embedding.bias", (d,)))
-        self.position_embedding = w.get(v + "embeddings.position_embedding.weight", (cfg.side ** 2, d))
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            b = f"{v}encoder.layers.{i}."
-            self.layers.append({"norm1": norm(b + "layer_norm1"), "norm2": norm(b + "layer_norm2"),
-                                **{name: linear(b + "self_attn." + name, d, d)
-                                   for name in ("q_proj", "k_proj", "v_proj", "out_proj")},
-                                "fc1": linear(b + "mlp.fc1", cfg.intermediate_size, d),
-                                "fc2": linear(b + "mlp.fc2", d, cfg.intermediate_size)})
-        self.post_layernorm = norm(v + "post_layernorm")
-        self.projection = w.get(prefix + "connector.modality_projection.proj.weight",
-                                (text_hidden, d * scale_factor ** 2))
+        self.tower = VisionTower(config, weights, ops, prefix + "vision_model.")
+        self.projection = weights.get(prefix + "connector.modality_projection.proj.weight",
+                                      (text_hidden, config.hidden_size * scale_factor ** 2))
 
     @property
     def tokens_per_tile(self) -> int:
         """Image tokens one tile gives (transformers' ``image_seq_len``)."""
-        return (self.config.side // self.scale) ** 2
-
-    def sequence_lengths(self, tiles: int) -> list[int]:
-        """Patches per attention sequence: one tile each."""
-        return [self.config.side ** 2] * tiles
+        return (self.config.patches_per_side // self.scale) ** 2
 
     def __call__(self, pixel_values: Array) -> Array:
         """Image embeddings ``[tiles * tokens_per_tile, text hidden]`` of tiles
         ``[tiles, channels, image_size, image_size]``, tile after tile (each
-        attending within itself)."""
+        encoded alone)."""
         ops, cfg = self.ops, self.config
-        tiles, c = ops.shape(pixel_values)[:2]
-        batch = bidirectional_batch(ops, self.sequence_lengths(tiles))
-        n, p, d, s = cfg.side, cfg.patch_size, cfg.hidden_size, self.scale
-        heads = cfg.num_attention_heads
-        hd = d // heads
-        patches = ops.transpose(ops.reshape(pixel_values, (tiles, c, n, p, n, p)), (0, 2, 4, 1, 3, 5))
-        x = ops.linear(ops.reshape(patches, (tiles * n * n, c * p * p)), *self.patch_embedding)
-        x = ops.add(ops.reshape(x, (tiles, n * n, d)), self.position_embedding)
-        x = ops.reshape(x, (tiles * n * n, d))
-        rows = tiles * n * n
-        for layer in self.layers:
-            y = ops.layer_norm(x, *layer["norm1"], cfg.layer_norm_eps)
-            q, k, v = (ops.reshape(ops.linear(y, *layer[name]), (rows, heads, hd))
-                       for name in ("q_proj", "k_proj", "v_proj"))
-            o = ops.attention(q, k, v, batch, scale=hd ** -0.5, causal=False)  # [patches, heads, head_dim]
-            x = ops.add(x, ops.linear(ops.reshape(o, (rows, d)), *layer["out_proj"]))
-            y = ops.layer_norm(x, *layer["norm2"], cfg.layer_norm_eps)
-            x = ops.add(x, ops.linear(getattr(ops, self.act)(ops.linear(y, *layer["fc1"])), *layer["fc2"]))
-        x = ops.layer_norm(x, *self.post_layernorm, cfg.layer_norm_eps)
+        tiles, c, size = ops.shape(pixel_values)[0], cfg.num_channels, cfg.image_size
+        n, d, s = cfg.patches_per_side, cfg.hidden_size, self.scale
+        x = ops.concat([self.tower.last_hidden_state(ops.reshape(ops.slice(pixel_values, 0, i, i + 1), (c, size, size)))
+                        for i in range(tiles)], 0)  # [tiles * n * n, d], each tile's patches row by row
         # Pixel shuffle as transformers writes it: columns in groups of s, then rows in groups of s.
         x = ops.transpose(ops.reshape(x, (tiles, n, n // s, d * s)), (0, 2, 1, 3))
         x = ops.transpose(ops.reshape(x, (tiles, n // s, n // s, d * s * s)), (0, 2, 1, 3))
         return ops.linear(ops.reshape(x, (tiles * (n // s) ** 2, d * s * s)), self.projection)
 
 
-def vision_config(config: dict[str, Any]) -> Idefics3VisionConfig:
-    """The tile encoder's settings from an ``idefics3`` / ``smolvlm`` config.json dict."""
+def tile_encoder_config(config: dict[str, Any]) -> VisionConfig:
+    """The tile encoder's settings from an ``idefics3`` / ``smolvlm`` config.json
+    dict: SigLIP's (its ``model_type`` is the family's own)."""
     nested = config.get("vision_config")
     if not isinstance(nested, dict):
         raise ConfigError("config.json: an idefics3 / smolvlm model needs a vision_config")
-    return from_dict(Idefics3VisionConfig, nested)
+    return from_dict(VisionConfig, {**nested, "model_type": "siglip_vision_model"})
 
 
 class Idefics3ForConditionalGeneration(CausalLM):
@@ -181,7 +106,7 @@ class Idefics3ForConditionalGeneration(CausalLM):
         #: The language model, built by its own architecture.
         self.language_model: CausalLM = llama.build(text, LanguageModelWeights(weights, "model.text_model.",
                                                                              "lm_head.weight"), ops)  # type: ignore[arg-type]
-        self.visual = Idefics3VisionModel(vision_config(config), int(config.get("scale_factor", 2)),
+        self.visual = Idefics3VisionModel(tile_encoder_config(config), int(config.get("scale_factor", 2)),
                                           int(text["hidden_size"]), weights, ops)
         lm = self.language_model
         self.num_layers, self.max_context, self.vocab_size = lm.num_layers, lm.max_context, lm.vocab_size

@@ -82,7 +82,7 @@ def test_tile_encoder_and_connector_equal_transformers(backend: str) -> None:
     from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
 
     from infer.architecture import WeightLoader
-    from infer.architectures.idefics3 import Idefics3VisionModel, vision_config
+    from infer.architectures.idefics3 import Idefics3VisionModel, tile_encoder_config
     from infer.plugins.selection import select_backend
     from infer.testing.tiny_model import ArrayTensorSource
 
@@ -100,7 +100,7 @@ def test_tile_encoder_and_connector_equal_transformers(backend: str) -> None:
         want = connector(encoder(tiles).last_hidden_state).reshape(-1, TINY_TEXT["hidden_size"]).numpy()
 
     ops = select_backend(backend, "float32")
-    model = Idefics3VisionModel(vision_config(config.to_dict()), 2, TINY_TEXT["hidden_size"],
+    model = Idefics3VisionModel(tile_encoder_config(config.to_dict()), 2, TINY_TEXT["hidden_size"],
                                 WeightLoader(ArrayTensorSource(weights), ops), ops)
     assert model.tokens_per_tile == 4 and tiles.shape[0] == 10  # 3 x 3 tiles and the global image
     got = ops.to_numpy(model(ops.from_numpy(tiles.numpy())))
