@@ -104,8 +104,8 @@ class Idefics3ForConditionalGeneration(CausalLM):
                               "runs here; supported: llama, mistral, qwen2")
         text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
         #: The language model, built by its own architecture.
-        self.language_model: CausalLM = llama.build(text, LanguageModelWeights(weights, "model.text_model.",
-                                                                             "lm_head.weight"), ops)  # type: ignore[arg-type]
+        lm_weights = LanguageModelWeights(weights, "model.text_model.", "lm_head.weight")
+        self.language_model: CausalLM = llama.build(text, lm_weights, ops)  # type: ignore[arg-type]
         self.visual = Idefics3VisionModel(tile_encoder_config(config), int(config.get("scale_factor", 2)),
                                           int(text["hidden_size"]), weights, ops)
         lm = self.language_model

@@ -47,8 +47,9 @@ from infer.plugins.registry import ArchitectureSpec
 
 from .decoder import activation
 from .mrope import MRotaryEmbedding, mrope_positions
-from . import qwen3_5
+from . import qwen3_5, qwen3_next
 from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, model_config, text_config
+from .qwen3_next import Qwen3_5MoeForCausalLM
 from .rope import _f32
 
 Grid = tuple[int, int, int]
@@ -256,21 +257,25 @@ def vision_config(config: dict[str, Any]) -> Qwen3_5VisionConfig:
     return from_dict(Qwen3_5VisionConfig, nested)
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """Qwen3.5's language model reading images: the tower above puts one row
-    per ``<|image_pad|>`` token (``image_token_id``), attention stays causal,
-    and the rotary positions are M-RoPE's (:mod:`.mrope`): a prompt with
-    images carries three position streams, a text-only one plain indices."""
+class QwenVision:
+    """What a Qwen3.5 language model (dense or MoE) gains with its vision
+    tower: one row per ``<|image_pad|>`` token (``image_token_id``) from the
+    tower above, attention still causal, and M-RoPE rotary positions
+    (:mod:`.mrope`): a prompt with images carries three position streams, a
+    text-only one plain indices."""
 
-    def __init__(self, config: dict[str, Any], weights: WeightLoader, ops: Backend) -> None:
-        text, prefix = text_config(config)
-        cfg = model_config(Qwen3_5Config, text)
-        super().__init__(cfg, weights, ops, prefix=prefix)
-        self.rope = {"default": MRotaryEmbedding(ops, cfg.head_dim, cfg.rope, cfg.max_position_embeddings)}
+    ops: Backend
+    rope: dict[str, Any]
+
+    def attach_vision(self, config: dict[str, Any], text: Any, weights: WeightLoader) -> None:
+        """Read the tower (``model.visual.``) and switch the rotary tables to
+        M-RoPE; ``text`` is the language model's settings."""
+        ops = self.ops
+        self.rope = {"default": MRotaryEmbedding(ops, text.head_dim, text.rope, text.max_position_embeddings)}
         vision = vision_config(config)
-        if vision.out_hidden_size != cfg.hidden_size:
+        if vision.out_hidden_size != text.hidden_size:
             raise ConfigError(f"config.json: vision_config.out_hidden_size ({vision.out_hidden_size}) must be the "
-                              f"language model's hidden_size ({cfg.hidden_size})")
+                              f"language model's hidden_size ({text.hidden_size})")
         self.visual = Qwen3_5VisionModel(vision, weights, ops, prefix="model.visual.")
         self.vision = VisionSpec("qwen2_vl", int(config.get("image_token_id", 248056)), config=config)
 
@@ -285,17 +290,46 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         return host_array(streams, "int32"), delta
 
 
+class Qwen3_5ForConditionalGeneration(QwenVision, Qwen3_5ForCausalLM):
+    """Qwen3.5 (``Qwen3_5ForConditionalGeneration``) with its vision tower."""
+
+
+class Qwen3_5MoeForConditionalGeneration(QwenVision, Qwen3_5MoeForCausalLM):
+    """Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``) with its vision tower (the same as Qwen3.5's)."""
+
+
+def has_tower(config: dict[str, Any], weights: WeightLoader) -> bool:
+    """Whether a nested checkpoint holds its vision tower (a text-only export does not)."""
+    return isinstance(config.get("vision_config"), dict) and weights.has("model.visual.patch_embed.proj.weight")
+
+
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5ForCausalLM:
-    """A ``qwen3_5`` checkpoint: with its vision tower where it holds one
-    (``model.visual.``), else its language model alone."""
-    if isinstance(config.get("vision_config"), dict) and weights.has("model.visual.patch_embed.proj.weight"):
-        return Qwen3_5ForConditionalGeneration(config, weights, ops)
-    return qwen3_5.build(config, weights, ops)
+    """A ``qwen3_5`` checkpoint: with its vision tower where it holds one, else its language model alone."""
+    if not has_tower(config, weights):
+        return qwen3_5.build(config, weights, ops)
+    text, prefix = text_config(config)
+    cfg = model_config(Qwen3_5Config, text)
+    network = Qwen3_5ForConditionalGeneration(cfg, weights, ops, prefix=prefix)
+    network.attach_vision(config, cfg, weights)
+    return network
+
+
+def build_moe(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5ForCausalLM:
+    """A ``qwen3_5_moe`` checkpoint: with its vision tower where it holds one, else its language model alone."""
+    if not has_tower(config, weights):
+        return qwen3_next.build_qwen3_5_moe(config, weights, ops)
+    cfg, prefix = qwen3_next.qwen3_5_moe_config(config, weights)
+    network = Qwen3_5MoeForConditionalGeneration(cfg, weights, ops, prefix=prefix)
+    network.attach_vision(config, cfg, weights)
+    return network
 
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
-    """Register Qwen3.5's vision-language checkpoints."""
+    """Register Qwen3.5's and Qwen3.5-MoE's vision-language checkpoints."""
     register(ArchitectureSpec(name="qwen3_5_vl", model_types=("qwen3_5",), build=build,
                               description="Qwen3.5 (Qwen3_5ForConditionalGeneration): its vision tower with 2D rope "
                                           "and 2x2 merger, M-RoPE positions; the language model alone without it"))
+    register(ArchitectureSpec(name="qwen3_5_moe_vl", model_types=("qwen3_5_moe",), build=build_moe,
+                              description="Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the same vision tower "
+                                          "and positions; the language model alone without it"))

@@ -1,4 +1,4 @@
-"""Qwen3.5 and Idefics3 / SmolVLM with images, end to end, against transformers float32.
+"""Qwen3.5 (dense and MoE) and Idefics3 / SmolVLM with images, end to end, against transformers float32.
 
 The tiny folders are tests/vision_models_b.py's (model, image processor and
 tokenizer saved by transformers, every weight re-randomized); ``infer.load``
@@ -33,9 +33,10 @@ import infer
 pytest.importorskip("PIL")
 torch = pytest.importorskip("torch")
 
-FAMILIES = ("qwen3_5", "idefics3", "smolvlm")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm")
 #: What stands for an image in a prompt, as the families' chat templates render an image part.
-PLACEHOLDER = {"qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>", "idefics3": "<image>",
+PLACEHOLDER = {"qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
+               "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>", "idefics3": "<image>",
                "smolvlm": "<image>"}
 RTOL = rounding_rtol(2 + 2 + 1, 256)
 

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3.5 and Idefics3 / SmolVLM vision-language folders, and their transformers references.
+"""Tiny random Qwen3.5 (dense, MoE) and Idefics3 / SmolVLM vision-language folders, and their transformers references.
 
 The recipe is tests/vision_models.py's, for these families:
 
@@ -59,6 +59,8 @@ QWEN_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
                  # Half of each head rotates: 4 frequencies, dealt time, height, width, time.
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+#: Qwen3.5-MoE's language model: every MLP 4 experts of 24, top-2, a shared expert of 32.
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32)
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                    num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
 QWEN_PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
@@ -123,19 +125,25 @@ def _randomize_vision(model: Any, parts: tuple[str, ...]) -> None:
                 raise RuntimeError(f"tiny VLM: no init rule for parameter {name} {tuple(param.shape)}")
 
 
-def _build_qwen3_5(out: Path) -> None:
+def _build_qwen3_5(out: Path, moe: bool = False) -> None:
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Config
+        from transformers import Qwen3_5MoeForConditionalGeneration as Model
+    else:
+        from transformers import Qwen3_5Config as Config
+        from transformers import Qwen3_5ForConditionalGeneration as Model
     tok, ids = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     eos = tok.token_to_id("<|im_end|>")
-    config = Qwen3_5Config(
-        text_config=dict(QWEN_TEXT, vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=0),
+    text = dict(QWEN_TEXT, **(QWEN_MOE if moe else {}))
+    config = Config(
+        text_config=dict(text, vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=0),
         vision_config=QWEN_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).eval()
+    torch.manual_seed(3 if moe else 0)
+    model = Model(config).to(torch.float32).eval()
     _randomize_vision(model, ("visual.",))
     model.generation_config.eos_token_id = eos
     model.save_pretrained(out, safe_serialization=True)
@@ -172,7 +180,8 @@ def _build_idefics3(out: Path, family: str) -> None:
            "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}).save_pretrained(out)
 
 
-BUILDERS = {"qwen3_5": _build_qwen3_5, "idefics3": lambda out: _build_idefics3(out, "idefics3"),
+BUILDERS = {"qwen3_5": _build_qwen3_5, "qwen3_5_moe": lambda out: _build_qwen3_5(out, moe=True),
+            "idefics3": lambda out: _build_idefics3(out, "idefics3"),
             "smolvlm": lambda out: _build_idefics3(out, "smolvlm")}
 
 
@@ -191,7 +200,7 @@ def reference_inputs(folder: Path, text: str, images: list[Any]) -> dict[str, An
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
     out: dict[str, Any] = {}
-    if config["model_type"] == "qwen3_5":
+    if config["model_type"] in ("qwen3_5", "qwen3_5_moe"):
         if images:
             got = processor(images=images, return_tensors="pt")
             out.update(pixel_values=got["pixel_values"], image_grid_thw=got["image_grid_thw"])
