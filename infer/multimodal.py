@@ -247,7 +247,7 @@ def image_parts(messages: Sequence[Any]) -> tuple[list[dict[str, Any]], list[Any
                 parts.append(part)
                 continue
             images.append(source)
-            names.append(f"messages[{m}].content[{p}]")
+            names.append(part.get("where") or f"messages[{m}].content[{p}]")
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images, names

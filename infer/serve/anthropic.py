@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from infer.chat import ReplyParser
 from infer.errors import RequestError
+from infer.serve import media
 from infer.serve.choice import Choice, Events, ReplyEvents
 from infer.serve.protocol import (
     MAX_STOP_SEQUENCES, LlamaSamplers, ServerLike, _Body, check_stops, joined_text, parse,
@@ -108,11 +109,15 @@ def conversation(body: _Counted) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise RequestError(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
         texts, calls, thinking = [], [], None
+        parts: list[dict[str, Any]] = []  # text and image blocks in order, where a user message has images
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image", "image": media.image_source(block, at), "where": at})
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
                 arguments = block.get("input", {})
                 if not isinstance(arguments, dict):
@@ -127,8 +132,10 @@ def conversation(body: _Counted) -> list[dict[str, Any]]:
                 thinking = block.get("thinking") if isinstance(block.get("thinking"), str) else None
             else:
                 raise RequestError(f"{at} is a {kind!r} block, which is not supported in a {role} message here "
-                                   "(text, tool_use, tool_result and thinking blocks are)", at)
-        if texts or calls or role == "assistant":
+                                   "(text, image, tool_use, tool_result and thinking blocks are)", at)
+        if any(p["type"] == "image" for p in parts):
+            out.append({"role": role, "content": parts})
+        elif texts or calls or role == "assistant":
             item: dict[str, Any] = {"role": role, "content": "".join(texts)}
             if calls:
                 item["tool_calls"] = calls

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,11 @@ from starlette.routing import Route
 from infer.chat import ChatPlan
 from infer.completion import TextStream
 from infer.engine.batch import BatchEngine
-from infer.errors import InferError, RequestError, SamplingParameterError, StructuredOutputError
+from infer.errors import ImageError, InferError, RequestError, SamplingParameterError, StructuredOutputError
 from infer.model import Model
 from infer.reasoning import get_reasoning_parser
 from infer.request import GenerationRequest, PreparedRequest
-from infer.serve import anthropic, completions, embeddings, responses, slots
+from infer.serve import anthropic, completions, embeddings, media, responses, slots
 from infer.serve.choice import Choice, Emit, ReplyEvents
 from infer.serve.http import DEFAULT_BODY_TIMEOUT, Guard, disconnected, http_error, infer_error, read_json
 from infer.serve.loop import EngineLoop, TokenStream
@@ -65,6 +65,7 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     batch_engine: BatchEngine | None = None, reasoning_parser: str | None = None, tool_parser: str | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: str | os.PathLike[str] | None = None,
+    allowed_media_domains: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI app serving ``model`` with OpenAI's completions, chat
     completions, Responses and embeddings APIs, Anthropic's Messages API and
@@ -93,6 +94,9 @@ def create_app(
             holds nothing).
         slot_save_path: the folder of ``POST /slots/{name}``'s saved states
             (:mod:`infer.serve.slots`); None: slots are off (501).
+        allowed_media_domains: hosts (and their subdomains) whose ``http(s)``
+            image URLs the server fetches; every other remote image is a 400
+            (:mod:`infer.serve.media`; images as ``data:`` URLs always work).
     """
     if reasoning_parser not in (None, "none"):
         get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
@@ -101,7 +105,8 @@ def create_app(
     server = Server(model, batch_engine or model.batch_engine, model_name or _default_name(model),
                      max_queue=max_queue, max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser,
                      tool_parser=tool_parser, body_timeout=body_timeout,
-                     slot_save_path=None if slot_save_path is None else Path(slot_save_path))
+                     slot_save_path=None if slot_save_path is None else Path(slot_save_path),
+                     allowed_media_domains=tuple(allowed_media_domains))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -171,8 +176,11 @@ class Server:
 
     def __init__(self, model: Model, batch: BatchEngine, name: str, *, max_queue: int, max_body_bytes: int,
                  reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: Path | None = None) -> None:
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, slot_save_path: Path | None = None,
+                 allowed_media_domains: tuple[str, ...] = ()) -> None:
         self.model = model
+        #: Hosts whose remote image URLs are fetched (:mod:`infer.serve.media`).
+        self.allowed_media_domains = allowed_media_domains
         #: The folder of the saved states ``/slots/{name}`` names (None: slots are off).
         self.slot_save_path = slot_save_path
         if slot_save_path is not None:
@@ -247,7 +255,7 @@ class Server:
             raise RequestError(str(err), _param_of(err)) from None
 
     async def start(self, prepared: PreparedRequest, prompts: list[list[int]], n: int = 1,
-                     skip_special_tokens: bool = True) -> list[Choice]:
+                     skip_special_tokens: bool = True, media: Any = None) -> list[Choice]:
         """Submit ``n`` requests per prompt, all at once; all or none (a
         refusal cancels those already in)."""
         if getattr(self.model.network, "is_encoder", False):
@@ -255,7 +263,7 @@ class Server:
                                "answers /v1/embeddings and /v1/rerank, not generation", "model")
         jobs = [(prompt, prepared.sampler(j), prepared.stop_conditions(len(prompt)))
                 for prompt in prompts for j in range(n)]
-        results = await asyncio.gather(*(self.loop.submit(*job) for job in jobs), return_exceptions=True)
+        results = await asyncio.gather(*(self.loop.submit(*job, media=media) for job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, TokenStream)]
         refused = [r for r in results if not isinstance(r, TokenStream)]
         if refused:
@@ -320,9 +328,19 @@ class Server:
         if request.tool_parser is None and self.tool_parser is not None:
             request = request.replace(tool_parser=self.tool_parser)
         try:
+            if media.has_images(conversation):
+                if not self.model.reads_images:
+                    where, param = media.first_image(conversation)
+                    raise RequestError(f"{where} is an image, but {self.name!r} reads text only", param)
+                fetched = await asyncio.to_thread(media.resolve, conversation, self.allowed_media_domains)
+                # The vision tower runs on the engine thread, between two steps: never beside a forward.
+                return await self.loop.call(lambda: self.model.plan_chat(fetched, request))
             if constrained(request):
                 return await asyncio.to_thread(self.model.plan_chat, conversation, request)
             return self.model.plan_chat(conversation, request)
+        except ImageError as err:  # the message starts with the part it names
+            where = str(err).split(":", 1)[0]
+            raise RequestError(str(err), where if "[" in where else "messages") from None
         except StructuredOutputError as err:
             raise RequestError(str(err), "tool_choice" if request.forces_tool_call else param) from None
         except SamplingParameterError as err:
@@ -338,7 +356,8 @@ class Server:
 
     async def start_chat(self, plan: ChatPlan, n: int = 1) -> list[Choice]:
         """Submit ``n`` choices of ``plan``; each reads its reply with its own parser."""
-        choices = await self.start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens)
+        choices = await self.start(plan.prepared, [plan.prompt_ids], n, skip_special_tokens=plan.skip_special_tokens,
+                                   media=plan.media)
         for c in choices:
             c.reader = plan.reply_parser()
         return choices

@@ -87,6 +87,8 @@ class _Submit:
     sampler: Sampler
     stop: StopConditions
     admitted: asyncio.Future[None]
+    #: The prompt's images (:class:`infer.multimodal.PromptMedia`), or None.
+    media: Any = None
 
 
 @dataclass
@@ -163,10 +165,12 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.batch.running)
 
-    async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions) -> TokenStream:
+    async def submit(self, prompt: Sequence[int], sampler: Sampler, stop: StopConditions,
+                     media: Any = None) -> TokenStream:
         """Queue a request; returns its stream once the engine has accepted it.
         ``sampler`` is the request's own (one made with ``logprobs=k``
-        records what :attr:`TokenStream.logprobs` gives).
+        records what :attr:`TokenStream.logprobs` gives); ``media``: the
+        prompt's images (:class:`infer.multimodal.PromptMedia`).
 
         Raises :class:`~infer.errors.ServerBusyError` when ``max_queue``
         requests wait already, and what
@@ -183,7 +187,7 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted))
+        self._inbox.put(_Submit(stream, list(prompt), sampler, stop, accepted, media))
         self._wake.set()
         await accepted
         return stream
@@ -279,7 +283,7 @@ class EngineLoop:
                 item.admitted.set_exception(error)
 
         try:
-            handle = self.batch.submit(item.prompt, item.sampler, item.stop)
+            handle = self.batch.submit(item.prompt, item.sampler, item.stop, media=item.media)
         except Exception as err:
             self._call(stream, resolve, err)
             return

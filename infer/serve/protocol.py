@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infer.errors import RequestError
+from infer.serve import media
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -276,9 +277,10 @@ class ChatRequest(_Sampling):
             message = dict(message)
             where = f"messages[{i}].content"
             content = message.get("content")
-            message["content"] = "" if content is None else joined_text(
-                content, where, "text parts", ("text",),
-                lambda j, kind: RequestError(f"{where}[{j}] is of type {kind!r}; this server takes text only", where))
+            message["content"] = "" if content is None else media.content(
+                content, where, ("text",),
+                lambda j, kind: RequestError(f"{where}[{j}] is of type {kind!r}; this server takes text and "
+                                             "image_url parts", where))
             calls = message.get("tool_calls")
             if calls:
                 message["tool_calls"] = [_template_call(call) for call in calls]

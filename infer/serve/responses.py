@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from infer.chat import ReplyParser
 from infer.errors import RequestError
+from infer.serve import media
 from infer.serve.choice import Choice, Events, ReplyEvents
 from infer.serve.protocol import (
     LlamaSamplers, ServerLike, _Body, check_tools, joined_text, parse, response_schema, tool_choice,
@@ -73,6 +74,13 @@ def _text(content: Any, where: str) -> str:
                                                     f"{where}[{j}]"))
 
 
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's text, or its text and ``input_image`` parts (:func:`infer.serve.media.content`)."""
+    return media.content(content, where, ("input_text", "output_text", "text"), lambda j, kind: RequestError(
+        f"{where}[{j}] is of type {kind!r}; this server takes input_text, output_text and input_image parts",
+        f"{where}[{j}]"), part_param=True)
+
+
 def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
     """``instructions`` and ``input`` as the OpenAI-shaped messages chat templates read."""
     out: list[dict[str, Any]] = []
@@ -90,7 +98,7 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role must be user, assistant, system or developer", where)
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), f"{where}.content")})
+                        "content": _content(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise RequestError(f"{where} (a function_call) needs a name and its arguments as JSON text", where)

@@ -389,7 +389,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
           tool_parser=args.tool_parser, body_timeout=args.body_timeout, slot_save_path=args.slot_save_path,
-          log_level="warning" if args.quiet else "info")
+          allowed_media_domains=args.allowed_media_domains, log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -486,7 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default 512)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
                      "(default 256)")
-    srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB)")
+    srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB; "
+                     "raise it for images sent as data: URLs)")
+    srv.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                     help="hosts (and their subdomains) whose http(s) image URLs the server fetches; other remote "
+                     "images are refused (default: none; data: URLs always work)")
     srv.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="seconds a client may take to send its request body; 408 beyond (default 10)")
     srv.add_argument("--reasoning-parser", default=None, metavar="NAME",
