@@ -197,3 +197,36 @@ def test_qwen_speculative_decoding_keeps_the_positions_after_a_rejection() -> No
     assert tokens == want
     stats = handle.stats
     assert stats.drafted > stats.accepted, "no draft was rejected: the rollback went untested"
+
+
+def test_qwen_through_the_server_gives_model_chat_tokens() -> None:
+    # The server's image forms reach Qwen3.5's M-RoPE positions as Model.chat's do (tests/test_serve_vision.py
+    # checks every form on LLaVA; one form and the Anthropic block suffice here).
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    from test_serve import KEY, NAME, running
+
+    from infer.serve import create_app
+
+    picture = images()[0]
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                             {"type": "text", "text": "What is it?"}]}]
+    want = str(load("qwen3_5").chat(messages, max_tokens=6, temperature=0))
+    with running(create_app(infer.load(vlm_dir("qwen3_5"), backend="numpy"), model_name=NAME, api_key=KEY)) as url:
+        oa = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        reply = oa.chat.completions.create(model=NAME, max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
+                                         {"type": "text", "text": "What is it?"}]}])
+        assert reply.choices[0].message.content == want
+        an = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+        message = an.messages.create(model=NAME, max_tokens=6, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": data}},
+                                         {"type": "text", "text": "What is it?"}]}])
+        assert message.content[0].text == want
