@@ -102,7 +102,9 @@ class Idefics3ForConditionalGeneration(CausalLM):
         if kind not in ("llama", "mistral", "qwen2"):
             raise ConfigError(f"config.json: text_config.model_type {kind!r} is not a language model Idefics3 "
                               "runs here; supported: llama, mistral, qwen2")
-        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+        # transformers ties the head by the top-level flag; text_config's own is not read.
+        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        text = {**text, "tie_word_embeddings": tied}
         #: The language model, built by its own architecture.
         lm_weights = LanguageModelWeights(weights, "model.text_model.", "lm_head.weight")
         self.language_model: CausalLM = llama.build(text, lm_weights, ops)  # type: ignore[arg-type]

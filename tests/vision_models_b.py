@@ -30,7 +30,7 @@ from typing import Any
 
 from reference import _build_dir, _randomize, cache_root, tiny_tokenizer_json
 
-VISION_B_VERSION = "1"
+VISION_B_VERSION = "2"
 
 #: Qwen3.5's chat template's image part, as its tokenizer_config.json renders ``{"type": "image"}``.
 QWEN_TEMPLATE = (
@@ -167,8 +167,10 @@ def _build_idefics3(out: Path, family: str) -> None:
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Images
+    # SmolVLM's: text_config says tied, the top level (what transformers reads) untied: the head is its own.
+    text["tie_word_embeddings"] = family == "smolvlm"
     config = Config(text_config=text, vision_config=IDEFICS3_VISION, scale_factor=2,
-                    image_token_id=ids["<image>"], pad_token_id=0)
+                    image_token_id=ids["<image>"], pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(1 if family == "idefics3" else 2)
     model = Model(config).to(torch.float32).eval()
     _randomize_vision(model, ("vision_model.", "connector."))
