@@ -3,7 +3,8 @@
 ``model_type`` ``qwen3_5_text`` as transformers' ``Qwen3_5ForCausalLM``
 computes it, and the text half of a ``qwen3_5`` checkpoint
 (``Qwen3_5ForConditionalGeneration``: ``text_config`` nested in config.json,
-weights under ``model.language_model.``; the vision tower is not read).
+weights under ``model.language_model.``; :mod:`.qwen3_5_vision` registers
+``qwen3_5`` and builds this with the vision tower and M-RoPE positions).
 Qwen3-Next (:mod:`.qwen3_next`) has the same layers with a sparse MoE.
 Against Qwen3 (:mod:`.qwen3`):
 
@@ -330,7 +331,8 @@ def model_config(cls: type, config: dict[str, Any]) -> Any:
 
 
 def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5ForCausalLM:
-    """Build a Qwen3.5 text model from a ``config.json`` dict (text-only or nested)."""
+    """Build a Qwen3.5 text model from a ``config.json`` dict (text-only or nested;
+    :mod:`.qwen3_5_vision` builds a nested one with its vision tower)."""
     text, prefix = text_config(config)
     if prefix != "model." and not weights.has(prefix + "embed_tokens.weight") and weights.has(
             "model.embed_tokens.weight"):
@@ -340,6 +342,6 @@ def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_
 
 @hookimpl
 def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-def]
-    """Register Qwen3.5 (text)."""
-    register(ArchitectureSpec(name="qwen3_5", model_types=("qwen3_5_text", "qwen3_5"), build=build,
-                              description="Qwen3.5 (gated DeltaNet + gated attention; the text part of qwen3_5)"))
+    """Register Qwen3.5 (text; ``qwen3_5`` checkpoints are :mod:`.qwen3_5_vision`'s)."""
+    register(ArchitectureSpec(name="qwen3_5", model_types=("qwen3_5_text",), build=build,
+                              description="Qwen3.5 (gated DeltaNet + gated attention)"))

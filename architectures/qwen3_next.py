@@ -2,7 +2,8 @@
 
 ``model_type`` ``qwen3_next`` as transformers' ``Qwen3NextForCausalLM``
 computes it (Qwen3-Next-80B-A3B); also Qwen3.5-MoE (``qwen3_5_moe_text``, and
-the text half of a nested ``qwen3_5_moe`` checkpoint): Qwen3.5's projections
+the language model of a nested ``qwen3_5_moe`` checkpoint, which
+:mod:`.qwen3_5_vision` registers): Qwen3.5's projections
 with this MoE in every layer, always renormalised. The gated DeltaNet and gated-attention
 layers, the ``1 + w`` norms and the partial rope are Qwen3.5's
 (:mod:`.qwen3_5`); against it:
@@ -143,8 +144,9 @@ def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3N
     return Qwen3NextForCausalLM(model_config(Qwen3NextConfig, config), weights, ops)
 
 
-def build_qwen3_5_moe(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5MoeForCausalLM:
-    """Build a Qwen3.5-MoE text model from a ``config.json`` dict (text-only or nested)."""
+def qwen3_5_moe_config(config: dict[str, Any], weights: WeightLoader) -> tuple[Qwen3NextConfig, str]:
+    """A Qwen3.5-MoE ``config.json`` dict (text-only or nested) read as Qwen3-Next's
+    settings, and the prefix of the language model's weights."""
     text, prefix = text_config(config)
     if prefix != "model." and not weights.has(prefix + "embed_tokens.weight"):
         prefix = "model."
@@ -155,6 +157,13 @@ def build_qwen3_5_moe(config: dict[str, Any], weights: WeightLoader, ops: Backen
     cfg = model_config(Qwen3NextConfig, {**text, **fixed})
     if not cfg.num_experts:
         raise ConfigError("config.json: num_experts must be positive for qwen3_5_moe, found 0")
+    return cfg, prefix
+
+
+def build_qwen3_5_moe(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Qwen3_5MoeForCausalLM:
+    """Build a Qwen3.5-MoE text model from a ``config.json`` dict (text-only or nested;
+    :mod:`.qwen3_5_vision` builds a nested one with its vision tower)."""
+    cfg, prefix = qwen3_5_moe_config(config, weights)
     return Qwen3_5MoeForCausalLM(cfg, weights, ops, prefix=prefix)
 
 
@@ -163,6 +172,6 @@ def infer_register_architectures(register) -> None:  # type: ignore[no-untyped-d
     """Register Qwen3-Next."""
     register(ArchitectureSpec(name="qwen3_next", model_types=("qwen3_next",), build=build,
                               description="Qwen3-Next (gated DeltaNet + gated attention, sparse MoE)"))
-    register(ArchitectureSpec(name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+    register(ArchitectureSpec(name="qwen3_5_moe", model_types=("qwen3_5_moe_text",),
                               build=build_qwen3_5_moe,
                               description="Qwen3.5-MoE (Qwen3.5's layers, a sparse MoE in every layer)"))

@@ -34,6 +34,7 @@ import numpy as np
 
 from infer.errors import ContextLengthError, ImageError
 from infer.image_processing import ImageProcessor, ProcessedImage, image_processor, read_preprocessor_config
+from infer.image_processors import idefics3, qwen2_vl  # noqa: F401  (they register their processors)
 from infer.images import DEFAULT_LIMITS, ImageLimits, image_key, load_image
 from infer.ops import Array, Backend
 
