@@ -80,7 +80,8 @@ def build(config: dict[str, Any], weights: WeightLoader, ops: Backend) -> Gemma3
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("config.json: a gemma3 config needs a text_config object")
-    text = {"tie_word_embeddings": config.get("tie_word_embeddings", True), **text}
+    # transformers ties the head by the top-level flag (which follows text_config's when unset).
+    text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
     cfg = from_dict(Gemma3Config, {**text, "rope": layer_rope(text)})
     return Gemma3ForConditionalGeneration(config, cfg, weights, ops)
 

@@ -52,7 +52,8 @@ class LlavaForConditionalGeneration(CausalLM):
             raise ConfigError(f"config.json: text_config.model_type {kind!r} is not a language model LLaVA runs "
                               f"here; supported: {', '.join(TEXT_MODELS)}")
         lm, head, tower, projector = checkpoint_prefixes(weights)
-        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+        # transformers ties the head by the top-level flag (which follows text_config's when unset).
+        text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         #: The language model, built by its own architecture.
         self.language_model: CausalLM = TEXT_MODELS[kind](text, LanguageModelWeights(weights, lm, head), ops)  # type: ignore[arg-type]
         vcfg = vision_config(config)

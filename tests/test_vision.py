@@ -289,3 +289,28 @@ def _encoded(image) -> bytes:  # noqa: ANN001
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_llava_ties_its_head_by_the_top_level_flag(tmp_path) -> None:  # noqa: ANN001
+    """transformers ties a LLaVA head by the top-level ``tie_word_embeddings``
+    (it follows text_config's only when unset): a folder whose two flags
+    disagree must run the stored head, as transformers does."""
+    import json
+    import shutil
+
+    from transformers import LlavaForConditionalGeneration
+
+    folder = tmp_path / "llava"
+    shutil.copytree(vlm_dir("llava_clip"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = False, True
+    (folder / "config.json").write_text(json.dumps(config))
+    model = infer.load(folder, backend="numpy")
+    ids = [1, 5, 9, 13, 17, 21]
+    with torch.no_grad():
+        want = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()(
+            input_ids=torch.tensor([ids])).logits[0].numpy()
+    seq = model.engine.new_sequence()
+    got = model.backend.to_numpy(model.engine.forward(seq, ids, all_logits=True))
+    model.engine.release(seq)
+    assert_logits_close(got, want, "llava with top-level tie_word_embeddings=False", rtol=RTOL)
