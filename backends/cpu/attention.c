@@ -240,3 +240,218 @@ void attention_run(const struct attend_args *a, float *scores, int parallel) {
         fn(a, task, mine);
     }
 }
+
+/* -- q8_0 pools (kv_dtype="q8_0") ---------------------------------------------------
+ *
+ * A pool row holds per 32 values one block of Q8_0_BYTES: an IEEE float16 scale d
+ * then 32 int8 codes q, the values d * q (ggml's block_q8_0, as llama.cpp stores
+ * its q8_0 cache). Writing rounds each 32 values x with d = max|x| / 127 and
+ * q = rint(x * 127 / max|x|) (the rounding of the int8 activations, q8.c), d
+ * kept as float16. Attending quantizes each query row the same way once per call,
+ * with a float32 scale, so that Q·K is integer dot products per block:
+ *
+ *     s = sum_b (float)(sum_{t in b} qk_t * qq_t) * (dk_b * dq_b)   (in b's order)
+ *
+ * and reads values dequantized (d * q, one float32 multiply). A task is one query
+ * row and one key/value head with its whole query group, so each key and value
+ * row is read once for the group; the keys are taken Q8_0_TILE (or fewer, for
+ * wide values) at a time, their scores for the group kept in L1, with the
+ * running maximum and sum of an online softmax (the float path's two passes over
+ * one head's scores outgrew L1 when four heads shared them: docs/performance.md).
+ * The integer sums are exact and the float arithmetic after them one fixed
+ * sequence, so the portable and AVX2 paths give the same bits. */
+
+/* n blocks of 32 floats from x into q8_0 blocks at out (the KV write). */
+void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks) {
+    for (Py_ssize_t b = 0; b < blocks; b++, x += 32, out += Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            const float a = fabsf(x[t]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const uint16_t d = float_to_half(amax / 127.0f);
+        memcpy(out, &d, 2);
+        for (int t = 0; t < 32; t++) {
+            const float v = rintf(x[t] * id);
+            out[2 + t] = (uint8_t)(int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v);
+        }
+    }
+}
+
+/* A query row of `blocks` blocks rounded alike: codes q, float32 scales d. */
+void q8_0_query(const float *x, Py_ssize_t blocks, int8_t *q, float *d) {
+    for (Py_ssize_t b = 0; b < blocks; b++, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            const float a = fabsf(x[t]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int t = 0; t < 32; t++) {
+            const float v = rintf(x[t] * id);
+            q[t] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v);
+        }
+    }
+}
+
+/* Raw scores (before the scale) of `heads` quantized query rows (q [heads][blocks *
+ * 32], qd [heads][blocks]) against n key rows: s[g * stride + j]. The portable
+ * form; x86/kvq8_x86.c has the AVX2 one, with the same sums. */
+static void q8_0_scores(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd, Py_ssize_t heads,
+                        Py_ssize_t blocks, float *s, Py_ssize_t stride) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        for (Py_ssize_t g = 0; g < heads; g++) s[g * stride + j] = 0.0f;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = keys[j] + b * Q8_0_BYTES;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            const float kd = half_to_float(h);
+            const int8_t *kq = (const int8_t *)(blk + 2);
+            for (Py_ssize_t g = 0; g < heads; g++) {
+                const int8_t *qq = q + (g * blocks + b) * 32;
+                int32_t isum = 0;
+                for (int t = 0; t < 32; t++) isum += (int32_t)kq[t] * (int32_t)qq[t];
+                s[g * stride + j] += (float)isum * (kd * qd[g * blocks + b]);
+            }
+        }
+    }
+}
+
+typedef int8_t v8b_u __attribute__((vector_size(8), aligned(1), may_alias));
+
+/* What one task works in (one per thread). */
+struct q8_0_work {
+    int8_t *q;              /* [group][dk] the group's query codes */
+    float *qd, *s, *o, *m, *l, *vt; /* [group][dk/32] scales; [group][tile] scores; [group][dv] sums;
+                                       [group] running max and sum; [tile][dv] values */
+    const uint8_t **keys;   /* [tile] */
+};
+
+static Py_ssize_t q8_0_tile(Py_ssize_t dv) {
+    Py_ssize_t t = 4096 / dv; /* a tile of values dequantized: 16 KiB */
+    return t < 16 ? 16 : t > Q8_0_TILE ? Q8_0_TILE : t;
+}
+
+static inline __attribute__((always_inline)) void attend_q8_0(const struct attend_args *a, Py_ssize_t task,
+                                                              struct q8_0_work *w, int path) {
+    const Py_ssize_t i = task / a->hkv, kvh = task % a->hkv, G = a->hq / a->hkv;
+    const Py_ssize_t pos = a->tk - a->tq + i;
+    Py_ssize_t lo = 0, hi = a->tk; /* visible keys: [lo, hi), as attend's */
+    if (a->causal) hi = pos + 1 < a->tk ? pos + 1 : a->tk;
+    if (a->window > 0 && pos - a->window + 1 > lo) lo = pos - a->window + 1;
+    if (a->window > 0 && !a->causal && pos + a->window < hi) hi = pos + a->window;
+    const Py_ssize_t dk = a->dk, dv = a->dv, kb = dk / 32, vb = dv / 32, T = q8_0_tile(dv);
+    const Py_ssize_t krow = kb * Q8_0_BYTES, vrow = vb * Q8_0_BYTES, h0 = kvh * G;
+    const uint8_t *K = a->K, *V = a->V;
+    for (Py_ssize_t g = 0; g < G; g++) {
+        q8_0_query(a->Q + (i * a->hq + h0 + g) * dk, kb, w->q + g * dk, w->qd + g * kb);
+        /* A sink is one more logit with no value: the softmax starts from it. */
+        w->m[g] = a->sinks ? a->sinks[h0 + g] : -INFINITY;
+        w->l[g] = a->sinks ? 1.0f : 0.0f;
+        for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] = 0.0f;
+    }
+    for (Py_ssize_t t0 = lo; t0 < hi; t0 += T) {
+        const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
+        for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = K + (ROW(a, t0 + j) * a->hkv + kvh) * krow;
+#ifdef HAVE_X86
+        if (path == 2)
+            q8_0_scores_avx2(w->keys, n, w->q, w->qd, G, kb, w->s, T);
+        else
+#endif
+            q8_0_scores(w->keys, n, w->q, w->qd, G, kb, w->s, T);
+        for (Py_ssize_t g = 0; g < G; g++) {
+            float *s = w->s + g * T, top = w->m[g];
+            for (Py_ssize_t j = 0; j < n; j++) {
+                float sc = s[j] * a->scale;
+                if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
+                s[j] = sc;
+                if (sc > top) top = sc;
+            }
+            const float corr = exp1_below(w->m[g] - top); /* the sums so far, rescaled to the new maximum */
+            Py_ssize_t j = 0;
+            for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
+            for (; j < n; j++) s[j] = exp1_below(s[j] - top);
+            float total = 0.0f;
+            for (j = 0; j < n; j++) total += s[j];
+            w->l[g] = w->l[g] * corr + total;
+            if (corr != 1.0f)
+                for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] *= corr;
+            w->m[g] = top;
+        }
+        /* The tile's values, dequantized once for the group. */
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const uint8_t *row = V + (ROW(a, t0 + j) * a->hkv + kvh) * vrow;
+            if (j + 4 < n) __builtin_prefetch(V + (ROW(a, t0 + j + 4) * a->hkv + kvh) * vrow, 0, 3);
+            float *vt = w->vt + j * dv;
+            for (Py_ssize_t b = 0; b < vb; b++) {
+                uint16_t h;
+                memcpy(&h, row + b * Q8_0_BYTES, 2);
+                const v8f d = (v8f){0} + half_to_float(h);
+                const int8_t *code = (const int8_t *)(row + b * Q8_0_BYTES + 2);
+                for (int c = 0; c < 32; c += 8)
+                    *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
+            }
+        }
+        /* o += p v, 32 columns at a time held in registers across the tile's keys. */
+        for (Py_ssize_t g = 0; g < G; g++) {
+            const float *p = w->s + g * T;
+            for (Py_ssize_t c0 = 0; c0 < dv; c0 += 32) {
+                float *o = w->o + g * dv + c0;
+                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    const v8f pj = (v8f){0} + p[j];
+                    const float *v = w->vt + j * dv + c0;
+                    acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                    acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                }
+                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+            }
+        }
+    }
+    for (Py_ssize_t g = 0; g < G; g++) {
+        float *out = a->O + (i * a->hq + h0 + g) * dv;
+        for (Py_ssize_t c = 0; c < dv; c++) out[c] = hi > lo ? w->o[g * dv + c] / w->l[g] : 0.0f;
+    }
+}
+
+static void attend_q8_0_portable(const struct attend_args *a, Py_ssize_t task, struct q8_0_work *w) {
+    attend_q8_0(a, task, w, 0);
+}
+#ifdef HAVE_X86
+AVX2 static void attend_q8_0_avx2(const struct attend_args *a, Py_ssize_t task, struct q8_0_work *w) {
+    attend_q8_0(a, task, w, 2);
+}
+#endif
+
+/* attention_run for q8_0 pools (dk and dv multiples of 32): every (query row,
+ * key/value head) task. 0 when out of memory. */
+int attention_q8_0_run(const struct attend_args *a, int parallel) {
+    void (*fn)(const struct attend_args *, Py_ssize_t, struct q8_0_work *) = attend_q8_0_portable;
+#ifdef HAVE_X86
+    if (use_avx2) fn = attend_q8_0_avx2;
+#endif
+    const Py_ssize_t tasks = a->tq * a->hkv, G = a->hq / a->hkv, T = q8_0_tile(a->dv);
+    int failed = 0;
+    #pragma omp parallel if (parallel && tasks > 1 && a->tk * a->dk >= 4096) reduction(|: failed)
+    {
+        struct q8_0_work w;
+        const size_t floats = (size_t)(G * (a->dk / 32) + G * T + G * a->dv + 2 * G + T * a->dv);
+        float *f = malloc(floats * sizeof(float));
+        w.q = malloc((size_t)(G * a->dk));
+        w.keys = malloc((size_t)T * sizeof(*w.keys));
+        if (!f || !w.q || !w.keys) {
+            failed = 1;
+        } else {
+            w.qd = f, w.s = w.qd + G * (a->dk / 32), w.o = w.s + G * T, w.m = w.o + G * a->dv, w.l = w.m + G;
+            w.vt = w.l + G;
+            #pragma omp for schedule(static)
+            for (Py_ssize_t task = 0; task < tasks; task++) fn(a, task, &w);
+        }
+        free(f);
+        free(w.q);
+        free(w.keys);
+    }
+    return !failed;
+}

@@ -34,11 +34,12 @@ enum {
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
     OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
     OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes (dst's), capacity, to_half (float32 src
-                        rows rounded into a float16 dst: a kv_dtype="float16" pool) */
+                        rows rounded into a float16 dst: a kv_dtype="float16" pool; 2: quantized into
+                        q8_0 blocks, a kv_dtype="q8_0" pool) */
     OP_ATTENTION,    /* P q, k rows, v rows, out, query_start (int32 [batch + 1]), lengths (int32 [batch]),
                         tables (int32 [batch, width]), sinks|0 (float32 [hq]);
                         I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal, half (k and v
-                        rows float16); F scale, softcap */
+                        rows float16; KV_Q8_0: q8_0 blocks); F scale, softcap */
 };
 
 /* The opcodes by name, for the recorder (backends/cpu/record.py reads them
@@ -355,7 +356,12 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
         if (vm->error) break;
         a.Q = Q + q0 * a.hq * a.dk;
         a.O = O + q0 * a.hq * a.dv;
-        attention_run(&a, *scores, 1);
+        if (a.half != KV_Q8_0)
+            attention_run(&a, *scores, 1);
+        else if (a.dk % 32 || a.dv % 32)
+            vm->error = E_PROGRAM;
+        else if (!attention_q8_0_run(&a, 1))
+            vm->error = E_MEMORY;
     }
     free(rows);
 }
@@ -433,6 +439,17 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
                 vm->limit = capacity;
                 return;
             }
+        if (to_half == 2) { /* q8_0 blocks: row_bytes / Q8_0_BYTES of them a row, from 32 floats each */
+            const Py_ssize_t blocks = row_bytes / Q8_0_BYTES;
+            if (row_bytes % Q8_0_BYTES) {
+                vm->error = E_PROGRAM;
+                return;
+            }
+            for (Py_ssize_t i = 0; i < n; i++)
+                q8_0_quantize((const float *)src + i * blocks * 32, (uint8_t *)dst + (Py_ssize_t)rows[i] * row_bytes,
+                              blocks);
+            return;
+        }
         if (to_half) { /* row_bytes / 2 halves a row, from as many floats */
             const Py_ssize_t width = row_bytes / 2;
             for (Py_ssize_t i = 0; i < n; i++) {
