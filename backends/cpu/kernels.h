@@ -203,7 +203,7 @@ struct attend_args {
  * row, a float16 scale d then 32 int8 codes q, the values d * q (ggml's block_q8_0). */
 #define KV_Q8_0 3
 #define Q8_0_BYTES 34
-#define Q8_0_TILE 64 /* keys scored at a time: a group's scores stay in L1 */
+#define Q8_0_TILE 64 /* keys attended at a time (attention.c): a group's scores stay in L1 */
 
 /* The threads a parallel loop may use (OpenMP's; 1 without OpenMP). */
 static inline int max_threads(void) {
@@ -247,10 +247,9 @@ void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssi
                Py_ssize_t d, Py_ssize_t half);
 
 /* attention.c */
-void attention_run(const struct attend_args *a, float *scores, int parallel);
+int attention_run(const struct attend_args *a, int parallel);
 void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks);
 void q8_0_query(const float *x, Py_ssize_t blocks, int8_t *q, float *d);
-int attention_q8_0_run(const struct attend_args *a, int parallel);
 
 /* plan.c */
 PyObject *run_plan(PyObject *self, PyObject *args);

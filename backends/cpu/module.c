@@ -270,7 +270,6 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpOi", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
                           &causal, &window, &softcap, &tobj, &block, &parallel, &sobj, &half))
         return NULL;
-    float *scores = NULL;
     Py_ssize_t *rows = NULL; /* pool row of each key position */
     const int paged = tobj != Py_None;
     const int q8 = half == KV_Q8_0;
@@ -289,9 +288,8 @@ static PyObject *attention(PyObject *self, PyObject *args) {
                   {&table, ((tk + block - 1) / (block ? block : 1)) * 8, "block table", ABSENT_OK},
                   {&sinks, hq * 4, "sinks", ABSENT_OK});
     if (ok) {
-        scores = malloc((size_t)tk * max_threads() * sizeof(float));
         rows = malloc((size_t)tk * sizeof(Py_ssize_t));
-        if (!scores || !rows) ok = (PyErr_NoMemory(), 0);
+        if (!rows) ok = (PyErr_NoMemory(), 0);
     }
     for (Py_ssize_t j = 0; ok && j < tk; j++) {
         Py_ssize_t r = j;
@@ -311,14 +309,10 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         struct attend_args a = {(const float *)q.buf, k.buf, v.buf, (float *)out.buf, rows,
                                 tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal, half,
                                 sinks.buf ? (const float *)sinks.buf : NULL};
-        if (!q8)
-            attention_run(&a, scores, parallel);
-        else if (!attention_q8_0_run(&a, parallel))
-            ok = 0;
+        ok = attention_run(&a, parallel);
         Py_END_ALLOW_THREADS
         if (!ok) PyErr_NoMemory();
     }
-    free(scores);
     free(rows);
     return FINISH(ok, &table, &sinks, &q, &k, &v, &out);
 }

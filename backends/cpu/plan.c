@@ -269,18 +269,6 @@ static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count,
 }
 
 /* Scratch of at least `need` floats in *buf (grown, never shrunk); 0 when out of memory. */
-static int grow(struct machine *vm, float **buf, Py_ssize_t *size, Py_ssize_t need) {
-    if (need <= *size) return 1;
-    float *more = realloc(*buf, (size_t)need * sizeof(float));
-    if (!more) {
-        vm->error = E_MEMORY;
-        return 0;
-    }
-    *buf = more;
-    *size = need;
-    return 1;
-}
-
 /* Whether each of tq query rows sees a key among tk: the eager path's own condition. */
 static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
     if (tk >= tq) return 1;
@@ -296,7 +284,7 @@ static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
 /* Attention of a batch of sequences over pool rows: sequence b's query rows
  * query_start[b]..query_start[b+1] are the last of its lengths[b] positions,
  * whose keys its block table row locates (see Backend.attention). */
-static void step_attention(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+static void step_attention(struct machine *vm) {
     struct attend_args a;
     const float *Q = next_ptr(vm);
     a.K = next_ptr(vm);
@@ -322,8 +310,7 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
     }
     Py_ssize_t most = width * block;
     Py_ssize_t *rows = malloc((size_t)most * sizeof(Py_ssize_t));
-    if (!rows || !grow(vm, scores, scores_size, most * max_threads())) {
-        free(rows);
+    if (!rows) {
         vm->error = E_MEMORY;
         return;
     }
@@ -356,11 +343,9 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
         if (vm->error) break;
         a.Q = Q + q0 * a.hq * a.dk;
         a.O = O + q0 * a.hq * a.dv;
-        if (a.half != KV_Q8_0)
-            attention_run(&a, *scores, 1);
-        else if (a.dk % 32 || a.dv % 32)
+        if (a.half == KV_Q8_0 && (a.dk % 32 || a.dv % 32))
             vm->error = E_PROGRAM;
-        else if (!attention_q8_0_run(&a, 1))
+        else if (!attention_run(&a, 1))
             vm->error = E_MEMORY;
     }
     free(rows);
@@ -376,7 +361,7 @@ static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k
     return 1;
 }
 
-static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+static void step(struct machine *vm) {
     int64_t op = next_int(vm);
     switch (op) {
     case OP_GEMV: {
@@ -463,7 +448,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
             memcpy(dst + (Py_ssize_t)rows[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
         return;
     }
-    case OP_ATTENTION: step_attention(vm, scores, scores_size); return;
+    case OP_ATTENTION: step_attention(vm); return;
     case OP_GATHER: {
         const char *table = next_ptr(vm), *ids = next_ptr(vm);
         char *out = next_ptr(vm);
@@ -535,12 +520,9 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
     }
     struct machine vm = {(const int64_t *)code.buf, 0, code.len / 8, (const double *)floats.buf, 0, floats.len / 8,
                          bases, n, E_OK, 0, 0};
-    float *scores = NULL;
-    Py_ssize_t scores_size = 0;
     Py_BEGIN_ALLOW_THREADS
-    while (vm.pc < vm.size && !vm.error) step(&vm, &scores, &scores_size);
+    while (vm.pc < vm.size && !vm.error) step(&vm);
     Py_END_ALLOW_THREADS
-    free(scores);
     switch (vm.error) {
     case E_OK: result = Py_None; Py_INCREF(result); break;
     case E_MEMORY: PyErr_NoMemory(); break;
