@@ -313,12 +313,38 @@ static inline __attribute__((always_inline)) void attend_group(const struct atte
                         *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
                 }
             }
-        /* o += p v, 32 columns at a time held in registers across the tile's keys;
-         * each column's sum is over j in order. */
+        /* o += p v, 64 columns (eight accumulators: enough independent sums to keep
+         * both adders busy) or 32 at a time held in registers across the tile's
+         * keys; each column's sum is over j in order. */
         for (Py_ssize_t g = 0; g < G; g++) {
             const float *p = w->s + g * T;
             float *og = w->o + g * dv;
             Py_ssize_t c0 = 0;
+            for (; c0 + 64 <= dv; c0 += 64) {
+                float *o = og + c0;
+                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+                v8f acc4 = *(v8f_u *)(o + 32), acc5 = *(v8f_u *)(o + 40), acc6 = *(v8f_u *)(o + 48);
+                v8f acc7 = *(v8f_u *)(o + 56);
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    const v8f pj = (v8f){0} + p[j];
+                    if (q8) {
+                        const float *v = w->vt + j * dv + c0;
+                        acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                        acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                        acc4 += pj * *(const v8f_u *)(v + 32), acc5 += pj * *(const v8f_u *)(v + 40);
+                        acc6 += pj * *(const v8f_u *)(v + 48), acc7 += pj * *(const v8f_u *)(v + 56);
+                    } else {
+                        const Py_ssize_t vj = VALUE(t0 + j) + c0;
+                        acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
+                        acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
+                        acc4 += pj * kv8(V, vj + 32, half), acc5 += pj * kv8(V, vj + 40, half);
+                        acc6 += pj * kv8(V, vj + 48, half), acc7 += pj * kv8(V, vj + 56, half);
+                    }
+                }
+                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+                *(v8f_u *)(o + 32) = acc4, *(v8f_u *)(o + 40) = acc5, *(v8f_u *)(o + 48) = acc6;
+                *(v8f_u *)(o + 56) = acc7;
+            }
             for (; c0 + 32 <= dv; c0 += 32) {
                 float *o = og + c0;
                 v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
