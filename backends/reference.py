@@ -33,7 +33,7 @@ import numpy as np
 
 from infer.errors import UnsupportedOpError
 from infer.ops import AdaptedWeight, Array, Backend
-from infer.oplib import rows_within
+from infer.oplib import quantize_q8_0, rows_within
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe
 
@@ -55,7 +55,9 @@ class ReferenceBackend(Backend):
     name = "reference"
     device = "cpu"
     float_dtypes = ("float32",)
-    kv_dtypes = frozenset({"float16"})  # pools stored narrower: the default attention widens them
+    #: Pools stored narrower: the default attention widens float16, and
+    #: dequantizes q8_0 blocks against quantized queries (infer.oplib.attend_one).
+    kv_dtypes = frozenset({"float16", "q8_0"})
     native_ops: frozenset[str] = frozenset()  # every optional op is the contract's default
 
     # -- transfer, creation, casting -------------------------------------------------
@@ -222,7 +224,10 @@ class ReferenceBackend(Backend):
         return x[tuple(index)]
 
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
-        dst[rows_within(rows, dst.shape[0])] = src  # in place, rounded into dst's dtype
+        at = rows_within(rows, dst.shape[0])
+        if dst.dtype == np.uint8 and src.dtype.kind == "f":  # a pool of q8_0 blocks: the rows quantized
+            src = quantize_q8_0(src)
+        dst[at] = src  # in place, rounded into dst's dtype
         return dst
 
 

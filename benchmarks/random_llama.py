@@ -41,7 +41,7 @@ def tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueType
     return out
 
 
-def write(path: Path, seed: int = 0) -> None:
+def write(path: Path, seed: int = 0, context: int = 131072) -> None:
     h, layers, heads, kv, mlp = (SHAPE[k] for k in ("hidden", "layers", "heads", "kv_heads", "mlp"))
     head_dim = h // heads
     fields = tokenizer_fields(catalog.model_path("smollm2-135m"))
@@ -50,7 +50,7 @@ def write(path: Path, seed: int = 0) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("random Llama 1B shape")
     w.add_block_count(layers)
-    w.add_context_length(131072)  # Llama 3.2's: room for benchmarks/run.py's long-context mode
+    w.add_context_length(context)  # 131,072 by default (Llama 3.2's): room for benchmarks/run.py's long-context mode
     w.add_embedding_length(h)
     w.add_feed_forward_length(mlp)
     w.add_head_count(heads)
@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context", type=int, default=131072,
+                        help="context length in the metadata (default 131072, Llama 3.2's)")
     args = parser.parse_args(argv)
-    write(args.path, args.seed)
+    write(args.path, args.seed, args.context)
     print(f"{args.path}: {args.path.stat().st_size / 1e6:.0f} MB")
     return 0
 

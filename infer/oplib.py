@@ -351,6 +351,50 @@ def packed_rows(ops: Ops, table: Any, ids: Array) -> Array:
     return ops.from_numpy(table.rows.dequantize_rows(host.astype(np.int64)))
 
 
+def _q8_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each 32 values of ``x`` (float32, last axis a multiple of 32) as int8
+    codes ``rint(x * (127 / max|x|))`` and their float32 scale ``max|x| /
+    127``: ggml's q8_0 rounding, in float32 as the kernels compute it."""
+    blocks = np.asarray(x, np.float32).reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inverse = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(blocks * inverse[:, None]), -127, 127).astype(np.int8)
+    return codes, (amax / np.float32(127)).astype(np.float32)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Float rows ``[..., d]`` (``d`` a multiple of 32) as q8_0 blocks
+    ``uint8 [..., d // 32 * 34]``: per 32 values the float16 scale, then the
+    32 codes (:data:`infer.ops.KV_BLOCK_DTYPES`): what
+    :meth:`~infer.ops.Backend.scatter_rows` writes into a ``kv_dtype="q8_0"`` pool."""
+    x = np.asarray(x, np.float32)
+    codes, scale = _q8_codes(x)
+    out = np.empty((codes.shape[0], 34), np.uint8)
+    out[:, :2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = codes.view(np.uint8)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """q8_0 blocks ``uint8 [..., n * 34]`` as the float32 values ``[..., n *
+    32]`` they hold: each code times its block's float16 scale, one float32 product."""
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    flat = blocks.reshape(-1, 34)
+    scale = flat[:, :2].copy().view("<f2").astype(np.float32)
+    values = flat[:, 2:].view(np.int8).astype(np.float32) * scale
+    return values.reshape(*blocks.shape[:-1], blocks.shape[-1] // 34 * 32)
+
+
+def q8_0_query(q: np.ndarray) -> np.ndarray:
+    """Query rows ``[..., dk]`` as attention over a q8_0 pool reads them: each
+    32 values rounded to int8 codes with a float32 scale (not float16:
+    queries are never stored), given back as the float32 values ``scale * code``."""
+    q = np.asarray(q, np.float32)
+    codes, scale = _q8_codes(q)
+    return (codes.astype(np.float32) * scale[:, None]).reshape(q.shape)
+
+
 def attention(ops: Ops, q: Array, k_pool: Array, v_pool: Array, batch: Batch, *, scale: float, causal: bool,
               window: int | None, softcap: float | None, sinks: Array | None) -> Array:
     """:meth:`~infer.ops.Backend.attention`'s default, and the contract's
@@ -369,7 +413,11 @@ def attend_one(ops: Ops, q: Array, k_pool: Array, v_pool: Array, host: Batch, b:
                sinks: Array | None) -> Array:
     """:func:`attention` for sequence ``b`` of a host batch: its visible keys
     gathered from the pool, two batched products around a masked float32
-    softmax, grouped-query heads without repeating keys."""
+    softmax, grouped-query heads without repeating keys. Over a pool of q8_0
+    blocks (``uint8``) this is the contract's definition of the op: the keys
+    and values dequantized (:func:`dequantize_q8_0`), the queries quantized
+    and given back as their rounded values (:func:`q8_0_query`), which a
+    backend's integer dot products per block equal up to float rounding."""
     n, hq, dk = ops.shape(q)
     hkv, dv = ops.shape(k_pool)[1], ops.shape(v_pool)[2]
     group = hq // hkv
@@ -377,7 +425,11 @@ def attend_one(ops: Ops, q: Array, k_pool: Array, v_pool: Array, host: Batch, b:
     rows = ops.from_numpy(host.key_rows(b, lo, hi, ops.shape(k_pool)[0]))
     k = ops.take(k_pool, rows, axis=0)  # [tk, hkv, dk]
     v = ops.take(v_pool, rows, axis=0)
-    if ops.dtype(k) != ops.dtype(q):  # a pool stored narrower (kv_dtype): its values, widened
+    if ops.dtype(k) == "uint8":  # q8_0 blocks (kv_dtype="q8_0"): their values, against the quantized queries
+        k, v = (ops.from_numpy(dequantize_q8_0(ops.to_numpy(x)), ops.dtype(q)) for x in (k, v))
+        q = ops.from_numpy(q8_0_query(ops.to_numpy(ops.astype(q, "float32"))), ops.dtype(q))
+        dv = ops.shape(v)[2]
+    elif ops.dtype(k) != ops.dtype(q):  # a pool stored narrower (kv_dtype): its values, widened
         k, v = ops.astype(k, ops.dtype(q)), ops.astype(v, ops.dtype(q))
     qg = ops.reshape(ops.transpose(ops.reshape(q, (n, hkv, group, dk)), (1, 2, 0, 3)), (hkv, group * n, dk))
     scores = ops.astype(ops.matmul(qg, ops.transpose(k, (1, 2, 0))), "float32")  # [hkv, group * n, tk]

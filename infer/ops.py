@@ -361,6 +361,35 @@ class AttentionBatch:
 #: bits: :data:`infer.quantize.SCHEME_BITS`); a backend honours those it lists
 #: in :attr:`Backend.quantize_schemes`.
 QUANTIZE_SCHEMES: tuple[str, ...] = ("q8", "q4")
+#: KV pool dtypes stored as blocks, not as one float per value
+#: (``infer.load(kv_dtype=...)``; a backend honours those it lists in
+#: :attr:`Backend.kv_dtypes`): name -> (values per block, bytes per block).
+#: ``"q8_0"``: per 32 values of a row, a little-endian IEEE float16 scale
+#: ``d`` then 32 int8 codes ``q``, the values ``d * q`` (ggml's
+#: ``block_q8_0``, as llama.cpp stores its q8_0 cache). Such a pool is a
+#: ``uint8`` array ``[rows, heads, d // 32 * 34]`` (:func:`kv_pool_width`);
+#: :meth:`Backend.scatter_rows` of float rows into it quantizes them and
+#: :meth:`Backend.attention` reads it (docs/kv-cache.md, "Keys and values in 8 bits").
+KV_BLOCK_DTYPES: dict[str, tuple[int, int]] = {"q8_0": (32, 34)}
+
+
+def kv_pool_width(kv_dtype: str | None, width: int) -> tuple[int, str | None]:
+    """The last axis and dtype of a KV pool storing rows of ``width`` values
+    in ``kv_dtype``: ``(width, kv_dtype)`` for a float dtype (None: as
+    written), the block bytes and ``"uint8"`` for one of
+    :data:`KV_BLOCK_DTYPES`. ``CacheConfigError`` where ``width`` is not a
+    whole number of blocks."""
+    if kv_dtype not in KV_BLOCK_DTYPES:
+        return width, kv_dtype
+    values, nbytes = KV_BLOCK_DTYPES[kv_dtype]
+    if width % values:
+        from infer.errors import CacheConfigError
+
+        raise CacheConfigError(f"kv_dtype={kv_dtype!r} stores blocks of {values} values; this model's keys or "
+                               f"values have {width} per head, not a multiple of {values}")
+    return width // values * nbytes, "uint8"
+
+
 #: The activation quantization schemes ``infer.load(activations=...)`` knows;
 #: a backend honours those it lists in :attr:`Backend.activation_schemes`.
 ACTIVATION_SCHEMES: tuple[str, ...] = ("q8",)
@@ -481,7 +510,10 @@ class Backend(abc.ABC):
     #: Dtypes other than :attr:`compute_dtype` that KV pools may be stored in
     #: (the engine's ``kv_dtype``: ``"float16"``, ``"bfloat16"``): the
     #: backend's :meth:`scatter_rows` rounds rows into them and its
-    #: :meth:`attention` reads them widened. Empty: pools in the compute dtype only.
+    #: :meth:`attention` reads them widened. A block dtype of
+    #: :data:`KV_BLOCK_DTYPES` (``"q8_0"``) listed here means both ops take
+    #: ``uint8`` pools of its blocks (:func:`kv_pool_width`). Empty: pools in
+    #: the compute dtype only.
     kv_dtypes: frozenset[str] = frozenset()
     #: On-load quantization schemes :meth:`prepare_weight` honours
     #: (``"q8"``, ``"q4"``); empty for a backend that has none.
@@ -795,6 +827,14 @@ class Backend(abc.ABC):
         array afterwards. ``src`` is cast to ``dst``'s dtype. A row outside
         ``dst`` raises ``IndexError`` (or, inside a captured step, the
         backend's own error): it is never written somewhere else.
+
+        Float rows ``[n, heads, d]`` into a ``uint8`` pool of q8_0 blocks
+        ``[rows, heads, d // 32 * 34]`` (``kv_dtype="q8_0"``, where the
+        backend lists it in :attr:`kv_dtypes`) are quantized, each 32 values
+        ``x`` as :func:`infer.oplib.quantize_q8_0` does it: ``d = max|x| /
+        127`` stored as float16, codes ``rint(x * (127 / max|x|))`` computed
+        in float32 from the unrounded maximum (all zero when it is 0). Rows of
+        the pool's own ``uint8`` (a block copy) are copied as they are.
         """
 
     # ------------------------------------------------------------------
@@ -887,6 +927,12 @@ class Backend(abc.ABC):
         ``kv_dtype``, e.g. float16 keys for float32 queries): the op reads
         their values widened to ``q``'s dtype, exactly (every float16 is a
         float32), so the result is the attention over the widened pool.
+        Pools of q8_0 blocks (``uint8``, :data:`KV_BLOCK_DTYPES`; ``dk`` and
+        ``dv`` multiples of 32) are approximate by design, and the op is
+        defined on them as :func:`infer.oplib.attend_one` computes it: each
+        query row and head quantized once to q8_0 codes with a float32 scale
+        per 32 values (:func:`infer.oplib.q8_0_query`), the scores ``sum_b dk_b * dq_b * (codes · codes)``
+        in integer dot products per block, the values dequantized (``d * q``).
 
         Sequence ``b``'s ``n`` query rows are the *last* ``n`` of its
         ``batch.seq_lens[b]`` positions (query ``i`` sits at position

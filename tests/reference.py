@@ -648,14 +648,14 @@ def _require_transformers_5() -> None:
         raise RuntimeError(f"tests/reference.py needs transformers>=5, found {transformers.__version__}")
 
 
-def _build_tiny(variant: str, out: Path) -> None:
+def _build_tiny(variant: str, out: Path, changes: dict[str, Any] | None = None) -> None:
     import torch
     import transformers
 
     _require_transformers_5()
 
     class_name, overrides = _VARIANTS[variant]
-    config = getattr(transformers, class_name)(**{**_BASE, **overrides})
+    config = getattr(transformers, class_name)(**{**_BASE, **overrides, **(changes or {})})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)
@@ -689,15 +689,18 @@ def _build_tiny(variant: str, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
-def tiny_model_dir(variant: str) -> Path:
+def tiny_model_dir(variant: str, **overrides: Any) -> Path:
     """Folder of the tiny random model `variant` (one of TINY_VARIANTS), built on first use.
 
     A Hugging Face folder: config.json, model.safetensors (float32), generation_config.json,
-    tokenizer.json, tokenizer_config.json (with a ChatML chat_template).
+    tokenizer.json, tokenizer_config.json (with a ChatML chat_template). ``overrides`` change
+    the variant's config (e.g. ``head_dim=32`` where a test needs whole blocks of 32 per head),
+    built into a folder of their own.
     """
     if variant not in _VARIANTS:
         raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
-    return _build_dir(cache_root() / f"tiny-v{KIT_VERSION}" / variant, lambda out: _build_tiny(variant, out))
+    name = "-".join([variant, *(f"{k}{v}" for k, v in sorted(overrides.items()))])
+    return _build_dir(cache_root() / f"tiny-v{KIT_VERSION}" / name, lambda out: _build_tiny(variant, out, overrides))
 
 
 _LOADED: dict[tuple[str, str], Any] = {}

@@ -75,9 +75,10 @@ def test_the_conformance_kit_passes_with_one_command(tmp_path: Path) -> None:
     # this run proves the one-command path, so few examples do (~1 min).
     proc = run_pytest(tmp_path, "--pyargs", "infer.testing", "--infer-backend", "jax:cpu", "--infer-examples", "5")
     # Every op case and both tiny models, in float32 and bfloat16: nothing skipped as unsupported
-    # but the int8-activation cases (the plugin lists no activation_schemes) and the bidirectional
-    # spans (its native attention does not list attention_spans: infer gives span batches to the default).
-    q8 = sum(c.name.startswith(("quantized_linear-q8act-", "attention-spans")) for c in CASES)
+    # but the int8-activation cases and the q8_0 pools' (the plugin lists no activation_schemes, and
+    # no q8_0 in its kv_dtypes) and the bidirectional spans (its native attention does not list
+    # attention_spans: infer gives span batches to the default).
+    q8 = sum(c.name.startswith(("quantized_linear-q8act-", "attention-spans")) or "q8_0" in c.name for c in CASES)
     assert proc.returncode == 0 and outcome(proc) == {"passed": 2 * (len(CASES) + 2 - q8), "skipped": 2 * q8}, \
         proc.stdout[-4000:] + proc.stderr[-2000:]
 

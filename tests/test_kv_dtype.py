@@ -166,8 +166,8 @@ def test_a_kv_dtype_the_backend_lacks_is_a_typed_error_naming_the_options() -> N
     with pytest.raises(CacheConfigError, match="kv_dtype='bfloat16'"):  # numpy has no bfloat16 arrays
         infer.load(path, backend="numpy", kv_dtype="bfloat16")
     model = infer.load(path, backend="numpy")
-    with pytest.raises(CacheConfigError, match="kv_dtype='q8_0'"):
-        Engine(model.engine.model, model.engine.backend, kv_dtype="q8_0")
+    with pytest.raises(CacheConfigError, match="kv_dtype='q4_0'"):
+        Engine(model.engine.model, model.engine.backend, kv_dtype="q4_0")
 
 
 def test_the_cli_takes_kv_dtype(capsys: pytest.CaptureFixture[str]) -> None:

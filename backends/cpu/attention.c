@@ -1,22 +1,28 @@
 /* Attention for the few query rows of decoding (module.c's attention, and
  * plan.c's captured steps): per query row and head, scores over the visible
  * keys, softmax, weighted sum of values, read from contiguous or paged pools of
- * float32 or float16 keys and values. */
+ * float32 or float16 keys and values, or of q8_0 blocks.
+ *
+ * One task is one query row and one key/value head with its query heads (the
+ * grouped-query group, or a part of it when there are fewer tasks than threads),
+ * so each key and value row is read from memory once for the group rather than
+ * once per head. The keys are taken a tile at a time (Q8_0_TILE, fewer for wide
+ * values) whose scores for the group stay in L1, with the running maximum and
+ * sum of an online softmax: reading each row once for the group over a whole
+ * row of scores per head was slower, the scores outgrew L1 (docs/performance.md).
+ * Each head's arithmetic is its own, the same whichever heads share its task.
+ * Compiled twice, for the portable and the AVX2 path: the same operations in
+ * the same order (no contraction into multiply-adds), so both give the same
+ * bits, only wider. */
 
 #include "kernels.h"
 
-/* One query row and head of attention (see attention below). Compiled twice, for
- * the portable and the AVX2 path: the same operations in the same order (no
- * contraction into multiply-adds), so both give the same bits, only wider. */
 /* Eight floats as one value: GCC and clang compile it to one AVX register, or two
  * SSE ones, with the same per-lane arithmetic. */
 typedef float v8f __attribute__((vector_size(32)));
 /* The same, at any float's alignment: loads and stores through it keep the
  * accumulators in registers (a memcpy of their array made GCC keep it on the stack). */
 typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
-#ifndef KV_AHEAD
-#define KV_AHEAD 16 /* keys ahead whose rows are asked for */
-#endif
 
 /* Keys and values stored as IEEE float16 (a pool of kv_dtype="float16") are read
  * as the float32 values they hold: the conversion is exact, so attention over a
@@ -77,28 +83,30 @@ static inline __attribute__((always_inline)) float dot_kv(const float *q, const 
     return s;
 }
 
-/* dot_kv of one row against four (at elements i0..i3 of K), the four
- * interleaved: four dependency chains instead of one, the same bits. */
-static inline __attribute__((always_inline)) void dot4_kv(const float *q, const void *K, Py_ssize_t i0, Py_ssize_t i1,
-                                                          Py_ssize_t i2, Py_ssize_t i3, Py_ssize_t n, int half,
-                                                          float *out) {
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    Py_ssize_t c = 0;
-    for (; c + 8 <= n; c += 8) {
-        const v8f x = *(const v8f_u *)(q + c);
-        a0 += x * kv8(K, i0 + c, half);
-        a1 += x * kv8(K, i1 + c, half);
-        a2 += x * kv8(K, i2 + c, half);
-        a3 += x * kv8(K, i3 + c, half);
+/* dot_kv of `heads` query rows (q, dk apart) against one stored row, four
+ * heads interleaved on each load of the row: the bits of dot_kv per head. */
+static inline __attribute__((always_inline)) void dot_heads(const float *q, Py_ssize_t heads, const void *K,
+                                                            Py_ssize_t i, Py_ssize_t n, int half, float *out,
+                                                            Py_ssize_t stride) {
+    Py_ssize_t g = 0;
+    for (; g + 4 <= heads; g += 4) {
+        const float *q0 = q + g * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        Py_ssize_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            const v8f k = kv8(K, i + c, half);
+            a0 += *(const v8f_u *)(q0 + c) * k, a1 += *(const v8f_u *)(q1 + c) * k;
+            a2 += *(const v8f_u *)(q2 + c) * k, a3 += *(const v8f_u *)(q3 + c) * k;
+        }
+        const v8f *acc[4] = {&a0, &a1, &a2, &a3};
+        for (int r = 0; r < 4; r++) {
+            const v8f v = *acc[r];
+            float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+            for (Py_ssize_t d = c; d < n; d++) t += q[(g + r) * n + d] * kv1(K, i + d, half);
+            out[(g + r) * stride] = t;
+        }
     }
-    const v8f *acc[4] = {&a0, &a1, &a2, &a3};
-    const Py_ssize_t at[4] = {i0, i1, i2, i3};
-    for (int r = 0; r < 4; r++) {
-        const v8f v = *acc[r];
-        float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-        for (Py_ssize_t d = c; d < n; d++) t += q[d] * kv1(K, at[r] + d, half);
-        out[r] = t;
-    }
+    for (; g < heads; g++) out[g * stride] = dot_kv(q + g * n, K, i, n, half);
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -133,110 +141,306 @@ static inline __attribute__((always_inline)) float exp1_below(float x) { return 
 
 #define ROW(a, j) ((a)->rows ? (a)->rows[j] : (j))
 
-static inline __attribute__((always_inline)) void attend(const struct attend_args *a, Py_ssize_t task,
-                                                         float *scores, int half) {
-    Py_ssize_t i = task / a->hq, h = task % a->hq;
-    Py_ssize_t pos = a->tk - a->tq + i, lo = 0, hi = a->tk; /* visible keys: [lo, hi) */
+/* -- q8_0 pools (kv_dtype="q8_0") ---------------------------------------------------
+ *
+ * A pool row holds per 32 values one block of Q8_0_BYTES: an IEEE float16 scale d
+ * then 32 int8 codes q, the values d * q (ggml's block_q8_0, as llama.cpp stores
+ * its q8_0 cache). Writing rounds each 32 values x with d = max|x| / 127 and
+ * q = rint(x * 127 / max|x|) (the rounding of the int8 activations, q8.c), d
+ * kept as float16. Attending quantizes each query row the same way once per call,
+ * with a float32 scale, so that Q·K is integer dot products per block:
+ *
+ *     s = sum_b (float)(sum_{t in b} qk_t * qq_t) * (dk_b * dq_b)   (in b's order)
+ *
+ * and reads values dequantized (d * q, one float32 multiply). A task is one query
+ * row and one key/value head with its whole query group, so each key and value
+ * row is read once for the group; the keys are taken Q8_0_TILE (or fewer, for
+ * wide values) at a time, their scores for the group kept in L1, with the
+ * running maximum and sum of an online softmax (the float path's two passes over
+ * one head's scores outgrew L1 when four heads shared them: docs/performance.md).
+ * The integer sums are exact and the float arithmetic after them one fixed
+ * sequence, so the portable and AVX2 paths give the same bits. */
+
+/* n blocks of 32 floats from x into q8_0 blocks at out (the KV write). */
+void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks) {
+    for (Py_ssize_t b = 0; b < blocks; b++, x += 32, out += Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            const float a = fabsf(x[t]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const uint16_t d = float_to_half(amax / 127.0f);
+        memcpy(out, &d, 2);
+        for (int t = 0; t < 32; t++) {
+            const float v = rintf(x[t] * id);
+            out[2 + t] = (uint8_t)(int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v);
+        }
+    }
+}
+
+/* A query row of `blocks` blocks rounded alike: codes q, float32 scales d. */
+void q8_0_query(const float *x, Py_ssize_t blocks, int8_t *q, float *d) {
+    for (Py_ssize_t b = 0; b < blocks; b++, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            const float a = fabsf(x[t]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int t = 0; t < 32; t++) {
+            const float v = rintf(x[t] * id);
+            q[t] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v);
+        }
+    }
+}
+
+/* Raw scores (before the scale) of `heads` quantized query rows (q [heads][blocks *
+ * 32], qd [heads][blocks]) against n key rows: s[g * stride + j]. The portable
+ * form; x86/kvq8_x86.c has the AVX2 one, with the same sums. */
+static void q8_0_scores(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd, Py_ssize_t heads,
+                        Py_ssize_t blocks, float *s, Py_ssize_t stride) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        for (Py_ssize_t g = 0; g < heads; g++) s[g * stride + j] = 0.0f;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = keys[j] + b * Q8_0_BYTES;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            const float kd = half_to_float(h);
+            const int8_t *kq = (const int8_t *)(blk + 2);
+            for (Py_ssize_t g = 0; g < heads; g++) {
+                const int8_t *qq = q + (g * blocks + b) * 32;
+                int32_t isum = 0;
+                for (int t = 0; t < 32; t++) isum += (int32_t)kq[t] * (int32_t)qq[t];
+                s[g * stride + j] += (float)isum * (kd * qd[g * blocks + b]);
+            }
+        }
+    }
+}
+
+typedef int8_t v8b_u __attribute__((vector_size(8), aligned(1), may_alias));
+
+/* What one task works in (one per thread). */
+struct group_work {
+    int8_t *q;                      /* [group][dk] a q8_0 pool's query codes */
+    float *qf, *qd, *s, *o, *m, *l, *vt; /* [group][dk] the queries; [group][dk/32] their q8_0 scales;
+                                           [group][tile] scores; [group][dv] sums; [group] running max
+                                           and sum; [tile][dv] a q8_0 pool's values, dequantized */
+    const uint8_t **keys;           /* [tile] a q8_0 pool's key rows */
+};
+
+static Py_ssize_t key_tile(Py_ssize_t dv) {
+    Py_ssize_t t = 4096 / dv; /* a tile of dequantized values: 16 KiB */
+    return t < 16 ? 16 : t > Q8_0_TILE ? Q8_0_TILE : t;
+}
+
+/* Query row i's heads h0..h0+G of one key/value head kvh. half: 0 float32 rows,
+ * 1 float16 (portable conversion), 2 float16 (F16C), KV_Q8_0 q8_0 blocks; path 2
+ * is the AVX2 instance (its q8_0 scores in x86/kvq8_x86.c). */
+static inline __attribute__((always_inline)) void attend_group(const struct attend_args *a, Py_ssize_t i,
+                                                               Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,
+                                                               struct group_work *w, int half, int path) {
+    const int q8 = half == KV_Q8_0;
+    const Py_ssize_t pos = a->tk - a->tq + i;
+    Py_ssize_t lo = 0, hi = a->tk; /* visible keys: [lo, hi) */
     if (a->causal) hi = pos + 1 < a->tk ? pos + 1 : a->tk;
     if (a->window > 0 && pos - a->window + 1 > lo) lo = pos - a->window + 1;
     if (a->window > 0 && !a->causal && pos + a->window < hi) hi = pos + a->window;
-    const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv, size = half ? 2 : 4;
-    const float *qh = a->Q + (i * a->hq + h) * dk;
-    Py_ssize_t kvh = h / (a->hq / hkv);
-    float *o = a->O + (i * a->hq + h) * dv;
+    const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv, T = key_tile(dv);
+    const Py_ssize_t size = half ? 2 : 4, krow = q8 ? dk / 32 * Q8_0_BYTES : dk, vrow = q8 ? dv / 32 * Q8_0_BYTES : dv;
     const char *K = a->K, *V = a->V;
-#define KEY(j) ((ROW(a, j) * hkv + kvh) * dk) /* element index of key j's row */
-#define VALUE(j) ((ROW(a, j) * hkv + kvh) * dv)
-    for (Py_ssize_t c = 0; c < dv; c++) o[c] = 0.0f;
-    if (hi <= lo) return; /* nothing visible: numpy gives NaN rows; never the case in decoding */
-    float top = -INFINITY;
-    Py_ssize_t j = lo;
-    for (; j + 4 <= hi; j += 4) {
-        float d4[4];
-        if (j + KV_AHEAD + 4 <= hi) /* rows hkv * dk apart: the hardware prefetchers stop at each page */
-            for (int r = 0; r < 4; r++) {
-                const char *row = K + KEY(j + KV_AHEAD + r) * size;
-                for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(row + b, 0, 3);
+#define KEY(j) ((ROW(a, j) * hkv + kvh) * krow) /* element (q8_0: byte) index of key j's row */
+#define VALUE(j) ((ROW(a, j) * hkv + kvh) * vrow)
+    for (Py_ssize_t g = 0; g < G; g++) {
+        const float *qh = a->Q + (i * a->hq + h0 + g) * dk;
+        if (q8)
+            q8_0_query(qh, dk / 32, w->q + g * dk, w->qd + g * (dk / 32));
+        else
+            memcpy(w->qf + g * dk, qh, (size_t)dk * sizeof(float));
+        /* A sink is one more logit with no value: the softmax starts from it. */
+        w->m[g] = a->sinks ? a->sinks[h0 + g] : -INFINITY;
+        w->l[g] = a->sinks ? 1.0f : 0.0f;
+        for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] = 0.0f;
+    }
+    for (Py_ssize_t t0 = lo; t0 < hi; t0 += T) {
+        const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
+        if (q8) {
+            for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
+#ifdef HAVE_X86
+            if (path == 2)
+                q8_0_scores_avx2(w->keys, n, w->q, w->qd, G, dk / 32, w->s, T);
+            else
+#endif
+                q8_0_scores(w->keys, n, w->q, w->qd, G, dk / 32, w->s, T);
+        } else {
+            for (Py_ssize_t j = 0; j < n; j++) {
+                if (j + 8 < n) /* rows hkv * dk apart: the hardware prefetchers stop at each page */
+                    for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(K + KEY(t0 + j + 8) * size + b, 0, 3);
+                dot_heads(w->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
             }
-        dot4_kv(qh, K, KEY(j), KEY(j + 1), KEY(j + 2), KEY(j + 3), dk, half, d4);
-        for (int r = 0; r < 4; r++) {
-            float sc = d4[r] * a->scale;
-            if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
-            scores[j + r] = sc;
-            if (sc > top) top = sc;
+        }
+        for (Py_ssize_t g = 0; g < G; g++) {
+            float *s = w->s + g * T, top = w->m[g];
+            for (Py_ssize_t j = 0; j < n; j++) {
+                float sc = s[j] * a->scale;
+                if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
+                s[j] = sc;
+                if (sc > top) top = sc;
+            }
+            const float corr = exp1_below(w->m[g] - top); /* the sums so far, rescaled to the new maximum */
+            Py_ssize_t j = 0;
+            for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
+            for (; j < n; j++) s[j] = exp1_below(s[j] - top);
+            float total = 0.0f;
+            for (j = 0; j < n; j++) total += s[j];
+            w->l[g] = w->l[g] * corr + total;
+            if (corr != 1.0f)
+                for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] *= corr;
+            w->m[g] = top;
+        }
+        if (q8) /* the tile's values, dequantized once for the group */
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const uint8_t *row = (const uint8_t *)V + VALUE(t0 + j);
+                if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
+                float *vt = w->vt + j * dv;
+                for (Py_ssize_t b = 0; b < dv / 32; b++) {
+                    uint16_t h;
+                    memcpy(&h, row + b * Q8_0_BYTES, 2);
+                    const v8f d = (v8f){0} + half_to_float(h);
+                    const int8_t *code = (const int8_t *)(row + b * Q8_0_BYTES + 2);
+                    for (int c = 0; c < 32; c += 8)
+                        *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
+                }
+            }
+        /* o += p v, 64 columns (eight accumulators: enough independent sums to keep
+         * both adders busy) or 32 at a time held in registers across the tile's
+         * keys; each column's sum is over j in order. */
+        for (Py_ssize_t g = 0; g < G; g++) {
+            const float *p = w->s + g * T;
+            float *og = w->o + g * dv;
+            Py_ssize_t c0 = 0;
+            for (; c0 + 64 <= dv; c0 += 64) {
+                float *o = og + c0;
+                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+                v8f acc4 = *(v8f_u *)(o + 32), acc5 = *(v8f_u *)(o + 40), acc6 = *(v8f_u *)(o + 48);
+                v8f acc7 = *(v8f_u *)(o + 56);
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    const v8f pj = (v8f){0} + p[j];
+                    if (q8) {
+                        const float *v = w->vt + j * dv + c0;
+                        acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                        acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                        acc4 += pj * *(const v8f_u *)(v + 32), acc5 += pj * *(const v8f_u *)(v + 40);
+                        acc6 += pj * *(const v8f_u *)(v + 48), acc7 += pj * *(const v8f_u *)(v + 56);
+                    } else {
+                        const Py_ssize_t vj = VALUE(t0 + j) + c0;
+                        acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
+                        acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
+                        acc4 += pj * kv8(V, vj + 32, half), acc5 += pj * kv8(V, vj + 40, half);
+                        acc6 += pj * kv8(V, vj + 48, half), acc7 += pj * kv8(V, vj + 56, half);
+                    }
+                }
+                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+                *(v8f_u *)(o + 32) = acc4, *(v8f_u *)(o + 40) = acc5, *(v8f_u *)(o + 48) = acc6;
+                *(v8f_u *)(o + 56) = acc7;
+            }
+            for (; c0 + 32 <= dv; c0 += 32) {
+                float *o = og + c0;
+                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    const v8f pj = (v8f){0} + p[j];
+                    if (q8) {
+                        const float *v = w->vt + j * dv + c0;
+                        acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                        acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                    } else {
+                        const Py_ssize_t vj = VALUE(t0 + j) + c0;
+                        acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
+                        acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
+                    }
+                }
+                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+            }
+            for (; c0 + 8 <= dv; c0 += 8) {
+                v8f acc = *(v8f_u *)(og + c0);
+                for (Py_ssize_t j = 0; j < n; j++) acc += ((v8f){0} + p[j]) * kv8(V, VALUE(t0 + j) + c0, half);
+                *(v8f_u *)(og + c0) = acc;
+            }
+            for (; c0 < dv; c0++)
+                for (Py_ssize_t j = 0; j < n; j++) og[c0] += p[j] * kv1(V, VALUE(t0 + j) + c0, half);
         }
     }
-    for (; j < hi; j++) {
-        float sc = dot_kv(qh, K, KEY(j), dk, half) * a->scale;
-        if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
-        scores[j] = sc;
-        if (sc > top) top = sc;
-    }
-    const float sink = a->sinks ? a->sinks[h] : -INFINITY;
-    if (sink > top) top = sink;
-    float total = a->sinks ? exp1_below(sink - top) : 0.0f;
-    for (j = lo; j + 8 <= hi; j += 8) *(v8f_u *)(scores + j) = exp8_below(*(v8f_u *)(scores + j) - top);
-    for (; j < hi; j++) scores[j] = exp1_below(scores[j] - top);
-    for (j = lo; j < hi; j++) total += scores[j];
-    for (j = lo; j < hi; j++) scores[j] /= total;
-    /* o = sum_j p_j v_j, 64 columns at a time held in registers across the keys
-     * (adding into o in memory made every key wait on the previous one's store);
-     * each column's sum is still over j in order. */
-    Py_ssize_t c0 = 0;
-    for (; c0 + 64 <= dv; c0 += 64) {
-        v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0}, acc6 = {0}, acc7 = {0};
-        for (Py_ssize_t j = lo; j < hi; j++) {
-            const Py_ssize_t vj = VALUE(j) + c0;
-            if (j + KV_AHEAD < hi) {
-                const char *ahead = V + (VALUE(j + KV_AHEAD) + c0) * size;
-                for (int b = 0; b < 64 * size; b += 64) __builtin_prefetch(ahead + b, 0, 3);
-            }
-            const v8f p = (v8f){0} + scores[j];
-            acc0 += p * kv8(V, vj, half), acc1 += p * kv8(V, vj + 8, half);
-            acc2 += p * kv8(V, vj + 16, half), acc3 += p * kv8(V, vj + 24, half);
-            acc4 += p * kv8(V, vj + 32, half), acc5 += p * kv8(V, vj + 40, half);
-            acc6 += p * kv8(V, vj + 48, half), acc7 += p * kv8(V, vj + 56, half);
-        }
-        *(v8f_u *)(o + c0) = acc0, *(v8f_u *)(o + c0 + 8) = acc1, *(v8f_u *)(o + c0 + 16) = acc2;
-        *(v8f_u *)(o + c0 + 24) = acc3, *(v8f_u *)(o + c0 + 32) = acc4, *(v8f_u *)(o + c0 + 40) = acc5;
-        *(v8f_u *)(o + c0 + 48) = acc6, *(v8f_u *)(o + c0 + 56) = acc7;
-    }
-    for (j = lo; j < hi; j++) {
-        const float p = scores[j];
-        const Py_ssize_t vj = VALUE(j);
-        for (Py_ssize_t c = c0; c < dv; c++) o[c] += p * kv1(V, vj + c, half);
+    for (Py_ssize_t g = 0; g < G; g++) {
+        float *out = a->O + (i * a->hq + h0 + g) * dv;
+        for (Py_ssize_t c = 0; c < dv; c++) out[c] = hi > lo ? w->o[g * dv + c] / w->l[g] : 0.0f;
     }
 #undef KEY
 #undef VALUE
 }
 
 /* Compiled per path and per storage, so that each loop knows its loads. */
-static void attend_portable(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores, 0); }
-static void attend_portable_f16(const struct attend_args *a, Py_ssize_t task, float *scores) {
-    attend(a, task, scores, 1);
-}
+#define GROUP_FN(name, half, path)                                                                                  \
+    static void name(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,       \
+                     struct group_work *w) {                                                                        \
+        attend_group(a, i, kvh, h0, G, w, half, path);                                                             \
+    }
+GROUP_FN(group_portable, 0, 0)
+GROUP_FN(group_portable_f16, 1, 0)
+GROUP_FN(group_portable_q8_0, KV_Q8_0, 0)
 #ifdef HAVE_X86
-AVX2 static void attend_avx2(const struct attend_args *a, Py_ssize_t task, float *scores) { attend(a, task, scores, 0); }
-AVX2 static void attend_avx2_f16(const struct attend_args *a, Py_ssize_t task, float *scores) {
-    attend(a, task, scores, 2);
+AVX2 static void group_avx2(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,
+                            struct group_work *w) {
+    attend_group(a, i, kvh, h0, G, w, 0, 2);
+}
+AVX2 static void group_avx2_f16(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0,
+                                Py_ssize_t G, struct group_work *w) {
+    attend_group(a, i, kvh, h0, G, w, 2, 2);
+}
+AVX2 static void group_avx2_q8_0(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0,
+                                 Py_ssize_t G, struct group_work *w) {
+    attend_group(a, i, kvh, h0, G, w, KV_Q8_0, 2);
 }
 #endif
 
-/* Every (query row, head) of a, across the OpenMP threads where parallel and
- * the work is worth it; scores holds a->tk floats per thread. */
-void attention_run(const struct attend_args *a, float *scores, int parallel) {
-    void (*fn)(const struct attend_args *, Py_ssize_t, float *) = a->half ? attend_portable_f16 : attend_portable;
+/* Every (query row, key/value head) of a, each group split into parts when there
+ * are fewer of those tasks than threads (a model with one key/value head), across
+ * the OpenMP threads where parallel and the work is worth it. 0 when out of memory;
+ * dk and dv must be multiples of 32 for q8_0 blocks. */
+int attention_run(const struct attend_args *a, int parallel) {
+    typedef void (*group_fn)(const struct attend_args *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                             struct group_work *);
+    group_fn fn = a->half == KV_Q8_0 ? group_portable_q8_0 : a->half ? group_portable_f16 : group_portable;
 #ifdef HAVE_X86
-    if (use_avx2) fn = a->half ? attend_avx2_f16 : attend_avx2;
+    if (use_avx2) fn = a->half == KV_Q8_0 ? group_avx2_q8_0 : a->half ? group_avx2_f16 : group_avx2;
 #endif
-    const Py_ssize_t tasks = a->tq * a->hq, tk = a->tk;
-    #pragma omp parallel for schedule(static) if (parallel && tasks > 1 && tk * a->dk >= 4096)
-    for (Py_ssize_t task = 0; task < tasks; task++) {
-#ifdef _OPENMP
-        float *mine = scores + (Py_ssize_t)omp_get_thread_num() * tk;
-#else
-        float *mine = scores;
-#endif
-        fn(a, task, mine);
+    const Py_ssize_t G = a->hq / a->hkv, T = key_tile(a->dv), rows = a->tq * a->hkv;
+    const int go = parallel && rows * G > 1 && a->tk * a->dk >= 4096, threads = go ? max_threads() : 1;
+    Py_ssize_t parts = rows >= threads ? 1 : (threads + rows - 1) / rows;
+    if (parts > G) parts = G;
+    const Py_ssize_t per = (G + parts - 1) / parts, tasks = rows * parts;
+    int failed = 0;
+    #pragma omp parallel if (go && tasks > 1) reduction(|: failed)
+    {
+        struct group_work w;
+        const size_t floats = (size_t)(2 * per * a->dk + per * T + per * a->dv + 2 * per + T * a->dv);
+        float *f = malloc(floats * sizeof(float));
+        w.q = malloc((size_t)(per * a->dk));
+        w.keys = malloc((size_t)T * sizeof(*w.keys));
+        if (!f || !w.q || !w.keys) {
+            failed = 1;
+        } else {
+            w.qf = f, w.qd = w.qf + per * a->dk, w.s = w.qd + per * a->dk, w.o = w.s + per * T;
+            w.m = w.o + per * a->dv, w.l = w.m + per, w.vt = w.l + per;
+            #pragma omp for schedule(static)
+            for (Py_ssize_t task = 0; task < tasks; task++) {
+                const Py_ssize_t row = task / parts, part = task % parts, h = part * per;
+                if (h < G) fn(a, row / a->hkv, row % a->hkv, row % a->hkv * G + h, G - h < per ? G - h : per, &w);
+            }
+        }
+        free(f);
+        free(w.q);
+        free(w.keys);
     }
+    return !failed;
 }

@@ -56,7 +56,7 @@ import numpy as np
 
 from infer.backends.cpu.mxfp4 import mxfp4_linear
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, lora_segments, row_run, rows_within, span_rows
+from infer.oplib import attention_mask, dequantize_q8_0, lora_segments, q8_0_query, quantize_q8_0, row_run, rows_within, span_rows
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
@@ -97,7 +97,9 @@ class CpuBackend(Backend):
     name = "cpu"
     device = "cpu"
     float_dtypes = ("float32",)
-    kv_dtypes = frozenset({"float16"})  # KV pools stored narrower: attention reads them widened
+    #: KV pools stored narrower: attention reads float16 widened, and q8_0
+    #: blocks (uint8 pools) with integer dot products (backends/cpu/attention.c).
+    kv_dtypes = frozenset({"float16", "q8_0"})
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "attention_spans", "prepare_weight",
                             "quantized_linear", "topk", "clip", "ssd", "lora_linear"}
                            | ({"compile"} if hasattr(_native, "run_plan") else set()))
@@ -560,8 +562,12 @@ class CpuBackend(Backend):
         return x[tuple(index)]
 
     def scatter_rows(self, dst: Array, rows: Array, src: Array) -> Array:
-        """In place: ``dst[rows] = src``, the rows checked first."""
-        dst[rows_within(rows, dst.shape[0])] = src
+        """In place: ``dst[rows] = src``, the rows checked first; float rows
+        into a pool of q8_0 blocks (uint8) quantized first."""
+        at = rows_within(rows, dst.shape[0])
+        if dst.dtype == np.uint8 and src.dtype.kind == "f":
+            src = _quantize_q8_0(src)
+        dst[at] = src
         return dst
 
     # -- attention -----------------------------------------------------------------
@@ -587,7 +593,11 @@ class CpuBackend(Backend):
         softmax. :func:`reference_attention` is the plain definition both are
         tested against."""
         host = batch.on_host(self)
-        out = np.empty((q.shape[0], q.shape[1], v_pool.shape[-1]), np.result_type(q.dtype, v_pool.dtype))
+        if v_pool.dtype == np.uint8:  # q8_0 blocks: 32 float32 values in 34 bytes
+            dv, stored = v_pool.shape[-1] // 34 * 32, np.float32
+        else:
+            dv, stored = v_pool.shape[-1], v_pool.dtype
+        out = np.empty((q.shape[0], q.shape[1], dv), np.result_type(q.dtype, stored))
         sink = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
         for b, q0, q1, lo, hi in host.sequences(causal, window):
             n = q1 - q0
@@ -601,7 +611,9 @@ class CpuBackend(Backend):
             run = row_run(rows)  # one run of pool rows: a view
             k = k_pool[run[0]:run[1]] if run else np.take(k_pool, rows, axis=0)
             v = v_pool[run[0]:run[1]] if run else np.take(v_pool, rows, axis=0)
-            if k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
+            if k.dtype == np.uint8:  # q8_0 blocks: their values, and the queries as the kernel rounds them
+                k, v, qb = dequantize_q8_0(k), dequantize_q8_0(v), q8_0_query(qb)
+            elif k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
                 k, v = k.astype(qb.dtype), v.astype(qb.dtype)
             with self._blas_beside_kernels():
                 if spans is None:
@@ -650,15 +662,29 @@ class CpuBackend(Backend):
         (``[rows, hkv, d]``) through ``table``; False where the kernel does not apply."""
         tq, hq, dk = q.shape
         if not (_native is not None and tq <= self.KERNEL_ROWS and tq <= tk  # tq <= tk: every row sees a key
-                and q.dtype == np.float32 and k.dtype == v.dtype and k.dtype in (np.float32, np.float16)
+                and q.dtype == np.float32 and k.dtype == v.dtype and k.dtype in (np.float32, np.float16, np.uint8)
                 and k.flags.c_contiguous and v.flags.c_contiguous
                 and out.flags.c_contiguous and (softcap is None or softcap > 0) and (window is None or window > 0)):
             return False
         hkv, dv = k.shape[-2], v.shape[-1]
+        if k.dtype == np.uint8:  # q8_0 blocks: 34 bytes hold 32 values
+            dv = dv // 34 * 32
         kernels.attention(np.ascontiguousarray(q), k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal,
                           window or 0, softcap or 0.0, np.ascontiguousarray(table, np.int64), block,
                           not self._after_blas, sinks)
         return True
+
+
+def _quantize_q8_0(src: np.ndarray) -> np.ndarray:
+    """Float rows as q8_0 blocks (a ``kv_dtype="q8_0"`` pool's write): the C
+    kernels' quantizer where built, else :func:`infer.oplib.quantize_q8_0`
+    (the same codes and scales)."""
+    if _native is None or src.shape[-1] % 32:
+        return quantize_q8_0(src)
+    x = np.ascontiguousarray(src, np.float32)
+    out = np.empty((*x.shape[:-1], x.shape[-1] // 32 * 34), np.uint8)
+    kernels.quantize_q8_0(x, out)
+    return out
 
 
 @functools.cache

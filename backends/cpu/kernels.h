@@ -8,7 +8,8 @@
  *                       of rows at a time into the affine form
  *   q8.c                products with int8 activations (activations="q8")
  *   rows.c              per-row ops: rms_norm, layer_norm, rope
- *   attention.c         attention for the few query rows of decoding
+ *   attention.c         attention for the few query rows of decoding, over float
+ *                       or q8_0 pools (and the q8_0 KV write)
  *   plan.c              the captured decode step's program runner (run_plan)
  *   module.c            the Python entry points and the choice of path
  *   x86/                the AVX2, AVX-512 and VNNI forms of the products, the
@@ -192,9 +193,17 @@ struct attend_args {
     const Py_ssize_t *rows; /* pool row of each key position; NULL: position j is row j */
     Py_ssize_t tq, tk, hq, hkv, dk, dv, window;
     float scale, softcap;
-    int causal, half;
+    int causal, half; /* half: 0 float32, 1 IEEE float16, KV_Q8_0 q8_0 blocks (attention.c) */
     const float *sinks; /* [hq]: one more logit per head in each softmax, with no value; NULL: none */
 };
+
+/* -- q8_0 KV pools (attention.c) ------------------------------------------------------------ */
+
+/* attend_args.half of a pool of q8_0 blocks (kv_dtype="q8_0"): per 32 values of a
+ * row, a float16 scale d then 32 int8 codes q, the values d * q (ggml's block_q8_0). */
+#define KV_Q8_0 3
+#define Q8_0_BYTES 34
+#define Q8_0_TILE 64 /* keys attended at a time (attention.c): a group's scores stay in L1 */
 
 /* The threads a parallel loop may use (OpenMP's; 1 without OpenMP). */
 static inline int max_threads(void) {
@@ -238,7 +247,9 @@ void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssi
                Py_ssize_t d, Py_ssize_t half);
 
 /* attention.c */
-void attention_run(const struct attend_args *a, float *scores, int parallel);
+int attention_run(const struct attend_args *a, int parallel);
+void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks);
+void q8_0_query(const float *x, Py_ssize_t blocks, int8_t *q, float *d);
 
 /* plan.c */
 PyObject *run_plan(PyObject *self, PyObject *args);
@@ -281,6 +292,10 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
                        Py_ssize_t m, float *y, Py_ssize_t n, int wide);
+
+/* x86/kvq8_x86.c */
+AVX2 void q8_0_scores_avx2(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd,
+                           Py_ssize_t heads, Py_ssize_t blocks, float *s, Py_ssize_t stride);
 #endif
 
 #endif

@@ -237,11 +237,27 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, tq: 
     With an int64 block ``table``, ``k`` and ``v`` are paged pools ``[blocks,
     block, hkv, d]`` read in place. ``k`` and ``v`` may both be float16 (a
     ``kv_dtype="float16"`` pool): they are read as the float32 values they
-    hold, so the result has the bits of the same pool widened first.
+    hold, so the result has the bits of the same pool widened first. ``k``
+    and ``v`` may both be uint8 pools of q8_0 blocks (``kv_dtype="q8_0"``,
+    ``[.., hkv, d // 32 * 34]``; ``dk`` and ``dv`` multiples of 32, counted
+    in values): the queries are quantized once and the scores are integer
+    dot products (backends/cpu/attention.c).
     ``parallel=False`` keeps it on the calling thread (after BLAS products,
     whose spinning threads OpenMP's would fight)."""
+    kind = KV_Q8_0 if k.dtype == np.uint8 else int(k.dtype == np.float16)
     native.attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap, table, block,
-                     parallel, sinks, k.dtype == np.float16)
+                     parallel, sinks, kind)
+
+
+#: The kernels' code for a pool of q8_0 blocks (attend_args.half; kernels.h's KV_Q8_0).
+KV_Q8_0 = 3
+
+
+def quantize_q8_0(x: np.ndarray, out: np.ndarray) -> None:
+    """Float32 ``x`` (contiguous, a multiple of 32 values) into q8_0 blocks
+    at ``out`` (uint8, 34 bytes per 32 values): a ``kv_dtype="q8_0"`` pool's
+    write, as :func:`infer.oplib.quantize_q8_0` defines it."""
+    native.q8_0(x, out, x.size // 32)
 
 
 # -- weights handed to the kernels ---------------------------------------------------------

@@ -229,6 +229,22 @@ static PyObject *to_half(PyObject *self, PyObject *args) {
     return FINISH(ok, &src, &out);
 }
 
+/* q8_0(src, out, blocks) -> None: blocks * 32 float32 values of src into q8_0 blocks
+ * (Q8_0_BYTES each) at out: the write into a kv_dtype="q8_0" pool (attention.c). */
+static PyObject *q8_0(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y*w*n", &src, &out, &n)) return NULL;
+    int ok = (n >= 0 || REFUSE("bad shape: blocks=%zd", n)) &&
+             SIZES_OK({&src, n * 32 * 4, "src"}, {&out, n * Q8_0_BYTES, "out"});
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        q8_0_quantize((const float *)src.buf, (uint8_t *)out.buf, n);
+        Py_END_ALLOW_THREADS
+    }
+    return FINISH(ok, &src, &out);
+}
+
 /* -- attention (attention.c) --------------------------------------------------------- */
 
 /* attention(q, k, v, out, tq, tk, hq, hkv, dk, dv, scale, causal, window, softcap[, table, block, parallel, sinks,
@@ -242,7 +258,8 @@ static PyObject *to_half(PyObject *self, PyObject *args) {
  * With a block table, keys and values are read in place from paged pools.
  * parallel=0 keeps it on the calling thread (after BLAS products, whose
  * spinning threads OpenMP's would fight for the cores). half: k and v hold
- * IEEE float16 (read exactly as the float32 values they are).
+ * IEEE float16 (read exactly as the float32 values they are); KV_Q8_0 (3): q8_0
+ * blocks, dk/32 and dv/32 of them a row and head (attention.c).
  */
 static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, out, table = {0}, sinks = {0};
@@ -250,28 +267,29 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     float scale, softcap;
     int causal, parallel = 1, half = 0;
     PyObject *tobj = Py_None, *sobj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpOp", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnnnfpnf|OnpOi", &q, &k, &v, &out, &tq, &tk, &hq, &hkv, &dk, &dv, &scale,
                           &causal, &window, &softcap, &tobj, &block, &parallel, &sobj, &half))
         return NULL;
-    float *scores = NULL;
     Py_ssize_t *rows = NULL; /* pool row of each key position */
     const int paged = tobj != Py_None;
+    const int q8 = half == KV_Q8_0;
     const Py_ssize_t size = half ? 2 : 4; /* bytes of a stored key or value */
     int ok = (tq >= 1 && tk >= 1 && hq >= 1 && hkv >= 1 && hq % hkv == 0 && dk >= 1 && dv >= 1 &&
-              (!paged || block >= 1)) ||
-             REFUSE("bad shape: tq=%zd tk=%zd hq=%zd hkv=%zd block=%zd", tq, tk, hq, hkv, block);
+              (!paged || block >= 1) && (!q8 || (dk % 32 == 0 && dv % 32 == 0))) ||
+             REFUSE("bad shape: tq=%zd tk=%zd hq=%zd hkv=%zd dk=%zd dv=%zd block=%zd", tq, tk, hq, hkv, dk, dv, block);
+    /* Bytes of one row's keys and values per head: q8_0 blocks hold 32 values in Q8_0_BYTES. */
+    const Py_ssize_t krow = q8 ? dk / 32 * Q8_0_BYTES : dk * size, vrow = q8 ? dv / 32 * Q8_0_BYTES : dv * size;
     /* Contiguous: k [tk, hkv, dk]. Paged: k and v are pools [blocks, block, hkv, d]
      * and the int64 table maps logical block b to its physical block. */
-    const Py_ssize_t pool_rows = !ok ? 0 : paged ? k.len / (hkv * dk * size) : tk;
+    const Py_ssize_t pool_rows = !ok ? 0 : paged ? k.len / (hkv * krow) : tk;
     ok = ok && optional(tobj, &table, PyBUF_SIMPLE) && optional(sobj, &sinks, PyBUF_SIMPLE) &&
-         SIZES_OK({&q, tq * hq * dk * 4, "q"}, {&k, pool_rows * hkv * dk * size, "k"},
-                  {&v, pool_rows * hkv * dv * size, "v"}, {&out, tq * hq * dv * 4, "out"},
+         SIZES_OK({&q, tq * hq * dk * 4, "q"}, {&k, pool_rows * hkv * krow, "k"},
+                  {&v, pool_rows * hkv * vrow, "v"}, {&out, tq * hq * dv * 4, "out"},
                   {&table, ((tk + block - 1) / (block ? block : 1)) * 8, "block table", ABSENT_OK},
                   {&sinks, hq * 4, "sinks", ABSENT_OK});
     if (ok) {
-        scores = malloc((size_t)tk * max_threads() * sizeof(float));
         rows = malloc((size_t)tk * sizeof(Py_ssize_t));
-        if (!scores || !rows) ok = (PyErr_NoMemory(), 0);
+        if (!rows) ok = (PyErr_NoMemory(), 0);
     }
     for (Py_ssize_t j = 0; ok && j < tk; j++) {
         Py_ssize_t r = j;
@@ -291,10 +309,10 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         struct attend_args a = {(const float *)q.buf, k.buf, v.buf, (float *)out.buf, rows,
                                 tq, tk, hq, hkv, dk, dv, window, scale, softcap, causal, half,
                                 sinks.buf ? (const float *)sinks.buf : NULL};
-        attention_run(&a, scores, parallel);
+        ok = attention_run(&a, parallel);
         Py_END_ALLOW_THREADS
+        if (!ok) PyErr_NoMemory();
     }
-    free(scores);
     free(rows);
     return FINISH(ok, &table, &sinks, &q, &k, &v, &out);
 }
@@ -388,6 +406,7 @@ static PyMethodDef methods[] = {
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
     {"to_half", to_half, METH_VARARGS, "Float32 to IEEE float16, rounded to nearest even (as a captured write)."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
+    {"q8_0", q8_0, METH_VARARGS, "Float32 values into q8_0 blocks (a kv_dtype=\"q8_0\" pool's rows)."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"run_plan", run_plan, METH_VARARGS, "Run a captured decode step's program (see plan.c)."},

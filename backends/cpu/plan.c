@@ -34,11 +34,12 @@ enum {
     OP_REDUCE,       /* P x, out; I kind, rows, n: over the last axis of a contiguous float32 [rows, n] */
     OP_LAYERNORM,    /* P x, w|0, b|0, out; I rows, n; F eps */
     OP_SCATTER_ROWS, /* P dst, rows (int32 [n]), src; I n, row_bytes (dst's), capacity, to_half (float32 src
-                        rows rounded into a float16 dst: a kv_dtype="float16" pool) */
+                        rows rounded into a float16 dst: a kv_dtype="float16" pool; 2: quantized into
+                        q8_0 blocks, a kv_dtype="q8_0" pool) */
     OP_ATTENTION,    /* P q, k rows, v rows, out, query_start (int32 [batch + 1]), lengths (int32 [batch]),
                         tables (int32 [batch, width]), sinks|0 (float32 [hq]);
                         I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal, half (k and v
-                        rows float16); F scale, softcap */
+                        rows float16; KV_Q8_0: q8_0 blocks); F scale, softcap */
 };
 
 /* The opcodes by name, for the recorder (backends/cpu/record.py reads them
@@ -268,18 +269,6 @@ static int32_t position(struct machine *vm, const int32_t *at, Py_ssize_t count,
 }
 
 /* Scratch of at least `need` floats in *buf (grown, never shrunk); 0 when out of memory. */
-static int grow(struct machine *vm, float **buf, Py_ssize_t *size, Py_ssize_t need) {
-    if (need <= *size) return 1;
-    float *more = realloc(*buf, (size_t)need * sizeof(float));
-    if (!more) {
-        vm->error = E_MEMORY;
-        return 0;
-    }
-    *buf = more;
-    *size = need;
-    return 1;
-}
-
 /* Whether each of tq query rows sees a key among tk: the eager path's own condition. */
 static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
     if (tk >= tq) return 1;
@@ -295,7 +284,7 @@ static int sees_keys(struct machine *vm, Py_ssize_t tk, Py_ssize_t tq) {
 /* Attention of a batch of sequences over pool rows: sequence b's query rows
  * query_start[b]..query_start[b+1] are the last of its lengths[b] positions,
  * whose keys its block table row locates (see Backend.attention). */
-static void step_attention(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+static void step_attention(struct machine *vm) {
     struct attend_args a;
     const float *Q = next_ptr(vm);
     a.K = next_ptr(vm);
@@ -321,8 +310,7 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
     }
     Py_ssize_t most = width * block;
     Py_ssize_t *rows = malloc((size_t)most * sizeof(Py_ssize_t));
-    if (!rows || !grow(vm, scores, scores_size, most * max_threads())) {
-        free(rows);
+    if (!rows) {
         vm->error = E_MEMORY;
         return;
     }
@@ -355,7 +343,10 @@ static void step_attention(struct machine *vm, float **scores, Py_ssize_t *score
         if (vm->error) break;
         a.Q = Q + q0 * a.hq * a.dk;
         a.O = O + q0 * a.hq * a.dv;
-        attention_run(&a, *scores, 1);
+        if (a.half == KV_Q8_0 && (a.dk % 32 || a.dv % 32))
+            vm->error = E_PROGRAM;
+        else if (!attention_run(&a, 1))
+            vm->error = E_MEMORY;
     }
     free(rows);
 }
@@ -370,7 +361,7 @@ static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k
     return 1;
 }
 
-static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
+static void step(struct machine *vm) {
     int64_t op = next_int(vm);
     switch (op) {
     case OP_GEMV: {
@@ -433,6 +424,17 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
                 vm->limit = capacity;
                 return;
             }
+        if (to_half == 2) { /* q8_0 blocks: row_bytes / Q8_0_BYTES of them a row, from 32 floats each */
+            const Py_ssize_t blocks = row_bytes / Q8_0_BYTES;
+            if (row_bytes % Q8_0_BYTES) {
+                vm->error = E_PROGRAM;
+                return;
+            }
+            for (Py_ssize_t i = 0; i < n; i++)
+                q8_0_quantize((const float *)src + i * blocks * 32, (uint8_t *)dst + (Py_ssize_t)rows[i] * row_bytes,
+                              blocks);
+            return;
+        }
         if (to_half) { /* row_bytes / 2 halves a row, from as many floats */
             const Py_ssize_t width = row_bytes / 2;
             for (Py_ssize_t i = 0; i < n; i++) {
@@ -446,7 +448,7 @@ static void step(struct machine *vm, float **scores, Py_ssize_t *scores_size) {
             memcpy(dst + (Py_ssize_t)rows[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
         return;
     }
-    case OP_ATTENTION: step_attention(vm, scores, scores_size); return;
+    case OP_ATTENTION: step_attention(vm); return;
     case OP_GATHER: {
         const char *table = next_ptr(vm), *ids = next_ptr(vm);
         char *out = next_ptr(vm);
@@ -518,12 +520,9 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
     }
     struct machine vm = {(const int64_t *)code.buf, 0, code.len / 8, (const double *)floats.buf, 0, floats.len / 8,
                          bases, n, E_OK, 0, 0};
-    float *scores = NULL;
-    Py_ssize_t scores_size = 0;
     Py_BEGIN_ALLOW_THREADS
-    while (vm.pc < vm.size && !vm.error) step(&vm, &scores, &scores_size);
+    while (vm.pc < vm.size && !vm.error) step(&vm);
     Py_END_ALLOW_THREADS
-    free(scores);
     switch (vm.error) {
     case E_OK: result = Py_None; Py_INCREF(result); break;
     case E_MEMORY: PyErr_NoMemory(); break;

@@ -19,7 +19,7 @@ from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, AttentionBatch,
 
 log = logging.getLogger(__name__)
 
-from infer.backends.cpu.kernels import BUILT
+from infer.backends.cpu.kernels import BUILT, KV_Q8_0
 
 #: The opcodes by name, from the C runner's own table (backends/cpu/plan.c), so
 #: the two never disagree (tests/test_plan_table.py checks the kinds below
@@ -400,13 +400,16 @@ class Recorder:
 
     def scatter_rows(self, dst: Any, rows: Any, src: Any) -> Any:
         d, s, at = _plain(dst), _plain(src), _plain(rows)
-        if not (type(dst) is Traced and d.flags.c_contiguous and s.ndim == d.ndim and s.shape[1:] == d.shape[1:]
-                and (s.dtype == d.dtype or (s.dtype == np.float32 and d.dtype == np.float16))
+        # Float32 rows into a pool of q8_0 blocks (kv_dtype="q8_0"): 32 values to 34 bytes, quantized.
+        q8 = (d.dtype == np.uint8 and s.dtype == np.float32 and s.ndim == d.ndim and s.shape[1:-1] == d.shape[1:-1]
+              and s.shape[-1] % 32 == 0 and d.shape[-1] == s.shape[-1] // 32 * 34)
+        if not (type(dst) is Traced and d.flags.c_contiguous and s.ndim == d.ndim and (q8 or s.shape[1:] == d.shape[1:])
+                and (q8 or s.dtype == d.dtype or (s.dtype == np.float32 and d.dtype == np.float16))
                 and at.dtype == np.int32 and at.ndim == 1 and at.size == s.shape[0]):
             raise NotCapturable(f"scatter_rows of {s.dtype}{list(s.shape)} into {d.dtype}{list(d.shape)}")
         s = self.contiguous(s)
         # Float32 rows into a float16 pool (kv_dtype) are rounded as numpy's assignment rounds them.
-        self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0], int(s.dtype != d.dtype)])
+        self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0], 2 if q8 else int(s.dtype != d.dtype)])
         return dst
 
     def to_numpy(self, x: Any) -> Any:
@@ -540,10 +543,13 @@ class Recorder:
         sp = None if sinks is None else _plain(sinks)
         n = tp.shape[0] if tp.ndim == 2 else 0
         half = kp.dtype == vp.dtype == np.float16  # a kv_dtype="float16" pool, read widened
-        if not (n and qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and (half or (_f32(kp) and _f32(vp)))
+        q8 = kp.dtype == vp.dtype == np.uint8  # q8_0 blocks (kv_dtype="q8_0"): 34 bytes per 32 values
+        dk, dv = (qp.shape[2], vp.shape[2] // 34 * 32) if q8 else (kp.shape[2], vp.shape[2])
+        if not (n and qp.ndim == kp.ndim == vp.ndim == 3 and _f32(qp) and (half or q8 or (_f32(kp) and _f32(vp)))
                 and kp.shape[:2] == vp.shape[:2] and kp.flags.c_contiguous and vp.flags.c_contiguous
                 and kp.shape[0] % batch.block_size == 0
-                and qp.shape[2] == kp.shape[2] and qp.shape[1] % kp.shape[1] == 0
+                and (not q8 or (dk % 32 == 0 and kp.shape[2] == dk // 32 * 34 and vp.shape[2] % 34 == 0))
+                and qp.shape[2] == dk and qp.shape[1] % kp.shape[1] == 0
                 and qs.dtype == lp.dtype == tp.dtype == np.int32 and tp.flags.c_contiguous
                 and qs.size == n + 1 and lp.size == n
                 and (sp is None or (_f32(sp) and sp.size == qp.shape[1]))
@@ -551,11 +557,11 @@ class Recorder:
             raise NotCapturable(f"attention of q {qp.dtype}{list(qp.shape)} over {kp.dtype}{list(kp.shape)}")
         qc, qsc, lc = self.contiguous(qp), self.contiguous(qs), self.contiguous(lp)
         sc = None if sp is None else self.contiguous(sp)
-        out = self.buffer((qp.shape[0], qp.shape[1], vp.shape[2]), np.float32)
+        out = self.buffer((qp.shape[0], qp.shape[1], dv), np.float32)
         block = batch.block_size
         self.emit(ATTENTION, [qc, kp, vp, out, qsc, lc, tp, sc],
-                  [qp.shape[0], n, tp.shape[1], block, kp.shape[0] // block, qp.shape[1], kp.shape[1], qp.shape[2],
-                   vp.shape[2], window or 0, int(causal), int(half)], [scale, softcap or 0.0])
+                  [qp.shape[0], n, tp.shape[1], block, kp.shape[0] // block, qp.shape[1], kp.shape[1], dk,
+                   dv, window or 0, int(causal), KV_Q8_0 if q8 else int(half)], [scale, softcap or 0.0])
         want = self.eager("attention", qp, kp, vp, AttentionBatch(qs, lp, tp, block, batch.max_query), scale=scale,
                           causal=causal, window=window, softcap=softcap, sinks=sp)
         self.check("attention", out, want)

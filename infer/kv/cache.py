@@ -36,7 +36,7 @@ import numpy as np
 from infer.errors import CacheFullError
 from infer.kv.attention import KVLayers
 from infer.kv.state import SequenceStates
-from infer.ops import Array, Backend
+from infer.ops import KV_BLOCK_DTYPES, Array, Backend, kv_pool_width
 
 #: A cache without blocks (contiguous) checkpoints recurrent state every this many positions.
 CHECKPOINT_INTERVAL = 16
@@ -130,7 +130,12 @@ class SequenceCache(abc.ABC):
         rows, _ = self._rows(start, stop)
         keys, values = self.store.stored(layer)
         ids = ops.from_numpy(rows)
-        return ops.take(keys, ids, axis=0), ops.take(values, ids, axis=0)
+        k, v = ops.take(keys, ids, axis=0), ops.take(values, ids, axis=0)
+        if getattr(self.store, "dtype", None) in KV_BLOCK_DTYPES:  # q8_0 blocks: the values they hold
+            from infer.oplib import dequantize_q8_0
+
+            k, v = (ops.from_numpy(dequantize_q8_0(ops.to_numpy(x))) for x in (k, v))
+        return k, v
 
     def _rows(self, start: int, stop: int) -> tuple[np.ndarray, list[int]]:
         return self.locate(start, stop)
@@ -148,7 +153,8 @@ class LayerStore:
     the layer's first write from the shapes written, so layers with
     different key and value widths (multi-head latent attention) need no
     special case: the storage of a pool and of a contiguous cache. ``dtype``
-    stores them narrower than they are computed (``"float16"``; default: as
+    stores them narrower than they are computed (``"float16"``, or ``"q8_0"``
+    blocks in ``uint8`` arrays: :func:`infer.ops.kv_pool_width`; default: as
     written)."""
 
     def __init__(self, backend: Backend, num_layers: int, rows: int, block_size: int,
@@ -170,8 +176,10 @@ class LayerStore:
     def layer_arrays(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]:
         if self._keys[layer] is None:
             ops = self.backend
-            self._keys[layer] = ops.zeros((self.rows,) + ops.shape(k)[1:], self.dtype or ops.dtype(k))
-            self._values[layer] = ops.zeros((self.rows,) + ops.shape(v)[1:], self.dtype or ops.dtype(v))
+            for i, (x, arrays) in enumerate(((k, self._keys), (v, self._values))):
+                *heads, width = ops.shape(x)[1:]
+                width, dtype = kv_pool_width(self.dtype, width)  # q8_0: uint8 blocks
+                arrays[layer] = ops.zeros((self.rows, *heads, width), dtype or ops.dtype(x))
             self._allocated(layer)
         return self._keys[layer], self._values[layer]  # type: ignore[return-value]
 
@@ -292,4 +300,4 @@ def row_nbytes(ops: Backend, arr: Array) -> int:
     size = 1
     for d in ops.shape(arr)[1:]:
         size *= d
-    return size * {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}.get(ops.dtype(arr), 4)
+    return size * {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}.get(ops.dtype(arr), 4)

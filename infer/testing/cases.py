@@ -21,7 +21,7 @@ except ImportError as exc:  # not a dependency of infer
     raise missing_hypothesis(exc) from exc
 
 from infer.errors import UnsupportedOpError
-from infer.ops import AdaptedWeight, AdapterRows, AttentionBatch, QuantizedTensor
+from infer.ops import KV_BLOCK_DTYPES, AdaptedWeight, AdapterRows, AttentionBatch, QuantizedTensor, kv_pool_width
 from infer.quantize import q8_error_bound, q8_weight_sums
 from infer.testing.calls import INDEX, SAME, Call, Case, Host, Mismatch
 from infer.testing.strategies import (
@@ -50,6 +50,7 @@ from infer.testing.strategies import (
     reshape_calls,
     rms_norm_calls,
     rope_calls,
+    q8_0_write_calls,
     scatter_rows_calls,
     slice_calls,
     softcap_calls,
@@ -80,6 +81,8 @@ def _attention(with_host: bool, pool_dtype: str | None = None, spans: bool = Fal
         if spans and ops.supports("attention") and not ops.supports("attention_spans"):
             raise UnsupportedOpError(f"{ops.name}'s attention reads no bidirectional spans (attention_spans)")
         q, k_pool, v_pool, query_start, seq_lens, tables = args
+        if pool_dtype in KV_BLOCK_DTYPES:  # float pools, written into blocks by the backend's own KV write
+            k_pool, v_pool = (_block_pool(ops, pool_dtype, x) for x in (k_pool, v_pool))
         i = call.info
         rows = i.get("spans") if spans else None
         host = AttentionBatch(i["host"]["query_start"], i["host"]["seq_lens"], i["host"]["block_tables"],
@@ -88,6 +91,23 @@ def _attention(with_host: bool, pool_dtype: str | None = None, spans: bool = Fal
                                spans=None if rows is None else ops.from_numpy(rows))
         return ops.attention(q, k_pool, v_pool, batch, **kwargs)
     return run
+
+
+def _block_pool(ops: Any, kv_dtype: str, rows: Any) -> Any:
+    """A pool of ``kv_dtype`` blocks (:data:`~infer.ops.KV_BLOCK_DTYPES`)
+    holding float ``rows`` ``[n, heads, d]``, written by :meth:`scatter_rows`."""
+    n, heads, width = ops.shape(rows)
+    width, dtype = kv_pool_width(kv_dtype, width)
+    return ops.scatter_rows(ops.zeros((n, heads, width), dtype), ops.arange(0, n, "int32"), rows)
+
+
+def _q8_0_write(ops: Any, call: Call, at: Any, src: Any) -> Any:
+    """``scatter_rows`` of float rows into a q8_0 pool: its bytes (compared exactly)."""
+    if "q8_0" not in ops.kv_dtypes:
+        raise UnsupportedOpError(f"{ops.name} stores no keys and values in q8_0 (kv_dtypes)")
+    rows, heads, width = call.info["shape"]
+    pool = ops.zeros((rows, heads, kv_pool_width("q8_0", width)[0]), "uint8")
+    return ops.scatter_rows(pool, at, src)
 
 
 def _run(fn: Any) -> Any:
@@ -289,6 +309,12 @@ CASES: tuple[Case, ...] = (
     _case("concat", "concat", concat_calls(), out=lambda call, dt: SAME(Call(tuple(call.args[0])), dt)),
     _case("slice", "slice", slice_calls(), out=SAME),
     _case("scatter_rows", "scatter_rows", scatter_rows_calls(), mutates=(0,)),
+    # q8_0 pools (kv_dtype="q8_0"), where the backend lists them: the write's blocks exactly, and
+    # attention over them (queries quantized per 32 values, integer dot products per block)
+    _case("scatter_rows-q8_0", "scatter_rows", q8_0_write_calls(), run=_run(_q8_0_write), out=lambda call, dt: "uint8"),
+    *(_case(f"attention-q8_0-pool{suffix}", "attention", attention_calls(sinks=st.booleans(), pool_dtype="q8_0"),
+            run=_attention(host, "q8_0"))
+      for host, suffix in ((True, ""), (False, "-static"))),
     # optional ops (native or default)
     # attention: every case twice, with the description's host copy (an eager
     # forward) and without (a captured step, where it is data only)

@@ -359,6 +359,21 @@ def scatter_rows_calls(draw: Any) -> Call:
     return Call((In(normal(seed, (rows,) + tail)), In(at, "int32"), In(normal(seed + 1, (count,) + tail), src_kind)))
 
 
+@st.composite
+def q8_0_write_calls(draw: Any) -> Call:
+    """Float rows ``[count, heads, 32 * n]`` for distinct int32 rows of a
+    q8_0 pool of ``rows`` (``info``: its shape in values), at scales from
+    1e-3 to 1e3 per row, some blocks all zero."""
+    rows, heads, width, seed = draw(st.integers(1, 10)), draw(st.integers(1, 3)), 32 * draw(st.integers(1, 3)), draw(seeds)
+    count = draw(st.integers(1, rows))
+    rng = np.random.default_rng(seed)
+    at = rng.permutation(rows)[:count].astype(np.int32)
+    src = normal(seed + 1, (count, heads, width)) * (10.0 ** rng.uniform(-3, 3, (count, 1, 1))).astype(np.float32)
+    if draw(st.booleans()):
+        src[0, 0, :32] = 0.0
+    return Call((In(at, "int32"), In(src)), info={"shape": (rows, heads, width)})
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 
@@ -375,13 +390,19 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
     elsewhere. ``block`` None lays them out as contiguous caches (each one
     block of its capacity). ``queries`` of 0 makes padding sequences.
     ``pool_dtype``: the key and value pools' dtype ("float": the one under
-    test; ``"float16"``: a narrower ``kv_dtype``). ``spans``: each sequence
-    may hold a bidirectional span (Gemma 3's image tokens) that ends at or
-    before its last position and covers some of its query rows, possibly
-    starting among its cached keys (``info["spans"]``, ``[tokens, 2]``)."""
+    test; ``"float16"``: a narrower ``kv_dtype``; ``"q8_0"``: float pools
+    whose ``run`` hook writes them into q8_0 blocks, heads of 32 or 64).
+    ``spans``: each sequence may hold a bidirectional span (Gemma 3's image
+    tokens) that ends at or before its last position and covers some of its
+    query rows, possibly starting among its cached keys (``info["spans"]``,
+    ``[tokens, 2]``)."""
     n, group_, hkv = draw(seqs), draw(group), draw(st.integers(1, 3))
-    dk = draw(st.sampled_from([4, 8, 16, 32]))
-    dv = draw(st.sampled_from([dk, dk, 8]))
+    if pool_dtype == "q8_0":  # whole blocks of 32 per head
+        dk = draw(st.sampled_from([32, 64]))
+        dv = draw(st.sampled_from([dk, 32]))
+    else:
+        dk = draw(st.sampled_from([4, 8, 16, 32]))
+        dv = draw(st.sampled_from([dk, dk, 8]))
     seed = draw(seeds)
     counts = [draw(queries) for _ in range(n)]
     if not any(counts):
@@ -405,6 +426,7 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
     if draw(sinks):
         kwargs["sinks"] = In(normal(seed + 3, (hkv * group_,)) * 2)
     query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    stored = "float" if pool_dtype == "q8_0" else pool_dtype
     host = {"query_start": query_start, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables}
     span_rows = None
     if spans:
@@ -419,7 +441,7 @@ def attention_calls(draw: Any, queries: Any = st.integers(1, 6), past: Any = st.
                 if lo <= first + i < hi:
                     span_rows[query_start[b] + i] = (lo, hi)
     return Call((In(normal(seed, (int(query_start[-1]), hkv * group_, dk))),
-                 In(normal(seed + 1, (rows, hkv, dk)), pool_dtype), In(normal(seed + 2, (rows, hkv, dv)), pool_dtype),
+                 In(normal(seed + 1, (rows, hkv, dk)), stored), In(normal(seed + 2, (rows, hkv, dv)), stored),
                  In(host["query_start"], "int32"), In(host["seq_lens"], "int32"),
                  In(host["block_tables"], "int32")), kwargs,
                 info={"block_size": bs, "max_query": max(counts), "host": host, "spans": span_rows})

@@ -82,7 +82,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None, metavar="DTYPE",
                    help="store keys and values as float16 (or bfloat16 on torch, MLX): half the cache's bytes, "
-                        "slightly approximate (default: the compute dtype; see docs/kv-cache.md)")
+                        "slightly approximate; q8_0 (numpy): llama.cpp's 8-bit blocks "
+                        "(default: the compute dtype; see docs/kv-cache.md)")
 
 
 #: ``infer.ops.ACTIVATION_SCHEMES``, spelt out: the command line imports no model code until a command runs.
@@ -559,8 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=None, help="compute dtype of infer's backends (default: each backend's)")
     b.add_argument("--quantize", default=None, help="passed to infer.load(quantize=...): q8, q4 or off")
     b.add_argument("--compile", action="store_true", help="passed to infer.load(compile=True): graph capture")
-    b.add_argument("--kv-dtype", default=None, help="passed to infer.load(kv_dtype=...): float16 keys and values "
-                   "(reported as approximate)")
+    b.add_argument("--kv-dtype", default=None, help="passed to infer.load(kv_dtype=...): float16 or q8_0 keys and "
+                   "values (reported as approximate)")
     b.add_argument("--activations", default=None, choices=_ACTIVATION_SCHEMES,
                    help="passed to infer.load(activations=...): q8: int8 activations in the quantized products "
                    "(reported as approximate)")
