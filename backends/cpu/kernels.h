@@ -9,6 +9,7 @@
  *   q8.c                products with int8 activations (activations="q8")
  *   rows.c              per-row ops: rms_norm, layer_norm, rope
  *   attention.c         attention for the few query rows of decoding
+ *   recurrent.c         the recurrent layers' ops: causal_conv1d, gated_delta_rule, ssd
  *   plan.c              the captured decode step's program runner (run_plan)
  *   module.c            the Python entry points and the choice of path
  *   x86/                the AVX2, AVX-512 and VNNI forms of the products, the
@@ -239,6 +240,44 @@ void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssi
 
 /* attention.c */
 void attention_run(const struct attend_args *a, float *scores, int parallel);
+
+/* recurrent.c: the arguments of each op (a ragged batch: query_start qs [nseq + 1],
+ * checkpoint rows [nrows] and their indices in row order, `order`) */
+#define GDR_MAX_K 256 /* widest key head gated_delta_rule takes */
+#define SSD_MAX_N 256 /* largest state size ssd takes */
+struct conv_args {
+    const float *x, *window, *wt, *bias; /* wt: the weight transposed, [K][C] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *y, *last, *ckpt;
+    Py_ssize_t nseq, nrows, C, K;
+    int silu;
+};
+
+struct gdr_args {
+    const float *q, *k; /* [T, Hk, K]: normalized and q scaled (gdr_prepare) */
+    const float *v, *g, *beta, *state; /* [T, H, V], [T, H], [T, H], [B, H, K, V] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *o, *last, *ckpt;
+    Py_ssize_t nseq, nrows, Hk, H, K, V;
+    int chunked; /* rows a run needs to take the chunked form (0: never) */
+};
+
+struct ssd_args {
+    const float *x, *step, *A, *B, *C, *D, *state; /* step: dt after bias, softplus and clamp [T, H] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *y, *last, *ckpt;
+    Py_ssize_t nseq, nrows, H, P, G, N;
+};
+void conv1d_run(const struct conv_args *a);
+int gdr_run(const struct gdr_args *a);
+void gdr_prepare(const float *q, const float *k, float *qn, float *kn, Py_ssize_t rows, Py_ssize_t K, float scale,
+                 int l2norm);
+void ssd_run(const struct ssd_args *a);
+void ssd_steps(const float *dt, const float *bias, float *step, Py_ssize_t T, Py_ssize_t H, int softplus, float lo,
+               float hi);
 
 /* plan.c */
 PyObject *run_plan(PyObject *self, PyObject *args);
