@@ -162,3 +162,29 @@ def test_torch_cpu_runs_the_same_kernels() -> None:
         theirs = getattr(ops, name)(*(torch.from_numpy(a) for a in args), torch.from_numpy(QS),
                                     torch.from_numpy(ROWS))
         assert all(np.array_equal(a, b.numpy()) for a, b in zip(mine, theirs)), name
+
+
+def test_a_recorded_step_reads_the_batch_from_its_inputs() -> None:
+    # The ops recorded once serve another batch of the same shapes (other run lengths, other
+    # checkpoint rows): the program reads query_start and the rows at each run, not the trace's.
+    ops, rng = NumpyBackend(), np.random.default_rng(8)
+    conv, gdr, s = conv_args(rng), gdr_args(rng, 32, 32), ssd_args(rng)
+    window, state, ssm = conv[1], gdr[5], s[7]
+
+    def step(x, win, q, k, v, g, beta, st, xs, dt, B, C, sst, qs, rows):  # type: ignore[no-untyped-def]
+        y, w1, w2 = ops.causal_conv1d(x, win, conv[2], conv[3], qs, rows, activation="silu")
+        o, s1, s2 = ops.gated_delta_rule(q, k, v, g, beta, st, qs, rows)
+        z, t1, t2 = ops.ssd(xs, dt, s[2], B, C, s[5], s[6], sst, qs, rows, dt_min=0.001, dt_max=5.0)
+        return y, w1, w2, o, s1, s2, z, t1, t2
+
+    planned = ops.compile(step, static=True)
+    other_qs, other_rows = np.array([0, 30, 31, 31, 90], np.int32), np.array([89, 30, 0, 45, 12, 12], np.int32)
+    for qs, rows in ((QS, ROWS), (other_qs, other_rows)):
+        args = (conv[0], window, *gdr[:5], state, s[0], s[1], s[3], s[4], ssm, qs, rows)
+        got = planned(*(a.copy() for a in args))
+        want = step(*args)
+        close(tuple(got), tuple(want))
+    assert planned.graphs() == 1
+    with pytest.raises(IndexError, match="query_start"):
+        planned(*(a.copy() for a in (conv[0], window, *gdr[:5], state, s[0], s[1], s[3], s[4], ssm)),
+                np.array([0, 30, 20, 31, 90], np.int32), other_rows)

@@ -276,6 +276,8 @@ int gdr_run(const struct gdr_args *a);
 void gdr_prepare(const float *q, const float *k, float *qn, float *kn, Py_ssize_t rows, Py_ssize_t K, float scale,
                  int l2norm);
 void ssd_run(const struct ssd_args *a);
+int recurrent_batch(const int32_t *qs, Py_ssize_t nseq, Py_ssize_t T, const int32_t *rows, Py_ssize_t nrows,
+                    int64_t *order);
 void ssd_steps(const float *dt, const float *bias, float *step, Py_ssize_t T, Py_ssize_t H, int softplus, float lo,
                float hi);
 

@@ -460,3 +460,20 @@ void ssd_steps(const float *dt, const float *bias, float *step, Py_ssize_t T, Py
             step[t * H + h] = s < lo ? lo : s > hi ? hi : s;
         }
 }
+
+/* Whether a batch read from a step's inputs fits its T rows (query_start
+ * rising from 0 to T, each checkpoint row one of them), and its checkpoint
+ * indices in row order into `order` (a stable insertion sort: a step has few). */
+int recurrent_batch(const int32_t *qs, Py_ssize_t nseq, Py_ssize_t T, const int32_t *rows, Py_ssize_t nrows,
+                    int64_t *order) {
+    if (nseq < 1 || qs[0] != 0 || qs[nseq] != T) return 0;
+    for (Py_ssize_t b = 0; b < nseq; b++)
+        if (qs[b + 1] < qs[b]) return 0;
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        if (rows[i] < 0 || rows[i] >= T) return 0;
+        Py_ssize_t j = i;
+        for (; j > 0 && rows[order[j - 1]] > rows[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+    return 1;
+}
