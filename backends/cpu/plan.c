@@ -58,7 +58,7 @@ static const struct { const char *name; int code; } OPCODES[] = {
     {"ATTENTION", OP_ATTENTION}, {"CONV1D", OP_CONV1D}, {"GDR", OP_GDR}, {"SSD", OP_SSD},
 };
 
-enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
+enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX };
 enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH };
@@ -121,6 +121,8 @@ static float unary1(int kind, float x) {
     case U_GELU_TANH: return gelu_tanh1(x);
     case U_GELU_ERF: /* erf in float64 of the float32 x / sqrt(2), as the numpy backend; the last product too */
         return (float)((double)(0.5f * x) * (1.0 + erf((double)(x / (float)1.4142135623730951))));
+    case U_SOFTPLUS: /* numpy's logaddexp(0, x): the larger, plus log1p of exp of minus the gap */
+        return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x)));
     default: return x;
     }
 }

@@ -32,7 +32,7 @@ GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LA
 CONV1D, GDR, SSD = (OPCODES.get(name, -1) for name in ("CONV1D", "GDR", "SSD"))
 # Kinds: the enums below the opcodes in backends/cpu/plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
-               "gelu_tanh": 8, "gelu": 9}
+               "gelu_tanh": 8, "gelu": 9, "softplus": 10}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 MAX, ARGMAX = 0, 1
 MAX_DIMS = 8
@@ -331,6 +331,9 @@ class Recorder:
 
     def gelu_tanh(self, x: Any) -> Any:
         return self._transcendental("gelu_tanh", x)
+
+    def softplus(self, x: Any) -> Any:
+        return self._transcendental("softplus", x)
 
     def swiglu(self, gate: Any, up: Any) -> Any:
         return self._binary("mul", self.silu(gate), up)
