@@ -49,3 +49,15 @@ def test_hybrid_decode_steps_are_captured_in_a_program_per_bucket(variant: str) 
     # Every decode step after the prefills (block boundaries write checkpoints inside the step).
     assert step.steps == max(NEW_TOKENS) - 1 and step.rows == sum(NEW_TOKENS) - len(NEW_TOKENS)
     assert step.graphs == len({batch_bucket(n) for n in (3, 2, 1)}) == 3, f"{step.graphs} programs"
+
+
+def test_torch_cpu_programs_capture_hybrids_too() -> None:
+    # torch/cpu's captured step is a recorded program of the same kernels (the recurrent ops' steps included).
+    pytest.importorskip("torch")
+    model = infer.load(tiny_model_dir("qwen3_5"), backend="torch:cpu", dtype="float32", compile=False)
+    want = _run_batch(model, "qwen3_5")
+    model.engine.capture_decode(compile=True)
+    step = model.engine.batch_step
+    got = _run_batch(model, "qwen3_5")
+    assert step.reason is None, step.reason
+    assert got == want and step.steps == max(NEW_TOKENS) - 1 and step.graphs == 3

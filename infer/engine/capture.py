@@ -29,7 +29,9 @@ Two steps are captured:
   states (multi-token prediction). Recurrent layers' state is data too: each
   sequence's state slot and the forward's checkpoint rows and slots are
   inputs, the state arrays go in and come back (docs/kv-cache.md,
-  "Recurrent state"), so hybrids capture one graph per bucket as well.
+  "Recurrent state"), so hybrids capture one graph per bucket as well where
+  the compiled step holds the recurrent ops (numpy's and torch/cpu's
+  programs; torch.compile and mx.compile run those forwards eagerly).
 
 The backend captures a step with :meth:`~infer.ops.Backend.compile`
 (``torch.compile``, ``mx.compile``, numpy's recorded program of its C
@@ -345,8 +347,12 @@ class CapturedBatchDecode:
         if any(c.pool is not pool for c in caches):
             return None
         states = [c.states for c in caches]
+        # Recurrent state in a compiled step only where the compiled step holds the recurrent ops
+        # reading their batch as data (numpy's and torch/cpu's programs); torch.compile's and
+        # mx.compile's steps would read it on the host, so those forwards stay eager.
         if any(st is not None for st in states) and (
-                checkpoints is None or any(st is None or st.store is not states[0].store for st in states)
+                (self.compiled and not getattr(self._fn, "captures_recurrent", False)) or checkpoints is None
+                or any(st is None or st.store is not states[0].store for st in states)
                 or self._scratch(states[0].store) is None):
             return None
         self._layer_kv = None if pool.layer_kv is None else tuple(pool.layer_kv)
