@@ -334,10 +334,10 @@ def with_kernel_args(weight: PackedWeight) -> PackedWeight:
 
 #: Rows a sequence's run needs for gated_delta_rule's chunked form (the UT
 #: transform, 64 rows a chunk); shorter runs take the recurrence row by row.
-#: 0: never. The chunked form does about 2.4 times the recurrence's arithmetic
+#: 0: never. The chunked form does about 1.5 times the recurrence's arithmetic
 #: for 128-wide heads and measured 2.2 times slower on AVX-512 at 512 rows
 #: (docs/performance.md, "Recurrent layers in C"): on a CPU the products it
-#: turns the scan into cost what the scan's own vector operations do, so it
+#: turns the scan into run no faster than the scan's own vector loops, so it
 #: pays only where products are much cheaper (matrix units), and the
 #: recurrence, its state block in L1, serves every length here.
 GDR_CHUNKED_ROWS = 0
