@@ -61,3 +61,17 @@ def test_torch_cpu_programs_capture_hybrids_too() -> None:
     got = _run_batch(model, "qwen3_5")
     assert step.reason is None, step.reason
     assert got == want and step.steps == max(NEW_TOKENS) - 1 and step.graphs == 3
+
+
+def test_a_refused_trace_leaves_the_recurrent_states_as_they_were() -> None:
+    # Granite 4.0-H's tiny variant routes experts with softmax, which no program holds: the
+    # first trace runs some Mamba2 layers on the live states before it is refused, and the
+    # eager forward that follows must start from the states as they were (a state, unlike
+    # keys and values, cannot be written twice).
+    variant = "granitemoehybrid"
+    model = infer.load(tiny_model_dir(variant), backend="numpy", dtype="float32", compile=False)
+    want = _run_batch(model, variant)
+    model.engine.capture_decode(compile=True)
+    got = _run_batch(model, variant)
+    assert model.engine.batch_step.reason is not None and "softmax" in model.engine.batch_step.reason
+    assert got == want

@@ -242,6 +242,8 @@ class CapturedBatchDecode:
         #: Recurrent state: the (layer, name) order of the step's state arrays, and each store's scratch slot.
         self._state_layout: list[tuple[int, str]] = []
         self._scratch_slots: dict[int, int] = {}
+        #: Bucket shapes that have run (traced already): a new one's live states are kept until it has.
+        self._ran: set[tuple[int, ...]] = set()
 
     @property
     def graphs(self) -> int | None:
@@ -422,15 +424,26 @@ class CapturedBatchDecode:
         buffers = pool.layer_rows(self.model.num_layers)
         assert buffers is not None
         extra: list[Any] = []
+        saved: tuple[Array, dict[tuple[int, str], Array]] | None = None
         if store is not None and host.recurrent is not None:
             self._state_layout = [(layer, name) for layer in sorted(store.arrays) for name in sorted(store.arrays[layer])]
             extra = [[*(ops.from_numpy(a) for a in host.recurrent),
                       *(store.arrays[layer][name] for layer, name in self._state_layout)]]
+            if shape not in self._ran:
+                # A new bucket is traced by running it: a refused trace may have advanced some
+                # layers' live states already, and unlike keys and values (written again by the
+                # eager forward) a state cannot be written twice. So they are kept until it ran.
+                live = ops.from_numpy(np.asarray(sorted({c.states.slot for c in caches}), np.int32))  # type: ignore[union-attr]
+                saved = (live, {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout})
         try:
             out = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()], *extra)
             logits, keys, values = out[:3]
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
+            if saved is not None:  # the live states as they were before the refused trace
+                live, rows = saved
+                for (layer, name), before in rows.items():
+                    store.arrays[layer][name] = ops.scatter_rows(store.arrays[layer][name], live, before)  # type: ignore[union-attr]
             reason = _why(exc)
             if self.steps == 0 and not self.refused:
                 self.reason = reason
@@ -442,6 +455,7 @@ class CapturedBatchDecode:
                      "those steps run eagerly", shape[0], shape[1], shape[2], ops.name, ops.device, reason)
             return None
         pool.replace_layer_rows(keys, values)
+        self._ran.add(shape)
         if store is not None:
             for (layer, name), array in zip(self._state_layout, out[3]):
                 store.arrays[layer][name] = array
