@@ -252,6 +252,7 @@ struct conv_args {
     float *y, *last, *ckpt;
     Py_ssize_t nseq, nrows, C, K;
     int silu;
+    int parallel; /* 0: on the calling thread (after BLAS products, whose spinning threads OpenMP's would fight) */
 };
 
 struct gdr_args {
@@ -262,6 +263,7 @@ struct gdr_args {
     float *o, *last, *ckpt;
     Py_ssize_t nseq, nrows, Hk, H, K, V;
     int chunked; /* rows a run needs to take the chunked form (0: never) */
+    int parallel;
 };
 
 struct ssd_args {
@@ -270,6 +272,7 @@ struct ssd_args {
     const int64_t *order;
     float *y, *last, *ckpt;
     Py_ssize_t nseq, nrows, H, P, G, N;
+    int parallel;
 };
 void conv1d_run(const struct conv_args *a);
 int gdr_run(const struct gdr_args *a);

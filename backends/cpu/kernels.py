@@ -356,6 +356,14 @@ def _f32(a: Any) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32)
 
 
+def _parallel(rows: int) -> bool:
+    """Whether a recurrent op of ``rows`` rows may use the threads: where the
+    step's products are the kernels' own (up to :data:`KERNEL_ROWS` rows), not
+    BLAS's, whose spinning threads OpenMP's would fight for the cores (as
+    prefill's attention and dequantization run on the calling thread)."""
+    return rows <= KERNEL_ROWS
+
+
 def _batch(query_start: Any, checkpoint_rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``query_start`` and the checkpoint rows as int32, and the rows' indices in row order."""
     rows = np.zeros(0, np.int32) if checkpoint_rows is None else np.asarray(checkpoint_rows, np.int32).reshape(-1)
@@ -379,7 +387,8 @@ def causal_conv1d(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: n
     last = np.empty((nseq, k - 1, channels), np.float32)
     ckpt = np.empty((len(rows), k - 1, channels), np.float32)
     native.causal_conv1d(_f32(x), _f32(window), _f32(np.asarray(weight, np.float32).T), None if bias is None
-                         else _f32(bias), qs, rows, order, y, last, ckpt, nseq, len(rows), total, channels, k, silu)
+                         else _f32(bias), qs, rows, order, y, last, ckpt, nseq, len(rows), total, channels, k, silu,
+                         _parallel(total))
     return y, last, ckpt
 
 
@@ -402,7 +411,7 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
     ckpt = np.empty((len(rows), heads, dk, dv), np.float32)
     native.gated_delta_rule(_f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), _f32(state), qs, rows, order, o, last,
                             ckpt, nseq, len(rows), total, hk, heads, dk, dv, scale, l2norm_qk,
-                            GDR_CHUNKED_ROWS if chunked is None else chunked)
+                            GDR_CHUNKED_ROWS if chunked is None else chunked, _parallel(total))
     return o, last, ckpt
 
 
@@ -424,5 +433,6 @@ def ssd(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarr
     ckpt = np.empty((len(rows), heads, head_dim, size), np.float32)
     native.ssd(_f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), None if D is None else _f32(D),
                None if dt_bias is None else _f32(dt_bias), _f32(state), qs, rows, order, y, last, ckpt, nseq,
-               len(rows), total, heads, head_dim, groups, size, dt_softplus, dt_min, min(dt_max, 3.0e38))
+               len(rows), total, heads, head_dim, groups, size, dt_softplus, dt_min, min(dt_max, 3.0e38),
+               _parallel(total))
     return y, last, ckpt

@@ -329,9 +329,9 @@ static PyObject *causal_conv1d(PyObject *self, PyObject *args) {
     Py_buffer x, win, wt, bias = {0}, qs, rows, order, y, last, ckpt;
     PyObject *bobj;
     Py_ssize_t nseq, nrows, T, C, K;
-    int silu;
-    if (!PyArg_ParseTuple(args, "y*y*y*Oy*y*y*w*w*w*nnnnnp", &x, &win, &wt, &bobj, &qs, &rows, &order, &y, &last,
-                          &ckpt, &nseq, &nrows, &T, &C, &K, &silu))
+    int silu, parallel = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*Oy*y*y*w*w*w*nnnnnp|p", &x, &win, &wt, &bobj, &qs, &rows, &order, &y, &last,
+                          &ckpt, &nseq, &nrows, &T, &C, &K, &silu, &parallel))
         return NULL;
     int ok = optional(bobj, &bias, PyBUF_SIMPLE) &&
              ((T >= 0 && C >= 1 && K >= 1) || REFUSE("bad shape: T=%zd C=%zd K=%zd", T, C, K)) &&
@@ -342,7 +342,7 @@ static PyObject *causal_conv1d(PyObject *self, PyObject *args) {
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
         struct conv_args a = {x.buf, win.buf, wt.buf, bias.buf, qs.buf, rows.buf, order.buf, y.buf, last.buf,
-                              ckpt.buf, nseq, nrows, C, K, silu};
+                              ckpt.buf, nseq, nrows, C, K, silu, parallel};
         conv1d_run(&a);
         Py_END_ALLOW_THREADS
     }
@@ -357,9 +357,10 @@ static PyObject *gated_delta_rule(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, g, beta, state, qs, rows, order, o, last, ckpt;
     Py_ssize_t nseq, nrows, T, Hk, H, K, V, chunked;
     float scale;
-    int l2norm;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*w*w*w*nnnnnnnfpn", &q, &k, &v, &g, &beta, &state, &qs, &rows,
-                          &order, &o, &last, &ckpt, &nseq, &nrows, &T, &Hk, &H, &K, &V, &scale, &l2norm, &chunked))
+    int l2norm, parallel = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*w*w*w*nnnnnnnfpn|p", &q, &k, &v, &g, &beta, &state, &qs, &rows,
+                          &order, &o, &last, &ckpt, &nseq, &nrows, &T, &Hk, &H, &K, &V, &scale, &l2norm, &chunked,
+                          &parallel))
         return NULL;
     int ok = ((T >= 0 && Hk >= 1 && H >= 1 && H % Hk == 0 && K >= 1 && K <= GDR_MAX_K && V >= 1 && chunked >= 0) ||
               REFUSE("bad shape: T=%zd Hk=%zd H=%zd K=%zd (at most %d) V=%zd", T, Hk, H, K, GDR_MAX_K, V)) &&
@@ -376,7 +377,7 @@ static PyObject *gated_delta_rule(PyObject *self, PyObject *args) {
         float *kn = qn + T * Hk * K;
         gdr_prepare(q.buf, k.buf, qn, kn, T * Hk, K, scale, l2norm);
         struct gdr_args a = {qn, kn, v.buf, g.buf, beta.buf, state.buf, qs.buf, rows.buf, order.buf, o.buf,
-                             last.buf, ckpt.buf, nseq, nrows, Hk, H, K, V, (int)chunked};
+                             last.buf, ckpt.buf, nseq, nrows, Hk, H, K, V, (int)chunked, parallel};
         failed = gdr_run(&a);
         Py_END_ALLOW_THREADS
         if (failed) ok = (PyErr_NoMemory(), 0);
@@ -392,11 +393,11 @@ static PyObject *ssd(PyObject *self, PyObject *args) {
     Py_buffer x, dt, A, B, C, D = {0}, bias = {0}, state, qs, rows, order, y, last, ckpt;
     PyObject *dobj, *bobj;
     Py_ssize_t nseq, nrows, T, H, P, G, N;
-    int softplus;
+    int softplus, parallel = 1;
     float lo, hi;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*OOy*y*y*y*w*w*w*nnnnnnnpff", &x, &dt, &A, &B, &C, &dobj, &bobj, &state,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*OOy*y*y*y*w*w*w*nnnnnnnpff|p", &x, &dt, &A, &B, &C, &dobj, &bobj, &state,
                           &qs, &rows, &order, &y, &last, &ckpt, &nseq, &nrows, &T, &H, &P, &G, &N, &softplus, &lo,
-                          &hi))
+                          &hi, &parallel))
         return NULL;
     int ok = optional(dobj, &D, PyBUF_SIMPLE) && optional(bobj, &bias, PyBUF_SIMPLE) &&
              ((T >= 0 && H >= 1 && P >= 1 && G >= 1 && H % G == 0 && N >= 1 && N <= SSD_MAX_N) ||
@@ -412,7 +413,7 @@ static PyObject *ssd(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         ssd_steps(dt.buf, bias.buf, step, T, H, softplus, lo, hi);
         struct ssd_args a = {x.buf, step, A.buf, B.buf, C.buf, D.buf, state.buf, qs.buf, rows.buf, order.buf,
-                             y.buf, last.buf, ckpt.buf, nseq, nrows, H, P, G, N};
+                             y.buf, last.buf, ckpt.buf, nseq, nrows, H, P, G, N, parallel};
         ssd_run(&a);
         Py_END_ALLOW_THREADS
     }

@@ -410,6 +410,7 @@ static void step_conv1d(struct machine *vm) {
     a.C = next_int(vm);
     a.K = next_int(vm);
     a.silu = (int)next_int(vm);
+    a.parallel = 1; /* a program's products are the kernels' own threads, not BLAS's */
     int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
     if (!order) return;
     a.order = order;
@@ -438,6 +439,7 @@ static void step_gdr(struct machine *vm) {
     a.V = next_int(vm);
     int l2norm = (int)next_int(vm);
     a.chunked = (int)next_int(vm);
+    a.parallel = 1;
     float scale = (float)next_float(vm);
     if (!vm->error && (a.Hk < 1 || a.H % a.Hk || a.K < 1 || a.K > GDR_MAX_K)) vm->error = E_PROGRAM;
     int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
@@ -480,6 +482,7 @@ static void step_ssd(struct machine *vm) {
     a.G = next_int(vm);
     a.N = next_int(vm);
     int softplus = (int)next_int(vm);
+    a.parallel = 1;
     float lo = (float)next_float(vm), hi = (float)next_float(vm);
     if (!vm->error && (a.G < 1 || a.H % a.G || a.N < 1 || a.N > SSD_MAX_N)) vm->error = E_PROGRAM;
     int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);

@@ -118,7 +118,7 @@ AVX512 static void conv_512(const struct conv_args *a, Py_ssize_t c0, Py_ssize_t
 void conv1d_run(const struct conv_args *a) {
     /* Spans of 64 channels (a cache line's floats times four), so threads never share a line. */
     const Py_ssize_t span = 64, spans = (a->C + span - 1) / span;
-    #pragma omp parallel for schedule(static) if (spans > 1 && (a->qs[a->nseq] + a->nseq) * a->C > 16384)
+    #pragma omp parallel for schedule(static) if (a->parallel && spans > 1 && (a->qs[a->nseq] + a->nseq) * a->C > 16384)
     for (Py_ssize_t s = 0; s < spans; s++) {
         const Py_ssize_t c0 = s * span, c1 = c0 + span < a->C ? c0 + span : a->C;
 #ifdef HAVE_X86
@@ -322,7 +322,7 @@ int gdr_run(const struct gdr_args *a) {
     /* The recurrence for every sequence whose run is short (all of a decode step), by blocks of
      * columns; on one thread below PARALLEL_WORK (a decode step of one sequence is about 0.1 ms,
      * less than what waking the workers costs on a busy machine). */
-    #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && (a->qs[a->nseq] + a->nseq) * H * K * V >= PARALLEL_WORK)
+    #pragma omp parallel for schedule(dynamic, 1) if (a->parallel && tasks > 1 && (a->qs[a->nseq] + a->nseq) * H * K * V >= PARALLEL_WORK)
     for (Py_ssize_t task = 0; task < tasks; task++) {
         const Py_ssize_t b = task / (H * vblocks), h = task / vblocks % H, v0 = task % vblocks * GDR_VB;
         const Py_ssize_t len = a->qs[b + 1] - a->qs[b];
@@ -338,7 +338,7 @@ int gdr_run(const struct gdr_args *a) {
     if (!any_chunked) return 0;
     const Py_ssize_t heads = a->nseq * H;
     const size_t each = (size_t)(K * V + 2 * GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * V + 2 * GDR_CHUNK * K + GDR_CHUNK);
-    #pragma omp parallel if (heads > 1)
+    #pragma omp parallel if (a->parallel && heads > 1)
     {
         float *buf = NULL;
         #pragma omp for schedule(dynamic, 1)
@@ -437,7 +437,7 @@ AVX512 static void ssd_512(const struct ssd_args *a, Py_ssize_t b, Py_ssize_t h,
 
 void ssd_run(const struct ssd_args *a) {
     const Py_ssize_t pblocks = (a->P + SSD_PB - 1) / SSD_PB, tasks = a->nseq * a->H * pblocks;
-    #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && (a->qs[a->nseq] + a->nseq) * a->H * a->P * a->N >= PARALLEL_WORK)
+    #pragma omp parallel for schedule(dynamic, 1) if (a->parallel && tasks > 1 && (a->qs[a->nseq] + a->nseq) * a->H * a->P * a->N >= PARALLEL_WORK)
     for (Py_ssize_t task = 0; task < tasks; task++) {
         const Py_ssize_t b = task / (a->H * pblocks), h = task / pblocks % a->H, p0 = task % pblocks * SSD_PB;
         const Py_ssize_t pb = p0 + SSD_PB < a->P ? SSD_PB : a->P - p0;
