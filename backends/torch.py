@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, check_gated_delta_rule, lora_segments, row_run, span_rows
+from infer.oplib import (attention_mask, check_causal_conv1d, check_gated_delta_rule, check_ssd, lora_segments, row_run,
+                         span_rows)
 from infer.ops import AdaptedWeight, Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
@@ -421,6 +422,12 @@ class TorchBackend(Backend):
 
     # -- normalisation, position, gather ---------------------------------------
 
+    def _recurrent_kernels(self, *xs: Any) -> bool:
+        """Whether the recurrent ops run in the C kernels: float32 tensors on
+        the CPU where the kernels have them, outside torch.compile's trace
+        (torch/cuda keeps its own ops)."""
+        return self._host(*(x for x in xs)) and kernels.has_recurrent()
+
     def _host(self, *xs: Any, dtype: Any = None) -> bool:
         """Whether the C kernels take these tensors (all of ``dtype``, None:
         float32, contiguous, on the CPU backend, not inside torch.compile's
@@ -629,6 +636,9 @@ class TorchBackend(Backend):
 
         qs, rows = check_gated_delta_rule(q, k, v, g, beta, state, self.to_numpy(query_start),
                                           None if checkpoint_rows is None else self.to_numpy(checkpoint_rows))
+        if self._recurrent_kernels(q, k, v, g, beta, state) and q.shape[-1] <= kernels.GDR_MAX_K:
+            return torch_cpu.recurrent_op(kernels.gated_delta_rule, q, k, v, g, beta, state, qs, rows,
+                                          q.shape[-1] ** -0.5 if scale is None else scale, l2norm_qk)
         o, last, ckpt = torch_delta_rule.gated_delta_rule(q, k, v, g, beta, state, qs, rows, scale=scale,
                                                          l2norm_qk=l2norm_qk)
         return o.to(v.dtype), last.to(state.dtype), ckpt.to(state.dtype)
@@ -661,14 +671,29 @@ class TorchBackend(Backend):
     def causal_conv1d(self, x: Array, window: Array, weight: Array, bias: Array | None, query_start: Array,
                       checkpoint_rows: Array | None = None, *,
                       activation: str | None = None) -> tuple[Array, Array, Array]:
-        """One gather and one weighted sum over the whole ragged batch."""
+        """On the CPU in float32, the C kernel (backends/cpu/recurrent.c);
+        elsewhere one gather and one weighted sum over the whole ragged batch."""
+        if self._recurrent_kernels(x, window, weight, *([] if bias is None else [bias])):
+            qs, rows = check_causal_conv1d(x, window, weight, self.to_numpy(query_start),
+                                           None if checkpoint_rows is None else self.to_numpy(checkpoint_rows),
+                                           activation)
+            return torch_cpu.recurrent_op(kernels.causal_conv1d, x, window, weight, bias, qs, rows,
+                                          activation == "silu")
         return torch_recurrent.causal_conv1d(torch, x, window, weight, bias, query_start, checkpoint_rows,
                                              activation)
 
     def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
             state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
             dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
-        """A decode step updates every state at once; longer runs take the chunked scan."""
+        """On the CPU in float32, the C kernel (backends/cpu/recurrent.c);
+        elsewhere a decode step updates every state at once and longer runs
+        take the chunked scan."""
+        if (self._recurrent_kernels(x, dt, A, B, C, state, *(t for t in (D, dt_bias) if t is not None))
+                and B.shape[-1] <= kernels.SSD_MAX_N):
+            qs, rows = check_ssd(x, dt, A, B, C, D, dt_bias, state, self.to_numpy(query_start),
+                                 None if checkpoint_rows is None else self.to_numpy(checkpoint_rows))
+            return torch_cpu.recurrent_op(kernels.ssd, x, dt, A, B, C, D, dt_bias, state, qs, rows, dt_softplus,
+                                          dt_min, dt_max)
         return torch_recurrent.ssd(torch, x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
                                    dt_softplus, dt_min, dt_max)
 

@@ -277,3 +277,11 @@ def decode_attention(q: Any, k_pool: Any, v_pool: Any, table: np.ndarray, block_
                       scale, causal, window or 0, softcap or 0.0, table, block_size, True,
                       None if sinks is None else sinks.float().numpy())
     return out
+
+
+def recurrent_op(fn: Any, *args: Any) -> tuple[Any, ...]:
+    """One of the kernels' recurrent ops (:func:`.cpu.kernels.causal_conv1d`,
+    ``gated_delta_rule``, ``ssd``) on float32 CPU tensors: each tensor argument
+    read in place (its ``.numpy()``), the outputs' memory handed back as tensors."""
+    host = [a.detach().contiguous().numpy() if isinstance(a, torch.Tensor) else a for a in args]
+    return tuple(torch.from_numpy(out) for out in fn(*host))

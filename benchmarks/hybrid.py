@@ -18,6 +18,13 @@ recurrent layer (one slot) and the keys and values per position of the
 attention layers. Results go to ``--out`` as JSON.
 
     python benchmarks/hybrid.py --family qwen3_5 --out benchmarks/results/hybrid-qwen3_5.json
+
+``--kernels`` instead times the recurrent ops' C kernels against the numpy
+code they replaced, interleaved in one process (:func:`run_kernels_ab`):
+
+    python benchmarks/hybrid.py --family qwen3_5_0.7b --kernels --quantize q4 --prompt 128 --tokens 16
+
+and ``--ops`` times the ops alone at those models' shapes (:func:`run_ops_ab`).
 """
 
 from __future__ import annotations
@@ -50,10 +57,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2": ("Lfm2Config", dict(
         hidden_size=1024, intermediate_size=4608, num_hidden_layers=12, num_attention_heads=16,
         num_key_value_heads=8, block_auto_adjust_ff_dim=False, full_attn_idxs=[2, 5, 8, 10])),
+    # The issue's shapes at full size: Qwen3.5 ~0.7B (24 layers, 3 gated-DeltaNet : 1 full attention,
+    # Qwen3.5's vocabulary) and LFM2-1.2B (16 layers, 10 short-conv : 6 GQA).
+    "qwen3_5_0.7b": ("Qwen3_5TextConfig", dict(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4)),
+    "lfm2_1.2b": ("Lfm2Config", dict(
+        hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+        conv_L_cache=3, vocab_size=65536, full_attn_idxs=[2, 5, 8, 10, 12, 14])),
 }
 
 
-def build(family: str, out: Path) -> None:
+def build(family: str, out: Path, dtype: str = "float32") -> None:
     import torch
     import transformers
 
@@ -63,9 +81,10 @@ def build(family: str, out: Path) -> None:
     if "layer_types" in fields:
         pattern = fields["layer_types"]
         fields["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
-    config = getattr(transformers, class_name)(vocab_size=32000, max_position_embeddings=4096, **fields)
+    fields.setdefault("vocab_size", 32000)
+    config = getattr(transformers, class_name)(max_position_embeddings=4096, **fields)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -148,6 +167,95 @@ def run_transformers(path: Path, ids: list[int], tokens: int, repeats: int) -> d
             "torch_threads": torch.get_num_threads()}
 
 
+def run_kernels_ab(path: Path, ids: list[int], tokens: int, repeats: int, quantize: str | None) -> dict[str, Any]:
+    """The recurrent ops in C ("after") against what numpy ran before them
+    ("before": gated DeltaNet's and the convolution's references row by row,
+    Mamba2's numpy chunked scan), one model, the two runs interleaved in each
+    repeat (the machine's load falls on both alike); medians."""
+    import infer
+    from infer.backends.cpu import kernels
+
+    model = infer.load(path, backend="numpy", quantize=quantize)
+    engine, built = model.engine, kernels.has_recurrent
+    times: dict[str, dict[str, list[float]]] = {m: {"prefill": [], "decode": []} for m in ("before", "after")}
+
+    def once(mode: str) -> None:
+        kernels.has_recurrent = built if mode == "after" else (lambda: False)  # type: ignore[assignment]
+        try:
+            seq = engine.new_sequence(len(ids) + tokens + 1)
+            start = time.perf_counter()
+            token = int(np.argmax(engine.backend.to_numpy(engine.forward(seq, ids))[-1]))
+            times[mode]["prefill"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(tokens):
+                token = int(np.argmax(engine.backend.to_numpy(engine.forward(seq, [token]))[-1]))
+            times[mode]["decode"].append(time.perf_counter() - start)
+            engine.release(seq)
+        finally:
+            kernels.has_recurrent = built  # type: ignore[assignment]
+
+    once("after")  # warm-up
+    for _ in range(repeats):
+        for mode in ("before", "after"):
+            once(mode)
+    out: dict[str, Any] = {"quantize": quantize, "simd": kernels.native.simd() if kernels.native else None}
+    for mode, t in times.items():
+        out[mode] = {"prefill_tok_s": len(ids) / statistics.median(t["prefill"]),
+                     "decode_tok_s": tokens / statistics.median(t["decode"])}
+    out["speedup_prefill"] = out["after"]["prefill_tok_s"] / out["before"]["prefill_tok_s"]
+    out["speedup_decode"] = out["after"]["decode_tok_s"] / out["before"]["decode_tok_s"]
+    return out
+
+
+def run_ops_ab(rows: int, repeats: int) -> dict[str, Any]:
+    """The recurrent ops alone at the models' shapes, C kernel against the
+    numpy code it replaced (and the delta rule's chunked form against its
+    recurrence), interleaved in each repeat; median milliseconds per call."""
+    from infer import oplib
+    from infer.backends.cpu import kernels, recurrent
+
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    out: dict[str, Any] = {"simd": kernels.native.simd(), "rows": rows}
+    for t in (rows, 1):
+        qs, ckpt = np.array([0, t], np.int32), np.array([t - 1], np.int32)
+        # Qwen3.5 0.7B's gated DeltaNet layer (16 heads of 128) and its convolution (6144 channels).
+        q, k, v = f32(t, 16, 128), f32(t, 16, 128), f32(t, 16, 128)
+        g, beta, s0 = -rng.random((t, 16)).astype(np.float32), rng.random((t, 16)).astype(np.float32), \
+            np.zeros((1, 16, 128, 128), np.float32)
+        x, win, w = f32(t, 6144), np.zeros((1, 3, 6144), np.float32), f32(6144, 4)
+        # Granite 4.0-H-like Mamba2 mixer (32 heads of 64, state 128).
+        xs, dt, B, C = f32(t, 32, 64), f32(t, 32), f32(t, 1, 128), f32(t, 1, 128)
+        A, D, bias, h0 = -rng.random(32).astype(np.float32), f32(32), f32(32), np.zeros((1, 32, 64, 128), np.float32)
+        # LFM2-1.2B's short convolution (2048 channels, 3 taps).
+        xl, winl, wl = f32(t, 2048), np.zeros((1, 2, 2048), np.float32), f32(2048, 3)
+        cases = {
+            "gated_delta_rule": (lambda: oplib.gated_delta_rule_reference(q, k, v, g, beta, s0, qs, ckpt),
+                                 lambda: kernels.gated_delta_rule(q, k, v, g, beta, s0, qs, ckpt, 128 ** -0.5, True, 0)),
+            "causal_conv1d qwen3_5": (lambda: oplib.conv1d_reference(x, win, w, None, qs, ckpt, "silu"),
+                                      lambda: kernels.causal_conv1d(x, win, w, None, qs, ckpt, True)),
+            "causal_conv1d lfm2": (lambda: oplib.conv1d_reference(xl, winl, wl, None, qs, ckpt),
+                                   lambda: kernels.causal_conv1d(xl, winl, wl, None, qs, ckpt, False)),
+            "ssd": (lambda: recurrent.ssd(xs, dt, A, B, C, D, bias, h0, qs, ckpt, dt_softplus=True, dt_min=0.0,
+                                          dt_max=float("inf")),
+                    lambda: kernels.ssd(xs, dt, A, B, C, D, bias, h0, qs, ckpt, True, 0.0, float("inf"))),
+        }
+        if t > 1:
+            cases["gated_delta_rule chunked vs recurrence"] = (
+                lambda: kernels.gated_delta_rule(q, k, v, g, beta, s0, qs, ckpt, 128 ** -0.5, True, 64),
+                cases["gated_delta_rule"][1])
+        for name, (before, after) in cases.items():
+            times: dict[str, list[float]] = {"before": [], "after": []}
+            for _ in range(repeats):
+                for mode, fn in (("before", before), ("after", after)):
+                    start = time.perf_counter()
+                    fn()
+                    times[mode].append(time.perf_counter() - start)
+            b, a = (1000 * statistics.median(times[m]) for m in ("before", "after"))
+            out[f"{name}, {t} row{'s' if t > 1 else ''}"] = {"before_ms": b, "after_ms": a, "speedup": b / a}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_5")
@@ -155,8 +263,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--kernels", action="store_true",
+                        help="time the recurrent ops' C kernels against the numpy they replaced (no transformers)")
+    parser.add_argument("--quantize", choices=["q8", "q4"], help="with --kernels: quantize the weights on load")
+    parser.add_argument("--ops", action="store_true",
+                        help="time the recurrent ops alone (C kernels against the numpy they replaced)")
     args = parser.parse_args()
     ids = [int(t) for t in np.random.default_rng(0).integers(10, 32000, args.prompt)]
+    if args.ops:
+        text = json.dumps(run_ops_ab(args.prompt, args.repeats), indent=2)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
+    if args.kernels:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / args.family
+            build(args.family, path, "bfloat16" if args.quantize else "float32")  # bfloat16: half the build's memory
+            report = {"family": args.family, "config": FAMILIES[args.family][1], "prompt": args.prompt,
+                      "tokens": args.tokens, "repeats": args.repeats,
+                      "kernels": run_kernels_ab(path, ids, args.tokens, args.repeats, args.quantize)}
+        text = json.dumps(report, indent=2)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / args.family
         build(args.family, path)

@@ -56,7 +56,8 @@ import numpy as np
 
 from infer.backends.cpu.mxfp4 import mxfp4_linear
 from infer.errors import UnsupportedOpError
-from infer.oplib import attention_mask, dequantize_q8_0, lora_segments, q8_0_query, quantize_q8_0, row_run, rows_within, span_rows
+from infer.oplib import (attention_mask, check_causal_conv1d, check_gated_delta_rule, check_ssd, dequantize_q8_0,
+                         lora_segments, q8_0_query, quantize_q8_0, row_run, rows_within, span_rows)
 from infer.ops import (
     OPTIONAL_OPS,
     REQUIRED_OPS,
@@ -101,7 +102,8 @@ class CpuBackend(Backend):
     #: blocks (uint8 pools) with integer dot products (backends/cpu/attention.c).
     kv_dtypes = frozenset({"float16", "q8_0"})
     native_ops = frozenset({"fused_add_rms_norm", "swiglu", "attention", "attention_spans", "prepare_weight",
-                            "quantized_linear", "topk", "clip", "ssd", "lora_linear"}
+                            "quantized_linear", "topk", "clip", "ssd", "causal_conv1d", "gated_delta_rule",
+                            "lora_linear"}
                            | ({"compile"} if hasattr(_native, "run_plan") else set()))
     quantize_schemes = frozenset(SCHEME_BITS)
     #: ``activations="q8"``: the products of two or more rows on quantized
@@ -441,12 +443,44 @@ class CpuBackend(Backend):
     def argmax(self, x: Array, axis: int = -1) -> Array:
         return np.argmax(x, axis=axis)
 
+    # -- the recurrent layers' ops: the C kernels (backends/cpu/recurrent.c), else numpy --------
+
+    def causal_conv1d(self, x: Array, window: Array, weight: Array, bias: Array | None, query_start: Array,
+                      checkpoint_rows: Array | None = None, *,
+                      activation: str | None = None) -> tuple[Array, Array, Array]:
+        """The C kernel, its sums in the reference's order; without the
+        kernels, the contract's default (:func:`infer.oplib.conv1d_reference`)."""
+        qs, rows = check_causal_conv1d(x, window, weight, query_start, checkpoint_rows, activation)
+        if not kernels.has_recurrent():
+            return super().causal_conv1d(x, window, weight, bias, query_start, checkpoint_rows,
+                                         activation=activation)
+        return kernels.causal_conv1d(x, window, weight, bias, qs, rows, activation == "silu")
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
+                         query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
+                         l2norm_qk: bool = True) -> tuple[Array, Array, Array]:
+        """The C kernel (the recurrence with each state block in L1, the
+        chunked form past :data:`~infer.backends.cpu.kernels.GDR_CHUNKED_ROWS`);
+        without the kernels, or for key heads wider than they take, the
+        contract's default (the reference, row by row)."""
+        qs, rows = check_gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows)
+        if not kernels.has_recurrent() or q.shape[-1] > kernels.GDR_MAX_K:
+            return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
+                                            l2norm_qk=l2norm_qk)
+        return kernels.gated_delta_rule(q, k, v, g, beta, state, qs, rows,
+                                        q.shape[-1] ** -0.5 if scale is None else scale, l2norm_qk)
+
     def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
             state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
             dt_min: float = 0.0, dt_max: float = float("inf")) -> tuple[Array, Array, Array]:
-        """The chunked scan in float32, every state at once for a decode step (backends/cpu/recurrent.py)."""
-        return recurrent.ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
-                                   dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+        """The C kernel (the recurrence, each head's state in L1 a block of
+        rows at a time); without the kernels, or for states larger than they
+        take, the chunked scan in numpy (backends/cpu/recurrent.py)."""
+        qs, rows = check_ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows)
+        if not kernels.has_recurrent() or B.shape[-1] > kernels.SSD_MAX_N:
+            return recurrent.ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
+                                 dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+        return kernels.ssd(x, dt, A, B, C, D, dt_bias, state, qs, rows, dt_softplus, dt_min, dt_max)
 
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         order = np.argsort(-x, axis=-1, kind="stable")[..., :k]  # stable: lower index first among ties

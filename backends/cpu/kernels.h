@@ -10,6 +10,7 @@
  *   rows.c              per-row ops: rms_norm, layer_norm, rope
  *   attention.c         attention for the few query rows of decoding, over float
  *                       or q8_0 pools (and the q8_0 KV write)
+ *   recurrent.c         the recurrent layers' ops: causal_conv1d, gated_delta_rule, ssd
  *   plan.c              the captured decode step's program runner (run_plan)
  *   module.c            the Python entry points and the choice of path
  *   x86/                the AVX2, AVX-512 and VNNI forms of the products, the
@@ -250,6 +251,49 @@ void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssi
 int attention_run(const struct attend_args *a, int parallel);
 void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks);
 void q8_0_query(const float *x, Py_ssize_t blocks, int8_t *q, float *d);
+
+/* recurrent.c: the arguments of each op (a ragged batch: query_start qs [nseq + 1],
+ * checkpoint rows [nrows] and their indices in row order, `order`) */
+#define GDR_MAX_K 256 /* widest key head gated_delta_rule takes */
+#define SSD_MAX_N 256 /* largest state size ssd takes */
+struct conv_args {
+    const float *x, *window, *wt, *bias; /* wt: the weight transposed, [K][C] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *y, *last, *ckpt;
+    Py_ssize_t nseq, nrows, C, K;
+    int silu;
+    int parallel; /* 0: on the calling thread (after BLAS products, whose spinning threads OpenMP's would fight) */
+};
+
+struct gdr_args {
+    const float *q, *k; /* [T, Hk, K]: normalized and q scaled (gdr_prepare) */
+    const float *v, *g, *beta, *state; /* [T, H, V], [T, H], [T, H], [B, H, K, V] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *o, *last, *ckpt;
+    Py_ssize_t nseq, nrows, Hk, H, K, V;
+    int chunked; /* rows a run needs to take the chunked form (0: never) */
+    int parallel;
+};
+
+struct ssd_args {
+    const float *x, *step, *A, *B, *C, *D, *state; /* step: dt after bias, softplus and clamp [T, H] */
+    const int32_t *qs, *rows;
+    const int64_t *order;
+    float *y, *last, *ckpt;
+    Py_ssize_t nseq, nrows, H, P, G, N;
+    int parallel;
+};
+void conv1d_run(const struct conv_args *a);
+int gdr_run(const struct gdr_args *a);
+void gdr_prepare(const float *q, const float *k, float *qn, float *kn, Py_ssize_t rows, Py_ssize_t K, float scale,
+                 int l2norm);
+void ssd_run(const struct ssd_args *a);
+int recurrent_batch(const int32_t *qs, Py_ssize_t nseq, Py_ssize_t T, const int32_t *rows, Py_ssize_t nrows,
+                    int64_t *order);
+void ssd_steps(const float *dt, const float *bias, float *step, Py_ssize_t T, Py_ssize_t H, int softplus, float lo,
+               float hi);
 
 /* plan.c */
 PyObject *run_plan(PyObject *self, PyObject *args);

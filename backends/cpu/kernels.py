@@ -344,3 +344,111 @@ def with_kernel_args(weight: PackedWeight) -> PackedWeight:
         weight.kernel = kernel_args(w)
     return weight
 
+
+
+# -- the recurrent layers' ops (recurrent.c) -------------------------------------------------
+
+#: Rows a sequence's run needs for gated_delta_rule's chunked form (the UT
+#: transform, 64 rows a chunk); shorter runs take the recurrence row by row.
+#: 0: never. The chunked form does about 1.5 times the recurrence's arithmetic
+#: for 128-wide heads and measured 2.2 times slower on AVX-512 at 512 rows
+#: (docs/performance.md, "Recurrent layers in C"): on a CPU the products it
+#: turns the scan into run no faster than the scan's own vector loops, so it
+#: pays only where products are much cheaper (matrix units), and the
+#: recurrence, its state block in L1, serves every length here.
+GDR_CHUNKED_ROWS = 0
+#: The widest key head gated_delta_rule's kernel takes, and the largest ssd
+#: state size (their state blocks live on the stack); wider ones are refused
+#: with ValueError, and the backends compute them in numpy instead.
+GDR_MAX_K = SSD_MAX_N = 256
+
+
+def has_recurrent() -> bool:
+    """Whether the kernels in use have the recurrent ops."""
+    return native is not None and hasattr(native, "ssd")
+
+
+def _f32(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32)
+
+
+def _parallel(rows: int) -> bool:
+    """Whether a recurrent op of ``rows`` rows may use the threads: where the
+    step's products are the kernels' own (up to :data:`KERNEL_ROWS` rows), not
+    BLAS's, whose spinning threads OpenMP's would fight for the cores (as
+    prefill's attention and dequantization run on the calling thread)."""
+    return rows <= KERNEL_ROWS
+
+
+def _batch(query_start: Any, checkpoint_rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``query_start`` and the checkpoint rows as int32, and the rows' indices in row order."""
+    rows = np.zeros(0, np.int32) if checkpoint_rows is None else np.asarray(checkpoint_rows, np.int32).reshape(-1)
+    return (np.ascontiguousarray(np.asarray(query_start).reshape(-1), np.int32), np.ascontiguousarray(rows),
+            np.argsort(rows, kind="stable").astype(np.int64))
+
+
+def causal_conv1d(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                  query_start: Any, checkpoint_rows: Any, silu: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`~infer.ops.Backend.causal_conv1d` in float32 (the arguments
+    checked by :func:`infer.oplib.check_causal_conv1d` first): ``(y [T, C],
+    window after each sequence [B, K - 1, C], window after each checkpoint row
+    [N, K - 1, C])``. Each output the sum over the taps in the reference's
+    order; ``silu`` after the bias."""
+    qs, rows, order = _batch(query_start, checkpoint_rows)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    (total, channels), k = x.shape, weight.shape[-1]
+    nseq = len(qs) - 1
+    y = np.empty((total, channels), np.float32)
+    last = np.empty((nseq, k - 1, channels), np.float32)
+    ckpt = np.empty((len(rows), k - 1, channels), np.float32)
+    native.causal_conv1d(_f32(x), _f32(window), _f32(np.asarray(weight, np.float32).T), None if bias is None
+                         else _f32(bias), qs, rows, order, y, last, ckpt, nseq, len(rows), total, channels, k, silu,
+                         _parallel(total))
+    return y, last, ckpt
+
+
+def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray, query_start: Any, checkpoint_rows: Any, scale: float, l2norm_qk: bool,
+                     chunked: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`~infer.ops.Backend.gated_delta_rule` in float32 (arguments
+    checked by :func:`infer.oplib.check_gated_delta_rule` first; ``scale``
+    already resolved): ``(o [T, H, V], last states [B, H, K, V], checkpoint
+    states [N, H, K, V])``. Runs of at least ``chunked`` rows (None:
+    :data:`GDR_CHUNKED_ROWS`; 0: none) take the chunked form."""
+    qs, rows, order = _batch(query_start, checkpoint_rows)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    total, hk, dk = q.shape
+    heads, dv = v.shape[1:]
+    nseq = len(qs) - 1
+    o = np.empty((total, heads, dv), np.float32)
+    last = np.empty((nseq, heads, dk, dv), np.float32)
+    ckpt = np.empty((len(rows), heads, dk, dv), np.float32)
+    native.gated_delta_rule(_f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), _f32(state), qs, rows, order, o, last,
+                            ckpt, nseq, len(rows), total, hk, heads, dk, dv, scale, l2norm_qk,
+                            GDR_CHUNKED_ROWS if chunked is None else chunked, _parallel(total))
+    return o, last, ckpt
+
+
+def ssd(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, D: np.ndarray | None,
+        dt_bias: np.ndarray | None, state: np.ndarray, query_start: Any, checkpoint_rows: Any, dt_softplus: bool,
+        dt_min: float, dt_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`~infer.ops.Backend.ssd` in float32 (arguments checked by
+    :func:`infer.oplib.check_ssd` first): ``(y [T, H, P], last states [B, H,
+    P, N], checkpoint states [N, H, P, N])``, the recurrence row by row with
+    each head's state in L1 a block of rows at a time."""
+    qs, rows, order = _batch(query_start, checkpoint_rows)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    total, heads, head_dim = x.shape
+    groups, size = B.shape[1:]
+    nseq = len(qs) - 1
+    y = np.empty((total, heads, head_dim), np.float32)
+    last = np.empty((nseq, heads, head_dim, size), np.float32)
+    ckpt = np.empty((len(rows), heads, head_dim, size), np.float32)
+    native.ssd(_f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), None if D is None else _f32(D),
+               None if dt_bias is None else _f32(dt_bias), _f32(state), qs, rows, order, y, last, ckpt, nseq,
+               len(rows), total, heads, head_dim, groups, size, dt_softplus, dt_min, min(dt_max, 3.0e38),
+               _parallel(total))
+    return y, last, ckpt

@@ -317,6 +317,128 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     return FINISH(ok, &table, &sinks, &q, &k, &v, &out);
 }
 
+/* -- the recurrent layers' ops (recurrent.c) ------------------------------------------- */
+
+/* The ragged batch every recurrent op takes: query_start int32 [nseq + 1]
+ * rising from 0 to T, checkpoint rows int32 [nrows] each one of the rows,
+ * and order int64 [nrows], their indices sorted by row; else 0, a ValueError set. */
+static int batch_ok(Py_buffer *qs, Py_buffer *rows, Py_buffer *order, Py_ssize_t nseq, Py_ssize_t nrows,
+                    Py_ssize_t T) {
+    if (nseq < 1 || nrows < 0) return REFUSE("bad batch: %zd sequences, %zd checkpoint rows", nseq, nrows);
+    if (!SIZES_OK({qs, (nseq + 1) * 4, "query_start"}, {rows, nrows * 4, "checkpoint_rows"},
+                  {order, nrows * 8, "order"}))
+        return 0;
+    const int32_t *q = (const int32_t *)qs->buf, *r = (const int32_t *)rows->buf;
+    const int64_t *o = (const int64_t *)order->buf;
+    if (q[0] != 0 || q[nseq] != T) return REFUSE("query_start must run from 0 to %zd", T);
+    for (Py_ssize_t b = 0; b < nseq; b++)
+        if (q[b + 1] < q[b]) return REFUSE("query_start falls at sequence %zd", b);
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        if (o[i] < 0 || o[i] >= nrows || r[o[i]] < 0 || r[o[i]] >= T || (i && r[o[i]] < r[o[i - 1]]))
+            return REFUSE("checkpoint rows (or their order) are not rows of the batch");
+    }
+    return 1;
+}
+
+/* causal_conv1d(x, window, wt, bias, qs, rows, order, y, last, ckpt, nseq, nrows, T, C, K, silu) -> None:
+ * x [T, C]; window [nseq, K - 1, C]; wt the weight transposed [K, C]; bias [C] or None;
+ * y [T, C], last [nseq, K - 1, C], ckpt [nrows, K - 1, C] written. */
+static PyObject *causal_conv1d(PyObject *self, PyObject *args) {
+    Py_buffer x, win, wt, bias = {0}, qs, rows, order, y, last, ckpt;
+    PyObject *bobj;
+    Py_ssize_t nseq, nrows, T, C, K;
+    int silu, parallel = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*Oy*y*y*w*w*w*nnnnnp|p", &x, &win, &wt, &bobj, &qs, &rows, &order, &y, &last,
+                          &ckpt, &nseq, &nrows, &T, &C, &K, &silu, &parallel))
+        return NULL;
+    int ok = optional(bobj, &bias, PyBUF_SIMPLE) &&
+             ((T >= 0 && C >= 1 && K >= 1) || REFUSE("bad shape: T=%zd C=%zd K=%zd", T, C, K)) &&
+             SIZES_OK({&x, T * C * 4, "x"}, {&win, nseq * (K - 1) * C * 4, "window"}, {&wt, K * C * 4, "weight"},
+                      {&bias, C * 4, "bias", ABSENT_OK}, {&y, T * C * 4, "y"},
+                      {&last, nseq * (K - 1) * C * 4, "last"}, {&ckpt, nrows * (K - 1) * C * 4, "ckpt"}) &&
+             batch_ok(&qs, &rows, &order, nseq, nrows, T);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        struct conv_args a = {x.buf, win.buf, wt.buf, bias.buf, qs.buf, rows.buf, order.buf, y.buf, last.buf,
+                              ckpt.buf, nseq, nrows, C, K, silu, parallel};
+        conv1d_run(&a);
+        Py_END_ALLOW_THREADS
+    }
+    return FINISH(ok, &x, &win, &wt, &bias, &qs, &rows, &order, &y, &last, &ckpt);
+}
+
+/* gated_delta_rule(q, k, v, g, beta, state, qs, rows, order, o, last, ckpt, nseq, nrows, T, Hk, H, K, V,
+ * scale, l2norm, chunked) -> None: q, k [T, Hk, K]; v [T, H, V]; g, beta [T, H]; state [nseq, H, K, V];
+ * o [T, H, V], last [nseq, H, K, V], ckpt [nrows, H, K, V] written. Runs of at least `chunked`
+ * rows take the chunked form (0: none). */
+static PyObject *gated_delta_rule(PyObject *self, PyObject *args) {
+    Py_buffer q, k, v, g, beta, state, qs, rows, order, o, last, ckpt;
+    Py_ssize_t nseq, nrows, T, Hk, H, K, V, chunked;
+    float scale;
+    int l2norm, parallel = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*w*w*w*nnnnnnnfpn|p", &q, &k, &v, &g, &beta, &state, &qs, &rows,
+                          &order, &o, &last, &ckpt, &nseq, &nrows, &T, &Hk, &H, &K, &V, &scale, &l2norm, &chunked,
+                          &parallel))
+        return NULL;
+    int ok = ((T >= 0 && Hk >= 1 && H >= 1 && H % Hk == 0 && K >= 1 && K <= GDR_MAX_K && V >= 1 && chunked >= 0) ||
+              REFUSE("bad shape: T=%zd Hk=%zd H=%zd K=%zd (at most %d) V=%zd", T, Hk, H, K, GDR_MAX_K, V)) &&
+             SIZES_OK({&q, T * Hk * K * 4, "q"}, {&k, T * Hk * K * 4, "k"}, {&v, T * H * V * 4, "v"},
+                      {&g, T * H * 4, "g"}, {&beta, T * H * 4, "beta"}, {&state, nseq * H * K * V * 4, "state"},
+                      {&o, T * H * V * 4, "o"}, {&last, nseq * H * K * V * 4, "last"},
+                      {&ckpt, nrows * H * K * V * 4, "ckpt"}) &&
+             batch_ok(&qs, &rows, &order, nseq, nrows, T);
+    float *qn = NULL;
+    if (ok && !(qn = malloc((size_t)(2 * T * Hk * K + 1) * 4))) ok = (PyErr_NoMemory(), 0);
+    if (ok) {
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        float *kn = qn + T * Hk * K;
+        gdr_prepare(q.buf, k.buf, qn, kn, T * Hk, K, scale, l2norm);
+        struct gdr_args a = {qn, kn, v.buf, g.buf, beta.buf, state.buf, qs.buf, rows.buf, order.buf, o.buf,
+                             last.buf, ckpt.buf, nseq, nrows, Hk, H, K, V, (int)chunked, parallel};
+        failed = gdr_run(&a);
+        Py_END_ALLOW_THREADS
+        if (failed) ok = (PyErr_NoMemory(), 0);
+    }
+    free(qn);
+    return FINISH(ok, &q, &k, &v, &g, &beta, &state, &qs, &rows, &order, &o, &last, &ckpt);
+}
+
+/* ssd(x, dt, A, B, C, D, dt_bias, state, qs, rows, order, y, last, ckpt, nseq, nrows, T, H, P, G, N,
+ * softplus, dt_min, dt_max) -> None: x [T, H, P]; dt [T, H]; A [H]; B, C [T, G, N]; D, dt_bias [H]
+ * or None; state [nseq, H, P, N]; y [T, H, P], last [nseq, H, P, N], ckpt [nrows, H, P, N] written. */
+static PyObject *ssd(PyObject *self, PyObject *args) {
+    Py_buffer x, dt, A, B, C, D = {0}, bias = {0}, state, qs, rows, order, y, last, ckpt;
+    PyObject *dobj, *bobj;
+    Py_ssize_t nseq, nrows, T, H, P, G, N;
+    int softplus, parallel = 1;
+    float lo, hi;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*OOy*y*y*y*w*w*w*nnnnnnnpff|p", &x, &dt, &A, &B, &C, &dobj, &bobj, &state,
+                          &qs, &rows, &order, &y, &last, &ckpt, &nseq, &nrows, &T, &H, &P, &G, &N, &softplus, &lo,
+                          &hi, &parallel))
+        return NULL;
+    int ok = optional(dobj, &D, PyBUF_SIMPLE) && optional(bobj, &bias, PyBUF_SIMPLE) &&
+             ((T >= 0 && H >= 1 && P >= 1 && G >= 1 && H % G == 0 && N >= 1 && N <= SSD_MAX_N) ||
+              REFUSE("bad shape: T=%zd H=%zd P=%zd G=%zd N=%zd (at most %d)", T, H, P, G, N, SSD_MAX_N)) &&
+             SIZES_OK({&x, T * H * P * 4, "x"}, {&dt, T * H * 4, "dt"}, {&A, H * 4, "A"}, {&B, T * G * N * 4, "B"},
+                      {&C, T * G * N * 4, "C"}, {&D, H * 4, "D", ABSENT_OK}, {&bias, H * 4, "dt_bias", ABSENT_OK},
+                      {&state, nseq * H * P * N * 4, "state"}, {&y, T * H * P * 4, "y"},
+                      {&last, nseq * H * P * N * 4, "last"}, {&ckpt, nrows * H * P * N * 4, "ckpt"}) &&
+             batch_ok(&qs, &rows, &order, nseq, nrows, T);
+    float *step = NULL;
+    if (ok && !(step = malloc((size_t)(T * H + 1) * 4))) ok = (PyErr_NoMemory(), 0);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        ssd_steps(dt.buf, bias.buf, step, T, H, softplus, lo, hi);
+        struct ssd_args a = {x.buf, step, A.buf, B.buf, C.buf, D.buf, state.buf, qs.buf, rows.buf, order.buf,
+                             y.buf, last.buf, ckpt.buf, nseq, nrows, H, P, G, N, parallel};
+        ssd_run(&a);
+        Py_END_ALLOW_THREADS
+    }
+    free(step);
+    return FINISH(ok, &x, &dt, &A, &B, &C, &D, &bias, &state, &qs, &rows, &order, &y, &last, &ckpt);
+}
+
 /* -- the code path and the threads ----------------------------------------------------- */
 
 #ifdef HAVE_X86
@@ -409,6 +531,9 @@ static PyMethodDef methods[] = {
     {"q8_0", q8_0, METH_VARARGS, "Float32 values into q8_0 blocks (a kv_dtype=\"q8_0\" pool's rows)."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
+    {"causal_conv1d", causal_conv1d, METH_VARARGS, "Depthwise causal convolution over a ragged batch, float32."},
+    {"gated_delta_rule", gated_delta_rule, METH_VARARGS, "The gated delta rule over a ragged batch, float32."},
+    {"ssd", ssd, METH_VARARGS, "Mamba2's state space scan over a ragged batch, float32."},
     {"run_plan", run_plan, METH_VARARGS, "Run a captured decode step's program (see plan.c)."},
     {"opcodes", opcodes, METH_NOARGS, "The programs' opcodes by name (see plan.c)."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},

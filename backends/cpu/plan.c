@@ -40,6 +40,14 @@ enum {
                         tables (int32 [batch, width]), sinks|0 (float32 [hq]);
                         I tokens, batch, width, block, blocks, hq, hkv, dk, dv, window, causal, half (k and v
                         rows float16; KV_Q8_0: q8_0 blocks); F scale, softcap */
+    /* The recurrent layers' ops (recurrent.c), their batch read from the step's inputs: query_start
+     * (int32 [nseq + 1]) and checkpoint rows (int32 [nrows]) checked against the T rows at every run. */
+    OP_CONV1D,       /* P x, window, weight transposed [K, C], bias|0, query_start, rows|0, y, last, ckpt;
+                        I nseq, nrows, T, C, K, silu */
+    OP_GDR,          /* P q, k, v, g, beta, state, query_start, rows|0, o, last, ckpt;
+                        I nseq, nrows, T, Hk, H, K, V, l2norm, chunked; F scale */
+    OP_SSD,          /* P x, dt, A, B, C, D|0, dt_bias|0, state, query_start, rows|0, y, last, ckpt;
+                        I nseq, nrows, T, H, P, G, N, softplus; F dt_min, dt_max */
 };
 
 /* The opcodes by name, for the recorder (backends/cpu/record.py reads them
@@ -48,13 +56,13 @@ static const struct { const char *name; int code; } OPCODES[] = {
     {"GEMV", OP_GEMV}, {"GEMV_F32", OP_GEMV_F32}, {"RMS", OP_RMS}, {"ROPE", OP_ROPE}, {"GATHER", OP_GATHER},
     {"DEQUANT_ROWS", OP_DEQUANT_ROWS}, {"COPY", OP_COPY}, {"UNARY", OP_UNARY}, {"BINARY", OP_BINARY},
     {"REDUCE", OP_REDUCE}, {"LAYERNORM", OP_LAYERNORM}, {"SCATTER_ROWS", OP_SCATTER_ROWS},
-    {"ATTENTION", OP_ATTENTION},
+    {"ATTENTION", OP_ATTENTION}, {"CONV1D", OP_CONV1D}, {"GDR", OP_GDR}, {"SSD", OP_SSD},
 };
 
-enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF };
+enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH };
 
 #define MAX_DIMS 8
 
@@ -114,6 +122,8 @@ static float unary1(int kind, float x) {
     case U_GELU_TANH: return gelu_tanh1(x);
     case U_GELU_ERF: /* erf in float64 of the float32 x / sqrt(2), as the numpy backend; the last product too */
         return (float)((double)(0.5f * x) * (1.0 + erf((double)(x / (float)1.4142135623730951))));
+    case U_SOFTPLUS: /* numpy's logaddexp(0, x): the larger, plus log1p of exp of minus the gap */
+        return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x)));
     default: return x;
     }
 }
@@ -351,6 +361,137 @@ static void step_attention(struct machine *vm) {
     free(rows);
 }
 
+/* A recurrent step's batch (query_start and checkpoint rows from the inputs) checked against its
+ * rows, and the checkpoints' order into a new array (the caller frees it); NULL with vm->error set. */
+static int64_t *step_batch(struct machine *vm, const int32_t *qs, Py_ssize_t nseq, Py_ssize_t T,
+                           const int32_t *rows, Py_ssize_t nrows) {
+    if (vm->error) return NULL;
+    if (nseq < 1 || nrows < 0 || (nrows && !rows)) {
+        vm->error = E_PROGRAM;
+        return NULL;
+    }
+    int64_t *order = malloc((size_t)(nrows + 1) * sizeof(int64_t));
+    if (!order) {
+        vm->error = E_MEMORY;
+        return NULL;
+    }
+    if (!recurrent_batch(qs, nseq, T, rows, nrows, order)) {
+        free(order);
+        vm->error = E_BATCH;
+        vm->limit = T;
+        return NULL;
+    }
+    return order;
+}
+
+static void step_conv1d(struct machine *vm) {
+    struct conv_args a;
+    a.x = next_ptr(vm);
+    a.window = next_ptr(vm);
+    a.wt = next_ptr(vm);
+    a.bias = next_ptr(vm);
+    a.qs = next_ptr(vm);
+    a.rows = next_ptr(vm);
+    a.y = next_ptr(vm);
+    a.last = next_ptr(vm);
+    a.ckpt = next_ptr(vm);
+    a.nseq = next_int(vm);
+    a.nrows = next_int(vm);
+    Py_ssize_t T = next_int(vm);
+    a.C = next_int(vm);
+    a.K = next_int(vm);
+    a.silu = (int)next_int(vm);
+    a.parallel = 1; /* a program's products are the kernels' own threads, not BLAS's */
+    int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
+    if (!order) return;
+    a.order = order;
+    conv1d_run(&a);
+    free(order);
+}
+
+static void step_gdr(struct machine *vm) {
+    struct gdr_args a;
+    const float *q = next_ptr(vm), *k = next_ptr(vm);
+    a.v = next_ptr(vm);
+    a.g = next_ptr(vm);
+    a.beta = next_ptr(vm);
+    a.state = next_ptr(vm);
+    a.qs = next_ptr(vm);
+    a.rows = next_ptr(vm);
+    a.o = next_ptr(vm);
+    a.last = next_ptr(vm);
+    a.ckpt = next_ptr(vm);
+    a.nseq = next_int(vm);
+    a.nrows = next_int(vm);
+    Py_ssize_t T = next_int(vm);
+    a.Hk = next_int(vm);
+    a.H = next_int(vm);
+    a.K = next_int(vm);
+    a.V = next_int(vm);
+    int l2norm = (int)next_int(vm);
+    a.chunked = (int)next_int(vm);
+    a.parallel = 1;
+    float scale = (float)next_float(vm);
+    if (!vm->error && (a.Hk < 1 || a.H % a.Hk || a.K < 1 || a.K > GDR_MAX_K)) vm->error = E_PROGRAM;
+    int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
+    if (!order) return;
+    float *qn = malloc((size_t)(2 * T * a.Hk * a.K + 1) * sizeof(float));
+    if (!qn) {
+        free(order);
+        vm->error = E_MEMORY;
+        return;
+    }
+    gdr_prepare(q, k, qn, qn + T * a.Hk * a.K, T * a.Hk, a.K, scale, l2norm);
+    a.q = qn;
+    a.k = qn + T * a.Hk * a.K;
+    a.order = order;
+    if (gdr_run(&a)) vm->error = E_MEMORY;
+    free(qn);
+    free(order);
+}
+
+static void step_ssd(struct machine *vm) {
+    struct ssd_args a;
+    a.x = next_ptr(vm);
+    const float *dt = next_ptr(vm);
+    a.A = next_ptr(vm);
+    a.B = next_ptr(vm);
+    a.C = next_ptr(vm);
+    a.D = next_ptr(vm);
+    const float *bias = next_ptr(vm);
+    a.state = next_ptr(vm);
+    a.qs = next_ptr(vm);
+    a.rows = next_ptr(vm);
+    a.y = next_ptr(vm);
+    a.last = next_ptr(vm);
+    a.ckpt = next_ptr(vm);
+    a.nseq = next_int(vm);
+    a.nrows = next_int(vm);
+    Py_ssize_t T = next_int(vm);
+    a.H = next_int(vm);
+    a.P = next_int(vm);
+    a.G = next_int(vm);
+    a.N = next_int(vm);
+    int softplus = (int)next_int(vm);
+    a.parallel = 1;
+    float lo = (float)next_float(vm), hi = (float)next_float(vm);
+    if (!vm->error && (a.G < 1 || a.H % a.G || a.N < 1 || a.N > SSD_MAX_N)) vm->error = E_PROGRAM;
+    int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
+    if (!order) return;
+    float *step = malloc((size_t)(T * a.H + 1) * sizeof(float));
+    if (!step) {
+        free(order);
+        vm->error = E_MEMORY;
+        return;
+    }
+    ssd_steps(dt, bias, step, T, a.H, softplus, lo, hi);
+    a.step = step;
+    a.order = order;
+    ssd_run(&a);
+    free(step);
+    free(order);
+}
+
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). GEMV's and
  * DEQUANT_ROWS's bits may be a block form (kernels.h, FORM_BLOCKS): codes are then the file's blocks. */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
@@ -484,6 +625,9 @@ static void step(struct machine *vm) {
     case OP_UNARY: step_unary(vm); return;
     case OP_BINARY: step_binary(vm); return;
     case OP_REDUCE: step_reduce(vm); return;
+    case OP_CONV1D: step_conv1d(vm); return;
+    case OP_GDR: step_gdr(vm); return;
+    case OP_SSD: step_ssd(vm); return;
     default: vm->error = E_PROGRAM; return;
     }
 }
@@ -543,6 +687,10 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
         break;
     case E_BLOCK:
         PyErr_Format(PyExc_IndexError, "block table entry %lld is outside the pool of %lld blocks", vm.detail,
+                     vm.limit);
+        break;
+    case E_BATCH:
+        PyErr_Format(PyExc_IndexError, "a recurrent op's query_start or checkpoint rows do not fit its %lld rows",
                      vm.limit);
         break;
     default: PyErr_Format(PyExc_ValueError, "run_plan: malformed program at %zd", vm.pc); break;

@@ -172,6 +172,10 @@ class PlannedStep:
 
     #: Programs kept (signatures past it evict the least recently used).
     MAX_PLANS = 8
+    #: The recurrent ops are program steps reading their batch from the inputs
+    #: (record.py), so the engine may capture steps with recurrent state here
+    #: (:class:`infer.engine.capture.CapturedBatchDecode` asks).
+    captures_recurrent = True
 
     def __init__(self, ops: Backend, fn: Callable[..., Any], *, kernels: Any, governor: Any = None,
                  target: Backend | None = None, arrays: HostArrays | None = None) -> None:

@@ -29,9 +29,10 @@ OPCODES: dict[str, int] = BUILT.opcodes() if BUILT is not None and hasattr(BUILT
 GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LAYERNORM, SCATTER_ROWS, ATTENTION = (
     OPCODES.get(name, -1) for name in ("GEMV", "GEMV_F32", "RMS", "ROPE", "GATHER", "DEQUANT_ROWS", "COPY", "UNARY",
                                        "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))
+CONV1D, GDR, SSD = (OPCODES.get(name, -1) for name in ("CONV1D", "GDR", "SSD"))
 # Kinds: the enums below the opcodes in backends/cpu/plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
-               "gelu_tanh": 8, "gelu": 9}
+               "gelu_tanh": 8, "gelu": 9, "softplus": 10}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 MAX, ARGMAX = 0, 1
 MAX_DIMS = 8
@@ -331,6 +332,9 @@ class Recorder:
     def gelu_tanh(self, x: Any) -> Any:
         return self._transcendental("gelu_tanh", x)
 
+    def softplus(self, x: Any) -> Any:
+        return self._transcendental("softplus", x)
+
     def swiglu(self, gate: Any, up: Any) -> Any:
         return self._binary("mul", self.silu(gate), up)
 
@@ -566,6 +570,86 @@ class Recorder:
                           causal=causal, window=window, softcap=softcap, sinks=sp)
         self.check("attention", out, want)
         return self.wrap(out)
+
+    # -- the recurrent layers' ops: their batch (query_start, checkpoint rows) read in the step ----------
+
+    def _batch(self, name: str, query_start: Any, checkpoint_rows: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """The batch arrays as the step reads them (int32, contiguous; no checkpoint rows: None)."""
+        qs = _plain(query_start)
+        rows = None if checkpoint_rows is None else _plain(checkpoint_rows)
+        if (CONV1D < 0 or not isinstance(qs, np.ndarray) or qs.dtype != np.int32 or qs.ndim != 1
+                or (rows is not None and (not isinstance(rows, np.ndarray) or rows.dtype != np.int32
+                                          or rows.ndim != 1))):
+            raise NotCapturable(f"{name}: its batch is not int32 arrays (or the kernels have no step for it)")
+        return self.contiguous(qs), None if rows is None or not rows.size else self.contiguous(rows)
+
+    def _outputs(self, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+        """The op's outputs: plan buffers, or a constant empty array (no checkpoint rows)."""
+        return [self.buffer(s, np.float32) if int(np.prod(s)) else np.empty(s, np.float32) for s in shapes]
+
+    def _traced(self, name: str, outs: list[np.ndarray], want: Any) -> tuple[Any, ...]:
+        for got, w in zip(outs, want):
+            self.check(name, got, w)
+        return tuple(self.wrap(o) if o.size else o for o in outs)
+
+    def causal_conv1d(self, x: Any, window: Any, weight: Any, bias: Any, query_start: Any,
+                      checkpoint_rows: Any = None, *, activation: str | None = None) -> Any:
+        xp, wp, kp = _plain(x), _plain(window), _plain(weight)
+        bp = None if bias is None else _plain(bias)
+        if not (_f32(xp) and _f32(wp) and _f32(kp) and (bp is None or _f32(bp)) and xp.ndim == 2 and kp.ndim == 2
+                and kp.shape[1] >= 2 and not self.dynamic(weight) and not self.dynamic(bias)
+                and activation in (None, "silu")):
+            raise NotCapturable(f"causal_conv1d of x {xp.dtype}{list(xp.shape)}, weight {list(kp.shape)}")
+        qs, rows = self._batch("causal_conv1d", query_start, checkpoint_rows)
+        (total, channels), k, nseq = xp.shape, kp.shape[1], qs.size - 1
+        nrows = 0 if rows is None else rows.size
+        wt = np.ascontiguousarray(kp.T)
+        self.keep.append(wt)
+        outs = self._outputs((total, channels), (nseq, k - 1, channels), (nrows, k - 1, channels))
+        self.emit(CONV1D, [self.contiguous(xp), self.contiguous(wp), wt, bp, qs, rows, *outs],
+                  [nseq, nrows, total, channels, k, int(activation == "silu")])
+        return self._traced("causal_conv1d", outs, self.eager("causal_conv1d", xp, wp, kp, bp, qs, rows,
+                                                               activation=activation))
+
+    def gated_delta_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, query_start: Any,
+                         checkpoint_rows: Any = None, *, scale: float | None = None, l2norm_qk: bool = True) -> Any:
+        from infer.backends.cpu import kernels
+
+        qp, kp, vp, gp, bp, sp = (_plain(a) for a in (q, k, v, g, beta, state))
+        if not (all(_f32(a) for a in (qp, kp, vp, gp, bp, sp)) and qp.ndim == 3 and vp.ndim == 3
+                and qp.shape[-1] <= kernels.GDR_MAX_K):
+            raise NotCapturable(f"gated_delta_rule of q {qp.dtype}{list(qp.shape)}, state {sp.dtype}{list(sp.shape)}")
+        qs, rows = self._batch("gated_delta_rule", query_start, checkpoint_rows)
+        (total, hk, dk), (heads, dv), nseq = qp.shape, vp.shape[1:], qs.size - 1
+        nrows = 0 if rows is None else rows.size
+        outs = self._outputs((total, heads, dv), (nseq, heads, dk, dv), (nrows, heads, dk, dv))
+        self.emit(GDR, [*(self.contiguous(a) for a in (qp, kp, vp, gp, bp, sp)), qs, rows, *outs],
+                  [nseq, nrows, total, hk, heads, dk, dv, int(l2norm_qk), kernels.GDR_CHUNKED_ROWS],
+                  [dk ** -0.5 if scale is None else scale])
+        return self._traced("gated_delta_rule", outs, self.eager("gated_delta_rule", qp, kp, vp, gp, bp, sp, qs, rows,
+                                                                 scale=scale, l2norm_qk=l2norm_qk))
+
+    def ssd(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any, dt_bias: Any, state: Any, query_start: Any,
+            checkpoint_rows: Any = None, *, dt_softplus: bool = True, dt_min: float = 0.0,
+            dt_max: float = float("inf")) -> Any:
+        from infer.backends.cpu import kernels
+
+        xp, tp, ap, bp, cp, sp = (_plain(a) for a in (x, dt, A, B, C, state))
+        dp, ep = (None if a is None else _plain(a) for a in (D, dt_bias))
+        if not (all(_f32(a) for a in (xp, tp, ap, bp, cp, sp)) and all(a is None or _f32(a) for a in (dp, ep))
+                and xp.ndim == 3 and bp.ndim == 3 and bp.shape[-1] <= kernels.SSD_MAX_N):
+            raise NotCapturable(f"ssd of x {xp.dtype}{list(xp.shape)}, state {sp.dtype}{list(sp.shape)}")
+        qs, rows = self._batch("ssd", query_start, checkpoint_rows)
+        (total, heads, head_dim), (groups, size), nseq = xp.shape, bp.shape[1:], qs.size - 1
+        nrows = 0 if rows is None else rows.size
+        outs = self._outputs((total, heads, head_dim), (nseq, heads, head_dim, size), (nrows, heads, head_dim, size))
+        ins = [self.contiguous(a) for a in (xp, tp, ap, bp, cp)]
+        self.emit(SSD, [*ins, None if dp is None else self.contiguous(dp), None if ep is None else self.contiguous(ep),
+                        self.contiguous(sp), qs, rows, *outs],
+                  [nseq, nrows, total, heads, head_dim, groups, size, int(dt_softplus)],
+                  [dt_min, min(dt_max, 3.0e38)])
+        return self._traced("ssd", outs, self.eager("ssd", xp, tp, ap, bp, cp, dp, ep, sp, qs, rows,
+                                                    dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max))
 
     # -- recording -------------------------------------------------------------------
 

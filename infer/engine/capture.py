@@ -26,7 +26,12 @@ Two steps are captured:
   padding sequence on the pool's scratch block. Forwards with more tokens
   than the backend's :attr:`~infer.ops.Backend.max_capture_tokens` (numpy's
   programs: its kernel rows) run eagerly, as do forwards that need the hidden
-  states (multi-token prediction).
+  states (multi-token prediction). Recurrent layers' state is data too: each
+  sequence's state slot and the forward's checkpoint rows and slots are
+  inputs, the state arrays go in and come back (docs/kv-cache.md,
+  "Recurrent state"), so hybrids capture one graph per bucket as well where
+  the compiled step holds the recurrent ops (numpy's and torch/cpu's
+  programs; torch.compile and mx.compile run those forwards eagerly).
 
 The backend captures a step with :meth:`~infer.ops.Backend.compile`
 (``torch.compile``, ``mx.compile``, numpy's recorded program of its C
@@ -180,17 +185,38 @@ class StepInputs:
     max_query: int
     #: The pool's further state groups (sliding windows): per group its slots and tables, as above.
     groups: list[tuple[np.ndarray, np.ndarray]]
+    #: Recurrent layers' description (None without them): int32 each sequence's state slot
+    #: ``[sequences]`` (padding ones on the scratch slot), the checkpoint rows and their
+    #: slots ``[checkpoints]`` (padded to a bucket with row 0 into the scratch slot).
+    recurrent: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """The bucket: (tokens, sequences, table width, logit rows, most query rows)."""
-        return (len(self.ids), len(self.lengths), self.tables.shape[1], len(self.logit_rows), self.max_query)
+    def shape(self) -> tuple[int, ...]:
+        """The bucket: (tokens, sequences, table width, logit rows, most query rows[, checkpoints])."""
+        base = (len(self.ids), len(self.lengths), self.tables.shape[1], len(self.logit_rows), self.max_query)
+        return base if self.recurrent is None else (*base, len(self.recurrent[1]))
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return (self.ids, self.positions, self.slots, self.query_start, self.tables, self.lengths, self.logit_rows)
 
     def group_arrays(self) -> list[np.ndarray]:
         return [a for pair in self.groups for a in pair]
+
+
+class _StateArrays:
+    """A captured step's recurrent state arrays as a
+    :class:`~infer.kv.state.StateStore` shows them (``arrays[layer][name]``),
+    ``layout`` naming the flat list's entries."""
+
+    def __init__(self, layout: list[tuple[int, str]], flat: list[Array]) -> None:
+        self.layout = layout
+        self.arrays: dict[int, dict[str, Array]] = {}
+        for (layer, name), a in zip(layout, flat):
+            self.arrays.setdefault(layer, {})[name] = a
+
+    def flat(self) -> list[Array]:
+        """The arrays after the step, in ``layout``'s order."""
+        return [self.arrays[layer][name] for layer, name in self.layout]
 
 
 class CapturedBatchDecode:
@@ -213,6 +239,11 @@ class CapturedBatchDecode:
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
         self._layer_kv: tuple[tuple[int, int, bool], ...] | None = None
         self._index: dict[int, int] | None = None
+        #: Recurrent state: the (layer, name) order of the step's state arrays, and each store's scratch slot.
+        self._state_layout: list[tuple[int, str]] = []
+        self._scratch_slots: dict[int, int] = {}
+        #: Bucket shapes that have run (traced already): a new one's live states are kept until it has.
+        self._ran: set[tuple[int, ...]] = set()
 
     @property
     def graphs(self) -> int | None:
@@ -223,7 +254,8 @@ class CapturedBatchDecode:
 
     def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
               logit_rows: Array, keys: list[Array], values: list[Array], block_size: int, max_query: int,
-              groups: list[Array] | None = None) -> tuple[Array, list, list]:
+              groups: list[Array] | None = None,
+              recurrent: list[Array] | None = None) -> tuple[Array, list, list] | tuple[Array, list, list, list]:
         groups = groups or []
         ops = self.ops
         store = LayerArrays(keys, values, block_size, self._layer_kv, self._index)
@@ -231,11 +263,19 @@ class CapturedBatchDecode:
         more = [(groups[i], AttentionBatch(query_start, lengths, groups[i + 1], block_size, max_query))
                 for i in range(0, len(groups), 2)]
         ctx = AttentionContext.static(ops, store, positions, slots, batch, tokens=ops.shape(ids)[0], groups=more)
+        states = None
+        if recurrent is not None:  # the state slots, checkpoint rows and slots, then every state array
+            states = _StateArrays(self._state_layout, recurrent[3:])
+            ctx.with_states(states, recurrent[0], recurrent[1], recurrent[2])
         hidden = self.model.forward(ids, ctx)
-        return self.model.compute_logits(ops.take(hidden, logit_rows, axis=0)), store.keys, store.values
+        logits = self.model.compute_logits(ops.take(hidden, logit_rows, axis=0))
+        if states is None:
+            return logits, store.keys, store.values
+        return logits, store.keys, store.values, states.flat()
 
     def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-               logit_tokens: list[int] | None) -> StepInputs:
+               logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
+               scratch_slot: int = -1) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
         next positions (reserved), padded to the buckets: padding tokens form
         one more sequence, on the scratch block; padding sequences have no rows."""
@@ -278,21 +318,45 @@ class CapturedBatchDecode:
             lengths[len(caches)] = pad
         logit_rows = np.zeros(rows, np.int32)
         logit_rows[:len(wanted)] = wanted
+        recurrent = None
+        if checkpoints is not None:  # recurrent layers: state slots, checkpoint rows and slots
+            state_slots = np.full(seqs, scratch_slot, np.int32)
+            state_slots[:len(caches)] = [c.states.slot for c in caches]  # type: ignore[union-attr]
+            found = [(int(query_start[i]) + p - c.length - 1, slot)
+                     for i, (c, marks) in enumerate(zip(caches, checkpoints)) for p, slot in marks]
+            ck_rows = np.zeros(batch_bucket(max(1, len(found))), np.int32)  # padding: row 0 into the scratch slot
+            ck_slots = np.full(len(ck_rows), scratch_slot, np.int32)
+            for j, (row, slot) in enumerate(found):
+                ck_rows[j], ck_slots[j] = row, slot
+            recurrent = (state_slots, ck_rows, ck_slots)
         return StepInputs(ids, positions, slots, query_start, tables, lengths, logit_rows,
-                          batch_bucket(max(counts)), groups)
+                          batch_bucket(max(counts)), groups, recurrent)
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-                 logit_tokens: list[int] | None = None) -> Array | None:
+                 logit_tokens: list[int] | None = None,
+                 checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
         """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
         one pool, the positions reserved); the logits of the token rows
         ``logit_tokens`` (None: every row), or None where this step cannot run
         (the caller runs the eager forward, which writes these positions
-        again). Nothing is committed."""
+        again). Nothing is committed. Sequences with recurrent state need
+        ``checkpoints``, each one's ``(position, slot)`` checkpoints to write
+        (:attr:`~infer.kv.attention.SequenceSlice.checkpoints`): their states
+        are the step's data too, one more scratch slot taking the padding's."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
-        if any(c.pool is not pool or c.states is not None for c in caches):
-            return None  # recurrent layers run eagerly (docs/kv-cache.md, "Recurrent state")
+        if any(c.pool is not pool for c in caches):
+            return None
+        states = [c.states for c in caches]
+        # Recurrent state in a compiled step only where the compiled step holds the recurrent ops
+        # reading their batch as data (numpy's and torch/cpu's programs); torch.compile's and
+        # mx.compile's steps would read it on the host, so those forwards stay eager.
+        if any(st is not None for st in states) and (
+                (self.compiled and not getattr(self._fn, "captures_recurrent", False)) or checkpoints is None
+                or any(st is None or st.store is not states[0].store for st in states)
+                or self._scratch(states[0].store) is None):
+            return None
         self._layer_kv = None if pool.layer_kv is None else tuple(pool.layer_kv)
         self._index = {layer: i for i, layer in enumerate(pool.storage_layers(self.model.num_layers))}
         if pool.layer_rows(self.model.num_layers) is None:  # a layer not written yet: its shapes are unknown
@@ -308,7 +372,8 @@ class CapturedBatchDecode:
             first = stop
             if not mine:
                 continue
-            logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine)
+            logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine,
+                               None if states[0] is None else checkpoints[lo:hi])  # type: ignore[index]
             if logits is None:
                 return None
             outputs.append(logits)
@@ -336,19 +401,49 @@ class CapturedBatchDecode:
         parts.append((lo, len(counts)))
         return parts
 
+    def _scratch(self, store: Any) -> int | None:
+        """The state slot the padding sequences of ``store``'s steps read and
+        write (taken from it once and held), or None where none is free."""
+        slot = self._scratch_slots.get(id(store))
+        if slot is None:
+            slot = store.take_slot()
+            if slot is None:
+                return None
+            self._scratch_slots[id(store)] = slot
+        return slot
+
     def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-             logit_tokens: list[int] | None) -> Array | None:
+             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
         ops = self.ops
-        host = self.inputs(caches, token_ids, logit_tokens)
+        store = None if checkpoints is None else caches[0].states.store  # type: ignore[union-attr]
+        host = self.inputs(caches, token_ids, logit_tokens, checkpoints,
+                           -1 if store is None else self._scratch(store))  # type: ignore[arg-type]
         shape = host.shape
         if shape in self.refused:
             return None
         buffers = pool.layer_rows(self.model.num_layers)
         assert buffers is not None
+        extra: list[Any] = []
+        saved: tuple[Array, dict[tuple[int, str], Array]] | None = None
+        if store is not None and host.recurrent is not None:
+            self._state_layout = [(layer, name) for layer in sorted(store.arrays) for name in sorted(store.arrays[layer])]
+            extra = [[*(ops.from_numpy(a) for a in host.recurrent),
+                      *(store.arrays[layer][name] for layer, name in self._state_layout)]]
+            if shape not in self._ran:
+                # A new bucket is traced by running it: a refused trace may have advanced some
+                # layers' live states already, and unlike keys and values (written again by the
+                # eager forward) a state cannot be written twice. So they are kept until it ran.
+                live = ops.from_numpy(np.asarray(sorted({c.states.slot for c in caches}), np.int32))  # type: ignore[union-attr]
+                saved = (live, {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout})
         try:
-            logits, keys, values = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
-                                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()])
+            out = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
+                           host.max_query, [ops.from_numpy(a) for a in host.group_arrays()], *extra)
+            logits, keys, values = out[:3]
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
+            if saved is not None:  # the live states as they were before the refused trace
+                live, rows = saved
+                for (layer, name), before in rows.items():
+                    store.arrays[layer][name] = ops.scatter_rows(store.arrays[layer][name], live, before)  # type: ignore[union-attr]
             reason = _why(exc)
             if self.steps == 0 and not self.refused:
                 self.reason = reason
@@ -360,6 +455,10 @@ class CapturedBatchDecode:
                      "those steps run eagerly", shape[0], shape[1], shape[2], ops.name, ops.device, reason)
             return None
         pool.replace_layer_rows(keys, values)
+        self._ran.add(shape)
+        if store is not None:
+            for (layer, name), array in zip(self._state_layout, out[3]):
+                store.arrays[layer][name] = array
         wanted = len(logit_tokens) if logit_tokens is not None else sum(len(t) for t in token_ids)
         return logits if wanted == len(host.logit_rows) else ops.slice(logits, 0, 0, wanted)
 

@@ -416,10 +416,10 @@ class Engine:
                 adapters.unbind()
         ops = self.backend
         if (self.batch_step is not None and not batch.capture_hidden
-                and all(isinstance(s.cache, PagedSequenceCache) and s.cache.states is None and _plain(s)
-                        for s in batch.slices)):
+                and all(isinstance(s.cache, PagedSequenceCache) and _plain(s) for s in batch.slices)):
             caches = [s.cache for s in batch.slices]
-            logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens)  # type: ignore[arg-type]
+            logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens,  # type: ignore[arg-type]
+                                     [s.checkpoints for s in batch.slices])
             if logits is not None:
                 return logits, None
         return self._eager_forward(batch)

@@ -287,6 +287,19 @@ class AttentionContext:
         ctx.sequences = []
         return ctx
 
+    def with_states(self, states: Any, state_slots: Array, checkpoint_rows: Array,
+                    checkpoint_slots: Array) -> AttentionContext:
+        """This static context carrying recurrent state as data too: ``states``
+        has a :class:`~infer.kv.state.StateStore`'s ``arrays`` (layer -> name ->
+        ``[slots, ...]``, a captured step's inputs), ``state_slots`` int32
+        ``[sequences]`` (one per sequence of the batch, padding ones on a
+        scratch slot), the checkpoint rows and their slots int32 ``[N]``;
+        the ragged batch is the attention batch's ``query_start``."""
+        self._states = states
+        self.query_start = self.runs[0].batch.query_start
+        self.state_slots, self.checkpoint_rows, self._checkpoint_slots = state_slots, checkpoint_rows, checkpoint_slots
+        return self
+
     @classmethod
     def contiguous(cls, ops: Backend, keys: Sequence[Array], values: Sequence[Array], start: Array,
                    tokens: int = 1) -> AttentionContext:
