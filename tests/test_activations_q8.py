@@ -237,3 +237,24 @@ def test_float_weights_are_not_touched() -> None:
     q8 = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False, activations="q8")
     ids = list(range(3, 40))
     np.testing.assert_array_equal(_prompt_logits(q8, ids), _prompt_logits(exact, ids))
+
+
+def test_the_peak_loops_count_their_multiply_adds() -> None:
+    """benchmarks/q8_gemm.py divides the count by its own clock: the count must be
+    the loop's (chains x lanes x iterations), and a kind the CPU lacks an error."""
+    lanes = {"vnni512": 12 * 64, "maddubs256": 12 * 32, "fma512": 12 * 16, "fma256": 12 * 8}
+    have = {"avx512": {"vnni512", "maddubs256", "fma512", "fma256"}, "avx2+fma": {"maddubs256", "fma256"}}
+    runnable = set().union(*(have.get(p, set()) for p in PATHS))
+    for kind, per in lanes.items():
+        if kind not in runnable:
+            with pytest.raises(ValueError):
+                _affine.peak(kind, 1000)
+            continue
+        try:
+            assert _affine.peak(kind, 1000) == per * 1000
+        except ValueError:  # AVX-512 without VNNI
+            assert kind == "vnni512"
+    with pytest.raises(ValueError, match="no peak loop"):
+        _affine.peak("sse", 10)
+    with pytest.raises(ValueError, match="at least 0"):
+        _affine.peak("fma256", -1)

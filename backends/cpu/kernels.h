@@ -336,6 +336,10 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
                        Py_ssize_t m, float *y, Py_ssize_t n, int wide);
+AVX512VNNI double peak_vnni512(long iterations);
+AVX2 double peak_maddubs256(long iterations);
+AVX512 double peak_fma512(long iterations);
+AVX2 double peak_fma256(long iterations);
 
 /* x86/kvq8_x86.c */
 AVX2 void q8_0_scores_avx2(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd,

@@ -503,6 +503,33 @@ static PyObject *threads(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(max_threads());
 }
 
+/* peak(kind, iterations) -> float: the multiply-adds one thread did in a loop of one instruction kind
+ * ("vnni512": vpdpbusd on 64 byte pairs; "maddubs256": AVX2's vpmaddubsw + vpmaddwd + add on 32;
+ * "fma512", "fma256": float32 fused multiply-adds), for the caller to time: the peaks
+ * benchmarks/q8_gemm.py measures the products against. ValueError where this CPU lacks it. */
+static PyObject *peak(PyObject *self, PyObject *args) {
+    const char *kind;
+    long iterations;
+    if (!PyArg_ParseTuple(args, "sl", &kind, &iterations)) return NULL;
+    if (iterations < 0) {
+        PyErr_Format(PyExc_ValueError, "iterations must be at least 0, got %ld", iterations);
+        return NULL;
+    }
+#ifdef HAVE_X86
+    double done = -1.0;
+    Py_BEGIN_ALLOW_THREADS
+    if (strcmp(kind, "vnni512") == 0 && cpu_vnni()) done = peak_vnni512(iterations);
+    else if (strcmp(kind, "maddubs256") == 0 && cpu_avx2()) done = peak_maddubs256(iterations);
+    else if (strcmp(kind, "fma512") == 0 && cpu_avx512()) done = peak_fma512(iterations);
+    else if (strcmp(kind, "fma256") == 0 && cpu_avx2()) done = peak_fma256(iterations);
+    Py_END_ALLOW_THREADS
+    if (done >= 0.0) return PyFloat_FromDouble(done);
+#endif
+    PyErr_Format(PyExc_ValueError, "no peak loop %R on this CPU (vnni512, maddubs256, fma512, fma256 where it has them)",
+                 PyTuple_GET_ITEM(args, 0));
+    return NULL;
+}
+
 /* set_threads(n) -> None: the threads the next products may use (OpenMP's
  * omp_set_num_threads; nothing without OpenMP). */
 static PyObject *set_threads(PyObject *self, PyObject *arg) {
@@ -538,6 +565,7 @@ static PyMethodDef methods[] = {
     {"opcodes", opcodes, METH_NOARGS, "The programs' opcodes by name (see plan.c)."},
     {"simd", simd, METH_NOARGS, "The code path chosen for this CPU."},
     {"threads", threads, METH_NOARGS, "Threads a product may use (OpenMP), 1 without OpenMP."},
+    {"peak", peak, METH_VARARGS, "Multiply-adds of a one-instruction peak loop, for the caller to time."},
     {"set_threads", set_threads, METH_O, "Set the threads the next products may use (OpenMP)."},
     {NULL, NULL, 0, NULL},
 };

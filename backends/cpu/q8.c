@@ -24,8 +24,10 @@
  * Lanes. The groups of a row are taken sixteen at a time (a span; the last
  * padded with empty groups), group l of a span in lane l of a 16-lane
  * accumulator: per span, lane l adds (float)isum_l * (scale_l * dx_l), then
- * bias_l * xsum_l, multiplied and added separately (no fused multiply-add);
- * the sixteen lanes are summed at the end as lane l + lane l+8, then +4, +2,
+ * bias_l * xsum_l, each in one fused multiply-add (fmaf on the portable path:
+ * one rounding, as the instruction; the AVX2 and AVX-512 paths have it, and two
+ * fewer float operations per lane and span beside the integer work measured
+ * faster, docs/performance.md "The int8 prefill kernel"); the sixteen lanes are summed at the end as lane l + lane l+8, then +4, +2,
  * +1. So that one integer dot product instruction (AVX-512 VNNI's vpdpbusd:
  * four bytes of codes times four of q into one int32 lane) sums one group in
  * each lane, both operands are stored interleaved: four bytes of each of the
@@ -117,8 +119,8 @@ static void q8_block_portable(const uint8_t *wq, const float *ws, const float *w
                         }
                     Py_ssize_t g = s * Q8_LANES + l;
                     float t = ws[r * X->lanes + g] * X->dx[j * X->lanes + g];
-                    acc[l] = acc[l] + (float)isum * t;
-                    acc[l] = acc[l] + wb[r * X->lanes + g] * X->xs[j * X->lanes + g];
+                    acc[l] = fmaf((float)isum, t, acc[l]);
+                    acc[l] = fmaf(wb[r * X->lanes + g], X->xs[j * X->lanes + g], acc[l]);
                 }
             y[j * n + r] = q8_fold(acc);
         }

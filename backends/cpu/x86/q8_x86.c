@@ -4,7 +4,23 @@
 
 #include "simd.h"
 
+/* Without -fwrapv, which Python's build flags give every extension: with it gcc keeps the blocks' wrapping
+ * index arithmetic in the inner loops, and the 4 x 3 VNNI block below ran at 0.73x the speed of the 4 x 2 block before it
+ * (docs/performance.md, "The int8 prefill kernel"). Nothing here relies on signed overflow wrapping. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-wrapv")
+#endif
+
 #ifdef HAVE_X86
+/* The VNNI block: Q8_RB weight rows by Q8_JB activation rows. 4 x 3 took 0.87-0.97x the time of the 4 x 2
+ * block before it on Q4_K products of 128 rows; 4 x 4 was slower, its 16 float accumulators no longer fitting
+ * beside the 16 integer ones (docs/performance.md, "The int8 prefill kernel"). -D to try others. */
+#ifndef Q8_RB
+#define Q8_RB 4
+#endif
+#ifndef Q8_JB
+#define Q8_JB 3
+#endif
 /* The same sixteen groups at a time: a gather of four bytes from each group per chunk. */
 AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp,
                             uint8_t *out) {
@@ -43,32 +59,37 @@ AVX512VNNI static inline float q8_fold_512(__m512 a) {
     return _mm_cvtss_f32(f);
 }
 
-/* R weight rows against J activation rows, C chunks a group (8: groups of 32, 4: of 16); constants where called. */
+/* R (up to 4) weight rows against J (up to 4) activation rows, C chunks a group (8: groups of 32, 4: of 16);
+ * constants where called. Each chunk's R rows of codes are loaded once and multiplied with J rows of q: 12
+ * vpdpbusd for 7 loads at 4 x 3 (the 4 x 2 block before: 8 for 6). Per span and pair of rows, the lanes' scales
+ * are applied in two fused multiply-adds (before: two multiplies and two adds), as every path does. */
 AVX512VNNI INLINE void q8_block_vnni(const uint8_t *wq, const float *ws, const float *wb, const struct q8x *X, Py_ssize_t j,
                           float *y, Py_ssize_t n, const int R, const int J, const int C) {
-    __m512 acc[4][2];
+    __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < J; i++) acc[r][i] = _mm512_setzero_ps();
     const Py_ssize_t kp = X->kp, lanes = X->lanes;
+    const int8_t *xq = X->q + j * kp;
     for (Py_ssize_t s = 0; s < X->spans; s++) {
-        __m512i isum[4][2];
+        __m512i isum[4][4];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < J; i++) isum[r][i] = _mm512_setzero_si512();
         const Py_ssize_t o = s * C * 64;
         for (int c = 0; c < C; c++) {
-            __m512i w[4], q[2];
+            __m512i w[4];
             for (int r = 0; r < R; r++) w[r] = _mm512_loadu_si512(wq + r * kp + o + c * 64);
-            for (int i = 0; i < J; i++) q[i] = _mm512_loadu_si512(X->q + (j + i) * kp + o + c * 64);
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < J; i++) isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], w[r], q[i]);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 sw = _mm512_loadu_ps(ws + r * lanes + s * 16), bw = _mm512_loadu_ps(wb + r * lanes + s * 16);
             for (int i = 0; i < J; i++) {
-                const __m512 t = _mm512_mul_ps(sw, _mm512_loadu_ps(X->dx + (j + i) * lanes + s * 16));
-                acc[r][i] = _mm512_add_ps(acc[r][i], _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][i]), t));
-                acc[r][i] = _mm512_add_ps(acc[r][i],
-                                          _mm512_mul_ps(bw, _mm512_loadu_ps(X->xs + (j + i) * lanes + s * 16)));
+                const __m512i q = _mm512_loadu_si512(xq + i * kp + o + c * 64);
+                for (int r = 0; r < R; r++) isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], w[r], q);
+            }
+        }
+        for (int i = 0; i < J; i++) {
+            const __m512 dx = _mm512_loadu_ps(X->dx + (j + i) * lanes + s * 16),
+                         xs = _mm512_loadu_ps(X->xs + (j + i) * lanes + s * 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(ws + r * lanes + s * 16), dx);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i]), t, acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + r * lanes + s * 16), xs, acc[r][i]);
             }
         }
     }
@@ -76,29 +97,31 @@ AVX512VNNI INLINE void q8_block_vnni(const uint8_t *wq, const float *ws, const f
         for (int i = 0; i < J; i++) y[(j + i) * n + r] = q8_fold_512(acc[r][i]);
 }
 
-#define Q8_VNNI_CASE(R_, J_)                                                                                         \
-    case R_ * 4 + J_:                                                                                                \
+#define Q8_VNNI_J(R_, J_)                                                                                            \
+    case R_ * 8 + J_:                                                                                                \
         if (C == 8) q8_block_vnni(w, s, b, X, j, y + r0, n, R_, J_, 8);                                              \
         else q8_block_vnni(w, s, b, X, j, y + r0, n, R_, J_, 4);                                                     \
         break;
+#define Q8_VNNI_R(R_) Q8_VNNI_J(R_, 1) Q8_VNNI_J(R_, 2) Q8_VNNI_J(R_, 3) Q8_VNNI_J(R_, 4)
 
 AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n) {
     const int C = (int)(X->group / 4);
-    for (Py_ssize_t r0 = 0; r0 < rows; r0 += 4) {
-        const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+    /* Groups of 16 (Q6_K) apply their scales twice as often for the same integer work: there the third
+     * row's accumulators cost more than its loads save (0.92x at 4 x 3 on k=2048). */
+    const int jb = C == 8 ? Q8_JB : 2;
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += Q8_RB) {
+        const int R = rows - r0 < Q8_RB ? (int)(rows - r0) : Q8_RB;
         const uint8_t *w = wq + r0 * X->kp;
         const float *s = ws + r0 * X->lanes, *b = wb + r0 * X->lanes;
-        for (Py_ssize_t j = 0; j < m; j += 2) {
-            const int J = m - j < 2 ? 1 : 2;
-            switch (R * 4 + J) {
-                Q8_VNNI_CASE(1, 1) Q8_VNNI_CASE(1, 2) Q8_VNNI_CASE(2, 1) Q8_VNNI_CASE(2, 2)
-                Q8_VNNI_CASE(3, 1) Q8_VNNI_CASE(3, 2) Q8_VNNI_CASE(4, 1) Q8_VNNI_CASE(4, 2)
-            }
+        for (Py_ssize_t j = 0; j < m; j += jb) {
+            const int J = m - j < jb ? (int)(m - j) : jb;
+            switch (R * 8 + J) { Q8_VNNI_R(1) Q8_VNNI_R(2) Q8_VNNI_R(3) Q8_VNNI_R(4) }
         }
     }
 }
-#undef Q8_VNNI_CASE
+#undef Q8_VNNI_R
+#undef Q8_VNNI_J
 
 /* AVX2: the same lanes as two halves of eight; wide (codes above 127): signed codes and 128 * sum(q) added. */
 AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *wb, const struct q8x *X, Py_ssize_t j,
@@ -138,8 +161,8 @@ AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *
                         is = _mm256_add_epi32(is, _mm256_slli_epi32(
                                                       _mm256_loadu_si256((const __m256i *)(X->qs + (j + i) * lanes + g)), 7));
                     const __m256 t = _mm256_mul_ps(sw, _mm256_loadu_ps(X->dx + (j + i) * lanes + g));
-                    acc[r][i][h] = _mm256_add_ps(acc[r][i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
-                    acc[r][i][h] = _mm256_add_ps(acc[r][i][h], _mm256_mul_ps(bw, _mm256_loadu_ps(X->xs + (j + i) * lanes + g)));
+                    acc[r][i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), t, acc[r][i][h]);
+                    acc[r][i][h] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(X->xs + (j + i) * lanes + g), acc[r][i][h]);
                 }
             }
     }
@@ -171,5 +194,63 @@ AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_s
             }
         }
     }
+}
+
+/* The peaks the products are measured against (benchmarks/q8_gemm.py): twelve independent chains of one
+ * instruction kind, enough to cover its latency on the CPUs seen, the operands kept in registers, so a loop
+ * runs at the instructions' throughput. Each returns the multiply-adds done (for the caller to time). The
+ * empty asm keeps the compiler from folding a loop-invariant operand out of the loop. */
+#define PEAK_CHAINS 12
+AVX512VNNI double peak_vnni512(long iterations) {
+    __m512i a[PEAK_CHAINS], w = _mm512_set1_epi8(3), q = _mm512_set1_epi8(5);
+    for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm512_set1_epi32(i);
+    for (long it = 0; it < iterations; it++) {
+        for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm512_dpbusd_epi32(a[i], w, q);
+        __asm__ volatile("" : "+v"(w), "+v"(q));
+    }
+    int32_t sink = 0;
+    for (int i = 0; i < PEAK_CHAINS; i++) sink += _mm512_reduce_add_epi32(a[i]);
+    __asm__ volatile("" : : "r"(sink));
+    return (double)iterations * PEAK_CHAINS * 64;
+}
+/* AVX2's int8 product as the q8 kernel does it: vpmaddubsw, vpmaddwd by ones, an add. The chain's own sums
+ * are the unsigned operand, so no product is loop-invariant. */
+AVX2 double peak_maddubs256(long iterations) {
+    __m256i a[PEAK_CHAINS], q = _mm256_set1_epi8(5);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm256_set1_epi32(i);
+    for (long it = 0; it < iterations; it++) {
+        for (int i = 0; i < PEAK_CHAINS; i++)
+            a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], q), ones));
+        __asm__ volatile("" : "+v"(q));
+    }
+    int32_t sink = 0;
+    for (int i = 0; i < PEAK_CHAINS; i++) sink += _mm256_extract_epi32(a[i], 0);
+    __asm__ volatile("" : : "r"(sink));
+    return (double)iterations * PEAK_CHAINS * 32;
+}
+AVX512 double peak_fma512(long iterations) {
+    __m512 a[PEAK_CHAINS], w = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0.0f);
+    for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
+    for (long it = 0; it < iterations; it++) {
+        for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], w, b);
+        __asm__ volatile("" : "+v"(w), "+v"(b));
+    }
+    float sink = 0.0f;
+    for (int i = 0; i < PEAK_CHAINS; i++) sink += _mm512_reduce_add_ps(a[i]);
+    __asm__ volatile("" : : "x"(sink));
+    return (double)iterations * PEAK_CHAINS * 16;
+}
+AVX2 double peak_fma256(long iterations) {
+    __m256 a[PEAK_CHAINS], w = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(0.0f);
+    for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
+    for (long it = 0; it < iterations; it++) {
+        for (int i = 0; i < PEAK_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], w, b);
+        __asm__ volatile("" : "+v"(w), "+v"(b));
+    }
+    float sink = 0.0f;
+    for (int i = 0; i < PEAK_CHAINS; i++) sink += _mm256_cvtss_f32(a[i]);
+    __asm__ volatile("" : : "x"(sink));
+    return (double)iterations * PEAK_CHAINS * 8;
 }
 #endif
