@@ -34,14 +34,13 @@ from typing import Any
 from infer.architecture import CausalLM, VisionSpec, WeightLoader
 from infer.config import from_dict
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext, LayerState
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
 from . import llama
 from .gemma3_vl import LanguageModelWeights
-from .vision import VisionConfig, VisionTower
+from .vision import VisionConfig, VisionTower, WrappedLanguageModel
 
 
 class Idefics3VisionModel:
@@ -86,7 +85,7 @@ def tile_encoder_config(config: dict[str, Any]) -> VisionConfig:
     return from_dict(VisionConfig, {**nested, "model_type": "siglip_vision_model"})
 
 
-class Idefics3ForConditionalGeneration(CausalLM):
+class Idefics3ForConditionalGeneration(WrappedLanguageModel):
     """A Llama-family language model (``text_config``, weights under
     ``model.text_model.``) reading images through the tile encoder and
     connector above: each ``<image>`` token (``image_token_id``) takes one
@@ -114,15 +113,6 @@ class Idefics3ForConditionalGeneration(CausalLM):
         self.num_layers, self.max_context, self.vocab_size = lm.num_layers, lm.max_context, lm.vocab_size
         self.lm_head = lm.lm_head
         self.vision = VisionSpec("idefics3", int(config.get("image_token_id", 128257)), config=config)
-
-    def layer_states(self) -> list[LayerState]:
-        return self.language_model.layer_states()
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        return self.language_model.forward(input_ids, ctx)
-
-    def compute_logits(self, hidden: Array) -> Array:
-        return self.language_model.compute_logits(hidden)
 
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
         """One image's rows ``[tiles * tokens_per_tile, text hidden]`` from its tiles ``[tiles, 3, size, size]``."""

@@ -23,14 +23,13 @@ from typing import Any
 
 from infer.architecture import CausalLM, VisionSpec, WeightLoader
 from infer.errors import ConfigError
-from infer.kv.attention import AttentionContext, LayerState
 from infer.ops import Array, Backend
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import ArchitectureSpec
 
 from . import gemma3, llama, qwen3
 from .gemma3_vl import LanguageModelWeights
-from .vision import VisionTower, checkpoint_prefixes, vision_config
+from .vision import VisionTower, WrappedLanguageModel, checkpoint_prefixes, vision_config
 
 #: Language models a LLaVA checkpoint may carry: ``text_config.model_type`` -> build.
 TEXT_MODELS = {"llama": llama.build, "mistral": llama.build, "qwen2": llama.build, "qwen3": qwen3.build,
@@ -39,7 +38,7 @@ TEXT_MODELS = {"llama": llama.build, "mistral": llama.build, "qwen2": llama.buil
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "silu")
 
 
-class LlavaForConditionalGeneration(CausalLM):
+class LlavaForConditionalGeneration(WrappedLanguageModel):
     """A language model that reads images through a tower and an MLP projector."""
 
     def __init__(self, config: dict[str, Any], weights: WeightLoader, ops: Backend) -> None:
@@ -85,15 +84,6 @@ class LlavaForConditionalGeneration(CausalLM):
         self.lm_head = lm_net.lm_head
         self.vision = VisionSpec("llava", int(config.get("image_token_index", config.get("image_token_id", 32000))),
                                  config=config)
-
-    def layer_states(self) -> list[LayerState]:
-        return self.language_model.layer_states()
-
-    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
-        return self.language_model.forward(input_ids, ctx)
-
-    def compute_logits(self, hidden: Array) -> Array:
-        return self.language_model.compute_logits(hidden)
 
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
         """The chosen hidden states of the tower, projected: ``[image tokens, text hidden]``."""

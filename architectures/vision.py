@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infer.architecture import host_array
+from infer.architecture import CausalLM, host_array
 from infer.config import from_dict
 from infer.errors import ConfigError
+from infer.kv.attention import AttentionContext, LayerState
 from infer.ops import Array, AttentionBatch, Backend
 
 #: ``hidden_act`` names of the towers.
@@ -196,3 +197,21 @@ def avg_pool(ops: Backend, x: Array, side: int, out_side: int) -> Array:
     x = ops.reshape(x, (out_side, k, out_side, k, d))
     x = ops.mean(ops.mean(x, axis=3), axis=1)  # [out_side, out_side, d]
     return ops.reshape(x, (out_side * out_side, d))
+
+
+class WrappedLanguageModel(CausalLM):
+    """A vision-language model whose text half is a language model of its own
+    architecture (``self.language_model``, built by the subclass): the text
+    forward, its layers' states and its head are that model's; the subclass
+    adds the vision tower and ``embed_image`` (LLaVA, Idefics3 / SmolVLM)."""
+
+    language_model: CausalLM
+
+    def layer_states(self) -> list[LayerState]:
+        return self.language_model.layer_states()
+
+    def forward(self, input_ids: Array, ctx: AttentionContext) -> Array:
+        return self.language_model.forward(input_ids, ctx)
+
+    def compute_logits(self, hidden: Array) -> Array:
+        return self.language_model.compute_logits(hidden)
