@@ -163,8 +163,8 @@ class _Cursor:
                 (n,) = unpack(buf, pos)
                 pos += 8 + n
                 append(n)
-        except struct.error:  # the next length prefix is cut off by the end of the file
-            pos = size + 1
+        except (struct.error, OverflowError):  # a length prefix cut off by the end of the file, or an
+            pos = size + 1                      # absurd length that carried the walk past any offset
         if pos > size:  # checked once: a length past the end only makes the walk overshoot
             self._fail_strings(count, start, what)
         lengths = np.array(found, np.int64)

@@ -190,6 +190,18 @@ def test_absurd_fields(base, data):
     check(mutant(base, bytes(raw)))
 
 
+def test_every_length_prefix_set_absurd(base):
+    """Each string's length (keys, values, vocabulary entries) set past any offset: a typed
+    error, not an OverflowError from walking the rest of an array beyond the file."""
+    for offset, width, role in integer_fields(base[1]):
+        if role != "length":
+            continue
+        for value in (2**62, 2**63 - 1, 2**64 - 1):
+            raw = bytearray(base[1])
+            raw[offset:offset + width] = value.to_bytes(width, "little")
+            check(mutant(base, bytes(raw)))
+
+
 def test_walker_sees_every_structure(base):
     roles = {role for _, _, role in integer_fields(base[1])}
     assert roles == {"version", "count", "length", "type", "scalar", "n_dims", "dim", "offset"}
