@@ -646,7 +646,8 @@ def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None
     assert model.batch_engine.max_batch_tokens == 64
     assert seen == dict(host="127.0.0.1", port=8123, model_name="mine", api_key="from-env", max_queue=3,
                         max_body_bytes=2**20, reasoning_parser=None, tool_parser=None, body_timeout=10.0,
-                        slot_save_path=None, allowed_media_domains=[], log_level="warning")
+                        slot_save_path=None, allowed_media_domains=[], enable_adapter_updates=False,
+                        adapter_scales={}, log_level="warning")
     with pytest.raises(SystemExit):
         main(["serve", path, "--kv-memory", "lots"])
     # float16 keys and values: the same budget holds twice the positions
