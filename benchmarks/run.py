@@ -68,7 +68,7 @@ def engines(backends: str | None, peers: str, float32: bool = True) -> list[benc
     """infer's default, infer on each backend asked for (default: every
     available first-party one, in its default dtype), infer on numpy with
     float32 weights (``quantize="off"``, for the bandwidth bound), then the peers."""
-    from infer.plugins.selection import list_backends
+    from infer.plugins.selection import list_backends, select_backend
 
     specs = [bench.infer_engine(label="infer (default)")]
     if backends is None:
@@ -76,10 +76,18 @@ def engines(backends: str | None, peers: str, float32: bool = True) -> list[benc
     else:
         names = [b.strip() for b in backends.split(",") if b.strip()]
     specs += [bench.infer_engine(name) for name in names]
+    # Issue 50's approximate mode: int8 activations, on every backend asked for that lists it.
+    specs += [bench.infer_engine(name, activations="q8", label=q8_label(name)) for name in names
+              if "q8" in select_backend(name, None).activation_schemes]
     # The bandwidth-bound target is about float32 weights: GGUF weights dequantized at load.
     if float32:
         specs.append(bench.infer_engine("numpy:cpu", "float32", quantize="off", label=FLOAT32_NUMPY))
     return specs + bench.parse_peers(peers)
+
+
+def q8_label(backend: str) -> str:
+    """The label of a backend's int8-activation row (``activations="q8"``, approximate)."""
+    return f"infer {backend} q8 (approximate)"
 
 
 def model_path(name: str) -> str:
@@ -116,7 +124,7 @@ def _row(report: dict[str, Any], label: str) -> dict[str, Any] | None:
 
 
 def targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
-    """The targets of issues 36 (speed at 1B parameters) and 51 (the hybrids, load),
+    """The targets of issues 36 (speed at 1B parameters), 50 (int8 activations) and 51 (the hybrids, load),
     each with the measured value and whether it is met. Ratios are against
     llama.cpp in the same run; the torch/cpu one against the numpy backend's row."""
     out: list[dict[str, Any]] = []
@@ -153,6 +161,20 @@ def targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
         if numpy is not None and torch_cpu is not None and numpy["median"]["decode_tok_s"]:
             check(name, "torch/cpu decode ≥ 1.0× numpy",
                   torch_cpu["median"]["decode_tok_s"] / numpy["median"]["decode_tok_s"], 1.0)
+        # Issue 50: int8 activations (the q8 rows) against llama.cpp, and torch/cpu against numpy in q8 too.
+        q8 = _row(report, q8_label("numpy:cpu"))
+        q8_ratios = (q8 or {}).get("ratios") or {}
+        if name == LLAMA_1B:
+            check(name, "decode (exact) ≥ 0.9× llama.cpp", r.get("decode_tok_s"), 0.9)
+            if q8 is not None:
+                check(name, "prefill (q8) ≥ 1.5× llama.cpp", q8_ratios.get("prefill_tok_s"), 1.5)
+                check(name, "decode (q8) ≥ 1.05× llama.cpp", q8_ratios.get("decode_tok_s"), 1.05)
+        elif name not in HYBRIDS and q8 is not None:
+            check(name, "decode (q8) ≥ 1.25× llama.cpp", q8_ratios.get("decode_tok_s"), 1.25)
+        torch_q8 = _row(report, q8_label("torch:cpu"))
+        if q8 is not None and torch_q8 is not None and q8["median"]["decode_tok_s"]:
+            check(name, "torch/cpu decode (q8) ≥ 1.0× numpy (q8)",
+                  torch_q8["median"]["decode_tok_s"] / q8["median"]["decode_tok_s"], 1.0)
     return out
 
 
@@ -227,7 +249,7 @@ def update_docs(suite: dict[str, Any], image: Path | None) -> None:
                      (ROOT / "README.md", "benchmarks/results/latest.png")):
         block = bench_report.results_block(reports, rel if image is not None else None)
         if doc.name == "performance.md":
-            block += "\n\nThe targets of issues 36 and 51, checked on these figures:\n\n" + format_targets(targets(suite))
+            block += "\n\nThe targets of issues 36, 50 and 51, checked on these figures:\n\n" + format_targets(targets(suite))
         bench_report.update_marked_block(doc, block)
         print(f"updated {doc.relative_to(ROOT)}", file=sys.stderr)
 
@@ -273,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     image = bench_report.plot(suite["reports"], out.with_suffix(".png"))
     print(f"Measured {bench_report.machine_line(suite['reports'][0])}\n")
     print(bench_report.markdown_table(suite["reports"]))
-    print("\nIssue 36 and 51 targets:\n")
+    print("\nIssue 36, 50 and 51 targets:\n")
     print(format_targets(targets(suite)))
     if args.update_docs:
         update_docs(suite, image)

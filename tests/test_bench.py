@@ -399,6 +399,20 @@ def test_run_script_checks_the_issue_targets() -> None:
     assert found[("llama-1b-shape", "load ≤ 1.0× llama.cpp's")]["met"] is True
     assert "| smollm2-135m | load ≤ 1.0× llama.cpp's | 5.00 | no |" in run.format_targets(list(found.values()))
 
+    assert found[("llama-1b-shape", "decode (exact) ≥ 0.9× llama.cpp")]["met"] is False  # 0.85
+
+    # Issue 50: the int8-activation rows against llama.cpp, and torch/cpu against numpy in that mode.
+    llama["engines"] += [
+        row(run.q8_label("numpy:cpu"), 50, 260, 0.5, 700, ratios={"decode_tok_s": 1.06, "prefill_tok_s": 1.53}),
+        row(run.q8_label("torch:cpu"), 45, 250, 0.5, 700)]
+    smol["engines"].append(row(run.q8_label("numpy:cpu"), 120, 600, 0.5, 120, ratios={"decode_tok_s": 1.2}))
+    found = {(t["model"], t["target"]): t for t in run.targets({"reports": [smol, llama]})}
+    assert found[("llama-1b-shape", "prefill (q8) ≥ 1.5× llama.cpp")]["met"] is True
+    assert found[("llama-1b-shape", "decode (q8) ≥ 1.05× llama.cpp")]["measured"] == pytest.approx(1.06)
+    assert found[("llama-1b-shape", "torch/cpu decode (q8) ≥ 1.0× numpy (q8)")]["measured"] == pytest.approx(0.9)
+    assert found[("smollm2-135m", "decode (q8) ≥ 1.25× llama.cpp")]["met"] is False
+    assert ("smollm2-135m", "prefill (q8) ≥ 1.5× llama.cpp") not in found  # a 1B target
+
     # Issue 51: the hybrids against llama.cpp in exact mode (decode and prefill), not the 1.25× of issue 36.
     qwen = {"model": {"reference": "/cache/bench/qwen35-0.8b-q4_k_m.gguf", "bytes": 500}, "engines": [
         row("infer (default)", 12, 45, 0.5, 700, ratios={"decode_tok_s": 0.48, "prefill_tok_s": 0.36}),
