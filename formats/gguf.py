@@ -414,6 +414,11 @@ def open_gguf(path: str | Path, *, tokenizer: bool = True) -> ModelPackage:
     """
     file = read_gguf(path)
     try:
+        if file.metadata.get("general.architecture") == "clip":
+            from infer.errors import MmprojError
+
+            raise MmprojError(f"{file.path} is an mmproj file (a vision tower and projector, general.architecture "
+                              "'clip'), not a model: load the text model's GGUF with mmproj= (--mmproj) naming it")
         arch, config = build_config(file)
         tensors = GGUFTensorSource(file, _entries(file, arch, config))
         generation = generation_defaults(file, config["vocab_size"])
@@ -445,7 +450,23 @@ def infer_register_formats(register: Any) -> None:
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
                         random_tensor=random_tensor, write=_write, write_types=tuple(_write_types()),
-                        read_adapter=_read_adapter, write_adapter=_write_adapter))
+                        read_adapter=_read_adapter, write_adapter=_write_adapter,
+                        open_pair=_open_pair, split_pair=_split_pair))
+
+
+def _open_pair(model: Path, projector: Path) -> ModelPackage:
+    from .gguf_mmproj import open_pair
+
+    return open_pair(model, projector)
+
+
+def _split_pair(package: ModelPackage) -> Any:
+    from .gguf_mmproj import split_pair, write_mmproj
+
+    pair = split_pair(package)
+    if pair is None:
+        return None
+    return pair[0], lambda path, *, type="f16": write_mmproj(package, Path(path), type=type)
 
 
 def _read_adapter(path: Path, config: dict[str, Any] | None = None) -> Any:
