@@ -1,14 +1,24 @@
 """llama.cpp's libmtmd reads the pairs ``infer convert`` writes (through llama-cpp-python's
 ``mtmd_cpp`` bindings; skipped where llama-cpp-python is not installed: never a CI requirement).
 
-For each family llama.cpp runs: the text GGUF loads as a llama.cpp model, ``mtmd_init_from_file``
-accepts the mmproj file for it, an image tokenizes into as many image tokens as infer gives it,
-and mtmd's embeddings of the image equal infer's ``embed_image`` within llama.cpp's own precision.
-The image is the tower's size (a no-op resize in both, so both see the same pixels); llama.cpp
-computes GELU through a float16 table and sums in other orders, so the bound is loose (2% of the
-largest value; measured below 0.2%) but a transposed or misnamed tensor moves them by 100%.
-The SigLIP LLaVA is left out: clip.cpp concatenates feature layers in index order, not the
-config's (docs/vision.md, "GGUF pairs").
+For each family: the text GGUF loads as a llama.cpp model, ``mtmd_init_from_file`` accepts the
+mmproj file for it, an image tokenizes into as many image tokens as infer gives it, and mtmd's
+embeddings of the image equal infer's within llama.cpp's own precision. The image is the tower's
+size (a no-op resize in both, so both see the same pixels); llama.cpp computes GELU through a
+float16 table and sums in other orders, so the bound is 0.5% of the largest value (measured:
+3.3e-4 Gemma 3, 4.6e-4 LLaVA-CLIP, 5.5e-4 LLaVA-SigLIP, 5.9e-4 Idefics3), where a transposed
+or misnamed tensor moves them by 100%.
+
+Where this llama.cpp computes something else than transformers, infer's weights are run the way
+clip.cpp runs them (from the pair infer reads, so the check is still of the files):
+
+* LLaVA with CLIP: clip.cpp's LLaVA graph appends the class token *after* the patches while
+  adding the position rows in order, and keeps rows 1..n (a regression of its graph rewrite;
+  transformers puts the class token first): without that emulation its embeddings differ by 110%.
+* LLaVA with two feature layers: clip.cpp keeps them as a set and concatenates in index order
+  (for the config's ``[-1, -3]``: 57% away from transformers' rows).
+* Idefics3: this llama.cpp encodes one view of the whole image at the tile size, infer's global
+  view (the last tile), which infer resamples from the 48-pixel resize: pixels differ slightly.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ pytest.importorskip("PIL")
 
 FAMILIES = {"gemma3": (vision_models.vlm_dir, "<start_of_image>", 32),
             "llava_clip": (vision_models.vlm_dir, "<image>", 32),
+            "llava_siglip": (vision_models.vlm_dir, "<image>", 32),
             "idefics3": (vision_models_b.vlm_dir, "<image>", 16)}
 
 
@@ -79,9 +90,36 @@ def test_libmtmd_reads_the_pair_and_embeds_as_infer_does(name: str, tmp_path: Pa
     model = infer.load(text, mmproj=mmproj, backend="numpy")
     _, media = model.image_prompt(f"Look: {placeholder} now", [picture])
     want = model.backend.to_numpy(media.embeddings)
-    if name == "idefics3":  # one tile: llama.cpp's SmolVLM path encodes the image alone, without a global view
+    if name == "idefics3":  # the global view (module docstring)
         want = want[-got.shape[0]:]
+    elif name.startswith("llava"):
+        want = _as_clip_cpp_runs_llava(model, media.images[0].processed.pixel_values)
     assert got.shape == want.shape, f"{name}: mtmd gives {got.shape[0]} image tokens, infer {want.shape[0]}"
     scale = float(np.abs(want).max())
     err = float(np.abs(got - want).max())
-    assert err <= 2e-2 * scale, f"{name}: mtmd's embeddings differ from infer's by {err:.3g} ({err / scale:.2g})"
+    assert err <= 5e-3 * scale, f"{name}: mtmd's embeddings differ from infer's by {err:.3g} ({err / scale:.2g})"
+
+
+def _as_clip_cpp_runs_llava(model: infer.Model, pixel_values: np.ndarray) -> np.ndarray:
+    """LLaVA's image rows computed from infer's weights the way clip.cpp's LLaVA graph computes
+    them (module docstring): the class token after the patches, positions in order, rows 1..n,
+    feature layers in index order."""
+    net, ops = model.network, model.backend
+    tower, cfg = net.vision_tower, net.vision_tower.config
+    c, p, side = cfg.num_channels, cfg.patch_size, cfg.patches_per_side
+    x = pixel_values.reshape(c, side, p, side, p).transpose(1, 3, 0, 2, 4).reshape(side * side, c * p * p)
+    h = ops.linear(ops.from_numpy(np.ascontiguousarray(x)), tower.patch_weight, tower.patch_bias)
+    if tower.class_embedding is not None:
+        h = ops.concat([h, tower.class_embedding], 0)
+    h = ops.add(h, tower.positions)
+    if tower.pre_norm is not None:
+        h = ops.layer_norm(h, *tower.pre_norm, cfg.layer_norm_eps)
+    states = [h]
+    for layer in tower.layers[:max(net.feature_rows)]:
+        states.append(tower.block(states[-1], layer))
+    chosen = [states[i] for i in sorted(net.feature_rows)]
+    x = chosen[0] if len(chosen) == 1 else ops.concat(chosen, -1)
+    if tower.class_embedding is not None:
+        x = ops.slice(x, 0, 1, side * side + 1)
+    x = ops.gelu(ops.linear(x, *net.linear_1))
+    return ops.to_numpy(ops.linear(x, *net.linear_2))
