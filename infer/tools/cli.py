@@ -1,6 +1,6 @@
 """The ``infer`` command line.
 
-    infer run MODEL PROMPT [sampling flags] [--backend NAME]
+    infer run MODEL PROMPT [sampling flags] [--backend NAME] [--image FILE] [--mmproj FILE]
     infer chat MODEL [--system TEXT] [sampling flags]
     infer perplexity MODEL FILE [--context N] [--stride S] [--kv-dtype float16] [--activations q8 --kl-against exact]
     infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
@@ -9,7 +9,7 @@
     infer diff MODEL --backends [A,]B [--prompt TEXT] [--activations q8]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
     infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB] [--tool-parser NAME]
-    infer convert SRC OUT [--type TYPE] [--force]
+    infer convert SRC OUT [--type TYPE] [--force] [--mmproj FILE]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
