@@ -52,15 +52,16 @@ from infer.package import ModelPackage, TensorSource
 
 from .gguf_file import GGUFFile, TensorInfo, read_gguf
 
-#: ``clip.projector_type`` -> the Hugging Face ``model_type`` of the pair.
-PROJECTORS = {"gemma3": "gemma3", "mlp": "llava", "idefics3": "idefics3"}
+#: ``clip.projector_type`` -> the Hugging Face ``model_type`` of the pair (Qwen3.5's: by its text model).
+PROJECTORS = {"gemma3": "gemma3", "mlp": "llava", "idefics3": "idefics3", "qwen3vl_merger": "qwen3_5"}
 #: The text families each projector feeds (the text GGUF's ``model_type``).
 TEXT_FAMILIES = {"gemma3": ("gemma3_text",), "mlp": ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"),
-                 "idefics3": ("llama", "mistral", "qwen2")}
+                 "idefics3": ("llama", "mistral", "qwen2"), "qwen3vl_merger": ("qwen3_5_text", "qwen3_5_moe_text")}
 #: Where each family's checkpoint keeps its language model, tower and projector.
 PREFIXES = {"gemma3": ("model.language_model.", "model.vision_tower.vision_model.", "model.multi_modal_projector."),
             "mlp": ("model.language_model.", "model.vision_tower.vision_model.", "model.multi_modal_projector."),
-            "idefics3": ("model.text_model.", "model.vision_model.", "model.connector.")}
+            "idefics3": ("model.text_model.", "model.vision_model.", "model.connector."),
+            "qwen3vl_merger": ("model.language_model.", "model.visual.", "model.visual.merger.")}
 
 #: The tower's tensors: GGUF name -> Hugging Face name under the tower's prefix.
 TOWER = {"v.patch_embd.weight": "embeddings.patch_embedding.weight",
@@ -81,12 +82,22 @@ PROJECTOR = {"gemma3": {"mm.input_projection.weight": "mm_input_projection_weigh
              "idefics3": {"mm.model.fc.weight": "modality_projection.proj.weight"}}
 #: Tensors stored as ``1 + w`` (Gemma's norm), by GGUF name.
 PLUS_ONE = frozenset({"mm.soft_emb_norm.weight"})
+#: Qwen3.5's tower (Qwen3-VL's ViT, llama.cpp's ``Qwen3VLVisionModel``): GGUF name -> name under ``model.visual.``;
+#: the two-frame patch kernel is stored as two frames (``v.patch_embd.weight`` and ``.weight.1``).
+QWEN_TOWER = {"v.patch_embd.bias": "patch_embed.proj.bias", "v.position_embd.weight": "pos_embed.weight",
+              "v.post_ln.weight": "merger.norm.weight", "v.post_ln.bias": "merger.norm.bias",
+              "mm.0.weight": "merger.linear_fc1.weight", "mm.0.bias": "merger.linear_fc1.bias",
+              "mm.2.weight": "merger.linear_fc2.weight", "mm.2.bias": "merger.linear_fc2.bias"}
+QWEN_BLOCK = {"attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
+              "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
 
 #: The placeholder tokens each family's prompts hold, by config key (looked up in the text file's vocabulary).
 IMAGE_TOKENS = {"gemma3": {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
                            "eoi_token_index": "<end_of_image>"},
                 "mlp": {"image_token_index": "<image>"},
-                "idefics3": {"image_token_id": "<image>"}}
+                "idefics3": {"image_token_id": "<image>"},
+                "qwen3vl_merger": {"image_token_id": "<|image_pad|>", "vision_start_token_id": "<|vision_start|>",
+                                   "vision_end_token_id": "<|vision_end|>"}}
 
 _BLOCK_NAME = re.compile(r"v\.blk\.(0|[1-9][0-9]*)\.([a-z0-9_]+)\.(weight|bias)")
 
@@ -114,6 +125,8 @@ class Mmproj:
     preprocessor: dict[str, Any]
     #: Hugging Face name -> (tensor info, value subtracted after reading).
     tensors: dict[str, tuple[TensorInfo, float]] = field(default_factory=dict)
+    #: Hugging Face name -> (its GGUF tensors, the function of their float32 values that gives it).
+    rebuilt: dict[str, tuple[tuple[TensorInfo, ...], Any]] = field(default_factory=dict)
     #: The width of the projector's output rows (the text model's hidden size it was made for).
     output_width: int = 0
     #: ``clip.vision.projection_dim`` where the file gives it (llama.cpp's converter: the text hidden size).
@@ -143,6 +156,8 @@ def read_mmproj(file: GGUFFile) -> Mmproj:
             raise MmprojError(f"{path}: key {key!r} is missing; an mmproj file of projector {kind!r} needs it")
         return md[key]
 
+    if kind == "qwen3vl_merger":
+        return _read_qwen(file, need)
     _, tower, projector = PREFIXES[kind]
     tensors: dict[str, tuple[TensorInfo, float]] = {}
     unknown = []
@@ -211,6 +226,53 @@ def read_mmproj(file: GGUFFile) -> Mmproj:
         tile = int(md.get("clip.vision.preproc_image_size", vision["image_size"]))
         out.preprocessor.update(max_image_size={"longest_edge": vision["image_size"]},
                                 size={"longest_edge": tile})
+    return out
+
+
+def _read_qwen(file: GGUFFile, need: Any) -> Mmproj:
+    """Qwen3.5's vision side (``qwen3vl_merger``): the ViT with fused QKV, learned positions
+    resampled to each image's grid (and 2D rotary, computed, not stored), the 2x2 merger
+    (``v.post_ln``, ``mm.0``, GELU, ``mm.2``); deepstack layers (Qwen3-VL) are not read."""
+    md, path, tower = file.metadata, file.path, PREFIXES["qwen3vl_merger"][1]
+    tensors: dict[str, tuple[TensorInfo, float]] = {}
+    unknown = []
+    for info in file.tensors.values():
+        block = _BLOCK_NAME.fullmatch(info.name)
+        if info.name in QWEN_TOWER:
+            tensors[tower + QWEN_TOWER[info.name]] = (info, 0.0)
+        elif block is not None and block[2] in QWEN_BLOCK:
+            tensors[f"{tower}blocks.{block[1]}.{QWEN_BLOCK[block[2]]}.{block[3]}"] = (info, 0.0)
+        elif info.name not in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+            unknown.append(info.name)
+    if unknown:
+        raise MmprojError(f"{path}: tensors infer does not read for projector 'qwen3vl_merger': "
+                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''} (deepstack layers are "
+                          "Qwen3-VL's, which infer does not run)")
+    frames = [file.tensors.get(n) for n in ("v.patch_embd.weight", "v.patch_embd.weight.1")]
+    if frames[0] is None or frames[1] is None or frames[0].shape != frames[1].shape:
+        raise MmprojError(f"{path}: Qwen's patch kernel needs v.patch_embd.weight and v.patch_embd.weight.1 of one "
+                          "shape (its two frames)")
+    hidden, layers = int(need("clip.vision.embedding_length")), int(need("clip.vision.block_count"))
+    out_width = _shape(file, "mm.2.weight")[0]
+    vision = {"model_type": "qwen3_5", "depth": layers, "hidden_size": hidden,
+              "intermediate_size": int(need("clip.vision.feed_forward_length")),
+              "num_heads": int(need("clip.vision.attention.head_count")),
+              "patch_size": int(need("clip.vision.patch_size")), "in_channels": frames[0].shape[1],
+              "spatial_merge_size": int(md.get("clip.vision.spatial_merge_size", 2)), "temporal_patch_size": 2,
+              "out_hidden_size": out_width, "num_position_embeddings": _shape(file, "v.position_embd.weight")[0],
+              "hidden_act": "gelu_pytorch_tanh" if md.get("clip.use_gelu", True) else "silu"}
+    mean = [_float(v) for v in need("clip.vision.image_mean")]
+    std = [_float(v) for v in need("clip.vision.image_std")]
+    preprocessor: dict[str, Any] = {"image_mean": mean, "image_std": std, "patch_size": vision["patch_size"],
+                                    "merge_size": vision["spatial_merge_size"], "temporal_patch_size": 2}
+    size = {k: int(md[key]) for k, key in (("shortest_edge", "clip.vision.image_min_pixels"),
+                                           ("longest_edge", "clip.vision.image_max_pixels")) if key in md}
+    if size:
+        preprocessor["size"] = size
+    out = Mmproj("qwen3vl_merger", vision, {}, preprocessor, tensors, output_width=out_width)
+    if md.get("clip.vision.projection_dim"):
+        out.projection_dim = int(md["clip.vision.projection_dim"])
+    out.rebuilt[tower + "patch_embed.proj.weight"] = (tuple(frames), lambda a, b: np.stack([a, b], axis=2))
     return out
 
 
@@ -314,6 +376,9 @@ def open_pair(model: str | Path, mmproj: str | Path, *, tokenizer: bool = True) 
         text.tensors.close()
         raise
     entries = {name: _Entry(info, info.shape, None, offset) for name, (info, offset) in proj.tensors.items()}
+    for name, (infos, rebuild) in proj.rebuilt.items():
+        shape = np.broadcast_shapes(*(i.shape for i in infos))
+        entries[name] = _Entry(infos[0], (*shape[:2], len(infos), *shape[2:]), None, 0.0, rebuild=(infos, rebuild))
     vision = GGUFTensorSource(vision_file, entries)
     lm = PREFIXES[proj.projector][0]
     table: dict[str, tuple[TensorSource, str]] = {}
@@ -321,9 +386,26 @@ def open_pair(model: str | Path, mmproj: str | Path, *, tokenizer: bool = True) 
         table[lm + name[len("model."):] if name.startswith("model.") else name] = (text.tensors, name)
     for name in vision.names():
         table[name] = (vision, name)
-    return ModelPackage(model_type=PROJECTORS[proj.projector], config=config, tensors=JoinedTensorSource(table),
+    return ModelPackage(model_type=config["model_type"], config=config, tensors=JoinedTensorSource(table),
                         tokenizer=text.tokenizer, generation=text.generation, path=Path(model), format="gguf",
                         preprocessor=proj.preprocessor)
+
+
+def _mrope(text_config: dict[str, Any], model: Path) -> None:
+    """Qwen3.5's text GGUF keeps M-RoPE's sections as ``{arch}.rope.dimension_sections``
+    (llama.cpp's interleaved M-RoPE); a text model alone never needs them (its three
+    position streams are equal), its vision pair does."""
+    file = read_gguf(model)
+    try:
+        arch = file.metadata.get("general.architecture")
+        sections = file.metadata.get(f"{arch}.rope.dimension_sections")
+    finally:
+        file.close()
+    if sections is None:
+        raise MmprojMismatchError(f"{model}: no {arch}.rope.dimension_sections, which images' M-RoPE positions need")
+    rope = dict(text_config.get("rope_parameters") or {})
+    rope.update(mrope_section=[int(x) for x in list(sections)[:3]], mrope_interleaved=True)
+    text_config["rope_parameters"] = rope
 
 
 def _pair_config(proj: Mmproj, text: ModelPackage, model: Path, mmproj: Path) -> dict[str, Any]:
@@ -342,7 +424,10 @@ def _pair_config(proj: Mmproj, text: ModelPackage, model: Path, mmproj: Path) ->
         raise MmprojMismatchError(f"{mmproj}: clip.vision.projection_dim is {proj.projection_dim} but {model}'s "
                                   f"hidden size is {hidden}: the files are not one model's")
     text_config.setdefault("model_type", family)
-    config: dict[str, Any] = {"model_type": PROJECTORS[kind], "text_config": text_config,
+    if kind == "qwen3vl_merger":  # M-RoPE: the streams' shares of the rotated pairs, from the text file
+        _mrope(text_config, model)
+    model_type = "qwen3_5_moe" if family == "qwen3_5_moe_text" else PROJECTORS[kind]
+    config: dict[str, Any] = {"model_type": model_type, "text_config": text_config,
                               "vision_config": proj.vision_config, **proj.config,
                               "tie_word_embeddings": bool(text_config.get("tie_word_embeddings", False))}
     for key, token in IMAGE_TOKENS[kind].items():
@@ -358,7 +443,8 @@ def _pair_config(proj: Mmproj, text: ModelPackage, model: Path, mmproj: Path) ->
 # -- writing a pair -------------------------------------------------------------------------------------
 
 #: Hugging Face ``model_type`` -> the projector type its mmproj file has.
-WRITTEN = {"gemma3": "gemma3", "llava": "mlp", "idefics3": "idefics3", "smolvlm": "idefics3"}
+WRITTEN = {"gemma3": "gemma3", "llava": "mlp", "idefics3": "idefics3", "smolvlm": "idefics3",
+           "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger"}
 #: The towers' activations as ``clip.use_gelu`` says them (False: quick-GELU).
 _USE_GELU = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu": True, "quick_gelu": False}
 #: Embedding tensors llama.cpp's converter keeps in float32 whatever the file type.
@@ -379,6 +465,8 @@ def split_pair(package: ModelPackage) -> tuple[ModelPackage, str] | None:
     if kind is None or not isinstance(text, dict):
         return None
     names = set(package.tensors.names())
+    if kind == "qwen3vl_merger" and "model.visual.patch_embed.proj.weight" not in names:
+        return None  # a text-only export of a Qwen3.5 folder: the text GGUF alone, as before
     lm = _prefix(names, ("model.language_model.", "language_model.model.", "model.text_model."), "embed_tokens.weight")
     if lm is None:
         raise MmprojError(f"{package.path}: no language model's embed_tokens.weight under a known prefix")
@@ -411,13 +499,27 @@ def write_mmproj(package: ModelPackage, path: Path, *, type: str = "f16") -> Non
             activation, feature selection or projector it does not have); the
             message names it.
     """
-    import gguf
+    from infer.errors import ConversionError
+
+    try:
+        _write_mmproj(package, path, type)
+    except KeyError as exc:  # a config.json without a size the file must state
+        raise ConversionError(f"{package.path}: config.json has no {exc} (vision_config or text_config), which "
+                              "the mmproj file states") from None
+
+
+def _write_mmproj(package: ModelPackage, path: Path, type: str) -> None:
+    import gguf  # noqa: F401  (the writer's dependency, checked before any work)
 
     from infer.errors import ConversionError
 
     kind = WRITTEN[package.model_type]
     config, src = package.config, package.tensors
     vision, text = dict(config["vision_config"]), text_width(config)
+    if kind == "qwen3vl_merger":
+        md, plan = _qwen_plan(package, vision, text)
+        _write_file(package, path, type, md, plan)
+        return
     names = set(src.names())
     tower = _prefix(names, ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.",
                             "vision_tower.", "model.vision_model."), "embeddings.patch_embedding.weight")
@@ -491,16 +593,37 @@ def write_mmproj(package: ModelPackage, path: Path, *, type: str = "f16") -> Non
             gguf_name = next((g for g, hf in PROJECTOR[kind].items() if projector + hf == name), None)
             if gguf_name is not None:
                 plan.append((gguf_name, name, 1.0 if gguf_name in PLUS_ONE else 0.0))
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_name(str(config.get("_name_or_path") or (package.path.name if package.path else "model")))
-    writer.add_file_type(0 if type == "f32" else 1)
+    _write_file(package, path, type, md, [(g, hf, (lambda v, plus=plus: v + np.float32(plus)) if plus else None)
+                                          for g, hf, plus in plan])
+
+
+#: One tensor of an mmproj file: (GGUF name, Hugging Face name, a function of its float32 values or None).
+_Planned = tuple[str, str, Any]
+
+
+def _write_file(package: ModelPackage, path: Path, type: str, md: dict[str, Any], plan: list[_Planned]) -> None:
+    """The mmproj file: ``md`` and the planned tensors, float32 for ``type`` f32, else float16
+    matrices (:data:`_F32` and every vector float32)."""
+    import gguf
+
     from .gguf_write import _add
 
+    src = package.tensors
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name(str(package.config.get("_name_or_path") or (package.path.name if package.path else "model")))
+    writer.add_file_type(0 if type == "f32" else 1)
     for key, value in md.items():
         _add(writer, key, value)
+
+    def values(hf: str, make: Any) -> np.ndarray:
+        value = src.get(hf)
+        value = value.dequantize() if hasattr(value, "dequantize") else np.asarray(value)
+        value = value.astype(np.float32)
+        return make(value) if make is not None else value
+
     shapes = {}
-    for gguf_name, hf, _ in plan:
-        shape = tuple(src.shape(hf))
+    for gguf_name, hf, make in plan:
+        shape = tuple(src.shape(hf)) if make is None else values(hf, make).shape
         if gguf_name == "v.class_embd":
             shape = (shape[-1],)
         f16 = type != "f32" and len(shape) >= 2 and gguf_name not in _F32
@@ -511,16 +634,66 @@ def write_mmproj(package: ModelPackage, path: Path, *, type: str = "f16") -> Non
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for gguf_name, hf, plus in plan:
-            value = src.get(hf)
-            value = value.dequantize() if hasattr(value, "dequantize") else np.asarray(value)
-            value = value.astype(np.float32)
-            if plus:
-                value = value + np.float32(plus)
+        for gguf_name, hf, make in plan:
             shape, dtype = shapes[gguf_name]
+            value = values(hf, make)
             writer.write_tensor_data(np.ascontiguousarray(value.reshape(shape).astype(dtype.newbyteorder("<"))))
     finally:
         writer.close()
+
+
+def _qwen_plan(package: ModelPackage, vision: dict[str, Any], text: int) -> tuple[dict[str, Any], list[_Planned]]:
+    """Qwen3.5's mmproj keys and tensors, as llama.cpp's ``Qwen3VLVisionModel`` writes them: the
+    two-frame patch kernel split into its frames, the merger as ``v.post_ln`` / ``mm.0`` / ``mm.2``."""
+    from infer.errors import ConversionError
+
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
+        raise ConversionError(f"{package.path}: vision_config.hidden_act {act!r} has no form in an mmproj file")
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ConversionError(f"{package.path}: llama.cpp's Qwen vision reads a temporal patch of 2, not "
+                              f"{vision['temporal_patch_size']}")
+    if vision.get("deepstack_visual_indexes"):
+        raise ConversionError(f"{package.path}: deepstack layers (Qwen3-VL) are not written")
+    pre = package.preprocessor or {}
+    patch, positions = int(vision.get("patch_size", 16)), int(vision.get("num_position_embeddings", 2304))
+    text_cfg = package.config.get("text_config") or {}
+    md: dict[str, Any] = {
+        "general.type": "mmproj", "clip.projector_type": "qwen3vl_merger", "clip.has_vision_encoder": True,
+        "clip.vision.projection_dim": text, "clip.vision.image_size": int(round(positions ** 0.5)) * patch,
+        "clip.vision.patch_size": patch, "clip.vision.embedding_length": int(vision["hidden_size"]),
+        "clip.vision.feed_forward_length": int(vision["intermediate_size"]),
+        "clip.vision.block_count": int(vision["depth"]),
+        "clip.vision.attention.head_count": int(vision["num_heads"]),
+        "clip.vision.attention.layer_norm_epsilon": float(text_cfg.get("rms_norm_eps", 1e-6)),
+        "clip.use_gelu": True, "clip.vision.spatial_merge_size": int(vision.get("spatial_merge_size", 2)),
+        "clip.vision.image_mean": np.asarray(pre.get("image_mean", (0.5, 0.5, 0.5)), np.float32),
+        "clip.vision.image_std": np.asarray(pre.get("image_std", (0.5, 0.5, 0.5)), np.float32),
+    }
+    size = pre.get("size") or {}
+    # as transformers' processor reads them: the older min_pixels / max_pixels keys first
+    low, high = pre.get("min_pixels") or size.get("shortest_edge"), pre.get("max_pixels") or size.get("longest_edge")
+    if low:
+        md["clip.vision.image_min_pixels"] = int(low)
+    if high:
+        md["clip.vision.image_max_pixels"] = int(high)
+    tower = "model.visual."
+    plan: list[_Planned] = [
+        ("v.patch_embd.weight", tower + "patch_embed.proj.weight", lambda v: v[:, :, 0]),
+        ("v.patch_embd.weight.1", tower + "patch_embed.proj.weight", lambda v: v[:, :, 1])]
+    inverse = {hf: g for g, hf in QWEN_TOWER.items()}
+    for name in package.tensors.names():
+        if not name.startswith(tower) or name == tower + "patch_embed.proj.weight":
+            continue
+        rest = name[len(tower):]
+        block = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", rest)
+        if block is not None:
+            part = next((g for g, hf in QWEN_BLOCK.items() if hf == block[2]), None)
+            if part is not None:
+                plan.append((f"v.blk.{block[1]}.{part}.{block[3]}", name, None))
+        elif rest in inverse:
+            plan.append((inverse[rest], name, None))
+    return md, plan
 
 
 def text_width(config: dict[str, Any]) -> int:

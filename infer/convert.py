@@ -51,7 +51,7 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
             adapter, docs/adapters.md), the base model it adapts (default: the
             folder's ``base_model_name_or_path``): its architecture and heads.
         mmproj: for a vision-language ``src`` (Gemma 3, LLaVA, Idefics3 /
-            SmolVLM) written as GGUF, where its vision tower and projector
+            SmolVLM, Qwen3.5) written as GGUF, where its vision tower and projector
             go: llama.cpp's mmproj file (default: ``mmproj-<out name>``
             beside ``out``, which holds the text model). docs/vision.md,
             "GGUF pairs".
@@ -103,8 +103,8 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         return _write_pair(target, package, pair, out, projector, type, progress)
     elif mmproj is not None:
         package.tensors.close()
-        raise ConversionError(f"mmproj= writes the vision side of a Gemma 3, LLaVA or Idefics3 / SmolVLM model to "
-                              f"GGUF; {path} ({package.model_type}) has none to write there")
+        raise ConversionError(f"mmproj= writes the vision side of a Gemma 3, LLaVA, Idefics3 / SmolVLM or Qwen3.5 "
+                              f"model to GGUF; {path} ({package.model_type}) has none to write there")
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         target.write(package, partial, type=type, progress=progress)
@@ -128,9 +128,17 @@ def _vision_pair(target: Any, package: Any, path: Path) -> Any:
     pair = target.split_pair(package) if target.split_pair is not None else None
     if pair is not None:
         vision = package.config.get("vision_config") or {}
-        kind = ("Gemma3ImageProcessor" if package.model_type == "gemma3" else "CLIPImageProcessor"
-                if vision.get("model_type") == "clip_vision_model" else "SiglipImageProcessor")
-        package.preprocessor = {**PROCESSOR_DEFAULTS[kind], **read_preprocessor_config(path)}
+        if package.model_type in ("qwen3_5", "qwen3_5_moe"):  # Qwen2-VL's processor: OpenAI CLIP's mean and std
+            from infer.image_processors.qwen2_vl import Qwen2VLImageProcessor
+
+            q = Qwen2VLImageProcessor()
+            defaults = {"image_mean": q.image_mean, "image_std": q.image_std,
+                        "size": {"shortest_edge": q.min_pixels, "longest_edge": q.max_pixels}}
+        else:
+            kind = ("Gemma3ImageProcessor" if package.model_type == "gemma3" else "CLIPImageProcessor"
+                    if vision.get("model_type") == "clip_vision_model" else "SiglipImageProcessor")
+            defaults = PROCESSOR_DEFAULTS[kind]
+        package.preprocessor = {**defaults, **read_preprocessor_config(path)}
     return pair
 
 

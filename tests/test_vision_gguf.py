@@ -8,7 +8,7 @@ weights: the pair stores them as they are, except Gemma 3's soft-embedding
 norm, which llama.cpp keeps as ``1 + w`` and the reader turns back into
 ``(1 + w) - 1`` (w rounded by at most half an ulp of 1, 6e-8), so the bound
 is tests/reference.py's float32 rounding bound for the tower's and the
-language model's layers (``RTOL``; measured: 0.0 for all four families, the
+language model's layers (``RTOL``; measured: 0.0 for all five families, the
 same products on the same values).
 """
 
@@ -36,7 +36,8 @@ pytest.importorskip("gguf")
 FAMILIES = {"gemma3": (vision_models.vlm_dir, "<start_of_image>", "gemma3"),
             "llava_clip": (vision_models.vlm_dir, "<image>", "mlp"),
             "llava_siglip": (vision_models.vlm_dir, "<image>", "mlp"),
-            "idefics3": (vision_models_b.vlm_dir, "<image>", "idefics3")}
+            "idefics3": (vision_models_b.vlm_dir, "<image>", "idefics3"),
+            "qwen3_5": (vision_models_b.vlm_dir, "<|vision_start|><|image_pad|><|vision_end|>", "qwen3vl_merger")}
 RTOL = rounding_rtol(2 + 3 + 1, 256)
 
 _PAIRS: dict[str, tuple[Path, Path]] = {}
@@ -97,9 +98,11 @@ def test_mmproj_file_is_llama_cpps_layout(name: str, workdir: Path) -> None:
         assert md["clip.has_vision_encoder"] is True
         config = json.loads((folder(name) / "config.json").read_text())
         assert md["clip.vision.projection_dim"] == config["text_config"]["hidden_size"]
+        assert md["clip.vision.block_count"] == sum(1 for n in tensors if n.endswith(".ln1.weight"))
         assert md["clip.vision.embedding_length"] == config["vision_config"]["hidden_size"]
         blocks = {n.split(".")[3] for n in tensors if n.startswith("v.blk.0.")}
-        assert blocks == {"attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down"}
+        attention = {"attn_qkv"} if name == "qwen3_5" else {"attn_q", "attn_k", "attn_v"}
+        assert blocks == attention | {"attn_out", "ln1", "ln2", "ffn_up", "ffn_down"}
         d = md["clip.vision.embedding_length"]
         assert tensors["v.blk.0.ffn_up.weight"].shape == (md["clip.vision.feed_forward_length"], d)  # [out, in]
         assert tensors["v.patch_embd.weight"].shape[:2] == (d, 3)  # the convolution's kernel as it is
@@ -112,9 +115,14 @@ def test_mmproj_file_is_llama_cpps_layout(name: str, workdir: Path) -> None:
             assert list(md["clip.vision.feature_layer"]) == [2] and md["clip.vision.block_count"] == 2
         elif name == "llava_siglip":
             assert list(md["clip.vision.feature_layer"]) == [3, 1]  # -1 and -3 of 3 layers, in the config's order
-        else:
+        elif name == "idefics3":
             assert "mm.model.fc.weight" in tensors and md["clip.vision.projector.scale_factor"] == 2
             assert md["clip.vision.preproc_image_size"] == 48
+        else:  # Qwen's two-frame kernel as two frames; the merger as post-norm and two linears
+            assert tensors["v.patch_embd.weight.1"].shape == tensors["v.patch_embd.weight"].shape
+            assert {"v.post_ln.weight", "mm.0.weight", "mm.2.weight", "v.position_embd.weight"} <= set(tensors)
+            assert md["clip.vision.spatial_merge_size"] == 2
+            assert (md["clip.vision.image_min_pixels"], md["clip.vision.image_max_pixels"]) == (64, 1024)
     finally:
         file.close()
 

@@ -6,7 +6,7 @@ mmproj file for it, an image tokenizes into as many image tokens as infer gives 
 embeddings of the image equal infer's within llama.cpp's own precision. The image is the tower's
 size (a no-op resize in both, so both see the same pixels); llama.cpp computes GELU through a
 float16 table and sums in other orders, so the bound is 0.5% of the largest value (measured:
-3.3e-4 Gemma 3, 4.6e-4 LLaVA-CLIP, 5.5e-4 LLaVA-SigLIP, 5.9e-4 Idefics3), where a transposed
+3.3e-4 Gemma 3, 4.6e-4 LLaVA-CLIP, 5.5e-4 LLaVA-SigLIP, 5.9e-4 Idefics3, 3.6e-4 Qwen3.5), where a transposed
 or misnamed tensor moves them by 100%.
 
 Where this llama.cpp computes something else than transformers, infer's weights are run the way
@@ -19,6 +19,10 @@ clip.cpp runs them (from the pair infer reads, so the check is still of the file
   (for the config's ``[-1, -3]``: 57% away from transformers' rows).
 * Idefics3: this llama.cpp encodes one view of the whole image at the tile size, infer's global
   view (the last tile), which infer resamples from the 48-pixel resize: pixels differ slightly.
+* Qwen3.5: llama.cpp refuses the tiny test model's text GGUF (its linear-attention key and value
+  heads differ in size, which llama.cpp's qwen35 loader assumes equal), so the mmproj file is
+  initialised against another text model of the same width (the LLaVA pair's): the projector
+  and its image rows do not depend on the text model.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ pytest.importorskip("PIL")
 FAMILIES = {"gemma3": (vision_models.vlm_dir, "<start_of_image>", 32),
             "llava_clip": (vision_models.vlm_dir, "<image>", 32),
             "llava_siglip": (vision_models.vlm_dir, "<image>", 32),
-            "idefics3": (vision_models_b.vlm_dir, "<image>", 16)}
+            "idefics3": (vision_models_b.vlm_dir, "<image>", 16),
+            "qwen3_5": (vision_models_b.vlm_dir, "<|image_pad|>", 32)}
 
 
 def _embed_with_mtmd(text: Path, mmproj: Path, image: np.ndarray) -> np.ndarray:
@@ -86,7 +91,11 @@ def test_libmtmd_reads_the_pair_and_embeds_as_infer_does(name: str, tmp_path: Pa
     text = infer.convert(folder, tmp_path / "model.gguf", type="f32")
     mmproj = tmp_path / "mmproj-model.gguf"
     picture = vision_models.synthetic_image(size, size, seed=5)
-    got = _embed_with_mtmd(text, mmproj, np.asarray(picture.convert("RGB")))
+    host = text
+    if name == "qwen3_5":  # the tiny Qwen3.5 text model is not one llama.cpp loads (module docstring)
+        (tmp_path / "host").mkdir()
+        host = infer.convert(vision_models.vlm_dir("llava_clip"), tmp_path / "host" / "model.gguf", type="f32")
+    got = _embed_with_mtmd(host, mmproj, np.asarray(picture.convert("RGB")))
     model = infer.load(text, mmproj=mmproj, backend="numpy")
     _, media = model.image_prompt(f"Look: {placeholder} now", [picture])
     want = model.backend.to_numpy(media.embeddings)

@@ -610,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--base", default=None, help="for a PEFT LoRA folder SRC (written as a GGUF adapter): the base "
                    "model it adapts (default: its adapter_config.json's base_model_name_or_path)")
     c.add_argument("--mmproj", default=None, metavar="FILE",
-                   help="for a Gemma 3, LLaVA or Idefics3 / SmolVLM folder SRC written as OUT.gguf: where the vision "
+                   help="for a Gemma 3, LLaVA, Idefics3 / SmolVLM or Qwen3.5 folder SRC written as OUT.gguf: where the vision "
                         "tower and projector go, llama.cpp's mmproj file (default: mmproj-OUT.gguf beside OUT)")
     c.set_defaults(func=cmd_convert)
     return parser
