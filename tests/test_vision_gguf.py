@@ -8,7 +8,7 @@ weights: the pair stores them as they are, except Gemma 3's soft-embedding
 norm, which llama.cpp keeps as ``1 + w`` and the reader turns back into
 ``(1 + w) - 1`` (w rounded by at most half an ulp of 1, 6e-8), so the bound
 is tests/reference.py's float32 rounding bound for the tower's and the
-language model's layers (``RTOL``; measured: 0.0 for all five families, the
+language model's layers (``RTOL``; measured: 0.0 for all six folders, the
 same products on the same values).
 """
 
@@ -37,6 +37,7 @@ FAMILIES = {"gemma3": (vision_models.vlm_dir, "<start_of_image>", "gemma3"),
             "llava_clip": (vision_models.vlm_dir, "<image>", "mlp"),
             "llava_siglip": (vision_models.vlm_dir, "<image>", "mlp"),
             "idefics3": (vision_models_b.vlm_dir, "<image>", "idefics3"),
+            "smolvlm": (vision_models_b.vlm_dir, "<image>", "idefics3"),
             "qwen3_5": (vision_models_b.vlm_dir, "<|vision_start|><|image_pad|><|vision_end|>", "qwen3vl_merger")}
 RTOL = rounding_rtol(2 + 3 + 1, 256)
 
@@ -115,7 +116,7 @@ def test_mmproj_file_is_llama_cpps_layout(name: str, workdir: Path) -> None:
             assert list(md["clip.vision.feature_layer"]) == [2] and md["clip.vision.block_count"] == 2
         elif name == "llava_siglip":
             assert list(md["clip.vision.feature_layer"]) == [3, 1]  # -1 and -3 of 3 layers, in the config's order
-        elif name == "idefics3":
+        elif name in ("idefics3", "smolvlm"):
             assert "mm.model.fc.weight" in tensors and md["clip.vision.projector.scale_factor"] == 2
             assert md["clip.vision.preproc_image_size"] == 48
         else:  # Qwen's two-frame kernel as two frames; the merger as post-norm and two linears
@@ -154,8 +155,9 @@ def test_mismatched_pairs_are_refused(workdir: Path) -> None:
         infer.load(gemma_text, mmproj=llava_text, backend="numpy")
 
 
-def _rewritten(src: Path, out: Path, **changes: object) -> Path:
-    """``src`` with some metadata values changed (through the gguf package's reader and writer)."""
+def _rewritten(src: Path, out: Path, renamed: dict[str, str] | None = None, **changes: object) -> Path:
+    """``src`` with some metadata values changed and some tensors renamed (through the gguf
+    package's reader and writer)."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -170,7 +172,8 @@ def _rewritten(src: Path, out: Path, **changes: object) -> Path:
         else:
             writer.add_key_value(field.name, value, vtype)
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=tuple(int(x) for x in reversed(t.shape)))
+        writer.add_tensor((renamed or {}).get(t.name, t.name), np.asarray(t.data),
+                          raw_shape=tuple(int(x) for x in reversed(t.shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -214,3 +217,39 @@ def test_cli_run_with_an_image_finds_the_neighbouring_mmproj(workdir: Path, tmp_
     assert main(["-q", "run", str(text), "Look: <image> The capital of France is", "--image", str(image),
                  "-n", "3", "-t", "0", "--backend", "numpy"]) == 0
     assert capsys.readouterr().out == want + "\n"
+
+
+def test_older_converters_swapped_mlp_names_are_recognised(workdir: Path) -> None:
+    # llama.cpp's older converters named a tower's fc1 ffn_down and its fc2 ffn_up; clip.cpp (and infer)
+    # tell them apart by their shapes.
+    text, mmproj = pair("gemma3", workdir)
+    swap = {}
+    for i in range(3):
+        for suffix in ("weight", "bias"):
+            up, down = f"v.blk.{i}.ffn_up.{suffix}", f"v.blk.{i}.ffn_down.{suffix}"
+            swap.update({up: down, down: up})
+    legacy = _rewritten(mmproj, workdir / "mmproj-legacy.gguf", renamed=swap)
+    prompt, image = "Look: <start_of_image> The capital of France is", [vision_models.synthetic_image(40, 24, seed=3)]
+    _, want = logits(infer.load(text, mmproj=mmproj, backend="numpy"), prompt, image)
+    _, got = logits(infer.load(text, mmproj=legacy, backend="numpy"), prompt, image)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"projector_hidden_act": "silu"}, "projector_hidden_act 'silu'"),
+    ({"vision_feature_select_strategy": "full"}, "'full' with a CLIP tower"),
+    ({"multimodal_projector_bias": False}, "without biases"),
+])
+def test_llava_settings_clip_cpp_cannot_run_are_refused(change: dict, message: str, tmp_path: Path) -> None:
+    from infer.errors import ConversionError
+    from infer.formats.gguf_mmproj import write_mmproj
+    from infer.plugins import get_registry
+
+    source = folder("llava_clip")
+    package = get_registry().format_for(source).open(source)
+    try:
+        package.config = {**package.config, **change}
+        with pytest.raises(ConversionError, match=message):
+            write_mmproj(package, tmp_path / "mmproj.gguf", type="f32")
+    finally:
+        package.tensors.close()
