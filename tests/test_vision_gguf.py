@@ -253,3 +253,18 @@ def test_llava_settings_clip_cpp_cannot_run_are_refused(change: dict, message: s
             write_mmproj(package, tmp_path / "mmproj.gguf", type="f32")
     finally:
         package.tensors.close()
+
+
+def test_cli_convert_and_serve_take_mmproj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import infer.serve
+    from infer.tools.cli import main
+
+    out, projector = tmp_path / "gemma.gguf", tmp_path / "vision" / "projector.gguf"
+    projector.parent.mkdir()
+    assert main(["-q", "convert", str(folder("gemma3")), str(out), "--type", "f32", "--mmproj", str(projector)]) == 0
+    assert out.is_file() and projector.is_file() and not (tmp_path / "mmproj-gemma.gguf").exists()
+    seen: dict = {}
+    monkeypatch.setattr(infer.serve, "serve", lambda model, **kwargs: seen.update(model=model))
+    assert main(["-q", "serve", str(out), "--mmproj", str(projector), "--backend", "numpy"]) == 0
+    assert seen["model"].reads_images and seen["model"].package.model_type == "gemma3"

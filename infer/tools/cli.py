@@ -535,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     _add_lora(srv)
+    srv.add_argument("--mmproj", default=None, metavar="FILE",
+                     help="with a .gguf text model: llama.cpp's vision projector file for it, so requests may carry "
+                          "images (docs/vision.md, \"GGUF pairs\")")
     srv.add_argument("--enable-lora-updates", action="store_true",
                      help="let clients load and unload adapters at run time (POST /v1/load_lora_adapter, "
                      "/v1/unload_lora_adapter); off by default")
