@@ -190,6 +190,8 @@ def read_mmproj(file: GGUFFile) -> Mmproj:
         "layer_norm_eps": _float(md.get("clip.vision.attention.layer_norm_epsilon", 1e-5 if clip else 1e-6)),
         "hidden_act": ("gelu" if gelu else "quick_gelu") if clip else "gelu_pytorch_tanh",
     }
+    # A SigLIP tower is GELU (tanh) whatever the flag says: llama.cpp's legacy LLaVA converter set use_gelu
+    # only for hidden_act "gelu", so its SigLIP files say quick-GELU, which no SigLIP checkpoint computes.
     if not clip and not gelu and kind != "mlp":
         raise MmprojError(f"{path}: a SigLIP tower with quick-GELU (clip.use_gelu unset) is not one infer reads")
     mean = [_float(v) for v in need("clip.vision.image_mean")]
