@@ -454,10 +454,33 @@ def infer_register_formats(register: Any) -> None:
                         open_pair=_open_pair, split_pair=_split_pair))
 
 
-def _open_pair(model: Path, projector: Path) -> ModelPackage:
-    from .gguf_mmproj import open_pair
+def _open_pair(model: Path, projector: Path, *, tokenizer: bool = True) -> ModelPackage:
+    """The text GGUF ``model`` and llama.cpp's vision projector file ``projector`` (an
+    mmproj GGUF) as one vision-language package (:mod:`.gguf_mmproj`).
 
-    return open_pair(model, projector)
+    Raises:
+        MmprojError: ``projector`` is not an mmproj file, or ``model`` is one.
+        UnknownProjectorError: the projector type is not one infer reads.
+        MmprojMismatchError: the two files are not one model's (see :func:`.gguf_mmproj.pair_package`).
+    """
+    from .gguf_mmproj import pair_package, read_mmproj
+
+    vision_file = read_gguf(projector)
+    text = None
+    try:
+        proj = read_mmproj(vision_file)
+        entries = {name: _Entry(info, info.shape, None, offset) for name, (info, offset) in proj.tensors.items()}
+        for name, (infos, rebuild) in proj.rebuilt.items():  # Qwen's patch kernel from its two frames
+            frame = infos[0].shape
+            entries[name] = _Entry(infos[0], (*frame[:2], len(infos), *frame[2:]), None, 0.0,
+                                   rebuild=(infos, rebuild))
+        text = open_gguf(model, tokenizer=tokenizer)
+        return pair_package(proj, GGUFTensorSource(vision_file, entries), text, Path(model), Path(projector))
+    except BaseException:
+        vision_file.close()
+        if text is not None:
+            text.tensors.close()
+        raise
 
 
 def _split_pair(package: ModelPackage) -> Any:

@@ -7,11 +7,12 @@ loads as its text family. The mmproj file (``general.architecture = clip``,
 ``clip.projector_type``, ``clip.vision.*`` and tensors ``v.*`` (the tower,
 ``v.blk.N.*`` per layer) and ``mm.*`` (the projector), named as llama.cpp's
 converter (``MmprojModel`` and its subclasses) and ``tools/mtmd/clip.cpp``
-name them. :func:`open_pair` reads the two as the Hugging Face vision-language
-checkpoint they came from: the ``config.json`` of the family (``gemma3``,
-``llava``, ``idefics3``) with ``text_config`` from the text file and
-``vision_config`` from the mmproj keys, and every tensor under its Hugging
-Face name, so the architectures load a pair as they load a folder.
+name them. :func:`pair_package` (through the GGUF format's ``open_pair``)
+reads the two as the Hugging Face vision-language checkpoint they came from:
+the ``config.json`` of the family (``gemma3``, ``llava``, ``idefics3``,
+``qwen3_5``) with ``text_config`` from the text file and ``vision_config``
+from the mmproj keys, and every tensor under its Hugging Face name, so the
+architectures load a pair as they load a folder.
 
 The projector types read (``clip.projector_type`` -> ``model_type``):
 
@@ -27,6 +28,8 @@ The projector types read (``clip.projector_type`` -> ``model_type``):
   row dropped, ``mm.0`` / ``mm.2`` the two linears around a GELU.
 * ``idefics3`` -> ``idefics3``: a SigLIP tile encoder, pixel shuffle by
   ``clip.vision.projector.scale_factor``, ``mm.model.fc`` (no bias).
+* ``qwen3vl_merger`` -> ``qwen3_5`` (``qwen3_5_moe``): Qwen's ViT (:func:`_read_qwen`),
+  M-RoPE's sections from the text file.
 
 The layouts are Hugging Face's: the patch kernel ``[hidden, 3, p, p]`` as the
 convolution stores it, every matrix ``[out, in]``. Files from llama.cpp's
@@ -350,38 +353,18 @@ class JoinedTensorSource(TensorSource):
             source.close()
 
 
-def open_pair(model: str | Path, mmproj: str | Path, *, tokenizer: bool = True) -> ModelPackage:
-    """The text GGUF ``model`` and the mmproj GGUF ``mmproj`` as one vision-language
-    :class:`ModelPackage` (module docstring): ``model_type`` ``gemma3``, ``llava`` or
-    ``idefics3``, the text model's weights under the family's language-model prefix.
+def pair_package(proj: Mmproj, vision: TensorSource, text: ModelPackage, model: Path, mmproj: Path) -> ModelPackage:
+    """The text GGUF's package ``text`` and the mmproj file read as ``proj`` (its tensors
+    ``vision``, under Hugging Face names) as one vision-language :class:`ModelPackage`
+    (module docstring): ``model_type`` ``gemma3``, ``llava``, ``idefics3`` or ``qwen3_5``
+    (``qwen3_5_moe``), the text model's weights under the family's language-model prefix.
 
     Raises:
-        MmprojError: ``mmproj`` is not an mmproj file, or ``model`` is one.
-        UnknownProjectorError: the projector type is not one infer reads.
         MmprojMismatchError: the projector's output width is not the text model's
             hidden size, the text family is not the projector's, or the text
             model's vocabulary lacks the family's image tokens.
     """
-    from .gguf import GGUFTensorSource, _Entry, open_gguf
-
-    vision_file = read_gguf(mmproj)
-    try:
-        proj = read_mmproj(vision_file)
-        text = open_gguf(model, tokenizer=tokenizer)
-    except BaseException:
-        vision_file.close()
-        raise
-    try:
-        config = _pair_config(proj, text, Path(model), Path(mmproj))
-    except BaseException:
-        vision_file.close()
-        text.tensors.close()
-        raise
-    entries = {name: _Entry(info, info.shape, None, offset) for name, (info, offset) in proj.tensors.items()}
-    for name, (infos, rebuild) in proj.rebuilt.items():
-        shape = np.broadcast_shapes(*(i.shape for i in infos))
-        entries[name] = _Entry(infos[0], (*shape[:2], len(infos), *shape[2:]), None, 0.0, rebuild=(infos, rebuild))
-    vision = GGUFTensorSource(vision_file, entries)
+    config = _pair_config(proj, text, model, mmproj)
     lm = PREFIXES[proj.projector][0]
     table: dict[str, tuple[TensorSource, str]] = {}
     for name in text.tensors.names():
@@ -389,7 +372,7 @@ def open_pair(model: str | Path, mmproj: str | Path, *, tokenizer: bool = True) 
     for name in vision.names():
         table[name] = (vision, name)
     return ModelPackage(model_type=config["model_type"], config=config, tensors=JoinedTensorSource(table),
-                        tokenizer=text.tokenizer, generation=text.generation, path=Path(model), format="gguf",
+                        tokenizer=text.tokenizer, generation=text.generation, path=model, format="gguf",
                         preprocessor=proj.preprocessor)
 
 
