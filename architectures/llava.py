@@ -68,7 +68,7 @@ class LlavaForConditionalGeneration(WrappedLanguageModel):
         if self.strategy not in ("default", "full"):
             raise ConfigError(f"config.json: vision_feature_select_strategy {self.strategy!r} is not 'default' or "
                               "'full'")
-        self.vision_tower = VisionTower(vcfg, weights, ops, tower, layers=max(resolved))
+        self.vision_tower = VisionTower(vcfg, weights, ops, tower, layers=max(resolved), post_norm=False)
         act = config.get("projector_hidden_act", "gelu")
         if act not in PROJECTOR_ACTIVATIONS:
             raise ConfigError(f"config.json: projector_hidden_act {act!r} is not supported; supported: "

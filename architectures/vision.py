@@ -91,10 +91,12 @@ class VisionTower:
     """A SigLIP or CLIP vision tower on the op contract (module docstring)."""
 
     def __init__(self, config: VisionConfig, weights: Any, ops: Backend, prefix: str, *,
-                 layers: int | None = None) -> None:
+                 layers: int | None = None, post_norm: bool = True) -> None:
         """``prefix``: where its weights are (``...vision_tower.vision_model.``);
         ``layers``: how many encoder layers to read (the ones after the last
-        layer anyone reads are skipped)."""
+        layer anyone reads are skipped); ``post_norm=False``: SigLIP's
+        post-norm is not read (LLaVA reads hidden states, never the post-normed
+        output, and llama.cpp's mmproj files for it leave the norm out)."""
         cfg, w = config, weights
         self.config, self.ops = cfg, ops
         d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
@@ -109,7 +111,7 @@ class VisionTower:
             if cfg.clip else None
         ln = lambda name: (w.get(name + ".weight", (d,)), w.get(name + ".bias", (d,)))  # noqa: E731
         self.pre_norm = ln(prefix + "pre_layrnorm") if cfg.clip else None
-        self.post_norm = None if cfg.clip else ln(prefix + "post_layernorm")
+        self.post_norm = None if cfg.clip or not post_norm else ln(prefix + "post_layernorm")
         self.layers = []
         for i in range(cfg.num_hidden_layers if layers is None else layers):
             q = f"{prefix}encoder.layers.{i}."

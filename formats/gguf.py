@@ -414,6 +414,11 @@ def open_gguf(path: str | Path, *, tokenizer: bool = True) -> ModelPackage:
     """
     file = read_gguf(path)
     try:
+        if file.metadata.get("general.architecture") == "clip":
+            from infer.errors import MmprojError
+
+            raise MmprojError(f"{file.path} is an mmproj file (a vision tower and projector, general.architecture "
+                              "'clip'), not a model: load the text model's GGUF with mmproj= (--mmproj) naming it")
         arch, config = build_config(file)
         tensors = GGUFTensorSource(file, _entries(file, arch, config))
         generation = generation_defaults(file, config["vocab_size"])
@@ -445,7 +450,46 @@ def infer_register_formats(register: Any) -> None:
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
                         random_tensor=random_tensor, write=_write, write_types=tuple(_write_types()),
-                        read_adapter=_read_adapter, write_adapter=_write_adapter))
+                        read_adapter=_read_adapter, write_adapter=_write_adapter,
+                        open_pair=_open_pair, split_pair=_split_pair))
+
+
+def _open_pair(model: Path, projector: Path, *, tokenizer: bool = True) -> ModelPackage:
+    """The text GGUF ``model`` and llama.cpp's vision projector file ``projector`` (an
+    mmproj GGUF) as one vision-language package (:mod:`.gguf_mmproj`).
+
+    Raises:
+        MmprojError: ``projector`` is not an mmproj file, or ``model`` is one.
+        UnknownProjectorError: the projector type is not one infer reads.
+        MmprojMismatchError: the two files are not one model's (see :func:`.gguf_mmproj.pair_package`).
+    """
+    from .gguf_mmproj import pair_package, read_mmproj
+
+    vision_file = read_gguf(projector)
+    text = None
+    try:
+        proj = read_mmproj(vision_file)
+        entries = {name: _Entry(info, info.shape, None, offset) for name, (info, offset) in proj.tensors.items()}
+        for name, (infos, rebuild) in proj.rebuilt.items():  # Qwen's patch kernel from its two frames
+            frame = infos[0].shape
+            entries[name] = _Entry(infos[0], (*frame[:2], len(infos), *frame[2:]), None, 0.0,
+                                   rebuild=(infos, rebuild))
+        text = open_gguf(model, tokenizer=tokenizer)
+        return pair_package(proj, GGUFTensorSource(vision_file, entries), text, Path(model), Path(projector))
+    except BaseException:
+        vision_file.close()
+        if text is not None:
+            text.tensors.close()
+        raise
+
+
+def _split_pair(package: ModelPackage) -> Any:
+    from .gguf_mmproj import split_pair, write_mmproj
+
+    pair = split_pair(package)
+    if pair is None:
+        return None
+    return pair[0], lambda path, *, type="f16": write_mmproj(package, Path(path), type=type)
 
 
 def _read_adapter(path: Path, config: dict[str, Any] | None = None) -> Any:

@@ -20,6 +20,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from infer.errors import ConversionError, InferError, OutputExistsError, UnsupportedArchitectureError
 from infer.loading import resolve
@@ -34,7 +35,8 @@ def target_format(out: str | os.PathLike[str]) -> str:
 
 
 def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: str | None = None,
-            force: bool = False, progress: bool | None = None, base: str | os.PathLike[str] | None = None) -> Path:
+            force: bool = False, progress: bool | None = None, base: str | os.PathLike[str] | None = None,
+            mmproj: str | os.PathLike[str] | None = None) -> Path:
     """Convert the model ``src`` into ``out``.
 
     Args:
@@ -48,6 +50,11 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         base: for a PEFT LoRA folder ``src`` (written to ``OUT.gguf`` as a GGUF
             adapter, docs/adapters.md), the base model it adapts (default: the
             folder's ``base_model_name_or_path``): its architecture and heads.
+        mmproj: for a vision-language ``src`` (Gemma 3, LLaVA, Idefics3 /
+            SmolVLM, Qwen3.5) written as GGUF, where its vision tower and projector
+            go: llama.cpp's mmproj file (default: ``mmproj-<out name>``
+            beside ``out``, which holds the text model). docs/vision.md,
+            "GGUF pairs".
 
     Returns:
         ``out``, complete.
@@ -87,6 +94,17 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         package.read_config = registry.architecture_for(package.model_type).read_config
     except UnsupportedArchitectureError:  # the writer names what it supports
         pass
+    pair = _vision_pair(target, package, path)
+    if pair is not None:
+        projector = Path(mmproj).expanduser() if mmproj is not None else out.with_name("mmproj-" + out.name)
+        if (projector.exists() or projector.is_symlink()) and not force:
+            package.tensors.close()
+            raise OutputExistsError(f"{projector} exists; pass force=True (--force) to replace it")
+        return _write_pair(target, package, pair, out, projector, type, progress)
+    elif mmproj is not None:
+        package.tensors.close()
+        raise ConversionError(f"mmproj= writes the vision side of a Gemma 3, LLaVA, Idefics3 / SmolVLM or Qwen3.5 "
+                              f"model to GGUF; {path} ({package.model_type}) has none to write there")
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         target.write(package, partial, type=type, progress=progress)
@@ -95,6 +113,52 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         _remove(partial)
         if isinstance(exc, OSError) and not isinstance(exc, InferError):
             raise ConversionError(f"writing {out} failed: {exc}; nothing was left at {out}") from exc
+        raise
+    finally:
+        package.tensors.close()
+    return out
+
+
+def _vision_pair(target: Any, package: Any, path: Path) -> Any:
+    """(text package, write_projector) of a vision-language package the target format keeps in two
+    files (``FormatSpec.split_pair``), else None; the package's preprocessor settings (image mean
+    and std, sizes) read for the projector file."""
+    from infer.image_processing import PROCESSOR_DEFAULTS, read_preprocessor_config
+
+    pair = target.split_pair(package) if target.split_pair is not None else None
+    if pair is not None:
+        vision = package.config.get("vision_config") or {}
+        if package.model_type in ("qwen3_5", "qwen3_5_moe"):  # Qwen2-VL's processor: OpenAI CLIP's mean and std
+            from infer.image_processors.qwen2_vl import Qwen2VLImageProcessor
+
+            q = Qwen2VLImageProcessor()
+            defaults = {"image_mean": q.image_mean, "image_std": q.image_std,
+                        "size": {"shortest_edge": q.min_pixels, "longest_edge": q.max_pixels}}
+        else:
+            kind = ("Gemma3ImageProcessor" if package.model_type == "gemma3" else "CLIPImageProcessor"
+                    if vision.get("model_type") == "clip_vision_model" else "SiglipImageProcessor")
+            defaults = PROCESSOR_DEFAULTS[kind]
+        package.preprocessor = {**defaults, **read_preprocessor_config(path)}
+    return pair
+
+
+def _write_pair(target: Any, package: Any, pair: Any, out: Path, projector: Path, type: str,
+                progress: bool | None) -> Path:
+    """The text model to ``out`` (the GGUF writer) and the vision side to ``projector`` (an mmproj
+    file), each through its own partial file; neither is left behind on an error."""
+    text, write_projector = pair
+    partials = [p.with_name(f".{p.name}.partial-{uuid.uuid4().hex[:8]}") for p in (out, projector)]
+    try:
+        target.write(text, partials[0], type=type, progress=progress)
+        write_projector(partials[1], type=type)
+        _replace(partials[0], out)
+        _replace(partials[1], projector)
+        log.info("wrote %s (the text model) and %s (its vision tower and projector)", out, projector)
+    except BaseException as exc:
+        for partial in partials:
+            _remove(partial)
+        if isinstance(exc, OSError) and not isinstance(exc, InferError):
+            raise ConversionError(f"writing {out} and {projector} failed: {exc}") from exc
         raise
     finally:
         package.tensors.close()

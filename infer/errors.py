@@ -55,6 +55,21 @@ class UnsupportedDtypeError(FormatError):
     """A tensor is stored in a data type infer cannot read."""
 
 
+class MmprojError(FormatError):
+    """A vision projector file (llama.cpp's ``mmproj`` GGUF, ``general.architecture = clip``)
+    cannot serve the model it was given with: missing, not such a file, or of a kind infer
+    does not read."""
+
+
+class UnknownProjectorError(MmprojError):
+    """An mmproj file's ``clip.projector_type`` is not one infer reads (the message lists those)."""
+
+
+class MmprojMismatchError(MmprojError):
+    """An mmproj file does not fit its text model: its embeddings' width is not the text
+    model's hidden size, or its family is not the text model's (the message says which)."""
+
+
 # -- tokenizer and templates ------------------------------------------------
 
 

@@ -198,6 +198,7 @@ def load(
     max_loras: int | None = None,
     max_cpu_loras: int | None = None,
     max_lora_rank: int | None = None,
+    mmproj: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Load a model.
 
@@ -261,6 +262,10 @@ def load(
             :meth:`Model.load_adapter`.
         max_loras, max_cpu_loras, max_lora_rank: the adapter limits
             (:meth:`Model.configure_adapters`; None: its defaults).
+        mmproj: with a text GGUF ``reference``, llama.cpp's vision
+            projector file for it (``mmproj-*.gguf``): the two load as one
+            vision-language model (docs/vision.md, "GGUF pairs"; see
+            :func:`find_mmproj` for the file beside a model).
 
     ``quantize``, ``activations``, ``kv_dtype`` and ``compile`` become the
     model's :class:`~infer.ops.LoadSettings` (``model.backend.settings``),
@@ -275,6 +280,10 @@ def load(
         TensorParallelConfigError: ``tensor_parallel`` below 1, a backend
             without collectives, or a model it cannot split.
         WorkerError: the ranks did not meet, or one failed while loading.
+        MmprojError: ``mmproj`` is not a vision projector file, or
+            ``reference`` is not a GGUF model to pair it with;
+            ``UnknownProjectorError`` and ``MmprojMismatchError`` (its
+            kinds) say which projector or which mismatch.
     """
     settings = LoadSettings(quantize=quantize, activations=activations, kv_dtype=kv_dtype, compile=compile)
     started = time.perf_counter()
@@ -282,7 +291,7 @@ def load(
     registry = get_registry()
     fmt = registry.format_for(path, format)
     log.info("opening %s as %s", path, fmt.name)
-    package = fmt.open(path)
+    package = fmt.open(path) if mmproj is None else _open_pair(path, fmt.name, mmproj)
     release_free_heap()  # the tokenizer's parse left its temporaries in the heap
     arch = registry.architecture_for(package.model_type)
     # The backend with this load's settings, before any weight is prepared (prepare_weight
@@ -321,6 +330,45 @@ def load(
     for name, adapter in (adapters or {}).items():
         model.load_adapter(name, adapter)
     return model
+
+
+def _open_pair(path: Path, format: str, mmproj: str | os.PathLike[str]) -> Any:
+    """The text GGUF ``path`` with its vision projector file ``mmproj``, as one package."""
+    from infer.errors import MmprojError
+
+    spec = get_registry().formats.get(format)
+    if spec is None or spec.open_pair is None or not path.is_file():
+        raise MmprojError(f"mmproj= pairs a vision projector with a text GGUF file; {path} is a {format} model")
+    projector = Path(mmproj).expanduser()
+    if not projector.is_file():
+        raise MmprojError(f"no mmproj file at {projector}")
+    log.info("pairing %s with the vision projector %s", path, projector)
+    return spec.open_pair(path, projector)
+
+
+def find_mmproj(model: str | os.PathLike[str]) -> Path | None:
+    """The vision projector beside the GGUF file ``model``, named as llama.cpp's
+    converter and the Hugging Face repositories name it (``mmproj*.gguf`` in the
+    same folder; the model file itself never counts): the only one, or among
+    several the one whose name holds the model's (``mmproj-<model>.gguf``);
+    None where there is none.
+
+    Raises:
+        MmprojError: several candidates and none names the model.
+    """
+    from infer.errors import MmprojError
+
+    path = Path(model).expanduser()
+    if not path.is_file():
+        return None
+    found = sorted(p for p in path.parent.glob("*.gguf") if p.name.lower().startswith("mmproj") and p != path)
+    if len(found) <= 1:
+        return found[0] if found else None
+    named = [p for p in found if path.stem.lower() in p.stem.lower()]
+    if len(named) == 1:
+        return named[0]
+    raise MmprojError(f"{len(found)} mmproj files beside {path} ({', '.join(p.name for p in found)}) and "
+                      f"{'several' if named else 'none'} named after it; pass the one to use (--mmproj)")
 
 
 def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backend, backend: str | Backend | None,

@@ -222,7 +222,10 @@ def for_model(package: Any, network: Any, ops: Backend, tokenizer: Any) -> Image
     if spec is None:
         return None
     config = dict(spec.config or package.config)
-    processor = image_processor(spec.processor, config, read_preprocessor_config(package.path), tokenizer)
+    preprocessor = getattr(package, "preprocessor", None)
+    if preprocessor is None:
+        preprocessor = read_preprocessor_config(package.path)
+    processor = image_processor(spec.processor, config, preprocessor, tokenizer)
     return ImagePrompts(network, ops, tokenizer, processor)
 
 

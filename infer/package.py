@@ -160,3 +160,6 @@ class ModelPackage:
     #: attached by :func:`infer.convert` for writers that need resolved sizes (the GGUF
     #: writer of the Mamba-2 families); None where no one attached it.
     read_config: Callable[[dict[str, Any]], Any] | None = None
+    #: preprocessor_config.json's keys where the format carries them itself (an mmproj
+    #: GGUF's image mean, std and sizes); None: read the folder's preprocessor_config.json.
+    preprocessor: dict[str, Any] | None = None

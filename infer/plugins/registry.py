@@ -112,6 +112,13 @@ class FormatSpec:
     #: ``write_adapter(path, model_type, modules, config, *, alpha=None)`` writes them.
     read_adapter: Callable[..., Any] | None = None
     write_adapter: Callable[..., None] | None = None
+    #: Optional, for vision-language models kept in two files (llama.cpp's text GGUF and
+    #: its ``mmproj`` GGUF; docs/vision.md, "GGUF pairs"): ``open_pair(model, projector)``
+    #: opens the two as one :class:`~infer.package.ModelPackage`, and
+    #: ``split_pair(package)`` gives ``(text package, write_projector)`` for a package whose
+    #: vision side goes to a file of its own (``write_projector(path, *, type)``), or None.
+    open_pair: Callable[..., ModelPackage] | None = None
+    split_pair: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

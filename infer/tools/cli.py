@@ -1,6 +1,6 @@
 """The ``infer`` command line.
 
-    infer run MODEL PROMPT [sampling flags] [--backend NAME]
+    infer run MODEL PROMPT [sampling flags] [--backend NAME] [--image FILE] [--mmproj FILE]
     infer chat MODEL [--system TEXT] [sampling flags]
     infer perplexity MODEL FILE [--context N] [--stride S] [--kv-dtype float16] [--activations q8 --kl-against exact]
     infer embed MODEL FILE [--dimensions N] [--prompt-name NAME] [--no-normalize]
@@ -9,7 +9,7 @@
     infer diff MODEL --backends [A,]B [--prompt TEXT] [--activations q8]
     infer bench MODEL [--backend NAME ...] [--peers all|none|LIST] [--repeats N] [-o FILE]
     infer serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--kv-memory 2GiB] [--tool-parser NAME]
-    infer convert SRC OUT [--type TYPE] [--force]
+    infer convert SRC OUT [--type TYPE] [--force] [--mmproj FILE]
 
 Generated text goes to stdout as it is produced; progress bars, logs and
 errors go to stderr. An :class:`~infer.errors.InferError` ends the command
@@ -45,6 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     _add_lora(p)
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="with a .gguf text model: llama.cpp's vision projector file for it (mmproj-*.gguf); with "
+                        "--image, one beside the model is found (docs/vision.md, \"GGUF pairs\")")
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=None, help="most new tokens")
     g.add_argument("-t", "--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
@@ -143,11 +146,26 @@ def _load(args: argparse.Namespace) -> Any:
     model = infer.load(args.model, backend=args.backend, dtype=args.dtype, progress=not args.quiet,
                       quantize=args.quantize, compile=args.compile, kv_dtype=getattr(args, "kv_dtype", None),
                       activations=getattr(args, "activations", None),
-                      tensor_parallel=getattr(args, "tensor_parallel", None))
+                      tensor_parallel=getattr(args, "tensor_parallel", None), mmproj=_mmproj(args))
     _LOADED.append(model)
     for name, path, _ in _loras(args):
         model.load_adapter(name, path)
     return model
+
+
+def _mmproj(args: argparse.Namespace) -> str | None:
+    """``--mmproj``, else for a run with ``--image`` on a local .gguf file the
+    mmproj file beside it (llama.cpp's naming, :func:`infer.loading.find_mmproj`)."""
+    if getattr(args, "mmproj", None):
+        return str(args.mmproj)
+    if getattr(args, "image", None) and str(args.model).lower().endswith(".gguf") and os.path.isfile(args.model):
+        from infer.loading import find_mmproj
+
+        found = find_mmproj(args.model)
+        if found is not None:
+            log.info("using the vision projector %s beside %s", found, args.model)
+            return str(found)
+    return None
 
 
 def _adapter_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -435,7 +453,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from infer.convert import convert
 
-    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet, base=args.base)
+    out = convert(args.src, args.out, type=args.type, force=args.force, progress=not args.quiet, base=args.base,
+                  mmproj=args.mmproj)
     print(out)
     return 0
 
@@ -516,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                      help="run the model over N ranks (torch:cpu or torch:cuda; see docs/distributed.md)")
     _add_lora(srv)
+    srv.add_argument("--mmproj", default=None, metavar="FILE",
+                     help="with a .gguf text model: llama.cpp's vision projector file for it, so requests may carry "
+                          "images (docs/vision.md, \"GGUF pairs\")")
     srv.add_argument("--enable-lora-updates", action="store_true",
                      help="let clients load and unload adapters at run time (POST /v1/load_lora_adapter, "
                      "/v1/unload_lora_adapter); off by default")
@@ -590,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--base", default=None, help="for a PEFT LoRA folder SRC (written as a GGUF adapter): the base "
                    "model it adapts (default: its adapter_config.json's base_model_name_or_path)")
+    c.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="for a Gemma 3, LLaVA, Idefics3 / SmolVLM or Qwen3.5 folder SRC written as OUT.gguf: where the vision "
+                        "tower and projector go, llama.cpp's mmproj file (default: mmproj-OUT.gguf beside OUT)")
     c.set_defaults(func=cmd_convert)
     return parser
 
