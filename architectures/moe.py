@@ -130,7 +130,8 @@ class SparseMoE:
                 "experts": [self.expert.load(w, f"{prefix}{self.experts}.{i}.") for i in range(self.num_experts)]}
 
     def route(self, x: Array, w: dict[str, Any]) -> tuple[Array, Array]:
-        """Gate weights ``[tokens, top_k]`` and the chosen expert ids ``[tokens, top_k]`` (data, not read on the host)."""
+        """Gate weights ``[tokens, top_k]`` and the chosen expert ids
+        ``[tokens, top_k]`` (data: not read on the host)."""
         ops = self.ops
         probs = ops.softmax(ops.astype(ops.linear(x, w["gate"]), "float32"), axis=-1)  # [tokens, experts]
         weights, chosen = ops.topk(probs, self.top_k)

@@ -507,9 +507,9 @@ def expert_linear(ops: Ops, x: Array, weights: Sequence[Array], ids: Array) -> A
     host, one :meth:`linear` per expert over its rows (in order), experts in
     increasing order, the products taken back into row order."""
     chosen = ops.to_numpy(ids).reshape(-1).astype(np.int64)
-    if chosen.size and (chosen.min() < 0 or chosen.max() >= len(weights)):
-        raise IndexError(f"expert_linear: expert id {int(chosen.max() if chosen.max() >= len(weights) else chosen.min())}"
-                         f" outside [0, {len(weights)})")
+    bad = chosen[(chosen < 0) | (chosen >= len(weights))]
+    if bad.size:
+        raise IndexError(f"expert_linear: expert id {int(bad[0])} outside [0, {len(weights)})")
     order = np.argsort(chosen, kind="stable")  # each expert's rows, in row order
     experts, starts = np.unique(chosen[order], return_index=True)
     bounds = [*starts.tolist(), len(order)]

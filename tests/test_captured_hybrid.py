@@ -116,7 +116,8 @@ def _refuse_experts(self: record.Recorder, *args: object) -> None:
 
 
 @pytest.mark.parametrize("greedy", [False, True])
-def test_a_refused_trace_leaves_the_recurrent_states_as_they_were(greedy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_trace_leaves_the_recurrent_states_as_they_were(greedy: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Granite 4.0-H's tiny variant with its experts' products refused: the first trace runs
     # some Mamba2 layers on the live states before it is refused, and the eager forward that
     # follows must start from the states as they were (a state, unlike keys and values,

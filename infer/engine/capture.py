@@ -129,7 +129,7 @@ class CapturedDecode:
         return count() if count is not None else None
 
     def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
-              recurrent: list[Array | None] | None = None) -> tuple[Array, Array, list, list] | tuple[Array, Array, list, list, list]:
+              recurrent: list[Array | None] | None = None) -> tuple[Any, ...]:
         ops = self.ops
         # Without attention layers (Mamba2) there are no buffers to tell the capacity: any will do.
         ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, layer_kv=self._layer_kv,
@@ -225,7 +225,8 @@ class CapturedDecode:
         self._state_layout = [(layer, name) for layer in sorted(store.arrays) for name in sorted(store.arrays[layer])]
         i32 = lambda xs: ops.from_numpy(np.asarray(xs, np.int32))  # noqa: E731
         ck_rows, ck_slots = (i32([0]), i32([marks[0][1]])) if marks else (None, None)
-        extra = [i32([states.slot]), ck_rows, ck_slots, *(store.arrays[layer][name] for layer, name in self._state_layout)]
+        extra = [i32([states.slot]), ck_rows, ck_slots,
+                 *(store.arrays[layer][name] for layer, name in self._state_layout)]
         signature = (cache.capacity, bool(marks))
         before = None
         if signature not in self._ran:
