@@ -46,7 +46,7 @@ from .decoder import ACTIVATIONS, Attention, Block, Decoder, DecoderLayer, Weigh
 from .llama import LlamaConfig
 from .mamba2 import Mamba2Mixer, time_step_limit
 from .mlp import GatedMLP
-from .moe import SparseMoE, mix_experts
+from .moe import SparseMoE
 from .rope import RotaryEmbedding, context_length
 
 #: ``layer_types`` names (transformers 5's and the released configs' older ones) -> the layer's kind.
@@ -143,9 +143,7 @@ class HybridMLP:
         y = self.shared(x, w["shared"])
         if self.moe is None:
             return y
-        weights, ids = self.moe.route(x, w["moe"])
-        routed = mix_experts(self.ops, x, weights, ids, lambda e, rows: self.moe.expert(rows, w["moe"]["experts"][e]))
-        return self.ops.add(routed, y)
+        return self.ops.add(self.moe(x, w["moe"]), y)
 
 
 class GraniteMoeHybridForCausalLM(Decoder):

@@ -8,6 +8,7 @@ one is ``down(act(up(x)))`` (Radford et al. 2019, GPT-2).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from infer.architecture import WeightLoader
@@ -60,21 +61,32 @@ class GatedMLP:
         return out
 
     def __call__(self, x: Array, w: dict[str, Any]) -> Array:
+        return self._forward(x, w, lambda rows, name: self.ops.linear(rows, w[name], w.get(name + ".bias")))
+
+    def by_id(self, x: Array, experts: list[dict[str, Any]], ids: Array) -> Array:
+        """Rows of several MLPs of this shape (a mixture's experts, without
+        biases): row ``i`` through the weights ``experts[ids[i]]``, each
+        projection one :meth:`~infer.ops.Backend.expert_linear`."""
+        ops = self.ops
+        return self._forward(x, experts[0], lambda rows, name: ops.expert_linear(rows, [e[name] for e in experts], ids))
+
+    def _forward(self, x: Array, w: dict[str, Any], product: Callable[[Array, str], Array]) -> Array:
+        """The block with ``product(rows, name)`` computing each projection (``w`` says which are stored)."""
         ops = self.ops
         if "gate_up_proj" in w:
-            y = ops.linear(x, w["gate_up_proj"], w.get("gate_up_proj.bias"))
+            y = product(x, "gate_up_proj")
             n = ops.shape(y)[-1] // 2
             gate, up = ops.slice(y, -1, 0, n), ops.slice(y, -1, n, 2 * n)
         else:
-            gate = ops.linear(x, w["gate_proj"], w.get("gate_proj.bias"))
-            up = ops.linear(x, w["up_proj"], w.get("up_proj.bias"))
+            gate = product(x, "gate_proj")
+            up = product(x, "up_proj")
         if self.gate_multiplier != 1.0:
             gate = ops.mul(gate, self.gate_multiplier)
         if self.activation == "silu":
             h = ops.swiglu(gate, up)
         else:
             h = ops.mul(getattr(ops, self.activation)(gate), up)
-        out = ops.linear(h, w["down_proj"], w.get("down_proj.bias"))
+        out = product(h, "down_proj")
         return out if self.down_multiplier == 1.0 else ops.mul(out, self.down_multiplier)
 
 

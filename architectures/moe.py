@@ -30,7 +30,11 @@ experts per token): the chosen expert ids come to the host (one small
 transfer per layer) and each expert runs on the rows routed to it
 (``take``); the outputs are put back in (token, slot) order with one more
 ``take``, weighted and summed over the slots. Only ops of the contract, so
-every backend runs it.
+every backend runs it. The softmax router's dispatch (:func:`mix_routed`)
+keeps the ids as data instead: each token's row once per slot, each
+projection one :meth:`~infer.ops.Backend.expert_linear` (whose default groups
+the rows by expert exactly as :func:`mix_experts` does, so the products are
+the same), so the whole layer runs inside a captured step.
 """
 
 from __future__ import annotations
@@ -125,18 +129,36 @@ class SparseMoE:
         return {"gate": w.get(f"{prefix}{self.router}.weight", (self.num_experts, self.hidden)),
                 "experts": [self.expert.load(w, f"{prefix}{self.experts}.{i}.") for i in range(self.num_experts)]}
 
-    def route(self, x: Array, w: dict[str, Any]) -> tuple[Array, list[list[int]]]:
-        """Gate weights ``[tokens, top_k]`` and the chosen expert ids per token (host lists)."""
+    def route(self, x: Array, w: dict[str, Any]) -> tuple[Array, Array]:
+        """Gate weights ``[tokens, top_k]`` and the chosen expert ids
+        ``[tokens, top_k]`` (data: not read on the host)."""
         ops = self.ops
         probs = ops.softmax(ops.astype(ops.linear(x, w["gate"]), "float32"), axis=-1)  # [tokens, experts]
         weights, chosen = ops.topk(probs, self.top_k)
         if self.norm_topk_prob:
             weights = ops.div(weights, ops.sum(weights, axis=-1, keepdims=True))
-        return weights, [[int(j) for j in row] for row in ops.to_numpy(chosen).tolist()]
+        return weights, chosen
 
     def __call__(self, x: Array, w: dict[str, Any]) -> Array:
-        weights, ids = self.route(x, w)
-        return mix_experts(self.ops, x, weights, ids, lambda e, rows: self.expert(rows, w["experts"][e]))
+        weights, chosen = self.route(x, w)
+        return mix_routed(self.ops, x, weights, chosen, self.expert, w["experts"])
+
+
+def mix_routed(ops: Backend, x: Array, weights: Array, chosen: Array, mlp: GatedMLP,
+               experts: list[dict[str, Any]]) -> Array:
+    """:func:`mix_experts` with the chosen ids ``[tokens, top_k]`` as data:
+    token ``t``'s row once per slot, each through the expert of that slot
+    (:meth:`~.mlp.GatedMLP.by_id`), weighted and summed over the slots in
+    slot order. Experts with biases go through :func:`mix_experts`."""
+    if any(name.endswith(".bias") for name in experts[0]):
+        ids = [[int(j) for j in row] for row in ops.to_numpy(chosen).tolist()]
+        return mix_experts(ops, x, weights, ids, lambda e, rows: mlp(rows, experts[e]))
+    t, d = ops.shape(x)
+    k = ops.shape(chosen)[-1]
+    rows = x if k == 1 else ops.take(x, _ints(ops, [i for i in range(t) for _ in range(k)]), axis=0)  # [t * k, d]
+    y = ops.reshape(mlp.by_id(rows, experts, ops.reshape(chosen, (t * k,))), (t, k, d))  # [tokens, slots, hidden]
+    weights = ops.reshape(ops.astype(weights, ops.dtype(y)), (t, k, 1))
+    return ops.sum(ops.mul(y, weights), axis=1)
 
 
 def mix_experts(ops: Backend, x: Array, weights: Array, ids: list[list[int]],

@@ -27,7 +27,7 @@ import cycle (tests/test_layering.py forbids one).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -500,6 +500,29 @@ def lora_linear(ops: Ops, x: Array, weight: Any, bias: Array | None, a: Array, b
     u = ops.matmul(ops.take(a, slots, axis=0), ops.reshape(x, (t, d_in, 1)))  # [t, rank, 1]
     d = ops.reshape(ops.matmul(ops.take(b, slots, axis=0), u), (t, d_out))  # [t, out]
     return ops.add(y, ops.mul(d, ops.reshape(ops.astype(scales, ops.dtype(d)), (t, 1))))
+
+
+def expert_linear(ops: Ops, x: Array, weights: Sequence[Array], ids: Array) -> Array:
+    """:meth:`~infer.ops.Backend.expert_linear`'s default: the ids on the
+    host, one :meth:`linear` per expert over its rows (in order), experts in
+    increasing order, the products taken back into row order."""
+    chosen = ops.to_numpy(ids).reshape(-1).astype(np.int64)
+    bad = chosen[(chosen < 0) | (chosen >= len(weights))]
+    if bad.size:
+        raise IndexError(f"expert_linear: expert id {int(bad[0])} outside [0, {len(weights)})")
+    order = np.argsort(chosen, kind="stable")  # each expert's rows, in row order
+    experts, starts = np.unique(chosen[order], return_index=True)
+    bounds = [*starts.tolist(), len(order)]
+    outputs = []
+    for j, e in enumerate(experts.tolist()):
+        rows = order[bounds[j]:bounds[j + 1]]
+        outputs.append(ops.linear(ops.take(x, ops.from_numpy(rows.astype(np.int32)), axis=0), weights[e]))
+    y = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
+    if len(outputs) == 1 and np.array_equal(order, np.arange(len(order))):
+        return y
+    where = np.empty(len(order), np.int32)
+    where[order] = np.arange(len(order), dtype=np.int32)  # row i's product is row where[i] of y
+    return ops.take(y, ops.from_numpy(where), axis=0)
 
 
 def topk(ops: Ops, x: Array, k: int) -> tuple[Array, Array]:

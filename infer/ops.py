@@ -67,7 +67,7 @@ OPTIONAL_OPS: tuple[str, ...] = (
     "quantized_linear", "attention", "synchronize", "topk", "compile",
     "all_reduce", "all_gather", "broadcast",
     "causal_conv1d", "ssd", "softplus", "gated_delta_rule",
-    "clip", "lora_linear",
+    "clip", "lora_linear", "expert_linear",
 )
 
 
@@ -1028,6 +1028,24 @@ class Backend(abc.ABC):
         row's factors, two batched :meth:`matmul`); a backend may compute it
         by segments of rows sharing a slot instead."""
         return oplib.lora_linear(self, x, weight, bias, a, b, slots, scales)
+
+    def expert_linear(self, x: Array, weights: Sequence[Array], ids: Array) -> Array:
+        """Each row times the weight its id names (mixture-of-experts
+        products; ggml's ``mul_mat_id``):
+
+            y[i] = x[i] @ weights[ids[i]].T
+
+        x: ``[rows, in]``; weights: the experts' ``[out, in]`` weights, each
+        as :meth:`linear` takes it (:meth:`prepare_weight`'s forms), all of one
+        shape; ids: ``[rows]`` int32 or int64 in ``[0, len(weights))``. Returns
+        ``[rows, out]``. The ids are data: a captured step computes them.
+
+        Default: the ids on the host (``to_numpy``), each expert's rows
+        gathered in order (:meth:`take`) and multiplied in one :meth:`linear`,
+        experts in increasing order, the products put back in row order: the
+        form a backend's program should keep (the rows a product sees decide
+        its rounding)."""
+        return oplib.expert_linear(self, x, weights, ids)
 
     def adapted_linear(self, x: Array, weight: AdaptedWeight, bias: Array | None = None) -> Array:
         """``linear`` of an :class:`AdaptedWeight`: :meth:`lora_linear` over

@@ -9,7 +9,7 @@ needed) and checks every number the two share:
   the names the recorder binds (and, where the extension is built, what it
   returns);
 * the unary, binary and reduce kinds (``U_*``, ``B_*``, ``R_*``) against
-  ``UNARY_KINDS``, ``BINARY_KINDS`` and ``MAX``/``ARGMAX``;
+  ``UNARY_KINDS``, ``BINARY_KINDS`` and ``MAX``/``ARGMAX``/``SUM``;
 * ``MAX_DIMS``.
 """
 
@@ -70,7 +70,7 @@ def test_the_name_table_lists_every_opcode_under_its_own_name() -> None:
 def test_the_recorder_binds_every_opcode_the_runner_decodes() -> None:
     ops = c_enum("OP_")
     bound = {name: getattr(record, name) for name in ops}
-    assert len(ops) == 16 and set(bound) == set(ops)
+    assert len(ops) == 18 and set(bound) == set(ops)
     if record.OPCODES:  # the extension is built: its table is the source's
         assert record.OPCODES == ops
         assert bound == ops
@@ -82,7 +82,7 @@ def test_the_kinds_agree() -> None:
     unary = {"CAST_I32": "cast", "GELU_ERF": "gelu"}  # the recorder names ops as the contract does
     assert {unary.get(n, n.lower()): v for n, v in c_enum("U_").items()} == record.UNARY_KINDS
     assert {n.lower(): v for n, v in c_enum("B_").items()} == record.BINARY_KINDS
-    assert c_enum("R_") == {"MAX": record.MAX, "ARGMAX": record.ARGMAX}
+    assert c_enum("R_") == {"MAX": record.MAX, "ARGMAX": record.ARGMAX, "SUM": record.SUM}
 
 
 def test_the_dimension_limit_agrees() -> None:

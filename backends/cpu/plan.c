@@ -48,6 +48,15 @@ enum {
                         I nseq, nrows, T, Hk, H, K, V, l2norm, chunked; F scale */
     OP_SSD,          /* P x, dt, A, B, C, D|0, dt_bias|0, state, query_start, rows|0, y, last, ckpt;
                         I nseq, nrows, T, H, P, G, N, softplus; F dt_min, dt_max */
+    /* Mixture-of-experts routing and products (architectures/moe.py), the expert ids data of the step. */
+    OP_TOPK,         /* P x (float32 [rows, n]), values (float32 [rows, k]), ids (int32 [rows, k]); I rows, n, k:
+                        each row's k largest, largest first, the lower index first among equal values, NaN
+                        last (the numpy backend's stable argsort of -x) */
+    OP_EXPERT_GEMV,  /* P x (float32 [m, k]), ids (int32 [m]), table (int64 [experts, 3]: the codes, scales and
+                        biases|0 addresses of each expert's weight; float32 weights: [experts, 1]), out [m, n];
+                        I experts, bits (-1: float32 weights), m, k, n, group, half; F bias factor: row i times
+                        expert ids[i]'s weight, each expert's rows gathered in order and multiplied together,
+                        as the contract's expert_linear groups them */
 };
 
 /* The opcodes by name, for the recorder (backends/cpu/record.py reads them
@@ -57,11 +66,12 @@ static const struct { const char *name; int code; } OPCODES[] = {
     {"DEQUANT_ROWS", OP_DEQUANT_ROWS}, {"COPY", OP_COPY}, {"UNARY", OP_UNARY}, {"BINARY", OP_BINARY},
     {"REDUCE", OP_REDUCE}, {"LAYERNORM", OP_LAYERNORM}, {"SCATTER_ROWS", OP_SCATTER_ROWS},
     {"ATTENTION", OP_ATTENTION}, {"CONV1D", OP_CONV1D}, {"GDR", OP_GDR}, {"SSD", OP_SSD},
+    {"TOPK", OP_TOPK}, {"EXPERT_GEMV", OP_EXPERT_GEMV},
 };
 
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
-enum { R_MAX, R_ARGMAX };
+enum { R_MAX, R_ARGMAX, R_SUM };
 enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH };
 
 #define MAX_DIMS 8
@@ -231,6 +241,29 @@ static void step_binary(struct machine *vm) {
 }
 
 /* numpy's max and argmax over the last axis: a NaN wins (the first one, for argmax). */
+/* numpy's float32 sum of n contiguous values (its pairwise summation: eight running sums over
+ * blocks of up to 128, halves beyond), in the same order, so a program's sum is numpy's to the bit. */
+static float pairwise_sum(const float *a, Py_ssize_t n) {
+    if (n < 8) {
+        float res = -0.0f;
+        for (Py_ssize_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        Py_ssize_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    Py_ssize_t half = n / 2;
+    half -= half % 8;
+    return pairwise_sum(a, half) + pairwise_sum(a + half, n - half);
+}
+
 static void step_reduce(struct machine *vm) {
     const float *x = next_ptr(vm);
     char *out = next_ptr(vm);
@@ -242,6 +275,10 @@ static void step_reduce(struct machine *vm) {
     }
     for (Py_ssize_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
+        if (kind == R_SUM) {
+            ((float *)out)[r] = pairwise_sum(row, n);
+            continue;
+        }
         Py_ssize_t best = 0;
         float top = row[0];
         for (Py_ssize_t j = 1; j < n && top == top; j++)
@@ -492,6 +529,36 @@ static void step_ssd(struct machine *vm) {
     free(order);
 }
 
+/* Whether a ranks before b in a descending sort with NaN last. */
+static int ranks_before(float a, float b) { return a == a && (b != b || a > b); }
+
+static void step_topk(struct machine *vm) {
+    const float *x = next_ptr(vm);
+    float *values = next_ptr(vm);
+    int32_t *ids = next_ptr(vm);
+    Py_ssize_t rows = next_int(vm), n = next_int(vm), k = next_int(vm);
+    if (!vm->error && (n < 1 || k < 1 || k > n)) vm->error = E_PROGRAM;
+    if (vm->error) return;
+    char *taken = malloc((size_t)n);
+    if (!taken) {
+        vm->error = E_MEMORY;
+        return;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        memset(taken, 0, (size_t)n);
+        for (Py_ssize_t j = 0; j < k; j++) { /* k is a few experts: selection, not a sort */
+            Py_ssize_t best = -1;
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (!taken[i] && (best < 0 || ranks_before(row[i], row[best]))) best = i;
+            taken[best] = 1;
+            values[r * k + j] = row[best];
+            ids[r * k + j] = (int32_t)best;
+        }
+    }
+    free(taken);
+}
+
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). GEMV's and
  * DEQUANT_ROWS's bits may be a block form (kernels.h, FORM_BLOCKS): codes are then the file's blocks. */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
@@ -500,6 +567,60 @@ static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k
         return 0;
     }
     return 1;
+}
+
+static void step_expert_gemv(struct machine *vm) {
+    const float *x = next_ptr(vm);
+    const int32_t *ids = next_ptr(vm);
+    const int64_t *table = next_ptr(vm);
+    float *out = next_ptr(vm);
+    Py_ssize_t experts = next_int(vm);
+    int bits = (int)next_int(vm);
+    Py_ssize_t m = next_int(vm), k = next_int(vm), n = next_int(vm), group = next_int(vm);
+    int half = (int)next_int(vm);
+    float factor = (float)next_float(vm);
+    if (!vm->error && (experts < 1 || m < 1 || k < 1 || n < 1)) vm->error = E_PROGRAM;
+    if (vm->error || (bits >= 0 && !codes_ok(vm, bits & ~Q8_FLAG, group, k, half, (const void *)(intptr_t)table[2])))
+        return;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= experts) {
+            vm->error = E_TOKEN;
+            vm->detail = ids[i];
+            vm->limit = experts;
+            return;
+        }
+    /* Each expert's rows in order (a counting sort), gathered, multiplied, put back. */
+    Py_ssize_t *order = malloc((size_t)(m + experts + 1) * sizeof(Py_ssize_t));
+    float *xs = malloc((size_t)(m * k) * sizeof(float)), *ys = malloc((size_t)(m * n) * sizeof(float));
+    if (!order || !xs || !ys) {
+        vm->error = E_MEMORY;
+        goto done;
+    }
+    Py_ssize_t *start = order + m; /* [experts + 1] */
+    for (Py_ssize_t e = 0; e <= experts; e++) start[e] = 0;
+    for (Py_ssize_t i = 0; i < m; i++) start[ids[i] + 1]++;
+    for (Py_ssize_t e = 0; e < experts; e++) start[e + 1] += start[e];
+    for (Py_ssize_t i = 0; i < m; i++) order[start[ids[i]]++] = i;
+    for (Py_ssize_t e = experts; e > 0; e--) start[e] = start[e - 1]; /* the fills moved each start one group on */
+    start[0] = 0;
+    for (Py_ssize_t e = 0; e < experts && !vm->error; e++) {
+        Py_ssize_t r0 = start[e], rows = start[e + 1] - r0;
+        if (!rows) continue;
+        for (Py_ssize_t r = 0; r < rows; r++) memcpy(xs + r * k, x + order[r0 + r] * k, (size_t)k * sizeof(float));
+        if (bits < 0) {
+            gemvf_run(xs, (const float *)(intptr_t)table[e], ys, rows, k, n);
+        } else {
+            const int64_t *w = table + 3 * e;
+            if (gemv_run(bits, xs, (const uint8_t *)(intptr_t)w[0], (const void *)(intptr_t)w[1],
+                         (const void *)(intptr_t)w[2], factor, half, ys, rows, k, n, group))
+                vm->error = E_MEMORY;
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) memcpy(out + order[r0 + r] * n, ys + r * n, (size_t)n * sizeof(float));
+    }
+done:
+    free(order);
+    free(xs);
+    free(ys);
 }
 
 static void step(struct machine *vm) {
@@ -628,6 +749,8 @@ static void step(struct machine *vm) {
     case OP_CONV1D: step_conv1d(vm); return;
     case OP_GDR: step_gdr(vm); return;
     case OP_SSD: step_ssd(vm); return;
+    case OP_TOPK: step_topk(vm); return;
+    case OP_EXPERT_GEMV: step_expert_gemv(vm); return;
     default: vm->error = E_PROGRAM; return;
     }
 }

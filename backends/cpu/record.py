@@ -30,11 +30,12 @@ GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LA
     OPCODES.get(name, -1) for name in ("GEMV", "GEMV_F32", "RMS", "ROPE", "GATHER", "DEQUANT_ROWS", "COPY", "UNARY",
                                        "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))
 CONV1D, GDR, SSD = (OPCODES.get(name, -1) for name in ("CONV1D", "GDR", "SSD"))
+TOPK, EXPERT_GEMV = (OPCODES.get(name, -1) for name in ("TOPK", "EXPERT_GEMV"))
 # Kinds: the enums below the opcodes in backends/cpu/plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9, "softplus": 10}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
-MAX, ARGMAX = 0, 1
+MAX, ARGMAX, SUM = 0, 1, 2
 MAX_DIMS = 8
 NULL = (-1, 0)
 
@@ -370,6 +371,59 @@ class Recorder:
     def argmax(self, x: Any, axis: int = -1) -> Any:
         return self._reduce("argmax", x, axis)
 
+    # -- mixture-of-experts routing: softmax, the sum that renormalises, top-k, the experts' products --------
+
+    def sum(self, x: Any, axis: int = -1, keepdims: bool = False) -> Any:
+        xp = _plain(x)
+        if not (_f32(xp) and xp.size and -xp.ndim <= axis < xp.ndim):
+            raise NotCapturable(f"sum over axis {axis} of {getattr(xp, 'dtype', '?')}{list(getattr(xp, 'shape', ()))}")
+        axis %= xp.ndim
+        want = np.asarray(self.eager("sum", xp, axis, keepdims))
+        if axis == xp.ndim - 1 and TOPK >= 0:  # numpy's pairwise sum of each row (plan.c's, built with TOPK)
+            xc = self.contiguous(xp)
+            out = self.buffer(want.shape or (1,), np.float32)
+            self.emit(REDUCE, [xc, out], [SUM, xc.size // xc.shape[-1], xc.shape[-1]])
+            out = out.reshape(want.shape)
+        elif axis != xp.ndim - 1:  # numpy adds the slices along an outer axis one after another: so do the steps
+            part = lambda i: self.wrap(xp[(slice(None),) * axis + (i,)])  # noqa: E731 - a view, no copy
+            acc = self.wrap(self.buffer_copy(xp[(slice(None),) * axis + (0,)]))
+            for i in range(1, xp.shape[axis]):
+                acc = self._binary("add", acc, part(i))
+            out = _plain(acc).reshape(want.shape)
+        else:
+            raise NotCapturable("sum: the kernels have no step for it")
+        self.check("sum", out, want)
+        return self.wrap(out)
+
+    def buffer_copy(self, x: np.ndarray) -> np.ndarray:
+        """A copy step of ``x`` into a new buffer."""
+        out = self.buffer(x.shape, x.dtype)
+        self.copy(x, out)
+        return out
+
+    def softmax(self, x: Any, axis: int = -1) -> Any:
+        xp = _plain(x)
+        if not (_f32(xp) and xp.ndim and axis in (-1, xp.ndim - 1)):
+            raise NotCapturable(f"softmax over axis {axis} of {getattr(xp, 'dtype', '?')}")
+        # The numpy backend's steps: exp(x - max) / sum, with its max and its pairwise sum.
+        e = self.exp(self.sub(x, self.max(x, -1, keepdims=True)))
+        out = self.div(e, self.sum(e, -1, keepdims=True))
+        self.check("softmax", out, self.eager("softmax", xp, axis))
+        return out
+
+    def topk(self, x: Any, k: int) -> Any:
+        xp = _plain(x)
+        if not (TOPK >= 0 and _f32(xp) and xp.ndim and 0 < k <= xp.shape[-1]):
+            raise NotCapturable(f"topk of {getattr(xp, 'dtype', '?')}{list(getattr(xp, 'shape', ()))}")
+        xc = self.contiguous(xp)
+        rows, n = xc.size // xc.shape[-1], xc.shape[-1]
+        values, ids = self.buffer((*xp.shape[:-1], k), np.float32), self.buffer((*xp.shape[:-1], k), np.int32)
+        self.emit(TOPK, [xc, values, ids], [rows, n, k])
+        want_values, want_ids = self.eager("topk", xp, k)
+        self.check("topk", values, want_values)
+        self.check("topk", ids, np.asarray(want_ids).astype(np.int32))
+        return self.wrap(values), self.wrap(ids)
+
     # -- views and copies ---------------------------------------------------------
 
     def reshape(self, x: Any, shape: Any) -> Any:
@@ -459,6 +513,39 @@ class Recorder:
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         return self.linear(x, weight, bias)
+
+    def expert_linear(self, x: Any, weights: Any, ids: Any) -> Any:
+        xp, ip = _plain(x), _plain(ids)
+        if not (EXPERT_GEMV >= 0 and _f32(xp) and xp.ndim == 2 and isinstance(ip, np.ndarray) and ip.dtype == np.int32
+                and ip.shape == xp.shape[:1] and len(weights) and not self.dynamic(list(weights))):
+            raise NotCapturable(f"expert_linear of {getattr(xp, 'dtype', '?')}{list(getattr(xp, 'shape', ()))} "
+                                f"by {getattr(ip, 'dtype', '?')} ids")
+        m, k = xp.shape
+        # The experts' weights as one table of addresses (kept alive with the program), all of one form.
+        if all(type(w) is PackedWeight and w.kernel is not None for w in weights):
+            forms = {tuple(w.kernel[i] for i in (0, 4, 5, 6, 7, 8)) for w in weights}
+            if len(forms) != 1:
+                raise NotCapturable("expert_linear over experts of different forms")
+            bits, wk, n, group, half, factor = forms.pop()
+            table = np.array([[_addr(w.kernel[1]), _addr(w.kernel[2]), 0 if w.kernel[3] is None else _addr(w.kernel[3])]
+                              for w in weights], np.int64)
+            self.keep.append([w.kernel for w in weights])
+            if getattr(self.ops, "activations", None) == "q8":  # the eager product's own (kernels.Q8_FLAG)
+                bits |= self.kernels.Q8_FLAG
+        elif all(type(w) is np.ndarray and _f32(w) and w.ndim == 2 and w.flags.c_contiguous
+                 and w.shape == weights[0].shape for w in weights):
+            bits, (n, wk), group, half, factor = -1, weights[0].shape, 0, 0, 0.0
+            table = np.array([[_addr(w)] for w in weights], np.int64)
+            self.keep.append(list(weights))
+        else:
+            raise NotCapturable(f"expert_linear on {weights[0]!r:.80}: no kernel computes it in the step")
+        if wk != k:
+            raise NotCapturable(f"expert_linear: x has {k} columns, the weights {wk}")
+        out = self.buffer((m, n), np.float32)
+        self.emit(EXPERT_GEMV, [self.contiguous(xp), self.contiguous(ip), table, out],
+                  [len(weights), bits, m, k, n, group, int(half)], [factor])
+        self.check("expert_linear", out, self.eager("expert_linear", xp, list(weights), ip))
+        return self.wrap(out)
 
     def _norm_ok(self, x: np.ndarray, weight: Any) -> bool:
         return (_f32(x) and x.ndim >= 1 and x.size > 0 and not self.dynamic(weight)

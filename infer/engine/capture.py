@@ -16,6 +16,10 @@ Two steps are captured:
   cache (one block of its capacity), the device choosing the token so that
   only its id is read back. One graph per cache capacity, capacities rounded
   up to a power of two (:func:`capacity_bucket`) so that requests share them.
+  A hybrid's state slot is an input as in the batched step below, and its
+  arrays go in and come back; a step that writes a state checkpoint (every
+  :data:`~infer.kv.cache.CHECKPOINT_INTERVAL` positions) takes the
+  checkpoint's row and slot too, so such models have two graphs per capacity.
 * :class:`CapturedBatchDecode`: every forward of sequences of one paged pool
   that needs no hidden states: decode rows, prompt chunks, speculative
   verification rows, any mix of them. It returns the logits of the rows the
@@ -51,7 +55,7 @@ import numpy as np
 
 from infer.errors import BackendOutputError, CaptureError
 from infer.kv.attention import AttentionContext, LayerArrays
-from infer.kv.cache import ContiguousKVCache
+from infer.kv.cache import ContiguousKVCache, LayerStore
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 from infer.ops import Array, AttentionBatch, Backend
 
@@ -108,21 +112,38 @@ class CapturedDecode:
         #: Steps run by the captured path.
         self.steps = 0
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
+        #: Recurrent state: the (layer, name) order of the step's state arrays, the
+        #: attention layers' storage (as the batched step's), and the (capacity,
+        #: checkpoint) signatures that have run (traced already: see :meth:`_recurrent`).
+        self._state_layout: list[tuple[int, str]] = []
+        self._layer_kv: tuple[tuple[int, int, bool], ...] | None = None
+        self._index: dict[int, int] | None = None
+        self._ran: set[tuple[int, bool]] = set()
 
     @property
     def graphs(self) -> int | None:
         """Graphs the backend has built for the step (one per cache capacity
-        and dtype; not one per token); None when not compiled."""
+        and dtype, and for a model with recurrent layers per whether the step
+        writes a state checkpoint; not one per token); None when not compiled."""
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
+    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
+              recurrent: list[Array | None] | None = None) -> tuple[Any, ...]:
         ops = self.ops
-        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
+        # Without attention layers (Mamba2) there are no buffers to tell the capacity: any will do.
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, layer_kv=self._layer_kv,
+                                          index=self._index, capacity=None if keys else 1)
+        states = None
+        if recurrent is not None:  # the state slot, the checkpoint row and slot (or None, None), then every state array
+            states = _StateArrays(self._state_layout, recurrent[3:])  # type: ignore[arg-type]
+            ctx.with_states(states, recurrent[0], recurrent[1], recurrent[2])
         hidden = self.model.forward(ids, ctx)
         logits = self.model.compute_logits(hidden)
         # The row maximum rides along: an argmax over NaNs is an index, never a token.
-        return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
+        if states is None:
+            return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
+        return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values, states.flat()
 
     def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
@@ -131,6 +152,8 @@ class CapturedDecode:
         a refused capture may have written some of them)."""
         if self.reason is not None:
             return None
+        if cache.states is not None:
+            return self._recurrent(cache, token)
         buffers = cache.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
             return None
@@ -138,11 +161,31 @@ class CapturedDecode:
         if position + 1 > cache.capacity:
             return None  # full: the eager forward says so with its typed error
         cache.reserve(position + 1)
+        self._layer_kv = self._index = None
+        try:
+            token_out, nan, keys, values = self._run(token, position, buffers)
+        except _Refused:
+            return None
+        if nan:
+            raise BackendOutputError(f"backend {ops.name}/{ops.device} returned NaN logits in the captured decode "
+                                     "step; the model's weights or the backend's kernels produce NaN: try another "
+                                     "backend or dtype")
+        cache.replace_layer_rows(keys, values)
+        cache.commit([token])
+        self.steps += 1
+        return token_out
+
+    def _run(self, token: int, position: int, buffers: tuple[list[Array], list[Array]],
+             *extra: Any) -> tuple[int, bool, list[Array], list[Array], list[Array]]:
+        """The step on the host's ``token`` at ``position``: the greedy token,
+        whether the logits had a NaN, and the arrays it returns. Raises
+        :class:`_Refused` (the reason kept) where the capture is refused."""
+        ops = self.ops
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, top, keys, values = self._fn(ids, start, *buffers)
+            next_id, top, *arrays = self._fn(ids, start, *buffers, *extra)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
@@ -152,12 +195,62 @@ class CapturedDecode:
                 raise
             self.reason = _why(exc)
             log.info("decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device, self.reason)
+            raise _Refused from exc
+        return (token_out, nan, *arrays)  # type: ignore[return-value]
+
+    def _recurrent(self, cache: ContiguousKVCache, token: int) -> int | None:
+        """:meth:`__call__` for a model with recurrent layers: the sequence's
+        state slot and, at a checkpoint position, the checkpoint's row and slot
+        are inputs, and the state arrays go in and come back (as
+        :class:`CapturedBatchDecode`'s; a step without a checkpoint has none,
+        so it writes no padding state: two programs per capacity)."""
+        states = cache.states
+        assert states is not None
+        store, ops = states.store, self.ops
+        if self.compiled and not getattr(self._fn, "captures_recurrent", False):
+            return None  # torch.compile's and mx.compile's steps would read the batch on the host
+        layers = self.model.num_layers
+        if cache.layer_kv is None:
             return None
+        buffers = LayerStore.layer_rows(cache, layers)  # the attention layers' own arrays only
+        if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
+            return None
+        position = cache.length
+        if position + 1 > cache.capacity:
+            return None
+        cache.reserve(position + 1)
+        marks = cache.plan_checkpoints([token], verify=False)  # at most one: after this token
+        self._layer_kv = tuple(cache.layer_kv)
+        self._index = {layer: i for i, layer in enumerate(cache.storage_layers(layers))}
+        self._state_layout = [(layer, name) for layer in sorted(store.arrays) for name in sorted(store.arrays[layer])]
+        i32 = lambda xs: ops.from_numpy(np.asarray(xs, np.int32))  # noqa: E731
+        ck_rows, ck_slots = (i32([0]), i32([marks[0][1]])) if marks else (None, None)
+        extra = [i32([states.slot]), ck_rows, ck_slots,
+                 *(store.arrays[layer][name] for layer, name in self._state_layout)]
+        signature = (cache.capacity, bool(marks))
+        before = None
+        if signature not in self._ran:
+            # A new program is traced by running it: a refused trace may have advanced some layers'
+            # live state already, which (unlike keys and values) the eager forward cannot write again.
+            live = i32([states.slot])
+            before = {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout}
+        try:
+            token_out, nan, keys, values, flat = self._run(token, position, buffers, extra)
+        except _Refused:
+            if before is not None:
+                for (layer, name), rows in before.items():
+                    store.arrays[layer][name] = ops.scatter_rows(store.arrays[layer][name], live, rows)
+            states.cancel()  # the eager forward plans its checkpoints again
+            return None
+        self._ran.add(signature)
         if nan:
+            states.cancel()
             raise BackendOutputError(f"backend {ops.name}/{ops.device} returned NaN logits in the captured decode "
                                      "step; the model's weights or the backend's kernels produce NaN: try another "
                                      "backend or dtype")
-        cache.replace_layer_rows(keys, values)
+        for (layer, name), array in zip(self._state_layout, flat):
+            store.arrays[layer][name] = array
+        cache.replace_layer_rows(keys, values)  # the store's: the storage layers' arrays
         cache.commit([token])
         self.steps += 1
         return token_out
@@ -169,6 +262,10 @@ class CapturedDecode:
         if not self.compiled:
             return f"decode step with static shapes, not compiled ({self.steps} steps)"
         return f"decode step captured: {self.graphs} graph(s) for {self.steps} steps"
+
+
+class _Refused(Exception):
+    """A captured decode step was refused (:attr:`CapturedDecode.reason` says why)."""
 
 
 @dataclass

@@ -436,7 +436,7 @@ class Engine:
         greedy token after it, or None where that step does not serve (not
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
-        if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None
+        if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache)
                 or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))
                 or (seq.adapter is not None and not seq.adapter.loaded.merged)):
             return None

@@ -287,14 +287,15 @@ class AttentionContext:
         ctx.sequences = []
         return ctx
 
-    def with_states(self, states: Any, state_slots: Array, checkpoint_rows: Array,
-                    checkpoint_slots: Array) -> AttentionContext:
+    def with_states(self, states: Any, state_slots: Array, checkpoint_rows: Array | None,
+                    checkpoint_slots: Array | None) -> AttentionContext:
         """This static context carrying recurrent state as data too: ``states``
         has a :class:`~infer.kv.state.StateStore`'s ``arrays`` (layer -> name ->
         ``[slots, ...]``, a captured step's inputs), ``state_slots`` int32
         ``[sequences]`` (one per sequence of the batch, padding ones on a
-        scratch slot), the checkpoint rows and their slots int32 ``[N]``;
-        the ragged batch is the attention batch's ``query_start``."""
+        scratch slot), the checkpoint rows and their slots int32 ``[N]``
+        (None, None: the forward writes no checkpoint); the ragged batch is
+        the attention batch's ``query_start``."""
         self._states = states
         self.query_start = self.runs[0].batch.query_start
         self.state_slots, self.checkpoint_rows, self._checkpoint_slots = state_slots, checkpoint_rows, checkpoint_slots
@@ -302,18 +303,22 @@ class AttentionContext:
 
     @classmethod
     def contiguous(cls, ops: Backend, keys: Sequence[Array], values: Sequence[Array], start: Array,
-                   tokens: int = 1) -> AttentionContext:
+                   tokens: int = 1, *, layer_kv: Sequence[tuple[int, int, bool]] | None = None,
+                   index: dict[int, int] | None = None, capacity: int | None = None) -> AttentionContext:
         """A captured step's forward of ``tokens`` new positions of one sequence
         whose cache is one key and one value buffer per layer (``[capacity,
         kv_heads, dim]``: one block of its capacity), from position ``start``
         (a device int32 ``[1]``) on: everything but the shapes is data, so the
         same graph serves every position. The buffers after the forward are
-        :attr:`keys` and :attr:`values`."""
-        capacity = ops.shape(keys[0])[0]
+        :attr:`keys` and :attr:`values`. ``layer_kv`` and ``index`` (as
+        :class:`LayerArrays`') where the buffers are the storage layers' only
+        (a hybrid's attention layers); ``capacity`` where there are none."""
+        capacity = ops.shape(keys[0])[0] if capacity is None else capacity
         positions = ops.add(ops.arange(0, tokens, "int32"), start)
         batch = AttentionBatch(ops.mul(ops.arange(0, 2, "int32"), tokens), ops.add(start, tokens),
                                ops.zeros((1, 1), "int32"), capacity, tokens)
-        return cls.static(ops, LayerArrays(keys, values, capacity), positions, positions, batch, tokens)
+        return cls.static(ops, LayerArrays(keys, values, capacity, layer_kv, index), positions, positions, batch,
+                          tokens)
 
     @property
     def keys(self) -> list[Array]:
@@ -433,7 +438,7 @@ class AttentionContext:
         ops, arrays = self.ops, self._states.arrays[layer]
         for name, value in state.items():
             arrays[name] = ops.scatter_rows(arrays[name], self.state_slots, value)
-        if checkpoints is not None and ops.shape(self._checkpoint_slots)[0]:
+        if checkpoints is not None and self._checkpoint_slots is not None and ops.shape(self._checkpoint_slots)[0]:
             for name, value in checkpoints.items():
                 arrays[name] = ops.scatter_rows(arrays[name], self._checkpoint_slots, value)
 

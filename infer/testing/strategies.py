@@ -143,6 +143,19 @@ def lora_linear_calls(draw: Any, bias: bool, qtype: str | None = None) -> Call:
     return Call(args, info=info)
 
 
+@st.composite
+def expert_linear_calls(draw: Any) -> Call:
+    """``expert_linear``'s calls: rows routed to a few experts, in runs,
+    interleaved, or all to one; some experts get no row."""
+    t, experts, seed = draw(st.integers(1, 12)), draw(st.integers(1, 5)), draw(seeds)
+    d_in, d_out = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, t)
+    ids = draw(st.sampled_from([ids, np.sort(ids), np.full(t, experts - 1)]))
+    weights = [In(normal(seed + 1 + e, (d_out, d_in), 1 / math.sqrt(d_in)), weight=True) for e in range(experts)]
+    return Call((In(normal(seed, (t, d_in))), weights, In(ids.astype(np.int32), "int32")))
+
+
 # -- elementwise -------------------------------------------------------------------------------
 
 
