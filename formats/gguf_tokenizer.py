@@ -28,6 +28,11 @@ tokens and the user-defined ones (4) plain added tokens, so text never splits
 them; BOS/EOS are added by the post-processor per ``add_bos_token`` /
 ``add_eos_token``; ``eot_token_id`` and ``eom_token_id`` end generation too.
 
+A ``llama`` vocabulary whose merges come from its scores is encoded by the C
+encoder of :mod:`infer.formats.gguf_spm` where it applies (same ids, no merge
+table to build); the ``tokenizers`` build below is then made only when
+``Tokenizer.backend`` is asked for.
+
 The tokenizer is built from the metadata on every load, straight into
 ``tokenizers``' model objects (a vocabulary dict and a list of merge pairs):
 for Gemma 3's 262k tokens that takes about half the time that parsing the
