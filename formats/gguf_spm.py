@@ -77,10 +77,13 @@ class SentencePieceBackend(NativeBackend):
                  build: Callable[[], tokenizers.Tokenizer]) -> None:
         if _sentencepiece is None:
             raise ValueError("the C encoder (infer.formats._sentencepiece) is not built")
-        data, ends = _spellings(tokens, respell)
         self._special = frozenset(special)
         whole = np.array(sorted(self._special | set(added)), np.int32)
-        self._vocab = _sentencepiece.Vocab(data, ends, np.ascontiguousarray(group, np.uint32), whole, mode)
+        group = np.ascontiguousarray(group, np.uint32)
+        try:
+            self._vocab = _sentencepiece.Vocab(*_spellings(tokens, respell), group, whole, mode)
+        except UnicodeError:  # stored bytes that are not UTF-8: spelled as a StringArray decodes them
+            self._vocab = _sentencepiece.Vocab(*_spellings(list(tokens), respell), group, whole, mode)
         self._strip = strip
         self._before = [bos_id] if bos_id is not None else []
         self._after = [eos_id] if eos_id is not None else []
@@ -140,7 +143,7 @@ def whitespace_respellings(tokens: Sequence[str]) -> dict[int, str]:
 
 def _spellings(tokens: Sequence[str], respell: dict[int, str]) -> tuple[bytes, np.ndarray]:
     """The spellings as one UTF-8 buffer and the int64 offset where each ends."""
-    if isinstance(tokens, StringArray) and _whole_characters(*tokens.stored()):
+    if isinstance(tokens, StringArray):  # as stored; the C side checks that each is UTF-8
         data, ends = tokens.stored()
         ends = np.asarray(ends, np.int64)
         if not respell:
@@ -154,20 +157,6 @@ def _spellings(tokens: Sequence[str], respell: dict[int, str]) -> tuple[bytes, n
             done = int(ends[i])
         pieces.append(data[done:])
         return b"".join(pieces), np.cumsum(lengths)
-    # Strings with invalid bytes: spelled as the StringArray decodes them (bytes replaced).
     encoded = [respell.get(i, t).encode("utf-8", "surrogatepass") for i, t in enumerate(tokens)]
     return b"".join(encoded), np.cumsum([len(e) for e in encoded], dtype=np.int64)
 
-
-def _whole_characters(data: bytes, ends: np.ndarray) -> bool:
-    """Whether the stored strings are UTF-8 that each start on a character, so that
-    their bytes are their spellings (else a StringArray replaces bytes when decoding)."""
-    raw = np.frombuffer(data, np.uint8)
-    starts = np.concatenate(([0], np.asarray(ends, np.int64)[:-1]))
-    if ((raw[starts[starts < len(raw)]] & 0xC0) == 0x80).any():
-        return False
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True

@@ -304,7 +304,8 @@ class _Vocab:
             # Gemma ranks by position (see _derived_merges); others by score.
             group = np.arange(len(self.tokens), dtype=np.uint32) if gemma else gguf_spm.score_groups(self.scores)
             # A respelled token's stored spelling is no spelling of the vocabulary: not added.
-            special, user = self._added_ids(lambda i: i not in respell and bool(self.tokens[i]))
+            lengths = _lengths(self.tokens)
+            special, user = self._added_ids(lambda i: i not in respell and lengths[i] > 0)
             if gemma or self.architecture in _PHI3_ARCHITECTURES:
                 prefix = bool(self.add_space_prefix) if gemma else self.add_space_prefix is not False
                 mode = gguf_spm.NORMALIZE_PREFIX if prefix else gguf_spm.NORMALIZE
@@ -552,6 +553,13 @@ def _file_merges(merges: list[str], vocab: Mapping[str, int], where: str) -> lis
                                  "is not in tokenizer.ggml.tokens")
         pairs.append((left, right))
     return pairs
+
+
+def _lengths(strings: Sequence[str]) -> np.ndarray:
+    """Each string's length in bytes as stored (a StringArray) or characters: zero for the empty ones."""
+    if isinstance(strings, StringArray):
+        return np.diff(np.asarray(strings.stored()[1], np.int64), prepend=0)
+    return np.fromiter(map(len, strings), np.int64, len(strings))
 
 
 def _as_list(strings: Sequence[str]) -> list[str]:

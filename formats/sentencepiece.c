@@ -67,6 +67,8 @@ typedef struct {
     int mode;
 } Vocab;
 
+static int run_is_utf8(const uint8_t *s, int64_t len);
+
 static uint64_t fnv(const char *s, int64_t len, uint64_t h) {
     for (int64_t i = 0; i < len; i++) {
         h ^= (uint8_t)s[i];
@@ -123,7 +125,8 @@ static int byte_of(const char *s, int64_t len) {
  * `ends` int64 [n] where each ends, `group` uint32 [n] the rank of each token's score
  * (0 best, equal scores equal), `added` int32 ids matched whole, `mode` the prefix mode.
  * ValueError where the vocabulary is outside what this encoder does (the caller then
- * uses tokenizers): a spelling twice, a byte token missing, too many tokens or too long a one. */
+ * uses tokenizers): a spelling twice, a byte token missing, too many tokens or too long a one;
+ * UnicodeError (a ValueError) where a spelling is not UTF-8. */
 static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
     Py_buffer data = {0}, ends = {0}, group = {0}, added = {0};
     int mode, ok = 0;
@@ -184,6 +187,10 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         if (chars > MAX_CHARS || grp[i] >= MAX_TOKENS) {
             PyErr_Format(PyExc_ValueError, "Vocab: token %lld is longer than %u characters or its group too large",
                          (long long)i, MAX_CHARS);
+            goto done;
+        }
+        if (!run_is_utf8((const uint8_t *)s, len)) {
+            PyErr_Format(PyExc_UnicodeError, "Vocab: token %lld is not UTF-8", (long long)i);
             goto done;
         }
         v->chars[i] = (uint16_t)chars;
