@@ -62,7 +62,7 @@ TYPE_STRING = 8
 _U64 = struct.Struct("<Q")
 
 try:
-    from infer.formats import _gguf_strings
+    import infer.formats._gguf_strings as _gguf_strings
 except ImportError:  # the extension did not compile: the walk is Python's
     _gguf_strings = None
 

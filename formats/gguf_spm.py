@@ -35,7 +35,7 @@ from infer.tokenizer import NativeBackend
 log = logging.getLogger(__name__)
 
 try:
-    from infer.formats import _sentencepiece
+    import infer.formats._sentencepiece as _sentencepiece
 except ImportError:  # the extension did not compile: tokenizers serves every vocabulary
     _sentencepiece = None
 
