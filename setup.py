@@ -34,6 +34,13 @@ setup(
             # every underflow (a softmax's far-below-the-maximum scores; docs/performance.md).
             libraries=["m"] if sys.platform.startswith("linux") else [],
             optional=True,
-        )
+        ),
+        # GGUF SentencePiece vocabularies encoded by score (formats/gguf_spm.py); plain C,
+        # no SIMD; optional too: without it tokenizers encodes them.
+        Extension("infer.formats._sentencepiece", sources=["formats/sentencepiece.c"],
+                  extra_compile_args=["-O2"], optional=True),
+        # A GGUF string array's length-prefix walk (formats/gguf_file.py); Python walks it without.
+        Extension("infer.formats._gguf_strings", sources=["formats/gguf_strings.c"],
+                  extra_compile_args=["-O2"], optional=True),
     ]
 )

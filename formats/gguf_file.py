@@ -61,6 +61,11 @@ _NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7:
 TYPE_STRING = 8
 _U64 = struct.Struct("<Q")
 
+try:
+    import infer.formats._gguf_strings as _gguf_strings
+except ImportError:  # the extension did not compile: the walk is Python's
+    _gguf_strings = None
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -156,6 +161,12 @@ class _Cursor:
         the one before); the bytes are then gathered in one numpy step, so no
         string is decoded or sliced here."""
         buf, size, start = self.buf, self.size, self.pos
+        if _gguf_strings is not None:  # the same walk in C, 50 ms less for Gemma 3's 262k tokens
+            walked = _gguf_strings.walk(memoryview(buf)[:size], start, count)
+            if walked is None:
+                self._fail_strings(count, start, what)
+            data, ends, self.pos = walked
+            return StringArray(data, np.frombuffer(ends, np.int64))
         found: list[int] = []
         unpack, append, pos = _U64.unpack_from, found.append, start
         try:

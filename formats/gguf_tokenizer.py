@@ -28,6 +28,11 @@ tokens and the user-defined ones (4) plain added tokens, so text never splits
 them; BOS/EOS are added by the post-processor per ``add_bos_token`` /
 ``add_eos_token``; ``eot_token_id`` and ``eom_token_id`` end generation too.
 
+A ``llama`` vocabulary whose merges come from its scores is encoded by the C
+encoder of :mod:`infer.formats.gguf_spm` where it applies (same ids, no merge
+table to build); the ``tokenizers`` build below is then made only when
+``Tokenizer.backend`` is asked for.
+
 The tokenizer is built from the metadata on every load, straight into
 ``tokenizers``' model objects (a vocabulary dict and a list of merge pairs):
 for Gemma 3's 262k tokens that takes about half the time that parsing the
@@ -62,8 +67,9 @@ import json
 import logging
 import operator
 import os
+import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +79,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from infer.errors import TokenizerError
+from infer.formats import gguf_spm
+from infer.formats.gguf_spm import SentencePieceBackend
 from infer.formats.gguf_file import StringArray
 from infer.paths import cache_dir
 from infer.tokenizer import Tokenizer, tokenizer_errors
@@ -171,7 +179,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, cache_dir: Path | None =
     vocab = _Vocab.read(metadata, source or "GGUF metadata")
     folder = default_cache_dir() if cache_dir is None else Path(cache_dir)
     with tokenizer_errors(f"{vocab.where}: building the tokenizer"):
-        backend = vocab.build(folder)
+        backend = vocab.native(folder) or vocab.build(folder)
     return Tokenizer(
         backend,
         bos_token=vocab.token_name(backend, vocab.bos_id, "tokenizer.ggml.bos_token_id"),
@@ -285,6 +293,50 @@ class _Vocab:
 
     # -- building --------------------------------------------------------------
 
+    def native(self, cache: Path) -> SentencePieceBackend | None:
+        """The C encoder for a SentencePiece vocabulary whose merges come from the
+        scores (:mod:`infer.formats.gguf_spm`), or None where it does not apply."""
+        if self.model != "llama" or self.merges is not None or not gguf_spm.available():
+            return None
+        gemma = self.architecture in _GEMMA_ARCHITECTURES
+        try:
+            respell = gguf_spm.whitespace_respellings(self.tokens) if gemma else {}
+            # Gemma ranks by position (see _derived_merges); others by score.
+            group = np.arange(len(self.tokens), dtype=np.uint32) if gemma else gguf_spm.score_groups(self.scores)
+            # A respelled token's stored spelling is no spelling of the vocabulary: not added.
+            lengths = _lengths(self.tokens)
+            special, user = self._added_ids(lambda i: i not in respell and lengths[i] > 0)
+            if gemma or self.architecture in _PHI3_ARCHITECTURES:
+                prefix = bool(self.add_space_prefix) if gemma else self.add_space_prefix is not False
+                mode = gguf_spm.NORMALIZE_PREFIX if prefix else gguf_spm.NORMALIZE
+            else:
+                prefix = self.add_space_prefix is not False
+                mode = gguf_spm.METASPACE_FIRST if prefix else gguf_spm.METASPACE_NEVER
+            spelled = lambda i: None if i is None else respell.get(i) or self.tokens[i]  # noqa: E731
+            bos, eos = self._template_ends(spelled)
+            return SentencePieceBackend(
+                self.tokens, respell, group, special, user, mode, strip=prefix,
+                bos_id=self.bos_id if bos else None, eos_id=self.eos_id if eos else None,
+                build=lambda: self.build(cache))
+        except ValueError as exc:  # outside what the C encoder does: tokenizers builds it
+            log.debug("%s: the SentencePiece vocabulary is built with tokenizers (%s)", self.where, exc)
+            return None
+
+    def _template_ends(self, spelling: Callable[[int | None], str | None]) -> tuple[bool, bool]:
+        """Whether the post-processor adds BOS, and EOS (:meth:`_post_processor`'s rule)."""
+        return (self.add_bos and _spellable(spelling(self.bos_id)) is not None,
+                self.add_eos and _spellable(spelling(self.eos_id)) is not None)
+
+    def _added_ids(self, kept: Callable[[int], bool]) -> tuple[list[int], list[int]]:
+        """Ids of the special tokens (control and named) and of the other added ones
+        (user-defined) among those ``kept``: what :meth:`_add_special_tokens` adds, by id."""
+        control = np.flatnonzero(self.types == CONTROL).tolist()
+        named = [i for i in (self.bos_id, self.eos_id, self.unk_id, self.pad_id) if i is not None]
+        special = [i for i in dict.fromkeys(control + named) if kept(i)]
+        taken = set(special)
+        user = [i for i in np.flatnonzero(self.types == USER_DEFINED).tolist() if i not in taken and kept(i)]
+        return special, user
+
     def check_unique(self, tokens: list[str]) -> None:
         """llama.cpp refuses a vocabulary listing a token twice (a token must name one id); so does infer."""
         if len(set(tokens)) != len(tokens):
@@ -315,13 +367,7 @@ class _Vocab:
         return backend
 
     def _byte_level_bpe(self, tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
-        alphabet = frozenset(_BYTE_TO_UNICODE.values())
-        vocab: dict[str, int] = {}
-        for index, (token, kind) in enumerate(zip(tokens, self.types.tolist())):
-            if not alphabet.issuperset(token) and kind not in (CONTROL, USER_DEFINED):
-                # A plain token spelled in UTF-8 rather than the byte alphabet (transformers respells it too).
-                token = "".join(_BYTE_TO_UNICODE[b] for b in token.encode("utf-8"))
-            vocab[token] = index
+        vocab = self._byte_level_vocab(tokens)
         pre = _PRE_TOKENIZERS.get(self.pre or "", _PRE_TOKENIZERS["gpt-2"])
         backend = tokenizers.Tokenizer(_bpe_with_file_merges(
             vocab, _as_list(self.merges or []), self.where, dropout=None, continuing_subword_prefix="",
@@ -339,6 +385,28 @@ class _Vocab:
                 splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         backend.decoder = decoders.ByteLevel()
         return backend, vocab
+
+    def _byte_level_vocab(self, tokens: list[str]) -> dict[str, int]:
+        """Spelling -> id, a plain token spelled in UTF-8 rather than the byte alphabet
+        respelled in it (transformers respells it too); the spellings are unique (check_unique)."""
+        # The few tokens outside the alphabet are found in one regex pass over all of them.
+        ends = np.cumsum(np.fromiter(map(len, tokens), np.int64, len(tokens)))
+        outside = np.unique(np.searchsorted(ends, [m.start() for m in _OUTSIDE_BYTE_ALPHABET.finditer(
+            "".join(tokens))], side="right")).tolist()
+        types = self.types
+        respelled = {i: "".join(_BYTE_TO_UNICODE[b] for b in tokens[i].encode("utf-8"))
+                     for i in outside if types[i] not in (CONTROL, USER_DEFINED)}
+        vocab = dict(zip(tokens, range(len(tokens))))
+        for i in respelled:
+            del vocab[tokens[i]]
+        if any(spelling in vocab for spelling in respelled.values()) or len(set(respelled.values())) < len(respelled):
+            # A respelling meets another token: the later id keeps the spelling, as a dict built in order does.
+            vocab = {}
+            for index, token in enumerate(tokens):
+                vocab[respelled.get(index, token)] = index
+            return vocab
+        vocab.update((spelling, i) for i, spelling in respelled.items())
+        return vocab
 
     def _sentencepiece_bpe(self, tokens: list[str], cache: Path) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
         gemma = self.architecture in _GEMMA_ARCHITECTURES
@@ -408,16 +476,18 @@ class _Vocab:
         A token the template syntax cannot spell (``$...``, a ``:`` or a space in
         it) is left out; :class:`~infer.tokenizer.Tokenizer` then adds it itself.
         """
-        def spellable(token: str | None) -> str | None:
-            ok = token and not token.startswith("$") and ":" not in token and not any(c.isspace() for c in token)
-            return token if ok else None
-
-        bos = spellable(backend.id_to_token(self.bos_id)) if self.add_bos else None
-        eos = spellable(backend.id_to_token(self.eos_id)) if self.add_eos else None
+        bos = _spellable(backend.id_to_token(self.bos_id)) if self.add_bos else None
+        eos = _spellable(backend.id_to_token(self.eos_id)) if self.add_eos else None
         single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
         pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
         specials = ([(bos, self.bos_id)] if bos else []) + ([(eos, self.eos_id)] if eos else [])
         return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _spellable(token: str | None) -> str | None:
+    """``token`` where the post-processor's template syntax can spell it, else None."""
+    ok = token and not token.startswith("$") and ":" not in token and not any(c.isspace() for c in token)
+    return token if ok else None
 
 
 def _space_normalizer(prefix: bool) -> normalizers.Normalizer:
@@ -454,10 +524,12 @@ def _bpe_with_file_merges(vocab: dict[str, int], merges: list[str], where: str, 
     """The BPE model of ``tokenizer.ggml.merges``: split as llama.cpp splits them and left
     to ``tokenizers`` to check (in Rust, a third of the time checking them here takes);
     where it refuses them, :func:`_file_merges` names the bad merge."""
-    cuts = [merge.find(" ", 1) for merge in merges]
-    if -1 not in cuts:
+    # Split at the first space: llama.cpp's rule (the first space after the first character)
+    # wherever no merge starts with a space, which would split to ("", ...) here: refused
+    # below unless "" is a token. A merge without a space gives a 1-tuple: refused too.
+    if "" not in vocab:
         try:
-            return models.BPE(vocab=vocab, merges=[(m[:c], m[c + 1:]) for m, c in zip(merges, cuts)], **options)
+            return models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], **options)
         except BaseException as exc:  # the Rust side raises plain Exception, or panics
             if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
                 raise  # KeyboardInterrupt and the like
@@ -483,6 +555,13 @@ def _file_merges(merges: list[str], vocab: Mapping[str, int], where: str) -> lis
     return pairs
 
 
+def _lengths(strings: Sequence[str]) -> np.ndarray:
+    """Each string's length in bytes as stored (a StringArray) or characters: zero for the empty ones."""
+    if isinstance(strings, StringArray):
+        return np.diff(np.asarray(strings.stored()[1], np.int64), prepend=0)
+    return np.fromiter(map(len, strings), np.int64, len(strings))
+
+
 def _as_list(strings: Sequence[str]) -> list[str]:
     return strings.tolist() if isinstance(strings, StringArray) else list(strings)
 
@@ -502,6 +581,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_TO_UNICODE = _bytes_to_unicode()
+#: Any character outside GPT-2's byte alphabet.
+_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(map(re.escape, sorted(_BYTE_TO_UNICODE.values()))) + "]")
 
 
 # -- metadata accessors --------------------------------------------------------------

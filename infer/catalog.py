@@ -38,11 +38,13 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING
 
 from infer.errors import DownloadError, MissingDependencyError, ModelNotFoundError
 from infer.paths import cache_dir
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,8 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
         except OSError as exc:
             raise DownloadError(f"{target} is corrupt (its SHA-256 is not {e.sha256}) and cannot be removed: "
                                 f"{exc}; delete it by hand") from exc
+    from tqdm.auto import tqdm  # here, not at the top: its import is a noticeable share of a load
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \
             tqdm(desc=f"Downloading {alias}", unit="B", unit_scale=True, file=sys.stderr, disable=not progress) as bar:

@@ -12,7 +12,6 @@ itself comes through a :class:`TextStream`, which tokens are pushed into.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +115,8 @@ class Stream(Iterator[T], AsyncIterator[T], Generic[T]):
         return self
 
     async def __anext__(self) -> T:
+        import asyncio  # here: its import is a noticeable share of a small model's load
+
         piece = await asyncio.to_thread(self._next_or_end)
         if piece is _END:
             raise StopAsyncIteration

@@ -10,16 +10,14 @@ pulling its weights through a :class:`~infer.architecture.WeightLoader`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import Mapping
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from tqdm.auto import tqdm
 
 from infer import catalog
 from infer.architecture import WeightLoader
@@ -28,6 +26,7 @@ from infer.model import Model
 from infer.ops import ACTIVATION_SCHEMES, Backend, LoadSettings  # ACTIVATION_SCHEMES: its older home was here
 from infer.plugins import get_registry
 from infer.plugins.selection import select_backend
+from infer.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +121,17 @@ def _looks_like_repo_id(text: str) -> bool:
     return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not {"\\", ":"} & set(text)
 
 
-class _SilentProgress(tqdm):  # type: ignore[misc]
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)
+@functools.cache
+def _silent_progress() -> type:
+    """A tqdm class that never shows (made on first use: tqdm's import is not cheap)."""
+    from tqdm.auto import tqdm
+
+    class _SilentProgress(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return _SilentProgress
 
 
 def _from_hub(repo_id: str, progress: bool, *, quantization: str | None = None,
@@ -142,7 +148,7 @@ def _from_hub(repo_id: str, progress: bool, *, quantization: str | None = None,
             "(pip install huggingface_hub)"
             + (f"; a local {repo_id!r} exists but holds no model" if Path(repo_id).exists() else "")
         ) from None
-    quiet = {} if progress else {"tqdm_class": _SilentProgress}  # the library prints only when asked
+    quiet = {} if progress else {"tqdm_class": _silent_progress()}  # the library prints only when asked
     try:
         if filename is not None:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename, **quiet))
@@ -304,8 +310,7 @@ def load(
         return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, tensor_parallel, progress,
                               started, settings)
     total = len(package.tensors.names())
-    with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
-              disable=not progress, leave=False) as bar:
+    with progress_bar(progress, total=total, desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
         weights = WeightLoader(package.tensors, ops, progress=bar.update)
         try:
             network = arch.build(package.config, weights, ops)
@@ -380,8 +385,8 @@ def _load_parallel(path: Path, package: Any, arch: Any, format: str, ops: Backen
     distributed.check(ops, package, ranks, compile=bool(settings.compile))
     name = f"{ops.name}:{ops.device}"  # what the other ranks select
     total = len(package.tensors.names())
-    with tqdm(total=total, desc=f"Loading {path.name} (rank 0 of {ranks})", unit="tensor", file=sys.stderr,
-              disable=not progress, leave=False) as bar:
+    with progress_bar(progress, total=total, desc=f"Loading {path.name} (rank 0 of {ranks})", unit="tensor",
+                      leave=False) as bar:
         network = distributed.driver(package, arch, ops, ranks, format=format, backend=name,
                                      dtype=dtype or ops.compute_dtype, settings=settings, progress=bar.update)
     release_free_heap()

@@ -8,7 +8,6 @@ token ids and back, including stop strings and streaming.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -431,6 +430,8 @@ class Model:
         Calls on one model run one at a time."""
         if kwargs.get("stream"):
             return self.generate(prompt, **kwargs)  # type: ignore[return-value]
+        import asyncio  # here: its import is a noticeable share of a small model's load
+
         return await asyncio.to_thread(self._locked, self.generate, prompt, **kwargs)  # type: ignore[arg-type]
 
     async def acomplete(
@@ -439,6 +440,8 @@ class Model:
         """:meth:`complete` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
         if kwargs.get("stream"):
             return self.complete(prompt, **kwargs)  # type: ignore[return-value]
+        import asyncio
+
         return await asyncio.to_thread(self._locked, self.complete, prompt, **kwargs)  # type: ignore[arg-type]
 
     def _locked(self, method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -813,6 +816,8 @@ class Model:
         """:meth:`chat` for ``asyncio``, as :meth:`agenerate` is :meth:`generate`'s."""
         if kwargs.get("stream"):
             return self.chat(messages, **kwargs)  # type: ignore[return-value]
+        import asyncio
+
         return await asyncio.to_thread(self._locked, self.chat, messages, **kwargs)
 
     # -- helpers ---------------------------------------------------------------------

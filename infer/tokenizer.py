@@ -7,10 +7,17 @@ post-processor (BOS/EOS) and the decoder are exactly those the model shipped
 with. ``tokenizer_config.json`` adds the named special tokens and the chat
 template. :class:`StreamDecoder` turns generated ids into text one token at a
 time without ever emitting half a character.
+
+A format may hand :class:`Tokenizer` a :class:`NativeBackend` instead: an
+encoder and decoder of its own for the vocabularies it covers, giving the ids
+and text of the ``tokenizers.Tokenizer`` it stands for, which is then built
+only when :attr:`Tokenizer.backend` is asked for (GGUF SentencePiece
+vocabularies: :mod:`infer.formats.gguf_spm`).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import logging
@@ -21,12 +28,11 @@ from typing import Any
 
 import tokenizers
 
-from infer.chat_template import render_chat_template
 from infer.errors import ChatTemplateError, TokenizerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StreamDecoder", "Tokenizer", "tokenizer_errors"]
+__all__ = ["NativeBackend", "StreamDecoder", "Tokenizer", "tokenizer_errors"]
 
 #: transformers' named special tokens, in the order it adds missing ones.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -55,12 +61,53 @@ def tokenizer_errors(what: str) -> Iterator[None]:
         raise TokenizerError(f"{what}: the tokenizers library panicked: {exc}") from exc
 
 
+class NativeBackend(abc.ABC):
+    """An encoder and decoder that stand for a ``tokenizers.Tokenizer``:
+    same ids, same text, for the vocabularies a format builds it for.
+
+    Ids given to :meth:`decode` and :meth:`id_to_token` are checked to be in
+    ``[0, vocab_size)`` by :class:`Tokenizer`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+
+    @property
+    @abc.abstractmethod
+    def special_ids(self) -> frozenset[int]:
+        """Ids that ``decode(..., skip_special_tokens=True)`` leaves out."""
+
+    @abc.abstractmethod
+    def encode_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, with what the post-processor adds around it when
+        ``add_special_tokens``. May raise ``UnicodeEncodeError`` for a lone surrogate."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``."""
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a spelling, or None."""
+
+    @abc.abstractmethod
+    def id_to_token(self, token_id: int) -> str | None:
+        """The spelling of an id."""
+
+    @abc.abstractmethod
+    def tokenizers_backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` this stands for, built now."""
+
+
 class Tokenizer:
     """A model's tokenizer: encoding, decoding, special tokens, chat template.
 
     Args:
         backend: the ``tokenizers.Tokenizer`` (from ``tokenizer.json``). Its
             truncation and padding are switched off: a prompt is never cut.
+            Or a :class:`NativeBackend`, which encodes and decodes instead.
         bos_token, eos_token, pad_token: the named special tokens; each must
             be in the vocabulary.
         add_bos_token: True makes :meth:`encode` start with BOS (prepended
@@ -78,7 +125,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: tokenizers.Tokenizer | NativeBackend,
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
@@ -88,18 +135,22 @@ class Tokenizer:
         chat_template: str | Mapping[str, str] | None = None,
         extra_eos_tokens: Iterable[str] = (),
     ) -> None:
-        if not isinstance(backend, tokenizers.Tokenizer):
-            raise TokenizerError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        if not isinstance(backend, (tokenizers.Tokenizer, NativeBackend)):
+            raise TokenizerError(f"backend must be a tokenizers.Tokenizer or a NativeBackend, "
+                                 f"got {type(backend).__name__}")
         with tokenizer_errors("tokenizer"):
             self._setup(backend, bos_token, eos_token, pad_token, add_bos_token, add_eos_token, extra_eos_tokens)
         self._templates = _check_templates(chat_template)
 
-    def _setup(self, backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None,
+    def _setup(self, backend: tokenizers.Tokenizer | NativeBackend, bos_token: str | None, eos_token: str | None,
                pad_token: str | None, add_bos_token: bool | None, add_eos_token: bool | None,
                extra_eos_tokens: Iterable[str]) -> None:
-        backend.no_truncation()
-        backend.no_padding()
-        self._backend = backend
+        self._native = backend if isinstance(backend, NativeBackend) else None
+        self._backend = None if self._native else backend
+        if self._backend is not None:
+            self._backend.no_truncation()
+            self._backend.no_padding()
+        self._lookup = self._backend if self._native is None else self._native  # token_to_id, id_to_token
         self._bos_token, self._eos_token, self._pad_token = bos_token, eos_token, pad_token
         self._bos_id = self._named_id("bos_token", bos_token)
         self._eos_id = self._named_id("eos_token", eos_token)
@@ -111,12 +162,16 @@ class Tokenizer:
                 eos_ids.append(token_id)
         self._eos_ids = tuple(eos_ids)
 
-        added = backend.get_added_tokens_decoder()
-        self._special_ids = frozenset(i for i, t in added.items() if t.special)
-        self._vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+        if self._native is not None:
+            self._special_ids = self._native.special_ids
+            self._vocab_size = self._native.vocab_size
+        else:
+            added = backend.get_added_tokens_decoder()
+            self._special_ids = frozenset(i for i, t in added.items() if t.special)
+            self._vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
 
         # What the post-processor adds around a text is what it adds around "".
-        around_empty = backend.encode("", add_special_tokens=True).ids
+        around_empty = self._encode_ids("", True)
         self._prepend_bos = bool(add_bos_token) and self._bos_id is not None and around_empty[:1] != [self._bos_id]
         self._append_eos = bool(add_eos_token) and self._eos_id is not None and around_empty[-1:] != [self._eos_id]
         if self._prepend_bos:
@@ -179,7 +234,7 @@ class Tokenizer:
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
         try:
             with tokenizer_errors("encoding the text"):
-                ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+                ids = self._encode_ids(text, add_special_tokens)
         except TokenizerError:
             _check_utf8(text)  # the likelier cause, named precisely
             raise
@@ -198,7 +253,18 @@ class Tokenizer:
         """
         checked = [self._check_id(i) for i in ids]
         with tokenizer_errors("decoding token ids"):
-            return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+            return self._decode_ids(checked, skip_special_tokens)
+
+    def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._native is not None:
+            return self._native.encode_ids(text, add_special_tokens)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _decode_ids(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of checked ids."""
+        if self._native is not None:
+            return self._native.decode(ids, skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A :class:`StreamDecoder` for text generated one token at a time."""
@@ -208,7 +274,14 @@ class Tokenizer:
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
-        """The wrapped ``tokenizers.Tokenizer``."""
+        """The wrapped ``tokenizers.Tokenizer`` (for a :class:`NativeBackend`, the
+        one it stands for, built on first use)."""
+        if self._backend is None:
+            with tokenizer_errors("building the tokenizers backend"):
+                backend = self._native.tokenizers_backend()
+                backend.no_truncation()
+                backend.no_padding()
+            self._backend = backend
         return self._backend
 
     @property
@@ -218,7 +291,7 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string (``"<s>"``, ``"▁the"``...), or None."""
-        return self._backend.token_to_id(token)
+        return self._lookup.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str:
         """The token string of an id (not its decoded text).
@@ -226,7 +299,7 @@ class Tokenizer:
         Raises:
             TokenizerError: the id is out of range or unused.
         """
-        token = self._backend.id_to_token(self._check_id(token_id))
+        token = self._lookup.id_to_token(self._check_id(token_id))
         if token is None:
             raise TokenizerError(f"token id {token_id} is not used by this tokenizer")
         return token
@@ -303,6 +376,8 @@ class Tokenizer:
         Raises:
             ChatTemplateError: there is no template, or rendering failed.
         """
+        from infer.chat_template import render_chat_template  # jinja2 only once a template is rendered
+
         source = self._select_template(template, tools)
         if self._pad_token is not None:
             kwargs.setdefault("pad_token", self._pad_token)
@@ -340,7 +415,7 @@ class Tokenizer:
             return None
         if not isinstance(token, str):
             raise TokenizerError(f"{key} must be a str, got {type(token).__name__}")
-        token_id = self._backend.token_to_id(token)
+        token_id = self._lookup.token_to_id(token)
         if token_id is None:
             raise TokenizerError(f"{key} {token!r} is not in the tokenizer's vocabulary")
         return token_id
@@ -371,7 +446,7 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._backend = tokenizer.backend
+        self._decode = tokenizer._decode_ids  # (ids, skip_special_tokens) -> text
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []  # the window: last emitted piece's tokens, then new ones
@@ -397,14 +472,14 @@ class StreamDecoder:
             return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        text = self._decode(self._ids, self._skip_special_tokens)
         if len(text) <= len(self._prefix_text) or (text.endswith("\ufffd") and not final):
             return ""
         piece = text[len(self._prefix_text):]
         # The tokens just emitted become the prefix of the next window.
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
-        self._prefix_text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        self._prefix_text = self._decode(self._ids, self._skip_special_tokens)
         return piece
 
 

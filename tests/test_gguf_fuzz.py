@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer.errors import FormatError, UnsupportedArchitectureError
+from infer.formats import gguf_file
 from infer.formats.gguf import GGUFQuantizedTensor, open_gguf
 
 EXPECTED = (FormatError, UnsupportedArchitectureError)
@@ -190,7 +191,37 @@ def test_absurd_fields(base, data):
     check(mutant(base, bytes(raw)))
 
 
-def test_every_length_prefix_set_absurd(base):
+@pytest.fixture(params=["C walk", "Python walk"])
+def string_walk(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A string array walked by the C extension, or by the Python loop it stands in for."""
+    if request.param == "Python walk":
+        monkeypatch.setattr(gguf_file, "_gguf_strings", None)
+    elif gguf_file._gguf_strings is None:
+        pytest.skip("the C walk (infer.formats._gguf_strings) is not built")
+    return request.param
+
+
+def test_the_c_walk_reads_what_the_python_walk_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if gguf_file._gguf_strings is None:
+        pytest.skip("the C walk (infer.formats._gguf_strings) is not built")
+    strings = ["", "a", "déf", "日本語", "\x00x", "▁" * 40] * 50 + [chr(i) for i in range(0x20, 0x3000, 7)]
+    writer = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    writer.add_array("tokenizer.ggml.tokens", strings)
+    writer.add_array("general.tags", [])
+    writer.add_string("general.name", "after the arrays")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    by_c = gguf_file.GGUFFile(tmp_path / "s.gguf").metadata
+    monkeypatch.setattr(gguf_file, "_gguf_strings", None)
+    by_python = gguf_file.GGUFFile(tmp_path / "s.gguf").metadata
+    assert by_c["tokenizer.ggml.tokens"].stored()[0] == by_python["tokenizer.ggml.tokens"].stored()[0]
+    assert np.array_equal(by_c["tokenizer.ggml.tokens"].stored()[1], by_python["tokenizer.ggml.tokens"].stored()[1])
+    assert by_c["tokenizer.ggml.tokens"] == strings and by_c == by_python
+
+
+def test_every_length_prefix_set_absurd(base, string_walk):
     """Each string's length (keys, values, vocabulary entries) set past any offset: a typed
     error, not an OverflowError from walking the rest of an array beyond the file."""
     for offset, width, role in integer_fields(base[1]):

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer.errors import TokenizerError
-from infer.formats import gguf_tokenizer
+from infer.formats import gguf_spm, gguf_tokenizer
 from infer.formats.gguf_file import StringArray
 from infer.formats.gguf_tokenizer import default_cache_dir, tokenizer_from_gguf
 from infer.tokenizer import Tokenizer
@@ -475,12 +475,14 @@ def test_small_vocabularies_build() -> None:
 
 
 def test_derived_merges_are_cached_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Merges derived from scores are the slow part of a SentencePiece vocabulary: they are
+    # Merges derived from scores are the slow part of building a SentencePiece vocabulary in
+    # tokenizers (done when its backend is asked for: the C encoder needs none): they are
     # cached as token id pairs; merges a file stores (gpt2) need no cache.
     tokenizer_from_gguf(_small_gpt2(), cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
     metadata = _small_llama()
     first = tokenizer_from_gguf(metadata, cache_dir=tmp_path)
+    first.backend  # noqa: B018  # builds tokenizers' model
     (cached,) = tmp_path.iterdir()  # nothing else left behind by the atomic write
     assert cached.name.endswith(".merges.npy") and len(cached.name.split(".")[0]) == 64  # a sha256
     pairs = np.load(cached)
@@ -498,14 +500,14 @@ def test_derived_merges_are_cached_and_reused(tmp_path: Path, monkeypatch: pytes
 
     # Metadata that changes the merges changes the file; a corrupt or out-of-range file is derived again.
     tokenizer_from_gguf({**metadata, "tokenizer.ggml.scores": [0.0] * 259 + [-6.0, -5.0, -4.0, -3.0, -2.0, -1.0]},
-                        cache_dir=tmp_path)
+                        cache_dir=tmp_path).backend  # noqa: B018
     assert len(list(tmp_path.glob("*.merges.npy"))) == 2
     for bad in (b"not a numpy file", None):
         if bad is None:
             np.save(cached, np.array([[0, 10**6]], np.int32))
         else:
             cached.write_bytes(bad)
-        assert tokenizer_from_gguf(metadata, cache_dir=tmp_path).encode(text) == first.encode(text)
+        assert tokenizer_from_gguf(metadata, cache_dir=tmp_path).backend.encode(text).ids == first.encode(text)
         assert np.array_equal(np.load(cached), pairs)
 
 
@@ -538,6 +540,7 @@ def test_unwritable_cache_only_costs_a_rebuild(tmp_path: Path, caplog) -> None:
     blocker.write_text("")
     with caplog.at_level(logging.WARNING, logger="infer.formats.gguf_tokenizer"):
         tokenizer = tokenizer_from_gguf(_small_llama(), cache_dir=blocker / "sub")
+        tokenizer.backend  # noqa: B018  # builds tokenizers' model, which caches the merges
     assert [tokenizer.id_to_token(i) for i in tokenizer.encode("ab")] == ["<s>", "▁ab"]
     assert "could not cache" in caplog.text
 
@@ -556,11 +559,12 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 def test_gemma3_cache_reused(gemma3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 262k-token vocabulary's derived merges are what the cache is for: the second call reads them."""
     tokenizer, _ = gemma3
+    tokenizer.backend  # noqa: B018  # builds tokenizers' model, which caches the merges
     path = cache_root() / "gguf-tokenizers"
     assert any(p.stat().st_size > 1_000_000 for p in path.glob("*.merges.npy"))
     monkeypatch.setattr(gguf_tokenizer, "_derive_merges", lambda *args: pytest.fail("derived again"))
     again = ours(cached_metadata(pytest.importorskip("real_models").gemma3_gguf_path()))
-    assert again.encode(FIXED_TEXTS[4]) == tokenizer.encode(FIXED_TEXTS[4])
+    assert again.backend.encode(FIXED_TEXTS[4]).ids == tokenizer.encode(FIXED_TEXTS[4], add_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- bad metadata
@@ -648,3 +652,160 @@ def test_metadata_never_raises_anything_but_tokenizer_error(metadata: dict[str, 
     ids = tokenizer.encode("a b ab")
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
     tokenizer.decode(ids)
+
+
+# ----------------------------------------------------------------------------- the C encoder
+
+
+needs_native = pytest.mark.skipif(not gguf_spm.available(), reason="the C encoder (infer.formats._sentencepiece) "
+                                  "is not built")
+
+#: (general.architecture, tokenizer.ggml.add_space_prefix): each way the encoder spells spaces.
+_SPACE_RULES = [("llama", None), ("llama", False), ("llama", True), ("gemma3", False), ("gemma3", True),
+                ("phi3", None), ("phi3", False)]
+
+
+def assert_native_matches_tokenizers(tokenizer: Tokenizer, text: str) -> None:
+    """The C encoder's ids and text are those of the tokenizers build it stands for."""
+    reference = tokenizer.backend
+    for specials in (True, False):
+        ids = tokenizer.encode(text, add_special_tokens=specials)
+        assert ids == reference.encode(text, add_special_tokens=specials).ids, (text, specials)
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.fixture(scope="module")
+def spm_variants(sentencepiece_bpe) -> dict[tuple[str, bool | None], Tokenizer]:
+    metadata, _, _ = sentencepiece_bpe
+    variants = {}
+    for architecture, prefix in _SPACE_RULES:
+        changed = {**metadata, "general.architecture": architecture}
+        if prefix is not None:
+            changed["tokenizer.ggml.add_space_prefix"] = prefix
+        variants[architecture, prefix] = ours(changed)
+    return variants
+
+
+@needs_native
+def test_sentencepiece_vocabularies_get_the_c_encoder(sentencepiece_bpe, spm_variants) -> None:
+    _, tokenizer, _ = sentencepiece_bpe
+    assert isinstance(tokenizer._native, gguf_spm.SentencePieceBackend)
+    assert all(isinstance(t._native, gguf_spm.SentencePieceBackend) for t in spm_variants.values())
+    assert tokenizer._backend is None  # tokenizers' model is built only when asked for
+    assert isinstance(tokenizer.backend, tokenizers.Tokenizer)
+
+
+@needs_native
+@pytest.mark.parametrize("rule", _SPACE_RULES, ids=[f"{a}-{p}" for a, p in _SPACE_RULES])
+def test_c_encoder_matches_tokenizers_on_the_corpus(spm_variants, rule: tuple[str, bool | None]) -> None:
+    tokenizer = spm_variants[rule]
+    for text in FIXED_TEXTS + [_TRAINING_TEXT[:4000], "▁ ▁▁  ▁x", "<tool><tool>\n\n\n<|turn|> a"]:
+        assert_native_matches_tokenizers(tokenizer, text)
+
+
+@needs_native
+@FUZZ
+@given(text=TEXTS, rule=st.sampled_from(_SPACE_RULES))
+def test_c_encoder_matches_tokenizers_on_generated_text(spm_variants, text: str,
+                                                         rule: tuple[str, bool | None]) -> None:
+    assert_native_matches_tokenizers(spm_variants[rule], text)
+
+
+@needs_native
+@FUZZ
+@given(data=st.data())
+def test_c_decoder_matches_tokenizers_on_any_ids(spm_variants, data: st.DataObject) -> None:
+    """Byte tokens that spell invalid UTF-8 (U+FFFD per byte), special tokens, ``▁``."""
+    tokenizer = spm_variants[data.draw(st.sampled_from(_SPACE_RULES))]
+    n = tokenizer.vocab_size
+    ids = data.draw(st.lists(st.one_of(st.integers(0, n - 1), st.integers(0, 270)), max_size=12))
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.backend.decode(
+            ids, skip_special_tokens=skip)
+    # Streaming: the same pieces as a stream over the tokenizers build.
+    plain = Tokenizer(tokenizer.backend)
+    for skip in (True, False):
+        ours, theirs = tokenizer.stream_decoder(skip), plain.stream_decoder(skip)
+        assert [ours.push(i) for i in ids] + [ours.flush()] == [theirs.push(i) for i in ids] + [theirs.flush()]
+
+
+@needs_native
+def test_c_encoder_refuses_a_lone_surrogate_by_name(sentencepiece_bpe) -> None:
+    _, tokenizer, _ = sentencepiece_bpe
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        tokenizer.encode("a\ud800b")
+
+
+@needs_native
+@pytest.mark.parametrize("change", ["nan score", "missing byte token", "file merges", "no extension"])
+def test_tokenizers_serves_what_the_c_encoder_does_not(sentencepiece_bpe, change: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    metadata = dict(sentencepiece_bpe[0])
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    if change == "nan score":
+        scores = np.array(metadata["tokenizer.ggml.scores"], np.float32)
+        scores[-1] = np.nan
+        metadata["tokenizer.ggml.scores"] = scores
+    elif change == "missing byte token":
+        tokens[tokens.index("<0x41>")] = "<0x41 renamed>"
+        metadata["tokenizer.ggml.tokens"] = tokens
+    elif change == "file merges":
+        metadata["tokenizer.ggml.merges"] = ["▁ t"] if "▁t" in tokens else []
+    else:
+        monkeypatch.setattr(gguf_spm, "_sentencepiece", None)
+    tokenizer = ours(metadata)
+    assert tokenizer._native is None
+    assert tokenizer.encode("hello world") == tokenizer.backend.encode("hello world").ids
+
+
+@needs_native
+def test_a_stored_vocabulary_gives_the_c_encoder_its_bytes(sentencepiece_bpe) -> None:
+    """A file's StringArray reaches the encoder as stored; one holding invalid UTF-8 as
+    the StringArray decodes it (bytes replaced), as tokenizers sees it."""
+    metadata = sentencepiece_bpe[0]
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    stored = ours({**metadata, "tokenizer.ggml.tokens": _stored(tokens)})
+    listed = ours(metadata)
+    for text in FIXED_TEXTS:
+        assert stored.encode(text) == listed.encode(text)
+    raw = [t.encode() for t in tokens]
+    raw[-1] = b"\xffbad"
+    broken = ours({**metadata, "tokenizer.ggml.tokens": StringArray(b"".join(raw), np.cumsum([len(r) for r in raw]))})
+    assert broken.id_to_token(len(tokens) - 1) == "\ufffdbad" == broken.backend.id_to_token(len(tokens) - 1)
+    for text in FIXED_TEXTS:
+        assert_native_matches_tokenizers(broken, text)
+
+
+@pytest.mark.slow
+@needs_native
+@FUZZ
+@given(text=st.one_of(TEXTS, st.sampled_from(FIXED_TEXTS)))
+def test_gemma3_c_encoder_matches_tokenizers(gemma3, text: str) -> None:
+    tokenizer, _ = gemma3
+    assert tokenizer._native is not None
+    assert_native_matches_tokenizers(tokenizer, text)
+
+
+CONTROL_TYPE, USER_TYPE = gguf_tokenizer.CONTROL, gguf_tokenizer.USER_DEFINED
+
+
+@pytest.mark.parametrize("tokens", [
+    ["<s>", "a", "é", "Ġb", "<tool>", "日本"],  # UTF-8 spellings respelled, a user-defined one kept
+    ["<s>", "a", "é", "Ã©", "<tool>"],  # "é" respelled meets "Ã©": the later id keeps the spelling
+    ["<s>", "Ã©", "é", "a", "<tool>"],
+    ["<s>", "é", "ê", "", "a"],
+])
+def test_byte_level_vocabulary_respells_as_built_in_order(tokens: list[str]) -> None:
+    """The one-pass respelling gives the dict that respelling token by token, in id order, gives."""
+    types = np.array([CONTROL_TYPE if t == "<s>" else USER_TYPE if t == "<tool>" else 1 for t in tokens], np.int32)
+    vocab = gguf_tokenizer._Vocab.read({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                                        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": []}, "test")
+    byte = gguf_tokenizer._BYTE_TO_UNICODE
+    expected: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not set(byte.values()).issuperset(token) and types[index] not in (CONTROL_TYPE, USER_TYPE):
+            token = "".join(byte[b] for b in token.encode("utf-8"))
+        expected[token] = index
+    assert vocab._byte_level_vocab(tokens) == expected
+

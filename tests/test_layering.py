@@ -95,9 +95,17 @@ def find_modules(roots: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
     return modules
 
 
+#: Compiled extension modules (setup.py), imported by their full name: leaves that import
+#: nothing of the package, so importing one is no edge to the package holding it.
+EXTENSION_MODULES = frozenset({"infer.formats._sentencepiece", "infer.formats._gguf_strings"})
+
+
 def _owner(name: str, modules: dict[str, tuple[Path, bool]]) -> str | None:
     """The module ``name`` refers to: itself, or its longest prefix that is a
-    module (``infer.ops.Backend`` -> ``infer.ops``); None outside the package."""
+    module (``infer.ops.Backend`` -> ``infer.ops``); None outside the package
+    and for a compiled extension module."""
+    if name in EXTENSION_MODULES:
+        return None
     while name:
         if name in modules:
             return name

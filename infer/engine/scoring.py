@@ -20,17 +20,16 @@ many sequences per forward, with the logits of every row
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from infer.engine.runner import Engine, SequenceState
 from infer.engine.sampling import log_softmax, token_logprob
 from infer.errors import GenerationError
+from infer.progress import progress_bar
 
 #: Tokens one scoring forward feeds at most (all sequences together).
 DEFAULT_SCORE_BATCH_TOKENS = 512
@@ -129,7 +128,7 @@ def score_sequences(
     total = sum(j.end - j.first for j in jobs)
     # Rows of logits per forward: within the batch, and within what the host takes at once.
     budget = max(1, min(max_batch_tokens, _MAX_LOGIT_FLOATS // max(engine.model.vocab_size, 1)))
-    with tqdm(total=total, desc="Scoring", unit="tok", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(progress, total=total, desc="Scoring", unit="tok") as bar:
         live = list(jobs)
         while live:
             bar.update(_step(engine, live, budget, top_logprobs))
@@ -284,7 +283,7 @@ def divergence(
                      Score(ids, [math.nan] * n, [False] * n, [()] * n))
     budget = max(1, min(max_batch_tokens, _MAX_DIVERGENCE_FLOATS // max(vocab, 1)))
     spans = windows(len(ids), window, step)
-    with tqdm(total=n, desc="Comparing", unit="tok", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(progress, total=n, desc="Comparing", unit="tok") as bar:
         for begin, end, first in spans:
             _compare_window(engine_p, engine_q, out, begin, end, first, max_batch_tokens, budget)
             bar.update(end - first)
