@@ -114,15 +114,25 @@ class PromptMedia:
         return np.concatenate([inside, np.broadcast_to(after, (self.positions.shape[0], after.shape[0]))],
                               axis=1).astype(np.int32)
 
-    def plain(self, start: int, stop: int) -> bool:
-        """True when positions ``start..stop`` need nothing beyond token ids:
-        no image rows, no span, rope positions equal to the indices (what a
-        captured step serves)."""
+    def rope_offset(self, start: int, stop: int) -> int | None:
+        """The one number positions ``start..stop`` need beyond their token
+        ids, where one number is all they need: how far their rope positions
+        sit from the token indices (0 without multi-stream positions;
+        :attr:`position_delta` after an M-RoPE prompt, whose three streams are
+        equal there). None where they need more (image rows, a span, streams
+        that differ): a captured step serves the former, the offset one of
+        its inputs, and runs the latter eagerly."""
         if np.searchsorted(self.rows, start) != np.searchsorted(self.rows, stop):
-            return False
+            return None
         if any(max(lo, start) < min(hi, stop) for lo, hi in self.spans):
-            return False
-        return self.positions is None
+            return None
+        placed = self.position_rows(start, stop)
+        if placed is None or stop <= start:
+            return 0
+        offsets = placed - np.arange(start, stop, dtype=np.int32)
+        if (offsets != offsets[0, 0]).any():
+            return None
+        return int(offsets[0, 0])
 
     def chunk_end(self, start: int, stop: int) -> int:
         """Where a prompt chunk from ``start`` that would end at ``stop`` ends

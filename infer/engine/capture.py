@@ -116,19 +116,22 @@ class CapturedDecode:
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
+    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
+              offset: Array | None = None) -> tuple[Array, Array, list, list]:
         ops = self.ops
-        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, offset=offset)
         hidden = self.model.forward(ids, ctx)
         logits = self.model.compute_logits(hidden)
         # The row maximum rides along: an argmax over NaNs is an index, never a token.
         return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
 
-    def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
+    def __call__(self, cache: ContiguousKVCache, token: int, offset: int = 0) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
         it, or None where this step cannot run (the caller runs the eager
         forward instead, which writes this position's keys and values again:
-        a refused capture may have written some of them)."""
+        a refused capture may have written some of them). ``offset``: the
+        token's rope position less its index (an input of the step like the
+        position, so every offset shares the graph)."""
         if self.reason is not None:
             return None
         buffers = cache.layer_rows(self.model.num_layers)
@@ -140,9 +143,10 @@ class CapturedDecode:
         cache.reserve(position + 1)
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
+        shift = ops.from_numpy(np.array([offset], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, top, keys, values = self._fn(ids, start, *buffers)
+            next_id, top, keys, values = self._fn(ids, start, *buffers, shift)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
@@ -275,10 +279,12 @@ class CapturedBatchDecode:
 
     def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
-               scratch_slot: int = -1) -> StepInputs:
+               scratch_slot: int = -1, offsets: list[int] | None = None) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
         next positions (reserved), padded to the buckets: padding tokens form
-        one more sequence, on the scratch block; padding sequences have no rows."""
+        one more sequence, on the scratch block; padding sequences have no rows.
+        ``offsets[i]``: sequence ``i``'s rope positions less its token indices
+        (None: all 0), which only the positions input carries."""
         pool = caches[0].pool
         bs, scratch = pool.block_size, pool.scratch_block
         counts = [len(t) for t in token_ids]
@@ -303,7 +309,8 @@ class CapturedBatchDecode:
             located = cache.locate_groups(p, p + n)
             slot, blocks = located[0]
             query_start[i] = at
-            ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p, p + n), slot
+            shift = 0 if offsets is None else offsets[i]
+            ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p + shift, p + n + shift), slot
             tables[i, :len(blocks)] = blocks
             for (g_slots, g_tables), (g_slot, g_blocks) in zip(groups, located[1:]):
                 g_slots[at:at + n], g_tables[i, :len(g_blocks)] = g_slot, g_blocks
@@ -334,7 +341,8 @@ class CapturedBatchDecode:
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                  logit_tokens: list[int] | None = None,
-                 checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+                 checkpoints: list[list[tuple[int, int]]] | None = None,
+                 offsets: list[int] | None = None) -> Array | None:
         """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
         one pool, the positions reserved); the logits of the token rows
         ``logit_tokens`` (None: every row), or None where this step cannot run
@@ -342,7 +350,10 @@ class CapturedBatchDecode:
         again). Nothing is committed. Sequences with recurrent state need
         ``checkpoints``, each one's ``(position, slot)`` checkpoints to write
         (:attr:`~infer.kv.attention.SequenceSlice.checkpoints`): their states
-        are the step's data too, one more scratch slot taking the padding's."""
+        are the step's data too, one more scratch slot taking the padding's.
+        ``offsets[i]``: how far sequence ``i``'s rope positions sit from its
+        token indices (an M-RoPE sequence after its prompt; None: none do),
+        data of the positions input, so no offset makes a graph of its own."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
@@ -373,7 +384,8 @@ class CapturedBatchDecode:
             if not mine:
                 continue
             logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine,
-                               None if states[0] is None else checkpoints[lo:hi])  # type: ignore[index]
+                               None if states[0] is None else checkpoints[lo:hi],  # type: ignore[index]
+                               None if offsets is None else offsets[lo:hi])
             if logits is None:
                 return None
             outputs.append(logits)
@@ -413,11 +425,12 @@ class CapturedBatchDecode:
         return slot
 
     def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
+             offsets: list[int] | None = None) -> Array | None:
         ops = self.ops
         store = None if checkpoints is None else caches[0].states.store  # type: ignore[union-attr]
         host = self.inputs(caches, token_ids, logit_tokens, checkpoints,
-                           -1 if store is None else self._scratch(store))  # type: ignore[arg-type]
+                           -1 if store is None else self._scratch(store), offsets)  # type: ignore[arg-type]
         shape = host.shape
         if shape in self.refused:
             return None
