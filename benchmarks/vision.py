@@ -150,8 +150,10 @@ def main() -> None:
                 firsts.add(out)
             print(f"{name}: {runs[name][-1]:.2f} s", flush=True)
     med = {name: statistics.median(v) for name, v in runs.items()}
+    config = json.loads((folder / "config.json").read_text())  # the folder's own sizes (it may be an older build)
     result = {
-        "vision_layers": args.vision_layers, "text_layers": args.text_layers, "vocab": args.vocab,
+        "vision_layers": config["vision_config"]["num_hidden_layers"],
+        "text_layers": config["text_config"]["num_hidden_layers"], "vocab": config["text_config"]["vocab_size"],
         "prompt_tokens": len(ids), "repeats": args.repeats, "threads": args.threads,
         "infer_images_per_s": 1 / med["infer image"], "hf_images_per_s": 1 / med["hf image"],
         "infer_ttft_s": med["infer ttft"], "hf_ttft_s": med["hf ttft"],
