@@ -260,7 +260,8 @@ class EncoderBudget:
             f"activations while it is encoded, beside {media.embedding_bytes:,} bytes of the request's image "
             f"embeddings ({len(media.images)} image(s), {media.image_tokens} tokens), but the batch engine's "
             f"encoder_memory is {self.memory:,} bytes: send a smaller image or raise encoder_memory")
-        err.bytes_needed, err.bytes_available = media.embedding_bytes + image.activation_bytes, self.memory  # type: ignore[attr-defined]
+        err.bytes_needed = media.embedding_bytes + image.activation_bytes  # type: ignore[attr-defined]
+        err.bytes_available = self.memory  # type: ignore[attr-defined]
         raise err
 
     @staticmethod
