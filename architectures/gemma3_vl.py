@@ -21,7 +21,7 @@ The language model is :class:`~.gemma3.Gemma3ForCausalLM` reading
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infer.architecture import RenamedWeights, VisionSpec, WeightLoader
@@ -56,9 +56,21 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         image_token = config.get("image_token_index", config.get("image_token_id", 262144))
         self.vision = VisionSpec("gemma3", int(image_token), bidirectional=True, config=config)
 
+    def image_activation_bytes(self, shape: Sequence[int], meta: Mapping[str, Any]) -> int:
+        """The most memory :meth:`embed_image` holds at once for one image: the tower's (every
+        image and pan-and-scan crop is one size and goes through alone; the rows they give
+        are the request's embeddings, counted apart)."""
+        return self.vision_tower.activation_bytes()
+
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
-        """``[mm_tokens_per_image, text hidden]``: tower, 4 x 4 average, soft-embedding norm, projection."""
+        """``[mm_tokens_per_image, text hidden]``: tower, 4 x 4 average, soft-embedding norm, projection;
+        pan-and-scan's ``[1 + crops, 3, size, size]`` gives each view's rows, the whole image first."""
         ops, vcfg = self.ops, self.vision_tower.config
+        shape = ops.shape(pixel_values)
+        if len(shape) == 4:
+            views = [self.embed_image(ops.reshape(ops.slice(pixel_values, 0, i, i + 1), tuple(shape[1:])), meta)
+                     for i in range(shape[0])]
+            return views[0] if len(views) == 1 else ops.concat(views, 0)
         h = self.vision_tower.last_hidden_state(pixel_values)  # [patches, vision hidden]
         pooled = avg_pool(ops, h, vcfg.patches_per_side, self.side)
         return ops.linear(ops.rms_norm(pooled, self.soft_norm, self.soft_eps), self.projection)

@@ -28,7 +28,7 @@ and ``model.connector.``), as transformers' ``Idefics3VisionTransformer`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM, VisionSpec, WeightLoader
@@ -113,6 +113,12 @@ class Idefics3ForConditionalGeneration(WrappedLanguageModel):
         self.num_layers, self.max_context, self.vocab_size = lm.num_layers, lm.max_context, lm.vocab_size
         self.lm_head = lm.lm_head
         self.vision = VisionSpec("idefics3", int(config.get("image_token_id", 128257)), config=config)
+
+    def image_activation_bytes(self, shape: Sequence[int], meta: Mapping[str, Any]) -> int:
+        """The most memory :meth:`embed_image` holds at once for ``shape[0]`` tiles: one
+        tile's tower layer (tiles go through one at a time) beside every tile's output,
+        kept and concatenated."""
+        return self.visual.tower.activation_bytes(kept=2 * int(shape[0]))
 
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
         """One image's rows ``[tiles * tokens_per_tile, text hidden]`` from its tiles ``[tiles, 3, size, size]``."""

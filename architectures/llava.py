@@ -18,7 +18,7 @@ The parts' weights are where the checkpoint keeps them (:func:`~.vision.checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infer.architecture import CausalLM, VisionSpec, WeightLoader
@@ -29,7 +29,7 @@ from infer.plugins.registry import ArchitectureSpec
 
 from . import gemma3, llama, qwen3
 from .gemma3_vl import LanguageModelWeights
-from .vision import VisionTower, WrappedLanguageModel, checkpoint_prefixes, vision_config
+from .vision import VisionTower, WrappedLanguageModel, checkpoint_prefixes, exact_gelu_bytes, vision_config
 
 #: Language models a LLaVA checkpoint may carry: ``text_config.model_type`` -> build.
 TEXT_MODELS = {"llama": llama.build, "mistral": llama.build, "qwen2": llama.build, "qwen3": qwen3.build,
@@ -76,6 +76,7 @@ class LlavaForConditionalGeneration(WrappedLanguageModel):
         self.projector_act = act
         bias = config.get("multimodal_projector_bias", True)
         dv, dt = vcfg.hidden_size * len(resolved), int(text["hidden_size"])
+        self.text_width = dt
         lin = lambda name, o, n: (weights.get(projector + name + ".weight", (o, n)),  # noqa: E731
                                   weights.get(projector + name + ".bias", (o,)) if bias else None)
         self.linear_1, self.linear_2 = lin("linear_1", dt, dv), lin("linear_2", dt, dt)
@@ -84,6 +85,13 @@ class LlavaForConditionalGeneration(WrappedLanguageModel):
         self.lm_head = lm_net.lm_head
         self.vision = VisionSpec("llava", int(config.get("image_token_index", config.get("image_token_id", 32000))),
                                  config=config)
+
+    def image_activation_bytes(self, shape: Sequence[int], meta: Mapping[str, Any]) -> int:
+        """The most memory :meth:`embed_image` holds at once: a tower layer's, with the
+        stream's states up to the last one read kept (``hidden_states``)."""
+        tower = self.vision_tower
+        projector = exact_gelu_bytes(tower.tokens, self.text_width) if self.projector_act == "gelu" else 0
+        return tower.activation_bytes(kept=max(self.feature_rows) + 1) + projector
 
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
         """The chosen hidden states of the tower, projected: ``[image tokens, text hidden]``."""

@@ -51,6 +51,7 @@ from . import qwen3_5, qwen3_next
 from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, model_config, text_config
 from .qwen3_next import Qwen3_5MoeForCausalLM
 from .rope import _f32
+from .vision import activation_bytes, exact_gelu_bytes
 
 Grid = tuple[int, int, int]
 
@@ -278,6 +279,14 @@ class QwenVision:
                               f"language model's hidden_size ({text.hidden_size})")
         self.visual = Qwen3_5VisionModel(vision, weights, ops, prefix="model.visual.")
         self.vision = VisionSpec("qwen2_vl", int(config.get("image_token_id", 248056)), config=config)
+
+    def image_activation_bytes(self, shape: Sequence[int], meta: Mapping[str, Any]) -> int:
+        """The most memory :meth:`embed_image` holds at once: a tower layer over the image's ``t * h * w`` patches."""
+        cfg = self.visual.config
+        t, h, w = (int(x) for x in meta["grid_thw"])
+        merged = cfg.hidden_size * cfg.spatial_merge_size ** 2  # the merger's exact GELU over merged rows
+        return (activation_bytes(self.ops, t * h * w, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads)
+                + exact_gelu_bytes(t * h * w // cfg.spatial_merge_size ** 2, merged))
 
     def embed_image(self, pixel_values: Array, meta: Mapping[str, Any]) -> Array:
         """One image's rows ``[t * h * w / merge**2, hidden]`` from its patches and ``meta["grid_thw"]``."""

@@ -33,6 +33,29 @@ from infer.errors import ConfigError
 from infer.kv.attention import AttentionContext, LayerState
 from infer.ops import Array, AttentionBatch, Backend
 
+def activation_bytes(ops: Backend, tokens: int, hidden: int, intermediate: int, heads: int) -> int:
+    """The most memory one encoder layer over ``tokens`` rows holds at once,
+    from the shapes (an upper estimate, which the engine's admission
+    reserves for an image: docs/vision.md, "Memory"): per row the residual
+    stream, the normed rows, queries, keys, values and the attention output
+    (6 x ``hidden``), the MLP's intermediate rows with the activation's
+    temporaries (4 x ``intermediate``: quick-gelu's exp and quotient live
+    beside its input), and every head's scores with their softmax (2 x
+    ``heads`` x ``tokens``: the numpy backend's non-causal attention makes
+    them whole, measured 1.1-1.2 x; fused attention makes less); and one
+    weight matrix's size (a backend may lay a weight out anew per call)."""
+    itemsize = 4 if ops.compute_dtype == "float32" else 2
+    return itemsize * (tokens * (6 * hidden + 4 * intermediate + 2 * heads * tokens) + hidden * intermediate)
+
+
+def exact_gelu_bytes(rows: int, width: int) -> int:
+    """What an exact (erf) GELU over ``rows x width`` values may hold while it
+    runs: the numpy backend evaluates erf through Python floats (measured
+    about 80 bytes a value), far above the values' own size. A projector's
+    exact GELU (LLaVA's ``gelu``, Qwen's merger) adds this to its estimate."""
+    return 80 * rows * width
+
+
 #: ``hidden_act`` names of the towers.
 TOWER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu", "quick_gelu")
 
@@ -127,6 +150,19 @@ class VisionTower:
         self._batch = AttentionBatch(ops.from_numpy(host_array([0, n], "int32")),
                                      ops.from_numpy(host_array([n], "int32")),
                                      ops.from_numpy(host_array([0], "int32").reshape(1, 1)), n, n)
+
+    @property
+    def tokens(self) -> int:
+        """Rows of one image in the encoder: its patches (and CLIP's class token)."""
+        return self.config.patches_per_side ** 2 + (1 if self.config.clip else 0)
+
+    def activation_bytes(self, kept: int = 0) -> int:
+        """The most memory one image's forward holds at once (:func:`activation_bytes`),
+        with ``kept`` more of the stream's states held (LLaVA keeps the layers it reads)."""
+        cfg, ops = self.config, self.ops
+        itemsize = 4 if ops.compute_dtype == "float32" else 2
+        return (activation_bytes(ops, self.tokens, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads)
+                + kept * itemsize * self.tokens * cfg.hidden_size)
 
     def embed(self, pixel_values: Array) -> Array:
         """``[tokens, hidden]``: patches (and CLIP's class token) with their positions."""

@@ -354,6 +354,14 @@ class CausalLM(abc.ABC):
         Default: the network reads no images."""
         raise UnsupportedOpError(f"{type(self).__name__} reads text only; it has no vision tower")
 
+    def image_activation_bytes(self, shape: Sequence[int], meta: Mapping[str, Any]) -> int:
+        """The most memory :meth:`embed_image` holds at once for an image of
+        ``pixel_values`` ``shape`` and ``meta`` (an upper estimate from the
+        tower's shapes), which the batch engine reserves while the image is
+        encoded (docs/vision.md, "Memory"). Default 0: a family that does not
+        say is admitted on its embeddings' bytes alone."""
+        return 0
+
     def prompt_positions(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[np.ndarray, int] | None:
         """Rope positions of a prompt holding images, where they are not the
         token indices: ``([streams, len(token_ids)] int32, delta)``, ``delta``

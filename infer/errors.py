@@ -83,6 +83,13 @@ class ImageError(InferError, ValueError):
     message names the input (a path, ``images[i]``, a message's content part)."""
 
 
+class EncoderMemoryError(ImageError):
+    """An image's vision-tower memory (its activations while it is encoded,
+    with the request's image embeddings) exceeds the batch engine's
+    ``encoder_memory`` even with nothing else running; the message names the
+    image and the limit."""
+
+
 class ChatTemplateError(InferError):
     """A chat template is missing, failed to render, or raised an exception."""
 

@@ -233,12 +233,39 @@ def image_processor(name: str, config: dict[str, Any], preprocessor: dict[str, A
 # -- the families of this package ---------------------------------------------------------------------
 
 
+def pan_and_scan_crops(height: int, width: int, min_crop_size: int, max_crops: int,
+                       min_ratio: float) -> list[tuple[int, int, int, int]]:
+    """Gemma 3's pan-and-scan (transformers' ``Gemma3ImageProcessor.pan_and_scan``):
+    ``(top, left, bottom, right)`` of the crops of an image of ``height x
+    width`` pixels, row by row; none where its aspect ratio is below
+    ``min_ratio`` or the crops would be smaller than ``min_crop_size``. The
+    long side is cut into its aspect ratio rounded half up, at least 2 and
+    at most ``max_crops`` crops of ``ceil(side / n)`` pixels (the last one
+    shorter where that overshoots)."""
+    long, short = max(width, height), min(width, height)
+    if long / short < min_ratio:
+        return []
+    n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / min_crop_size)))
+    n = min(max_crops, max(2, n))
+    crops_w, crops_h = (n, 1) if width >= height else (1, n)
+    crop_w, crop_h = int(math.ceil(width / crops_w)), int(math.ceil(height / crops_h))
+    if min(crop_w, crop_h) < min_crop_size:
+        return []
+    return [(top, left, min(top + crop_h, height), min(left + crop_w, width))
+            for top in range(0, crop_h * crops_h, crop_h) for left in range(0, crop_w * crops_w, crop_w)]
+
+
 @dataclass
 class Gemma3Images:
     """Gemma 3: a square resize (896 px in the released models), and
     ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` soft tokens +
     ``<end_of_image>\\n\\n`` per ``<start_of_image>`` (transformers'
-    ``Gemma3Processor``; pan-and-scan crops are not done)."""
+    ``Gemma3Processor``). With pan-and-scan (``do_pan_and_scan``), a long
+    image is also cut into crops (:func:`pan_and_scan_crops`), each resized
+    as the whole image is: ``pixel_values`` ``[1 + crops, 3, size, size]``
+    (the whole image first) and the text ``Here is the original image``
+    + its tokens + `` and here are some crops to help you see better`` + each
+    crop's tokens."""
 
     pixels: ResizeNormalize
     tokens: int
@@ -246,12 +273,29 @@ class Gemma3Images:
     eoi: str = "<end_of_image>"
     image_token: str = "<image_soft_token>"
     placeholder: str = "<start_of_image>"
+    #: ``(min_crop_size, max_num_crops, min_ratio_to_activate)`` with pan-and-scan on, else None.
+    pan_and_scan: tuple[int, int, float] | None = None
 
     def preprocess(self, image: Any) -> ProcessedImage:
-        return ProcessedImage(self.pixels(image), self.tokens)
+        if self.pan_and_scan is None:
+            return ProcessedImage(self.pixels(image), self.tokens)
+        rgb = to_rgb(image)  # transformers converts first, then crops the RGB pixels
+        array = np.asarray(rgb)
+        crops = pan_and_scan_crops(array.shape[0], array.shape[1], *self.pan_and_scan)
+        if not crops:
+            return ProcessedImage(self.pixels(rgb), self.tokens, {"crops": 0})
+        Image = pil()
+        views = [self.pixels(rgb)] + [self.pixels(Image.fromarray(np.ascontiguousarray(array[t:b, l:r])))
+                                      for t, l, b, r in crops]
+        return ProcessedImage(np.stack(views), self.tokens * len(views), {"crops": len(crops)})
 
     def expand(self, image: ProcessedImage) -> str:
-        return f"\n\n{self.boi}{self.image_token * image.num_tokens}{self.eoi}\n\n"
+        crops = image.meta.get("crops", 0)
+        one = f"\n\n{self.boi}{self.image_token * (image.num_tokens // (1 + crops))}{self.eoi}\n\n"
+        if not crops:
+            return one
+        return f"Here is the original image {one} and here are some crops to help you see better " + " ".join(
+            [one] * crops)
 
 
 @dataclass
@@ -282,10 +326,13 @@ def gemma3_processor(config: dict[str, Any], preprocessor: dict[str, Any], token
     kind = "Gemma3ImageProcessor"
     image_size = int(vision.get("image_size", 224))
     settings = {"size": {"height": image_size, "width": image_size}, **preprocessor}
-    if settings.get("do_pan_and_scan"):
-        raise ImageError("Gemma 3's pan-and-scan crops (do_pan_and_scan) are not supported yet")
+    pan_and_scan = None
+    if settings.get("do_pan_and_scan"):  # unset values: Gemma3Processor's defaults
+        pan_and_scan = (int(settings.get("pan_and_scan_min_crop_size") or 256),
+                        int(settings.get("pan_and_scan_max_num_crops") or 4),
+                        float(settings.get("pan_and_scan_min_ratio_to_activate") or 1.2))
     tokens = int(config.get("mm_tokens_per_image", 256))
-    return Gemma3Images(ResizeNormalize.from_config(settings, kind), tokens,
+    return Gemma3Images(ResizeNormalize.from_config(settings, kind), tokens, pan_and_scan=pan_and_scan,
                         boi=_token(tokenizer, config.get("boi_token_index", config.get("boi_token_id")),
                                    "<start_of_image>"),
                         eoi=_token(tokenizer, config.get("eoi_token_index", config.get("eoi_token_id")),

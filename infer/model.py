@@ -711,6 +711,7 @@ class Model:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prompt_cache_dir: str | os.PathLike[str] | None = None,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+        encoder_memory: int | None = None,
     ) -> BatchEngine:
         """Replace :attr:`batch_engine` with one of these settings and return it.
 
@@ -728,6 +729,10 @@ class Model:
                 in the batch engine's pool too, so they find them.
             prompt_cache_bytes: the most that folder holds (least recently
                 used blocks go first).
+            encoder_memory: bytes of vision-tower activations and image
+                embeddings all running requests together may hold (default
+                4 GiB; docs/vision.md, "Memory"): a request with images waits
+                until its images fit.
 
         Raises :class:`~infer.errors.GenerationError` while the current batch
         engine still has requests.
@@ -735,7 +740,7 @@ class Model:
         if self._batch_engine is not None and self._batch_engine.has_work():
             raise GenerationError("the batch engine still has requests; finish or cancel them first")
         batch = BatchEngine(self.engine, kv_layout=kv_layout, kv_memory=kv_memory, block_size=block_size,
-                            max_batch_tokens=max_batch_tokens)
+                            max_batch_tokens=max_batch_tokens, encoder_memory=encoder_memory)
         if prompt_cache_dir is not None:
             attach_prompt_cache(self, batch, prompt_cache_dir, prompt_cache_bytes)
         self._batch_engine = batch

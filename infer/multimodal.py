@@ -11,9 +11,12 @@ template's) and its images, and gives what the engine runs:
 3. the text is tokenized, and the i-th image owns the next
    ``num_tokens`` image-token positions;
 4. the network's :meth:`~infer.architecture.CausalLM.embed_image` turns each
-   image into its embedding rows, once per request (they live in the
-   :class:`PromptMedia` as long as the request does, so a preempted request
-   recomputed later does not run the vision tower again).
+   image into its embedding rows, once per request, when a forward first
+   needs them (so the batch engine admits the request, reserving the
+   tower's memory, before the tower runs, and a prompt found whole in the
+   prefix cache never runs it); they live in the :class:`PromptMedia` (the
+   encoder cache) until the request ends, so a preempted request recomputed
+   later does not run the vision tower again.
 
 The :class:`PromptMedia` rides on the engine's sequence
 (:attr:`infer.engine.runner.SequenceState.media`); every forward asks it, per
@@ -26,7 +29,7 @@ recomputation, rollback and prefix hits all see the same description. Its
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,11 @@ class ImageSpan:
     key: bytes
     #: The preprocessed image.
     processed: ProcessedImage
+    #: What the request called it (``images[0]``, ``messages[1].content[0]``).
+    name: str = "image"
+    #: The most memory the vision tower holds at once while encoding it
+    #: (:meth:`~infer.architecture.CausalLM.image_activation_bytes`).
+    activation_bytes: int = 0
 
 
 @dataclass
@@ -59,8 +67,9 @@ class PromptMedia:
 
     #: The images in prompt order.
     images: list[ImageSpan]
-    #: ``[image tokens, hidden]`` on the backend: the embeddings, image after image.
-    embeddings: Array
+    #: Runs the vision tower: ``[image tokens, hidden]`` on the backend, image
+    #: after image (:attr:`embeddings` calls it once, when first needed).
+    encode: Callable[[], Array]
     #: int64 ``[image tokens]``: the prompt position each embedding row goes to, rising.
     rows: np.ndarray
     #: ``[(lo, hi)]`` prompt position ranges that attend both ways (empty: all causal).
@@ -69,6 +78,33 @@ class PromptMedia:
     positions: np.ndarray | None = None
     #: Added to the index of every token after the prompt (with :attr:`positions`).
     position_delta: int = 0
+    #: Bytes the embeddings take (image tokens x hidden x the compute dtype's size).
+    embedding_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._embeddings: Array | None = None
+
+    @property
+    def embeddings(self) -> Array:
+        """``[image tokens, hidden]`` on the backend: the images' embeddings,
+        computed by the vision tower on first use and held until :meth:`release`."""
+        if self._embeddings is None:
+            self._embeddings = self.encode()
+        return self._embeddings
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the embeddings are held (the tower has run and they were not released)."""
+        return self._embeddings is not None
+
+    def release(self) -> None:
+        """Drop the embeddings (the request ended); a later use encodes again."""
+        self._embeddings = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """The most memory the tower holds at once while encoding these images (one at a time)."""
+        return max((image.activation_bytes for image in self.images), default=0)
 
     @property
     def extra_key(self) -> bytes:
@@ -114,15 +150,25 @@ class PromptMedia:
         return np.concatenate([inside, np.broadcast_to(after, (self.positions.shape[0], after.shape[0]))],
                               axis=1).astype(np.int32)
 
-    def plain(self, start: int, stop: int) -> bool:
-        """True when positions ``start..stop`` need nothing beyond token ids:
-        no image rows, no span, rope positions equal to the indices (what a
-        captured step serves)."""
+    def rope_offset(self, start: int, stop: int) -> int | None:
+        """The one number positions ``start..stop`` need beyond their token
+        ids, where one number is all they need: how far their rope positions
+        sit from the token indices (0 without multi-stream positions;
+        :attr:`position_delta` after an M-RoPE prompt, whose three streams are
+        equal there). None where they need more (image rows, a span, streams
+        that differ): a captured step serves the former, the offset one of
+        its inputs, and runs the latter eagerly."""
         if np.searchsorted(self.rows, start) != np.searchsorted(self.rows, stop):
-            return False
+            return None
         if any(max(lo, start) < min(hi, stop) for lo, hi in self.spans):
-            return False
-        return self.positions is None
+            return None
+        placed = self.position_rows(start, stop)
+        if placed is None or stop <= start:
+            return 0
+        offsets = placed - np.arange(start, stop, dtype=np.int32)
+        if (offsets != offsets[0, 0]).any():
+            return None
+        return int(offsets[0, 0])
 
     def chunk_end(self, start: int, stop: int) -> int:
         """Where a prompt chunk from ``start`` that would end at ``stop`` ends
@@ -140,11 +186,13 @@ class ImagePrompts:
     :class:`PromptMedia` (made once per model by :func:`for_model`)."""
 
     def __init__(self, network: Any, ops: Backend, tokenizer: Any, processor: ImageProcessor,
-                 limits: ImageLimits = DEFAULT_LIMITS) -> None:
+                 limits: ImageLimits = DEFAULT_LIMITS, *, text_width: int = 0) -> None:
         self.network, self.ops, self.tokenizer = network, ops, tokenizer
         self.processor = processor
         self.spec = network.vision
         self.limits = limits
+        #: The language model's hidden size: an embedding row's width (0: not known).
+        self.text_width = text_width
 
     def load(self, images: Sequence[Any], names: Sequence[str] | None = None) -> list[tuple[Any, bytes]]:
         """Each image decoded (within the limits) with its content key."""
@@ -184,25 +232,31 @@ class ImagePrompts:
                                      f"tokens) but the model's context is {context} positions")
         spans: list[ImageSpan] = []
         k = 0
-        for p, (_, key) in zip(processed, loaded):
-            spans.append(ImageSpan(where[k], p.num_tokens, key, p))
+        network = self.network
+        for i, (p, (_, key)) in enumerate(zip(processed, loaded)):
+            spans.append(ImageSpan(where[k], p.num_tokens, key, p, names[i] if names else f"images[{i}]",
+                                   network.image_activation_bytes(p.pixel_values.shape, p.meta)))
             k += p.num_tokens
-        ops = self.ops
-        parts = []
-        for span in spans:
-            emb = self.network.embed_image(ops.from_numpy(span.processed.pixel_values), span.processed.meta)
-            shape = ops.shape(emb)
-            if tuple(shape[:1]) != (span.length,):
-                raise ImageError(f"{type(self.network).__name__}.embed_image gave {list(shape)} rows for an "
-                                 f"image of {span.length} tokens")
-            parts.append(emb)
-        embeddings = parts[0] if len(parts) == 1 else ops.concat(parts, 0)
         rows = np.asarray(where, np.int64)
-        media = PromptMedia(spans, embeddings, rows, runs(rows) if self.spec.bidirectional else [])
+        itemsize = 4 if self.ops.compute_dtype == "float32" else 2
+        media = PromptMedia(spans, lambda: self.encode(spans), rows, runs(rows) if self.spec.bidirectional else [],
+                            embedding_bytes=need * self.text_width * itemsize)
         placed = self.network.prompt_positions(ids, spans)
         if placed is not None:
             media.positions, media.position_delta = np.asarray(placed[0], np.int32), int(placed[1])
         return ids, media
+
+    def encode(self, images: Sequence[ImageSpan]) -> Array:
+        """The vision tower over ``images``, one at a time: their embeddings, image after image."""
+        ops, parts = self.ops, []
+        for span in images:
+            emb = self.network.embed_image(ops.from_numpy(span.processed.pixel_values), span.processed.meta)
+            shape = ops.shape(emb)
+            if tuple(shape[:1]) != (span.length,):
+                raise ImageError(f"{type(self.network).__name__}.embed_image gave {list(shape)} rows for "
+                                 f"{span.name} of {span.length} tokens")
+            parts.append(emb)
+        return parts[0] if len(parts) == 1 else ops.concat(parts, 0)
 
 
 def runs(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -226,7 +280,9 @@ def for_model(package: Any, network: Any, ops: Backend, tokenizer: Any) -> Image
     if preprocessor is None:
         preprocessor = read_preprocessor_config(package.path)
     processor = image_processor(spec.processor, config, preprocessor, tokenizer)
-    return ImagePrompts(network, ops, tokenizer, processor)
+    text = config.get("text_config")
+    width = (text if isinstance(text, dict) else config).get("hidden_size", 0)
+    return ImagePrompts(network, ops, tokenizer, processor, text_width=int(width or 0))
 
 
 def image_parts(messages: Sequence[Any]) -> tuple[list[dict[str, Any]], list[Any], list[str]]:

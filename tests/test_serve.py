@@ -638,12 +638,13 @@ def test_infer_serve_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("INFER_API_KEY", "from-env")
     path = str(tiny_model_dir("smollm2_like"))
     assert main(["-q", "serve", path, "--port", "8123", "--kv-memory", "1MiB", "--max-batch-tokens", "64",
-                 "--model-name", "mine", "--max-queue", "3"]) == 0
+                 "--model-name", "mine", "--max-queue", "3", "--encoder-memory", "3MiB"]) == 0
     model = seen.pop("model")
     pool = model.batch_engine.pool
     held = pool.num_blocks + 1  # the sequences' blocks and the scratch block
     assert held * pool.allocator.bytes_per_block <= 2**20 < (held + 1) * pool.allocator.bytes_per_block
     assert model.batch_engine.max_batch_tokens == 64
+    assert model.batch_engine.encoder.memory == 3 * 2**20
     assert seen == dict(host="127.0.0.1", port=8123, model_name="mine", api_key="from-env", max_queue=3,
                         max_body_bytes=2**20, reasoning_parser=None, tool_parser=None, body_timeout=10.0,
                         slot_save_path=None, allowed_media_domains=[], enable_adapter_updates=False,

@@ -125,7 +125,7 @@ def _randomize_vision(model: Any, parts: tuple[str, ...]) -> None:
                 raise RuntimeError(f"tiny VLM: no init rule for parameter {name} {tuple(param.shape)}")
 
 
-def _build_qwen3_5(out: Path, moe: bool = False) -> None:
+def _build_qwen3_5(out: Path, moe: bool = False, attention_only: bool = False) -> None:
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -138,6 +138,8 @@ def _build_qwen3_5(out: Path, moe: bool = False) -> None:
     tok, ids = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     eos = tok.token_to_id("<|im_end|>")
     text = dict(QWEN_TEXT, **(QWEN_MOE if moe else {}))
+    if attention_only:  # no DeltaNet layer: no recurrent state, so the contiguous captured step serves it
+        text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
     config = Config(
         text_config=dict(text, vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=0),
         vision_config=QWEN_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -183,6 +185,7 @@ def _build_idefics3(out: Path, family: str) -> None:
 
 
 BUILDERS = {"qwen3_5": _build_qwen3_5, "qwen3_5_moe": lambda out: _build_qwen3_5(out, moe=True),
+            "qwen3_5_attention": lambda out: _build_qwen3_5(out, attention_only=True),
             "idefics3": lambda out: _build_idefics3(out, "idefics3"),
             "smolvlm": lambda out: _build_idefics3(out, "smolvlm")}
 

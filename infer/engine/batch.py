@@ -28,6 +28,12 @@ which kind of cache it holds):
   still need for their known tokens, can hold its prompt + ``max_tokens``. A
   request that could never fit, even in an empty pool, fails at
   :meth:`~BatchEngine.submit` with :class:`~infer.errors.CacheFullError`.
+* **Vision memory** — a request with images is admitted only when the
+  vision tower's memory for them (activations while encoded, then their
+  embeddings for the request's lifetime) fits within ``encoder_memory``
+  beside the running requests' (:class:`~infer.engine.budget.EncoderBudget`);
+  images that could never fit fail at submission with
+  :class:`~infer.errors.EncoderMemoryError`.
 * **Preemption** — admission does not reserve the blocks decoding will need
   later; when a step cannot get the blocks it needs, the most recently
   admitted running request is preempted: its pages are freed and it goes back
@@ -76,12 +82,12 @@ from typing import Any, Literal
 import numpy as np
 
 from infer.adapters.slots import AdapterUse
-from infer.engine.budget import ContiguousBudget, KVBudget, PagedBudget
+from infer.engine.budget import DEFAULT_ENCODER_MEMORY, ContiguousBudget, EncoderBudget, KVBudget, PagedBudget
 from infer.engine.generate import Drafting, StopConditions, accept_drafts, sample, sample_host
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import Draft, DraftJob, DraftSource, Speculation, SpeculativeStats
-from infer.errors import CacheFullError, GenerationError
+from infer.errors import CacheFullError, EncoderMemoryError, GenerationError
 from infer.kv.paged import PagedKVPool
 
 log = logging.getLogger(__name__)
@@ -200,12 +206,15 @@ class BatchEngine:
         block_size: positions per page of a pool made here.
         max_batch_tokens: most tokens one forward processes; a long prompt is
             prefilled in chunks.
+        encoder_memory: bytes of vision-tower activations and image
+            embeddings all requests together may hold (default
+            :data:`~infer.engine.budget.DEFAULT_ENCODER_MEMORY`).
     """
 
     def __init__(
         self, engine: Engine, *, kv_layout: KVLayout = "auto", kv_pool: PagedKVPool | None = None,
         kv_memory: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, encoder_memory: int | None = None,
     ) -> None:
         if max_batch_tokens < 1:
             raise GenerationError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
@@ -213,6 +222,8 @@ class BatchEngine:
             raise GenerationError(f"kv_layout must be 'auto', 'paged' or 'contiguous', got {kv_layout!r}")
         if kv_memory is not None and (not isinstance(kv_memory, int) or kv_memory < 1):
             raise GenerationError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+        if encoder_memory is not None and (not isinstance(encoder_memory, int) or encoder_memory < 1):
+            raise GenerationError(f"encoder_memory must be a positive number of bytes, got {encoder_memory!r}")
         if kv_layout == "auto":
             kv_layout = "paged" if engine.backend.supports("attention") or kv_pool is not None else "contiguous"
         if kv_pool is not None and kv_layout == "contiguous":
@@ -229,6 +240,8 @@ class BatchEngine:
         else:
             self.budget = ContiguousBudget(engine, memory)
         self.max_batch_tokens = max_batch_tokens
+        #: The vision tower's memory that requests with images share.
+        self.encoder = EncoderBudget(DEFAULT_ENCODER_MEMORY if encoder_memory is None else encoder_memory)
         self.stats = BatchStats()
         self.waiting: deque[RequestHandle] = deque()
         #: Admitted requests, in admission order.
@@ -260,7 +273,9 @@ class BatchEngine:
 
         Raises :class:`~infer.errors.CacheFullError` when its prompt +
         ``max_tokens`` could not fit even in an empty pool. ``media``: the
-        prompt's images (:class:`infer.multimodal.PromptMedia`). (Speculation
+        prompt's images (:class:`infer.multimodal.PromptMedia`);
+        :class:`~infer.errors.EncoderMemoryError` when they could not be
+        encoded within ``encoder_memory`` even alone. (Speculation
         needs no more: drafts are capped to the tokens still allowed, so a
         request never occupies more than prompt + ``max_tokens`` positions.)
         """
@@ -283,6 +298,7 @@ class BatchEngine:
                     use.done = True
                 return handle
             self.budget.check(len(prompt), stop.max_tokens, handle._total())
+            self.encoder.check(media)
             self.waiting.append(handle)
             return handle
 
@@ -314,6 +330,11 @@ class BatchEngine:
             if not self.running:
                 if self.waiting:  # nothing of ours runs, yet the head does not fit
                     head = self.waiting[0]
+                    if not self.encoder.fits(head.media, self.encoder_held()):
+                        raise EncoderMemoryError(
+                            f"request {head.id}'s images need more of encoder_memory ({self.encoder.memory:,} "
+                            f"bytes) than the {self.encoder_held():,} bytes the preempted requests' image "
+                            "embeddings leave, and none of the batch engine's requests runs")
                     raise self.budget.blocked(head.id, head._total())
                 return
             plan = self._schedule()
@@ -340,6 +361,8 @@ class BatchEngine:
         """Admit waiting requests in order while the budget can hold them."""
         while self.waiting:
             handle = self.waiting[0]
+            if handle.media is not None and not self.encoder.fits(handle.media, self.encoder_held()):
+                return  # the running requests' images hold too much of the tower's memory: wait
             running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]
             extra = b"" if handle.media is None else handle.media.extra_key
             seq = self.budget.admit(handle._total(), handle._known(), running, extra, handle.adapter)  # type: ignore[arg-type]
@@ -475,8 +498,14 @@ class BatchEngine:
                 r._draft = draft if job.k else Draft([])
                 r._drafting.hidden = None  # type: ignore[union-attr]
 
+    def encoder_held(self) -> int:
+        """Bytes of the vision tower's memory the requests hold (:class:`~infer.engine.budget.EncoderBudget`)."""
+        return sum(self.encoder.held(r.media, r._seq) for r in (*self.running, *self.waiting) if r.media is not None)
+
     def _finish(self, r: RequestHandle, reason: str) -> None:
         self._release(r)
+        if r.media is not None:  # its image embeddings leave the encoder cache
+            r.media.release()
         r.finish_reason = reason
         if r.adapter is not None:  # it no longer holds its adapter (a preempted request keeps it)
             r.adapter.done = True

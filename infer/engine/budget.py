@@ -23,6 +23,11 @@ Two budgets:
 * :class:`ContiguousBudget` — each admitted request gets a contiguous cache
   of its whole prompt + ``max_tokens`` within a number of positions; nothing
   is ever preempted, and there is no prefix caching.
+
+Beside the KV memory, :class:`EncoderBudget` counts what requests with
+images hold of the vision tower's memory: a request waits until its images'
+activations and embeddings fit beside the running requests' (docs/vision.md,
+"Memory").
 """
 
 from __future__ import annotations
@@ -30,13 +35,18 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from infer.adapters.slots import AdapterUse
 from infer.engine.runner import Engine, SequenceState
-from infer.errors import CacheFullError
+from infer.errors import CacheFullError, EncoderMemoryError
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
 
 log = logging.getLogger("infer.engine.batch")
+
+#: Bytes of vision-tower activations and image embeddings a batch engine's
+#: requests may hold together by default (:class:`EncoderBudget`).
+DEFAULT_ENCODER_MEMORY = 4 * 2**30
 
 
 class KVBudget(abc.ABC):
@@ -219,3 +229,56 @@ def _state_capacity(engine: Engine, positions: int) -> None:
         log.info("batch engine: the KV memory holds %d positions, fewer than the model's context of %d; a "
                  "request needing more is refused with CacheFullError (raise kv_memory to batch it)",
                  positions, engine.max_context)
+
+
+class EncoderBudget:
+    """The vision tower's memory, shared by a batch engine's requests with
+    images: ``memory`` bytes of tower activations and image embeddings.
+
+    A request's images (:class:`~infer.multimodal.PromptMedia`) hold, from
+    admission until the tower has encoded them, their embeddings' bytes plus
+    the most the tower holds at once while encoding one of them (images go
+    through one at a time); once encoded, their embeddings (the encoder
+    cache) until the request ends. A request whose prompt is cached past its
+    last image (a prefix hit) needs no forward over them and holds nothing
+    until then. A request is admitted only when its images fit beside what
+    the others hold; one whose images could not fit even alone fails at
+    submission with :class:`~infer.errors.EncoderMemoryError`."""
+
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+
+    def check(self, media: Any) -> None:
+        """Raise :class:`~infer.errors.EncoderMemoryError` when ``media``'s
+        images could not be encoded even with nothing else held."""
+        if media is None or media.embedding_bytes + media.activation_bytes <= self.memory:
+            return
+        image = max(media.images, key=lambda i: i.activation_bytes)
+        shape = "x".join(str(n) for n in image.processed.pixel_values.shape)
+        err = EncoderMemoryError(
+            f"{image.name} (pixel values {shape}) needs {image.activation_bytes:,} bytes of vision tower "
+            f"activations while it is encoded, beside {media.embedding_bytes:,} bytes of the request's image "
+            f"embeddings ({len(media.images)} image(s), {media.image_tokens} tokens), but the batch engine's "
+            f"encoder_memory is {self.memory:,} bytes: send a smaller image or raise encoder_memory")
+        err.bytes_needed = media.embedding_bytes + image.activation_bytes  # type: ignore[attr-defined]
+        err.bytes_available = self.memory  # type: ignore[attr-defined]
+        raise err
+
+    @staticmethod
+    def held(media: Any, seq: SequenceState | None) -> int:
+        """What a request's images ``media`` hold now, its sequence ``seq``
+        (None while it waits): see the class docstring."""
+        if media is None or not media.image_tokens:
+            return 0
+        if media.encoded:
+            return media.embedding_bytes
+        if seq is not None and seq.cached <= int(media.rows[-1]):
+            return media.embedding_bytes + media.activation_bytes
+        return 0
+
+    def fits(self, media: Any, held: int) -> bool:
+        """Whether a request with images ``media`` can be admitted while the
+        others hold ``held`` bytes (its own embeddings among them if it holds
+        them still, after a preemption)."""
+        need = 0 if media is None or media.encoded else media.embedding_bytes + media.activation_bytes
+        return held + need <= self.memory

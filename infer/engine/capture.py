@@ -129,10 +129,10 @@ class CapturedDecode:
         return count() if count is not None else None
 
     def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
-              recurrent: list[Array | None] | None = None) -> tuple[Any, ...]:
+              offset: Array | None = None, recurrent: list[Array | None] | None = None) -> tuple[Any, ...]:
         ops = self.ops
         # Without attention layers (Mamba2) there are no buffers to tell the capacity: any will do.
-        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, layer_kv=self._layer_kv,
+        ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, offset=offset, layer_kv=self._layer_kv,
                                           index=self._index, capacity=None if keys else 1)
         states = None
         if recurrent is not None:  # the state slot, the checkpoint row and slot (or None, None), then every state array
@@ -145,15 +145,17 @@ class CapturedDecode:
             return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
         return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values, states.flat()
 
-    def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
+    def __call__(self, cache: ContiguousKVCache, token: int, offset: int = 0) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
         it, or None where this step cannot run (the caller runs the eager
         forward instead, which writes this position's keys and values again:
-        a refused capture may have written some of them)."""
+        a refused capture may have written some of them). ``offset``: the
+        token's rope position less its index (an input of the step like the
+        position, so every offset shares the graph)."""
         if self.reason is not None:
             return None
         if cache.states is not None:
-            return self._recurrent(cache, token)
+            return self._recurrent(cache, token, offset)
         buffers = cache.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
             return None
@@ -163,7 +165,7 @@ class CapturedDecode:
         cache.reserve(position + 1)
         self._layer_kv = self._index = None
         try:
-            token_out, nan, keys, values = self._run(token, position, buffers)
+            token_out, nan, keys, values = self._run(token, position, buffers, offset)
         except _Refused:
             return None
         if nan:
@@ -175,17 +177,19 @@ class CapturedDecode:
         self.steps += 1
         return token_out
 
-    def _run(self, token: int, position: int, buffers: tuple[list[Array], list[Array]],
+    def _run(self, token: int, position: int, buffers: tuple[list[Array], list[Array]], offset: int,
              *extra: Any) -> tuple[int, bool, list[Array], list[Array], list[Array]]:
-        """The step on the host's ``token`` at ``position``: the greedy token,
-        whether the logits had a NaN, and the arrays it returns. Raises
-        :class:`_Refused` (the reason kept) where the capture is refused."""
+        """The step on the host's ``token`` at ``position`` (its rope position
+        moved by ``offset``): the greedy token, whether the logits had a NaN,
+        and the arrays it returns. Raises :class:`_Refused` (the reason kept)
+        where the capture is refused."""
         ops = self.ops
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
+        shift = ops.from_numpy(np.array([offset], dtype=np.int32))
         first = self.steps == 0
         try:
-            next_id, top, *arrays = self._fn(ids, start, *buffers, *extra)
+            next_id, top, *arrays = self._fn(ids, start, *buffers, shift, *extra)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
@@ -198,7 +202,7 @@ class CapturedDecode:
             raise _Refused from exc
         return (token_out, nan, *arrays)  # type: ignore[return-value]
 
-    def _recurrent(self, cache: ContiguousKVCache, token: int) -> int | None:
+    def _recurrent(self, cache: ContiguousKVCache, token: int, offset: int) -> int | None:
         """:meth:`__call__` for a model with recurrent layers: the sequence's
         state slot and, at a checkpoint position, the checkpoint's row and slot
         are inputs, and the state arrays go in and come back (as
@@ -235,7 +239,7 @@ class CapturedDecode:
             live = i32([states.slot])
             before = {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout}
         try:
-            token_out, nan, keys, values, flat = self._run(token, position, buffers, extra)
+            token_out, nan, keys, values, flat = self._run(token, position, buffers, offset, extra)
         except _Refused:
             if before is not None:
                 for (layer, name), rows in before.items():
@@ -372,10 +376,12 @@ class CapturedBatchDecode:
 
     def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
-               scratch_slot: int = -1) -> StepInputs:
+               scratch_slot: int = -1, offsets: list[int] | None = None) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
         next positions (reserved), padded to the buckets: padding tokens form
-        one more sequence, on the scratch block; padding sequences have no rows."""
+        one more sequence, on the scratch block; padding sequences have no rows.
+        ``offsets[i]``: sequence ``i``'s rope positions less its token indices
+        (None: all 0), which only the positions input carries."""
         pool = caches[0].pool
         bs, scratch = pool.block_size, pool.scratch_block
         counts = [len(t) for t in token_ids]
@@ -400,7 +406,8 @@ class CapturedBatchDecode:
             located = cache.locate_groups(p, p + n)
             slot, blocks = located[0]
             query_start[i] = at
-            ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p, p + n), slot
+            shift = 0 if offsets is None else offsets[i]
+            ids[at:at + n], positions[at:at + n], slots[at:at + n] = chunk, np.arange(p + shift, p + n + shift), slot
             tables[i, :len(blocks)] = blocks
             for (g_slots, g_tables), (g_slot, g_blocks) in zip(groups, located[1:]):
                 g_slots[at:at + n], g_tables[i, :len(g_blocks)] = g_slot, g_blocks
@@ -431,7 +438,8 @@ class CapturedBatchDecode:
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                  logit_tokens: list[int] | None = None,
-                 checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+                 checkpoints: list[list[tuple[int, int]]] | None = None,
+                 offsets: list[int] | None = None) -> Array | None:
         """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
         one pool, the positions reserved); the logits of the token rows
         ``logit_tokens`` (None: every row), or None where this step cannot run
@@ -439,7 +447,10 @@ class CapturedBatchDecode:
         again). Nothing is committed. Sequences with recurrent state need
         ``checkpoints``, each one's ``(position, slot)`` checkpoints to write
         (:attr:`~infer.kv.attention.SequenceSlice.checkpoints`): their states
-        are the step's data too, one more scratch slot taking the padding's."""
+        are the step's data too, one more scratch slot taking the padding's.
+        ``offsets[i]``: how far sequence ``i``'s rope positions sit from its
+        token indices (an M-RoPE sequence after its prompt; None: none do),
+        data of the positions input, so no offset makes a graph of its own."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
@@ -470,7 +481,8 @@ class CapturedBatchDecode:
             if not mine:
                 continue
             logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine,
-                               None if states[0] is None else checkpoints[lo:hi])  # type: ignore[index]
+                               None if states[0] is None else checkpoints[lo:hi],  # type: ignore[index]
+                               None if offsets is None else offsets[lo:hi])
             if logits is None:
                 return None
             outputs.append(logits)
@@ -510,11 +522,12 @@ class CapturedBatchDecode:
         return slot
 
     def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
+             offsets: list[int] | None = None) -> Array | None:
         ops = self.ops
         store = None if checkpoints is None else caches[0].states.store  # type: ignore[union-attr]
         host = self.inputs(caches, token_ids, logit_tokens, checkpoints,
-                           -1 if store is None else self._scratch(store))  # type: ignore[arg-type]
+                           -1 if store is None else self._scratch(store), offsets)  # type: ignore[arg-type]
         shape = host.shape
         if shape in self.refused:
             return None

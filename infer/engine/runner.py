@@ -173,10 +173,11 @@ class ForwardOutput:
         return self.backend.slice(self.hidden, 0, first, first + self.batch.slices[i].length)
 
 
-def _plain(s: SequenceSlice) -> bool:
-    """Whether a slice needs nothing but its token ids (a captured step's
-    inputs): no image rows, spans or rope positions of its own."""
-    return s.media is None or s.media.plain(s.start, s.start + s.length)
+def _rope_offset(s: SequenceSlice) -> int | None:
+    """A slice's rope positions less its token indices where that one number
+    is all it needs beyond its token ids (a captured step's inputs), else None
+    (:meth:`infer.multimodal.PromptMedia.rope_offset`)."""
+    return 0 if s.media is None else s.media.rope_offset(s.start, s.start + s.length)
 
 
 def _rows(ops: Backend, hidden: Array, rows: list[int] | None) -> Array:
@@ -415,11 +416,14 @@ class Engine:
             finally:
                 adapters.unbind()
         ops = self.backend
+        offsets = [_rope_offset(s) for s in batch.slices]
         if (self.batch_step is not None and not batch.capture_hidden
-                and all(isinstance(s.cache, PagedSequenceCache) and _plain(s) for s in batch.slices)):
+                and all(isinstance(s.cache, PagedSequenceCache) and o is not None
+                        for s, o in zip(batch.slices, offsets))):
             caches = [s.cache for s in batch.slices]
             logits = self.batch_step(caches, batch.token_ids, batch.logit_tokens,  # type: ignore[arg-type]
-                                     [s.checkpoints for s in batch.slices])
+                                     [s.checkpoints for s in batch.slices],
+                                     offsets if any(offsets) else None)  # type: ignore[arg-type]
             if logits is not None:
                 return logits, None
         return self._eager_forward(batch)
@@ -436,12 +440,12 @@ class Engine:
         greedy token after it, or None where that step does not serve (not
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
+        offset = 0 if seq.media is None else seq.media.rope_offset(seq.cached, seq.cached + 1)
         if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache)
-                or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))
-                or (seq.adapter is not None and not seq.adapter.loaded.merged)):
+                or offset is None or (seq.adapter is not None and not seq.adapter.loaded.merged)):
             return None
         self.check_tokens([token])
-        nxt = self.decode_step(seq.cache, token)
+        nxt = self.decode_step(seq.cache, token, offset)
         if nxt is not None:
             seq.tokens.append(int(token))
         return nxt

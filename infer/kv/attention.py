@@ -303,21 +303,26 @@ class AttentionContext:
 
     @classmethod
     def contiguous(cls, ops: Backend, keys: Sequence[Array], values: Sequence[Array], start: Array,
-                   tokens: int = 1, *, layer_kv: Sequence[tuple[int, int, bool]] | None = None,
+                   tokens: int = 1, offset: Array | None = None, *,
+                   layer_kv: Sequence[tuple[int, int, bool]] | None = None,
                    index: dict[int, int] | None = None, capacity: int | None = None) -> AttentionContext:
         """A captured step's forward of ``tokens`` new positions of one sequence
         whose cache is one key and one value buffer per layer (``[capacity,
         kv_heads, dim]``: one block of its capacity), from position ``start``
         (a device int32 ``[1]``) on: everything but the shapes is data, so the
         same graph serves every position. The buffers after the forward are
-        :attr:`keys` and :attr:`values`. ``layer_kv`` and ``index`` (as
-        :class:`LayerArrays`') where the buffers are the storage layers' only
-        (a hybrid's attention layers); ``capacity`` where there are none."""
+        :attr:`keys` and :attr:`values`. ``offset`` (a device int32 ``[1]``)
+        moves the rope positions away from the cache rows (an M-RoPE
+        sequence's tokens after its prompt sit at index + its delta).
+        ``layer_kv`` and ``index`` (as :class:`LayerArrays`') where the buffers
+        are the storage layers' only (a hybrid's attention layers); ``capacity``
+        where there are none."""
         capacity = ops.shape(keys[0])[0] if capacity is None else capacity
-        positions = ops.add(ops.arange(0, tokens, "int32"), start)
+        slots = ops.add(ops.arange(0, tokens, "int32"), start)
+        positions = slots if offset is None else ops.add(slots, offset)
         batch = AttentionBatch(ops.mul(ops.arange(0, 2, "int32"), tokens), ops.add(start, tokens),
                                ops.zeros((1, 1), "int32"), capacity, tokens)
-        return cls.static(ops, LayerArrays(keys, values, capacity, layer_kv, index), positions, positions, batch,
+        return cls.static(ops, LayerArrays(keys, values, capacity, layer_kv, index), positions, slots, batch,
                           tokens)
 
     @property

@@ -441,7 +441,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "(set --api-key or INFER_API_KEY)", args.host)
     model = _load(args)
     model.configure_batching(kv_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                             prompt_cache_dir=args.prompt_cache_dir, prompt_cache_bytes=args.prompt_cache_bytes)
+                             prompt_cache_dir=args.prompt_cache_dir, prompt_cache_bytes=args.prompt_cache_bytes,
+                             encoder_memory=args.encoder_memory)
     serve(model, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
           enable_adapter_updates=args.enable_lora_updates, adapter_scales={n: s for n, _, s in _loras(args)},
           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
@@ -551,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "e.g. 2GiB (default 256MiB)")
     srv.add_argument("--max-batch-tokens", type=int, default=512, help="most tokens one forward processes "
                      "(default 512)")
+    srv.add_argument("--encoder-memory", type=_bytes, default=None, help="bytes of vision-tower activations and "
+                     "image embeddings for all requests with images, e.g. 8GiB (default 4GiB)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait before new ones get 429 "
                      "(default 256)")
     srv.add_argument("--max-body-bytes", type=_bytes, default=2**20, help="largest request body (default 1MiB; "
