@@ -107,6 +107,10 @@ class CapturedDecode:
         self.reason: str | None = None
         #: Steps run by the captured path.
         self.steps = 0
+        #: Steps whose row used a LoRA adapter, and why such steps run eagerly (None while they do not).
+        self.adapter_steps = 0
+        self.adapter_reason: str | None = None
+        self._adapters: Any = None
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
 
     @property
@@ -116,7 +120,14 @@ class CapturedDecode:
         count = getattr(self._fn, "graphs", None)
         return count() if count is not None else None
 
-    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array]) -> tuple[Array, Array, list, list]:
+    def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
+              adapter: list[Array] | None = None) -> tuple[Array, Array, list, list]:
+        if adapter is not None:  # the row's adapter slot and scale, then the pools: the adapted weights read them
+            own = self._adapters.swap_in(adapter[0], adapter[1], adapter[2:])
+            try:
+                return self._step(ids, start, keys, values)
+            finally:
+                self._adapters.swap_out(own)
         ops = self.ops
         ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1)
         hidden = self.model.forward(ids, ctx)
@@ -124,12 +135,15 @@ class CapturedDecode:
         # The row maximum rides along: an argmax over NaNs is an index, never a token.
         return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
 
-    def __call__(self, cache: ContiguousKVCache, token: int) -> int | None:
+    def __call__(self, cache: ContiguousKVCache, token: int,
+                 adapter: tuple[Any, tuple[int, float]] | None = None) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
         it, or None where this step cannot run (the caller runs the eager
         forward instead, which writes this position's keys and values again:
-        a refused capture may have written some of them)."""
-        if self.reason is not None:
+        a refused capture may have written some of them). ``adapter``: the
+        model's :class:`~infer.adapters.slots.Adapters` and the row's
+        ``(slot, scale)``, which are the step's inputs with the pools."""
+        if self.reason is not None or (adapter is not None and self.adapter_reason is not None):
             return None
         buffers = cache.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
@@ -141,13 +155,24 @@ class CapturedDecode:
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         first = self.steps == 0
+        extra: list[Any] = []
+        if adapter is not None and adapter[0].pools():
+            self._adapters = adapter[0]
+            slot, scale = adapter[1]
+            extra = [[ops.from_numpy(np.array([slot], np.int32)), ops.from_numpy(np.array([scale], np.float32)),
+                      *adapter[0].pools()]]
         try:
-            next_id, top, keys, values = self._fn(ids, start, *buffers)
+            next_id, top, keys, values = self._fn(ids, start, *buffers, *extra)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
             nan = bool(np.isnan(ops.to_numpy(top)).any())
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             # ...except a capture refused later, for a new capacity (another input
             # signature): the eager forward serves from then on, as after a first refusal.
+            if extra and self.adapter_steps == 0:  # adapter rows refused: base-only steps keep capture
+                self.adapter_reason = _why(exc)
+                log.info("decode steps with adapter rows not captured on %s/%s (%s)", ops.name, ops.device,
+                         self.adapter_reason)
+                return None
             if not first and not isinstance(exc, CaptureError):
                 raise
             self.reason = _why(exc)
@@ -160,6 +185,7 @@ class CapturedDecode:
         cache.replace_layer_rows(keys, values)
         cache.commit([token])
         self.steps += 1
+        self.adapter_steps += bool(extra)
         return token_out
 
     def describe(self) -> str:
@@ -189,6 +215,9 @@ class StepInputs:
     #: ``[sequences]`` (padding ones on the scratch slot), the checkpoint rows and their
     #: slots ``[checkpoints]`` (padded to a bucket with row 0 into the scratch slot).
     recurrent: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: LoRA adapters' rows (None: no row uses one): int32 each token's adapter slot and float32
+    #: its scale ``[tokens]`` (the base model's rows and the padding: slot 0, scale 0).
+    adapter: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -244,6 +273,10 @@ class CapturedBatchDecode:
         self._scratch_slots: dict[int, int] = {}
         #: Bucket shapes that have run (traced already): a new one's live states are kept until it has.
         self._ran: set[tuple[int, ...]] = set()
+        #: The model's adapters while a step with adapter rows runs (its function binds their inputs).
+        self._adapters: Any = None
+        #: Forwards whose rows used LoRA adapters, run by the captured path.
+        self.adapter_steps = 0
 
     @property
     def graphs(self) -> int | None:
@@ -255,7 +288,15 @@ class CapturedBatchDecode:
     def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
               logit_rows: Array, keys: list[Array], values: list[Array], block_size: int, max_query: int,
               groups: list[Array] | None = None,
-              recurrent: list[Array] | None = None) -> tuple[Array, list, list] | tuple[Array, list, list, list]:
+              recurrent: list[Array] | None = None,
+              adapter: list[Array] | None = None) -> tuple[Array, list, list] | tuple[Array, list, list, list]:
+        if adapter is not None:  # each row's slot and scale, then the pools: the adapted weights read them
+            own = self._adapters.swap_in(adapter[0], adapter[1], adapter[2:])
+            try:
+                return self._step(ids, positions, slots, query_start, tables, lengths, logit_rows, keys, values,
+                                  block_size, max_query, groups, recurrent)
+            finally:
+                self._adapters.swap_out(own)
         groups = groups or []
         ops = self.ops
         store = LayerArrays(keys, values, block_size, self._layer_kv, self._index)
@@ -275,7 +316,7 @@ class CapturedBatchDecode:
 
     def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
-               scratch_slot: int = -1) -> StepInputs:
+               scratch_slot: int = -1, adapter_rows: list[tuple[int, float]] | None = None) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
         next positions (reserved), padded to the buckets: padding tokens form
         one more sequence, on the scratch block; padding sequences have no rows."""
@@ -329,12 +370,19 @@ class CapturedBatchDecode:
             for j, (row, slot) in enumerate(found):
                 ck_rows[j], ck_slots[j] = row, slot
             recurrent = (state_slots, ck_rows, ck_slots)
+        adapter = None
+        if adapter_rows is not None:  # each sequence's adapter slot and scale on its rows
+            adapter = (np.zeros(tokens, np.int32), np.zeros(tokens, np.float32))
+            for i, (slot, scale) in enumerate(adapter_rows):
+                adapter[0][query_start[i]:query_start[i] + counts[i]] = slot
+                adapter[1][query_start[i]:query_start[i] + counts[i]] = scale
         return StepInputs(ids, positions, slots, query_start, tables, lengths, logit_rows,
-                          batch_bucket(max(counts)), groups, recurrent)
+                          batch_bucket(max(counts)), groups, recurrent, adapter)
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                  logit_tokens: list[int] | None = None,
-                 checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+                 checkpoints: list[list[tuple[int, int]]] | None = None,
+                 adapters: tuple[Any, list[tuple[int, float]]] | None = None) -> Array | None:
         """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
         one pool, the positions reserved); the logits of the token rows
         ``logit_tokens`` (None: every row), or None where this step cannot run
@@ -342,7 +390,13 @@ class CapturedBatchDecode:
         again). Nothing is committed. Sequences with recurrent state need
         ``checkpoints``, each one's ``(position, slot)`` checkpoints to write
         (:attr:`~infer.kv.attention.SequenceSlice.checkpoints`): their states
-        are the step's data too, one more scratch slot taking the padding's."""
+        are the step's data too, one more scratch slot taking the padding's.
+        ``adapters``: the model's :class:`~infer.adapters.slots.Adapters`
+        and each sequence's ``(slot, scale)``
+        (:meth:`~infer.adapters.slots.Adapters.slot_rows`): the rows' slots
+        and scales and the stacked pools are the step's inputs, so a step
+        mixing adapters and the base model runs one graph per bucket
+        whichever adapters it mixes."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
@@ -372,14 +426,18 @@ class CapturedBatchDecode:
             first = stop
             if not mine:
                 continue
+            rows = None if adapters is None else adapters[1][lo:hi]
             logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine,
-                               None if states[0] is None else checkpoints[lo:hi])  # type: ignore[index]
+                               None if states[0] is None else checkpoints[lo:hi],  # type: ignore[index]
+                               None if rows is None or not any(scale for _, scale in rows) else
+                               (adapters[0], rows))  # type: ignore[index]
             if logits is None:
                 return None
             outputs.append(logits)
         self.steps += 1
         self.rows += len(caches)
         self.mixed += any(len(t) > 1 for t in token_ids)
+        self.adapter_steps += adapters is not None
         return outputs[0] if len(outputs) == 1 else self.ops.concat(outputs, 0)
 
     def _parts(self, counts: list[int]) -> list[tuple[int, int]] | None:
@@ -413,12 +471,16 @@ class CapturedBatchDecode:
         return slot
 
     def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
-             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None) -> Array | None:
+             logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
+             adapters: tuple[Any, list[tuple[int, float]]] | None = None) -> Array | None:
         ops = self.ops
         store = None if checkpoints is None else caches[0].states.store  # type: ignore[union-attr]
         host = self.inputs(caches, token_ids, logit_tokens, checkpoints,
-                           -1 if store is None else self._scratch(store))  # type: ignore[arg-type]
-        shape = host.shape
+                           -1 if store is None else self._scratch(store),  # type: ignore[arg-type]
+                           None if adapters is None else adapters[1])
+        pools = None if adapters is None else adapters[0].pools() or None
+        # With adapter rows: one more bucket dimension, the pools' slots (their shapes are the program's).
+        shape = host.shape if pools is None else (*host.shape, int(ops.shape(pools[0])[0]))
         if shape in self.refused:
             return None
         buffers = pool.layer_rows(self.model.num_layers)
@@ -435,6 +497,10 @@ class CapturedBatchDecode:
                 # eager forward) a state cannot be written twice. So they are kept until it ran.
                 live = ops.from_numpy(np.asarray(sorted({c.states.slot for c in caches}), np.int32))  # type: ignore[union-attr]
                 saved = (live, {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout})
+        if pools is not None:  # after the recurrent inputs (None without them): the rows, then the pools
+            self._adapters = adapters[0]  # type: ignore[index]
+            extra = [extra[0] if extra else None,
+                     [*(ops.from_numpy(a) for a in host.adapter), *pools]]  # type: ignore[union-attr]
         try:
             out = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()], *extra)
@@ -445,7 +511,9 @@ class CapturedBatchDecode:
                 for (layer, name), before in rows.items():
                     store.arrays[layer][name] = ops.scatter_rows(store.arrays[layer][name], live, before)  # type: ignore[union-attr]
             reason = _why(exc)
-            if self.steps == 0 and not self.refused:
+            if pools is not None and shape not in self._ran:  # adapter rows refused: base-only steps keep capture
+                self.refused[shape] = reason
+            elif self.steps == 0 and not self.refused:
                 self.reason = reason
             elif isinstance(exc, CaptureError):  # refused for this shape only: its forwards run eagerly
                 self.refused[shape] = reason
@@ -470,5 +538,6 @@ class CapturedBatchDecode:
             return f"batched step with static shapes, not compiled ({self.steps} steps)"
         refused = "".join(f"; {s[0]} tokens x {s[1]} sequences x {s[2]} blocks eager ({why})"
                           for s, why in self.refused.items())
+        lora = f", {self.adapter_steps} with adapter rows" if self.adapter_steps else ""
         return (f"batched step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows "
-                f"({self.mixed} mixed){refused}")
+                f"({self.mixed} mixed{lora}){refused}")

@@ -315,6 +315,8 @@ class Engine:
         store = self.state_store
         if memory_budget is not None and store is not None:  # the state slots come out of the same budget
             memory_budget -= store.num_slots * store.nbytes_per_slot
+        if memory_budget is not None and self.adapters is not None:  # and the loaded adapters' pools
+            memory_budget -= self.adapters.nbytes
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
         return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                            memory_budget=memory_budget, bytes_per_token=per_token,
@@ -407,9 +409,13 @@ class Engine:
         """The network over ``batch``: the logits of the rows it asks for,
         and every new token's hidden states when it asks for them."""
         adapters = self.adapters
+        if adapters is not None and any(seq.adapter is not None for seq in batch.seqs):
+            logits = self._adapter_step(batch, adapters)
+            if logits is not None:
+                return logits, None
         if adapters is not None and any(seq.adapter is not None for seq in batch.seqs) and adapters.bind(
                 [seq.adapter for seq in batch.seqs], [len(ids) for ids in batch.token_ids]):
-            # Rows with adapters run eagerly: a captured step holds the base products only.
+            # Rows with adapters the captured step did not take (see _adapter_step) run eagerly.
             try:
                 return self._eager_forward(batch)
             finally:
@@ -423,6 +429,21 @@ class Engine:
             if logits is not None:
                 return logits, None
         return self._eager_forward(batch)
+
+    def _adapter_step(self, batch: Batch, adapters: Adapters) -> Array | None:
+        """The logits of a forward whose rows use adapters, from the captured
+        step (each row's adapter slot and scale, and the pools, are its
+        inputs); None where it does not serve: no captured step, an adapter
+        that replaces whole modules (``modules_to_save``: the network's
+        embedding or head itself changes), or the step's own reasons."""
+        uses = [seq.adapter for seq in batch.seqs]
+        rows = adapters.slot_rows(uses)
+        if (rows is None or self.batch_step is None or batch.capture_hidden
+                or any(u is not None and u.loaded.saved for u in uses)
+                or not all(isinstance(s.cache, PagedSequenceCache) and _plain(s) for s in batch.slices)):
+            return None
+        return self.batch_step([s.cache for s in batch.slices], batch.token_ids,  # type: ignore[misc]
+                               batch.logit_tokens, [s.checkpoints for s in batch.slices], adapters=(adapters, rows))
 
     def _eager_forward(self, batch: Batch) -> tuple[Array, Array | None]:
         ops = self.backend
@@ -438,10 +459,12 @@ class Engine:
         caller runs the eager forward."""
         if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or seq.cache.states is not None
                 or (seq.media is not None and not seq.media.plain(seq.cached, seq.cached + 1))
-                or (seq.adapter is not None and not seq.adapter.loaded.merged)):
+                or (seq.adapter is not None and seq.adapter.loaded.saved)):
             return None
         self.check_tokens([token])
-        nxt = self.decode_step(seq.cache, token)
+        # The row's adapter slot and scale are the step's inputs (none: the base model, or a merged adapter).
+        rows = None if seq.adapter is None or self.adapters is None else self.adapters.slot_rows([seq.adapter])
+        nxt = self.decode_step(seq.cache, token, None if rows is None else (self.adapters, rows[0]))
         if nxt is not None:
             seq.tokens.append(int(token))
         return nxt
