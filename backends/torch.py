@@ -342,8 +342,13 @@ class TorchBackend(Backend):
                     scales: Array) -> Array:
         """By segments (Punica's SGMV): the base product, then per adapter
         slot one pair of small products over its rows, added in place. The
-        segments are read on the host (slots are few, and a captured step
-        never gets here: the engine runs steps with adapters eagerly)."""
+        segments are read on the host (slots are few); inside a
+        ``torch.compile`` graph, which cannot read them there, the gathered
+        form of the contract's default instead (each row's factors taken
+        by its slot: the slots and the pools are the graph's inputs, so a
+        new mix of adapters is no new graph)."""
+        if torch.compiler.is_compiling():
+            return Backend.lora_linear(self, x, weight, bias, a, b, slots, scales)
         y = self.linear(x, weight, bias)
         segments = lora_segments(slots.cpu().numpy(), scales.float().cpu().numpy())
         if not segments:

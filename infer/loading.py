@@ -21,8 +21,8 @@ from typing import Any
 
 from infer import catalog
 from infer.architecture import WeightLoader
-from infer.errors import ConfigError, ModelNotFoundError
-from infer.model import Model
+from infer.errors import ConfigError, ModelNotFoundError, UnsupportedAdapterError
+from infer.model import TENSOR_PARALLEL_ADAPTERS, Model
 from infer.ops import ACTIVATION_SCHEMES, Backend, LoadSettings  # ACTIVATION_SCHEMES: its older home was here
 from infer.plugins import get_registry
 from infer.plugins.selection import select_backend
@@ -307,6 +307,9 @@ def load(
     if compile and not ops.supports("compile"):
         log.info("%s/%s has no graph capture; compile=True changes nothing", ops.name, ops.device)
     if tensor_parallel is not None and (tensor_parallel != 1 or isinstance(tensor_parallel, bool)):
+        if adapters or any(v is not None for v in (max_loras, max_cpu_loras, max_lora_rank)):
+            # Refused before any rank starts (the model, once loaded, refuses load_adapter too).
+            raise UnsupportedAdapterError(TENSOR_PARALLEL_ADAPTERS.format(ranks=tensor_parallel))
         return _load_parallel(path, package, arch, fmt.name, ops, backend, dtype, tensor_parallel, progress,
                               started, settings)
     total = len(package.tensors.names())

@@ -62,6 +62,7 @@ from infer.errors import (
     SamplingParameterError,
     StructuredOutputError,
     TokenizerError,
+    UnsupportedAdapterError,
 )
 from infer.ops import Backend
 from infer.kv.snapshot import RestoredState
@@ -87,6 +88,14 @@ from infer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128
+
+#: Why a tensor-parallel model takes no LoRA adapters: each rank holds a share
+#: of every weight in a process of its own, and the adapters' factors and each
+#: step's rows would have to be split and sent the same way.
+TENSOR_PARALLEL_ADAPTERS = ("LoRA adapters are not supported under tensor parallelism (this model runs over "
+                            "{ranks} ranks, each holding a share of the weights the adapters attach to): load "
+                            "it without tensor_parallel to use adapters, or merge the adapter into the weights "
+                            "first (PEFT's merge_and_unload) and load the merged model")
 
 Message = dict[str, Any]
 
@@ -835,9 +844,17 @@ class Model:
         ``.loaded`` by name, the limits), made on first use with the default limits."""
         engine = self.engine
         if engine.adapters is None:
+            self._check_adapters_run_here()
             engine.adapters = Adapters(self.network, self.backend, self.weight_sources,
                                        config=self.config)
         return engine.adapters
+
+    def _check_adapters_run_here(self) -> None:
+        """Adapters attach to the weights this process holds: a tensor-parallel
+        model's are shares on every rank, so they are refused there."""
+        ranks = getattr(self.network, "ranks", 1)
+        if ranks > 1:
+            raise UnsupportedAdapterError(TENSOR_PARALLEL_ADAPTERS.format(ranks=ranks))
 
     def configure_adapters(self, *, max_loras: int = MAX_LORAS, max_cpu_loras: int = MAX_CPU_LORAS,
                            max_lora_rank: int = MAX_LORA_RANK) -> None:
@@ -847,6 +864,7 @@ class Model:
         :class:`~infer.errors.AdapterLimitError`. Refused while adapters are loaded."""
         if self.engine.adapters is not None and self.engine.adapters.loaded:
             raise AdapterError("configure_adapters before loading adapters (unload them first)")
+        self._check_adapters_run_here()
         self.engine.adapters = Adapters(self.network, self.backend, self.weight_sources, max_loras=max_loras,
                                         max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                                         config=self.config)

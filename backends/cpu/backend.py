@@ -371,10 +371,22 @@ class CpuBackend(Backend):
         y = np.require(self.linear(x, weight, bias), np.float32, ["C", "W"])
         sc = np.asarray(scales, np.float32)
         for rows, slot in lora_segments(slots, sc):
-            u = x[rows] @ a[slot].T  # [n, rank]
+            u = self._thin_product(x[rows], a[slot])  # [n, rank]
             u *= sc[rows, None]
-            y[rows] += u @ b[slot].T
+            y[rows] += self._thin_product(u, b[slot])
         return y
+
+    def _thin_product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """``x @ w.T`` for an adapter's factor: few rows on the C kernel that a
+        recorded step's adapter product calls too (backends/cpu/plan.c,
+        OP_LORA), so the captured step and the eager one agree bit for bit."""
+        rows = x.shape[0]
+        if (_native is None or not 0 < rows <= self.KERNEL_ROWS or x.dtype != np.float32
+                or w.dtype != np.float32 or not w.flags.c_contiguous):
+            return x @ w.T
+        out = np.empty((rows, w.shape[0]), np.float32)
+        kernels.gemv_f32(np.ascontiguousarray(x), w, out, rows, w.shape[1], w.shape[0])
+        return out
 
     # -- elementwise ---------------------------------------------------------
 

@@ -57,6 +57,10 @@ enum {
                         I experts, bits (-1: float32 weights), m, k, n, group, half; F bias factor: row i times
                         expert ids[i]'s weight, each expert's rows gathered in order and multiplied together,
                         as the contract's expert_linear groups them */
+    /* LoRA adapters' rows (infer/adapters): the base product y plus each row's low-rank term, its adapter
+     * slot and scale read from the step's inputs, so one program serves every mix of adapters. */
+    OP_LORA,         /* P x [T, in], y [T, out], a [S, R, in], b [S, out, R], slots (int32 [T]), scales (float32
+                        [T]), out [T, out], scratch xs [T, in], u [T, R], d [T, out]; I T, in, out, R, S */
 };
 
 /* The opcodes by name, for the recorder (backends/cpu/record.py reads them
@@ -67,12 +71,13 @@ static const struct { const char *name; int code; } OPCODES[] = {
     {"REDUCE", OP_REDUCE}, {"LAYERNORM", OP_LAYERNORM}, {"SCATTER_ROWS", OP_SCATTER_ROWS},
     {"ATTENTION", OP_ATTENTION}, {"CONV1D", OP_CONV1D}, {"GDR", OP_GDR}, {"SSD", OP_SSD},
     {"TOPK", OP_TOPK}, {"EXPERT_GEMV", OP_EXPERT_GEMV},
+    {"LORA", OP_LORA},
 };
 
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX, R_SUM };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH, E_ADAPTER };
 
 #define MAX_DIMS 8
 
@@ -559,6 +564,53 @@ static void step_topk(struct machine *vm) {
     free(taken);
 }
 
+/* OP_LORA: out = y, then for each adapter slot its rows (scale not 0) gathered, u = x @ a[slot].T,
+ * u *= each row's scale, out += u @ b[slot].T: the numpy backend's lora_linear step by step, on the same
+ * float32 product (gemvf_run, whose row sums do not depend on how many rows it is given), so a captured
+ * step's adapter rows are the eager ones bit for bit. Slots are checked before anything is written. */
+static void step_lora(struct machine *vm) {
+    const float *x = next_ptr(vm), *y = next_ptr(vm), *a = next_ptr(vm), *b = next_ptr(vm);
+    const int32_t *slots = next_ptr(vm);
+    const float *scales = next_ptr(vm);
+    float *out = next_ptr(vm), *xs = next_ptr(vm), *u = next_ptr(vm), *d = next_ptr(vm);
+    Py_ssize_t T = next_int(vm), in = next_int(vm), n_out = next_int(vm), R = next_int(vm), S = next_int(vm);
+    if (vm->error) return;
+    if (T < 1 || in < 1 || n_out < 1 || R < 1 || S < 1) {
+        vm->error = E_PROGRAM;
+        return;
+    }
+    for (Py_ssize_t t = 0; t < T; t++)
+        if (scales[t] != 0.0f && (slots[t] < 0 || slots[t] >= S)) {
+            vm->error = E_ADAPTER;
+            vm->detail = slots[t];
+            vm->limit = S;
+            return;
+        }
+    memcpy(out, y, (size_t)(T * n_out) * sizeof(float));
+    for (Py_ssize_t t = 0; t < T; t++) {
+        if (scales[t] == 0.0f) continue;
+        int32_t slot = slots[t];
+        int seen = 0; /* each slot once, at its first active row */
+        for (Py_ssize_t e = 0; e < t && !seen; e++) seen = scales[e] != 0.0f && slots[e] == slot;
+        if (seen) continue;
+        Py_ssize_t rows = 0;
+        for (Py_ssize_t r = t; r < T; r++)
+            if (scales[r] != 0.0f && slots[r] == slot) memcpy(xs + rows++ * in, x + r * in, (size_t)in * sizeof(float));
+        gemvf_run(xs, a + (Py_ssize_t)slot * R * in, u, rows, in, R);
+        for (Py_ssize_t r = t, i = 0; r < T; r++)
+            if (scales[r] != 0.0f && slots[r] == slot) {
+                for (Py_ssize_t c = 0; c < R; c++) u[i * R + c] *= scales[r];
+                i++;
+            }
+        gemvf_run(u, b + (Py_ssize_t)slot * n_out * R, d, rows, R, n_out);
+        for (Py_ssize_t r = t, i = 0; r < T; r++)
+            if (scales[r] != 0.0f && slots[r] == slot) {
+                for (Py_ssize_t c = 0; c < n_out; c++) out[r * n_out + c] += d[i * n_out + c];
+                i++;
+            }
+    }
+}
+
 /* The shape of a product's codes as gemv checks it (a malformed program stops here). GEMV's and
  * DEQUANT_ROWS's bits may be a block form (kernels.h, FORM_BLOCKS): codes are then the file's blocks. */
 static int codes_ok(struct machine *vm, int bits, Py_ssize_t group, Py_ssize_t k, int half, const void *biases) {
@@ -751,6 +803,7 @@ static void step(struct machine *vm) {
     case OP_SSD: step_ssd(vm); return;
     case OP_TOPK: step_topk(vm); return;
     case OP_EXPERT_GEMV: step_expert_gemv(vm); return;
+    case OP_LORA: step_lora(vm); return;
     default: vm->error = E_PROGRAM; return;
     }
 }
@@ -815,6 +868,9 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
     case E_BATCH:
         PyErr_Format(PyExc_IndexError, "a recurrent op's query_start or checkpoint rows do not fit its %lld rows",
                      vm.limit);
+        break;
+    case E_ADAPTER:
+        PyErr_Format(PyExc_IndexError, "a row reads adapter slot %lld of pools of %lld slots", vm.detail, vm.limit);
         break;
     default: PyErr_Format(PyExc_ValueError, "run_plan: malformed program at %zd", vm.pc); break;
     }

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from infer.errors import CaptureError
-from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, AttentionBatch, Backend, PackedWeight
+from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, AdapterRows, AttentionBatch, Backend, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ GEMV, GEMV_F32, RMS, ROPE, GATHER, DEQUANT_ROWS, COPY, UNARY, BINARY, REDUCE, LA
                                        "BINARY", "REDUCE", "LAYERNORM", "SCATTER_ROWS", "ATTENTION"))
 CONV1D, GDR, SSD = (OPCODES.get(name, -1) for name in ("CONV1D", "GDR", "SSD"))
 TOPK, EXPERT_GEMV = (OPCODES.get(name, -1) for name in ("TOPK", "EXPERT_GEMV"))
+LORA = OPCODES.get("LORA", -1)
 # Kinds: the enums below the opcodes in backends/cpu/plan.c, in order.
 UNARY_KINDS = {"cast": 0, "neg": 1, "exp": 2, "sqrt": 3, "tanh": 4, "cos": 5, "sin": 6, "silu": 7,
                "gelu_tanh": 8, "gelu": 9, "softplus": 10}
@@ -479,9 +480,12 @@ class Recorder:
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         if type(weight) is AdaptedWeight:
-            if weight.rows.slots is not None:
-                raise NotCapturable("linear with LoRA adapter rows: such steps run eagerly")
-            weight = weight.base  # a base-only step: the engine runs steps with adapter rows eagerly
+            if weight.rows.slots is None or weight.a is None:  # no row of the step uses an adapter here
+                return self.linear(x, weight.base, bias)
+            xp = _plain(x)
+            x2 = self.reshape(x, (-1, xp.shape[-1])) if xp.ndim != 2 else x
+            y = self.lora_linear(x2, weight.base, bias, weight.a, weight.b, weight.rows.slots, weight.rows.scales)
+            return y if xp.ndim == 2 else self.reshape(y, (*xp.shape[:-1], weight.shape[0]))
         xp = _plain(x)
         if self.dynamic(weight) or not _f32(xp):
             raise NotCapturable(f"linear of {getattr(xp, 'dtype', type(xp))} with a traced weight")
@@ -545,6 +549,30 @@ class Recorder:
         self.emit(EXPERT_GEMV, [self.contiguous(xp), self.contiguous(ip), table, out],
                   [len(weights), bits, m, k, n, group, int(half)], [factor])
         self.check("expert_linear", out, self.eager("expert_linear", xp, list(weights), ip))
+        return self.wrap(out)
+
+    def lora_linear(self, x: Any, weight: Any, bias: Any, a: Any, b: Any, slots: Any, scales: Any) -> Any:
+        """The base product's step, then one step adding each row's adapter term (OP_LORA), the rows'
+        slots and scales and the stacked pools read from the step's inputs: a program serves every mix
+        of adapters and the base model, and pools rebuilt (an adapter loaded) are read where they are now."""
+        xp, ap, bp, sl, sc = (_plain(v) for v in (x, a, b, slots, scales))
+        if LORA < 0 or not (self.dynamic(a) and self.dynamic(b)):
+            raise NotCapturable("lora_linear: the adapter pools are not the step's inputs (or the kernels have "
+                                "no step for it)")
+        if not (_f32(xp) and xp.ndim == 2 and _f32(ap) and _f32(bp) and ap.ndim == bp.ndim == 3
+                and ap.flags.c_contiguous and bp.flags.c_contiguous and ap.shape[0] == bp.shape[0]
+                and ap.shape[1] == bp.shape[2] and ap.shape[2] == xp.shape[1]
+                and isinstance(sl, np.ndarray) and sl.dtype == np.int32 and sl.shape == xp.shape[:1]
+                and _f32(sc) and sc.shape == xp.shape[:1]):
+            raise NotCapturable(f"lora_linear of x {getattr(xp, 'dtype', '?')}{list(getattr(xp, 'shape', ()))} "
+                                f"with pools {list(getattr(ap, 'shape', ()))}, {list(getattr(bp, 'shape', ()))}")
+        y = self.contiguous(self.linear(x, weight, bias))
+        (t, k), (slot_count, rank, _), n = xp.shape, ap.shape, bp.shape[1]
+        out = self.buffer((t, n), np.float32)
+        scratch = [self.buffer((t, k), np.float32), self.buffer((t, rank), np.float32), self.buffer((t, n), np.float32)]
+        self.emit(LORA, [self.contiguous(xp), y, ap, bp, self.contiguous(sl), self.contiguous(sc), out, *scratch],
+                  [t, k, n, rank, slot_count])
+        self.check("lora_linear", out, self.eager("lora_linear", xp, weight, bias, ap, bp, sl, sc))
         return self.wrap(out)
 
     def _norm_ok(self, x: np.ndarray, weight: Any) -> bool:
@@ -772,6 +800,12 @@ class Recorder:
                 return a.view(Traced) if a.size and self.in_step(a) else a
             if isinstance(x, PackedWeight):
                 return arrays.weight(x)
+            if type(x) is AdaptedWeight:  # its base, pools and rows as the recorder reads them
+                rows = AdapterRows()
+                rows.slots, rows.scales = to_host(x.rows.slots), to_host(x.rows.scales)
+                host = AdaptedWeight(to_host(x.base), x.shape, rows)
+                host.a, host.b = to_host(x.a), to_host(x.b)
+                return host
             if isinstance(x, AttentionBatch):
                 return AttentionBatch(to_host(x.query_start), to_host(x.seq_lens), to_host(x.block_tables),
                                       x.block_size, x.max_query)

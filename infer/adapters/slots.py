@@ -207,16 +207,54 @@ class Adapters:
 
     # -- one forward --------------------------------------------------------------
 
-    def bind(self, uses: list[AdapterUse | None], counts: list[int]) -> bool:
-        """Set the rows of the next forward: sequence ``i`` has ``counts[i]``
-        rows and uses ``uses[i]`` (None: the base model). Returns False (and
-        binds nothing) when no row uses an unmerged adapter.
-
-        Raises:
-            AdapterLimitError: more distinct adapters than ``max_loras``.
-            AdapterError: an adapter with ``modules_to_save`` beside other rows.
-        """
+    def slot_rows(self, uses: list[AdapterUse | None]) -> list[tuple[int, float]] | None:
+        """Each sequence's ``(slot, scale)`` in the next forward (the base
+        model and a merged adapter: ``(0, 0.0)``), checked as :meth:`bind`
+        checks them; None when no sequence uses an unmerged adapter. What a
+        captured step takes as its inputs (:mod:`infer.engine.capture`)."""
+        self._check(uses)
         slot = {name: i for i, name in enumerate(n for n, a in self.loaded.items() if not a.merged)}
+        if not any(u is not None and not u.loaded.merged for u in uses):
+            return None
+        return [(0, 0.0) if u is None or u.loaded.merged else (slot[u.name], u.scale) for u in uses]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the loaded adapters hold on the backend: every stacked pool
+        and every saved module (what a KV pool sized by a memory budget
+        leaves them: :meth:`~infer.engine.Engine.new_kv_pool`)."""
+        held = [*self.pools(), *(v for a in self.loaded.values() for v in a.saved.values())]
+        return sum(int(getattr(x, "nbytes", 0)) for x in held)  # numpy's, torch's and MLX's arrays have it
+
+    def pools(self) -> list[Any]:
+        """Every adapted weight's stacked factors, ``[a, b, a, b, ...]`` in a
+        fixed order (the weights that some loaded adapter adapts)."""
+        return [p for w in self.adapted.values() if w.a is not None for p in (w.a, w.b)]
+
+    def swap_in(self, slots: Any, scales: Any, pools: list[Any]) -> list[tuple[Any, Any, Any]]:
+        """Every row's slot and scale become ``slots`` and ``scales``
+        (backend arrays ``[tokens]``), and the adapted weights read ``pools``
+        (as :meth:`pools` orders them) instead of their own, until
+        :meth:`swap_out` with what this returns: how a captured step's
+        function sees its inputs (a plain call pair, not a context manager,
+        so that ``torch.compile`` traces it without a break)."""
+        weights = [w for w in self.adapted.values() if w.a is not None]
+        if len(pools) != 2 * len(weights):
+            raise AdapterError(f"{len(pools)} pools for {len(weights)} adapted weights: adapters changed mid-step")
+        own = [(w, w.a, w.b) for w in weights]
+        self.rows.slots, self.rows.scales = slots, scales
+        for w, i in zip(weights, range(0, len(pools), 2)):
+            w.a, w.b = pools[i], pools[i + 1]
+        return own
+
+    def swap_out(self, own: list[tuple[Any, Any, Any]]) -> None:
+        """Undo :meth:`swap_in`: no row uses an adapter, the weights read their own pools."""
+        self.rows.slots = self.rows.scales = None
+        for w, a, b in own:
+            w.a, w.b = a, b
+
+    def _check(self, uses: list[AdapterUse | None]) -> None:
+        """A forward's adapters: at most ``max_loras``, each still loaded, one replacing modules only alone."""
         active = [u for u in uses if u is not None and not u.loaded.merged]
         names = {u.name for u in active}
         if len(names) > self.max_loras:
@@ -228,6 +266,20 @@ class Adapters:
         if saving and (len(names) > 1 or any(u is None or u.loaded.merged for u in uses)):
             raise AdapterError(f"adapter {sorted(saving)[0]!r} replaces whole modules (modules_to_save): it runs "
                                f"alone in a batch, not beside other adapters or the base model")
+
+    def bind(self, uses: list[AdapterUse | None], counts: list[int]) -> bool:
+        """Set the rows of the next forward: sequence ``i`` has ``counts[i]``
+        rows and uses ``uses[i]`` (None: the base model). Returns False (and
+        binds nothing) when no row uses an unmerged adapter.
+
+        Raises:
+            AdapterLimitError: more distinct adapters than ``max_loras``.
+            AdapterError: an adapter with ``modules_to_save`` beside other rows.
+        """
+        self._check(uses)
+        slot = {name: i for i, name in enumerate(n for n, a in self.loaded.items() if not a.merged)}
+        active = [u for u in uses if u is not None and not u.loaded.merged]
+        saving = {u.name for u in active if u.loaded.saved}
         if not active:
             return False
         slots = np.concatenate([np.full(n, 0 if u is None or u.loaded.merged else slot[u.name], np.int32)

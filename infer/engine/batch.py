@@ -358,9 +358,41 @@ class BatchEngine:
             self._propose(plan)
 
     def _admit(self) -> None:
-        """Admit waiting requests in order while the budget can hold them."""
+        """Admit waiting requests in order while the budget can hold them; a
+        request whose adapter the running batch cannot take beside its own
+        (:meth:`_adapter_waits`) waits, in its place, while later ones pass."""
+        held: list[RequestHandle] = []
+        try:
+            self._admit_in_order(held)
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _adapter_waits(self, handle: RequestHandle) -> bool:
+        """Whether ``handle`` must wait for its adapter: the running requests
+        use ``max_loras`` other adapters already (vLLM's meaning: adapters
+        in one batch), or one of them, or it, replaces whole modules
+        (``modules_to_save``) and so runs only beside its own adapter's
+        requests. A running request ends and frees its adapter's place."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return False
+        mine = handle.adapter if handle.adapter is not None and not handle.adapter.loaded.merged else None
+        others = [r.adapter for r in self.running]
+        if any(u is not None and u.loaded.saved for u in others):
+            return mine is None or not mine.loaded.saved or any(u is None or u.name != mine.name for u in others)
+        if mine is None:
+            return False
+        if mine.loaded.saved:
+            return bool(others) and any(u is None or u.name != mine.name for u in others)
+        names = {u.name for u in others if u is not None and not u.loaded.merged}
+        return mine.name not in names and len(names) >= adapters.max_loras
+
+    def _admit_in_order(self, held: list[RequestHandle]) -> None:
         while self.waiting:
             handle = self.waiting[0]
+            if self._adapter_waits(handle):
+                held.append(self.waiting.popleft())
+                continue
             if handle.media is not None and not self.encoder.fits(handle.media, self.encoder_held()):
                 return  # the running requests' images hold too much of the tower's memory: wait
             running = [(r._seq, len(r.prompt) + len(r.tokens)) for r in self.running]

@@ -111,6 +111,10 @@ class CapturedDecode:
         self.reason: str | None = None
         #: Steps run by the captured path.
         self.steps = 0
+        #: Steps whose row used a LoRA adapter, and why such steps run eagerly (None while they do not).
+        self.adapter_steps = 0
+        self.adapter_reason: str | None = None
+        self._adapters: Any = None
         self._fn = ops.compile(self._step, static=True) if self.compiled else self._step
         #: Recurrent state: the (layer, name) order of the step's state arrays, the
         #: attention layers' storage (as the batched step's), and the (capacity,
@@ -129,7 +133,14 @@ class CapturedDecode:
         return count() if count is not None else None
 
     def _step(self, ids: Array, start: Array, keys: list[Array], values: list[Array],
-              offset: Array | None = None, recurrent: list[Array | None] | None = None) -> tuple[Any, ...]:
+              offset: Array | None = None, recurrent: list[Array | None] | None = None,
+              adapter: list[Array] | None = None) -> tuple[Any, ...]:
+        if adapter is not None:  # the row's adapter slot and scale, then the pools: the adapted weights read them
+            own = self._adapters.swap_in(adapter[0], adapter[1], adapter[2:])
+            try:
+                return self._step(ids, start, keys, values, offset, recurrent)
+            finally:
+                self._adapters.swap_out(own)
         ops = self.ops
         # Without attention layers (Mamba2) there are no buffers to tell the capacity: any will do.
         ctx = AttentionContext.contiguous(ops, keys, values, start, tokens=1, offset=offset, layer_kv=self._layer_kv,
@@ -145,17 +156,20 @@ class CapturedDecode:
             return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values
         return ops.argmax(logits, -1), ops.max(logits, -1), ctx.keys, ctx.values, states.flat()
 
-    def __call__(self, cache: ContiguousKVCache, token: int, offset: int = 0) -> int | None:
+    def __call__(self, cache: ContiguousKVCache, token: int, offset: int = 0,
+                 adapter: tuple[Any, tuple[int, float]] | None = None) -> int | None:
         """Feed ``token`` at ``cache``'s next position; the greedy token after
         it, or None where this step cannot run (the caller runs the eager
         forward instead, which writes this position's keys and values again:
         a refused capture may have written some of them). ``offset``: the
         token's rope position less its index (an input of the step like the
-        position, so every offset shares the graph)."""
-        if self.reason is not None:
+        position, so every offset shares the graph). ``adapter``: the
+        model's :class:`~infer.adapters.slots.Adapters` and the row's
+        ``(slot, scale)``, which are the step's inputs with the pools."""
+        if self.reason is not None or (adapter is not None and self.adapter_reason is not None):
             return None
         if cache.states is not None:
-            return self._recurrent(cache, token, offset)
+            return self._recurrent(cache, token, offset, adapter)
         buffers = cache.layer_rows(self.model.num_layers)
         if buffers is None:  # a layer not written yet (no prefill): its shapes are unknown
             return None
@@ -165,7 +179,7 @@ class CapturedDecode:
         cache.reserve(position + 1)
         self._layer_kv = self._index = None
         try:
-            token_out, nan, keys, values = self._run(token, position, buffers, offset)
+            token_out, nan, keys, values = self._run(token, position, buffers, offset, None, adapter)
         except _Refused:
             return None
         if nan:
@@ -178,16 +192,27 @@ class CapturedDecode:
         return token_out
 
     def _run(self, token: int, position: int, buffers: tuple[list[Array], list[Array]], offset: int,
-             *extra: Any) -> tuple[int, bool, list[Array], list[Array], list[Array]]:
+             recurrent: list[Any] | None = None, adapter: tuple[Any, tuple[int, float]] | None = None,
+             ) -> tuple[int, bool, list[Array], list[Array], list[Array]]:
         """The step on the host's ``token`` at ``position`` (its rope position
-        moved by ``offset``): the greedy token, whether the logits had a NaN,
-        and the arrays it returns. Raises :class:`_Refused` (the reason kept)
-        where the capture is refused."""
+        moved by ``offset``; ``recurrent`` and ``adapter``: the step's state and
+        adapter inputs, as :meth:`_recurrent` and :meth:`__call__` make them):
+        the greedy token, whether the logits had a NaN, and the arrays it
+        returns. Raises :class:`_Refused` (the reason kept) where the capture
+        is refused."""
         ops = self.ops
         ids = ops.from_numpy(np.array([token], dtype=np.int32))
         start = ops.from_numpy(np.array([position], dtype=np.int32))
         shift = ops.from_numpy(np.array([offset], dtype=np.int32))
         first = self.steps == 0
+        extra: list[Any] = [] if recurrent is None else [recurrent]
+        rows = None
+        if adapter is not None and adapter[0].pools():
+            self._adapters = adapter[0]
+            slot, scale = adapter[1]
+            rows = [ops.from_numpy(np.array([slot], np.int32)), ops.from_numpy(np.array([scale], np.float32)),
+                    *adapter[0].pools()]
+            extra = [recurrent, rows]  # the recurrent inputs' place kept (None without them)
         try:
             next_id, top, *arrays = self._fn(ids, start, *buffers, shift, *extra)
             token_out = int(ops.to_numpy(next_id).reshape(-1)[0])
@@ -195,14 +220,21 @@ class CapturedDecode:
         except Exception as exc:  # noqa: BLE001 - the first step decides; later errors are real
             # ...except a capture refused later, for a new capacity (another input
             # signature): the eager forward serves from then on, as after a first refusal.
+            if rows is not None and self.adapter_steps == 0:  # adapter rows refused: base-only steps keep capture
+                self.adapter_reason = _why(exc)
+                log.info("decode steps with adapter rows not captured on %s/%s (%s)", ops.name, ops.device,
+                         self.adapter_reason)
+                raise _Refused from exc
             if not first and not isinstance(exc, CaptureError):
                 raise
             self.reason = _why(exc)
             log.info("decode step not captured on %s/%s (%s); decoding eagerly", ops.name, ops.device, self.reason)
             raise _Refused from exc
+        self.adapter_steps += rows is not None
         return (token_out, nan, *arrays)  # type: ignore[return-value]
 
-    def _recurrent(self, cache: ContiguousKVCache, token: int, offset: int) -> int | None:
+    def _recurrent(self, cache: ContiguousKVCache, token: int, offset: int,
+                   adapter: tuple[Any, tuple[int, float]] | None) -> int | None:
         """:meth:`__call__` for a model with recurrent layers: the sequence's
         state slot and, at a checkpoint position, the checkpoint's row and slot
         are inputs, and the state arrays go in and come back (as
@@ -239,7 +271,7 @@ class CapturedDecode:
             live = i32([states.slot])
             before = {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout}
         try:
-            token_out, nan, keys, values, flat = self._run(token, position, buffers, offset, extra)
+            token_out, nan, keys, values, flat = self._run(token, position, buffers, offset, extra, adapter)
         except _Refused:
             if before is not None:
                 for (layer, name), rows in before.items():
@@ -290,6 +322,9 @@ class StepInputs:
     #: ``[sequences]`` (padding ones on the scratch slot), the checkpoint rows and their
     #: slots ``[checkpoints]`` (padded to a bucket with row 0 into the scratch slot).
     recurrent: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: LoRA adapters' rows (None: no row uses one): int32 each token's adapter slot and float32
+    #: its scale ``[tokens]`` (the base model's rows and the padding: slot 0, scale 0).
+    adapter: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -345,6 +380,10 @@ class CapturedBatchDecode:
         self._scratch_slots: dict[int, int] = {}
         #: Bucket shapes that have run (traced already): a new one's live states are kept until it has.
         self._ran: set[tuple[int, ...]] = set()
+        #: The model's adapters while a step with adapter rows runs (its function binds their inputs).
+        self._adapters: Any = None
+        #: Forwards whose rows used LoRA adapters, run by the captured path.
+        self.adapter_steps = 0
 
     @property
     def graphs(self) -> int | None:
@@ -356,7 +395,15 @@ class CapturedBatchDecode:
     def _step(self, ids: Array, positions: Array, slots: Array, query_start: Array, tables: Array, lengths: Array,
               logit_rows: Array, keys: list[Array], values: list[Array], block_size: int, max_query: int,
               groups: list[Array] | None = None,
-              recurrent: list[Array] | None = None) -> tuple[Array, list, list] | tuple[Array, list, list, list]:
+              recurrent: list[Array] | None = None,
+              adapter: list[Array] | None = None) -> tuple[Array, list, list] | tuple[Array, list, list, list]:
+        if adapter is not None:  # each row's slot and scale, then the pools: the adapted weights read them
+            own = self._adapters.swap_in(adapter[0], adapter[1], adapter[2:])
+            try:
+                return self._step(ids, positions, slots, query_start, tables, lengths, logit_rows, keys, values,
+                                  block_size, max_query, groups, recurrent)
+            finally:
+                self._adapters.swap_out(own)
         groups = groups or []
         ops = self.ops
         store = LayerArrays(keys, values, block_size, self._layer_kv, self._index)
@@ -376,7 +423,8 @@ class CapturedBatchDecode:
 
     def inputs(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
-               scratch_slot: int = -1, offsets: list[int] | None = None) -> StepInputs:
+               scratch_slot: int = -1, offsets: list[int] | None = None,
+               adapter_rows: list[tuple[int, float]] | None = None) -> StepInputs:
         """The step's host arrays for feeding ``token_ids[i]`` at ``caches[i]``'s
         next positions (reserved), padded to the buckets: padding tokens form
         one more sequence, on the scratch block; padding sequences have no rows.
@@ -433,13 +481,20 @@ class CapturedBatchDecode:
             for j, (row, slot) in enumerate(found):
                 ck_rows[j], ck_slots[j] = row, slot
             recurrent = (state_slots, ck_rows, ck_slots)
+        adapter = None
+        if adapter_rows is not None:  # each sequence's adapter slot and scale on its rows
+            adapter = (np.zeros(tokens, np.int32), np.zeros(tokens, np.float32))
+            for i, (slot, scale) in enumerate(adapter_rows):
+                adapter[0][query_start[i]:query_start[i] + counts[i]] = slot
+                adapter[1][query_start[i]:query_start[i] + counts[i]] = scale
         return StepInputs(ids, positions, slots, query_start, tables, lengths, logit_rows,
-                          batch_bucket(max(counts)), groups, recurrent)
+                          batch_bucket(max(counts)), groups, recurrent, adapter)
 
     def __call__(self, caches: list[PagedSequenceCache], token_ids: list[list[int]],
                  logit_tokens: list[int] | None = None,
                  checkpoints: list[list[tuple[int, int]]] | None = None,
-                 offsets: list[int] | None = None) -> Array | None:
+                 offsets: list[int] | None = None,
+                 adapters: tuple[Any, list[tuple[int, float]]] | None = None) -> Array | None:
         """Feed ``token_ids[i]`` at the next positions of ``caches[i]`` (all of
         one pool, the positions reserved); the logits of the token rows
         ``logit_tokens`` (None: every row), or None where this step cannot run
@@ -450,7 +505,13 @@ class CapturedBatchDecode:
         are the step's data too, one more scratch slot taking the padding's.
         ``offsets[i]``: how far sequence ``i``'s rope positions sit from its
         token indices (an M-RoPE sequence after its prompt; None: none do),
-        data of the positions input, so no offset makes a graph of its own."""
+        data of the positions input, so no offset makes a graph of its own.
+        ``adapters``: the model's :class:`~infer.adapters.slots.Adapters`
+        and each sequence's ``(slot, scale)``
+        (:meth:`~infer.adapters.slots.Adapters.slot_rows`): the rows' slots
+        and scales and the stacked pools are the step's inputs, so a step
+        mixing adapters and the base model runs one graph per bucket
+        whichever adapters it mixes."""
         if self.reason is not None or not caches:
             return None
         pool: PagedKVPool = caches[0].pool
@@ -480,15 +541,19 @@ class CapturedBatchDecode:
             first = stop
             if not mine:
                 continue
+            rows = None if adapters is None else adapters[1][lo:hi]
             logits = self._run(pool, caches[lo:hi], token_ids[lo:hi], mine,
                                None if states[0] is None else checkpoints[lo:hi],  # type: ignore[index]
-                               None if offsets is None else offsets[lo:hi])
+                               None if offsets is None else offsets[lo:hi],
+                               None if rows is None or not any(scale for _, scale in rows) else
+                               (adapters[0], rows))  # type: ignore[index]
             if logits is None:
                 return None
             outputs.append(logits)
         self.steps += 1
         self.rows += len(caches)
         self.mixed += any(len(t) > 1 for t in token_ids)
+        self.adapter_steps += adapters is not None
         return outputs[0] if len(outputs) == 1 else self.ops.concat(outputs, 0)
 
     def _parts(self, counts: list[int]) -> list[tuple[int, int]] | None:
@@ -523,12 +588,16 @@ class CapturedBatchDecode:
 
     def _run(self, pool: PagedKVPool, caches: list[PagedSequenceCache], token_ids: list[list[int]],
              logit_tokens: list[int] | None, checkpoints: list[list[tuple[int, int]]] | None = None,
-             offsets: list[int] | None = None) -> Array | None:
+             offsets: list[int] | None = None,
+             adapters: tuple[Any, list[tuple[int, float]]] | None = None) -> Array | None:
         ops = self.ops
         store = None if checkpoints is None else caches[0].states.store  # type: ignore[union-attr]
         host = self.inputs(caches, token_ids, logit_tokens, checkpoints,
-                           -1 if store is None else self._scratch(store), offsets)  # type: ignore[arg-type]
-        shape = host.shape
+                           -1 if store is None else self._scratch(store), offsets,  # type: ignore[arg-type]
+                           None if adapters is None else adapters[1])
+        pools = None if adapters is None else adapters[0].pools() or None
+        # With adapter rows: one more bucket dimension, the pools' slots (their shapes are the program's).
+        shape = host.shape if pools is None else (*host.shape, int(ops.shape(pools[0])[0]))
         if shape in self.refused:
             return None
         buffers = pool.layer_rows(self.model.num_layers)
@@ -545,6 +614,10 @@ class CapturedBatchDecode:
                 # eager forward) a state cannot be written twice. So they are kept until it ran.
                 live = ops.from_numpy(np.asarray(sorted({c.states.slot for c in caches}), np.int32))  # type: ignore[union-attr]
                 saved = (live, {key: ops.take(store.arrays[key[0]][key[1]], live, axis=0) for key in self._state_layout})
+        if pools is not None:  # after the recurrent inputs (None without them): the rows, then the pools
+            self._adapters = adapters[0]  # type: ignore[index]
+            extra = [extra[0] if extra else None,
+                     [*(ops.from_numpy(a) for a in host.adapter), *pools]]  # type: ignore[union-attr]
         try:
             out = self._fn(*(ops.from_numpy(a) for a in host.arrays()), *buffers, pool.block_size,
                            host.max_query, [ops.from_numpy(a) for a in host.group_arrays()], *extra)
@@ -555,7 +628,9 @@ class CapturedBatchDecode:
                 for (layer, name), before in rows.items():
                     store.arrays[layer][name] = ops.scatter_rows(store.arrays[layer][name], live, before)  # type: ignore[union-attr]
             reason = _why(exc)
-            if self.steps == 0 and not self.refused:
+            if pools is not None and shape not in self._ran:  # adapter rows refused: base-only steps keep capture
+                self.refused[shape] = reason
+            elif self.steps == 0 and not self.refused:
                 self.reason = reason
             elif isinstance(exc, CaptureError):  # refused for this shape only: its forwards run eagerly
                 self.refused[shape] = reason
@@ -580,5 +655,6 @@ class CapturedBatchDecode:
             return f"batched step with static shapes, not compiled ({self.steps} steps)"
         refused = "".join(f"; {s[0]} tokens x {s[1]} sequences x {s[2]} blocks eager ({why})"
                           for s, why in self.refused.items())
+        lora = f", {self.adapter_steps} with adapter rows" if self.adapter_steps else ""
         return (f"batched step captured: {self.graphs} graph(s) for {self.steps} steps of {self.rows} rows "
-                f"({self.mixed} mixed){refused}")
+                f"({self.mixed} mixed{lora}){refused}")

@@ -316,6 +316,8 @@ class Engine:
         store = self.state_store
         if memory_budget is not None and store is not None:  # the state slots come out of the same budget
             memory_budget -= store.num_slots * store.nbytes_per_slot
+        if memory_budget is not None and self.adapters is not None:  # and the loaded adapters' pools
+            memory_budget -= self.adapters.nbytes
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
         return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                            memory_budget=memory_budget, bytes_per_token=per_token,
@@ -408,9 +410,13 @@ class Engine:
         """The network over ``batch``: the logits of the rows it asks for,
         and every new token's hidden states when it asks for them."""
         adapters = self.adapters
+        if adapters is not None and any(seq.adapter is not None for seq in batch.seqs):
+            logits = self._adapter_step(batch, adapters)
+            if logits is not None:
+                return logits, None
         if adapters is not None and any(seq.adapter is not None for seq in batch.seqs) and adapters.bind(
                 [seq.adapter for seq in batch.seqs], [len(ids) for ids in batch.token_ids]):
-            # Rows with adapters run eagerly: a captured step holds the base products only.
+            # Rows with adapters the captured step did not take (see _adapter_step) run eagerly.
             try:
                 return self._eager_forward(batch)
             finally:
@@ -428,6 +434,24 @@ class Engine:
                 return logits, None
         return self._eager_forward(batch)
 
+    def _adapter_step(self, batch: Batch, adapters: Adapters) -> Array | None:
+        """The logits of a forward whose rows use adapters, from the captured
+        step (each row's adapter slot and scale, and the pools, are its
+        inputs); None where it does not serve: no captured step, an adapter
+        that replaces whole modules (``modules_to_save``: the network's
+        embedding or head itself changes), or the step's own reasons."""
+        uses = [seq.adapter for seq in batch.seqs]
+        rows = adapters.slot_rows(uses)
+        offsets = [_rope_offset(s) for s in batch.slices]
+        if (rows is None or self.batch_step is None or batch.capture_hidden
+                or any(u is not None and u.loaded.saved for u in uses)
+                or not all(isinstance(s.cache, PagedSequenceCache) and o is not None
+                           for s, o in zip(batch.slices, offsets))):
+            return None
+        return self.batch_step([s.cache for s in batch.slices], batch.token_ids,  # type: ignore[misc]
+                               batch.logit_tokens, [s.checkpoints for s in batch.slices],
+                               offsets if any(offsets) else None, adapters=(adapters, rows))  # type: ignore[arg-type]
+
     def _eager_forward(self, batch: Batch) -> tuple[Array, Array | None]:
         ops = self.backend
         ctx = AttentionContext(ops, batch.slices)
@@ -441,11 +465,13 @@ class Engine:
         on, a paged cache, not capturable): then nothing changed and the
         caller runs the eager forward."""
         offset = 0 if seq.media is None else seq.media.rope_offset(seq.cached, seq.cached + 1)
-        if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache)
-                or offset is None or (seq.adapter is not None and not seq.adapter.loaded.merged)):
+        if (self.decode_step is None or not isinstance(seq.cache, ContiguousKVCache) or offset is None
+                or (seq.adapter is not None and seq.adapter.loaded.saved)):
             return None
         self.check_tokens([token])
-        nxt = self.decode_step(seq.cache, token, offset)
+        # The row's adapter slot and scale are the step's inputs (none: the base model, or a merged adapter).
+        rows = None if seq.adapter is None or self.adapters is None else self.adapters.slot_rows([seq.adapter])
+        nxt = self.decode_step(seq.cache, token, offset, None if rows is None else (self.adapters, rows[0]))
         if nxt is not None:
             seq.tokens.append(int(token))
         return nxt
