@@ -92,7 +92,7 @@ class LlamaCppEngine:
         pass
 
 
-def measure_llama_cpp(reference: str, text: str, window: int) -> dict:
+def measure_llama_cpp(reference: str, text: str, window: int, threads: int = 2) -> dict:
     """KL(infer exact ‖ llama.cpp) on ``reference``'s GGUF file, the same token ids and windows."""
     import infer
     from infer import catalog
@@ -101,7 +101,7 @@ def measure_llama_cpp(reference: str, text: str, window: int) -> dict:
     path = Path(reference) if Path(reference).is_file() else catalog.model_path(reference)
     exact = infer.load(str(path), backend="numpy")
     ids = exact.tokenizer.encode(text, add_special_tokens=True)
-    peer = LlamaCppEngine(str(path), window, exact.engine.model.vocab_size)
+    peer = LlamaCppEngine(str(path), window, exact.engine.model.vocab_size, threads)
     d = divergence(exact.engine, peer, ids, context=window, progress=True)
     return {"model": f"{reference}, llama.cpp {peer.version}", "backend": "numpy", "tokens": len(d.kl),
             "window": window, "perplexity_exact": d.p.perplexity, "perplexity_q8": d.q.perplexity, "kl_mean": d.mean,
@@ -118,12 +118,15 @@ def main() -> int:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="add KL(infer exact ‖ llama.cpp) on the same files (llama-cpp-python)")
     parser.add_argument("--no-q8", action="store_true", help="only the llama.cpp rows")
+    parser.add_argument("--llama-threads", type=int, default=2,
+                        help="llama.cpp's threads (default 2; 1 on a machine other work keeps busy, where its "
+                        "threads' barriers wait on each other)")
     parser.add_argument("-o", "--output", default=None, help="JSON file for the results")
     args = parser.parse_args()
     text = Path(args.text).read_text(encoding="utf-8")
     results = [] if args.no_q8 else [measure(m, text, args.window, args.backend) for m in args.models]
     if args.llama_cpp:
-        results += [measure_llama_cpp(m, text, args.window) for m in args.models]
+        results += [measure_llama_cpp(m, text, args.window, args.llama_threads) for m in args.models]
     print("| model | tokens | perplexity, exact | perplexity, q8 or llama.cpp | mean KL(exact ‖ q8 or llama.cpp) "
           "(nats/token) | largest KL | same top token |")
     print("|---|---|---|---|---|---|---|")
