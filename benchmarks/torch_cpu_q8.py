@@ -23,7 +23,7 @@ import time
 def one_run(model, ids: list[int], new: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """(prefill tokens/s, decode tokens/s) of one greedy generation."""
     start = time.perf_counter()
-    stream = model.generate_tokens(ids, max_tokens=new + 1, temperature=0, ignore_eos=True)
+    stream = iter(model.generate_tokens(ids, max_tokens=new + 1, temperature=0, ignore_eos=True))
     next(stream)
     first = time.perf_counter()
     count = sum(1 for _ in stream)
