@@ -55,7 +55,8 @@ import numpy as np
 from infer.errors import UnsupportedOpError
 from infer.oplib import (attention_mask, check_causal_conv1d, check_gated_delta_rule, check_ssd, lora_segments, row_run,
                          span_rows)
-from infer.ops import AdaptedWeight, Array, AttentionBatch, Backend, PackedWeight, QuantizedTensor, ShardedWeight
+from infer.ops import (AdaptedWeight, Array, AttentionBatch, Backend, LoadSettings, PackedWeight, QuantizedTensor,
+                       ShardedWeight)
 from infer.plugins.hookspecs import hookimpl
 from infer.plugins.registry import BackendSpec, Probe, gpu_driver_absent
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
@@ -156,6 +157,8 @@ class TorchBackend(Backend):
             self._kernels = kernels.native
             if self._kernels is not None:
                 self.native_ops = self.native_ops | {"fused_add_rms_norm"}
+                # The quantized products are the C kernels', which also take int8 activations.
+                self.activation_schemes = kernels.ACTIVATION_SCHEMES
         elif device == "cuda" and self.compute_dtype == "bfloat16" and _cuda_int4_layout() is not None:
             # tinygemm int4 (bfloat16 activations, scales and zero points); q8 only
             # where this torch has a CUDA int8 kernel (probed once per process).
@@ -224,6 +227,10 @@ class TorchBackend(Backend):
         return torch_cpu.int4pack(affine, name)
 
     def _quantize_on_load(self, host: np.ndarray, name: str) -> PackedWeight | None:
+        if self.activations is not None and self._kernels is not None:
+            # Int8 activations are the C kernels' (activation_schemes): the weight in
+            # their affine form, groups of 32, as the numpy backend quantizes it.
+            return torch_cpu.kept_affine(quantize_affine(host, self.quantize, name=name))
         if self.quantize == "q4":
             # bfloat16-rounded scales and biases keep zero = bias + 8 * scale exact in float32.
             return self._int4pack(quantize_affine(host, "q4", scale_dtype="bfloat16", name=name), name)
@@ -249,7 +256,8 @@ class TorchBackend(Backend):
         kernels' only activation dtype there)."""
         kind, w, s = weight.data
         if kind == "affine":
-            y = torch_cpu.affine_linear(x.reshape(-1, x.shape[-1]), w, s, self.graph_capture)
+            y = torch_cpu.affine_linear(x.reshape(-1, x.shape[-1]), w, s, self.graph_capture,
+                                        self.activations == "q8")
             if bias is not None:
                 y = y + bias.float()
             y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -753,7 +761,9 @@ class TorchBackend(Backend):
             from infer.backends.cpu.backend import CpuBackend
             from infer.backends.cpu.plan import PlannedStep
 
-            return PlannedStep(CpuBackend(), fn, kernels=self._kernels, governor=kernels.GOVERNOR,
+            # The recording numpy backend computes as this one: int8 activations included.
+            ops = CpuBackend().configure(LoadSettings(activations=self.activations))
+            return PlannedStep(ops, fn, kernels=self._kernels, governor=kernels.GOVERNOR,
                                target=self, arrays=torch_cpu.CpuTensors())
         _import_inductor_helpers()
         torch_cpu.separate_inductor_cache()

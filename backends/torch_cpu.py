@@ -3,7 +3,9 @@ does on ``torch:cpu`` only.
 
 * GGUF weights and float32 decoding on the package's C kernels
   (:mod:`infer.backends.cpu.kernels`), run on the tensors' memory, and the custom
-  op ``infer::affine_linear`` that lets torch.compile call them;
+  op ``infer::affine_linear`` that lets torch.compile call them; with
+  ``activations="q8"`` the quantized products are those kernels' int8 ones, as
+  on numpy (the same bits), and on-load ``q4``/``q8`` weights take their affine form;
 * CPU int4pack (``_weight_int4pack_mm_for_cpu``) for on-load ``q4``;
 * the tensors lent to the CPU package's recorder, when a decode step is recorded as a
   program of those kernels (:mod:`infer.backends.cpu.plan`);
@@ -89,6 +91,12 @@ def kept_for_kernels(tensor: QuantizedTensor) -> PackedWeight | None:
     affine = from_gguf(tensor, groups=(16, 32), half=True)
     if affine is None or not (affine.group == 32 or affine.bits > 4):
         return None
+    return kept_affine(affine)
+
+
+def kept_affine(affine: AffineTensor) -> PackedWeight:
+    """An affine weight (a GGUF type's form, or quantized on load) for the C
+    kernels, its arrays lent to torch as tensors."""
     # A symmetric type holds no biases (affine.bias_factor): an empty tensor stands for them.
     held = affine.stored_biases if affine.stored_biases is not None else np.empty((0, 0), affine.scales.dtype)
     views = tuple(torch.from_numpy(a) for a in (affine.packed, affine.scales, held))
@@ -96,30 +104,35 @@ def kept_for_kernels(tensor: QuantizedTensor) -> PackedWeight | None:
     return PackedWeight(affine.shape, affine.qtype, how, ("affine", affine, views), rows=affine)
 
 
-def affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturing: bool) -> Any:
+def affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturing: bool, q8: bool = False) -> Any:
     """``x @ W.T`` in float32 for the affine weight ``W``: the C kernel for up
-    to 16 rows, slabs of ``W`` dequantized for torch's GEMM beyond. Under
-    torch.compile, as the custom op ``infer::affine_linear`` (opaque to it)."""
+    to 16 rows, slabs of ``W`` dequantized for torch's GEMM beyond. With
+    ``q8`` (``activations="q8"``), the C kernel for every row count, rows of
+    two or more quantized to int8 (:func:`~infer.backends.cpu.kernels.affine_gemv`):
+    the numpy backend's product, on the tensors' memory. Under
+    torch.compile, as the custom op ``infer::affine_linear`` (opaque to it),
+    ``q8`` riding in its ``bits`` as :data:`~infer.backends.cpu.kernels.Q8_FLAG`."""
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
     x = x.contiguous()
     if capturing and torch.compiler.is_compiling():
+        flag = kernels.Q8_FLAG if q8 else 0
         if isinstance(affine, AffineTensor):
             factor = 0.0 if affine.bias_factor is None else affine.bias_factor
-            return torch.ops.infer.affine_linear(x, *views, affine.bits, affine.group, factor)
+            return torch.ops.infer.affine_linear(x, *views, affine.bits | flag, affine.group, factor)
         bits, group = (kernels.kernel_args(affine)[i] for i in (0, 6))  # blocks as stored: their form as the bits
-        return torch.ops.infer.affine_linear(x, *views, bits, group, 0.0)
-    return _affine_product(x, affine)
+        return torch.ops.infer.affine_linear(x, *views, bits | flag, group, 0.0)
+    return _affine_product(x, affine, q8)
 
 
-def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor) -> Any:
+def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor, q8: bool = False) -> Any:
     """The kernels' product on the tensors' memory: the C kernel for few
-    rows, else dequantized slabs through torch's GEMM (an affine
-    weight, or GGML blocks as stored)."""
+    rows (any number with ``q8``), else dequantized slabs through torch's
+    GEMM (an affine weight, or GGML blocks as stored)."""
     n, k = affine.shape
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    if x.shape[0] <= kernels.KERNEL_ROWS:
-        kernels.affine_gemv(x.numpy(), affine, out.numpy())
+    if q8 or x.shape[0] <= kernels.KERNEL_ROWS:
+        kernels.affine_gemv(x.numpy(), affine, out.numpy(), q8)
         return out
     buffer = torch.empty(kernels.slab_rows(affine) * k, dtype=torch.float32)
     for r0, r1, slab in kernels.affine_slabs(affine, buffer.numpy()):
@@ -230,13 +243,15 @@ def register_affine_op() -> None:
            bits: int, group: int, bias_factor: float) -> torch.Tensor:
         n = codes.shape[0]
         k = x.shape[1]
+        q8 = bool(kernels.Q8_FLAG and bits & kernels.Q8_FLAG)  # activations="q8" (see affine_linear)
+        bits &= ~kernels.Q8_FLAG
         named = {form: name for name, form in kernels.BLOCK_FORMS.items()}
         if bits in named:  # GGML blocks as stored: codes are the blocks, no scales or biases
-            return _affine_product(x, _OpBlocks(named[bits], (n, k), codes.numpy()))
+            return _affine_product(x, _OpBlocks(named[bits], (n, k), codes.numpy()), q8)
         held = biases.numpy() if biases.numel() else None  # empty: bias_factor * scales
         affine = AffineTensor("affine", (n, k), bits, codes.numpy(), scales.numpy(), held, group,
                               None if held is not None else bias_factor)
-        return _affine_product(x, affine)
+        return _affine_product(x, affine, q8)
 
     @op.register_fake
     def _(x, codes, scales, biases, bits, group, bias_factor):  # type: ignore[no-untyped-def]

@@ -109,8 +109,8 @@ class CpuBackend(Backend):
     #: ``activations="q8"``: the products of two or more rows on quantized
     #: weights round x to int8 per 32 values for integer dot products on the
     #: codes (backends/cpu/q8.c; docs/quantization.md, "Quantized activations").
-    #: Needs the C kernels.
-    activation_schemes = frozenset({"q8"}) if Q8_FLAG else frozenset()
+    #: Needs the C kernels (:data:`~infer.backends.cpu.kernels.ACTIVATION_SCHEMES`).
+    activation_schemes = kernels.ACTIVATION_SCHEMES
     #: Bytes of float32 weights to hold in total before quantized weights stay
     #: quantized; None: decide per tensor from the memory available.
     float_budget: int | None = None

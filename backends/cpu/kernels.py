@@ -81,8 +81,15 @@ BLOCK_FORMS: dict[str, int] = native.block_forms() if hasattr(native, "block_for
 #: Or'ed into a product's ``bits`` (:func:`gemv`): with two or more rows of x,
 #: round them to int8 per 32 values and multiply in integer dot products
 #: (``activations="q8"``; backends/cpu/q8.c, docs/quantization.md "Quantized
-#: activations"). 0 where the kernels are not built.
+#: activations"). 0 where the kernels are not built. Blocks of 32 for every
+#: weight type, the K types included: llama.cpp's Q8_K (256 values a scale, the
+#: sub-scales applied in integers) measured 1.17-1.32x slower on Q4_K products in
+#: this kernel's lanes, and is coarser (docs/performance.md, "The int8 prefill kernel").
 Q8_FLAG: int = getattr(native, "Q8_FLAG", 0)
+#: The activation schemes (``infer.load(activations=...)``) the kernels
+#: compute: ``"q8"`` where they are built with :data:`Q8_FLAG`. Every backend
+#: whose quantized products are these kernels' (numpy, torch/cpu) lists these.
+ACTIVATION_SCHEMES: frozenset[str] = frozenset({"q8"}) if Q8_FLAG else frozenset()
 #: Widest row of a block form the kernels take (its decoded codes fill a tile buffer on the stack).
 BLOCK_COLS = 32768
 #: The GGML types kept as the file stores them, by kernel path: those whose
