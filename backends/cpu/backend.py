@@ -72,7 +72,7 @@ from infer.ops import (
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 from . import kernels, recurrent
-from .kernels import GOVERNOR, Q8_FLAG, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
+from .kernels import GOVERNOR, Q8_FLAG, affine_gemm, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
 
 #: The C kernels this backend computes on (None: pure numpy, GGUF weights
 #: dequantized to float32): :data:`infer.backends.cpu.kernels.native`.
@@ -231,6 +231,9 @@ class CpuBackend(Backend):
         self._after_blas = m > self.KERNEL_ROWS and not q8
         if m <= self.KERNEL_ROWS or q8:
             affine_gemv(x2, w, out, q8)
+        elif kernels.EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
+            self._after_blas = False  # the kernels' own threads, not BLAS's
+            affine_gemm(x2, w, out)
         else:
             need = slab_rows(w, self.SLAB_BYTES) * k
             if self._slab.size < need:
