@@ -23,7 +23,8 @@ governor stays out of the way when ``OMP_NUM_THREADS`` is set). Run it as
 ``--model FILE`` adds prefills of that GGUF file (``--prompt`` tokens) with the
 exact products tiled and on BLAS alternating, in one loaded model (the backend
 reads :data:`infer.backends.cpu.kernels.EXACT_GEMM` at each product), as tokens
-a second and the median of per-round ratios (docs/performance.md, "The exact
+a second (of CPU time on one thread, of wall time on more) and the median of
+per-round ratios (docs/performance.md, "The exact
 prefill kernel").
 """
 
@@ -136,11 +137,13 @@ def prefill(path: str, rounds: int, tokens: int) -> None:
     prompt = tok.decode(ids)
     n = len(tok.encode(prompt))
 
+    clock = time.process_time if threads() == 1 else time.perf_counter
+
     def run(how: str) -> float:
         kernels.EXACT_GEMM = how
-        start = time.perf_counter()
+        start = clock()
         model.generate(prompt, max_tokens=1, temperature=0, ignore_eos=True)
-        return time.perf_counter() - start
+        return clock() - start
 
     ways = ("tiled", "blas")
     for how in ways:

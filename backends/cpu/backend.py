@@ -20,8 +20,9 @@ type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
-:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) dequantize a slab of rows at
-a time into a scratch buffer and use BLAS. ``quantize="off"``
+:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) run in the tiled kernel, which
+decodes each panel of the weight once for all the rows (backends/cpu/tiled.c;
+``INFER_EXACT_GEMM=blas``: slabs dequantized for BLAS, as before). ``quantize="off"``
 dequantizes everything to float32 instead.
 
 The same extension computes few-row float32 products (decoding with float32
@@ -199,7 +200,8 @@ class CpuBackend(Backend):
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
         """Affine weights: the C kernel on the codes for up to
-        :attr:`KERNEL_ROWS` rows, slabs dequantized for BLAS beyond. Other
+        :attr:`KERNEL_ROWS` rows, the tiled kernel beyond (or slabs dequantized
+        for BLAS: :data:`~infer.backends.cpu.kernels.EXACT_GEMM`). Other
         blocks: dequantize (or find in the cache), then the float32 BLAS path."""
         data = weight.data
         if weight.qtype == "MXFP4" and isinstance(data, QuantizedTensor):  # on the blocks (cpu/mxfp4.py)

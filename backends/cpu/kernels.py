@@ -67,9 +67,10 @@ KERNELS = _kernel_choice()
 native: Any = _load_kernels(KERNELS)
 
 #: Products with at most this many rows run in the C kernel on the codes;
-#: more rows (prefill) dequantize slabs of the weight for BLAS, which is
-#: faster once the weight's rows are reused that many times (where the two
-#: cross: docs/performance.md, "The numpy backend's constants").
+#: more rows (prefill) in the tiled kernel (:data:`EXACT_GEMM`), which is
+#: faster once the weight's rows are reused that many times (where the
+#: decoding kernel and BLAS on slabs crossed: docs/performance.md, "The numpy
+#: backend's constants"; the tiled kernel: "The exact prefill kernel").
 KERNEL_ROWS = 16
 #: How an exact product of more than :data:`KERNEL_ROWS` rows runs:
 #: ``tiled`` (the default), the blocked kernel that decodes each panel of the
