@@ -43,8 +43,19 @@ def weight(kind: int | str, n: int, k: int, seed: int) -> AffineTensor | GGUFQua
     return t
 
 
+def args(w: AffineTensor | GGUFQuantizedTensor) -> tuple:
+    """The kernel's arguments for ``w``: GGML blocks as stored on every path,
+    also where the path in use converts the type at load (STORED_TYPES), since
+    the kernel takes all eight whichever path runs."""
+    if isinstance(w, AffineTensor):
+        return kernel_args(w)
+    n, k = w.shape
+    group = 256 if w.qtype.endswith("_K") else 32
+    return kernels.BLOCK_FORMS[w.qtype], w.ggml_blocks()[1], np.empty(0, np.float32), None, k, n, group, False, 0.0
+
+
 def gemm(w: AffineTensor | GGUFQuantizedTensor, x: np.ndarray) -> np.ndarray:
-    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
+    bits, codes, scales, biases, k, n, group, half, factor = args(w)
     out = np.full((x.shape[0], n), np.nan, np.float32)  # poisoned: every element must be written
     _native.gemm(bits, x, codes, scales, biases, out, x.shape[0], k, n, group, half, factor)
     return out
@@ -109,7 +120,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(path: str, kind: st
 
 def test_bad_arguments_are_value_errors() -> None:
     w = weight("Q4_K", 8, 256, 0)
-    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
+    bits, codes, scales, biases, k, n, group, half, factor = args(w)
     x, out = np.zeros((3, 256), np.float32), np.zeros((3, 8), np.float32)
     with pytest.raises(ValueError, match="out"):
         _native.gemm(bits, x, codes, scales, biases, out[:2], 3, k, n, group, half, factor)
