@@ -20,8 +20,9 @@ type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
-:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) dequantize a slab of rows at
-a time into a scratch buffer and use BLAS. ``quantize="off"``
+:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) run in the tiled kernel, which
+decodes each panel of the weight once for all the rows (backends/cpu/tiled.c;
+``INFER_EXACT_GEMM=blas``: slabs dequantized for BLAS, as before). ``quantize="off"``
 dequantizes everything to float32 instead.
 
 The same extension computes few-row float32 products (decoding with float32
@@ -72,7 +73,7 @@ from infer.ops import (
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 from . import kernels, recurrent
-from .kernels import GOVERNOR, Q8_FLAG, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
+from .kernels import GOVERNOR, Q8_FLAG, affine_gemm, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
 
 #: The C kernels this backend computes on (None: pure numpy, GGUF weights
 #: dequantized to float32): :data:`infer.backends.cpu.kernels.native`.
@@ -199,7 +200,8 @@ class CpuBackend(Backend):
 
     def quantized_linear(self, x: Array, weight: PackedWeight, bias: Array | None = None) -> Array:
         """Affine weights: the C kernel on the codes for up to
-        :attr:`KERNEL_ROWS` rows, slabs dequantized for BLAS beyond. Other
+        :attr:`KERNEL_ROWS` rows, the tiled kernel beyond (or slabs dequantized
+        for BLAS: :data:`~infer.backends.cpu.kernels.EXACT_GEMM`). Other
         blocks: dequantize (or find in the cache), then the float32 BLAS path."""
         data = weight.data
         if weight.qtype == "MXFP4" and isinstance(data, QuantizedTensor):  # on the blocks (cpu/mxfp4.py)
@@ -231,6 +233,9 @@ class CpuBackend(Backend):
         self._after_blas = m > self.KERNEL_ROWS and not q8
         if m <= self.KERNEL_ROWS or q8:
             affine_gemv(x2, w, out, q8)
+        elif kernels.EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
+            self._after_blas = False  # the kernels' own threads, not BLAS's
+            affine_gemm(x2, w, out)
         else:
             need = slab_rows(w, self.SLAB_BYTES) * k
             if self._slab.size < need:

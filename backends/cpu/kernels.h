@@ -346,4 +346,24 @@ AVX2 void q8_0_scores_avx2(const uint8_t *const *keys, Py_ssize_t n, const int8_
                            Py_ssize_t heads, Py_ssize_t blocks, float *s, Py_ssize_t stride);
 #endif
 
+/* -- exact products of many rows (tiled.c) ------------------------------------------- */
+
+#ifndef TILED_KC
+#define TILED_KC 128      /* columns of W transposed into a tile at a time: the tile (16 KiB at nr 32) and x's block stay in L1 */
+#endif
+#define TILED_NR_512 32   /* weight rows a panel on AVX-512 (two zmm of a tile row) */
+#define TILED_MR_512 12   /* activation rows a micro-kernel call on AVX-512: 24 zmm of sums */
+#define TILED_NR_AVX2 16  /* and on AVX2 (two ymm) */
+#define TILED_MR_AVX2 6   /* 12 ymm of sums */
+int tiled_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
+              int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group);
+#ifdef HAVE_X86
+/* x86/tiled_x86.c */
+AVX2 void transpose_avx2(const float *rows, Py_ssize_t k, Py_ssize_t c0, Py_ssize_t kc, Py_ssize_t nr, float *tile);
+AVX512 void micro_512(const float *tile, Py_ssize_t kc, const float *x, float *y, Py_ssize_t ldy,
+                      Py_ssize_t rows, Py_ssize_t valid, int first);
+AVX2 void micro_avx2(const float *tile, Py_ssize_t kc, const float *x, float *y, Py_ssize_t ldy,
+                     Py_ssize_t rows, Py_ssize_t valid, int first);
+#endif
+
 #endif

@@ -67,10 +67,31 @@ KERNELS = _kernel_choice()
 native: Any = _load_kernels(KERNELS)
 
 #: Products with at most this many rows run in the C kernel on the codes;
-#: more rows (prefill) dequantize slabs of the weight for BLAS, which is
-#: faster once the weight's rows are reused that many times (where the two
-#: cross: docs/performance.md, "The numpy backend's constants").
+#: more rows (prefill) in the tiled kernel (:data:`EXACT_GEMM`), which is
+#: faster once the weight's rows are reused that many times (where the
+#: decoding kernel and BLAS on slabs crossed: docs/performance.md, "The numpy
+#: backend's constants"; the tiled kernel: "The exact prefill kernel").
 KERNEL_ROWS = 16
+#: How an exact product of more than :data:`KERNEL_ROWS` rows runs:
+#: ``tiled`` (the default), the blocked kernel that decodes each panel of the
+#: weight once, on every thread, and reuses it from L1 for every row
+#: (backends/cpu/tiled.c); ``blas``, the path before it, slabs dequantized on
+#: one thread for numpy's BLAS. Read from ``INFER_EXACT_GEMM`` at import;
+#: the backends read it here at each product, so a benchmark may set it
+#: between runs (``benchmarks/tiled_gemm.py``). Where the kernels lack the
+#: tiled product, ``blas``.
+EXACT_GEMM_ENV = "INFER_EXACT_GEMM"
+_EXACT_GEMM_CHOICES = ("tiled", "blas")
+
+
+def _exact_gemm_choice() -> str:
+    choice = os.environ.get(EXACT_GEMM_ENV, "tiled").strip().lower() or "tiled"
+    if choice not in _EXACT_GEMM_CHOICES:
+        raise ConfigError(f"{EXACT_GEMM_ENV}={choice!r} is not one of {', '.join(_EXACT_GEMM_CHOICES)}")
+    return choice if hasattr(native, "gemm") else "blas"
+
+
+EXACT_GEMM = _exact_gemm_choice()
 #: Float32 bytes of weight rows dequantized at a time for BLAS: the smallest
 #: scratch buffer (it counts in the peak memory) with which prefill still runs
 #: at full speed (docs/performance.md).
@@ -318,6 +339,16 @@ def affine_gemv(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarr
         GOVERNOR.check()
     native.gemv(bits | Q8_FLAG if q8 else bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half,
                 factor)
+
+
+def affine_gemm(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray) -> None:
+    """``out = x2 @ W.T`` for any number of rows of float32 ``x2``
+    (contiguous), exact, in the tiled kernel: each panel of ``W`` decoded to
+    float32 once, on the kernels' threads, for all the rows (:data:`EXACT_GEMM`)."""
+    bits, codes, scales, biases, k, n, group, half, factor = kernel_args(w)
+    if GOVERNOR is not None:
+        GOVERNOR.check()
+    native.gemm(bits, x2, codes, scales, biases, out, x2.shape[0], k, n, group, half, factor)
 
 
 def slab_rows(w: AffineTensor | QuantizedTensor, slab_bytes: int = SLAB_BYTES) -> int:

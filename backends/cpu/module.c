@@ -105,6 +105,34 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     return FINISH(ok, &x, &codes, &scales, &biases, &out);
 }
 
+/* gemm(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None:
+ * gemv's arguments and result (bits without Q8_FLAG), computed by the tiled
+ * kernel (tiled.c) for many rows of x: exact float32, each weight panel
+ * decoded once for all of them. */
+static PyObject *gemm(PyObject *self, PyObject *args) {
+    int bits, half = 0;
+    Py_buffer x, codes, scales, biases = {0}, out;
+    PyObject *bobj;
+    Py_ssize_t m, k, n, group = GROUP;
+    float factor = 0.0f;
+    if (!PyArg_ParseTuple(args, "iy*y*y*Ow*nnn|npf", &bits, &x, &codes, &scales, &bobj, &out, &m, &k, &n, &group,
+                          &half, &factor))
+        return NULL;
+    int ok = optional(bobj, &biases, PyBUF_SIMPLE) && (m >= 1 || REFUSE("bad shape: m=%zd", m)) &&
+             ((bits & Q8_FLAG) == 0 || REFUSE("gemm is exact: bits without Q8_FLAG")) &&
+             codes_fit(bits, group, half, n, k, &codes, &scales, &biases) &&
+             SIZES_OK({&x, m * k * 4, "x"}, {&out, m * n * 4, "out"});
+    if (ok) {
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        failed = tiled_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor,
+                           half, (float *)out.buf, m, k, n, group);
+        Py_END_ALLOW_THREADS
+        if (failed) ok = (PyErr_NoMemory(), 0);
+    }
+    return FINISH(ok, &x, &codes, &scales, &biases, &out);
+}
+
 /* gemv_f32(x, w, out, m, k, n) -> None: out [m, n] = x [m, k] @ w [n, k].T in
  * float32, for the few-row products of decoding, with the same threads as
  * gemv (mixing two thread pools, BLAS's and OpenMP's, on few cores makes each
@@ -556,6 +584,7 @@ static PyMethodDef methods[] = {
     {"to_half", to_half, METH_VARARGS, "Float32 to IEEE float16, rounded to nearest even (as a captured write)."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"q8_0", q8_0, METH_VARARGS, "Float32 values into q8_0 blocks (a kv_dtype=\"q8_0\" pool's rows)."},
+    {"gemm", gemm, METH_VARARGS, "y = x @ W.T for many rows of x, exact, on tiles of W decoded once (tiled.c)."},
     {"gemv_f32", gemv_f32, METH_VARARGS, "y = x @ W.T for a float32 W with few rows of x."},
     {"dequantize", dequantize, METH_VARARGS, "W as float32 into a buffer."},
     {"causal_conv1d", causal_conv1d, METH_VARARGS, "Depthwise causal convolution over a ragged batch, float32."},
