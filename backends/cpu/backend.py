@@ -20,9 +20,10 @@ type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
-:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) run in the tiled kernel, which
-decodes each panel of the weight once for all the rows (backends/cpu/tiled.c;
-``INFER_EXACT_GEMM=blas``: slabs dequantized for BLAS, as before). ``quantize="off"``
+:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) dequantize the weight in slabs for
+numpy's BLAS, or, with ``INFER_EXACT_GEMM=tiled``, run in the tiled kernel, which
+decodes each panel of the weight once for all the rows (backends/cpu/tiled.c; not
+yet the default: faster on the 1B-class model, slower on the small ones at two threads). ``quantize="off"``
 dequantizes everything to float32 instead.
 
 The same extension computes few-row float32 products (decoding with float32

@@ -67,16 +67,20 @@ KERNELS = _kernel_choice()
 native: Any = _load_kernels(KERNELS)
 
 #: Products with at most this many rows run in the C kernel on the codes;
-#: more rows (prefill) in the tiled kernel (:data:`EXACT_GEMM`), which is
+#: more rows (prefill) by :data:`EXACT_GEMM`'s path, which is
 #: faster once the weight's rows are reused that many times (where the
 #: decoding kernel and BLAS on slabs crossed: docs/performance.md, "The numpy
 #: backend's constants"; the tiled kernel: "The exact prefill kernel").
 KERNEL_ROWS = 16
 #: How an exact product of more than :data:`KERNEL_ROWS` rows runs:
-#: ``tiled`` (the default), the blocked kernel that decodes each panel of the
-#: weight once, on every thread, and reuses it from L1 for every row
-#: (backends/cpu/tiled.c); ``blas``, the path before it, slabs dequantized on
-#: one thread for numpy's BLAS. Read from ``INFER_EXACT_GEMM`` at import;
+#: ``tiled``, the blocked kernel that decodes each panel of the weight once,
+#: on every thread, and reuses it from L1 for every row (backends/cpu/tiled.c);
+#: ``blas`` (the default), slabs dequantized on one thread for numpy's BLAS.
+#: ``blas`` stays the default because at two threads the tiled kernel measured
+#: 1.43x on the 1B-class model's prefill but 0.56x on SmolLM2's, whose small
+#: products interleave with BLAS calls whose threads still spin (docs/performance.md,
+#: "The exact prefill kernel"): the crossover has to be found before it is
+#: the default. Read from ``INFER_EXACT_GEMM`` at import;
 #: the backends read it here at each product, so a benchmark may set it
 #: between runs (``benchmarks/tiled_gemm.py``). Where the kernels lack the
 #: tiled product, ``blas``.
@@ -85,7 +89,7 @@ _EXACT_GEMM_CHOICES = ("tiled", "blas")
 
 
 def _exact_gemm_choice() -> str:
-    choice = os.environ.get(EXACT_GEMM_ENV, "tiled").strip().lower() or "tiled"
+    choice = os.environ.get(EXACT_GEMM_ENV, "blas").strip().lower() or "blas"
     if choice not in _EXACT_GEMM_CHOICES:
         raise ConfigError(f"{EXACT_GEMM_ENV}={choice!r} is not one of {', '.join(_EXACT_GEMM_CHOICES)}")
     return choice if hasattr(native, "gemm") else "blas"
