@@ -77,12 +77,13 @@ static int codes_fit(int bits, Py_ssize_t group, int half, Py_ssize_t n, Py_ssiz
 
 /* -- products ----------------------------------------------------------------------- */
 
-/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None
- * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
- * scales, biases [n, k/group], float32 (or float16 with half true), biases
- * None for factor * scales; out float32 [m, n], written. group: 32 (default),
- * or 16 for 8-bit codes. bits may be a block form (kernels.h) and carry Q8_FLAG. */
-static PyObject *gemv(PyObject *self, PyObject *args) {
+typedef int (*product_fn)(int, const float *, const uint8_t *, const void *, const void *, float, int, float *,
+                          Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t);
+
+/* The body of gemv and gemm: their arguments parsed and checked alike, then
+ * ``run`` (gemv_run or tiled_run, one signature) on them; ``exact`` refuses
+ * bits carrying Q8_FLAG. */
+static PyObject *product(PyObject *args, product_fn run, int exact) {
     int bits, half = 0;
     Py_buffer x, codes, scales, biases = {0}, out;
     PyObject *bobj;
@@ -92,46 +93,32 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                           &half, &factor))
         return NULL;
     int ok = optional(bobj, &biases, PyBUF_SIMPLE) && (m >= 1 || REFUSE("bad shape: m=%zd", m)) &&
+             (!exact || (bits & Q8_FLAG) == 0 || REFUSE("gemm is exact: bits without Q8_FLAG")) &&
              codes_fit(bits & ~Q8_FLAG, group, half, n, k, &codes, &scales, &biases) &&
              SIZES_OK({&x, m * k * 4, "x"}, {&out, m * n * 4, "out"});
     if (ok) {
         int failed;
         Py_BEGIN_ALLOW_THREADS
-        failed = gemv_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor,
-                          half, (float *)out.buf, m, k, n, group);
+        failed = run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor, half,
+                     (float *)out.buf, m, k, n, group);
         Py_END_ALLOW_THREADS
         if (failed) ok = (PyErr_NoMemory(), 0);
     }
     return FINISH(ok, &x, &codes, &scales, &biases, &out);
 }
 
+/* gemv(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None
+ * x float32 [m, k]; codes uint8 [n, k/2] (4 bits) or [n, k] (8 bits);
+ * scales, biases [n, k/group], float32 (or float16 with half true), biases
+ * None for factor * scales; out float32 [m, n], written. group: 32 (default),
+ * or 16 for 8-bit codes. bits may be a block form (kernels.h) and carry Q8_FLAG. */
+static PyObject *gemv(PyObject *self, PyObject *args) { return product(args, gemv_run, 0); }
+
 /* gemm(bits, x, codes, scales, biases, out, m, k, n[, group, half, factor]) -> None:
  * gemv's arguments and result (bits without Q8_FLAG), computed by the tiled
  * kernel (tiled.c) for many rows of x: exact float32, each weight panel
  * decoded once for all of them. */
-static PyObject *gemm(PyObject *self, PyObject *args) {
-    int bits, half = 0;
-    Py_buffer x, codes, scales, biases = {0}, out;
-    PyObject *bobj;
-    Py_ssize_t m, k, n, group = GROUP;
-    float factor = 0.0f;
-    if (!PyArg_ParseTuple(args, "iy*y*y*Ow*nnn|npf", &bits, &x, &codes, &scales, &bobj, &out, &m, &k, &n, &group,
-                          &half, &factor))
-        return NULL;
-    int ok = optional(bobj, &biases, PyBUF_SIMPLE) && (m >= 1 || REFUSE("bad shape: m=%zd", m)) &&
-             ((bits & Q8_FLAG) == 0 || REFUSE("gemm is exact: bits without Q8_FLAG")) &&
-             codes_fit(bits, group, half, n, k, &codes, &scales, &biases) &&
-             SIZES_OK({&x, m * k * 4, "x"}, {&out, m * n * 4, "out"});
-    if (ok) {
-        int failed;
-        Py_BEGIN_ALLOW_THREADS
-        failed = tiled_run(bits, (const float *)x.buf, (const uint8_t *)codes.buf, scales.buf, biases.buf, factor,
-                           half, (float *)out.buf, m, k, n, group);
-        Py_END_ALLOW_THREADS
-        if (failed) ok = (PyErr_NoMemory(), 0);
-    }
-    return FINISH(ok, &x, &codes, &scales, &biases, &out);
-}
+static PyObject *gemm(PyObject *self, PyObject *args) { return product(args, tiled_run, 1); }
 
 /* gemv_f32(x, w, out, m, k, n) -> None: out [m, n] = x [m, k] @ w [n, k].T in
  * float32, for the few-row products of decoding, with the same threads as
