@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +106,7 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, type: s
         package.tensors.close()
         raise ConversionError(f"mmproj= writes the vision side of a Gemma 3, LLaVA, Idefics3 / SmolVLM or Qwen3.5 "
                               f"model to GGUF; {path} ({package.model_type}) has none to write there")
-    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        target.write(package, partial, type=type, progress=progress)
-        _replace(partial, out)
-    except BaseException as exc:
-        _remove(partial)
-        if isinstance(exc, OSError) and not isinstance(exc, InferError):
-            raise ConversionError(f"writing {out} failed: {exc}; nothing was left at {out}") from exc
-        raise
-    finally:
-        package.tensors.close()
+    _write_files(package, [(out, lambda to: target.write(package, to, type=type, progress=progress))])
     return out
 
 
@@ -147,22 +138,33 @@ def _write_pair(target: Any, package: Any, pair: Any, out: Path, projector: Path
     """The text model to ``out`` (the GGUF writer) and the vision side to ``projector`` (an mmproj
     file), each through its own partial file; neither is left behind on an error."""
     text, write_projector = pair
-    partials = [p.with_name(f".{p.name}.partial-{uuid.uuid4().hex[:8]}") for p in (out, projector)]
+    _write_files(package, [(out, lambda to: target.write(text, to, type=type, progress=progress)),
+                           (projector, lambda to: write_projector(to, type=type))])
+    log.info("wrote %s (the text model) and %s (its vision tower and projector)", out, projector)
+    return out
+
+
+def _write_files(package: Any, writes: list[tuple[Path, Callable[[Path], None]]]) -> None:
+    """Each ``write(partial)`` into a partial file beside its output, then every partial moved to
+    its output; on an error every partial is removed (an ``OSError`` becomes a
+    :class:`ConversionError` naming the outputs). ``package``'s tensors are closed either way."""
+    partials = [out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}") for out, _ in writes]
     try:
-        target.write(text, partials[0], type=type, progress=progress)
-        write_projector(partials[1], type=type)
-        _replace(partials[0], out)
-        _replace(partials[1], projector)
-        log.info("wrote %s (the text model) and %s (its vision tower and projector)", out, projector)
+        for (_, write), partial in zip(writes, partials):
+            write(partial)
+        for (out, _), partial in zip(writes, partials):
+            _replace(partial, out)
     except BaseException as exc:
         for partial in partials:
             _remove(partial)
         if isinstance(exc, OSError) and not isinstance(exc, InferError):
-            raise ConversionError(f"writing {out} and {projector} failed: {exc}") from exc
+            names = " and ".join(str(out) for out, _ in writes)
+            # One output: its partial was the only thing written, so nothing is left there.
+            left = f"; nothing was left at {names}" if len(writes) == 1 else ""
+            raise ConversionError(f"writing {names} failed: {exc}{left}") from exc
         raise
     finally:
         package.tensors.close()
-    return out
 
 
 def convert_adapter(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
