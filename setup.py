@@ -24,7 +24,7 @@ setup(
             # of flags builds every file and the module still runs on any x86-64 CPU.
             sources=[CPU + name for name in (
                 "module.c", "gemv.c", "blocks.c", "q8.c", "tiled.c", "rows.c", "attention.c", "plan.c", "recurrent.c",
-                "x86/gemv_avx2.c", "x86/gemv_avx512.c", "x86/blocks_x86.c", "x86/q8_x86.c", "x86/kvq8_x86.c",
+                "x86/gemv_avx2.c", "x86/gemv_avx512.c", "x86/blocks_x86.c", "x86/q8_x86.c", "x86/q8row_x86.c", "x86/kvq8_x86.c",
                 "x86/tiled_x86.c",
             )],
             depends=[CPU + "kernels.h", CPU + "x86/simd.h"],

@@ -8,8 +8,8 @@ each round runs every load once, in turn, on the same prompt: a prefill of
 torch/cpu's prefill and decode tokens a second over numpy's, the median of the
 per-round ratios (both sides of a ratio are measured within one round, so a
 machine whose load drifts moves them alike). Decoding one sequence runs one
-activation row per product, which stays on the exact kernels in q8 mode too;
-prefill is where q8's int8 products run.
+activation row per product (q8's one-row kernels in q8 mode); prefill runs the
+tile kernels.
 """
 
 from __future__ import annotations

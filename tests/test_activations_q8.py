@@ -5,7 +5,8 @@ dot products.
 What is exact about it, and so asserted bit for bit: every code path (portable,
 AVX2, AVX-512 VNNI) computes the same float32 sequence after exact integer sums,
 so they agree to the bit; a row's result does not depend on the other rows of
-the product; one row stays on the exact kernels. What is approximate, and so
+the product, and one row alone (a decode step, which multiplies the blocks as
+stored: x86/q8row_x86.c) gives the bits it gets among others. What is approximate, and so
 bounded: against the float64 value of the formula the kernel states
 (``q8_formula``), the float32 sums of 16 lanes and the per-group products
 differ by a few roundings of the sum of absolute terms: 1e-6 * sum|x * w|, the
@@ -80,7 +81,7 @@ def within(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: np.ndarray) -> b
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
-@pytest.mark.parametrize("m", [2, 3, 5, 130])  # 130: past the 128 rows quantized at a time
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 130])  # 1: the one-row kernels; 130: past the 128 rows quantized at a time
 def test_every_block_type_computes_the_stated_formula(path: str, qtype: str, m: int) -> None:
     for seed, k in enumerate(K_SUPER if qtype.endswith("_K") else K_SMALL):
         if m == 130 and k > 2048:
@@ -123,10 +124,28 @@ def test_on_load_quantized_weights_take_it_too(path: str, kind: str) -> None:
     assert within(got, q8_formula(a, x), x, a.dequantize())
 
 
-def test_one_row_stays_exact_and_rows_do_not_depend_on_each_other() -> None:
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_one_row_alone_has_the_bits_it_has_among_others(path: str, qtype: str) -> None:
+    # A decode step's product (one row) runs the one-row kernels on the blocks as
+    # stored; a prompt's runs the tile kernels on interleaved codes. The same
+    # row gets the same bits from both, on every path: widths with a last span
+    # of 16 groups that is full, nearly empty (608 = 19 groups; 768 = 3 super-
+    # blocks, one of two in the last span) or a single block (32), and an odd
+    # number of weight rows (the one-row kernels take two at a time).
+    for seed, k in enumerate(K_SUPER if qtype.endswith("_K") else K_SMALL + [96, 544]):
+        args, _ = stored(qtype, 23, k, seed)
+        x = np.random.default_rng(50 + seed).standard_normal((4, k)).astype(np.float32) * 2
+        x[2, : min(k, 64)] = 0.0  # all-zero blocks: scale 0
+        together = run(args, x)
+        for i in range(4):
+            alone = run(args, x[i:i + 1])
+            assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (qtype, k, i)
+        assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), (qtype, k)  # int8 x, not exact
+
+
+def test_rows_do_not_depend_on_each_other() -> None:
     args, _ = stored("Q4_K", 40, 2048, 0)
     x = np.random.default_rng(5).standard_normal((9, 2048)).astype(np.float32)
-    assert np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0))
     together = run(args, x)
     for i in range(1, 9):  # each row, in products of other sizes with other neighbours
         assert np.array_equal(run(args, x[i - 1:i + 1])[1], together[i])

@@ -183,13 +183,12 @@ static void dequant_row(int bits, const uint8_t *cr, const float *s, const float
 
 /* y [m, n] = x [m, k] @ W.T for an affine W (codes, scales and biases as gemv
  * below takes them; or bits a block form, c its blocks), rows of W across the
- * OpenMP threads; called without the GIL. With Q8_FLAG in bits, from
- * Q8_MIN_ROWS rows on, x is quantized (q8_run). Returns -1 when out of memory. */
+ * OpenMP threads; called without the GIL. With Q8_FLAG in bits x is
+ * quantized (q8_run). Returns -1 when out of memory. */
 int gemv_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
              int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (bits & Q8_FLAG) {
-        bits &= ~Q8_FLAG;
-        if (m >= Q8_MIN_ROWS) return q8_run(bits, x, c, scales, biases, factor, half, y, m, k, n, group);
+        return q8_run(bits & ~Q8_FLAG, x, c, scales, biases, factor, half, y, m, k, n, group);
     }
     const int type = bits - FORM_BLOCKS;
     Py_ssize_t values = 1, block_bytes = 0;

@@ -174,7 +174,6 @@ static inline int direct_avx2(int type) { return direct_512(type); }
 /* -- quantized activations (q8.c) --------------------------------------------------- */
 
 #define Q8_FLAG (1 << 16)  /* or'ed into gemv's bits: quantize the activations */
-#define Q8_MIN_ROWS 2
 #define Q8_LANES 16
 #define Q8_CHUNK 128 /* activation rows quantized, then multiplied with each tile, at a time */
 
@@ -336,6 +335,15 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
                        Py_ssize_t m, float *y, Py_ssize_t n, int wide);
+/* x86/q8row_x86.c: one activation row (q8x's row 0, in column order) against rows [r0, r1) of block-form W */
+AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                             Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
+AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                       Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
+AVX512 void q8_quantize_natural_512(const float *x, Py_ssize_t k, Py_ssize_t group, int8_t *q, float *dx, float *xs,
+                                    int32_t *qs);
+AVX2 void q8_quantize_natural_avx2(const float *x, Py_ssize_t k, Py_ssize_t group, int8_t *q, float *dx, float *xs,
+                                   int32_t *qs);
 AVX512VNNI double peak_vnni512(long iterations);
 AVX2 double peak_maddubs256(long iterations);
 AVX512 double peak_fma512(long iterations);

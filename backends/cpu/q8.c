@@ -36,9 +36,14 @@
  *
  * Paths: AVX-512 with VNNI (vpdpbusd); AVX2 (vpmaddubsw then vpmaddwd: codes
  * above 127, Q8_0's and 8-bit affine's, are taken as code - 128 with
- * vpsignb, and 128 * sum(q) added back); the portable loops (the x86 ones: x86/q8_x86.c). One activation
- * row stays on the exact kernels (decoding reads the weights at the memory's
- * speed either way); from Q8_MIN_ROWS rows on, a product takes this path. */
+ * vpsignb, and 128 * sum(q) added back); the portable loops (the x86 ones: x86/q8_x86.c).
+ *
+ * One activation row (a decode step) on block-form weights takes q8_vec instead:
+ * the blocks multiplied as stored, the same lanes and bits (x86/q8row_x86.c).
+ * It once stayed on the exact kernels, on the belief that decoding reads the
+ * weights at the memory's speed either way; on two threads of a fast-memory
+ * CPU the exact decode of a 1B model is bound by its arithmetic instead (its
+ * step scaled 1.85x from one thread to two), docs/performance.md. */
 
 #include "kernels.h"
 
@@ -48,8 +53,9 @@ static inline Py_ssize_t q8_at(Py_ssize_t v, Py_ssize_t group) {
     return (g / Q8_LANES) * Q8_LANES * group + (p / 4) * (4 * Q8_LANES) + (g % Q8_LANES) * 4 + p % 4;
 }
 
-/* Row i of x [.., k] quantized into X's row j. */
-static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j) {
+/* Row i of x [.., k] quantized into X's row j: interleaved as the tile kernels
+ * read it, or (natural) in column order, as the one-row kernels do. */
+static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j, int natural) {
     int8_t *q = X->q + j * X->kp;
     float *dx = X->dx + j * X->lanes, *xs = X->xs + j * X->lanes;
     int32_t *qs = X->qs + j * X->lanes;
@@ -68,7 +74,7 @@ static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssiz
         for (int t = 0; t < 32; t++) {
             int v = (int)rintf(x[b + t] * id);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
-            q[q8_at(b + t, group)] = (int8_t)v;
+            q[natural ? b + t : q8_at(b + t, group)] = (int8_t)v;
             qs[(b + t) / group] += v;
         }
         for (Py_ssize_t g = b / group; g < (b + 32) / group; g++) dx[g] = d;
@@ -126,10 +132,68 @@ static void q8_block_portable(const uint8_t *wq, const float *ws, const float *w
         }
 }
 
+/* One activation row (a decode step) against block-form W: x quantized once in
+ * column order, each weight row's blocks multiplied as stored (x86/q8row_x86.c),
+ * rows across the OpenMP threads. The bits are q8_run's (the top of this file);
+ * what it saves is q8_run's decoding, packing and interleaving of every tile,
+ * which cost more than the integer products at one row. Returns 1 where it has
+ * no kernel (not a block form, or the portable path: q8_run then computes it),
+ * -1 when out of memory. */
+static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize_t k, Py_ssize_t n) {
+#ifdef HAVE_X86
+    const int type = bits - FORM_BLOCKS;
+    int code_bits;
+    Py_ssize_t group, values, block_bytes;
+    if (!(use_vnni || use_avx2) || !block_form(bits, &code_bits, &group, &values, &block_bytes)) return 1;
+    const Py_ssize_t raw_row = k / values * block_bytes;
+    struct q8x X;
+    X.group = group;
+    X.spans = (k / group + Q8_LANES - 1) / Q8_LANES;
+    X.lanes = X.spans * Q8_LANES;
+    X.kp = X.lanes * group;
+    X.q = malloc((size_t)X.kp);
+    X.dx = malloc((size_t)X.lanes * sizeof(float));
+    X.xs = malloc((size_t)X.lanes * sizeof(float));
+    X.qs = malloc((size_t)X.lanes * sizeof(int32_t));
+    const int failed = !X.q || !X.dx || !X.xs || !X.qs;
+    if (!failed) {
+        memset(X.q, 0, (size_t)X.kp); /* the last span's padding */
+        memset(X.dx, 0, (size_t)X.lanes * sizeof(float));
+        memset(X.xs, 0, (size_t)X.lanes * sizeof(float));
+        memset(X.qs, 0, (size_t)X.lanes * sizeof(int32_t));
+        if (use_avx512)
+            q8_quantize_natural_512(x, k, group, X.q, X.dx, X.xs, X.qs);
+        else
+            q8_quantize_natural_avx2(x, k, group, X.q, X.dx, X.xs, X.qs);
+        const Py_ssize_t tile = TILE_ROWS, tiles = (n + tile - 1) / tile;
+        #pragma omp parallel for schedule(static)
+        for (Py_ssize_t t = 0; t < tiles; t++) {
+            const Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
+            if (use_vnni)
+                q8_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
+            else
+                q8_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
+        }
+    }
+    free(X.q);
+    free(X.dx);
+    free(X.xs);
+    free(X.qs);
+    return failed ? -1 : 0;
+#else
+    (void)bits, (void)x, (void)c, (void)y, (void)k, (void)n;
+    return 1;
+#endif
+}
+
 /* y [m, n] = x @ W.T with x quantized (see the top of this file); W as gemv_run takes it (bits without Q8_FLAG).
  * Returns -1 when out of memory. */
 int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
            int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+    if (m == 1) {
+        const int done = q8_vec(bits, x, c, y, k, n);
+        if (done <= 0) return done;
+    }
     const int type = bits - FORM_BLOCKS;
     Py_ssize_t values = 1, block_bytes = 0;
     const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
@@ -156,7 +220,7 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
         #pragma omp parallel
         {
             #pragma omp for schedule(static)
-            for (Py_ssize_t j = 0; j < rows; j++) q8_quantize_row(x + (i0 + j) * k, k, &X, j);
+            for (Py_ssize_t j = 0; j < rows; j++) q8_quantize_row(x + (i0 + j) * k, k, &X, j, 0);
             uint8_t *wq = malloc((size_t)(tile * X.kp)), *decoded = blocks ? malloc(DECODED_BYTES) : NULL;
             float *wide_s = malloc(2 * TILE_GROUPS * sizeof(float)), *ws = malloc((size_t)(2 * tile * X.lanes) * sizeof(float));
             const int ok = wq && wide_s && ws && (!blocks || decoded);

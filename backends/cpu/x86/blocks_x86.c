@@ -6,48 +6,8 @@
 #include "simd.h"
 
 #ifdef HAVE_X86
-/* Q5_0/Q5_1's codes: the 32 fifth bits spread to bytes (byte j of the broadcast
- * word picked by j / 8, its bit j % 8 tested), as 16, or'd onto the nibbles. */
-AVX2 INLINE __m256i q5_vector(const uint8_t *qh4, const uint8_t *qs) {
-    uint32_t qh;
-    memcpy(&qh, qh4, 4);
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
-    __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-    __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
-    __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    return _mm256_or_si256(nib, fifth);
-}
-
 AVX2 INLINE void q5_codes_avx2(const uint8_t *qh4, const uint8_t *qs, uint8_t *o) {
     _mm256_storeu_si256((__m256i *)o, q5_vector(qh4, qs));
-}
-
-/* The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): bytes a block, a block's
- * 32 codes a byte each in column order (a 4-bit block's low nibbles are its
- * columns 0..15, the high ones 16..31: as floats, the values the 4-bit
- * kernels' table gives), and the scales and biases of 8 consecutive blocks
- * (decode_scales' values: float16 widened, a symmetric bias its factor times
- * the scale). */
-static inline Py_ssize_t small_bytes(int type) {
-    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
-}
-/* A symmetric 32-value type's bias over its scale (Q4_0, Q5_0, Q8_0: decode_scales' factors). */
-static inline float small_factor(int type) { return type == GGML_Q4_0 ? -8.0f : type == GGML_Q5_0 ? -16.0f : -128.0f; }
-
-/* blocks.c's decode_scales for one 32-value block with F16C (exact, as half_to_float is). */
-AVX2 INLINE void small_scale(int type, const uint8_t *b, float *s, float *bi) {
-    uint16_t d, m;
-    memcpy(&d, b, 2);
-    s[0] = _cvtsh_ss(d);
-    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
-        memcpy(&m, b + 2, 2);
-        bi[0] = _cvtsh_ss(m);
-    } else {
-        bi[0] = small_factor(type) * s[0];
-    }
 }
 
 /* blocks.c's decode_codes, 16 or 32 bytes at a time (the same bytes). */
@@ -108,100 +68,12 @@ AVX2 INLINE void decode_codes_avx2(int type, const uint8_t *b, uint8_t *codes) {
     }
 }
 
-/* blocks.c's decode_scales, eight at a time where a block has 8 or 16 groups (the same float32 products). */
-AVX2 INLINE void decode_scales_avx2(int type, const uint8_t *b, float *s, float *bi) {
-    if (type == GGML_Q4_K || type == GGML_Q5_K) {
-        /* k_sixbits in one register: the block's first 16 bytes as words [d|dmin, u0, u1, u2];
-         * lanes [u0, u2, u1, u2] and [u0, u0, u1, u1] give sc 0..3, sc 4..7, m 0..3, m 4..7. */
-        __m128i q = _mm_loadu_si128((const __m128i *)b);
-        __m128i p = _mm_shuffle_epi32(q, _MM_SHUFFLE(3, 2, 3, 1)), r = _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 2, 1, 1));
-        __m128i lo = _mm_and_si128(r, _mm_set1_epi8(0x3f));
-        __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi8(0x0f)),
-                                  _mm_and_si128(_mm_srli_epi32(r, 2), _mm_set1_epi8(0x30)));
-        __m128i six = _mm_blend_epi32(lo, hi, 0xA);
-        __m128 dd = _mm_cvtph_ps(q); /* d, dmin */
-        const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-        __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six));
-        __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(six, 8)));
-        _mm256_storeu_ps(s, _mm256_mul_ps(d, fs));
-        _mm256_storeu_ps(bi, _mm256_xor_ps(_mm256_mul_ps(dmin, fm), _mm256_set1_ps(-0.0f))); /* -(dmin * m) */
-    } else if (type == GGML_Q6_K) {
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[208] | b[209] << 8))), f = _mm256_set1_ps(-32.0f);
-        __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-        _mm256_storeu_ps(s, s0);
-        _mm256_storeu_ps(s + 8, s1);
-        _mm256_storeu_ps(bi, _mm256_mul_ps(f, s0));
-        _mm256_storeu_ps(bi + 8, _mm256_mul_ps(f, s1));
-    } else {
-        small_scale(type, b, s, bi); /* one float16 (or two) per block */
-    }
-}
-
 AVX2 void decode_row_avx2(int type, const uint8_t *raw, Py_ssize_t blocks, Py_ssize_t block_bytes,
                           Py_ssize_t code_bytes, Py_ssize_t per, uint8_t *codes, float *s, float *bi) {
     for (Py_ssize_t j = 0; j < blocks; j++) {
         decode_codes_avx2(type, raw + j * block_bytes, codes + j * code_bytes);
         decode_scales_avx2(type, raw + j * block_bytes, s + j * per, bi + j * per);
     }
-}
-
-AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
-    if (type == GGML_Q8_0) /* int8 q -> q + 128 */
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
-    if (type == GGML_Q4_0 || type == GGML_Q4_1) {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_0 ? 2 : 4))), m4 = _mm_set1_epi8(15);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    }
-    return type == GGML_Q5_0 ? q5_vector(b + 2, b + 6) : q5_vector(b + 4, b + 8);
-}
-
-AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
-    /* The eight blocks' float16 words inserted one by one into a register: a
-     * gather measured slower (AMD Zen 4), and eight two-byte stores read back as
-     * one vector stall on store forwarding (docs/performance.md, "All eight types
-     * as stored"). */
-    const int pair = type == GGML_Q4_1 || type == GGML_Q5_1;
-    uint16_t h;
-    __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
-#define SMALL_WORD(J) \
-    memcpy(&h, b + (J) * bytes, 2), d = _mm_insert_epi16(d, h, J); \
-    if (pair) memcpy(&h, b + (J) * bytes + 2, 2), m = _mm_insert_epi16(m, h, J);
-    SMALL_WORD(0) SMALL_WORD(1) SMALL_WORD(2) SMALL_WORD(3) SMALL_WORD(4) SMALL_WORD(5) SMALL_WORD(6) SMALL_WORD(7)
-#undef SMALL_WORD
-    __m256 sv = _mm256_cvtph_ps(d);
-    *biases = pair ? _mm256_cvtph_ps(m) : _mm256_mul_ps(_mm256_set1_ps(small_factor(type)), sv);
-    return sv;
-}
-
-/* small_scales with AVX512-BW, without a gather: the eight blocks' float16
- * words picked out of their bytes (two loads and a masked third, which reads
- * nothing past the eighth block's scales) by two word permutes. The gather's
- * loads cost more than the rest of a block's decoding here (AMD Zen 4: Q4_1
- * rows 1.36x the converted form's time with it, 0.81x with the scales
- * replaced by constants; docs/performance.md, "All eight types as stored").
- * The same float32 values. Not Q8_0, whose 34-byte blocks span four lines. */
-AVX512 INLINE __m256 small_scales_512(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
-    if (type == GGML_Q8_0) return small_scales(type, b, bytes, biases);
-    const int pair = type == GGML_Q4_1 || type == GGML_Q5_1; /* d and m */
-    const Py_ssize_t half = bytes / 2, need = 7 * bytes + (pair ? 4 : 2);  /* words a block; bytes read */
-    /* lanes 0..7: d_j, the word j * half; lanes 8..15: m_j, the next one (or d_j again) */
-    const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512i idx32 = _mm512_add_epi32(_mm512_mullo_epi32(j, _mm512_set1_epi32((int)half)),
-                                     _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, pair, pair, pair, pair, pair, pair, pair, pair));
-    const __m256i idx = _mm512_cvtepi32_epi16(idx32); /* 16 word indices, all < 96 */
-    const __m512i a = _mm512_loadu_si512((const void *)b), c = _mm512_loadu_si512((const void *)(b + 64));
-    const __m512i e = _mm512_maskz_loadu_epi8(need > 128 ? (__mmask64)(~0ULL >> (64 - (need - 128))) : 0, b + 128);
-    const __m512i wide = _mm512_castsi256_si512(idx);
-    const __m512i lo = _mm512_permutex2var_epi16(a, wide, c);
-    const __m512i hi = _mm512_permutexvar_epi16(_mm512_sub_epi16(wide, _mm512_set1_epi16(64)), e);
-    const __mmask32 past = _mm512_cmpge_epu16_mask(wide, _mm512_set1_epi16(64));
-    const __m256i dm = _mm512_castsi512_si256(_mm512_mask_blend_epi16(past, lo, hi));
-    __m256 sv = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-    *biases = pair ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1))
-                   : _mm256_mul_ps(_mm256_set1_ps(small_factor(type)), sv);
-    return sv;
 }
 
 /* A Q5 block's fifth bits (qh, 4 bytes: bit i is column i's) added to its
