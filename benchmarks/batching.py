@@ -2,6 +2,7 @@
 
     python benchmarks/batching.py [--model smollm2-135m] [--backend numpy] [--concurrency 1,4,16,64]
                                   [--prompt-tokens 64] [--new-tokens 32] [--repeats 1] [--update-docs]
+                                  [--activations exact|q8|both]
 
 Throughput: for each KV layout (paged, contiguous; and paged with the
 captured batched decode step off, ``paged-eager``) and each number of
@@ -142,25 +143,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-requests", type=int, default=16)
     parser.add_argument("--system-tokens", type=int, default=96, help="shared system prompt length, at most")
     parser.add_argument("--kv-memory-mb", type=int, default=1024, help="KV memory of each batch engine")
+    parser.add_argument("--activations", choices=["exact", "q8", "both"], default="exact",
+                        help="exact float32 products, int8 activations (activations='q8', approximate), or both: "
+                             "two loads, run in turn each repeat, the q8 rows labelled with 'q8'")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "batching.json"))
     parser.add_argument("--update-docs", action="store_true", help="rewrite the batching block of docs/performance.md")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    model = infer.load(args.model, backend=args.backend)
+    kinds = ["exact", "q8"] if args.activations == "both" else [args.activations]
+    models = {kind: infer.load(args.model, backend=args.backend, **({"activations": "q8"} if kind == "q8" else {}))
+              for kind in kinds}
+    model = models[kinds[0]]
     kv_memory = args.kv_memory_mb * 2**20
-    for layout in args.layouts.split(","):  # warm-up: first calls of every op, out of the timings
-        throughput(model, layout, 2, args.prompt_tokens, 4, kv_memory)
+    for each in models.values():
+        for layout in args.layouts.split(","):  # warm-up: first calls of every op, out of the timings
+            throughput(each, layout, 2, args.prompt_tokens, 4, kv_memory)
     points = []
     for n in (int(c) for c in args.concurrency.split(",")):
         for layout in args.layouts.split(","):
-            runs = [throughput(model, layout, n, args.prompt_tokens, args.new_tokens, kv_memory)
-                    for _ in range(args.repeats)]
-            best = dict(runs[0], new_tok_s=statistics.median(r["new_tok_s"] for r in runs),
-                        total_tok_s=statistics.median(r["total_tok_s"] for r in runs))
-            log.info("%s, %d requests: %.1f new tok/s", layout, n, best["new_tok_s"])
-            points.append(best)
+            runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+            for _ in range(args.repeats):  # the loads in turn, so a drift in the machine's load moves them alike
+                for kind, each in models.items():
+                    runs[kind].append(throughput(each, layout, n, args.prompt_tokens, args.new_tokens, kv_memory))
+            for kind in kinds:
+                best = dict(runs[kind][0], new_tok_s=statistics.median(r["new_tok_s"] for r in runs[kind]),
+                            total_tok_s=statistics.median(r["total_tok_s"] for r in runs[kind]),
+                            activations=kind, layout=layout + (" q8" if kind == "q8" else ""))
+                log.info("%s, %d requests: %.1f new tok/s", best["layout"], n, best["new_tok_s"])
+                points.append(best)
     result = {"schema": "infer-bench-batching/1",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": bench.machine_info(), "model": args.model, "backend": repr(model.backend),
