@@ -31,6 +31,9 @@
 /* The loops over a span's vectors and a step's rows unrolled: left as loops, gcc kept the products and the
  * scales in arrays on the stack, and a Q4_1 row ran at half the exact kernel's speed. */
 #define UNROLL _Pragma("GCC unroll 16")
+#ifndef LONG_ROW
+#define LONG_ROW 2048
+#endif
 
 /* A type's layout for these loops: values and bytes a block, groups a block, and 32-byte code vectors a block. */
 #define KTYPE(t) ((t) == GGML_Q4_K || (t) == GGML_Q5_K || (t) == GGML_Q6_K)
@@ -38,6 +41,16 @@
 #define GROUPS(t) ((t) == GGML_Q6_K ? 16 : KTYPE(t) ? 8 : 1)
 #define VECTORS(t) (KTYPE(t) ? 8 : 1)
 #define BYTES(t) ((t) == GGML_Q4_K ? 144 : (t) == GGML_Q5_K ? 176 : (t) == GGML_Q6_K ? 210 : small_bytes(t))
+
+/* Long rows (over LONG_ROW bytes: a 1B model's down projection, 8192 columns)
+ * are read a row a step, each span's bytes asked for as it is read, pf bytes
+ * ahead (the same span of a row at least PREFETCH bytes on). Asked for all at
+ * once, two such rows a step as the short ones are, 144 prefetches queued in a
+ * burst ahead of the products, and the rows were read at two thirds of the
+ * short rows' speed; spread out, short rows went slower instead. */
+INLINE void ahead_of(const uint8_t *at, Py_ssize_t bytes) {
+    for (Py_ssize_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, PREFETCH_LOCALITY);
+}
 
 /* Code vector i (32 consecutive columns, i < VECTORS) of block b as unsigned bytes in column order;
  * signed: Q8_0's bytes as stored (q - 128 of the unsigned code), for AVX2's sign trick. */
@@ -185,7 +198,7 @@ AVX512 INLINE __m512i span_sums(const __m512i *p, const int vectors) {
  * them), dx and xs (a lane per group; qsum, each group's sum of q, is AVX2's), into y[0..R). Two rows at a
  * time: a short row (SmolLM2's 576 columns, two spans) is otherwise a chain of dependent reductions with
  * little for the core to overlap; the two rows' chains interleave, and they share each load of q. */
-AVX512VNNI INLINE void q8_row_vnni(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, const int8_t *q,
+AVX512VNNI INLINE void q8_row_vnni(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t pf, const int8_t *q,
                                    const float *dx, const float *xs, const int32_t *qsum, Py_ssize_t k, float *y) {
     (void)qsum;
     const Py_ssize_t blocks = k / VALUES(type), per = 16 / GROUPS(type); /* blocks a span */
@@ -195,6 +208,7 @@ AVX512VNNI INLINE void q8_row_vnni(const int type, const int R, const uint8_t *r
         const int8_t *qs = q + s * 32 * vectors;
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *w = raw + r * raw_row;
+            if (pf) ahead_of(w + j0 * BYTES(type) + pf, per * BYTES(type));
             __m512i p[8];
             /* a row's last span may hold fewer blocks: no work for the others */
 #define PAIR(u) p[(u) / 2] = j0 + (u) / VECTORS(type) < blocks                                                       \
@@ -236,7 +250,7 @@ AVX2 INLINE __m256i eight_sums16(const __m256i *v) {
 }
 
 /* q8_row_vnni's sums on AVX2 (qsum: each lane's sum of q, for Q8_0's signed codes). */
-AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, const int8_t *q,
+AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t pf, const int8_t *q,
                              const float *dx, const float *xs, const int32_t *qsum, Py_ssize_t k, float *y) {
     const Py_ssize_t blocks = k / VALUES(type), per = 16 / GROUPS(type);
     const int vectors = type == GGML_Q6_K ? 8 : 16, wide = type == GGML_Q8_0;
@@ -246,6 +260,7 @@ AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py
       UNROLL for (int r = 0; r < R; r++) {
         const int8_t *qs = q + s * 32 * vectors;
         const uint8_t *w = raw + r * raw_row;
+        if (pf) ahead_of(w + j0 * BYTES(type) + pf, per * BYTES(type));
         __m256i p[16], isum[2];
         UNROLL for (int u = 0; u < vectors; u++) {
             if (j0 + u / VECTORS(type) >= blocks) { /* past the row's last block */
@@ -352,19 +367,28 @@ AVX2 void q8_quantize_natural_avx2(const float *x, Py_ssize_t k, Py_ssize_t grou
 /* The row loops, two rows a step, the type a constant in each (the kernels above are specialised per type). */
 #define Q8_TYPE(row, R, r)                                                                                            \
     switch (type) {                                                                                                   \
-    case GGML_Q4_0: row(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q4_1: row(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_0: row(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_1: row(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q8_0: row(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q4_K: row(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_K: row(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    default: row(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;          \
+    case GGML_Q4_0: row(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q4_1: row(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q5_0: row(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q5_1: row(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q8_0: row(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q4_K: row(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    case GGML_Q5_K: row(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
+    default: row(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;          \
     }
 #define Q8_ROWS(name, row, attr)                                                                                      \
     attr void name(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t left,    \
                    const struct q8x *X, float *y, Py_ssize_t k) {                                                      \
         Py_ssize_t r = r0;                                                                                             \
+        if (raw_row > LONG_ROW) { /* a row a step, its spans asked for as they are read */                             \
+            const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;                                     \
+            for (; r < r1; r++) {                                                                                      \
+                const Py_ssize_t pf = (r + 1) * raw_row + ahead <= left ? ahead : 0;                                   \
+                Q8_TYPE(row, 1, r)                                                                                     \
+            }                                                                                                          \
+            return;                                                                                                    \
+        }                                                                                                              \
+        const Py_ssize_t pf = 0; /* two rows a step, asked for all at once */                                          \
         for (; r < r1; r += 2) {                                                                                       \
             const char *at = (const char *)raw + r * raw_row;                                                          \
             for (Py_ssize_t b = 0; b < 2 * raw_row && r * raw_row + PREFETCH + b < left; b += 64)                      \
