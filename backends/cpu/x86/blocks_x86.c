@@ -111,7 +111,8 @@ AVX512 INLINE void small_block_512(int type, const uint8_t *b, __m512 table, __m
  * table, the 8-bit ones widened alike), even blocks into one accumulator and
  * odd ones into the other; then bias_dot's sum, 8 groups at a time in order
  * and the last ones one by one. So the bits are wrows_512's. */
-AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
+AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k,
+                                   Py_ssize_t pf) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     __m256 bacc = _mm256_setzero_ps();
@@ -126,6 +127,7 @@ AVX512 INLINE float blocks_row_512(const int type, const uint8_t *raw, const flo
         decode_scales_avx2(type, raw, ahead_s[0], ahead_b[0]);
         for (Py_ssize_t j = 0; j < blocks; j++) {
             const uint8_t *b = raw + j * bytes;
+            if (pf) ahead_of(b + pf, bytes);
             const float *v = x + j * QK_K;
             float *s = ahead_s[j & 1], *bi = ahead_b[j & 1];
             if (j + 1 < blocks) decode_scales_avx2(type, b + bytes, ahead_s[(j + 1) & 1], ahead_b[(j + 1) & 1]);
@@ -297,7 +299,8 @@ AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
     return _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), t);
 }
 
-AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k) {
+AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k,
+                                  Py_ssize_t pf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
     float s[16], bi[16];
     if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) { /* one_row's blocks of 32, dot8 (= dot4) each */
@@ -332,6 +335,7 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
     const Py_ssize_t bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210, per = type == GGML_Q6_K ? 16 : 8;
     for (Py_ssize_t j = 0; j < k / QK_K; j++) {
         const uint8_t *b = raw + j * bytes;
+        if (pf) ahead_of(b + pf, bytes);
         const float *v = x + j * QK_K;
         decode_scales_avx2(type, b, s, bi);
         bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
@@ -394,14 +398,14 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
 
 #define BLOCK_ROW_CASES(fn) \
     switch (type) { \
-    case GGML_Q4_K: v = fn(GGML_Q4_K, row, xi, xsi, k); break; \
-    case GGML_Q5_K: v = fn(GGML_Q5_K, row, xi, xsi, k); break; \
-    case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k); break; \
-    case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k); break; \
-    case GGML_Q5_1: v = fn(GGML_Q5_1, row, xi, xsi, k); break; \
-    case GGML_Q4_0: v = fn(GGML_Q4_0, row, xi, xsi, k); break; \
-    case GGML_Q4_1: v = fn(GGML_Q4_1, row, xi, xsi, k); break; \
-    default: v = fn(GGML_Q8_0, row, xi, xsi, k); break; \
+    case GGML_Q4_K: v = fn(GGML_Q4_K, row, xi, xsi, k, pf); break; \
+    case GGML_Q5_K: v = fn(GGML_Q5_K, row, xi, xsi, k, pf); break; \
+    case GGML_Q6_K: v = fn(GGML_Q6_K, row, xi, xsi, k, pf); break; \
+    case GGML_Q5_0: v = fn(GGML_Q5_0, row, xi, xsi, k, pf); break; \
+    case GGML_Q5_1: v = fn(GGML_Q5_1, row, xi, xsi, k, pf); break; \
+    case GGML_Q4_0: v = fn(GGML_Q4_0, row, xi, xsi, k, pf); break; \
+    case GGML_Q4_1: v = fn(GGML_Q4_1, row, xi, xsi, k, pf); break; \
+    default: v = fn(GGML_Q8_0, row, xi, xsi, k, pf); break; \
     }
 
 /* Rows [r0, r1) of block-form W against m activation rows (x [m, k], their
@@ -437,9 +441,14 @@ AVX512 void blocks_rows_512(int type, const uint8_t *raw, Py_ssize_t raw_row, Py
         }
         return;
     }
+    /* A long row of a K type (a 1B model's down projection) is asked for a super-block at a time as it is read,
+     * the same block of a row at least PREFETCH bytes on; a short one all at once (ahead_of). */
+    const int spread = raw_row > LONG_ROW && (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K);
+    const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;
     for (Py_ssize_t r = r0; r < r1; r++) {
         const char *at = (const char *)raw + r * raw_row;
-        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+        const Py_ssize_t pf = spread && (r + 1) * raw_row + ahead <= left ? ahead : 0;
+        for (Py_ssize_t b = 0; !spread && b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
             __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *row = raw + r * raw_row;
         for (Py_ssize_t i = 0; i < m; i++) {
@@ -454,9 +463,12 @@ AVX512 void blocks_rows_512(int type, const uint8_t *raw, Py_ssize_t raw_row, Py
 AVX2 void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                            Py_ssize_t left, const float *x, const float *xs, float *y, Py_ssize_t m,
                            Py_ssize_t k, Py_ssize_t n, Py_ssize_t groups) {
+    const int spread = raw_row > LONG_ROW && (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K);
+    const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;
     for (Py_ssize_t r = r0; r < r1; r++) {
         const char *at = (const char *)raw + r * raw_row;
-        for (Py_ssize_t b = 0; b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+        const Py_ssize_t pf = spread && (r + 1) * raw_row + ahead <= left ? ahead : 0;
+        for (Py_ssize_t b = 0; !spread && b < raw_row && r * raw_row + PREFETCH + b < left; b += 64)
             __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
         const uint8_t *row = raw + r * raw_row;
         for (Py_ssize_t i = 0; i < m; i++) {

@@ -31,9 +31,6 @@
 /* The loops over a span's vectors and a step's rows unrolled: left as loops, gcc kept the products and the
  * scales in arrays on the stack, and a Q4_1 row ran at half the exact kernel's speed. */
 #define UNROLL _Pragma("GCC unroll 16")
-#ifndef LONG_ROW
-#define LONG_ROW 2048
-#endif
 
 /* A type's layout for these loops: values and bytes a block, groups a block, and 32-byte code vectors a block. */
 #define KTYPE(t) ((t) == GGML_Q4_K || (t) == GGML_Q5_K || (t) == GGML_Q6_K)
@@ -41,16 +38,6 @@
 #define GROUPS(t) ((t) == GGML_Q6_K ? 16 : KTYPE(t) ? 8 : 1)
 #define VECTORS(t) (KTYPE(t) ? 8 : 1)
 #define BYTES(t) ((t) == GGML_Q4_K ? 144 : (t) == GGML_Q5_K ? 176 : (t) == GGML_Q6_K ? 210 : small_bytes(t))
-
-/* Long rows (over LONG_ROW bytes: a 1B model's down projection, 8192 columns)
- * are read a row a step, each span's bytes asked for as it is read, pf bytes
- * ahead (the same span of a row at least PREFETCH bytes on). Asked for all at
- * once, two such rows a step as the short ones are, 144 prefetches queued in a
- * burst ahead of the products, and the rows were read at two thirds of the
- * short rows' speed; spread out, short rows went slower instead. */
-INLINE void ahead_of(const uint8_t *at, Py_ssize_t bytes) {
-    for (Py_ssize_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, PREFETCH_LOCALITY);
-}
 
 /* Code vector i (32 consecutive columns, i < VECTORS) of block b as unsigned bytes in column order;
  * signed: Q8_0's bytes as stored (q - 128 of the unsigned code), for AVX2's sign trick. */
