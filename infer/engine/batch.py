@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -237,6 +238,8 @@ class BatchEngine:
         if kv_layout == "paged":
             pool = kv_pool if kv_pool is not None else engine.new_kv_pool(block_size=block_size, memory_budget=memory)
             self.budget = PagedBudget(engine, pool)
+            # An adapter loaded while requests run never takes the pages the largest of them needs.
+            pool.keep_for.append(weakref.WeakMethod(self._largest_request_blocks))
         else:
             self.budget = ContiguousBudget(engine, memory)
         self.max_batch_tokens = max_batch_tokens
@@ -254,6 +257,16 @@ class BatchEngine:
     def pool(self) -> PagedKVPool | None:
         """The paged pool (None in the contiguous layout)."""
         return self.budget.pool
+
+    def _largest_request_blocks(self) -> int:
+        """Blocks the largest running or waiting request holds at its longest
+        (its prompt + ``max_tokens``): the pool keeps them usable, so that it
+        can always finish (the others preempted if need be)."""
+        budget = self.budget
+        if not isinstance(budget, PagedBudget):
+            return 0
+        with self._lock:
+            return max((budget.blocks_for(r._total()) for r in (*self.running, *self.waiting)), default=0)
 
     # -- requests -------------------------------------------------------------------
 
