@@ -136,6 +136,38 @@ def test_max_loras_holds_requests_back_until_an_adapter_frees(dirs: dict) -> Non
     assert all(model.adapters.in_use(n) == 0 for n in ("a", "b"))
 
 
+def test_a_request_held_for_max_loras_is_not_starved_by_a_stream_of_others(dirs: dict) -> None:
+    """Under ``max_loras=1``, a request for "a" arrives at every step, so some request for
+    "a" always runs; one request for "b" arrives among them. Without a bound on how long a
+    held request waits, requests for "a" keep passing it and "b" never runs (vLLM
+    behaves so). Once it has waited ``ADAPTER_WAIT_STEPS`` steps, no request for another
+    adapter is admitted until it runs: the running ones finish and it goes in."""
+    from infer.engine.batch import ADAPTER_WAIT_STEPS
+
+    path = tiny_model_dir(VARIANT)
+    model = infer.load(path, backend="numpy", adapters=dirs, max_loras=1)
+    ids = encode(path, PROMPT)
+    batch = model.configure_batching(kv_memory=2**22, kv_layout="paged", block_size=4)
+    stop = StopConditions(max_tokens=6, ignore_eos=True)
+    want_b = list(model.generate_tokens(ids, adapter="b", max_tokens=6, ignore_eos=True))
+    streams = [batch.submit(ids, SamplingParams(), stop, adapter="a")]
+    batch.step()
+    late = batch.submit(ids, SamplingParams(), stop, adapter="b")
+    base = []
+    steps = 0
+    while late.cached_tokens is None and steps < 10 * ADAPTER_WAIT_STEPS:  # set when it is admitted
+        streams.append(batch.submit(ids, SamplingParams(), stop, adapter="a"))
+        base.append(batch.submit(ids, SamplingParams(), stop))  # base-model requests are not held back
+        batch.step()
+        steps += 1
+    # Held ADAPTER_WAIT_STEPS steps, then the "a" requests running drain (6 steps at most).
+    assert late.cached_tokens is not None, f"b still waits after {steps} steps"
+    assert steps <= ADAPTER_WAIT_STEPS + 7, steps
+    assert all(r.cached_tokens is not None for r in base[:steps - 1])  # base requests went on meanwhile
+    batch.run_until_done()
+    assert late.tokens == want_b and all(r.finish_reason == "length" for r in streams + base)
+
+
 def test_a_pool_sized_by_memory_leaves_the_adapters_their_bytes(dirs: dict) -> None:
     path = tiny_model_dir(VARIANT)
     plain = infer.load(path, backend="numpy")
