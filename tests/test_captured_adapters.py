@@ -96,6 +96,59 @@ def test_mixed_adapter_batches_decode_in_the_captured_step(backend: str, dirs: d
     assert step.adapter_steps == before + 2 and step.graphs == graphs, step.describe()
 
 
+def torch_compile_runs() -> str | None:
+    """Why torch.compile cannot run here (None: it can): Inductor builds C++
+    kernels on the CPU, which needs a working compiler."""
+    import torch
+
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4))
+    except Exception as err:  # any failure of the toolchain, reported as the skip's reason
+        return f"torch.compile cannot run on this machine: {type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("backend", backend_params("torch:cpu"))
+def test_torch_compile_runs_the_gathered_adapter_product(backend: str, dirs: dict) -> None:
+    """``compile=True`` on torch/cpu: the captured batch step is a torch.compile (Inductor)
+    graph, inside which ``lora_linear`` is the contract's gathered form (each row's
+    factors taken by its slot; the eager torch op reads segments on the host, which a
+    graph cannot). A batch of [A, B, base] equals PEFT and the eager forward within
+    ``LOGIT_RTOL`` (Inductor fuses and reorders the sums: measured 1.2e-5 from eager and
+    1.7e-5 from PEFT, of logits up to 18.8), every decode step is captured, and a new
+    mix is no new graph; one sequence's greedy step gives eager's tokens. Skipped, saying
+    why, where torch.compile cannot run."""
+    reason = torch_compile_runs()
+    if reason is not None:
+        pytest.skip(reason)
+    path = tiny_model_dir(VARIANT)
+    ids = encode(path, PROMPT)
+    rows = [ids, ids[::-1], ids[1:] + ids[:1]]
+    feeds = [[5, 6, 7], [8, 9, 10]]
+    eager = infer.load(path, backend=backend, adapters=dirs, compile=False)
+    compiled = infer.load(path, backend=backend, adapters=dirs, compile=True)
+    step = compiled.engine.batch_step
+    assert step is not None and step.compiled and compiled.backend.graph_capture
+    want_eager = decode_mixed(eager, rows, ["a", "b", None], feeds)
+    got = decode_mixed(compiled, rows, ["a", "b", None], feeds)
+    assert step.reason is None and not step.refused and step.adapter_steps == len(feeds), step.describe()
+    assert step.graphs == 1, step.describe()  # Inductor compiled the step once
+    want_peft = peft_logits(path, dirs, [r + [f[i] for f in feeds] for i, r in enumerate(rows)],
+                            ["a", "b", "__base__"])
+    for k, (g, e) in enumerate(zip(got, want_eager)):
+        assert_logits_close(g, e, f"step {k}: torch.compile vs eager")
+        assert_logits_close(g, want_peft[:, len(ids) + k], f"step {k}: torch.compile vs PEFT")
+    again = decode_mixed(compiled, rows, ["b", None, "a"], feeds[:1])  # another mix, the same graph
+    assert step.graphs == 1 and step.adapter_steps == len(feeds) + 1, step.describe()
+    assert_logits_close(again[0], decode_mixed(eager, rows, ["b", None, "a"], feeds[:1])[0],
+                        "another mix: torch.compile vs eager")
+    # One sequence's greedy step (CapturedDecode) compiles the same form: the same tokens as eager.
+    want = eager.generate(PROMPT, adapter="b", max_tokens=10, ignore_eos=True)
+    assert compiled.generate(PROMPT, adapter="b", max_tokens=10, ignore_eos=True) == want
+    single = compiled.engine.decode_step
+    assert single is not None and single.reason is None and single.adapter_steps >= 8, single and single.describe()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_decode_with_an_adapter_is_captured(backend: str, dirs: dict) -> None:
     """One sequence on a contiguous cache: the greedy step (CapturedDecode) takes the adapter's row too."""
