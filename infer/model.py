@@ -726,7 +726,8 @@ class Model:
 
         Args:
             kv_memory: bytes of keys and values all running requests together
-                may hold (default 256 MiB); reserved at once in the paged layout.
+                may hold (default 256 MiB); reserved at once in the paged layout,
+                where loaded LoRA adapters' factors take pages of it (docs/adapters.md, "Memory").
             kv_layout: ``"paged"``, ``"contiguous"`` or ``"auto"`` (paged where
                 the backend has native paged attention).
             block_size: positions per page (paged layout).

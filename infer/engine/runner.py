@@ -317,7 +317,11 @@ class Engine:
         those :meth:`kv_bytes_per_position` measures. ``shared_pages``: one
         page size and one allocator for every state group, where the layers
         allow (:func:`~infer.kv.paged.one_page_size`), so the pages sliding
-        windows give back serve the full-attention layers too."""
+        windows give back serve the full-attention layers too.
+
+        A ``memory_budget`` also holds the LoRA adapters' factors: the pool
+        withholds pages covering the bytes of those loaded now, and of those
+        loaded or unloaded later (:attr:`budget_pools`; docs/adapters.md, "Memory")."""
         per_token = None if memory_budget is None else self.kv_bytes_per_position()
         store = self.state_store
         if memory_budget is not None and store is not None:  # the state slots come out of the same budget
