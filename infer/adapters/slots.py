@@ -125,6 +125,7 @@ class Adapters:
         self.budgets: Any = weakref.WeakSet() if budgets is None else budgets
         self._uses: weakref.WeakSet[AdapterUse] = weakref.WeakSet()
         self._swapped: list[tuple[str, Any]] = []
+        self._float_bytes: int | None = None
 
     # -- loading ------------------------------------------------------------------
 
@@ -376,7 +377,7 @@ class Adapters:
 
     def _itemsize(self) -> int:
         """Bytes per value of a pool: a float32 array on the backend."""
-        if not hasattr(self, "_float_bytes"):
+        if self._float_bytes is None:
             self._float_bytes = int(getattr(self.backend.from_numpy(np.zeros(1, np.float32)), "nbytes", 4))
         return self._float_bytes
 
