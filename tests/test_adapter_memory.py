@@ -143,6 +143,27 @@ def test_an_adapter_the_spare_pages_cannot_hold_is_refused_and_requests_run_on(d
         batch.submit(ids, SamplingParams(), StopConditions(max_tokens=4 * 89 - len(ids), ignore_eos=True))
 
 
+def test_pages_taken_while_requests_run_preempt_but_never_change_them(dirs: dict) -> None:
+    """Three requests that together need more than the pages a loaded adapter leaves: the
+    load takes only spare pages, the batch engine preempts (and recomputes) as it does
+    when the pool fills, and every request gives what it gives alone."""
+    path = tiny_model_dir(VARIANT)
+    model = infer.load(path, backend="numpy")
+    ids = encode(path, PROMPT)
+    lengths = [4 * 24 - len(ids) - i for i in range(3)]  # 24 pages each at the longest
+    alone = [list(model.generate_tokens(ids[i:], max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    batch = batching(model, 90)
+    handles = [batch.submit(ids[i:], SamplingParams(), StopConditions(max_tokens=n, ignore_eos=True))
+               for i, n in enumerate(lengths)]
+    for _ in range(3):
+        batch.step()
+    model.load_adapter("b", dirs["b"])  # 37 pages: 53 are left for the 72 the requests reach
+    assert batch.pool.usable_blocks == 90 - 37
+    batch.run_until_done()
+    assert batch.stats.preemptions > 0
+    assert [h.tokens for h in handles] == alone
+
+
 def test_a_budget_the_loaded_adapters_fill_makes_no_pool(dirs: dict) -> None:
     model = infer.load(tiny_model_dir(VARIANT), backend="numpy", adapters={"c": dirs["c"]})
     with pytest.raises(CacheFullError, match="after the loaded adapters"):
