@@ -285,7 +285,19 @@ class AdapterResizesEmbeddingsError(UnsupportedAdapterError):
 
 class AdapterLimitError(AdapterError):
     """A limit was exceeded: ``max_lora_rank``, ``max_cpu_loras`` (adapters
-    loaded) or ``max_loras`` (adapters in one batch)."""
+    loaded), ``max_loras`` (adapters in one batch) or a KV pool's memory
+    budget (:class:`AdapterMemoryError`)."""
+
+
+class AdapterMemoryError(AdapterLimitError):
+    """Loading the adapter needs more of a KV pool's memory budget than its
+    free pages give: its factors' bytes come out of the pool's pages
+    (docs/adapters.md, "Memory"). ``adapter``, ``bytes_needed`` and
+    ``bytes_free`` say which and how much."""
+
+    def __init__(self, message: str, *, adapter: str, bytes_needed: int, bytes_free: int) -> None:
+        super().__init__(message)
+        self.adapter, self.bytes_needed, self.bytes_free = adapter, bytes_needed, bytes_free
 
 
 class AdapterNotFoundError(AdapterError, KeyError):

@@ -726,7 +726,8 @@ class Model:
 
         Args:
             kv_memory: bytes of keys and values all running requests together
-                may hold (default 256 MiB); reserved at once in the paged layout.
+                may hold (default 256 MiB); reserved at once in the paged layout,
+                where loaded LoRA adapters' factors take pages of it (docs/adapters.md, "Memory").
             kv_layout: ``"paged"``, ``"contiguous"`` or ``"auto"`` (paged where
                 the backend has native paged attention).
             block_size: positions per page (paged layout).
@@ -846,7 +847,7 @@ class Model:
         if engine.adapters is None:
             self._check_adapters_run_here()
             engine.adapters = Adapters(self.network, self.backend, self.weight_sources,
-                                       config=self.config)
+                                       config=self.config, budgets=engine.budget_pools)
         return engine.adapters
 
     def _check_adapters_run_here(self) -> None:
@@ -867,7 +868,7 @@ class Model:
         self._check_adapters_run_here()
         self.engine.adapters = Adapters(self.network, self.backend, self.weight_sources, max_loras=max_loras,
                                         max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-                                        config=self.config)
+                                        config=self.config, budgets=self.engine.budget_pools)
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, merge: bool = False) -> None:
         """Load the LoRA adapter at ``path`` (a PEFT folder, or a GGUF adapter
@@ -884,7 +885,9 @@ class Model:
             AdapterFormatError, UnsupportedAdapterError, AdapterResizesEmbeddingsError:
                 the adapter cannot be read or is not supported (DoRA, added tokens, ...).
             AdapterMismatchError: it was made for another base model.
-            AdapterLimitError: over ``max_lora_rank`` or ``max_cpu_loras``.
+            AdapterLimitError: over ``max_lora_rank`` or ``max_cpu_loras``; or
+                :class:`~infer.errors.AdapterMemoryError`: a KV pool sized by a memory
+                budget (the batch engine's) cannot spare the pages its bytes need.
             AdapterInUseError: replacing an adapter a running request uses.
             AdapterMergeError: ``merge`` refused (quantized base, other adapters).
         """

@@ -35,6 +35,7 @@ from infer.errors import (
     AdapterError,
     AdapterInUseError,
     AdapterLimitError,
+    AdapterMemoryError,
     AdapterMergeError,
     AdapterMismatchError,
     AdapterNotFoundError,
@@ -102,7 +103,8 @@ class Adapters:
 
     def __init__(self, network: Any, backend: Backend, sources: dict[str, tuple[Any, int]], *,
                  max_loras: int = MAX_LORAS, max_cpu_loras: int = MAX_CPU_LORAS,
-                 max_lora_rank: int = MAX_LORA_RANK, config: dict[str, Any] | None = None) -> None:
+                 max_lora_rank: int = MAX_LORA_RANK, config: dict[str, Any] | None = None,
+                 budgets: Any = None) -> None:
         for key, value in (("max_loras", max_loras), ("max_cpu_loras", max_cpu_loras),
                            ("max_lora_rank", max_lora_rank)):
             if not isinstance(value, int) or value < 1:
@@ -117,8 +119,13 @@ class Adapters:
         self.loaded: dict[str, LoadedAdapter] = {}
         #: The adapted weights by the id of the base weight they wrap.
         self.adapted: dict[int, AdaptedWeight] = {}
+        #: The KV pools whose memory budget the adapters' bytes come out of
+        #: (:attr:`~infer.engine.Engine.budget_pools`, a set the engine adds
+        #: its pools to): each withholds pages covering :attr:`nbytes`.
+        self.budgets: Any = weakref.WeakSet() if budgets is None else budgets
         self._uses: weakref.WeakSet[AdapterUse] = weakref.WeakSet()
         self._swapped: list[tuple[str, Any]] = []
+        self._float_bytes: int | None = None
 
     # -- loading ------------------------------------------------------------------
 
@@ -130,6 +137,8 @@ class Adapters:
 
         Raises:
             AdapterLimitError: its rank is over ``max_lora_rank``, or ``max_cpu_loras`` are loaded.
+            AdapterMemoryError: a KV pool sized by a memory budget (:attr:`budgets`) cannot spare
+                the pages its bytes need (nothing is loaded or unloaded then).
             AdapterMismatchError: it targets modules or shapes the model does not have.
             AdapterInUseError: ``name`` is loaded and a running sequence uses it.
             AdapterMergeError: ``merge`` on a quantized base, or beside other adapters.
@@ -143,13 +152,17 @@ class Adapters:
             raise AdapterLimitError(f"adapter {name!r} ({adapter.path}) has rank {adapter.rank}, over "
                                     f"max_lora_rank={self.max_lora_rank}; load the model with a larger max_lora_rank")
         if name in self.loaded:
-            self.unload(name)
+            self._check_unused(self.loaded[name])
         elif len(self.loaded) >= self.max_cpu_loras:
             raise AdapterLimitError(f"{len(self.loaded)} adapters are loaded (max_cpu_loras={self.max_cpu_loras}); "
                                     f"unload one first: {', '.join(self.loaded)}")
         targets = self._targets(name, adapter)
         loaded = LoadedAdapter(name, adapter, adapter.content_hash())
         loaded.saved = self._saved(name, adapter)
+        if not merge:  # its bytes must fit the KV pools' budgets before anything changes
+            self._check_memory(loaded, targets)
+        if name in self.loaded:
+            self.unload(name)
         if merge:
             self._merge(loaded, targets, sign=1.0)
             loaded.merged = True
@@ -163,8 +176,9 @@ class Adapters:
                 self._install(base)
         self.loaded[name] = loaded
         self._rebuild()
-        log.info("adapter %s loaded from %s: %d modules, rank %d", name, adapter.path, len(adapter.modules),
-                 adapter.rank)
+        self._hold_pages()
+        log.info("adapter %s loaded from %s: %d modules, rank %d, %d bytes held", name, adapter.path,
+                 len(adapter.modules), adapter.rank, self.nbytes)
         return loaded
 
     def unload(self, name: str) -> None:
@@ -175,15 +189,19 @@ class Adapters:
             AdapterInUseError: a running sequence uses it.
         """
         loaded = self.get(name)
-        users = sum(1 for u in list(self._uses) if u.loaded is loaded and not u.done)
-        if users:
-            raise AdapterInUseError(f"adapter {name!r} is used by {users} running sequence(s); unload it when "
-                                    f"they finish")
+        self._check_unused(loaded)
         del self.loaded[name]
         if loaded.merged:
             self._merge(loaded, self._targets(name, loaded.adapter), sign=-1.0)
         else:
             self._rebuild()
+            self._hold_pages()  # its pages go back to the KV pools
+
+    def _check_unused(self, loaded: LoadedAdapter) -> None:
+        users = sum(1 for u in list(self._uses) if u.loaded is loaded and not u.done)
+        if users:
+            raise AdapterInUseError(f"adapter {loaded.name!r} is used by {users} running sequence(s); unload it "
+                                    f"when they finish")
 
     def get(self, name: str) -> LoadedAdapter:
         """The adapter loaded as ``name``; :class:`~infer.errors.AdapterNotFoundError` if none is."""
@@ -300,6 +318,68 @@ class Adapters:
         while self._swapped:
             attr, value = self._swapped.pop()
             setattr(self.network, attr, value)
+
+    # -- memory -------------------------------------------------------------------
+
+    def _check_memory(self, loaded: LoadedAdapter, targets: dict[str, tuple[Any, int]]) -> None:
+        """Whether every budgeted KV pool can give the pages the adapters would
+        hold with ``loaded`` added (replacing one of its name): what
+        :meth:`_rebuild` would stack, counted from the shapes before anything
+        is built or changed.
+
+        Raises:
+            AdapterMemoryError: a pool's spare pages cannot cover them.
+        """
+        slotted = [a for n, a in self.loaded.items() if not a.merged and n != loaded.name] + [loaded]
+        weights = {id(base): base for base, _ in targets.values()}
+        total = self._stacked_nbytes(slotted, weights) + sum(
+            int(getattr(v, "nbytes", 0)) for a in slotted for v in a.saved.values())
+        now = self.nbytes
+        for pool in list(self.budgets):
+            want, have = pool.pages_for(total), pool.allocator.withheld
+            spare = pool.spare_pages()
+            if want - have <= spare:
+                continue
+            per = pool.page_bytes or 0
+            free = (have + spare) * per - now  # what the pages the adapters may hold leave beyond what they hold
+            stats = pool.stats()
+            raise AdapterMemoryError(
+                f"adapter {loaded.name!r} ({loaded.adapter.path}) needs {total - now:,} more bytes of the KV "
+                f"pool's memory budget (the loaded adapters would hold {total:,} bytes: {want} pages of "
+                f"{per:,}), but only {max(0, free):,} bytes are free ({spare} spare pages: {stats.used} pages "
+                f"are used by running requests, {stats.cached} cached, {stats.free} free, {have} already held "
+                f"for adapters, and the largest waiting or running request keeps its pages); unload an adapter, "
+                f"wait for requests to finish, or raise the KV memory (kv_memory, --kv-memory)",
+                adapter=loaded.name, bytes_needed=total - now, bytes_free=max(0, free))
+
+    def _hold_pages(self) -> None:
+        """Every budgeted KV pool withholds pages covering :attr:`nbytes` (more after a load,
+        checked by :meth:`_check_memory`; fewer after an unload: given back)."""
+        held = self.nbytes
+        for pool in list(self.budgets):
+            pool.hold_bytes(held)
+
+    def _stacked_nbytes(self, slotted: list[LoadedAdapter], extra: dict[int, Any]) -> int:
+        """Bytes of the pools :meth:`_rebuild` stacks for ``slotted`` (weights
+        ``extra`` being adapted too): per adapted weight, ``a [slots, R, in]``
+        and ``b [slots, out, R]`` at the backend's itemsize of float32."""
+        shapes = {k: w.shape for k, w in self.adapted.items()}
+        shapes.update({k: tuple(int(d) for d in base.shape) for k, base in extra.items()})
+        ranks: dict[int, list[int]] = {k: [0] * len(slotted) for k in shapes}
+        for i, loaded in enumerate(slotted):
+            for module, m in loaded.adapter.modules.items():
+                base, _ = self.sources[module + ".weight"]
+                base = base.base if isinstance(base, AdaptedWeight) else base
+                ranks[id(base)][i] += m.rank
+        itemsize = self._itemsize()
+        return sum(len(slotted) * max(r) * (shapes[k][0] + shapes[k][1]) * itemsize
+                   for k, r in ranks.items() if max(r, default=0) > 0)
+
+    def _itemsize(self) -> int:
+        """Bytes per value of a pool: a float32 array on the backend."""
+        if self._float_bytes is None:
+            self._float_bytes = int(getattr(self.backend.from_numpy(np.zeros(1, np.float32)), "nbytes", 4))
+        return self._float_bytes
 
     # -- internals ----------------------------------------------------------------
 

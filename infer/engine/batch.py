@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_MEMORY = 256 * 2**20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCH_TOKENS = 512
+#: Steps a request held back for its adapter waits before no request for
+#: another adapter is admitted until it runs (:meth:`BatchEngine._admit`).
+ADAPTER_WAIT_STEPS = 16
 
 KVLayout = Literal["auto", "paged", "contiguous"]
 
@@ -145,6 +149,8 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self._seq: SequenceState | None = None
         self._admitted_at = -1
+        #: Steps it was held back for its adapter (BatchEngine._admit).
+        self._adapter_wait = 0
         self._read = 0
         # Speculation: its state between forwards, and the drafts (and their
         # q) for the next forward.
@@ -237,6 +243,8 @@ class BatchEngine:
         if kv_layout == "paged":
             pool = kv_pool if kv_pool is not None else engine.new_kv_pool(block_size=block_size, memory_budget=memory)
             self.budget = PagedBudget(engine, pool)
+            # An adapter loaded while requests run never takes the pages the largest of them needs.
+            pool.keep_for.append(weakref.WeakMethod(self._largest_request_blocks))
         else:
             self.budget = ContiguousBudget(engine, memory)
         self.max_batch_tokens = max_batch_tokens
@@ -254,6 +262,16 @@ class BatchEngine:
     def pool(self) -> PagedKVPool | None:
         """The paged pool (None in the contiguous layout)."""
         return self.budget.pool
+
+    def _largest_request_blocks(self) -> int:
+        """Blocks the largest running or waiting request holds at its longest
+        (its prompt + ``max_tokens``): the pool keeps them usable, so that it
+        can always finish (the others preempted if need be)."""
+        budget = self.budget
+        if not isinstance(budget, PagedBudget):
+            return 0
+        with self._lock:
+            return max((budget.blocks_for(r._total()) for r in (*self.running, *self.waiting)), default=0)
 
     # -- requests -------------------------------------------------------------------
 
@@ -360,7 +378,11 @@ class BatchEngine:
     def _admit(self) -> None:
         """Admit waiting requests in order while the budget can hold them; a
         request whose adapter the running batch cannot take beside its own
-        (:meth:`_adapter_waits`) waits, in its place, while later ones pass."""
+        (:meth:`_adapter_waits`) waits, in its place, while later ones pass,
+        but not for ever: once it has waited :data:`ADAPTER_WAIT_STEPS` steps,
+        later requests that would keep its place taken wait too
+        (:meth:`_blocks_starved`), the running requests of other adapters
+        finish, and it goes in."""
         held: list[RequestHandle] = []
         try:
             self._admit_in_order(held)
@@ -387,10 +409,26 @@ class BatchEngine:
         names = {u.name for u in others if u is not None and not u.loaded.merged}
         return mine.name not in names and len(names) >= adapters.max_loras
 
+    @staticmethod
+    def _blocks_starved(starved: RequestHandle, handle: RequestHandle) -> bool:
+        """Whether admitting ``handle`` could keep ``starved`` (a request held
+        for its adapter too long) waiting: a request for any adapter (one of
+        another adapter holds a place; one of the same adapter could not run
+        before it anyway), or for the base model when ``starved``'s adapter
+        replaces whole modules and so runs only beside its own."""
+        mine = handle.adapter if handle.adapter is not None and not handle.adapter.loaded.merged else None
+        if mine is not None:
+            return True
+        return starved.adapter is not None and bool(starved.adapter.loaded.saved)
+
     def _admit_in_order(self, held: list[RequestHandle]) -> None:
+        starved: RequestHandle | None = None
         while self.waiting:
             handle = self.waiting[0]
-            if self._adapter_waits(handle):
+            if self._adapter_waits(handle) or (starved is not None and self._blocks_starved(starved, handle)):
+                handle._adapter_wait += 1
+                if starved is None and handle._adapter_wait > ADAPTER_WAIT_STEPS:
+                    starved = handle  # the first request held too long: nothing passes it that would hold it more
                 held.append(self.waiting.popleft())
                 continue
             if handle.media is not None and not self.encoder.fits(handle.media, self.encoder_held()):

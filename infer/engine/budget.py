@@ -97,23 +97,31 @@ class PagedBudget(KVBudget):
                  else "pages gathered for attention (no native attention)")
         _state_capacity(engine, pool.num_blocks * pool.block_size)
 
-    def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
+    def blocks_for(self, positions: int) -> int:
+        """Blocks (of group 0's allocator) a request of ``positions`` holds at its longest."""
         pool = self.pool
         need = pool.allocator.blocks_for(positions)
         if pool.shared_pages:  # the windows' pages come from the same allocator
             need += sum(min(pool.allocator.blocks_for(positions), pool.allocator.blocks_for(w + pool.window_margin) + 2)
                         for w in pool.windows[1:] if w is not None)
-        if need <= pool.num_blocks:
+        return need
+
+    def check(self, prompt_tokens: int, max_tokens: int, positions: int) -> None:
+        pool = self.pool
+        need = self.blocks_for(positions)
+        usable = pool.usable_blocks  # less the pages the adapters' bytes hold (Adapters.budgets)
+        if need <= usable:
             return
         per = pool.allocator.bytes_per_block or self.engine.kv_bytes_per_position() * pool.block_size
+        held = f", {pool.allocator.withheld} more held for LoRA adapters" if pool.allocator.withheld else ""
         err = CacheFullError(
             f"a request of {prompt_tokens} prompt tokens + max_tokens {max_tokens} needs "
             f"{positions} positions = {need} blocks of {pool.block_size} ({need * per:,} bytes of keys and "
-            f"values), but the whole KV pool is {pool.num_blocks} blocks ({pool.num_blocks * per:,} "
-            f"bytes): shorten the prompt, lower max_tokens, or size the pool larger"
+            f"values), but the whole KV pool is {usable} blocks ({usable * per:,} bytes{held}): shorten the "
+            f"prompt, lower max_tokens, or size the pool larger"
         )
-        err.blocks_needed, err.blocks_available = need, pool.num_blocks  # type: ignore[attr-defined]
-        err.bytes_needed, err.bytes_available = need * per, pool.num_blocks * per  # type: ignore[attr-defined]
+        err.blocks_needed, err.blocks_available = need, usable  # type: ignore[attr-defined]
+        err.bytes_needed, err.bytes_available = need * per, usable * per  # type: ignore[attr-defined]
         raise err
 
     def admit(

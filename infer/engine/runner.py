@@ -26,6 +26,7 @@ per sequence ``new_sequence(kv_pool=pool)``).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,8 @@ import numpy as np
 from infer.adapters.slots import Adapters, AdapterUse
 from infer.architecture import CausalLM
 from infer.engine.capture import CapturedBatchDecode, CapturedDecode, capacity_bucket
-from infer.errors import AdapterNotFoundError, BackendOutputError, CacheConfigError, ContextLengthError, GenerationError
+from infer.errors import (AdapterNotFoundError, BackendOutputError, CacheConfigError, CacheFullError, ContextLengthError,
+                          GenerationError)
 from infer.kv.attention import AttentionContext, Recurrent, SequenceSlice, state_groups
 from infer.kv.cache import ContiguousKVCache, SequenceCache
 from infer.kv.paged import PagedKVPool, PagedSequenceCache
@@ -228,6 +230,10 @@ class Engine:
         self.batch_step: CapturedBatchDecode | None = None
         #: The model's LoRA adapters (None until one is loaded: ``Model.load_adapter``).
         self.adapters: Adapters | None = None
+        #: The KV pools sized by a memory budget (:meth:`new_kv_pool`): the
+        #: loaded adapters' bytes come out of each one's pages, whenever
+        #: they load (``Adapters.budgets``).
+        self.budget_pools: weakref.WeakSet[PagedKVPool] = weakref.WeakSet()
 
     def capture_decode(self, *, compile: bool = True) -> CapturedDecode:
         """Run decode steps through captured graphs from now on
@@ -311,18 +317,34 @@ class Engine:
         those :meth:`kv_bytes_per_position` measures. ``shared_pages``: one
         page size and one allocator for every state group, where the layers
         allow (:func:`~infer.kv.paged.one_page_size`), so the pages sliding
-        windows give back serve the full-attention layers too."""
+        windows give back serve the full-attention layers too.
+
+        A ``memory_budget`` also holds the LoRA adapters' factors: the pool
+        withholds pages covering the bytes of those loaded now, and of those
+        loaded or unloaded later (:attr:`budget_pools`; docs/adapters.md, "Memory")."""
         per_token = None if memory_budget is None else self.kv_bytes_per_position()
         store = self.state_store
         if memory_budget is not None and store is not None:  # the state slots come out of the same budget
             memory_budget -= store.num_slots * store.nbytes_per_slot
-        if memory_budget is not None and self.adapters is not None:  # and the loaded adapters' pools
-            memory_budget -= self.adapters.nbytes
         # Layers num_layers.. hold the model's MTP modules' keys and values (CausalLM.num_cache_layers).
-        return PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
+        pool = PagedKVPool(self.backend, self.model.num_cache_layers, block_size=block_size, num_blocks=num_blocks,
                            memory_budget=memory_budget, bytes_per_token=per_token,
                            layer_states=self.layer_states, state_store=store, shared_pages=shared_pages,
                            dtype=self.kv_dtype)
+        if memory_budget is not None:
+            # The loaded adapters' factors take pages out of the same budget, as
+            # they will when loaded later (Adapters.load): one rule either way.
+            adapters = self.adapters
+            held = 0 if adapters is None else adapters.nbytes
+            try:
+                pool.hold_bytes(held)
+            except CacheFullError:
+                names = ", ".join(adapters.loaded) if adapters is not None else ""
+                raise CacheFullError(
+                    f"a KV memory budget of {memory_budget:,} bytes leaves no page after the loaded adapters' "
+                    f"{held:,} bytes ({names}); raise the budget or unload adapters") from None
+            self.budget_pools.add(pool)
+        return pool
 
     def kv_bytes_per_position(self) -> int:
         """Bytes one position takes in every KV cache layer (the main model's

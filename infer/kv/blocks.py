@@ -21,6 +21,10 @@ Every block is in exactly one of three states:
   (least recently freed first) when the pool runs short;
 * **free** — unreferenced and holding nothing worth keeping.
 
+A fourth, outside those three: **withheld** blocks (:meth:`BlockAllocator.withhold`),
+taken out of circulation while their bytes of the memory budget pay for
+something else (a LoRA adapter's factors, :mod:`infer.adapters.slots`).
+
 Prefix caching: a *full* block is keyed by a hash of its whole token prefix,
 chained as ``h_i = sha256(h_{i-1} || tokens of block i)`` (vLLM's "automatic
 prefix caching"). The chain makes a block's key depend on every token before
@@ -114,6 +118,9 @@ class PoolStats:
     shared: int
     #: Blocks registered in the prefix cache, referenced or not.
     prefix_blocks: int
+    #: Out of circulation (:meth:`BlockAllocator.withhold`): ``used + free +
+    #: cached + withheld == total``.
+    withheld: int = 0
 
 
 class BlockAllocator:
@@ -139,6 +146,8 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}
         #: Unreferenced cached blocks, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: Blocks out of circulation (:meth:`withhold`).
+        self._withheld: list[int] = []
         #: Called ``(allocator, block, key)`` when a registered block becomes
         #: cached (its last holder let it go; its contents are still there):
         #: the disk tier of the prefix cache writes it out (:mod:`infer.kv.disk`).
@@ -189,6 +198,37 @@ class BlockAllocator:
                     self.on_cached(self, block, self._hash_of[block])
             else:
                 heapq.heappush(self._free, block)
+
+    @property
+    def withheld(self) -> int:
+        """Blocks out of circulation (:meth:`withhold`)."""
+        return len(self._withheld)
+
+    def withhold(self, n: int) -> None:
+        """Take ``n`` unreferenced blocks out of circulation (free ones, the
+        highest ids first: those a pool that hands out the lowest first
+        writes last; then the least recently used cached ones, leaving the
+        prefix cache), until :meth:`release_withheld`. Blocks a table
+        references are never taken. All or nothing: raises
+        :class:`~infer.errors.CacheFullError` when fewer than ``n`` are available."""
+        if n > self.available():
+            raise self._full(n)
+        take_free = min(n, len(self._free))
+        if take_free:
+            self._free.sort()
+            self._withheld += self._free[len(self._free) - take_free:]
+            del self._free[len(self._free) - take_free:]  # a sorted list is still a heap
+        for _ in range(n - take_free):
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+            self._withheld.append(block)
+
+    def release_withheld(self, n: int) -> None:
+        """Put ``n`` withheld blocks back into circulation, free."""
+        if not 0 <= n <= len(self._withheld):
+            raise CacheConfigError(f"cannot release {n} withheld blocks: {len(self._withheld)} are withheld")
+        for _ in range(n):
+            heapq.heappush(self._free, self._withheld.pop())
 
     # -- block tables ---------------------------------------------------------------
 
@@ -376,17 +416,19 @@ class BlockAllocator:
         return PoolStats(
             total=self.num_blocks, used=used, free=len(self._free), cached=len(self._evictable),
             shared=sum(1 for c in self._refcount if c > 1), prefix_blocks=len(self._cached),
+            withheld=len(self._withheld),
         )
 
     def _full(self, need: int) -> CacheFullError:
         bs, per = self.block_size, self.bytes_per_block
         size = "" if per is None else f" ({need * per:,} bytes at {per:,} bytes per block)"
         have = "" if per is None else f" ({self.available() * per:,} bytes)"
+        withheld = f" ({len(self._withheld)} withheld for adapters)" if self._withheld else ""
         err = CacheFullError(
             f"the paged KV cache needs {need} more block(s) of {bs} positions{size} but only "
             f"{self.available()} are available{have}: {len(self._free)} free and {len(self._evictable)} "
-            f"evictable cached, of {self.num_blocks} in the pool; finish or free sequences, or size the "
-            f"pool larger (num_blocks / memory_budget)"
+            f"evictable cached, of {self.num_blocks} in the pool{withheld}; finish or free sequences, or size "
+            f"the pool larger (num_blocks / memory_budget)"
         )
         err.blocks_needed, err.blocks_available = need, self.available()  # type: ignore[attr-defined]
         err.bytes_needed = None if per is None else need * per  # type: ignore[attr-defined]

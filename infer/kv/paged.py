@@ -173,6 +173,18 @@ class PagedKVPool(LayerStore):
         super().__init__(backend, num_layers, (num_blocks + 1) * block_size, block_size,  # the scratch block last
                          layer_kv, dtype)
         self.num_blocks = num_blocks
+        #: The bytes the pool was sized by (None: sized by ``num_blocks``).
+        self.memory_budget = memory_budget
+        #: Bytes of the budget one page stands for (withheld in every
+        #: allocator: :meth:`hold_bytes`); None where unknown, 0 where pages
+        #: hold no keys (a pure recurrent model).
+        self.page_bytes = bytes_per_block
+        #: Bytes of the budget other things hold now (:meth:`hold_bytes`: the LoRA adapters' factors).
+        self.held_bytes = 0
+        #: Callables (weak references to them) that each give the blocks the
+        #: pool must keep for its users' requests (a batch engine's largest
+        #: request), which :meth:`hold_bytes` never withholds.
+        self.keep_for: list[Callable[[], Callable[[], int] | None]] = []
         #: The block past the sequences' blocks: padding rows of a captured
         #: batched step write there (its contents are never keys of a sequence).
         self.scratch_block = num_blocks
@@ -237,6 +249,58 @@ class PagedKVPool(LayerStore):
         kv = sum(self.allocators[g].stats().used * self.bytes_per_block(g) for g in groups)
         store = self.state_store
         return kv + (0 if store is None else store.slots_held() * store.nbytes_per_slot)
+
+    # -- the budget's other holders ----------------------------------------------------
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences may hold: :attr:`num_blocks` less the withheld ones."""
+        return self.num_blocks - self.allocator.withheld
+
+    def pages_for(self, nbytes: int) -> int:
+        """Pages whose share of the budget covers ``nbytes``."""
+        per = self.page_bytes
+        return 0 if not per or nbytes <= 0 else -(-nbytes // per)
+
+    def spare_pages(self) -> int:
+        """Pages :meth:`hold_bytes` may withhold beyond those withheld now: free
+        or only cached (never a page a sequence holds), and leaving every
+        user's largest request its blocks (:attr:`keep_for`), one block at the least."""
+        keep = [1]
+        for ref in self.keep_for:
+            need = ref()
+            if need is not None:
+                keep.append(need())
+        available = min(a.available() for a in self._distinct_allocators())
+        return max(0, min(available, self.usable_blocks - max(keep)))
+
+    def hold_bytes(self, nbytes: int) -> None:
+        """Let something else hold ``nbytes`` of the pool's budget (replacing
+        what it held before): pages covering them are withheld from the
+        sequences (:meth:`~infer.kv.blocks.BlockAllocator.withhold`, free or
+        cached ones only), or given back when ``nbytes`` shrinks. All or
+        nothing: :class:`~infer.errors.CacheFullError` when the pages it needs
+        beyond those withheld now are more than :meth:`spare_pages`."""
+        want, have = self.pages_for(nbytes), self.allocator.withheld
+        if want > have:
+            spare = self.spare_pages()
+            if want - have > spare:
+                per = self.page_bytes or 0
+                err = CacheFullError(
+                    f"{nbytes:,} bytes of the KV pool's budget need {want} pages of {per:,} bytes, {want - have} "
+                    f"more than the {have} withheld now, but only {spare} can be spared ({spare * per:,} bytes): "
+                    f"{self.stats()}")
+                err.bytes_needed, err.bytes_available = nbytes, (have + spare) * per  # type: ignore[attr-defined]
+                raise err
+            for alloc in self._distinct_allocators():
+                alloc.withhold(want - have)
+        elif want < have:
+            for alloc in self._distinct_allocators():
+                alloc.release_withheld(have - want)
+        self.held_bytes = max(0, nbytes)
+
+    def _distinct_allocators(self) -> list[BlockAllocator]:
+        return list({id(a): a for a in self.allocators}.values())
 
     # -- backend memory ---------------------------------------------------------------
 

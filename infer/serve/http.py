@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infer.errors import (
     AdapterInUseError,
+    AdapterMemoryError,
     AdapterNotFoundError,
     CacheFullError,
     ContextLengthError,
@@ -64,6 +65,9 @@ async def infer_error(request: Request, exc: Exception) -> Response:
                               headers={"Retry-After": str(exc.retry_after)}, path=path)
     if isinstance(exc, CacheFullError):
         return error_response(400, str(exc), param="max_tokens", code="kv_cache_too_small", path=path)
+    if isinstance(exc, AdapterMemoryError):  # the KV pool's free pages cannot hold the adapter's factors now
+        return error_response(507, str(exc), kind="server_error", param="lora_path", code="adapter_memory_exceeded",
+                              path=path)
     if isinstance(exc, AdapterInUseError):  # a running stream uses it: refused, never changed under it
         return error_response(409, str(exc), code="adapter_in_use", path=path)
     if isinstance(exc, AdapterNotFoundError):
