@@ -28,8 +28,9 @@
 #endif
 
 #ifdef HAVE_X86
-/* The loops over a span's vectors and a step's rows unrolled: left as loops, gcc kept the products and the
- * scales in arrays on the stack, and a Q4_1 row ran at half the exact kernel's speed. */
+/* The loops over a step's rows and AVX2's span vectors, unrolled. The VNNI loop over a span's vectors is
+ * written out instead (PAIR below): gcc 12 kept it a loop despite this pragma, the products in an array on
+ * the stack, and a Q4_1 row ran at half the exact kernel's speed. */
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* A type's layout for these loops: values and bytes a block, groups a block, and 32-byte code vectors a block. */
