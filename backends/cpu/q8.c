@@ -53,9 +53,9 @@ static inline Py_ssize_t q8_at(Py_ssize_t v, Py_ssize_t group) {
     return (g / Q8_LANES) * Q8_LANES * group + (p / 4) * (4 * Q8_LANES) + (g % Q8_LANES) * 4 + p % 4;
 }
 
-/* Row i of x [.., k] quantized into X's row j: interleaved as the tile kernels
- * read it, or (natural) in column order, as the one-row kernels do. */
-static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j, int natural) {
+/* Row i of x [.., k] quantized into X's row j (interleaved, as the tile kernels
+ * read it; the one-row kernels' column order: q8_quantize_natural_512/_avx2). */
+static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j) {
     int8_t *q = X->q + j * X->kp;
     float *dx = X->dx + j * X->lanes, *xs = X->xs + j * X->lanes;
     int32_t *qs = X->qs + j * X->lanes;
@@ -74,7 +74,7 @@ static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssiz
         for (int t = 0; t < 32; t++) {
             int v = (int)rintf(x[b + t] * id);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
-            q[natural ? b + t : q8_at(b + t, group)] = (int8_t)v;
+            q[q8_at(b + t, group)] = (int8_t)v;
             qs[(b + t) / group] += v;
         }
         for (Py_ssize_t g = b / group; g < (b + 32) / group; g++) dx[g] = d;
@@ -132,6 +132,28 @@ static void q8_block_portable(const uint8_t *wq, const float *ws, const float *w
         }
 }
 
+/* X's shape for rows of k values in groups of `group` (whole spans of sixteen
+ * groups) and room for `rows` of them; 0, or -1 when out of memory (X is then
+ * still safe to free with q8x_free). */
+static int q8x_alloc(struct q8x *X, Py_ssize_t group, Py_ssize_t k, Py_ssize_t rows) {
+    X->group = group;
+    X->spans = (k / group + Q8_LANES - 1) / Q8_LANES;
+    X->lanes = X->spans * Q8_LANES;
+    X->kp = X->lanes * group;
+    X->q = malloc((size_t)(rows * X->kp));
+    X->dx = malloc((size_t)(rows * X->lanes) * sizeof(float));
+    X->xs = malloc((size_t)(rows * X->lanes) * sizeof(float));
+    X->qs = malloc((size_t)(rows * X->lanes) * sizeof(int32_t));
+    return X->q && X->dx && X->xs && X->qs ? 0 : -1;
+}
+
+static void q8x_free(struct q8x *X) {
+    free(X->q);
+    free(X->dx);
+    free(X->xs);
+    free(X->qs);
+}
+
 /* One activation row (a decode step) against block-form W: x quantized once in
  * column order, each weight row's blocks multiplied as stored (x86/q8row_x86.c),
  * rows across the OpenMP threads. The bits are q8_run's (the top of this file);
@@ -147,15 +169,7 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize
     if (!(use_vnni || use_avx2) || !block_form(bits, &code_bits, &group, &values, &block_bytes)) return 1;
     const Py_ssize_t raw_row = k / values * block_bytes;
     struct q8x X;
-    X.group = group;
-    X.spans = (k / group + Q8_LANES - 1) / Q8_LANES;
-    X.lanes = X.spans * Q8_LANES;
-    X.kp = X.lanes * group;
-    X.q = malloc((size_t)X.kp);
-    X.dx = malloc((size_t)X.lanes * sizeof(float));
-    X.xs = malloc((size_t)X.lanes * sizeof(float));
-    X.qs = malloc((size_t)X.lanes * sizeof(int32_t));
-    const int failed = !X.q || !X.dx || !X.xs || !X.qs;
+    const int failed = q8x_alloc(&X, group, k, 1);
     if (!failed) {
         memset(X.q, 0, (size_t)X.kp); /* the last span's padding */
         memset(X.dx, 0, (size_t)X.lanes * sizeof(float));
@@ -175,11 +189,8 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize
                 q8_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
         }
     }
-    free(X.q);
-    free(X.dx);
-    free(X.xs);
-    free(X.qs);
-    return failed ? -1 : 0;
+    q8x_free(&X);
+    return failed;
 #else
     (void)bits, (void)x, (void)c, (void)y, (void)k, (void)n;
     return 1;
@@ -202,25 +213,17 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
     /* codes that may pass 127: Q8_0's (q + 128) and 8-bit affine codes */
     const int wide = bits == 8 && (blocks ? type == GGML_Q8_0 : 1);
     struct q8x X;
-    X.group = group;
-    X.spans = (groups + Q8_LANES - 1) / Q8_LANES;
-    X.lanes = X.spans * Q8_LANES;
-    X.kp = X.lanes * group;
     const Py_ssize_t chunk = m < Q8_CHUNK ? m : Q8_CHUNK;
-    X.q = malloc((size_t)(chunk * X.kp));
-    X.dx = malloc((size_t)(chunk * X.lanes) * sizeof(float));
-    X.xs = malloc((size_t)(chunk * X.lanes) * sizeof(float));
-    X.qs = malloc((size_t)(chunk * X.lanes) * sizeof(int32_t));
+    int failed = q8x_alloc(&X, group, k, chunk);
     Py_ssize_t tile = tile_rows(groups);
     if (blocks && tile * row_bytes > DECODED_BYTES) tile = DECODED_BYTES / row_bytes;
     const Py_ssize_t tiles = (n + tile - 1) / tile;
-    int failed = !X.q || !X.dx || !X.xs || !X.qs;
     for (Py_ssize_t i0 = 0; i0 < m && !failed; i0 += chunk) {
         const Py_ssize_t rows = m - i0 < chunk ? m - i0 : chunk;
         #pragma omp parallel
         {
             #pragma omp for schedule(static)
-            for (Py_ssize_t j = 0; j < rows; j++) q8_quantize_row(x + (i0 + j) * k, k, &X, j, 0);
+            for (Py_ssize_t j = 0; j < rows; j++) q8_quantize_row(x + (i0 + j) * k, k, &X, j);
             uint8_t *wq = malloc((size_t)(tile * X.kp)), *decoded = blocks ? malloc(DECODED_BYTES) : NULL;
             float *wide_s = malloc(2 * TILE_GROUPS * sizeof(float)), *ws = malloc((size_t)(2 * tile * X.lanes) * sizeof(float));
             const int ok = wq && wide_s && ws && (!blocks || decoded);
@@ -273,9 +276,6 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
             free(ws);
         }
     }
-    free(X.q);
-    free(X.dx);
-    free(X.xs);
-    free(X.qs);
+    q8x_free(&X);
     return failed ? -1 : 0;
 }

@@ -51,14 +51,6 @@ AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_
     }
 }
 
-AVX512VNNI static inline float q8_fold_512(__m512 a) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    f = _mm_add_ps(f, _mm_movehl_ps(f, f));
-    f = _mm_add_ss(f, _mm_movehdup_ps(f));
-    return _mm_cvtss_f32(f);
-}
-
 /* R (up to 4) weight rows against J (up to 4) activation rows, C chunks a group (8: groups of 32, 4: of 16);
  * constants where called. Each chunk's R rows of codes are loaded once and multiplied with J rows of q: 12
  * vpdpbusd for 7 loads at 4 x 3 (the 4 x 2 block before: 8 for 6). Per span and pair of rows, the lanes' scales
@@ -94,7 +86,7 @@ AVX512VNNI INLINE void q8_block_vnni(const uint8_t *wq, const float *ws, const f
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < J; i++) y[(j + i) * n + r] = q8_fold_512(acc[r][i]);
+        for (int i = 0; i < J; i++) y[(j + i) * n + r] = hsum(half_sum(acc[r][i]));
 }
 
 #define Q8_VNNI_J(R_, J_)                                                                                            \
@@ -167,13 +159,7 @@ AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *
             }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < J; i++) {
-            __m128 f = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(acc[r][i][0], acc[r][i][1])),
-                                  _mm256_extractf128_ps(_mm256_add_ps(acc[r][i][0], acc[r][i][1]), 1));
-            f = _mm_add_ps(f, _mm_movehl_ps(f, f));
-            f = _mm_add_ss(f, _mm_movehdup_ps(f));
-            y[(j + i) * n + r] = _mm_cvtss_f32(f);
-        }
+        for (int i = 0; i < J; i++) y[(j + i) * n + r] = hsum(_mm256_add_ps(acc[r][i][0], acc[r][i][1]));
 }
 
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,

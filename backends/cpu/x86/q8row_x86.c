@@ -214,14 +214,7 @@ AVX512VNNI INLINE void q8_row_vnni(const int type, const int R, const uint8_t *r
             acc[r] = _mm512_fmadd_ps(join(bi), _mm512_loadu_ps(xs + s * 16), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-        __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        f = _mm_add_ps(f, _mm_movehl_ps(f, f));
-        f = _mm_add_ss(f, _mm_movehdup_ps(f));
-        y[r] = _mm_cvtss_f32(f);
-    }
+    for (int r = 0; r < R; r++) y[r] = hsum(half_sum(acc[r])); /* lanes l + l+8, then +4, +2, +1 */
 }
 
 /* Eight groups' sums from eight vectors of eight lanes (one group each): the totals in order. */
@@ -275,13 +268,7 @@ AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py
             acc[r][h] = _mm256_fmadd_ps(bi[h], _mm256_loadu_ps(xs + g), acc[r][h]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 a = _mm256_add_ps(acc[r][0], acc[r][1]);
-        __m128 f = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        f = _mm_add_ps(f, _mm_movehl_ps(f, f));
-        f = _mm_add_ss(f, _mm_movehdup_ps(f));
-        y[r] = _mm_cvtss_f32(f);
-    }
+    for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 /* q8.c's q8_quantize_row in column order (natural), 32 values at a time: the

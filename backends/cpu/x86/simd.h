@@ -16,6 +16,12 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A 16-lane accumulator's halves added (lanes l + l+8): with hsum, q8's fold of
+ * its sixteen lanes (q8.c's q8_fold), on every x86 path. */
+AVX512 static inline __m256 half_sum(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
 /* sum_g biases[g] * xs[g], eight groups at a time (one order for every caller). */
 AVX2 static inline float bias_dot(const float *biases, const float *xs, Py_ssize_t groups) {
     __m256 a = _mm256_setzero_ps();
