@@ -106,7 +106,8 @@ def kept_affine(affine: AffineTensor) -> PackedWeight:
 
 def affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturing: bool, q8: bool = False) -> Any:
     """``x @ W.T`` in float32 for the affine weight ``W``: the C kernel for up
-    to 16 rows, slabs of ``W`` dequantized for torch's GEMM beyond. With
+    to 16 rows, the tiled kernel (or slabs of ``W`` dequantized for torch's
+    GEMM: :data:`~infer.backends.cpu.kernels.EXACT_GEMM`) beyond. With
     ``q8`` (``activations="q8"``), the C kernel for every row count, rows of
     two or more quantized to int8 (:func:`~infer.backends.cpu.kernels.affine_gemv`):
     the numpy backend's product, on the tensors' memory. Under
@@ -127,12 +128,16 @@ def affine_linear(x: Any, affine: AffineTensor, views: tuple[Any, ...], capturin
 
 def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor, q8: bool = False) -> Any:
     """The kernels' product on the tensors' memory: the C kernel for few
-    rows (any number with ``q8``), else dequantized slabs through torch's
-    GEMM (an affine weight, or GGML blocks as stored)."""
+    rows (any number with ``q8``), else the tiled kernel, or, where
+    :data:`~infer.backends.cpu.kernels.EXACT_GEMM` says ``blas``, dequantized
+    slabs through torch's GEMM (an affine weight, or GGML blocks as stored)."""
     n, k = affine.shape
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     if q8 or x.shape[0] <= kernels.KERNEL_ROWS:
         kernels.affine_gemv(x.numpy(), affine, out.numpy(), q8)
+        return out
+    if kernels.EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
+        kernels.affine_gemm(x.numpy(), affine, out.numpy())
         return out
     buffer = torch.empty(kernels.slab_rows(affine) * k, dtype=torch.float32)
     for r0, r1, slab in kernels.affine_slabs(affine, buffer.numpy()):

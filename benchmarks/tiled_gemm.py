@@ -45,7 +45,7 @@ PEAK_ITERATIONS = 2_000_000
 #: (type, n, k): a 1B-class Llama's products (hidden 2048, MLP 8192, 8 KV heads of 64) in its Q4_K_M
 #: types, SmolLM2-135M's (576, 1536), and the legacy types of the catalog files.
 SHAPES = [("Q4_K", 2048, 2048), ("Q4_K", 512, 2048), ("Q4_K", 8192, 2048), ("Q6_K", 2048, 8192),
-          ("Q4_K", 576, 576), ("Q4_0", 1536, 576), ("Q8_0", 2048, 2048), ("Q5_0", 2048, 2048)]
+          ("Q4_1", 576, 576), ("Q4_0", 1536, 576), ("Q8_0", 2048, 2048), ("Q5_0", 2048, 2048)]
 
 
 def threads() -> int:

@@ -149,3 +149,44 @@ def test_the_backend_picks_the_tiled_product_past_the_decoding_rows(monkeypatch)
     calls.clear()
     ops.linear(x[:ops.KERNEL_ROWS], packed)  # decoding's rows stay on the decoding kernel
     assert calls == []
+
+
+def test_the_default_is_tiled_on_simd_paths_and_blas_on_the_portable_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``INFER_EXACT_GEMM`` unset (``auto``): the tiled kernel where it measured
+    faster than BLAS (AVX2, AVX-512), BLAS on the portable path (whose plain-C
+    micro-kernel is slower); a named choice wins; anything else is refused."""
+    chosen = _native.simd()
+    try:
+        for simd in PATHS:
+            _native.use_simd(simd)
+            monkeypatch.delenv(kernels.EXACT_GEMM_ENV, raising=False)
+            assert kernels._exact_gemm_choice() == ("blas" if simd == "portable" else "tiled")
+            for named in ("tiled", "blas"):
+                monkeypatch.setenv(kernels.EXACT_GEMM_ENV, named)
+                assert kernels._exact_gemm_choice() == named
+    finally:
+        _native.use_simd(chosen)
+    monkeypatch.setenv(kernels.EXACT_GEMM_ENV, "fast")
+    with pytest.raises(kernels.ConfigError, match="INFER_EXACT_GEMM='fast'"):
+        kernels._exact_gemm_choice()
+
+
+def test_a_long_prompts_attention_chunks_on_threads_give_the_same_bits() -> None:
+    """After products on the kernels' threads (tiled or q8), a long causal
+    prompt's attention chunks run on a thread pool with BLAS on one thread:
+    the result is the serial loop's, bit for bit (each chunk's arithmetic is
+    its own), windowed and with sinks too."""
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(5)
+    tq, hq, hkv, d = 300, 4, 2, 32
+    q = rng.standard_normal((tq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((tq, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((tq, hkv, d)).astype(np.float32)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    pool = ops._chunk_pool()
+    if pool is None:
+        pytest.skip("the kernels run on one thread here: no pool")
+    for window, sink in ((None, None), (40, sinks)):
+        serial = ops._dense_attention(q, k, v, 0, 0, 0.17, True, window, None, sink)
+        spread = ops._dense_attention(q, k, v, 0, 0, 0.17, True, window, None, sink, pool)
+        assert np.array_equal(serial, spread)

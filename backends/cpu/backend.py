@@ -20,10 +20,10 @@ type stores them so:
 decoding reads a quarter to a third of float32's bytes, and the kernel
 multiplies on the codes directly, which decodes faster than float32 BLAS
 (docs/performance.md, "Where the time goes"). Products with more than
-:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) dequantize the weight in slabs for
-numpy's BLAS, or, with ``INFER_EXACT_GEMM=tiled``, run in the tiled kernel, which
-decodes each panel of the weight once for all the rows (backends/cpu/tiled.c; not
-yet the default: faster on the 1B-class model, slower on the small ones at two threads). ``quantize="off"``
+:attr:`CpuBackend.KERNEL_ROWS` rows (prefill) run in the tiled kernel, which
+decodes each panel of the weight once for all the rows (backends/cpu/tiled.c), or,
+on the portable path or with ``INFER_EXACT_GEMM=blas``, dequantize the weight in
+slabs for numpy's BLAS (:data:`~infer.backends.cpu.kernels.EXACT_GEMM`). ``quantize="off"``
 dequantizes everything to float32 instead.
 
 The same extension computes few-row float32 products (decoding with float32
@@ -48,6 +48,7 @@ on by the kernels where they exist.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -145,6 +146,7 @@ class CpuBackend(Backend):
         #: after it then stays on one thread rather than wake the other pool,
         #: whose threads would fight BLAS's for the cores.
         self._after_blas = False
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # _chunk_pool's
 
     def configure(self, settings: LoadSettings) -> CpuBackend:
         """:meth:`Backend.configure`, and a copy gets a dequantization cache
@@ -667,42 +669,70 @@ class CpuBackend(Backend):
                 k, v, qb = dequantize_q8_0(k), dequantize_q8_0(v), q8_0_query(qb)
             elif k.dtype != qb.dtype:  # a float16 pool (kv_dtype): its values, widened, into the GEMMs
                 k, v = k.astype(qb.dtype), v.astype(qb.dtype)
-            with self._blas_beside_kernels():
+            with self._blas_beside_kernels() as limited:
                 if spans is None:
-                    out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink)
+                    out[q0:q1] = self._dense_attention(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink,
+                                                       self._chunk_pool() if limited is not None else None)
                 else:
                     out[q0:q1] = _attention_rows(qb, k, v, hi - n, lo, scale, causal, window, softcap, sink, spans)
         return out
 
     def _blas_beside_kernels(self) -> contextlib.AbstractContextManager[Any]:
-        """With ``activations="q8"`` a prompt's products run on the kernels'
-        OpenMP threads, not BLAS's, and BLAS threads woken by the attention's
-        GEMMs between them spin on the cores those products need (a 1B
-        model's 128-token prefill took 2.2x as long: docs/quantization.md,
-        "Quantized activations"): so the GEMMs run on one BLAS thread, through
-        threadpoolctl. Otherwise nothing changes."""
-        if self.activations != "q8" or _blas_threads() is None:
-            return contextlib.nullcontext()
+        """Where a prompt's products run on the kernels' OpenMP threads, not
+        BLAS's (``activations="q8"``, or exact products in the tiled kernel),
+        BLAS threads woken by the attention's GEMMs between them spin on the
+        cores those products need (a 1B model's 128-token prefill took 2.2x as
+        long in q8 mode, docs/quantization.md, "Quantized activations"; the
+        tiled kernel lost to BLAS at two threads until this, docs/performance.md,
+        "The exact prefill kernel"): so the GEMMs run on one BLAS thread,
+        through threadpoolctl, whenever the last product ran on the kernels'
+        threads. Otherwise (slabs or float32 weights for BLAS) nothing changes."""
+        if self._after_blas or _blas_threads() is None:  # the last product: BLAS's, or the kernels'?
+            return contextlib.nullcontext()  # (as None)
         return _blas_threads().limit(limits=1)  # type: ignore[union-attr]
 
+    def _chunk_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Threads for a long prompt's attention chunks while BLAS runs on one
+        thread (:meth:`_blas_beside_kernels`), one per kernel thread; None on one."""
+        threads = _native.threads() if _native is not None else 1
+        if threads < 2:
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="infer-attention")
+        return self._pool
+
     def _dense_attention(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
-                         window: int | None, softcap: float | None, sinks: np.ndarray | None) -> Array:
+                         window: int | None, softcap: float | None, sinks: np.ndarray | None,
+                         pool: concurrent.futures.ThreadPoolExecutor | None = None) -> Array:
         """Queries at positions ``first..`` over keys at positions ``lo..``: in
         up to 8 chunks of query rows for a long causal prompt, each over the
         keys it can see, so a causal prefill scores a little over half of the
         square, not all of it (not where most keys are a cached prefix that
-        every row sees: there the chunks only add calls)."""
+        every row sees: there the chunks only add calls). With ``pool`` the
+        chunks run on its threads, the longest first: BLAS then runs on one
+        thread each (numpy's GEMMs and ufuncs release the GIL), the softmax's
+        numpy calls run in parallel too, and no BLAS thread is left spinning
+        on the kernels' cores (docs/performance.md, "The exact prefill kernel")."""
         tq, tk = q.shape[0], k.shape[0]
         chunk = max(self.ATTENTION_CHUNK, -(-tq // 8))
         if not (causal and tq > chunk and 2 * tq >= tk):
             return _attention_rows(q, k, v, first, lo, scale, causal, window, softcap, sinks)
         out = np.empty((tq, q.shape[1], v.shape[2]), np.result_type(q.dtype, v.dtype))
-        for i0 in range(0, tq, chunk):
+
+        def rows(i0: int) -> None:
             i1 = min(tq, i0 + chunk)
             hi = first + i1  # the chunk's last row sits at position hi - 1
             start = lo if window is None else max(lo, first + i0 - window + 1)
             out[i0:i1] = _attention_rows(q[i0:i1], k[start - lo:hi - lo], v[start - lo:hi - lo], first + i0, start,
                                          scale, causal, window, softcap, sinks)
+
+        starts = range(0, tq, chunk)
+        if pool is None:
+            for i0 in starts:
+                rows(i0)
+        else:
+            for done in [pool.submit(rows, i0) for i0 in reversed(starts)]:
+                done.result()
         return out
 
     def _kernel_attention(self, q: Array, k: Array, v: Array, tk: int, scale: float, causal: bool,

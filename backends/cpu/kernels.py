@@ -75,24 +75,30 @@ KERNEL_ROWS = 16
 #: How an exact product of more than :data:`KERNEL_ROWS` rows runs:
 #: ``tiled``, the blocked kernel that decodes each panel of the weight once,
 #: on every thread, and reuses it from L1 for every row (backends/cpu/tiled.c);
-#: ``blas`` (the default), slabs dequantized on one thread for numpy's BLAS.
-#: ``blas`` stays the default because at two threads the tiled kernel measured
-#: 1.43x on the 1B-class model's prefill but 0.56x on SmolLM2's, whose small
-#: products interleave with BLAS calls whose threads still spin (docs/performance.md,
-#: "The exact prefill kernel"): the crossover has to be found before it is
-#: the default. Read from ``INFER_EXACT_GEMM`` at import;
-#: the backends read it here at each product, so a benchmark may set it
-#: between runs (``benchmarks/tiled_gemm.py``). Where the kernels lack the
-#: tiled product, ``blas``.
+#: ``blas``, slabs dequantized on one thread for numpy's (torch's) BLAS.
+#: ``tiled`` is the default where the kernels run on AVX2 or AVX-512: with
+#: BLAS kept to one thread beside it (prefill's attention GEMMs, whose woken
+#: BLAS threads otherwise spin on the cores the kernel's OpenMP threads need),
+#: prefill ran 1.3-2.2x faster than on BLAS on every catalog and benchmark
+#: model at two threads (docs/performance.md, "The exact prefill kernel").
+#: The portable path's plain-C micro-kernel is slower than BLAS (0.28x on
+#: SmolLM2), so there ``blas`` is. Read from ``INFER_EXACT_GEMM``
+#: (``tiled``, ``blas``, or ``auto``, the default) at import; the backends
+#: read it here at each product, so a benchmark may set it between runs
+#: (``benchmarks/tiled_gemm.py``). Where the kernels lack the tiled product, ``blas``.
 EXACT_GEMM_ENV = "INFER_EXACT_GEMM"
-_EXACT_GEMM_CHOICES = ("tiled", "blas")
+_EXACT_GEMM_CHOICES = ("auto", "tiled", "blas")
 
 
 def _exact_gemm_choice() -> str:
-    choice = os.environ.get(EXACT_GEMM_ENV, "blas").strip().lower() or "blas"
+    choice = os.environ.get(EXACT_GEMM_ENV, "auto").strip().lower() or "auto"
     if choice not in _EXACT_GEMM_CHOICES:
         raise ConfigError(f"{EXACT_GEMM_ENV}={choice!r} is not one of {', '.join(_EXACT_GEMM_CHOICES)}")
-    return choice if hasattr(native, "gemm") else "blas"
+    if not hasattr(native, "gemm"):
+        return "blas"
+    if choice == "auto":
+        return "blas" if native.simd() == "portable" else "tiled"
+    return choice
 
 
 EXACT_GEMM = _exact_gemm_choice()
