@@ -1,6 +1,10 @@
 /* The x86 helpers more than one x86 file inlines (ggml keeps the like in
  * simd-mappings.h): static inline, so every kernel that calls them keeps them
- * inlined as it did in one file. Only the files under x86/ include this. */
+ * inlined as it did in one file. Only the files under x86/ include this.
+ * hsum and half_sum are always_inline (INLINE): as plain static inline gcc
+ * called them out of line from 196 and 166 places, once per output row of
+ * the one-row kernels, 3.3% of Gemma 3's q8 decode samples (a call and a
+ * return around five instructions); the instructions, and so the bits, are the same. */
 
 #ifndef INFER_CPU_SIMD_H
 #define INFER_CPU_SIMD_H
@@ -9,7 +13,7 @@
 
 #ifdef HAVE_X86
 
-AVX2 static inline float hsum(__m256 v) {
+AVX2 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -18,7 +22,7 @@ AVX2 static inline float hsum(__m256 v) {
 
 /* A 16-lane accumulator's halves added (lanes l + l+8): with hsum, q8's fold of
  * its sixteen lanes (q8.c's q8_fold), on every x86 path. */
-AVX512 static inline __m256 half_sum(__m512 a) {
+AVX512 INLINE __m256 half_sum(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
