@@ -313,6 +313,34 @@ def test_elementwise_steps_broadcast_and_view_as_numpy_does() -> None:
     assert fn_step.graphs() == 1
 
 
+def test_transcendental_steps_split_over_threads_give_the_one_thread_bits() -> None:
+    """A unary step of 1,024 values or more (exp, tanh, the GELUs, silu) is split
+    over the kernels' threads (plan.c's UNARY_PARALLEL); each value is its own,
+    so the program's result is the one-thread run's, bit for bit, also on a
+    strided view whose rows the split cuts in the middle."""
+    ops = infer.load(tiny_model_dir("llama3"), backend="numpy", compile=False).backend
+    most = _affine.threads()
+    if most < 2:
+        pytest.skip("one kernel thread here: nothing is split")
+
+    def fn(x):  # type: ignore[no-untyped-def]
+        t = ops.transpose(x, (1, 0))  # [700, 3] of a [3, 700]: strided rows of 3
+        return ops.gelu_tanh(x), ops.silu(t), ops.exp(ops.tanh(x))
+
+    fn_step = ops.compile(fn, static=True)
+    x = np.random.default_rng(3).standard_normal((3, 700)).astype(np.float32) * 4
+    spread = [np.array(v) for v in fn_step(x)]
+    try:
+        _affine.set_threads(1)
+        alone = [np.array(v) for v in fn_step(x)]
+    finally:
+        _affine.set_threads(most)
+    for s, a, w in zip(spread, alone, fn(x)):
+        assert np.array_equal(s, a)
+        np.testing.assert_allclose(s, w, rtol=1e-5, atol=1e-6)  # libm's against numpy's (the module docstring)
+    assert fn_step.graphs() == 1
+
+
 @pytest.mark.parametrize("variant", ["llama3", "gemma3_softcap", "qwen2"])
 def test_torch_cpu_records_the_same_program_on_its_tensors_by_default(variant: str) -> None:
     """torch/cpu in float32 runs numpy's kernels on its tensors' memory eagerly;
