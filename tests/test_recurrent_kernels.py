@@ -151,6 +151,33 @@ def test_numpy_backend_uses_them_and_falls_back(monkeypatch: pytest.MonkeyPatch)
     close(ops.ssd(*s, QS, ROWS), oplib.ssd_reference(*s, QS, ROWS))
 
 
+def test_a_prompts_ops_use_the_threads_unless_blas_ran_the_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's recurrent ops (90 rows here) run on the kernels' threads after
+    a product on them (tiled or q8), on one thread after a BLAS product (whose
+    threads spin on the cores); decode rows always on the threads. The threads
+    split heads and column blocks, each its own arithmetic: the same bits."""
+    ops, rng = NumpyBackend(), np.random.default_rng(7)
+    gdr, conv, s = gdr_args(rng), conv_args(rng), ssd_args(rng)
+    seen: list[bool] = []
+    for name in ("gated_delta_rule", "causal_conv1d", "ssd"):
+        real = getattr(kernels.native, name)
+        monkeypatch.setattr(kernels.native, name, lambda *a, real=real: seen.append(a[-1]) or real(*a))
+    results = {}
+    for after_blas in (False, True):
+        ops._after_blas = after_blas
+        seen.clear()
+        results[after_blas] = (ops.gated_delta_rule(*gdr, QS, ROWS), ops.causal_conv1d(*conv, QS, ROWS),
+                               ops.ssd(*s, QS, ROWS))
+        assert seen == [not after_blas] * 3
+    for a, b in zip(results[False], results[True]):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    ops._after_blas = True
+    seen.clear()
+    one = np.array([0, 1], np.int32)  # a decode step's row
+    ops.gated_delta_rule(*(a[:1] for a in gdr[:5]), gdr[5][:1], one)
+    assert seen == [True]
+
+
 def test_torch_cpu_runs_the_same_kernels() -> None:
     torch = pytest.importorskip("torch")
     from infer.backends.torch import TorchBackend

@@ -474,7 +474,8 @@ class CpuBackend(Backend):
         if not kernels.has_recurrent():
             return super().causal_conv1d(x, window, weight, bias, query_start, checkpoint_rows,
                                          activation=activation)
-        return kernels.causal_conv1d(x, window, weight, bias, qs, rows, activation == "silu")
+        return kernels.causal_conv1d(x, window, weight, bias, qs, rows, activation == "silu",
+                                     self._recurrent_threads(x.shape[0]))
 
     def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
                          query_start: Array, checkpoint_rows: Array | None = None, *, scale: float | None = None,
@@ -488,7 +489,8 @@ class CpuBackend(Backend):
             return super().gated_delta_rule(q, k, v, g, beta, state, query_start, checkpoint_rows, scale=scale,
                                             l2norm_qk=l2norm_qk)
         return kernels.gated_delta_rule(q, k, v, g, beta, state, qs, rows,
-                                        q.shape[-1] ** -0.5 if scale is None else scale, l2norm_qk)
+                                        q.shape[-1] ** -0.5 if scale is None else scale, l2norm_qk,
+                                        parallel=self._recurrent_threads(q.shape[0]))
 
     def ssd(self, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, dt_bias: Array | None,
             state: Array, query_start: Array, checkpoint_rows: Array | None = None, *, dt_softplus: bool = True,
@@ -500,7 +502,17 @@ class CpuBackend(Backend):
         if not kernels.has_recurrent() or B.shape[-1] > kernels.SSD_MAX_N:
             return recurrent.ssd(x, dt, A, B, C, D, dt_bias, state, query_start, checkpoint_rows,
                                  dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
-        return kernels.ssd(x, dt, A, B, C, D, dt_bias, state, qs, rows, dt_softplus, dt_min, dt_max)
+        return kernels.ssd(x, dt, A, B, C, D, dt_bias, state, qs, rows, dt_softplus, dt_min, dt_max,
+                           self._recurrent_threads(x.shape[0]))
+
+    def _recurrent_threads(self, rows: int) -> bool:
+        """Whether a recurrent op may use the kernels' threads: for a decode
+        step's few rows, and for a prompt's whenever the product before it
+        ran on them (tiled or q8), not on BLAS, whose spinning threads they
+        would fight for the cores. Qwen3.5's 128-token prefill spent about a
+        third of its time in gated_delta_rule on one thread
+        (docs/performance.md, "Recurrent layers in C")."""
+        return rows <= self.KERNEL_ROWS or not self._after_blas
 
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
         order = np.argsort(-x, axis=-1, kind="stable")[..., :k]  # stable: lower index first among ties

@@ -420,12 +420,14 @@ def _f32(a: Any) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32)
 
 
-def _parallel(rows: int) -> bool:
-    """Whether a recurrent op of ``rows`` rows may use the threads: where the
-    step's products are the kernels' own (up to :data:`KERNEL_ROWS` rows), not
-    BLAS's, whose spinning threads OpenMP's would fight for the cores (as
-    prefill's attention and dequantization run on the calling thread)."""
-    return rows <= KERNEL_ROWS
+def _parallel(rows: int, parallel: bool | None = None) -> bool:
+    """Whether a recurrent op of ``rows`` rows may use the threads: ``parallel``
+    where the caller knows whether the products around it ran on the kernels'
+    threads or on BLAS's, whose spinning threads OpenMP's would fight for the
+    cores (as prefill's attention and dequantization run on the calling
+    thread after BLAS products); otherwise (None) where the step's products
+    are surely the kernels' own (up to :data:`KERNEL_ROWS` rows)."""
+    return rows <= KERNEL_ROWS if parallel is None else parallel
 
 
 def _batch(query_start: Any, checkpoint_rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -436,12 +438,14 @@ def _batch(query_start: Any, checkpoint_rows: Any) -> tuple[np.ndarray, np.ndarr
 
 
 def causal_conv1d(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
-                  query_start: Any, checkpoint_rows: Any, silu: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  query_start: Any, checkpoint_rows: Any, silu: bool,
+                  parallel: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:meth:`~infer.ops.Backend.causal_conv1d` in float32 (the arguments
     checked by :func:`infer.oplib.check_causal_conv1d` first): ``(y [T, C],
     window after each sequence [B, K - 1, C], window after each checkpoint row
     [N, K - 1, C])``. Each output the sum over the taps in the reference's
-    order; ``silu`` after the bias."""
+    order; ``silu`` after the bias. ``parallel``: whether it may use the
+    kernels' threads (None: :func:`_parallel`'s rule by rows)."""
     qs, rows, order = _batch(query_start, checkpoint_rows)
     if GOVERNOR is not None:
         GOVERNOR.check()
@@ -452,18 +456,19 @@ def causal_conv1d(x: np.ndarray, window: np.ndarray, weight: np.ndarray, bias: n
     ckpt = np.empty((len(rows), k - 1, channels), np.float32)
     native.causal_conv1d(_f32(x), _f32(window), _f32(np.asarray(weight, np.float32).T), None if bias is None
                          else _f32(bias), qs, rows, order, y, last, ckpt, nseq, len(rows), total, channels, k, silu,
-                         _parallel(total))
+                         _parallel(total, parallel))
     return y, last, ckpt
 
 
 def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                      state: np.ndarray, query_start: Any, checkpoint_rows: Any, scale: float, l2norm_qk: bool,
-                     chunked: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     chunked: int | None = None, parallel: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:meth:`~infer.ops.Backend.gated_delta_rule` in float32 (arguments
     checked by :func:`infer.oplib.check_gated_delta_rule` first; ``scale``
     already resolved): ``(o [T, H, V], last states [B, H, K, V], checkpoint
     states [N, H, K, V])``. Runs of at least ``chunked`` rows (None:
-    :data:`GDR_CHUNKED_ROWS`; 0: none) take the chunked form."""
+    :data:`GDR_CHUNKED_ROWS`; 0: none) take the chunked form; ``parallel``
+    as for :func:`causal_conv1d`."""
     qs, rows, order = _batch(query_start, checkpoint_rows)
     if GOVERNOR is not None:
         GOVERNOR.check()
@@ -475,17 +480,18 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
     ckpt = np.empty((len(rows), heads, dk, dv), np.float32)
     native.gated_delta_rule(_f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), _f32(state), qs, rows, order, o, last,
                             ckpt, nseq, len(rows), total, hk, heads, dk, dv, scale, l2norm_qk,
-                            GDR_CHUNKED_ROWS if chunked is None else chunked, _parallel(total))
+                            GDR_CHUNKED_ROWS if chunked is None else chunked, _parallel(total, parallel))
     return o, last, ckpt
 
 
 def ssd(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, D: np.ndarray | None,
         dt_bias: np.ndarray | None, state: np.ndarray, query_start: Any, checkpoint_rows: Any, dt_softplus: bool,
-        dt_min: float, dt_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        dt_min: float, dt_max: float, parallel: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:meth:`~infer.ops.Backend.ssd` in float32 (arguments checked by
     :func:`infer.oplib.check_ssd` first): ``(y [T, H, P], last states [B, H,
     P, N], checkpoint states [N, H, P, N])``, the recurrence row by row with
-    each head's state in L1 a block of rows at a time."""
+    each head's state in L1 a block of rows at a time; ``parallel`` as for
+    :func:`causal_conv1d`."""
     qs, rows, order = _batch(query_start, checkpoint_rows)
     if GOVERNOR is not None:
         GOVERNOR.check()
@@ -498,5 +504,5 @@ def ssd(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarr
     native.ssd(_f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), None if D is None else _f32(D),
                None if dt_bias is None else _f32(dt_bias), _f32(state), qs, rows, order, y, last, ckpt, nseq,
                len(rows), total, heads, head_dim, groups, size, dt_softplus, dt_min, min(dt_max, 3.0e38),
-               _parallel(total))
+               _parallel(total, parallel))
     return y, last, ckpt
