@@ -171,6 +171,23 @@ def test_the_default_is_tiled_on_simd_paths_and_blas_on_the_portable_one(monkeyp
         kernels._exact_gemm_choice()
 
 
+def test_a_long_prompts_rows_go_in_calls_of_tiled_rows_with_the_same_bits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """More rows than ``TILED_ROWS`` go to the kernel in calls of at most that
+    many (its packed copy of x stays bounded); each row's result is the one
+    it gets in a single call."""
+    w = weight("Q4_K", 40, 512, 3)
+    x = np.random.default_rng(4).standard_normal((23, 512)).astype(np.float32)
+    whole = np.empty((23, 40), np.float32)
+    kernels.affine_gemm(x, w, whole)
+    monkeypatch.setattr(kernels, "TILED_ROWS", 10)
+    calls = []
+    real = _native.gemm
+    monkeypatch.setattr(_native, "gemm", lambda *a: calls.append(a[6]) or real(*a))
+    parts = np.empty((23, 40), np.float32)
+    kernels.affine_gemm(x, w, parts)
+    assert calls == [10, 10, 3] and np.array_equal(parts, whole)
+
+
 def test_a_long_prompts_attention_chunks_on_threads_give_the_same_bits() -> None:
     """After products on the kernels' threads (tiled or q8), a long causal
     prompt's attention chunks run on a thread pool with BLAS on one thread:
