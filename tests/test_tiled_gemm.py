@@ -207,3 +207,28 @@ def test_a_long_prompts_attention_chunks_on_threads_give_the_same_bits() -> None
         serial = ops._dense_attention(q, k, v, 0, 0, 0.17, True, window, None, sink)
         spread = ops._dense_attention(q, k, v, 0, 0, 0.17, True, window, None, sink, pool)
         assert np.array_equal(serial, spread)
+
+
+def test_the_attention_pool_is_made_again_in_a_forked_child() -> None:
+    """A process forked after the pool exists has none of its threads: the
+    child makes its own rather than queue work for threads that are not there."""
+    import os
+    ops = numpy_backend.NumpyBackend()
+    pool = ops._chunk_pool()
+    if pool is None:
+        pytest.skip("the kernels run on one thread here: no pool")
+    assert ops._chunk_pool() is pool
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            fresh = ops._chunk_pool()
+            ok = fresh is not pool and fresh.submit(lambda: 7).result(timeout=10) == 7
+        except BaseException:
+            ok = False
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 1)
+    os.waitpid(child, 0)
+    assert got == b"1"

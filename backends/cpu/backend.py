@@ -52,6 +52,7 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,7 +147,7 @@ class CpuBackend(Backend):
         #: after it then stays on one thread rather than wake the other pool,
         #: whose threads would fight BLAS's for the cores.
         self._after_blas = False
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # _chunk_pool's
+        self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # _chunk_pool's, and its process
 
     def configure(self, settings: LoadSettings) -> CpuBackend:
         """:meth:`Backend.configure`, and a copy gets a dequantization cache
@@ -709,9 +710,9 @@ class CpuBackend(Backend):
         threads = _native.threads() if _native is not None else 1
         if threads < 2:
             return None
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="infer-attention")
-        return self._pool
+        if self._pool is None or self._pool[0] != os.getpid():  # a forked child has none of the parent's threads
+            self._pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="infer-attention"))
+        return self._pool[1]
 
     def _dense_attention(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
                          window: int | None, softcap: float | None, sinks: np.ndarray | None,
