@@ -48,13 +48,12 @@ on by the kernels where they exist.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -77,6 +76,9 @@ from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, i
 
 from . import kernels, recurrent
 from .kernels import GOVERNOR, Q8_FLAG, affine_gemm, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
+
+if TYPE_CHECKING:  # imported where the pool is made: every load imports this module
+    import concurrent.futures
 
 #: The C kernels this backend computes on (None: pure numpy, GGUF weights
 #: dequantized to float32): :data:`infer.backends.cpu.kernels.native`.
@@ -711,7 +713,8 @@ class CpuBackend(Backend):
         if threads < 2:
             return None
         if self._pool is None or self._pool[0] != os.getpid():  # a forked child has none of the parent's threads
-            self._pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="infer-attention"))
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="infer-attention"))
         return self._pool[1]
 
     def _dense_attention(self, q: Array, k: Array, v: Array, first: int, lo: int, scale: float, causal: bool,
