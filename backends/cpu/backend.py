@@ -512,9 +512,8 @@ class CpuBackend(Backend):
         """Whether a recurrent op may use the kernels' threads: for a decode
         step's few rows, and for a prompt's whenever the product before it
         ran on them (tiled or q8), not on BLAS, whose spinning threads they
-        would fight for the cores. Qwen3.5's 128-token prefill spent about a
-        third of its time in gated_delta_rule on one thread
-        (docs/performance.md, "Recurrent layers in C")."""
+        would fight for the cores (docs/performance.md, "Recurrent layers in
+        C": the reason a prompt's ran on one thread while its products were BLAS's)."""
         return rows <= self.KERNEL_ROWS or not self._after_blas
 
     def topk(self, x: Array, k: int) -> tuple[Array, Array]:
@@ -703,7 +702,7 @@ class CpuBackend(Backend):
         through threadpoolctl, whenever the last product ran on the kernels'
         threads. Otherwise (slabs or float32 weights for BLAS) nothing changes."""
         if self._after_blas or _blas_threads() is None:  # the last product: BLAS's, or the kernels'?
-            return contextlib.nullcontext()  # (as None)
+            return contextlib.nullcontext()  # entered as None: the caller then knows BLAS is not limited
         return _blas_threads().limit(limits=1)  # type: ignore[union-attr]
 
     def _chunk_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
