@@ -575,3 +575,50 @@ def test_formats_must_claim_a_path_and_conflicts_are_settled_or_reported(plugin,
     plugin(FormatPlugin(FormatSpec(name="greedy", detect=lambda path: True, open=lambda path: None)), "greedy")
     with pytest.raises(UnsupportedFormatError, match="grabby, greedy all claim"):
         get_registry().format_for(other)
+
+
+# -- first-party architectures registered from their index ----------------------------
+
+
+def test_the_architecture_index_is_what_each_module_registers():
+    """infer.architectures.index stands in for the modules at discovery: each entry must be
+    exactly what the module's own hook registers, callables included."""
+    import importlib
+
+    from infer.architectures import index
+
+    for module_name, entries in index.INDEX.items():
+        module = importlib.import_module(module_name)
+        registered: list[ArchitectureSpec] = []
+        module.infer_register_architectures(register=registered.append)
+        listed = index.specs(module_name)
+        assert [(s.name, s.model_types, s.description) for s in listed] == [
+            (s.name, s.model_types, s.description) for s in registered], module_name
+        for entry, spec in zip(entries, registered):
+            assert getattr(module, entry.build) is spec.build, (module_name, entry.name)
+            assert (getattr(module, entry.read_config) if entry.read_config else None) is spec.read_config
+
+
+def test_every_first_party_architecture_is_indexed():
+    from importlib.metadata import entry_points
+
+    from infer.architectures import index
+
+    modules = {ep.value for ep in entry_points(group="infer") if ep.value.startswith("infer.architectures.")}
+    assert modules == set(index.INDEX)
+
+
+def test_discovery_imports_no_architecture_module_and_a_build_imports_its_own(tiny_model_path):
+    """The stand-ins register every architecture; building a model imports its module alone."""
+    code = textwrap.dedent(f"""
+        import sys, infer
+        registry = infer.get_registry()
+        before = sorted(m for m in sys.modules if m.startswith("infer.architectures.") and m != "infer.architectures.index")
+        spec = registry.architecture_for("llama")
+        infer.load({str(tiny_model_path)!r})
+        after = {{m for m in sys.modules if m.startswith("infer.architectures.")}}
+        print(before, len(registry.architectures), registry.failures, type(spec.build).__name__,
+              "infer.architectures.llama" in after, "infer.architectures.gemma4" in after)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "26", "[]", "Deferred", "True", "False"]

@@ -16,6 +16,10 @@ third-party plugin that registers a backend, architecture, ``model_type`` or
 format one of them already holds is refused and recorded as the failure. A
 third-party plugin named in ``INFER_PLUGINS`` has opted in to replacing them
 (logged as a warning).
+
+infer's own architecture modules are not imported at discovery: a stand-in
+registers the specs :mod:`infer.architectures.index` lists for each, and the
+module is imported when one of its specs builds a model.
 """
 
 from __future__ import annotations
@@ -63,6 +67,16 @@ def _first_party(plugin: object) -> bool:
     return getattr(plugin, "__name__", "").startswith(_FIRST_PARTY_PREFIX)
 
 
+def _stand_in(value: str) -> object | None:
+    """What registers in place of a first-party architecture module without importing it
+    (:mod:`infer.architectures.index`), or None: the entry point is loaded."""
+    if not value.startswith("infer.architectures."):
+        return None
+    from infer.architectures import index
+
+    return index.stand_in(value)
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
     seen: dict[str, str] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -77,7 +91,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             log.info("plugin %s (%s) skipped: not in %s", ep.name, ep.value, ALLOW_LIST_ENV)
             continue
         try:
-            plugin = ep.load()
+            plugin = _stand_in(ep.value) or ep.load()
         except BaseException as exc:  # noqa: BLE001 - any import-time failure, sys.exit() included, is reported
             reason = f"{type(exc).__name__}: {exc}"
             _load_failures.append(PluginFailure(ep.name, ep.value, reason))
