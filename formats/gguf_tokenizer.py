@@ -65,6 +65,7 @@ Differences from transformers (each only where the file asks for it):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -414,7 +415,7 @@ class _Vocab:
         respelled in it (transformers respells it too); the spellings are unique (check_unique)."""
         # The few tokens outside the alphabet are found in one regex pass over all of them.
         ends = np.cumsum(np.fromiter(map(len, tokens), np.int64, len(tokens)))
-        outside = np.unique(np.searchsorted(ends, [m.start() for m in _OUTSIDE_BYTE_ALPHABET.finditer(
+        outside = np.unique(np.searchsorted(ends, [m.start() for m in _outside_byte_alphabet().finditer(
             "".join(tokens))], side="right")).tolist()
         types = self.types
         respelled = {i: _respelled(tokens[i]) for i in outside if types[i] not in (CONTROL, USER_DEFINED)}
@@ -623,8 +624,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 _BYTE_TO_UNICODE = _bytes_to_unicode()
 _ALPHABET = frozenset(_BYTE_TO_UNICODE.values())
-#: Any character outside GPT-2's byte alphabet.
-_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(map(re.escape, sorted(_BYTE_TO_UNICODE.values()))) + "]")
+
+
+@functools.cache
+def _outside_byte_alphabet() -> re.Pattern[str]:
+    """Any character outside GPT-2's byte alphabet (compiled when first needed: the C encoder
+    does without, and the compile is half a millisecond of a load)."""
+    return re.compile("[^" + "".join(map(re.escape, sorted(_BYTE_TO_UNICODE.values()))) + "]")
 
 
 # -- metadata accessors --------------------------------------------------------------

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,6 +145,8 @@ def _pip_download(requirement: str, dest: Path, report: Callable[[int, int], Non
     log.info("fetching %s", requirement)
     before = set(dest.glob("*.whl"))
     said: list[str] = []  # everything pip printed but its progress lines
+    import subprocess  # here, not at the top: its import is a noticeable share of a load
+
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace") as pip:
         for line in pip.stdout:
