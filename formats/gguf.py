@@ -460,7 +460,7 @@ def infer_register_formats(register: Any) -> None:
     """Register the GGUF format."""
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
-                        random_tensor=random_tensor, write=_write, write_types=tuple(_write_types()),
+                        random_tensor=random_tensor, write=_write, write_types=WRITE_TYPES,
                         read_adapter=_read_adapter, write_adapter=_write_adapter,
                         open_pair=_open_pair, split_pair=_split_pair))
 
@@ -515,10 +515,11 @@ def _write_adapter(path: Path, model_type: str, modules: Any, config: dict[str, 
     write_adapter(path, model_type, modules, config, **options)
 
 
-def _write_types() -> list[str]:
-    from .gguf_write import TYPES
-
-    return ["f16", *(t for t in TYPES if t != "f16")]
+#: What ``infer convert --type`` may ask for, the default first: gguf_write.TYPES's keys, listed
+#: here so that registering the format does not import the writer (a few milliseconds of every
+#: load); tests/test_format_gguf.py checks the two agree.
+WRITE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m",
+               "q5_k_m")
 
 
 def _write(package: ModelPackage, path: Path, **options: Any) -> None:
