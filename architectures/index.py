@@ -122,6 +122,9 @@ class _StandIn:
     def __init__(self, module: str) -> None:
         self.__name__ = module
 
+    def __dir__(self) -> list[str]:  # what pluggy looks through (infer.plugins.discovery._Hooks)
+        return ["infer_register_architectures"]
+
     @hookimpl
     def infer_register_architectures(self, register: Any) -> None:
         for spec in specs(self.__name__):

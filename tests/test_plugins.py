@@ -698,3 +698,21 @@ def test_loading_a_model_imports_no_importlib_metadata(tiny_model_path):
             "print('importlib.metadata' in sys.modules, 'email' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_first_party_modules_register_as_their_hooks_alone():
+    """pluggy reads every attribute of a plugin; infer's own modules are registered as the
+    functions marked @hookimpl and nothing else, the same functions."""
+    from infer.plugins import discovery
+    from infer.plugins.discovery import _hooks_only
+
+    for ep in discovery.entry_points("infer"):
+        if not ep.value.startswith("infer.") or ep.value.startswith("infer.architectures."):
+            continue
+        module = ep.load()
+        hooks = _hooks_only(module)
+        marked = sorted(n for n, v in vars(module).items() if hasattr(v, "infer_impl"))
+        assert marked and sorted(dir(hooks)) == marked, ep.value
+        assert all(getattr(hooks, n) is getattr(module, n) for n in marked) and hooks.__name__ == module.__name__
+    third_party = textwrap  # any module outside infer is registered as it is
+    assert _hooks_only(third_party) is third_party

@@ -33,6 +33,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -79,6 +80,30 @@ def _stand_in(value: str) -> object | None:
     from infer.architectures import index
 
     return index.stand_in(value)
+
+
+class _Hooks:
+    """A first-party module's hook implementations alone, registered in its place."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.__name__ = module.__name__
+        marker = f"{hookspecs.hookimpl.project_name}_impl"
+        self._hooks = [name for name, value in vars(module).items() if getattr(value, marker, None) is not None]
+        for name in self._hooks:
+            setattr(self, name, getattr(module, name))
+
+    def __dir__(self) -> list[str]:  # what pluggy looks through: the hooks, not object's attributes
+        return self._hooks
+
+
+def _hooks_only(plugin: object) -> object:
+    """What to register for a loaded plugin: pluggy reads every attribute of what it
+    registers (``inspect.getattr_static``: about a thousand attributes over infer's own
+    plugin modules, several ms of every load), so infer's modules are registered as
+    their hook implementations alone; anything else as it is."""
+    if isinstance(plugin, ModuleType) and _first_party(plugin):
+        return _Hooks(plugin)
+    return plugin
 
 
 class _EntryPoint:
@@ -218,7 +243,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             log.info("plugin %s (%s) skipped: not in %s", ep.name, ep.value, ALLOW_LIST_ENV)
             continue
         try:
-            plugin = _stand_in(ep.value) or ep.load()
+            plugin = _stand_in(ep.value) or _hooks_only(ep.load())
         except BaseException as exc:  # noqa: BLE001 - any import-time failure, sys.exit() included, is reported
             reason = f"{type(exc).__name__}: {exc}"
             _load_failures.append(PluginFailure(ep.name, ep.value, reason))
