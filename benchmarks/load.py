@@ -125,7 +125,11 @@ def import_root(tree: Path, into: Path) -> Path:
         (package / entry.name).symlink_to(entry.resolve())
     for folder in PACKAGES:
         (package / folder).symlink_to((tree / folder).resolve())
-    for folder in ["infer", *PACKAGES]:  # compileall does not follow the links
+    # The modules of infer/ itself are found through the links, so their bytecode is looked
+    # for beside the links; compileall does not follow linked folders, whose bytecode is
+    # looked for in the checkout.
+    compileall.compile_dir(str(package), quiet=1, maxlevels=0)
+    for folder in ["infer", *PACKAGES]:
         compileall.compile_dir(str(tree / folder), quiet=1)
     return root
 
