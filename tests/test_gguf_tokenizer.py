@@ -876,6 +876,11 @@ def test_byte_level_c_decoder_matches_tokenizers_on_any_ids(byte_level_variants,
     for i in ids:
         assert tokenizer.id_to_token(i) == tokenizer.backend.id_to_token(i)
         assert tokenizer.token_to_id(tokenizer.id_to_token(i)) == tokenizer.backend.token_to_id(tokenizer.id_to_token(i))
+    # Streaming: the same pieces as a stream over the tokenizers build (no half characters).
+    plain = Tokenizer(tokenizer.backend)
+    for skip in (True, False):
+        ours, theirs = tokenizer.stream_decoder(skip), plain.stream_decoder(skip)
+        assert [ours.push(i) for i in ids] + [ours.flush()] == [theirs.push(i) for i in ids] + [theirs.flush()]
 
 
 @needs_bytelevel
