@@ -160,7 +160,7 @@ def distribution_version(distribution: str) -> str | None:
         folder = distributions.get(_normalized(distribution))
         if folder is None:
             return None
-        text = _read(folder, "METADATA" if folder.lower().endswith(".dist-info") else "PKG-INFO") or ""
+        text = _read(folder, "METADATA") or _read(folder, "PKG-INFO") or ""  # importlib.metadata's order
         for line in text.splitlines():  # the headers, up to the first blank line
             if not line.strip():
                 break
