@@ -49,6 +49,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bpe.h"
+
 #define MAX_TOKENS (1u << 30)
 
 typedef struct {
@@ -107,54 +109,14 @@ static int put_char(char *out, uint32_t cp) { /* UTF-8 of an alphabet character:
     return 2;
 }
 
-/* -- UTF-8 --------------------------------------------------------------------------- */
-
-/* Bytes of the valid UTF-8 sequence at s[0:len] (Rust's str::from_utf8 rules), or 0;
- * its code point in *cp. */
-static int utf8_at(const uint8_t *s, int64_t len, uint32_t *cp) {
-    uint8_t c = s[0];
-    if (c < 0x80) {
-        *cp = c;
-        return 1;
-    }
-    int n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-    if (!n || n > len) return 0;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-    if (s[1] < lo || s[1] > hi) return 0;
-    uint32_t value = c & (0x7F >> n);
-    for (int k = 1; k < n; k++) {
-        if (k > 1 && (s[k] < 0x80 || s[k] > 0xBF)) return 0;
-        value = value << 6 | (s[k] & 0x3F);
-    }
-    *cp = value;
-    return n;
-}
-
-static int utf8_len(uint8_t lead) {
-    return lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
-}
-
 /* -- the tables ---------------------------------------------------------------------- */
-
-static uint64_t fnv(const char *s, int64_t len) {
-    uint64_t h = 14695981039346656037ull;
-    for (int64_t i = 0; i < len; i++) {
-        h ^= (uint8_t)s[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
 
 static int64_t token_len(const Vocab *v, int32_t id) { return v->start[id + 1] - v->start[id]; }
 
 /* The id spelled s[0:len], or -1. */
 static int32_t lookup(const Vocab *v, const char *s, int64_t len) {
     if (len > v->max_len) return -1;
-    for (uint64_t slot = fnv(s, len) & v->mask;; slot = (slot + 1) & v->mask) {
+    for (uint64_t slot = fnv(s, len, FNV_START) & v->mask;; slot = (slot + 1) & v->mask) {
         int32_t id = v->table[slot];
         if (id < 0) return -1;
         if (token_len(v, id) == len && memcmp(v->data + v->start[id], s, len) == 0) return id;
@@ -281,7 +243,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
     for (int64_t i = 0; i < n; i++) {
         const char *s = v->data + v->start[i];
         int64_t len = token_len(v, (int32_t)i);
-        uint64_t slot = fnv(s, len) & v->mask;
+        uint64_t slot = fnv(s, len, FNV_START) & v->mask;
         for (;; slot = (slot + 1) & v->mask) {
             int32_t id = v->table[slot];
             if (id < 0) break;
@@ -432,84 +394,26 @@ typedef struct {
     int alive;
 } Symbol;
 
-typedef struct {
-    uint32_t rank;
-    int32_t pos, merged;
-} Merge;
-
-typedef struct {
-    Merge *items;
-    size_t size, capacity;
-} Heap;
-
-static int earlier(const Merge *a, const Merge *b) {
-    return a->rank < b->rank || (a->rank == b->rank && a->pos < b->pos);
-}
-
-static int heap_push(Heap *h, Merge m) {
-    if (h->size == h->capacity) {
-        size_t capacity = h->capacity ? 2 * h->capacity : 64;
-        Merge *items = realloc(h->items, capacity * sizeof *items);
-        if (!items) return 0;
-        h->items = items;
-        h->capacity = capacity;
-    }
-    size_t i = h->size++;
-    while (i > 0 && earlier(&m, &h->items[(i - 1) / 2])) {
-        h->items[i] = h->items[(i - 1) / 2];
-        i = (i - 1) / 2;
-    }
-    h->items[i] = m;
-    return 1;
-}
-
-static Merge heap_pop(Heap *h) {
-    Merge top = h->items[0], last = h->items[--h->size];
-    size_t i = 0;
-    for (;;) {
-        size_t child = 2 * i + 1;
-        if (child >= h->size) break;
-        if (child + 1 < h->size && earlier(&h->items[child + 1], &h->items[child])) child++;
-        if (!earlier(&h->items[child], &last)) break;
-        h->items[i] = h->items[child];
-        i = child;
-    }
-    if (h->size) h->items[i] = last;
-    return top;
-}
-
 /* The merge of symbol `pos` with its next, queued when the pair is a merge. */
 static int push_pair(const Vocab *v, Heap *h, const Symbol *sym, int32_t pos) {
-    const Pair *p = find_pair(v, sym[pos].id, sym[sym[pos].next].id);
-    return !p || heap_push(h, (Merge){p->rank, pos, p->merged});
+    int32_t left = sym[pos].id, right = sym[sym[pos].next].id;
+    const Pair *p = find_pair(v, left, right);
+    return !p || heap_push(h, (Merge){p->rank, pos, left, right, p->merged});
 }
 
 typedef struct {
-    int32_t *ids;
-    size_t size, capacity;
+    Ids out;
     Symbol *sym;
     size_t sym_capacity;
     Heap heap;
 } Work;
-
-static int ids_push(Work *w, int32_t id) {
-    if (w->size == w->capacity) {
-        size_t capacity = w->capacity ? 2 * w->capacity : 256;
-        int32_t *ids = realloc(w->ids, capacity * sizeof *ids);
-        if (!ids) return 0;
-        w->ids = ids;
-        w->capacity = capacity;
-    }
-    w->ids[w->size++] = id;
-    return 1;
-}
 
 /* One pre-tokenized word (spelled in the byte alphabet) through BPE, its ids appended. */
 static int encode_word(const Vocab *v, const char *word, int64_t len, Work *w) {
     if (len == 0) return 1;
     if (v->ignore_merges) {
         int32_t whole = lookup(v, word, len);
-        if (whole >= 0) return ids_push(w, whole);
+        if (whole >= 0) return ids_push(&w->out, whole);
     }
     if ((size_t)len > w->sym_capacity) { /* at most one symbol a byte */
         Symbol *grown = realloc(w->sym, len * sizeof *grown);
@@ -550,7 +454,7 @@ static int encode_word(const Vocab *v, const char *word, int64_t len, Work *w) {
         if (left->next >= 0 && !push_pair(v, heap, sym, top.pos)) return 0;
     }
     for (int32_t i = 0; i >= 0; i = sym[i].next)
-        if (!ids_push(w, sym[i].id)) return 0;
+        if (!ids_push(&w->out, sym[i].id)) return 0;
     return 1;
 }
 
@@ -576,9 +480,9 @@ static PyObject *vocab_encode_words(Vocab *v, PyObject *arg) {
     free(w.sym);
     free(w.heap.items);
     PyObject *list = NULL;
-    if (ok && (list = PyList_New(w.size))) {
-        for (size_t k = 0; k < w.size; k++) {
-            PyObject *id = PyLong_FromLong(w.ids[k]);
+    if (ok && (list = PyList_New(w.out.size))) {
+        for (size_t k = 0; k < w.out.size; k++) {
+            PyObject *id = PyLong_FromLong(w.out.ids[k]);
             if (!id) {
                 Py_CLEAR(list);
                 break;
@@ -586,7 +490,7 @@ static PyObject *vocab_encode_words(Vocab *v, PyObject *arg) {
             PyList_SET_ITEM(list, k, id);
         }
     }
-    free(w.ids);
+    free(w.out.ids);
     return list;
 }
 
