@@ -38,7 +38,11 @@ setup(
         ),
         # GGUF SentencePiece vocabularies encoded by score (formats/gguf_spm.py); plain C,
         # no SIMD; optional too: without it tokenizers encodes them.
-        Extension("infer.formats._sentencepiece", sources=["formats/sentencepiece.c"],
+        Extension("infer.formats._sentencepiece", sources=["formats/sentencepiece.c"], depends=["formats/bpe.h"],
+                  extra_compile_args=["-O2"], optional=True),
+        # GGUF byte-level BPE vocabularies from their stored merges (formats/gguf_bpe.py); plain C,
+        # optional too: without it tokenizers encodes them.
+        Extension("infer.formats._bytelevel", sources=["formats/bytelevel.c"], depends=["formats/bpe.h"],
                   extra_compile_args=["-O2"], optional=True),
         # A GGUF string array's length-prefix walk (formats/gguf_file.py); Python walks it without.
         Extension("infer.formats._gguf_strings", sources=["formats/gguf_strings.c"],

@@ -11,9 +11,17 @@ llama.cpp is llama-cpp-python (``Llama(path, vocab_only=False)`` then
 ``tokenize``), an optional peer: its rows are left out where it is not
 installed.
 
-``--tree NAME=DIR`` (repeatable) runs infer from the source tree DIR as
-the peer NAME instead of the installed one, for before/after comparisons in
-one interleaved run.
+``--tree NAME=DIR`` (repeatable) runs infer from the checkout DIR as the
+peer NAME instead of the installed one, for before/after comparisons in one
+interleaved run. A checkout keeps ``formats/``, ``backends/`` and
+``architectures/`` beside ``infer/`` (pyproject.toml maps them into the
+package), so DIR on ``PYTHONPATH`` alone would run its ``infer/`` with the
+installed copy's other three: each run imports from a folder whose ``infer``
+links to all four of DIR's (whose C extensions must be built in place, as an
+editable install builds them; a ``git worktree`` of main gets them by copying
+the ``.so`` files of another checkout of the same sources). Every tree's sources, and the installed ones, are
+compiled to bytecode first, as an installed package's are (where
+``PYTHONDONTWRITEBYTECODE`` is set, each process would compile them again).
 
 ``--phases`` instead prints, for infer on each model (medians of
 ``--repeats`` processes), where its CPU time goes: interpreter start, numpy, infer's imports, plugin discovery, the
@@ -25,11 +33,14 @@ GGUF parse, the tokenizer, the weights, the first encoding.
 from __future__ import annotations
 
 import argparse
+import compileall
+import importlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PROMPT = "The capital of France is"
@@ -100,6 +111,36 @@ print(phases)
 """
 
 
+#: The folders of a checkout that pyproject.toml maps into the infer package.
+PACKAGES = {"formats": "infer.formats", "backends": "infer.backends", "architectures": "infer.architectures"}
+
+
+def import_root(tree: Path, into: Path) -> Path:
+    """A folder under ``into`` from which ``import infer`` runs the checkout ``tree``, all of it
+    (its sources compiled to bytecode)."""
+    root = into / tree.resolve().name
+    package = root / "infer"
+    package.mkdir(parents=True)
+    for entry in (tree / "infer").iterdir():
+        (package / entry.name).symlink_to(entry.resolve())
+    for folder in PACKAGES:
+        (package / folder).symlink_to((tree / folder).resolve())
+    # The modules of infer/ itself are found through the links, so their bytecode is looked
+    # for beside the links; compileall does not follow linked folders, whose bytecode is
+    # looked for in the checkout.
+    compileall.compile_dir(str(package), quiet=1, maxlevels=0)
+    for folder in ["infer", *PACKAGES]:
+        compileall.compile_dir(str(tree / folder), quiet=1)
+    return root
+
+
+def compile_installed() -> None:
+    """The installed infer's sources to bytecode (an editable install's are plain sources)."""
+    for name in ["infer", *PACKAGES.values()]:
+        for folder in importlib.import_module(name).__path__:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def run(script: str, model: Path, tree: Path | None = None) -> dict[str, float]:
     """One fresh process running ``script``; ``tree``: import infer from there (-P: not from the cwd)."""
     env = dict(os.environ)
@@ -124,7 +165,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    trees = {name: Path(folder) for name, _, folder in (t.partition("=") for t in args.tree)}
+    links = tempfile.TemporaryDirectory(prefix="load-trees-")
+    trees = {name: import_root(Path(folder), Path(links.name) / name)
+             for name, _, folder in (t.partition("=") for t in args.tree)}
+    if not trees:
+        compile_installed()
     if args.phases:  # medians of --repeats processes, phase by phase
         for model in args.models:
             for name, tree in (trees or {"infer": None}).items():

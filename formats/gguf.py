@@ -85,7 +85,8 @@ class GGUFQuantizedTensor(QuantizedTensor):
     def ggml_blocks(self) -> tuple[str, np.ndarray] | None:
         """The type and the stored blocks ``[rows, bytes_per_row]`` of a
         matrix: the file's own bytes (a view of the map) unless rows were
-        reordered or stacked, which made a copy."""
+        reordered, or stacked from parts not one after another in the file,
+        which made a copy."""
         if len(self.shape) != 2:
             return None
         return self.qtype, self.raw.reshape(self.shape[0], -1)
@@ -111,8 +112,18 @@ class GGUFQuantizedTensor(QuantizedTensor):
         if not all(isinstance(p, GGUFQuantizedTensor) and p.qtype == self.qtype and len(p.shape) == 2
                    and p.shape[1:] == self.shape[1:] for p in parts):
             return None
-        raw = np.concatenate([p.raw.reshape(p.shape[0], -1) for p in parts], axis=0)
         names = "+".join(p.name for p in parts)  # type: ignore[attr-defined]
+        rows = sum(p.shape[0] for p in parts)
+        file, begin = parts[0]._file, parts[0]._begin  # type: ignore[attr-defined]
+        if file is not None and all(p._file is file and p._begin == q._begin + q.raw.nbytes  # type: ignore[attr-defined]
+                                    for q, p in zip(parts, parts[1:])):
+            # One after another in the file (llama.cpp writes ffn_gate then ffn_up): the stack
+            # is a view of the map, as the parts were. Copying SmolLM2's 30 gate+up pairs was
+            # about 20 ms of its load, and their pages stayed resident twice.
+            end = begin + sum(p.raw.nbytes for p in parts)
+            raw = file.view(begin, end).reshape(rows, -1)
+            return GGUFQuantizedTensor(self.qtype, (rows, *self.shape[1:]), raw, names, file, begin)
+        raw = np.concatenate([p.raw.reshape(p.shape[0], -1) for p in parts], axis=0)
         return GGUFQuantizedTensor(self.qtype, (raw.shape[0], *self.shape[1:]), raw, names)
 
     def __repr__(self) -> str:
@@ -449,7 +460,7 @@ def infer_register_formats(register: Any) -> None:
     """Register the GGUF format."""
     register(FormatSpec(name="gguf", detect=detect, open=open_gguf,
                         description="GGUF file (llama.cpp): metadata + tensors, quantized or not",
-                        random_tensor=random_tensor, write=_write, write_types=tuple(_write_types()),
+                        random_tensor=random_tensor, write=_write, write_types=WRITE_TYPES,
                         read_adapter=_read_adapter, write_adapter=_write_adapter,
                         open_pair=_open_pair, split_pair=_split_pair))
 
@@ -504,10 +515,11 @@ def _write_adapter(path: Path, model_type: str, modules: Any, config: dict[str, 
     write_adapter(path, model_type, modules, config, **options)
 
 
-def _write_types() -> list[str]:
-    from .gguf_write import TYPES
-
-    return ["f16", *(t for t in TYPES if t != "f16")]
+#: What ``infer convert --type`` may ask for, the default first: gguf_write.TYPES's keys, listed
+#: here so that registering the format does not import the writer (a few milliseconds of every
+#: load); tests/test_format_gguf.py checks the two agree.
+WRITE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m",
+               "q5_k_m")
 
 
 def _write(package: ModelPackage, path: Path, **options: Any) -> None:

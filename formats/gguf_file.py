@@ -400,6 +400,10 @@ class GGUFFile:
             return np.zeros((rows, row), np.uint8)
         return np.frombuffer(self._map, np.uint8, info.end - info.begin, info.begin).reshape(rows, row)
 
+    def view(self, begin: int, end: int) -> np.ndarray:
+        """Bytes ``[begin, end)`` of the file, a read-only uint8 view of the map."""
+        return np.frombuffer(self._map, np.uint8, end - begin, begin)
+
     def release(self, info: TensorInfo) -> None:
         """Drop the tensor's whole pages from this process's resident set
         (``MADV_DONTNEED`` on the read-only map: the page cache keeps them, and

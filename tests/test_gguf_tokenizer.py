@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer.errors import TokenizerError
-from infer.formats import gguf_spm, gguf_tokenizer
+from infer.formats import gguf_bpe, gguf_spm, gguf_tokenizer
 from infer.formats.gguf_file import StringArray
 from infer.formats.gguf_tokenizer import default_cache_dir, tokenizer_from_gguf
 from infer.tokenizer import Tokenizer
@@ -809,3 +809,167 @@ def test_byte_level_vocabulary_respells_as_built_in_order(tokens: list[str]) -> 
         expected[token] = index
     assert vocab._byte_level_vocab(tokens) == expected
 
+
+
+# ----------------------------------------------------------------------------- the byte-level C encoder
+
+needs_bytelevel = pytest.mark.skipif(not gguf_bpe.available(), reason="the C encoder (infer.formats._bytelevel) "
+                                     "is not built")
+
+#: Every way a byte-level vocabulary pre-tokenizes: GPT-2's regex in ByteLevel, the digit split
+#: first (smollm), regexes then ByteLevel without its own (the rest), ignore_merges (llama-bpe, tekken).
+_BYTE_LEVEL_PRES = ["gpt-2", "smollm", "qwen2", "llama-bpe", "gpt-4o", "tekken", "deepseek-v3"]
+_CHAT_TURNS = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in [
+    ("system", "You are terse.  Answer in\tone line."), ("user", "What is 12*34? Ünïcödé, 日本語, 😀"),
+    ("assistant", "408.\n\n"), ("user", "   and 0x1F?")]) + "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def byte_level_variants() -> dict[str, Tokenizer]:
+    variants = {}
+    for pre in _BYTE_LEVEL_PRES:
+        metadata, _ = tiny_gguf(f"bpe-{pre}", _byte_level_keys(pre))
+        variants[pre] = ours(metadata)
+    # Two byte characters with no token: tokenizers drops them (no unknown token), so must the encoder.
+    metadata, _ = tiny_gguf("bpe-gpt-2", _byte_level_keys("gpt-2"))
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    for gone in ("Ā", "ÿ"):
+        tokens[tokens.index(gone)] = f"<unused {ord(gone)}>"
+    variants["missing bytes"] = ours({**metadata, "tokenizer.ggml.tokens": tokens})
+    return variants
+
+
+@needs_bytelevel
+def test_byte_level_vocabularies_get_the_c_encoder(byte_level_variants) -> None:
+    for name, tokenizer in byte_level_variants.items():
+        assert isinstance(tokenizer._native, gguf_bpe.ByteLevelBackend), name
+        assert tokenizer._backend is None  # tokenizers' model is built only when asked for
+    assert isinstance(tokenizer.backend, tokenizers.Tokenizer)
+
+
+@needs_bytelevel
+@pytest.mark.parametrize("name", _BYTE_LEVEL_PRES + ["missing bytes"])
+def test_byte_level_c_encoder_matches_tokenizers_on_the_corpus(byte_level_variants, name: str) -> None:
+    tokenizer = byte_level_variants[name]
+    for text in FIXED_TEXTS + [_TRAINING_TEXT[:4000], _CHAT_TURNS, "ĀÿĠ Ā\x00\xff", "<|im_end|><|im_end|>x<|im"]:
+        assert_native_matches_tokenizers(tokenizer, text)
+
+
+@needs_bytelevel
+@FUZZ
+@given(text=st.one_of(TEXTS, st.sampled_from(FIXED_TEXTS)), name=st.sampled_from(_BYTE_LEVEL_PRES + ["missing bytes"]))
+def test_byte_level_c_encoder_matches_tokenizers_on_generated_text(byte_level_variants, text: str, name: str) -> None:
+    assert_native_matches_tokenizers(byte_level_variants[name], text)
+
+
+@needs_bytelevel
+@FUZZ
+@given(data=st.data())
+def test_byte_level_c_decoder_matches_tokenizers_on_any_ids(byte_level_variants, data: st.DataObject) -> None:
+    """Byte tokens that spell invalid UTF-8 (U+FFFD per maximal invalid run), special tokens."""
+    tokenizer = byte_level_variants[data.draw(st.sampled_from(sorted(byte_level_variants)))]
+    n = tokenizer.vocab_size
+    ids = data.draw(st.lists(st.one_of(st.integers(0, n - 1), st.integers(0, 260)), max_size=12))
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.backend.decode(
+            ids, skip_special_tokens=skip)
+    for i in ids:
+        assert tokenizer.id_to_token(i) == tokenizer.backend.id_to_token(i)
+        assert tokenizer.token_to_id(tokenizer.id_to_token(i)) == tokenizer.backend.token_to_id(tokenizer.id_to_token(i))
+    # Streaming: the same pieces as a stream over the tokenizers build (no half characters).
+    plain = Tokenizer(tokenizer.backend)
+    for skip in (True, False):
+        ours, theirs = tokenizer.stream_decoder(skip), plain.stream_decoder(skip)
+        assert [ours.push(i) for i in ids] + [ours.flush()] == [theirs.push(i) for i in ids] + [theirs.flush()]
+
+
+@needs_bytelevel
+def test_byte_level_c_encoder_refuses_a_lone_surrogate_by_name(byte_level_variants) -> None:
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        byte_level_variants["gpt-2"].encode("a\ud800b")
+
+
+def _spelled_outside_the_alphabet() -> dict[str, Any]:
+    """A byte-level vocabulary with UTF-8 spellings: a plain one (respelled), a control and a
+    user-defined one (kept, matched whole, decoded as their own bytes)."""
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<s>", "</s>", *alphabet, "âĤ", "€", "<€ tool>", "<|ñ|>"]
+    types = [3, 3] + [1] * 256 + [1, 1, 4, 3]
+    return {**_small_gpt2(), "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": np.array(types, np.int32),
+            "tokenizer.ggml.merges": ["â Ĥ"]}
+
+
+@needs_bytelevel
+@pytest.mark.parametrize("change", ["merge of no token", "duplicate merge", "empty token", "respelling meets a token",
+                                    "stored bytes not UTF-8", "no extension", "spelled outside the alphabet"])
+def test_byte_level_fallback_and_edge_vocabularies(change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the C encoder refuses goes to tokenizers (which names what is wrong); what it takes,
+    it encodes and decodes as tokenizers does."""
+    metadata = _small_gpt2()
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    native = True
+    if change == "merge of no token":
+        with pytest.raises(TokenizerError, match=r"merges\[3\].*'x' is not in"):
+            ours({**metadata, "tokenizer.ggml.merges": [*metadata["tokenizer.ggml.merges"], "a x"]})
+        return
+    if change == "duplicate merge":  # the later listing's rank counts, as in tokenizers' merge map
+        metadata["tokenizer.ggml.merges"] = ["ab c", "a b", "Ġ a", "ab c"]
+    elif change == "empty token":
+        metadata["tokenizer.ggml.tokens"], native = [*tokens, ""], False
+        metadata["tokenizer.ggml.token_type"] = np.append(metadata["tokenizer.ggml.token_type"], 1)
+    elif change == "respelling meets a token":
+        tokens[6:8], native = ["€", "âĤ¬"], False
+        metadata["tokenizer.ggml.tokens"] = tokens
+        metadata["tokenizer.ggml.merges"] = []
+    elif change == "stored bytes not UTF-8":
+        raw = [t.encode() for t in tokens]
+        raw[8], native = b"\xffa", False
+        metadata["tokenizer.ggml.tokens"] = StringArray(b"".join(raw), np.cumsum([len(r) for r in raw]))
+        metadata["tokenizer.ggml.merges"] = ["a b", "ab c"]
+    elif change == "no extension":
+        monkeypatch.setattr(gguf_bpe, "_bytelevel", None)
+        native = False
+    else:
+        metadata = _spelled_outside_the_alphabet()
+    tokenizer = ours(metadata)
+    assert isinstance(tokenizer._native, gguf_bpe.ByteLevelBackend) == native
+    for text in ["abc a", "abcabc ab c", "€ <€ tool><|ñ|> €e", "<s>a</s>", "\xe9\xff", ""]:
+        assert_native_matches_tokenizers(tokenizer, text)
+    ids = list(range(tokenizer.vocab_size))
+    assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.backend.decode(ids, skip_special_tokens=False)
+
+
+@needs_bytelevel
+def test_a_stored_byte_level_vocabulary_gives_the_c_encoder_its_bytes() -> None:
+    metadata = _spelled_outside_the_alphabet()
+    stored = ours({**metadata, "tokenizer.ggml.tokens": _stored(metadata["tokenizer.ggml.tokens"]),
+                   "tokenizer.ggml.merges": _stored(metadata["tokenizer.ggml.merges"])})
+    assert isinstance(stored._native, gguf_bpe.ByteLevelBackend)
+    listed = ours(metadata)
+    for text in FIXED_TEXTS + ["€ <€ tool><|ñ|> €e"]:
+        assert stored.encode(text) == listed.encode(text)
+    assert stored.id_to_token(259) == listed.id_to_token(259) == "âĤ¬"  # "€", respelled
+    assert stored.encode("€", add_special_tokens=False) == [258, 2 + sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet()).index("¬")]
+
+
+@pytest.mark.slow
+@needs_bytelevel
+def test_smollm2_gets_the_c_encoder_and_its_chat_turns(smollm2) -> None:
+    tokenizer, reference, _ = smollm2
+    assert isinstance(tokenizer._native, gguf_bpe.ByteLevelBackend)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?  Ünï 日本 😀\n\n"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "\tand 10**3?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    for text in (prompt, _CHAT_TURNS, _TRAINING_TEXT):
+        assert_native_matches_tokenizers(tokenizer, text)
+        assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.slow
+@needs_bytelevel
+@FUZZ
+@given(text=st.one_of(TEXTS, st.sampled_from(FIXED_TEXTS)))
+def test_smollm2_c_encoder_matches_tokenizers(smollm2, text: str) -> None:
+    """SmolLM2 lacks 21 byte tokens: characters needing them are dropped alike."""
+    tokenizer, _, _ = smollm2
+    assert_native_matches_tokenizers(tokenizer, text)

@@ -575,3 +575,144 @@ def test_formats_must_claim_a_path_and_conflicts_are_settled_or_reported(plugin,
     plugin(FormatPlugin(FormatSpec(name="greedy", detect=lambda path: True, open=lambda path: None)), "greedy")
     with pytest.raises(UnsupportedFormatError, match="grabby, greedy all claim"):
         get_registry().format_for(other)
+
+
+# -- first-party architectures registered from their index ----------------------------
+
+
+def test_the_architecture_index_is_what_each_module_registers():
+    """infer.architectures.index stands in for the modules at discovery: each entry must be
+    exactly what the module's own hook registers, callables included."""
+    import importlib
+
+    from infer.architectures import index
+
+    for module_name, entries in index.INDEX.items():
+        module = importlib.import_module(module_name)
+        registered: list[ArchitectureSpec] = []
+        module.infer_register_architectures(register=registered.append)
+        listed = index.specs(module_name)
+        assert [(s.name, s.model_types, s.description) for s in listed] == [
+            (s.name, s.model_types, s.description) for s in registered], module_name
+        for entry, spec in zip(entries, registered):
+            assert getattr(module, entry.build) is spec.build, (module_name, entry.name)
+            assert (getattr(module, entry.read_config) if entry.read_config else None) is spec.read_config
+
+
+def test_every_first_party_architecture_is_indexed():
+    from importlib.metadata import entry_points
+
+    from infer.architectures import index
+
+    modules = {ep.value for ep in entry_points(group="infer") if ep.value.startswith("infer.architectures.")}
+    assert modules == set(index.INDEX)
+
+
+def test_discovery_imports_no_architecture_module_and_a_build_imports_its_own(tiny_model_path):
+    """The stand-ins register every architecture; building a model imports its module alone."""
+    code = textwrap.dedent(f"""
+        import sys, infer
+        registry = infer.get_registry()
+        before = sorted(m for m in sys.modules if m.startswith("infer.architectures.") and m != "infer.architectures.index")
+        spec = registry.architecture_for("llama")
+        infer.load({str(tiny_model_path)!r})
+        after = {{m for m in sys.modules if m.startswith("infer.architectures.")}}
+        print(before, len(registry.architectures), registry.failures, type(spec.build).__name__,
+              "infer.architectures.llama" in after, "infer.architectures.gemma4" in after)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "26", "[]", "Deferred", "True", "False"]
+
+
+# -- entry points and versions read without importing importlib.metadata --------------
+
+
+def _fake_distributions(folder, dists):
+    """Metadata folders: {folder name: (entry_points.txt or None, version)}."""
+    for name, (entry_points, version) in dists.items():
+        info = folder / name
+        info.mkdir()
+        (info / ("METADATA" if name.endswith(".dist-info") else "PKG-INFO")).write_text(
+            f"Metadata-Version: 2.1\nName: {name.partition('-')[0]}\nVersion: {version}\n\nVersion: not a header\n")
+        if entry_points is not None:
+            (info / "entry_points.txt").write_text(entry_points)
+
+
+def test_entry_points_and_versions_are_importlib_metadata_s(tmp_path, monkeypatch):
+    """Same entry points in the same order, the first distribution of a name winning across
+    and within path folders; same versions; on this environment and on made-up folders."""
+    import importlib.metadata
+
+    from infer.plugins import discovery
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _fake_distributions(first, {
+        "Fancy_Plugin-1.0.dist-info": ("# comment\nstray = before.any.section\n[infer]\nfancy = fancy_mod:Thing.attr\n"
+                                       "[other]\nx = y\n\n[infer]\n  spaced  =  spaced_mod  \n", "1.0"),
+        "legacy.egg-info": ("[infer]\nlegacy = legacy_mod\n", "0.3"),
+        "nothing-2.0.dist-info": (None, "2.0"),
+    })
+    _fake_distributions(second, {
+        "fancy.plugin-9.0.dist-info": ("[infer]\nshadowed = never\n", "9.0"),  # same name as Fancy_Plugin: skipped
+        "other_plugin-0.1.dist-info": ("[infer]\nother = other_mod\n", "0.1"),
+    })
+    monkeypatch.syspath_prepend(str(second))
+    monkeypatch.syspath_prepend(str(first))
+    for group in ("infer", "other", "console_scripts", "pytest11"):
+        ours = [(ep.name, ep.value) for ep in discovery.entry_points(group)]
+        theirs = [(ep.name, ep.value) for ep in importlib.metadata.entry_points(group=group)]
+        assert ours == theirs, group
+    names = [ep.name for ep in discovery.entry_points("infer")]  # a folder's own order is the file system's
+    assert sorted(names[:3]) == ["fancy", "legacy", "spaced"] and names[3] == "other" and "shadowed" not in names
+    for dist in ("fancy-plugin", "Fancy_Plugin", "legacy", "nothing", "other_plugin", "numpy", "pluggy", "absent-x"):
+        try:
+            theirs = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            theirs = None
+        assert discovery.distribution_version(dist) == theirs, dist
+
+
+def test_entry_points_fall_back_to_importlib_metadata_where_the_folders_are_not_all(tmp_path, monkeypatch):
+    from infer.plugins import discovery
+
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins.zip"))
+    (tmp_path / "plugins.zip").write_bytes(b"")  # a file on the path: zips are importlib.metadata's to read
+    assert discovery._path_distributions() is None
+    assert [ep.name for ep in discovery.entry_points("infer")] == [
+        ep.name for ep in __import__("importlib.metadata").metadata.entry_points(group="infer")]
+
+
+def test_entry_point_values_load_as_importlib_metadata_loads_them():
+    from infer.plugins.discovery import _EntryPoint
+
+    assert _EntryPoint("x", "os.path:join").load() is __import__("os").path.join
+    assert _EntryPoint("x", "infer.plugins.registry : Registry.add_backend [extra]").load().__name__ == "add_backend"
+    with pytest.raises(ValueError, match="not 'module'"):
+        _EntryPoint("x", "not a value!").load()
+
+
+def test_loading_a_model_imports_no_importlib_metadata(tiny_model_path):
+    code = (f"import sys, infer; infer.load({str(tiny_model_path)!r}); "
+            "print('importlib.metadata' in sys.modules, 'email' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_first_party_modules_register_as_their_hooks_alone():
+    """pluggy reads every attribute of a plugin; infer's own modules are registered as the
+    functions marked @hookimpl and nothing else, the same functions."""
+    from infer.plugins import discovery
+    from infer.plugins.discovery import _hooks_only
+
+    for ep in discovery.entry_points("infer"):
+        if not ep.value.startswith("infer.") or ep.value.startswith("infer.architectures."):
+            continue
+        module = ep.load()
+        hooks = _hooks_only(module)
+        marked = sorted(n for n, v in vars(module).items() if hasattr(v, "infer_impl"))
+        assert marked and sorted(dir(hooks)) == marked, ep.value
+        assert all(getattr(hooks, n) is getattr(module, n) for n in marked) and hooks.__name__ == module.__name__
+    third_party = textwrap  # any module outside infer is registered as it is
+    assert _hooks_only(third_party) is third_party

@@ -85,3 +85,35 @@ def test_stacked_and_separate_projections_give_the_same_logits(variant: str, mon
     assert_logits_close(a, b, "stacked vs separate projections")  # two BLAS shapes: other summation orders
     if variant == "qwen2":
         assert "qkv_proj.bias" in layer.weights
+
+
+def test_parts_one_after_another_in_a_gguf_file_stack_as_a_view_of_it(tmp_path) -> None:
+    """gate and up follow each other in llama.cpp's files: their stack is the file's bytes, not
+    a copy, and the same bytes a copy would hold; parts apart in the file are copied."""
+    import gguf
+
+    from infer.formats.gguf_file import read_gguf
+
+    blocks = {name: gguf_quants.random_blocks("Q8_0", rows, 256, seed)
+              for seed, (name, rows) in enumerate([("gate", 32), ("up", 32), ("between", 8), ("other", 16)])}
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    for name, raw in blocks.items():
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    file = read_gguf(tmp_path / "t.gguf")
+    parts = {name: GGUFQuantizedTensor("Q8_0", (rows, 256), file.raw(file.tensors[name]), name, file,
+                                       file.tensors[name].begin)
+             for name, rows in [("gate", 32), ("up", 32), ("other", 16)]}
+    gate, up, other = parts["gate"], parts["up"], parts["other"]
+    adjacent = gate.stacked([gate, up])
+    assert adjacent.shape == (64, 256) and np.shares_memory(adjacent.raw, gate.raw)
+    assert np.array_equal(adjacent.raw, np.concatenate([blocks["gate"], blocks["up"]]))
+    assert np.array_equal(adjacent.dequantize(), np.concatenate([gate.dequantize(), up.dequantize()]))
+    apart = gate.stacked([gate, other])  # "between" lies between them: copied
+    assert not np.shares_memory(apart.raw, gate.raw)
+    assert np.array_equal(apart.raw, np.concatenate([blocks["gate"], blocks["other"]]))
+    assert not np.shares_memory(gate.stacked([up, gate]).raw, gate.raw)  # out of file order: copied

@@ -223,7 +223,7 @@ def fake_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[catalog.C
         commands.append(cmd)
         return real_popen([sys.executable, str(script), *cmd[3:]], **kwargs)
 
-    monkeypatch.setattr(catalog.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)  # the catalog imports subprocess when it downloads
     # The stand-in speaks pip 24.1's --progress-bar raw; the pip of the environment
     # running the tests may be older (a fresh venv's bundled pip): the version the
     # catalog sees is the stand-in's, and test_an_old_pip_runs_quietly sets an old one.

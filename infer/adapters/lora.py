@@ -14,7 +14,6 @@ their Hugging Face tensor names.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass, field
 
@@ -70,6 +69,8 @@ class LoraAdapter:
         cache keys this adapter's blocks by, so an adapter reloaded under the
         same name with other weights never reuses the old one's keys and
         values (vLLM #42125)."""
+        import hashlib  # here, not at the top: loading a model without adapters never calls this
+
         h = hashlib.sha256(b"lora:")
         for name in sorted(self.modules):
             m = self.modules[name]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -133,6 +132,8 @@ def _write_index(index: dict[str, Any]) -> None:
     target = _index_path()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        import tempfile  # here, not at the top: a load imports this module and never calls this
+
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".weights-hashes.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(index, f)

@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +93,8 @@ def write_state_file(path: str | os.PathLike[str], info: Mapping[str, Any], tens
         digest.update(memoryview(data).cast("B"))
     header = _canonical({"__metadata__": {**meta, "infer.checksum": digest.hexdigest()}, **entries})
     path.parent.mkdir(parents=True, exist_ok=True)
+    import tempfile  # here, not at the top: every load imports this module, few save state
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -16,15 +16,24 @@ third-party plugin that registers a backend, architecture, ``model_type`` or
 format one of them already holds is refused and recorded as the failure. A
 third-party plugin named in ``INFER_PLUGINS`` has opted in to replacing them
 (logged as a warning).
+
+infer's own architecture modules are not imported at discovery: a stand-in
+registers the specs :mod:`infer.architectures.index` lists for each, and the
+module is imported when one of its specs builds a model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
+import importlib
+import importlib.machinery
 import logging
 import os
+import re
+import sys
 import threading
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -63,9 +72,166 @@ def _first_party(plugin: object) -> bool:
     return getattr(plugin, "__name__", "").startswith(_FIRST_PARTY_PREFIX)
 
 
+def _stand_in(value: str) -> object | None:
+    """What registers in place of a first-party architecture module without importing it
+    (:mod:`infer.architectures.index`), or None: the entry point is loaded."""
+    if not value.startswith("infer.architectures."):
+        return None
+    from infer.architectures import index
+
+    return index.stand_in(value)
+
+
+class _Hooks:
+    """A first-party module's hook implementations alone, registered in its place."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.__name__ = module.__name__
+        marker = f"{hookspecs.hookimpl.project_name}_impl"
+        self._hooks = [name for name, value in vars(module).items() if getattr(value, marker, None) is not None]
+        for name in self._hooks:
+            setattr(self, name, getattr(module, name))
+
+    def __dir__(self) -> list[str]:  # what pluggy looks through: the hooks, not object's attributes
+        return self._hooks
+
+
+def _hooks_only(plugin: object) -> object:
+    """What to register for a loaded plugin: pluggy reads every attribute of what it
+    registers (``inspect.getattr_static``: about a thousand attributes over infer's own
+    plugin modules, several ms of every load), so infer's modules are registered as
+    their hook implementations alone; anything else as it is."""
+    if isinstance(plugin, ModuleType) and _first_party(plugin):
+        return _Hooks(plugin)
+    return plugin
+
+
+class _EntryPoint:
+    """An entry point found by :func:`entry_points`: ``name = module[:attribute]``."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+    def load(self) -> Any:
+        """The object the value names (``importlib.metadata.EntryPoint.load``'s rule)."""
+        match = _VALUE.match(self.value)
+        if match is None:
+            raise ValueError(f"entry point value {self.value!r} is not 'module' or 'module:attribute'")
+        target = importlib.import_module(match["module"])
+        for attribute in filter(None, (match["attr"] or "").split(".")):
+            target = getattr(target, attribute)
+        return target
+
+
+_VALUE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$")
+
+
+def entry_points(group: str) -> list[Any]:
+    """The entry points of ``group``, as ``importlib.metadata.entry_points(group=group)``
+    lists them (each with ``name``, ``value`` and ``load()``).
+
+    Importing ``importlib.metadata`` (email, zipfile, csv...) took 15-35 ms of every
+    process that loads a model, more than the rest of discovery. Where the
+    distributions are what the path finder alone lists, ``*.dist-info`` and
+    ``*.egg-info`` folders in the folders of ``sys.path``, they are read here instead,
+    in its order and keeping the first distribution of each name, as it does; anything
+    else (a zip or an egg on the path, another finder listing distributions) is left to
+    ``importlib.metadata``. tests/test_plugins.py compares the two.
+    """
+    distributions = _path_distributions()
+    if distributions is None:
+        import importlib.metadata
+
+        return list(importlib.metadata.entry_points(group=group))
+    found = []
+    for folder in distributions.values():
+        text = _read(folder, "entry_points.txt")
+        found += [_EntryPoint(name, value) for g, name, value in _sections(text or "") if g == group]
+    return found
+
+
+def distribution_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (``importlib.metadata.version``), or None
+    where it is not installed; found as :func:`entry_points` finds distributions."""
+    distributions = _path_distributions()
+    if distributions is not None:
+        folder = distributions.get(_normalized(distribution))
+        if folder is None:
+            return None
+        text = _read(folder, "METADATA") or _read(folder, "PKG-INFO") or ""  # importlib.metadata's order
+        for line in text.splitlines():  # the headers, up to the first blank line
+            if not line.strip():
+                break
+            if line.startswith("Version:"):
+                return line[len("Version:"):].strip()
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _path_distributions() -> dict[str, str] | None:
+    """Normalized name -> metadata folder of each distribution ``importlib.metadata`` reads
+    (the first of each name, in its order), or None where the folders of ``sys.path`` are
+    not all it reads."""
+    path_finder = importlib.machinery.PathFinder
+    if any(getattr(f, "find_distributions", None) is not None and f is not path_finder for f in sys.meta_path):
+        return None
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        if not isinstance(entry, str) or entry.endswith(".egg") or os.path.isfile(entry):
+            return None
+        for name, info in _distributions(entry):
+            found.setdefault(name, os.path.join(entry, info))
+    return found
+
+
+def _read(folder: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        return None
+
+
+def _distributions(folder: str) -> list[tuple[str, str]]:
+    """(normalized name, metadata folder) in ``folder``, grouped by name in the order each
+    name first appears (importlib.metadata's ``Lookup``)."""
+    try:
+        children = os.listdir(folder or ".")
+    except OSError:
+        return []
+    grouped: dict[str, list[str]] = {}
+    for child in children:
+        if child.lower().endswith((".dist-info", ".egg-info")):
+            grouped.setdefault(_normalized(child.rpartition(".")[0].partition("-")[0]), []).append(child)
+    return [(name, child) for name, same in grouped.items() for child in same]
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower().replace("-", "_")
+
+
+def _sections(text: str) -> Iterator[tuple[str, str, str]]:
+    """(group, name, value) of each ``name = value`` line of an ``entry_points.txt``."""
+    group = None
+    for line in map(str.strip, text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            group = line.strip("[]")
+        elif group is not None and "=" in line:  # (importlib.metadata raises on a line without one)
+            name, _, value = line.partition("=")
+            yield group, name.strip(), value.strip()
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
     seen: dict[str, str] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(ENTRY_POINT_GROUP):
         if ep.name in seen:
             if seen[ep.name] != ep.value:  # two plugins under one name: neither may hide the other silently
                 reason = f"entry point name {ep.name!r} is already taken by {seen[ep.name]}"
@@ -77,7 +243,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             log.info("plugin %s (%s) skipped: not in %s", ep.name, ep.value, ALLOW_LIST_ENV)
             continue
         try:
-            plugin = ep.load()
+            plugin = _stand_in(ep.value) or _hooks_only(ep.load())
         except BaseException as exc:  # noqa: BLE001 - any import-time failure, sys.exit() included, is reported
             reason = f"{type(exc).__name__}: {exc}"
             _load_failures.append(PluginFailure(ep.name, ep.value, reason))

@@ -24,7 +24,6 @@ Parsers are registered by name (:func:`register_tool_parser`);
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +51,8 @@ class Parsed:
 
 def new_call_id() -> str:
     """A fresh id for a call, in OpenAI's ``call_...`` form."""
+    import uuid  # here, not at the top: a load imports this module and never calls this
+
     return f"call_{uuid.uuid4().hex[:24]}"
 
 

@@ -18,7 +18,6 @@ by the GPU probe only when a GPU plugin is installed.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 
 from infer.plugins.hookspecs import hookimpl
@@ -44,6 +43,8 @@ def _probe_cpu() -> Probe:
 
 
 def _installed(distribution: str) -> bool:
+    import importlib.metadata  # here, not at the top: its import is a noticeable share of a process's start
+
     try:
         importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
