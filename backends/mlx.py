@@ -732,7 +732,7 @@ def _probe_cpu() -> Probe:
 
 
 def _version() -> str:
-    from infer.plugins.discovery import distribution_version  # (not importlib.metadata: ~15 ms to import)
+    from infer.plugins.registry import distribution_version  # (not importlib.metadata: ~15 ms to import)
 
     version = distribution_version("mlx")
     return f"mlx {version} " if version else "mlx "

@@ -1032,7 +1032,7 @@ def _no_device_without_import(device: str) -> str | None:
         return None if sys.platform == "darwin" else "torch was built without MPS (Apple silicon only)"
     if device != "cuda":
         return None
-    from infer.plugins.discovery import distribution_version  # (not importlib.metadata: ~15 ms to import)
+    from infer.plugins.registry import distribution_version  # (not importlib.metadata: ~15 ms to import)
 
     version = distribution_version("torch")
     if version is None:  # no metadata: let torch answer

@@ -18,7 +18,7 @@ third-party plugin named in ``INFER_PLUGINS`` has opted in to replacing them
 (logged as a warning).
 
 infer's own architecture modules are not imported at discovery: a stand-in
-registers the specs :mod:`infer.architectures.index` lists for each, and the
+registers the specs :mod:`infer.plugins.architecture_index` lists for each, and the
 module is imported when one of its specs builds a model.
 """
 
@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.machinery
 import logging
 import os
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -39,7 +37,13 @@ from typing import Any
 import pluggy
 
 from infer.plugins import hookspecs
-from infer.plugins.registry import PluginFailure, Registry
+from infer.plugins.registry import (  # noqa: F401 - distribution_version re-exported
+    PluginFailure,
+    Registry,
+    _path_distributions,
+    _read,
+    distribution_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +78,10 @@ def _first_party(plugin: object) -> bool:
 
 def _stand_in(value: str) -> object | None:
     """What registers in place of a first-party architecture module without importing it
-    (:mod:`infer.architectures.index`), or None: the entry point is loaded."""
+    (:mod:`infer.plugins.architecture_index`), or None: the entry point is loaded."""
     if not value.startswith("infer.architectures."):
         return None
-    from infer.architectures import index
+    from infer.plugins import architecture_index as index
 
     return index.stand_in(value)
 
@@ -150,70 +154,6 @@ def entry_points(group: str) -> list[Any]:
         text = _read(folder, "entry_points.txt")
         found += [_EntryPoint(name, value) for g, name, value in _sections(text or "") if g == group]
     return found
-
-
-def distribution_version(distribution: str) -> str | None:
-    """The installed version of ``distribution`` (``importlib.metadata.version``), or None
-    where it is not installed; found as :func:`entry_points` finds distributions."""
-    distributions = _path_distributions()
-    if distributions is not None:
-        folder = distributions.get(_normalized(distribution))
-        if folder is None:
-            return None
-        text = _read(folder, "METADATA") or _read(folder, "PKG-INFO") or ""  # importlib.metadata's order
-        for line in text.splitlines():  # the headers, up to the first blank line
-            if not line.strip():
-                break
-            if line.startswith("Version:"):
-                return line[len("Version:"):].strip()
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _path_distributions() -> dict[str, str] | None:
-    """Normalized name -> metadata folder of each distribution ``importlib.metadata`` reads
-    (the first of each name, in its order), or None where the folders of ``sys.path`` are
-    not all it reads."""
-    path_finder = importlib.machinery.PathFinder
-    if any(getattr(f, "find_distributions", None) is not None and f is not path_finder for f in sys.meta_path):
-        return None
-    found: dict[str, str] = {}
-    for entry in sys.path:
-        if not isinstance(entry, str) or entry.endswith(".egg") or os.path.isfile(entry):
-            return None
-        for name, info in _distributions(entry):
-            found.setdefault(name, os.path.join(entry, info))
-    return found
-
-
-def _read(folder: str, name: str) -> str | None:
-    try:
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            return f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
-        return None
-
-
-def _distributions(folder: str) -> list[tuple[str, str]]:
-    """(normalized name, metadata folder) in ``folder``, grouped by name in the order each
-    name first appears (importlib.metadata's ``Lookup``)."""
-    try:
-        children = os.listdir(folder or ".")
-    except OSError:
-        return []
-    grouped: dict[str, list[str]] = {}
-    for child in children:
-        if child.lower().endswith((".dist-info", ".egg-info")):
-            grouped.setdefault(_normalized(child.rpartition(".")[0].partition("-")[0]), []).append(child)
-    return [(name, child) for name, same in grouped.items() for child in same]
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower().replace("-", "_")
 
 
 def _sections(text: str) -> Iterator[tuple[str, str, str]]:
