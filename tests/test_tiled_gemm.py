@@ -229,6 +229,11 @@ def test_the_attention_pool_is_made_again_in_a_forked_child() -> None:
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
     os.close(write)
-    got = os.read(read, 1)
+    import select
+    ready, _, _ = select.select([read], [], [], 60)  # a child stuck after fork must fail the test, not hang it
+    got = os.read(read, 1) if ready else b""
+    if not ready:
+        os.kill(child, 9)
     os.waitpid(child, 0)
+    os.close(read)
     assert got == b"1"
