@@ -182,38 +182,50 @@ AVX512 INLINE __m512i span_sums(const __m512i *p, const int vectors) {
     return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), z);
 }
 
+/* One span of R (1 or 2) rows (raw_row bytes apart) from block j0, against qs (the span's int8 values), dx
+ * and xs (its sixteen groups'), into acc. `limit`: the row's block count, or j0 + the span's blocks for a
+ * span known whole, in which every "past the row" test below folds away at compile time (a short row spent
+ * more on those tests and their branches than on its products: Gemma 3's 640-column head). */
+AVX512VNNI INLINE void q8_span_vnni(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t pf,
+                                    const int8_t *qs, const float *dx, const float *xs, Py_ssize_t j0, Py_ssize_t limit,
+                                    const int vectors, __m512 *acc) {
+    UNROLL for (int r = 0; r < R; r++) {
+        const uint8_t *w = raw + r * raw_row;
+        if (pf) ahead_of(w + j0 * BYTES(type) + pf, (16 / GROUPS(type)) * BYTES(type));
+        __m512i p[8];
+        /* a row's last span may hold fewer blocks: no work for the others */
+#define PAIR(u) p[(u) / 2] = j0 + (u) / VECTORS(type) < limit                                                         \
+                ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_vector(type, w, j0, limit, u),                      \
+                                      _mm512_loadu_si512(qs + 32 * (u)))                                               \
+                : _mm512_setzero_si512();
+        PAIR(0) PAIR(2) PAIR(4) PAIR(6)
+        if (vectors == 16) { PAIR(8) PAIR(10) PAIR(12) PAIR(14) }
+#undef PAIR
+        const __m512i isum = span_sums(p, vectors);
+        __m256 sc[2], bi[2];
+        span_scales_512(type, w, j0, limit, sc, bi);
+        const __m512 t = _mm512_mul_ps(join(sc), _mm512_loadu_ps(dx));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), t, acc[r]);
+        acc[r] = _mm512_fmadd_ps(join(bi), _mm512_loadu_ps(xs), acc[r]);
+    }
+}
+
 /* R (1 or 2) rows of blocks, raw_row bytes apart, against q (k int8 values in column order, whole spans of
  * them), dx and xs (a lane per group; qsum, each group's sum of q, is AVX2's), into y[0..R). Two rows at a
  * time: a short row (SmolLM2's 576 columns, two spans) is otherwise a chain of dependent reductions with
- * little for the core to overlap; the two rows' chains interleave, and they share each load of q. */
+ * little for the core to overlap; the two rows' chains interleave, and they share each load of q. The whole
+ * spans first, then the row's last, partial one (the same lanes, so the same sums as one loop). */
 AVX512VNNI INLINE void q8_row_vnni(const int type, const int R, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t pf, const int8_t *q,
                                    const float *dx, const float *xs, const int32_t *qsum, Py_ssize_t k, float *y) {
     (void)qsum;
     const Py_ssize_t blocks = k / VALUES(type), per = 16 / GROUPS(type); /* blocks a span */
     const int vectors = type == GGML_Q6_K ? 8 : 16;                     /* code vectors a span */
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (Py_ssize_t s = 0, j0 = 0; j0 < blocks; s++, j0 += per) {
-        const int8_t *qs = q + s * 32 * vectors;
-        UNROLL for (int r = 0; r < R; r++) {
-            const uint8_t *w = raw + r * raw_row;
-            if (pf) ahead_of(w + j0 * BYTES(type) + pf, per * BYTES(type));
-            __m512i p[8];
-            /* a row's last span may hold fewer blocks: no work for the others */
-#define PAIR(u) p[(u) / 2] = j0 + (u) / VECTORS(type) < blocks                                                       \
-                ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_vector(type, w, j0, blocks, u),                     \
-                                      _mm512_loadu_si512(qs + 32 * (u)))                                               \
-                : _mm512_setzero_si512();
-            PAIR(0) PAIR(2) PAIR(4) PAIR(6)
-            if (vectors == 16) { PAIR(8) PAIR(10) PAIR(12) PAIR(14) }
-#undef PAIR
-            const __m512i isum = span_sums(p, vectors);
-            __m256 sc[2], bi[2];
-            span_scales_512(type, w, j0, blocks, sc, bi);
-            const __m512 t = _mm512_mul_ps(join(sc), _mm512_loadu_ps(dx + s * 16));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), t, acc[r]);
-            acc[r] = _mm512_fmadd_ps(join(bi), _mm512_loadu_ps(xs + s * 16), acc[r]);
-        }
-    }
+    Py_ssize_t s = 0, j0 = 0;
+    for (; j0 + per <= blocks; s++, j0 += per)
+        q8_span_vnni(type, R, raw, raw_row, pf, q + s * 32 * vectors, dx + s * 16, xs + s * 16, j0, j0 + per, vectors, acc);
+    if (j0 < blocks)
+        q8_span_vnni(type, R, raw, raw_row, pf, q + s * 32 * vectors, dx + s * 16, xs + s * 16, j0, blocks, vectors, acc);
     for (int r = 0; r < R; r++) y[r] = hsum(half_sum(acc[r])); /* lanes l + l+8, then +4, +2, +1 */
 }
 
