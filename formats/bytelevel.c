@@ -63,19 +63,10 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    char *data;        /* the spellings (respelled where they need it), concatenated */
-    int64_t *start;    /* [n + 1]: token i is data[start[i]:start[i + 1]] */
-    uint32_t n;
+    Spellings sp;      /* the spellings, respelled where they need it (bpe.h) */
     uint8_t *raw;      /* [n]: decoded as its UTF-8 bytes (a character outside the alphabet) */
-    uint8_t *added;    /* [n]: matched whole in text */
-    int32_t *table;    /* open addressing, spelling -> id, -1 empty */
-    uint64_t mask;
     Pair *pairs;       /* open addressing, (left, right) -> (rank, merged) */
     uint64_t pair_mask;
-    int64_t max_len;
-    int64_t added_lengths[64];  /* the distinct byte lengths of added tokens, longest first */
-    int n_added_lengths;
-    uint8_t added_first[256];   /* bytes an added token starts with */
     int ignore_merges;
 } Vocab;
 
@@ -111,17 +102,8 @@ static int put_char(char *out, uint32_t cp) { /* UTF-8 of an alphabet character:
 
 /* -- the tables ---------------------------------------------------------------------- */
 
-static int64_t token_len(const Vocab *v, int32_t id) { return v->start[id + 1] - v->start[id]; }
-
 /* The id spelled s[0:len], or -1. */
-static int32_t lookup(const Vocab *v, const char *s, int64_t len) {
-    if (len > v->max_len) return -1;
-    for (uint64_t slot = fnv(s, len, FNV_START) & v->mask;; slot = (slot + 1) & v->mask) {
-        int32_t id = v->table[slot];
-        if (id < 0) return -1;
-        if (token_len(v, id) == len && memcmp(v->data + v->start[id], s, len) == 0) return id;
-    }
-}
+static int32_t lookup(const Vocab *v, const char *s, int64_t len) { return spelling_id(&v->sp, s, len, "", 0); }
 
 static uint64_t mix(uint64_t key) { /* splitmix64's finaliser: ids are dense, spread them */
     key ^= key >> 30;
@@ -141,11 +123,8 @@ static const Pair *find_pair(const Vocab *v, int32_t left, int32_t right) {
 }
 
 static void vocab_dealloc(Vocab *v) {
-    free(v->data);
-    free(v->start);
+    spellings_free(&v->sp);
     free(v->raw);
-    free(v->added);
-    free(v->table);
     free(v->pairs);
     Py_TYPE(v)->tp_free((PyObject *)v);
 }
@@ -162,7 +141,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Vocab takes positional arguments only");
         return -1;
     }
-    if (v->data) {
+    if (v->sp.data) {
         PyErr_SetString(PyExc_TypeError, "Vocab is initialised once");
         return -1;
     }
@@ -181,31 +160,25 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "Vocab: 1 to 2^30 tokens, spellings and merges ending at their data's end");
         goto done;
     }
-    v->n = (uint32_t)n;
+    Spellings *sp = &v->sp;
+    sp->n = (uint32_t)n;
     v->ignore_merges = ignore_merges;
     /* Respelled, a spelling takes at most two bytes for each stored one. */
     respelled = malloc(2 * (size_t)data.len + 1);
-    v->start = malloc((n + 1) * sizeof *v->start);
+    sp->start = malloc((n + 1) * sizeof *sp->start);
     v->raw = calloc(n, 1);
-    v->added = calloc(n, 1);
-    uint64_t capacity = 16;
-    while (capacity < 2 * (uint64_t)n) capacity *= 2;
-    v->table = malloc(capacity * sizeof *v->table);
     uint64_t pair_capacity = 16;
     while (pair_capacity < 2 * (uint64_t)n_merges) pair_capacity *= 2;
     v->pairs = malloc(pair_capacity * sizeof *v->pairs);
-    if (!respelled || !v->start || !v->raw || !v->added || !v->table || !v->pairs) {
+    if (!respelled || !sp->start || !v->raw || !v->pairs) {
         PyErr_NoMemory();
         goto done;
     }
-    memset(v->table, 0xff, capacity * sizeof *v->table);
-    v->mask = capacity - 1;
     for (uint64_t k = 0; k < pair_capacity; k++) v->pairs[k].key = EMPTY_PAIR;
     v->pair_mask = pair_capacity - 1;
 
     /* The spellings: checked, respelled where they need it, and put in the table. */
     int64_t out = 0, from = 0;
-    v->max_len = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t to = end[i];
         if (to < from || to > data.len) {
@@ -227,7 +200,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
             inside &= alphabet_byte(cp) >= 0;
             k += step;
         }
-        v->start[i] = out;
+        sp->start[i] = out;
         if (inside || kept[i]) {
             memcpy(respelled + out, stored + from, to - from);
             out += to - from;
@@ -237,24 +210,10 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         }
         from = to;
     }
-    v->start[n] = out;
-    v->data = respelled;
+    sp->start[n] = out;
+    sp->data = respelled;
     respelled = NULL;
-    for (int64_t i = 0; i < n; i++) {
-        const char *s = v->data + v->start[i];
-        int64_t len = token_len(v, (int32_t)i);
-        uint64_t slot = fnv(s, len, FNV_START) & v->mask;
-        for (;; slot = (slot + 1) & v->mask) {
-            int32_t id = v->table[slot];
-            if (id < 0) break;
-            if (token_len(v, id) == len && memcmp(v->data + v->start[id], s, len) == 0) {
-                PyErr_Format(PyExc_ValueError, "Vocab: tokens %d and %lld are spelled alike", id, (long long)i);
-                goto done;
-            }
-        }
-        v->table[slot] = (int32_t)i;
-        if (len > v->max_len) v->max_len = len;
-    }
+    if (spellings_index(sp) < 0) goto done;
 
     /* The merges: (left, right) -> (rank, merged), a later listing replacing an earlier. */
     const char *text = merges.buf;
@@ -271,7 +230,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         int32_t left = cut < len ? lookup(v, m, cut) : -1;
         int32_t right = left >= 0 ? lookup(v, m + cut + 1, len - cut - 1) : -1;
         int32_t merged = -1;
-        if (right >= 0 && cut + (len - cut - 1) <= v->max_len) {
+        if (right >= 0 && cut + (len - cut - 1) <= sp->max_len) {
             char joined[cut + (len - cut - 1) + 1];
             memcpy(joined, m, cut);
             memcpy(joined + cut, m + cut + 1, len - cut - 1);
@@ -289,32 +248,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
     }
 
     /* The added tokens, matched whole in text. */
-    memset(v->added_first, 0, sizeof v->added_first);
-    v->n_added_lengths = 0;
-    for (Py_ssize_t k = 0; k < added.len / 4; k++) {
-        int32_t id = add[k];
-        if (id < 0 || id >= n) {
-            PyErr_Format(PyExc_ValueError, "Vocab: added token id %d is out of range", id);
-            goto done;
-        }
-        v->added[id] = 1;
-        v->added_first[(uint8_t)v->data[v->start[id]]] = 1;
-        int64_t len = token_len(v, id);
-        int seen = 0;
-        for (int j = 0; j < v->n_added_lengths; j++) seen |= v->added_lengths[j] == len;
-        if (!seen) {
-            if (v->n_added_lengths == 64) {
-                PyErr_SetString(PyExc_ValueError, "Vocab: added tokens of more than 64 lengths");
-                goto done;
-            }
-            int j = v->n_added_lengths++;
-            while (j > 0 && v->added_lengths[j - 1] < len) { /* longest first */
-                v->added_lengths[j] = v->added_lengths[j - 1];
-                j--;
-            }
-            v->added_lengths[j] = len;
-        }
-    }
+    if (spellings_add(sp, add, added.len / 4) < 0) goto done;
     ok = 1;
 done:
     free(respelled);
@@ -328,21 +262,6 @@ done:
 }
 
 /* -- splitting at the added tokens -------------------------------------------------- */
-
-/* The added token starting at text[i] (the longest), its id, or -1; its length in *len. */
-static int32_t added_at(const Vocab *v, const char *text, int64_t i, int64_t size, int64_t *len) {
-    if (!v->added_first[(uint8_t)text[i]]) return -1;
-    for (int j = 0; j < v->n_added_lengths; j++) {
-        int64_t l = v->added_lengths[j];
-        if (i + l > size) continue;
-        int32_t id = lookup(v, text + i, l);
-        if (id >= 0 && v->added[id]) {
-            *len = l;
-            return id;
-        }
-    }
-    return -1;
-}
 
 static int append_steal(PyObject *list, PyObject *item) {
     if (!item) return 0;
@@ -359,14 +278,14 @@ static PyObject *vocab_split(Vocab *v, PyObject *arg) {
     if (!text) return NULL; /* not a str, or a lone surrogate */
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
-    if (!v->n_added_lengths) { /* nothing to split at */
+    if (!v->sp.n_added_lengths) { /* nothing to split at */
         if (size && PyList_Append(out, arg)) Py_CLEAR(out);
         return out;
     }
     int64_t piece = 0;
     for (int64_t i = 0; i < size;) {
         int64_t len = 0;
-        int32_t id = added_at(v, text, i, size, &len);
+        int32_t id = added_at(&v->sp, text, i, size, &len);
         if (id < 0) {
             i += utf8_len((uint8_t)text[i]);
             continue;
@@ -510,12 +429,12 @@ static PyObject *vocab_decode(Vocab *v, PyObject *arg) {
             Py_DECREF(fast);
             return NULL;
         }
-        if (id < 0 || id >= (long)v->n) {
+        if (id < 0 || id >= (long)v->sp.n) {
             PyErr_Format(PyExc_ValueError, "token id %ld is out of range", id);
             Py_DECREF(fast);
             return NULL;
         }
-        total += token_len(v, (int32_t)id);
+        total += spelling_len(&v->sp, (int32_t)id);
     }
     char *bytes = malloc(total ? total : 1);
     if (!bytes) {
@@ -525,8 +444,8 @@ static PyObject *vocab_decode(Vocab *v, PyObject *arg) {
     size_t size = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
         int32_t id = (int32_t)PyLong_AsLong(items[k]);
-        const uint8_t *s = (const uint8_t *)v->data + v->start[id];
-        int64_t len = token_len(v, id);
+        const uint8_t *s = (const uint8_t *)v->sp.data + v->sp.start[id];
+        int64_t len = spelling_len(&v->sp, id);
         if (v->raw[id]) { /* spelled outside the alphabet: its own bytes */
             memcpy(bytes + size, s, len);
             size += len;
@@ -545,49 +464,16 @@ static PyObject *vocab_decode(Vocab *v, PyObject *arg) {
     return text;
 }
 
-/* -- lookups ------------------------------------------------------------------------- */
-
-static PyObject *vocab_token_to_id(Vocab *v, PyObject *arg) {
-    Py_ssize_t len;
-    const char *s = PyUnicode_AsUTF8AndSize(arg, &len);
-    if (!s) return NULL;
-    int32_t id = lookup(v, s, len);
-    if (id < 0) Py_RETURN_NONE;
-    return PyLong_FromLong(id);
-}
-
-static PyObject *vocab_id_to_token(Vocab *v, PyObject *arg) {
-    long id = PyLong_AsLong(arg);
-    if (id == -1 && PyErr_Occurred()) return NULL;
-    if (id < 0 || id >= (long)v->n) Py_RETURN_NONE;
-    return PyUnicode_DecodeUTF8(v->data + v->start[id], token_len(v, (int32_t)id), "strict");
-}
-
-static Py_ssize_t vocab_length(Vocab *v) { return v->n; }
-
 static PyMethodDef vocab_methods[] = {
     {"split", (PyCFunction)vocab_split, METH_O, "split(text) -> list of str and added-token ids."},
     {"encode_words", (PyCFunction)vocab_encode_words, METH_O, "encode_words(words) -> list of ids."},
     {"decode", (PyCFunction)vocab_decode, METH_O, "decode(ids) -> text."},
-    {"token_to_id", (PyCFunction)vocab_token_to_id, METH_O, "The id of a spelling, or None."},
-    {"id_to_token", (PyCFunction)vocab_id_to_token, METH_O, "The spelling of an id, or None."},
+    LOOKUP_METHODS,
     {NULL, NULL, 0, NULL},
 };
 
-static PySequenceMethods vocab_sequence = {.sq_length = (lenfunc)vocab_length};
-
-static PyTypeObject VocabType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "infer.formats._bytelevel.Vocab",
-    .tp_basicsize = sizeof(Vocab),
-    .tp_dealloc = (destructor)vocab_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A byte-level BPE vocabulary and its merges (see formats/bytelevel.c).",
-    .tp_methods = vocab_methods,
-    .tp_as_sequence = &vocab_sequence,
-    .tp_init = (initproc)vocab_init,
-    .tp_new = PyType_GenericNew,
-};
+static PyTypeObject VocabType = VOCAB_TYPE("infer.formats._bytelevel.Vocab",
+                                         "A byte-level BPE vocabulary and its merges (see formats/bytelevel.c).");
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_bytelevel", "Byte-level BPE over a GGUF vocabulary and its merges.", -1, NULL,
@@ -595,14 +481,5 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__bytelevel(void) {
     init_alphabet();
-    if (PyType_Ready(&VocabType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
-    Py_INCREF(&VocabType);
-    if (PyModule_AddObject(m, "Vocab", (PyObject *)&VocabType) < 0) {
-        Py_DECREF(&VocabType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return vocab_module(&module, &VocabType);
 }

@@ -52,46 +52,19 @@ enum {
 
 typedef struct {
     PyObject_HEAD
-    char *data;        /* the spellings, concatenated */
-    int64_t *start;    /* [n + 1]: token i is data[start[i]:start[i + 1]] */
-    uint32_t n;
+    Spellings sp;      /* the spellings as stored (bpe.h) */
     uint64_t *rank;    /* [n]: group << 44 | (4095 - chars) << 20 | id */
     uint16_t *chars;   /* [n]: code points of each spelling */
     int16_t *byte;     /* [n]: the byte a <0xXX> token stands for when decoding, or -1 */
-    uint8_t *added;    /* [n]: matched whole in text */
-    int32_t *table;    /* open addressing, spelling -> id, -1 empty */
-    uint64_t mask;
     int32_t byte_id[256];
-    int64_t max_len;   /* bytes of the longest spelling */
-    int64_t added_lengths[64];  /* the distinct byte lengths of added tokens, longest first */
-    int n_added_lengths;
-    uint8_t added_first[256];   /* bytes an added token starts with */
     int mode;
 } Vocab;
 
-static int64_t token_len(const Vocab *v, int32_t id) { return v->start[id + 1] - v->start[id]; }
-
-/* The id of the spelling a ++ b (b may be empty), or -1. */
-static int32_t lookup2(const Vocab *v, const char *a, int64_t la, const char *b, int64_t lb) {
-    if (la + lb > v->max_len) return -1;
-    uint64_t slot = fnv(b, lb, fnv(a, la, FNV_START)) & v->mask;
-    for (;; slot = (slot + 1) & v->mask) {
-        int32_t id = v->table[slot];
-        if (id < 0) return -1;
-        if (token_len(v, id) == la + lb && memcmp(v->data + v->start[id], a, la) == 0 &&
-            memcmp(v->data + v->start[id] + la, b, lb) == 0)
-            return id;
-    }
-}
-
 static void vocab_dealloc(Vocab *v) {
-    free(v->data);
-    free(v->start);
+    spellings_free(&v->sp);
     free(v->rank);
     free(v->chars);
     free(v->byte);
-    free(v->added);
-    free(v->table);
     Py_TYPE(v)->tp_free((PyObject *)v);
 }
 
@@ -125,7 +98,7 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Vocab takes positional arguments only");
         return -1;
     }
-    if (v->data) {
+    if (v->sp.data) {
         PyErr_SetString(PyExc_TypeError, "Vocab is initialised once");
         return -1;
     }
@@ -143,36 +116,30 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
                      (long long)n, MAX_TOKENS);
         goto done;
     }
-    v->n = (uint32_t)n;
+    Spellings *sp = &v->sp;
+    sp->n = (uint32_t)n;
     v->mode = mode;
-    v->data = malloc(data.len ? data.len : 1);
-    v->start = malloc((n + 1) * sizeof *v->start);
+    sp->data = malloc(data.len ? data.len : 1);
+    sp->start = malloc((n + 1) * sizeof *sp->start);
     v->rank = malloc(n * sizeof *v->rank);
     v->chars = malloc(n * sizeof *v->chars);
     v->byte = malloc(n * sizeof *v->byte);
-    v->added = calloc(n, 1);
-    uint64_t capacity = 16;
-    while (capacity < 2 * (uint64_t)n) capacity *= 2;
-    v->table = malloc(capacity * sizeof *v->table);
-    if (!v->data || !v->start || !v->rank || !v->chars || !v->byte || !v->added || !v->table) {
+    if (!sp->data || !sp->start || !v->rank || !v->chars || !v->byte) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(v->data, data.buf, data.len);
-    memset(v->table, 0xff, capacity * sizeof *v->table);
-    v->mask = capacity - 1;
-    v->start[0] = 0;
-    v->max_len = 0;
+    memcpy(sp->data, data.buf, data.len);
+    sp->start[0] = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (end[i] < v->start[i] || end[i] > data.len) {
+        if (end[i] < sp->start[i] || end[i] > data.len) {
             PyErr_Format(PyExc_ValueError, "Vocab: ends[%lld] is out of order", (long long)i);
             goto done;
         }
-        v->start[i + 1] = end[i];
+        sp->start[i + 1] = end[i];
     }
     for (int64_t i = 0; i < n; i++) {
-        const char *s = v->data + v->start[i];
-        int64_t len = v->start[i + 1] - v->start[i];
+        const char *s = sp->data + sp->start[i];
+        int64_t len = spelling_len(sp, (int32_t)i);
         int64_t chars = 0;
         for (int64_t k = 0; k < len; k++) chars += ((uint8_t)s[k] & 0xC0) != 0x80;
         if (chars > MAX_CHARS || grp[i] >= MAX_TOKENS) {
@@ -187,53 +154,18 @@ static int vocab_init(Vocab *v, PyObject *args, PyObject *kwds) {
         v->chars[i] = (uint16_t)chars;
         v->rank[i] = (uint64_t)grp[i] << 44 | (uint64_t)(MAX_CHARS - chars) << 20 | (uint64_t)i;
         v->byte[i] = (int16_t)byte_of(s, len);
-        if (len > v->max_len) v->max_len = len;
-        uint64_t slot = fnv(s, len, FNV_START) & v->mask;
-        for (;; slot = (slot + 1) & v->mask) {
-            int32_t id = v->table[slot];
-            if (id < 0) break;
-            if (token_len(v, id) == len && memcmp(v->data + v->start[id], s, len) == 0) {
-                PyErr_Format(PyExc_ValueError, "Vocab: tokens %d and %lld are spelled alike", id, (long long)i);
-                goto done;
-            }
-        }
-        v->table[slot] = (int32_t)i;
     }
+    if (spellings_index(sp) < 0) goto done;
     for (int b = 0; b < 256; b++) {
         char code[7];
         snprintf(code, sizeof code, "<0x%02X>", b);
-        v->byte_id[b] = lookup2(v, code, 6, "", 0);
+        v->byte_id[b] = spelling_id(sp, code, 6, "", 0);
         if (v->byte_id[b] < 0) {
             PyErr_Format(PyExc_ValueError, "Vocab: no byte token %s", code);
             goto done;
         }
     }
-    memset(v->added_first, 0, sizeof v->added_first);
-    v->n_added_lengths = 0;
-    for (Py_ssize_t k = 0; k < added.len / 4; k++) {
-        int32_t id = add[k];
-        if (id < 0 || id >= n || token_len(v, id) == 0) {
-            PyErr_Format(PyExc_ValueError, "Vocab: added token id %d is not a non-empty token", id);
-            goto done;
-        }
-        v->added[id] = 1;
-        v->added_first[(uint8_t)v->data[v->start[id]]] = 1;
-        int64_t len = token_len(v, id);
-        int seen = 0;
-        for (int j = 0; j < v->n_added_lengths; j++) seen |= v->added_lengths[j] == len;
-        if (!seen) {
-            if (v->n_added_lengths == 64) {
-                PyErr_SetString(PyExc_ValueError, "Vocab: added tokens of more than 64 lengths");
-                goto done;
-            }
-            int j = v->n_added_lengths++;
-            while (j > 0 && v->added_lengths[j - 1] < len) {  /* longest first */
-                v->added_lengths[j] = v->added_lengths[j - 1];
-                j--;
-            }
-            v->added_lengths[j] = len;
-        }
-    }
+    if (spellings_add(sp, add, added.len / 4) < 0) goto done;
     ok = 1;
 done:
     PyBuffer_Release(&data);
@@ -254,7 +186,8 @@ typedef struct {
 /* The merge of symbols `pos` and its next, pushed when their concatenation is a token. */
 static int push_pair(const Vocab *v, Heap *h, const Symbol *sym, int32_t pos) {
     int32_t a = sym[pos].id, b = sym[sym[pos].next].id;
-    int32_t t = lookup2(v, v->data + v->start[a], token_len(v, a), v->data + v->start[b], token_len(v, b));
+    const Spellings *sp = &v->sp;
+    int32_t t = spelling_id(sp, sp->data + sp->start[a], spelling_len(sp, a), sp->data + sp->start[b], spelling_len(sp, b));
     if (t < 0) return 1;
     Merge m = {v->rank[t] | (uint64_t)(MAX_CHARS - v->chars[a]) << 32, pos, a, b, t};
     return heap_push(h, m);
@@ -275,7 +208,7 @@ static int encode_word(const Vocab *v, const char *w, int64_t len, Ids *out, Sym
     for (int64_t i = 0; i < len;) {
         int64_t step = utf8_len((uint8_t)w[i]);
         if (i + step > len) step = len - i;
-        int32_t id = lookup2(v, w + i, step, "", 0);
+        int32_t id = spelling_id(&v->sp, w + i, step, "", 0);
         if (id >= 0) {
             sym[count] = (Symbol){id, count - 1, count + 1, 1};
             count++;
@@ -339,18 +272,6 @@ static int encode_piece(const Vocab *v, const char *text, int64_t len, int at_st
     return encode_word(v, w, n, out, sym, sym_cap, heap);
 }
 
-/* The added token starting at text[i] (the longest), its byte length, or 0. */
-static int64_t added_at(const Vocab *v, const char *text, int64_t i, int64_t len) {
-    if (!v->added_first[(uint8_t)text[i]]) return 0;
-    for (int j = 0; j < v->n_added_lengths; j++) {
-        int64_t l = v->added_lengths[j];
-        if (i + l > len) continue;
-        int32_t id = lookup2(v, text + i, l, "", 0);
-        if (id >= 0 && v->added[id]) return l;
-    }
-    return 0;
-}
-
 static PyObject *vocab_encode(Vocab *v, PyObject *arg) {
     Py_ssize_t len;
     const char *text = PyUnicode_AsUTF8AndSize(arg, &len);
@@ -363,14 +284,15 @@ static PyObject *vocab_encode(Vocab *v, PyObject *arg) {
     int ok = 1;
     int64_t piece = 0;  /* where the current piece (not an added token) starts */
     for (int64_t i = 0; ok && i < len;) {
-        int64_t l = added_at(v, text, i, len);
-        if (!l) {
+        int64_t l = 0;
+        const int32_t added = added_at(&v->sp, text, i, len, &l);
+        if (added < 0) {
             i += utf8_len((uint8_t)text[i]);
             continue;
         }
         if (i > piece)
             ok = encode_piece(v, text + piece, i - piece, piece == 0, &out, &word, &word_cap, &sym, &sym_cap, &heap);
-        ok = ok && ids_push(&out, lookup2(v, text + i, l, "", 0));
+        ok = ok && ids_push(&out, added);
         i += l;
         piece = i;
     }
@@ -445,7 +367,7 @@ static PyObject *vocab_decode(Vocab *v, PyObject *args) {
             ok = 0;
             break;
         }
-        if (id < 0 || id >= (long)v->n) {
+        if (id < 0 || id >= (long)v->sp.n) {
             PyErr_Format(PyExc_ValueError, "token id %ld is out of range", id);
             ok = 0;
             break;
@@ -458,8 +380,8 @@ static PyObject *vocab_decode(Vocab *v, PyObject *args) {
             ok = flush_run(&t, run, run_len);
             run_len = 0;
         }
-        const char *s = v->data + v->start[id];
-        int64_t len = token_len(v, id);
+        const char *s = v->sp.data + v->sp.start[id];
+        int64_t len = spelling_len(&v->sp, id);
         for (int64_t i = 0; ok && i < len;) {
             if (i + 3 <= len && memcmp(s + i, "\xe2\x96\x81", 3) == 0) {
                 ok = text_add(&t, " ", 1);
@@ -486,62 +408,18 @@ static PyObject *vocab_decode(Vocab *v, PyObject *args) {
     return result;
 }
 
-/* -- lookups ----------------------------------------------------------------------- */
-
-static PyObject *vocab_token_to_id(Vocab *v, PyObject *arg) {
-    Py_ssize_t len;
-    const char *s = PyUnicode_AsUTF8AndSize(arg, &len);
-    if (!s) return NULL;
-    int32_t id = lookup2(v, s, len, "", 0);
-    if (id < 0) Py_RETURN_NONE;
-    return PyLong_FromLong(id);
-}
-
-static PyObject *vocab_id_to_token(Vocab *v, PyObject *arg) {
-    long id = PyLong_AsLong(arg);
-    if (id == -1 && PyErr_Occurred()) return NULL;
-    if (id < 0 || id >= (long)v->n) Py_RETURN_NONE;
-    return PyUnicode_DecodeUTF8(v->data + v->start[id], token_len(v, id), "strict");
-}
-
-static Py_ssize_t vocab_length(Vocab *v) { return v->n; }
-
 static PyMethodDef vocab_methods[] = {
     {"encode", (PyCFunction)vocab_encode, METH_O, "encode(text) -> list of ids (no BOS/EOS)."},
     {"decode", (PyCFunction)vocab_decode, METH_VARARGS, "decode(ids, strip) -> text."},
-    {"token_to_id", (PyCFunction)vocab_token_to_id, METH_O, "The id of a spelling, or None."},
-    {"id_to_token", (PyCFunction)vocab_id_to_token, METH_O, "The spelling of an id, or None."},
+    LOOKUP_METHODS,
     {NULL, NULL, 0, NULL},
 };
 
-static PySequenceMethods vocab_sequence = {.sq_length = (lenfunc)vocab_length};
-
-static PyTypeObject VocabType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "infer.formats._sentencepiece.Vocab",
-    .tp_basicsize = sizeof(Vocab),
-    .tp_dealloc = (destructor)vocab_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A SentencePiece BPE vocabulary merged by score (see formats/sentencepiece.c).",
-    .tp_methods = vocab_methods,
-    .tp_as_sequence = &vocab_sequence,
-    .tp_init = (initproc)vocab_init,
-    .tp_new = PyType_GenericNew,
-};
+static PyTypeObject VocabType = VOCAB_TYPE("infer.formats._sentencepiece.Vocab",
+                                         "A SentencePiece BPE vocabulary merged by score (see formats/sentencepiece.c).");
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_sentencepiece", "SentencePiece BPE merged by score over a GGUF vocabulary.", -1, NULL,
 };
 
-PyMODINIT_FUNC PyInit__sentencepiece(void) {
-    if (PyType_Ready(&VocabType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
-    Py_INCREF(&VocabType);
-    if (PyModule_AddObject(m, "Vocab", (PyObject *)&VocabType) < 0) {
-        Py_DECREF(&VocabType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__sentencepiece(void) { return vocab_module(&module, &VocabType); }
