@@ -32,7 +32,7 @@ import numpy as np
 import tokenizers
 
 from infer.formats.gguf_file import StringArray
-from infer.tokenizer import NativeBackend
+from infer.formats.gguf_native import VocabBackend
 
 try:
     import infer.formats._bytelevel as _bytelevel
@@ -47,7 +47,7 @@ def available() -> bool:
     return _bytelevel is not None
 
 
-class ByteLevelBackend(NativeBackend):
+class ByteLevelBackend(VocabBackend):
     """A byte-level BPE vocabulary and its merges, in C.
 
     Args:
@@ -76,45 +76,22 @@ class ByteLevelBackend(NativeBackend):
                  eos_id: int | None, build: Callable[[], tokenizers.Tokenizer]) -> None:
         if _bytelevel is None:
             raise ValueError("the C encoder (infer.formats._bytelevel) is not built")
-        self._special = frozenset(special)
-        whole = np.array(sorted(self._special | set(added)), np.int32)
+        super().__init__(special, bos_id, eos_id, build)
         self._vocab = _bytelevel.Vocab(*_stored(tokens), np.ascontiguousarray(keep, np.uint8), *_stored(merges),
-                                       whole, ignore_merges)
+                                       self.whole(added), ignore_merges)
         self._pre_tokenize = pre_tokenizer.pre_tokenize_str
-        self._before = [bos_id] if bos_id is not None else []
-        self._after = [eos_id] if eos_id is not None else []
-        self._build = build
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return self._special
 
     def encode_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self._before) if add_special_tokens else []
+        ids: list[int] = []
         for piece in self._vocab.split(text):
             if isinstance(piece, int):  # an added token
                 ids.append(piece)
             else:
                 ids += self._vocab.encode_words([word for word, _ in self._pre_tokenize(piece)])
-        return ids + self._after if add_special_tokens else ids
+        return self.around(ids, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        if skip_special_tokens and self._special:
-            ids = [i for i in ids if i not in self._special]
-        return self._vocab.decode(ids)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._vocab.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._vocab.id_to_token(token_id)
-
-    def tokenizers_backend(self) -> tokenizers.Tokenizer:
-        return self._build()
+        return self._vocab.decode(self.kept(ids, skip_special_tokens))
 
 
 def _stored(strings: Sequence[str]) -> tuple[bytes, np.ndarray]:

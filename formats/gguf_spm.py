@@ -30,7 +30,7 @@ import numpy as np
 import tokenizers
 
 from infer.formats.gguf_file import StringArray
-from infer.tokenizer import NativeBackend
+from infer.formats.gguf_native import VocabBackend
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def available() -> bool:
     return _sentencepiece is not None
 
 
-class SentencePieceBackend(NativeBackend):
+class SentencePieceBackend(VocabBackend):
     """A SentencePiece BPE vocabulary merged by score, in C.
 
     Args:
@@ -77,43 +77,20 @@ class SentencePieceBackend(NativeBackend):
                  build: Callable[[], tokenizers.Tokenizer]) -> None:
         if _sentencepiece is None:
             raise ValueError("the C encoder (infer.formats._sentencepiece) is not built")
-        self._special = frozenset(special)
-        whole = np.array(sorted(self._special | set(added)), np.int32)
+        super().__init__(special, bos_id, eos_id, build)
+        whole = self.whole(added)
         group = np.ascontiguousarray(group, np.uint32)
         try:
             self._vocab = _sentencepiece.Vocab(*_spellings(tokens, respell), group, whole, mode)
         except UnicodeError:  # stored bytes that are not UTF-8: spelled as a StringArray decodes them
             self._vocab = _sentencepiece.Vocab(*_spellings(list(tokens), respell), group, whole, mode)
         self._strip = strip
-        self._before = [bos_id] if bos_id is not None else []
-        self._after = [eos_id] if eos_id is not None else []
-        self._build = build
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return self._special
 
     def encode_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._vocab.encode(text)
-        return self._before + ids + self._after if add_special_tokens else ids
+        return self.around(self._vocab.encode(text), add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        if skip_special_tokens and self._special:
-            ids = [i for i in ids if i not in self._special]
-        return self._vocab.decode(ids, self._strip)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._vocab.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._vocab.id_to_token(token_id)
-
-    def tokenizers_backend(self) -> tokenizers.Tokenizer:
-        return self._build()
+        return self._vocab.decode(self.kept(ids, skip_special_tokens), self._strip)
 
 
 def score_groups(scores: np.ndarray) -> np.ndarray:
