@@ -131,17 +131,12 @@ def _affine_product(x: Any, affine: AffineTensor | QuantizedTensor, q8: bool = F
     rows (any number with ``q8``), else the tiled kernel, or, where
     :data:`~infer.backends.cpu.kernels.EXACT_GEMM` says ``blas``, dequantized
     slabs through torch's GEMM (an affine weight, or GGML blocks as stored)."""
-    n, k = affine.shape
-    out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    if q8 or x.shape[0] <= kernels.KERNEL_ROWS:
-        kernels.affine_gemv(x.numpy(), affine, out.numpy(), q8)
-        return out
-    if kernels.EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
-        kernels.affine_gemm(x.numpy(), affine, out.numpy())
-        return out
-    buffer = torch.empty(kernels.slab_rows(affine) * k, dtype=torch.float32)
-    for r0, r1, slab in kernels.affine_slabs(affine, buffer.numpy()):
+    out = torch.empty((x.shape[0], affine.shape[0]), dtype=torch.float32)
+
+    def product(r0: int, r1: int, slab: np.ndarray) -> None:
         out[:, r0:r1] = x @ torch.from_numpy(slab).T
+
+    kernels.affine_product(x.numpy(), affine, out.numpy(), q8, lambda values: np.empty(values, np.float32), product)
     return out
 
 

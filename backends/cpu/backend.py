@@ -75,7 +75,7 @@ from infer.ops import (
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 from . import kernels, recurrent
-from .kernels import GOVERNOR, Q8_FLAG, affine_gemm, affine_gemv, affine_slabs, block_form, slab_rows, with_kernel_args
+from .kernels import GOVERNOR, Q8_FLAG, block_form, with_kernel_args
 
 if TYPE_CHECKING:  # imported where the pool is made: every load imports this module
     import concurrent.futures
@@ -233,22 +233,20 @@ class CpuBackend(Backend):
         n, k = w.shape
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, k))
-        m = x2.shape[0]
-        out = np.empty((m, n), np.float32)
-        q8 = self.activations == "q8"
-        self._after_blas = m > self.KERNEL_ROWS and not q8
-        if m <= self.KERNEL_ROWS or q8:
-            affine_gemv(x2, w, out, q8)
-        elif kernels.EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
-            self._after_blas = False  # the kernels' own threads, not BLAS's
-            affine_gemm(x2, w, out)
-        else:
-            need = slab_rows(w, self.SLAB_BYTES) * k
-            if self._slab.size < need:
-                self._slab = np.empty(need, np.float32)
-            for r0, r1, slab in affine_slabs(w, self._slab[:need]):
-                np.matmul(x2, slab.T, out=out[:, r0:r1])
+        out = np.empty((x2.shape[0], n), np.float32)
+
+        def product(r0: int, r1: int, slab: np.ndarray) -> None:
+            np.matmul(x2, slab.T, out=out[:, r0:r1])
+
+        self._after_blas = kernels.affine_product(x2, w, out, self.activations == "q8", self._slab_buffer, product,
+                                                  self.KERNEL_ROWS, self.SLAB_BYTES)
         return out.reshape(*lead, n)
+
+    def _slab_buffer(self, values: int) -> np.ndarray:
+        """The float32 buffer the BLAS path dequantizes slabs into, kept between products."""
+        if self._slab.size < values:
+            self._slab = np.empty(values, np.float32)
+        return self._slab
 
     @property
     def max_capture_tokens(self) -> int | None:  # type: ignore[override]

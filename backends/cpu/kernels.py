@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -392,6 +392,28 @@ def affine_slabs(w: AffineTensor | QuantizedTensor, buffer: np.ndarray) -> Itera
         native.dequantize(bits, codes[r0:r1], scales[r0:r1], None if biases is None else biases[r0:r1], slab, r1 - r0,
                           k, False, group, half, factor)
         yield r0, r1, slab
+
+
+def affine_product(x2: np.ndarray, w: AffineTensor | QuantizedTensor, out: np.ndarray, q8: bool,
+                   slab_buffer: Callable[[int], np.ndarray], slab_product: Callable[[int, int, np.ndarray], None],
+                   kernel_rows: int = KERNEL_ROWS, slab_bytes: int = SLAB_BYTES) -> bool:
+    """``out = x2 @ W.T`` as every CPU backend runs it: the C kernels for up
+    to ``kernel_rows`` rows (any number with ``q8``), else the tiled kernel,
+    or, where :data:`EXACT_GEMM` says ``blas``, ``slab_product(r0, r1, slab)``
+    (the caller's GEMM of ``x2`` with each dequantized slab into ``out[:, r0:r1]``)
+    over slabs of ``slab_bytes`` in ``slab_buffer(values)``, a float32 buffer
+    of at least that many values. Returns whether BLAS ran it (its threads may
+    still be spinning)."""
+    if q8 or x2.shape[0] <= kernel_rows:
+        affine_gemv(x2, w, out, q8)
+        return False
+    if EXACT_GEMM == "tiled":  # read here: a benchmark may switch it between runs
+        affine_gemm(x2, w, out)
+        return False
+    need = slab_rows(w, slab_bytes) * w.shape[1]
+    for r0, r1, slab in affine_slabs(w, slab_buffer(need)[:need]):
+        slab_product(r0, r1, slab)
+    return True
 
 
 def with_kernel_args(weight: PackedWeight) -> PackedWeight:
