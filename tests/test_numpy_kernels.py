@@ -551,6 +551,38 @@ def test_grouped_query_heads_give_the_bits_of_each_head_alone(d: int, hq: int, h
     assert np.array_equal(grouped.view(np.uint32), alone.view(np.uint32))
 
 
+@needs_kernels
+@pytest.mark.parametrize("pool", ["float32", "float16", "q8_0"])
+@pytest.mark.parametrize("tq,hq,hkv", [(1, 32, 8), (5, 32, 8), (3, 8, 1), (2, 64, 32)])
+def test_attention_has_the_same_bits_on_any_number_of_threads(pool: str, tq: int, hq: int, hkv: int) -> None:
+    # A thread takes its tasks (a query row's key/value heads) tile by tile together,
+    # up to 16 at a time: each task's sums are its own whichever tasks share a thread,
+    # with several key tiles (300 keys), a window and sinks, more tasks than go
+    # together (5 x 8, 2 x 32) and one group split over the threads (hkv 1).
+    rng = np.random.default_rng(tq * 100 + hkv)
+    tk, d = 300, 64
+    q = rng.standard_normal((tq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((tk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((tk, hkv, d)).astype(np.float32)
+    if pool == "float16":
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    elif pool == "q8_0":
+        def blocks(x: np.ndarray) -> np.ndarray:
+            out = np.empty(x.size // 32 * 34, np.uint8)
+            kernels_module.quantize_q8_0(np.ascontiguousarray(x.reshape(-1)), out)
+            return out.reshape(tk, hkv, d // 32 * 34)
+        k, v = blocks(k), blocks(v)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    outputs = []
+    for parallel in (False, True):
+        out = np.full((tq, hq, d), np.nan, np.float32)
+        kernels_module.attention(q, k, v, out, tq, tk, hq, hkv, d, d, 0.125, True, 200, 0.0, parallel=parallel,
+                                 sinks=sinks)
+        outputs.append(out)
+    assert np.isfinite(outputs[0]).all()
+    assert np.array_equal(outputs[0].view(np.uint32), outputs[1].view(np.uint32))
+
+
 def paged(table: list[int], context: int, tq: int, block: int) -> AttentionBatch:
     """One sequence of ``context`` keys in the pool's blocks ``table``."""
     return AttentionBatch(np.array([0, tq], np.int32), np.array([context], np.int32),

@@ -221,13 +221,19 @@ static void q8_0_scores(const uint8_t *const *keys, Py_ssize_t n, const int8_t *
 
 typedef int8_t v8b_u __attribute__((vector_size(8), aligned(1), may_alias));
 
-/* What one task works in (one per thread). */
+/* One task: query row i's heads h0..h0+G of key/value head kvh over the visible
+ * keys [lo, hi), and what it carries from one tile of keys to the next. */
+struct group_state {
+    Py_ssize_t i, kvh, h0, G, lo, hi;
+    int8_t *q;                   /* [group][dk] a q8_0 pool's query codes */
+    float *qf, *qd, *o, *m, *l;  /* [group][dk] the queries; [group][dk/32] their q8_0 scales;
+                                    [group][dv] sums; [group] running max and sum */
+};
+
+/* What a thread's tasks share, one tile at a time. */
 struct group_work {
-    int8_t *q;                      /* [group][dk] a q8_0 pool's query codes */
-    float *qf, *qd, *s, *o, *m, *l, *vt; /* [group][dk] the queries; [group][dk/32] their q8_0 scales;
-                                           [group][tile] scores; [group][dv] sums; [group] running max
-                                           and sum; [tile][dv] a q8_0 pool's values, dequantized */
-    const uint8_t **keys;           /* [tile] a q8_0 pool's key rows */
+    float *s, *vt;         /* [group][tile] scores; [tile][dv] a q8_0 pool's values, dequantized */
+    const uint8_t **keys;  /* [tile] a q8_0 pool's key rows */
 };
 
 static Py_ssize_t key_tile(Py_ssize_t dv) {
@@ -235,74 +241,99 @@ static Py_ssize_t key_tile(Py_ssize_t dv) {
     return t < 16 ? 16 : t > Q8_0_TILE ? Q8_0_TILE : t;
 }
 
-/* Query row i's heads h0..h0+G of one key/value head kvh. half: 0 float32 rows,
- * 1 float16 (portable conversion), 2 float16 (F16C), KV_Q8_0 q8_0 blocks; path 2
- * is the AVX2 instance (its q8_0 scores in x86/kvq8_x86.c). */
-static inline __attribute__((always_inline)) void attend_group(const struct attend_args *a, Py_ssize_t i,
-                                                               Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,
-                                                               struct group_work *w, int half, int path) {
+/* A task's visible keys, its queries (a q8_0 pool's rounded once), and an empty softmax. */
+static void group_begin(const struct attend_args *a, struct group_state *st) {
+    const int q8 = a->half == KV_Q8_0;
+    const Py_ssize_t pos = a->tk - a->tq + st->i, dk = a->dk, dv = a->dv;
+    st->lo = 0, st->hi = a->tk;
+    if (a->causal) st->hi = pos + 1 < a->tk ? pos + 1 : a->tk;
+    if (a->window > 0 && pos - a->window + 1 > st->lo) st->lo = pos - a->window + 1;
+    if (a->window > 0 && !a->causal && pos + a->window < st->hi) st->hi = pos + a->window;
+    for (Py_ssize_t g = 0; g < st->G; g++) {
+        const float *qh = a->Q + (st->i * a->hq + st->h0 + g) * dk;
+        if (q8)
+            q8_0_query(qh, dk / 32, st->q + g * dk, st->qd + g * (dk / 32));
+        else
+            memcpy(st->qf + g * dk, qh, (size_t)dk * sizeof(float));
+        /* A sink is one more logit with no value: the softmax starts from it. */
+        st->m[g] = a->sinks ? a->sinks[st->h0 + g] : -INFINITY;
+        st->l[g] = a->sinks ? 1.0f : 0.0f;
+        for (Py_ssize_t c = 0; c < dv; c++) st->o[g * dv + c] = 0.0f;
+    }
+}
+
+/* The task's output: each head's sums over its softmax's total. */
+static void group_end(const struct attend_args *a, const struct group_state *st) {
+    const Py_ssize_t dv = a->dv;
+    for (Py_ssize_t g = 0; g < st->G; g++) {
+        float *out = a->O + (st->i * a->hq + st->h0 + g) * dv;
+        for (Py_ssize_t c = 0; c < dv; c++) out[c] = st->hi > st->lo ? st->o[g * dv + c] / st->l[g] : 0.0f;
+    }
+}
+
+/* The task's keys from t0 (a tile of them, those visible): scores, the online
+ * softmax, the values' sums. half: 0 float32 rows, 1 float16 (portable conversion),
+ * 2 float16 (F16C), KV_Q8_0 q8_0 blocks; path 2 is the AVX2 instance (its q8_0
+ * scores in x86/kvq8_x86.c). */
+static inline __attribute__((always_inline)) void attend_tile(const struct attend_args *a, struct group_state *st,
+                                                              struct group_work *w, Py_ssize_t t0, int half,
+                                                              int path) {
     const int q8 = half == KV_Q8_0;
-    const Py_ssize_t pos = a->tk - a->tq + i;
-    Py_ssize_t lo = 0, hi = a->tk; /* visible keys: [lo, hi) */
-    if (a->causal) hi = pos + 1 < a->tk ? pos + 1 : a->tk;
-    if (a->window > 0 && pos - a->window + 1 > lo) lo = pos - a->window + 1;
-    if (a->window > 0 && !a->causal && pos + a->window < hi) hi = pos + a->window;
+    const Py_ssize_t kvh = st->kvh, G = st->G, hi = st->hi;
     const Py_ssize_t dk = a->dk, dv = a->dv, hkv = a->hkv, T = key_tile(dv);
     const Py_ssize_t size = half ? 2 : 4, krow = q8 ? dk / 32 * Q8_0_BYTES : dk, vrow = q8 ? dv / 32 * Q8_0_BYTES : dv;
     const char *K = a->K, *V = a->V;
 #define KEY(j) ((ROW(a, j) * hkv + kvh) * krow) /* element (q8_0: byte) index of key j's row */
 #define VALUE(j) ((ROW(a, j) * hkv + kvh) * vrow)
-    for (Py_ssize_t g = 0; g < G; g++) {
-        const float *qh = a->Q + (i * a->hq + h0 + g) * dk;
-        if (q8)
-            q8_0_query(qh, dk / 32, w->q + g * dk, w->qd + g * (dk / 32));
-        else
-            memcpy(w->qf + g * dk, qh, (size_t)dk * sizeof(float));
-        /* A sink is one more logit with no value: the softmax starts from it. */
-        w->m[g] = a->sinks ? a->sinks[h0 + g] : -INFINITY;
-        w->l[g] = a->sinks ? 1.0f : 0.0f;
-        for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] = 0.0f;
-    }
-    for (Py_ssize_t t0 = lo; t0 < hi; t0 += T) {
+    {
         const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
         if (q8) {
             for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
 #ifdef HAVE_X86
             if (path == 2)
-                q8_0_scores_avx2(w->keys, n, w->q, w->qd, G, dk / 32, w->s, T);
+                q8_0_scores_avx2(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
             else
 #endif
-                q8_0_scores(w->keys, n, w->q, w->qd, G, dk / 32, w->s, T);
+                q8_0_scores(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
         } else {
             for (Py_ssize_t j = 0; j < n; j++) {
-                if (j + 8 < n) /* rows hkv * dk apart: the hardware prefetchers stop at each page */
-                    for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(K + KEY(t0 + j + 8) * size + b, 0, 3);
-                dot_heads(w->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
+                /* Rows hkv * dk apart, which the hardware prefetchers follow poorly: this head's
+                 * keys and values of the next tile asked for, a key at a time, while the
+                 * tasks beside it take their turns at this tile. */
+                if (t0 + T + j < hi) {
+                    for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(K + KEY(t0 + T + j) * size + b, 0, 3);
+                    for (Py_ssize_t b = 0; b < dv * size; b += 64) __builtin_prefetch(V + VALUE(t0 + T + j) * size + b, 0, 3);
+                }
+                dot_heads(st->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
             }
         }
         for (Py_ssize_t g = 0; g < G; g++) {
-            float *s = w->s + g * T, top = w->m[g];
+            float *s = w->s + g * T, top = st->m[g];
             for (Py_ssize_t j = 0; j < n; j++) {
                 float sc = s[j] * a->scale;
                 if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
                 s[j] = sc;
                 if (sc > top) top = sc;
             }
-            const float corr = exp1_below(w->m[g] - top); /* the sums so far, rescaled to the new maximum */
+            const float corr = exp1_below(st->m[g] - top); /* the sums so far, rescaled to the new maximum */
             Py_ssize_t j = 0;
             for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
             for (; j < n; j++) s[j] = exp1_below(s[j] - top);
             float total = 0.0f;
             for (j = 0; j < n; j++) total += s[j];
-            w->l[g] = w->l[g] * corr + total;
+            st->l[g] = st->l[g] * corr + total;
             if (corr != 1.0f)
-                for (Py_ssize_t c = 0; c < dv; c++) w->o[g * dv + c] *= corr;
-            w->m[g] = top;
+                for (Py_ssize_t c = 0; c < dv; c++) st->o[g * dv + c] *= corr;
+            st->m[g] = top;
         }
         if (q8) /* the tile's values, dequantized once for the group */
             for (Py_ssize_t j = 0; j < n; j++) {
                 const uint8_t *row = (const uint8_t *)V + VALUE(t0 + j);
                 if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
+                if (t0 + T + j < hi) { /* the next tile's, as for the float pools above */
+                    for (Py_ssize_t b = 0; b < krow; b += 64) __builtin_prefetch(K + KEY(t0 + T + j) + b, 0, 3);
+                    for (Py_ssize_t b = 0; b < vrow; b += 64) __builtin_prefetch(V + VALUE(t0 + T + j) + b, 0, 3);
+                }
                 float *vt = w->vt + j * dv;
                 for (Py_ssize_t b = 0; b < dv / 32; b++) {
                     uint16_t h;
@@ -318,7 +349,7 @@ static inline __attribute__((always_inline)) void attend_group(const struct atte
          * keys; each column's sum is over j in order. */
         for (Py_ssize_t g = 0; g < G; g++) {
             const float *p = w->s + g * T;
-            float *og = w->o + g * dv;
+            float *og = st->o + g * dv;
             Py_ssize_t c0 = 0;
             for (; c0 + 64 <= dv; c0 += 64) {
                 float *o = og + c0;
@@ -371,75 +402,104 @@ static inline __attribute__((always_inline)) void attend_group(const struct atte
                 for (Py_ssize_t j = 0; j < n; j++) og[c0] += p[j] * kv1(V, VALUE(t0 + j) + c0, half);
         }
     }
-    for (Py_ssize_t g = 0; g < G; g++) {
-        float *out = a->O + (i * a->hq + h0 + g) * dv;
-        for (Py_ssize_t c = 0; c < dv; c++) out[c] = hi > lo ? w->o[g * dv + c] / w->l[g] : 0.0f;
-    }
 #undef KEY
 #undef VALUE
 }
 
 /* Compiled per path and per storage, so that each loop knows its loads. */
-#define GROUP_FN(name, half, path)                                                                                  \
-    static void name(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,       \
-                     struct group_work *w) {                                                                        \
-        attend_group(a, i, kvh, h0, G, w, half, path);                                                             \
+#define TILE_FN(name, half, path)                                                                                   \
+    static void name(const struct attend_args *a, struct group_state *st, struct group_work *w, Py_ssize_t t0) {   \
+        attend_tile(a, st, w, t0, half, path);                                                                     \
     }
-GROUP_FN(group_portable, 0, 0)
-GROUP_FN(group_portable_f16, 1, 0)
-GROUP_FN(group_portable_q8_0, KV_Q8_0, 0)
+TILE_FN(tile_portable, 0, 0)
+TILE_FN(tile_portable_f16, 1, 0)
+TILE_FN(tile_portable_q8_0, KV_Q8_0, 0)
 #ifdef HAVE_X86
-AVX2 static void group_avx2(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0, Py_ssize_t G,
-                            struct group_work *w) {
-    attend_group(a, i, kvh, h0, G, w, 0, 2);
+AVX2 static void tile_avx2(const struct attend_args *a, struct group_state *st, struct group_work *w, Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, 0, 2);
 }
-AVX2 static void group_avx2_f16(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0,
-                                Py_ssize_t G, struct group_work *w) {
-    attend_group(a, i, kvh, h0, G, w, 2, 2);
+AVX2 static void tile_avx2_f16(const struct attend_args *a, struct group_state *st, struct group_work *w,
+                               Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, 2, 2);
 }
-AVX2 static void group_avx2_q8_0(const struct attend_args *a, Py_ssize_t i, Py_ssize_t kvh, Py_ssize_t h0,
-                                 Py_ssize_t G, struct group_work *w) {
-    attend_group(a, i, kvh, h0, G, w, KV_Q8_0, 2);
+AVX2 static void tile_avx2_q8_0(const struct attend_args *a, struct group_state *st, struct group_work *w,
+                                Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, KV_Q8_0, 2);
 }
 #endif
 
+/* A thread's tasks sharing a query row (its key/value heads, in order) go tile by tile
+ * together, up to this many: a pool row holds every key/value head's keys side by side,
+ * and one head's pass over all the keys read a few hundred bytes of each row, a row
+ * apart (a 1B model's float16 pool at 4k keys: 1.9x the time of reading the same bytes
+ * contiguously). Each task's arithmetic is its own, tile for tile, so the bits are
+ * those of one task at a time. */
+#define TASKS_TOGETHER 16
+
 /* Every (query row, key/value head) of a, each group split into parts when there
  * are fewer of those tasks than threads (a model with one key/value head), across
- * the OpenMP threads where parallel and the work is worth it. 0 when out of memory;
- * dk and dv must be multiples of 32 for q8_0 blocks. */
+ * the OpenMP threads where parallel and the work is worth it, each thread a run of
+ * consecutive tasks. 0 when out of memory; dk and dv must be multiples of 32 for
+ * q8_0 blocks. */
 int attention_run(const struct attend_args *a, int parallel) {
-    typedef void (*group_fn)(const struct attend_args *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
-                             struct group_work *);
-    group_fn fn = a->half == KV_Q8_0 ? group_portable_q8_0 : a->half ? group_portable_f16 : group_portable;
+    typedef void (*tile_fn)(const struct attend_args *, struct group_state *, struct group_work *, Py_ssize_t);
+    tile_fn fn = a->half == KV_Q8_0 ? tile_portable_q8_0 : a->half ? tile_portable_f16 : tile_portable;
 #ifdef HAVE_X86
-    if (use_avx2) fn = a->half == KV_Q8_0 ? group_avx2_q8_0 : a->half ? group_avx2_f16 : group_avx2;
+    if (use_avx2) fn = a->half == KV_Q8_0 ? tile_avx2_q8_0 : a->half ? tile_avx2_f16 : tile_avx2;
 #endif
     const Py_ssize_t G = a->hq / a->hkv, T = key_tile(a->dv), rows = a->tq * a->hkv;
     const int go = parallel && rows * G > 1 && a->tk * a->dk >= 4096, threads = go ? max_threads() : 1;
     Py_ssize_t parts = rows >= threads ? 1 : (threads + rows - 1) / rows;
     if (parts > G) parts = G;
-    const Py_ssize_t per = (G + parts - 1) / parts, tasks = rows * parts;
+    const Py_ssize_t per = (G + parts - 1) / parts, tasks = rows * parts, dk = a->dk, dv = a->dv;
     int failed = 0;
     #pragma omp parallel if (go && tasks > 1) reduction(|: failed)
     {
         struct group_work w;
-        const size_t floats = (size_t)(2 * per * a->dk + per * T + per * a->dv + 2 * per + T * a->dv);
-        float *f = malloc(floats * sizeof(float));
-        w.q = malloc((size_t)(per * a->dk));
+        struct group_state st[TASKS_TOGETHER];
+        /* each task's queries, their scales, sums, maximum and total; the shared scores and values */
+        const size_t each = (size_t)(2 * per * dk + per * dv + 2 * per);
+        float *f = malloc(((size_t)TASKS_TOGETHER * each + (size_t)(per * T + T * dv)) * sizeof(float));
+        int8_t *codes = malloc((size_t)(TASKS_TOGETHER * per * dk));
         w.keys = malloc((size_t)T * sizeof(*w.keys));
-        if (!f || !w.q || !w.keys) {
+        if (!f || !codes || !w.keys) {
             failed = 1;
         } else {
-            w.qf = f, w.qd = w.qf + per * a->dk, w.s = w.qd + per * a->dk, w.o = w.s + per * T;
-            w.m = w.o + per * a->dv, w.l = w.m + per, w.vt = w.l + per;
-            #pragma omp for schedule(static)
-            for (Py_ssize_t task = 0; task < tasks; task++) {
-                const Py_ssize_t row = task / parts, part = task % parts, h = part * per;
-                if (h < G) fn(a, row / a->hkv, row % a->hkv, row % a->hkv * G + h, G - h < per ? G - h : per, &w);
+            for (int u = 0; u < TASKS_TOGETHER; u++) {
+                float *e = f + u * each;
+                st[u].qf = e, st[u].qd = e + per * dk, st[u].o = e + 2 * per * dk;
+                st[u].m = st[u].o + per * dv, st[u].l = st[u].m + per, st[u].q = codes + u * per * dk;
+            }
+            w.s = f + TASKS_TOGETHER * each, w.vt = w.s + per * T;
+#ifdef _OPENMP
+            const Py_ssize_t me = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+            const Py_ssize_t me = 0, team = 1;
+#endif
+            const Py_ssize_t first = tasks * me / team, last = tasks * (me + 1) / team;
+            for (Py_ssize_t t = first; t < last;) {
+                int count = 0; /* the next tasks of one query row, set up */
+                for (; t < last && count < TASKS_TOGETHER; t++) {
+                    const Py_ssize_t row = t / parts, h = t % parts * per;
+                    if (h >= G) continue;
+                    if (count && row / a->hkv != st[0].i) break;
+                    struct group_state *u = &st[count++];
+                    u->i = row / a->hkv, u->kvh = row % a->hkv, u->h0 = row % a->hkv * G + h;
+                    u->G = G - h < per ? G - h : per;
+                    group_begin(a, u);
+                }
+                for (Py_ssize_t k = 0, more = 1; more; k++) { /* tile k of each */
+                    more = 0;
+                    for (int u = 0; u < count; u++) {
+                        const Py_ssize_t t0 = st[u].lo + k * T;
+                        if (t0 < st[u].hi) fn(a, &st[u], &w, t0), more = 1;
+                    }
+                }
+                for (int u = 0; u < count; u++) group_end(a, &st[u]);
             }
         }
         free(f);
-        free(w.q);
+        free(codes);
         free(w.keys);
     }
     return !failed;
