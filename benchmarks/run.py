@@ -24,9 +24,9 @@ the same table, Q4_K_M with random weights written once into the cache by
 ``--long`` is the long-context mode, run on its own (``long.json``): each
 model decodes ``--long-new-tokens`` tokens after a 4,096-token and a
 16,384-token prompt (``--repeats`` at 4k, one repeat at 16k), infer with a
-float16 KV pool (and a q8_0 one where the backend lists it) against
-llama.cpp's default float16 cache, and issue 51's long-context targets are
-checked.
+float16 KV pool (and a q8_0 one where the backend lists it; with
+``--long-q8``, each also with int8 activations) against llama.cpp's default
+float16 cache, and issue 51's long-context targets are checked.
 ``--update-docs`` rewrites the marked results block of
 docs/performance.md and README.md from those results (``--from`` does that
 from an earlier JSON without measuring again).
@@ -179,28 +179,34 @@ def targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 F16_POOL, Q8_POOL = "infer kv float16", "infer kv q8_0"
+#: The same pools with int8 activations (activations="q8"), the products llama.cpp's own kind.
+Q8_ACT = " q8 (approximate)"
 
 
-def long_engines(backend: str | None) -> list[bench.EngineSpec]:
-    """infer with a float16 KV pool, with a q8_0 one where the backend lists it, and llama.cpp
-    (its default cache is float16)."""
+def long_engines(backend: str | None, activations: bool = False) -> list[bench.EngineSpec]:
+    """infer with a float16 KV pool, with a q8_0 one where the backend lists it (with
+    ``activations``, each also with int8 activations), and llama.cpp (its default cache is float16)."""
     from infer.plugins.selection import select_backend
 
-    specs = [bench.infer_engine(backend, kv_dtype="float16", label=F16_POOL)]
+    pools = [("float16", F16_POOL)]
     if "q8_0" in select_backend(backend, None).kv_dtypes:
-        specs.append(bench.infer_engine(backend, kv_dtype="q8_0", label=Q8_POOL))
+        pools.append(("q8_0", Q8_POOL))
+    specs = [bench.infer_engine(backend, kv_dtype=kv, label=label) for kv, label in pools]
+    if activations:
+        specs += [bench.infer_engine(backend, kv_dtype=kv, activations="q8", label=label + Q8_ACT)
+                  for kv, label in pools]
     return specs + bench.parse_peers("llama.cpp")
 
 
 def run_long(models: list[str], backend: str | None, repeats: int, new_tokens: int, threads: int | None,
-             contexts: tuple[tuple[int, int | None], ...] = LONG_CONTEXTS) -> dict[str, Any]:
+             contexts: tuple[tuple[int, int | None], ...] = LONG_CONTEXTS, activations: bool = False) -> dict[str, Any]:
     """The long-context mode: each model at each of ``contexts`` ((prompt tokens, repeats or None)...)."""
     reports = []
     for name in models:
         for context, fixed in contexts:
             config = bench.BenchConfig(repeats=fixed or repeats, prompt_tokens=context, new_tokens=new_tokens,
                                        threads=threads, baseline="llama.cpp")
-            report = bench.run_benchmark(model_path(name), long_engines(backend), config)
+            report = bench.run_benchmark(model_path(name), long_engines(backend, activations), config)
             report["context"] = context
             reports.append(report)
     suite = {"schema": "infer-bench-suite/1", "mode": "long", "reports": reports}
@@ -218,7 +224,8 @@ def long_targets(suite: dict[str, Any]) -> list[dict[str, Any]]:
         if peer is None or not peer["median"]["decode_tok_s"]:
             continue
         where = f"{name} @ {context // 1024}k" if context % 1024 == 0 else f"{name} @ {context} tokens"
-        for label, goal in ((F16_POOL, 1.0), (Q8_POOL, 1.15 if context <= 4096 else 1.0)):
+        goals = ((F16_POOL, 1.0), (Q8_POOL, 1.15 if context <= 4096 else 1.0))
+        for label, goal in goals + tuple((label + Q8_ACT, goal) for label, goal in goals):
             row = _row(report, label)
             if row is None or not row["median"]["decode_tok_s"]:
                 continue
@@ -271,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", action="store_true",
                         help="the long-context mode (4k and 16k tokens of context), written to long.json")
     parser.add_argument("--long-new-tokens", type=int, default=32, help="tokens decoded after each long prompt")
+    parser.add_argument("--long-q8", action="store_true",
+                        help="in --long, each KV pool also with int8 activations (activations='q8')")
     parser.add_argument("--long-contexts", default=",".join(str(c) for c, _ in LONG_CONTEXTS),
                         help="prompt lengths of the long-context mode (16384 and longer run once)")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -310,7 +319,8 @@ def main_long(args: argparse.Namespace) -> int:
         models = LONG_MODELS if args.models == ",".join(MODELS) else [m.strip() for m in args.models.split(",")]
         backend = args.backends.split(",")[0] if args.backends else None
         contexts = tuple((int(c), 1 if int(c) >= 16384 else None) for c in args.long_contexts.split(","))
-        suite = run_long(list(models), backend, args.repeats, args.long_new_tokens, args.threads, contexts)
+        suite = run_long(list(models), backend, args.repeats, args.long_new_tokens, args.threads, contexts,
+                         args.long_q8)
         bench.write_json(suite, out)
         print(f"written: {out}", file=sys.stderr)
     print(f"Measured {bench_report.machine_line(suite['reports'][0])}\n")
