@@ -285,123 +285,122 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
     const char *K = a->K, *V = a->V;
 #define KEY(j) ((ROW(a, j) * hkv + kvh) * krow) /* element (q8_0: byte) index of key j's row */
 #define VALUE(j) ((ROW(a, j) * hkv + kvh) * vrow)
-    {
-        const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
-        if (q8) {
-            for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
+    /* Rows hkv * dk apart, which the hardware prefetchers follow poorly: this head's keys
+     * and values of the next tile's row j asked for, a key at a time, while the tasks
+     * beside it take their turns at this tile (q8_0 rows are counted in bytes already). */
+    const Py_ssize_t unit = q8 ? 1 : size;
+#define NEXT_TILE(j)                                                                                                  \
+    if (t0 + T + (j) < hi) {                                                                                          \
+        for (Py_ssize_t b = 0; b < krow * unit; b += 64) __builtin_prefetch(K + KEY(t0 + T + (j)) * unit + b, 0, 3); \
+        for (Py_ssize_t b = 0; b < vrow * unit; b += 64) __builtin_prefetch(V + VALUE(t0 + T + (j)) * unit + b, 0, 3); \
+    }
+    const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
+    if (q8) {
+        for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
 #ifdef HAVE_X86
-            if (path == 2)
-                q8_0_scores_avx2(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
-            else
+        if (path == 2)
+            q8_0_scores_avx2(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
+        else
 #endif
-                q8_0_scores(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
-        } else {
-            for (Py_ssize_t j = 0; j < n; j++) {
-                /* Rows hkv * dk apart, which the hardware prefetchers follow poorly: this head's
-                 * keys and values of the next tile asked for, a key at a time, while the
-                 * tasks beside it take their turns at this tile. */
-                if (t0 + T + j < hi) {
-                    for (Py_ssize_t b = 0; b < dk * size; b += 64) __builtin_prefetch(K + KEY(t0 + T + j) * size + b, 0, 3);
-                    for (Py_ssize_t b = 0; b < dv * size; b += 64) __builtin_prefetch(V + VALUE(t0 + T + j) * size + b, 0, 3);
-                }
-                dot_heads(st->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
-            }
-        }
-        for (Py_ssize_t g = 0; g < G; g++) {
-            float *s = w->s + g * T, top = st->m[g];
-            for (Py_ssize_t j = 0; j < n; j++) {
-                float sc = s[j] * a->scale;
-                if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
-                s[j] = sc;
-                if (sc > top) top = sc;
-            }
-            const float corr = exp1_below(st->m[g] - top); /* the sums so far, rescaled to the new maximum */
-            Py_ssize_t j = 0;
-            for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
-            for (; j < n; j++) s[j] = exp1_below(s[j] - top);
-            float total = 0.0f;
-            for (j = 0; j < n; j++) total += s[j];
-            st->l[g] = st->l[g] * corr + total;
-            if (corr != 1.0f)
-                for (Py_ssize_t c = 0; c < dv; c++) st->o[g * dv + c] *= corr;
-            st->m[g] = top;
-        }
-        if (q8) /* the tile's values, dequantized once for the group */
-            for (Py_ssize_t j = 0; j < n; j++) {
-                const uint8_t *row = (const uint8_t *)V + VALUE(t0 + j);
-                if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
-                if (t0 + T + j < hi) { /* the next tile's, as for the float pools above */
-                    for (Py_ssize_t b = 0; b < krow; b += 64) __builtin_prefetch(K + KEY(t0 + T + j) + b, 0, 3);
-                    for (Py_ssize_t b = 0; b < vrow; b += 64) __builtin_prefetch(V + VALUE(t0 + T + j) + b, 0, 3);
-                }
-                float *vt = w->vt + j * dv;
-                for (Py_ssize_t b = 0; b < dv / 32; b++) {
-                    uint16_t h;
-                    memcpy(&h, row + b * Q8_0_BYTES, 2);
-                    const v8f d = (v8f){0} + half_to_float(h);
-                    const int8_t *code = (const int8_t *)(row + b * Q8_0_BYTES + 2);
-                    for (int c = 0; c < 32; c += 8)
-                        *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
-                }
-            }
-        /* o += p v, 64 columns (eight accumulators: enough independent sums to keep
-         * both adders busy) or 32 at a time held in registers across the tile's
-         * keys; each column's sum is over j in order. */
-        for (Py_ssize_t g = 0; g < G; g++) {
-            const float *p = w->s + g * T;
-            float *og = st->o + g * dv;
-            Py_ssize_t c0 = 0;
-            for (; c0 + 64 <= dv; c0 += 64) {
-                float *o = og + c0;
-                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
-                v8f acc4 = *(v8f_u *)(o + 32), acc5 = *(v8f_u *)(o + 40), acc6 = *(v8f_u *)(o + 48);
-                v8f acc7 = *(v8f_u *)(o + 56);
-                for (Py_ssize_t j = 0; j < n; j++) {
-                    const v8f pj = (v8f){0} + p[j];
-                    if (q8) {
-                        const float *v = w->vt + j * dv + c0;
-                        acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
-                        acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
-                        acc4 += pj * *(const v8f_u *)(v + 32), acc5 += pj * *(const v8f_u *)(v + 40);
-                        acc6 += pj * *(const v8f_u *)(v + 48), acc7 += pj * *(const v8f_u *)(v + 56);
-                    } else {
-                        const Py_ssize_t vj = VALUE(t0 + j) + c0;
-                        acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
-                        acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
-                        acc4 += pj * kv8(V, vj + 32, half), acc5 += pj * kv8(V, vj + 40, half);
-                        acc6 += pj * kv8(V, vj + 48, half), acc7 += pj * kv8(V, vj + 56, half);
-                    }
-                }
-                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
-                *(v8f_u *)(o + 32) = acc4, *(v8f_u *)(o + 40) = acc5, *(v8f_u *)(o + 48) = acc6;
-                *(v8f_u *)(o + 56) = acc7;
-            }
-            for (; c0 + 32 <= dv; c0 += 32) {
-                float *o = og + c0;
-                v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
-                for (Py_ssize_t j = 0; j < n; j++) {
-                    const v8f pj = (v8f){0} + p[j];
-                    if (q8) {
-                        const float *v = w->vt + j * dv + c0;
-                        acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
-                        acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
-                    } else {
-                        const Py_ssize_t vj = VALUE(t0 + j) + c0;
-                        acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
-                        acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
-                    }
-                }
-                *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
-            }
-            for (; c0 + 8 <= dv; c0 += 8) {
-                v8f acc = *(v8f_u *)(og + c0);
-                for (Py_ssize_t j = 0; j < n; j++) acc += ((v8f){0} + p[j]) * kv8(V, VALUE(t0 + j) + c0, half);
-                *(v8f_u *)(og + c0) = acc;
-            }
-            for (; c0 < dv; c0++)
-                for (Py_ssize_t j = 0; j < n; j++) og[c0] += p[j] * kv1(V, VALUE(t0 + j) + c0, half);
+            q8_0_scores(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
+    } else {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            NEXT_TILE(j);
+            dot_heads(st->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
         }
     }
+    for (Py_ssize_t g = 0; g < G; g++) {
+        float *s = w->s + g * T, top = st->m[g];
+        for (Py_ssize_t j = 0; j < n; j++) {
+            float sc = s[j] * a->scale;
+            if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
+            s[j] = sc;
+            if (sc > top) top = sc;
+        }
+        const float corr = exp1_below(st->m[g] - top); /* the sums so far, rescaled to the new maximum */
+        Py_ssize_t j = 0;
+        for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
+        for (; j < n; j++) s[j] = exp1_below(s[j] - top);
+        float total = 0.0f;
+        for (j = 0; j < n; j++) total += s[j];
+        st->l[g] = st->l[g] * corr + total;
+        if (corr != 1.0f)
+            for (Py_ssize_t c = 0; c < dv; c++) st->o[g * dv + c] *= corr;
+        st->m[g] = top;
+    }
+    if (q8) /* the tile's values, dequantized once for the group */
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const uint8_t *row = (const uint8_t *)V + VALUE(t0 + j);
+            if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
+            NEXT_TILE(j);
+            float *vt = w->vt + j * dv;
+            for (Py_ssize_t b = 0; b < dv / 32; b++) {
+                uint16_t h;
+                memcpy(&h, row + b * Q8_0_BYTES, 2);
+                const v8f d = (v8f){0} + half_to_float(h);
+                const int8_t *code = (const int8_t *)(row + b * Q8_0_BYTES + 2);
+                for (int c = 0; c < 32; c += 8)
+                    *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
+            }
+        }
+    /* o += p v, 64 columns (eight accumulators: enough independent sums to keep
+     * both adders busy) or 32 at a time held in registers across the tile's
+     * keys; each column's sum is over j in order. */
+    for (Py_ssize_t g = 0; g < G; g++) {
+        const float *p = w->s + g * T;
+        float *og = st->o + g * dv;
+        Py_ssize_t c0 = 0;
+        for (; c0 + 64 <= dv; c0 += 64) {
+            float *o = og + c0;
+            v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+            v8f acc4 = *(v8f_u *)(o + 32), acc5 = *(v8f_u *)(o + 40), acc6 = *(v8f_u *)(o + 48);
+            v8f acc7 = *(v8f_u *)(o + 56);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const v8f pj = (v8f){0} + p[j];
+                if (q8) {
+                    const float *v = w->vt + j * dv + c0;
+                    acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                    acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                    acc4 += pj * *(const v8f_u *)(v + 32), acc5 += pj * *(const v8f_u *)(v + 40);
+                    acc6 += pj * *(const v8f_u *)(v + 48), acc7 += pj * *(const v8f_u *)(v + 56);
+                } else {
+                    const Py_ssize_t vj = VALUE(t0 + j) + c0;
+                    acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
+                    acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
+                    acc4 += pj * kv8(V, vj + 32, half), acc5 += pj * kv8(V, vj + 40, half);
+                    acc6 += pj * kv8(V, vj + 48, half), acc7 += pj * kv8(V, vj + 56, half);
+                }
+            }
+            *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+            *(v8f_u *)(o + 32) = acc4, *(v8f_u *)(o + 40) = acc5, *(v8f_u *)(o + 48) = acc6;
+            *(v8f_u *)(o + 56) = acc7;
+        }
+        for (; c0 + 32 <= dv; c0 += 32) {
+            float *o = og + c0;
+            v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const v8f pj = (v8f){0} + p[j];
+                if (q8) {
+                    const float *v = w->vt + j * dv + c0;
+                    acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
+                    acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
+                } else {
+                    const Py_ssize_t vj = VALUE(t0 + j) + c0;
+                    acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
+                    acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
+                }
+            }
+            *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
+        }
+        for (; c0 + 8 <= dv; c0 += 8) {
+            v8f acc = *(v8f_u *)(og + c0);
+            for (Py_ssize_t j = 0; j < n; j++) acc += ((v8f){0} + p[j]) * kv8(V, VALUE(t0 + j) + c0, half);
+            *(v8f_u *)(og + c0) = acc;
+        }
+        for (; c0 < dv; c0++)
+            for (Py_ssize_t j = 0; j < n; j++) og[c0] += p[j] * kv1(V, VALUE(t0 + j) + c0, half);
+    }
+#undef NEXT_TILE
 #undef KEY
 #undef VALUE
 }
