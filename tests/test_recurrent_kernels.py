@@ -215,3 +215,57 @@ def test_a_recorded_step_reads_the_batch_from_its_inputs() -> None:
     with pytest.raises(IndexError, match="query_start"):
         planned(*(a.copy() for a in (conv[0], window, *gdr[:5], state, s[0], s[1], s[3], s[4], ssm)),
                 np.array([0, 30, 20, 31, 90], np.int32), other_rows)
+
+
+
+def _pooled_step(ops: NumpyBackend, s: tuple[np.ndarray, ...], read_copy: bool):  # type: ignore[no-untyped-def]
+    """A step as a hybrid layer writes it: each sequence's state gathered from its pool row
+    (``ctx.state``), the op, the new state scattered back (``ctx.set_state``); with
+    ``read_copy`` the gathered copy is read once more, by another op."""
+
+    def step(q, k, v, g, beta, xs, dt, B, C, pool, spool, slots, qs, rows):  # type: ignore[no-untyped-def]
+        state = ops.take(pool, slots, axis=0)
+        o, last, ckpt = ops.gated_delta_rule(q, k, v, g, beta, state, qs, rows)
+        y, slast, sckpt = ops.ssd(xs, dt, s[2], B, C, s[5], s[6], ops.take(spool, slots, axis=0), qs, rows,
+                                  dt_min=0.001, dt_max=5.0)
+        ops.scatter_rows(pool, slots, last)
+        ops.scatter_rows(spool, slots, slast)
+        return (o, ckpt, y, sckpt, ops.mul(state, state)) if read_copy else (o, ckpt, y, sckpt)
+
+    return step
+
+
+@pytest.mark.parametrize("read_copy", [False, True])
+def test_a_recorded_step_updates_the_pools_state_rows_in_place(read_copy: bool) -> None:
+    # The program reads and writes each sequence's pool row in place of the gather and the scatter
+    # (at Qwen3.5's shape two 1 MiB copies per DeltaNet layer and token): the same arithmetic, so the
+    # same bits as the eager ops, step after step; where the gathered copy is read by another op, the
+    # copies stay. A slot past the pool is a typed error that writes nothing.
+    from infer.backends.cpu import record
+
+    ops, rng = NumpyBackend(), np.random.default_rng(9)
+    q, k, v, g, beta, _ = gdr_args(rng, 32, 32)
+    s = ssd_args(rng)
+    pool = rng.standard_normal((6, 4, 32, 32)).astype(np.float32)
+    spool = rng.standard_normal((6, 4, 20, 24)).astype(np.float32)
+    slots = np.array([5, 0, 3, 2], np.int32)  # one per sequence of QS
+    step = _pooled_step(ops, s, read_copy)
+    planned = ops.compile(step, static=True)
+    pools, planned_pools = (pool.copy(), spool.copy()), (pool.copy(), spool.copy())
+    for _ in range(3):
+        want = step(q, k, v, g, beta, s[0], s[1], s[3], s[4], *pools, slots, QS, ROWS)
+        got = planned(q, k, v, g, beta, s[0], s[1], s[3], s[4], *planned_pools, slots, QS, ROWS)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert all(np.array_equal(a, b) for a, b in zip(planned_pools, pools))
+    assert not np.array_equal(pools[0], pool)  # the states moved
+    assert planned.graphs() == 1
+    plan = next(iter(planned._plans.values()))
+    steps = [op for _, _, op in plan.marks]
+    # Kept copies: the gather the other op reads (and, so that it reads the state before the update, its
+    # scatter); the SSD's state (read by nobody else) in place either way.
+    assert steps.count(record.GATHER) == steps.count(record.SCATTER_ROWS) == (1 if read_copy else 0)
+    before = tuple(p.copy() for p in planned_pools)
+    # (the kept gather checks its indices first, with its own message)
+    with pytest.raises(IndexError, match="id 6 out of range" if read_copy else "state slot 6 of a pool of 6"):
+        planned(q, k, v, g, beta, s[0], s[1], s[3], s[4], *planned_pools, np.array([5, 0, 6, 2], np.int32), QS, ROWS)
+    assert all(np.array_equal(a, b) for a, b in zip(planned_pools, before))

@@ -274,6 +274,8 @@ struct gdr_args {
     Py_ssize_t nseq, nrows, Hk, H, K, V;
     int chunked; /* rows a run needs to take the chunked form (0: never) */
     int parallel;
+    const int32_t *slots; /* sequence b's rows of state and last: slots[b] (NULL: b); the two may be one
+                             array, updated in place (each task reads its block before writing it) */
 };
 
 struct ssd_args {
@@ -283,6 +285,7 @@ struct ssd_args {
     float *y, *last, *ckpt;
     Py_ssize_t nseq, nrows, H, P, G, N;
     int parallel;
+    const int32_t *slots; /* as gdr_args' */
 };
 void conv1d_run(const struct conv_args *a);
 int gdr_run(const struct gdr_args *a);

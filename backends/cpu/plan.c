@@ -44,10 +44,12 @@ enum {
      * (int32 [nseq + 1]) and checkpoint rows (int32 [nrows]) checked against the T rows at every run. */
     OP_CONV1D,       /* P x, window, weight transposed [K, C], bias|0, query_start, rows|0, y, last, ckpt;
                         I nseq, nrows, T, C, K, silu */
-    OP_GDR,          /* P q, k, v, g, beta, state, query_start, rows|0, o, last, ckpt;
-                        I nseq, nrows, T, Hk, H, K, V, l2norm, chunked; F scale */
-    OP_SSD,          /* P x, dt, A, B, C, D|0, dt_bias|0, state, query_start, rows|0, y, last, ckpt;
-                        I nseq, nrows, T, H, P, G, N, softplus; F dt_min, dt_max */
+    OP_GDR,          /* P q, k, v, g, beta, state, query_start, rows|0, o, last, ckpt, slots|0;
+                        I nseq, nrows, T, Hk, H, K, V, l2norm, chunked, capacity; F scale */
+    OP_SSD,          /* P x, dt, A, B, C, D|0, dt_bias|0, state, query_start, rows|0, y, last, ckpt, slots|0;
+                        I nseq, nrows, T, H, P, G, N, softplus, capacity; F dt_min, dt_max */
+    /* With slots (int32 [nseq], each below capacity), state and last are one pool of capacity rows,
+     * sequence b's state its row slots[b], updated in place (record.py: a gather and a scatter saved). */
     /* Mixture-of-experts routing and products (architectures/moe.py), the expert ids data of the step. */
     OP_TOPK,         /* P x (float32 [rows, n]), values (float32 [rows, k]), ids (int32 [rows, k]); I rows, n, k:
                         each row's k largest, largest first, the lower index first among equal values, NaN
@@ -77,7 +79,7 @@ static const struct { const char *name; int code; } OPCODES[] = {
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX, R_SUM };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH, E_ADAPTER };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH, E_ADAPTER, E_STATE };
 
 #define MAX_DIMS 8
 
@@ -476,6 +478,19 @@ static void step_conv1d(struct machine *vm) {
     free(order);
 }
 
+/* A recurrent step's slots (NULL: none) each within the pool's capacity rows. */
+static int slots_ok(struct machine *vm, const int32_t *slots, Py_ssize_t nseq, Py_ssize_t capacity) {
+    if (vm->error) return 0;
+    for (Py_ssize_t b = 0; slots && b < nseq; b++)
+        if (slots[b] < 0 || slots[b] >= capacity) {
+            vm->error = E_STATE;
+            vm->detail = slots[b];
+            vm->limit = capacity;
+            return 0;
+        }
+    return 1;
+}
+
 static void step_gdr(struct machine *vm) {
     struct gdr_args a;
     const float *q = next_ptr(vm), *k = next_ptr(vm);
@@ -488,6 +503,7 @@ static void step_gdr(struct machine *vm) {
     a.o = next_ptr(vm);
     a.last = next_ptr(vm);
     a.ckpt = next_ptr(vm);
+    a.slots = next_ptr(vm);
     a.nseq = next_int(vm);
     a.nrows = next_int(vm);
     Py_ssize_t T = next_int(vm);
@@ -497,9 +513,11 @@ static void step_gdr(struct machine *vm) {
     a.V = next_int(vm);
     int l2norm = (int)next_int(vm);
     a.chunked = (int)next_int(vm);
+    Py_ssize_t capacity = next_int(vm);
     a.parallel = 1;
     float scale = (float)next_float(vm);
     if (!vm->error && (a.Hk < 1 || a.H % a.Hk || a.K < 1 || a.K > GDR_MAX_K)) vm->error = E_PROGRAM;
+    if (!slots_ok(vm, a.slots, a.nseq, capacity)) return;
     int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
     if (!order) return;
     float *qn = malloc((size_t)(2 * T * a.Hk * a.K + 1) * sizeof(float));
@@ -532,6 +550,7 @@ static void step_ssd(struct machine *vm) {
     a.y = next_ptr(vm);
     a.last = next_ptr(vm);
     a.ckpt = next_ptr(vm);
+    a.slots = next_ptr(vm);
     a.nseq = next_int(vm);
     a.nrows = next_int(vm);
     Py_ssize_t T = next_int(vm);
@@ -540,9 +559,11 @@ static void step_ssd(struct machine *vm) {
     a.G = next_int(vm);
     a.N = next_int(vm);
     int softplus = (int)next_int(vm);
+    Py_ssize_t capacity = next_int(vm);
     a.parallel = 1;
     float lo = (float)next_float(vm), hi = (float)next_float(vm);
     if (!vm->error && (a.G < 1 || a.H % a.G || a.N < 1 || a.N > SSD_MAX_N)) vm->error = E_PROGRAM;
+    if (!slots_ok(vm, a.slots, a.nseq, capacity)) return;
     int64_t *order = step_batch(vm, a.qs, a.nseq, T, a.rows, a.nrows);
     if (!order) return;
     float *step = malloc((size_t)(T * a.H + 1) * sizeof(float));
@@ -885,6 +906,9 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
         break;
     case E_SLOT:
         PyErr_Format(PyExc_IndexError, "the step writes row %lld of a KV pool of %lld rows", vm.detail, vm.limit);
+        break;
+    case E_STATE:
+        PyErr_Format(PyExc_IndexError, "the step updates state slot %lld of a pool of %lld", vm.detail, vm.limit);
         break;
     case E_BLOCK:
         PyErr_Format(PyExc_IndexError, "block table entry %lld is outside the pool of %lld blocks", vm.detail,

@@ -103,12 +103,8 @@ class Plan:
 
     def __init__(self, recorder: Recorder, result: Any, arrays: HostArrays | None = None) -> None:
         self.kernels = recorder.kernels
-        self.code = np.asarray(recorder.code, np.int64)
-        self.floats = np.asarray(recorder.floats, np.float64)
         self.sizes = recorder.sizes
         self.keep = recorder.keep
-        self.marks = recorder.marks
-        self.steps = len(recorder.marks)
         self.arrays = arrays
         inputs = {(_addr(a), a.shape, a.strides): i for i, a in enumerate(recorder.inputs)}
 
@@ -137,6 +133,22 @@ class Plan:
             return ("constant", tree)
 
         self.result = spec(result)
+        returned: list[np.ndarray] = []
+
+        def buffers(s: Any) -> None:
+            kind, value = s
+            if kind == "buffer":
+                returned.append(value)
+            elif kind is dict:
+                for v in value.values():
+                    buffers(v)
+            elif kind not in ("input", "constant"):
+                for v in value:
+                    buffers(v)
+
+        buffers(self.result)
+        self.code, self.floats, self.marks = recorder.program(returned)
+        self.steps = len(self.marks)
 
     def __call__(self, leaves: tuple[np.ndarray, ...], originals: list[Any]) -> Any:
         """Run the program on a call's inputs; the function's result."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -49,6 +49,20 @@ PASS_THROUGH = frozenset({"from_numpy", "shape", "dtype", "zeros", "arange", "pr
 #: Ops a program never holds: collectives (their defaults, for a group of one,
 #: are the identity; a program would silently drop the other ranks' shares).
 REFUSED = frozenset({"all_reduce", "all_gather", "broadcast"})
+
+
+class _StateUpdate(NamedTuple):
+    """A recurrent op's state gathered from a pool and scattered back (Recorder._in_place)."""
+
+    gather: int  # the steps: the gather, the op, the scatter
+    op: int
+    scatter: int
+    pool: int  # the pool's input index
+    rows: tuple[int, int]  # the slots' operand (int32 [sequences])
+    capacity: int  # the pool's rows
+    copy: tuple[int, int]  # the gathered copy's addresses [lo, hi)
+    new: tuple[int, int]  # the op's new state's
+    at: tuple[int, int, int, int]  # the op's operands state, last and slots, and its int capacity
 
 
 class NotCapturable(CaptureError):
@@ -149,11 +163,16 @@ class Recorder:
         self._regions: dict[int, tuple[int, int]] = {}
         for i, a in enumerate(leaves):
             self._region(_addr(a), a.nbytes, i)
-        self.code: list[int] = []
-        self.floats: list[float] = []
+        #: The steps as recorded: (opcode, operands as (base, offset), ints, floats); :meth:`program` lays them out.
+        self.steps: list[tuple[int, list[tuple[int, int]], list[int], list[float]]] = []
         self.keep: list[Any] = []  # everything the program points at, alive as long as it is
-        #: Where each step starts in :attr:`code` and :attr:`floats`, and its opcode (for profiles).
-        self.marks: list[tuple[int, int, int]] = []
+        # A recurrent op's state gathered from a pool's rows (ctx.state) and its new state scattered
+        # back to them (ctx.set_state), to be read and written in place (:meth:`_in_place`): gathered
+        # copies by address -> (step, pool input, rows operand, bytes); the ops' new states by address
+        # -> (step, gathered copy's address, operand positions); and the updates found.
+        self._gathers: dict[int, tuple[int, int, tuple[int, int], int]] = {}
+        self._updates: dict[int, tuple[int, int, tuple[int, int, int, int]]] = {}
+        self._in_pool: list[_StateUpdate] = []
 
     # -- memory ------------------------------------------------------------
 
@@ -211,14 +230,88 @@ class Recorder:
 
     def emit(self, op: int, ptrs: Sequence[Any], ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
         """Append one step and run it now, on the call's inputs."""
-        step = [op]
-        for p in ptrs:
-            step.extend(self.operand(p))
-        step.extend(int(i) for i in ints)
+        operands = [self.operand(p) for p in ptrs]
+        ints, floats = [int(i) for i in ints], [float(f) for f in floats]
+        step = [op, *(v for pair in operands for v in pair), *ints]
         self.kernels.run_plan(np.asarray(step, np.int64), np.asarray(floats, np.float64), self.inputs, self.sizes)
-        self.marks.append((len(self.code), len(self.floats), op))
-        self.code.extend(step)
-        self.floats.extend(float(f) for f in floats)
+        self.steps.append((op, operands, ints, floats))
+
+    def program(self, returned: Sequence[np.ndarray] = ()) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+        """The steps laid out for ``run_plan``: the code (int64), the floats,
+        and where each step starts in them with its opcode (for profiles);
+        the recurrent state updates made in place where they can be
+        (:meth:`_in_place`; ``returned``: the plan buffers the step returns)."""
+        steps = self._in_place(returned)
+        code: list[int] = []
+        floats: list[float] = []
+        marks = []
+        for op, operands, ints, fl in steps:
+            marks.append((len(code), len(floats), op))
+            code.append(op)
+            for pair in operands:
+                code.extend(pair)
+            code.extend(ints)
+            floats.extend(fl)
+        return np.asarray(code, np.int64), np.asarray(floats, np.float64), marks
+
+    def _in_place(self, returned: Sequence[np.ndarray]) -> list[tuple[int, list[tuple[int, int]], list[int], list[float]]]:
+        """The steps, with each recurrent op whose state was gathered from a
+        pool's rows (``ctx.state``) and whose new state was scattered back to
+        the same rows (``ctx.set_state``) reading and writing those rows in
+        place instead (its ``slots`` operand, backends/cpu/plan.c): at
+        Qwen3.5's shape a decode step had copied each DeltaNet layer's 1 MiB
+        state twice besides reading and writing it once. Only where no other
+        step reads the gathered copy or the new state, none but the op
+        touches the pool between the gather and the scatter, and the step
+        returns neither (``returned``: the plan buffers it returns)."""
+        steps = [(op, list(operands), list(ints), fl) for op, operands, ints, fl in self.steps]
+        dropped: set[int] = set()
+        out = [(_addr(a), _addr(a) + a.nbytes) for a in returned]
+
+        def reads(k: int, span: tuple[int, int]) -> bool:
+            return any(base == -1 and span[0] <= at < span[1] for base, at in steps[k][1])
+
+        for u in self._in_pool:
+            if any(lo < u.new[1] and u.new[0] < hi or lo < u.copy[1] and u.copy[0] < hi for lo, hi in out):
+                continue
+            if any(reads(k, u.copy) for k in range(len(steps)) if k not in (u.gather, u.op)) or \
+                    any(reads(k, u.new) for k in range(len(steps)) if k not in (u.op, u.scatter)):
+                continue
+            between = (k for k in range(u.gather + 1, u.scatter) if k != u.op)
+            if any(base == u.pool for k in between for base, _ in steps[k][1]) or \
+                    any(base == u.pool for base, _ in steps[u.op][1]):
+                continue
+            state_at, last_at, slots_at, capacity_at = u.at
+            operands = steps[u.op][1]
+            operands[state_at] = operands[last_at] = (u.pool, 0)
+            operands[slots_at] = u.rows
+            steps[u.op][2][capacity_at] = u.capacity
+            dropped |= {u.gather, u.scatter}
+        return [step for k, step in enumerate(steps) if k not in dropped]
+
+    def _gathered(self, src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+        """Note a gather of whole rows of an input (a state pool) by int32 slots: :meth:`_in_place`."""
+        base, offset = self.operand(src)
+        if base >= 0 and offset == 0 and src.nbytes == self.sizes[base] and idx.dtype == np.int32:
+            self._gathers[_addr(out)] = (len(self.steps) - 1, base, self.operand(idx), out.nbytes)
+
+    def _updated(self, state: np.ndarray, last: np.ndarray, at: tuple[int, int, int, int]) -> None:
+        """Note a recurrent op (the last step) whose state is a gathered copy: :meth:`_in_place`."""
+        gathered = self._gathers.get(_addr(state))
+        if gathered is not None and state.nbytes == gathered[3] == last.nbytes:
+            self._updates[_addr(last)] = (len(self.steps) - 1, _addr(state), at)
+
+    def _scattered(self, dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+        """Note a scatter (the last step) of a recurrent op's new state: in place where it goes back
+        to the rows its state came from (:meth:`_in_place`)."""
+        update = self._updates.get(_addr(src))
+        if update is None:
+            return
+        op, copy, at = update
+        gather, pool, slots, nbytes = self._gathers[copy]
+        if self.operand(dst) == (pool, 0) and self.operand(rows) == slots and src.dtype == dst.dtype:
+            self._in_pool.append(_StateUpdate(gather, op, len(self.steps) - 1, pool, slots, dst.shape[0],
+                                              (copy, copy + nbytes), (_addr(src), _addr(src) + nbytes), at))
 
     def check(self, name: str, got: np.ndarray, want: Any) -> None:
         """The step's result against the eager op's (rounding aside: libm vs numpy's transcendentals)."""
@@ -469,6 +562,7 @@ class Recorder:
         s = self.contiguous(s)
         # Float32 rows into a float16 pool (kv_dtype) are rounded as numpy's assignment rounds them.
         self.emit(SCATTER_ROWS, [d, at, s], [s.shape[0], d[0].nbytes, d.shape[0], 2 if q8 else int(s.dtype != d.dtype)])
+        self._scattered(d, at, s)
         return dst
 
     def to_numpy(self, x: Any) -> Any:
@@ -651,6 +745,7 @@ class Recorder:
         idx = self.contiguous(idx)
         out = self.buffer((*idx.shape, *xp.shape[1:]), xp.dtype)
         self.emit(GATHER, [src, idx, out], [idx.size, xp.shape[0], xp[0].nbytes, idx.itemsize])
+        self._gathered(src, idx, out)
         self.check("take", out, self.eager("take", xp, idx, 0))
         return self.wrap(out)
 
@@ -738,9 +833,11 @@ class Recorder:
         (total, hk, dk), (heads, dv), nseq = qp.shape, vp.shape[1:], qs.size - 1
         nrows = 0 if rows is None else rows.size
         outs = self._outputs((total, heads, dv), (nseq, heads, dk, dv), (nrows, heads, dk, dv))
-        self.emit(GDR, [*(self.contiguous(a) for a in (qp, kp, vp, gp, bp, sp)), qs, rows, *outs],
-                  [nseq, nrows, total, hk, heads, dk, dv, int(l2norm_qk), kernels.GDR_CHUNKED_ROWS],
+        ins = [self.contiguous(a) for a in (qp, kp, vp, gp, bp, sp)]
+        self.emit(GDR, [*ins, qs, rows, *outs, None],
+                  [nseq, nrows, total, hk, heads, dk, dv, int(l2norm_qk), kernels.GDR_CHUNKED_ROWS, 0],
                   [dk ** -0.5 if scale is None else scale])
+        self._updated(ins[5], outs[1], (5, 9, 11, 9))
         return self._traced("gated_delta_rule", outs, self.eager("gated_delta_rule", qp, kp, vp, gp, bp, sp, qs, rows,
                                                                  scale=scale, l2norm_qk=l2norm_qk))
 
@@ -759,10 +856,12 @@ class Recorder:
         nrows = 0 if rows is None else rows.size
         outs = self._outputs((total, heads, head_dim), (nseq, heads, head_dim, size), (nrows, heads, head_dim, size))
         ins = [self.contiguous(a) for a in (xp, tp, ap, bp, cp)]
+        state = self.contiguous(sp)
         self.emit(SSD, [*ins, None if dp is None else self.contiguous(dp), None if ep is None else self.contiguous(ep),
-                        self.contiguous(sp), qs, rows, *outs],
-                  [nseq, nrows, total, heads, head_dim, groups, size, int(dt_softplus)],
+                        state, qs, rows, *outs, None],
+                  [nseq, nrows, total, heads, head_dim, groups, size, int(dt_softplus), 0],
                   [dt_min, min(dt_max, 3.0e38)])
+        self._updated(state, outs[1], (7, 11, 13, 8))
         return self._traced("ssd", outs, self.eager("ssd", xp, tp, ap, bp, cp, dp, ep, sp, qs, rows,
                                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max))
 

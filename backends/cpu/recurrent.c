@@ -27,7 +27,10 @@
 
 #define LANES 16 /* partial sums of a dot product */
 #define GDR_CHUNK 64
-#define PARALLEL_WORK (1 << 20) /* state values updated in a call (rows times a state's size) worth the threads */
+/* State values updated in a call (rows plus sequences, times a state's size) worth the threads: a
+ * decode step of one Qwen3.5 sequence (16 heads of 128 x 128) is 2^19 of them, 0.1 ms on one thread,
+ * and goes to both (the workers are awake between a step's products: 1.04x its decode speed). */
+#define PARALLEL_WORK (1 << 18)
 
 /* -- shared pieces ------------------------------------------------------------------ */
 
@@ -130,16 +133,20 @@ void conv1d_run(const struct conv_args *a) {
     }
 }
 
+/* Sequence b's row of a recurrent op's state (and of its last state): its slot where the op
+ * reads and writes a pool in place (a captured step, record.py), else b. */
+INLINE Py_ssize_t state_row(const int32_t *slots, Py_ssize_t b) { return slots ? slots[b] : b; }
+
 /* -- gated_delta_rule -------------------------------------------------------------------- */
 
 
 #define GDR_VB 32 /* value columns of a state block kept in L1 by the recurrence */
 
 /* The recurrence over rows [lo, hi) of one head, value columns [v0, v0 + vb),
- * the state block S [K][vb] in place; as the reference orders it: decay,
- * recall, the delta, the update, the read-out. */
+ * the state block S [K][vb] (rows `stride` floats apart) in place; as the
+ * reference orders it: decay, recall, the delta, the update, the read-out. */
 INLINE void gdr_rows(const struct gdr_args *a, Py_ssize_t h, Py_ssize_t v0, Py_ssize_t vb, float *restrict S,
-                     Py_ssize_t lo, Py_ssize_t hi) {
+                     Py_ssize_t stride, Py_ssize_t lo, Py_ssize_t hi) {
     const Py_ssize_t K = a->K, V = a->V, H = a->H, j = h / (H / a->Hk);
     float mem[GDR_VB], out[GDR_VB], delta[GDR_VB];
     for (Py_ssize_t t = lo; t < hi; t++) {
@@ -148,7 +155,7 @@ INLINE void gdr_rows(const struct gdr_args *a, Py_ssize_t h, Py_ssize_t v0, Py_s
         const float *vt = a->v + (t * H + h) * V + v0;
         for (Py_ssize_t c = 0; c < vb; c++) mem[c] = out[c] = 0.0f;
         for (Py_ssize_t i = 0; i < K; i++) {
-            float *restrict s = S + i * vb;
+            float *restrict s = S + i * stride;
             for (Py_ssize_t c = 0; c < vb; c++) {
                 s[c] *= d;
                 mem[c] += s[c] * kt[i];
@@ -156,7 +163,7 @@ INLINE void gdr_rows(const struct gdr_args *a, Py_ssize_t h, Py_ssize_t v0, Py_s
         }
         for (Py_ssize_t c = 0; c < vb; c++) delta[c] = (vt[c] - mem[c]) * beta;
         for (Py_ssize_t i = 0; i < K; i++) {
-            float *restrict s = S + i * vb;
+            float *restrict s = S + i * stride;
             for (Py_ssize_t c = 0; c < vb; c++) {
                 s[c] += kt[i] * delta[c];
                 out[c] += s[c] * qt[i];
@@ -166,31 +173,41 @@ INLINE void gdr_rows(const struct gdr_args *a, Py_ssize_t h, Py_ssize_t v0, Py_s
     }
 }
 
-/* The state block [K][vb] of a [K][V] state, out of it or into it. */
+/* The state block [K][vb] of a [K][V] state (S's rows `stride` floats apart), out of it or into it. */
 INLINE void block_in(float *restrict S, const float *src, Py_ssize_t K, Py_ssize_t V, Py_ssize_t v0, Py_ssize_t vb) {
     for (Py_ssize_t i = 0; i < K; i++) memcpy(S + i * vb, src + i * V + v0, vb * 4);
 }
-INLINE void block_out(const float *S, float *dst, Py_ssize_t K, Py_ssize_t V, Py_ssize_t v0, Py_ssize_t vb) {
-    for (Py_ssize_t i = 0; i < K; i++) memcpy(dst + i * V + v0, S + i * vb, vb * 4);
+INLINE void block_out(const float *S, Py_ssize_t stride, float *dst, Py_ssize_t K, Py_ssize_t V, Py_ssize_t v0,
+                      Py_ssize_t vb) {
+    for (Py_ssize_t i = 0; i < K; i++) memcpy(dst + i * V + v0, S + i * stride, vb * 4);
 }
 
-/* Sequence b, head h, columns [v0, v0 + vb) by the recurrence, the states at checkpoints written. */
+/* Sequence b, head h, columns [v0, v0 + vb) by the recurrence, the states at checkpoints written.
+ * Where the op updates its state in place (a captured step's pool, record.py), the block is
+ * worked on where it lies: its 128-byte rows fill as many L1 lines as a copy's would. */
 INLINE void gdr_recurrent_body(const struct gdr_args *a, Py_ssize_t b, Py_ssize_t h, Py_ssize_t v0, Py_ssize_t vb) {
     const Py_ssize_t K = a->K, V = a->V, H = a->H, KV = K * V;
-    float S[GDR_MAX_K * GDR_VB];
-    block_in(S, a->state + (b * H + h) * KV, K, V, v0, vb);
+    float copy[GDR_MAX_K * GDR_VB], *S = copy;
+    Py_ssize_t stride = vb;
+    float *last = a->last + (state_row(a->slots, b) * H + h) * KV;
+    if (a->state == a->last) {
+        S = last + v0;
+        stride = V;
+    } else {
+        block_in(S, a->state + (state_row(a->slots, b) * H + h) * KV, K, V, v0, vb);
+    }
     const Py_ssize_t start = a->qs[b], stop = a->qs[b + 1];
     Py_ssize_t at = first_checkpoint(a->rows, a->order, a->nrows, start), t = start;
     while (t < stop) {
         Py_ssize_t end = stop;
         if (at < a->nrows && a->rows[a->order[at]] < stop) end = a->rows[a->order[at]] + 1;
-        if (vb == GDR_VB) gdr_rows(a, h, v0, GDR_VB, S, t, end); /* the loops' length a constant: unrolled */
-        else gdr_rows(a, h, v0, vb, S, t, end);
+        if (vb == GDR_VB) gdr_rows(a, h, v0, GDR_VB, S, stride, t, end); /* the loops' length a constant: unrolled */
+        else gdr_rows(a, h, v0, vb, S, stride, t, end);
         for (; at < a->nrows && a->rows[a->order[at]] == end - 1; at++)
-            block_out(S, a->ckpt + (a->order[at] * H + h) * KV, K, V, v0, vb);
+            block_out(S, stride, a->ckpt + (a->order[at] * H + h) * KV, K, V, v0, vb);
         t = end;
     }
-    block_out(S, a->last + (b * H + h) * KV, K, V, v0, vb);
+    if (S == copy) block_out(S, stride, last, K, V, v0, vb);
 }
 
 /* Scratch of the chunked form for one (sequence, head): see gdr_chunk. */
@@ -274,7 +291,7 @@ INLINE void gdr_chunk(const struct gdr_args *a, Py_ssize_t h, Py_ssize_t t0, Py_
 /* Sequence b, head h, all columns by chunks ending at checkpoint rows. */
 INLINE void gdr_chunked_body(const struct gdr_args *a, Py_ssize_t b, Py_ssize_t h, const struct gdr_scratch *w) {
     const Py_ssize_t K = a->K, V = a->V, H = a->H, KV = K * V;
-    memcpy(w->S, a->state + (b * H + h) * KV, KV * 4);
+    memcpy(w->S, a->state + (state_row(a->slots, b) * H + h) * KV, KV * 4);
     const Py_ssize_t start = a->qs[b], stop = a->qs[b + 1];
     Py_ssize_t at = first_checkpoint(a->rows, a->order, a->nrows, start), t = start;
     while (t < stop) {
@@ -286,7 +303,7 @@ INLINE void gdr_chunked_body(const struct gdr_args *a, Py_ssize_t b, Py_ssize_t 
             memcpy(a->ckpt + (a->order[at] * H + h) * KV, w->S, KV * 4);
         t = end;
     }
-    memcpy(a->last + (b * H + h) * KV, w->S, KV * 4);
+    memcpy(a->last + (state_row(a->slots, b) * H + h) * KV, w->S, KV * 4);
 }
 
 static void gdr_recurrent_portable(const struct gdr_args *a, Py_ssize_t b, Py_ssize_t h, Py_ssize_t v0,
@@ -320,8 +337,7 @@ int gdr_run(const struct gdr_args *a) {
     int failed = 0, any_chunked = 0;
     for (Py_ssize_t b = 0; b < a->nseq; b++) any_chunked |= a->chunked && a->qs[b + 1] - a->qs[b] >= a->chunked;
     /* The recurrence for every sequence whose run is short (all of a decode step), by blocks of
-     * columns; on one thread below PARALLEL_WORK (a decode step of one sequence is about 0.1 ms,
-     * less than what waking the workers costs on a busy machine). */
+     * columns; on one thread below PARALLEL_WORK. */
     #pragma omp parallel for schedule(dynamic, 1) if (a->parallel && tasks > 1 && (a->qs[a->nseq] + a->nseq) * H * K * V >= PARALLEL_WORK)
     for (Py_ssize_t task = 0; task < tasks; task++) {
         const Py_ssize_t b = task / (H * vblocks), h = task / vblocks % H, v0 = task % vblocks * GDR_VB;
@@ -398,7 +414,7 @@ INLINE void ssd_body(const struct ssd_args *a, Py_ssize_t b, Py_ssize_t h, Py_ss
                      const Py_ssize_t N) {
     const Py_ssize_t H = a->H, P = a->P, PN = P * N, g = h / (H / a->G);
     float S[SSD_PB * SSD_MAX_N];
-    memcpy(S, a->state + (b * H + h) * PN + p0 * N, pb * N * 4);
+    memcpy(S, a->state + (state_row(a->slots, b) * H + h) * PN + p0 * N, pb * N * 4);
     const Py_ssize_t start = a->qs[b], stop = a->qs[b + 1];
     Py_ssize_t at = first_checkpoint(a->rows, a->order, a->nrows, start);
     const float A = a->A[h], Dh = a->D ? a->D[h] : 0.0f;
@@ -417,7 +433,7 @@ INLINE void ssd_body(const struct ssd_args *a, Py_ssize_t b, Py_ssize_t h, Py_ss
         for (; at < a->nrows && a->rows[a->order[at]] == t; at++)
             memcpy(a->ckpt + (a->order[at] * H + h) * PN + p0 * N, S, pb * N * 4);
     }
-    memcpy(a->last + (b * H + h) * PN + p0 * N, S, pb * N * 4);
+    memcpy(a->last + (state_row(a->slots, b) * H + h) * PN + p0 * N, S, pb * N * 4);
 }
 
 static void ssd_portable(const struct ssd_args *a, Py_ssize_t b, Py_ssize_t h, Py_ssize_t p0, Py_ssize_t pb) {
