@@ -523,6 +523,11 @@ class Backend(abc.ABC):
     #: to int8 per 32 values, one float scale each, multiplied with the
     #: weights' codes in integer dot products); empty: activations always exact.
     activation_schemes: frozenset[str] = frozenset()
+    #: Most prompt tokens one forward of a generation takes: the default of
+    #: :attr:`infer.engine.runner.Engine.prefill_chunk` (None: the whole prompt
+    #: at once). A forward's activations grow with its tokens; where larger
+    #: forwards run no faster, smaller ones hold less.
+    prefill_chunk: int | None = 512
     #: The settings of the load this backend serves (:class:`LoadSettings`;
     #: the defaults where no load configured it). :meth:`configure` gives a
     #: backend with other settings; nothing writes them onto an instance.

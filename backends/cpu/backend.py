@@ -133,6 +133,10 @@ class CpuBackend(Backend):
     KERNEL_ROWS = kernels.KERNEL_ROWS
     #: Fewest query rows per chunk of a causal attention with many rows (see :meth:`attention`).
     ATTENTION_CHUNK = 64
+    #: A long prompt's forwards of 128 tokens (:attr:`Backend.prefill_chunk`): the 1B shape's
+    #: 4,096-token prefill ran fastest so (1.4x the whole prompt in one forward, exact) and held
+    #: 720 MB less at its peak (docs/performance.md, "Long prompts in chunks").
+    prefill_chunk = 128
     #: Float32 bytes of weight rows dequantized at a time for BLAS: the
     #: smallest scratch buffer (it counts in the peak memory) with which
     #: prefill still runs at full speed (docs/performance.md).
@@ -725,11 +729,15 @@ class CpuBackend(Backend):
         chunks run on its threads, the longest first: BLAS then runs on one
         thread each (numpy's GEMMs and ufuncs release the GIL), the softmax's
         numpy calls run in parallel too, and no BLAS thread is left spinning
-        on the kernels' cores (docs/performance.md, "The exact prefill kernel")."""
+        on the kernels' cores (docs/performance.md, "The exact prefill kernel").
+        A chunk of a long prompt after a cached prefix (``Engine.prefill_chunk``)
+        goes to the threads as one chunk of rows each."""
         tq, tk = q.shape[0], k.shape[0]
         chunk = max(self.ATTENTION_CHUNK, -(-tq // 8))
         if not (causal and tq > chunk and 2 * tq >= tk):
-            return _attention_rows(q, k, v, first, lo, scale, causal, window, softcap, sinks)
+            if not (causal and pool is not None and tq >= 2 * self.ATTENTION_CHUNK):
+                return _attention_rows(q, k, v, first, lo, scale, causal, window, softcap, sinks)
+            chunk = -(-tq // _native.threads())  # type: ignore[union-attr]
         out = np.empty((tq, q.shape[1], v.shape[2]), np.result_type(q.dtype, v.dtype))
 
         def rows(i0: int) -> None:

@@ -157,21 +157,24 @@ class Plan:
 
     def result_for(self, originals: list[Any]) -> Any:
         """The function's result after the program ran on the inputs ``originals``."""
-        arrays = self.arrays
+        return _build(self.result, originals, self.arrays)
 
-        def build(s: Any) -> Any:
-            kind, value = s
-            if kind == "input":
-                return originals[value]
-            if kind == "buffer":  # a copy: the next call overwrites the plan's own
-                return value.copy() if arrays is None else arrays.from_host(value.copy())
-            if kind == "constant":
-                return value
-            if kind is dict:
-                return {k: build(v) for k, v in value.items()}
-            return kind([originals[v[1]] if v[0] == "input" else build(v) for v in value])
 
-        return build(self.result)
+def _build(s: Any, originals: list[Any], arrays: HostArrays | None) -> Any:
+    """A result from its spec (:class:`Plan`). A plain recursive function: a
+    nested one that calls itself is a reference cycle, and it held each
+    step's inputs, a sequence's whole KV cache among them, until Python's
+    cycle collector ran (docs/performance.md, "Long prompts in chunks")."""
+    kind, value = s
+    if kind == "input":
+        return originals[value]
+    if kind == "buffer":  # a copy: the next call overwrites the plan's own
+        return value.copy() if arrays is None else arrays.from_host(value.copy())
+    if kind == "constant":
+        return value
+    if kind is dict:
+        return {k: _build(v, originals, arrays) for k, v in value.items()}
+    return kind([originals[v[1]] if v[0] == "input" else _build(v, originals, arrays) for v in value])
 
 
 class PlannedStep:

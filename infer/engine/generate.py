@@ -2,7 +2,8 @@
 
 Each step is a function named after it:
 
-* :func:`prefill` — the whole prompt in one forward; the first new token;
+* :func:`prefill` — the prompt, in forwards of at most
+  :attr:`~infer.engine.runner.Engine.prefill_chunk` tokens; the first new token;
 * :func:`decode_one_token` — feed the pending token; the next one;
 * :func:`speculative_decode` — a draft source guesses up to ``k`` tokens,
   one forward verifies them all, and the tokens the target agrees with are
@@ -30,7 +31,7 @@ from infer.adapters.slots import AdapterUse
 from infer.engine.runner import Engine, ForwardOutput, SequenceState
 from infer.engine.sampling import Sampler, SamplingParams
 from infer.engine.speculative import DraftJob, Speculation, SpeculativeStats, verify
-from infer.errors import SamplingParameterError
+from infer.errors import GenerationError, SamplingParameterError
 from infer.kv.paged import PagedKVPool
 from infer.ops import Array
 
@@ -206,10 +207,26 @@ def sample_host(sampler: Sampler, logits: np.ndarray, history: Sequence[int]) ->
 def prefill(
     engine: Engine, seq: SequenceState, prompt: list[int], sampler: Sampler, drafting: Drafting | None = None,
 ) -> int:
-    """The whole prompt in one forward; the first new token. A speculating
-    request's forward counts in its figures, and its hidden states are kept
-    when its draft source needs them."""
+    """The prompt in forwards of at most :attr:`Engine.prefill_chunk
+    <infer.engine.runner.Engine.prefill_chunk>` tokens (a chunk never splits
+    an image's bidirectional span); the first new token. A speculating
+    request's last forward counts in its figures, and when its draft source
+    drafts from hidden states the prompt goes in one forward, whose hidden
+    states are kept."""
     needs_hidden = drafting is not None and drafting.spec.source.needs_hidden
+    chunk = engine.prefill_chunk
+    if chunk is not None and chunk < 1:
+        raise GenerationError(f"prefill_chunk must be at least 1 token (or None), got {chunk}")
+    start = 0
+    while chunk is not None and not needs_hidden and len(prompt) - start > chunk:
+        stop = start + chunk
+        if seq.media is not None:
+            stop = seq.media.chunk_end(seq.cached, seq.cached + chunk) - seq.cached + start
+            if stop >= len(prompt):  # an image span runs to the prompt's end
+                break
+        engine.run(engine.prepare([seq], [prompt[start:stop]]))
+        start = stop
+    prompt = prompt[start:]
     out = engine.run(engine.prepare([seq], [prompt], capture_hidden=needs_hidden))
     if drafting is not None:
         drafting.keep(out, 0)

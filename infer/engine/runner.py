@@ -230,6 +230,13 @@ class Engine:
         self.batch_step: CapturedBatchDecode | None = None
         #: The model's LoRA adapters (None until one is loaded: ``Model.load_adapter``).
         self.adapters: Adapters | None = None
+        #: Most prompt tokens one forward of :func:`infer.engine.generate.prefill`
+        #: takes (None: the whole prompt at once; default: the backend's
+        #: :attr:`~infer.ops.Backend.prefill_chunk`). A forward's activations
+        #: grow with its tokens (a 1B model's MLP holds 2 x 8,192 floats a
+        #: token), so a long prompt goes in chunks, each attending to the cache
+        #: the ones before it wrote, as the batch engine's ``max_batch_tokens`` does.
+        self.prefill_chunk: int | None = getattr(backend, "prefill_chunk", 512)
         #: The KV pools sized by a memory budget (:meth:`new_kv_pool`): the
         #: loaded adapters' bytes come out of each one's pages, whenever
         #: they load (``Adapters.budgets``).

@@ -247,9 +247,16 @@ class ContiguousKVCache(SequenceCache, LayerStore):
         layer_kv = None if layer_kv is None else [(src, 0, writes) for src, _, writes in layer_kv]
         LayerStore.__init__(self, backend, num_layers, capacity, capacity, layer_kv, dtype)
         self.capacity = capacity
-        self.store = self
         self.states = states
         self._length = 0
+
+    @property  # type: ignore[override]
+    def store(self) -> ContiguousKVCache:
+        """Itself: a contiguous cache is its own store. A property, where an
+        attribute would make every cache a reference cycle whose keys and
+        values only Python's cycle collector frees (a 4,096-position
+        sequence's 134 MB were still held while the next one prefilled)."""
+        return self
 
     @property
     def length(self) -> int:
