@@ -132,22 +132,11 @@ class Plan:
                 return (dict, {k: spec(v) for k, v in tree.items()})
             return ("constant", tree)
 
-        self.result = spec(result)
-        returned: list[np.ndarray] = []
-
-        def buffers(s: Any) -> None:
-            kind, value = s
-            if kind == "buffer":
-                returned.append(value)
-            elif kind is dict:
-                for v in value.values():
-                    buffers(v)
-            elif kind not in ("input", "constant"):
-                for v in value:
-                    buffers(v)
-
-        buffers(self.result)
-        self.code, self.floats, self.marks = recorder.program(returned)
+        try:
+            self.result = spec(result)
+        finally:  # a nested function calling itself is a cycle through its cell, which held the call's inputs
+            spec = None  # type: ignore[assignment]
+        self.code, self.floats, self.marks = recorder.program(_buffers(self.result))
         self.steps = len(self.marks)
 
     def __call__(self, leaves: tuple[np.ndarray, ...], originals: list[Any]) -> Any:
@@ -158,6 +147,16 @@ class Plan:
     def result_for(self, originals: list[Any]) -> Any:
         """The function's result after the program ran on the inputs ``originals``."""
         return _build(self.result, originals, self.arrays)
+
+
+def _buffers(s: Any) -> list[np.ndarray]:
+    """The plan buffers a result's spec (:class:`Plan`) returns."""
+    kind, value = s
+    if kind == "buffer":
+        return [value]
+    if kind in ("input", "constant"):
+        return []
+    return [b for v in (value.values() if kind is dict else value) for b in _buffers(v)]
 
 
 def _build(s: Any, originals: list[Any], arrays: HostArrays | None) -> Any:

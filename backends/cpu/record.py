@@ -970,4 +970,7 @@ def _traced_args(args: Any, leaves: tuple[np.ndarray, ...], arrays: HostArrays |
             return {k: build(v) for k, v in tree.items()}
         return tree
 
-    return build(args)
+    try:
+        return build(args)
+    finally:  # a nested function calling itself is a cycle through its cell, which held the call's inputs
+        build = None  # type: ignore[assignment]

@@ -236,7 +236,7 @@ class Engine:
         #: grow with its tokens (a 1B model's MLP holds 2 x 8,192 floats a
         #: token), so a long prompt goes in chunks, each attending to the cache
         #: the ones before it wrote, as the batch engine's ``max_batch_tokens`` does.
-        self.prefill_chunk: int | None = getattr(backend, "prefill_chunk", 512)
+        self.prefill_chunk: int | None = backend.prefill_chunk
         #: The KV pools sized by a memory budget (:meth:`new_kv_pool`): the
         #: loaded adapters' bytes come out of each one's pages, whenever
         #: they load (``Adapters.budgets``).
