@@ -152,9 +152,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_with_the_whole_prompts_tokens(vari
     chunked = list(model.generate_tokens(prompt, max_tokens=6, ignore_eos=True))
     assert chunked == whole
     assert sizes[:5] == [5, 5, 5, 5, 3]  # then the decode steps (captured: not through run)
-    model.engine.prefill_chunk = 0
-    with pytest.raises(GenerationError, match="prefill_chunk must be at least 1"):
-        list(model.generate_tokens(prompt, max_tokens=2))
+    for bad in (0, 2.5):
+        model.engine.prefill_chunk = bad  # type: ignore[assignment]
+        with pytest.raises(GenerationError, match=f"prefill_chunk must be a whole number of tokens, at least 1 .*{bad}"):
+            list(model.generate_tokens(prompt, max_tokens=2))
 
 
 @pytest.mark.parametrize("variant,backend,compile", [("smollm2_like", "numpy", True), ("smollm2_like", "numpy", False),

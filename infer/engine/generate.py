@@ -215,8 +215,8 @@ def prefill(
     states are kept."""
     needs_hidden = drafting is not None and drafting.spec.source.needs_hidden
     chunk = engine.prefill_chunk
-    if chunk is not None and chunk < 1:
-        raise GenerationError(f"prefill_chunk must be at least 1 token (or None), got {chunk}")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise GenerationError(f"prefill_chunk must be a whole number of tokens, at least 1 (or None), got {chunk!r}")
     start = 0
     while chunk is not None and not needs_hidden and len(prompt) - start > chunk:
         stop = start + chunk
