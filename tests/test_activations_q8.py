@@ -143,6 +143,34 @@ def test_one_row_alone_has_the_bits_it_has_among_others(path: str, qtype: str) -
         assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), (qtype, k)  # int8 x, not exact
 
 
+@pytest.mark.parametrize("form", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "q4", "q8"])
+def test_one_row_on_an_affine_form_has_the_bits_it_has_among_others(path: str, form: str) -> None:
+    # The affine forms (codes a nibble or a byte, scales in their own arrays):
+    # Q5_0 and Q5_1 take them at load where their blocks are not kept (AVX2),
+    # quantize="q4"/"q8" gives them to Hugging Face weights. A decode step's
+    # product on them reads the codes in place (x86/q8row_x86.c), a prompt's
+    # packs them into tiles; the same bits from both, and the stated formula.
+    # The converted GGUF forms have float16 scales and (symmetric types) no
+    # biases, Q6_K's bytes groups of 16; quantize_affine's float32 scales and
+    # biases. Widths with a last span that is full, has an odd number of
+    # groups (608: 19; 544: 17; 96: 3) or is a single group.
+    widths = K_SUPER[:3] if form == "Q6_K" else K_SMALL + [96, 544]
+    for seed, k in enumerate(widths):
+        if form in ("q4", "q8"):
+            a = quantize_affine(np.random.default_rng(seed).standard_normal((23, k)).astype(np.float32), form)
+        else:
+            _, a = stored(form, 23, k, seed)
+        args = numpy_backend.kernel_args(a)
+        x = np.random.default_rng(70 + seed).standard_normal((4, k)).astype(np.float32) * 2
+        x[2, : min(k, 64)] = 0.0  # all-zero groups: scale 0
+        together = run(args, x)
+        for i in range(4):
+            alone = run(args, x[i:i + 1])
+            assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (form, k, i)
+        assert within(together, q8_formula(a, x), x, a.dequantize()), (form, k)
+        assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), (form, k)  # int8 x, not exact
+
+
 def test_rows_do_not_depend_on_each_other() -> None:
     args, _ = stored("Q4_K", 40, 2048, 0)
     x = np.random.default_rng(5).standard_normal((9, 2048)).astype(np.float32)

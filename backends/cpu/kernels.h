@@ -338,11 +338,15 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
                        Py_ssize_t m, float *y, Py_ssize_t n, int wide);
-/* x86/q8row_x86.c: one activation row (q8x's row 0, in column order) against rows [r0, r1) of block-form W */
+/* x86/q8row_x86.c: one activation row (q8x's row 0, in column order) against rows [r0, r1) of block-form W
+ * (q8_rows_affine_avx2: of an affine W) */
 AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                              Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
 AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                        Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
+AVX2 void q8_rows_affine_avx2(int bits, Py_ssize_t group, const uint8_t *codes, const void *scales, const void *biases,
+                              float factor, int half, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t left, const struct q8x *X,
+                              float *y, Py_ssize_t k);
 AVX512 void q8_quantize_natural_512(const float *x, Py_ssize_t k, Py_ssize_t group, int8_t *q, float *dx, float *xs,
                                     int32_t *qs);
 AVX2 void q8_quantize_natural_avx2(const float *x, Py_ssize_t k, Py_ssize_t group, int8_t *q, float *dx, float *xs,

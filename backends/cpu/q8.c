@@ -156,18 +156,23 @@ static void q8x_free(struct q8x *X) {
 
 /* One activation row (a decode step) against block-form W: x quantized once in
  * column order, each weight row's blocks multiplied as stored (x86/q8row_x86.c),
- * rows across the OpenMP threads. The bits are q8_run's (the top of this file);
+ * rows across the OpenMP threads; against an affine W (codes a nibble or a byte,
+ * in groups of 32, or bytes in groups of 16) its codes read in place the same
+ * way (q8_rows_affine_avx2). The bits are q8_run's (the top of this file);
  * what it saves is q8_run's decoding, packing and interleaving of every tile,
  * which cost more than the integer products at one row. Returns 1 where it has
- * no kernel (not a block form, or the portable path: q8_run then computes it),
+ * no kernel (another form, or the portable path: q8_run then computes it),
  * -1 when out of memory. */
-static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize_t k, Py_ssize_t n) {
+static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
+                  int half, float *y, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
 #ifdef HAVE_X86
     const int type = bits - FORM_BLOCKS;
-    int code_bits;
-    Py_ssize_t group, values, block_bytes;
-    if (!(use_vnni || use_avx2) || !block_form(bits, &code_bits, &group, &values, &block_bytes)) return 1;
-    const Py_ssize_t raw_row = k / values * block_bytes;
+    int code_bits = bits;
+    Py_ssize_t values = 1, block_bytes = 0;
+    const int blocks = block_form(bits, &code_bits, &group, &values, &block_bytes);
+    const int affine = !blocks && ((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)));
+    if (!(use_vnni || use_avx2) || !(blocks || affine)) return 1;
+    const Py_ssize_t raw_row = blocks ? k / values * block_bytes : bits == 4 ? k / 2 : k;
     struct q8x X;
     const int failed = q8x_alloc(&X, group, k, 1);
     if (!failed) {
@@ -183,7 +188,9 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize
         #pragma omp parallel for schedule(static)
         for (Py_ssize_t t = 0; t < tiles; t++) {
             const Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
-            if (use_vnni)
+            if (affine)
+                q8_rows_affine_avx2(bits, group, c, scales, biases, factor, half, r0, r1, n * raw_row, &X, y, k);
+            else if (use_vnni)
                 q8_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
             else
                 q8_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
@@ -192,7 +199,8 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize
     q8x_free(&X);
     return failed;
 #else
-    (void)bits, (void)x, (void)c, (void)y, (void)k, (void)n;
+    (void)bits, (void)x, (void)c, (void)scales, (void)biases, (void)factor, (void)half, (void)y, (void)k, (void)n,
+        (void)group;
     return 1;
 #endif
 }
@@ -202,7 +210,7 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, float *y, Py_ssize
 int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
            int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
     if (m == 1) {
-        const int done = q8_vec(bits, x, c, y, k, n);
+        const int done = q8_vec(bits, x, c, scales, biases, factor, half, y, k, n, group);
         if (done <= 0) return done;
     }
     const int type = bits - FORM_BLOCKS;

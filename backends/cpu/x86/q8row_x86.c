@@ -283,6 +283,144 @@ AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* -- the affine forms -------------------------------------------------------------
+ * The codes gemv.c's affine products read (a nibble a value, two groups of 16
+ * columns a 16-byte group as GGML orders them; or a byte a value) with their
+ * scales and biases in arrays of their own (float32, or float16 words with
+ * `half`; no biases: factor * scale, as tile_scales makes them): the forms
+ * Q5_0 and Q5_1 take at load where their blocks are not kept (AVX2) and
+ * quantize="q8"/"q4" gives a Hugging Face model. The lanes and the float
+ * arithmetic are the tile kernels' (q8_tile_avx2 after tile_scales), so a row
+ * has the bits it gets among others. Without this a decode step's product on
+ * them took q8_run's tile path, which packs every tile of W for one row: on
+ * Gemma 3 (its Q5_0 tensors converted) q8 decode ran at a fifth of exact's
+ * speed. AVX2 instructions, on the VNNI path too (the integer sums are exact
+ * either way). */
+
+/* Code vector u (32 columns) of an affine row from c: nibbles as unsigned codes, bytes as code - 128 (signed,
+ * AVX2's sign trick for codes up to 255: the span's sums get 128 * sum(q) back). */
+AVX2 INLINE __m256i affine_vector(const int bits, const uint8_t *c) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)c), m4 = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)c), _mm256_set1_epi8((char)0x80));
+}
+
+/* The first c (at most 8; none when c <= 0) of a row's per-group floats at p as lanes, +0 after them, read
+ * no further than the c-th: float32, or float16 words with half. A row's last span (the matrix's last row's
+ * included) ends inside a vector. */
+AVX2 INLINE __m256 affine_lanes(const void *p, const int half, const Py_ssize_t c) {
+    if (c >= 8) return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+    if (c <= 0) return _mm256_setzero_ps();
+    if (!half)
+        return _mm256_maskload_ps((const float *)p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)c),
+                                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const uint16_t *h = (const uint16_t *)p;
+    __m128i v = _mm_maskload_epi32((const int *)p, _mm_cmpgt_epi32(_mm_set1_epi32((int)(c / 2)), _mm_setr_epi32(0, 1, 2, 3)));
+    switch (c) { /* an odd count's last word */
+    case 1: v = _mm_insert_epi16(v, h[0], 0); break;
+    case 3: v = _mm_insert_epi16(v, h[2], 2); break;
+    case 5: v = _mm_insert_epi16(v, h[4], 4); break;
+    case 7: v = _mm_insert_epi16(v, h[6], 6); break;
+    default: break;
+    }
+    return _mm256_cvtph_ps(v);
+}
+
+/* R (1 or 2) affine rows (row_bytes of codes and `groups` scales apart) against X's row 0, into y[0..R):
+ * q8_row_avx2's span loop on these codes (bits 4 or 8; g16: 8-bit codes in groups of 16). */
+AVX2 INLINE void q8_affine_row(const int bits, const int g16, const int R, const uint8_t *codes, Py_ssize_t row_bytes,
+                               const char *scales, const char *biases, float factor, int half, Py_ssize_t groups,
+                               Py_ssize_t pf, const struct q8x *X, float *y) {
+    const int vectors = g16 ? 8 : 16, vbytes = bits == 4 ? 16 : 32, each = half ? 2 : 4;
+    const Py_ssize_t span_bytes = (Py_ssize_t)vectors * vbytes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 vf = _mm256_set1_ps(factor);
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (Py_ssize_t s = 0, g0 = 0; g0 < groups; s++, g0 += 16)
+      UNROLL for (int r = 0; r < R; r++) {
+        const int8_t *qs = X->q + s * 32 * vectors;
+        const uint8_t *w = codes + r * row_bytes + s * span_bytes;
+        if (pf) ahead_of(w + pf, span_bytes);
+        __m256i p[16], isum[2];
+        UNROLL for (int u = 0; u < vectors; u++) {
+            if (g0 + (g16 ? 2 * u : u) >= groups) { /* past the row */
+                p[u] = _mm256_setzero_si256();
+                continue;
+            }
+            const __m256i c = affine_vector(bits, w + u * vbytes), x = _mm256_loadu_si256((const __m256i *)(qs + 32 * u));
+            p[u] = _mm256_madd_epi16(bits == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c))
+                                               : _mm256_maddubs_epi16(c, x), ones);
+        }
+        if (g16) {
+            isum[0] = eight_sums16(p), isum[1] = eight_sums16(p + 4);
+        } else {
+            isum[0] = eight_sums(p), isum[1] = eight_sums(p + 8);
+        }
+        for (int h = 0; h < 2; h++) {
+            const Py_ssize_t g = g0 + 8 * h, live = groups - g;
+            const Py_ssize_t at = (r * groups + g) * each;
+            const __m256 sc = affine_lanes(scales + at, half, live);
+            __m256 bi;
+            if (biases) {
+                bi = affine_lanes(biases + at, half, live);
+            } else { /* factor * scale; +0 past the row, as the tile kernels' padding (factor * 0 may be -0) */
+                const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live > 8 ? 8 : (int)live),
+                                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+                bi = _mm256_and_ps(in, _mm256_mul_ps(vf, sc));
+            }
+            __m256i is = isum[h];
+            if (bits == 8) is = _mm256_add_epi32(is, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(X->qs + g)), 7));
+            const __m256 t = _mm256_mul_ps(sc, _mm256_loadu_ps(X->dx + g));
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), t, acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(bi, _mm256_loadu_ps(X->xs + g), acc[r][h]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+#define AFFINE_CASES(R, r)                                                                                             \
+    {                                                                                                                  \
+        const uint8_t *cr = codes + (r) * row_bytes;                                                                   \
+        const char *sr = (const char *)scales + (r) * groups * each;                                                   \
+        const char *br = biases ? (const char *)biases + (r) * groups * each : NULL;                                   \
+        if (bits == 4)                                                                                                 \
+            q8_affine_row(4, 0, R, cr, row_bytes, sr, br, factor, half, groups, pf, X, y + (r));                       \
+        else if (group == 16)                                                                                          \
+            q8_affine_row(8, 1, R, cr, row_bytes, sr, br, factor, half, groups, pf, X, y + (r));                       \
+        else                                                                                                           \
+            q8_affine_row(8, 0, R, cr, row_bytes, sr, br, factor, half, groups, pf, X, y + (r));                       \
+    }
+
+/* Rows [r0, r1) of an affine W (bits 4 with groups of 32, or 8 with groups of 32 or 16; codes, scales and
+ * biases from its first row, `left` its bytes of codes) against X's row 0 in column order
+ * (q8_quantize_natural_avx2), into y[r0..r1): Q8_ROWS' loop. */
+AVX2 void q8_rows_affine_avx2(int bits, Py_ssize_t group, const uint8_t *codes, const void *scales, const void *biases,
+                              float factor, int half, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t left, const struct q8x *X,
+                              float *y, Py_ssize_t k) {
+    const Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group, each = half ? 2 : 4;
+    Py_ssize_t r = r0;
+    if (row_bytes > LONG_ROW) {
+        const Py_ssize_t ahead = (PREFETCH + row_bytes - 1) / row_bytes * row_bytes;
+        for (; r < r1; r++) {
+            const Py_ssize_t pf = (r + 1) * row_bytes + ahead <= left ? ahead : 0;
+            AFFINE_CASES(1, r)
+        }
+        return;
+    }
+    const Py_ssize_t pf = 0;
+    for (; r < r1; r += 2) {
+        const char *at = (const char *)codes + r * row_bytes;
+        for (Py_ssize_t b = 0; b < 2 * row_bytes && r * row_bytes + PREFETCH + b < left; b += 64)
+            __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
+        if (r + 2 > r1) break;
+        AFFINE_CASES(2, r)
+    }
+    if (r < r1) AFFINE_CASES(1, r)
+}
+#undef AFFINE_CASES
+
 /* q8.c's q8_quantize_row in column order (natural), 32 values at a time: the
  * same float32 operations (max|x|, amax / 127, 127 / amax, x * id rounded to
  * nearest even by the conversion, as rintf does, clamped), so the same codes,
