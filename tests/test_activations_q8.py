@@ -124,6 +124,17 @@ def test_on_load_quantized_weights_take_it_too(path: str, kind: str) -> None:
     assert within(got, q8_formula(a, x), x, a.dequantize())
 
 
+def rows_alone_as_together(args: tuple, x: np.ndarray, label: tuple) -> np.ndarray:
+    """Each row of x alone (a decode step's one-row kernels) gets the bits it
+    gets among the others (the tile kernels), and is not the exact product."""
+    together = run(args, x)
+    for i in range(x.shape[0]):
+        alone = run(args, x[i:i + 1])
+        assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (*label, i)
+    assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), label  # int8 x, not exact
+    return together
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_one_row_alone_has_the_bits_it_has_among_others(path: str, qtype: str) -> None:
     # A decode step's product (one row) runs the one-row kernels on the blocks as
@@ -136,11 +147,7 @@ def test_one_row_alone_has_the_bits_it_has_among_others(path: str, qtype: str) -
         args, _ = stored(qtype, 23, k, seed)
         x = np.random.default_rng(50 + seed).standard_normal((4, k)).astype(np.float32) * 2
         x[2, : min(k, 64)] = 0.0  # all-zero blocks: scale 0
-        together = run(args, x)
-        for i in range(4):
-            alone = run(args, x[i:i + 1])
-            assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (qtype, k, i)
-        assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), (qtype, k)  # int8 x, not exact
+        rows_alone_as_together(args, x, (qtype, k))
 
 
 @pytest.mark.parametrize("form", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "q4", "q8"])
@@ -163,12 +170,8 @@ def test_one_row_on_an_affine_form_has_the_bits_it_has_among_others(path: str, f
         args = numpy_backend.kernel_args(a)
         x = np.random.default_rng(70 + seed).standard_normal((4, k)).astype(np.float32) * 2
         x[2, : min(k, 64)] = 0.0  # all-zero groups: scale 0
-        together = run(args, x)
-        for i in range(4):
-            alone = run(args, x[i:i + 1])
-            assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (form, k, i)
+        together = rows_alone_as_together(args, x, (form, k))
         assert within(together, q8_formula(a, x), x, a.dequantize()), (form, k)
-        assert not np.array_equal(run(args, x[:1]), run(args, x[:1], flag=0)), (form, k)  # int8 x, not exact
 
 
 def test_rows_do_not_depend_on_each_other() -> None:

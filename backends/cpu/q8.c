@@ -63,25 +63,22 @@ static void q8_interleave(const uint8_t *in, Py_ssize_t k, Py_ssize_t group, Py_
     }
 }
 
-/* Row i of x [.., k] quantized into X's row j (interleaved, as the tile kernels read it): the one-row kernels'
- * quantizer in column order (q8_quantize_natural_512/_avx2, the same codes and sums), then q8_interleave. */
-static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j, int8_t *natural) {
-    int8_t *q = X->q + j * X->kp;
-    float *dx = X->dx + j * X->lanes, *xs = X->xs + j * X->lanes;
-    int32_t *qs = X->qs + j * X->lanes;
-    memset(dx, 0, (size_t)X->lanes * sizeof(float));
-    memset(xs, 0, (size_t)X->lanes * sizeof(float));
-    memset(qs, 0, (size_t)X->lanes * sizeof(int32_t));
-    const Py_ssize_t group = X->group;
+/* k values of x quantized in column order into q, and their groups' scales, sums and scaled sums into dx, qs
+ * and xs (`lanes` of each, zeros past the row's groups): the AVX-512 or AVX2 quantizer where the path has one,
+ * else the portable loop; the same float32 operations on each (max|x|, amax / 127, 127 / amax, x * id rounded
+ * to nearest even, clamped), so the same codes and sums on every path. */
+static void q8_quantize_natural(const float *x, Py_ssize_t k, Py_ssize_t group, Py_ssize_t lanes, int8_t *q,
+                                float *dx, float *xs, int32_t *qs) {
+    memset(dx, 0, (size_t)lanes * sizeof(float));
+    memset(xs, 0, (size_t)lanes * sizeof(float));
+    memset(qs, 0, (size_t)lanes * sizeof(int32_t));
 #ifdef HAVE_X86
     if (use_avx512) {
-        q8_quantize_natural_512(x, k, group, natural, dx, xs, qs);
-        q8_interleave((const uint8_t *)natural, k, group, X->kp, (uint8_t *)q);
+        q8_quantize_natural_512(x, k, group, q, dx, xs, qs);
         return;
     }
     if (use_avx2) {
-        q8_quantize_natural_avx2(x, k, group, natural, dx, xs, qs);
-        q8_interleave((const uint8_t *)natural, k, group, X->kp, (uint8_t *)q);
+        q8_quantize_natural_avx2(x, k, group, q, dx, xs, qs);
         return;
     }
 #endif
@@ -95,13 +92,20 @@ static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssiz
         for (int t = 0; t < 32; t++) {
             int v = (int)rintf(x[b + t] * id);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
-            natural[b + t] = (int8_t)v;
+            q[b + t] = (int8_t)v;
             qs[(b + t) / group] += v;
         }
         for (Py_ssize_t g = b / group; g < (b + 32) / group; g++) dx[g] = d;
     }
     for (Py_ssize_t g = 0; g < k / group; g++) xs[g] = dx[g] * (float)qs[g]; /* the rounded group's sum */
-    q8_interleave((const uint8_t *)natural, k, group, X->kp, (uint8_t *)q);
+}
+
+/* Row i of x [.., k] quantized into X's row j in the interleaved order the tile kernels read, through
+ * `natural` (k bytes in column order). */
+static void q8_quantize_row(const float *x, Py_ssize_t k, struct q8x *X, Py_ssize_t j, int8_t *natural) {
+    q8_quantize_natural(x, k, X->group, X->lanes, natural, X->dx + j * X->lanes, X->xs + j * X->lanes,
+                        X->qs + j * X->lanes);
+    q8_interleave((const uint8_t *)natural, k, X->group, X->kp, (uint8_t *)(X->q + j * X->kp));
 }
 
 /* One row of decoded codes (4 bits two a byte, GGML's order in groups of 32; or 8) into the interleaved
@@ -198,13 +202,7 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
     const int failed = q8x_alloc(&X, group, k, 1);
     if (!failed) {
         memset(X.q, 0, (size_t)X.kp); /* the last span's padding */
-        memset(X.dx, 0, (size_t)X.lanes * sizeof(float));
-        memset(X.xs, 0, (size_t)X.lanes * sizeof(float));
-        memset(X.qs, 0, (size_t)X.lanes * sizeof(int32_t));
-        if (use_avx512)
-            q8_quantize_natural_512(x, k, group, X.q, X.dx, X.xs, X.qs);
-        else
-            q8_quantize_natural_avx2(x, k, group, X.q, X.dx, X.xs, X.qs);
+        q8_quantize_natural(x, k, group, X.lanes, X.q, X.dx, X.xs, X.qs);
         const Py_ssize_t tile = TILE_ROWS, tiles = (n + tile - 1) / tile;
         #pragma omp parallel for schedule(static)
         for (Py_ssize_t t = 0; t < tiles; t++) {
