@@ -278,32 +278,45 @@ AVX512 INLINE void small4_rows_512(const int type, const uint8_t *raw, Py_ssize_
 }
 
 /* One row of a K type's blocks against one activation row on AVX2, decoding
- * in registers: one_row's arithmetic (dot4 / dot8 / g16_step per block of 32
+ * in registers: one_row's arithmetic (nib32_at / dot32_at / g16_at per block of 32
  * columns, scaled into the even or odd accumulator, then bias_dot's sum) on
  * the same codes and scales, so the bits are one_row's. */
 AVX2 INLINE __m256 widen_q(__m128i v, const int half) { /* bytes 0..7 (half 0) or 8..15 as 8 floats */
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(v, 8) : v));
 }
 
-/* 32 code bytes (column order) against x's 32 columns: dot8's sum (g16: g16_step's two halves, t and u). */
-AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v, __m256 *u) {
+/* 32 code bytes (column order, in a register: Q5_0's and Q5_1's, assembled)
+ * against x's 32 columns: dot32_at's sum. */
+AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v) {
     __m128i a = _mm256_castsi256_si128(c), b = _mm256_extracti128_si256(c, 1);
     __m256 t = _mm256_mul_ps(widen_q(a, 0), _mm256_loadu_ps(v));
     t = _mm256_fmadd_ps(widen_q(a, 1), _mm256_loadu_ps(v + 8), t);
-    if (u) {
-        __m256 h = _mm256_mul_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16));
-        *u = _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), h);
-        return t;
-    }
     t = _mm256_fmadd_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16), t);
     return _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), t);
+}
+
+/* A 32-value block against x's 32 columns: dot32_avx2's sum, the 4- and 8-bit
+ * codes widened from the block's bytes (nib32_at, dot32_at), Q5's from the
+ * vector they are assembled in. */
+AVX2 INLINE __m256 small_dot(const int type, const uint8_t *b, const float *w) {
+    if (type == GGML_Q4_0 || type == GGML_Q4_1) return nib32_at(b + (type == GGML_Q4_0 ? 2 : 4), w);
+    if (type == GGML_Q8_0) return dot32_at(b + 2, w, NULL, 1);
+    return dot32_avx2(small_codes(type, b), w);
+}
+
+/* Block q (32 one-byte codes at c) of a Q5_K or Q6_K super-block into acc:
+ * Q5_K one scale a block (one_row's 8-bit step), Q6_K two (g16_at's). */
+AVX2 INLINE __m256 k_block_at(const int type, const uint8_t *c, const float *w, const float *s, int q, __m256 acc) {
+    if (type != GGML_Q6_K) return _mm256_fmadd_ps(_mm256_broadcast_ss(s + q), dot32_at(c, w, NULL, 0), acc);
+    __m256 u, t = dot32_at(c, w, &u, 0);
+    return _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * q + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * q), t, acc));
 }
 
 AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k,
                                   Py_ssize_t pf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
     float s[16], bi[16];
-    if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) { /* one_row's blocks of 32, dot8 (= dot4) each */
+    if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) { /* one_row's blocks of 32, dot32_at's sum each */
         const Py_ssize_t bytes = small_bytes(type), blocks = k / GROUP;
         Py_ssize_t g = 0;
         for (; g + 8 <= blocks; g += 8) {
@@ -313,16 +326,15 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
             bacc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xs + g), bacc);
             for (int j = 0; j < 8; j += 2) {
                 const float *w = x + (g + j) * GROUP;
-                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), dot32_avx2(small_codes(type, b + j * bytes), w, NULL), a0);
-                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 1),
-                                     dot32_avx2(small_codes(type, b + (j + 1) * bytes), w + 32, NULL), a1);
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), small_dot(type, b + j * bytes, w), a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 1), small_dot(type, b + (j + 1) * bytes, w + 32), a1);
             }
         }
         const Py_ssize_t from = g;
         for (; g < blocks; g++) { /* one_row's last blocks (into a0, as even ones), bias_dot's tail */
             const uint8_t *b = raw + g * bytes;
             small_scale(type, b, s + (g - from), bi + (g - from));
-            __m256 d = dot32_avx2(small_codes(type, b), x + g * GROUP, NULL);
+            __m256 d = small_dot(type, b, x + g * GROUP);
             if ((g - from) & 1)
                 a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (g - from)), d, a1);
             else
@@ -341,55 +353,30 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
         bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi), _mm256_loadu_ps(xs + j * per), bacc);
         if (per == 16) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(bi + 8), _mm256_loadu_ps(xs + j * per + 8), bacc);
         if (type == GGML_Q4_K) {
-            const __m128i m4 = _mm_set1_epi8(15);
+            const __m256i m4 = _mm256_set1_epi32(15);
             for (int i = 0; i < 4; i++) { /* chunk i: group 2i the low nibbles, 2i + 1 the high ones */
-                __m128i qa = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * i));
-                __m128i qb = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * i));
+                const uint8_t *q = b + 16 + 32 * i;
                 const float *w = v + 64 * i;
-                __m128i la = _mm_and_si128(qa, m4), lb = _mm_and_si128(qb, m4);
-                __m128i ha = _mm_and_si128(_mm_srli_epi16(qa, 4), m4), hb = _mm_and_si128(_mm_srli_epi16(qb, 4), m4);
-                __m256 t = _mm256_mul_ps(widen_q(la, 0), _mm256_loadu_ps(w));
-                t = _mm256_fmadd_ps(widen_q(la, 1), _mm256_loadu_ps(w + 8), t);
-                t = _mm256_fmadd_ps(widen_q(lb, 0), _mm256_loadu_ps(w + 16), t);
-                t = _mm256_fmadd_ps(widen_q(lb, 1), _mm256_loadu_ps(w + 24), t);
-                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), t, a0);
-                t = _mm256_mul_ps(widen_q(ha, 0), _mm256_loadu_ps(w + 32));
-                t = _mm256_fmadd_ps(widen_q(ha, 1), _mm256_loadu_ps(w + 40), t);
-                t = _mm256_fmadd_ps(widen_q(hb, 0), _mm256_loadu_ps(w + 48), t);
-                t = _mm256_fmadd_ps(widen_q(hb, 1), _mm256_loadu_ps(w + 56), t);
-                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), t, a1);
-            }
-        } else if (type == GGML_Q5_K) {
-            const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            for (int i = 0; i < 4; i++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * i));
-                __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), one);
-                __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i + 1)), one);
-                __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(f0, 4));
-                __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_slli_epi16(f1, 4));
-                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), dot32_avx2(lo, v + 64 * i, NULL), a0);
-                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), dot32_avx2(hi, v + 64 * i + 32, NULL), a1);
-            }
-        } else { /* Q6_K: g16_step per block of 32 */
-            const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = b + 64 * h;
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                __m256i c[4] = {
-                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
-                for (int q = 0; q < 4; q += 2) {
-                    const float *sq = s + 8 * h + 2 * q, *w = v + 128 * h + 32 * q;
-                    __m256 u, t = dot32_avx2(c[q], w, &u);
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq), t, a0));
-                    t = dot32_avx2(c[q + 1], w + 32, &u);
-                    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 3), u, _mm256_fmadd_ps(_mm256_broadcast_ss(sq + 2), t, a1));
+                __m256 t = _mm256_setzero_ps(), u = t;
+                for (int e = 0; e < 4; e++) { /* bytes 8e..8e+7: columns 8e.. of both groups */
+                    const __m256i c = bytes8_at(q + 8 * e);
+                    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, m4));
+                    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+                    t = e ? _mm256_fmadd_ps(lo, _mm256_loadu_ps(w + 8 * e), t) : _mm256_mul_ps(lo, _mm256_loadu_ps(w));
+                    u = e ? _mm256_fmadd_ps(hi, _mm256_loadu_ps(w + 32 + 8 * e), u) : _mm256_mul_ps(hi, _mm256_loadu_ps(w + 32));
                 }
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i), t, a0);
+                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * i + 1), u, a1);
+            }
+        } else { /* Q5_K, Q6_K: the super-block's codes a byte each (decode_codes_avx2), then widened from there */
+            uint8_t codes[QK_K] __attribute__((aligned(32)));
+            decode_codes_avx2(type, b, codes);
+            /* Widened from memory, not from the registers they were made in: left to itself gcc keeps them there
+             * and extracts and shifts each 8 bytes (vpsrldq, vmovq) before widening them, 1.3x slower. */
+            __asm__ volatile("" : : "r"(codes) : "memory");
+            for (int q = 0; q < QK_K / GROUP; q += 2) { /* blocks q (even) and q + 1 (odd) */
+                a0 = k_block_at(type, codes + GROUP * q, v + GROUP * q, s, q, a0);
+                a1 = k_block_at(type, codes + GROUP * (q + 1), v + GROUP * (q + 1), s, q + 1, a1);
             }
         }
     }

@@ -20,68 +20,40 @@ AVX2 INLINE void nibbles32(const uint8_t *c, __m256 *w) {
     w[0] = widen(lo), w[1] = widen(_mm_srli_si128(lo, 8)), w[2] = widen(hi), w[3] = widen(_mm_srli_si128(hi, 8));
 }
 
-/* One activation row: two accumulators in registers, two groups per step
- * (the accumulator chain, not the loads, limits the loop otherwise). */
-AVX2 static inline __m256 dot4(const uint8_t *codes, const float *v) {
-    __m256 w[4];
-    nibbles32(codes, w);
-    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
-}
-
-/* 8 codes at p as 8 floats: the 8 bytes broadcast to both 128-bit lanes, then an
- * in-lane byte shuffle to 32-bit lanes (vpmovzxbd crosses lanes, slower on some CPUs). */
-AVX2 static inline __m256 widen8(const uint8_t *p) {
-    const __m256i pick = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-    int64_t q;
-    memcpy(&q, p, 8);
-    return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(_mm256_set1_epi64x(q), pick));
-}
-
-AVX2 static inline __m256 dot8(const uint8_t *c, const float *v) {
-    __m256 t = _mm256_mul_ps(widen8(c), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(widen8(c + 8), _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(widen8(c + 16), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(widen8(c + 24), _mm256_loadu_ps(v + 24), t);
-}
-
-/* 8-bit codes with a scale per 16 columns: one block of 32, scales s[0], s[1]. */
-AVX2 static inline __m256 g16_step(const uint8_t *c, const float *v, const float *s, __m256 acc) {
-    __m256 t = _mm256_mul_ps(widen8(c), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(widen8(c + 8), _mm256_loadu_ps(v + 8), t);
-    __m256 u = _mm256_mul_ps(widen8(c + 16), _mm256_loadu_ps(v + 16));
-    u = _mm256_fmadd_ps(widen8(c + 24), _mm256_loadu_ps(v + 24), u);
+/* 8-bit codes with a scale per 16 columns: one block of 32, scales s[0], s[1]
+ * (the codes widened from memory, simd.h's dot32_at). */
+AVX2 static inline __m256 g16_at(const uint8_t *c, const float *v, const float *s, __m256 acc) {
+    __m256 u, t = dot32_at(c, v, &u, 0);
     return _mm256_fmadd_ps(_mm256_broadcast_ss(s + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(s), t, acc));
 }
 
-
+/* One activation row: two accumulators in registers, two groups per step
+ * (the accumulator chain, not the loads, limits the loop otherwise); each
+ * group's sum is nib32_at's or dot32_at's (simd.h), the M-row kernels' below. */
 AVX2 static float one_row(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *v,
                           const float *xs, Py_ssize_t k, Py_ssize_t group) {
     Py_ssize_t groups = k / GROUP, step = bits == 4 ? GROUP / 2 : GROUP, g = 0;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     if (group == 16) { /* groups here are blocks of 32 columns, two scales each */
         for (; g + 1 < groups; g += 2) {
-            a0 = g16_step(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
-            a1 = g16_step(codes + (g + 1) * GROUP, v + (g + 1) * GROUP, scales + 2 * (g + 1), a1);
+            a0 = g16_at(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
+            a1 = g16_at(codes + (g + 1) * GROUP, v + (g + 1) * GROUP, scales + 2 * (g + 1), a1);
         }
-        if (g < groups) a0 = g16_step(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
+        if (g < groups) a0 = g16_at(codes + g * GROUP, v + g * GROUP, scales + 2 * g, a0);
         return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, 2 * groups);
     }
     if (bits == 4) {
         for (; g + 1 < groups; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP), a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1), dot4(codes + (g + 1) * step, v + (g + 1) * GROUP), a1);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), nib32_at(codes + g * step, v + g * GROUP), a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1), nib32_at(codes + (g + 1) * step, v + (g + 1) * GROUP), a1);
         }
-        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot4(codes + g * step, v + g * GROUP), a0);
+        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), nib32_at(codes + g * step, v + g * GROUP), a0);
     } else {
         for (; g + 1 < groups; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot8(codes + g * step, v + g * GROUP), a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1), dot8(codes + (g + 1) * step, v + (g + 1) * GROUP), a1);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot32_at(codes + g * step, v + g * GROUP, NULL, 0), a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g + 1), dot32_at(codes + (g + 1) * step, v + (g + 1) * GROUP, NULL, 0), a1);
         }
-        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot8(codes + g * step, v + g * GROUP), a0);
+        if (g < groups) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + g), dot32_at(codes + g * step, v + g * GROUP, NULL, 0), a0);
     }
     return hsum(_mm256_add_ps(a0, a1)) + bias_dot(biases, xs, groups);
 }
@@ -107,7 +79,7 @@ AVX2 INLINE void block_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s
     }
 }
 
-/* The same for 8-bit codes with a scale per 16 columns (g16_step's order). */
+/* The same for 8-bit codes with a scale per 16 columns (g16_at's order). */
 AVX2 INLINE void block16_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 s0, __m256 s1, const float *x,
                               Py_ssize_t k, __m256 *acc, const int M) {
 #pragma GCC unroll 8
@@ -126,7 +98,8 @@ AVX2 INLINE void widen_block(int bits, const uint8_t *codes, Py_ssize_t g, __m25
         nibbles32(codes + g * (GROUP / 2), w);
     } else {
         const uint8_t *c = codes + g * GROUP;
-        w[0] = widen8(c), w[1] = widen8(c + 8), w[2] = widen8(c + 16), w[3] = widen8(c + 24);
+        w[0] = _mm256_cvtepi32_ps(bytes8_at(c)), w[1] = _mm256_cvtepi32_ps(bytes8_at(c + 8));
+        w[2] = _mm256_cvtepi32_ps(bytes8_at(c + 16)), w[3] = _mm256_cvtepi32_ps(bytes8_at(c + 24));
     }
 }
 

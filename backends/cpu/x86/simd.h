@@ -133,6 +133,48 @@ AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
     return type == GGML_Q5_0 ? q5_vector(b + 2, b + 6) : q5_vector(b + 4, b + 8);
 }
 
+/* The exact one-row kernels' codes as floats on AVX2, widened straight from
+ * memory. On the AVX2 CPUs measured (Zen 3) vcvtdq2ps issues once a cycle, so
+ * eight weights cost at least a cycle; a vpmovzxbd from memory needs no
+ * extract or byte shift of a register first, and one widening gives a byte's
+ * two nibbles (an and, a shift), which keeps the rest of the work under that
+ * cycle (docs/performance.md, "The exact products on AVX2"). The values, and
+ * the order of the sums, are the register forms': the same bits. */
+AVX2 INLINE __m256i bytes8_at(const uint8_t *p) { /* 8 bytes as 8 integer lanes */
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* 32 one-byte codes in column order (c) against x's 32 columns (v): t = columns
+ * 0..7, then 8..15, 16..23, 24..31 multiplied in; or, with u, t of 0..15 and
+ * *u of 16..31 (a scale per 16 columns). `flip` xors each code with 0x80
+ * (Q8_0's int8 q as the code q + 128). */
+AVX2 INLINE __m256 dot32_at(const uint8_t *c, const float *v, __m256 *u, const int flip) {
+    const __m256i f = _mm256_set1_epi32(flip ? 0x80 : 0);
+#define CODES_AT(j) _mm256_cvtepi32_ps(flip ? _mm256_xor_si256(bytes8_at(c + (j)), f) : bytes8_at(c + (j)))
+    __m256 t = _mm256_mul_ps(CODES_AT(0), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(CODES_AT(8), _mm256_loadu_ps(v + 8), t);
+    if (u) {
+        __m256 h = _mm256_mul_ps(CODES_AT(16), _mm256_loadu_ps(v + 16));
+        *u = _mm256_fmadd_ps(CODES_AT(24), _mm256_loadu_ps(v + 24), h);
+        return t;
+    }
+    t = _mm256_fmadd_ps(CODES_AT(16), _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(CODES_AT(24), _mm256_loadu_ps(v + 24), t);
+#undef CODES_AT
+}
+
+/* A block of 32 4-bit codes in GGML's order (16 bytes: byte j holds column j in
+ * its low nibble, j + 16 in its high one) against x's 32 columns, dot32_at's
+ * order: columns 0..7 and 16..23 come from one widening of bytes 0..7. */
+AVX2 INLINE __m256 nib32_at(const uint8_t *c, const float *v) {
+    const __m256i m4 = _mm256_set1_epi32(15);
+    const __m256i c0 = bytes8_at(c), c1 = bytes8_at(c + 8);
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, m4)), _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, m4)), _mm256_loadu_ps(v + 8), t);
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), _mm256_loadu_ps(v + 24), t);
+}
+
 AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
     /* The eight blocks' float16 words inserted one by one into a register: a
      * gather measured slower (AMD Zen 4), and eight two-byte stores read back as
