@@ -262,6 +262,26 @@ def test_dtypes_and_in_place_update():
         TorchBackend("cpu", "float64")
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from /proc")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32"])
+def test_a_cpu_pool_costs_memory_only_as_it_fills(dtype):
+    # State stores and KV pools are allocated whole (Qwen3.5: 1.2 GB of state slots)
+    # and filled a slot at a time: the zeros must not be resident before they are
+    # written, as the numpy backend's are not, and must read as zeros.
+    before = resident_bytes()
+    pool = ops.zeros((64, 16, 128, 128), dtype)  # 64-128 MiB
+    assert resident_bytes() - before < 16 << 20
+    row = pool[3]
+    assert ops.dtype(pool) == dtype and not row.any()
+    ops.scatter_rows(pool, ops.from_numpy(np.array([5], np.int32)), ops.from_numpy(np.ones((1, 16, 128, 128), dtype)))
+    assert pool[5].all() and not pool[4].any() and resident_bytes() - before < 24 << 20
+
+
 def test_embedding_rejects_out_of_range_ids():
     table = ops.from_numpy(normal(0, 5, 4))
     with pytest.raises(IndexError, match="out of range"):
