@@ -419,8 +419,10 @@ def test_bad_data_inside_a_batched_program_is_a_typed_error_not_a_stray_write() 
     with pytest.raises(IndexError, match="writes row -1"):
         run(slots, [-1, 0])
     assert all(np.array_equal(a, b) for a, b in zip(keys + values, before))  # nothing written: checked first
-    with pytest.raises(IndexError, match="token id"):
+    with pytest.raises(IndexError, match=r"token id 1000000 out of range \[0, "):
         run(ids, [3, 10**6])
+    with pytest.raises(IndexError, match=r"row index 1000000 out of range \[0, 2\)"):  # not a token id
+        run(logit_rows, [0, 10**6])
     with pytest.raises(IndexError, match="block table entry 17 is outside the pool of 17 blocks"):
         run(tables, 17)  # 16 blocks and the scratch block
     most = host[tables].shape[1] * 4  # the table's width of blocks of 4

@@ -266,6 +266,7 @@ def test_a_recorded_step_updates_the_pools_state_rows_in_place(read_copy: bool) 
     assert steps.count(record.GATHER) == steps.count(record.SCATTER_ROWS) == (1 if read_copy else 0)
     before = tuple(p.copy() for p in planned_pools)
     # (the kept gather checks its indices first, with its own message)
-    with pytest.raises(IndexError, match="id 6 out of range" if read_copy else "state slot 6 of a pool of 6"):
+    refused = r"row index 6 out of range \[0, 6\)" if read_copy else "state slot 6 of a pool of 6"
+    with pytest.raises(IndexError, match=refused):
         planned(q, k, v, g, beta, s[0], s[1], s[3], s[4], *planned_pools, np.array([5, 0, 6, 2], np.int32), QS, ROWS)
     assert all(np.array_equal(a, b) for a, b in zip(planned_pools, before))

@@ -25,7 +25,7 @@ enum {
     OP_GEMV_F32,     /* P x, w, out; I m, k, n */
     OP_RMS,          /* P x, w|0, out, res|0, h|0; I rows, n; F eps */
     OP_ROPE,         /* P x, cos, sin, out; I tokens, heads, d, half */
-    OP_GATHER,       /* P table, ids, out; I count, vocab, row_bytes, id_bytes */
+    OP_GATHER,       /* P table, ids, out; I count, vocab, row_bytes, id_bytes, rows (0: token ids, 1: row indices) */
     OP_DEQUANT_ROWS, /* P codes, scales, biases|0, ids, out; I count, vocab, bits, k, group, half, id_bytes;
                         F bias factor */
     OP_COPY,         /* P x, out; I item_bytes, ndim, shape[ndim], x strides[ndim] (bytes); out contiguous */
@@ -79,7 +79,8 @@ static const struct { const char *name; int code; } OPCODES[] = {
 enum { U_CAST_I32, U_NEG, U_EXP, U_SQRT, U_TANH, U_COS, U_SIN, U_SILU, U_GELU_TANH, U_GELU_ERF, U_SOFTPLUS };
 enum { B_ADD, B_SUB, B_MUL, B_DIV };
 enum { R_MAX, R_ARGMAX, R_SUM };
-enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH, E_ADAPTER, E_STATE };
+enum { E_OK, E_PROGRAM, E_MEMORY, E_TOKEN, E_ROW, E_EXPERT, E_POSITION, E_LENGTH, E_ROWS, E_SLOT, E_BLOCK, E_BATCH,
+       E_ADAPTER, E_STATE };
 
 #define MAX_DIMS 8
 
@@ -325,11 +326,13 @@ static void step_reduce(struct machine *vm) {
     }
 }
 
-/* ids[i] as a row index of a table of vocab rows, or -1 (and the error set). */
-static Py_ssize_t row_id(struct machine *vm, const char *ids, Py_ssize_t i, int64_t id_bytes, Py_ssize_t vocab) {
+/* ids[i] as a row index of a table of vocab rows, or -1 (and the error set: `error`, E_TOKEN
+ * for an embedding's token ids, E_ROW for other gathers' row indices). */
+static Py_ssize_t row_id(struct machine *vm, const char *ids, Py_ssize_t i, int64_t id_bytes, Py_ssize_t vocab,
+                         int error) {
     long long id = id_bytes == 8 ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
     if (id < 0 || id >= vocab) {
-        vm->error = E_TOKEN;
+        vm->error = error;
         vm->detail = id;
         vm->limit = vocab;
         return -1;
@@ -682,7 +685,7 @@ static void step_expert_gemv(struct machine *vm) {
         return;
     for (Py_ssize_t i = 0; i < m; i++)
         if (ids[i] < 0 || ids[i] >= experts) {
-            vm->error = E_TOKEN;
+            vm->error = E_EXPERT;
             vm->detail = ids[i];
             vm->limit = experts;
             return;
@@ -814,9 +817,10 @@ static void step(struct machine *vm) {
         char *out = next_ptr(vm);
         Py_ssize_t count = next_int(vm), vocab = next_int(vm), row_bytes = next_int(vm);
         int64_t id_bytes = next_int(vm);
+        const int error = next_int(vm) ? E_ROW : E_TOKEN;
         if (id_bytes != 4 && id_bytes != 8) vm->error = E_PROGRAM;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
-            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
+            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab, error);
             if (r >= 0) memcpy(out + i * row_bytes, table + r * row_bytes, (size_t)row_bytes);
         }
         return;
@@ -834,7 +838,7 @@ static void step(struct machine *vm) {
         float factor = (float)next_float(vm);
         if (!codes_ok(vm, bits, group, k, half, biases) || (id_bytes != 4 && id_bytes != 8)) return;
         for (Py_ssize_t i = 0; i < count && !vm->error; i++) {
-            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab);
+            Py_ssize_t r = row_id(vm, ids, i, id_bytes, vocab, E_TOKEN);
             if (r < 0) break;
             dequant_rows(bits, codes, scales, biases, factor, half, r, r + 1, k, group, out + i * k);
         }
@@ -894,6 +898,12 @@ PyObject *run_plan(PyObject *self, PyObject *args) {
     case E_MEMORY: PyErr_NoMemory(); break;
     case E_TOKEN:
         PyErr_Format(PyExc_IndexError, "token id %lld out of range [0, %lld)", vm.detail, vm.limit);
+        break;
+    case E_ROW:
+        PyErr_Format(PyExc_IndexError, "row index %lld out of range [0, %lld)", vm.detail, vm.limit);
+        break;
+    case E_EXPERT:
+        PyErr_Format(PyExc_IndexError, "a row is routed to expert %lld of %lld", vm.detail, vm.limit);
         break;
     case E_POSITION:
         PyErr_Format(PyExc_IndexError, "the step writes up to position %lld of a cache of %lld", vm.detail, vm.limit);

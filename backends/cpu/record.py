@@ -728,7 +728,7 @@ class Recorder:
                       [idx.size, vocab, bits, k, group, int(half), idx.itemsize], [factor])
         elif type(table) is np.ndarray and table.ndim == 2 and table.flags.c_contiguous:
             out = self.buffer((*idx.shape, table.shape[1]), table.dtype)
-            self.emit(GATHER, [table, idx, out], [idx.size, table.shape[0], table[0].nbytes, idx.itemsize])
+            self.emit(GATHER, [table, idx, out], [idx.size, table.shape[0], table[0].nbytes, idx.itemsize, 0])
         else:
             raise NotCapturable(f"embedding of {table!r:.80}")
         self.check("embedding", out, self.eager("embedding", table, idx))
@@ -744,7 +744,7 @@ class Recorder:
         src = self.contiguous(xp) if self.dynamic(x) else np.ascontiguousarray(xp)
         idx = self.contiguous(idx)
         out = self.buffer((*idx.shape, *xp.shape[1:]), xp.dtype)
-        self.emit(GATHER, [src, idx, out], [idx.size, xp.shape[0], xp[0].nbytes, idx.itemsize])
+        self.emit(GATHER, [src, idx, out], [idx.size, xp.shape[0], xp[0].nbytes, idx.itemsize, 1])
         self._gathered(src, idx, out)
         self.check("take", out, self.eager("take", xp, idx, 0))
         return self.wrap(out)
