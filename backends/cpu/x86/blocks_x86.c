@@ -372,7 +372,7 @@ AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const floa
             uint8_t codes[QK_K] __attribute__((aligned(32)));
             decode_codes_avx2(type, b, codes);
             /* Widened from memory, not from the registers they were made in: left to itself gcc keeps them there
-             * and extracts and shifts each 8 bytes (vpsrldq, vmovq) before widening them, 1.3x slower. */
+             * and extracts and shifts each 8 bytes (vpsrldq, vmovq) before widening them, 1.2x slower. */
             __asm__ volatile("" : : "r"(codes) : "memory");
             for (int q = 0; q < QK_K / GROUP; q += 2) { /* blocks q (even) and q + 1 (odd) */
                 a0 = k_block_at(type, codes + GROUP * q, v + GROUP * q, s, q, a0);
