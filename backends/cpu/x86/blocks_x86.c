@@ -277,31 +277,16 @@ AVX512 INLINE void small4_rows_512(const int type, const uint8_t *raw, Py_ssize_
     }
 }
 
-/* One row of a K type's blocks against one activation row on AVX2, decoding
- * in registers: one_row's arithmetic (nib32_at / dot32_at / g16_at per block of 32
- * columns, scaled into the even or odd accumulator, then bias_dot's sum) on
- * the same codes and scales, so the bits are one_row's. */
-AVX2 INLINE __m256 widen_q(__m128i v, const int half) { /* bytes 0..7 (half 0) or 8..15 as 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(v, 8) : v));
-}
-
-/* 32 code bytes (column order, in a register: Q5_0's and Q5_1's, assembled)
- * against x's 32 columns: dot32_at's sum. */
-AVX2 INLINE __m256 dot32_avx2(__m256i c, const float *v) {
-    __m128i a = _mm256_castsi256_si128(c), b = _mm256_extracti128_si256(c, 1);
-    __m256 t = _mm256_mul_ps(widen_q(a, 0), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(widen_q(a, 1), _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(widen_q(b, 0), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(widen_q(b, 1), _mm256_loadu_ps(v + 24), t);
-}
-
-/* A 32-value block against x's 32 columns: dot32_avx2's sum, the 4- and 8-bit
- * codes widened from the block's bytes (nib32_at, dot32_at), Q5's from the
- * vector they are assembled in. */
+/* A 32-value block against x's 32 columns, one_row's sum: the 4- and 8-bit codes
+ * widened from the block's bytes (nib32_at, dot32_at), Q5's assembled first
+ * (small_codes) and widened from where they are stored, as Q5_K's and Q6_K's below. */
 AVX2 INLINE __m256 small_dot(const int type, const uint8_t *b, const float *w) {
     if (type == GGML_Q4_0 || type == GGML_Q4_1) return nib32_at(b + (type == GGML_Q4_0 ? 2 : 4), w);
     if (type == GGML_Q8_0) return dot32_at(b + 2, w, NULL, 1);
-    return dot32_avx2(small_codes(type, b), w);
+    uint8_t codes[GROUP] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)codes, small_codes(type, b));
+    __asm__ volatile("" : : "r"(codes) : "memory"); /* widened from memory: see the K types' below */
+    return dot32_at(codes, w, NULL, 0);
 }
 
 /* Block q (32 one-byte codes at c) of a Q5_K or Q6_K super-block into acc:
@@ -312,6 +297,10 @@ AVX2 INLINE __m256 k_block_at(const int type, const uint8_t *c, const float *w, 
     return _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * q + 1), u, _mm256_fmadd_ps(_mm256_broadcast_ss(s + 2 * q), t, acc));
 }
 
+/* One row of blocks against one activation row on AVX2, decoded as it is read
+ * (no tile buffer): one_row's arithmetic (nib32_at / dot32_at / g16_at per block
+ * of 32 columns, scaled into the even or odd accumulator, then bias_dot's sum) on
+ * the same codes and scales, so the bits are one_row's. */
 AVX2 INLINE float blocks_row_avx2(const int type, const uint8_t *raw, const float *x, const float *xs, Py_ssize_t k,
                                   Py_ssize_t pf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();

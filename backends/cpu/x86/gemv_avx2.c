@@ -10,16 +10,6 @@ AVX2 static inline __m256 widen(__m128i bytes8) { /* the low 8 bytes as 8 floats
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
 }
 
-/* One block of 32 4-bit codes (16 bytes: the low nibbles are columns 0..15,
- * the high ones 16..31) as four vectors of 8 floats in column order: x is
- * read in its own order. */
-AVX2 INLINE void nibbles32(const uint8_t *c, __m256 *w) {
-    const __m128i low = _mm_set1_epi8(15);
-    __m128i v = _mm_loadu_si128((const __m128i *)c);
-    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    w[0] = widen(lo), w[1] = widen(_mm_srli_si128(lo, 8)), w[2] = widen(hi), w[3] = widen(_mm_srli_si128(hi, 8));
-}
-
 /* 8-bit codes with a scale per 16 columns: one block of 32, scales s[0], s[1]
  * (the codes widened from memory, simd.h's dot32_at). */
 AVX2 static inline __m256 g16_at(const uint8_t *c, const float *v, const float *s, __m256 acc) {
@@ -94,13 +84,10 @@ AVX2 INLINE void block16_rows(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256
 }
 
 AVX2 INLINE void widen_block(int bits, const uint8_t *codes, Py_ssize_t g, __m256 *w) {
-    if (bits == 4) {
-        nibbles32(codes + g * (GROUP / 2), w);
-    } else {
-        const uint8_t *c = codes + g * GROUP;
-        w[0] = _mm256_cvtepi32_ps(bytes8_at(c)), w[1] = _mm256_cvtepi32_ps(bytes8_at(c + 8));
-        w[2] = _mm256_cvtepi32_ps(bytes8_at(c + 16)), w[3] = _mm256_cvtepi32_ps(bytes8_at(c + 24));
-    }
+    if (bits == 4)
+        nibbles32_at(codes + g * (GROUP / 2), w);
+    else
+        codes32_at(codes + g * GROUP, w, 0);
 }
 
 AVX2 INLINE void one_block(int bits, const uint8_t *codes, const float *scales, const float *x, Py_ssize_t k,

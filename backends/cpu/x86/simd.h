@@ -144,35 +144,51 @@ AVX2 INLINE __m256i bytes8_at(const uint8_t *p) { /* 8 bytes as 8 integer lanes 
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-/* 32 one-byte codes in column order (c) against x's 32 columns (v): t = columns
- * 0..7, then 8..15, 16..23, 24..31 multiplied in; or, with u, t of 0..15 and
- * *u of 16..31 (a scale per 16 columns). `flip` xors each code with 0x80
- * (Q8_0's int8 q as the code q + 128). */
-AVX2 INLINE __m256 dot32_at(const uint8_t *c, const float *v, __m256 *u, const int flip) {
+/* 32 one-byte codes in column order (c) as four vectors of 8 floats, columns 0..7,
+ * 8..15, 16..23, 24..31. `flip` xors each code with 0x80 (Q8_0's int8 q as the
+ * code q + 128). */
+AVX2 INLINE void codes32_at(const uint8_t *c, __m256 *w, const int flip) {
     const __m256i f = _mm256_set1_epi32(flip ? 0x80 : 0);
-#define CODES_AT(j) _mm256_cvtepi32_ps(flip ? _mm256_xor_si256(bytes8_at(c + (j)), f) : bytes8_at(c + (j)))
-    __m256 t = _mm256_mul_ps(CODES_AT(0), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(CODES_AT(8), _mm256_loadu_ps(v + 8), t);
-    if (u) {
-        __m256 h = _mm256_mul_ps(CODES_AT(16), _mm256_loadu_ps(v + 16));
-        *u = _mm256_fmadd_ps(CODES_AT(24), _mm256_loadu_ps(v + 24), h);
-        return t;
-    }
-    t = _mm256_fmadd_ps(CODES_AT(16), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(CODES_AT(24), _mm256_loadu_ps(v + 24), t);
-#undef CODES_AT
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_cvtepi32_ps(flip ? _mm256_xor_si256(bytes8_at(c + 8 * j), f) : bytes8_at(c + 8 * j));
 }
 
 /* A block of 32 4-bit codes in GGML's order (16 bytes: byte j holds column j in
- * its low nibble, j + 16 in its high one) against x's 32 columns, dot32_at's
- * order: columns 0..7 and 16..23 come from one widening of bytes 0..7. */
-AVX2 INLINE __m256 nib32_at(const uint8_t *c, const float *v) {
+ * its low nibble, j + 16 in its high one) as codes32_at's four vectors: columns
+ * 0..7 and 16..23 come from one widening of bytes 0..7. */
+AVX2 INLINE void nibbles32_at(const uint8_t *c, __m256 *w) {
     const __m256i m4 = _mm256_set1_epi32(15);
     const __m256i c0 = bytes8_at(c), c1 = bytes8_at(c + 8);
-    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, m4)), _mm256_loadu_ps(v));
-    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, m4)), _mm256_loadu_ps(v + 8), t);
-    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), _mm256_loadu_ps(v + 16), t);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), _mm256_loadu_ps(v + 24), t);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c0, m4)), w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c1, m4));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
+}
+
+/* A block's four vectors (w) against x's 32 columns (v): t = columns 0..7, then
+ * 8..15, 16..23, 24..31 multiplied in; or, with u, t of 0..15 and *u of 16..31
+ * (a scale per 16 columns). */
+AVX2 INLINE __m256 dot32_of(const __m256 *w, const float *v, __m256 *u) {
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), t);
+    if (u) {
+        *u = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(v + 16)));
+        return t;
+    }
+    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
+}
+
+/* 32 one-byte codes (codes32_at) against x's 32 columns: dot32_of's sums. */
+AVX2 INLINE __m256 dot32_at(const uint8_t *c, const float *v, __m256 *u, const int flip) {
+    __m256 w[4];
+    codes32_at(c, w, flip);
+    return dot32_of(w, v, u);
+}
+
+/* A block of 32 4-bit codes (nibbles32_at) against x's 32 columns: dot32_of's sum. */
+AVX2 INLINE __m256 nib32_at(const uint8_t *c, const float *v) {
+    __m256 w[4];
+    nibbles32_at(c, w);
+    return dot32_of(w, v, NULL);
 }
 
 AVX2 INLINE __m256 small_scales(int type, const uint8_t *b, Py_ssize_t bytes, __m256 *biases) {
