@@ -112,6 +112,46 @@ def test_every_path_gives_the_same_bits(qtype: str) -> None:
         _affine.use_simd(chosen)
 
 
+#: Where each block type keeps its codes (bytes of one block), and the byte that puts every code at its
+#: largest: 15 for the 4-bit types, 31 for the 5-bit ones (qh's fifth bits set), 63 for Q6_K; Q8_0's code
+#: -128 (stored q + 128 = 0, which the AVX2 path takes as |code| 128).
+CODE_BYTES = {"Q4_0": (18, 2, 18, 0xFF), "Q4_1": (20, 4, 20, 0xFF), "Q5_0": (22, 2, 22, 0xFF),
+              "Q5_1": (24, 4, 24, 0xFF), "Q8_0": (34, 2, 34, 0x80), "Q4_K": (144, 16, 144, 0xFF),
+              "Q5_K": (176, 16, 176, 0xFF), "Q6_K": (210, 0, 192, 0xFF)}
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_the_integer_sums_hold_at_the_largest_codes(qtype: str) -> None:
+    # The AVX2 tile kernel sums up to eight vpmaddubsw results in 16-bit lanes before widening them
+    # (4-bit codes: 8 x 2 x 15 x 127 = 30480 < 2^15; 5-bit four, Q6_K two): exact only while the codes stay
+    # within their type's range. Random codes and activations stay far from the edge, so here every code
+    # is at its largest and every activation at +-127 (rows of +1 and -1), where one chunk too many
+    # overflows; every path must still give the portable loops' bits and the stated formula.
+    size, lo, hi, byte = CODE_BYTES[qtype]
+    n, k = 9, 512 if qtype.endswith("_K") else 96
+    raw = gguf_quants.random_blocks(qtype, n, k, 5).copy()
+    blocks = raw.reshape(n, -1, size)
+    blocks[:, :, lo:hi] = byte
+    conv = from_gguf(GGUFQuantizedTensor(qtype, (n, k), raw, "extreme"), groups=(16, 32), half=True)
+    args = (numpy_backend.BLOCK_FORMS[qtype], raw, np.empty(0, np.float32), None, k, n,
+            256 if qtype.endswith("_K") else 32, False, 0.0)
+    x = np.ones((5, k), np.float32)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3] *= 1e-3
+    chosen = _affine.simd()
+    try:
+        results = []
+        for p in PATHS:
+            _affine.use_simd(p)
+            results.append(run(args, x))
+            assert within(results[-1], q8_formula(conv, x), x, conv.dequantize()), (qtype, p)
+        for p, r in zip(PATHS, results):
+            assert np.array_equal(r.view(np.uint32), results[0].view(np.uint32)), (qtype, p)
+    finally:
+        _affine.use_simd(chosen)
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_on_load_quantized_weights_take_it_too(path: str, kind: str) -> None:
     # AffineTensor with float32 scales and biases (codes up to 255 for q8: the

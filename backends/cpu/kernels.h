@@ -178,7 +178,7 @@ static inline int direct_avx2(int type) { return direct_512(type); }
 #define Q8_CHUNK 128 /* activation rows quantized, then multiplied with each tile, at a time */
 
 struct q8x {
-    Py_ssize_t group, spans, lanes, kp; /* lanes = spans * 16 groups; kp = lanes * group bytes a row */
+    Py_ssize_t group, groups, spans, lanes, kp; /* groups a row; lanes = spans * 16 (the last span padded); kp = lanes * group bytes */
     int8_t *q;                          /* [rows][kp] interleaved */
     float *dx, *xs;                     /* [rows][lanes]: each group's scale (its 32 values'), dx * sum of q */
     int32_t *qs;                        /* [rows][lanes]: each group's sum of q (AVX2's signed codes) */
@@ -337,7 +337,7 @@ AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_
 AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
-                       Py_ssize_t m, float *y, Py_ssize_t n, int wide);
+                       Py_ssize_t m, float *y, Py_ssize_t n, int code_max);
 /* x86/q8row_x86.c: one activation row (q8x's row 0, in column order) against rows [r0, r1) of block-form W
  * (q8_rows_affine_avx2: of an affine W) */
 AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,

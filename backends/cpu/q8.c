@@ -162,6 +162,7 @@ static void q8_block_portable(const uint8_t *wq, const float *ws, const float *w
  * still safe to free with q8x_free). */
 static int q8x_alloc(struct q8x *X, Py_ssize_t group, Py_ssize_t k, Py_ssize_t rows) {
     X->group = group;
+    X->groups = k / group;
     X->spans = (k / group + Q8_LANES - 1) / Q8_LANES;
     X->lanes = X->spans * Q8_LANES;
     X->kp = X->lanes * group;
@@ -237,8 +238,10 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
     const int blocks = block_form(bits, &bits, &group, &values, &block_bytes);
     const Py_ssize_t row_bytes = bits == 4 ? k / 2 : k, groups = k / group,
                      raw_row = blocks ? k / values * block_bytes : row_bytes;
-    /* codes that may pass 127: Q8_0's (q + 128) and 8-bit affine codes */
-    const int wide = bits == 8 && (blocks ? type == GGML_Q8_0 : 1);
+    /* the largest code: 4-bit forms 15, Q5's 31, Q6_K's 63; Q8_0's (q + 128) and 8-bit affine codes pass 127 */
+    const int code_max = bits == 4 ? 15
+                         : !blocks || type == GGML_Q8_0 ? 255
+                         : type == GGML_Q6_K ? 63 : 31;
     struct q8x X;
     const Py_ssize_t chunk = m < Q8_CHUNK ? m : Q8_CHUNK;
     int failed = q8x_alloc(&X, group, k, chunk);
@@ -299,7 +302,7 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
                     continue;
                 }
                 if (use_avx2) {
-                    q8_tile_avx2(wq, ws, wb, r1 - r0, &X, rows, yt, n, wide);
+                    q8_tile_avx2(wq, ws, wb, r1 - r0, &X, rows, yt, n, code_max);
                     continue;
                 }
 #endif

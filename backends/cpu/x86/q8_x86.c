@@ -115,40 +115,101 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
 #undef Q8_VNNI_R
 #undef Q8_VNNI_J
 
-/* AVX2: the same lanes as two halves of eight; wide (codes above 127): signed codes and 128 * sum(q) added. */
+/* AVX2: the same lanes as two halves of eight, taken in turn; wide (codes above 127): signed codes and
+ * 128 * sum(q) added. vpmaddubsw leaves in each 16-bit lane two products code * q (|q| <= 127), and S chunks
+ * of them are summed in 16 bits before one vpmaddwd widens them to the group's 32-bit lane: S = 8 for 4-bit
+ * codes (8 * 2 * 15 * 127 = 30480 < 2^15), 4 for 5-bit, 2 for Q6_K's 6-bit; 1 for wide codes (a vpmaddwd and
+ * an add a chunk). Integer sums either way, so the same bits.
+ *
+ * A block of Q8_AVX2_RB = 4 weight rows by 2 activation rows: eight 16-bit sums, two rows of q and one of
+ * codes in registers. The sums are named variables added in place (the asm), and the chunk loop stays
+ * rolled: written over arrays, or unrolled, gcc kept two registers per sum (an add into a temporary, then a
+ * move back), spilled one to the stack, and that sum, carried through memory, held each pass of the loop to
+ * a store's latency; the block ran no faster than the vpmaddwd-per-chunk one before it (docs/performance.md,
+ * "The int8 prefill kernel": this is the try noted there as not kept, now 1.25x on Q4_K). 2 x 2 and 3 x 2
+ * blocks measured within 1% of 4 x 2.
+ *
+ * A last span with at most eight groups (SmolLM2's 576 columns: 16 + 2 groups) skips its second half, all
+ * padding: those lanes would add (float)0 * t and 0 * 0 to their sums, and a sum is never -0 (it starts at
+ * +0, and a fused multiply-add gives -0 only from a -0 addend), so leaving them out keeps the bits. */
+#define Q8_AVX2_RB 4
+
+AVX2 INLINE __m256i q8_pairs_avx2(__m256i w, __m256i q, const int wide) {
+    const __m256i signed_w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(signed_w), _mm256_sign_epi8(q, signed_w))
+                : _mm256_maddubs_epi16(w, q);
+}
+
+#define Q8_MB(a, r, i)                                                                                               \
+    do {                                                                                                             \
+        const __m256i p_ = _mm256_maddubs_epi16(w##r, q##i);                                                         \
+        __asm__("vpaddw %1, %0, %0" : "+x"(a) : "x"(p_));                                                            \
+    } while (0)
+
 AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *wb, const struct q8x *X, Py_ssize_t j,
-                          float *y, Py_ssize_t n, const int R, const int J, const int C, const int wide) {
-    __m256 acc[2][2][2];
+                               float *y, Py_ssize_t n, const int R, const int J, const int C, const int S) {
+    const int wide = S == 0, step = wide ? 1 : S;
+    __m256 acc[Q8_AVX2_RB][2][2];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < J; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
     const Py_ssize_t kp = X->kp, lanes = X->lanes;
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (Py_ssize_t s = 0; s < X->spans; s++) {
-        __m256i isum[2][2][2];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < J; i++) isum[r][i][0] = isum[r][i][1] = _mm256_setzero_si256();
-        const Py_ssize_t o = s * C * 64;
-        for (int c = 0; c < C; c++)
-            for (int h = 0; h < 2; h++) {
-                __m256i w[2], q[2];
-                for (int r = 0; r < R; r++) {
-                    w[r] = _mm256_loadu_si256((const __m256i *)(wq + r * kp + o + c * 64 + h * 32));
-                    if (wide) w[r] = _mm256_xor_si256(w[r], flip);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *w0p = wq, *w1p = wq + kp, *w2p = wq + 2 * kp, *w3p = wq + 3 * kp;
+    const int8_t *q0p = X->q + j * kp, *q1p = q0p + kp;
+    for (Py_ssize_t s = 0; s < X->spans; s++)
+        for (int h = 0; h < (X->groups - s * 16 > 8 ? 2 : 1); h++) { /* a last span's empty half left out */
+            __m256i isum[Q8_AVX2_RB][2];
+            const Py_ssize_t o = s * C * 64 + h * 32;
+            for (int c0 = 0; c0 < C; c0 += step) {
+                const Py_ssize_t f = o + c0 * 64; /* the first chunk sets the sums */
+                const __m256i fq0 = _mm256_loadu_si256((const __m256i *)(q0p + f)),
+                              fq1 = J > 1 ? _mm256_loadu_si256((const __m256i *)(q1p + f)) : fq0,
+                              fw0 = _mm256_loadu_si256((const __m256i *)(w0p + f)),
+                              fw1 = R > 1 ? _mm256_loadu_si256((const __m256i *)(w1p + f)) : fw0,
+                              fw2 = R > 2 ? _mm256_loadu_si256((const __m256i *)(w2p + f)) : fw0,
+                              fw3 = R > 3 ? _mm256_loadu_si256((const __m256i *)(w3p + f)) : fw0;
+                __m256i a00 = q8_pairs_avx2(fw0, fq0, wide), a01 = q8_pairs_avx2(fw0, fq1, wide),
+                        a10 = q8_pairs_avx2(fw1, fq0, wide), a11 = q8_pairs_avx2(fw1, fq1, wide),
+                        a20 = q8_pairs_avx2(fw2, fq0, wide), a21 = q8_pairs_avx2(fw2, fq1, wide),
+                        a30 = q8_pairs_avx2(fw3, fq0, wide), a31 = q8_pairs_avx2(fw3, fq1, wide);
+                if (!wide) { /* further chunks */
+                    Py_ssize_t end = o + (c0 + step) * 64;
+                    __asm__("" : "+r"(end)); /* keeps the loop rolled */
+                    for (Py_ssize_t oc = f + 64; oc < end; oc += 64) {
+                        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(q0p + oc)),
+                                      q1 = J > 1 ? _mm256_loadu_si256((const __m256i *)(q1p + oc)) : q0;
+                        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w0p + oc));
+                        Q8_MB(a00, 0, 0);
+                        if (J > 1) Q8_MB(a01, 0, 1);
+                        if (R > 1) {
+                            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w1p + oc));
+                            Q8_MB(a10, 1, 0);
+                            if (J > 1) Q8_MB(a11, 1, 1);
+                        }
+                        if (R > 2) {
+                            const __m256i w2 = _mm256_loadu_si256((const __m256i *)(w2p + oc));
+                            Q8_MB(a20, 2, 0);
+                            if (J > 1) Q8_MB(a21, 2, 1);
+                        }
+                        if (R > 3) {
+                            const __m256i w3 = _mm256_loadu_si256((const __m256i *)(w3p + oc));
+                            Q8_MB(a30, 3, 0);
+                            if (J > 1) Q8_MB(a31, 3, 1);
+                        }
+                    }
                 }
-                for (int i = 0; i < J; i++) q[i] = _mm256_loadu_si256((const __m256i *)(X->q + (j + i) * kp + o + c * 64 + h * 32));
+                const __m256i a[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
                 for (int r = 0; r < R; r++)
                     for (int i = 0; i < J; i++) {
-                        __m256i p = wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[r]), _mm256_sign_epi8(q[i], w[r]))
-                                         : _mm256_maddubs_epi16(w[r], q[i]);
-                        isum[r][i][h] = _mm256_add_epi32(isum[r][i][h], _mm256_madd_epi16(p, ones));
+                        const __m256i p = _mm256_madd_epi16(a[r][i], ones);
+                        isum[r][i] = c0 == 0 ? p : _mm256_add_epi32(isum[r][i], p);
                     }
             }
-        for (int r = 0; r < R; r++)
-            for (int h = 0; h < 2; h++) {
-                const Py_ssize_t g = s * 16 + h * 8;
+            const Py_ssize_t g = s * 16 + h * 8;
+            for (int r = 0; r < R; r++) {
                 const __m256 sw = _mm256_loadu_ps(ws + r * lanes + g), bw = _mm256_loadu_ps(wb + r * lanes + g);
                 for (int i = 0; i < J; i++) {
-                    __m256i is = isum[r][i][h];
+                    __m256i is = isum[r][i];
                     if (wide)
                         is = _mm256_add_epi32(is, _mm256_slli_epi32(
                                                       _mm256_loadu_si256((const __m256i *)(X->qs + (j + i) * lanes + g)), 7));
@@ -157,24 +218,33 @@ AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *
                     acc[r][i][h] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(X->xs + (j + i) * lanes + g), acc[r][i][h]);
                 }
             }
-    }
+        }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < J; i++) y[(j + i) * n + r] = hsum(_mm256_add_ps(acc[r][i][0], acc[r][i][1]));
 }
+#undef Q8_MB
 
+/* code_max: the largest code W's form holds (15, 31, 63; above 127 the wide path). */
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
-                       const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n, int wide) {
-    for (Py_ssize_t r0 = 0; r0 < rows; r0 += 2) {
-        const int R = rows - r0 < 2 ? 1 : 2;
+                       const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n, int code_max) {
+    const int C = X->group == 32 ? 8 : 4;
+    int S = code_max > 127 ? 0 : code_max <= 15 ? 8 : code_max <= 31 ? 4 : code_max <= 63 ? 2 : 1;
+    if (S > C) S = C;
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += Q8_AVX2_RB) {
+        const int R = rows - r0 < Q8_AVX2_RB ? (int)(rows - r0) : Q8_AVX2_RB;
         const uint8_t *w = wq + r0 * X->kp;
         const float *s = ws + r0 * X->lanes, *b = wb + r0 * X->lanes;
         for (Py_ssize_t j = 0; j < m; j += 2) {
-            const int J = m - j < 2 ? 1 : 2, key = (R * 2 + J) * 4 + (X->group == 32) * 2 + wide;
-            switch (key) {
-#define Q8_AVX2_CASE(R_, J_, C8, W)                                                                                  \
-    case ((R_ * 2 + J_) * 4 + C8 * 2 + W): q8_block_avx2(w, s, b, X, j, y + r0, n, R_, J_, C8 ? 8 : 4, W); break;
-#define Q8_AVX2_RJ(R_, J_) Q8_AVX2_CASE(R_, J_, 0, 0) Q8_AVX2_CASE(R_, J_, 0, 1) Q8_AVX2_CASE(R_, J_, 1, 0) Q8_AVX2_CASE(R_, J_, 1, 1)
+            const int J = m - j < 2 ? 1 : 2;
+            switch (((R * 4 + J) * 2 + (C == 8)) * 16 + S) {
+#define Q8_AVX2_CASE(R_, J_, C_, S_)                                                                                 \
+    case (((R_ * 4 + J_) * 2 + (C_ == 8)) * 16 + S_): q8_block_avx2(w, s, b, X, j, y + r0, n, R_, J_, C_, S_); break;
+#define Q8_AVX2_RJ(R_, J_)                                                                                           \
+    Q8_AVX2_CASE(R_, J_, 8, 0) Q8_AVX2_CASE(R_, J_, 8, 1) Q8_AVX2_CASE(R_, J_, 8, 2) Q8_AVX2_CASE(R_, J_, 8, 4)      \
+    Q8_AVX2_CASE(R_, J_, 8, 8) Q8_AVX2_CASE(R_, J_, 4, 0) Q8_AVX2_CASE(R_, J_, 4, 1) Q8_AVX2_CASE(R_, J_, 4, 2)     \
+    Q8_AVX2_CASE(R_, J_, 4, 4)
                 Q8_AVX2_RJ(1, 1) Q8_AVX2_RJ(1, 2) Q8_AVX2_RJ(2, 1) Q8_AVX2_RJ(2, 2)
+                Q8_AVX2_RJ(3, 1) Q8_AVX2_RJ(3, 2) Q8_AVX2_RJ(4, 1) Q8_AVX2_RJ(4, 2)
 #undef Q8_AVX2_RJ
 #undef Q8_AVX2_CASE
             }
