@@ -11,6 +11,7 @@ under ``--quiet`` cores.
 
     python benchmarks/stored_blocks.py /tmp/llama-1b-q4_k_m.gguf --rounds 10
     OMP_NUM_THREADS=1 python benchmarks/stored_blocks.py gemma3-270m --quiet 0.9
+    python benchmarks/stored_blocks.py gemma3-270m --types Q5_0,Q4_K --baseline Q4_K --activations q8
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", type=float, default=0.1, help="most cores other work may take in a counted round")
     parser.add_argument("--types", help="comma-separated GGML types to keep as stored (default: STORED_TYPES)")
     parser.add_argument("--baseline", default="", help="comma-separated types the other side keeps as stored (default: none)")
+    parser.add_argument("--activations", default=None, help='"q8": both sides with int8 activations')
     args = parser.parse_args(argv)
 
     stored = frozenset(args.types.split(",")) if args.types else kernels.STORED_TYPES
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         # block_form reads the kernels module's set at load: it is set there.
         kernels.STORED_TYPES = types
         before = kernel_weights()
-        models[name] = infer.load(args.model, backend="numpy")
+        models[name] = infer.load(args.model, backend="numpy", activations=args.activations)
         print(name, dict(kernel_weights() - before), flush=True)  # what each side computes on
     ids = models["stored"].tokenizer.encode("The capital of France is a city that")
     for m in models.values():  # records each one's decode program

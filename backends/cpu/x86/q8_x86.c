@@ -125,9 +125,9 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
  * codes in registers. The sums are named variables added in place (the asm), and the chunk loop stays
  * rolled: written over arrays, or unrolled, gcc kept two registers per sum (an add into a temporary, then a
  * move back), spilled one to the stack, and that sum, carried through memory, held each pass of the loop to
- * a store's latency; the block ran no faster than the vpmaddwd-per-chunk one before it (docs/performance.md,
- * "The int8 prefill kernel": this is the try noted there as not kept, now 1.25x on Q4_K). 2 x 2 and 3 x 2
- * blocks measured within 1% of 4 x 2.
+ * a store's latency; the block ran no faster than the vpmaddwd-per-chunk one before it. Now Q4_K's products
+ * run 1.25x faster (docs/performance.md, "The AVX2 int8 tile kernel's 16-bit sums"). 2 x 2 and 3 x 2 blocks
+ * timed alike; 4 x 2 reads q from L2 half as often.
  *
  * A last span with at most eight groups (SmolLM2's 576 columns: 16 + 2 groups) skips its second half, all
  * padding: those lanes would add (float)0 * t and 0 * 0 to their sums, and a sum is never -0 (it starts at
