@@ -163,7 +163,7 @@ static void q8_block_portable(const uint8_t *wq, const float *ws, const float *w
 static int q8x_alloc(struct q8x *X, Py_ssize_t group, Py_ssize_t k, Py_ssize_t rows) {
     X->group = group;
     X->groups = k / group;
-    X->spans = (k / group + Q8_LANES - 1) / Q8_LANES;
+    X->spans = (X->groups + Q8_LANES - 1) / Q8_LANES;
     X->lanes = X->spans * Q8_LANES;
     X->kp = X->lanes * group;
     X->q = malloc((size_t)(rows * X->kp));

@@ -118,8 +118,8 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
 /* AVX2: the same lanes as two halves of eight, taken in turn; wide (codes above 127): signed codes and
  * 128 * sum(q) added. vpmaddubsw leaves in each 16-bit lane two products code * q (|q| <= 127), and S chunks
  * of them are summed in 16 bits before one vpmaddwd widens them to the group's 32-bit lane: S = 8 for 4-bit
- * codes (8 * 2 * 15 * 127 = 30480 < 2^15), 4 for 5-bit, 2 for Q6_K's 6-bit; 1 for wide codes (a vpmaddwd and
- * an add a chunk). Integer sums either way, so the same bits.
+ * codes (8 * 2 * 15 * 127 = 30480 < 2^15), 4 for 5-bit, 2 for Q6_K's 6-bit; wide codes (S = 0) a vpmaddwd
+ * and an add a chunk. Integer sums either way, so the same bits.
  *
  * A block of Q8_AVX2_RB = 4 weight rows by 2 activation rows: eight 16-bit sums, two rows of q and one of
  * codes in registers. The sums are named variables added in place (the asm), and the chunk loop stays
@@ -224,11 +224,11 @@ AVX2 INLINE void q8_block_avx2(const uint8_t *wq, const float *ws, const float *
 }
 #undef Q8_MB
 
-/* code_max: the largest code W's form holds (15, 31, 63; above 127 the wide path). */
+/* code_max: the largest code W's form holds (15, 31, 63; larger codes take the wide path, right for any byte). */
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                        const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n, int code_max) {
     const int C = X->group == 32 ? 8 : 4;
-    int S = code_max > 127 ? 0 : code_max <= 15 ? 8 : code_max <= 31 ? 4 : code_max <= 63 ? 2 : 1;
+    int S = code_max > 63 ? 0 : code_max <= 15 ? 8 : code_max <= 31 ? 4 : 2;
     if (S > C) S = C;
     for (Py_ssize_t r0 = 0; r0 < rows; r0 += Q8_AVX2_RB) {
         const int R = rows - r0 < Q8_AVX2_RB ? (int)(rows - r0) : Q8_AVX2_RB;
@@ -240,9 +240,8 @@ AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_s
 #define Q8_AVX2_CASE(R_, J_, C_, S_)                                                                                 \
     case (((R_ * 4 + J_) * 2 + (C_ == 8)) * 16 + S_): q8_block_avx2(w, s, b, X, j, y + r0, n, R_, J_, C_, S_); break;
 #define Q8_AVX2_RJ(R_, J_)                                                                                           \
-    Q8_AVX2_CASE(R_, J_, 8, 0) Q8_AVX2_CASE(R_, J_, 8, 1) Q8_AVX2_CASE(R_, J_, 8, 2) Q8_AVX2_CASE(R_, J_, 8, 4)      \
-    Q8_AVX2_CASE(R_, J_, 8, 8) Q8_AVX2_CASE(R_, J_, 4, 0) Q8_AVX2_CASE(R_, J_, 4, 1) Q8_AVX2_CASE(R_, J_, 4, 2)     \
-    Q8_AVX2_CASE(R_, J_, 4, 4)
+    Q8_AVX2_CASE(R_, J_, 8, 0) Q8_AVX2_CASE(R_, J_, 8, 2) Q8_AVX2_CASE(R_, J_, 8, 4) Q8_AVX2_CASE(R_, J_, 8, 8)      \
+    Q8_AVX2_CASE(R_, J_, 4, 0) Q8_AVX2_CASE(R_, J_, 4, 2) Q8_AVX2_CASE(R_, J_, 4, 4)
                 Q8_AVX2_RJ(1, 1) Q8_AVX2_RJ(1, 2) Q8_AVX2_RJ(2, 1) Q8_AVX2_RJ(2, 2)
                 Q8_AVX2_RJ(3, 1) Q8_AVX2_RJ(3, 2) Q8_AVX2_RJ(4, 1) Q8_AVX2_RJ(4, 2)
 #undef Q8_AVX2_RJ
