@@ -197,6 +197,27 @@ def test_rollback_restores_the_newest_checkpoint_and_replays(engine: Engine, lay
     engine.release(seq)
 
 
+def test_one_chunk_writes_only_the_checkpoints_a_rollback_can_reach(engine: Engine) -> None:
+    # A contiguous cache checkpoints every 16 positions. A 37-token prompt in one forward writes
+    # its newest boundary (32) and its end, not 16: the next forward lets go of every checkpoint
+    # but the newest at or before the length, so 16 could serve only a rollback in between, and
+    # each costs a slot of state (18 MiB at Qwen3.5's shape).
+    want = full_logits(engine, PROMPT)
+    seq = engine.new_sequence(64)
+    engine.forward(seq, PROMPT)
+    states = seq.cache.states
+    assert states is not None and sorted(states.checkpoints) == [32, 37]
+    assert engine.state_store.slots_held() == 3  # the live state and the two checkpoints
+    engine.truncate(seq, 34)  # back to 32, two tokens replayed
+    assert seq.cached == 34 and seq.tokens == PROMPT[:34]
+    close(engine.backend.to_numpy(engine.forward(seq, PROMPT[34:], all_logits=True)), want[34:])
+    engine.truncate(seq, 20)  # before every checkpoint held: from the start
+    assert seq.cached == 20 and seq.tokens == PROMPT[:20]
+    close(engine.backend.to_numpy(engine.forward(seq, PROMPT[20:], all_logits=True)), want[20:])
+    engine.release(seq)
+    assert engine.state_store.slots_held() == 0
+
+
 def test_speculative_ngram_decoding_equals_greedy(engine: Engine) -> None:
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repetitive: the n-gram source drafts, some are rejected
     want = greedy_alone(engine, prompt, 12)

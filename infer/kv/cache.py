@@ -77,17 +77,29 @@ class SequenceCache(abc.ABC):
     def plan_checkpoints(self, token_ids: Sequence[int], verify: bool) -> list[tuple[int, int]]:
         """The recurrent state checkpoints the forward feeding ``token_ids``
         writes, ``(position, slot)`` (module :mod:`infer.kv.state`): block
-        boundaries, the chunk's end when it has more than one token, and
-        after every row when it ``verify``-ies drafts."""
+        boundaries the prefix cache keys, the newest boundary the chunk
+        reaches, the chunk's end when it has more than one token, and after
+        every row when it ``verify``-ies drafts.
+
+        An unkeyed boundary short of the chunk's newest is not written: the
+        next forward lets go of every checkpoint but the newest at or before
+        the sequence's length, so it could serve only a rollback in between,
+        and each cost a slot of state (18 MiB at Qwen3.5's shape; a 128-token
+        prompt wrote eight of them, 144 MB of peak memory: docs/kv-cache.md,
+        "Recurrent state and checkpoints")."""
         if self.states is None:
             return []
         start, stop, every = self.length, self.length + len(token_ids), self.checkpoint_interval
-        positions = set(range((start // every + 1) * every, stop + 1, every))
+        boundaries = range((start // every + 1) * every, stop + 1, every)
+        keys = self._checkpoint_keys(token_ids)
+        positions = {p for p in boundaries if p in keys}
+        if boundaries:
+            positions.add(boundaries[-1])
         if len(token_ids) > 1:
             positions.add(stop)
         if verify:
             positions.update(range(start + 1, stop + 1))
-        return self.states.plan(start, sorted(positions), self._checkpoint_keys(token_ids))
+        return self.states.plan(start, sorted(positions), keys)
 
     @property
     def checkpoint_interval(self) -> int:
