@@ -264,6 +264,11 @@ def test_a_recorded_step_updates_the_pools_state_rows_in_place(read_copy: bool) 
     # Kept copies: the gather the other op reads (and, so that it reads the state before the update, its
     # scatter); the SSD's state (read by nobody else) in place either way.
     assert steps.count(record.GATHER) == steps.count(record.SCATTER_ROWS) == (1 if read_copy else 0)
+    # The copies the program no longer touches are let go: the recording wrote them, so each held
+    # its pages, a state's size, for as long as the program lived (72 MB at Qwen3.5's shape).
+    held = {a.shape for a in plan.keep if type(a) is np.ndarray}
+    assert (len(slots), *spool.shape[1:]) not in held
+    assert ((len(slots), *pool.shape[1:]) in held) == read_copy
     before = tuple(p.copy() for p in planned_pools)
     # (the kept gather checks its indices first, with its own message)
     refused = r"row index 6 out of range \[0, 6\)" if read_copy else "state slot 6 of a pool of 6"

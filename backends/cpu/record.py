@@ -266,6 +266,7 @@ class Recorder:
         returns neither (``returned``: the plan buffers it returns)."""
         steps = [(op, list(operands), list(ints), fl) for op, operands, ints, fl in self.steps]
         dropped: set[int] = set()
+        freed: list[tuple[int, int]] = []
         out = [(_addr(a), _addr(a) + a.nbytes) for a in returned]
 
         def reads(k: int, span: tuple[int, int]) -> bool:
@@ -287,7 +288,24 @@ class Recorder:
             operands[slots_at] = u.rows
             steps[u.op][2][capacity_at] = u.capacity
             dropped |= {u.gather, u.scatter}
-        return [step for k, step in enumerate(steps) if k not in dropped]
+            freed += [u.copy, u.new]
+        kept = [step for k, step in enumerate(steps) if k not in dropped]
+        self._release(freed, kept)
+        return kept
+
+    def _release(self, spans: list[tuple[int, int]], steps: list[Any]) -> None:
+        """Let go of the plan buffers at ``spans`` (a gathered state copy and
+        the op's new state, which :meth:`_in_place` made unused) where no
+        step of ``steps`` points into them: the recording ran the steps, so
+        their pages are resident, a state's size each (at Qwen3.5's shape
+        1 MiB per DeltaNet layer, twice, in each of the decode step's two
+        programs: 72 MB of peak RSS; docs/performance.md, "Recorded
+        programs' unused buffers")."""
+        used = [at for _, operands, _, _ in steps for base, at in operands if base == -1]
+        spans = [span for span in spans if not any(span[0] <= at < span[1] for at in used)]
+        if spans:
+            self.keep[:] = [a for a in self.keep if not (type(a) is np.ndarray and (_addr(a), _addr(a) + a.nbytes)
+                                                          in spans)]
 
     def _gathered(self, src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         """Note a gather of whole rows of an input (a state pool) by int32 slots: :meth:`_in_place`."""
