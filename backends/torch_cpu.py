@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -197,13 +198,32 @@ class CpuTensors:
 
     def __init__(self) -> None:
         self._weights: dict[int, tuple[Any, PackedWeight]] = {}
+        # Each replayed step passes the same pool and table tensors (dozens, one
+        # or two per layer); their numpy views are kept, since making one
+        # (``detach().numpy()``, about 2 us) for each of them on each step was a
+        # few per cent of a small model's decode step (docs/performance.md,
+        # "torch/cpu's step inputs"). An entry lives as long as its tensor and
+        # is used only while the tensor's memory, shape and strides are the
+        # ones it was made for.
+        self._hosts: dict[int, tuple[Any, int, Any, Any, np.ndarray]] = {}
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
 
     def to_host(self, x: Any) -> np.ndarray:
-        with torch._C.DisableTorchFunctionSubclass():
-            return x.detach().numpy()
+        if type(x) is not torch.Tensor:  # a traced tensor (recording): no cache
+            with torch._C.DisableTorchFunctionSubclass():
+                return x.detach().numpy()
+        key = id(x)
+        hit = self._hosts.get(key)
+        if (hit is not None and hit[0]() is x and hit[1] == x.data_ptr() and hit[2] == x.shape
+                and hit[3] == x.stride()):
+            return hit[4]
+        host = x.detach().numpy()
+        hosts = self._hosts
+        self._hosts[key] = (weakref.ref(x, lambda _, key=key: hosts.pop(key, None)), x.data_ptr(), x.shape,
+                            x.stride(), host)
+        return host
 
     def from_host(self, a: np.ndarray) -> Any:
         return torch.from_numpy(a)

@@ -376,6 +376,21 @@ def test_torch_arithmetic_outside_the_ops_refuses_to_record() -> None:
     assert type(fn(torch.ones(4))) is torch.Tensor  # results are plain tensors
 
 
+def test_a_tensor_given_new_memory_is_read_where_it_now_lies() -> None:
+    """torch/cpu keeps each step input's numpy view (made afresh, about 2 us a
+    tensor and dozens a step); a tensor whose memory or shape changed in place
+    is viewed anew, never read where it was."""
+    torch = pytest.importorskip("torch")
+    ops = infer.load(tiny_model_dir("llama3"), backend="torch:cpu", compile=False).backend
+    fn = ops.compile(lambda a: ops.add(ops.mul(a, 2.0), 1.0), static=True)
+    x = torch.ones(4)
+    assert fn(x).tolist() == [3.0] * 4
+    x.set_(torch.full((4,), 5.0))  # the same tensor object on new memory
+    assert fn(x).tolist() == [11.0] * 4
+    x.resize_(2, 2)  # the same memory, another shape: another program
+    assert fn(x).tolist() == [[11.0] * 2] * 2
+
+
 def test_a_backend_that_overrides_an_op_is_not_bypassed_by_a_program() -> None:
     class Doubling(numpy_backend.NumpyBackend):
         def silu(self, x):  # type: ignore[no-untyped-def]

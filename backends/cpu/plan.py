@@ -85,11 +85,12 @@ def flatten(tree: Any, leaves: list[np.ndarray], originals: list[Any], arrays: H
         return ("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable)
     if isinstance(tree, (list, tuple)):
         parts = []
-        for v in tree:  # numpy arrays inline: a decode step passes two lists of one per layer
-            if type(v) is np.ndarray:
-                leaves.append(v)
+        for v in tree:  # arrays inline: a decode step passes two lists of one per layer
+            if type(v) is np.ndarray or (arrays is not None and arrays.is_array(v)):
+                host = v if type(v) is np.ndarray else arrays.to_host(v)  # type: ignore[union-attr]
+                leaves.append(host)
                 originals.append(v)
-                parts.append(("a", v.shape, v.dtype, v.flags.c_contiguous and v.flags.writeable))
+                parts.append(("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable))
             else:
                 parts.append(flatten(v, leaves, originals, arrays))
         return (type(tree).__name__, tuple(parts))
