@@ -298,9 +298,8 @@ class Recorder:
         the op's new state, which :meth:`_in_place` made unused) where no
         step of ``steps`` points into them: the recording ran the steps, so
         their pages are resident, a state's size each (at Qwen3.5's shape
-        1 MiB per DeltaNet layer, twice, in each of the decode step's two
-        programs: 72 MB of peak RSS; docs/performance.md, "Recorded
-        programs' unused buffers")."""
+        1 MiB per DeltaNet layer, twice: 36 MB held by each of the decode
+        step's two programs; docs/performance.md, "Hybrid memory")."""
         used = [at for _, operands, _, _ in steps for base, at in operands if base == -1]
         spans = [span for span in spans if not any(span[0] <= at < span[1] for at in used)]
         if spans:
