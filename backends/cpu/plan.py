@@ -80,23 +80,26 @@ def flatten(tree: Any, leaves: list[np.ndarray], originals: list[Any], arrays: H
     the structure: a hashable signature."""
     if isinstance(tree, np.ndarray) or (arrays is not None and arrays.is_array(tree)):
         host = tree if isinstance(tree, np.ndarray) else arrays.to_host(tree)  # type: ignore[union-attr]
-        leaves.append(host)
-        originals.append(tree)
-        return ("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable)
+        return _leaf(tree, host, leaves, originals)
     if isinstance(tree, (list, tuple)):
         parts = []
         for v in tree:  # arrays inline: a decode step passes two lists of one per layer
             if type(v) is np.ndarray or (arrays is not None and arrays.is_array(v)):
                 host = v if type(v) is np.ndarray else arrays.to_host(v)  # type: ignore[union-attr]
-                leaves.append(host)
-                originals.append(v)
-                parts.append(("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable))
+                parts.append(_leaf(v, host, leaves, originals))
             else:
                 parts.append(flatten(v, leaves, originals, arrays))
         return (type(tree).__name__, tuple(parts))
     if isinstance(tree, dict):
         return ("d", tuple((k, flatten(v, leaves, originals, arrays)) for k, v in tree.items()))
     return ("v", tree)
+
+
+def _leaf(value: Any, host: np.ndarray, leaves: list[np.ndarray], originals: list[Any]) -> tuple[Any, ...]:
+    """:func:`flatten` of one array ``value`` whose numpy form is ``host``."""
+    leaves.append(host)
+    originals.append(value)
+    return ("a", host.shape, host.dtype, host.flags.c_contiguous and host.flags.writeable)
 
 
 class Plan:
