@@ -103,9 +103,9 @@ def test_every_path_gives_the_same_bits(qtype: str) -> None:
             x = np.random.default_rng(seed).standard_normal((7, k)).astype(np.float32) * 3
             x[1, :32] = 0.0  # an all-zero block: scale 0
             results = []
-            for p in PATHS:
+            for p in PATHS:  # a few rows (AVX2: each weight row decoded once for all of them) and the tiles
                 _affine.use_simd(p)
-                results.append(run(args, x))
+                results.append(np.vstack([run(args, x[:3]), run(args, x)]))
             for p, r in zip(PATHS, results):
                 assert np.array_equal(r.view(np.uint32), results[0].view(np.uint32)), (qtype, k, p)
     finally:
@@ -164,10 +164,17 @@ def test_on_load_quantized_weights_take_it_too(path: str, kind: str) -> None:
     assert within(got, q8_formula(a, x), x, a.dequantize())
 
 
+#: Activation rows a product takes on the tile kernels at least (a prompt's); up to Q8_FEW (5) the AVX2 path
+#: decodes each weight row once for all of them instead (q8_few_rows_avx2).
+TILE_M = 6
+
+
 def rows_alone_as_together(args: tuple, x: np.ndarray, label: tuple) -> np.ndarray:
     """Each row of x alone (a decode step's one-row kernels) gets the bits it
-    gets among the others (the tile kernels), and is not the exact product."""
-    together = run(args, x)
+    gets among the others (the tile kernels: x padded to TILE_M rows), and is
+    not the exact product."""
+    more = np.random.default_rng(7).standard_normal((max(TILE_M - x.shape[0], 0), x.shape[1])).astype(np.float32)
+    together = run(args, np.vstack([x, more]))[: x.shape[0]]
     for i in range(x.shape[0]):
         alone = run(args, x[i:i + 1])
         assert np.array_equal(alone.view(np.uint32), together[i:i + 1].view(np.uint32)), (*label, i)
@@ -212,6 +219,25 @@ def test_one_row_on_an_affine_form_has_the_bits_it_has_among_others(path: str, f
         x[2, : min(k, 64)] = 0.0  # all-zero groups: scale 0
         together = rows_alone_as_together(args, x, (form, k))
         assert within(together, q8_formula(a, x), x, a.dequantize()), (form, k)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_a_few_rows_have_the_bits_they_have_among_many(path: str, qtype: str) -> None:
+    # A small batch's decode step or a speculative verification multiplies a
+    # few rows: on AVX2 up to 5 of them take each weight row's blocks decoded
+    # once and applied to every activation row (q8_few_rows_avx2), more the
+    # tiles (their codes packed by q8_pack_spans_avx2 on AVX2). Each row keeps
+    # the bits it gets among many, for every count up to 8: the widths above,
+    # 8192 (rows longer than LONG_ROW, read with their spans prefetched
+    # ahead), an all-zero block, and odd weight-row counts.
+    widths = K_SUPER if qtype.endswith("_K") else K_SMALL + [96, 544, 8192]
+    for seed, k in enumerate(widths):
+        args, _ = stored(qtype, 37 if k <= 2048 else 9, k, seed)
+        x = np.random.default_rng(80 + seed).standard_normal((12, k)).astype(np.float32) * 2
+        x[3, : min(k, 64)] = 0.0
+        many = run(args, x)
+        for m in range(2, 9):
+            assert np.array_equal(run(args, x[:m]).view(np.uint32), many[:m].view(np.uint32)), (qtype, k, m)
 
 
 def test_rows_do_not_depend_on_each_other() -> None:

@@ -176,6 +176,9 @@ static inline int direct_avx2(int type) { return direct_512(type); }
 #define Q8_FLAG (1 << 16)  /* or'ed into gemv's bits: quantize the activations */
 #define Q8_LANES 16
 #define Q8_CHUNK 128 /* activation rows quantized, then multiplied with each tile, at a time */
+#ifndef Q8_FEW /* up to this many activation rows, AVX2 decodes each weight row once for all of them (-D to try others) */
+#define Q8_FEW 5
+#endif
 
 struct q8x {
     Py_ssize_t group, groups, spans, lanes, kp; /* groups a row; lanes = spans * 16 (the last span padded); kp = lanes * group bytes */
@@ -334,6 +337,7 @@ AVX2 void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_
 /* x86/q8_x86.c */
 AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp,
                             uint8_t *out);
+AVX2 void q8_pack_spans_avx2(int bits, const uint8_t *cr, Py_ssize_t spans, Py_ssize_t group, uint8_t *out);
 AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
@@ -344,6 +348,9 @@ AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, P
                              Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
 AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                        Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
+/* the same against X's m rows (2..Q8_FEW) at once, into y[i * n + r] */
+AVX2 void q8_few_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                           Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n);
 AVX2 void q8_rows_affine_avx2(int bits, Py_ssize_t group, const uint8_t *codes, const void *scales, const void *biases,
                               float factor, int half, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t left, const struct q8x *X,
                               float *y, Py_ssize_t k);

@@ -39,7 +39,8 @@
  * vpsignb, and 128 * sum(q) added back); the portable loops (the x86 ones: x86/q8_x86.c).
  *
  * One activation row (a decode step) on block-form weights takes q8_vec instead:
- * the blocks multiplied as stored, the same lanes and bits (x86/q8row_x86.c).
+ * the blocks multiplied as stored, the same lanes and bits (x86/q8row_x86.c);
+ * on AVX2 without VNNI so do two to Q8_FEW rows (a small batch's decode step).
  * It once stayed on the exact kernels, on the belief that decoding reads the
  * weights at the memory's speed either way; on two threads of a fast-memory
  * CPU the exact decode of a 1B model is bound by its arithmetic instead (its
@@ -184,13 +185,17 @@ static void q8x_free(struct q8x *X) {
  * column order, each weight row's blocks multiplied as stored (x86/q8row_x86.c),
  * rows across the OpenMP threads; against an affine W (codes a nibble or a byte,
  * in groups of 32, or bytes in groups of 16) its codes read in place the same
- * way (q8_rows_affine_avx2). The bits are q8_run's (the top of this file);
- * what it saves is q8_run's decoding, packing and interleaving of every tile,
- * which cost more than the integer products at one row. Returns 1 where it has
- * no kernel (another form, or the portable path: q8_run then computes it),
- * -1 when out of memory. */
+ * way (q8_rows_affine_avx2). On AVX2 without VNNI, m rows up to Q8_FEW (a
+ * small batch's decode step, a speculative verification) on block-form W too,
+ * each weight row's spans decoded once for all of them (q8_few_rows_avx2): at 2
+ * to 5 rows 1.0-1.5x the tiles' speed on the Zen 3, from 6 rows on Q4_K slower
+ * than them (docs/performance.md, "A few rows on AVX2"). The bits are q8_run's (the
+ * top of this file); what it saves is q8_run's decoding, packing and
+ * interleaving of every tile, which cost more than the integer products at one
+ * row. Returns 1 where it has no kernel (another form, more rows, or the
+ * portable path: q8_run then computes it), -1 when out of memory. */
 static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
-                  int half, float *y, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
+                  int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
 #ifdef HAVE_X86
     const int type = bits - FORM_BLOCKS;
     int code_bits = bits;
@@ -198,17 +203,22 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
     const int blocks = block_form(bits, &code_bits, &group, &values, &block_bytes);
     const int affine = !blocks && ((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)));
     if (!(use_vnni || use_avx2) || !(blocks || affine)) return 1;
+    if (m > 1 && (use_vnni || !blocks || m > Q8_FEW)) return 1;
     const Py_ssize_t raw_row = blocks ? k / values * block_bytes : bits == 4 ? k / 2 : k;
     struct q8x X;
-    const int failed = q8x_alloc(&X, group, k, 1);
+    const int failed = q8x_alloc(&X, group, k, m);
     if (!failed) {
-        memset(X.q, 0, (size_t)X.kp); /* the last span's padding */
-        q8_quantize_natural(x, k, group, X.lanes, X.q, X.dx, X.xs, X.qs);
+        memset(X.q, 0, (size_t)(m * X.kp)); /* the last span's padding */
+        for (Py_ssize_t i = 0; i < m; i++)
+            q8_quantize_natural(x + i * k, k, group, X.lanes, X.q + i * X.kp, X.dx + i * X.lanes, X.xs + i * X.lanes,
+                                X.qs + i * X.lanes);
         const Py_ssize_t tile = TILE_ROWS, tiles = (n + tile - 1) / tile;
         #pragma omp parallel for schedule(static)
         for (Py_ssize_t t = 0; t < tiles; t++) {
             const Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
-            if (affine)
+            if (m > 1)
+                q8_few_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, m, y, k, n);
+            else if (affine)
                 q8_rows_affine_avx2(bits, group, c, scales, biases, factor, half, r0, r1, n * raw_row, &X, y, k);
             else if (use_vnni)
                 q8_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
@@ -219,8 +229,8 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
     q8x_free(&X);
     return failed;
 #else
-    (void)bits, (void)x, (void)c, (void)scales, (void)biases, (void)factor, (void)half, (void)y, (void)k, (void)n,
-        (void)group;
+    (void)bits, (void)x, (void)c, (void)scales, (void)biases, (void)factor, (void)half, (void)y, (void)m, (void)k,
+        (void)n, (void)group;
     return 1;
 #endif
 }
@@ -229,8 +239,8 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
  * Returns -1 when out of memory. */
 int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
            int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
-    if (m == 1) {
-        const int done = q8_vec(bits, x, c, scales, biases, factor, half, y, k, n, group);
+    if (m >= 1 && m <= Q8_FEW) {
+        const int done = q8_vec(bits, x, c, scales, biases, factor, half, y, m, k, n, group);
         if (done <= 0) return done;
     }
     const int type = bits - FORM_BLOCKS;
@@ -285,12 +295,21 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
                     ct = c + r0 * row_bytes;
                 }
                 for (Py_ssize_t r = 0; r < r1 - r0; r++) {
+                    const uint8_t *cr = ct + r * row_bytes;
+                    uint8_t *out = wq + r * X.kp;
+                    Py_ssize_t left = k, room = X.kp;
 #ifdef HAVE_X86
-                    if (use_avx512)
-                        q8_pack_row_512(bits, ct + r * row_bytes, k, group, X.kp, wq + r * X.kp);
-                    else
+                    if (use_avx512) {
+                        q8_pack_row_512(bits, cr, k, group, X.kp, out);
+                        left = room = 0;
+                    } else if (use_avx2) { /* whole spans in registers; a last partial one below */
+                        const Py_ssize_t span = group * Q8_LANES, whole = k / span;
+                        q8_pack_spans_avx2(bits, cr, whole, group, out);
+                        cr += whole * (bits == 4 ? span / 2 : span), out += whole * span;
+                        left -= whole * span, room -= whole * span;
+                    }
 #endif
-                        q8_pack_row(bits, ct + r * row_bytes, k, group, X.kp, wq + r * X.kp, natural);
+                    if (room) q8_pack_row(bits, cr, left, group, room, out, natural);
                     memcpy(ws + r * X.lanes, s + r * groups, (size_t)groups * sizeof(float));
                     memcpy(wb + r * X.lanes, bi + r * groups, (size_t)groups * sizeof(float));
                     for (Py_ssize_t g = groups; g < X.lanes; g++) ws[r * X.lanes + g] = wb[r * X.lanes + g] = 0.0f;

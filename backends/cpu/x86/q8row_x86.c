@@ -283,6 +283,80 @@ AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* q8_row_avx2 for m (2..Q8_FEW) activation rows at once: a batch's decode step, a speculative
+ * verification. Each span of a weight row is decoded once (its code vectors into a buffer in L1, its scales
+ * into registers) and multiplied against each of X's m rows in turn; the weight row is read from memory
+ * once for all of them. A row's sums and their order are q8_row_avx2's (R = 1), so each row has the bits it
+ * has alone and among many (tests/test_activations_q8.py). What it saves over q8_run's tiles at a few rows:
+ * decoding the tile, then packing and interleaving it, for only the few rows that use it. Its own cost is a
+ * span's eight-lane reductions per activation row, which the tiles' interleaved lanes do not have: past five
+ * rows the tiles are faster (docs/performance.md, "A few rows on AVX2"). */
+AVX2 INLINE void q8_few_avx2(const int type, const int M, const uint8_t *w, Py_ssize_t pf, const struct q8x *X,
+                             Py_ssize_t k, float *y, Py_ssize_t n) {
+    const Py_ssize_t blocks = k / VALUES(type), per = 16 / GROUPS(type);
+    const int vectors = type == GGML_Q6_K ? 8 : 16, wide = type == GGML_Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MAX_ROWS][2]; /* Q8_FEW <= MAX_ROWS */
+    for (int i = 0; i < M; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (Py_ssize_t s = 0, j0 = 0; j0 < blocks; s++, j0 += per) {
+        if (pf) ahead_of(w + j0 * BYTES(type) + pf, per * BYTES(type));
+        __m256i codes[16];
+        UNROLL for (int u = 0; u < vectors; u++) /* zeros past the row: their products are zeros, as q8_row_avx2's */
+            codes[u] = span_vector(type, w, j0, blocks, u, wide);
+        __m256 sc[2], bi[2];
+        span_scales(type, w, j0, blocks, sc, bi);
+        for (int i = 0; i < M; i++) {
+            const int8_t *qs = X->q + i * X->kp + s * 32 * vectors;
+            __m256i p[16], isum[2];
+            UNROLL for (int u = 0; u < vectors; u++) {
+                const __m256i c = codes[u], x = _mm256_loadu_si256((const __m256i *)(qs + 32 * u));
+                p[u] = _mm256_madd_epi16(wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c))
+                                              : _mm256_maddubs_epi16(c, x), ones);
+            }
+            if (vectors == 16) {
+                isum[0] = eight_sums(p), isum[1] = eight_sums(p + 8);
+            } else {
+                isum[0] = eight_sums16(p), isum[1] = eight_sums16(p + 4);
+            }
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t g = i * X->lanes + s * 16 + h * 8;
+                __m256i is = isum[h];
+                if (wide) is = _mm256_add_epi32(is, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(X->qs + g)), 7));
+                const __m256 t = _mm256_mul_ps(sc[h], _mm256_loadu_ps(X->dx + g));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), t, acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(bi[h], _mm256_loadu_ps(X->xs + g), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++) y[i * n] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+/* Rows [r0, r1) of block-form W against X's m rows (2..Q8_FEW, each in column order), into y[i * n + r]:
+ * a weight row a step, its spans asked for PREFETCH bytes ahead as they are read. */
+AVX2 void q8_few_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                           Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n) {
+    const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const Py_ssize_t pf = (r + 1) * raw_row + ahead <= left ? ahead : 0;
+        const uint8_t *w = raw + r * raw_row;
+#define FEW(M) q8_few_avx2(T, M, w, pf, X, k, y + r, n)
+#define FEW_CASES                                                                                              \
+    switch (m) {                                                                                               \
+    case 2: FEW(2); break; case 3: FEW(3); break; case 4: FEW(4); break; case 5: FEW(5); break;                \
+    case 6: FEW(6); break; case 7: FEW(7); break; default: FEW(Q8_FEW); break;                                 \
+    }
+        switch (type) {
+#define TYPE_CASE(t) case t: { enum { T = t }; FEW_CASES break; }
+        TYPE_CASE(GGML_Q4_0) TYPE_CASE(GGML_Q4_1) TYPE_CASE(GGML_Q5_0) TYPE_CASE(GGML_Q5_1) TYPE_CASE(GGML_Q8_0)
+        TYPE_CASE(GGML_Q4_K) TYPE_CASE(GGML_Q5_K)
+        default: { enum { T = GGML_Q6_K }; FEW_CASES break; }
+#undef TYPE_CASE
+        }
+#undef FEW_CASES
+#undef FEW
+    }
+}
+
 /* -- the affine forms -------------------------------------------------------------
  * The codes gemv.c's affine products read (a nibble a value, two groups of 16
  * columns a 16-byte group as GGML orders them; or a byte a value) with their
