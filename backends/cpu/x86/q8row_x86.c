@@ -290,7 +290,9 @@ AVX2 INLINE void q8_row_avx2(const int type, const int R, const uint8_t *raw, Py
  * has alone and among many (tests/test_activations_q8.py). What it saves over q8_run's tiles at a few rows:
  * decoding the tile, then packing and interleaving it, for only the few rows that use it. Its own cost is a
  * span's eight-lane reductions per activation row, which the tiles' interleaved lanes do not have: past five
- * rows the tiles are faster (docs/performance.md, "A few rows on AVX2"). */
+ * rows the tiles are faster (docs/performance.md, "A few rows on AVX2"). The products and scaling of a span
+ * are q8_row_avx2's written out again: the same lines as shared inline helpers made gcc schedule the one-row
+ * kernel differently, 0.89-0.91x on 2,048-column Q4_K rows (both builds in one process, in both orders). */
 AVX2 INLINE void q8_few_avx2(const int type, const int M, const uint8_t *w, Py_ssize_t pf, const struct q8x *X,
                              Py_ssize_t k, float *y, Py_ssize_t n) {
     const Py_ssize_t blocks = k / VALUES(type), per = 16 / GROUPS(type);
