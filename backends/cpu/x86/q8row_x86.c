@@ -342,19 +342,13 @@ AVX2 void q8_few_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_
         const Py_ssize_t pf = (r + 1) * raw_row + ahead <= left ? ahead : 0;
         const uint8_t *w = raw + r * raw_row;
 #define FEW(M) q8_few_avx2(T, M, w, pf, X, k, y + r, n)
-#define FEW_CASES                                                                                              \
-    switch (m) {                                                                                               \
-    case 2: FEW(2); break; case 3: FEW(3); break; case 4: FEW(4); break; case 5: FEW(5); break;                \
-    case 6: FEW(6); break; case 7: FEW(7); break; default: FEW(Q8_FEW); break;                                 \
-    }
-        switch (type) {
-#define TYPE_CASE(t) case t: { enum { T = t }; FEW_CASES break; }
+        switch (type) { /* m a constant through simd.h's ROWS_CASES (2..MAX_ROWS; Q8_FEW <= MAX_ROWS) */
+#define TYPE_CASE(t) case t: { enum { T = t }; ROWS_CASES(FEW) break; }
         TYPE_CASE(GGML_Q4_0) TYPE_CASE(GGML_Q4_1) TYPE_CASE(GGML_Q5_0) TYPE_CASE(GGML_Q5_1) TYPE_CASE(GGML_Q8_0)
         TYPE_CASE(GGML_Q4_K) TYPE_CASE(GGML_Q5_K)
-        default: { enum { T = GGML_Q6_K }; FEW_CASES break; }
+        default: { enum { T = GGML_Q6_K }; ROWS_CASES(FEW) break; }
 #undef TYPE_CASE
         }
-#undef FEW_CASES
 #undef FEW
     }
 }
