@@ -186,7 +186,7 @@ class TorchBackend(Backend):
         int8 per output channel; everything else in the compute dtype."""
         if isinstance(tensor, QuantizedTensor):
             if self._kernels is not None and self.quantize != "off" and len(tensor.shape) == 2:
-                kept = torch_cpu.kept_for_kernels(tensor)
+                kept = torch_cpu.kept_for_kernels(tensor, self.activations)
                 if kept is not None:
                     return kept
             if self.keeps_gguf() and tensor.qtype in self.INT4_TYPES:

@@ -77,11 +77,11 @@ def separate_inductor_cache() -> None:
 # .numpy() share it). Measured: docs/backends.md, "Quantized weights and speed".
 
 
-def kept_for_kernels(tensor: QuantizedTensor) -> PackedWeight | None:
-    """A GGUF matrix kept for the C kernels: as the file stores it where they
-    read its blocks (:data:`~infer.backends.cpu.kernels.STORED_TYPES`), else in its affine
-    form; None where it has neither."""
-    if kernels.block_form(tensor) is not None:
+def kept_for_kernels(tensor: QuantizedTensor, activations: str | None = None) -> PackedWeight | None:
+    """A GGUF matrix kept for the C kernels: as the file stores it where a
+    load with ``activations`` keeps its blocks (:func:`~infer.backends.cpu.kernels.keeps_stored`),
+    else in its affine form; None where it has neither."""
+    if kernels.keeps_stored(tensor, activations):
         raw = kernels.kernel_args(tensor)[1]
         with warnings.catch_warnings():  # the map is read-only, and nothing writes to the view
             warnings.simplefilter("ignore", UserWarning)

@@ -1,7 +1,8 @@
 """Decode speed of GGUF weights as the file stores them against converted, in one process.
 
-The C kernels' backends compute on the types of ``infer.backends.cpu.kernels.STORED_TYPES``
-as the file stores them (``--types`` names another set); emptying that set
+The C kernels' backends compute on the types of ``infer.backends.cpu.kernels.stored_types``
+(``STORED_TYPES``, or ``STORED_TYPES_Q8`` with ``--activations q8``) as the file stores
+them (``--types`` names another set); emptying that set
 gives the conversion at load that came before. This loads the model both ways and times
 greedy decoding of each, alternating round by round (the order swapped every
 round), so that a machine whose speed drifts moves both alike. For every round
@@ -49,17 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=16, help="tokens timed per round")
     parser.add_argument("--quiet", type=float, default=0.1, help="most cores other work may take in a counted round")
-    parser.add_argument("--types", help="comma-separated GGML types to keep as stored (default: STORED_TYPES)")
+    parser.add_argument("--types", help="comma-separated GGML types to keep as stored "
+                        "(default: the path's own choice for the activations)")
     parser.add_argument("--baseline", default="", help="comma-separated types the other side keeps as stored (default: none)")
     parser.add_argument("--activations", default=None, help='"q8": both sides with int8 activations')
     args = parser.parse_args(argv)
 
-    stored = frozenset(args.types.split(",")) if args.types else kernels.STORED_TYPES
+    stored = frozenset(args.types.split(",")) if args.types else kernels.stored_types(args.activations)
     models: dict[str, infer.Model] = {}
     baseline = frozenset(t for t in args.baseline.split(",") if t)
     for name, types in (("converted", baseline), ("stored", stored)):
-        # block_form reads the kernels module's set at load: it is set there.
-        kernels.STORED_TYPES = types
+        # keeps_stored reads the kernels module's sets at load (the q8 one with --activations q8): set there.
+        kernels.STORED_TYPES = kernels.STORED_TYPES_Q8 = types
         before = kernel_weights()
         models[name] = infer.load(args.model, backend="numpy", activations=args.activations)
         print(name, dict(kernel_weights() - before), flush=True)  # what each side computes on

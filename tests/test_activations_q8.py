@@ -222,6 +222,53 @@ def test_one_row_on_an_affine_form_has_the_bits_it_has_among_others(path: str, f
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_the_blocks_as_stored_give_the_converted_forms_bits(path: str, qtype: str) -> None:
+    # Which types a load keeps as stored differs between the modes on AVX2
+    # (kernels.stored_types: Q5_0 and Q5_1 too with q8): the choice is one of
+    # speed only, because on every path the product on the file's blocks has,
+    # bit for bit, the bits of the product on their converted form, for one
+    # row (the one-row kernels), a few (the few-row kernels on AVX2) and a
+    # prompt's worth (the tiles).
+    for seed, k in enumerate(K_SUPER[:3] if qtype.endswith("_K") else K_SMALL + [96]):
+        args, conv = stored(qtype, 21, k, seed)
+        x = np.random.default_rng(90 + seed).standard_normal((130, k)).astype(np.float32) * 2
+        x[1, : min(k, 64)] = 0.0
+        for m in (1, 3, 8, 130):
+            got, want = run(args, x[:m]), run(numpy_backend.kernel_args(conv), x[:m])
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, k, m)
+
+
+def test_a_q8_load_keeps_the_types_its_kernels_read_faster_as_stored() -> None:
+    # An exact load and a q8 load keep the types of their own sets as the file
+    # stores them (no conversion, the file's bytes read per token); the rest
+    # are converted to their affine form. On AVX2 the q8 set adds Q5_0 and
+    # Q5_1, whose fifth bits the int8 kernels unpack for less than the bytes
+    # they save.
+    from infer.backends.cpu import kernels
+    from infer.ops import LoadSettings, PackedWeight
+
+    assert kernels.stored_types() == kernels.STORED_TYPES == kernels.STORED_BY_PATH[_affine.simd()]
+    assert kernels.stored_types("q8") == kernels.STORED_TYPES_Q8 == kernels.STORED_BY_PATH_Q8[_affine.simd()]
+    assert set(kernels.STORED_BY_PATH_Q8) == set(kernels.STORED_BY_PATH)
+    for name, types in kernels.STORED_BY_PATH_Q8.items():
+        assert kernels.STORED_BY_PATH[name] <= types <= set(BLOCK_TYPES)
+    assert kernels.STORED_BY_PATH_Q8["avx2+fma"] == set(BLOCK_TYPES)
+    for activations in (None, "q8"):
+        ops = numpy_backend.NumpyBackend().configure(LoadSettings(activations=activations))
+        for qtype in BLOCK_TYPES:
+            t = GGUFQuantizedTensor(qtype, (8, 256), gguf_quants.random_blocks(qtype, 8, 256, 0), "random")
+            w = ops.prepare_weight(t, name="blk.0.ffn_up.weight")
+            assert isinstance(w, PackedWeight)
+            if qtype in kernels.stored_types(activations):
+                assert w.data is t and w.scheme == f"{qtype} blocks as stored, C kernel", (activations, qtype)
+            else:
+                assert isinstance(w.data, AffineTensor), (activations, qtype)
+            x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+            assert np.array_equal(ops.quantized_linear(x, w), run(numpy_backend.kernel_args(t), x,
+                                                                  Q8_FLAG if activations else 0)), (activations, qtype)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_a_few_rows_have_the_bits_they_have_among_many(path: str, qtype: str) -> None:
     # A small batch's decode step or a speculative verification multiplies a
     # few rows: on AVX2 up to 5 of them take each weight row's blocks decoded

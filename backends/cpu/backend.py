@@ -11,8 +11,8 @@ when nothing faster is installed, so the hot ops avoid needless copies.
 
 Quantized weights (docs/quantization.md). With the package's C kernels
 (:mod:`infer.backends.cpu.kernels`, built at install where a C compiler exists),
-the GGUF matrices of :data:`~infer.backends.cpu.kernels.STORED_TYPES` (all eight block types the kernels
-read on AVX-512; fewer on the other paths) are computed on as the file stores
+the GGUF matrices of :func:`~infer.backends.cpu.kernels.stored_types` (all eight block types the kernels
+read on AVX-512, and on AVX2 with int8 activations; fewer otherwise) are computed on as the file stores
 them, a view of the memory-mapped file, and the others whose type has an exact
 affine form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in groups of 32) are converted to it,
 4 or 8 bits per value plus a scale and bias per group, float16 where the
@@ -75,7 +75,7 @@ from infer.ops import (
 from infer.quantize import SCHEME_BITS, AffineTensor, from_gguf, is_embedding, is_linear_weight, quantize_affine
 
 from . import kernels, recurrent
-from .kernels import GOVERNOR, Q8_FLAG, block_form, with_kernel_args
+from .kernels import GOVERNOR, Q8_FLAG, block_form, keeps_stored, with_kernel_args
 
 if TYPE_CHECKING:  # imported where the pool is made: every load imports this module
     import concurrent.futures
@@ -167,7 +167,7 @@ class CpuBackend(Backend):
     # -- weights -------------------------------------------------------------
 
     def prepare_weight(self, tensor: np.ndarray | QuantizedTensor, *, name: str = "") -> Array:
-        """GGUF matrices of :data:`~infer.backends.cpu.kernels.STORED_TYPES` stay the file's blocks, and the
+        """GGUF matrices of :func:`~infer.backends.cpu.kernels.stored_types` stay the file's blocks, and the
         others with an affine form are converted to it, when the C kernels are
         built (unless ``quantize="off"``); float32 copies otherwise, while
         memory allows; past that (or with on-load quantization) a
@@ -177,7 +177,7 @@ class CpuBackend(Backend):
                 if tensor.qtype == "MXFP4" and tensor.ggml_blocks() is not None:  # gpt-oss's experts
                     return PackedWeight(tensor.shape, "MXFP4", "MXFP4 blocks as stored, numpy kernel", tensor,
                                         rows=tensor)
-                if block_form(tensor) is not None:  # computed on where it lies: nothing converted
+                if keeps_stored(tensor, self.activations):  # computed on where it lies: nothing converted
                     how = f"{tensor.qtype} blocks as stored, C kernel"
                     return with_kernel_args(PackedWeight(tensor.shape, tensor.qtype, how, tensor, rows=tensor))
                 affine = from_gguf(tensor, groups=(16, 32), half=True) if _native is not None else None

@@ -138,9 +138,23 @@ STORED_BY_PATH: dict[str, frozenset[str]] = {
     "portable": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
 }
 #: The types kept as stored on the path in use (empty without the kernels).
-#: ``block_form`` reads it at load: setting it here (not on a module that
+#: :func:`keeps_stored` reads it at load: setting it here (not on a module that
 #: imported it) changes what the next load keeps (``benchmarks/stored_blocks.py``).
 STORED_TYPES: frozenset[str] = STORED_BY_PATH.get(native.simd(), frozenset()) if native is not None else frozenset()
+#: The same choice for a load with int8 activations (``activations="q8"``),
+#: whose products decode the codes into bytes, not floats: there the fifth bits
+#: of Q5_0 and Q5_1 cost AVX2 less than the bytes they save (Gemma 3 270M on a
+#: Zen 3, both forms in one process: prefill 1.09x, decode 1.07x, the same
+#: bits; docs/performance.md, "Q5_0 as stored with int8 activations"). The
+#: portable path keeps its exact choice (unmeasured with q8).
+STORED_BY_PATH_Q8: dict[str, frozenset[str]] = {
+    "avx512": STORED_BY_PATH["avx512"],
+    "avx2+fma": STORED_BY_PATH["avx512"],
+    "portable": STORED_BY_PATH["portable"],
+}
+#: The types kept as stored on the path in use with ``activations="q8"``.
+STORED_TYPES_Q8: frozenset[str] = (STORED_BY_PATH_Q8.get(native.simd(), frozenset()) if native is not None
+                                   else frozenset())
 
 
 class ThreadGovernor:
@@ -302,12 +316,12 @@ def quantize_q8_0(x: np.ndarray, out: np.ndarray) -> None:
 
 
 def block_form(tensor: Any) -> int | None:
-    """The kernels' form for a matrix they read in its stored GGML blocks
-    (:data:`BLOCK_FORMS`: Q4_K, Q5_K, Q6_K rows of whole super-blocks, at
+    """The kernels' form for a matrix they can read in its stored GGML blocks
+    (:data:`BLOCK_FORMS`: rows of whole blocks of one of the eight types, at
     most :data:`BLOCK_COLS` wide), or None: the kernels are not built, or the
-    tensor is not such blocks."""
-    if not BLOCK_FORMS or not isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 \
-            or tensor.qtype not in STORED_TYPES:
+    tensor is not such blocks. Whether a load keeps a tensor so is
+    :func:`keeps_stored`'s choice."""
+    if not BLOCK_FORMS or not isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2:
         return None
     form = BLOCK_FORMS.get(tensor.qtype)
     k, values = tensor.shape[1], 256 if tensor.qtype.endswith("_K") else 32
@@ -315,6 +329,21 @@ def block_form(tensor: Any) -> int | None:
         return None
     blocks = tensor.ggml_blocks()
     return form if blocks is not None and blocks[0] == tensor.qtype else None
+
+
+def stored_types(activations: str | None = None) -> frozenset[str]:
+    """The GGML types a load keeps as stored on the path in use:
+    :data:`STORED_TYPES`, or :data:`STORED_TYPES_Q8` with ``activations="q8"``
+    (read when called, so a benchmark may set either)."""
+    return STORED_TYPES_Q8 if activations == "q8" else STORED_TYPES
+
+
+def keeps_stored(tensor: Any, activations: str | None = None) -> bool:
+    """Whether a load with ``activations`` keeps ``tensor`` in its file's
+    blocks for the kernels (:func:`block_form`, of a type in
+    :func:`stored_types`) rather than converting it to its affine form."""
+    return isinstance(tensor, QuantizedTensor) and tensor.qtype in stored_types(activations) \
+        and block_form(tensor) is not None
 
 
 #: The scales argument of a block form (its scales are in its blocks).

@@ -181,6 +181,7 @@ def _data_address(value: Any) -> int | None:
 
 def _infer(spec: dict[str, Any]) -> Loaded:
     import infer
+    from infer.ops import LoadSettings
     from infer.plugins.selection import select_backend
 
     options = spec["options"]
@@ -195,25 +196,23 @@ def _infer(spec: dict[str, Any]) -> Loaded:
         # Count the bytes of every weight the backend prepares (what a decode
         # step reads), keeping no reference: a weight the loader replaces
         # (stacked, repacked) must be freed as it would be without the count.
-        original = backend.prepare_weight
+        # The count wraps the backend the load will run on: configured with
+        # the load's settings first (what it keeps as stored, or quantizes,
+        # depends on them), so that ``infer.load`` finds them and uses it as is.
+        kwargs: dict[str, Any] = {"quantize": options.get("quantize"), "compile": True if options.get("compile") else None,
+                                  "kv_dtype": options.get("kv_dtype") or None,
+                                  "activations": options.get("activations") or None}
+        configured = backend.configure(LoadSettings(**kwargs))
+        original = configured.prepare_weight
 
         def recording(tensor: Any, *, name: str = "") -> Any:
             out = original(tensor, name=name)
             prepared_bytes[name] = _weights_nbytes(out, set())
             return out
 
-        backend.prepare_weight = recording  # type: ignore[method-assign]
-        kwargs: dict[str, Any] = {"backend": backend}
-        if options.get("quantize") is not None:
-            kwargs["quantize"] = options["quantize"]
-        if options.get("compile"):
-            kwargs["compile"] = True
-        if options.get("kv_dtype"):
-            kwargs["kv_dtype"] = options["kv_dtype"]
-        if options.get("activations"):
-            kwargs["activations"] = options["activations"]
-        model = infer.load(spec["model_path"], **kwargs)
-        backend.prepare_weight = original  # type: ignore[method-assign]
+        configured.prepare_weight = recording  # type: ignore[method-assign]
+        model = infer.load(spec["model_path"], backend=configured, **kwargs)
+        del configured.prepare_weight  # the class's method again
         # An untied input embedding is read one row per token; a tied one is the output head.
         head = getattr(model.network, "lm_head", None)
         embed = getattr(model.network, "embed_tokens", None)
