@@ -134,12 +134,13 @@ AVX2 INLINE __m256i small_codes(int type, const uint8_t *b) {
 }
 
 /* The exact one-row kernels' codes as floats on AVX2, widened straight from
- * memory. On the AVX2 CPUs measured (Zen 3) vcvtdq2ps issues once a cycle, so
- * eight weights cost at least a cycle; a vpmovzxbd from memory needs no
- * extract or byte shift of a register first, and one widening gives a byte's
- * two nibbles (an and, a shift), which keeps the rest of the work under that
- * cycle (docs/performance.md, "The exact products on AVX2"). The values, and
- * the order of the sums, are the register forms': the same bits. */
+ * memory. On the AVX2 CPU measured (Zen 3) vcvtdq2ps issues two a cycle, on the
+ * two pipes that add, and a vpmovzxbd from memory two a cycle, where one from a
+ * register (after an extract or byte shift) crosses lanes at about one in 1.3
+ * cycles; one widening gives a byte's two nibbles (an and, a shift)
+ * (docs/performance.md, "The exact products on AVX2" and "The exact products'
+ * bound, measured again"). The values, and the order of the sums, are the
+ * register forms': the same bits. */
 AVX2 INLINE __m256i bytes8_at(const uint8_t *p) { /* 8 bytes as 8 integer lanes */
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
