@@ -469,6 +469,21 @@ def test_a_weights_bytes_are_counted_once_however_many_views_hold_them() -> None
     assert _weights_nbytes(("w", affine, views, other), set()) == affine.nbytes + 40
 
 
+def test_the_weights_counted_are_those_the_loads_settings_prepare(tiny: Path) -> None:
+    # The count wraps the backend the model runs on, configured with the
+    # load's settings: with quantize="q8" the float32 linear weights are held as
+    # int8 codes and a scale per 32, so a token reads under half the float
+    # bytes (before, the count went through the unconfigured backend, which
+    # prepared float32 copies).
+    from infer.tools.bench_worker import _infer
+
+    counted = {}
+    for quantize in (None, "q8"):
+        load, _ = _infer({"options": {"backend": "numpy", "quantize": quantize}, "model_path": str(tiny)})
+        counted[quantize] = load()["weight_bytes_per_token"]
+    assert 0 < counted["q8"] < counted[None] / 2
+
+
 def test_the_llama_cpp_worker_reads_no_file_to_count_weights(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The weight bytes of a peer's decode are counted in the parent and handed
     to the worker, so the peer's timed load and peak memory are its own call."""
