@@ -149,7 +149,7 @@ STORED_TYPES: frozenset[str] = STORED_BY_PATH.get(native.simd(), frozenset()) if
 #: portable path keeps its exact choice: its one-row q8 product on Q5_0's
 #: blocks ran 0.65x the converted form's (level at 128 rows).
 STORED_BY_PATH_Q8: dict[str, frozenset[str]] = {
-    "avx512": STORED_BY_PATH["avx512"],
+    "avx512": STORED_BY_PATH["avx512"],  # all eight
     "avx2+fma": STORED_BY_PATH["avx512"],
     "portable": STORED_BY_PATH["portable"],
 }
@@ -343,8 +343,7 @@ def keeps_stored(tensor: Any, activations: str | None = None) -> bool:
     """Whether a load with ``activations`` keeps ``tensor`` in its file's
     blocks for the kernels (:func:`block_form`, of a type in
     :func:`stored_types`) rather than converting it to its affine form."""
-    return isinstance(tensor, QuantizedTensor) and tensor.qtype in stored_types(activations) \
-        and block_form(tensor) is not None
+    return block_form(tensor) is not None and tensor.qtype in stored_types(activations)
 
 
 #: The scales argument of a block form (its scales are in its blocks).

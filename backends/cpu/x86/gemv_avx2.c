@@ -130,7 +130,8 @@ AVX2 INLINE void rows_pass(int bits, const uint8_t *codes, const float *scales, 
 AVX2 INLINE void rows_avx2(int bits, const uint8_t *codes, const float *scales, const float *biases, const float *x,
                            const float *xs, float *out, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group, const int M) {
     if (M > ROWS_PASS) {
-        const int first = (M + 1) / 2, bias_groups = (int)(k / group);
+        const int first = (M + 1) / 2;
+        const Py_ssize_t bias_groups = k / group;
         rows_pass(bits, codes, scales, biases, x, xs, out, k, n, group, first);
         rows_pass(bits, codes, scales, biases, x + first * k, xs + first * bias_groups, out + first * n, k, n, group,
                   M - first);
