@@ -165,7 +165,8 @@ def test_on_load_quantized_weights_take_it_too(path: str, kind: str) -> None:
 
 
 #: Activation rows a product takes on the tile kernels at least (a prompt's); up to Q8_FEW (5) the AVX2 path
-#: decodes each weight row once for all of them instead (q8_few_rows_avx2).
+#: decodes each weight row once for all of them instead (q8_few_rows_avx2), and up to Q8_FEW_VNNI (4; 2 for the
+#: K types) the AVX-512 VNNI path runs its one-row kernel for each (q8_few_rows_vnni).
 TILE_M = 6
 
 
@@ -227,7 +228,7 @@ def test_the_blocks_as_stored_give_the_converted_forms_bits(path: str, qtype: st
     # (kernels.stored_types: Q5_0 and Q5_1 too with q8): the choice is one of
     # speed only, because on every path the product on the file's blocks has,
     # bit for bit, the bits of the product on their converted form, for one
-    # row (the one-row kernels), a few (the few-row kernels on AVX2) and a
+    # row (the one-row kernels), a few (the few-row kernels) and a
     # prompt's worth (the tiles).
     for seed, k in enumerate(K_SUPER[:3] if qtype.endswith("_K") else K_SMALL + [96]):
         args, conv = stored(qtype, 21, k, seed)
@@ -272,8 +273,10 @@ def test_a_q8_load_keeps_the_types_its_kernels_read_faster_as_stored() -> None:
 def test_a_few_rows_have_the_bits_they_have_among_many(path: str, qtype: str) -> None:
     # A small batch's decode step or a speculative verification multiplies a
     # few rows: on AVX2 up to 5 of them take each weight row's blocks decoded
-    # once and applied to every activation row (q8_few_rows_avx2), more the
-    # tiles (their codes packed by q8_pack_spans_avx2 on AVX2). Each row keeps
+    # once and applied to every activation row (q8_few_rows_avx2), on AVX-512
+    # VNNI up to 4 (2 of a K type) the one-row kernel for each in turn
+    # (q8_few_rows_vnni), more the tiles (their codes packed by
+    # q8_pack_spans_avx2 on both paths). Each row keeps
     # the bits it gets among many, for every count up to 8: the widths above,
     # 8192 (rows longer than LONG_ROW, read with their spans prefetched
     # ahead), an all-zero block, and odd weight-row counts.

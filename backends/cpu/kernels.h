@@ -179,6 +179,14 @@ static inline int direct_avx2(int type) { return direct_512(type); }
 #ifndef Q8_FEW /* up to this many activation rows, AVX2 decodes each weight row once for all of them (-D to try others) */
 #define Q8_FEW 5
 #endif
+/* Up to this many activation rows, AVX-512 VNNI runs its one-row kernel for each in turn (weights in blocks of
+ * 32; Q8_FEW_VNNI_K for the K types), tiles past it (-D to try others; docs/performance.md). */
+#ifndef Q8_FEW_VNNI
+#define Q8_FEW_VNNI 4
+#endif
+#ifndef Q8_FEW_VNNI_K
+#define Q8_FEW_VNNI_K 2
+#endif
 
 struct q8x {
     Py_ssize_t group, groups, spans, lanes, kp; /* groups a row; lanes = spans * 16 (the last span padded); kp = lanes * group bytes */
@@ -335,8 +343,6 @@ AVX2 void blocks_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_
                            Py_ssize_t n, Py_ssize_t groups);
 
 /* x86/q8_x86.c */
-AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp,
-                            uint8_t *out);
 AVX2 void q8_pack_spans_avx2(int bits, const uint8_t *cr, Py_ssize_t spans, Py_ssize_t group, uint8_t *out);
 AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
@@ -348,6 +354,10 @@ AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, P
                              Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
 AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                        Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
+/* the same against X's m rows (2..Q8_FEW_VNNI) in turn, into y[i * n + r] */
+AVX512VNNI void q8_few_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                                 Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k,
+                                 Py_ssize_t n);
 /* the same against X's m rows (2..Q8_FEW) at once, into y[i * n + r] */
 AVX2 void q8_few_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                            Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n);

@@ -40,13 +40,18 @@
  *
  * One activation row (a decode step) on block-form weights takes q8_vec instead:
  * the blocks multiplied as stored, the same lanes and bits (x86/q8row_x86.c);
- * on AVX2 without VNNI so do two to Q8_FEW rows (a small batch's decode step).
+ * so do a few rows (a small batch's decode step): on AVX2 two to Q8_FEW, each span decoded once for all,
+ * on AVX-512 VNNI two to Q8_FEW_VNNI (Q8_FEW_VNNI_K for the K types), the one-row kernel for each in turn.
  * It once stayed on the exact kernels, on the belief that decoding reads the
  * weights at the memory's speed either way; on two threads of a fast-memory
  * CPU the exact decode of a 1B model is bound by its arithmetic instead (its
  * step scaled 1.85x from one thread to two), docs/performance.md. */
 
 #include "kernels.h"
+
+/* The most activation rows any path's q8_vec takes. */
+#define Q8_FEW_MOST (Q8_FEW > Q8_FEW_VNNI ? (Q8_FEW > Q8_FEW_VNNI_K ? Q8_FEW : Q8_FEW_VNNI_K) \
+                                          : (Q8_FEW_VNNI > Q8_FEW_VNNI_K ? Q8_FEW_VNNI : Q8_FEW_VNNI_K))
 
 /* Interleaving. Value p of group g lies at (g / 16) * 16 * group + (p / 4) * 64 + (g % 16) * 4 + p % 4 in the
  * interleaved order: within a span of sixteen groups the 4-byte chunks are transposed, chunk c of group l
@@ -189,7 +194,11 @@ static void q8x_free(struct q8x *X) {
  * small batch's decode step, a speculative verification) on block-form W too,
  * each weight row's spans decoded once for all of them (q8_few_rows_avx2): at 2
  * to 5 rows 1.0-1.5x the tiles' speed on the Zen 3, from 6 rows on Q4_K slower
- * than them (docs/performance.md, "A few rows on AVX2"). The bits are q8_run's (the
+ * than them (docs/performance.md, "A few rows on AVX2"). On AVX-512 VNNI, up to
+ * Q8_FEW_VNNI rows (Q8_FEW_VNNI_K on the K types) the one-row kernel for each in
+ * turn, each weight row read from memory once (q8_few_rows_vnni): on a Zen 4 at
+ * 2 rows 0.38-0.76x the tiles' time, past 4 rows (2 for the K types) slower
+ * (docs/performance.md, "A few rows on AVX-512"). The bits are q8_run's (the
  * top of this file); what it saves is q8_run's decoding, packing and
  * interleaving of every tile, which cost more than the integer products at one
  * row. Returns 1 where it has no kernel (another form, more rows, or the
@@ -203,7 +212,8 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
     const int blocks = block_form(bits, &code_bits, &group, &values, &block_bytes);
     const int affine = !blocks && ((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)));
     if (!(use_vnni || use_avx2) || !(blocks || affine)) return 1;
-    if (m > 1 && (use_vnni || !blocks || m > Q8_FEW)) return 1;
+    const int k_type = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+    if (m > 1 && (!blocks || m > (!use_vnni ? Q8_FEW : k_type ? Q8_FEW_VNNI_K : Q8_FEW_VNNI))) return 1;
     const Py_ssize_t raw_row = blocks ? k / values * block_bytes : bits == 4 ? k / 2 : k;
     struct q8x X;
     const int failed = q8x_alloc(&X, group, k, m);
@@ -216,7 +226,9 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
         #pragma omp parallel for schedule(static)
         for (Py_ssize_t t = 0; t < tiles; t++) {
             const Py_ssize_t r0 = t * tile, r1 = r0 + tile < n ? r0 + tile : n;
-            if (m > 1)
+            if (m > 1 && use_vnni)
+                q8_few_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, m, y, k, n);
+            else if (m > 1)
                 q8_few_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, m, y, k, n);
             else if (affine)
                 q8_rows_affine_avx2(bits, group, c, scales, biases, factor, half, r0, r1, n * raw_row, &X, y, k);
@@ -239,7 +251,7 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
  * Returns -1 when out of memory. */
 int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
            int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
-    if (m >= 1 && m <= Q8_FEW) {
+    if (m >= 1 && m <= Q8_FEW_MOST) {
         const int done = q8_vec(bits, x, c, scales, biases, factor, half, y, m, k, n, group);
         if (done <= 0) return done;
     }
@@ -299,10 +311,7 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
                     uint8_t *out = wq + r * X.kp;
                     Py_ssize_t left = k, room = X.kp;
 #ifdef HAVE_X86
-                    if (use_avx512) {
-                        q8_pack_row_512(bits, cr, k, group, X.kp, out);
-                        left = room = 0;
-                    } else if (use_avx2) { /* whole spans in registers; a last partial one below */
+                    if (use_avx512 || use_avx2) { /* whole spans in registers; a last partial one below */
                         const Py_ssize_t span = group * Q8_LANES, whole = k / span;
                         q8_pack_spans_avx2(bits, cr, whole, group, out);
                         cr += whole * (bits == 4 ? span / 2 : span), out += whole * span;

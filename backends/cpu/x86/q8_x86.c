@@ -1,6 +1,6 @@
 /* q8.c's integer products on x86: AVX-512 VNNI (vpdpbusd) and AVX2 (vpmaddubsw,
  * vpmaddwd), and the packing of a tile's codes into the interleaved order,
- * sixteen groups at a time. The same lanes and sums as q8.c's portable loops. */
+ * sixteen groups at a time (one packing kernel for both paths). The same lanes and sums as q8.c's portable loops. */
 
 #include "simd.h"
 
@@ -21,36 +21,6 @@
 #ifndef Q8_JB
 #define Q8_JB 3
 #endif
-/* The same sixteen groups at a time: a gather of four bytes from each group per chunk. */
-AVX512 void q8_pack_row_512(int bits, const uint8_t *cr, Py_ssize_t k, Py_ssize_t group, Py_ssize_t kp,
-                            uint8_t *out) {
-    const Py_ssize_t groups = k / group, spans = kp / (group * Q8_LANES);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i low = _mm512_set1_epi8(15);
-    for (Py_ssize_t s = 0; s < spans; s++) {
-        Py_ssize_t left = groups - s * Q8_LANES;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        uint8_t *o = out + s * Q8_LANES * group;
-        if (bits == 4) { /* a group: 16 bytes, chunk c < 4 the low nibbles of dword c, c >= 4 the high */
-            const uint8_t *base = cr + s * Q8_LANES * 16;
-            const __m512i idx = _mm512_slli_epi32(lane, 2);
-            for (int c = 0; c < 4; c++) {
-                __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                        _mm512_add_epi32(idx, _mm512_set1_epi32(c)), base, 4);
-                _mm512_storeu_si512(o + c * 64, _mm512_and_si512(v, low));
-                _mm512_storeu_si512(o + (c + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-            }
-        } else {
-            const uint8_t *base = cr + s * Q8_LANES * group;
-            const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(group / 4)));
-            for (int c = 0; c < group / 4; c++)
-                _mm512_storeu_si512(o + c * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                                            _mm512_add_epi32(idx, _mm512_set1_epi32(c)),
-                                                                            base, 4));
-        }
-    }
-}
-
 /* Four rows of four 32-bit lanes per 128-bit half transposed: r[j]'s lane c goes to r[c]'s lane j, in each
  * half. */
 AVX2 INLINE void transpose4x4(__m256i *r) {
@@ -65,7 +35,10 @@ AVX2 INLINE void transpose4x4(__m256i *r) {
  * model's q8 prefill samples on the Zen 3, 15% with a batch's short prompts). Groups of 32 bytes: two
  * transposes of 8 x 8 chunks; groups of 16 bytes, or of 32 values in 16 bytes of nibbles: four groups'
  * four chunks a 128-bit half, the nibbles split after (chunk c of a 4-bit group: the low nibbles of its
- * bytes' dword c, chunk c + 4 the high ones, as q8_pack_row unpacks them). The same bytes as q8_pack_row. */
+ * bytes' dword c, chunk c + 4 the high ones, as q8_pack_row unpacks them). The same bytes as q8_pack_row.
+ * The AVX-512 path packs with it too: its own kernel gathered each chunk of sixteen groups (vpgatherdd), and on
+ * a Zen 4 that made a product of 8 rows take 1.28-1.40x the time it takes with these transposes, of 128 rows
+ * 1.02-1.05x (docs/performance.md, "Packing without gathers"). */
 AVX2 void q8_pack_spans_avx2(int bits, const uint8_t *cr, Py_ssize_t spans, Py_ssize_t group, uint8_t *out) {
     const __m256i low = _mm256_set1_epi8(15);
     for (Py_ssize_t s = 0; s < spans; s++) {

@@ -598,4 +598,50 @@ Q8_ROWS(q8_rows_vnni, q8_row_vnni, AVX512VNNI)
 Q8_ROWS(q8_rows_avx2, q8_row_avx2, AVX2)
 #undef Q8_ROWS
 #undef Q8_TYPE
+
+/* q8_rows_vnni for X's m rows (2..Q8_FEW_VNNI: a small batch's decode step, a speculative verification), into
+ * y[i * n + r]: each step's one or two weight rows against X's rows in turn, by the one-row kernel, so a weight
+ * row comes from memory once and from L1 for the rows after the first. Each row's sums are those it gets alone
+ * (the same kernel), so the bits are q8_run's. The codes are taken out of the blocks again for every row, which
+ * on VNNI costs less than q8_run's tiles (decoded, then packed into the interleaved order, for only these few
+ * rows): docs/performance.md, "A few rows on AVX-512". */
+#define Q8_TYPE_I(R, r, i, ahead_by)                                                                                  \
+    {                                                                                                                 \
+        const Py_ssize_t pf = (ahead_by), at = (i) * X->lanes;                                                        \
+        const int8_t *q = X->q + (i) * X->kp;                                                                         \
+        float *yr = y + (i) * n + (r);                                                                                \
+        switch (type) {                                                                                               \
+        case GGML_Q4_0: q8_row_vnni(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q4_1: q8_row_vnni(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q5_0: q8_row_vnni(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q5_1: q8_row_vnni(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q8_0: q8_row_vnni(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q4_K: q8_row_vnni(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        case GGML_Q5_K: q8_row_vnni(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        default: q8_row_vnni(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
+        }                                                                                                             \
+    }
+AVX512VNNI void q8_few_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                                 Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k,
+                                 Py_ssize_t n) {
+    Py_ssize_t r = r0;
+    if (raw_row > LONG_ROW) { /* a row a step, its spans asked for as the first activation row reads them */
+        const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;
+        for (; r < r1; r++) {
+            const Py_ssize_t first = (r + 1) * raw_row + ahead <= left ? ahead : 0;
+            for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(1, r, i, i ? 0 : first)
+        }
+        return;
+    }
+    for (; r < r1; r += 2) { /* two rows a step, asked for all at once */
+        const char *at = (const char *)raw + r * raw_row;
+        for (Py_ssize_t b = 0; b < 2 * raw_row && r * raw_row + PREFETCH + b < left; b += 64)
+            __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
+        if (r + 2 > r1) break;
+        for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(2, r, i, 0)
+    }
+    if (r < r1)
+        for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(1, r, i, 0)
+}
+#undef Q8_TYPE_I
 #endif
