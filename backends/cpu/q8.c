@@ -197,7 +197,7 @@ static void q8x_free(struct q8x *X) {
  * than them (docs/performance.md, "A few rows on AVX2"). On AVX-512 VNNI, up to
  * Q8_FEW_VNNI rows (Q8_FEW_VNNI_K on the K types) the one-row kernel for each in
  * turn, each weight row read from memory once (q8_few_rows_vnni): on a Zen 4 at
- * 2 rows 0.38-0.76x the tiles' time, past 4 rows (2 for the K types) slower
+ * 2 rows 0.38-0.81x the tiles' time, past 4 rows (2 for the K types) slower
  * (docs/performance.md, "A few rows on AVX-512"). The bits are q8_run's (the
  * top of this file); what it saves is q8_run's decoding, packing and
  * interleaving of every tile, which cost more than the integer products at one
