@@ -348,16 +348,15 @@ AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n);
 AVX2 void q8_tile_avx2(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows, const struct q8x *X,
                        Py_ssize_t m, float *y, Py_ssize_t n, int code_max);
-/* x86/q8row_x86.c: one activation row (q8x's row 0, in column order) against rows [r0, r1) of block-form W
- * (q8_rows_affine_avx2: of an affine W) */
+/* x86/q8row_x86.c: X's row 0 (in column order) against rows [r0, r1) of block-form W into y[r] (m unused;
+ * q8_few_rows_vnni: X's m rows in turn, into y[i * n + r]; q8_rows_affine_avx2: row 0 against an affine W) */
 AVX512VNNI void q8_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
-                             Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
-AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
-                       Py_ssize_t left, const struct q8x *X, float *y, Py_ssize_t k);
-/* the same against X's m rows (2..Q8_FEW_VNNI) in turn, into y[i * n + r] */
+                             Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n);
 AVX512VNNI void q8_few_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                                  Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k,
                                  Py_ssize_t n);
+AVX2 void q8_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
+                       Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n);
 /* the same against X's m rows (2..Q8_FEW) at once, into y[i * n + r] */
 AVX2 void q8_few_rows_avx2(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
                            Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n);

@@ -41,17 +41,14 @@
  * One activation row (a decode step) on block-form weights takes q8_vec instead:
  * the blocks multiplied as stored, the same lanes and bits (x86/q8row_x86.c);
  * so do a few rows (a small batch's decode step): on AVX2 two to Q8_FEW, each span decoded once for all,
- * on AVX-512 VNNI two to Q8_FEW_VNNI (Q8_FEW_VNNI_K for the K types), the one-row kernel for each in turn.
+ * on AVX-512 VNNI two to Q8_FEW_VNNI (Q8_FEW_VNNI_K for the K types), the one-row kernel for each in turn
+ * (q8_few_rows_vnni).
  * It once stayed on the exact kernels, on the belief that decoding reads the
  * weights at the memory's speed either way; on two threads of a fast-memory
  * CPU the exact decode of a 1B model is bound by its arithmetic instead (its
  * step scaled 1.85x from one thread to two), docs/performance.md. */
 
 #include "kernels.h"
-
-/* The most activation rows any path's q8_vec takes. */
-#define Q8_FEW_MOST (Q8_FEW > Q8_FEW_VNNI ? (Q8_FEW > Q8_FEW_VNNI_K ? Q8_FEW : Q8_FEW_VNNI_K) \
-                                          : (Q8_FEW_VNNI > Q8_FEW_VNNI_K ? Q8_FEW_VNNI : Q8_FEW_VNNI_K))
 
 /* Interleaving. Value p of group g lies at (g / 16) * 16 * group + (p / 4) * 64 + (g % 16) * 4 + p % 4 in the
  * interleaved order: within a span of sixteen groups the 4-byte chunks are transposed, chunk c of group l
@@ -233,9 +230,9 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
             else if (affine)
                 q8_rows_affine_avx2(bits, group, c, scales, biases, factor, half, r0, r1, n * raw_row, &X, y, k);
             else if (use_vnni)
-                q8_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
+                q8_rows_vnni(type, c, raw_row, r0, r1, n * raw_row, &X, 1, y, k, n);
             else
-                q8_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, y, k);
+                q8_rows_avx2(type, c, raw_row, r0, r1, n * raw_row, &X, 1, y, k, n);
         }
     }
     q8x_free(&X);
@@ -251,7 +248,7 @@ static int q8_vec(int bits, const float *x, const uint8_t *c, const void *scales
  * Returns -1 when out of memory. */
 int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const void *biases, float factor,
            int half, float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t group) {
-    if (m >= 1 && m <= Q8_FEW_MOST) {
+    if (m >= 1) { /* q8_vec says which row counts it takes */
         const int done = q8_vec(bits, x, c, scales, biases, factor, half, y, m, k, n, group);
         if (done <= 0) return done;
     }

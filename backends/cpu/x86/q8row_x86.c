@@ -559,89 +559,62 @@ AVX2 void q8_quantize_natural_avx2(const float *x, Py_ssize_t k, Py_ssize_t grou
     for (Py_ssize_t g = 0; g < k / group; g++) xs[g] = dx[g] * (float)qs[g];
 }
 
-/* The row loops, two rows a step, the type a constant in each (the kernels above are specialised per type). */
-#define Q8_TYPE(row, R, r)                                                                                            \
-    switch (type) {                                                                                                   \
-    case GGML_Q4_0: row(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q4_1: row(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_0: row(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_1: row(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q8_0: row(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q4_K: row(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    case GGML_Q5_K: row(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;   \
-    default: row(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, pf, X->q, X->dx, X->xs, X->qs, k, y + (r)); break;          \
+/* The row loops, two rows a step, the type a constant in each (the kernels above are specialised per type),
+ * X's row i into y[i * n + r]. q8_rows_vnni and q8_rows_avx2 take X's row 0 (a decode step); q8_few_rows_vnni
+ * takes its m rows (2..Q8_FEW_VNNI: a small batch's decode step, a speculative verification) one after
+ * another, so each step's weight rows come from memory once and from L1 for the rows after the first. Each row's
+ * sums are those it gets alone (the same kernel), so the bits are q8_run's. On VNNI that costs less than q8_run's
+ * tiles (decoded, then packed into the interleaved order) for a few rows, though the codes are taken out of the
+ * blocks again for every row: docs/performance.md, "A few rows on AVX-512". Only row 0 asks for the spans ahead
+ * (pf). One function for both counts, its row loop around each step, ran the decode step's single row 1.02-1.09x
+ * slower (gcc schedules it apart), hence two instantiations of one loop. */
+#define Q8_TYPE(row, R, r, i, pf)                                                                                     \
+    {                                                                                                                 \
+        const Py_ssize_t at_ = (i) * X->lanes;                                                                        \
+        const int8_t *q_ = X->q + (i) * X->kp;                                                                        \
+        float *y_ = y + (i) * n + (r);                                                                                \
+        switch (type) {                                                                                               \
+        case GGML_Q4_0: row(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q4_1: row(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q5_0: row(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q5_1: row(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q8_0: row(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q4_K: row(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        case GGML_Q5_K: row(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        default: row(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, pf, q_, X->dx + at_, X->xs + at_, X->qs + at_, k, y_); break; \
+        }                                                                                                             \
     }
-#define Q8_ROWS(name, row, attr)                                                                                      \
+/* The activation rows a function takes: row 0 alone, or X's m rows in turn. */
+#define ROW_ZERO(step) { const Py_ssize_t i = 0; step }
+#define EACH_ROW(step) for (Py_ssize_t i = 0; i < m; i++) step
+#define Q8_ROWS(name, row, attr, ROWS)                                                                                \
     attr void name(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t left,    \
-                   const struct q8x *X, float *y, Py_ssize_t k) {                                                      \
+                   const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k, Py_ssize_t n) {                          \
+        (void)m;                                                                                                       \
         Py_ssize_t r = r0;                                                                                             \
         if (raw_row > LONG_ROW) { /* a row a step, its spans asked for as they are read */                             \
             const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;                                     \
             for (; r < r1; r++) {                                                                                      \
                 const Py_ssize_t pf = (r + 1) * raw_row + ahead <= left ? ahead : 0;                                   \
-                Q8_TYPE(row, 1, r)                                                                                     \
+                ROWS(Q8_TYPE(row, 1, r, i, i ? 0 : pf))                                                                \
             }                                                                                                          \
             return;                                                                                                    \
         }                                                                                                              \
-        const Py_ssize_t pf = 0; /* two rows a step, asked for all at once */                                          \
-        for (; r < r1; r += 2) {                                                                                       \
+        for (; r < r1; r += 2) { /* two rows a step, asked for all at once */                                          \
             const char *at = (const char *)raw + r * raw_row;                                                          \
             for (Py_ssize_t b = 0; b < 2 * raw_row && r * raw_row + PREFETCH + b < left; b += 64)                      \
                 __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);                                           \
             if (r + 2 > r1) break;                                                                                     \
-            Q8_TYPE(row, 2, r)                                                                                         \
+            ROWS(Q8_TYPE(row, 2, r, i, 0))                                                                             \
         }                                                                                                              \
-        if (r < r1) Q8_TYPE(row, 1, r)                                                                                 \
+        if (r < r1) ROWS(Q8_TYPE(row, 1, r, i, 0))                                                                     \
     }
 
-Q8_ROWS(q8_rows_vnni, q8_row_vnni, AVX512VNNI)
-Q8_ROWS(q8_rows_avx2, q8_row_avx2, AVX2)
+Q8_ROWS(q8_rows_vnni, q8_row_vnni, AVX512VNNI, ROW_ZERO)
+Q8_ROWS(q8_few_rows_vnni, q8_row_vnni, AVX512VNNI, EACH_ROW)
+Q8_ROWS(q8_rows_avx2, q8_row_avx2, AVX2, ROW_ZERO)
 #undef Q8_ROWS
+#undef ROW_ZERO
+#undef EACH_ROW
 #undef Q8_TYPE
-
-/* q8_rows_vnni for X's m rows (2..Q8_FEW_VNNI: a small batch's decode step, a speculative verification), into
- * y[i * n + r]: each step's one or two weight rows against X's rows in turn, by the one-row kernel, so a weight
- * row comes from memory once and from L1 for the rows after the first. Each row's sums are those it gets alone
- * (the same kernel), so the bits are q8_run's. The codes are taken out of the blocks again for every row, which
- * on VNNI costs less than q8_run's tiles (decoded, then packed into the interleaved order, for only these few
- * rows): docs/performance.md, "A few rows on AVX-512". */
-#define Q8_TYPE_I(R, r, i, ahead_by)                                                                                  \
-    {                                                                                                                 \
-        const Py_ssize_t pf = (ahead_by), at = (i) * X->lanes;                                                        \
-        const int8_t *q = X->q + (i) * X->kp;                                                                         \
-        float *yr = y + (i) * n + (r);                                                                                \
-        switch (type) {                                                                                               \
-        case GGML_Q4_0: q8_row_vnni(GGML_Q4_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q4_1: q8_row_vnni(GGML_Q4_1, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q5_0: q8_row_vnni(GGML_Q5_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q5_1: q8_row_vnni(GGML_Q5_1, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q8_0: q8_row_vnni(GGML_Q8_0, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q4_K: q8_row_vnni(GGML_Q4_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        case GGML_Q5_K: q8_row_vnni(GGML_Q5_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        default: q8_row_vnni(GGML_Q6_K, R, raw + (r) * raw_row, raw_row, pf, q, X->dx + at, X->xs + at, X->qs + at, k, yr); break; \
-        }                                                                                                             \
-    }
-AVX512VNNI void q8_few_rows_vnni(int type, const uint8_t *raw, Py_ssize_t raw_row, Py_ssize_t r0, Py_ssize_t r1,
-                                 Py_ssize_t left, const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t k,
-                                 Py_ssize_t n) {
-    Py_ssize_t r = r0;
-    if (raw_row > LONG_ROW) { /* a row a step, its spans asked for as the first activation row reads them */
-        const Py_ssize_t ahead = (PREFETCH + raw_row - 1) / raw_row * raw_row;
-        for (; r < r1; r++) {
-            const Py_ssize_t first = (r + 1) * raw_row + ahead <= left ? ahead : 0;
-            for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(1, r, i, i ? 0 : first)
-        }
-        return;
-    }
-    for (; r < r1; r += 2) { /* two rows a step, asked for all at once */
-        const char *at = (const char *)raw + r * raw_row;
-        for (Py_ssize_t b = 0; b < 2 * raw_row && r * raw_row + PREFETCH + b < left; b += 64)
-            __builtin_prefetch(at + PREFETCH + b, 0, PREFETCH_LOCALITY);
-        if (r + 2 > r1) break;
-        for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(2, r, i, 0)
-    }
-    if (r < r1)
-        for (Py_ssize_t i = 0; i < m; i++) Q8_TYPE_I(1, r, i, 0)
-}
-#undef Q8_TYPE_I
 #endif
