@@ -458,8 +458,8 @@ int attention_run(const struct attend_args *a, int parallel) {
         struct group_state st[TASKS_TOGETHER];
         /* each task's queries, their scales, sums, maximum and total; the shared scores and values */
         const size_t each = (size_t)(2 * per * dk + per * dv + 2 * per);
-        float *f = malloc(((size_t)TASKS_TOGETHER * each + (size_t)(per * T + T * dv)) * sizeof(float));
-        int8_t *codes = malloc((size_t)(TASKS_TOGETHER * per * dk));
+        float *f = alloc64(((size_t)TASKS_TOGETHER * each + (size_t)(per * T + T * dv)) * sizeof(float));
+        int8_t *codes = alloc64((size_t)(TASKS_TOGETHER * per * dk));
         w.keys = malloc((size_t)T * sizeof(*w.keys));
         if (!f || !codes || !w.keys) {
             failed = 1;

@@ -320,7 +320,8 @@ class CpuBackend(Backend):
             raise UnsupportedOpError(f"numpy backend has no name for dtype {x.dtype}") from None
 
     def zeros(self, shape: Sequence[int], dtype: str | None = None) -> Array:
-        return np.zeros(tuple(shape), dtype=self._np_dtype(dtype or self.compute_dtype))
+        # On a cache line: the KV and state pools come from here (kernels.cache_line_array).
+        return kernels.cache_line_array(tuple(shape), self._np_dtype(dtype or self.compute_dtype), zeroed=True)
 
     def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
         return np.arange(start, stop, dtype=self._np_dtype(dtype))

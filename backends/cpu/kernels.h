@@ -217,6 +217,12 @@ struct attend_args {
 #define Q8_0_TILE 64 /* keys attended at a time (attention.c): a group's scores stay in L1 */
 
 /* The threads a parallel loop may use (OpenMP's; 1 without OpenMP). */
+/* Memory the vector kernels load from in 64-byte operations, on a cache line's start: a 512-bit load at
+ * malloc's 16-byte alignment spans two lines three times in four, and on a Zen 4 the int8 tile kernel ran at
+ * 0.87x its speed with both operands so placed (docs/performance.md, "Operands on cache lines"). The size is
+ * rounded up to the alignment, as aligned_alloc asks. Freed with free(). */
+static inline void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 static inline int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();

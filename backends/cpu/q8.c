@@ -169,10 +169,10 @@ static int q8x_alloc(struct q8x *X, Py_ssize_t group, Py_ssize_t k, Py_ssize_t r
     X->spans = (X->groups + Q8_LANES - 1) / Q8_LANES;
     X->lanes = X->spans * Q8_LANES;
     X->kp = X->lanes * group;
-    X->q = malloc((size_t)(rows * X->kp));
-    X->dx = malloc((size_t)(rows * X->lanes) * sizeof(float));
-    X->xs = malloc((size_t)(rows * X->lanes) * sizeof(float));
-    X->qs = malloc((size_t)(rows * X->lanes) * sizeof(int32_t));
+    X->q = alloc64((size_t)(rows * X->kp)); /* each row starts a line: kp is a multiple of 256, lanes of 16 */
+    X->dx = alloc64((size_t)(rows * X->lanes) * sizeof(float));
+    X->xs = alloc64((size_t)(rows * X->lanes) * sizeof(float));
+    X->qs = alloc64((size_t)(rows * X->lanes) * sizeof(int32_t));
     return X->q && X->dx && X->xs && X->qs ? 0 : -1;
 }
 
@@ -281,8 +281,8 @@ int q8_run(int bits, const float *x, const uint8_t *c, const void *scales, const
                     failed = 1;
                 }
             }
-            uint8_t *wq = malloc((size_t)(tile * X.kp)), *decoded = blocks ? malloc(DECODED_BYTES) : NULL;
-            float *wide_s = malloc(2 * TILE_GROUPS * sizeof(float)), *ws = malloc((size_t)(2 * tile * X.lanes) * sizeof(float));
+            uint8_t *wq = alloc64((size_t)(tile * X.kp)), *decoded = blocks ? alloc64(DECODED_BYTES) : NULL;
+            float *wide_s = malloc(2 * TILE_GROUPS * sizeof(float)), *ws = alloc64((size_t)(2 * tile * X.lanes) * sizeof(float));
             const int ok = natural && wq && wide_s && ws && (!blocks || decoded);
             float *wb = ok ? ws + tile * X.lanes : NULL;
             #pragma omp for schedule(static)

@@ -19,7 +19,7 @@ from infer.ops import OPTIONAL_OPS, REQUIRED_OPS, AdaptedWeight, AdapterRows, At
 
 log = logging.getLogger(__name__)
 
-from infer.backends.cpu.kernels import BUILT, KV_Q8_0
+from infer.backends.cpu.kernels import BUILT, KV_Q8_0, cache_line_array
 
 #: The opcodes by name, from the C runner's own table (backends/cpu/plan.c), so
 #: the two never disagree (tests/test_plan_table.py checks the kinds below
@@ -192,8 +192,8 @@ class Recorder:
         return (base, addr - start) if base >= 0 else (-1, addr)
 
     def buffer(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A new array the plan owns (its steps write it)."""
-        out = np.empty(shape, dtype)
+        """A new array the plan owns (its steps write it), on a cache line's start."""
+        out = cache_line_array(shape, dtype)
         if not out.size:
             raise NotCapturable(f"an empty intermediate {shape}")
         self._region(_addr(out), out.nbytes, -1)
