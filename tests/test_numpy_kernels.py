@@ -878,3 +878,34 @@ def test_a_stored_weights_rows_do_not_depend_on_the_tile(path: str, qtype: str) 
         for r in (0, 17, 40):
             _affine.gemv(args[0], x[:m], raw[r:r + 1], args[2], None, alone, m, k, 1, args[6])
             assert np.array_equal(alone[:, 0].view(np.uint32), together[:, r].view(np.uint32)), (m, r)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8, np.int32])
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (64, 8, 64), (2, 16, 128, 128)])
+def test_cache_line_arrays_start_a_line_and_behave_as_numpys(dtype: type, shape: tuple[int, ...]) -> None:
+    """The kernels' 512-bit loads read one line, not two, only from memory on a 64-byte boundary
+    (docs/performance.md, "Operands on cache lines"): pools and step buffers are made so."""
+    for zeroed in (False, True):
+        a = kernels_module.cache_line_array(shape, dtype, zeroed=zeroed)
+        assert a.ctypes.data % 64 == 0
+        assert a.shape == shape and a.dtype == np.dtype(dtype)
+        assert a.flags.c_contiguous and a.flags.writeable
+        if zeroed:
+            assert not a.any()
+        a[...] = 1
+        assert (a == 1).all()
+
+
+def test_pools_and_captured_buffers_start_on_cache_lines() -> None:
+    from infer.backends.cpu.record import Recorder
+    from infer.plugins.selection import select_backend
+
+    ops = select_backend("numpy")
+    for shape, dtype in [((4096, 8, 64), "float16"), ((64, 16, 128, 128), "float32"), ((7, 3), "float32")]:
+        assert ops.zeros(shape, dtype).ctypes.data % 64 == 0
+    recorder = Recorder(ops, [np.ones(4, np.float32)], kernels_module.native)
+    for shape in [(1, 2048), (3, 5), (1, 8192)]:
+        assert recorder.buffer(shape, np.float32).ctypes.data % 64 == 0
+    torch = pytest.importorskip("torch")
+    pool = select_backend("torch:cpu").zeros((4096, 8, 64), "float16")
+    assert pool.data_ptr() % 64 == 0 and not torch.count_nonzero(pool)
