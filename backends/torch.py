@@ -332,9 +332,8 @@ class TorchBackend(Backend):
             # numpy's zeros are calloc'd: pages the kernel hands out zeroed when first
             # written, so a pool of state slots or KV blocks costs memory only as it
             # fills. torch.zeros writes every byte at once: Qwen3.5's 64 state slots
-            # held 1.2 GB more than the numpy backend's (docs/performance.md). On a cache
-            # line's start, as the kernels' loads want it (kernels.cache_line_array).
-            return torch.from_numpy(kernels.cache_line_array(tuple(shape), name, zeroed=True))
+            # held 1.2 GB more than the numpy backend's (docs/performance.md).
+            return torch.from_numpy(np.zeros(tuple(shape), name))
         return torch.zeros(tuple(shape), dtype=target, device=self._device)
 
     def arange(self, start: int, stop: int, dtype: str = "int32") -> Array:
