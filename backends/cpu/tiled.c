@@ -134,14 +134,14 @@ int tiled_run(int bits, const float *x, const uint8_t *c, const void *scales, co
     Py_ssize_t nr, mr;
     tiled_shape(&nr, &mr);
     const Py_ssize_t panels = (n + nr - 1) / nr;
-    float *xp = aligned_alloc(64, (size_t)(((m + mr - 1) / mr) * mr * k) * sizeof(float));
+    float *xp = alloc64((size_t)(((m + mr - 1) / mr) * mr * k) * sizeof(float));
     if (!xp) return -1;
     int failed = 0;
     #pragma omp parallel
     {
         pack_x(x, xp, m, k, mr); /* a worksharing loop: its barrier ends the packing before any panel */
         /* Each thread's decoded rows [nr][k] and tile [TILED_KC][nr], 64-byte aligned. */
-        float *rows = aligned_alloc(64, (size_t)(nr * k + TILED_KC * nr) * sizeof(float));
+        float *rows = alloc64((size_t)(nr * k + TILED_KC * nr) * sizeof(float));
         if (!rows) {
             #pragma omp atomic write
             failed = 1;
