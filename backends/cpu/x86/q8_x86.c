@@ -21,6 +21,12 @@
 #ifndef Q8_JB
 #define Q8_JB 3
 #endif
+/* Groups of 16 (Q6_K) apply their scales twice as often for the same integer work, and take Q8_JB16 activation
+ * rows: with the operands on cache lines Q6_K's products ran in 0.79-0.91x the time of 4 x 2 at 4 x 4 (and 4 x 3
+ * was slower than 4 x 2 at k = 2048), docs/performance.md "Q6_K's tiles four rows by four". */
+#ifndef Q8_JB16
+#define Q8_JB16 4
+#endif
 /* Four rows of four 32-bit lanes per 128-bit half transposed: r[j]'s lane c goes to r[c]'s lane j, in each
  * half. */
 AVX2 INLINE void transpose4x4(__m256i *r) {
@@ -126,12 +132,6 @@ AVX512VNNI INLINE void q8_block_vnni(const uint8_t *wq, const float *ws, const f
 AVX512VNNI void q8_tile_vnni(const uint8_t *wq, const float *ws, const float *wb, Py_ssize_t rows,
                              const struct q8x *X, Py_ssize_t m, float *y, Py_ssize_t n) {
     const int C = (int)(X->group / 4);
-    /* Groups of 16 (Q6_K) apply their scales twice as often for the same integer work, and take 4 x 4
-     * blocks: with the operands on cache lines Q6_K's products ran in 0.79-0.91x the time of 4 x 2 (and 4 x 3
-     * was slower than 4 x 2 at k = 2048), docs/performance.md "Q6_K's tiles four rows by four". */
-#ifndef Q8_JB16
-#define Q8_JB16 4
-#endif
     const int jb = C == 8 ? Q8_JB : Q8_JB16;
     for (Py_ssize_t r0 = 0; r0 < rows; r0 += Q8_RB) {
         const int R = rows - r0 < Q8_RB ? (int)(rows - r0) : Q8_RB;
