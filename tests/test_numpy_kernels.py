@@ -509,17 +509,22 @@ def test_few_row_attention_matches_the_numpy_formula(pure_numpy, tq, tk, hq, hkv
 
 
 @needs_kernels
-@pytest.mark.parametrize("d", [64, 80, 256])  # the value sums go 64 columns at a time, then the rest
+# Scores sum sixteen lanes of columns and values go sixteen columns at a time: 24
+# and 40 leave eight columns over, 80 none; keys go sixteen at a time (300 leaves
+# twelve in the last tile); heads four at a time (a group of 5 leaves one).
+@pytest.mark.parametrize("d", [24, 40, 64, 80, 256])
 @pytest.mark.parametrize("tq,tk", [(1, 1), (1, 300), (4, 40)])
-def test_attention_head_sizes_and_code_paths_agree(pure_numpy, d: int, tq: int, tk: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("hq", [4, 10])
+@pytest.mark.parametrize("pool", ["float32", "float16"])
+def test_attention_head_sizes_and_code_paths_agree(pure_numpy, d: int, tq: int, tk: int, hq: int, pool: str) -> None:  # type: ignore[no-untyped-def]
     ops = numpy_backend.NumpyBackend()
     rng = np.random.default_rng(d + tk)
-    q = rng.standard_normal((tq, 4, d)).astype(np.float32)
-    k = rng.standard_normal((tk, 2, d)).astype(np.float32)
-    v = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    q = rng.standard_normal((tq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((tk, 2, d)).astype(pool)
+    v = rng.standard_normal((tk, 2, d)).astype(pool)
     batch = one_sequence(tq, tk, tk)
     kw = dict(scale=d ** -0.5, causal=True, window=None, softcap=None)
-    want = pure_numpy("attention", q, k, v, batch, **kw)
+    want = pure_numpy("attention", q, k.astype(np.float32), v.astype(np.float32), batch, **kw)
     chosen, outputs = _affine.simd(), []
     try:
         for name in PATHS:  # the same operations in the same order on each path: the same bits

@@ -11,9 +11,14 @@
  * sum of an online softmax: reading each row once for the group over a whole
  * row of scores per head was slower, the scores outgrew L1 (docs/performance.md).
  * Each head's arithmetic is its own, the same whichever heads share its task.
- * Compiled twice, for the portable and the AVX2 path: the same operations in
- * the same order (no contraction into multiply-adds), so both give the same
- * bits, only wider. */
+ *
+ * Compiled three times, for the portable, the AVX2 and the AVX-512 path: the same
+ * operations in the same order (no contraction into multiply-adds) on vectors of
+ * sixteen floats, which each path holds in four, two or one registers, so all
+ * three give the same bits. A score is sixteen lanes of products summed down the
+ * columns, then the lanes added in one fixed tree (tree1), done for sixteen keys
+ * at once by shuffles (tree16): summing each key's lanes on its own cost more
+ * than the products (docs/performance.md, "Decode attention in sixteen lanes"). */
 
 #include "kernels.h"
 
@@ -71,45 +76,111 @@ static inline __attribute__((always_inline)) float kv1(const void *p, Py_ssize_t
     return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* dot_f32 of q against the stored row at element i of K (its lanes, their
- * order, its final sum), whatever the row's storage. */
-static inline __attribute__((always_inline)) float dot_kv(const float *q, const void *K, Py_ssize_t i, Py_ssize_t n,
-                                                          int half) {
-    v8f acc = {0};
-    Py_ssize_t c = 0;
-    for (; c + 8 <= n; c += 8) acc += *(const v8f_u *)(q + c) * kv8(K, i + c, half);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; c < n; c++) s += q[c] * kv1(K, i + c, half);
-    return s;
-}
-
-/* dot_kv of `heads` query rows (q, dk apart) against one stored row, four
- * heads interleaved on each load of the row: the bits of dot_kv per head. */
-static inline __attribute__((always_inline)) void dot_heads(const float *q, Py_ssize_t heads, const void *K,
-                                                            Py_ssize_t i, Py_ssize_t n, int half, float *out,
-                                                            Py_ssize_t stride) {
-    Py_ssize_t g = 0;
-    for (; g + 4 <= heads; g += 4) {
-        const float *q0 = q + g * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        Py_ssize_t c = 0;
-        for (; c + 8 <= n; c += 8) {
-            const v8f k = kv8(K, i + c, half);
-            a0 += *(const v8f_u *)(q0 + c) * k, a1 += *(const v8f_u *)(q1 + c) * k;
-            a2 += *(const v8f_u *)(q2 + c) * k, a3 += *(const v8f_u *)(q3 + c) * k;
-        }
-        const v8f *acc[4] = {&a0, &a1, &a2, &a3};
-        for (int r = 0; r < 4; r++) {
-            const v8f v = *acc[r];
-            float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-            for (Py_ssize_t d = c; d < n; d++) t += q[(g + r) * n + d] * kv1(K, i + d, half);
-            out[(g + r) * stride] = t;
-        }
-    }
-    for (; g < heads; g++) out[g * stride] = dot_kv(q + g * n, K, i, n, half);
-}
-
+/* The next tile's keys and values are asked for into L2, not L1 (prefetcht1): the
+ * tasks walking their tiles together ask for more than L1 holds before they read
+ * it back (16 tasks of 64 keys of 256 bytes), and asked into L1 (prefetcht0) they
+ * evicted the rows being read. A float16 pool of the 1B shape, 16 layers' pools in
+ * turn, two threads: 0.53-0.60x the time at 4,096 and 16,384 keys against prefetcht0
+ * (docs/performance.md). -D to try others. */
+#ifndef AHEAD_HINT
+#define AHEAD_HINT 2
+#endif
+/* Sixteen floats as one value (one AVX-512 register, two AVX ones, four SSE
+ * ones), and at any float's alignment. The scores and the weighted values work
+ * in these on every path: the same per-lane operations, so the same bits. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* attend_args.half inside the AVX-512 instance: float16 rows converted sixteen at a time. */
+#define KV_F16_512 4
+
+#ifdef HAVE_X86
+typedef long long v4di_u __attribute__((vector_size(32), aligned(1), may_alias));
+/* AVX-512's vcvtph2ps on sixteen halves (asm, as kv8_f16c, and only in the AVX-512 instance). */
+static inline __attribute__((always_inline)) v16f kv16_f16_512(const uint16_t *p) {
+    v16f r;
+    __asm__("vcvtph2ps %1, %0" : "=v"(r) : "m"(*(const v4di_u *)p));
+    return r;
+}
+#endif
+
+/* Sixteen stored values from element i of p (half as kv8 takes it, or KV_F16_512). */
+static inline __attribute__((always_inline)) v16f kv16(const void *p, Py_ssize_t i, int half) {
+    if (!half) return *(const v16f_u *)((const float *)p + i);
+#ifdef HAVE_X86
+    if (half == KV_F16_512) return kv16_f16_512((const uint16_t *)p + i);
+#endif
+    return __builtin_shufflevector(kv8(p, i, half), kv8(p, i + 8, half), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                   13, 14, 15);
+}
+
+/* Sixteen int8 codes as floats (exact), by vpmovsxbd on the x86 paths (path 2:
+ * AVX2, 3: AVX-512): GCC 12 converts a vector of int8 one lane at a time. */
+static inline __attribute__((always_inline)) v16f codes16(const int8_t *c, int path) {
+#ifdef HAVE_X86
+    if (path == 3) {
+        v16i r;
+        __asm__("vpmovsxbd %1, %0" : "=v"(r) : "m"(*(const v2di_u *)c));
+        return __builtin_convertvector(r, v16f);
+    }
+    if (path == 2) {
+        v8i lo, hi;
+        __asm__("vpmovsxbd %1, %0" : "=x"(lo) : "m"(*(const long long *)c));
+        __asm__("vpmovsxbd %1, %0" : "=x"(hi) : "m"(*(const long long *)(c + 8)));
+        return __builtin_shufflevector(__builtin_convertvector(lo, v8f), __builtin_convertvector(hi, v8f), 0, 1, 2,
+                                       3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+#endif
+    v16f v;
+    for (int t = 0; t < 16; t++) v[t] = (float)c[t];
+    return v;
+}
+
+/* The first r (< 16) stored values from element i, zeros after them (a row's last columns). */
+static inline __attribute__((always_inline)) v16f kv16_part(const void *p, Py_ssize_t i, Py_ssize_t r, int half) {
+    v16f v = {0};
+    for (Py_ssize_t t = 0; t < r; t++) v[t] = kv1(p, i + t, half);
+    return v;
+}
+
+static inline __attribute__((always_inline)) v16f splat16(float x) {
+    const v16f v = {x}; /* a shuffle of lane 0, not an initializer of sixteen x: GCC built that lane by lane */
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+/* The sixteen lanes of a summed in one fixed tree: b_i = a_i + a_(i+8), c_i = b_i +
+ * b_(i+4), d_i = c_i + c_(i+2), then d_0 + d_1. */
+static inline __attribute__((always_inline)) float tree1(v16f a) {
+    const v16f b = a + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v16f c = b + __builtin_shufflevector(b, b, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v16f d = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return d[0] + d[1];
+}
+
+/* tree1 of sixteen vectors at once, by pairwise shuffles and adds (three operations
+ * per pair and level, where tree1 sixteen times would be four shuffles and adds per
+ * vector and a lane extracted): lane l of the result is tree1(A[SLOT(l)]), every lane
+ * the same additions in the same order as tree1's. */
+#define SLOT(l) ((l) % 4 * 4 + (l) / 4)
+#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+static inline __attribute__((always_inline)) v16f tree16(const v16f *A) {
+    v16f B[8], C[4], D[2];
+    for (int k = 0; k < 8; k++)
+        B[k] = SHUF(A[2 * k], A[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUF(A[2 * k], A[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++)
+        C[k] = SHUF(B[2 * k], B[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUF(B[2 * k], B[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++)
+        D[k] = SHUF(C[2 * k], C[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUF(C[2 * k], C[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return SHUF(D[0], D[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           SHUF(D[0], D[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+}
+#undef SHUF
+
 
 /* exp of eight x <= 0 (scores less their row's maximum), within 2 ulp of expf:
  * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, 2^n
@@ -159,7 +230,7 @@ static inline __attribute__((always_inline)) float exp1_below(float x) { return 
  * running maximum and sum of an online softmax (the float path's two passes over
  * one head's scores outgrew L1 when four heads shared them: docs/performance.md).
  * The integer sums are exact and the float arithmetic after them one fixed
- * sequence, so the portable and AVX2 paths give the same bits. */
+ * sequence, so the portable, AVX2 and AVX-512 VNNI paths give the same bits. */
 
 /* n blocks of 32 floats from x into q8_0 blocks at out (the KV write). */
 void q8_0_quantize(const float *x, uint8_t *out, Py_ssize_t blocks) {
@@ -219,20 +290,20 @@ static void q8_0_scores(const uint8_t *const *keys, Py_ssize_t n, const int8_t *
     }
 }
 
-typedef int8_t v8b_u __attribute__((vector_size(8), aligned(1), may_alias));
 
 /* One task: query row i's heads h0..h0+G of key/value head kvh over the visible
  * keys [lo, hi), and what it carries from one tile of keys to the next. */
 struct group_state {
     Py_ssize_t i, kvh, h0, G, lo, hi;
     int8_t *q;                   /* [group][dk] a q8_0 pool's query codes */
-    float *qf, *qd, *o, *m, *l;  /* [group][dk] the queries; [group][dk/32] their q8_0 scales;
+    float *qf, *qd, *o, *m, *l;  /* [group][dk16] the queries, zeros past dk; [group][dk/32] their q8_0 scales;
                                     [group][dv] sums; [group] running max and sum */
 };
 
 /* What a thread's tasks share, one tile at a time. */
 struct group_work {
     float *s, *vt;         /* [group][tile] scores; [tile][dv] a q8_0 pool's values, dequantized */
+    v16f *acc;             /* [group][16] the lanes of sixteen keys' scores, before tree16 */
     const uint8_t **keys;  /* [tile] a q8_0 pool's key rows */
 };
 
@@ -241,20 +312,25 @@ static Py_ssize_t key_tile(Py_ssize_t dv) {
     return t < 16 ? 16 : t > Q8_0_TILE ? Q8_0_TILE : t;
 }
 
+/* dk rounded up to whole vectors of sixteen: a query row's stride in group_state.qf. */
+static Py_ssize_t dk16(Py_ssize_t dk) { return (dk + 15) / 16 * 16; }
+
 /* A task's visible keys, its queries (a q8_0 pool's rounded once), and an empty softmax. */
 static void group_begin(const struct attend_args *a, struct group_state *st) {
     const int q8 = a->half == KV_Q8_0;
-    const Py_ssize_t pos = a->tk - a->tq + st->i, dk = a->dk, dv = a->dv;
+    const Py_ssize_t pos = a->tk - a->tq + st->i, dk = a->dk, dv = a->dv, dkp = dk16(dk);
     st->lo = 0, st->hi = a->tk;
     if (a->causal) st->hi = pos + 1 < a->tk ? pos + 1 : a->tk;
     if (a->window > 0 && pos - a->window + 1 > st->lo) st->lo = pos - a->window + 1;
     if (a->window > 0 && !a->causal && pos + a->window < st->hi) st->hi = pos + a->window;
     for (Py_ssize_t g = 0; g < st->G; g++) {
         const float *qh = a->Q + (st->i * a->hq + st->h0 + g) * dk;
-        if (q8)
+        if (q8) {
             q8_0_query(qh, dk / 32, st->q + g * dk, st->qd + g * (dk / 32));
-        else
-            memcpy(st->qf + g * dk, qh, (size_t)dk * sizeof(float));
+        } else {
+            memcpy(st->qf + g * dkp, qh, (size_t)dk * sizeof(float));
+            for (Py_ssize_t c = dk; c < dkp; c++) st->qf[g * dkp + c] = 0.0f;
+        }
         /* A sink is one more logit with no value: the softmax starts from it. */
         st->m[g] = a->sinks ? a->sinks[st->h0 + g] : -INFINITY;
         st->l[g] = a->sinks ? 1.0f : 0.0f;
@@ -271,10 +347,111 @@ static void group_end(const struct attend_args *a, const struct group_state *st)
     }
 }
 
+/* Raw scores (before the scale) of the task's heads against the float32 or float16
+ * key rows at elements key[0..n) of K: s[g * stride + j]. A head's score for a key
+ * is sixteen lanes, lane l the products of columns c = l mod 16 summed in order
+ * (the columns past dk are zeros in the query and the key, adding nothing), then
+ * the lanes added in tree1's order; tree16 does the last step for sixteen keys
+ * at once. Four heads share each load of a key row. */
+static inline __attribute__((always_inline)) void float_scores(const float *qf, Py_ssize_t G, Py_ssize_t dk,
+                                                               const void *K, const Py_ssize_t *key, Py_ssize_t n,
+                                                               int half, v16f *acc, float *s, Py_ssize_t stride,
+                                                               const char *const *ahead, Py_ssize_t kbytes,
+                                                               Py_ssize_t vbytes) {
+    const Py_ssize_t dkp = dk16(dk), full = dk / 16 * 16;
+    for (Py_ssize_t j0 = 0; j0 < n; j0 += 16) {
+        const Py_ssize_t m = n - j0 < 16 ? n - j0 : 16;
+        for (Py_ssize_t l = 0; l < 16; l++) {
+            v16f *A = acc + SLOT(l);
+            if (l >= m) {
+                for (Py_ssize_t g = 0; g < G; g++) A[g * 16] = (v16f){0};
+                continue;
+            }
+            const Py_ssize_t ki = key[j0 + l];
+            if (ahead[2 * (j0 + l)]) { /* the next tile's key and value rows of this place, asked for a key at a time */
+                for (Py_ssize_t b = 0; b < kbytes; b += 64) __builtin_prefetch(ahead[2 * (j0 + l)] + b, 0, AHEAD_HINT);
+                for (Py_ssize_t b = 0; b < vbytes; b += 64) __builtin_prefetch(ahead[2 * (j0 + l) + 1] + b, 0, AHEAD_HINT);
+            }
+            Py_ssize_t g = 0;
+            for (; g + 4 <= G; g += 4) {
+                const float *q0 = qf + g * dkp, *q1 = q0 + dkp, *q2 = q1 + dkp, *q3 = q2 + dkp;
+                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                Py_ssize_t c = 0;
+                for (; c < full; c += 16) {
+                    const v16f k = kv16(K, ki + c, half);
+                    a0 += *(const v16f_u *)(q0 + c) * k, a1 += *(const v16f_u *)(q1 + c) * k;
+                    a2 += *(const v16f_u *)(q2 + c) * k, a3 += *(const v16f_u *)(q3 + c) * k;
+                }
+                if (c < dk) {
+                    const v16f k = kv16_part(K, ki + c, dk - c, half);
+                    a0 += *(const v16f_u *)(q0 + c) * k, a1 += *(const v16f_u *)(q1 + c) * k;
+                    a2 += *(const v16f_u *)(q2 + c) * k, a3 += *(const v16f_u *)(q3 + c) * k;
+                }
+                A[g * 16] = a0, A[(g + 1) * 16] = a1, A[(g + 2) * 16] = a2, A[(g + 3) * 16] = a3;
+            }
+            for (; g < G; g++) {
+                const float *q0 = qf + g * dkp;
+                v16f a0 = {0};
+                Py_ssize_t c = 0;
+                for (; c < full; c += 16) a0 += *(const v16f_u *)(q0 + c) * kv16(K, ki + c, half);
+                if (c < dk) a0 += *(const v16f_u *)(q0 + c) * kv16_part(K, ki + c, dk - c, half);
+                A[g * 16] = a0;
+            }
+        }
+        for (Py_ssize_t g = 0; g < G; g++) {
+            const v16f e = tree16(acc + g * 16);
+            if (m == 16)
+                *(v16f_u *)(s + g * stride + j0) = e;
+            else
+                for (Py_ssize_t l = 0; l < m; l++) s[g * stride + j0 + l] = e[l];
+        }
+    }
+}
+
+/* o_g[c] += p_g[j] v_j[c] over the tile's keys j in order, for each head g of the
+ * task (four at a time sharing each load of a value row) and column c: each
+ * column's sum is one chain in j, however the columns are blocked. */
+static inline __attribute__((always_inline)) void weighted_values(const float *p, Py_ssize_t stride, Py_ssize_t G,
+                                                                  Py_ssize_t dv, const void *V, const Py_ssize_t *row,
+                                                                  Py_ssize_t n, int half, float *o) {
+    const int half8 = half == KV_F16_512 ? 2 : half;
+    Py_ssize_t g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *p0 = p + g * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+        float *o0 = o + g * dv, *o1 = o0 + dv, *o2 = o1 + dv, *o3 = o2 + dv;
+        Py_ssize_t c = 0;
+        for (; c + 16 <= dv; c += 16) {
+            v16f a0 = *(v16f_u *)(o0 + c), a1 = *(v16f_u *)(o1 + c), a2 = *(v16f_u *)(o2 + c), a3 = *(v16f_u *)(o3 + c);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const v16f v = kv16(V, row[j] + c, half);
+                a0 += splat16(p0[j]) * v, a1 += splat16(p1[j]) * v, a2 += splat16(p2[j]) * v, a3 += splat16(p3[j]) * v;
+            }
+            *(v16f_u *)(o0 + c) = a0, *(v16f_u *)(o1 + c) = a1, *(v16f_u *)(o2 + c) = a2, *(v16f_u *)(o3 + c) = a3;
+        }
+        for (; c < dv; c++)
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const float v = kv1(V, row[j] + c, half8);
+                o0[c] += p0[j] * v, o1[c] += p1[j] * v, o2[c] += p2[j] * v, o3[c] += p3[j] * v;
+            }
+    }
+    for (; g < G; g++) {
+        const float *p0 = p + g * stride;
+        float *o0 = o + g * dv;
+        Py_ssize_t c = 0;
+        for (; c + 16 <= dv; c += 16) {
+            v16f a0 = *(v16f_u *)(o0 + c);
+            for (Py_ssize_t j = 0; j < n; j++) a0 += splat16(p0[j]) * kv16(V, row[j] + c, half);
+            *(v16f_u *)(o0 + c) = a0;
+        }
+        for (; c < dv; c++)
+            for (Py_ssize_t j = 0; j < n; j++) o0[c] += p0[j] * kv1(V, row[j] + c, half8);
+    }
+}
+
 /* The task's keys from t0 (a tile of them, those visible): scores, the online
  * softmax, the values' sums. half: 0 float32 rows, 1 float16 (portable conversion),
- * 2 float16 (F16C), KV_Q8_0 q8_0 blocks; path 2 is the AVX2 instance (its q8_0
- * scores in x86/kvq8_x86.c). */
+ * 2 float16 (F16C), KV_F16_512 float16 (AVX-512), KV_Q8_0 q8_0 blocks; path 2 is the
+ * AVX2 instance and 3 the AVX-512 one (their q8_0 scores in x86/kvq8_x86.c). */
 static inline __attribute__((always_inline)) void attend_tile(const struct attend_args *a, struct group_state *st,
                                                               struct group_work *w, Py_ssize_t t0, int half,
                                                               int path) {
@@ -291,114 +468,93 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
     const Py_ssize_t unit = q8 ? 1 : size;
 #define NEXT_TILE(j)                                                                                                  \
     if (t0 + T + (j) < hi) {                                                                                          \
-        for (Py_ssize_t b = 0; b < krow * unit; b += 64) __builtin_prefetch(K + KEY(t0 + T + (j)) * unit + b, 0, 3); \
-        for (Py_ssize_t b = 0; b < vrow * unit; b += 64) __builtin_prefetch(V + VALUE(t0 + T + (j)) * unit + b, 0, 3); \
+        for (Py_ssize_t b = 0; b < krow * unit; b += 64) __builtin_prefetch(K + KEY(t0 + T + (j)) * unit + b, 0, AHEAD_HINT); \
+        for (Py_ssize_t b = 0; b < vrow * unit; b += 64) __builtin_prefetch(V + VALUE(t0 + T + (j)) * unit + b, 0, AHEAD_HINT); \
     }
     const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
+    Py_ssize_t key[Q8_0_TILE], row[Q8_0_TILE];
     if (q8) {
         for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
 #ifdef HAVE_X86
-        if (path == 2)
+        if (path == 3 && use_vnni)
+            q8_0_scores_vnni(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
+        else if (path >= 2)
             q8_0_scores_avx2(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
         else
 #endif
             q8_0_scores(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
     } else {
+        const char *ahead[2 * Q8_0_TILE];
         for (Py_ssize_t j = 0; j < n; j++) {
-            NEXT_TILE(j);
-            dot_heads(st->qf, G, K, KEY(t0 + j), dk, half, w->s + j, T);
+            key[j] = KEY(t0 + j);
+            const int more = t0 + T + j < hi;
+            ahead[2 * j] = more ? K + KEY(t0 + T + j) * unit : NULL;
+            ahead[2 * j + 1] = more ? V + VALUE(t0 + T + j) * unit : NULL;
         }
+        float_scores(st->qf, G, dk, K, key, n, half, w->acc, w->s, T, ahead, krow * unit, vrow * unit);
     }
     for (Py_ssize_t g = 0; g < G; g++) {
         float *s = w->s + g * T, top = st->m[g];
-        for (Py_ssize_t j = 0; j < n; j++) {
-            float sc = s[j] * a->scale;
-            if (a->softcap > 0.0f) sc = a->softcap * tanhf(sc / a->softcap);
-            s[j] = sc;
-            if (sc > top) top = sc;
+        if (a->softcap > 0.0f) {
+            for (Py_ssize_t j = 0; j < n; j++) {
+                float sc = s[j] * a->scale;
+                sc = a->softcap * tanhf(sc / a->softcap);
+                s[j] = sc;
+                if (sc > top) top = sc;
+            }
+        } else { /* the largest, in any order: the same value */
+            v16f most = splat16(top);
+            Py_ssize_t j = 0;
+            for (; j + 16 <= n; j += 16) {
+                const v16f sc = *(v16f_u *)(s + j) * splat16(a->scale);
+                *(v16f_u *)(s + j) = sc;
+                const v16i more = sc > most;
+                most = (v16f)(((v16i)sc & more) | ((v16i)most & ~more));
+            }
+            for (int l = 0; l < 16; l++)
+                if (most[l] > top) top = most[l];
+            for (; j < n; j++) {
+                const float sc = s[j] * a->scale;
+                s[j] = sc;
+                if (sc > top) top = sc;
+            }
         }
         const float corr = exp1_below(st->m[g] - top); /* the sums so far, rescaled to the new maximum */
         Py_ssize_t j = 0;
         for (; j + 8 <= n; j += 8) *(v8f_u *)(s + j) = exp8_below(*(v8f_u *)(s + j) - top);
         for (; j < n; j++) s[j] = exp1_below(s[j] - top);
-        float total = 0.0f;
-        for (j = 0; j < n; j++) total += s[j];
-        st->l[g] = st->l[g] * corr + total;
+        /* the total: sixteen lanes, key j in lane j mod 16, then tree1 */
+        v16f lanes = {0};
+        for (j = 0; j + 16 <= n; j += 16) lanes += *(v16f_u *)(s + j);
+        if (j < n) {
+            v16f rest = {0};
+            for (Py_ssize_t l = 0; j + l < n; l++) rest[l] = s[j + l];
+            lanes += rest;
+        }
+        st->l[g] = st->l[g] * corr + tree1(lanes);
         if (corr != 1.0f)
             for (Py_ssize_t c = 0; c < dv; c++) st->o[g * dv + c] *= corr;
         st->m[g] = top;
     }
-    if (q8) /* the tile's values, dequantized once for the group */
+    if (q8) { /* the tile's values, dequantized once for the group */
         for (Py_ssize_t j = 0; j < n; j++) {
-            const uint8_t *row = (const uint8_t *)V + VALUE(t0 + j);
+            const uint8_t *vr = (const uint8_t *)V + VALUE(t0 + j);
             if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
             NEXT_TILE(j);
             float *vt = w->vt + j * dv;
             for (Py_ssize_t b = 0; b < dv / 32; b++) {
                 uint16_t h;
-                memcpy(&h, row + b * Q8_0_BYTES, 2);
-                const v8f d = (v8f){0} + half_to_float(h);
-                const int8_t *code = (const int8_t *)(row + b * Q8_0_BYTES + 2);
-                for (int c = 0; c < 32; c += 8)
-                    *(v8f_u *)(vt + b * 32 + c) = d * __builtin_convertvector(*(const v8b_u *)(code + c), v8f);
+                memcpy(&h, vr + b * Q8_0_BYTES, 2);
+                const v16f d = splat16(half_to_float(h));
+                const int8_t *code = (const int8_t *)(vr + b * Q8_0_BYTES + 2);
+                for (int c = 0; c < 32; c += 16) *(v16f_u *)(vt + b * 32 + c) = d * codes16(code + c, path);
             }
+            row[j] = j * dv;
         }
-    /* o += p v, 64 columns (eight accumulators: enough independent sums to keep
-     * both adders busy) or 32 at a time held in registers across the tile's
-     * keys; each column's sum is over j in order. */
-    for (Py_ssize_t g = 0; g < G; g++) {
-        const float *p = w->s + g * T;
-        float *og = st->o + g * dv;
-        Py_ssize_t c0 = 0;
-        for (; c0 + 64 <= dv; c0 += 64) {
-            float *o = og + c0;
-            v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
-            v8f acc4 = *(v8f_u *)(o + 32), acc5 = *(v8f_u *)(o + 40), acc6 = *(v8f_u *)(o + 48);
-            v8f acc7 = *(v8f_u *)(o + 56);
-            for (Py_ssize_t j = 0; j < n; j++) {
-                const v8f pj = (v8f){0} + p[j];
-                if (q8) {
-                    const float *v = w->vt + j * dv + c0;
-                    acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
-                    acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
-                    acc4 += pj * *(const v8f_u *)(v + 32), acc5 += pj * *(const v8f_u *)(v + 40);
-                    acc6 += pj * *(const v8f_u *)(v + 48), acc7 += pj * *(const v8f_u *)(v + 56);
-                } else {
-                    const Py_ssize_t vj = VALUE(t0 + j) + c0;
-                    acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
-                    acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
-                    acc4 += pj * kv8(V, vj + 32, half), acc5 += pj * kv8(V, vj + 40, half);
-                    acc6 += pj * kv8(V, vj + 48, half), acc7 += pj * kv8(V, vj + 56, half);
-                }
-            }
-            *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
-            *(v8f_u *)(o + 32) = acc4, *(v8f_u *)(o + 40) = acc5, *(v8f_u *)(o + 48) = acc6;
-            *(v8f_u *)(o + 56) = acc7;
-        }
-        for (; c0 + 32 <= dv; c0 += 32) {
-            float *o = og + c0;
-            v8f acc0 = *(v8f_u *)o, acc1 = *(v8f_u *)(o + 8), acc2 = *(v8f_u *)(o + 16), acc3 = *(v8f_u *)(o + 24);
-            for (Py_ssize_t j = 0; j < n; j++) {
-                const v8f pj = (v8f){0} + p[j];
-                if (q8) {
-                    const float *v = w->vt + j * dv + c0;
-                    acc0 += pj * *(const v8f_u *)v, acc1 += pj * *(const v8f_u *)(v + 8);
-                    acc2 += pj * *(const v8f_u *)(v + 16), acc3 += pj * *(const v8f_u *)(v + 24);
-                } else {
-                    const Py_ssize_t vj = VALUE(t0 + j) + c0;
-                    acc0 += pj * kv8(V, vj, half), acc1 += pj * kv8(V, vj + 8, half);
-                    acc2 += pj * kv8(V, vj + 16, half), acc3 += pj * kv8(V, vj + 24, half);
-                }
-            }
-            *(v8f_u *)o = acc0, *(v8f_u *)(o + 8) = acc1, *(v8f_u *)(o + 16) = acc2, *(v8f_u *)(o + 24) = acc3;
-        }
-        for (; c0 + 8 <= dv; c0 += 8) {
-            v8f acc = *(v8f_u *)(og + c0);
-            for (Py_ssize_t j = 0; j < n; j++) acc += ((v8f){0} + p[j]) * kv8(V, VALUE(t0 + j) + c0, half);
-            *(v8f_u *)(og + c0) = acc;
-        }
-        for (; c0 < dv; c0++)
-            for (Py_ssize_t j = 0; j < n; j++) og[c0] += p[j] * kv1(V, VALUE(t0 + j) + c0, half);
+        weighted_values(w->s, T, G, dv, w->vt, row, n, 0, st->o);
+    } else {
+        for (Py_ssize_t j = 0; j < n; j++) row[j] = VALUE(t0 + j);
+        weighted_values(w->s, T, G, dv, V, row, n, half, st->o);
     }
 #undef NEXT_TILE
 #undef KEY
@@ -425,6 +581,17 @@ AVX2 static void tile_avx2_q8_0(const struct attend_args *a, struct group_state 
                                 Py_ssize_t t0) {
     attend_tile(a, st, w, t0, KV_Q8_0, 2);
 }
+AVX512 static void tile_avx512(const struct attend_args *a, struct group_state *st, struct group_work *w, Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, 0, 3);
+}
+AVX512 static void tile_avx512_f16(const struct attend_args *a, struct group_state *st, struct group_work *w,
+                                Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, KV_F16_512, 3);
+}
+AVX512 static void tile_avx512_q8_0(const struct attend_args *a, struct group_state *st, struct group_work *w,
+                                 Py_ssize_t t0) {
+    attend_tile(a, st, w, t0, KV_Q8_0, 3);
+}
 #endif
 
 /* A thread's tasks sharing a query row (its key/value heads, in order) go tile by tile
@@ -445,6 +612,7 @@ int attention_run(const struct attend_args *a, int parallel) {
     tile_fn fn = a->half == KV_Q8_0 ? tile_portable_q8_0 : a->half ? tile_portable_f16 : tile_portable;
 #ifdef HAVE_X86
     if (use_avx2) fn = a->half == KV_Q8_0 ? tile_avx2_q8_0 : a->half ? tile_avx2_f16 : tile_avx2;
+    if (use_avx512) fn = a->half == KV_Q8_0 ? tile_avx512_q8_0 : a->half ? tile_avx512_f16 : tile_avx512;
 #endif
     const Py_ssize_t G = a->hq / a->hkv, T = key_tile(a->dv), rows = a->tq * a->hkv;
     const int go = parallel && rows * G > 1 && a->tk * a->dk >= 4096, threads = go ? max_threads() : 1;
@@ -456,20 +624,22 @@ int attention_run(const struct attend_args *a, int parallel) {
     {
         struct group_work w;
         struct group_state st[TASKS_TOGETHER];
-        /* each task's queries, their scales, sums, maximum and total; the shared scores and values */
-        const size_t each = (size_t)(2 * per * dk + per * dv + 2 * per);
-        float *f = alloc64(((size_t)TASKS_TOGETHER * each + (size_t)(per * T + T * dv)) * sizeof(float));
+        /* the shared score lanes; each task's queries, their scales, sums, maximum and total; the shared
+         * scores and values */
+        const size_t each = (size_t)(per * dk16(dk) + per * dk + per * dv + 2 * per), lanes = (size_t)per * 16 * 16;
+        float *f = alloc64((lanes + (size_t)TASKS_TOGETHER * each + (size_t)(per * T + T * dv)) * sizeof(float));
         int8_t *codes = alloc64((size_t)(TASKS_TOGETHER * per * dk));
         w.keys = malloc((size_t)T * sizeof(*w.keys));
         if (!f || !codes || !w.keys) {
             failed = 1;
         } else {
+            w.acc = (v16f *)f;
             for (int u = 0; u < TASKS_TOGETHER; u++) {
-                float *e = f + u * each;
-                st[u].qf = e, st[u].qd = e + per * dk, st[u].o = e + 2 * per * dk;
+                float *e = f + lanes + u * each;
+                st[u].qf = e, st[u].qd = e + per * dk16(dk), st[u].o = st[u].qd + per * dk;
                 st[u].m = st[u].o + per * dv, st[u].l = st[u].m + per, st[u].q = codes + u * per * dk;
             }
-            w.s = f + TASKS_TOGETHER * each, w.vt = w.s + per * T;
+            w.s = f + lanes + TASKS_TOGETHER * each, w.vt = w.s + per * T;
 #ifdef _OPENMP
             const Py_ssize_t me = omp_get_thread_num(), team = omp_get_num_threads();
 #else

@@ -381,6 +381,8 @@ AVX2 double peak_fma256(long iterations);
 /* x86/kvq8_x86.c */
 AVX2 void q8_0_scores_avx2(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd,
                            Py_ssize_t heads, Py_ssize_t blocks, float *s, Py_ssize_t stride);
+AVX512VNNI void q8_0_scores_vnni(const uint8_t *const *keys, Py_ssize_t n, const int8_t *q, const float *qd,
+                                 Py_ssize_t heads, Py_ssize_t blocks, float *s, Py_ssize_t stride);
 #endif
 
 /* -- exact products of many rows (tiled.c) ------------------------------------------- */
