@@ -1,7 +1,7 @@
 """Decode at long context with float16 and q8_0 pools: tokens per second, and attention's share.
 
     python benchmarks/long_decode.py MODEL [--positions 4096,16384] [--kv-dtypes float16,q8_0]
-        [--steps 16] [--repeats 3] [--profile]
+        [--activations exact|q8] [--steps 16] [--repeats 3] [--profile]
 
 Decode speed at N positions does not depend on what the cached keys and values
 say, only on how many there are, so instead of a prefill of N tokens (minutes
@@ -98,10 +98,13 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="float16,q8_0")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--activations", choices=["exact", "q8"], default="exact",
+                        help="the products' activations (q8: int8, approximate)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     dtypes = args.kv_dtypes.split(",")
-    models = {d: infer.load(args.model, backend="numpy", kv_dtype=d) for d in dtypes}
+    options = {} if args.activations == "exact" else {"activations": args.activations}
+    models = {d: infer.load(args.model, backend="numpy", kv_dtype=d, **options) for d in dtypes}
     print("| positions | kv_dtype | decode tok/s (median) | runs | attention share (eager) |")
     print("|---|---|---|---|---|")
     for n in (int(p) for p in args.positions.split(",")):
