@@ -181,7 +181,6 @@ static inline __attribute__((always_inline)) v16f tree16(const v16f *A) {
 }
 #undef SHUF
 
-
 /* exp of eight x <= 0 (scores less their row's maximum), within 2 ulp of expf:
  * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, 2^n
  * put in the exponent's bits. Plain vector arithmetic (no multiply-adds: the
@@ -290,7 +289,6 @@ static void q8_0_scores(const uint8_t *const *keys, Py_ssize_t n, const int8_t *
     }
 }
 
-
 /* One task: query row i's heads h0..h0+G of key/value head kvh over the visible
  * keys [lo, hi), and what it carries from one tile of keys to the next. */
 struct group_state {
@@ -347,6 +345,16 @@ static void group_end(const struct attend_args *a, const struct group_state *st)
     }
 }
 
+/* Key j's place in the next tile: its key and value rows asked for (ahead[2j],
+ * ahead[2j + 1]; NULL past the visible keys), a key at a time while the tasks beside
+ * this one take their turns at the current tile. */
+static inline __attribute__((always_inline)) void ask_ahead(const char *const *ahead, Py_ssize_t j, Py_ssize_t kbytes,
+                                                            Py_ssize_t vbytes) {
+    if (!ahead[2 * j]) return;
+    for (Py_ssize_t b = 0; b < kbytes; b += 64) __builtin_prefetch(ahead[2 * j] + b, 0, AHEAD_HINT);
+    for (Py_ssize_t b = 0; b < vbytes; b += 64) __builtin_prefetch(ahead[2 * j + 1] + b, 0, AHEAD_HINT);
+}
+
 /* Raw scores (before the scale) of the task's heads against the float32 or float16
  * key rows at elements key[0..n) of K: s[g * stride + j]. A head's score for a key
  * is sixteen lanes, lane l the products of columns c = l mod 16 summed in order
@@ -368,10 +376,7 @@ static inline __attribute__((always_inline)) void float_scores(const float *qf, 
                 continue;
             }
             const Py_ssize_t ki = key[j0 + l];
-            if (ahead[2 * (j0 + l)]) { /* the next tile's key and value rows of this place, asked for a key at a time */
-                for (Py_ssize_t b = 0; b < kbytes; b += 64) __builtin_prefetch(ahead[2 * (j0 + l)] + b, 0, AHEAD_HINT);
-                for (Py_ssize_t b = 0; b < vbytes; b += 64) __builtin_prefetch(ahead[2 * (j0 + l) + 1] + b, 0, AHEAD_HINT);
-            }
+            ask_ahead(ahead, j0 + l, kbytes, vbytes);
             Py_ssize_t g = 0;
             for (; g + 4 <= G; g += 4) {
                 const float *q0 = qf + g * dkp, *q1 = q0 + dkp, *q2 = q1 + dkp, *q3 = q2 + dkp;
@@ -414,7 +419,6 @@ static inline __attribute__((always_inline)) void float_scores(const float *qf, 
 static inline __attribute__((always_inline)) void weighted_values(const float *p, Py_ssize_t stride, Py_ssize_t G,
                                                                   Py_ssize_t dv, const void *V, const Py_ssize_t *row,
                                                                   Py_ssize_t n, int half, float *o) {
-    const int half8 = half == KV_F16_512 ? 2 : half;
     Py_ssize_t g = 0;
     for (; g + 4 <= G; g += 4) {
         const float *p0 = p + g * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
@@ -430,7 +434,7 @@ static inline __attribute__((always_inline)) void weighted_values(const float *p
         }
         for (; c < dv; c++)
             for (Py_ssize_t j = 0; j < n; j++) {
-                const float v = kv1(V, row[j] + c, half8);
+                const float v = kv1(V, row[j] + c, half);
                 o0[c] += p0[j] * v, o1[c] += p1[j] * v, o2[c] += p2[j] * v, o3[c] += p3[j] * v;
             }
     }
@@ -444,7 +448,7 @@ static inline __attribute__((always_inline)) void weighted_values(const float *p
             *(v16f_u *)(o0 + c) = a0;
         }
         for (; c < dv; c++)
-            for (Py_ssize_t j = 0; j < n; j++) o0[c] += p0[j] * kv1(V, row[j] + c, half8);
+            for (Py_ssize_t j = 0; j < n; j++) o0[c] += p0[j] * kv1(V, row[j] + c, half);
     }
 }
 
@@ -463,16 +467,15 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
 #define KEY(j) ((ROW(a, j) * hkv + kvh) * krow) /* element (q8_0: byte) index of key j's row */
 #define VALUE(j) ((ROW(a, j) * hkv + kvh) * vrow)
     /* Rows hkv * dk apart, which the hardware prefetchers follow poorly: this head's keys
-     * and values of the next tile's row j asked for, a key at a time, while the tasks
-     * beside it take their turns at this tile (q8_0 rows are counted in bytes already). */
-    const Py_ssize_t unit = q8 ? 1 : size;
-#define NEXT_TILE(j)                                                                                                  \
-    if (t0 + T + (j) < hi) {                                                                                          \
-        for (Py_ssize_t b = 0; b < krow * unit; b += 64) __builtin_prefetch(K + KEY(t0 + T + (j)) * unit + b, 0, AHEAD_HINT); \
-        for (Py_ssize_t b = 0; b < vrow * unit; b += 64) __builtin_prefetch(V + VALUE(t0 + T + (j)) * unit + b, 0, AHEAD_HINT); \
-    }
-    const Py_ssize_t n = hi - t0 < T ? hi - t0 : T;
+     * and values of the next tile, for ask_ahead (q8_0 rows are counted in bytes already). */
+    const Py_ssize_t unit = q8 ? 1 : size, n = hi - t0 < T ? hi - t0 : T;
     Py_ssize_t key[Q8_0_TILE], row[Q8_0_TILE];
+    const char *ahead[2 * Q8_0_TILE];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const int more = t0 + T + j < hi;
+        ahead[2 * j] = more ? K + KEY(t0 + T + j) * unit : NULL;
+        ahead[2 * j + 1] = more ? V + VALUE(t0 + T + j) * unit : NULL;
+    }
     if (q8) {
         for (Py_ssize_t j = 0; j < n; j++) w->keys[j] = (const uint8_t *)K + KEY(t0 + j);
 #ifdef HAVE_X86
@@ -484,13 +487,7 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
 #endif
             q8_0_scores(w->keys, n, st->q, st->qd, G, dk / 32, w->s, T);
     } else {
-        const char *ahead[2 * Q8_0_TILE];
-        for (Py_ssize_t j = 0; j < n; j++) {
-            key[j] = KEY(t0 + j);
-            const int more = t0 + T + j < hi;
-            ahead[2 * j] = more ? K + KEY(t0 + T + j) * unit : NULL;
-            ahead[2 * j + 1] = more ? V + VALUE(t0 + T + j) * unit : NULL;
-        }
+        for (Py_ssize_t j = 0; j < n; j++) key[j] = KEY(t0 + j);
         float_scores(st->qf, G, dk, K, key, n, half, w->acc, w->s, T, ahead, krow * unit, vrow * unit);
     }
     for (Py_ssize_t g = 0; g < G; g++) {
@@ -540,7 +537,7 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
         for (Py_ssize_t j = 0; j < n; j++) {
             const uint8_t *vr = (const uint8_t *)V + VALUE(t0 + j);
             if (j + 4 < n) __builtin_prefetch((const uint8_t *)V + VALUE(t0 + j + 4), 0, 3);
-            NEXT_TILE(j);
+            ask_ahead(ahead, j, krow * unit, vrow * unit);
             float *vt = w->vt + j * dv;
             for (Py_ssize_t b = 0; b < dv / 32; b++) {
                 uint16_t h;
@@ -556,7 +553,6 @@ static inline __attribute__((always_inline)) void attend_tile(const struct atten
         for (Py_ssize_t j = 0; j < n; j++) row[j] = VALUE(t0 + j);
         weighted_values(w->s, T, G, dv, V, row, n, half, st->o);
     }
-#undef NEXT_TILE
 #undef KEY
 #undef VALUE
 }
