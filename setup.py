@@ -23,7 +23,8 @@ setup(
             # function compiled for its instructions by a target attribute, so one set
             # of flags builds every file and the module still runs on any x86-64 CPU.
             sources=[CPU + name for name in (
-                "module.c", "gemv.c", "blocks.c", "q8.c", "tiled.c", "rows.c", "attention.c", "plan.c", "recurrent.c",
+                "module.c", "gemv.c", "blocks.c", "q8.c", "tiled.c", "rows.c", "unary.c", "attention.c", "plan.c",
+                "recurrent.c",
                 "x86/gemv_avx2.c", "x86/gemv_avx512.c", "x86/blocks_x86.c", "x86/q8_x86.c", "x86/q8row_x86.c", "x86/kvq8_x86.c",
                 "x86/tiled_x86.c",
             )],

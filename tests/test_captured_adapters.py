@@ -10,8 +10,8 @@ LoRA (r=4, alpha=8) and rsLoRA (r=8) adapters on all seven projections:
 * decode steps of one batch of [A, B, base] give PEFT's logits
   (``adapter_names=["a", "b", "__base__"]``) and the eager forward's within
   ``LOGIT_RTOL`` (the tolerance of tests/test_adapters.py, which argues it;
-  the program's adapter product calls the eager numpy op's own kernel, but
-  its silu and rope tables use the C library's transcendentals, a few ulp
+  the program's adapter product and SiLU call the eager numpy ops' own
+  kernels, but its rope tables use the C library's transcendentals, a few ulp
   from numpy's: measured 5e-6 of logits of ~7 here); the counts show every
   decode step was captured and that a new mix of adapters made no new graph;
 * ``max_loras`` holds a request back until a running one frees its

@@ -486,6 +486,104 @@ def test_rope_is_bit_identical_to_the_numpy_formula(pure_numpy, d: int, half: in
     assert np.array_equal(ops.rope(x, cos, sin, interleaved=True), pure_numpy("rope", x, cos, sin, interleaved=True))
 
 
+def silu_grid() -> np.ndarray:
+    """Inputs over float32's whole range: every region of exp's range reduction,
+    near its overflow (|x| ~ 88.7) and clamps (89, 104), tiny and huge values,
+    signed zeros, infinities and NaN."""
+    rng = np.random.default_rng(0)
+    return np.concatenate([
+        np.linspace(-120, 120, 240_001, dtype=np.float32), rng.standard_normal(50_000).astype(np.float32) * 6,
+        np.float32(10.0) ** rng.uniform(-38, 38, 20_000).astype(np.float32) * rng.choice([-1, 1], 20_000),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 88.72, -88.72, 88.73, -88.73, 89.0, -89.0, 104.0, -104.0,
+                  -87.3, 1e-45, -1e-45, 3e38, -3e38], np.float32)]).astype(np.float32)
+
+
+@needs_kernels
+def test_silu_is_within_two_ulp_of_exact(path: str) -> None:
+    # The result's errors: exp16's (its polynomial 4e-9 relative, the reduction and
+    # the last product), 1 + e rounded, then the division rounded, 0.5 ulp each: 2.27
+    # ulp at most on this grid (numpy's float32 formula reaches 3.06 on it).
+    x = silu_grid()
+    got = np.empty_like(x)
+    kernels_module.silu(x, None, got)
+    with np.errstate(all="ignore"):
+        exact = x.astype(np.float64) / (1.0 + np.exp(-x.astype(np.float64)))
+        formula = x / (np.float32(1) + np.exp(-x))
+    # Where exp(-x) overflows float32 (x < -88.723), the formula's x / inf is -0 and so is the kernel's;
+    # a few values above that the float64 exp is within an ulp of float32's largest and either may be.
+    normal = np.isfinite(exact) & (np.abs(exact) >= np.finfo(np.float32).tiny)
+    finite, edge, over = normal & (x > -88.7), (x >= -88.73) & (x <= -88.7), ~np.isfinite(exact) | (x < -88.73)
+    ulp = np.abs(got[finite] - exact[finite]) / np.spacing(np.abs(exact[finite]).astype(np.float32))
+    assert ulp.max() <= 2.5, x[finite][np.argmax(ulp)]
+    same = (got[over] == formula[over]) | (np.isnan(got[over]) & np.isnan(formula[over]))
+    assert same.all() and np.array_equal(np.signbit(got[over]), np.signbit(formula[over])), x[over][~same]
+    assert (np.abs(got[edge] - exact[edge]) <= np.abs(exact[edge])).all()
+    tiny = ~normal & np.isfinite(exact) & (np.abs(x) < 1)  # x / 2, subnormal: within the subnormals' spacing
+    assert tiny.any() and np.abs(got[tiny] - exact[tiny]).max() <= 2.0 ** -149
+
+
+@needs_kernels
+def test_silu_has_the_same_bits_on_every_path_and_any_split() -> None:
+    x = silu_grid()[:100_003]  # not a multiple of 16: each thread's run and the last vector end mid-row
+    up = np.random.default_rng(1).standard_normal(x.size).astype(np.float32)
+    chosen, threads = _affine.simd(), _affine.threads()
+    results = []
+    try:
+        for name in PATHS:
+            _affine.use_simd(name)
+            for t in (1, 2):  # one thread, and the elements split between two (past SILU_PARALLEL)
+                _affine.set_threads(t)
+                for rows, n in ((1, x.size), (7, x.size // 7)):
+                    out = np.empty((rows, n), np.float32)
+                    kernels_module.silu(x[:rows * n].reshape(rows, n), up[:rows * n].reshape(rows, n), out)
+                    results.append(out.reshape(-1).view(np.uint32))
+    finally:
+        _affine.use_simd(chosen)
+        _affine.set_threads(threads)
+    m = min(r.size for r in results)  # 7 rows of x.size // 7 leave the last 4 values out
+    assert all(np.array_equal(r[:m], results[0][:m]) for r in results)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 8192), (3, 17), (2, 5, 48), (5,), (4, 1)])
+def test_silu_and_swiglu_take_the_halves_of_a_fused_product_in_place(shape: tuple[int, ...]) -> None:
+    # A fused gate/up product's output is [..., 2n]: its halves are column slices, read where they lie; the
+    # bits are those of the same values contiguous, and every tail length (n mod 16) goes through the lanes.
+    ops = numpy_backend.NumpyBackend()
+    rng = np.random.default_rng(shape[-1])
+    fused = rng.standard_normal(shape[:-1] + (2 * shape[-1],)).astype(np.float32) * 4
+    gate, up = fused[..., :shape[-1]], fused[..., shape[-1]:]
+    got = ops.swiglu(gate, up)
+    assert got.shape == shape and got.flags.c_contiguous
+    want = ops.swiglu(np.ascontiguousarray(gate), np.ascontiguousarray(up))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    silu = ops.silu(gate)
+    assert np.array_equal(silu.view(np.uint32), ops.silu(np.ascontiguousarray(gate)).view(np.uint32))
+    # SwiGLU is SiLU, then the product rounded once: as the captured step's two steps compute it
+    assert np.array_equal((silu * up).view(np.uint32), got.view(np.uint32))
+    exact = gate.astype(np.float64) / (1 + np.exp(-gate.astype(np.float64))) * up
+    assert np.allclose(got, exact, rtol=4 * 2 ** -24, atol=0)
+    # Rows that are not evenly apart, or overlap (a broadcast), are copied first: the same values.
+    for odd in (gate[..., ::-1], np.broadcast_to(gate[..., :1], gate.shape), gate[..., ::2]):
+        assert np.array_equal(ops.silu(odd), ops.silu(np.ascontiguousarray(odd)))
+
+
+@needs_kernels
+def test_silu_refuses_what_it_cannot_read() -> None:
+    x = np.ones((3, 8), np.float32)
+    out = np.empty((3, 8), np.float32)
+    with pytest.raises(ValueError, match="float32 rows"):
+        _affine.silu(x.astype(np.float64), None, out, 3, 8)
+    with pytest.raises(ValueError, match="float32 rows"):
+        _affine.silu(x[:, ::2], None, out, 3, 4)
+    with pytest.raises(ValueError, match="up: not float32 rows"):
+        _affine.silu(x, np.ones((3, 7), np.float32), out, 3, 8)
+    with pytest.raises(ValueError, match="out"):
+        _affine.silu(x, None, np.empty((3, 7), np.float32), 3, 8)
+    with pytest.raises(ValueError, match="bad shape"):
+        _affine.silu(x, None, out, 0, 8)
+
+
 @needs_kernels
 @pytest.mark.parametrize("tq,tk", [(1, 1), (1, 37), (3, 20), (8, 8), (5, 300)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 1), (10, 2)])  # query heads per KV head: 1, 3, 8 (two fours), 5

@@ -85,12 +85,8 @@ static inline __attribute__((always_inline)) float kv1(const void *p, Py_ssize_t
 #ifndef AHEAD_HINT
 #define AHEAD_HINT 2
 #endif
-/* Sixteen floats as one value (one AVX-512 register, two AVX ones, four SSE
- * ones), and at any float's alignment. The scores and the weighted values work
- * in these on every path: the same per-lane operations, so the same bits. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64)));
+/* The scores and the weighted values work in v16f (kernels.h) on every path: the
+ * same per-lane operations, so the same bits. */
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* attend_args.half inside the AVX-512 instance: float16 rows converted sixteen at a time. */
@@ -143,11 +139,6 @@ static inline __attribute__((always_inline)) v16f kv16_part(const void *p, Py_ss
     v16f v = {0};
     for (Py_ssize_t t = 0; t < r; t++) v[t] = kv1(p, i + t, half);
     return v;
-}
-
-static inline __attribute__((always_inline)) v16f splat16(float x) {
-    const v16f v = {x}; /* a shuffle of lane 0, not an initializer of sixteen x: GCC built that lane by lane */
-    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
 /* The sixteen lanes of a summed in one fixed tree: b_i = a_i + a_(i+8), c_i = b_i +

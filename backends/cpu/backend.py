@@ -436,6 +436,10 @@ class CpuBackend(Backend):
         return np.sin(x)
 
     def silu(self, x: Array) -> Array:
+        if _unary_rows(x):  # one pass in vectors on the kernels' threads, as the captured step's (unary.c)
+            out = np.empty(x.shape, np.float32)
+            kernels.silu(_as_rows(x), None, out.reshape(_as_rows(x).shape))
+            return out
         # x * sigmoid(x) = x / (1 + exp(-x)); exp overflow to inf gives 0, as it should.
         # One buffer, each step in place: the same roundings as the plain
         # expression without its three temporaries (allocating and filling
@@ -610,6 +614,12 @@ class CpuBackend(Backend):
         return x if lo is None and hi is None else np.clip(x, lo, hi)
 
     def swiglu(self, gate: Array, up: Array) -> Array:
+        if _unary_rows(gate) and _unary_rows(up) and up.shape == gate.shape:
+            # gate and up may be the two halves of one fused product's rows: read in place
+            out = np.empty(gate.shape, np.float32)
+            g, u = _as_rows(gate), _as_rows(up)
+            kernels.silu(g, u, out.reshape(g.shape))
+            return out
         out = self.silu(gate)
         out *= up
         return out
@@ -885,6 +895,21 @@ def _rowwise(x: Array, weight: Array | None) -> bool:
     return (_native is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1
             and x.size > 0 and (weight is None or (type(weight) is np.ndarray and weight.dtype == np.float32
                                                   and weight.shape == x.shape[-1:] and weight.flags.c_contiguous)))
+
+
+def _unary_rows(x: Array) -> bool:
+    """Whether the C SiLU computes on this array (float32: any layout, :func:`_as_rows` copies where it must,
+    so the bits do not depend on the layout)."""
+    return _native is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1 and x.size > 0
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as ``[rows, last axis]``: a view where its rows lie evenly apart, else a copy."""
+    rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    n, stride = rows.shape[1], rows.strides[0]
+    if rows.strides[-1] != 4 or (rows.shape[0] > 1 and (stride < 4 * n or stride % 4)):  # overlapping or reversed
+        return np.ascontiguousarray(rows)
+    return rows
 
 
 def available_memory() -> int | None:

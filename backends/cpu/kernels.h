@@ -10,6 +10,7 @@
  *   rows.c              per-row ops: rms_norm, layer_norm, rope
  *   attention.c         attention for the few query rows of decoding, over float
  *                       or q8_0 pools (and the q8_0 KV write)
+ *   unary.c             SiLU and SwiGLU in vectors (the gated MLPs' activation)
  *   recurrent.c         the recurrent layers' ops: causal_conv1d, gated_delta_rule, ssd
  *   plan.c              the captured decode step's program runner (run_plan)
  *   module.c            the Python entry points and the choice of path
@@ -223,6 +224,22 @@ struct attend_args {
  * rounded up to the alignment, as aligned_alloc asks. Freed with free(). */
 static inline void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* Sixteen floats as one value (one AVX-512 register, two AVX ones, four SSE ones), and at any float's
+ * alignment: code written on these compiles to the same per-lane operations on every path (the function's
+ * target attribute picks the registers), so it gives the same bits on each (attention.c, unary.c). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* always inlined, so no call passes a v16f: GCC's note that such calls changed ABI does not apply */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+static inline __attribute__((always_inline)) v16f splat16(float x) {
+    const v16f v = {x}; /* a shuffle of lane 0, not an initializer of sixteen x: GCC built that lane by lane */
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+#pragma GCC diagnostic pop
+
 static inline int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -262,6 +279,13 @@ void layer_rows(const float *xi, const float *w, const float *b, float *yo, Py_s
                 float eps);
 void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssize_t t, Py_ssize_t heads,
                Py_ssize_t d, Py_ssize_t half);
+
+/* unary.c: out [rows, n] = silu(x) (times u unless NULL), x's and u's rows xs and us floats apart; split over
+ * the threads where parallel and there are at least SILU_PARALLEL values (a thread's wake-up costs more than
+ * a decode step's few thousand: 8,192 values take about 2 us on one core). */
+#define SILU_PARALLEL 32768
+void silu_rows(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t rows,
+               Py_ssize_t n, int parallel);
 
 /* attention.c */
 int attention_run(const struct attend_args *a, int parallel);

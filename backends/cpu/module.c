@@ -231,6 +231,45 @@ static PyObject *rope(PyObject *self, PyObject *args) {
     return FINISH(ok, &x, &cs, &sn, &out);
 }
 
+/* `obj` as float32 rows [rows, n] in *b, their columns contiguous and the rows *stride floats apart
+ * (PyBUF_STRIDES: the gate and up halves of a fused product are column slices, taken in place); 0 with a
+ * ValueError when it is not that. */
+static int float_rows(PyObject *obj, Py_buffer *b, Py_ssize_t rows, Py_ssize_t n, Py_ssize_t *stride,
+                      const char *what) {
+    b->obj = NULL;
+    b->buf = NULL;
+    if (PyObject_GetBuffer(obj, b, PyBUF_STRIDES | PyBUF_FORMAT) != 0) return 0;
+    const char *f = b->format ? b->format : "B";
+    const int single = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] == 'f' && !f[2] : f[0] == 'f' && !f[1];
+    const int shaped = (b->ndim == 2 && b->shape[0] == rows && b->shape[1] == n) ||
+                       (b->ndim == 1 && rows == 1 && b->shape[0] == n);
+    *stride = b->ndim == 2 ? b->strides[0] / 4 : n;
+    if (!single || b->itemsize != 4 || !shaped || b->strides[b->ndim - 1] != 4 ||
+        (rows > 1 && (b->strides[0] % 4 || *stride < n)))
+        return REFUSE("%s: not float32 rows [%zd, %zd] with contiguous columns", what, rows, n);
+    return 1;
+}
+
+/* silu(x, up or None, out, rows, n) -> None: out [rows, n] (contiguous) = silu(x), times up where given
+ * (SwiGLU); x and up [rows, n] with contiguous columns, their rows anywhere apart (unary.c). */
+static PyObject *silu(PyObject *self, PyObject *args) {
+    Py_buffer x, up = {0}, out;
+    PyObject *xobj, *uobj;
+    Py_ssize_t rows, n, xs = 0, us = 0;
+    if (!PyArg_ParseTuple(args, "OOw*nn", &xobj, &uobj, &out, &rows, &n)) return NULL;
+    x.obj = NULL;
+    int ok = ((rows >= 1 && n >= 1) || REFUSE("bad shape: rows=%zd n=%zd", rows, n)) &&
+             float_rows(xobj, &x, rows, n, &xs, "x") &&
+             (uobj == Py_None || float_rows(uobj, &up, rows, n, &us, "up")) &&
+             SIZES_OK({&out, rows * n * 4, "out"});
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        silu_rows((const float *)x.buf, xs, (const float *)up.buf, us, (float *)out.buf, rows, n, 1);
+        Py_END_ALLOW_THREADS
+    }
+    return FINISH(ok, &x, &up, &out);
+}
+
 /* to_half(src, out, n) -> None: n float32 values of src rounded to IEEE float16
  * into out, by float_to_half: what a captured step's write into a float16 pool
  * computes (tests hold it to numpy's astype). */
@@ -568,6 +607,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"layer_norm", layer_norm, METH_VARARGS, "LayerNorm of float32 rows (optional weight and bias)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
+    {"silu", silu, METH_VARARGS, "SiLU (SwiGLU with up) of float32 rows, in vectors on the kernels' threads."},
     {"to_half", to_half, METH_VARARGS, "Float32 to IEEE float16, rounded to nearest even (as a captured write)."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"q8_0", q8_0, METH_VARARGS, "Float32 values into q8_0 blocks (a kv_dtype=\"q8_0\" pool's rows)."},
