@@ -133,6 +133,14 @@ class CpuBackend(Backend):
     KERNEL_ROWS = kernels.KERNEL_ROWS
     #: Fewest query rows per chunk of a causal attention with many rows (see :meth:`attention`).
     ATTENTION_CHUNK = 64
+    #: A prompt chunk's attention runs in the C kernel, one pass per query row and head as in
+    #: decoding, while query rows x keys are at most this (and the kernels' threads are the ones
+    #: running): one layer of the 1B shape (32 heads over 8, head size 64, two threads) took 0.60x
+    #: the two GEMMs' time at 128 rows over 128 keys, 0.77x at 256 over 256, 0.83x at 128 over
+    #: 1,024, but 1.08x at 128 over 2,048 and 1.14x at 256 over 1,024, where the GEMMs reuse each
+    #: key row for many queries and the kernel reads it again per row (docs/performance.md,
+    #: "SiLU and a prompt's attention in the kernels").
+    KERNEL_ATTENTION_AREA = 1 << 17
     #: A long prompt's forwards of 128 tokens (:attr:`Backend.prefill_chunk`): the 1B shape's
     #: 4,096-token prefill ran fastest so (1.4x the whole prompt in one forward, exact) and held
     #: 720 MB less at its peak (docs/performance.md, "Long prompts in chunks").
@@ -667,11 +675,12 @@ class CpuBackend(Backend):
         sinks: Array | None = None,
     ) -> Array:
         """Each sequence by the faster of two exact paths: up to
-        :attr:`KERNEL_ROWS` query rows (decoding, verification) in one C pass
+        :attr:`KERNEL_ROWS` query rows (decoding, verification), or a prompt
+        chunk of up to :attr:`KERNEL_ATTENTION_AREA` rows x keys, in one C pass
         per row and head that reads the keys in place through the block
-        table; more (a prompt chunk) over its visible keys gathered (a view
-        when they are consecutive rows) with two batched GEMMs around a masked
-        softmax. :func:`reference_attention` is the plain definition both are
+        table; more (a long prompt's chunk) over its visible keys gathered (a
+        view when they are consecutive rows) with two batched GEMMs around a
+        masked softmax. :func:`reference_attention` is the plain definition both are
         tested against."""
         host = batch.on_host(self)
         if v_pool.dtype == np.uint8:  # q8_0 blocks: 32 float32 values in 34 bytes
@@ -770,12 +779,15 @@ class CpuBackend(Backend):
     def _kernel_attention(self, q: Array, k: Array, v: Array, tk: int, scale: float, causal: bool,
                           window: int | None, softcap: float | None, sinks: np.ndarray | None, table: np.ndarray,
                           block: int, out: Array) -> bool:
-        """Attention of up to :attr:`KERNEL_ROWS` query rows (decoding) in one
-        C pass per row and head into ``out``, instead of two small GEMMs, a
-        mask and a softmax of numpy calls, reading the pool rows ``k``/``v``
-        (``[rows, hkv, d]``) through ``table``; False where the kernel does not apply."""
+        """Attention of up to :attr:`KERNEL_ROWS` query rows (decoding), or of a
+        prompt chunk of up to :attr:`KERNEL_ATTENTION_AREA` query rows x keys on
+        the kernels' threads, in one C pass per row and head into ``out``,
+        instead of two GEMMs, a mask and a softmax of numpy calls, reading the
+        pool rows ``k``/``v`` (``[rows, hkv, d]``) through ``table``; False
+        where the kernel does not apply."""
         tq, hq, dk = q.shape
-        if not (_native is not None and tq <= self.KERNEL_ROWS and tq <= tk  # tq <= tk: every row sees a key
+        rows_ok = tq <= self.KERNEL_ROWS or (not self._after_blas and tq * tk <= self.KERNEL_ATTENTION_AREA)
+        if not (_native is not None and rows_ok and tq <= tk  # tq <= tk: every row sees a key
                 and q.dtype == np.float32 and k.dtype == v.dtype and k.dtype in (np.float32, np.float16, np.uint8)
                 and k.flags.c_contiguous and v.flags.c_contiguous
                 and out.flags.c_contiguous and (softcap is None or softcap > 0) and (window is None or window > 0)):
