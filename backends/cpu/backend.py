@@ -141,6 +141,11 @@ class CpuBackend(Backend):
     #: key row for many queries and the kernel reads it again per row (docs/performance.md,
     #: "SiLU and a prompt's attention in the kernels").
     KERNEL_ATTENTION_AREA = 1 << 17
+    #: ... and where at least this many query heads share each key/value head: the kernel reads
+    #: a key row once for its group, and with fewer heads a group's pass costs more than the
+    #: GEMMs' share (128 rows over 128 keys: 2.0x the GEMMs' time with 1 or 2 heads a group,
+    #: 0.92-1.01x with 3, as SmolLM2 has, 0.4-0.7x with 4 to 8).
+    KERNEL_ATTENTION_GROUP = 3
     #: A long prompt's forwards of 128 tokens (:attr:`Backend.prefill_chunk`): the 1B shape's
     #: 4,096-token prefill ran fastest so (1.4x the whole prompt in one forward, exact) and held
     #: 720 MB less at its peak (docs/performance.md, "Long prompts in chunks").
@@ -786,7 +791,8 @@ class CpuBackend(Backend):
         pool rows ``k``/``v`` (``[rows, hkv, d]``) through ``table``; False
         where the kernel does not apply."""
         tq, hq, dk = q.shape
-        rows_ok = tq <= self.KERNEL_ROWS or (not self._after_blas and tq * tk <= self.KERNEL_ATTENTION_AREA)
+        rows_ok = tq <= self.KERNEL_ROWS or (not self._after_blas and tq * tk <= self.KERNEL_ATTENTION_AREA
+                                             and hq >= self.KERNEL_ATTENTION_GROUP * k.shape[-2])
         if not (_native is not None and rows_ok and tq <= tk  # tq <= tk: every row sees a key
                 and q.dtype == np.float32 and k.dtype == v.dtype and k.dtype in (np.float32, np.float16, np.uint8)
                 and k.flags.c_contiguous and v.flags.c_contiguous
