@@ -7,17 +7,17 @@
  * numpy computed it in five passes on one thread (negate, exp, add one, divide,
  * multiply): 1.3-1.5 ms a layer for a 1B model's 128-token prompt, [128, 8192],
  * while the kernels' other thread waited. Here it is one pass, sixteen lanes at
- * a time, on every thread.
+ * a time (eight on AVX2 and the portable path), on every thread.
  *
- * exp in sixteen lanes (exp16): t = k ln2 + r with k = round(t / ln2), the
+ * exp in vectors (exp16, exp8): t = k ln2 + r with k = round(t / ln2), the
  * product k ln2 in two parts (the first exact in float32), exp(r) for |r| <= ln2/2
  * by a polynomial of degree 7 (Cephes' expf coefficients, relative error 4e-9
  * on the interval), then times 2^k as two powers of two, so that every k of a
  * float32 result, subnormal or overflowing to inf, is reached by exact
- * multiplications but the last. Within 2 ulp of exp over float32's range
- * (tests/test_numpy_kernels.py against float64). The operations are written
- * on v16f (kernels.h), unfused (-ffp-contract=off), so every path gives the same
- * bits; inputs past the range are clamped first (exp(-104) is below float32's
+ * multiplications but the last. SiLU is then within 2.3 ulp of its float64
+ * value (tests/test_numpy_kernels.py). The operations are written on generic
+ * vectors (v16f of kernels.h, v8f), unfused (-ffp-contract=off), so every path
+ * gives the same bits; inputs past the range are clamped first (exp(-104) is below float32's
  * least subnormal, exp(89) above its largest value), NaN passes through. */
 
 #include "kernels.h"
@@ -42,26 +42,28 @@ static inline __attribute__((always_inline)) v8f splat8(float x) {
 /* t within [lo, hi], NaN kept. On x86 by vmaxps and vminps (asm, as attention.c's
  * codes16: intrinsics do not inline into the portable instance), which return
  * their second source where one is NaN: GCC lowered the generic comparison and
- * blend to a compare and a conditional move per lane. */
+ * blend to a compare and a conditional move per lane. Elsewhere (and on the
+ * portable path) the generic form. */
+#ifdef HAVE_X86
+#define REG16(x) "v"(x)
+#define REG8(x) "x"(x)
+#define MINMAX(REG)                                                                                                 \
+    if (path >= 2) {                                                                                                \
+        __asm__("vmaxps %1, %2, %0" : "=" REG(t) : REG(t), REG(l)); /* Intel order: max(l, t) */                    \
+        __asm__("vminps %1, %2, %0" : "=" REG(t) : REG(t), REG(h));                                                 \
+        return t;                                                                                                   \
+    }
+#else
+#define MINMAX(REG) (void)path;
+#endif
 #define CLAMP(W, VF, VI, SPLAT, REG)                                                                                \
     static inline __attribute__((always_inline)) VF clamp##W(VF t, float lo, float hi, int path) {                  \
         const VF l = SPLAT(lo), h = SPLAT(hi);                                                                      \
-        if (path >= 2) {                                                                                            \
-            __asm__("vmaxps %1, %2, %0" : "=" REG(t) : REG(t), REG(l)); /* Intel order: max(l, t) */                \
-            __asm__("vminps %1, %2, %0" : "=" REG(t) : REG(t), REG(h));                                             \
-            return t;                                                                                               \
-        }                                                                                                           \
+        MINMAX(REG)                                                                                                 \
         const VI below = t < l, above = t > h; /* NaN compares false */                                             \
         t = (VF)(((VI)l & below) | ((VI)t & ~below));                                                               \
         return (VF)(((VI)h & above) | ((VI)t & ~above));                                                            \
     }
-#ifdef HAVE_X86
-#define REG16(x) "v"(x)
-#define REG8(x) "x"(x)
-#else
-#define REG16(x) "r"(x) /* never reached: path is 0 off x86 */
-#define REG8(x) "r"(x)
-#endif
 
 #define UNARY_BODY(W, VF, VI, VU, SPLAT)                                                                            \
     CLAMP(W, VF, VI, SPLAT, REG##W)                                                                                 \
