@@ -451,7 +451,8 @@ class CpuBackend(Backend):
     def silu(self, x: Array) -> Array:
         if _unary_rows(x):  # one pass in vectors on the kernels' threads, as the captured step's (unary.c)
             out = np.empty(x.shape, np.float32)
-            kernels.silu(_as_rows(x), None, out.reshape(_as_rows(x).shape))
+            rows = _as_rows(x)
+            kernels.silu(rows, None, out.reshape(rows.shape))
             return out
         # x * sigmoid(x) = x / (1 + exp(-x)); exp overflow to inf gives 0, as it should.
         # One buffer, each step in place: the same roundings as the plain
