@@ -31,7 +31,7 @@ from infer.completion import Completion, CompletionChunk, Stream, collect, incom
 from infer.adapters.slots import MAX_CPU_LORAS, MAX_LORA_RANK, MAX_LORAS, Adapters
 from infer.engine import Engine
 from infer.engine.batch import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, BatchEngine, KVLayout, RequestHandle
-from infer.engine.generate import Generation, generate
+from infer.engine.generate import Generation, generate, owner
 from infer.engine.samplers import Breakers, dry_breakers
 from infer.engine.sampling import SamplingParams, TokenLogprob
 from infer.embedding import (
@@ -983,15 +983,18 @@ def _as_generation(handle: RequestHandle) -> Generation:
     iterator, as a stop string does, cancels the request)."""
     gen = Generation(tokens_iter=iter(()), prompt_tokens=handle.prompt_tokens, sampler=handle.sampler)
 
-    def tokens() -> Iterator[int]:
+    def tokens(gen: Generation) -> Iterator[int]:
         try:
             for token in handle:
                 gen.cached_tokens = handle.cached_tokens or 0
                 yield token
         finally:
             handle.cancel()
-            if gen.finish_reason is None:
-                gen.finish_reason = handle.finish_reason
+            try:
+                if gen.finish_reason is None:
+                    gen.finish_reason = handle.finish_reason
+            except ReferenceError:  # closed because the generation was dropped: nobody reads the reason
+                pass
 
-    gen.tokens_iter = tokens()
+    gen.tokens_iter = tokens(owner(gen))  # a weak hold: dropping the generation cancels the request
     return gen

@@ -22,6 +22,7 @@ request's state between forwards).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,24 @@ class Generation:
             self.tokens.append(token)
             yield token
 
+    def close(self) -> None:
+        """End the request now: its KV memory goes back and it lets go of its
+        adapter (what dropping the last reference to it also does). Iterating
+        afterwards gives no more tokens."""
+        close = getattr(self.tokens_iter, "close", None)
+        if close is not None:
+            close()
+
+
+def owner(gen: Generation) -> Generation:
+    """What a token iterator refers to its :class:`Generation` through: a weak
+    proxy. A strong one would make a cycle (the generation holds the iterator),
+    and a request its consumer dropped part way would then keep its KV memory
+    and adapter until the garbage collector finds the cycle, which a process
+    that allocates few objects may not run for many requests (measured:
+    SmolLM2's 11.8 MB cache per abandoned request, six of them held)."""
+    return weakref.proxy(gen)
+
 
 def generate(
     engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams | Sampler, stop: StopConditions,
@@ -111,7 +130,7 @@ def generate(
     sampler.prompt_tokens = len(prompt)  # where its history's generated tokens start
     gen = Generation(tokens_iter=iter(()), prompt_tokens=len(prompt),
                      stats=None if speculation is None else speculation.stats, sampler=sampler)
-    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, gen, kv_pool, media, use)
+    gen.tokens_iter = _tokens(engine, prompt, sampler, stop, speculation, owner(gen), kv_pool, media, use)
     return gen
 
 
