@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 from reference import EOS_ID, tiny_model_dir
 
@@ -164,29 +170,39 @@ def test_a_finished_generation_frees_its_cache_at_once(variant: str, backend: st
     # Without a reference cycle: a server's or a benchmark's next request must not run beside the
     # last one's keys and values (a 4,096-token sequence's, on a 1B model, are 134 MB in float16)
     # until Python's cycle collector happens to run.
-    import gc
-    import weakref
-
     if backend != "numpy":
         pytest.importorskip("torch")
     model = infer.load(tiny_model_dir(variant), backend=backend, dtype="float32", compile=compile)
-    held: list[weakref.ref[object]] = []  # each finished sequence's cache and its layers' arrays
+
+    def held(seq):  # type: ignore[no-untyped-def]  # each finished sequence's cache and its layers' arrays
+        layers = seq.cache.storage_layers(model.network.num_layers)
+        return [a for layer in layers for a in (seq.cache, *seq.cache.stored(layer))]
+
+    with _releases_without_collector(model, held) as released:
+        list(model.generate_tokens([5, 6, 7, 8, 9], max_tokens=4, ignore_eos=True))
+        model.generate("hello", max_tokens=3, temperature=0.8, seed=1)
+        assert len(released) > 2 and all(ref() is None for ref in released)
+
+
+@contextlib.contextmanager
+def _releases_without_collector(model: infer.Model, held: Callable[[Any], list[object]]) -> Iterator[list[Any]]:
+    """Weak references to ``held(seq)`` of each sequence ``model``'s engine
+    releases from here on (its decode step recorded first), with Python's
+    cycle collector off inside."""
+    released: list[weakref.ref[object]] = []
     release = model.engine.release
 
     def spied(seq):  # type: ignore[no-untyped-def]
-        layers = seq.cache.storage_layers(model.network.num_layers)
-        held.extend(weakref.ref(a) for layer in layers for a in (seq.cache, *seq.cache.stored(layer)))
+        released.extend(weakref.ref(a) for a in held(seq))
         return release(seq)
 
     model.engine.release = spied  # type: ignore[method-assign]
     list(model.generate_tokens([5, 6, 7, 8], max_tokens=4, ignore_eos=True))  # records the captured step
     gc.collect()
-    held.clear()
+    released.clear()
     gc.disable()
     try:
-        list(model.generate_tokens([5, 6, 7, 8, 9], max_tokens=4, ignore_eos=True))
-        model.generate("hello", max_tokens=3, temperature=0.8, seed=1)
-        assert len(held) > 2 and all(ref() is None for ref in held)
+        yield released
     finally:
         gc.enable()
 
@@ -197,23 +213,8 @@ def test_a_generation_dropped_part_way_ends_at_once() -> None:
     # token iterator holds its Generation weakly. Measured before: each abandoned request of
     # SmolLM2-135M kept its 11.8 MB cache, and the benchmark's warm-up request sat beside the
     # timed one (peak RSS 1.12x llama.cpp's instead of 1.0x).
-    import gc
-    import weakref
-
     model = infer.load(tiny_model_dir("smollm2_like"), backend="numpy", dtype="float32")
-    released: list[weakref.ref[object]] = []
-    release = model.engine.release
-
-    def spied(seq):  # type: ignore[no-untyped-def]
-        released.append(weakref.ref(seq.cache))
-        return release(seq)
-
-    model.engine.release = spied  # type: ignore[method-assign]
-    list(model.generate_tokens([5, 6, 7, 8], max_tokens=4, ignore_eos=True))  # records the captured step
-    gc.collect()
-    released.clear()
-    gc.disable()
-    try:
+    with _releases_without_collector(model, lambda seq: [seq.cache]) as released:
         gen = model.generate_tokens([5, 6, 7, 8], max_tokens=8, ignore_eos=True)
         for _ in gen:
             break
@@ -234,5 +235,3 @@ def test_a_generation_dropped_part_way_ends_at_once() -> None:
         first = next(iter(gen))
         gen.close()
         assert len(released) == 4 and list(gen) == [] and gen.tokens == [first]
-    finally:
-        gc.enable()
