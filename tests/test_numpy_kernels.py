@@ -584,6 +584,69 @@ def test_silu_refuses_what_it_cannot_read() -> None:
         _affine.silu(x, None, out, 0, 8)
 
 
+def gelu_u(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh argument sqrt(2/pi) (x + 0.044715 x^3), rounded in float32 step by step as the numpy
+    formula (and torch's gelu_pytorch_tanh) round it."""
+    f = np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (f(0.7978845608028654) * (x + ((f(0.044715) * x) * x) * x)).astype(np.float32)
+
+
+@needs_kernels
+def test_gelu_tanh_is_within_two_ulp_of_its_formula(path: str) -> None:
+    # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): SiLU's arithmetic on -2u. Against the float64 value for u as
+    # float32 rounds it (its roundings are the formula's own, and move the result by up to |2u| ulp there too):
+    # 2.05 ulp at most on this grid. The numpy formula's 1 + tanh(u) cancels for negative x (320 ulp at x > -3,
+    # and 0 where the value is 1e-10 and below); this form keeps the relative precision down to x / inf = -0.
+    x = silu_grid()
+    got = np.empty_like(x)
+    kernels_module.gelu_tanh(x, got)
+    u, xd = gelu_u(x), x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        exact = xd / (1.0 + np.exp(-2.0 * u.astype(np.float64)))
+        formula = (np.float32(0.5) * x) * (np.float32(1) + np.tanh(u))
+    normal = np.isfinite(exact) & (np.abs(exact) >= np.finfo(np.float32).tiny) & (-2.0 * u.astype(np.float64) < 88.7)
+    ulp = np.abs(got[normal] - exact[normal]) / np.spacing(np.abs(exact[normal]).astype(np.float32))
+    assert ulp.max() <= 2.3, x[normal][np.argmax(ulp)]
+    moderate = normal & (np.abs(x) < 3) & (np.abs(x) > 1e-3)
+    theirs = np.abs(formula[moderate] - exact[moderate]) / np.spacing(np.abs(exact[moderate]).astype(np.float32))
+    assert theirs.max() > 100 * ulp.max()
+    # Past exp's overflow (x below about -10) the value is below 3e-38: -0; above 10 it is x; infinities and
+    # NaN as the formula (-inf: -inf * 0, NaN); zeros keep their sign.
+    small, big = np.isfinite(x) & (x < -11), np.isfinite(x) & (x > 10)
+    assert (got[small] == 0).all() and np.signbit(got[small]).all() and np.array_equal(got[big], x[big])
+    assert np.array_equal(got[np.isinf(x)], formula[np.isinf(x)], equal_nan=True)
+    assert np.isnan(got[np.isnan(x)]).all() and np.array_equal(np.signbit(got[x == 0]), np.signbit(x[x == 0]))
+
+
+@needs_kernels
+def test_gelu_tanh_has_the_same_bits_on_every_path_split_and_step() -> None:
+    # Every SIMD path, one thread or two, and the captured decode step's gelu_tanh (plan.c calls unary.c),
+    # give the eager op's bits: a prompt and the steps after it compute Gemma's GELU alike.
+    x = silu_grid()[:100_003]
+    chosen, threads = _affine.simd(), _affine.threads()
+    results = []
+    try:
+        for name in PATHS:
+            _affine.use_simd(name)
+            for t in (1, 2):
+                _affine.set_threads(t)
+                out = np.empty_like(x)
+                kernels_module.gelu_tanh(x, out)
+                results.append(out.view(np.uint32))
+    finally:
+        _affine.use_simd(chosen)
+        _affine.set_threads(threads)
+    assert all(np.array_equal(r, results[0]) for r in results)
+    ops = numpy_backend.NumpyBackend()
+    rows = x[:96_000].reshape(30, 3200)
+    step = ops.compile(lambda a: ops.gelu_tanh(a), static=True)
+    step(rows)  # recorded (and checked against the eager op)
+    assert np.array_equal(step(rows * 1).view(np.uint32), ops.gelu_tanh(rows).view(np.uint32))
+    assert step.graphs() == 1  # the second call ran the recorded program
+    assert np.array_equal(ops.gelu_tanh(rows).reshape(-1).view(np.uint32), results[0][:96_000])
+
+
 @needs_kernels
 @pytest.mark.parametrize("tq,tk", [(1, 1), (1, 37), (3, 20), (8, 8), (5, 300)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 1), (10, 2)])  # query heads per KV head: 1, 3, 8 (two fours), 5

@@ -468,6 +468,11 @@ class CpuBackend(Backend):
         return (0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))).astype(x.dtype)
 
     def gelu_tanh(self, x: Array) -> Array:
+        if _unary_rows(x):  # as silu: one pass in vectors, the captured step's (unary.c)
+            out = np.empty(x.shape, np.float32)
+            rows = _as_rows(x)
+            kernels.gelu_tanh(rows, out.reshape(rows.shape))
+            return out
         c = np.asarray(math.sqrt(2.0 / math.pi), dtype=x.dtype)
         # x**3 overflows to +-inf for |x| > ~7e12; tanh(+-inf) = +-1 gives x or 0, as it should.
         with np.errstate(over="ignore"):
@@ -917,7 +922,7 @@ def _rowwise(x: Array, weight: Array | None) -> bool:
 
 
 def _unary_rows(x: Array) -> bool:
-    """Whether the C SiLU computes on this array (float32: any layout, :func:`_as_rows` copies where it must,
+    """Whether the C SiLU (and GELU's tanh form) computes on this array (float32: any layout, :func:`_as_rows` copies where it must,
     so the bits do not depend on the layout)."""
     return _native is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1 and x.size > 0
 

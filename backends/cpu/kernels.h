@@ -280,12 +280,13 @@ void layer_rows(const float *xi, const float *w, const float *b, float *yo, Py_s
 void rope_rows(const float *xi, const float *c, const float *s, float *o, Py_ssize_t t, Py_ssize_t heads,
                Py_ssize_t d, Py_ssize_t half);
 
-/* unary.c: out [rows, n] = silu(x) (times u unless NULL), x's and u's rows xs and us floats apart; split over
- * the threads where parallel and there are at least SILU_PARALLEL values (a thread's wake-up costs more than
- * a decode step's few thousand: 8,192 values take about 2 us on one core). */
+/* unary.c: out [rows, n] = act(x) (times u unless NULL), act SiLU or GELU's tanh form, x's and u's rows xs and
+ * us floats apart; split over the threads where parallel and there are at least SILU_PARALLEL values (a thread's
+ * wake-up costs more than a decode step's few thousand: 8,192 values take about 2 us on one core). */
+enum { ACT_SILU, ACT_GELU_TANH };
 #define SILU_PARALLEL 32768
-void silu_rows(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t rows,
-               Py_ssize_t n, int parallel);
+void act_rows(int act, const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t rows,
+              Py_ssize_t n, int parallel);
 
 /* attention.c */
 int attention_run(const struct attend_args *a, int parallel);

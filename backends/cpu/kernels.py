@@ -301,6 +301,22 @@ def silu(x: np.ndarray, up: np.ndarray | None, out: np.ndarray) -> None:
     native.silu(x, up, out, rows, n)
 
 
+def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
+    """``out = 0.5 x (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``
+    (GELU's tanh form, ``gelu_pytorch_tanh``), of float32 ``x`` as :func:`silu`
+    takes it, computed as ``x / (1 + exp(-2u))`` in the same pass and with the
+    same ``exp`` as SiLU: the same bits on every code path. ``u`` is rounded as
+    float32 (as the numpy formula rounds it), so the error grows with ``|u|``:
+    within ``(3 + |2u|)`` ulp of the float64 value of that formula
+    (backends/cpu/unary.c)."""
+    rows, n = (1, x.shape[0]) if x.ndim == 1 else x.shape
+    native.silu(x, None, out, rows, n, GELU_TANH)
+
+
+#: The ``act`` argument of ``native.silu`` for GELU's tanh form (unary.c's ACT_GELU_TANH).
+GELU_TANH = 1
+
+
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, tokens: int, heads: int, d: int,
          half: int) -> None:
     """Rotary embedding, rotate-half form, of float32 ``x`` ``[tokens, heads,

@@ -250,21 +250,24 @@ static int float_rows(PyObject *obj, Py_buffer *b, Py_ssize_t rows, Py_ssize_t n
     return 1;
 }
 
-/* silu(x, up or None, out, rows, n) -> None: out [rows, n] (contiguous) = silu(x), times up where given
- * (SwiGLU); x and up [rows, n] with contiguous columns, their rows anywhere apart (unary.c). */
+/* silu(x, up or None, out, rows, n[, act]) -> None: out [rows, n] (contiguous) = silu(x), or with act 1 GELU's
+ * tanh form, times up where given (SwiGLU); x and up [rows, n] with contiguous columns, their rows anywhere apart
+ * (unary.c). */
 static PyObject *silu(PyObject *self, PyObject *args) {
     Py_buffer x, up = {0}, out;
     PyObject *xobj, *uobj;
     Py_ssize_t rows, n, xs = 0, us = 0;
-    if (!PyArg_ParseTuple(args, "OOw*nn", &xobj, &uobj, &out, &rows, &n)) return NULL;
+    int act = ACT_SILU;
+    if (!PyArg_ParseTuple(args, "OOw*nn|i", &xobj, &uobj, &out, &rows, &n, &act)) return NULL;
     x.obj = NULL;
     int ok = ((rows >= 1 && n >= 1) || REFUSE("bad shape: rows=%zd n=%zd", rows, n)) &&
+             ((act == ACT_SILU || act == ACT_GELU_TANH) || REFUSE("unknown activation %d", act)) &&
              float_rows(xobj, &x, rows, n, &xs, "x") &&
              (uobj == Py_None || float_rows(uobj, &up, rows, n, &us, "up")) &&
              SIZES_OK({&out, rows * n * 4, "out"});
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        silu_rows((const float *)x.buf, xs, (const float *)up.buf, us, (float *)out.buf, rows, n, 1);
+        act_rows(act, (const float *)x.buf, xs, (const float *)up.buf, us, (float *)out.buf, rows, n, 1);
         Py_END_ALLOW_THREADS
     }
     return FINISH(ok, &x, &up, &out);
@@ -607,7 +610,8 @@ static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "RMS norm of float32 rows (optionally after adding a residual)."},
     {"layer_norm", layer_norm, METH_VARARGS, "LayerNorm of float32 rows (optional weight and bias)."},
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form, float32."},
-    {"silu", silu, METH_VARARGS, "SiLU (SwiGLU with up) of float32 rows, in vectors on the kernels' threads."},
+    {"silu", silu, METH_VARARGS,
+     "SiLU (SwiGLU with up), or GELU's tanh form, of float32 rows, in vectors on the kernels' threads."},
     {"to_half", to_half, METH_VARARGS, "Float32 to IEEE float16, rounded to nearest even (as a captured write)."},
     {"attention", attention, METH_VARARGS, "Attention for a few query rows, float32."},
     {"q8_0", q8_0, METH_VARARGS, "Float32 values into q8_0 blocks (a kv_dtype=\"q8_0\" pool's rows)."},

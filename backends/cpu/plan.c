@@ -121,13 +121,6 @@ static void *next_ptr(struct machine *vm) {
     return vm->inputs[base] + offset;
 }
 
-static float gelu_tanh1(float x) {
-    /* the numpy backend's 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x))), step by step in float32 */
-    const float c = (float)0.7978845608028654; /* sqrt(2 / pi) */
-    float cube = (((float)0.044715 * x) * x) * x;
-    return (0.5f * x) * (1.0f + tanhf(c * (x + cube)));
-}
-
 static float unary1(int kind, float x) {
     switch (kind) {
     case U_NEG: return -x;
@@ -136,7 +129,6 @@ static float unary1(int kind, float x) {
     case U_TANH: return tanhf(x);
     case U_COS: return cosf(x);
     case U_SIN: return sinf(x);
-    case U_GELU_TANH: return gelu_tanh1(x);
     case U_GELU_ERF: /* erf in float64 of the float32 x / sqrt(2), as the numpy backend; the last product too */
         return (float)((double)(0.5f * x) * (1.0 + erf((double)(x / (float)1.4142135623730951))));
     case U_SOFTPLUS: /* numpy's logaddexp(0, x): the larger, plus log1p of exp of minus the gap */
@@ -213,14 +205,15 @@ static void unary_span(int kind, const char *x, float *out, const struct strided
         const char *row = x + off[0];
         if (kind == U_CAST_I32) {
             for (Py_ssize_t j = f - i; j < j1; j++) out[i + j] = (float)*(const int32_t *)(row + j * s->step[0]);
-        } else if (kind == U_SILU) { /* unary.c's, as the eager op: the values gathered where the row is strided */
+        } else if (kind == U_SILU || kind == U_GELU_TANH) { /* unary.c's, as the eager op: the values gathered where the row is strided */
             for (Py_ssize_t j = f - i; j < j1;) {
                 const Py_ssize_t c = s->step[0] == 4 ? j1 - j : (j1 - j < 64 ? j1 - j : 64);
                 float buf[64];
                 const float *src = (const float *)(row + j * s->step[0]);
                 if (s->step[0] != 4)
                     for (Py_ssize_t t = 0; t < c; t++) buf[t] = *(const float *)(row + (j + t) * s->step[0]);
-                silu_rows(s->step[0] == 4 ? src : buf, c, NULL, 0, out + i + j, 1, c, 0);
+                act_rows(kind == U_SILU ? ACT_SILU : ACT_GELU_TANH, s->step[0] == 4 ? src : buf, c, NULL, 0,
+                         out + i + j, 1, c, 0);
                 j += c;
             }
         } else {
@@ -237,7 +230,7 @@ static void step_unary(struct machine *vm) {
     struct strided s;
     if (!next_strided(vm, 1, &s)) return;
     const int heavy = kind != U_CAST_I32 && kind != U_NEG && kind != U_SQRT &&
-                      (kind != U_SILU || s.n >= SILU_PARALLEL); /* SiLU in vectors: see unary.c */
+                      ((kind != U_SILU && kind != U_GELU_TANH) || s.n >= SILU_PARALLEL); /* in vectors: unary.c */
     if (!heavy || s.n < UNARY_PARALLEL || max_threads() < 2) {
         unary_span(kind, x, out, &s, 0, s.n);
         return;

@@ -1,6 +1,6 @@
 /* SiLU, x / (1 + exp(-x)), and SwiGLU, silu(gate) * up, over float32 rows: the
- * activation of every gated MLP (Llama, Qwen, Gemma's GeGLU aside, the hybrids'
- * MLPs and gates), eagerly for a prompt's [tokens, intermediate] in one call
+ * activation of every gated MLP (Llama, Qwen, the hybrids' MLPs and gates), and
+ * GELU's tanh form (Gemma's GeGLU, GPT-2), as x / (1 + exp(-2u)), eagerly for a prompt's [tokens, intermediate] in one call
  * split over the kernels' threads, and in the captured decode step (plan.c's
  * silu steps), so that a prompt and the steps after it compute it alike.
  *
@@ -88,65 +88,78 @@ static inline __attribute__((always_inline)) v8f splat8(float x) {
     }                                                                                                               \
     static inline __attribute__((always_inline)) VF silu##W(VF x, int path) {                                       \
         return x / (SPLAT(1.0f) + exp##W(-x, path));                                                                \
+    }                                                                                                               \
+    /* 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3) as the numpy formula rounds it */ \
+    static inline __attribute__((always_inline)) VF gelu##W(VF x, int path) {                                       \
+        const VF u = SPLAT(0.7978845608028654f) * (x + ((SPLAT(0.044715f) * x) * x) * x);                           \
+        return x / (SPLAT(1.0f) + exp##W(-(u + u), path));                                                          \
     }
 UNARY_BODY(16, v16f, v16i, v16u, splat16)
 UNARY_BODY(8, v8f, v8i, v8u, splat8)
 
-/* Sixteen lanes of out = silu(x) (times u unless NULL) from pointers at any float's alignment. */
-static inline __attribute__((always_inline)) void silu_vector(const float *x, const float *u, float *o, int path) {
+/* Sixteen lanes of out = act(x) (times u unless NULL) from pointers at any float's alignment. */
+static inline __attribute__((always_inline)) void act_vector(int act, const float *x, const float *u, float *o,
+                                                            int path) {
     if (path == 3) {
-        v16f y = silu16(*(const v16f_u *)x, path);
+        const v16f v = *(const v16f_u *)x;
+        v16f y = act == ACT_GELU_TANH ? gelu16(v, path) : silu16(v, path);
         if (u) y *= *(const v16f_u *)u;
         *(v16f_u *)o = y;
         return;
     }
     typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
     for (int h = 0; h < 16; h += 8) {
-        v8f y = silu8(*(const v8f_u *)(x + h), path);
+        const v8f v = *(const v8f_u *)(x + h);
+        v8f y = act == ACT_GELU_TANH ? gelu8(v, path) : silu8(v, path);
         if (u) y *= *(const v8f_u *)(u + h);
         *(v8f_u *)(o + h) = y;
     }
 }
 
-/* Elements [f0, f1) of out [rows, n] (row-major, contiguous) = silu(x) (times u
+/* Elements [f0, f1) of out [rows, n] (row-major, contiguous) = act(x) (times u
  * unless NULL), x's and u's rows xs and us floats apart. Elementwise: any split of
  * the elements gives the same bits. out may be x or u. */
-static inline __attribute__((always_inline)) void silu_span(const float *x, Py_ssize_t xs, const float *u,
-                                                           Py_ssize_t us, float *out, Py_ssize_t n, Py_ssize_t f0,
-                                                           Py_ssize_t f1, int path) {
+static inline __attribute__((always_inline)) void act_span(int act, const float *x, Py_ssize_t xs, const float *u,
+                                                          Py_ssize_t us, float *out, Py_ssize_t n, Py_ssize_t f0,
+                                                          Py_ssize_t f1, int path) {
     for (Py_ssize_t f = f0; f < f1;) {
         const Py_ssize_t i = f / n, j1 = (i + 1) * n < f1 ? n : f1 - i * n;
         const float *xr = x + i * xs, *ur = u ? u + i * us : NULL;
         float *o = out + i * n;
         Py_ssize_t j = f - i * n;
-        for (; j + 16 <= j1; j += 16) silu_vector(xr + j, ur ? ur + j : NULL, o + j, path);
+        for (; j + 16 <= j1; j += 16) act_vector(act, xr + j, ur ? ur + j : NULL, o + j, path);
         if (j < j1) { /* the row's last values, in lanes of their own (zeros after them) */
             float a[16] = {0}, b[16] = {0}, y[16];
             const size_t bytes = (size_t)(j1 - j) * sizeof(float);
             memcpy(a, xr + j, bytes);
             if (ur) memcpy(b, ur + j, bytes);
-            silu_vector(a, ur ? b : NULL, y, path);
+            act_vector(act, a, ur ? b : NULL, y, path);
             memcpy(o + j, y, bytes);
         }
         f = i * n + j1;
     }
 }
 
-typedef void (*span_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t,
+typedef void (*span_fn)(int, const float *, Py_ssize_t, const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t,
                         Py_ssize_t);
 
-static void span_portable(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t n,
-                          Py_ssize_t f0, Py_ssize_t f1) {
-    silu_span(x, xs, u, us, out, n, f0, f1, 0);
+/* Each path's instance, the activation a constant in each branch. */
+#define SPANS(path)                                                                                                 \
+    if (act == ACT_GELU_TANH) act_span(ACT_GELU_TANH, x, xs, u, us, out, n, f0, f1, path);                          \
+    else act_span(ACT_SILU, x, xs, u, us, out, n, f0, f1, path);
+
+static void span_portable(int act, const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out,
+                          Py_ssize_t n, Py_ssize_t f0, Py_ssize_t f1) {
+    SPANS(0)
 }
 #ifdef HAVE_X86
-AVX2 static void span_avx2(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t n,
-                           Py_ssize_t f0, Py_ssize_t f1) {
-    silu_span(x, xs, u, us, out, n, f0, f1, 2);
+AVX2 static void span_avx2(int act, const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out,
+                           Py_ssize_t n, Py_ssize_t f0, Py_ssize_t f1) {
+    SPANS(2)
 }
-AVX512 static void span_avx512(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out,
+AVX512 static void span_avx512(int act, const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out,
                                Py_ssize_t n, Py_ssize_t f0, Py_ssize_t f1) {
-    silu_span(x, xs, u, us, out, n, f0, f1, 3);
+    SPANS(3)
 }
 #endif
 
@@ -158,12 +171,12 @@ static span_fn span_path(void) {
     return span_portable;
 }
 
-void silu_rows(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t rows,
-               Py_ssize_t n, int parallel) {
+void act_rows(int act, const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, float *out, Py_ssize_t rows,
+              Py_ssize_t n, int parallel) {
     const span_fn fn = span_path();
     const Py_ssize_t total = rows * n;
     if (!parallel || total < SILU_PARALLEL || max_threads() < 2) {
-        fn(x, xs, u, us, out, n, 0, total);
+        fn(act, x, xs, u, us, out, n, 0, total);
         return;
     }
 #ifdef _OPENMP
@@ -172,7 +185,7 @@ void silu_rows(const float *x, Py_ssize_t xs, const float *u, Py_ssize_t us, flo
         /* each thread a run of whole vectors of the flat order (a run may start inside a row) */
         const Py_ssize_t t = omp_get_thread_num(), T = omp_get_num_threads(), vectors = (total + 15) / 16;
         const Py_ssize_t f0 = vectors * t / T * 16, f1 = t + 1 == T ? total : vectors * (t + 1) / T * 16;
-        fn(x, xs, u, us, out, n, f0, f1);
+        fn(act, x, xs, u, us, out, n, f0, f1);
     }
 #endif
 }
