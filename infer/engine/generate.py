@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def owner(gen: Generation) -> Generation:
     and adapter until the garbage collector finds the cycle, which a process
     that allocates few objects may not run for many requests (measured:
     SmolLM2's 11.8 MB cache per abandoned request, six of them held)."""
-    return weakref.proxy(gen)
+    return cast(Generation, weakref.proxy(gen))  # it answers as the Generation while that lives
 
 
 def generate(
