@@ -52,7 +52,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -450,10 +450,7 @@ class CpuBackend(Backend):
 
     def silu(self, x: Array) -> Array:
         if _unary_rows(x):  # one pass in vectors on the kernels' threads, as the captured step's (unary.c)
-            out = np.empty(x.shape, np.float32)
-            rows = _as_rows(x)
-            kernels.silu(rows, None, out.reshape(rows.shape))
-            return out
+            return _by_rows(x, lambda rows, out: kernels.silu(rows, None, out))
         # x * sigmoid(x) = x / (1 + exp(-x)); exp overflow to inf gives 0, as it should.
         # One buffer, each step in place: the same roundings as the plain
         # expression without its three temporaries (allocating and filling
@@ -469,10 +466,7 @@ class CpuBackend(Backend):
 
     def gelu_tanh(self, x: Array) -> Array:
         if _unary_rows(x):  # as silu: one pass in vectors, the captured step's (unary.c)
-            out = np.empty(x.shape, np.float32)
-            rows = _as_rows(x)
-            kernels.gelu_tanh(rows, out.reshape(rows.shape))
-            return out
+            return _by_rows(x, kernels.gelu_tanh)
         c = np.asarray(math.sqrt(2.0 / math.pi), dtype=x.dtype)
         # x**3 overflows to +-inf for |x| > ~7e12; tanh(+-inf) = +-1 gives x or 0, as it should.
         with np.errstate(over="ignore"):
@@ -922,9 +916,18 @@ def _rowwise(x: Array, weight: Array | None) -> bool:
 
 
 def _unary_rows(x: Array) -> bool:
-    """Whether the C SiLU (and GELU's tanh form) computes on this array (float32: any layout, :func:`_as_rows` copies where it must,
-    so the bits do not depend on the layout)."""
+    """Whether the C SiLU and GELU's tanh form compute on this array (float32: any layout, :func:`_as_rows`
+    copies where it must, so the bits do not depend on the layout)."""
     return _native is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1 and x.size > 0
+
+
+def _by_rows(x: np.ndarray, fill: Callable[[np.ndarray, np.ndarray], None]) -> np.ndarray:
+    """A new float32 array of ``x``'s shape, written by ``fill(rows, out)`` on ``x`` as
+    ``[rows, last axis]`` (:func:`_as_rows`) and the result viewed the same way."""
+    out = np.empty(x.shape, np.float32)
+    rows = _as_rows(x)
+    fill(rows, out.reshape(rows.shape))
+    return out
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:

@@ -301,6 +301,10 @@ def silu(x: np.ndarray, up: np.ndarray | None, out: np.ndarray) -> None:
     native.silu(x, up, out, rows, n)
 
 
+#: The ``act`` argument of ``native.silu`` for GELU's tanh form (unary.c's ACT_GELU_TANH).
+GELU_TANH = 1
+
+
 def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
     """``out = 0.5 x (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``
     (GELU's tanh form, ``gelu_pytorch_tanh``), of float32 ``x`` as :func:`silu`
@@ -311,10 +315,6 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
     ``exp(-2u)`` overflows (the value is below 3e-38) (backends/cpu/unary.c)."""
     rows, n = (1, x.shape[0]) if x.ndim == 1 else x.shape
     native.silu(x, None, out, rows, n, GELU_TANH)
-
-
-#: The ``act`` argument of ``native.silu`` for GELU's tanh form (unary.c's ACT_GELU_TANH).
-GELU_TANH = 1
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, tokens: int, heads: int, d: int,

@@ -1,8 +1,9 @@
 /* SiLU, x / (1 + exp(-x)), and SwiGLU, silu(gate) * up, over float32 rows: the
  * activation of every gated MLP (Llama, Qwen, the hybrids' MLPs and gates), and
- * GELU's tanh form (Gemma's GeGLU, GPT-2), as x / (1 + exp(-2u)), eagerly for a prompt's [tokens, intermediate] in one call
- * split over the kernels' threads, and in the captured decode step (plan.c's
- * silu steps), so that a prompt and the steps after it compute it alike.
+ * GELU's tanh form (Gemma's GeGLU, GPT-2) as x / (1 + exp(-2u)); eagerly for a
+ * prompt's [tokens, intermediate] in one call split over the kernels' threads,
+ * and in the captured decode step (plan.c's silu and gelu_tanh steps), so that a
+ * prompt and the steps after it compute them alike.
  *
  * numpy computed it in five passes on one thread (negate, exp, add one, divide,
  * multiply): 1.3-1.5 ms a layer for a 1B model's 128-token prompt, [128, 8192],

@@ -21,8 +21,8 @@ request's state between forwards).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
