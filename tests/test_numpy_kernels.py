@@ -582,6 +582,8 @@ def test_silu_refuses_what_it_cannot_read() -> None:
         _affine.silu(x, None, np.empty((3, 7), np.float32), 3, 8)
     with pytest.raises(ValueError, match="bad shape"):
         _affine.silu(x, None, out, 0, 8)
+    with pytest.raises(ValueError, match="unknown activation 7"):
+        _affine.silu(x, None, out, 3, 8, 7)
 
 
 def gelu_u(x: np.ndarray) -> np.ndarray:
