@@ -77,6 +77,9 @@ torch: Any = None
 F: Any = None
 _DTYPES: dict[str, Any] = {}
 _NAMES: dict[Any, str] = {}
+#: numpy's dtypes to torch's (no bfloat16): ``str(dtype)`` is a few microseconds,
+#: which a decode step paid on each of its scalar inputs (:meth:`TorchBackend.from_numpy`).
+_FROM_NUMPY: dict[np.dtype, Any] = {}
 _HAS_ENABLE_GQA = False
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "attention_spans", "topk", "compile", "prepare_weight",
@@ -118,6 +121,7 @@ def _import_torch() -> None:
         "uint8": _torch.uint8, "bool": _torch.bool,
     })
     _NAMES.update({v: k for k, v in _DTYPES.items()})
+    _FROM_NUMPY.update({np.dtype(k): v for k, v in _DTYPES.items() if k != "bfloat16"})
     # scaled_dot_product_attention grew grouped-query support in torch 2.5.
     major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in _torch.__version__.split(".")[:2])
     _HAS_ENABLE_GQA = (major, minor) >= (2, 5)
@@ -286,11 +290,15 @@ class TorchBackend(Backend):
     def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Array:
         array = np.asarray(array)
         if dtype is None:
-            target = self._float if array.dtype.kind == "f" else self._dtype(str(array.dtype))
+            target = self._float if array.dtype.kind == "f" else _FROM_NUMPY.get(array.dtype)
+            if target is None:
+                target = self._dtype(str(array.dtype))  # the typed error
         else:
             target = self._dtype(dtype)
         if array.dtype == np.float64 and target.is_floating_point:
             array = array.astype(np.float32)  # MPS has no float64; no device needs it here
+        if self._device.type == "cpu" and _FROM_NUMPY.get(array.dtype) is target:
+            return torch.from_numpy(np.array(array, order="C"))  # a copy: never the caller's memory
         array = np.ascontiguousarray(array)
         if array.flags.writeable:
             host = torch.from_numpy(array)
@@ -310,7 +318,7 @@ class TorchBackend(Backend):
         if t.dtype == torch.bfloat16:
             t = t.float()
         elif t.device.type == "cpu":
-            t = t.clone()  # .numpy() of a CPU tensor would share its memory
+            return t.numpy().copy()  # .numpy() of a CPU tensor shares its memory
         return t.cpu().numpy()
 
     def astype(self, x: Array, dtype: str) -> Array:
