@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import types
 import warnings
@@ -80,6 +81,8 @@ _NAMES: dict[Any, str] = {}
 #: numpy's dtypes to torch's (no bfloat16): ``str(dtype)`` is a few microseconds,
 #: which a decode step paid on each of its scalar inputs (:meth:`TorchBackend.from_numpy`).
 _FROM_NUMPY: dict[np.dtype, Any] = {}
+#: Elements from which :meth:`TorchBackend.zeros` on the CPU starts its array on a cache line.
+_ALIGNED_ZEROS = 1024
 _HAS_ENABLE_GQA = False
 
 NATIVE_OPS = ("softcap", "swiglu", "synchronize", "attention", "attention_spans", "topk", "compile", "prepare_weight",
@@ -340,7 +343,14 @@ class TorchBackend(Backend):
             # numpy's zeros are calloc'd: pages the kernel hands out zeroed when first
             # written, so a pool of state slots or KV blocks costs memory only as it
             # fills. torch.zeros writes every byte at once: Qwen3.5's 64 state slots
-            # held 1.2 GB more than the numpy backend's (docs/performance.md).
+            # held 1.2 GB more than the numpy backend's (docs/performance.md). A pool
+            # starts on a cache line, as the numpy backend's do: numpy's own start 16
+            # bytes past one, and the C kernels' 64-byte loads of every row then span
+            # two (Qwen3.5's captured step up to 1.2x the time; docs/performance.md,
+            # "torch/cpu's pools on cache lines"). Not while torch.compile traces (it
+            # cannot follow the address arithmetic; a step's zeros there are a few bytes).
+            if math.prod(shape) >= _ALIGNED_ZEROS and not torch.compiler.is_compiling():
+                return torch.from_numpy(kernels.cache_line_array(tuple(shape), name, zeroed=True))
             return torch.from_numpy(np.zeros(tuple(shape), name))
         return torch.zeros(tuple(shape), dtype=target, device=self._device)
 
