@@ -111,6 +111,15 @@ def _import_inductor_helpers() -> None:
         importlib.import_module("torch.utils.mkldnn")
 
 
+def _compiling() -> bool:
+    """Whether torch.compile is tracing the caller (``torch.compiler.is_compiling``
+    from torch 2.3; Dynamo's own before)."""
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:
+        fn = importlib.import_module("torch._dynamo").is_compiling
+    return bool(fn())
+
+
 def _import_torch() -> None:
     global torch, F, _HAS_ENABLE_GQA
     if torch is not None:
@@ -349,7 +358,7 @@ class TorchBackend(Backend):
             # two (Qwen3.5's captured step up to 1.2x the time; docs/performance.md,
             # "torch/cpu's pools on cache lines"). Not while torch.compile traces (it
             # cannot follow the address arithmetic; a step's zeros there are a few bytes).
-            if math.prod(shape) >= _ALIGNED_ZEROS and not torch.compiler.is_compiling():
+            if math.prod(shape) >= _ALIGNED_ZEROS and not _compiling():
                 return torch.from_numpy(kernels.cache_line_array(tuple(shape), name, zeroed=True))
             return torch.from_numpy(np.zeros(tuple(shape), name))
         return torch.zeros(tuple(shape), dtype=target, device=self._device)
