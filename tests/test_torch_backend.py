@@ -261,6 +261,7 @@ def test_dtypes_and_in_place_update():
     with pytest.raises(UnsupportedOpError, match="float64"):
         TorchBackend("cpu", "float64")
 
+
 @pytest.mark.parametrize("array", [
     np.array([7], np.int32), np.arange(6, dtype=np.int64).reshape(2, 3), np.array([True, False]),
     np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2],  # strided
@@ -275,14 +276,16 @@ def test_transfers_copy_both_ways(array):
     want = {"f": "float32", "b": "bool"}.get(array.dtype.kind, str(array.dtype))
     assert ops.dtype(t) == want and tuple(t.shape) == array.shape
     np.testing.assert_array_equal(t.numpy(), array.astype(want))
-    t.zero_() if array.dtype != bool else t.logical_not_()
+    if array.dtype == bool:
+        t.logical_not_()
+    else:
+        t.zero_()
     np.testing.assert_array_equal(array, before)
     host = ops.to_numpy(t)
     t.fill_(1)
     np.testing.assert_array_equal(host, np.zeros_like(before, dtype=want) if array.dtype != bool else ~before)
     with pytest.raises(UnsupportedOpError, match="uint16"):
         ops.from_numpy(np.zeros(2, np.uint16))
-
 
 
 def resident_bytes() -> int:
