@@ -51,15 +51,21 @@ def separate_inductor_cache() -> None:
     (NaN logits, values hundreds off, heap corruption: tests/README.md). Where
     the capability is forced and no cache folder is chosen, each capability
     gets its own folder beside Inductor's default. Inductor reads the variable
-    whenever it looks for its cache, so setting it before the first compile
-    suffices.
+    whenever it looks for its cache, so setting it before infer's first
+    compile suffices. A ``torch.compile`` of the caller's own that ran first
+    has written Inductor's default folder into the variable itself (its
+    ``cache_dir()`` does): that is no choice, and is moved too (it pinned
+    the shared folder, and every compiled step after it read garbage).
     """
     forced = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if not forced or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+    if not forced:
         return
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # another torch layout: leave Inductor's choice alone
+        return
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is not None and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{forced}"
     log.debug("ATEN_CPU_CAPABILITY=%s: Inductor caches its kernels in %s", forced,

@@ -494,14 +494,20 @@ def test_compile_warns_nothing_about_torch_jit():
 
 
 @pytest.mark.parametrize("forced", ["avx2", None])
-def test_a_forced_cpu_capability_gets_its_own_inductor_cache(forced: str | None) -> None:
+@pytest.mark.parametrize("own_compile_first", [False, True])
+def test_a_forced_cpu_capability_gets_its_own_inductor_cache(forced: str | None, own_compile_first: bool) -> None:
     # torch's kernel cache ignores ATEN_CPU_CAPABILITY, so a kernel compiled
     # under one is loaded under another and computes garbage: compile keeps
-    # them apart (backends/torch_cpu.py, separate_inductor_cache).
+    # them apart (backends/torch_cpu.py, separate_inductor_cache). A plain
+    # torch.compile run first writes Inductor's default folder into the
+    # variable; that must not pin the shared folder (it made the forced-avx2
+    # suite's compiled steps read NaN after the probe in test_captured_adapters).
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     if forced:
         env["ATEN_CPU_CAPABILITY"] = forced
-    probe = ("import os; from infer.backends.torch import TorchBackend; TorchBackend('cpu').compile(lambda x: x); "
+    own = ("import torch._inductor.runtime.cache_dir_utils as c; c.cache_dir(); "
+           "assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == c.default_cache_dir(); ") if own_compile_first else ""
+    probe = (f"import os; {own}from infer.backends.torch import TorchBackend; TorchBackend('cpu').compile(lambda x: x); "
              "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
