@@ -1064,6 +1064,36 @@ def test_cache_line_arrays_start_a_line_and_behave_as_numpys(dtype: type, shape:
         assert (a == 1).all()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from /proc")
+def test_a_zeroed_pool_costs_no_memory_whatever_the_heap_holds() -> None:
+    """KV and state pools are made whole and filled as sequences come: their zeros must
+    not be resident before they are written. ``np.zeros`` (calloc) clears a block cut
+    from the heap byte by byte, which glibc does once the process has freed large
+    arrays; a pool from ``cache_line_array`` is a mapping of its own and stays lazy.
+    glibc's perturb setting makes calloc clear every block, the heap's worst case."""
+    probe = """
+import numpy as np
+from infer.backends.cpu import kernels
+from infer.plugins.selection import select_backend
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+r = rss(); heap = np.zeros(32 << 20, np.uint8); plain = rss() - r
+r = rss(); pool = kernels.cache_line_array((8, 16, 128, 128), np.float32, zeroed=True); ours = rss() - r
+ops = select_backend("numpy")
+r = rss(); backend = ops.zeros((2048, 8, 64), "float16"); theirs = rss() - r
+assert not pool.any() and not backend.any()
+r = rss(); pool[3] = 1; row = rss() - r
+print(plain, ours, theirs, row, pool[3].all() and not pool[2].any())
+"""
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.perturb=165", MALLOC_PERTURB_="165")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    plain, ours, theirs, row, right = out.stdout.split()
+    if int(plain) < 16 << 20:
+        pytest.skip("this C library does not clear calloc'd blocks under perturb: nothing to show")
+    assert int(ours) < 1 << 20 and int(theirs) < 1 << 20, out.stdout  # 32 MiB and 2 MiB pools
+    assert int(row) <= 4 << 20 and right == "True", out.stdout  # a 1 MiB row: at most two huge pages
+
+
 def test_pools_and_captured_buffers_start_on_cache_lines() -> None:
     from infer.backends.cpu.record import Recorder
     from infer.plugins.selection import select_backend

@@ -16,6 +16,7 @@ before calling any function below.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -226,6 +227,13 @@ GOVERNOR = ThreadGovernor(native) if native is not None and hasattr(native, "set
 CACHE_LINE = 64
 
 
+#: From this many bytes up a zeroed :func:`cache_line_array` is a mapping of its own
+#: (:func:`mapped_zeros`), where the system can map one.
+MAPPED_ZEROS = 1 << 20
+#: numpy asks for huge pages from 4 MiB up (its allocator's own threshold); so do these.
+_HUGE_PAGES = 4 << 20
+
+
 def cache_line_array(shape: tuple[int, ...], dtype: Any, *, zeroed: bool = False) -> np.ndarray:
     """A new C-contiguous array of ``shape`` whose data starts a cache line.
 
@@ -234,13 +242,40 @@ def cache_line_array(shape: tuple[int, ...], dtype: Any, *, zeroed: bool = False
     lines three times in four, or on every row of a pool. Measured on a Zen 4:
     decode attention over a float16 pool of 16,384 positions 1.25x the time,
     the exact one-row products 1.04-1.06x (docs/performance.md, "Operands on
-    cache lines"). ``zeroed`` gives zeros, as ``np.zeros`` does (the pages are
-    the system's lazily zeroed ones, so an unused pool costs no memory)."""
+    cache lines"). ``zeroed`` gives zeros whose pages are the system's lazily
+    zeroed ones, so an unused pool costs no memory: from :data:`MAPPED_ZEROS`
+    bytes up a mapping of its own (:func:`mapped_zeros`), below that
+    ``np.zeros``."""
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if zeroed and nbytes >= MAPPED_ZEROS and hasattr(mmap, "MAP_PRIVATE"):
+        return mapped_zeros(nbytes).view(dt).reshape(shape)  # a page's start: a line's
     raw = (np.zeros if zeroed else np.empty)(nbytes + CACHE_LINE, np.uint8)
     start = -int(raw.__array_interface__["data"][0]) % CACHE_LINE
     return raw[start:start + nbytes].view(dt).reshape(shape)
+
+
+def mapped_zeros(nbytes: int) -> np.ndarray:
+    """``nbytes`` zero bytes (uint8, writable) in an anonymous private mapping of their
+    own, unmapped when the array and its views are gone.
+
+    ``np.zeros`` is ``calloc``, whose pages are the lazily zeroed ones only when glibc
+    maps the block afresh; once the process has freed large arrays (glibc then raises
+    its mapping threshold, up to 32 MiB) a block of up to that size is cut from the
+    heap and cleared byte by byte, all of it resident at once. Measured: after
+    test_activations_q8.py's products, ``np.zeros`` of 8 and 30 MB made 7 and 30 MB
+    resident at once, and a 33.5 MB float16 pool 34 MB. A mapping of its own is
+    lazily zeroed whatever the heap holds, and private, so a forked child writes its
+    own copy, as with heap memory. Huge pages are asked for from 4 MiB up, as numpy
+    does for its own large arrays (with ``madvise`` huge pages, the default, a pool
+    then costs memory 2 MiB at a time as it fills)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if nbytes >= _HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small ones, as numpy would get
+            pass
+    return np.frombuffer(mapping, np.uint8, nbytes)
 
 
 def gemv(bits: int, x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray | None,
