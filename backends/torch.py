@@ -351,9 +351,10 @@ class TorchBackend(Backend):
         target = self._dtype(dtype) if dtype else self._float
         name = _NAMES.get(target)
         if self._device.type == "cpu" and name is not None and name != "bfloat16":  # bfloat16: no numpy dtype
-            # numpy's zeros are calloc'd: pages the kernel hands out zeroed when first
-            # written, so a pool of state slots or KV blocks costs memory only as it
-            # fills. torch.zeros writes every byte at once: Qwen3.5's 64 state slots
+            # Zeros made through numpy are pages the kernel hands out zeroed when first
+            # written (kernels.cache_line_array: from 1 MiB a mapping of their own), so a
+            # pool of state slots or KV blocks costs memory only as it fills.
+            # torch.zeros writes every byte at once: Qwen3.5's 64 state slots
             # held 1.2 GB more than the numpy backend's (docs/performance.md). A pool
             # starts on a cache line, as the numpy backend's do: numpy's own start 16
             # bytes past one, and the C kernels' 64-byte loads of every row then span

@@ -1072,11 +1072,12 @@ def test_a_zeroed_pool_costs_no_memory_whatever_the_heap_holds() -> None:
     arrays; a pool from ``cache_line_array`` is a mapping of its own and stays lazy.
     glibc's perturb setting makes calloc clear every block, the heap's worst case."""
     probe = """
+import os
 import numpy as np
 from infer.backends.cpu import kernels
 from infer.plugins.selection import select_backend
 def rss():
-    return int(open('/proc/self/statm').read().split()[1]) * 4096
+    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 r = rss(); heap = np.zeros(32 << 20, np.uint8); plain = rss() - r
 r = rss(); pool = kernels.cache_line_array((8, 16, 128, 128), np.float32, zeroed=True); ours = rss() - r
 ops = select_backend("numpy")
